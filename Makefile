@@ -1,0 +1,38 @@
+# Every target sets itself up first: a fresh machine needs only `make run` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PROTOS := $(wildcard protos/spine/v1/*.proto)
+
+.PHONY: install protos run test bench lint clean
+
+install: $(VENV)/.installed spine/v1/.generated
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+protos: spine/v1/.generated
+
+spine/v1/.generated: $(PROTOS) $(VENV)/.installed
+	mkdir -p spine/v1
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch spine/v1/__init__.py $@
+
+run: install
+	$(PY) -m spine demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m bench.run
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) spine/v1 bench/results.json

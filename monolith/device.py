@@ -1,0 +1,73 @@
+"""The shared device context: one device, its streams and a memory budget per owner.
+
+In the spine every collapsed middleware allocates its state here, next to the model, so
+that a batch of requests is decided with tensor ops on one device. In the layered layout
+each process makes its own context, so the same service classes serve both layouts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+
+def pick_device(preferred: str = "auto") -> torch.device:
+    """CUDA when torch sees one (or when asked for), else the CPU."""
+    if preferred == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(preferred)
+
+
+@dataclass
+class DeviceContext:
+    """Owns the device and accounts every byte allocated through it to an owner."""
+
+    device: torch.device = field(default_factory=pick_device)
+    budget_bytes: int = 256 * 1024 * 1024
+    _used: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _streams: dict[int, object] = field(default_factory=dict)
+
+    def allocate(
+        self, owner: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0
+    ) -> torch.Tensor:
+        nbytes = _nbytes(shape, dtype)
+        with self._lock:
+            total = sum(self._used.values())
+            if total + nbytes > self.budget_bytes:
+                raise MemoryError(
+                    f"device budget exceeded: {owner} asked for {nbytes} bytes, "
+                    f"{total} of {self.budget_bytes} already used "
+                    f"({', '.join(f'{k}={v}' for k, v in sorted(self._used.items()))})"
+                )
+            self._used[owner] += nbytes
+        return torch.full(shape, fill, dtype=dtype, device=self.device)
+
+    def release(self, owner: str, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._used[owner] = max(0, self._used[owner] - tensor.numel() * tensor.element_size())
+
+    def usage(self) -> dict[str, int]:
+        """Bytes in use per owner, for `spine status` and the benchmark."""
+        with self._lock:
+            return dict(self._used)
+
+    def stream(self, priority: int = 0) -> object | None:
+        """A CUDA stream for a priority class (higher runs first); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        with self._lock:
+            if priority not in self._streams:
+                # CUDA stream priorities: lower numbers run first; torch exposes -1..0 on most GPUs.
+                self._streams[priority] = torch.cuda.Stream(device=self.device, priority=-1 if priority > 0 else 0)
+            return self._streams[priority]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * torch.empty((), dtype=dtype).element_size()

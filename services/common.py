@@ -1,0 +1,59 @@
+"""What every service shares: config errors and the device-state interface.
+
+Services never import `monolith/` or `migration/`: they receive a `DeviceState` (the
+spine's shared `monolith.device.DeviceContext`, or a per-process one in the layered
+layout) and allocate their state through it. That is what lets one class serve both
+layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+Clock = Callable[[], float]
+
+
+class ConfigError(ValueError):
+    """A configuration value a person must fix; the message names the field and the value."""
+
+
+class DeviceState(Protocol):
+    """Where a service keeps its state: one device, a memory budget accounted per owner."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def allocate(
+        self, owner: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0
+    ) -> torch.Tensor:
+        """A new tensor charged to `owner`; raises MemoryError past the budget."""
+        ...
+
+    def release(self, owner: str, tensor: torch.Tensor) -> None:
+        """Return a tensor's bytes to the budget (e.g. when a table grows)."""
+        ...
+
+
+def section(config: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:
+    """The `name` section of a config mapping, or {}; a non-mapping is a ConfigError."""
+    if config is None:
+        return {}
+    value = config.get(name, {})
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def number(cfg: Mapping[str, Any], key: str, default: float, *, where: str, minimum: float = 0.0) -> float:
+    """A number field with a lower bound, or a ConfigError naming `where.key`."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}.{key}: expected a number, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{where}.{key}: must be >= {minimum}, got {value!r}")
+    return float(value)

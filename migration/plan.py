@@ -1,0 +1,288 @@
+"""A migration plan: ordered stages of traffic weight, placements, hold and gates.
+
+The plan is data (like an Argo Rollouts strategy): the controller only compares the plan
+with the recorded status and does the next action. Validation is strict and reports every
+problem at once, each with its field path and YAML line, because a plan that means
+something other than what its author thought is how a migration goes wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from migration.yamlsource import LocatedData, YamlSourceError, load_located
+from services.common import ConfigError
+
+MIDDLEWARES: tuple[str, ...] = ("auth", "ratelimit", "router", "cache", "metrics", "logs")
+PLACEMENTS: tuple[str, ...] = ("local", "remote")
+# Each gate type and the one threshold field it takes.
+GATE_THRESHOLDS: dict[str, str] = {
+    "error_rate": "max_delta",
+    "latency_p99_ratio": "max_ratio",
+    "parity": "max_mismatches",
+}
+
+_PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "stages"}
+_STAGE_KEYS = {
+    "name", "spine_weight", "placements", "hold_s", "min_requests",
+    "gates", "failure_limit", "manual_approval",
+}
+DEFAULT_WINDOW_S = 10.0
+DEFAULT_MIN_WINDOW_REQUESTS = 20
+
+
+class PlanError(ConfigError):
+    """One or more plan problems; each names the field path and the YAML line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """One analysis gate of a stage; a dry-run gate is evaluated and recorded, never obeyed."""
+
+    type: str
+    threshold: float
+    dry_run: bool = False
+
+    def describe(self) -> str:
+        text = f"{self.type} {GATE_THRESHOLDS[self.type]}={self.threshold:g}"
+        return text + " (dry run)" if self.dry_run else text
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    spine_weight: float
+    placements: dict[str, str]
+    hold_s: float | None
+    min_requests: int | None
+    gates: tuple[GateSpec, ...]
+    failure_limit: int
+    # An operator must approve before the controller ENTERS this stage.
+    manual_approval: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    stages: tuple[Stage, ...]
+    window_s: float
+    min_window_requests: int
+    source: str  # the YAML text as given: persisted, so a restart re-reads the same plan
+    description: str = ""
+
+    def stage_index(self, name: str) -> int | None:
+        for index, stage in enumerate(self.stages):
+            if stage.name == name:
+                return index
+        return None
+
+
+def load_plan(text: str) -> Plan:
+    """Parse and validate a plan; raise PlanError listing every problem with its line."""
+    try:
+        located = load_located(text)
+    except YamlSourceError as exc:
+        raise PlanError([f"{exc.path or 'plan'} (line {exc.line}): {exc}"]) from None
+    checker = _Checker(located)
+    plan = checker.plan(text)
+    if checker.problems or plan is None:
+        raise PlanError(checker.problems)
+    return plan
+
+
+class _Checker:
+    """Walks the located data, collecting problems instead of stopping at the first."""
+
+    def __init__(self, located: LocatedData) -> None:
+        self.located = located
+        self.problems: list[str] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.problems.append(f"{path or 'plan'} (line {self.located.line(path)}): {message}")
+
+    def plan(self, text: str) -> Plan | None:
+        data = self.located.data
+        if not isinstance(data, Mapping):
+            self.fail("", f"a plan is a mapping with name and stages, got {_kind(data)}")
+            return None
+        self.unknown_keys(data, "", _PLAN_KEYS)
+        name = self.text(data, "name", "")
+        description = self.text(data, "description", "", required=False)
+        window_s = self.number(data, "window_s", "", DEFAULT_WINDOW_S, minimum=0.0, exclusive=True)
+        min_window = self.integer(data, "min_window_requests", "", DEFAULT_MIN_WINDOW_REQUESTS, minimum=0)
+        raw_stages = data.get("stages")
+        stages: list[Stage] = []
+        if not isinstance(raw_stages, list) or not raw_stages:
+            self.fail("stages", f"must be a non-empty list of stages, got {_kind(raw_stages)}")
+        else:
+            previous = dict.fromkeys(MIDDLEWARES, "remote")
+            seen: dict[str, int] = {}
+            for index, raw in enumerate(raw_stages):
+                stage = self.stage(raw, f"stages[{index}]", index, previous)
+                if stage is None:
+                    continue
+                if stage.name in seen:
+                    self.fail(f"stages[{index}].name", f"duplicate stage name {stage.name!r} "
+                              f"(also stages[{seen[stage.name]}])")
+                seen[stage.name] = index
+                previous = stage.placements
+                stages.append(stage)
+        if self.problems:
+            return None
+        return Plan(name, tuple(stages), window_s, min_window, text, description)
+
+    def stage(self, raw: Any, path: str, index: int, previous: dict[str, str]) -> Stage | None:
+        if not isinstance(raw, Mapping):
+            self.fail(path, f"a stage is a mapping, got {_kind(raw)}")
+            return None
+        before = len(self.problems)
+        self.unknown_keys(raw, path, _STAGE_KEYS)
+        name = self.text(raw, "name", path)
+        weight = self.number(raw, "spine_weight", path, None, minimum=0.0, maximum=100.0)
+        placements = self.placements(raw.get("placements"), f"{path}.placements", previous)
+        hold_s = self.number(raw, "hold_s", path, None, minimum=0.0, required=False)
+        min_requests = self.integer(raw, "min_requests", path, None, minimum=0, required=False)
+        if "hold_s" not in raw and "min_requests" not in raw:
+            self.fail(path, "needs hold_s and/or min_requests: how long the stage holds before advancing")
+        gates = self.gates(raw.get("gates", []), f"{path}.gates")
+        failure_limit = self.integer(raw, "failure_limit", path, 1, minimum=1)
+        approval = self.flag(raw, "manual_approval", path)
+        if approval and index == 0:
+            self.fail(f"{path}.manual_approval", "the first stage is entered by `start`, which is "
+                      "already an operator's decision; put manual_approval on a later stage")
+        if weight == 0 and gates:
+            self.fail(f"{path}.gates", "a stage with spine_weight 0 sends the spine no traffic, "
+                      "so its gates could never conclude; remove them or raise spine_weight")
+        comparative = [g.type for g in gates if g.type != "parity" and not g.dry_run]
+        if weight == 100 and comparative:
+            self.fail(f"{path}.gates", f"a stage with spine_weight 100 leaves no layered baseline, so "
+                      f"{', '.join(comparative)} could never conclude; use parity or dry_run there")
+        if weight == 0 and min_requests:
+            self.fail(f"{path}.min_requests", "a stage with spine_weight 0 sends the spine no "
+                      f"traffic, so min_requests={min_requests} could never be met")
+        if len(self.problems) > before:
+            return None
+        return Stage(name, float(weight or 0.0), placements, hold_s, min_requests, gates,
+                     failure_limit, approval)
+
+    def placements(self, raw: Any, path: str, previous: dict[str, str]) -> dict[str, str]:
+        out = dict(previous)
+        if raw is None:
+            return out
+        if not isinstance(raw, Mapping):
+            self.fail(path, f"expected a mapping of middleware to local|remote, got {_kind(raw)}")
+            return out
+        for middleware, placement in raw.items():
+            where = f"{path}.{middleware}"
+            if middleware not in MIDDLEWARES:
+                self.fail(where, f"unknown middleware {middleware!r}; expected one of {', '.join(MIDDLEWARES)}")
+            elif placement not in PLACEMENTS:
+                self.fail(where, f"must be local or remote, got {placement!r}")
+            else:
+                out[middleware] = placement
+        return out
+
+    def gates(self, raw: Any, path: str) -> tuple[GateSpec, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            self.fail(path, f"expected a list of gates, got {_kind(raw)}")
+            return ()
+        specs = []
+        for index, gate in enumerate(raw):
+            where = f"{path}[{index}]"
+            if not isinstance(gate, Mapping):
+                self.fail(where, f"a gate is a mapping with a type, got {_kind(gate)}")
+                continue
+            kind = gate.get("type")
+            if kind not in GATE_THRESHOLDS:
+                self.fail(f"{where}.type" if "type" in gate else where,
+                          f"unknown gate type {kind!r}; expected one of {', '.join(GATE_THRESHOLDS)}")
+                continue
+            field = GATE_THRESHOLDS[kind]
+            self.unknown_keys(gate, where, {"type", "dry_run", field})
+            if kind == "parity":
+                threshold = self.integer(gate, field, where, None, minimum=0)
+            elif kind == "error_rate":
+                threshold = self.number(gate, field, where, None, minimum=0.0, maximum=1.0)
+            else:
+                threshold = self.number(gate, field, where, None, minimum=0.0, exclusive=True)
+            specs.append(GateSpec(kind, float(threshold or 0), self.flag(gate, "dry_run", where)))
+        return tuple(specs)
+
+    def unknown_keys(self, raw: Mapping[str, Any], path: str, allowed: set[str]) -> None:
+        for key in raw:
+            if key not in allowed:
+                where = f"{path}.{key}" if path else key
+                self.fail(where, f"unknown field; expected one of {', '.join(sorted(allowed))}")
+
+    def text(self, raw: Mapping[str, Any], key: str, path: str, default: str = "",
+             required: bool = True) -> str:
+        where = f"{path}.{key}" if path else key
+        if key not in raw:
+            if required:
+                self.fail(path, f"missing required field {key!r}")
+            return default
+        value = raw[key]
+        if not isinstance(value, str) or not value.strip():
+            self.fail(where, f"must be a non-empty string, got {value!r}")
+            return default
+        return value
+
+    def number(self, raw: Mapping[str, Any], key: str, path: str, default: float | None, *,
+               minimum: float, maximum: float | None = None, exclusive: bool = False,
+               required: bool | None = None) -> Any:
+        where = f"{path}.{key}" if path else key
+        if key not in raw:
+            if required or (required is None and default is None):
+                self.fail(path, f"missing required field {key!r}")
+            return default
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.fail(where, f"must be a number, got {value!r}")
+            return default
+        if maximum is not None and not minimum <= value <= maximum:
+            self.fail(where, f"must be between {minimum:g} and {maximum:g}, got {value!r}")
+        elif exclusive and value <= minimum:
+            self.fail(where, f"must be greater than {minimum:g}, got {value!r}")
+        elif value < minimum:
+            self.fail(where, f"must be at least {minimum:g}, got {value!r}")
+        return float(value)
+
+    def integer(self, raw: Mapping[str, Any], key: str, path: str, default: int | None, *,
+                minimum: int, required: bool | None = None) -> Any:
+        where = f"{path}.{key}" if path else key
+        if key not in raw:
+            if required or (required is None and default is None):
+                self.fail(path, f"missing required field {key!r}")
+            return default
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(where, f"must be a whole number, got {value!r}")
+            return default
+        if value < minimum:
+            self.fail(where, f"must be at least {minimum}, got {value!r}")
+        return value
+
+    def flag(self, raw: Mapping[str, Any], key: str, path: str) -> bool:
+        value = raw.get(key, False)
+        if not isinstance(value, bool):
+            self.fail(f"{path}.{key}", f"must be true or false, got {value!r}")
+            return False
+        return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"

@@ -1,0 +1,134 @@
+"""What the migration controller drives: weights and endpoints in, ACK state out.
+
+`XdsControlPlane` owns a SnapshotCache, the ADS servicer and a gRPC server on loopback (by
+default). Each `set_weights` publishes one versioned snapshot for every node; the controller's
+gate then waits on `acked(version)` before it counts a stage as reached.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc
+
+from migration.xds.cache import ANY_NODE, SnapshotCache
+from migration.xds.server import AdsServer
+from migration.xds.snapshot import LAYERED, SPINE, Endpoint, Snapshot, build_snapshot
+from services.common import ConfigError
+
+
+class XdsControlPlane:
+    """An ADS server whose snapshot follows the migration stage's weights.
+
+    Nothing is served until the first `set_weights`: a data plane that connects earlier waits
+    for it rather than getting a guessed split.
+    """
+
+    def __init__(
+        self,
+        service: str = "spine-gateway",
+        endpoints: Mapping[str, Sequence[Endpoint]] | None = None,
+        *,
+        node_id: str = ANY_NODE,
+        max_streams: int = 256,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if max_streams < 1:
+            raise ConfigError(f"xds.max_streams: expected >= 1, got {max_streams}")
+        self.service = service
+        self.node_id = node_id
+        self.max_streams = max_streams
+        self.cache = SnapshotCache()
+        self.ads = AdsServer(self.cache, wall_clock=wall_clock)
+        self._lock = threading.Lock()
+        self._endpoints: dict[str, list[Endpoint]] = {LAYERED: [], SPINE: []}
+        self._endpoints.update({name: list(eps) for name, eps in (endpoints or {}).items()})
+        self._weights: dict[str, int] | None = None
+        self._version: str | None = None
+        self._endpoint_updates = 0
+        self._server: grpc.Server | None = None
+        self.address: str | None = None
+
+    @property
+    def version(self) -> str | None:
+        """The version last published (None before the first `set_weights`)."""
+        return self._version
+
+    def start(self, listen: str = "127.0.0.1:0") -> str:
+        """Serve ADS on `listen` (host:port, port 0 = any free one); returns host:port."""
+        if self._server is not None:
+            raise RuntimeError(f"xds control plane already listening on {self.address}")
+        # Two threads per stream (a worker here plus a reader); RPCs past the limit get
+        # RESOURCE_EXHAUSTED instead of queueing silently.
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.max_streams + 4, thread_name_prefix="ads"),
+            maximum_concurrent_rpcs=self.max_streams,
+        )
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)
+        port = server.add_insecure_port(listen)
+        if port == 0:
+            raise ConfigError(f"xds.listen: cannot bind {listen!r}")
+        server.start()
+        self._server = server
+        self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
+        return self.address
+
+    def set_weights(self, layered: int, spine: int, version: str) -> Snapshot:
+        """Publish the split `layered`:`spine` as `version` (ConfigError if it cannot be served)."""
+        with self._lock:
+            snapshot = build_snapshot(
+                self.service, {LAYERED: layered, SPINE: spine}, self._endpoints, version
+            )
+            self.cache.set_snapshot(self.node_id, snapshot)
+            self._weights = {LAYERED: layered, SPINE: spine}
+            self._version = version
+        return snapshot
+
+    def set_endpoints(
+        self, endpoints: Mapping[str, Sequence[Endpoint]], version: str | None = None
+    ) -> Snapshot | None:
+        """Replace the endpoints of the named clusters (others keep theirs) and republish.
+
+        Without `version` the new one is derived from the current weights' version, e.g.
+        "stage-2+e1", so `acked()` can tell the endpoint change apart. Before any weights are
+        set the endpoints are only stored.
+        """
+        with self._lock:
+            self._endpoints.update({name: list(eps) for name, eps in endpoints.items()})
+            if self._weights is None:
+                return None
+            self._endpoint_updates += 1
+            version = version or f"{self._version}+e{self._endpoint_updates}"
+            snapshot = build_snapshot(self.service, self._weights, self._endpoints, version)
+            self.cache.set_snapshot(self.node_id, snapshot)
+            self._version = version
+            return snapshot
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """Serve a hand-built snapshot (checked for consistency first)."""
+        with self._lock:
+            self.cache.set_snapshot(self.node_id, snapshot)
+            self._version = snapshot.version
+
+    def acked(self, version: str, min_nodes: int = 0) -> bool:
+        """Every connected data plane has ACKed `version` for every type it subscribes to."""
+        return self.ads.acked(version, min_nodes)
+
+    def wait_acked(self, version: str, timeout: float, min_nodes: int = 0) -> bool:
+        return self.ads.wait_acked(version, timeout, min_nodes)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per node and type: acked_version, nack_error, last_seen (for `spine migrate status`)."""
+        return self.ads.status()
+
+    def stop(self, grace: float = 1.0) -> None:
+        """End every stream and stop listening; data planes keep their last config."""
+        self.ads.close()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None

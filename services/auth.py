@@ -1,0 +1,232 @@
+"""The Auth service: a bearer credential (API key or JWT) becomes a principal, or a denial.
+
+`AuthService.verify` is plain Python so the spine's batcher can decide many credentials at
+once; the gRPC `Check` only wraps it. Everything fails closed: any error while verifying is
+UNAUTHENTICATED, and no message ever quotes the credential or a secret.
+
+Repeat JWTs hit a verification cache keyed on sha256(token): a signature check costs
+50-100 us, a dict hit well under one. An accepted verdict is kept no later than the token's
+`exp`; a denial only for a few seconds, so a clock-skewed `nbf` heals quickly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.auth_jwt import JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
+from services.auth_keys import ApiKeyTable, entry_list, expect_fields, expect_mapping, required_text
+from services.common import Clock, ConfigError, DeviceState, number
+from spine.v1 import auth_pb2, auth_pb2_grpc
+
+_AUTH_FIELDS = ("api_keys", "jwt", "required_scope", "cache")
+_CACHE_FIELDS = ("max_entries", "max_ttl_s", "denial_ttl_s")
+MAX_DENIAL_TTL_S = 10.0
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+class AuthDenied(Exception):
+    """A credential that does not authenticate (or authorize); `message` is safe to send back."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    max_entries: int = 4096  # 0 turns the cache off
+    max_ttl_s: float = 300.0  # cap on an accepted verdict, even for long-lived tokens
+    denial_ttl_s: float = 2.0
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], where: str = "auth.cache") -> CacheSettings:
+        expect_fields(cfg, _CACHE_FIELDS, where)
+        max_entries = cfg.get("max_entries", cls.max_entries)
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+            raise ConfigError(f"{where}.max_entries: expected an integer >= 0, got {max_entries!r}")
+        denial = number(cfg, "denial_ttl_s", cls.denial_ttl_s, where=where)
+        if denial > MAX_DENIAL_TTL_S:
+            raise ConfigError(f"{where}.denial_ttl_s: must be <= {MAX_DENIAL_TTL_S}, got {denial!r}")
+        return cls(max_entries, number(cfg, "max_ttl_s", cls.max_ttl_s, where=where), denial)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    api_keys: ApiKeyTable = field(default_factory=lambda: ApiKeyTable([]))
+    jwt: JwtSettings | None = None
+    required_scope: str = "generate"
+    cache: CacheSettings = CacheSettings()
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> AuthConfig:
+        """Parse the `auth` section; `environ` (default os.environ) resolves `hs256_secret_env`."""
+        cfg = expect_mapping(section or {}, "auth")
+        expect_fields(cfg, _AUTH_FIELDS, "auth")
+        jwt_cfg = cfg.get("jwt")
+        return cls(
+            api_keys=ApiKeyTable.from_config(entry_list(cfg, "api_keys", "auth")),
+            jwt=None if jwt_cfg is None else JwtSettings.from_dict(expect_mapping(jwt_cfg, "auth.jwt"), environ=environ),
+            required_scope=required_text({"required_scope": "generate", **cfg}, "required_scope", "auth"),
+            cache=CacheSettings.from_dict(expect_mapping(cfg.get("cache") or {}, "auth.cache")),
+        )
+
+
+Verdict = auth_pb2.CheckResponse | AuthDenied
+
+
+class VerdictCache:
+    """LRU of verdicts by token digest, each with its own deadline on the injected clock."""
+
+    def __init__(self, max_entries: int, clock: Clock) -> None:
+        self._max = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[bytes, tuple[float, Verdict]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0  # counters for metrics (and for tests: a hit skipped a signature check)
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: bytes) -> Verdict | None:
+        now = self._clock()
+        with self._lock:
+            hit = self._entries.get(digest)
+            if hit is not None and now >= hit[0]:
+                del self._entries[digest]
+                hit = None
+            if hit is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            verdict = hit[1]
+            self._entries.move_to_end(digest)
+        return _fresh(verdict)
+
+    def put(self, digest: bytes, verdict: Verdict, until: float) -> None:
+        if self._max == 0 or until <= self._clock():
+            return
+        with self._lock:
+            self._entries[digest] = (until, verdict)
+            self._entries.move_to_end(digest)
+            while len(self._entries) > self._max:
+                self._entries.popitem(last=False)
+
+
+def _fresh(verdict: Verdict) -> Verdict:
+    """A copy, so a caller that mutates its response (or re-raises) cannot touch the cache."""
+    if isinstance(verdict, AuthDenied):
+        return AuthDenied(verdict.code, verdict.message)
+    return _copy(verdict)
+
+
+def _copy(response: auth_pb2.CheckResponse) -> auth_pb2.CheckResponse:
+    copy = auth_pb2.CheckResponse()
+    copy.CopyFrom(response)
+    return copy
+
+
+class AuthService(auth_pb2_grpc.AuthServicer):
+    def __init__(self, config: AuthConfig, device: DeviceState | None = None, clock: Clock = time.time) -> None:
+        self.config = config
+        self.device = device  # auth keeps no tensor state; accepted for a uniform constructor
+        self._clock = clock
+        self._jwt = None if config.jwt is None else JwtVerifier(config.jwt, clock)
+        self.cache = VerdictCache(config.cache.max_entries, clock)
+
+    def Check(self, request: auth_pb2.CheckRequest, context: grpc.ServicerContext) -> auth_pb2.CheckResponse:
+        try:
+            return self.verify(request.credential)
+        except AuthDenied as denied:
+            context.abort(denied.code, denied.message)
+
+    def verify(self, credential: str) -> auth_pb2.CheckResponse:
+        """The principal for `credential`, or AuthDenied (UNAUTHENTICATED / PERMISSION_DENIED)."""
+        try:
+            token = _bearer(credential)
+            if not token:
+                raise AuthDenied(_UNAUTHENTICATED, "missing credential")
+            if looks_like_jwt(token):
+                return self._verify_jwt(token)
+            return self._verify_api_key(token)
+        except AuthDenied:
+            raise
+        except Exception:  # fail closed; the exception text may quote the token, so drop it
+            raise AuthDenied(_UNAUTHENTICATED, "credential could not be verified") from None
+
+    def verify_many(self, credentials: Iterable[str]) -> list[Verdict]:
+        """One verdict per credential, in order: the batcher's entry point."""
+        out: list[Verdict] = []
+        for credential in credentials:
+            try:
+                out.append(self.verify(credential))
+            except AuthDenied as denied:
+                out.append(denied)
+        return out
+
+    def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse:
+        key = self.config.api_keys.lookup(token)
+        if key is None:
+            raise AuthDenied(_UNAUTHENTICATED, "unknown API key")
+        principal = auth_pb2.Principal(
+            tenant=key.tenant, scopes=key.scopes, subject=key.id, max_priority=key.max_priority
+        )
+        self._authorize(principal)
+        return auth_pb2.CheckResponse(principal=principal, method="api_key", expires_at=0.0)
+
+    def _verify_jwt(self, token: str) -> auth_pb2.CheckResponse:
+        if self._jwt is None:
+            raise AuthDenied(_UNAUTHENTICATED, "JWT credentials are not accepted (auth.jwt is not configured)")
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        cached = self.cache.get(digest)
+        if isinstance(cached, AuthDenied):
+            raise cached
+        if cached is not None:
+            return cached
+        now = self._clock()
+        try:
+            response = self._check_token(token)
+        except AuthDenied as denied:
+            self.cache.put(digest, denied, now + self.config.cache.denial_ttl_s)
+            raise
+        self.cache.put(digest, _copy(response), min(response.expires_at, now + self.config.cache.max_ttl_s))
+        return response
+
+    def _check_token(self, token: str) -> auth_pb2.CheckResponse:
+        assert self._jwt is not None
+        try:
+            claims = self._jwt.verify(token)
+        except TokenRejected as rejected:
+            raise AuthDenied(_UNAUTHENTICATED, str(rejected)) from None
+        except Exception:
+            raise AuthDenied(_UNAUTHENTICATED, "token could not be verified") from None
+        principal = auth_pb2.Principal(
+            tenant=claims.tenant, scopes=claims.scopes, subject=claims.subject, max_priority=claims.max_priority
+        )
+        self._authorize(principal)
+        return auth_pb2.CheckResponse(principal=principal, method="jwt", expires_at=claims.expires_at)
+
+    def _authorize(self, principal: auth_pb2.Principal) -> None:
+        scope = self.config.required_scope
+        if scope not in principal.scopes:
+            raise AuthDenied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {principal.tenant!r} lacks scope {scope!r} (has: {', '.join(principal.scopes) or 'none'})",
+            )
+
+
+def _bearer(credential: str) -> str:
+    """Accept the raw token or a whole `Authorization: Bearer <token>` value."""
+    token = credential.strip()
+    if token[:7].lower() == "bearer ":
+        token = token[7:].strip()
+    return token

@@ -1,0 +1,185 @@
+"""The Logs servicer: one structured JSON line per request, written in batches.
+
+Each record becomes one line (`ts`, `request_id`, `tenant`, `model`, `status`, `latency_ms`,
+`layout`, `cached`, `shadow`, `fields`) with secrets redacted before it is queued, so nothing
+unredacted is ever held for writing. Lines go through a `BatchedLineWriter`: the request pays
+for encoding and one ring append, the disk is someone else's thread.
+
+The ring stays in host memory even in the spine: a file write needs the bytes on the host, so a
+device copy would add a transfer per flush and save nothing. `device` is accepted so that every
+service is built the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.common import Clock, ConfigError, DeviceState, number
+from services.log_ring import BatchedLineWriter, LogsClosedError
+from services.redact import redact_mapping
+from spine.v1 import logs_pb2, logs_pb2_grpc
+
+_KNOWN_FIELDS = (
+    "path",
+    "batch_lines",
+    "flush_interval_s",
+    "ring_capacity",
+    "full_wait_s",
+    "max_line_bytes",
+    "fsync",
+)
+
+
+@dataclass(frozen=True)
+class LogsConfig:
+    """The `logs` config section, with `path` resolved against the run directory."""
+
+    path: Path
+    batch_lines: int = 64
+    flush_interval_s: float = 0.5
+    ring_capacity: int = 4096
+    full_wait_s: float = 0.05
+    max_line_bytes: int = 65536
+    fsync: bool = True
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any] | None, run_dir: str | Path) -> LogsConfig:
+        cfg = cfg or {}
+        unknown = sorted(set(cfg) - set(_KNOWN_FIELDS))
+        if unknown:
+            raise ConfigError(f"logs.{unknown[0]}: unknown field (known: {', '.join(_KNOWN_FIELDS)})")
+        raw_path = cfg.get("path", "requests.jsonl")
+        if not isinstance(raw_path, str) or not raw_path.strip():
+            raise ConfigError(f"logs.path: expected a file path, got {raw_path!r}")
+        batch_lines = _integer(cfg, "batch_lines", cls.batch_lines)
+        ring_capacity = _integer(cfg, "ring_capacity", cls.ring_capacity)
+        if ring_capacity < batch_lines:
+            raise ConfigError(
+                f"logs.ring_capacity: must be >= logs.batch_lines ({batch_lines}), got {ring_capacity}"
+            )
+        interval = number(cfg, "flush_interval_s", cls.flush_interval_s, where="logs")
+        if interval <= 0:
+            raise ConfigError(f"logs.flush_interval_s: must be > 0, got {interval!r}")
+        fsync = cfg.get("fsync", True)
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"logs.fsync: expected true or false, got {fsync!r}")
+        return cls(
+            path=Path(run_dir) / Path(raw_path).expanduser(),
+            batch_lines=batch_lines,
+            flush_interval_s=interval,
+            ring_capacity=ring_capacity,
+            full_wait_s=number(cfg, "full_wait_s", cls.full_wait_s, where="logs"),
+            max_line_bytes=_integer(cfg, "max_line_bytes", cls.max_line_bytes, minimum=256),
+            fsync=fsync,
+        )
+
+
+def _integer(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"logs.{key}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"logs.{key}: must be >= {minimum}, got {value!r}")
+    return value
+
+
+class LogsService(logs_pb2_grpc.LogsServicer):
+    """Writes request logs; `append_batch` is the batcher's one ring append per micro-batch."""
+
+    def __init__(self, config: LogsConfig, device: DeviceState | None = None, clock: Clock = time.time) -> None:
+        self.config = config
+        self.device = device
+        self._clock = clock
+        self._writer = BatchedLineWriter(
+            config.path,
+            capacity=config.ring_capacity,
+            batch_lines=config.batch_lines,
+            flush_interval_s=config.flush_interval_s,
+            full_wait_s=config.full_wait_s,
+            fsync=config.fsync,
+        )
+
+    # -- in-process API -------------------------------------------------------------------
+
+    def encode(self, record: logs_pb2.LogRecord) -> bytes:
+        """The record's JSON line, redacted; ValueError naming the field if it cannot be one."""
+        if not math.isfinite(record.latency_ms) or record.latency_ms < 0:
+            raise ValueError(f"latency_ms: expected a finite number >= 0, got {record.latency_ms!r}")
+        entry = {
+            "ts": round(self._clock(), 6),
+            "request_id": record.request_id,
+            "tenant": record.tenant,
+            "model": record.model,
+            "status": record.status,
+            "latency_ms": record.latency_ms,
+            "layout": record.layout,
+            "cached": record.cached,
+            "shadow": record.shadow,
+            "fields": dict(sorted(record.fields.items())),
+        }
+        # ensure_ascii: no byte of the line can be read as a line break by any reader.
+        line = (json.dumps(redact_mapping(entry), separators=(",", ":")) + "\n").encode("ascii")
+        if len(line) > self.config.max_line_bytes:
+            raise ValueError(
+                f"record {record.request_id!r}: {len(line)} bytes as JSON, "
+                f"above logs.max_line_bytes={self.config.max_line_bytes}; trim its fields"
+            )
+        return line
+
+    def append_batch(self, records: Sequence[logs_pb2.LogRecord]) -> None:
+        """Encode all records, then accept them in one ring append (all or none if one is bad)."""
+        lines = []
+        for i, record in enumerate(records):
+            try:
+                lines.append(self.encode(record))
+            except ValueError as exc:
+                raise ValueError(f"records[{i}].{exc}") from None
+        self._writer.append(lines)
+
+    def flush(self) -> int:
+        """Write everything accepted so far; returns the number of lines in the file."""
+        return self._writer.flush()
+
+    def close(self) -> None:
+        """Flush everything accepted and stop the flusher; safe to call more than once."""
+        self._writer.close()
+
+    @property
+    def lines_on_disk(self) -> int:
+        return self._writer.lines_on_disk
+
+    @property
+    def pending(self) -> int:
+        return self._writer.pending
+
+    @property
+    def writes(self) -> int:
+        return self._writer.writes
+
+    # -- gRPC -----------------------------------------------------------------------------
+
+    def Append(self, request: logs_pb2.LogRecord, context: grpc.ServicerContext) -> logs_pb2.AppendResponse:
+        try:
+            self.append_batch([request])
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).removeprefix("records[0]."))
+        except LogsClosedError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}: the service is shutting down")
+        except OSError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot write request log {self.config.path}: {exc}")
+        return logs_pb2.AppendResponse()
+
+    def Flush(self, request: logs_pb2.FlushRequest, context: grpc.ServicerContext) -> logs_pb2.FlushResponse:
+        try:
+            return logs_pb2.FlushResponse(lines_written=self.flush())
+        except OSError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot write request log {self.config.path}: {exc}")
+        return logs_pb2.FlushResponse()  # not reached: abort raises

@@ -1,0 +1,328 @@
+"""The embedded default model: a tiny decoder-only transformer whose arithmetic is exact.
+
+Why exact: spine promises that a request's tokens do not depend on what it is batched
+with. Ordinary float kernels break that promise in the last bits — a batched matmul may sum
+in another order than an unbatched one, and an elementwise kernel may use a vector path
+for some positions and a scalar path for the tail — and one flipped bit can flip an
+argmax. Rounding logits only makes flips rare. Instead, this model computes on a
+fixed-point grid held in float64, so that every sum is exact and order cannot matter:
+
+* Weights are integers times 2**-14 with |w| <= 1, drawn with `torch.randint` from a
+  local generator: identical bits on every machine, no transcendental functions.
+* Before each matmul the activations are rounded to a grid and clamped (`_fix`), so every
+  product and every partial sum is an integer multiple of one power of two below 2**53:
+  float64 adds them exactly in any order, on any BLAS, CPU or GPU. In units of the grid:
+  activations <= 2**22, weights <= 2**14, so a matmul over K <= 2**16 terms stays below
+  2**53; x² <= 2**44 summed over d_model <= 2**9; attention weights <= 2**20 times values
+  <= 2**16 over <= 2**16 keys. `__init__` refuses dimensions beyond these budgets.
+* The non-linear parts use only IEEE operations that are correctly rounded, hence give the
+  same bits for the same inputs wherever they run: + - * / sqrt, round, max, ReLU.
+* Softmax needs exp, whose vector and scalar implementations differ in the last bit; it is
+  replaced by a lookup table of exp on a 1/32 grid, itself rounded to 2**-20. Masked keys
+  look up an exact 0, so padding and a slot's stale contents add exactly nothing.
+
+The result: the logits of a sequence are bit-identical alone or in any batch, on the CPU
+and on CUDA. The cost is a few cheap elementwise ops per layer.
+
+So that the output looks like text, the logits of bytes outside 32..126 and '\\n' are
+-inf; EOS keeps its logit minus `eos_penalty`, so some answers end with "stop".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.model.interface import DeviceLike, Segment, allocate, release, torch_device
+from services.model.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+
+WEIGHT_BITS = 14
+ACT_BITS, ACT_LIMIT = 16, 64.0  # residual stream, normalised inputs, MLP hidden
+QK_BITS, QK_LIMIT = 8, 32.0
+V_BITS, V_LIMIT = 12, 16.0
+OUT_LIMIT = 16.0  # attention output before its projection
+PROB_BITS = 20
+EXP_STEPS_PER_UNIT = 32
+EXP_TABLE_UNITS = 16  # exp(-16) rounds to 0 at 2**-20
+NORM_EPS = 2.0**-8
+MAX_D_MODEL = 1 << 9  # RMSNorm: x² <= 2**44 grid units, 2**9 of them
+MAX_D_FF = 1 << 16  # matmul: 2**22 * 2**14 per product, 2**16 of them, plus the residual
+MAX_CONTEXT_LIMIT = 1 << 16  # attention sum: 21 + 16 + 16 bits = 53
+PREFILL_QUERY_CHUNK = 128  # bounds a long prompt's score matrix to chunk x context
+
+PRINTABLE = [*range(32, 127), ord("\n")]
+
+
+def _fix(x: torch.Tensor, bits: int, limit: float) -> torch.Tensor:
+    """Round to a multiple of 2**-bits and clamp to ±limit (exact ops, any device)."""
+    scale = float(1 << bits)
+    return torch.round(x * scale).clamp_(-limit * scale, limit * scale).mul_(1.0 / scale)
+
+
+def _grid_uniform(gen: torch.Generator, shape: tuple[int, ...], bound: float) -> torch.Tensor:
+    """Integers in ±bound * 2**WEIGHT_BITS, as float64 multiples of 2**-WEIGHT_BITS."""
+    top = max(1, int(bound * (1 << WEIGHT_BITS)))
+    ints = torch.randint(-top, top + 1, shape, generator=gen, dtype=torch.int64)
+    return ints.to(torch.float64) / float(1 << WEIGHT_BITS)
+
+
+@dataclass
+class KVCache:
+    """Keys and values per slot: [layers, slots, max_context, heads, head_dim].
+
+    Stored as float32: the values sit on a grid of at most 16 significant bits, so the
+    narrower type holds them exactly at half the memory.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def max_context(self) -> int:
+        return int(self.keys.shape[2])
+
+
+class TinyLM(torch.nn.Module):
+    """Decoder-only transformer (pre-RMSNorm, ReLU MLP, learned positions, tied head)."""
+
+    def __init__(
+        self,
+        *,
+        d_model: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        d_ff: int = 128,
+        max_context: int = 1024,
+        vocab_size: int = VOCAB_SIZE,
+        eos_penalty: float = 4.0,
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
+        for name, value, limit in (
+            ("d_model", d_model, MAX_D_MODEL),
+            ("d_ff", d_ff, MAX_D_FF),
+            ("max_context", max_context, MAX_CONTEXT_LIMIT),
+        ):
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} must be in 1..{limit} for exact arithmetic, got {value}")
+        if vocab_size <= EOS_ID:
+            raise ValueError(f"vocab_size must be > {EOS_ID} (the EOS id), got {vocab_size}")
+        self.d_model, self.n_layers, self.n_heads, self.d_ff = d_model, n_layers, n_heads, d_ff
+        self.head_dim = d_model // n_heads
+        self._max_context, self._vocab_size = max_context, vocab_size
+        # Index scale of the exp table: (max - score) / sqrt(head_dim) in table steps.
+        self._exp_index_scale = EXP_STEPS_PER_UNIT / math.sqrt(self.head_dim)
+        self.register_buffer("embed", torch.zeros(vocab_size, d_model, dtype=torch.float64))
+        self.register_buffer("pos", torch.zeros(max_context, d_model, dtype=torch.float64))
+        for i in range(n_layers):
+            self.register_buffer(f"wqkv{i}", torch.zeros(3 * d_model, d_model, dtype=torch.float64))
+            self.register_buffer(f"wo{i}", torch.zeros(d_model, d_model, dtype=torch.float64))
+            self.register_buffer(f"w1_{i}", torch.zeros(d_ff, d_model, dtype=torch.float64))
+            self.register_buffer(f"w2_{i}", torch.zeros(d_model, d_ff, dtype=torch.float64))
+        self.register_buffer("exp_table", _exp_table(), persistent=False)
+        self.register_buffer("logit_bias", _logit_bias(vocab_size, eos_penalty), persistent=False)
+
+    @classmethod
+    def from_seed(cls, seed: int, **dims: int | float) -> TinyLM:
+        """The model for `seed`: the same weights, bit for bit, in every process."""
+        model = cls(**dims)  # type: ignore[arg-type]
+        gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        d, ff = model.d_model, model.d_ff
+        weights = {"embed": _grid_uniform(gen, (model._vocab_size, d), 1.0)}
+        weights["pos"] = _grid_uniform(gen, (model._max_context, d), 0.5)
+        for i in range(model.n_layers):
+            weights[f"wqkv{i}"] = _grid_uniform(gen, (3 * d, d), math.sqrt(3.0 / d))
+            weights[f"wo{i}"] = _grid_uniform(gen, (d, d), math.sqrt(3.0 / d))
+            weights[f"w1_{i}"] = _grid_uniform(gen, (ff, d), math.sqrt(6.0 / d))
+            weights[f"w2_{i}"] = _grid_uniform(gen, (d, ff), math.sqrt(3.0 / ff))
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                getattr(model, name).copy_(tensor)
+        return model
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    # -- the StepModel contract -------------------------------------------------------
+
+    def new_cache(self, slots: int, max_context: int, device: DeviceLike) -> KVCache:
+        if max_context > self._max_context:
+            raise ValueError(f"max_context {max_context} exceeds the model's {self._max_context}")
+        shape = (self.n_layers, slots, max_context, self.n_heads, self.head_dim)
+        return KVCache(allocate(device, shape, torch.float32), allocate(device, shape, torch.float32))
+
+    def release_cache(self, cache: KVCache, device: DeviceLike) -> None:
+        release(device, cache.keys)
+        release(device, cache.values)
+
+    def step(self, segments: Sequence[Segment], cache: KVCache) -> torch.Tensor:
+        return self.forward(segments, cache)
+
+    # -- forward ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self, segments: Sequence[Segment], cache: KVCache | None = None, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Logits [S, V] after each segment's last token ([N, V] for every token with `all_logits`).
+
+        The segments are packed into one [N, d] batch for every matmul; attention reads
+        each sequence's own slot. Without a cache there must be one segment starting at 0,
+        and attention uses its own keys: the reference the cached path is tested against.
+        """
+        if not segments:
+            return torch.empty(0, self._vocab_size, dtype=torch.float64, device=self.device)
+        if cache is None and (len(segments) != 1 or segments[0].start != 0):
+            raise ValueError("without a cache, forward takes one segment starting at position 0")
+        limit = cache.max_context if cache is not None else self._max_context
+        for seg in segments:
+            if not seg.token_ids or seg.end > limit:
+                raise ValueError(f"segment for slot {seg.slot} spans {seg.start}..{seg.end}; needs 1..{limit}")
+        dev = self.device
+        tokens = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=dev)
+        positions = torch.tensor(
+            [p for s in segments for p in range(s.start, s.end)], dtype=torch.long, device=dev
+        )
+        slot_of_token = torch.tensor(
+            [s.slot for s in segments for _ in s.token_ids], dtype=torch.long, device=dev
+        )
+        x = self.embed[tokens] + self.pos[positions]
+        for layer in range(self.n_layers):
+            x = self._block(layer, x, segments, positions, slot_of_token, cache)
+        if not all_logits:
+            last = torch.tensor(_last_indices(segments), dtype=torch.long, device=dev)
+            x = x[last]
+        h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
+        return h @ self.embed.T + self.logit_bias
+
+    def _block(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        segments: Sequence[Segment],
+        positions: torch.Tensor,
+        slot_of_token: torch.Tensor,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        n, d, heads, hd = x.shape[0], self.d_model, self.n_heads, self.head_dim
+        h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
+        qkv = h @ getattr(self, f"wqkv{layer}").T
+        q = _fix(qkv[:, :d], QK_BITS, QK_LIMIT).view(n, heads, hd)
+        k = _fix(qkv[:, d : 2 * d], QK_BITS, QK_LIMIT).view(n, heads, hd)
+        v = _fix(qkv[:, 2 * d :], V_BITS, V_LIMIT).view(n, heads, hd)
+        if cache is None:
+            out = self._attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), positions.unsqueeze(0))[0]
+        else:
+            cache.keys[layer].index_put_((slot_of_token, positions), k.to(torch.float32))
+            cache.values[layer].index_put_((slot_of_token, positions), v.to(torch.float32))
+            out = self._attend_cached(layer, q, positions, segments, cache)
+        o = _fix(out.reshape(n, d), ACT_BITS, OUT_LIMIT)
+        x = _fix(x + o @ getattr(self, f"wo{layer}").T, ACT_BITS, ACT_LIMIT)
+        h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
+        hidden = _fix(torch.relu(h @ getattr(self, f"w1_{layer}").T), ACT_BITS, ACT_LIMIT)
+        return _fix(x + hidden @ getattr(self, f"w2_{layer}").T, ACT_BITS, ACT_LIMIT)
+
+    def _attend_cached(
+        self, layer: int, q: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment], cache: KVCache
+    ) -> torch.Tensor:
+        """Attention of every new token over its slot: single-token segments together, prompts alone.
+
+        Grouping is free to change (the sums are exact); it only bounds memory: a long
+        prompt must not pad every decoding sequence's score matrix to its length.
+        """
+        out = torch.empty_like(q)
+        keys, values = cache.keys[layer], cache.values[layer]
+        singles = [i for i, s in enumerate(segments) if len(s.token_ids) == 1]
+        offsets = _offsets(segments)
+        if singles:
+            rows = torch.tensor([offsets[i] for i in singles], dtype=torch.long, device=q.device)
+            slots = torch.tensor([segments[i].slot for i in singles], dtype=torch.long, device=q.device)
+            span = max(segments[i].end for i in singles)
+            out[rows] = self._attend(
+                q[rows].unsqueeze(1),
+                keys[slots, :span].to(torch.float64),
+                values[slots, :span].to(torch.float64),
+                positions[rows].unsqueeze(1),
+            ).squeeze(1)
+        for i, seg in enumerate(segments):
+            if len(seg.token_ids) == 1:
+                continue
+            k = keys[seg.slot, : seg.end].to(torch.float64).unsqueeze(0)
+            v = values[seg.slot, : seg.end].to(torch.float64).unsqueeze(0)
+            for lo in range(0, len(seg.token_ids), PREFILL_QUERY_CHUNK):
+                a = offsets[i] + lo
+                b = offsets[i] + min(len(seg.token_ids), lo + PREFILL_QUERY_CHUNK)
+                out[a:b] = self._attend(q[a:b].unsqueeze(0), k, v, positions[a:b].unsqueeze(0))[0]
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention. q [G,T,H,hd]; k, v [G,L,H,hd]; qpos [G,T] → [G,T,H,hd].
+
+        Key j is visible to a query at position p when j <= p. Scores are exact; the
+        softmax weights come from the exp table, so only exact sums and one correctly
+        rounded division remain.
+        """
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        scores = qh @ kh.transpose(-1, -2)  # [G,H,T,L]
+        key_pos = torch.arange(k.shape[1], device=q.device)
+        hidden = (key_pos.view(1, 1, -1) > qpos.unsqueeze(-1)).unsqueeze(1)  # [G,1,T,L]
+        scores = scores.masked_fill_(hidden, -math.inf)
+        top = scores.amax(dim=-1, keepdim=True)
+        steps = ((top - scores) * self._exp_index_scale).round_().clamp_(max=len(self.exp_table) - 1)
+        weights = self.exp_table[steps.long()]
+        out = (weights @ vh) / weights.sum(dim=-1, keepdim=True)
+        return out.transpose(1, 2)
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps): an exact sum, then correctly rounded sqrt and division."""
+    mean_square = (x * x).sum(dim=-1, keepdim=True) / x.shape[-1]
+    return x / torch.sqrt(mean_square + NORM_EPS)
+
+
+def _exp_table() -> torch.Tensor:
+    """exp(-i/32) rounded to 2**-20 for i in 0..511, then an exact 0 for masked keys."""
+    scale = float(1 << PROB_BITS)
+    size = EXP_STEPS_PER_UNIT * EXP_TABLE_UNITS
+    values = [round(math.exp(-i / EXP_STEPS_PER_UNIT) * scale) / scale for i in range(size)]
+    return torch.tensor([*values, 0.0], dtype=torch.float64)
+
+
+def _logit_bias(vocab_size: int, eos_penalty: float) -> torch.Tensor:
+    """0 for printable bytes, -inf elsewhere; EOS keeps a small chance; BOS none."""
+    bias = torch.full((vocab_size,), -math.inf, dtype=torch.float64)
+    bias[PRINTABLE] = 0.0
+    bias[EOS_ID] = -round(eos_penalty * 256) / 256  # on a coarse grid: the addition stays exact
+    bias[BOS_ID] = -math.inf
+    return bias
+
+
+def _offsets(segments: Sequence[Segment]) -> list[int]:
+    offsets, total = [], 0
+    for seg in segments:
+        offsets.append(total)
+        total += len(seg.token_ids)
+    return offsets
+
+
+def _last_indices(segments: Sequence[Segment]) -> list[int]:
+    return [o + len(s.token_ids) - 1 for o, s in zip(_offsets(segments), segments, strict=True)]

@@ -1,0 +1,234 @@
+"""The RateLimit service: token buckets per (tenant, model, resource), Envoy-shaped.
+
+The gateway sends one request per call with two descriptors, built by `descriptors_for`:
+one request against the requests-per-second bucket and `prompt + max_tokens` tokens
+against the tokens-per-minute bucket. A call is all-or-nothing: it is admitted only when
+every descriptor fits, and then all of them are charged.
+
+`admit_batch` decides a micro-batch with tensor ops and gives exactly the answers (and
+leaves exactly the bucket levels) of deciding the same requests one by one in list order;
+`ShouldRateLimit` is the batch of one. See `services/token_buckets.py` for how.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import grpc
+
+from services.common import Clock, ConfigError, DeviceState, number
+from services.token_buckets import BucketState, TokenBucketTable
+from spine.v1 import ratelimit_pb2, ratelimit_pb2_grpc
+
+Key = tuple[tuple[str, str], ...]
+RESOURCES = ("requests", "tokens")
+_LIMIT_FIELDS = ("requests_per_second", "burst", "tokens_per_minute", "token_burst")
+_FIELDS = ("domain", "default", "tenants")
+# Costs are summed exactly in float64; this bound keeps any batch's sums below 2**53.
+MAX_HITS_ADDEND = 2**40
+_OK = ratelimit_pb2.RateLimitResponse.OK
+_OVER_LIMIT = ratelimit_pb2.RateLimitResponse.OVER_LIMIT
+
+
+class InvalidRateLimitRequest(ValueError):
+    """A request the service cannot decide; the message names the field. `index` is its batch position."""
+
+    def __init__(self, message: str, index: int = 0) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass(frozen=True)
+class BucketLimits:
+    requests_per_second: float = 200.0
+    burst: float = 400.0
+    tokens_per_minute: float = 6_000_000.0
+    token_burst: float = 1_000_000.0
+
+    @classmethod
+    def from_dict(cls, cfg: Any, where: str, base: BucketLimits | None = None) -> BucketLimits:
+        """Parse a limits block; keys not given come from `base` (the default block)."""
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {type(cfg).__name__}")
+        unknown = sorted(set(cfg) - set(_LIMIT_FIELDS))
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(_LIMIT_FIELDS)})")
+        base = base or cls()
+        values = {}
+        for key in _LIMIT_FIELDS:
+            minimum = 1.0 if key in ("burst", "token_burst") else 0.0
+            value = number(cfg, key, getattr(base, key), where=where, minimum=minimum)
+            if minimum == 0.0 and value == 0.0:
+                raise ConfigError(f"{where}.{key}: must be > 0 (a bucket that never refills is a quota), got {value!r}")
+            values[key] = value
+        return cls(**values)
+
+    def bucket(self, resource: str) -> tuple[float, float]:
+        """(rate per second, capacity) of the bucket for `resource`."""
+        if resource == "requests":
+            return self.requests_per_second, self.burst
+        return self.tokens_per_minute / 60.0, self.token_burst
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    domain: str = "spine"
+    default: BucketLimits = BucketLimits()
+    tenants: Mapping[str, BucketLimits] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> RateLimitConfig:
+        cfg = section or {}
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"ratelimit: expected a mapping, got {type(cfg).__name__}")
+        unknown = sorted(set(cfg) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(f"ratelimit.{unknown[0]}: unknown key (known: {', '.join(_FIELDS)})")
+        domain = cfg.get("domain", cls.domain)
+        if not isinstance(domain, str) or not domain:
+            raise ConfigError(f"ratelimit.domain: expected a non-empty string, got {domain!r}")
+        default = BucketLimits.from_dict(cfg.get("default") or {}, "ratelimit.default")
+        tenants_cfg = cfg.get("tenants") or {}
+        if not isinstance(tenants_cfg, Mapping):
+            raise ConfigError(f"ratelimit.tenants: expected a mapping, got {type(tenants_cfg).__name__}")
+        tenants = {
+            str(name): BucketLimits.from_dict(block or {}, f"ratelimit.tenants.{name}", base=default)
+            for name, block in tenants_cfg.items()
+        }
+        return cls(domain=domain, default=default, tenants=tenants)
+
+    def limits_for(self, tenant: str) -> BucketLimits:
+        return self.tenants.get(tenant, self.default)
+
+
+def descriptors_for(tenant: str, model: str, tokens: int) -> list[ratelimit_pb2.RateLimitDescriptor]:
+    """The two descriptors the gateway sends per request: one request, and `tokens` tokens."""
+    Entry = ratelimit_pb2.RateLimitDescriptor.Entry
+
+    def descriptor(resource: str, hits: int) -> ratelimit_pb2.RateLimitDescriptor:
+        entries = [Entry(key="tenant", value=tenant), Entry(key="model", value=model), Entry(key="resource", value=resource)]
+        return ratelimit_pb2.RateLimitDescriptor(entries=entries, hits_addend=hits)
+
+    return [descriptor("requests", 1), descriptor("tokens", tokens)]
+
+
+def limit_name(key: Key) -> str:
+    """`tenant=dev,model=tiny-lm,resource=tokens`: how a person names a bucket."""
+    return ",".join(f"{k}={v}" for k, v in key)
+
+
+@dataclass(frozen=True)
+class _Row:
+    key: Key
+    cost: float
+    limits: tuple[float, float]
+
+
+class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
+    """Token-bucket admission; state lives in a `TokenBucketTable` on `device`."""
+
+    def __init__(self, config: RateLimitConfig, device: DeviceState, clock: Clock = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._table = TokenBucketTable(device)
+        self._lock = threading.Lock()
+
+    # -- plain Python API (the spine's batcher calls this) ----------------------------
+    def admit_batch(
+        self, requests: list[ratelimit_pb2.RateLimitRequest], now: float | None = None
+    ) -> list[ratelimit_pb2.RateLimitResponse]:
+        """Decide `requests` as if one by one in list order, all at time `now` (default: clock).
+
+        Raises InvalidRateLimitRequest (naming the field and the request's index) before
+        touching any bucket when any request is malformed; use `validate` to sift a batch.
+        """
+        parsed = [self._parse(request, index) for index, request in enumerate(requests)]
+        if not requests:
+            return []
+        rows = [row for request_rows in parsed for row in request_rows]
+        row_request = [index for index, request_rows in enumerate(parsed) for _ in request_rows]
+        with self._lock:
+            at = self._clock() if now is None else now
+            slots = self._table.slots([r.key for r in rows], [r.limits for r in rows], at)
+            decision = self._table.decide(
+                slots, [r.cost for r in rows], row_request, [not q.dry_run for q in requests], at
+            )
+        responses = [ratelimit_pb2.RateLimitResponse() for _ in requests]
+        for i, row in enumerate(rows):
+            fits = decision.fits[i]
+            responses[row_request[i]].statuses.add(
+                code=_OK if fits else _OVER_LIMIT,
+                limit_name=limit_name(row.key),
+                limit_remaining=decision.remaining[i],
+                retry_after_s=decision.retry_after_s[i],
+            )
+        for response, admitted in zip(responses, decision.admitted, strict=True):
+            response.overall_code = _OK if admitted else _OVER_LIMIT
+            waits = [s.retry_after_s for s in response.statuses]
+            response.retry_after_s = -1.0 if -1.0 in waits else max(waits)
+        return responses
+
+    def validate(self, request: ratelimit_pb2.RateLimitRequest) -> None:
+        """Raise InvalidRateLimitRequest when `request` cannot be decided."""
+        self._parse(request, 0)
+
+    def set_share(self, fraction: float) -> None:
+        """Scale every limit to `fraction` (0 < fraction <= 1) of its configured value.
+
+        When traffic is split between two layouts, each side enforces its share, so a
+        tenant's total across both stays within its limit.
+        """
+        with self._lock:
+            self._table.set_share(fraction)
+
+    def bucket(self, key: Key) -> BucketState | None:
+        """A bucket's state by its descriptor entries (for tests and `spine status`)."""
+        with self._lock:
+            return self._table.state(key)
+
+    def snapshot(self) -> dict[str, BucketState]:
+        """Every bucket by limit name."""
+        with self._lock:
+            return {limit_name(cast(Key, k)): v for k, v in self._table.snapshot().items()}
+
+    # -- gRPC --------------------------------------------------------------------------
+    def ShouldRateLimit(self, request: ratelimit_pb2.RateLimitRequest, context: Any) -> ratelimit_pb2.RateLimitResponse:
+        try:
+            return self.admit_batch([request])[0]
+        except InvalidRateLimitRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except MemoryError as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"ratelimit: no room for a new bucket: {error}")
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    # -- parsing -----------------------------------------------------------------------
+    def _parse(self, request: ratelimit_pb2.RateLimitRequest, index: int) -> list[_Row]:
+        def invalid(message: str) -> InvalidRateLimitRequest:
+            return InvalidRateLimitRequest(message, index)
+
+        if request.domain != self.config.domain:
+            raise invalid(f"domain: expected {self.config.domain!r}, got {request.domain!r}")
+        if not request.descriptors:
+            raise invalid("descriptors: at least one descriptor is required")
+        rows = []
+        for d, descriptor in enumerate(request.descriptors):
+            where = f"descriptors[{d}]"
+            if not descriptor.entries:
+                raise invalid(f"{where}.entries: at least one entry is required")
+            key: Key = tuple((e.key, e.value) for e in descriptor.entries)
+            fields = dict(key)
+            if len(fields) != len(key) or "" in fields:
+                raise invalid(f"{where}.entries: keys must be non-empty and distinct, got {limit_name(key)!r}")
+            resource = fields.get("resource")
+            if resource not in RESOURCES:
+                raise invalid(f"{where}.entries: needs resource= one of {', '.join(RESOURCES)}, got {resource!r}")
+            hits = descriptor.hits_addend or 1
+            if hits > MAX_HITS_ADDEND:
+                raise invalid(f"{where}.hits_addend: at most {MAX_HITS_ADDEND}, got {hits}")
+            limits = self.config.limits_for(fields.get("tenant", "")).bucket(resource)
+            rows.append(_Row(key, float(hits), limits))
+        return rows

@@ -1,0 +1,69 @@
+"""Keep credentials out of logs, traces and error messages.
+
+Two rules, both applied wherever a mapping or text leaves the process for humans to read:
+- by key: a value under a key that names a secret (authorization, *token, api_key, password,
+  secret, credential, cookie, ...) is replaced whatever it is;
+- by shape: text that looks like a bearer credential or a JWT is replaced wherever it appears,
+  because secrets also travel under innocent keys ("note": "Bearer eyJ...").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+REDACTED = "[REDACTED]"
+
+# Matched against the key lowercased with everything but letters and digits removed, so
+# `X-Api-Key`, `api_key` and `apiKey` are one key. "token" only as a suffix: `access_token` and
+# `authToken` are secrets, `max_tokens` and `token_count` are not.
+_SECRET_KEY_PARTS = (
+    "authorization",
+    "password",
+    "passwd",
+    "secret",
+    "credential",
+    "cookie",
+    "apikey",
+    "privatekey",
+)
+_SECRET_KEY_SUFFIXES = ("token",)
+
+_B64URL = r"[A-Za-z0-9_-]"
+_SECRET_TEXT = re.compile(
+    # `Bearer <credential>`, as in an Authorization header (RFC 6750 token68 characters).
+    r"\bbearer\s+[A-Za-z0-9\-._~+/]+=*"
+    # A JWT/JWS: a base64url JSON header (always starts `eyJ`), payload, optional signature.
+    rf"|\beyJ{_B64URL}*\.{_B64URL}+\.{_B64URL}*"
+    # Any other three long base64url parts joined by dots (opaque signed tokens).
+    rf"|(?<![A-Za-z0-9_.-]){_B64URL}{{16,}}\.{_B64URL}{{16,}}\.{_B64URL}{{16,}}(?![A-Za-z0-9_-])",
+    re.IGNORECASE,
+)
+
+
+def is_secret_key(key: object) -> bool:
+    """True when a key names a credential, whatever the case or separators."""
+    flat = re.sub(r"[^a-z0-9]", "", str(key).lower())
+    return any(part in flat for part in _SECRET_KEY_PARTS) or flat.endswith(_SECRET_KEY_SUFFIXES)
+
+
+def redact_text(text: str) -> str:
+    """`text` with every bearer credential and JWT-looking token replaced by [REDACTED]."""
+    return _SECRET_TEXT.sub(REDACTED, text)
+
+
+def redact_value(value: Any) -> Any:
+    """Strings are scrubbed by shape; mappings and sequences are walked; the rest is kept."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, Mapping):
+        return redact_mapping(value)
+    if isinstance(value, list | tuple):
+        return [redact_value(v) for v in value]
+    return value
+
+
+def redact_mapping(d: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A copy of `d` (nested mappings and lists too) with secrets replaced by [REDACTED]."""
+    return {k: REDACTED if is_secret_key(k) else redact_value(v) for k, v in d.items()}

@@ -1,0 +1,137 @@
+"""The Router service: a model id or alias becomes (canonical model id, backend).
+
+Names are checked at load so that every name resolves to exactly one model: a duplicate id
+or alias, or an alias that shadows another model's id, is a ConfigError, never a silent
+"last one wins". `RouterService.resolve` is plain Python for the batcher; the gRPC methods
+only wrap it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.common import ConfigError, DeviceState
+from spine.v1 import router_pb2, router_pb2_grpc
+
+_ROUTER_FIELDS = ("models",)
+_MODEL_FIELDS = ("id", "backend", "aliases")
+_MAX_ECHO = 64  # an unknown name is quoted back, but not an arbitrarily long one
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    id: str
+    backend: str
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    models: tuple[ModelRoute, ...]
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> RouterConfig:
+        cfg = _mapping(section or {}, "router")
+        _known_fields(cfg, _ROUTER_FIELDS, "router")
+        entries = cfg.get("models")
+        if isinstance(entries, str) or not isinstance(entries, Sequence) or not entries:
+            raise ConfigError(f"router.models: expected a non-empty list of models, got {entries!r}")
+        models = tuple(_model(_mapping(e, f"router.models[{i}]"), f"router.models[{i}]") for i, e in enumerate(entries))
+        _check_unique(models)
+        return cls(models)
+
+
+def _model(cfg: Mapping[str, Any], where: str) -> ModelRoute:
+    _known_fields(cfg, _MODEL_FIELDS, where)
+    aliases = cfg.get("aliases") or []
+    if isinstance(aliases, str) or not isinstance(aliases, Sequence):
+        raise ConfigError(f"{where}.aliases: expected a list of names, got {aliases!r}")
+    for j, alias in enumerate(aliases):
+        _name(alias, f"{where}.aliases[{j}]")
+    return ModelRoute(_name(cfg.get("id"), f"{where}.id"), _name(cfg.get("backend"), f"{where}.backend"), tuple(aliases))
+
+
+def _check_unique(models: tuple[ModelRoute, ...]) -> None:
+    """Every id and alias names one model; the first claim on a name wins the error message."""
+    owner: dict[str, str] = {}  # name -> the field that first claimed it
+    for i, model in enumerate(models):
+        where = f"router.models[{i}]"
+        if model.id in owner:
+            raise ConfigError(f"{where}.id: {model.id!r} is already used by {owner[model.id]}")
+        owner[model.id] = f"{where}.id"
+    for i, model in enumerate(models):
+        for j, alias in enumerate(model.aliases):
+            where = f"router.models[{i}].aliases[{j}]"
+            if alias in owner:
+                raise ConfigError(f"{where}: {alias!r} is already used by {owner[alias]}")
+            owner[alias] = where
+
+
+def _name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _known_fields(cfg: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    for name in cfg:
+        if name not in allowed:
+            raise ConfigError(f"{where}: unknown field {name!r}; expected one of {', '.join(allowed)}")
+
+
+class UnknownModel(LookupError):
+    """No model by that name; the message lists the known ids and aliases."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown model"
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, config: RouterConfig, device: DeviceState | None = None) -> None:
+        self.config = config
+        self.device = device  # the router keeps no tensor state; accepted for a uniform constructor
+        self._routes: dict[str, ModelRoute] = {}
+        for model in config.models:
+            self._routes[model.id] = model
+            for alias in model.aliases:
+                self._routes[alias] = model
+        self._known = "; ".join(
+            f"{m.id} (aliases: {', '.join(m.aliases)})" if m.aliases else m.id for m in config.models
+        )
+
+    def resolve(self, name: str) -> router_pb2.ResolveResponse:
+        """The model `name` (an id or alias) routes to; UnknownModel (a LookupError) if none."""
+        model = self._routes.get(name)
+        if model is None:
+            if not name:
+                raise UnknownModel(f"no model requested; known: {self._known}")
+            shown = name if len(name) <= _MAX_ECHO else name[:_MAX_ECHO] + "..."
+            raise UnknownModel(f"unknown model {shown!r}; known: {self._known}")
+        return router_pb2.ResolveResponse(model_id=model.id, backend=model.backend, requested=name)
+
+    def list_models(self) -> router_pb2.ListModelsResponse:
+        return router_pb2.ListModelsResponse(
+            model_ids=[m.id for m in self.config.models],
+            aliases={alias: m.id for m in self.config.models for alias in m.aliases},
+        )
+
+    def Resolve(self, request: router_pb2.ResolveRequest, context: grpc.ServicerContext) -> router_pb2.ResolveResponse:
+        try:
+            return self.resolve(request.model)
+        except LookupError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+
+    def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: grpc.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        return self.list_models()

@@ -1,0 +1,105 @@
+"""A small client for the Gateway API: one call, its answer, status, trailers and latency."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from spine.v1 import gateway_pb2_grpc, generation_pb2
+
+
+@dataclass
+class CallResult:
+    code: grpc.StatusCode
+    details: str
+    latency_s: float
+    response: generation_pb2.GenerateResponse | None = None
+    chunks: list[generation_pb2.GenerateChunk] = field(default_factory=list)
+    trailing: dict[str, str] = field(default_factory=dict)
+    first_chunk_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self.response is not None:
+            return list(self.response.token_ids)
+        return [t for chunk in self.chunks for t in chunk.token_ids]
+
+    @property
+    def text(self) -> str:
+        if self.response is not None:
+            return self.response.text
+        return "".join(chunk.text for chunk in self.chunks)
+
+    @property
+    def layout(self) -> str:
+        return self.trailing.get("x-spine-layout", "")
+
+    def decision(self) -> tuple[Any, ...]:
+        """What parity compares: status, cache hit and tokens (latency aside)."""
+        cached = self.response.cached if self.response is not None else any(c.cached for c in self.chunks)
+        return (self.code.name, self.details if not self.ok else "", cached, tuple(self.token_ids))
+
+
+class GatewayClient:
+    """Calls one Gateway address; reuses its channel."""
+
+    def __init__(self, address: str, token: str | None = None, max_message_bytes: int = 4 << 20) -> None:
+        self.address = address
+        self.token = token
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ])
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def metadata(self, token: str | None = None, extra: dict[str, str] | None = None) -> list[tuple[str, str]]:
+        md: list[tuple[str, str]] = []
+        credential = token if token is not None else self.token
+        if credential:
+            md.append(("authorization", f"Bearer {credential}"))
+        md.extend((extra or {}).items())
+        return md
+
+    def generate(self, request: generation_pb2.GenerateRequest, *, token: str | None = None,
+                 timeout: float = 30.0, headers: dict[str, str] | None = None) -> CallResult:
+        started = time.perf_counter()
+        try:
+            response, call = self.stub.Generate.with_call(request, timeout=timeout,
+                                                           metadata=self.metadata(token, headers))
+            return CallResult(grpc.StatusCode.OK, "", time.perf_counter() - started, response=response,
+                              trailing=dict(call.trailing_metadata() or ()))
+        except grpc.RpcError as error:
+            return CallResult(error.code(), error.details() or "", time.perf_counter() - started,
+                              trailing=dict(error.trailing_metadata() or ()))  # type: ignore[attr-defined]
+
+    def stream(self, request: generation_pb2.GenerateRequest, *, token: str | None = None,
+               timeout: float = 30.0, headers: dict[str, str] | None = None) -> CallResult:
+        started = time.perf_counter()
+        call = self.stub.GenerateStream(request, timeout=timeout, metadata=self.metadata(token, headers))
+        result = CallResult(grpc.StatusCode.OK, "", 0.0)
+        try:
+            for chunk in call:
+                if result.first_chunk_s is None:
+                    result.first_chunk_s = time.perf_counter() - started
+                result.chunks.append(chunk)
+        except grpc.RpcError as error:
+            result.code, result.details = error.code(), error.details() or ""
+        result.latency_s = time.perf_counter() - started
+        result.trailing = dict(call.trailing_metadata() or ())
+        return result
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

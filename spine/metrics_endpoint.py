@@ -1,0 +1,18 @@
+"""Start the Prometheus text endpoint for whichever process hosts the metrics servicer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Path) -> Any:
+    """Serve `servicer.render()` over HTTP; write the address to run_dir/metrics.addr."""
+    from services.prometheus_http import PrometheusHTTPServer
+
+    listen = str((config.get("metrics") or {}).get("http_listen", "127.0.0.1:0"))
+    endpoint = PrometheusHTTPServer(servicer.render, listen=listen)
+    endpoint.start()
+    (run_dir / "metrics.addr").write_text(str(endpoint.address))
+    return endpoint

@@ -1,0 +1,79 @@
+"""One component in its own process: the layered layout's building block.
+
+    python -m spine.process COMPONENT --listen unix:/run/spine/auth.sock --config run/config.yaml
+
+The process makes its own device context, serves the component behind a real gRPC
+server (with health and reflection), and on SIGTERM stops accepting, finishes what it
+accepted and flushes (logs, metrics) before it exits. It dies with its supervisor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from spine.components import COMPONENTS, SPECS, close_servicer
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies: no orphans, ever."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spine.process", description=__doc__)
+    parser.add_argument("component", choices=COMPONENTS)
+    parser.add_argument("--listen", required=True, help="unix:/path or 127.0.0.1:PORT")
+    parser.add_argument("--config", required=True, help="the run's merged config YAML")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--parent-pid", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    die_with_parent()
+    if args.parent_pid and os.getppid() != args.parent_pid:
+        return 1  # the supervisor died before we could ask to die with it
+
+    from monolith.device import DeviceContext
+    from monolith.runtime_env import configure_threads
+    from spine.config import load_config
+    from spine.server import start_server
+
+    configure_threads()
+    config = load_config(args.config)
+    run_dir = Path(args.run_dir)
+    spec = SPECS[args.component]
+    servicer = spec.build(config, DeviceContext(), run_dir)
+    limits = config.get("limits", {})
+    server = start_server([(spec, servicer)], args.listen,
+                          max_message_bytes=int(limits.get("max_message_bytes", 1 << 20)))
+    extra = None
+    if args.component == "metrics":
+        from spine.metrics_endpoint import start_metrics_endpoint
+
+        extra = start_metrics_endpoint(servicer, config, run_dir)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"{args.component} serving on {server.address}", flush=True)
+    stop.wait()
+    server.stop(grace=3.0)
+    if extra is not None:
+        extra.stop()
+    close_servicer(servicer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Bring up a layout: remote components as supervised processes, local ones in-process.
+
+The front (the Gateway) always runs in this process. Each component is bound either
+locally (its servicer built here on the shared `DeviceContext`, called directly) or
+remotely (a child process behind a gRPC server on a unix socket). All local, it is the
+spine; all remote, it is the layered stack; anything between is a migration stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from monolith.device import DeviceContext
+from services.gateway import Clients, Gateway
+from services.gateway_limits import RequestLimits
+from spine.bindings import BindingHook, LocalBinding, RemoteBinding
+from spine.components import COMPONENTS, GATEWAY, SPECS, close_servicer
+from spine.config import layout_name
+from spine.server import RunningServer, start_server
+from spine.supervisor import Supervisor
+
+log = logging.getLogger("spine.runtime")
+
+
+def remote_channel(address: str, max_message_bytes: int) -> grpc.Channel:
+    """A channel to an internal link (unix socket or loopback)."""
+    return grpc.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),
+    ])
+
+
+@dataclass
+class Stack:
+    """One running layout, given a placement for every component."""
+
+    config: Mapping[str, Any]
+    placements: Mapping[str, str]
+    listen: str = "127.0.0.1:0"
+    run_dir: Path | None = None
+    allow_external: bool = False
+    hooks: Sequence[BindingHook] = ()
+    device: DeviceContext = field(default_factory=DeviceContext)
+    supervisor: Supervisor | None = None
+    server: RunningServer | None = None
+    gateway: Gateway | None = None
+    local_servicers: dict[str, Any] = field(default_factory=dict)
+    bindings: dict[str, Any] = field(default_factory=dict)
+    metrics_endpoint: Any = None
+    _tmp: Any = None
+
+    @property
+    def layout(self) -> str:
+        return layout_name(self.placements)
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None, "stack not started"
+        return self.server.address
+
+    def start(self) -> str:
+        """Start everything and return the Gateway's address once all is SERVING."""
+        if self.run_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
+            self.run_dir = Path(self._tmp.name)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(dict(self.config)))
+        limits = RequestLimits.from_config(self.config)
+        try:
+            remote = [name for name in COMPONENTS if self.placements[name] == "remote"]
+            if remote:
+                self.supervisor = Supervisor(self.run_dir)
+                for name in remote:
+                    self.supervisor.add_component(name, config_path)
+                self.supervisor.start()
+            for name in COMPONENTS:
+                self.bindings[name] = self._bind(name, limits.max_message_bytes)
+            self.gateway = Gateway(Clients(**self.bindings), limits, self.layout)
+            if "metrics" in self.local_servicers:
+                from spine.metrics_endpoint import start_metrics_endpoint
+
+                self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
+                                                               self.run_dir)
+            self.server = start_server([(GATEWAY, self.gateway)], self.listen,
+                                       max_message_bytes=limits.max_message_bytes,
+                                       allow_external=self.allow_external)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("%s layout serving on %s", self.layout, self.server.address)
+        return self.server.address
+
+    def _bind(self, name: str, max_message_bytes: int) -> Any:
+        spec = SPECS[name]
+        if self.placements[name] == "local":
+            assert self.run_dir is not None
+            servicer = spec.build(self.config, self.device, self.run_dir)
+            self.local_servicers[name] = servicer
+            return LocalBinding(name, spec.descriptor(), servicer, self.hooks)
+        assert self.supervisor is not None
+        channel = remote_channel(self.supervisor.children[name].address, max_message_bytes)
+        return RemoteBinding(name, spec.descriptor(), spec.stub_class(), channel, self.hooks)
+
+    def metrics_address(self) -> str | None:
+        """Where the Prometheus text is served (by this process or the metrics child)."""
+        if self.run_dir is None:
+            return None
+        path = self.run_dir / "metrics.addr"
+        return path.read_text().strip() if path.exists() else None
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Finish in-flight requests, flush local logs and metrics, stop every child."""
+        if self.server is not None:
+            self.server.stop(grace)
+            self.server = None
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.stop()
+            self.metrics_endpoint = None
+        for servicer in self.local_servicers.values():
+            close_servicer(servicer)
+        self.local_servicers.clear()
+        for binding in self.bindings.values():
+            binding.close()
+        self.bindings.clear()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

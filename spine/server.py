@@ -1,0 +1,112 @@
+"""A gRPC server the way every spine process runs one.
+
+Health checking and server reflection are registered on every server, so stock tools
+(grpc_health_probe, grpcurl) work against any process of either layout. Internal links
+bind to unix sockets or loopback; a public address elsewhere must be asked for.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from spine.components import ComponentSpec
+
+
+class UnsafeAddress(ValueError):
+    """A listen address off loopback, refused unless explicitly allowed."""
+
+
+def check_listen(address: str, allow_external: bool = False) -> None:
+    """Refuse addresses that would expose an internal link beyond this machine."""
+    if address.startswith("unix:") or allow_external:
+        return
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise UnsafeAddress(
+        f"listen address {address!r} is not loopback or a unix socket; "
+        "pass --allow-external to expose it beyond this machine"
+    )
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    address: str  # what a client dials: "unix:/path" or "127.0.0.1:PORT"
+    health: health.HealthServicer
+
+    def set_serving(self, serving: bool, service: str = "") -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set(service, status)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+
+def start_server(
+    services: Sequence[tuple[ComponentSpec, Any]],
+    listen: str,
+    *,
+    max_message_bytes: int = 1 << 20,
+    max_workers: int = 32,
+    allow_external: bool = False,
+) -> RunningServer:
+    """Start a server hosting `services` on `listen` (port 0 picks a free port)."""
+    check_listen(listen, allow_external)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    for spec, servicer in services:
+        spec.add_to_server(servicer, server)
+        names.append(spec.full_name)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"could not bind {listen}")
+    server.start()
+    address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
+    running = RunningServer(server, address, health_servicer)
+    running.set_serving(True)
+    for spec, _ in services:
+        running.set_serving(True, spec.full_name)
+    return running
+
+
+def wait_serving(address: str, timeout: float, service: str = "") -> bool:
+    """True once the health service at `address` says SERVING, False after `timeout`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    return False

@@ -94,7 +94,9 @@ def _integer(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1
 class LogsService(logs_pb2_grpc.LogsServicer):
     """Writes request logs; `append_batch` is the batcher's one ring append per micro-batch."""
 
-    def __init__(self, config: LogsConfig, device: DeviceState | None = None, clock: Clock = time.time) -> None:
+    def __init__(
+        self, config: LogsConfig, device: DeviceState | None = None, clock: Clock = time.time
+    ) -> None:
         self.config = config
         self.device = device
         self._clock = clock

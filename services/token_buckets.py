@@ -135,7 +135,7 @@ class TokenBucketTable:
         cols = s[:, slots]
         elapsed = (now - cols[LAST_REFILL]).clamp(min=0.0)
         cols[LEVEL] = torch.minimum(cols[CAPACITY], cols[LEVEL] + cols[RATE] * elapsed)
-        cols[LAST_REFILL] = cols[LAST_REFILL] + elapsed
+        cols[LAST_REFILL] = cols[LAST_REFILL].clamp(min=now)
         s[:, slots] = cols
 
     def decide(

@@ -288,6 +288,11 @@ class LocalStream:
             return item
         except StopIteration:
             failure = self._context.result_error()
+            if failure is None:
+                try:
+                    self._context.check_live()  # a stream that ended because time ran out did not succeed
+                except LocalRpcError as late:
+                    failure = late
             if failure is not None:
                 self._end(failure.code())
                 raise failure from None

@@ -90,7 +90,11 @@ class KVCache:
 
 
 class TinyLM(torch.nn.Module):
-    """Decoder-only transformer (pre-RMSNorm, ReLU MLP, learned positions, tied head)."""
+    """Decoder-only transformer (pre-RMSNorm, ReLU MLP, learned positions, untied head).
+
+    The head is untied because with random weights a tied one mostly echoes the input
+    token (its own embedding scores highest), and the answers become one repeated byte.
+    """
 
     def __init__(
         self,
@@ -122,6 +126,7 @@ class TinyLM(torch.nn.Module):
         self._exp_index_scale = EXP_STEPS_PER_UNIT / math.sqrt(self.head_dim)
         self.register_buffer("embed", torch.zeros(vocab_size, d_model, dtype=torch.float64))
         self.register_buffer("pos", torch.zeros(max_context, d_model, dtype=torch.float64))
+        self.register_buffer("head", torch.zeros(vocab_size, d_model, dtype=torch.float64))
         for i in range(n_layers):
             self.register_buffer(f"wqkv{i}", torch.zeros(3 * d_model, d_model, dtype=torch.float64))
             self.register_buffer(f"wo{i}", torch.zeros(d_model, d_model, dtype=torch.float64))
@@ -143,6 +148,7 @@ class TinyLM(torch.nn.Module):
             weights[f"wo{i}"] = _grid_uniform(gen, (d, d), math.sqrt(3.0 / d))
             weights[f"w1_{i}"] = _grid_uniform(gen, (ff, d), math.sqrt(6.0 / d))
             weights[f"w2_{i}"] = _grid_uniform(gen, (d, ff), math.sqrt(3.0 / ff))
+        weights["head"] = _grid_uniform(gen, (model._vocab_size, d), 1.0)
         with torch.no_grad():
             for name, tensor in weights.items():
                 getattr(model, name).copy_(tensor)
@@ -210,7 +216,7 @@ class TinyLM(torch.nn.Module):
             last = torch.tensor(_last_indices(segments), dtype=torch.long, device=dev)
             x = x[last]
         h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
-        return h @ self.embed.T + self.logit_bias
+        return h @ self.head.T + self.logit_bias
 
     def _block(
         self,

@@ -1,0 +1,184 @@
+"""MigrationControl: the operator API over gRPC, a thin skin on the Controller.
+
+The service only authenticates, translates messages and maps errors to status codes:
+InvalidTransition → FAILED_PRECONDITION, PlanError → INVALID_ARGUMENT (with field and line),
+a missing or wrong admin token → UNAUTHENTICATED. The token is compared in constant time
+and never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from migration.controller import Controller, InvalidTransition, StatusView
+from migration.plan import Plan, PlanError, load_plan
+from migration.status import AuditEntry
+from spine.v1 import migration_pb2 as pb
+from spine.v1 import migration_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "spine.v1.MigrationControl"
+_Response = TypeVar("_Response")
+
+
+def _command(method: Callable[..., _Response]) -> Callable[..., _Response]:
+    """Authenticate, then run `method`, mapping controller errors to status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self: MigrationService, request: Any, context: grpc.ServicerContext) -> _Response:
+        self.authorize(context)
+        try:
+            return method(self, request, context)
+        except InvalidTransition as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except PlanError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    return wrapper
+
+
+class MigrationService(pb_grpc.MigrationControlServicer):
+    def __init__(self, controller: Controller, admin_token: str, *, heartbeat_s: float = 1.0) -> None:
+        if not admin_token:
+            raise ValueError("admin_token: must be non-empty")
+        self._controller = controller
+        self._token = admin_token.encode()
+        self._heartbeat_s = heartbeat_s
+        self._closing = threading.Event()
+
+    def close(self) -> None:
+        """End open WatchEvents streams (at their next heartbeat)."""
+        self._closing.set()
+
+    def authorize(self, context: grpc.ServicerContext) -> None:
+        presented = b""
+        for key, value in context.invocation_metadata():
+            if key == "authorization":
+                text = value.decode() if isinstance(value, bytes) else value
+                scheme, _, credential = text.partition(" ")
+                if scheme.lower() == "bearer":
+                    presented = credential.strip().encode()
+        if not presented:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing admin token: send `authorization: Bearer <token>` metadata")
+        if not hmac.compare_digest(presented, self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token not accepted")
+
+    @_command
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        return status_message(self._controller.view(audit_rows=request.audit_rows or 10))
+
+    @_command
+    def Plan(self, request: pb.PlanRequest, context: grpc.ServicerContext) -> pb.PlanResponse:
+        plan = load_plan(request.plan_yaml)
+        if not request.validate_only:
+            self._controller.load(plan, _actor(request, context))
+        return plan_message(plan, loaded=not request.validate_only)
+
+    @_command
+    def Start(self, request: pb.StartRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        plan = load_plan(request.plan_yaml) if request.plan_yaml else None
+        self._controller.start(plan, _actor(request, context), request.reason)
+        return self._status()
+
+    @_command
+    def Advance(self, request: pb.AdvanceRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        self._controller.advance(request.stage or None, _actor(request, context), request.reason)
+        return self._status()
+
+    @_command
+    def Pause(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        self._controller.pause(_actor(request, context), request.reason)
+        return self._status()
+
+    @_command
+    def Resume(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        self._controller.resume(_actor(request, context), request.reason)
+        return self._status()
+
+    @_command
+    def Approve(self, request: pb.ApproveRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        self._controller.approve(request.stage or None, _actor(request, context), request.reason)
+        return self._status()
+
+    @_command
+    def Rollback(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        self._controller.rollback(_actor(request, context), request.reason)
+        return self._status()
+
+    @_command
+    def Abort(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
+        self._controller.abort(_actor(request, context), request.reason)
+        return self._status()
+
+    def WatchEvents(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.MigrationEvent]:
+        self.authorize(context)
+        view = self._controller.view()
+        after = request.after_id or (view.recent_audit[-1].id if view.recent_audit else 0)
+        yield pb.MigrationEvent(status=status_message(view))
+        while context.is_active() and not self._closing.is_set():
+            rows = self._controller.wait_for_audit(after, timeout=self._heartbeat_s)
+            status = self._status()
+            if not rows:
+                yield pb.MigrationEvent(status=status)
+            for row in rows:
+                after = row.id
+                yield pb.MigrationEvent(status=status, audit=audit_message(row))
+
+    def _status(self) -> pb.RolloutStatus:
+        return status_message(self._controller.view())
+
+
+def _actor(request: Any, context: grpc.ServicerContext) -> str:
+    """The actor the caller names (the admin token is shared, so this is self-declared)."""
+    return request.actor or f"unnamed@{context.peer()}"
+
+
+def audit_message(row: AuditEntry) -> pb.AuditEvent:
+    return pb.AuditEvent(id=row.id, ts=row.ts, actor=row.actor, action=row.action, from_state=row.from_state,
+                         to_state=row.to_state, stage=row.stage, reason=row.reason)
+
+
+def status_message(view: StatusView) -> pb.RolloutStatus:
+    s, plan, stage = view.status, view.plan, view.stage
+    message = pb.RolloutStatus(
+        plan_name=s.plan_name, state=str(s.state), stage_index=s.stage_index,
+        stage_count=len(plan.stages) if plan else 0, stage_name=stage.name if stage else "",
+        spine_weight=s.spine_weight, layered_weight=s.layered_weight, placements=s.placements,
+        consecutive_failures=s.consecutive_failures, failure_limit=stage.failure_limit if stage else 0,
+        version=s.version, applied=s.acked, stage_elapsed_s=view.stage_elapsed_s,
+        stage_requests=s.stage_requests, last_verdict=s.last_verdict, awaiting_stage=view.awaiting_stage,
+        updated_at=s.updated_at, stage_names=[st.name for st in plan.stages] if plan else [],
+        recent_audit=[audit_message(row) for row in view.recent_audit],
+    )
+    if stage is not None and stage.hold_s is not None:
+        message.hold_s = stage.hold_s
+    if stage is not None and stage.min_requests is not None:
+        message.min_requests = stage.min_requests
+    for record in view.last_gates:
+        gate = message.last_gates.add(gate=record.gate, verdict=record.verdict, threshold=record.threshold,
+                                      dry_run=record.dry_run, message=record.message, stage=record.stage,
+                                      window_start=record.window_start, window_end=record.window_end)
+        if record.value is not None:
+            gate.value = record.value
+    return message
+
+
+def plan_message(plan: Plan, *, loaded: bool) -> pb.PlanResponse:
+    response = pb.PlanResponse(name=plan.name, description=plan.description, window_s=plan.window_s,
+                               min_window_requests=plan.min_window_requests, loaded=loaded)
+    for stage in plan.stages:
+        summary = response.stages.add(name=stage.name, spine_weight=stage.spine_weight,
+                                      placements=stage.placements, gates=[g.describe() for g in stage.gates],
+                                      failure_limit=stage.failure_limit, manual_approval=stage.manual_approval)
+        if stage.hold_s is not None:
+            summary.hold_s = stage.hold_s
+        if stage.min_requests is not None:
+            summary.min_requests = stage.min_requests
+    return response

@@ -1,0 +1,271 @@
+"""Specification of the logs service: JSON lines, batched flushes, no loss, redaction."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from services.common import ConfigError
+from services.log_ring import LogRing, LogsClosedError
+from services.logs import LogsConfig, LogsService
+from services.redact import REDACTED, is_secret_key, redact_mapping, redact_text
+from spine.v1 import logs_pb2, logs_pb2_grpc
+
+JWT = (
+    "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9"
+    ".eyJzdWIiOiIxMjM0NTY3ODkwIiwidGVuYW50IjoiZGV2In0"
+    ".SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c"
+)
+
+
+def rec(i: int = 0, **kw: Any) -> logs_pb2.LogRecord:
+    base: dict[str, Any] = {
+        "request_id": f"r{i}",
+        "tenant": "dev",
+        "model": "tiny-lm",
+        "status": "OK",
+        "latency_ms": 1.5,
+        "layout": "collapsed",
+    }
+    base.update(kw)
+    return logs_pb2.LogRecord(**base)
+
+
+def config(tmp_path: Path, **kw: Any) -> LogsConfig:
+    cfg: dict[str, Any] = {"path": "logs/requests.jsonl", "batch_lines": 64, "flush_interval_s": 3600.0}
+    cfg.update(kw)
+    return LogsConfig.from_dict(cfg, tmp_path)
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    data = path.read_bytes() if path.exists() else b""
+    assert data == b"" or data.endswith(b"\n")
+    return [json.loads(line) for line in data.split(b"\n")[:-1]]
+
+
+def wait_for_lines(path: Path, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Poll until the file holds n lines (a generous deadline, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = read_lines(path)
+        if len(lines) >= n or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[LogsService]:
+    svc = LogsService(config(tmp_path), clock=lambda: 1700000000.25)
+    yield svc
+    svc.close()
+
+
+def test_each_request_is_one_json_line_with_the_agreed_fields(service: LogsService) -> None:
+    service.append_batch(
+        [rec(1, cached=True, shadow=True, status="UNAVAILABLE", fields={"route": "tiny-lm"})]
+    )
+    assert service.flush() == 1
+    (line,) = read_lines(service.config.path)
+    assert line == {
+        "ts": 1700000000.25,
+        "request_id": "r1",
+        "tenant": "dev",
+        "model": "tiny-lm",
+        "status": "UNAVAILABLE",
+        "latency_ms": 1.5,
+        "layout": "collapsed",
+        "cached": True,
+        "shadow": True,
+        "fields": {"route": "tiny-lm"},
+    }
+
+
+def test_path_is_relative_to_the_run_dir_and_config_errors_name_the_field(tmp_path: Path) -> None:
+    assert config(tmp_path).path == tmp_path / "logs" / "requests.jsonl"
+    assert LogsConfig.from_dict({"path": "/var/log/x.jsonl"}, tmp_path).path == Path("/var/log/x.jsonl")
+    with pytest.raises(ConfigError, match=r"logs\.batch_lines: must be >= 1, got 0"):
+        LogsConfig.from_dict({"batch_lines": 0}, tmp_path)
+    with pytest.raises(ConfigError, match=r"logs\.ring_capacity: must be >= logs\.batch_lines \(64\), got 8"):
+        LogsConfig.from_dict({"ring_capacity": 8}, tmp_path)
+    with pytest.raises(ConfigError, match=r"logs\.flush_interval_s: must be > 0"):
+        LogsConfig.from_dict({"flush_interval_s": 0}, tmp_path)
+    with pytest.raises(ConfigError, match=r"logs\.bach_lines: unknown field"):
+        LogsConfig.from_dict({"bach_lines": 3}, tmp_path)
+
+
+def test_a_full_batch_is_flushed_in_one_write(tmp_path: Path) -> None:
+    svc = LogsService(config(tmp_path, batch_lines=5))
+    try:
+        svc.append_batch([rec(i) for i in range(4)])
+        svc.append_batch([rec(4)])
+        lines = wait_for_lines(svc.config.path, 5)
+        assert [line["request_id"] for line in lines] == [f"r{i}" for i in range(5)]
+        assert svc.flush() == 5  # nothing pending: waits for the batch's write, writes nothing
+        assert svc.writes == 1
+        svc.append_batch([rec(5)])  # below batch_lines, and the interval is an hour away
+        time.sleep(0.1)
+        assert len(read_lines(svc.config.path)) == 5
+        assert svc.pending == 1
+    finally:
+        svc.close()
+
+
+def test_a_partial_batch_is_flushed_when_the_interval_passes(tmp_path: Path) -> None:
+    svc = LogsService(config(tmp_path, batch_lines=1000, ring_capacity=1000, flush_interval_s=0.02))
+    try:
+        svc.append_batch([rec(i) for i in range(3)])
+        assert len(wait_for_lines(svc.config.path, 3)) == 3
+        assert svc.pending == 0
+    finally:
+        svc.close()
+
+
+def test_close_writes_every_line_accepted_from_many_threads(tmp_path: Path) -> None:
+    svc = LogsService(config(tmp_path, batch_lines=128, ring_capacity=512, flush_interval_s=0.05))
+    threads, per_thread = 8, 1250
+
+    def worker(t: int) -> None:
+        for i in range(0, per_thread, 10):
+            svc.append_batch([rec(t * per_thread + i + j) for j in range(10)])
+
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    svc.close()
+    svc.close()  # idempotent
+    lines = read_lines(svc.config.path)
+    assert len(lines) == threads * per_thread == 10_000
+    assert sorted(int(line["request_id"][1:]) for line in lines) == list(range(10_000))
+    assert svc.flush() == 10_000
+
+
+def test_a_full_ring_blocks_then_flushes_without_dropping(tmp_path: Path) -> None:
+    # A ring of 4 and batches of 10 and 7: every append meets a full ring at least once and
+    # must wait for the flusher or flush in its own thread.
+    svc = LogsService(config(tmp_path, batch_lines=4, ring_capacity=4, full_wait_s=0.001))
+    try:
+        svc.append_batch([rec(i) for i in range(10)])  # more than the ring holds at once
+        svc.append_batch([rec(10 + i) for i in range(7)])
+        assert svc.flush() == 17
+        assert [line["request_id"] for line in read_lines(svc.config.path)] == [f"r{i}" for i in range(17)]
+    finally:
+        svc.close()
+
+
+def test_lines_stay_in_order_of_acceptance(service: LogsService) -> None:
+    for i in range(0, 300, 3):
+        service.append_batch([rec(i), rec(i + 1), rec(i + 2)])
+    service.close()
+    assert [line["request_id"] for line in read_lines(service.config.path)] == [f"r{i}" for i in range(300)]
+
+
+def test_secrets_in_fields_or_jwt_values_never_reach_the_file(service: LogsService) -> None:
+    service.append_batch(
+        [
+            rec(
+                1,
+                request_id=JWT,
+                fields={
+                    "Authorization": "Basic dXNlcjpwYXNz",
+                    "x-api-key": "sk-live-123456",
+                    "refresh_token": "opaque-refresh",
+                    "note": f"client sent Bearer {JWT} and Bearer abc.def",
+                    "upstream": JWT,
+                    "max_tokens": "64",
+                },
+            )
+        ]
+    )
+    service.close()
+    raw = service.config.path.read_text()
+    for secret in ("dXNlcjpwYXNz", "sk-live-123456", "opaque-refresh", "eyJ", "abc.def", "SflKxwRJ"):
+        assert secret not in raw
+    (line,) = read_lines(service.config.path)
+    assert line["request_id"] == REDACTED
+    assert line["fields"]["x-api-key"] == REDACTED
+    assert line["fields"]["note"] == f"client sent {REDACTED} and {REDACTED}"
+    assert line["fields"]["max_tokens"] == "64"
+
+
+def test_redaction_rules() -> None:
+    assert all(
+        is_secret_key(k) for k in ("password", "apiKey", "X-Auth-Token", "client_secret", "Set-Cookie")
+    )
+    assert not any(is_secret_key(k) for k in ("max_tokens", "token_count", "tenant", "model", "status"))
+    nested = {"headers": {"cookie": "a=b"}, "list": [{"Credentials": "x"}, "Bearer tok"], "n": 3}
+    assert redact_mapping(nested) == {
+        "headers": {"cookie": REDACTED},
+        "list": [{"Credentials": REDACTED}, REDACTED],
+        "n": 3,
+    }
+    assert redact_text(f"jwt={JWT};") == f"jwt={REDACTED};"
+    # Dotted names that are not tokens survive.
+    assert redact_text("api.example.com v1.2.3 tiny-lm") == "api.example.com v1.2.3 tiny-lm"
+
+
+def test_bad_records_are_refused_whole(service: LogsService) -> None:
+    with pytest.raises(ValueError, match=r"records\[1\]\.latency_ms"):
+        service.append_batch([rec(0), rec(1, latency_ms=float("inf"))])
+    with pytest.raises(ValueError, match=r"above logs\.max_line_bytes=65536"):
+        service.append_batch([rec(2, fields={"big": "x" * 70_000})])
+    assert service.flush() == 0
+
+
+def test_append_after_close_is_refused_and_line_count_survives_restart(tmp_path: Path) -> None:
+    svc = LogsService(config(tmp_path))
+    svc.append_batch([rec(0), rec(1)])
+    svc.close()
+    with pytest.raises(LogsClosedError):
+        svc.append_batch([rec(2)])
+    again = LogsService(config(tmp_path))
+    try:
+        again.append_batch([rec(2)])
+        assert again.flush() == 3
+    finally:
+        again.close()
+
+
+def test_ring_is_a_fifo_of_fixed_capacity() -> None:
+    ring = LogRing(3)
+    assert ring.put([b"a", b"b"]) == 2
+    assert ring.drain() == [b"a", b"b"]
+    assert ring.put([b"c", b"d", b"e", b"f"]) == 3  # wraps around the end
+    assert ring.put([b"f"]) == 0
+    assert len(ring) == 3
+    assert ring.drain() == [b"c", b"d", b"e"]
+    assert len(ring) == 0
+
+
+def test_grpc_round_trip_on_a_unix_socket(service: LogsService) -> None:
+    with tempfile.TemporaryDirectory(prefix="spl") as tmp:
+        address = f"unix:{tmp}/logs.sock"
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        logs_pb2_grpc.add_LogsServicer_to_server(service, server)
+        server.add_insecure_port(address)
+        server.start()
+        try:
+            with grpc.insecure_channel(address) as channel:
+                stub = logs_pb2_grpc.LogsStub(channel)
+                stub.Append(rec(1, fields={"password": "hunter2"}), timeout=10)
+                stub.Append(rec(2), timeout=10)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Append(rec(3, latency_ms=-1.0), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "latency_ms" in (err.value.details() or "")
+                assert stub.Flush(logs_pb2.FlushRequest(), timeout=10).lines_written == 2
+        finally:
+            server.stop(grace=None)
+    lines = read_lines(service.config.path)
+    assert [line["request_id"] for line in lines] == ["r1", "r2"]
+    assert lines[0]["fields"] == {"password": REDACTED}

@@ -354,13 +354,14 @@ class Controller:
         return new
 
     def _recover(self) -> None:
-        s = self._status
-        if s.state is State.PENDING or self._plan is None:
-            return
-        self._move(s.state, "recover", SYSTEM_ACTOR,
-                   f"controller restarted; re-applied {s.spine_weight:g}% spine at stage "
-                   f"{self._plan.stages[s.stage_index].name!r}, hold continues from the stage start",
-                   apply=(s.spine_weight, s.placements), window_started_at=None, last_verdict="")
+        with self._cond:
+            s = self._status
+            if s.state is State.PENDING or self._plan is None:
+                return
+            self._move(s.state, "recover", SYSTEM_ACTOR,
+                       f"controller restarted; re-applied {s.spine_weight:g}% spine at stage "
+                       f"{self._plan.stages[s.stage_index].name!r}, hold continues from the stage start",
+                       apply=(s.spine_weight, s.placements), window_started_at=None, last_verdict="")
 
     def _stage(self) -> Stage | None:
         if self._plan is None or self._status.state is State.PENDING:

@@ -94,12 +94,12 @@ def audit_line(row: pb.AuditEvent) -> str:
 def plan_table(plan: pb.PlanResponse) -> Table:
     table = Table(title=f"plan {plan.name}: window {plan.window_s:g}s, "
                         f"min {plan.min_window_requests} requests per side", title_justify="left")
-    for column in ("#", "stage", "spine %", *MIDDLEWARES, "hold", "min req", "gates", "approval"):
+    for column in ("#", "stage", "spine %", "local (rest remote)", "hold", "min req", "gates", "approval"):
         table.add_column(column)
     for index, stage in enumerate(plan.stages, start=1):
+        local = [m for m in MIDDLEWARES if stage.placements.get(m) == "local"]
         table.add_row(
-            str(index), stage.name, f"{stage.spine_weight:g}",
-            *[_placement(stage.placements.get(m, "?")) for m in MIDDLEWARES],
+            str(index), stage.name, f"{stage.spine_weight:g}", ", ".join(local) or "-",
             f"{stage.hold_s:g}s" if stage.HasField("hold_s") else "-",
             str(stage.min_requests) if stage.HasField("min_requests") else "-",
             "\n".join(stage.gates) or "-", "manual" if stage.manual_approval else "",

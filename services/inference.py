@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from services.common import ConfigError, DeviceState, number
-from services.model.backend import load_backend
+from services.model.backend import load_backend, make_engine
 from services.model.engine import GenerationEngine, GenerationRequest, SlotsExhausted
 from spine.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
 
@@ -173,9 +173,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, config: InferenceConfig, device: DeviceState) -> None:
         self.config = config
         spec = {"model_id": config.model_id, "seed": config.seed, **dict(config.backend)}
-        self.backend = load_backend(spec)
+        self.backend = load_backend(spec, device=device)
         self.device = device
-        self.engine = GenerationEngine(self.backend, device=device, max_slots=config.max_batch)
+        self.engine = make_engine(self.backend, device, config.max_batch)
         self.scheduler = Scheduler(self.engine, config.max_queue)
 
     # -- gRPC --------------------------------------------------------------------
@@ -184,7 +184,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         tokens: list[int] = []
         finish = ""
         for output in self._outputs(job, context):
-            tokens.append(output.token_id)
+            if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
+                tokens.append(output.token_id)
             finish = output.finish_reason or finish
         return generation_pb2.GenerateResponse(
             text=self.backend.decode(tokens), token_ids=tokens, model=request.model, finish_reason=finish,
@@ -196,10 +197,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         tokens: list[int] = []
         sent = ""
         for index, output in enumerate(self._outputs(job, context)):
-            tokens.append(output.token_id)
+            new = [] if output.finish_reason == "stop" else [output.token_id]
+            tokens.extend(new)
             text = self.backend.decode(tokens)
             piece, sent = text[len(sent):], text
-            yield generation_pb2.GenerateChunk(text=piece, token_ids=[output.token_id], index=index,
+            yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
                                                finish_reason=output.finish_reason or "", model=request.model)
 
     def Models(self, request: inference_pb2.ModelInfoRequest, context: Any) -> inference_pb2.ModelInfoResponse:
@@ -216,11 +218,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if not request.prompt:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
         prompt_ids = self.backend.encode(request.prompt)
-        total = len(prompt_ids) + request.max_tokens
-        if total > self.backend.max_context:
+        total = len(prompt_ids) + 1 + request.max_tokens  # + BOS
+        if total > self.engine.max_context:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) = {total} "
-                          f"exceeds the model's context of {self.backend.max_context}")
+                          f"prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = {total} "
+                          f"exceeds the model's context of {self.engine.max_context}")
         seed = request.seed if request.HasField("seed") else None
         job = _Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                                      temperature=float(request.temperature), seed=seed))

@@ -241,7 +241,9 @@ class BatchedLineWriter:
 
 
 def _count_lines(path: Path) -> int:
-    """Lines already in the file (it is appended to across restarts)."""
+    """Lines already in the file (it is appended to across restarts); 0 for a device or pipe."""
+    if not path.is_file():
+        return 0
     count = 0
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.common import DeviceState
@@ -129,15 +130,6 @@ class TokenBucketTable:
         columns = self._state[:4, : len(self._slots)].T.tolist()
         return {key: BucketState(*columns[slot]) for key, slot in self._slots.items()}
 
-    def _refill(self, slots: torch.Tensor, now: float) -> None:
-        """Top up `slots` to `now`; time that runs backwards earns nothing and moves nothing."""
-        s = self._state
-        cols = s[:, slots]
-        elapsed = (now - cols[LAST_REFILL]).clamp(min=0.0)
-        cols[LEVEL] = torch.minimum(cols[CAPACITY], cols[LEVEL] + cols[RATE] * elapsed)
-        cols[LAST_REFILL] = cols[LAST_REFILL].clamp(min=now)
-        s[:, slots] = cols
-
     def decide(
         self,
         row_slot: Sequence[int],
@@ -150,34 +142,29 @@ class TokenBucketTable:
 
         A request is admitted when every one of its rows fits; an admitted request with
         `charge` set takes its costs from its buckets. Rows of one request that name the
-        same bucket are charged together.
+        same bucket are charged together. Index bookkeeping (which rows share a bucket)
+        is done on the host with numpy; the buckets are read and written once, on the device.
         """
         n = len(charge)
+        plan = _Plan(np.asarray(row_slot, np.int64), np.asarray(row_request, np.int64), np.asarray(row_cost, np.float64), n)
         dev = self._state.device
-        slot_t = torch.tensor(row_slot, dtype=torch.int64, device=dev)
-        cost_t = torch.tensor(row_cost, dtype=torch.float64, device=dev)
-        req_t = torch.tensor(row_request, dtype=torch.int64, device=dev)
-        charge_t = torch.tensor(charge, dtype=torch.bool, device=dev)
+        slots = torch.from_numpy(plan.slots).to(dev)
+        index = torch.from_numpy(np.stack([plan.pair_bucket, plan.pair_request, plan.segment_first])).to(dev)
+        pair_bucket, pair_req, segment_first = index[0], index[1], index[2]
+        pair_cost = torch.from_numpy(plan.pair_cost).to(dev)
+        charge_t = torch.from_numpy(np.asarray(charge, dtype=np.bool_)).to(dev)
 
-        self._refill(torch.unique(slot_t), now)
-
-        # One "pair" per (bucket, request), sorted by bucket then request: arrival order
-        # within each bucket's segment.
-        pairs, row_pair = torch.unique(slot_t * n + req_t, return_inverse=True)
-        pair_slot = torch.div(pairs, n, rounding_mode="floor")
-        pair_req = pairs - pair_slot * n
-        pair_cost = torch.zeros(pairs.shape[0], dtype=torch.float64, device=dev).index_add_(0, row_pair, cost_t)
-        cols = self._state[:, pair_slot]
-        level = cols[LEVEL]
-        starts = torch.ones_like(pair_slot, dtype=torch.bool)
-        starts[1:] = pair_slot[1:] != pair_slot[:-1]
-        segment_first = torch.nonzero(starts).squeeze(1)[torch.cumsum(starts.to(torch.int64), 0) - 1]
+        cols = self._state[:, slots]
+        # Refill on use; time that runs backwards earns nothing.
+        elapsed = (now - cols[LAST_REFILL]).clamp(min=0.0)
+        bucket_level = torch.minimum(cols[CAPACITY], cols[LEVEL] + cols[RATE] * elapsed)
+        level = bucket_level[pair_bucket]
 
         admitted = torch.ones(n, dtype=torch.bool, device=dev)
         rounds = 0
         while True:
             rounds += 1
-            taken = pair_cost * (admitted & charge_t)[pair_req].to(torch.float64)
+            taken = pair_cost * (admitted & charge_t)[pair_req]
             before = torch.cumsum(taken, 0) - taken  # exact: sums of whole numbers
             earlier = before - before[segment_first]
             fits = earlier + pair_cost <= level
@@ -189,18 +176,37 @@ class TokenBucketTable:
             if rounds > n + 1:  # cannot happen: round r fixes the first r decisions
                 raise AssertionError(f"batch admission did not converge in {rounds} rounds")
 
-        charged = pair_cost * (admitted & charge_t)[pair_req].to(torch.float64)
-        remaining = level - (earlier + charged)
-        capacity, rate = cols[CAPACITY], cols[RATE]
-        wait = ((earlier + pair_cost) - level) / rate
-        retry = torch.where(fits, torch.zeros_like(wait), torch.where(pair_cost > capacity, -torch.ones_like(wait), wait))
-        self._state[LEVEL].index_add_(0, pair_slot, -charged)
+        # `taken` is what the final decisions charge.
+        remaining = level - (earlier + taken)
+        wait = ((earlier + pair_cost) - level) / cols[RATE][pair_bucket]
+        never = pair_cost > cols[CAPACITY][pair_bucket]
+        retry = torch.where(fits, torch.zeros_like(wait), torch.where(never, torch.full_like(wait, -1.0), wait))
+        cols[LEVEL] = bucket_level - torch.zeros_like(bucket_level).index_add_(0, pair_bucket, taken)
+        cols[LAST_REFILL] = cols[LAST_REFILL].clamp(min=now)
+        self._state[:, slots] = cols
 
-        per_row = torch.stack([fits.to(torch.float64), remaining, retry])[:, row_pair].tolist()
+        flat = torch.cat([admitted.to(torch.float64), fits.to(torch.float64), remaining, retry]).tolist()
+        pairs = len(plan.pair_cost)
+        fits_p, remaining_p, retry_p = (flat[n + k * pairs : n + (k + 1) * pairs] for k in range(3))
         return BatchDecision(
-            admitted=[bool(a) for a in admitted.tolist()],
-            fits=[bool(f) for f in per_row[0]],
-            remaining=per_row[1],
-            retry_after_s=per_row[2],
+            admitted=[a > 0 for a in flat[:n]],
+            fits=[fits_p[p] > 0 for p in plan.row_pair],
+            remaining=[remaining_p[p] for p in plan.row_pair],
+            retry_after_s=[retry_p[p] for p in plan.row_pair],
             rounds=rounds,
         )
+
+
+class _Plan:
+    """Which rows share a bucket: one "pair" per (bucket, request), sorted by bucket then
+    request, so each bucket's pairs form a segment in arrival order."""
+
+    def __init__(self, row_slot: np.ndarray, row_request: np.ndarray, row_cost: np.ndarray, n: int) -> None:
+        pairs, row_pair = np.unique(row_slot * n + row_request, return_inverse=True)
+        pair_slot = pairs // n
+        self.row_pair: list[int] = row_pair.reshape(-1).tolist()
+        self.pair_request = pairs - pair_slot * n
+        self.pair_cost = np.bincount(row_pair.reshape(-1), weights=row_cost, minlength=len(pairs))
+        self.slots, self.pair_bucket = np.unique(pair_slot, return_inverse=True)
+        self.pair_bucket = self.pair_bucket.reshape(-1)
+        self.segment_first = np.searchsorted(pair_slot, pair_slot, side="left")

@@ -163,6 +163,34 @@ def test_a_full_ring_blocks_then_flushes_without_dropping(tmp_path: Path) -> Non
         svc.close()
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full to fail writes")
+def test_a_failing_disk_pushes_back_instead_of_losing_or_hoarding_lines(tmp_path: Path) -> None:
+    svc = LogsService(
+        LogsConfig.from_dict(
+            {
+                "path": "/dev/full",
+                "batch_lines": 4,
+                "ring_capacity": 4,
+                "flush_interval_s": 3600.0,
+                "full_wait_s": 0.001,
+            },
+            tmp_path,
+        )
+    )
+    try:
+        svc.append_batch([rec(i) for i in range(4)])
+        with pytest.raises(OSError):
+            svc.flush()
+        svc.append_batch([rec(4 + i) for i in range(4)])  # the ring has room again
+        with pytest.raises(OSError):
+            svc.append_batch([rec(8)])  # ring full and the disk still fails: refused
+        assert svc.pending == 8  # the failed batch is kept for retry, nothing more is taken
+        assert svc.lines_on_disk == 0
+    finally:
+        with pytest.raises(OSError):
+            svc.close()
+
+
 def test_lines_stay_in_order_of_acceptance(service: LogsService) -> None:
     for i in range(0, 300, 3):
         service.append_batch([rec(i), rec(i + 1), rec(i + 2)])

@@ -24,8 +24,9 @@ fixed-point grid held in float64, so that every sum is exact and order cannot ma
 The result: the logits of a sequence are bit-identical alone or in any batch, on the CPU
 and on CUDA. The cost is a few cheap elementwise ops per layer.
 
-So that the output looks like text, the logits of bytes outside 32..126 and '\\n' are
--inf; EOS keeps its logit minus `eos_penalty`, so some answers end with "stop".
+So that the output looks like text, the model's logits are scaled down and added to a
+prior of English byte frequencies; bytes outside 32..126 and '\\n' get -inf, and EOS a
+small log-probability (`eos_logprob`), so that some sampled answers end with "stop".
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class TinyLM(torch.nn.Module):
         d_ff: int = 128,
         max_context: int = 1024,
         vocab_size: int = VOCAB_SIZE,
-        eos_penalty: float = 4.0,
+        eos_logprob: float = -4.5,
+        logit_scale: float = 0.25,
     ) -> None:
         super().__init__()
         if d_model % n_heads:
@@ -123,6 +125,7 @@ class TinyLM(torch.nn.Module):
         self.head_dim = d_model // n_heads
         self._max_context, self._vocab_size = max_context, vocab_size
         # Index scale of the exp table: (max - score) / sqrt(head_dim) in table steps.
+        self._logit_scale = logit_scale
         self._exp_index_scale = EXP_STEPS_PER_UNIT / math.sqrt(self.head_dim)
         self.register_buffer("embed", torch.zeros(vocab_size, d_model, dtype=torch.float64))
         self.register_buffer("pos", torch.zeros(max_context, d_model, dtype=torch.float64))
@@ -133,7 +136,7 @@ class TinyLM(torch.nn.Module):
             self.register_buffer(f"w1_{i}", torch.zeros(d_ff, d_model, dtype=torch.float64))
             self.register_buffer(f"w2_{i}", torch.zeros(d_model, d_ff, dtype=torch.float64))
         self.register_buffer("exp_table", _exp_table(), persistent=False)
-        self.register_buffer("logit_bias", _logit_bias(vocab_size, eos_penalty), persistent=False)
+        self.register_buffer("logit_bias", _logit_bias(vocab_size, eos_logprob), persistent=False)
 
     @classmethod
     def from_seed(cls, seed: int, **dims: int | float) -> TinyLM:
@@ -216,7 +219,7 @@ class TinyLM(torch.nn.Module):
             last = torch.tensor(_last_indices(segments), dtype=torch.long, device=dev)
             x = x[last]
         h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
-        return h @ self.head.T + self.logit_bias
+        return (h @ self.head.T) * self._logit_scale + self.logit_bias
 
     def _block(
         self,
@@ -313,13 +316,34 @@ def _exp_table() -> torch.Tensor:
     return torch.tensor([*values, 0.0], dtype=torch.float64)
 
 
-def _logit_bias(vocab_size: int, eos_penalty: float) -> torch.Tensor:
-    """0 for printable bytes, -inf elsewhere; EOS keeps a small chance; BOS none."""
+def _logit_bias(vocab_size: int, eos_logprob: float) -> torch.Tensor:
+    """A prior over the next byte: log-frequencies of English text, -inf for unprintables.
+
+    Added to the model's (random) logits, it makes answers look like text; EOS gets a small
+    log-probability so that some answers end with "stop"; BOS is never produced. Values sit
+    on a 2**-8 grid so that adding them keeps the logits exact.
+    """
     bias = torch.full((vocab_size,), -math.inf, dtype=torch.float64)
-    bias[PRINTABLE] = 0.0
-    bias[EOS_ID] = -round(eos_penalty * 256) / 256  # on a coarse grid: the addition stays exact
-    bias[BOS_ID] = -math.inf
+    for byte in PRINTABLE:
+        bias[byte] = _quarter_byte(math.log(_BYTE_FREQUENCY.get(chr(byte), 0.0005)))
+    for letter, freq in _LETTER_FREQUENCY.items():
+        bias[ord(letter)] = _quarter_byte(math.log(freq))
+        bias[ord(letter.upper())] = _quarter_byte(math.log(freq / 20))
+    bias[EOS_ID] = _quarter_byte(eos_logprob)
     return bias
+
+
+def _quarter_byte(value: float) -> float:
+    return round(value * 256) / 256
+
+
+_LETTER_FREQUENCY = {
+    "e": 0.10, "t": 0.075, "a": 0.065, "o": 0.062, "i": 0.057, "n": 0.057, "s": 0.053,
+    "h": 0.049, "r": 0.05, "d": 0.034, "l": 0.033, "c": 0.022, "u": 0.022, "m": 0.02,
+    "w": 0.019, "f": 0.018, "g": 0.016, "y": 0.016, "p": 0.015, "b": 0.012, "v": 0.008,
+    "k": 0.006, "j": 0.001, "x": 0.0015, "q": 0.001, "z": 0.0007,
+}  # fmt: skip
+_BYTE_FREQUENCY = {" ": 0.18, ".": 0.01, ",": 0.01, "\n": 0.004, "'": 0.002, "?": 0.001, "!": 0.001}
 
 
 def _offsets(segments: Sequence[Segment]) -> list[int]:

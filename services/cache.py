@@ -1,0 +1,173 @@
+"""The Cache service: answers for deterministic requests, kept per tenant for a while.
+
+Only a request whose answer is fixed by its inputs is cacheable: greedy decoding
+(temperature 0) or a set seed. The key is sha256 over (tenant, resolved model, prompt,
+max_tokens, temperature, seed), so tenants never see each other's entries and a different
+parameter is a different entry. Priority and timeouts change when an answer comes, not
+what it is, so they are not part of the key.
+
+`lookup_many` probes a whole micro-batch in one tensor op (see `services/cache_index.py`);
+the gRPC `Lookup` is the batch of one. Shadow stores are refused so that shadow traffic
+can never change what clients are served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.cache_index import CacheIndex, KeyHash, default_key_hash
+from services.common import Clock, ConfigError, DeviceState, number
+from spine.v1 import cache_pb2, cache_pb2_grpc, generation_pb2
+
+_FIELDS = ("max_entries", "ttl_s")
+
+
+class InvalidCacheRequest(ValueError):
+    """A request the cache cannot serve; the message names the field. `index` is its batch position."""
+
+    def __init__(self, message: str, index: int = 0) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    max_entries: int = 4096
+    ttl_s: float = 300.0
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> CacheConfig:
+        cfg = section or {}
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"cache: expected a mapping, got {type(cfg).__name__}")
+        unknown = sorted(set(cfg) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(f"cache.{unknown[0]}: unknown key (known: {', '.join(_FIELDS)})")
+        max_entries = cfg.get("max_entries", cls.max_entries)
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ConfigError(f"cache.max_entries: expected an integer >= 1, got {max_entries!r}")
+        ttl_s = number(cfg, "ttl_s", cls.ttl_s, where="cache")
+        if ttl_s == 0:
+            raise ConfigError(f"cache.ttl_s: must be > 0, got {ttl_s!r}")
+        return cls(max_entries=max_entries, ttl_s=ttl_s)
+
+
+def cacheable(request: generation_pb2.GenerateRequest) -> bool:
+    """Greedy or seeded: the same inputs give the same answer."""
+    return request.temperature == 0.0 or request.HasField("seed")
+
+
+def cache_key(tenant: str, request: generation_pb2.GenerateRequest) -> bytes | None:
+    """sha256 over the inputs that fix the answer; None when the request is not cacheable."""
+    if not cacheable(request):
+        return None
+    seed = str(request.seed) if request.HasField("seed") else "-"
+    fields = (tenant, request.model, request.prompt, str(request.max_tokens), repr(request.temperature), seed)
+    digest = hashlib.sha256()
+    for text in fields:  # length-prefixed: ("ab", "c") and ("a", "bc") differ
+        data = text.encode()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
+
+
+class CacheService(cache_pb2_grpc.CacheServicer):
+    """Response cache with TTL and LRU eviction; the index lives on `device`."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        device: DeviceState,
+        clock: Clock = time.monotonic,
+        key_hash: KeyHash = default_key_hash,  # a test hook: force hash collisions
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._index: CacheIndex[generation_pb2.GenerateResponse] = CacheIndex(device, config.max_entries, key_hash)
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    # -- plain Python API (the spine's batcher calls this) ----------------------------
+    def lookup_many(self, requests: list[cache_pb2.CacheLookupRequest]) -> list[cache_pb2.CacheLookupResponse]:
+        """Answer a micro-batch with one probe; raises InvalidCacheRequest before counting anything."""
+        keys = [cache_key(r.tenant, r.request) for r in self._checked(requests)]
+        probe = [k for k in keys if k is not None]
+        with self._lock:
+            slots = iter(self._index.lookup_batch(probe, self._clock()) if probe else [])
+            responses = []
+            for key in keys:
+                if key is None:
+                    responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=False))
+                    continue
+                slot = next(slots)
+                if slot < 0:
+                    self._misses += 1
+                    responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=True))
+                    continue
+                self._hits += 1
+                answer = generation_pb2.GenerateResponse()
+                answer.CopyFrom(self._index.value(slot))
+                answer.cached = True
+                responses.append(cache_pb2.CacheLookupResponse(hit=True, cacheable=True, response=answer))
+        return responses
+
+    def store(self, request: cache_pb2.CacheStoreRequest) -> bool:
+        """Keep a response; False for shadow traffic and non-cacheable requests."""
+        self._checked([request])
+        if not request.HasField("response"):
+            raise InvalidCacheRequest("response: missing (nothing to store)")
+        key = cache_key(request.tenant, request.request)
+        if request.shadow or key is None:
+            return False
+        value = generation_pb2.GenerateResponse()
+        value.CopyFrom(request.response)
+        with self._lock:
+            self._evictions += self._index.put(key, value, self._clock(), self.config.ttl_s)
+        return True
+
+    def stats(self) -> cache_pb2.CacheStatsResponse:
+        """Counters; expired entries are dropped first so `entries` counts what can still hit."""
+        with self._lock:
+            self._index.remove_expired(self._clock())
+            return cache_pb2.CacheStatsResponse(
+                hits=self._hits, misses=self._misses, entries=len(self._index), evictions=self._evictions
+            )
+
+    # -- gRPC --------------------------------------------------------------------------
+    def Lookup(self, request: cache_pb2.CacheLookupRequest, context: Any) -> cache_pb2.CacheLookupResponse:
+        try:
+            return self.lookup_many([request])[0]
+        except InvalidCacheRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def Store(self, request: cache_pb2.CacheStoreRequest, context: Any) -> cache_pb2.CacheStoreResponse:
+        try:
+            return cache_pb2.CacheStoreResponse(stored=self.store(request))
+        except InvalidCacheRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def Stats(self, request: cache_pb2.CacheStatsRequest, context: Any) -> cache_pb2.CacheStatsResponse:
+        return self.stats()
+
+    # -- checks ------------------------------------------------------------------------
+    @staticmethod
+    def _checked(requests: list[Any]) -> list[Any]:
+        for index, r in enumerate(requests):
+            if not r.tenant:
+                raise InvalidCacheRequest("tenant: must not be empty (entries are kept per tenant)", index)
+            if not r.HasField("request"):
+                raise InvalidCacheRequest("request: missing (the generate request to key on)", index)
+            if not r.request.model:
+                raise InvalidCacheRequest("request.model: must be the resolved model id, got ''", index)
+        return requests

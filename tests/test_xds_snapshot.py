@@ -1,0 +1,119 @@
+"""Resources built from a stage's weights, and the consistency check before publishing."""
+
+from __future__ import annotations
+
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import config_source_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+
+from migration.xds import Endpoint, Snapshot, build_snapshot
+from migration.xds.snapshot import CLUSTER, ENDPOINT, LISTENER, ROUTE, build_cluster, build_route
+from services.common import ConfigError
+
+ENDPOINTS = {
+    "layered": [Endpoint("127.0.0.1", 7001), Endpoint("127.0.0.1", 7003, healthy=False)],
+    "spine": [Endpoint("127.0.0.1", 7002)],
+}
+
+
+def snapshot(layered: int = 30, spine: int = 70, version: str = "v1") -> Snapshot:
+    return build_snapshot("spine-gateway", {"layered": layered, "spine": spine}, ENDPOINTS, version)
+
+
+def test_listener_is_an_api_listener_fetching_rds_over_ads_with_the_router_filter() -> None:
+    listener = snapshot().of_type(LISTENER)["spine-gateway"]
+    assert isinstance(listener, listener_pb2.Listener)
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    assert listener.api_listener.api_listener.Unpack(hcm)
+    assert hcm.rds.route_config_name == "spine-gateway-route"
+    assert hcm.rds.config_source.HasField("ads")
+    assert hcm.rds.config_source.resource_api_version == config_source_pb2.V3
+    assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.router"]
+    assert hcm.http_filters[-1].typed_config.Is(router_pb2.Router.DESCRIPTOR)
+
+
+def test_route_splits_by_weight_and_keeps_zero_weight_clusters() -> None:
+    route = snapshot(0, 100).of_type(ROUTE)["spine-gateway-route"]
+    assert isinstance(route, route_pb2.RouteConfiguration)
+    (vhost,) = route.virtual_hosts
+    assert list(vhost.domains) == ["*"]
+    (r,) = vhost.routes
+    assert r.match.HasField("prefix") and r.match.prefix == ""
+    weights = {c.name: c.weight.value for c in r.route.weighted_clusters.clusters}
+    assert weights == {"layered": 0, "spine": 100}
+
+
+def test_clusters_are_eds_over_ads_round_robin() -> None:
+    clusters = snapshot().of_type(CLUSTER)
+    assert sorted(clusters) == ["layered", "spine"]
+    for name, cluster in clusters.items():
+        assert isinstance(cluster, cluster_pb2.Cluster)
+        assert cluster.type == cluster_pb2.Cluster.EDS
+        assert cluster.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN
+        assert cluster.eds_cluster_config.service_name == name
+        assert cluster.eds_cluster_config.eds_config.HasField("ads")
+        assert cluster.eds_cluster_config.eds_config.resource_api_version == config_source_pb2.V3
+
+
+def test_load_assignment_has_one_weighted_locality_with_endpoint_health() -> None:
+    cla = snapshot().of_type(ENDPOINT)["layered"]
+    assert isinstance(cla, endpoint_pb2.ClusterLoadAssignment)
+    (locality,) = cla.endpoints
+    assert locality.HasField("locality") and locality.load_balancing_weight.value == 1
+    seen = [
+        (e.endpoint.address.socket_address.port_value, e.health_status) for e in locality.lb_endpoints
+    ]
+    assert seen == [(7001, health_check_pb2.HEALTHY), (7003, health_check_pb2.UNHEALTHY)]
+
+
+@pytest.mark.parametrize(
+    ("weights", "fragment"),
+    [
+        ({"layered": 0, "spine": 0}, "total must be > 0"),
+        ({"layered": -1, "spine": 5}, "weights.layered: expected an integer >= 0, got -1"),
+        ({"layered": 1.5, "spine": 5}, "weights.layered"),
+        ({"layered": True, "spine": 5}, "weights.layered"),
+        ({"layered": 2**32, "spine": 0}, "exceeds the limit"),
+        ({}, "at least one cluster"),
+    ],
+)
+def test_weights_a_data_plane_would_reject_are_refused(weights: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.").replace("(", r"\(")):
+        build_snapshot("spine-gateway", weights, ENDPOINTS, "v1")
+
+
+def test_route_naming_a_missing_cluster_fails_the_check_naming_it() -> None:
+    with pytest.raises(ConfigError, match="route 'spine-gateway-route' names cluster 'canary'"):
+        build_snapshot("spine-gateway", {"layered": 1, "canary": 1}, ENDPOINTS, "v1")
+
+
+def test_cluster_without_load_assignment_fails_the_check_naming_it() -> None:
+    snap = snapshot()
+    snap.resources[CLUSTER]["orphan"] = build_cluster("orphan")
+    with pytest.raises(ConfigError, match="cluster 'orphan' has no load assignment 'orphan'"):
+        snap.check()
+
+
+def test_listener_naming_a_missing_route_fails_the_check() -> None:
+    snap = snapshot()
+    snap.resources[ROUTE] = {"other": build_route("other", {"layered": 1})}
+    with pytest.raises(ConfigError, match="listener 'spine-gateway' names route 'spine-gateway-route'"):
+        snap.check()
+
+
+def test_empty_version_is_refused() -> None:
+    with pytest.raises(ConfigError, match="version"):
+        snapshot(version="")
+
+
+def test_packed_resources_are_serialized_once_per_snapshot() -> None:
+    snap = snapshot()
+    first = snap.packed(CLUSTER)
+    assert snap.packed(CLUSTER) is first
+    assert sorted(first) == ["layered", "spine"]
+    assert first["spine"].type_url == CLUSTER

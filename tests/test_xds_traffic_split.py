@@ -1,0 +1,226 @@
+"""A stock gRPC client (`xds:///spine-gateway`) follows the control plane's weights.
+
+The client runs in a subprocess: gRPC reads GRPC_XDS_BOOTSTRAP_CONFIG once per process, and the
+bootstrap must point at this test's control plane. The backends answer with their own name, so
+the client can count where each call landed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+
+from migration.xds import Endpoint, XdsControlPlane, build_snapshot
+from migration.xds.snapshot import CLUSTER, ROUTE, build_route
+
+pytestmark = pytest.mark.timeout(90)
+
+METHOD = "/spine.test.Echo/Who"
+
+# The data plane under test: nothing but grpcio and the bootstrap from the environment.
+CLIENT = r'''
+import json, sys, threading, time
+import grpc
+
+channel = grpc.insecure_channel("xds:///spine-gateway")
+who = channel.unary_unary("/spine.test.Echo/Who")
+grpc.channel_ready_future(channel).result(timeout=20)
+background = None
+
+def call(counts):
+    try:
+        name = who(b"", timeout=5).decode()
+    except grpc.RpcError as err:
+        counts.setdefault("errors", []).append(str(err.code()))
+        return None
+    counts[name] = counts.get(name, 0) + 1
+    return name
+
+def loop(counts, stop):
+    while not stop.is_set():
+        call(counts)
+
+def reply(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+reply({"ready": True})
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["cmd"] == "count":
+        counts = {}
+        for _ in range(cmd["n"]):
+            call(counts)
+        reply(counts)
+    elif cmd["cmd"] == "until":
+        # Calls until `window` consecutive ones land on `backend`; how long that took.
+        start, streak, counts = time.monotonic(), 0, {}
+        while streak < cmd["window"] and time.monotonic() - start < cmd["timeout"]:
+            streak = streak + 1 if call(counts) == cmd["backend"] else 0
+        counts["elapsed"] = time.monotonic() - start
+        counts["reached"] = streak >= cmd["window"]
+        reply(counts)
+    elif cmd["cmd"] == "start":
+        counts, stop = {}, threading.Event()
+        background = (threading.Thread(target=loop, args=(counts, stop)), counts, stop)
+        background[0].start()
+        reply({})
+    elif cmd["cmd"] == "stop":
+        thread, counts, stop = background
+        stop.set()
+        thread.join()
+        reply(counts)
+    elif cmd["cmd"] == "quit":
+        break
+'''
+
+
+@dataclass
+class Rig:
+    plane: XdsControlPlane
+    endpoints: dict[str, list[Endpoint]]
+    client: subprocess.Popen[str]
+    stderr: Any
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.client.stdin is not None and self.client.stdout is not None
+        self.client.stdin.write(json.dumps(cmd) + "\n")
+        self.client.stdin.flush()
+        line = self.client.stdout.readline()
+        if not line:
+            self.stderr.seek(0)
+            raise AssertionError(f"xDS client exited: {self.stderr.read()[-4000:]}")
+        return json.loads(line)
+
+    def shift(self, layered: int, spine: int, version: str) -> None:
+        self.plane.set_weights(layered, spine, version)
+        assert self.plane.wait_acked(version, timeout=10, min_nodes=1), self.plane.status()
+
+
+def backend(name: str) -> tuple[grpc.Server, int]:
+    def who(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return name.encode()
+
+    handler = grpc.method_handlers_generic_handler(
+        "spine.test.Echo", {"Who": grpc.unary_unary_rpc_method_handler(who)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    (layered, lport), (spine, sport) = backend("layered"), backend("spine")
+    endpoints = {"layered": [Endpoint("127.0.0.1", lport)], "spine": [Endpoint("127.0.0.1", sport)]}
+    plane = XdsControlPlane("spine-gateway", endpoints)
+    address = plane.start("127.0.0.1:0")
+    plane.set_weights(30, 70, "start")
+    bootstrap = {
+        "xds_servers": [
+            {"server_uri": address, "channel_creds": [{"type": "insecure"}], "server_features": ["xds_v3"]}
+        ],
+        "node": {"id": "stock-grpc-client", "cluster": "spine-test"},
+    }
+    env = dict(os.environ, GRPC_XDS_BOOTSTRAP_CONFIG=json.dumps(bootstrap))
+    stderr = tempfile.TemporaryFile("w+")
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+        text=True, env=env,
+    )
+    r = Rig(plane, endpoints, client, stderr)
+    try:
+        assert r.client.stdout is not None
+        assert json.loads(r.client.stdout.readline() or "{}") == {"ready": True}, "client did not start"
+        yield r
+    finally:
+        if client.poll() is None:
+            client.stdin.write('{"cmd": "quit"}\n')  # type: ignore[union-attr]
+            client.stdin.flush()  # type: ignore[union-attr]
+            try:
+                client.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                client.kill()
+        plane.stop(grace=0)
+        layered.stop(0)
+        spine.stop(0)
+        stderr.close()
+
+
+def test_observed_split_follows_weights_within_three_points(rig: Rig) -> None:
+    rig.shift(30, 70, "split-30-70")
+    rig.ask(cmd="count", n=100)  # the ACK precedes the channel applying it by a few calls
+    counts = rig.ask(cmd="count", n=4000)
+    assert "errors" not in counts, counts
+    share = counts.get("layered", 0) / 4000
+    assert abs(share - 0.30) <= 0.03, counts
+
+
+def test_weight_change_is_followed_within_one_second(rig: Rig) -> None:
+    rig.shift(100, 0, "all-layered")
+    assert rig.ask(cmd="until", backend="layered", window=50, timeout=5)["reached"]
+    rig.plane.set_weights(0, 100, "all-spine")
+    seen = rig.ask(cmd="until", backend="spine", window=50, timeout=5)
+    assert seen["reached"] and "errors" not in seen, seen
+    assert seen["elapsed"] < 1.0, seen
+
+
+def test_no_rpc_fails_during_ten_back_and_forth_shifts(rig: Rig) -> None:
+    rig.shift(100, 0, "shift-base")
+    rig.ask(cmd="start")
+    for i in range(10):
+        rig.shift(0, 100, f"shift-{i}-spine")
+        rig.shift(100, 0, f"shift-{i}-layered")
+    counts = rig.ask(cmd="stop")
+    assert counts.get("errors", []) == [], counts
+    assert counts.get("layered", 0) > 0 and counts.get("spine", 0) > 0, counts
+
+
+def test_rejected_route_is_nacked_and_traffic_stays_on_last_good_version(rig: Rig) -> None:
+    rig.shift(100, 0, "good")
+    rig.ask(cmd="count", n=50)
+    bad = build_snapshot("spine-gateway", {"layered": 100, "spine": 0}, rig.endpoints, "bad-route")
+    (route_name,) = bad.resources[ROUTE]
+    bad.resources[ROUTE] = {route_name: build_route(route_name, {"layered": 0, "spine": 0})}
+    rig.plane.publish(bad)
+    assert rig.plane.ads.wait_for(lambda: _nack(rig, "RDS") is not None, timeout=10), rig.plane.status()
+    assert "no valid clusters" in _nack(rig, "RDS")["nack_error"]
+    assert _nack(rig, "RDS")["acked_version"] == "good"
+    assert not rig.plane.acked("bad-route")
+    counts = rig.ask(cmd="count", n=300)
+    assert counts == {"layered": 300}, counts
+    rig.shift(50, 50, "recovered")  # the next good version is accepted and clears the error
+    assert _nack(rig, "RDS") is None
+
+
+def test_rejected_cluster_is_nacked_and_traffic_keeps_flowing(rig: Rig) -> None:
+    rig.shift(0, 100, "good-2")
+    rig.ask(cmd="count", n=50)
+    bad = build_snapshot("spine-gateway", {"layered": 0, "spine": 100}, rig.endpoints, "bad-cluster")
+    spine = bad.resources[CLUSTER]["spine"]
+    spine.lb_policy = spine.MAGLEV  # type: ignore[attr-defined]  # gRPC supports no MAGLEV
+    rig.plane.publish(bad)
+    assert rig.plane.ads.wait_for(lambda: _nack(rig, "CDS") is not None, timeout=10), rig.plane.status()
+    assert not rig.plane.acked("bad-cluster")
+    counts = rig.ask(cmd="count", n=300)
+    assert counts == {"spine": 300}, counts
+    rig.shift(100, 0, "recovered-2")
+
+
+def _nack(rig: Rig, type_name: str) -> dict[str, Any] | None:
+    for row in rig.plane.status():
+        if row["type"] == type_name and row["nack_error"]:
+            return row
+    return None

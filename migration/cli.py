@@ -205,12 +205,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.no_follow:
             _show_status(args, status)
             return 0
-        return _follow(args, client)
+        # Replay from the row Start wrote, so the follow shows the whole rollout.
+        after = status.recent_audit[-1].id - 1 if status.recent_audit else 0
+        return _follow(args, client, after)
 
 
-def _follow(args: argparse.Namespace, client: ControlClient) -> int:
+def _follow(args: argparse.Namespace, client: ControlClient, after_id: int) -> int:
     """Follow WatchEvents until the rollout finishes; Ctrl-C detaches, the rollout goes on."""
-    stream = client.watch()
+    stream = client.watch(after_id)
     state = ""
     try:
         if args.json:

@@ -238,15 +238,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _outputs(self, job: _Job, context: Any) -> Iterator[Any]:
         """Yield the job's step outputs until it finishes; stop it when the caller goes away."""
         while True:
+            if not context.is_active():
+                self.scheduler.cancel(job)  # frees the batch slot and KV cache at the next step
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+                context.abort(grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
             try:
                 item = job.out.get(timeout=0.05)
             except queue.Empty:
-                if not context.is_active():
-                    self.scheduler.cancel(job)
-                    remaining = context.time_remaining()
-                    if remaining is not None and remaining <= 0:
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-                    context.abort(grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
                 continue
             if item is _CANCELLED:
                 context.abort(grpc.StatusCode.CANCELLED, "generation cancelled")

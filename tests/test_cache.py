@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
 from services.cache import CacheConfig, CacheService, cache_key
@@ -244,6 +247,69 @@ def test_index_probes_a_batch_and_frees_slots_for_reuse() -> None:
     assert len(index) == 0
     index.put(keys[3], "again", now=20.0, ttl_s=10.0)
     assert index.value(index.lookup_batch([keys[3]], now=21.0)[0]) == "again"
+
+
+class ReferenceLru:
+    """The cache's contract in a dozen lines: an ordered dict with expiry times."""
+
+    def __init__(self, max_entries: int, ttl_s: float) -> None:
+        self.entries: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self.max_entries, self.ttl_s = max_entries, ttl_s
+        self.hits = self.misses = self.evictions = 0
+
+    def lookup(self, key: tuple[str, str], now: float) -> str | None:
+        found = self.entries.get(key)
+        if found is None or found[1] <= now:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(key)
+        return found[0]
+
+    def store(self, key: tuple[str, str], text: str, now: float) -> None:
+        if key not in self.entries and len(self.entries) >= self.max_entries:
+            self.expire(now)
+            if len(self.entries) >= self.max_entries:
+                self.entries.popitem(last=False)
+                self.evictions += 1
+        self.entries[key] = (text, now + self.ttl_s)
+        self.entries.move_to_end(key)
+
+    def expire(self, now: float) -> None:
+        for key in [k for k, (_, expiry) in self.entries.items() if expiry <= now]:
+            del self.entries[key]
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "store", "lookup", "lookup", "lookup", "wait", "stats"]),
+        st.sampled_from(["dev", "dev", "other"]),
+        st.sampled_from("abcde"),
+        st.sampled_from([0.5, 1.0, 6.0]),
+    ),
+    min_size=10,
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.integers(1, 5))
+def test_cache_behaves_like_a_reference_lru_with_ttl_even_when_hashes_collide(ops: list, max_entries: int) -> None:
+    service, clock = make(max_entries=max_entries, ttl_s=5.0, key_hash=lambda key: key[0] % 3)
+    reference = ReferenceLru(max_entries, 5.0)
+    for step, (op, tenant, prompt, wait) in enumerate(ops):
+        if op == "store":
+            store(service, gen(prompt), f"{prompt}{step}", tenant=tenant)
+            reference.store((tenant, prompt), f"{prompt}{step}", clock.now)
+        elif op == "lookup":
+            found = lookup(service, gen(prompt), tenant=tenant)
+            expected = reference.lookup((tenant, prompt), clock.now)
+            assert (found.response.text if found.hit else None) == expected
+        elif op == "wait":
+            clock.now += wait
+        else:
+            reference.expire(clock.now)
+            assert stats(service) == (reference.hits, reference.misses, len(reference.entries), reference.evictions)
 
 
 def test_index_memory_is_accounted_to_the_cache() -> None:

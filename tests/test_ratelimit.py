@@ -365,4 +365,4 @@ def test_round_trip_over_a_real_grpc_server_on_a_unix_socket(unix_server: tuple[
         with pytest.raises(grpc.RpcError) as error:
             stub.ShouldRateLimit(pb.RateLimitRequest(domain="nope"), timeout=10)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "domain" in error.value.details()
+        assert "domain" in str(error.value.details())

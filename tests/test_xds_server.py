@@ -15,6 +15,7 @@ from google.rpc import status_pb2
 
 from migration.xds import Endpoint, XdsControlPlane
 from migration.xds.snapshot import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from services.common import ConfigError
 
 ENDPOINTS = {"layered": [Endpoint("127.0.0.1", 7001)], "spine": [Endpoint("127.0.0.1", 7002)]}
 _END = object()
@@ -303,3 +304,28 @@ def _names(response: discovery_pb2.DiscoveryResponse) -> list[str]:
         CLUSTER: ["layered", "spine"], ENDPOINT: ["layered", "spine"],
     }
     return by_type[response.type_url]
+
+
+def test_spine_percent_becomes_weights_in_hundredths(plane: XdsControlPlane) -> None:
+    from migration.xds.snapshot import ROUTE as ROUTE_TYPE
+
+    snap = plane.set_spine_percent(0.5, "canary-0.5")
+    route = snap.of_type(ROUTE_TYPE)["spine-gateway-route"]
+    assert isinstance(route, route_pb2.RouteConfiguration)
+    clusters = route.virtual_hosts[0].routes[0].route.weighted_clusters.clusters
+    assert {c.name: c.weight.value for c in clusters} == {"layered": 9950, "spine": 50}
+    with pytest.raises(ConfigError, match="spine_weight: expected a percentage between 0 and 100, got 150"):
+        plane.set_spine_percent(150, "bad")
+    assert plane.version == "canary-0.5"
+
+
+def test_set_endpoints_republishes_under_a_derived_version(plane: XdsControlPlane) -> None:
+    assert plane.set_endpoints({"spine": [Endpoint("127.0.0.1", 7010)]}) is None  # no weights yet
+    plane.set_weights(100, 0, "v1")
+    snap = plane.set_endpoints({"spine": [Endpoint("127.0.0.1", 7011, healthy=False)]})
+    assert snap is not None and snap.version == "v1+e1" and plane.version == "v1+e1"
+    dp = connect(plane, "envoy-1")
+    dp.send(ENDPOINT, ["spine"])
+    response = dp.recv()
+    assert response.version_info == "v1+e1"
+    dp.close()

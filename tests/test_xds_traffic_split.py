@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -75,6 +76,8 @@ for line in sys.stdin:
         background = (threading.Thread(target=loop, args=(counts, stop)), counts, stop)
         background[0].start()
         reply({})
+    elif cmd["cmd"] == "seen":
+        reply(dict(background[1]))
     elif cmd["cmd"] == "stop":
         thread, counts, stop = background
         stop.set()
@@ -101,6 +104,15 @@ class Rig:
             self.stderr.seek(0)
             raise AssertionError(f"xDS client exited: {self.stderr.read()[-4000:]}")
         return json.loads(line)
+
+    def wait_seen(self, backend: str, at_least: int, timeout: float = 10.0) -> bool:
+        """Poll the running client until `backend` has answered `at_least` calls in all."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ask(cmd="seen").get(backend, 0) >= at_least:
+                return True
+            time.sleep(0.005)
+        return False
 
     def shift(self, layered: int, spine: int, version: str) -> None:
         self.plane.set_weights(layered, spine, version)
@@ -179,13 +191,16 @@ def test_weight_change_is_followed_within_one_second(rig: Rig) -> None:
 
 def test_no_rpc_fails_during_ten_back_and_forth_shifts(rig: Rig) -> None:
     rig.shift(100, 0, "shift-base")
-    rig.ask(cmd="start")
+    rig.ask(cmd="count", n=100)
+    rig.ask(cmd="start")  # calls run continuously while the weights move under them
     for i in range(10):
-        rig.shift(0, 100, f"shift-{i}-spine")
-        rig.shift(100, 0, f"shift-{i}-layered")
+        for layered, spine, side in ((0, 100, "spine"), (100, 0, "layered")):
+            before = rig.ask(cmd="seen").get(side, 0)
+            rig.shift(layered, spine, f"shift-{i}-{side}")
+            # The shift has taken effect once calls keep landing on the new side.
+            assert rig.wait_seen(side, before + 20), rig.ask(cmd="seen")
     counts = rig.ask(cmd="stop")
     assert counts.get("errors", []) == [], counts
-    assert counts.get("layered", 0) > 0 and counts.get("spine", 0) > 0, counts
 
 
 def test_rejected_route_is_nacked_and_traffic_stays_on_last_good_version(rig: Rig) -> None:

@@ -89,6 +89,17 @@ class XdsControlPlane:
             self._version = version
         return snapshot
 
+    def set_spine_percent(self, spine_weight: float, version: str) -> Snapshot:
+        """Publish a stage given as the spine's share in percent (0-100, fractions allowed).
+
+        Weights are sent in hundredths of a percent so a 0.5 % canary is exact; this is the
+        call behind the controller's `TrafficTarget.apply(spine_weight, ...)`.
+        """
+        if isinstance(spine_weight, bool) or not 0 <= spine_weight <= 100:
+            raise ConfigError(f"spine_weight: expected a percentage between 0 and 100, got {spine_weight!r}")
+        spine = round(spine_weight * 100)
+        return self.set_weights(10_000 - spine, spine, version)
+
     def set_endpoints(
         self, endpoints: Mapping[str, Sequence[Endpoint]], version: str | None = None
     ) -> Snapshot | None:

@@ -106,7 +106,9 @@ class GenerationEngine:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if not 2 <= max_context <= model.max_context:
-            raise ValueError(f"max_context must be in 2..{model.max_context} (the model's), got {max_context}")
+            raise ValueError(
+                f"max_context must be in 2..{model.max_context} (the model's), got {max_context}"
+            )
         if model.vocab_size != tokenizer.vocab_size:
             raise ValueError(
                 f"model vocab_size {model.vocab_size} != tokenizer vocab_size {tokenizer.vocab_size}"
@@ -228,7 +230,11 @@ class GenerationEngine:
         """Refuse what could never run: errors name the field, the value and the limit."""
         if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {req.max_tokens!r}")
-        if not isinstance(req.temperature, int | float) or not math.isfinite(req.temperature) or req.temperature < 0:
+        if (
+            not isinstance(req.temperature, int | float)
+            or not math.isfinite(req.temperature)
+            or req.temperature < 0
+        ):
             raise ValueError(f"temperature must be a finite number >= 0, got {req.temperature!r}")
         if req.seed is not None and (isinstance(req.seed, bool) or not isinstance(req.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {req.seed!r}")

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.model.interface import DeviceLike, Segment, allocate, release, torch_device
-from services.model.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from services.model.interface import DeviceLike, Segment, allocate, release
+from services.model.tokenizer import EOS_ID, VOCAB_SIZE
 
 WEIGHT_BITS = 14
 ACT_BITS, ACT_LIMIT = 16, 64.0  # residual stream, normalised inputs, MLP hidden
@@ -96,6 +96,12 @@ class TinyLM(torch.nn.Module):
     The head is untied because with random weights a tied one mostly echoes the input
     token (its own embedding scores highest), and the answers become one repeated byte.
     """
+
+    embed: torch.Tensor
+    pos: torch.Tensor
+    head: torch.Tensor
+    exp_table: torch.Tensor
+    logit_bias: torch.Tensor
 
     def __init__(
         self,
@@ -203,7 +209,9 @@ class TinyLM(torch.nn.Module):
         limit = cache.max_context if cache is not None else self._max_context
         for seg in segments:
             if not seg.token_ids or seg.end > limit:
-                raise ValueError(f"segment for slot {seg.slot} spans {seg.start}..{seg.end}; needs 1..{limit}")
+                raise ValueError(
+                    f"segment for slot {seg.slot} spans {seg.start}..{seg.end}; needs 1..{limit}"
+                )
         dev = self.device
         tokens = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=dev)
         positions = torch.tensor(
@@ -249,7 +257,12 @@ class TinyLM(torch.nn.Module):
         return _fix(x + hidden @ getattr(self, f"w2_{layer}").T, ACT_BITS, ACT_LIMIT)
 
     def _attend_cached(
-        self, layer: int, q: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment], cache: KVCache
+        self,
+        layer: int,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        segments: Sequence[Segment],
+        cache: KVCache,
     ) -> torch.Tensor:
         """Attention of every new token over its slot: single-token segments together, prompts alone.
 
@@ -281,9 +294,7 @@ class TinyLM(torch.nn.Module):
                 out[a:b] = self._attend(q[a:b].unsqueeze(0), k, v, positions[a:b].unsqueeze(0))[0]
         return out
 
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """Causal attention. q [G,T,H,hd]; k, v [G,L,H,hd]; qpos [G,T] → [G,T,H,hd].
 
         Key j is visible to a query at position p when j <= p. Scores are exact; the

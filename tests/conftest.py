@@ -1,0 +1,74 @@
+"""Shared test set-up: a test config, credentials, and running layouts.
+
+Layouts are real: remote components are child processes behind gRPC servers on unix
+sockets; the Gateway listens on loopback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jwt
+import pytest
+
+from spine.config import load_config, placements_for
+from spine.runtime import Stack
+
+DEV_KEY = "spine-dev-key-0000"
+TIGHT_KEY = "tight-tenant-key-0000"
+OTHER_KEY = "other-tenant-key-0000"
+JWT_SECRET = "spine-dev-jwt-secret-change-me-0123456789"
+
+# A tenant whose buckets barely refill during a test, so the count of admitted requests
+# is exact and the same in every layout.
+TEST_OVERRIDES: dict[str, Any] = {
+    "auth": {
+        "api_keys": [
+            {"id": "dev-key", "tenant": "dev", "key": DEV_KEY, "scopes": ["generate"], "max_priority": 1},
+            {"id": "tight-key", "tenant": "tight", "key": TIGHT_KEY, "scopes": ["generate"], "max_priority": 0},
+            {"id": "other-key", "tenant": "other", "key": OTHER_KEY, "scopes": ["generate"], "max_priority": 1},
+        ],
+    },
+    "ratelimit": {
+        "tenants": {"tight": {"requests_per_second": 0.001, "burst": 4, "tokens_per_minute": 60000,
+                              "token_burst": 10000}},
+    },
+}
+
+
+def config_for_tests(**extra: Any) -> dict[str, Any]:
+    from spine.config import merge
+
+    return load_config(overrides=merge(TEST_OVERRIDES, extra))
+
+
+def make_jwt(tenant: str = "dev", *, expires_in: float = 300, secret: str = JWT_SECRET, **claims: Any) -> str:
+    now = int(time.time())
+    payload = {"iss": "spine-dev", "aud": "spine", "sub": f"user-of-{tenant}", "tenant": tenant,
+               "scope": "generate", "iat": now, "exp": now + int(expires_in), **claims}
+    return jwt.encode(payload, secret, algorithm="HS256")
+
+
+def start_stack(layout: str, tmp: Path, config: dict[str, Any] | None = None) -> Stack:
+    config = config or config_for_tests()
+    run_dir = tmp / layout
+    stack = Stack(config, placements_for(layout, config), run_dir=run_dir)
+    stack.start()
+    return stack
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+    """One stack per layout — layered, collapsed and a mixed one — for the module."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    stacks: dict[str, Stack] = {}
+    try:
+        for layout in ("collapsed", "layered", "mixed"):
+            stacks[layout] = start_stack(layout, tmp)
+        yield stacks
+    finally:
+        for stack in stacks.values():
+            stack.stop()

@@ -1,0 +1,167 @@
+"""Both layouts (and a mixed one) serve one Gateway API and decide identically."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from spine.client import GatewayClient
+from spine.runtime import Stack
+from spine.v1 import generation_pb2
+from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, make_jwt
+
+
+def gen(prompt: str = "hello", max_tokens: int = 6, model: str = "tiny-lm", **fields: Any,
+        ) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(model=model, prompt=prompt, max_tokens=max_tokens, **fields)
+
+
+def parity_sequence() -> list[tuple[generation_pb2.GenerateRequest, str | None]]:
+    """Auth denials, rate-limit denials, cache hits, sampled and greedy answers, bad input."""
+    jwt_ok = make_jwt("dev")
+    jwt_expired = make_jwt("dev", expires_in=-3600)
+    jwt_wrong_key = make_jwt("dev", secret="another-secret-that-is-long-enough-000000")
+    seq: list[tuple[generation_pb2.GenerateRequest, str | None]] = [
+        (gen("parity greedy one"), DEV_KEY),
+        (gen("parity greedy one"), DEV_KEY),                 # cache hit
+        (gen("parity sampled", temperature=0.9, seed=11), DEV_KEY),
+        (gen("parity sampled", temperature=0.9, seed=11), DEV_KEY),  # seeded: cacheable
+        (gen("parity sampled", temperature=0.9, seed=12), DEV_KEY),
+        (gen("parity jwt"), jwt_ok),
+        (gen("parity jwt"), jwt_expired),
+        (gen("parity jwt"), jwt_wrong_key),
+        (gen("parity none"), None),
+        (gen("parity bad key"), "not-a-key"),
+        (gen("parity alias", model="default"), DEV_KEY),
+        (gen("parity unknown", model="gpt-9"), DEV_KEY),
+        (gen("parity zero", max_tokens=0), DEV_KEY),
+        (gen("parity big", max_tokens=100000), DEV_KEY),
+        (gen("", max_tokens=3), DEV_KEY),
+        (gen("parity hot", temperature=9.0), DEV_KEY),
+        (gen("parity prio", priority=1), TIGHT_KEY),         # above the tight tenant's allowance
+    ]
+    # The tight tenant's burst is 4 requests: the 5th and 6th are refused.
+    seq += [(gen(f"parity tight {i}", max_tokens=2), TIGHT_KEY) for i in range(6)]
+    return seq
+
+
+def run_sequence(stack: Stack) -> list[tuple[Any, ...]]:
+    with GatewayClient(stack.address) as client:
+        results = []
+        for request, token in parity_sequence():
+            result = client.generate(request, token=token or "")
+            assert result.layout == stack.layout
+            results.append(result.decision())
+    return results
+
+
+def test_layouts_decide_identically(layouts: dict[str, Stack]) -> None:
+    decisions = {name: run_sequence(stack) for name, stack in layouts.items()}
+    assert decisions["layered"] == decisions["collapsed"]
+    assert decisions["mixed"] == decisions["collapsed"]
+    codes = [d[0] for d in decisions["collapsed"]]
+    # The sequence really exercised every kind of decision:
+    assert codes[:6] == ["OK"] * 6
+    assert decisions["collapsed"][1][2] is True, "second identical greedy request must be a cache hit"
+    assert decisions["collapsed"][3][2] is True, "seeded sampled request must be a cache hit"
+    assert decisions["collapsed"][4][3] != decisions["collapsed"][2][3], "another seed gives other tokens"
+    assert codes[6:10] == ["UNAUTHENTICATED"] * 4
+    assert codes[10] == "OK" and codes[11] == "NOT_FOUND"
+    assert codes[12:16] == ["INVALID_ARGUMENT"] * 4
+    assert codes[16] == "PERMISSION_DENIED"
+    assert codes[17:] == ["OK"] * 4 + ["RESOURCE_EXHAUSTED"] * 2
+
+
+def test_every_answer_names_its_layout_and_request_id(layouts: dict[str, Stack]) -> None:
+    for name, stack in layouts.items():
+        with GatewayClient(stack.address, DEV_KEY) as client:
+            ok = client.generate(gen("trailers"))
+            denied = client.generate(gen("trailers"), token="nope")
+        for result in (ok, denied):
+            assert result.trailing["x-spine-layout"] == ("mixed" if name == "mixed" else name)
+            assert len(result.trailing["x-request-id"]) >= 16
+
+
+@pytest.mark.parametrize("layout", ["layered", "collapsed"])
+def test_rate_limit_denial_carries_retry_after(layouts: dict[str, Stack], layout: str) -> None:
+    with GatewayClient(layouts[layout].address, TIGHT_KEY) as client:
+        results = [client.generate(gen(f"retry {layout} {i}", max_tokens=2)) for i in range(8)]
+    denied = [r for r in results if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert denied, "the tight tenant must be rate limited"
+    assert float(denied[0].trailing["retry-after"]) > 0
+    assert "tenant=tight" in denied[0].details
+
+
+@pytest.mark.parametrize("layout", ["layered", "collapsed"])
+def test_bad_input_gets_clear_errors_and_the_process_keeps_serving(layouts: dict[str, Stack],
+                                                                   layout: str) -> None:
+    stack = layouts[layout]
+    with GatewayClient(stack.address, DEV_KEY) as client:
+        cases = {
+            "max_tokens": gen(max_tokens=-1),
+            "prompt": gen("x" * 5000),
+            "temperature": gen(temperature=-0.5),
+            "model": gen(model=""),
+        }
+        for field, request in cases.items():
+            result = client.generate(request)
+            assert result.code == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert result.details.startswith(field), result.details
+        oversize = client.generate(gen("y" * (2 << 20)))
+        assert oversize.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.generate(gen("still serving")).ok
+
+
+@pytest.mark.parametrize("layout", ["layered", "collapsed"])
+def test_deadline_is_honoured(layouts: dict[str, Stack], layout: str) -> None:
+    with GatewayClient(layouts[layout].address, DEV_KEY) as client:
+        started = time.monotonic()
+        result = client.generate(gen("a long answer please", max_tokens=250, temperature=0.7), timeout=0.05)
+        assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 2.0
+        assert client.generate(gen("after the deadline")).ok
+
+
+def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, Stack]) -> None:
+    stack = layouts["collapsed"]
+    engine = stack.local_servicers["inference"].engine
+    wait_until_idle(engine)
+    with GatewayClient(stack.address, DEV_KEY) as client:
+        call = client.stub.GenerateStream(gen("cancel me", max_tokens=250, temperature=0.5),
+                                          metadata=client.metadata(), timeout=30)
+        next(iter(call))
+        assert engine.active_count == 1
+        call.cancel()
+        wait_until_idle(engine)
+    assert engine.active_count == 0
+
+
+def test_deadline_frees_the_generation_slot(layouts: dict[str, Stack]) -> None:
+    stack = layouts["collapsed"]
+    engine = stack.local_servicers["inference"].engine
+    wait_until_idle(engine)
+    with GatewayClient(stack.address, DEV_KEY) as client:
+        result = client.generate(gen("slow one", max_tokens=250, temperature=0.5), timeout=0.1)
+    assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until_idle(engine)
+    assert engine.active_count == 0
+
+
+def wait_until_idle(engine: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.active_count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("layout", ["layered", "collapsed"])
+def test_stream_equals_unary_answer(layouts: dict[str, Stack], layout: str) -> None:
+    with GatewayClient(layouts[layout].address, DEV_KEY) as client:
+        request = gen("stream parity", max_tokens=12, temperature=0.8, seed=5)
+        streamed = client.stream(request)
+        unary = client.generate(request, token=OTHER_KEY)  # another tenant: no cache hit
+    assert streamed.ok and unary.ok and not unary.response.cached
+    assert streamed.token_ids == unary.token_ids
+    assert streamed.text == unary.text

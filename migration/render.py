@@ -61,7 +61,7 @@ def status_renderable(status: pb.RolloutStatus) -> Group:
 
     parts: list[Any] = [summary, placements]
     if status.last_gates:
-        gates = Table(title="last window's gates", title_justify="left")
+        gates = Table(title=f"last window's gates (stage {status.last_gates[0].stage})", title_justify="left")
         for column in ("gate", "verdict", "value", "threshold", "message"):
             gates.add_column(column)
         for gate in status.last_gates:

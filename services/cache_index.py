@@ -101,7 +101,7 @@ class CacheIndex(Generic[V]):
         expired = torch.nonzero((self._meta[_TICK] > 0) & (self._expiry <= now)).squeeze(1).tolist()
         if expired:
             self._free(expired)
-            self._probe_limit = 0
+            self._probe_limit = self._longest_probe()
         return len(expired)
 
     # -- internals ---------------------------------------------------------------------

@@ -9,9 +9,10 @@ layouts.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch is heavy to import; processes that never touch tensors skip it
+    import torch
 
 Clock = Callable[[], float]
 

@@ -312,6 +312,17 @@ def test_cache_behaves_like_a_reference_lru_with_ttl_even_when_hashes_collide(op
             assert stats(service) == (reference.hits, reference.misses, len(reference.entries), reference.evictions)
 
 
+def test_index_finds_displaced_entries_after_the_one_at_home_expires() -> None:
+    index: CacheIndex[str] = CacheIndex(DeviceContext(), max_entries=4, key_hash=lambda key: 5)
+    index.put(b"first", "first", now=0.0, ttl_s=10.0)  # at home
+    index.put(b"second", "second", now=5.0, ttl_s=10.0)  # one past home
+    index.put(b"third", "third", now=5.0, ttl_s=10.0)  # two past home
+    assert index.remove_expired(now=11.0) == 1
+    slots = index.lookup_batch([b"first", b"second", b"third"], now=12.0)
+    assert slots[0] == -1
+    assert [index.value(s) for s in slots[1:]] == ["second", "third"]
+
+
 def test_index_memory_is_accounted_to_the_cache() -> None:
     device = DeviceContext()
     CacheIndex(device, max_entries=100)

@@ -218,3 +218,13 @@ def test_tokens_are_the_same_alone_or_batched_joining_at_any_step(
     for i, (prompt, max_tokens, temperature, seed, _) in enumerate(specs):
         alone = _alone(_req(prompt, max_tokens, temperature, seed))
         assert (handles[i].token_ids, handles[i].finish_reason) == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gives_the_same_tokens_as_the_cpu() -> None:
+    reqs = [_req("Hello", 24), _req("sampled", 24, 1.0, seed=11), _req("", 24, 0.7, seed=2)]
+    on_cpu = _engine().generate(reqs)
+    # The engine moves its model to its device: give it its own copy.
+    on_cuda = GenerationEngine(TinyLM.from_seed(1234), TOKENIZER, "cuda", 4, CONTEXT).generate(reqs)
+    assert on_cuda == on_cpu

@@ -329,3 +329,9 @@ def test_set_endpoints_republishes_under_a_derived_version(plane: XdsControlPlan
     response = dp.recv()
     assert response.version_info == "v1+e1"
     dp.close()
+
+
+def test_stopped_control_plane_cannot_be_restarted(plane: XdsControlPlane) -> None:
+    plane.stop(grace=0)
+    with pytest.raises(RuntimeError, match="make a new XdsControlPlane"):
+        plane.start()

@@ -147,28 +147,30 @@ def rig() -> Iterator[Rig]:
         "node": {"id": "stock-grpc-client", "cluster": "spine-test"},
     }
     env = dict(os.environ, GRPC_XDS_BOOTSTRAP_CONFIG=json.dumps(bootstrap))
-    stderr = tempfile.TemporaryFile("w+")
-    client = subprocess.Popen(
-        [sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-        text=True, env=env,
-    )
-    r = Rig(plane, endpoints, client, stderr)
-    try:
-        assert r.client.stdout is not None
-        assert json.loads(r.client.stdout.readline() or "{}") == {"ready": True}, "client did not start"
-        yield r
-    finally:
-        if client.poll() is None:
-            client.stdin.write('{"cmd": "quit"}\n')  # type: ignore[union-attr]
-            client.stdin.flush()  # type: ignore[union-attr]
-            try:
-                client.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                client.kill()
-        plane.stop(grace=0)
-        layered.stop(0)
-        spine.stop(0)
-        stderr.close()
+    with tempfile.TemporaryFile("w+") as stderr:
+        client = subprocess.Popen(
+            [sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+            text=True, env=env,
+        )
+        try:
+            assert client.stdout is not None and client.stdin is not None
+            assert json.loads(client.stdout.readline() or "{}") == {"ready": True}, "client did not start"
+            yield Rig(plane, endpoints, client, stderr)
+        finally:
+            if client.poll() is None:
+                client.stdin.write('{"cmd": "quit"}\n')  # type: ignore[union-attr]
+                client.stdin.flush()  # type: ignore[union-attr]
+                try:
+                    client.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    client.kill()
+                    client.wait()
+            for pipe in (client.stdin, client.stdout):
+                if pipe is not None:
+                    pipe.close()
+            plane.stop(grace=0)
+            layered.stop(0)
+            spine.stop(0)
 
 
 def test_observed_split_follows_weights_within_three_points(rig: Rig) -> None:
@@ -211,8 +213,9 @@ def test_rejected_route_is_nacked_and_traffic_stays_on_last_good_version(rig: Ri
     bad.resources[ROUTE] = {route_name: build_route(route_name, {"layered": 0, "spine": 0})}
     rig.plane.publish(bad)
     assert rig.plane.ads.wait_for(lambda: _nack(rig, "RDS") is not None, timeout=10), rig.plane.status()
-    assert "no valid clusters" in _nack(rig, "RDS")["nack_error"]
-    assert _nack(rig, "RDS")["acked_version"] == "good"
+    row = _nack(rig, "RDS")
+    assert row is not None and "no valid clusters" in row["nack_error"]
+    assert row["acked_version"] == "good"
     assert not rig.plane.acked("bad-route")
     counts = rig.ask(cmd="count", n=300)
     assert counts == {"layered": 300}, counts

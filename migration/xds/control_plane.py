@@ -52,6 +52,7 @@ class XdsControlPlane:
         self._version: str | None = None
         self._endpoint_updates = 0
         self._server: grpc.Server | None = None
+        self._stopped = False
         self.address: str | None = None
 
     @property
@@ -63,6 +64,8 @@ class XdsControlPlane:
         """Serve ADS on `listen` (host:port, port 0 = any free one); returns host:port."""
         if self._server is not None:
             raise RuntimeError(f"xds control plane already listening on {self.address}")
+        if self._stopped:
+            raise RuntimeError("xds control plane was stopped; make a new XdsControlPlane")
         # Two threads per stream (a worker here plus a reader); RPCs past the limit get
         # RESOURCE_EXHAUSTED instead of queueing silently.
         server = grpc.server(
@@ -138,7 +141,8 @@ class XdsControlPlane:
         return self.ads.status()
 
     def stop(self, grace: float = 1.0) -> None:
-        """End every stream and stop listening; data planes keep their last config."""
+        """End every stream and stop listening; data planes keep their last config. Final."""
+        self._stopped = True
         self.ads.close()
         if self._server is not None:
             self._server.stop(grace).wait()

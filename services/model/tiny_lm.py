@@ -93,6 +93,8 @@ class KVCache:
 class TinyLM(torch.nn.Module):
     """Decoder-only transformer (pre-RMSNorm, ReLU MLP, learned positions, untied head).
 
+    Weight matrices are stored [in, out], so a matmul needs no transposed view.
+
     The head is untied because with random weights a tied one mostly echoes the input
     token (its own embedding scores highest), and the answers become one repeated byte.
     """
@@ -112,7 +114,7 @@ class TinyLM(torch.nn.Module):
         d_ff: int = 128,
         max_context: int = 1024,
         vocab_size: int = VOCAB_SIZE,
-        eos_logprob: float = -4.5,
+        eos_logprob: float = -5.5,
         logit_scale: float = 0.25,
     ) -> None:
         super().__init__()
@@ -135,12 +137,12 @@ class TinyLM(torch.nn.Module):
         self._exp_index_scale = EXP_STEPS_PER_UNIT / math.sqrt(self.head_dim)
         self.register_buffer("embed", torch.zeros(vocab_size, d_model, dtype=torch.float64))
         self.register_buffer("pos", torch.zeros(max_context, d_model, dtype=torch.float64))
-        self.register_buffer("head", torch.zeros(vocab_size, d_model, dtype=torch.float64))
+        self.register_buffer("head", torch.zeros(d_model, vocab_size, dtype=torch.float64))
         for i in range(n_layers):
-            self.register_buffer(f"wqkv{i}", torch.zeros(3 * d_model, d_model, dtype=torch.float64))
+            self.register_buffer(f"wqkv{i}", torch.zeros(d_model, 3 * d_model, dtype=torch.float64))
             self.register_buffer(f"wo{i}", torch.zeros(d_model, d_model, dtype=torch.float64))
-            self.register_buffer(f"w1_{i}", torch.zeros(d_ff, d_model, dtype=torch.float64))
-            self.register_buffer(f"w2_{i}", torch.zeros(d_model, d_ff, dtype=torch.float64))
+            self.register_buffer(f"w1_{i}", torch.zeros(d_model, d_ff, dtype=torch.float64))
+            self.register_buffer(f"w2_{i}", torch.zeros(d_ff, d_model, dtype=torch.float64))
         self.register_buffer("exp_table", _exp_table(), persistent=False)
         self.register_buffer("logit_bias", _logit_bias(vocab_size, eos_logprob), persistent=False)
 
@@ -153,11 +155,11 @@ class TinyLM(torch.nn.Module):
         weights = {"embed": _grid_uniform(gen, (model._vocab_size, d), 1.0)}
         weights["pos"] = _grid_uniform(gen, (model._max_context, d), 0.5)
         for i in range(model.n_layers):
-            weights[f"wqkv{i}"] = _grid_uniform(gen, (3 * d, d), math.sqrt(3.0 / d))
+            weights[f"wqkv{i}"] = _grid_uniform(gen, (d, 3 * d), math.sqrt(3.0 / d))
             weights[f"wo{i}"] = _grid_uniform(gen, (d, d), math.sqrt(3.0 / d))
-            weights[f"w1_{i}"] = _grid_uniform(gen, (ff, d), math.sqrt(6.0 / d))
-            weights[f"w2_{i}"] = _grid_uniform(gen, (d, ff), math.sqrt(3.0 / ff))
-        weights["head"] = _grid_uniform(gen, (model._vocab_size, d), 1.0)
+            weights[f"w1_{i}"] = _grid_uniform(gen, (d, ff), math.sqrt(6.0 / d))
+            weights[f"w2_{i}"] = _grid_uniform(gen, (ff, d), math.sqrt(3.0 / ff))
+        weights["head"] = _grid_uniform(gen, (d, model._vocab_size), 1.0)
         with torch.no_grad():
             for name, tensor in weights.items():
                 getattr(model, name).copy_(tensor)
@@ -227,7 +229,7 @@ class TinyLM(torch.nn.Module):
             last = torch.tensor(_last_indices(segments), dtype=torch.long, device=dev)
             x = x[last]
         h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
-        return (h @ self.head.T) * self._logit_scale + self.logit_bias
+        return (h @ self.head) * self._logit_scale + self.logit_bias
 
     def _block(
         self,
@@ -240,7 +242,7 @@ class TinyLM(torch.nn.Module):
     ) -> torch.Tensor:
         n, d, heads, hd = x.shape[0], self.d_model, self.n_heads, self.head_dim
         h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
-        qkv = h @ getattr(self, f"wqkv{layer}").T
+        qkv = h @ getattr(self, f"wqkv{layer}")
         q = _fix(qkv[:, :d], QK_BITS, QK_LIMIT).view(n, heads, hd)
         k = _fix(qkv[:, d : 2 * d], QK_BITS, QK_LIMIT).view(n, heads, hd)
         v = _fix(qkv[:, 2 * d :], V_BITS, V_LIMIT).view(n, heads, hd)
@@ -251,10 +253,10 @@ class TinyLM(torch.nn.Module):
             cache.values[layer].index_put_((slot_of_token, positions), v.to(torch.float32))
             out = self._attend_cached(layer, q, positions, segments, cache)
         o = _fix(out.reshape(n, d), ACT_BITS, OUT_LIMIT)
-        x = _fix(x + o @ getattr(self, f"wo{layer}").T, ACT_BITS, ACT_LIMIT)
+        x = _fix(x + o @ getattr(self, f"wo{layer}"), ACT_BITS, ACT_LIMIT)
         h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
-        hidden = _fix(torch.relu(h @ getattr(self, f"w1_{layer}").T), ACT_BITS, ACT_LIMIT)
-        return _fix(x + hidden @ getattr(self, f"w2_{layer}").T, ACT_BITS, ACT_LIMIT)
+        hidden = _fix(torch.relu(h @ getattr(self, f"w1_{layer}")), ACT_BITS, ACT_LIMIT)
+        return _fix(x + hidden @ getattr(self, f"w2_{layer}"), ACT_BITS, ACT_LIMIT)
 
     def _attend_cached(
         self,
@@ -279,8 +281,8 @@ class TinyLM(torch.nn.Module):
             span = max(segments[i].end for i in singles)
             out[rows] = self._attend(
                 q[rows].unsqueeze(1),
-                keys[slots, :span].to(torch.float64),
-                values[slots, :span].to(torch.float64),
+                keys[:, :span].index_select(0, slots).to(torch.float64),
+                values[:, :span].index_select(0, slots).to(torch.float64),
                 positions[rows].unsqueeze(1),
             ).squeeze(1)
         for i, seg in enumerate(segments):

@@ -1,0 +1,181 @@
+"""Faults in the layered layout, and `spine up` / `spine call` as a person runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from spine.client import GatewayClient
+from spine.runtime import Stack
+from spine.v1 import generation_pb2
+from tests.conftest import DEV_KEY, start_stack
+
+
+def gen(prompt: str, max_tokens: int = 4) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack("layered", tmp_path_factory.mktemp("faults"))
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def kill_child(stack: Stack, name: str) -> int:
+    assert stack.supervisor is not None
+    child = stack.supervisor.children[name]
+    assert child.healthy.is_set()
+    pid = child.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    child.process.wait()  # type: ignore[union-attr]
+    return pid
+
+
+def wait_restarted(stack: Stack, name: str, old_pid: int, timeout: float = 60.0) -> None:
+    assert stack.supervisor is not None
+    child = stack.supervisor.children[name]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.pid != old_pid and child.healthy.is_set():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{name} was not restarted within {timeout}s")
+
+
+@pytest.mark.parametrize("name", ["auth", "ratelimit"])
+def test_fail_closed_middleware_down_is_unavailable_within_the_deadline(layered: Stack, name: str) -> None:
+    with GatewayClient(layered.address, DEV_KEY) as client:
+        assert client.generate(gen(f"before {name} dies")).ok
+        old = kill_child(layered, name)
+        started = time.monotonic()
+        result = client.generate(gen(f"while {name} is down"), timeout=2.0)
+        elapsed = time.monotonic() - started
+        if result.ok:  # the supervisor was faster than our request; that is allowed
+            assert layered.supervisor is not None and layered.supervisor.children[name].pid != old
+        else:
+            assert result.code == grpc.StatusCode.UNAVAILABLE, result.details
+            assert name in result.details
+            assert elapsed < 2.5
+        wait_restarted(layered, name, old)
+        assert client.generate(gen(f"after {name} restarted")).ok
+    assert layered.supervisor is not None and layered.supervisor.children[name].restarts >= 1
+
+
+def test_fail_open_middleware_down_lets_requests_through_and_counts(layered: Stack) -> None:
+    assert layered.gateway is not None
+    before = layered.gateway.fail_open_failures["cache"]
+    with GatewayClient(layered.address, DEV_KEY) as client:
+        old = kill_child(layered, "cache")
+        result = client.generate(gen("cache is down"))
+        assert result.ok, result.details
+        if layered.supervisor is not None and layered.supervisor.children["cache"].pid == old:
+            assert layered.gateway.fail_open_failures["cache"] > before
+        wait_restarted(layered, "cache", old)
+        assert client.generate(gen("cache is back")).ok
+
+
+def test_children_carry_health_and_reflection(layered: Stack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    assert layered.supervisor is not None
+    address = layered.supervisor.children["router"].address
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="spine.v1.Router"), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for reply in replies for s in reply.list_services_response.service}
+    assert "spine.v1.Router" in names and "grpc.health.v1.Health" in names
+
+
+def spine_up(layout: str, run_dir: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "spine", "up", "--layout", layout, "--listen", "127.0.0.1:0",
+         "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        process.wait(timeout=10)
+        raise AssertionError(f"spine up exited: {process.stderr.read() if process.stderr else ''}")
+    return process, json.loads(line)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: Path) -> None:
+    process, ready = spine_up("layered", tmp_path / "run")
+    try:
+        assert ready["layout"] == "layered"
+        children = ready["children"]
+        assert isinstance(children, dict) and set(children) == {
+            "auth", "ratelimit", "router", "cache", "metrics", "logs", "inference"}
+        call = subprocess.run([sys.executable, "-m", "spine", "call", "--address", str(ready["address"]),
+                               "--prompt", "from the cli", "--json"], capture_output=True, text=True, timeout=60)
+        answer = json.loads(call.stdout)
+        assert call.returncode == 0 and answer["status"] == "OK"
+        assert answer["trailing"]["x-spine-layout"] == "layered"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    assert process.returncode == 0
+    assert not [pid for pid in children.values() if pid_alive(int(pid))], "orphan children"
+    lines = (tmp_path / "run" / "requests.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    assert any(entry["request_id"] == answer["trailing"]["x-request-id"] for entry in logged)
+    assert all(DEV_KEY not in line for line in lines)
+
+
+def test_spine_up_collapsed_serves_and_call_reports_errors(tmp_path: Path) -> None:
+    process, ready = spine_up("collapsed", tmp_path / "run")
+    try:
+        assert ready["children"] == {}
+        bad = subprocess.run([sys.executable, "-m", "spine", "call", "--address", str(ready["address"]),
+                              "--token", "wrong", "--json"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1
+        assert json.loads(bad.stdout)["status"] == "UNAUTHENTICATED"
+        streamed = subprocess.run([sys.executable, "-m", "spine", "call", "--address", str(ready["address"]),
+                                   "--stream", "--json", "--seed", "3", "--temperature", "0.7"],
+                                  capture_output=True, text=True, timeout=60)
+        assert json.loads(streamed.stdout)["status"] == "OK"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    assert process.returncode == 0
+    assert (tmp_path / "run" / "requests.jsonl").read_text().count("\n") == 2
+
+
+def test_supervisor_death_takes_its_children_along(tmp_path: Path) -> None:
+    process, ready = spine_up("layered", tmp_path / "run")
+    children = ready["children"]
+    assert isinstance(children, dict)
+    process.kill()  # SIGKILL: the supervisor gets no chance to clean up
+    process.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(pid_alive(int(pid)) for pid in children.values()):
+        time.sleep(0.1)
+    assert not [name for name, pid in children.items() if pid_alive(int(pid))]

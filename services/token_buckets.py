@@ -164,7 +164,7 @@ class TokenBucketTable:
         rounds = 0
         while True:
             rounds += 1
-            taken = pair_cost * admitted[pair_req]
+            taken = pair_cost * (admitted & charge_t)[pair_req]
             before = torch.cumsum(taken, 0) - taken  # exact: sums of whole numbers
             earlier = before - before[segment_first]
             fits = earlier + pair_cost <= level

@@ -60,4 +60,7 @@ def run_layouts_side_by_side(config: Mapping[str, Any], layouts: tuple[str, ...]
 
 
 def run_demo(config: Mapping[str, Any]) -> int:
-    return run_layouts_side_by_side(config)
+    """The main job: the staged migration demo (the side-by-side table is `spine ab`'s)."""
+    from spine.migration_demo import run_migration_demo
+
+    return run_migration_demo(config)

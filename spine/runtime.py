@@ -54,6 +54,9 @@ class Stack:
     run_dir: Path | None = None
     allow_external: bool = False
     hooks: Sequence[BindingHook] = ()
+    # Components already served elsewhere (e.g. the layered stack's children, which a spine
+    # in mid-migration shares): bound remotely to these addresses instead of spawned.
+    remote_addresses: Mapping[str, str] = field(default_factory=dict)
     device: DeviceContext = field(default_factory=DeviceContext)
     supervisor: Supervisor | None = None
     server: RunningServer | None = None
@@ -61,6 +64,7 @@ class Stack:
     local_servicers: dict[str, Any] = field(default_factory=dict)
     bindings: dict[str, Any] = field(default_factory=dict)
     metrics_endpoint: Any = None
+    _retired: list[Any] = field(default_factory=list)
     _tmp: Any = None
 
     @property
@@ -82,7 +86,8 @@ class Stack:
         config_path.write_text(yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
         try:
-            remote = [name for name in COMPONENTS if self.placements[name] == "remote"]
+            remote = [name for name in COMPONENTS
+                      if self.placements[name] == "remote" and name not in self.remote_addresses]
             if remote:
                 self.supervisor = Supervisor(self.run_dir)
                 for name in remote:
@@ -105,16 +110,42 @@ class Stack:
         log.info("%s layout serving on %s", self.layout, self.server.address)
         return self.server.address
 
-    def _bind(self, name: str, max_message_bytes: int) -> Any:
+    def _bind(self, name: str, max_message_bytes: int, placement: str | None = None) -> Any:
         spec = SPECS[name]
-        if self.placements[name] == "local":
+        if (placement or self.placements[name]) == "local":
             assert self.run_dir is not None
-            servicer = spec.build(self.config, self.device, self.run_dir)
-            self.local_servicers[name] = servicer
+            servicer = self.local_servicers.get(name)
+            if servicer is None:
+                servicer = spec.build(self.config, self.device, self.run_dir)
+                self.local_servicers[name] = servicer
             return LocalBinding(name, spec.descriptor(), servicer, self.hooks)
-        assert self.supervisor is not None
-        channel = remote_channel(self.supervisor.children[name].address, max_message_bytes)
+        if name in self.remote_addresses:
+            address = self.remote_addresses[name]
+        else:
+            assert self.supervisor is not None, f"{name} has no process to reach"
+            address = self.supervisor.children[name].address
+        channel = remote_channel(address, max_message_bytes)
         return RemoteBinding(name, spec.descriptor(), spec.stub_class(), channel, self.hooks)
+
+    def set_placements(self, placements: Mapping[str, str]) -> None:
+        """Move components between local and remote without a restart.
+
+        Each swap is one attribute assignment on the gateway's clients: a request already
+        past that middleware is unaffected; the next one uses the new binding. A component
+        moved back to remote keeps its local servicer (and state) for the next move.
+        """
+        assert self.gateway is not None, "stack not started"
+        limits = RequestLimits.from_config(self.config)
+        merged = {**self.placements, **placements}
+        for name in COMPONENTS:
+            if merged[name] == self.placements[name]:
+                continue
+            old = self.bindings[name]
+            self.bindings[name] = self._bind(name, limits.max_message_bytes, merged[name])
+            setattr(self.gateway.clients, name, self.bindings[name])
+            self._retired.append(old)  # closed at stop(): in-flight calls on it finish first
+        self.placements = merged
+        self.gateway.layout = self.layout
 
     def metrics_address(self) -> str | None:
         """Where the Prometheus text is served (by this process or the metrics child)."""
@@ -134,9 +165,10 @@ class Stack:
         for servicer in self.local_servicers.values():
             close_servicer(servicer)
         self.local_servicers.clear()
-        for binding in self.bindings.values():
+        for binding in [*self.bindings.values(), *self._retired]:
             binding.close()
         self.bindings.clear()
+        self._retired.clear()
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

@@ -1,0 +1,139 @@
+"""Turn timed calls into run records, ratios, a rich table and results.json."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from bench.load import Call
+from spine.stats import percentile
+
+MB = 1024 * 1024
+
+
+def _ms(values_s: Sequence[float], q: float) -> float:
+    return round(percentile([v * 1000.0 for v in values_s], q), 3)
+
+
+def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], wall_s: float, unsent: int,
+               peak_rss_bytes: int) -> dict[str, Any]:
+    """One row of results.json: latency percentiles over successful calls, throughput, errors."""
+    ok = [call for call in calls if call.ok]
+    record: dict[str, Any] = {
+        "layout": layout, "mode": mode, "concurrency": concurrency,
+        "p50_ms": _ms([c.latency_s for c in ok], 50), "p99_ms": _ms([c.latency_s for c in ok], 99),
+        "rps": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
+        "requests": len(calls), "errors": len(calls) - len(ok), "unsent": unsent,
+        "wall_s": round(wall_s, 3), "peak_rss_mb": round(peak_rss_bytes / MB, 1),
+    }
+    codes = sorted({c.code for c in calls if not c.ok})
+    if codes:
+        record["error_codes"] = {code: sum(1 for c in calls if c.code == code) for code in codes}
+    if mode == "stream":
+        ttft = [c.ttft_s for c in ok if c.ttft_s is not None]
+        itl = [gap for c in ok for gap in c.itl_s]
+        record.update(ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99),
+                      itl_p50_ms=_ms(itl, 50), itl_p99_ms=_ms(itl, 99))
+    return record
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b and a == a and b == b else None  # NaN-safe: x == x is False for NaN
+
+
+def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Annotate each run with its ratio to bare; return layered-vs-collapsed per cell."""
+    by_cell: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_cell.setdefault((run["mode"], run["concurrency"]), {})[run["layout"]] = run
+    comparisons = []
+    for (mode, concurrency), cell in by_cell.items():
+        bare = cell.get("bare")
+        for run in cell.values():
+            if bare is not None:
+                run["p50_vs_bare"] = _ratio(run["p50_ms"], bare["p50_ms"])
+                run["p99_vs_bare"] = _ratio(run["p99_ms"], bare["p99_ms"])
+                run["rps_vs_bare"] = _ratio(run["rps"], bare["rps"])
+        layered, collapsed = cell.get("layered"), cell.get("collapsed")
+        if layered is not None and collapsed is not None:
+            comparisons.append({
+                "mode": mode, "concurrency": concurrency,
+                "layered_over_collapsed_p50": _ratio(layered["p50_ms"], collapsed["p50_ms"]),
+                "layered_over_collapsed_p99": _ratio(layered["p99_ms"], collapsed["p99_ms"]),
+                "collapsed_over_layered_rps": _ratio(collapsed["rps"], layered["rps"]),
+            })
+    return comparisons
+
+
+def machine_info() -> dict[str, Any]:
+    """Enough about the machine to tell whether two results files are comparable."""
+
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "cpu_count": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+        "memory_gb": round(psutil.virtual_memory().total / (1024 ** 3), 1),
+        "torch": version("torch"), "grpcio": version("grpcio"), "python": sys.version.split()[0],
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "torch_threads_per_process": int(os.environ.get("SPINE_TORCH_THREADS", "1")),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "nan" if value != value else f"{value:.{digits}f}"
+    return str(value)
+
+
+def print_tables(results: Mapping[str, Any], console: Console) -> None:
+    runs = results["runs"]
+    unary = [r for r in runs if r["mode"] == "unary"]
+    table = Table(title=f"unary Generate, max_tokens={results['settings']['max_tokens']} (ratios: layout / bare)")
+    for column in ("conc", "layout", "reqs", "err", "p50 ms", "p99 ms", "rps", "p50 ×bare", "p99 ×bare",
+                   "rps ×bare", "peak RSS MB"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for run in unary:
+        table.add_row(str(run["concurrency"]), run["layout"], str(run["requests"]), str(run["errors"]),
+                      _fmt(run["p50_ms"]), _fmt(run["p99_ms"]), _fmt(run["rps"], 1), _fmt(run.get("p50_vs_bare")),
+                      _fmt(run.get("p99_vs_bare")), _fmt(run.get("rps_vs_bare")), _fmt(run["peak_rss_mb"], 0))
+    console.print(table)
+    stream = [r for r in runs if r["mode"] == "stream"]
+    if stream:
+        table = Table(title="GenerateStream: time to first token and inter-token latency (ratios: layout / bare)")
+        for column in ("conc", "layout", "reqs", "err", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                       "total p50", "total p99", "p50 ×bare", "peak RSS MB"):
+            table.add_column(column, justify="left" if column == "layout" else "right")
+        for run in stream:
+            table.add_row(str(run["concurrency"]), run["layout"], str(run["requests"]), str(run["errors"]),
+                          _fmt(run["ttft_p50_ms"]), _fmt(run["ttft_p99_ms"]), _fmt(run["itl_p50_ms"]),
+                          _fmt(run["itl_p99_ms"]), _fmt(run["p50_ms"]), _fmt(run["p99_ms"]),
+                          _fmt(run.get("p50_vs_bare")), _fmt(run["peak_rss_mb"], 0))
+        console.print(table)
+    comparisons = results.get("layered_vs_collapsed") or []
+    if comparisons:
+        table = Table(title="layered vs collapsed (same cell)")
+        for column in ("mode", "conc", "p50 layered/collapsed", "p99 layered/collapsed", "rps collapsed/layered"):
+            table.add_column(column, justify="right")
+        for row in comparisons:
+            table.add_row(row["mode"], str(row["concurrency"]), _fmt(row["layered_over_collapsed_p50"]),
+                          _fmt(row["layered_over_collapsed_p99"]), _fmt(row["collapsed_over_layered_rps"]))
+        console.print(table)
+    machine = results["machine"]
+    console.print(f"machine: {machine['cpu_count']} CPUs, torch {machine['torch']}, load average "
+                  f"{machine['loadavg_start']} at start, {machine.get('loadavg_end')} at end "
+                  "(a busy machine makes every number noisy; compare ratios within one run)")

@@ -1,0 +1,217 @@
+"""The servers under test, each in its own process(es), started and stopped by PID.
+
+Why subprocesses: the load generator runs in the bench process; a server sharing its
+GIL would be slowed by the very load it is measuring, and unequally across layouts.
+
+    bare       python -m spine.process inference ...   (the model service, no middleware)
+    collapsed  python -m spine --config F up --layout collapsed
+    layered    python -m spine --config F up --layout layered  (+ one child per component)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from spine.process import die_with_parent
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "layered")
+
+
+class TargetFailed(RuntimeError):
+    """A server did not come up; the message carries the tail of its log."""
+
+
+@dataclass
+class Target:
+    """One running layout: its root process, the address to call, and how to reach it."""
+
+    layout: str
+    process: subprocess.Popen[str]
+    log_path: Path
+    address: str = ""
+    _lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    _known: dict[int, psutil.Process] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def is_gateway(self) -> bool:
+        """Whether clients speak the Gateway API (with a key) rather than bare Inference."""
+        return self.layout != "bare"
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Block until the server prints its ready line; return the address to dial."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TargetFailed(f"{self.layout}: not ready after {timeout_s:.0f} s\n{self.log_tail()}")
+            try:
+                line = self._lines.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    raise TargetFailed(f"{self.layout}: exited with code {self.process.returncode} before "
+                                       f"it was ready\n{self.log_tail()}") from None
+                continue
+            address = _ready_address(self.layout, line)
+            if address:
+                self.address = address
+                self.tree()  # remember every child now, so stop() can reap them by PID
+                return address
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def tree(self) -> list[psutil.Process]:
+        """The root process and all its descendants that are alive now (remembered for stop)."""
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        for proc in procs:
+            self._known.setdefault(proc.pid, proc)
+        return procs
+
+    def tree_rss_bytes(self) -> int:
+        """Resident memory summed over the process tree (shared pages count once per process)."""
+        total = 0
+        for proc in self.tree():
+            try:
+                total += proc.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return total
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the root (it stops its own children), then SIGKILL whatever of ours is left."""
+        self.tree()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        leftovers = [proc for proc in self._known.values() if proc.pid != self.pid and proc.is_running()]
+        for proc in leftovers:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(leftovers, timeout=5)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def alive_pids(self) -> list[int]:
+        """Processes of this target still running (should be none after stop)."""
+        return [proc.pid for proc in self._known.values() if proc.is_running()
+                and proc.status() != psutil.STATUS_ZOMBIE]
+
+
+def _ready_address(layout: str, line: str) -> str:
+    if layout == "bare":
+        marker = " serving on "
+        return line.split(marker, 1)[1].strip() if marker in line else ""
+    try:
+        ready = json.loads(line)
+    except ValueError:
+        return ""
+    if isinstance(ready, dict) and ready.get("event") == "ready":
+        return str(ready.get("address", ""))
+    return ""
+
+
+def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
+    """Start one layout's server process. Call from the main thread (see `die_with_parent`)."""
+    layout_dir = run_dir / layout
+    layout_dir.mkdir(parents=True, exist_ok=True)
+    if layout == "bare":
+        argv = [sys.executable, "-m", "spine.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
+                "--config", str(config_path), "--run-dir", str(layout_dir)]
+    elif layout in ("collapsed", "layered"):
+        argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up", "--layout", layout,
+                "--listen", "127.0.0.1:0", "--run-dir", str(layout_dir)]
+    else:
+        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    log_path = run_dir / f"{layout}.log"
+    with open(log_path, "w") as log_file:
+        # PDEATHSIG in the child: if the bench dies (even by SIGKILL), its servers go too.
+        process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                   env=dict(os.environ), preexec_fn=die_with_parent)
+    target = Target(layout, process, log_path)
+    threading.Thread(target=target._read_stdout, name=f"stdout-{layout}", daemon=True).start()
+    return target
+
+
+class RssSampler:
+    """Samples each target's process-tree RSS in the background; keeps peaks per label.
+
+    The label is the run being measured at the moment, so each run gets the peak of its
+    own layout while it was under load.
+    """
+
+    def __init__(self, targets: dict[str, Target], interval_s: float = 0.25) -> None:
+        self.targets = targets
+        self.interval_s = interval_s
+        self.peak_by_layout: dict[str, int] = {}
+        self.peak_by_label: dict[str, int] = {}
+        self._label: tuple[str, str] | None = None  # (layout, run label)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def measuring(self, layout: str, label: str | None) -> None:
+        with self._lock:
+            self._label = (layout, label) if label else None
+        if label:
+            self._sample_one(layout)
+
+    def _sample_one(self, layout: str) -> None:
+        rss = self.targets[layout].tree_rss_bytes()
+        with self._lock:
+            self.peak_by_layout[layout] = max(self.peak_by_layout.get(layout, 0), rss)
+            if self._label is not None and self._label[0] == layout:
+                label = self._label[1]
+                self.peak_by_label[label] = max(self.peak_by_label.get(label, 0), rss)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for layout in self.targets:
+                self._sample_one(layout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

@@ -290,9 +290,10 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         except grpc.RpcError as error:
             raise self._downstream_error("inference", error, fail_closed=True) from None
 
-    def _downstream_error(self, name: str, error: grpc.RpcError, *, fail_closed: bool) -> _Stop:
+    def _downstream_error(self, name: str, rpc_error: grpc.RpcError, *, fail_closed: bool) -> _Stop:
+        error: Any = rpc_error  # a grpc.Call as well, for remote and local bindings alike
         code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
-        details = error.details() if callable(getattr(error, "details", None)) else str(error)
+        details = str(error.details() if callable(getattr(error, "details", None)) else error)
         if code in _PASS_THROUGH.get(name, ()):
             trailing = tuple(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ()
             return _Stop(code, details, tuple((k, v) for k, v in trailing if k == "retry-after"))

@@ -127,10 +127,10 @@ class Scheduler:
                     self._drop(job)
                 continue
             for output in outputs:
-                job = self._running.get(output.handle)
-                if job is None:
+                owner = self._running.get(output.handle)
+                if owner is None:
                     continue
-                job.out.put(output)
+                owner.out.put(output)
                 if output.finished:
                     del self._running[output.handle]
 

@@ -122,10 +122,18 @@ def limit_name(key: Key) -> str:
 
 
 @dataclass(frozen=True)
-class _Row:
+class _Bucket:
+    """What a descriptor's entries resolve to; cached, since reading protos is the slow part."""
+
     key: Key
-    cost: float
+    name: str
     limits: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class _Row:
+    bucket: _Bucket
+    cost: float
 
 
 class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
@@ -136,6 +144,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         self._clock = clock
         self._table = TokenBucketTable(device)
         self._lock = threading.Lock()
+        self._buckets: dict[Key, _Bucket] = {}
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
     def admit_batch(
@@ -153,7 +162,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         row_request = [index for index, request_rows in enumerate(parsed) for _ in request_rows]
         with self._lock:
             at = self._clock() if now is None else now
-            slots = self._table.slots([r.key for r in rows], [r.limits for r in rows], at)
+            slots = self._table.slots([r.bucket.key for r in rows], [r.bucket.limits for r in rows], at)
             decision = self._table.decide(
                 slots, [r.cost for r in rows], row_request, [not q.dry_run for q in requests], at
             )
@@ -162,7 +171,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             fits = decision.fits[i]
             responses[row_request[i]].statuses.add(
                 code=_OK if fits else _OVER_LIMIT,
-                limit_name=limit_name(row.key),
+                limit_name=row.bucket.name,
                 limit_remaining=decision.remaining[i],
                 retry_after_s=decision.retry_after_s[i],
             )
@@ -216,19 +225,28 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             raise invalid("descriptors: at least one descriptor is required")
         rows = []
         for d, descriptor in enumerate(request.descriptors):
-            where = f"descriptors[{d}]"
-            if not descriptor.entries:
-                raise invalid(f"{where}.entries: at least one entry is required")
-            key: Key = tuple((e.key, e.value) for e in descriptor.entries)
-            fields = dict(key)
-            if len(fields) != len(key) or "" in fields:
-                raise invalid(f"{where}.entries: keys must be non-empty and distinct, got {limit_name(key)!r}")
-            resource = fields.get("resource")
-            if resource not in RESOURCES:
-                raise invalid(f"{where}.entries: needs resource= one of {', '.join(RESOURCES)}, got {resource!r}")
+            key: Key = tuple([(e.key, e.value) for e in descriptor.entries])
+            bucket = self._buckets.get(key) or self._resolve(key, f"descriptors[{d}]", index)
             hits = descriptor.hits_addend or 1
             if hits > MAX_HITS_ADDEND:
-                raise invalid(f"{where}.hits_addend: at most {MAX_HITS_ADDEND}, got {hits}")
-            limits = self.config.limits_for(fields.get("tenant", "")).bucket(resource)
-            rows.append(_Row(key, float(hits), limits))
+                raise invalid(f"descriptors[{d}].hits_addend: at most {MAX_HITS_ADDEND}, got {hits}")
+            rows.append(_Row(bucket, float(hits)))
         return rows
+
+    def _resolve(self, key: Key, where: str, index: int) -> _Bucket:
+        """Check a descriptor's entries once and remember which limits they name."""
+        if not key:
+            raise InvalidRateLimitRequest(f"{where}.entries: at least one entry is required", index)
+        fields = dict(key)
+        if len(fields) != len(key) or "" in fields:
+            raise InvalidRateLimitRequest(
+                f"{where}.entries: keys must be non-empty and distinct, got {limit_name(key)!r}", index
+            )
+        resource = fields.get("resource")
+        if resource not in RESOURCES:
+            raise InvalidRateLimitRequest(
+                f"{where}.entries: needs resource= one of {', '.join(RESOURCES)}, got {resource!r}", index
+            )
+        bucket = _Bucket(key, limit_name(key), self.config.limits_for(fields.get("tenant", "")).bucket(resource))
+        self._buckets[key] = bucket
+        return bucket

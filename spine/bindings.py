@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -39,10 +39,10 @@ class LocalRpcError(grpc.RpcError):
     def details(self) -> str:
         return self._details
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+    def trailing_metadata(self) -> Any:
         return self._trailing
 
-    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+    def initial_metadata(self) -> Any:
         return ()
 
 
@@ -269,7 +269,7 @@ def _context(metadata: Metadata, timeout: float | None, parent: Any | None) -> L
 class LocalStream:
     """Iterates a servicer's response generator with the wire's deadline and cancel rules."""
 
-    def __init__(self, generator: Iterator[Any], context: LocalContext,
+    def __init__(self, generator: Generator[Any, None, None], context: LocalContext,
                  on_end: Callable[[grpc.StatusCode], None]) -> None:
         self._generator = generator
         self._context = context

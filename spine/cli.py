@@ -104,6 +104,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(load_config(args.config))
 
 
+def cmd_ab(args: argparse.Namespace) -> int:
+    from spine.demo import run_layouts_side_by_side
+
+    return run_layouts_side_by_side(load_config(args.config), count=args.count, concurrency=args.concurrency)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
     parser.add_argument("--config", help="YAML config laid over the default (spine/default_config.yaml)")
@@ -130,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--timeout", type=float, default=30.0)
     call.add_argument("--json", action="store_true")
     call.set_defaults(handler=cmd_call)
+
+    ab = sub.add_parser("ab", help="one workload through the layered and collapsed layouts, side by side")
+    ab.add_argument("--count", type=int, default=120, help="requests per layout")
+    ab.add_argument("--concurrency", type=int, default=4)
+    ab.set_defaults(handler=cmd_ab)
 
     demo = sub.add_parser("demo", help="the main job: both layouts side by side (`make run`)")
     demo.set_defaults(handler=cmd_demo)

@@ -79,9 +79,10 @@ class GatewayClient:
                                                            metadata=self.metadata(token, headers))
             return CallResult(grpc.StatusCode.OK, "", time.perf_counter() - started, response=response,
                               trailing=dict(call.trailing_metadata() or ()))
-        except grpc.RpcError as error:
+        except grpc.RpcError as rpc_error:
+            error: Any = rpc_error  # also a grpc.Call
             return CallResult(error.code(), error.details() or "", time.perf_counter() - started,
-                              trailing=dict(error.trailing_metadata() or ()))  # type: ignore[attr-defined]
+                              trailing=dict(error.trailing_metadata() or ()))
 
     def stream(self, request: generation_pb2.GenerateRequest, *, token: str | None = None,
                timeout: float = 30.0, headers: dict[str, str] | None = None) -> CallResult:

@@ -1,0 +1,232 @@
+"""`make bench`: bare model service vs collapsed spine vs layered stack, in one run.
+
+    python -m bench.run [--quick] [--concurrency 1,16] [--requests N] [--out bench/results.json]
+
+All three layouts are up at once, each in its own process(es), so the load generator
+(this process) never shares a GIL with a server. Each cell (mode × concurrency) is cut
+into rounds and the layouts take turns round by round, in a rotating order, so machine
+noise (other jobs, thermal, GC) lands on all of them alike. Requests are greedy with
+distinct prompts (no response-cache hits), so every call does the same model work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from bench.load import Batch, Call, Endpoint, prompts, requests_for, run_batch
+from bench.report import add_ratios, machine_info, print_tables, run_record
+from bench.targets import LAYOUTS, RssSampler, Target, TargetFailed, launch
+from spine.config import load_config
+
+DEV_KEY = "spine-dev-key-0000"
+DEFAULT_OUT = Path(__file__).with_name("results.json")
+# The bench measures overhead, not admission: the default buckets must never refuse it.
+RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
+    "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
+
+
+@dataclass(frozen=True)
+class Settings:
+    concurrency: tuple[int, ...]
+    requests: int          # per unary cell and layout
+    stream_requests: int   # per stream cell and layout
+    rounds: int            # each cell is split into this many interleaved turns
+    max_tokens: int
+    cell_time_limit_s: float  # per cell and layout, over all its rounds
+    warmup: int
+    ready_timeout_s: float
+    quick: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "concurrency": list(self.concurrency)}
+
+
+def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few requests per cell (smoke test)")
+    parser.add_argument("--concurrency", default="1,16", help="comma-separated worker counts (default 1,16)")
+    parser.add_argument("--requests", type=int, help="unary requests per cell and layout (default 400; quick 12)")
+    parser.add_argument("--stream-requests", type=int, help="stream requests per layout (default 200; quick 6)")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rounds", type=int, help="interleaved turns per cell (default 5; quick 2)")
+    parser.add_argument("--cell-time-limit", type=float, default=20.0,
+                        help="seconds per cell and layout before it stops sending (default 20)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})")
+    parser.add_argument("--keep-run-dir", action="store_true", help="keep server logs and sockets for inspection")
+    args = parser.parse_args(argv)
+    try:
+        concurrency = tuple(sorted({int(part) for part in args.concurrency.split(",") if part.strip()}))
+    except ValueError:
+        parser.error(f"--concurrency: expected comma-separated integers like 1,16, got {args.concurrency!r}")
+    if not concurrency or min(concurrency) < 1:
+        parser.error(f"--concurrency: every value must be >= 1, got {args.concurrency!r}")
+    quick = bool(args.quick)
+    requests = args.requests or (12 if quick else 400)
+    stream_requests = args.stream_requests or (6 if quick else 200)
+    rounds = args.rounds or (2 if quick else 5)
+    for name, value in (("--requests", requests), ("--stream-requests", stream_requests), ("--rounds", rounds),
+                        ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            parser.error(f"{name}: must be >= 1, got {value}")
+    settings = Settings(concurrency=concurrency, requests=requests, stream_requests=stream_requests,
+                        rounds=min(rounds, requests), max_tokens=args.max_tokens,
+                        cell_time_limit_s=args.cell_time_limit, warmup=2 if quick else 6,
+                        ready_timeout_s=120.0, quick=quick)
+    return settings, args.out, bool(args.keep_run_dir)
+
+
+def write_configs(run_dir: Path) -> tuple[Path, Path]:
+    """The overlay given to `spine --config` and the merged config the bare process reads."""
+    overlay = run_dir / "bench-overlay.yaml"
+    overlay.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
+    merged = run_dir / "bench-config.yaml"
+    merged.write_text(yaml.safe_dump(load_config(overlay)))
+    return overlay, merged
+
+
+def start_all(run_dir: Path, settings: Settings, console: Console) -> dict[str, Target]:
+    """Launch every layout at once (they start in parallel), then wait for each to be ready."""
+    overlay, merged = write_configs(run_dir)
+    targets: dict[str, Target] = {}
+    try:
+        for layout in LAYOUTS:
+            targets[layout] = launch(layout, run_dir, merged if layout == "bare" else overlay)
+        for layout, target in targets.items():
+            with console.status(f"waiting for {layout} to be ready"):
+                target.wait_ready(settings.ready_timeout_s)
+            console.print(f"{layout}: ready on {target.address} ({len(target.tree())} process(es))")
+    except BaseException:
+        stop_all(targets, console)
+        raise
+    return targets
+
+
+def stop_all(targets: dict[str, Target], console: Console) -> list[int]:
+    """Stop every target by PID; return the PIDs (ours) still alive afterwards, if any."""
+    left: list[int] = []
+    for target in targets.values():
+        try:
+            target.stop()
+        except Exception as error:  # keep stopping the others
+            console.print(f"[red]stopping {target.layout} failed: {error}[/red]")
+        left.extend(target.alive_pids())
+    return left
+
+
+def warm_up(endpoints: dict[str, Endpoint], settings: Settings) -> None:
+    """First calls pay for connection set-up, lazy imports and first-shape kernels: not measured."""
+    top = max(settings.concurrency)
+    for layout, endpoint in endpoints.items():
+        texts = prompts(f"warm-{layout}", settings.warmup + 2 + top)
+        reqs = requests_for(texts, settings.max_tokens)
+        run_batch(endpoint, reqs[:settings.warmup], concurrency=1, time_limit_s=60)
+        run_batch(endpoint, reqs[settings.warmup:settings.warmup + 2], concurrency=1, stream=True, time_limit_s=60)
+        run_batch(endpoint, reqs[settings.warmup + 2:], concurrency=top, time_limit_s=60)
+
+
+def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Settings,
+            console: Console) -> list[dict[str, Any]]:
+    """Every cell, its rounds interleaved across layouts; one run record per (cell, layout)."""
+    cells = [("unary", c, settings.requests) for c in settings.concurrency]
+    cells.append(("stream", 1, settings.stream_requests))
+    runs: list[dict[str, Any]] = []
+    layouts = list(endpoints)
+    for mode, concurrency, count in cells:
+        rounds = max(1, min(settings.rounds, count))
+        per_round = [count // rounds + (1 if r < count % rounds else 0) for r in range(rounds)]
+        calls: dict[str, list[Call]] = {layout: [] for layout in layouts}
+        wall = dict.fromkeys(layouts, 0.0)
+        unsent = dict.fromkeys(layouts, 0)
+        round_limit = settings.cell_time_limit_s / rounds
+        start = 0
+        with console.status(f"{mode} at concurrency {concurrency}: {count} requests per layout in {rounds} rounds"):
+            for r, size in enumerate(per_round):
+                texts = prompts(f"{mode[0]}{concurrency}", size, start)  # same prompts for every layout
+                start += size
+                reqs = requests_for(texts, settings.max_tokens)
+                order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]  # rotate who goes first
+                for layout in order:
+                    sampler.measuring(layout, f"{layout}/{mode}/{concurrency}")
+                    batch: Batch = run_batch(endpoints[layout], reqs, concurrency=concurrency,
+                                             stream=mode == "stream", time_limit_s=round_limit)
+                    sampler.measuring(layout, None)
+                    calls[layout].extend(batch.calls)
+                    wall[layout] += batch.wall_s
+                    unsent[layout] += batch.unsent
+        for layout in layouts:
+            peak = sampler.peak_by_label.get(f"{layout}/{mode}/{concurrency}", 0)
+            record = run_record(layout, mode, concurrency, calls[layout], wall[layout], unsent[layout], peak)
+            runs.append(record)
+            console.print(f"  {mode:6} c={concurrency:<3} {layout:9} p50 {record['p50_ms']:8.2f} ms  "
+                          f"p99 {record['p99_ms']:8.2f} ms  {record['rps']:7.1f} rps  errors {record['errors']}")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, out, keep = parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and pipes get the whole table
+    # SIGTERM (e.g. from a test timeout) unwinds through the finally below, which stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    machine = machine_info()
+    run_dir = Path(tempfile.mkdtemp(prefix="spb-"))  # short: unix socket paths are limited to ~107 bytes
+    targets: dict[str, Target] = {}
+    endpoints: dict[str, Endpoint] = {}
+    sampler: RssSampler | None = None
+    began = time.perf_counter()
+    try:
+        targets = start_all(run_dir, settings, console)
+        processes = {layout: len(target.tree()) for layout, target in targets.items()}
+        endpoints = {layout: Endpoint(t.address, t.is_gateway, DEV_KEY) for layout, t in targets.items()}
+        sampler = RssSampler(targets)
+        sampler.start()
+        with console.status("warming up"):
+            warm_up(endpoints, settings)
+        runs = measure(endpoints, sampler, settings, console)
+        comparisons = add_ratios(runs)
+        for run in runs:
+            run["layout_peak_rss_mb"] = round(sampler.peak_by_layout.get(run["layout"], 0) / (1024 * 1024), 1)
+            run["processes"] = processes[run["layout"]]
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for endpoint in endpoints.values():
+            endpoint.close()
+        left = stop_all(targets, console)
+        if left:
+            console.print(f"[red]processes still running after stop: {left}[/red]")
+        if keep:
+            console.print(f"run directory kept: {run_dir}")
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    results = {"runs": runs, "layered_vs_collapsed": comparisons, "machine": machine, "started_at": started_at,
+               "duration_s": round(time.perf_counter() - began, 1), "settings": settings.as_dict(),
+               "processes_left_running": left}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print_tables(results, console)
+    console.print(f"wrote {out} in {results['duration_s']} s")
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except TargetFailed as failure:
+        print(f"bench: a server did not start: {failure}", file=sys.stderr)
+        sys.exit(2)

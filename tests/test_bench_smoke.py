@@ -1,0 +1,85 @@
+"""`python -m bench.run --quick` runs all three layouts end to end and writes the documented schema.
+
+No timing assertions: numbers on a shared machine say nothing; the shape and sanity do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = {"bare", "collapsed", "layered"}
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _running_children() -> set[int]:
+    pids = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                pids.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "tmp" / "results.json"
+    before = _running_children()
+    completed = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--out", str(out)], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=90)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    after = _running_children()
+    assert after <= before, f"bench left processes running: {sorted(after - before)}"
+    return json.loads(out.read_text())
+
+
+def test_quick_bench_measures_every_layout_at_both_concurrencies(quick_results: dict) -> None:
+    unary = {(r["layout"], r["concurrency"]) for r in quick_results["runs"] if r.get("mode", "unary") == "unary"}
+    assert unary == {(layout, c) for layout in LAYOUTS for c in (1, 16)}
+
+
+def test_every_run_has_positive_latency_throughput_and_memory(quick_results: dict) -> None:
+    for run in quick_results["runs"]:
+        where = f"{run['layout']} c={run['concurrency']} {run.get('mode')}"
+        for key in ("p50_ms", "p99_ms", "rps", "peak_rss_mb"):
+            assert _positive(run[key]), f"{where}: {key}={run[key]!r}"
+        assert run["p99_ms"] >= run["p50_ms"], where
+        assert isinstance(run["requests"], int) and run["requests"] > 0, where
+        assert run["errors"] == 0, f"{where}: {run.get('error_codes')}"
+
+
+def test_stream_runs_report_time_to_first_token_and_inter_token_latency(quick_results: dict) -> None:
+    stream = [r for r in quick_results["runs"] if r.get("mode") == "stream"]
+    assert {r["layout"] for r in stream} == LAYOUTS
+    for run in stream:
+        assert run["concurrency"] == 1
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+            assert _positive(run[key]), f"{run['layout']}: {key}={run[key]!r}"
+        assert run["ttft_p50_ms"] <= run["p50_ms"]
+
+
+def test_ratios_to_bare_and_machine_details_are_recorded(quick_results: dict) -> None:
+    for run in quick_results["runs"]:
+        for key in ("p50_vs_bare", "p99_vs_bare", "rps_vs_bare"):
+            assert _positive(run[key]), f"{run['layout']}: {key}={run[key]!r}"
+        if run["layout"] == "bare":
+            assert run["p50_vs_bare"] == 1.0
+    layered = {r["processes"] for r in quick_results["runs"] if r["layout"] == "layered"}
+    collapsed = {r["processes"] for r in quick_results["runs"] if r["layout"] == "collapsed"}
+    assert min(layered) > max(collapsed), "layered runs each component in its own process"
+    machine = quick_results["machine"]
+    assert machine["cpu_count"] >= 1 and machine["torch"]
+    assert quick_results["started_at"]
+    assert quick_results["processes_left_running"] == []

@@ -374,6 +374,17 @@ def test_table_grows_past_its_first_allocation_and_accounts_its_bytes() -> None:
     assert call(service, request(tenant="t7")).overall_code == OK
 
 
+def test_running_out_of_device_budget_is_resource_exhausted_and_changes_nothing() -> None:
+    device = DeviceContext(budget_bytes=6 * 64 * 8)  # room for the first 64 buckets only
+    service = RateLimitService(RateLimitConfig.from_dict({}), device, clock=FakeClock())
+    service.admit_batch([request(tenant=f"t{i}") for i in range(32)])
+    with pytest.raises(LocalRpcError) as error:
+        call(service, request(tenant="one-too-many"))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(service.snapshot()) == 64
+    assert call(service, request(tenant="t0")).overall_code == OK
+
+
 # -- over the wire -----------------------------------------------------------------------------
 
 

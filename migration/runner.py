@@ -13,13 +13,11 @@ import argparse
 import ipaddress
 import logging
 import os
-import signal
 import stat
 import sys
 import threading
 import time
 from concurrent import futures
-from types import FrameType
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,6 +29,7 @@ from migration.recording import RecordingTarget
 from migration.service import SERVICE_NAME, MigrationService
 from migration.target import TrafficTarget
 from services.common import Clock, ConfigError
+from spine.signals import Termination
 from spine.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
@@ -144,14 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    stopping = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stopping.wait()
+    Termination().wait()  # a handler that calls Event.set() can deadlock the main thread
     log.info("stopping migration controller")
     process.stop()
     return 0

@@ -12,9 +12,7 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ def dev_api_key(config: Mapping[str, Any]) -> str | None:
 def cmd_up(args: argparse.Namespace) -> int:
     from monolith.runtime_env import configure_threads
     from spine.runtime import Stack
+    from spine.signals import Termination
 
     configure_threads()
     config = load_config(args.config)
@@ -43,9 +42,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     listen = args.listen or str(config.get("listen", DEFAULT_ADDRESS))
     run_dir = Path(args.run_dir) if args.run_dir else None
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    termination = Termination()
     stack.start()
     key = dev_api_key(config)
     ready = {
@@ -59,7 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"dev tenant API key: {key}   (try: spine call --address {stack.address} --prompt hello)",
               file=sys.stderr)
     try:
-        stop.wait()
+        termination.wait()
     finally:
         print("stopping: finishing in-flight requests, flushing logs and metrics", file=sys.stderr)
         stack.stop()

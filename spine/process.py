@@ -14,7 +14,6 @@ import ctypes
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from spine.components import COMPONENTS, SPECS, close_servicer
@@ -48,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from monolith.runtime_env import configure_threads
     from spine.config import load_config
     from spine.server import start_server
+    from spine.signals import Termination
 
+    termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
     configure_threads()
     config = load_config(args.config)
     run_dir = Path(args.run_dir)
@@ -63,11 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
         extra = start_metrics_endpoint(servicer, config, run_dir)
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     print(f"{args.component} serving on {server.address}", flush=True)
-    stop.wait()
+    termination.wait()
     server.stop(grace=3.0)
     if extra is not None:
         extra.stop()

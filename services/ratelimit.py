@@ -205,6 +205,13 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             return {limit_name(cast(Key, k)): v for k, v in self._table.snapshot().items()}
 
     # -- gRPC --------------------------------------------------------------------------
+    def SetShare(self, request: ratelimit_pb2.SetShareRequest, context: Any) -> ratelimit_pb2.SetShareResponse:
+        try:
+            self.set_share(request.fraction)
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fraction: {error}")
+        return ratelimit_pb2.SetShareResponse(fraction=request.fraction)
+
     def ShouldRateLimit(self, request: ratelimit_pb2.RateLimitRequest, context: Any) -> ratelimit_pb2.RateLimitResponse:
         try:
             return self.admit_batch([request])[0]

@@ -18,6 +18,7 @@ from typing import Any
 
 from migration.gates import WindowStats
 from migration.runner import ControllerProcess
+from migration.xds import Endpoint, XdsControlPlane
 from services.gateway_limits import RequestLimits
 from spine.components import COMPONENTS, GATEWAY, MIDDLEWARES
 from spine.config import placements_for
@@ -25,20 +26,46 @@ from spine.faults import FaultHook
 from spine.front import Front
 from spine.runtime import Stack
 from spine.server import RunningServer, start_server
+from spine.v1 import ratelimit_pb2
+
+# A side that gets no traffic still keeps a sliver of budget: a share must be > 0, and
+# requests forced to that side (x-spine-route) or still in flight are few.
+MIN_SHARE = 0.01
 
 
 class FrontTarget:
-    """The controller's `TrafficTarget` for the built-in front and the spine."""
+    """The controller's `TrafficTarget`: the built-in front, the spine, and data planes over xDS.
 
-    def __init__(self, front: Front, spine: Stack) -> None:
+    Limits hold across the split: while the spine shares the layered rate-limit process
+    (ratelimit placed remote) that one process decides for both sides; once the spine has
+    its own, each side enforces its weight's share of every limit, so a tenant's total
+    never exceeds its configured limit wherever its sessions land.
+    """
+
+    def __init__(self, front: Front, spine: Stack, layered_ratelimit: Any | None = None,
+                 xds: XdsControlPlane | None = None) -> None:
         self.front = front
         self.spine = spine
+        self.layered_ratelimit = layered_ratelimit
+        self.xds = xds
         self._lock = threading.Lock()
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
         with self._lock:
             self.spine.set_placements({name: placements[name] for name in MIDDLEWARES if name in placements})
+            self._split_limits(spine_weight)
             self.front.set_weight(spine_weight)
+            if self.xds is not None:
+                self.xds.set_spine_percent(spine_weight, version)
+
+    def _split_limits(self, spine_weight: float) -> None:
+        spine_share = spine_weight / 100.0
+        own = self.spine.placements.get("ratelimit") == "local"
+        if own:
+            self.spine.local_servicers["ratelimit"].set_share(max(spine_share, MIN_SHARE))
+        if self.layered_ratelimit is not None:
+            layered_share = max(1.0 - spine_share, MIN_SHARE) if own else 1.0
+            self.layered_ratelimit.SetShare(ratelimit_pb2.SetShareRequest(fraction=layered_share), timeout=1.0)
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
         window = self.front.window(since)
@@ -47,7 +74,8 @@ class FrontTarget:
                 WindowStats(spine.requests, spine.errors, spine.p99_ms), 0)
 
     def applied(self, version: str) -> bool:
-        return True  # the front applies a weight at once
+        """The front applies a weight at once; xDS data planes once they have ACKed it."""
+        return self.xds is None or self.xds.acked(version)
 
 
 @dataclass
@@ -55,12 +83,15 @@ class Cutover:
     config: Mapping[str, Any]
     run_dir: Path
     listen: str = "127.0.0.1:0"
+    xds_listen: str | None = None  # e.g. "127.0.0.1:0": serve ADS so Envoy/proxyless clients follow
     fault: FaultHook = field(default_factory=FaultHook)
     layered: Stack | None = None
     spine: Stack | None = None
     front: Front | None = None
     front_server: RunningServer | None = None
     controller: ControllerProcess | None = None
+    xds: XdsControlPlane | None = None
+    target: FrontTarget | None = None
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
     def start(self) -> str:
@@ -80,12 +111,18 @@ class Cutover:
             limits = RequestLimits.from_config(self.config)
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
                                              max_message_bytes=limits.max_message_bytes)
+            if self.xds_listen is not None:
+                self.xds = XdsControlPlane("spine-gateway", {
+                    "layered": [_endpoint(self.layered.address)], "spine": [_endpoint(self.spine.address)]})
+                self.xds.start(self.xds_listen)
+            layered_ratelimit = self.layered.bindings.get("ratelimit")
             token_file = self.run_dir / "admin-token"
             token_file.write_text(self.admin_token)
             token_file.chmod(0o600)
+            self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds)
             self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"),
                                                 f"unix:{self.run_dir / 'controller.sock'}", self.admin_token,
-                                                FrontTarget(self.front, self.spine), tick_s=0.1)
+                                                self.target, tick_s=0.1)
             self.controller.start()
         except BaseException:
             self.stop()
@@ -105,6 +142,9 @@ class Cutover:
         if self.controller is not None:
             self.controller.stop()
             self.controller = None
+        if self.xds is not None:
+            self.xds.stop()
+            self.xds = None
         if self.front_server is not None:
             self.front_server.stop(2.0)
             self.front_server = None
@@ -115,6 +155,11 @@ class Cutover:
             if stack is not None:
                 stack.stop()
         self.spine = self.layered = None
+
+
+def _endpoint(address: str) -> Endpoint:
+    host, _, port = address.rpartition(":")
+    return Endpoint(host, int(port))
 
 
 __all__ = ["COMPONENTS", "Cutover", "FrontTarget"]

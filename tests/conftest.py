@@ -20,6 +20,7 @@ from spine.runtime import Stack
 DEV_KEY = "spine-dev-key-0000"
 TIGHT_KEY = "tight-tenant-key-0000"
 OTHER_KEY = "other-tenant-key-0000"
+SPLIT_KEYS = {"remote": "split-remote-key-0000", "local": "split-local-key-0000"}
 JWT_SECRET = "spine-dev-jwt-secret-change-me-0123456789"
 
 # A tenant whose buckets barely refill during a test, so the count of admitted requests
@@ -30,11 +31,15 @@ TEST_OVERRIDES: dict[str, Any] = {
             {"id": "dev-key", "tenant": "dev", "key": DEV_KEY, "scopes": ["generate"], "max_priority": 1},
             {"id": "tight-key", "tenant": "tight", "key": TIGHT_KEY, "scopes": ["generate"], "max_priority": 0},
             {"id": "other-key", "tenant": "other", "key": OTHER_KEY, "scopes": ["generate"], "max_priority": 1},
+            *({"id": f"split-{where}", "tenant": f"split-{where}", "key": key, "scopes": ["generate"]}
+              for where, key in SPLIT_KEYS.items()),
         ],
     },
     "ratelimit": {
         "tenants": {"tight": {"requests_per_second": 0.001, "burst": 4, "tokens_per_minute": 60000,
-                              "token_burst": 10000}},
+                              "token_burst": 10000},
+                    **{f"split-{where}": {"requests_per_second": 0.001, "burst": 20, "tokens_per_minute": 60000,
+                                          "token_burst": 100000} for where in SPLIT_KEYS}},
     },
 }
 

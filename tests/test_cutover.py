@@ -13,7 +13,7 @@ from spine.client import GatewayClient
 from spine.cutover import Cutover
 from spine.migration_demo import DEMO_PLAN, TrafficDriver, walk_plan
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, config_for_tests
+from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 
 
 def steady_plan() -> str:
@@ -53,6 +53,30 @@ def test_front_routes_by_header_and_sticks_to_a_session(cutover: Cutover) -> Non
                   for i in range(40)}
         assert spread == {"layered", "spine"}
     cutover.front.set_weight(0)
+
+
+@pytest.mark.parametrize("spine_ratelimit", ["remote", "local"])
+def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine_ratelimit: str) -> None:
+    """One tenant, its sessions split across both layouts: at most its burst of 20 in total."""
+    assert cutover.target is not None and cutover.front is not None
+    placements = {name: "local" for name in ("logs", "metrics", "cache", "router", "auth")}
+    placements["ratelimit"] = spine_ratelimit
+    cutover.target.apply(50, placements, f"split-{spine_ratelimit}")
+    try:
+        sides: dict[str, int] = {"layered": 0, "spine": 0}
+        admitted = 0
+        with GatewayClient(cutover.address, SPLIT_KEYS[spine_ratelimit]) as client:
+            for i in range(60):
+                request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"split {spine_ratelimit} {i}",
+                                                         max_tokens=2)
+                result = client.generate(request, headers={"x-session-id": f"split-{i}"})
+                sides[result.trailing["x-spine-side"]] += 1
+                assert result.code.name in ("OK", "RESOURCE_EXHAUSTED"), result.details
+                admitted += result.ok
+        assert sides["layered"] > 10 and sides["spine"] > 10, sides
+        assert 0 < admitted <= 20, f"{admitted} admitted across both layouts; the limit is 20"
+    finally:
+        cutover.target.apply(0, {name: "remote" for name in placements}, f"split-{spine_ratelimit}-back")
 
 
 def test_demo_plan_walks_to_full_spine_without_a_failed_request(cutover: Cutover) -> None:

@@ -1,0 +1,116 @@
+"""A stock proxyless gRPC client (`xds:///spine-gateway`) follows the migration's weights.
+
+The controller's target publishes each stage's weights over ADS; the client — grpcio and a
+bootstrap, nothing of spine's — sends real Gateway requests to the real layered stack and
+spine, and the layout named in each answer's trailers tells where it landed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spine.cutover import Cutover
+from tests.conftest import DEV_KEY, config_for_tests
+
+pytestmark = pytest.mark.timeout(180)
+
+CLIENT = r'''
+import json, sys
+import grpc
+from spine.v1 import generation_pb2
+
+channel = grpc.insecure_channel("xds:///spine-gateway")
+generate = channel.unary_unary("/spine.v1.Gateway/Generate",
+                               request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+                               response_deserializer=generation_pb2.GenerateResponse.FromString)
+grpc.channel_ready_future(channel).result(timeout=30)
+sys.stdout.write(json.dumps({"ready": True}) + "\n"); sys.stdout.flush()
+for line in sys.stdin:
+    n = json.loads(line)["n"]
+    seen = {}
+    for i in range(n):
+        request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"xds {i}", max_tokens=1)
+        try:
+            _, call = generate.with_call(request, timeout=10, metadata=[("authorization", "Bearer " + sys.argv[1])])
+            layout = dict(call.trailing_metadata())["x-spine-layout"]
+        except grpc.RpcError as error:
+            layout = "error:" + error.code().name
+        seen[layout] = seen.get(layout, 0) + 1
+    sys.stdout.write(json.dumps(seen) + "\n"); sys.stdout.flush()
+'''
+
+ALL_REMOTE = dict.fromkeys(("auth", "ratelimit", "router", "cache", "metrics", "logs"), "remote")
+ALL_LOCAL = dict.fromkeys(ALL_REMOTE, "local")
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cutover, subprocess.Popen[str]]]:
+    cutover = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("xds-cutover")), xds_listen="127.0.0.1:0")
+    cutover.start()
+    client: subprocess.Popen[str] | None = None
+    try:
+        assert cutover.target is not None and cutover.xds is not None and cutover.xds.address
+        cutover.target.apply(0, ALL_REMOTE, "stage-0")
+        bootstrap = {
+            "xds_servers": [{"server_uri": cutover.xds.address, "channel_creds": [{"type": "insecure"}],
+                             "server_features": ["xds_v3"]}],
+            "node": {"id": "proxyless-client", "cluster": "spine-test"},
+        }
+        env = dict(os.environ, GRPC_XDS_BOOTSTRAP_CONFIG=json.dumps(bootstrap))
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, DEV_KEY], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        assert client.stdout is not None
+        assert json.loads(client.stdout.readline()) == {"ready": True}
+        yield cutover, client
+    finally:
+        if client is not None:
+            client.kill()
+            client.wait()
+        cutover.stop()
+
+
+def calls(client: subprocess.Popen[str], n: int) -> dict[str, Any]:
+    assert client.stdin is not None and client.stdout is not None
+    client.stdin.write(json.dumps({"n": n}) + "\n")
+    client.stdin.flush()
+    return json.loads(client.stdout.readline())
+
+
+def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
+        rig: tuple[Cutover, subprocess.Popen[str]]) -> None:
+    cutover, client = rig
+    assert cutover.target is not None and cutover.xds is not None
+    assert calls(client, 10) == {"layered": 10}
+
+    cutover.target.apply(100, ALL_LOCAL, "stage-full")
+    deadline = time.monotonic() + 10
+    while not cutover.target.applied("stage-full") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cutover.target.applied("stage-full"), cutover.xds.status()
+    assert any(row["acked_version"] == "stage-full" for row in cutover.xds.status())
+    started = time.monotonic()
+    seen: dict[str, Any] = {}
+    while time.monotonic() - started < 5:
+        seen = calls(client, 5)
+        if seen == {"collapsed": 5}:
+            break
+    assert seen == {"collapsed": 5}, seen
+
+    cutover.target.apply(0, ALL_REMOTE, "stage-back")  # rollback
+    deadline = time.monotonic() + 10
+    while not cutover.target.applied("stage-back") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for _ in range(20):
+        seen = calls(client, 5)
+        if seen == {"layered": 5}:
+            break
+    assert seen == {"layered": 5}, seen

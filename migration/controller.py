@@ -52,6 +52,7 @@ class StatusView:
     stage_elapsed_s: float
     last_gates: list[GateRecord]
     recent_audit: list[AuditEntry]
+    data_planes: tuple[dict[str, Any], ...] = ()  # from targets that serve xDS
 
 
 class Controller:
@@ -101,8 +102,9 @@ class Controller:
                 elapsed = status.paused_at - status.stage_started_at
             history = self._store.gate_history(50)
             last = [r for r in history if history and r.window_end == history[-1].window_end]
+            planes = getattr(self._target, "data_planes", None)
             return StatusView(status, self._plan, stage, awaiting, max(0.0, elapsed), last,
-                              self._store.recent_audit(audit_rows))
+                              self._store.recent_audit(audit_rows), tuple(planes() if planes else ()))
 
     def wait_for_audit(self, after_id: int, timeout: float) -> list[AuditEntry]:
         """Audit rows after `after_id`, waiting up to `timeout` s for one to appear."""

@@ -71,6 +71,14 @@ def status_renderable(status: pb.RolloutStatus) -> Group:
             value = f"{gate.value:.4g}" if gate.HasField("value") else "-"
             gates.add_row(gate.gate, verdict, value, f"{gate.threshold:g}", gate.message)
         parts.append(gates)
+    if status.data_planes:
+        planes = Table(title="xDS data planes", title_justify="left")
+        for column in ("node", "type", "acked", "sent", "NACK"):
+            planes.add_column(column)
+        for plane in status.data_planes:
+            nack = f"[red]{plane.nacked_version}: {plane.nack_error}[/]" if plane.nack_error else "-"
+            planes.add_row(plane.node_id, plane.type, plane.acked_version or "-", plane.sent_version or "-", nack)
+        parts.append(planes)
     if status.recent_audit:
         parts.append(audit_table(status.recent_audit))
     return Group(*parts)

@@ -156,6 +156,10 @@ def status_message(view: StatusView) -> pb.RolloutStatus:
         stage_requests=s.stage_requests, last_verdict=s.last_verdict, awaiting_stage=view.awaiting_stage,
         updated_at=s.updated_at, stage_names=[st.name for st in plan.stages] if plan else [],
         recent_audit=[audit_message(row) for row in view.recent_audit],
+        data_planes=[pb.DataPlane(node_id=row["node_id"], type=row["type"], acked_version=row["acked_version"] or "",
+                                  sent_version=row["sent_version"] or "", nacked_version=row["nacked_version"] or "",
+                                  nack_error=row["nack_error"] or "", last_seen=row["last_seen"] or 0.0)
+                     for row in view.data_planes],
     )
     if stage is not None and stage.hold_s is not None:
         message.hold_s = stage.hold_s

@@ -71,7 +71,12 @@ class FrontTarget:
         window = self.front.window(since)
         layered, spine = window["layered"], window["spine"]
         return (WindowStats(layered.requests, layered.errors, layered.p99_ms),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms), 0)
+                WindowStats(spine.requests, spine.errors, spine.p99_ms),
+                self.front.parity_mismatches(since))  # shadow mismatches not explained by noise
+
+    def data_planes(self) -> list[dict[str, Any]]:
+        """What each xDS data plane ACKed or NACKed (shown by `spine migrate status`)."""
+        return self.xds.status() if self.xds is not None else []
 
     def applied(self, version: str) -> bool:
         """The front applies a weight at once; xDS data planes once they have ACKed it."""

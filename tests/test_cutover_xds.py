@@ -114,3 +114,46 @@ def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
         if seen == {"layered": 5}:
             break
     assert seen == {"layered": 5}, seen
+
+
+def test_a_nack_is_shown_in_migrate_status_and_traffic_stays_on_the_last_good_version(
+        rig: tuple[Cutover, subprocess.Popen[str]]) -> None:
+    from migration.service import status_message
+    from migration.xds import Endpoint, build_snapshot
+    from migration.xds.snapshot import ROUTE, build_route
+
+    cutover, client = rig
+    assert cutover.target is not None and cutover.xds is not None and cutover.controller is not None
+    cutover.target.apply(0, ALL_REMOTE, "good")
+    deadline = time.monotonic() + 10
+    while not cutover.target.applied("good") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    endpoints: dict[str, list[Endpoint]] = {}
+    for side, stack in (("layered", cutover.layered), ("spine", cutover.spine)):
+        assert stack is not None
+        host, _, port = stack.address.rpartition(":")
+        endpoints[side] = [Endpoint(host, int(port))]
+    bad = build_snapshot("spine-gateway", {"layered": 100, "spine": 0}, endpoints, "bad-route")
+    (route_name,) = bad.resources[ROUTE]
+    bad.resources[ROUTE] = {route_name: build_route(route_name, {"layered": 0, "spine": 0})}
+    cutover.xds.publish(bad)
+    deadline = time.monotonic() + 10
+    status = status_message(cutover.controller.controller.view())
+    while time.monotonic() < deadline and not any(p.nack_error for p in status.data_planes):
+        time.sleep(0.05)
+        status = status_message(cutover.controller.controller.view())
+    nacked = [p for p in status.data_planes if p.nack_error]
+    assert nacked and nacked[0].type == "RDS" and nacked[0].nacked_version == "bad-route"
+    assert nacked[0].acked_version == "good"
+    assert not cutover.target.applied("bad-route")
+    assert calls(client, 10) == {"layered": 10}
+
+    from io import StringIO
+
+    from rich.console import Console
+
+    from migration.render import status_renderable
+
+    out = StringIO()
+    Console(file=out, width=200).print(status_renderable(status))
+    assert "xDS data planes" in out.getvalue() and "bad-route" in out.getvalue()

@@ -145,12 +145,13 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
     console = console or Console(width=None if Console().is_terminal else 140)
     plan_text = plan_path.read_text()
     with tempfile.TemporaryDirectory(prefix="spine-demo-") as tmp:
-        cutover = Cutover(config, Path(tmp))
+        cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0")
         with console.status("starting the layered stack (8 processes), the spine, the front and the controller"):
             began = time.monotonic()
             cutover.start()
         console.print(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address}; "
-                      f"controller on {cutover.controller_address}")
+                      f"controller on {cutover.controller_address}; xDS (ADS) for Envoy and proxyless "
+                      f"clients on {cutover.xds.address if cutover.xds else '-'}")
         traffic = TrafficDriver(cutover.address, dev_api_key(config) or "")
         traffic.start()
         try:

@@ -35,8 +35,9 @@ from spine.v1 import migration_pb2, migration_pb2_grpc
 log = logging.getLogger("spine.migration")
 
 
-def check_listen(listen: str) -> str:
-    """`unix:PATH` or a loopback `host:port`; anything that could face a network is refused."""
+def check_listen(listen: str, allow_external: bool = False) -> str:
+    """`unix:PATH` or a loopback `host:port`; anything that could face a network is refused
+    unless `allow_external` (a pod address in a cluster, where the admin token guards it)."""
     if listen.startswith("unix:"):
         if not listen[len("unix:"):]:
             raise ConfigError("--listen: unix: needs a socket path, e.g. unix:/run/spine/migration.sock")
@@ -45,7 +46,7 @@ def check_listen(listen: str) -> str:
     host = host.strip("[]")
     if not sep or not port.isdigit():
         raise ConfigError(f"--listen: expected unix:PATH or HOST:PORT, got {listen!r}")
-    if host != "localhost":
+    if host != "localhost" and not allow_external:
         try:
             loopback = ipaddress.ip_address(host).is_loopback
         except ValueError:
@@ -59,8 +60,8 @@ class ControllerProcess:
     """Controller + gRPC server + tick thread, started and stopped together."""
 
     def __init__(self, db_path: str, listen: str, admin_token: str, target: TrafficTarget, *,
-                 tick_s: float = 0.1, clock: Clock = time.time) -> None:
-        self.listen = check_listen(listen)
+                 tick_s: float = 0.1, clock: Clock = time.time, allow_external: bool = False) -> None:
+        self.listen = check_listen(listen, allow_external)
         self.controller = Controller.open(db_path, target, clock=clock)
         self.service = MigrationService(self.controller, admin_token)
         self._tick_s = tick_s
@@ -118,7 +119,38 @@ def _remove_stale_socket(listen: str) -> None:
 def build_target(args: argparse.Namespace) -> TrafficTarget:
     if args.target == "recording":
         return RecordingTarget(args.recording_file)
+    if args.target == "xds":
+        return build_xds_target(args)
     raise ConfigError(f"--target: unknown target {args.target!r}")  # pragma: no cover - argparse choices
+
+
+def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
+    """Weights over ADS to real data planes; gates on each side's Prometheus metrics."""
+    from migration.prometheus_window import PrometheusWindow
+    from migration.xds import Endpoint, XdsControlPlane
+    from migration.xds_target import XdsTarget
+
+    missing = [flag for flag, value in (("--xds-listen", args.xds_listen), ("--layered", args.layered),
+                                        ("--spine", args.spine), ("--layered-metrics", args.layered_metrics),
+                                        ("--spine-metrics", args.spine_metrics)) if not value]
+    if missing:
+        raise ConfigError(f"--target xds needs {', '.join(missing)}")
+
+    def endpoints(addresses: list[str], flag: str) -> list[Endpoint]:
+        result = []
+        for address in addresses:
+            host, sep, port = address.rpartition(":")
+            if not sep or not port.isdigit():
+                raise ConfigError(f"{flag}: expected HOST:PORT, got {address!r}")
+            result.append(Endpoint(host, int(port)))
+        return result
+
+    check_listen(args.xds_listen, args.allow_external)
+    plane = XdsControlPlane("spine-gateway", {"layered": endpoints(args.layered, "--layered"),
+                                              "spine": endpoints(args.spine, "--spine")})
+    plane.start(args.xds_listen)
+    log.info("xDS (ADS) serving on %s", plane.address)
+    return XdsTarget(plane, PrometheusWindow(args.layered_metrics), PrometheusWindow(args.spine_metrics))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -126,8 +158,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--db", required=True, help="sqlite file holding the rollout state")
     parser.add_argument("--listen", required=True, help="unix:PATH or a loopback HOST:PORT")
     parser.add_argument("--admin-token-file", help=f"file holding the admin token (else ${'SPINE_ADMIN_TOKEN'})")
-    parser.add_argument("--target", choices=["recording"], default="recording",
-                        help="the data path to drive (recording: a test double with healthy stats)")
+    parser.add_argument("--target", choices=["recording", "xds"], default="recording",
+                        help="the data path to drive (recording: a test double with healthy stats; "
+                             "xds: Envoy/proxyless data planes over ADS, gates on Prometheus metrics)")
+    parser.add_argument("--allow-external", action="store_true",
+                        help="allow non-loopback listen addresses (in a cluster; the admin token guards the API)")
+    parser.add_argument("--xds-listen", help="with --target xds: where ADS listens, HOST:PORT")
+    parser.add_argument("--layered", action="append", default=[], help="with --target xds: a layered gateway HOST:PORT")
+    parser.add_argument("--spine", action="append", default=[], help="with --target xds: a spine HOST:PORT")
+    parser.add_argument("--layered-metrics", help="with --target xds: the layered side's Prometheus /metrics URL")
+    parser.add_argument("--spine-metrics", help="with --target xds: the spine's Prometheus /metrics URL")
     parser.add_argument("--recording-file", help="with --target recording: append every apply to this JSON-lines file")
     parser.add_argument("--tick-s", type=float, default=0.1, help="seconds between reconcile ticks")
     return parser.parse_args(argv)
@@ -138,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         token = read_admin_token(args.admin_token_file)
-        process = ControllerProcess(args.db, args.listen, token, build_target(args), tick_s=args.tick_s)
+        target = build_target(args)
+        process = ControllerProcess(args.db, args.listen, token, target, tick_s=args.tick_s,
+                                    allow_external=args.allow_external)
         process.start()
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -146,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     Termination().wait()  # a handler that calls Event.set() can deadlock the main thread
     log.info("stopping migration controller")
     process.stop()
+    close = getattr(target, "close", None)
+    if close is not None:
+        close()
     return 0
 
 

@@ -19,7 +19,7 @@ from spine.components import COMPONENTS, MIDDLEWARES, PLACEMENTS
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
 SECTIONS = frozenset(
     {"listen", "placements", "limits", "auth", "ratelimit", "router", "cache", "metrics", "logs",
-     "inference", "batching", "tracing", "shadow", "split"}
+     "inference", "batching", "tracing", "shadow", "split", "remote_addresses"}
 )
 LAYOUTS = ("layered", "collapsed", "mixed")
 
@@ -79,6 +79,23 @@ def check_placements(placements: Mapping[str, Any]) -> dict[str, str]:
             raise ConfigError(f"placements.{name}: must be 'local' or 'remote', got {value!r}")
         result[name] = value
     return result
+
+
+def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:
+    """Where remote components already run (e.g. Kubernetes Services), instead of spawning them.
+
+    `remote_addresses: {auth: "dns:///spine-auth.spine.svc.cluster.local:50061", ...}`
+    """
+    value = config.get("remote_addresses") or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError("remote_addresses: expected a mapping of component to gRPC target")
+    unknown = sorted(set(value) - set(COMPONENTS))
+    if unknown:
+        raise ConfigError(f"remote_addresses: unknown component(s) {unknown}; known: {', '.join(COMPONENTS)}")
+    for name, target in value.items():
+        if not isinstance(target, str) or not target:
+            raise ConfigError(f"remote_addresses.{name}: expected a gRPC target string, got {target!r}")
+    return dict(value)
 
 
 def layout_name(placements: Mapping[str, str]) -> str:

@@ -11,8 +11,10 @@ def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Pa
     """Serve `servicer.render()` over HTTP; write the address to run_dir/metrics.addr."""
     from services.prometheus_http import PrometheusHTTPServer
 
-    listen = str((config.get("metrics") or {}).get("http_listen", "127.0.0.1:0"))
-    endpoint = PrometheusHTTPServer(servicer.render, listen=listen)
+    section = config.get("metrics") or {}
+    listen = str(section.get("http_listen", "127.0.0.1:0"))
+    endpoint = PrometheusHTTPServer(servicer.render, listen=listen,
+                                    allow_external=bool(section.get("allow_external", False)))
     endpoint.start()
     (run_dir / "metrics.addr").write_text(str(endpoint.address))
     return endpoint

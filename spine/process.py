@@ -30,13 +30,20 @@ def die_with_parent() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m spine.process", description=__doc__)
     parser.add_argument("component", choices=COMPONENTS)
     parser.add_argument("--listen", required=True, help="unix:/path or 127.0.0.1:PORT")
     parser.add_argument("--config", required=True, help="the run's merged config YAML")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--allow-external", action="store_true",
+                        help="listen beyond loopback (a pod address in a cluster)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     die_with_parent()
@@ -57,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     servicer = spec.build(config, DeviceContext(), run_dir)
     limits = config.get("limits", {})
     server = start_server([(spec, servicer)], args.listen,
-                          max_message_bytes=int(limits.get("max_message_bytes", 1 << 20)))
+                          max_message_bytes=int(limits.get("max_message_bytes", 1 << 20)),
+                          allow_external=args.allow_external)
     extra = None
     if args.component == "metrics":
         from spine.metrics_endpoint import start_metrics_endpoint

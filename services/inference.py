@@ -1,199 +1,91 @@
 """The Inference service: the model behind a servicer, decoding with continuous batching.
 
-One scheduler thread owns the generation engine. Requests from any number of gRPC
-threads (or in-process callers) join the running batch between decode steps and leave
-it when they finish, are cancelled, or pass their compute budget — so concurrent
-requests share each forward pass, in the layered inference process and in the spine
-alike.
+One scheduler thread owns the generation engine (`inference_scheduler`). Requests from
+any number of gRPC threads (or in-process callers) join the running batch between decode
+steps and leave it when they finish, are cancelled, pass their compute budget or read
+their stream too slowly — so concurrent requests share each forward pass, in the layered
+inference process and in the spine alike.
+
+The serving controls live here, once, for both layouts: priority classes, a compute
+budget per request (default: max_tokens × the ms/token measured at start × a slowdown
+factor + a margin, capped), a KV pool sized from free memory, load hints on every answer
+(`x-spine-load`), a health probe (one tiny forward) and a deterministic mode.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import queue
-import threading
-from collections import deque
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+import random
+import time
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 import grpc
+import torch
 
-from services.common import ConfigError, DeviceState, number
-from services.model.backend import load_backend, make_engine
-from services.model.engine import GenerationEngine, GenerationRequest, SlotsExhausted
+from services.common import ConfigError, DeviceState
+from services.inference_config import InferenceConfig
+from services.inference_load import LOAD_HEADER, DeviceGauge, LoadReport
+from services.inference_scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
+from services.model.backend import ModelBackend, load_backend, make_engine
+from services.model.engine import GenerationRequest, StepOutput
+from services.model.interface import Segment, torch_device
+from services.model.kv_budget import KVPlan, free_device_bytes, kv_bytes_per_slot, plan_kv_slots, weight_bytes
+from services.priority import priority_error
 from spine.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
+
+__all__ = ["InferenceConfig", "InferenceService"]
 
 log = logging.getLogger("spine.inference")
 
-_CANCELLED = object()
-
-
-@dataclass(frozen=True)
-class InferenceConfig:
-    model_id: str = "tiny-lm"
-    seed: int = 1234
-    max_batch: int = 16
-    max_queue: int = 256
-    backend: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> InferenceConfig:
-        known = {"model_id", "seed", "max_batch", "max_queue", "backend"}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ConfigError(f"inference: unknown key(s) {unknown}; known: {sorted(known)}")
-        model_id = cfg.get("model_id", cls.model_id)
-        if not isinstance(model_id, str) or not model_id:
-            raise ConfigError(f"inference.model_id: expected a non-empty string, got {model_id!r}")
-        seed = cfg.get("seed", cls.seed)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"inference.seed: expected an integer, got {seed!r}")
-        backend = cfg.get("backend") or {}
-        if not isinstance(backend, Mapping):
-            raise ConfigError("inference.backend: expected a mapping")
-        return cls(
-            model_id=model_id, seed=seed,
-            max_batch=int(number(cfg, "max_batch", cls.max_batch, where="inference", minimum=1)),
-            max_queue=int(number(cfg, "max_queue", cls.max_queue, where="inference", minimum=1)),
-            backend=backend,
-        )
-
-
-@dataclass
-class _Job:
-    """One request's place in the scheduler: its tokens arrive on `out`."""
-
-    request: GenerationRequest
-    out: queue.Queue[Any] = field(default_factory=queue.Queue)
-    handle: Any = None
-    cancelled: bool = False
-
-
-class Scheduler:
-    """Owns the engine; admits waiting jobs between steps; delivers tokens per job."""
-
-    def __init__(self, engine: GenerationEngine, max_queue: int) -> None:
-        self.engine = engine
-        self.max_queue = max_queue
-        self._waiting: deque[_Job] = deque()
-        self._running: dict[Any, _Job] = {}
-        self._cancels: deque[_Job] = deque()
-        self._wake = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="inference-scheduler", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Job) -> None:
-        with self._wake:
-            if self._closed:
-                raise RuntimeError("inference is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise OverflowError(f"inference queue is full ({self.max_queue} waiting)")
-            self._waiting.append(job)
-            self._wake.notify()
-
-    def cancel(self, job: _Job) -> None:
-        with self._wake:
-            if not job.cancelled:
-                job.cancelled = True
-                self._cancels.append(job)
-                self._wake.notify()
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._waiting)
-
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._closed and not self._waiting and not self._running and not self._cancels:
-                    self._wake.wait()
-                if self._closed and not self._running and not self._waiting:
-                    return
-                cancels = list(self._cancels)
-                self._cancels.clear()
-            for job in cancels:
-                self._drop(job)
-            self._admit()
-            if not self._running:
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as error:  # the model failed: fail the running jobs, keep serving
-                log.exception("decode step failed")
-                for job in list(self._running.values()):
-                    job.out.put(error)
-                    self._drop(job)
-                continue
-            for output in outputs:
-                owner = self._running.get(output.handle)
-                if owner is None:
-                    continue
-                owner.out.put(output)
-                if output.finished:
-                    del self._running[output.handle]
-
-    def _admit(self) -> None:
-        with self._wake:
-            while self._waiting:
-                job = self._waiting[0]
-                if job.cancelled:
-                    self._waiting.popleft()
-                    continue
-                try:
-                    job.handle = self.engine.submit(job.request)
-                except SlotsExhausted:
-                    return
-                except ValueError as error:
-                    self._waiting.popleft()
-                    job.out.put(error)
-                    continue
-                self._waiting.popleft()
-                self._running[job.handle] = job
-
-    def _drop(self, job: _Job) -> None:
-        if job.handle is not None and self._running.pop(job.handle, None) is not None:
-            self.engine.cancel(job.handle)
-        job.out.put(_CANCELLED)
-
-    def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            for job in self._waiting:
-                job.out.put(RuntimeError("inference is shutting down"))
-            self._waiting.clear()
-            self._wake.notify()
-        self._thread.join(timeout=5.0)
-
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """Serves `spine.v1.Inference` from the configured backend (the tiny LM by default)."""
+    """Serves `spine.v1.Inference` from the configured backend (the tiny LM by default).
 
-    def __init__(self, config: InferenceConfig, device: DeviceState) -> None:
+    `backend` replaces the configured one (tests wrap the model to gate or break its steps);
+    `clock` drives compute budgets and aging.
+    """
+
+    def __init__(self, config: InferenceConfig, device: DeviceState, *,
+                 backend: ModelBackend | None = None, clock: Any = time.monotonic) -> None:
         self.config = config
-        spec = {"model_id": config.model_id, "seed": config.seed, **dict(config.backend)}
-        self.backend = load_backend(spec, device=device)
         self.device = device
-        self.engine = make_engine(self.backend, device, config.max_batch)
-        self.scheduler = Scheduler(self.engine, config.max_queue)
+        self._deterministic_before: bool | None = None
+        if config.deterministic:
+            self._enter_deterministic()
+        spec = {"model_id": config.model_id, "seed": config.seed, **dict(config.backend)}
+        self.backend = backend if backend is not None else load_backend(spec, device=device)
+        self.kv_plan = self._plan_kv()
+        self.engine = make_engine(self.backend, device, self.kv_plan.slots)
+        self.ms_per_token = self._measure_ms_per_token()
+        self.scheduler = Scheduler(self.engine, config.max_queue, aging_ms=config.aging_ms, clock=clock)
+        self._gauge = DeviceGauge(device)
+        log.info("%s", self.kv_plan.describe())
+        log.info("inference %s on %s: %.3f ms per token measured at start; default compute budget "
+                 "= max_tokens × %.3f ms × %.1f + %.0f ms, at most %d ms", config.model_id,
+                 torch_device(device), self.ms_per_token, self.ms_per_token, config.timeout_slowdown,
+                 config.timeout_margin_ms, config.max_timeout_ms)
 
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        job, prompt_ids = self._start(request, context)
+        job, prompt_ids = self._start(request, context, buffer=0)
         tokens: list[int] = []
         finish = ""
         for output in self._outputs(job, context):
             if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
                 tokens.append(output.token_id)
             finish = output.finish_reason or finish
+        context.set_trailing_metadata(self._load_metadata())
         return generation_pb2.GenerateResponse(
             text=self.backend.decode(tokens), token_ids=tokens, model=request.model, finish_reason=finish,
             prompt_tokens=len(prompt_ids), completion_tokens=len(tokens))
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
-        job, _ = self._start(request, context)
+        job, _ = self._start(request, context, buffer=self.config.stream_buffer_chunks)
         tokens: list[int] = []
         sent = ""
         for index, output in enumerate(self._outputs(job, context)):
@@ -201,62 +93,167 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             tokens.extend(new)
             text = self.backend.decode(tokens)
             piece, sent = text[len(sent):], text
+            if output.finished:
+                context.set_trailing_metadata(self._load_metadata())
             yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
                                                finish_reason=output.finish_reason or "", model=request.model)
 
     def Models(self, request: inference_pb2.ModelInfoRequest, context: Any) -> inference_pb2.ModelInfoResponse:
+        context.set_trailing_metadata(self._load_metadata())
         return inference_pb2.ModelInfoResponse(models=[inference_pb2.ModelInfo(
-            id=self.config.model_id, max_context=self.backend.max_context, device=str(self.device.device))])
+            id=self.config.model_id, max_context=self.backend.max_context, device=str(torch_device(self.device)))])
+
+    # -- serving controls ------------------------------------------------------------
+    def default_timeout_ms(self, max_tokens: int) -> int:
+        """max_tokens × measured ms/token × slowdown + margin, at most `max_timeout_ms`."""
+        cfg = self.config
+        budget = math.ceil(max_tokens * self.ms_per_token * cfg.timeout_slowdown + cfg.timeout_margin_ms)
+        return min(cfg.max_timeout_ms, budget)
+
+    def load_report(self) -> LoadReport:
+        mem_free_mb, util = self._gauge.read()
+        free = self.engine.free_slots
+        return LoadReport(queue=self.scheduler.queue_depth, running=self.engine.active_count,
+                          slots=self.engine.max_slots, kv_free=free, mem_free_mb=mem_free_mb,
+                          ms_per_token=self.ms_per_token, util=util)
+
+    def health_probe(self) -> None:
+        """One tiny forward (BOS alone) on the model's device; raises when the model cannot run.
+
+        It uses a one-slot cache of its own, so it never touches a running sequence's slot
+        and needs no engine lock; the `.to("cpu")` waits for the device to finish.
+        """
+        model = self.backend.model
+        device = torch_device(self.device)
+        cache = model.new_cache(1, 2, device)
+        try:
+            logits = model.step([Segment(0, 0, (self.backend.tokenizer.bos_id,))], cache).to("cpu")
+        finally:
+            model.release_cache(cache, device)
+        if logits.shape[0] != 1 or not bool(torch.isfinite(logits).any()):
+            raise RuntimeError(f"health forward gave unusable logits (shape {tuple(logits.shape)})")
 
     # -- plumbing ------------------------------------------------------------------
-    def _start(self, request: generation_pb2.GenerateRequest, context: Any) -> tuple[_Job, list[int]]:
+    def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, buffer: int) -> tuple[Job, list[int]]:
+        context.set_trailing_metadata(self._load_metadata())
         if request.model != self.config.model_id:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+            self._abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
         if request.max_tokens <= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: must be > 0, got {request.max_tokens}")
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: must be > 0, got {request.max_tokens}")
         if not request.prompt:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+        problem = priority_error(request.priority)
+        if problem is not None:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        budget_ms = self._budget_ms(request, context)
         prompt_ids = self.backend.encode(request.prompt)
         total = len(prompt_ids) + 1 + request.max_tokens  # + BOS
         if total > self.engine.max_context:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = {total} "
-                          f"exceeds the model's context of {self.engine.max_context}")
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = {total} "
+                        f"exceeds the model's context of {self.engine.max_context}")
         seed = request.seed if request.HasField("seed") else None
-        job = _Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
-                                     temperature=float(request.temperature), seed=seed))
+        if seed is None and self.config.deterministic and request.temperature > 0:
+            seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too
+        job = Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
+                                    temperature=float(request.temperature), seed=seed),
+                  priority=request.priority, budget_ms=budget_ms, buffer=buffer)
         try:
             self.scheduler.submit(job)
-        except OverflowError as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except RuntimeError as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except QueueFull as error:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except ShuttingDown as error:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, str(error))
         context.add_callback(lambda: self.scheduler.cancel(job))
         return job, prompt_ids
 
-    def _outputs(self, job: _Job, context: Any) -> Iterator[Any]:
+    def _budget_ms(self, request: generation_pb2.GenerateRequest, context: Any) -> float:
+        asked, cap = request.inference_timeout_ms, self.config.max_timeout_ms
+        if asked < 0:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"inference_timeout_ms: must be >= 0 (0 = the server default), got {asked}")
+        if asked > cap:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"inference_timeout_ms: {asked} is above the cap of {cap} ms (inference.max_timeout_ms)")
+        return float(asked or self.default_timeout_ms(request.max_tokens))
+
+    def _outputs(self, job: Job, context: Any) -> Iterator[StepOutput]:
         """Yield the job's step outputs until it finishes; stop it when the caller goes away."""
         while True:
             if not context.is_active():
-                self.scheduler.cancel(job)  # frees the batch slot and KV cache at the next step
+                self.scheduler.cancel(job)  # frees the batch slot and KV cache before the next step
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-                context.abort(grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
-            try:
-                item = job.out.get(timeout=0.05)
-            except queue.Empty:
+                    self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+                self._abort(context, grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
+            if job.failure is not None:
+                try:  # what was delivered before the failure still reaches the caller
+                    item = job.out.get_nowait()
+                except queue.Empty:
+                    self._abort_for(job.failure, context)
+            else:
+                try:
+                    item = job.out.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            if item is WAKE:
                 continue
-            if item is _CANCELLED:
-                context.abort(grpc.StatusCode.CANCELLED, "generation cancelled")
-            if isinstance(item, ValueError):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-            if isinstance(item, Exception):
-                context.abort(grpc.StatusCode.INTERNAL, f"model failed: {item}")
             yield item
             if item.finished:
                 return
 
+    def _abort_for(self, failure: BaseException, context: Any) -> NoReturn:
+        if isinstance(failure, JobFailure):
+            self._abort(context, failure.code, str(failure))
+        if isinstance(failure, ValueError):
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(failure))
+        self._abort(context, grpc.StatusCode.INTERNAL, f"model failed: {failure}")
+
+    def _abort(self, context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
+        context.set_trailing_metadata(self._load_metadata())
+        context.abort(code, details)
+        raise AssertionError("context.abort returned")  # abort always raises
+
+    def _load_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((LOAD_HEADER, self.load_report().header()),)
+
+    def _plan_kv(self) -> KVPlan:
+        cfg = self.config
+        model = self.backend.model
+        try:
+            return plan_kv_slots(
+                per_slot_bytes=kv_bytes_per_slot(model, self.backend.max_context),
+                weight_bytes=weight_bytes(model),
+                free_bytes=free_device_bytes(self.device, int(cfg.kv_cpu_memory_cap_mb * (1 << 20))),
+                memory_fraction=cfg.kv_memory_fraction, max_batch=cfg.max_batch,
+                requested=cfg.kv_cache_max_entries)
+        except ValueError as error:
+            raise ConfigError(f"inference.kv_cache_max_entries: {error}") from error
+
+    def _measure_ms_per_token(self) -> float:
+        """Decode cost from a tiny warm-up: one run to warm the kernels, one measured."""
+        prompt = self.backend.encode("warm up")[: max(1, self.engine.max_context // 4)]
+        tokens = max(1, min(self.config.warmup_tokens, self.engine.max_context - len(prompt) - 1))
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=tokens)
+        self.engine.generate([request])
+        started = time.perf_counter()
+        result = self.engine.generate([request])[0]
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        steps = len(result.token_ids) + (1 if result.finish_reason == "stop" else 0)
+        return elapsed_ms / max(1, steps)
+
+    def _enter_deterministic(self) -> None:
+        """Deterministic kernels and fixed seeds for this process (undone by `close`)."""
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+        self._deterministic_before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.manual_seed(self.config.seed)
+        random.seed(self.config.seed)
+
     def close(self) -> None:
         self.scheduler.close()
+        if self._deterministic_before is not None:
+            torch.use_deterministic_algorithms(self._deterministic_before)
+            self._deterministic_before = None

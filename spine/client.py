@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from services.inference_load import LOAD_HEADER, parse_load
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
 _TIMING = re.compile(r"\d+(\.\d+)?s\b")
@@ -23,6 +24,13 @@ class CallResult:
     chunks: list[generation_pb2.GenerateChunk] = field(default_factory=list)
     trailing: dict[str, str] = field(default_factory=dict)
     first_chunk_s: float | None = None
+    attempts: int = 1  # calls made for this answer (the load-aware helper retries on overload)
+    model: str = ""  # the model or alias the answering call asked for (a fallback may differ)
+
+    @property
+    def load(self) -> dict[str, float]:
+        """The server's load hints (`x-spine-load`): queue, running, slots, kv_free, ..."""
+        return parse_load(self.trailing.get(LOAD_HEADER))
 
     @property
     def ok(self) -> bool:

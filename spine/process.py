@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from monolith.device import DeviceContext
     from monolith.runtime_env import configure_threads
     from spine.config import load_config
+    from spine.health import start_deep_health
     from spine.server import start_server
     from spine.signals import Termination
 
@@ -66,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     server = start_server([(spec, servicer)], args.listen,
                           max_message_bytes=int(limits.get("max_message_bytes", 1 << 20)),
                           allow_external=args.allow_external)
+    # Deep health: SERVING only while the component can do its work (for inference: a tiny
+    # forward on its device within a bound), so the supervisor, the gates and xDS
+    # endpoints see a broken device, not just a live process.
+    inference = config.get("inference") or {}
+    deep = start_deep_health(server, servicer, float(inference.get("health_interval_s", 1.0)),
+                             float(inference.get("health_timeout_s", 2.0)), services=["", spec.full_name])
     extra = None
     if args.component == "metrics":
         from spine.metrics_endpoint import start_metrics_endpoint
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{args.component} serving on {server.address}", flush=True)
     termination.wait()
+    deep.stop()
     server.stop(grace=3.0)
     if extra is not None:
         extra.stop()

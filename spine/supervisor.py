@@ -1,7 +1,10 @@
 """Supervise the layered layout's processes: start, wait for SERVING, restart, stop.
 
 Each child is a real OS process running `python -m spine.process`. A child is ready
-when its gRPC health check says SERVING; a child that exits while the supervisor is
+when its gRPC health check says SERVING — deep health (spine/health.py) where the child
+runs a model, so "ready" means its model can run a forward on its device. Readiness is
+watched for as long as the child lives (`ready()`): a child whose device fails turns not
+ready without exiting, and turns ready again when its probe passes. A child that exits while the supervisor is
 running is restarted (with a short backoff); on stop every child gets SIGTERM (to flush
 its logs and metrics) and, after a grace period, SIGKILL. Children ask the kernel to
 terminate them if the supervisor dies, so no orphan outlives it.
@@ -19,6 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
+from spine.health import check_serving
 from spine.server import wait_serving
 
 log = logging.getLogger("spine.supervisor")
@@ -38,6 +44,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     healthy: threading.Event = field(default_factory=threading.Event)
+    ready_seen: subprocess.Popen[bytes] | None = None  # the process start-up readiness was confirmed for
 
     @property
     def pid(self) -> int | None:
@@ -47,14 +54,18 @@ class Child:
 class Supervisor:
     """Starts children, watches them, restarts the ones that crash, stops them all."""
 
-    def __init__(self, run_dir: Path, *, ready_timeout: float = 60.0, restart_backoff: float = 0.2) -> None:
+    def __init__(self, run_dir: Path, *, ready_timeout: float = 60.0, restart_backoff: float = 0.2,
+                 health_interval: float = 1.0) -> None:
         self.run_dir = run_dir
         self.ready_timeout = ready_timeout
         self.restart_backoff = restart_backoff
+        self.health_interval = health_interval
         self.children: dict[str, Child] = {}
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._monitor: threading.Thread | None = None
+        self._health_monitor: threading.Thread | None = None
+        self._channels: dict[str, grpc.Channel] = {}
 
     def add_component(self, component: str, config_path: Path) -> Child:
         """A `spine.process` child serving `component` on a unix socket in the run dir."""
@@ -74,6 +85,37 @@ class Supervisor:
             self._await_healthy(child)
         self._monitor = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._monitor.start()
+        self._health_monitor = threading.Thread(target=self._watch_health, name="supervisor-health", daemon=True)
+        self._health_monitor.start()
+
+    def ready(self) -> dict[str, bool]:
+        """Each child's readiness as last seen: SERVING by its (deep) health check."""
+        return {name: child.healthy.is_set() for name, child in self.children.items()}
+
+    def refresh_health(self) -> dict[str, bool]:
+        """Check every running child's health once; log and record each change."""
+        for name, child in list(self.children.items()):
+            process = child.process
+            if process is not None and (process.poll() is not None or child.ready_seen is not process):
+                continue  # exited, or (re)starting: the restart loop owns it until it is first ready
+            channel = self._channels.get(name)
+            if channel is None:
+                channel = self._channels[name] = grpc.insecure_channel(child.address)
+            serving = check_serving(channel, timeout=0.5) is True
+            with self._lock:
+                if child.process is not process:
+                    continue  # restarted while we asked: this answer is about the old process
+                if serving and not child.healthy.is_set():
+                    log.info("%s (pid %s) is SERVING again", name, child.pid)
+                    child.healthy.set()
+                elif not serving and child.healthy.is_set():
+                    log.warning("%s (pid %s) is not SERVING: its health check failed", name, child.pid)
+                    child.healthy.clear()
+        return self.ready()
+
+    def _watch_health(self) -> None:
+        while not self._stopping.wait(self.health_interval):
+            self.refresh_health()
 
     def _spawn(self, child: Child) -> None:
         sock = child.address.removeprefix("unix:")
@@ -95,6 +137,7 @@ class Supervisor:
                 raise ChildFailed(f"{child.name} exited with code {child.process.returncode} while starting; "
                                   f"see {child.log_path}:\n{_tail(child.log_path)}")
             if wait_serving(child.address, timeout=0.5):
+                child.ready_seen = child.process
                 child.healthy.set()
                 log.info("%s SERVING on %s (pid %s)", child.name, child.address, child.pid)
                 return
@@ -140,6 +183,11 @@ class Supervisor:
                 process.wait()
         if self._monitor is not None:
             self._monitor.join(timeout=2.0)
+        if self._health_monitor is not None:
+            self._health_monitor.join(timeout=2.0)
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -185,6 +185,10 @@ class TinyLM(torch.nn.Module):
         shape = (self.n_layers, slots, max_context, self.n_heads, self.head_dim)
         return KVCache(allocate(device, shape, torch.float32), allocate(device, shape, torch.float32))
 
+    def kv_bytes_per_slot(self, max_context: int) -> int:
+        """Bytes one slot of `new_cache` takes: 2 × layers × heads × head_dim × max_len × 4 (float32)."""
+        return 2 * self.n_layers * self.n_heads * self.head_dim * max_context * 4
+
     def release_cache(self, cache: KVCache, device: DeviceLike) -> None:
         release(device, cache.keys)
         release(device, cache.values)

@@ -1,0 +1,94 @@
+"""Load hints: what every Inference answer says about the load, as `x-spine-load` trailing metadata.
+
+A compact `key=value;...` string, so that clients (spine/load_hints.py) and proxies can back
+off or fall back before the server has to refuse:
+
+    queue=3;running=16;slots=16;kv_free=0;mem_free_mb=5120.0;ms_per_token=0.9[;util=71]
+
+* ``queue``        requests waiting for a KV slot;
+* ``running``      sequences in the running batch (batch occupancy = running / slots);
+* ``slots``        KV cache slots in the pool (`kv_cache_max_entries`);
+* ``kv_free``      slots free right now;
+* ``mem_free_mb``  free memory of the device (host memory on the CPU);
+* ``ms_per_token`` the decode cost measured at start;
+* ``util``         device utilisation in percent (CUDA with NVML only).
+
+Memory and utilisation are read at most every `REFRESH_S`: an answer must not pay for a
+/proc or NVML read. Clients import this module to parse the header, so it imports torch
+only when a gauge is made.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+LOAD_HEADER = "x-spine-load"
+REFRESH_S = 0.5
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    queue: int
+    running: int
+    slots: int
+    kv_free: int
+    mem_free_mb: float
+    ms_per_token: float
+    util: float | None = None
+
+    def header(self) -> str:
+        text = (f"queue={self.queue};running={self.running};slots={self.slots};kv_free={self.kv_free};"
+                f"mem_free_mb={self.mem_free_mb:.1f};ms_per_token={self.ms_per_token:.3f}")
+        return text if self.util is None else f"{text};util={self.util:.0f}"
+
+
+def parse_load(text: str | None) -> dict[str, float]:
+    """`key=value;...` back into numbers; malformed pairs are skipped, not fatal."""
+    values: dict[str, float] = {}
+    for pair in (text or "").split(";"):
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            continue
+        try:
+            values[key.strip()] = float(raw)
+        except ValueError:
+            continue
+    return values
+
+
+class DeviceGauge:
+    """Free memory and utilisation of one device, refreshed at most every REFRESH_S."""
+
+    def __init__(self, device: Any) -> None:
+        from services.model.interface import torch_device
+
+        self._device = torch_device(device)
+        self._lock = threading.Lock()
+        self._at = -1e9
+        self._mem_free_mb = 0.0
+        self._util: float | None = None
+
+    def read(self) -> tuple[float, float | None]:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._at >= REFRESH_S:
+                self._mem_free_mb, self._util = self._measure()
+                self._at = now
+            return self._mem_free_mb, self._util
+
+    def _measure(self) -> tuple[float, float | None]:
+        if self._device.type == "cuda":
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(self._device)
+            try:
+                util: float | None = float(torch.cuda.utilization(self._device))
+            except Exception:  # NVML missing: utilisation is optional
+                util = None
+            return free / (1 << 20), util
+        import psutil
+
+        return psutil.virtual_memory().available / (1 << 20), None

@@ -1,0 +1,103 @@
+"""Priority classes for the inference queue, with aging so the lowest class never starves.
+
+Classes (the `priority` field of GenerateRequest):
+
+* ``1``  latency-sensitive — admitted first;
+* ``0``  default;
+* ``-1`` throughput — admitted when nothing more urgent waits.
+
+**Aging rule.** A waiting job's *effective* class is its own class plus one for every
+`aging_ms` it has waited, capped at the top class (1). The next job admitted is the one
+with the highest effective class; ties go to the job that arrived first. So a throughput
+job is treated as latency-sensitive after 2 × `aging_ms` of waiting, and from then on
+only jobs that arrived before it can go first: its wait is bounded by 2 × `aging_ms`
+plus the time to admit what was already queued ahead of it — it never starves.
+
+Within one class arrival order is kept, so the oldest job of each class is at the head
+of its deque and has that class's highest effective class: picking among three heads is
+enough (O(1) per admission).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+LOWEST, DEFAULT, HIGHEST = -1, 0, 1
+CLASSES: tuple[int, ...] = (HIGHEST, DEFAULT, LOWEST)
+CLASS_NAMES = {HIGHEST: "latency", DEFAULT: "default", LOWEST: "throughput"}
+
+T = TypeVar("T")
+
+
+def priority_error(value: int) -> str | None:
+    """Why `value` is not a priority class, or None when it is one."""
+    if value in CLASSES:
+        return None
+    return (f"priority: must be -1 (throughput), 0 (default) or 1 (latency-sensitive), got {value}")
+
+
+def effective_class(priority: int, waited_ms: float, aging_ms: float) -> int:
+    """`priority` raised one class per `aging_ms` waited, at most to the top class."""
+    if aging_ms <= 0:
+        return HIGHEST
+    return min(HIGHEST, priority + int(max(0.0, waited_ms) // aging_ms))
+
+
+class AgingPriorityQueue(Generic[T]):
+    """Waiting items by class; `pop` takes the highest effective class (see the module doc).
+
+    Not thread-safe: the scheduler calls it under its own lock. Times are in seconds of
+    whatever clock the caller uses (the scheduler's injectable clock).
+    """
+
+    def __init__(self, aging_ms: float) -> None:
+        self.aging_ms = aging_ms
+        self._lanes: dict[int, deque[tuple[float, int, T]]] = {c: deque() for c in CLASSES}
+        self._seq = 0
+
+    def push(self, item: T, priority: int, now: float) -> None:
+        if priority not in self._lanes:
+            raise ValueError(priority_error(priority))
+        self._seq += 1
+        self._lanes[priority].append((now, self._seq, item))
+
+    def pop(self, now: float) -> T | None:
+        """The next item to admit, or None when nothing waits."""
+        best: tuple[int, float, int, int] | None = None  # (-effective, arrived, seq, lane)
+        for lane, items in self._lanes.items():
+            if not items:
+                continue
+            arrived, seq, _ = items[0]
+            effective = effective_class(lane, (now - arrived) * 1000.0, self.aging_ms)
+            key = (-effective, arrived, seq, lane)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        return self._lanes[best[3]].popleft()[2]
+
+    def remove_if(self, predicate: Callable[[T], bool]) -> list[T]:
+        """Drop and return every waiting item for which `predicate(item)` is true."""
+        removed: list[T] = []
+        for lane, items in self._lanes.items():
+            kept: deque[tuple[float, int, T]] = deque()
+            for entry in items:
+                if predicate(entry[2]):
+                    removed.append(entry[2])
+                else:
+                    kept.append(entry)
+            self._lanes[lane] = kept
+        return removed
+
+    def depth_by_class(self) -> dict[int, int]:
+        return {lane: len(items) for lane, items in self._lanes.items()}
+
+    def __len__(self) -> int:
+        return sum(len(items) for items in self._lanes.values())
+
+    def __iter__(self) -> Iterator[T]:
+        for items in self._lanes.values():
+            for _, _, item in items:
+                yield item

@@ -1,0 +1,169 @@
+"""The load-aware client helper: backoff with jitter, fallback with hysteresis, `spine call`.
+
+The server is a real gRPC server speaking the Gateway API whose answers follow a script
+(overloaded or not, with which load hints), so each behaviour is shown call by call.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from services.common import ConfigError
+from spine.cli import main
+from spine.client import GatewayClient
+from spine.components import GATEWAY
+from spine.load_hints import Backoff, Fallback, LoadAwareClient, router_models
+from spine.server import start_server
+from spine.v1 import gateway_pb2_grpc, generation_pb2
+
+BUSY = "queue=9;running=4;slots=4;kv_free=0;mem_free_mb=100.0;ms_per_token=1.000"
+CALM = "queue=0;running=1;slots=4;kv_free=3;mem_free_mb=100.0;ms_per_token=1.000"
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class ScriptedGateway(gateway_pb2_grpc.GatewayServicer):
+    """Answers each call with the next (status, load) of its script; records the models asked."""
+
+    def __init__(self) -> None:
+        self.script: list[tuple[grpc.StatusCode | None, str]] = []
+        self.models: list[str] = []
+        self.known = {"big", "small"}
+        self._lock = threading.Lock()
+
+    def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
+        with self._lock:
+            self.models.append(request.model)
+            code, load = self.script.pop(0) if self.script else (None, CALM)
+        context.set_trailing_metadata((("x-spine-load", load),))
+        if request.model not in self.known:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} not found")
+        if code is not None:
+            context.abort(code, "inference is at capacity")
+        return generation_pb2.GenerateResponse(text="ok", token_ids=[1, 2], model=request.model)
+
+    def GenerateStream(self, request: generation_pb2.GenerateRequest, context: Any) -> Iterator[Any]:
+        response = self.Generate(request, context)
+        yield generation_pb2.GenerateChunk(text=response.text, token_ids=response.token_ids, model=response.model)
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[tuple[ScriptedGateway, str]]:
+    servicer = ScriptedGateway()
+    server = start_server([(GATEWAY, servicer)], "127.0.0.1:0")
+    yield servicer, server.address
+    server.stop(grace=0.2)
+
+
+@pytest.fixture
+def scripted(gateway: tuple[ScriptedGateway, str]) -> Iterator[tuple[ScriptedGateway, GatewayClient]]:
+    servicer, address = gateway
+    servicer.script.clear()
+    servicer.models.clear()
+    with GatewayClient(address) as client:
+        yield servicer, client
+
+
+def _request(model: str = "big") -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(model=model, prompt="hi", max_tokens=2)
+
+
+def test_overload_is_retried_with_exponential_backoff_and_jitter(scripted: tuple) -> None:
+    servicer, client = scripted
+    servicer.script = [(EXHAUSTED, BUSY)] * 3
+    waits: list[float] = []
+    helper = LoadAwareClient(client, Backoff(attempts=5, base_s=0.1, factor=2, max_s=0.3),
+                             sleep=waits.append, rng=random.Random(7))
+    result = helper.generate(_request())
+    assert result.ok and result.attempts == 4 and len(waits) == 3
+    for retry, wait in enumerate(waits):  # full jitter under a ceiling that doubles, capped
+        assert 0 <= wait <= min(0.3, 0.1 * 2**retry)
+    assert len(set(waits)) == 3  # jittered, not in lock step
+    assert result.load["kv_free"] == 3
+
+
+def test_the_helper_gives_up_after_its_attempts_with_the_last_overload_answer(scripted: tuple) -> None:
+    servicer, client = scripted
+    servicer.script = [(EXHAUSTED, BUSY)] * 5
+    result = LoadAwareClient(client, Backoff(attempts=3), sleep=lambda _: None).generate(_request())
+    assert result.code == EXHAUSTED and result.attempts == 3 and len(servicer.models) == 3
+
+
+def test_errors_that_are_not_overload_are_not_retried(scripted: tuple) -> None:
+    servicer, client = scripted
+    servicer.script = [(grpc.StatusCode.INVALID_ARGUMENT, CALM)]
+    result = LoadAwareClient(client, sleep=lambda _: pytest.fail("slept")).generate(_request())
+    assert result.code == grpc.StatusCode.INVALID_ARGUMENT and result.attempts == 1
+
+
+def test_a_retry_after_trailer_is_the_least_the_helper_waits() -> None:
+    assert Backoff(base_s=0.01).delay(0, random.Random(1), retry_after_s=1.5) == 1.5
+
+
+def test_fallback_after_n_overloads_and_return_only_after_m_calm_answers(scripted: tuple) -> None:
+    servicer, client = scripted
+    helper = LoadAwareClient(client, Backoff(attempts=1), Fallback("small", after=2, recover_after=3),
+                             sleep=lambda _: None)
+    servicer.script = [(EXHAUSTED, BUSY), (EXHAUSTED, BUSY)]
+    helper.generate(_request())
+    assert not helper.using_fallback  # one overload is not enough
+    helper.generate(_request())
+    assert helper.using_fallback
+    servicer.script = [(None, CALM), (None, CALM), (None, BUSY), (None, CALM), (None, CALM), (None, CALM)]
+    for _ in range(6):
+        result = helper.generate(_request())
+    # calm, calm, busy (streak reset), calm ×3 → back: the last call went to "small", the next to "big"
+    assert servicer.models[2:] == ["small"] * 6 and result.model == "small"
+    assert not helper.using_fallback
+    assert helper.generate(_request()).model == "big"
+
+
+def test_an_overloaded_attempt_can_switch_to_the_fallback_within_one_request(scripted: tuple) -> None:
+    servicer, client = scripted
+    servicer.script = [(EXHAUSTED, BUSY), (EXHAUSTED, BUSY)]
+    helper = LoadAwareClient(client, Backoff(attempts=3), Fallback("small", after=2), sleep=lambda _: None)
+    result = helper.generate(_request())
+    assert result.ok and result.attempts == 3 and servicer.models == ["big", "big", "small"]
+
+
+def test_a_fallback_alias_the_router_does_not_know_is_refused_at_config_load() -> None:
+    config = {"router": {"models": [{"id": "tiny-lm", "aliases": ["default", "tiny"]}]}}
+    assert router_models(config) == ["tiny-lm", "default", "tiny"]
+    Fallback("tiny").validate(router_models(config))
+    with pytest.raises(ConfigError, match="'nano' is not a model or alias the router knows"):
+        Fallback("nano").validate(router_models(config))
+
+
+def test_a_fallback_alias_missing_on_the_server_is_a_clear_error_at_request_time(scripted: tuple) -> None:
+    servicer, client = scripted
+    servicer.script = [(EXHAUSTED, BUSY)]
+    helper = LoadAwareClient(client, Backoff(attempts=2), Fallback("nano", after=1), sleep=lambda _: None)
+    result = helper.generate(_request())
+    assert result.code == grpc.StatusCode.NOT_FOUND and "fallback model 'nano' does not exist" in result.details
+
+
+def test_a_stream_is_retried_on_overload_before_its_first_chunk(scripted: tuple) -> None:
+    servicer, client = scripted
+    servicer.script = [(EXHAUSTED, BUSY)]
+    result = LoadAwareClient(client, sleep=lambda _: None).stream(_request())
+    assert result.ok and result.attempts == 2 and result.text == "ok"
+
+
+def test_spine_call_retries_overload_through_the_helper(gateway: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    servicer, address = gateway
+    servicer.script = [(EXHAUSTED, BUSY)]
+    code = main(["call", "--address", address, "--model", "big", "--json", "--backoff-s", "0.001",
+                 "--token", "t"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["attempts"] == 2 and out["load"]["kv_free"] == 3
+
+
+def test_spine_call_refuses_an_unknown_fallback_alias(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["call", "--fallback-model", "nano", "--address", "127.0.0.1:1"]) == 2
+    assert "fallback.model: 'nano'" in capsys.readouterr().err

@@ -73,6 +73,22 @@ def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return comparisons
 
 
+def batching_gain(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell: the batched spine against the same spine with the batcher off."""
+    by_cell: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
+    for run in runs:
+        by_cell.setdefault((run["mode"], run["concurrency"]), {})[run["layout"]] = run
+    out = []
+    for (mode, concurrency), cell in by_cell.items():
+        batched, unbatched = cell.get("collapsed"), cell.get("collapsed-unbatched")
+        if batched is not None and unbatched is not None:
+            out.append({"mode": mode, "concurrency": concurrency,
+                        "batched_over_unbatched_rps": _ratio(batched["rps"], unbatched["rps"]),
+                        "batched_over_unbatched_p50": _ratio(batched["p50_ms"], unbatched["p50_ms"]),
+                        "batched_over_unbatched_p99": _ratio(batched["p99_ms"], unbatched["p99_ms"])})
+    return out
+
+
 def machine_info() -> dict[str, Any]:
     """Enough about the machine to tell whether two results files are comparable."""
 
@@ -132,6 +148,15 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
         for row in comparisons:
             table.add_row(row["mode"], str(row["concurrency"]), _fmt(row["layered_over_collapsed_p50"]),
                           _fmt(row["layered_over_collapsed_p99"]), _fmt(row["collapsed_over_layered_rps"]))
+        console.print(table)
+    gains = results.get("batched_vs_unbatched") or []
+    if gains:
+        table = Table(title="batched vs unbatched collapsed spine (same cell)")
+        for column in ("mode", "conc", "rps batched/unbatched", "p50 batched/unbatched", "p99 batched/unbatched"):
+            table.add_column(column, justify="right")
+        for row in gains:
+            table.add_row(row["mode"], str(row["concurrency"]), _fmt(row["batched_over_unbatched_rps"]),
+                          _fmt(row["batched_over_unbatched_p50"]), _fmt(row["batched_over_unbatched_p99"]))
         console.print(table)
     machine = results["machine"]
     console.print(f"machine: {machine['cpu_count']} CPUs, torch {machine['torch']}, load average "

@@ -1,6 +1,6 @@
-"""`make bench`: bare model service vs collapsed spine vs layered stack, in one run.
+"""`make bench`: bare model service vs collapsed spine (batched and not) vs layered stack, in one run.
 
-    python -m bench.run [--quick] [--concurrency 1,16] [--requests N] [--out bench/results.json]
+    python -m bench.run [--quick] [--concurrency 1,16,64] [--requests N] [--out bench/results.json]
 
 All three layouts are up at once, each in its own process(es), so the load generator
 (this process) never shares a GIL with a server. Each cell (mode × concurrency) is cut
@@ -27,9 +27,9 @@ import yaml
 from rich.console import Console
 
 from bench.load import Batch, Call, Endpoint, prompts, requests_for, run_batch
-from bench.report import add_ratios, machine_info, print_tables, run_record
-from bench.targets import LAYOUTS, RssSampler, Target, TargetFailed, launch
-from spine.config import load_config
+from bench.report import add_ratios, batching_gain, machine_info, print_tables, run_record
+from bench.targets import LAYOUTS, QUICK_LAYOUTS, UNBATCHED_OVERLAY, RssSampler, Target, TargetFailed, launch
+from spine.config import load_config, merge
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
@@ -49,16 +49,19 @@ class Settings:
     warmup: int
     ready_timeout_s: float
     quick: bool
+    layouts: tuple[str, ...] = LAYOUTS
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "concurrency": list(self.concurrency)}
+        return {**self.__dict__, "concurrency": list(self.concurrency), "layouts": list(self.layouts)}
 
 
 def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few requests per cell (smoke test)")
-    parser.add_argument("--concurrency", default="1,16", help="comma-separated worker counts (default 1,16)")
+    parser.add_argument("--concurrency", help="comma-separated worker counts (default 1,16,64; quick 1,16)")
+    parser.add_argument("--layouts", help=f"comma-separated layouts (default {','.join(LAYOUTS)}; "
+                                          f"quick {','.join(QUICK_LAYOUTS)})")
     parser.add_argument("--requests", type=int, help="unary requests per cell and layout (default 400; quick 12)")
     parser.add_argument("--stream-requests", type=int, help="stream requests per layout (default 200; quick 6)")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -68,13 +71,19 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep server logs and sockets for inspection")
     args = parser.parse_args(argv)
-    try:
-        concurrency = tuple(sorted({int(part) for part in args.concurrency.split(",") if part.strip()}))
-    except ValueError:
-        parser.error(f"--concurrency: expected comma-separated integers like 1,16, got {args.concurrency!r}")
-    if not concurrency or min(concurrency) < 1:
-        parser.error(f"--concurrency: every value must be >= 1, got {args.concurrency!r}")
     quick = bool(args.quick)
+    spec = args.concurrency or ("1,16" if quick else "1,16,64")
+    try:
+        concurrency = tuple(sorted({int(part) for part in spec.split(",") if part.strip()}))
+    except ValueError:
+        parser.error(f"--concurrency: expected comma-separated integers like 1,16, got {spec!r}")
+    if not concurrency or min(concurrency) < 1:
+        parser.error(f"--concurrency: every value must be >= 1, got {spec!r}")
+    layouts = tuple(part.strip() for part in args.layouts.split(",")) if args.layouts else (
+        QUICK_LAYOUTS if quick else LAYOUTS)
+    unknown = [layout for layout in layouts if layout not in LAYOUTS]
+    if unknown or not layouts:
+        parser.error(f"--layouts: expected some of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     requests = args.requests or (12 if quick else 400)
     stream_requests = args.stream_requests or (6 if quick else 200)
     rounds = args.rounds or (2 if quick else 5)
@@ -85,26 +94,28 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     settings = Settings(concurrency=concurrency, requests=requests, stream_requests=stream_requests,
                         rounds=min(rounds, requests), max_tokens=args.max_tokens,
                         cell_time_limit_s=args.cell_time_limit, warmup=2 if quick else 6,
-                        ready_timeout_s=120.0, quick=quick)
+                        ready_timeout_s=120.0, quick=quick, layouts=layouts)
     return settings, args.out, bool(args.keep_run_dir)
 
 
-def write_configs(run_dir: Path) -> tuple[Path, Path]:
-    """The overlay given to `spine --config` and the merged config the bare process reads."""
+def write_configs(run_dir: Path) -> dict[str, Path]:
+    """The config file each layout is started with (an overlay for `spine --config`, merged for bare)."""
     overlay = run_dir / "bench-overlay.yaml"
     overlay.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
+    unbatched = run_dir / "bench-overlay-unbatched.yaml"
+    unbatched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, UNBATCHED_OVERLAY)))
     merged = run_dir / "bench-config.yaml"
     merged.write_text(yaml.safe_dump(load_config(overlay)))
-    return overlay, merged
+    return {"bare": merged, "collapsed": overlay, "collapsed-unbatched": unbatched, "layered": overlay}
 
 
 def start_all(run_dir: Path, settings: Settings, console: Console) -> dict[str, Target]:
     """Launch every layout at once (they start in parallel), then wait for each to be ready."""
-    overlay, merged = write_configs(run_dir)
+    configs = write_configs(run_dir)
     targets: dict[str, Target] = {}
     try:
-        for layout in LAYOUTS:
-            targets[layout] = launch(layout, run_dir, merged if layout == "bare" else overlay)
+        for layout in settings.layouts:
+            targets[layout] = launch(layout, run_dir, configs[layout])
         for layout, target in targets.items():
             with console.status(f"waiting for {layout} to be ready"):
                 target.wait_ready(settings.ready_timeout_s)
@@ -214,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results = {"runs": runs, "layered_vs_collapsed": comparisons, "machine": machine, "started_at": started_at,
+    results = {"runs": runs, "layered_vs_collapsed": comparisons,
+               "batched_vs_unbatched": batching_gain(runs), "machine": machine, "started_at": started_at,
                "duration_s": round(time.perf_counter() - began, 1), "settings": settings.as_dict(),
                "processes_left_running": left}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ Why subprocesses: the load generator runs in the bench process; a server sharing
 GIL would be slowed by the very load it is measuring, and unequally across layouts.
 
     bare       python -m spine.process inference ...   (the model service, no middleware)
-    collapsed  python -m spine --config F up --layout collapsed
+    collapsed  python -m spine --config F up --layout collapsed   (the batched spine)
+    collapsed-unbatched  the same with `batching.enabled: false` (one call per middleware per request)
     layered    python -m spine --config F up --layout layered  (+ one child per component)
 """
 
@@ -26,7 +27,10 @@ import psutil
 from spine.process import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "layered")
+LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "collapsed-unbatched", "layered")
+# `--quick` (the smoke test) keeps to these, inside its time limit.
+QUICK_LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "layered")
+UNBATCHED_OVERLAY: dict[str, object] = {"batching": {"enabled": False}}
 
 
 class TargetFailed(RuntimeError):
@@ -157,9 +161,9 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
     if layout == "bare":
         argv = [sys.executable, "-m", "spine.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
                 "--config", str(config_path), "--run-dir", str(layout_dir)]
-    elif layout in ("collapsed", "layered"):
-        argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up", "--layout", layout,
-                "--listen", "127.0.0.1:0", "--run-dir", str(layout_dir)]
+    elif layout in ("collapsed", "collapsed-unbatched", "layered"):
+        argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",
+                "--layout", layout.removesuffix("-unbatched"), "--listen", "127.0.0.1:0", "--run-dir", str(layout_dir)]
     else:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     log_path = run_dir / f"{layout}.log"

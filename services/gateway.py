@@ -9,6 +9,11 @@ Order: auth → validate → router → ratelimit → cache → inference → ca
 metrics + logs for every request, whatever its outcome. Auth, router, ratelimit and
 inference fail closed (UNAVAILABLE when they cannot answer); cache, metrics and logs fail
 open (the request goes on and the failure is counted).
+
+In the spine, admission (auth to cache probe) and the final metrics + logs can be handed
+to an `Admission` and a `Completions` object that decide many requests together (see
+`monolith/spine_pipeline.py`); they use the same verdict functions
+(`services.gateway_limits`), so answers, codes and messages do not change.
 """
 
 from __future__ import annotations
@@ -20,12 +25,23 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-from services.gateway_limits import RequestLimits, validation_error
-from services.ratelimit import descriptors_for
+from services.gateway_limits import (
+    FORWARDED_TRAILERS,
+    MISSING_CREDENTIAL,
+    RequestLimits,
+    Stop,
+    admission_stop,
+    bearer,
+    downstream_stop,
+    rate_limit_cost,
+    rate_limit_request,
+    rate_limit_stop,
+    resolved_request,
+)
 from spine.v1 import (
     auth_pb2,
     cache_pb2,
@@ -33,7 +49,6 @@ from spine.v1 import (
     generation_pb2,
     logs_pb2,
     metrics_pb2,
-    ratelimit_pb2,
     router_pb2,
 )
 
@@ -57,18 +72,11 @@ class Clients:
     inference: Any
 
 
-class _Stop(Exception):
-    """Ends the pipeline with a status (raised inside, turned into context.abort once)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()):
-        super().__init__(details)
-        self.code = code
-        self.details = details
-        self.trailing = trailing
+_Stop = Stop  # raised inside the pipeline, turned into context.abort once
 
 
 @dataclass
-class _Request:
+class RequestState:
     """What the gateway learns about one request as it goes down the pipeline."""
 
     request_id: str
@@ -88,6 +96,26 @@ class _Request:
         return max(0.001, self.deadline - time.monotonic())
 
 
+Admitted = tuple[generation_pb2.GenerateRequest, generation_pb2.GenerateResponse | None]
+
+
+class Admission(Protocol):
+    """Decides auth → validation → router → ratelimit → cache probe for a request.
+
+    Returns the resolved request and a cache hit (or None), or raises `Stop`; fills in the
+    state's tenant, model, cache flag and middleware times as the gateway would.
+    """
+
+    def admit(self, request: generation_pb2.GenerateRequest, state: RequestState) -> Admitted: ...
+
+
+class Completions(Protocol):
+    """Records a finished request's metrics and log line before its answer goes out."""
+
+    def complete(self, state: RequestState, record: metrics_pb2.RequestRecord,
+                 line: logs_pb2.LogRecord) -> None: ...
+
+
 class Gateway(gateway_pb2_grpc.GatewayServicer):
     """Serves `spine.v1.Gateway` by calling the middlewares in order."""
 
@@ -97,6 +125,10 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.layout = layout
         self.fail_open_failures: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # The spine's batched stages; None: each middleware is called through its client.
+        self.admission: Admission | None = None
+        self.completions: Completions | None = None
+        self.in_flight = 0  # requests begun and not finished: how many more a batch may expect
 
     # -- public API ---------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
@@ -105,10 +137,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             resolved, cached = self._admit(request, state, context)
             if cached is not None:
                 return cached
+            trailers: list[tuple[str, str]] = []
             response = self._timed(state, "inference", self.clients.inference.Generate, resolved,
-                                   fail_closed=True, parent=context)
+                                   fail_closed=True, parent=context, trailing_out=trailers)
             state.completion_tokens = response.completion_tokens
             self._store(state, resolved, response)
+            context.set_trailing_metadata(self._trailing(state) + _forwarded(trailers))
             return response
         except _Stop as stop:
             state.status = stop.code.name
@@ -149,6 +183,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 state.middleware_s["inference"] = state.middleware_s.get("inference", 0.0) + (
                     time.perf_counter() - started)
             state.completion_tokens = len(tokens)
+            context.set_trailing_metadata(self._trailing(state) + _forwarded(stream.trailing_metadata() or ()))
             whole = generation_pb2.GenerateResponse(
                 text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
                 prompt_tokens=len(resolved.prompt.encode()), completion_tokens=len(tokens))
@@ -168,13 +203,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self._finish(state)
 
     # -- the pipeline -------------------------------------------------------------
-    def _begin(self, context: Any) -> _Request:
+    def _begin(self, context: Any) -> RequestState:
         metadata = tuple(context.invocation_metadata() or ())
         md = dict(metadata)
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e6:
             remaining = self.limits.default_deadline_s
-        state = _Request(
+        state = RequestState(
             request_id=_safe_request_id(md.get(REQUEST_ID_HEADER)),
             started=time.perf_counter(),
             deadline=time.monotonic() + remaining,
@@ -182,58 +217,46 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             metadata=metadata,
         )
         context.set_trailing_metadata(self._trailing(state))
+        with self._lock:
+            self.in_flight += 1
         return state
 
-    def _admit(self, request: generation_pb2.GenerateRequest, state: _Request,
-               context: Any) -> tuple[generation_pb2.GenerateRequest, generation_pb2.GenerateResponse | None]:
+    def _admit(self, request: generation_pb2.GenerateRequest, state: RequestState,
+               context: Any) -> Admitted:
         """Auth, validation, routing, rate limit and cache probe; the resolved request and a cache hit."""
         state.model = request.model
+        admission = self.admission
+        if admission is not None:
+            return admission.admit(request, state)
         principal = self._authenticate(state)
         state.tenant = principal.tenant
-        problem = validation_error(request, self.limits)
-        if problem is not None:
-            raise _Stop(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if request.priority > principal.max_priority:
-            raise _Stop(grpc.StatusCode.PERMISSION_DENIED,
-                        f"priority: {request.priority} is above tenant {principal.tenant!r}'s allowance of "
-                        f"{principal.max_priority}")
+        stop = admission_stop(request, principal, self.limits)
+        if stop is not None:
+            raise stop
         route = self._timed(state, "router", self.clients.router.Resolve,
                             router_pb2.ResolveRequest(model=request.model), fail_closed=True)
         state.model = route.model_id
-        resolved = generation_pb2.GenerateRequest()
-        resolved.CopyFrom(request)
-        resolved.model = route.model_id
+        resolved = resolved_request(request, route.model_id)
         self._rate_limit(state, resolved)
         hit = self._lookup(state, resolved)
         return resolved, hit
 
-    def _authenticate(self, state: _Request) -> auth_pb2.Principal:
-        credential = _bearer(state.metadata)
+    def _authenticate(self, state: RequestState) -> auth_pb2.Principal:
+        credential = bearer(state.metadata)
         if credential is None:
-            raise _Stop(grpc.StatusCode.UNAUTHENTICATED,
-                        "missing credential: send 'authorization: Bearer <api key or JWT>' metadata")
+            raise Stop(grpc.StatusCode.UNAUTHENTICATED, MISSING_CREDENTIAL)
         reply = self._timed(state, "auth", self.clients.auth.Check,
                             auth_pb2.CheckRequest(credential=credential), fail_closed=True)
         return reply.principal
 
-    def _rate_limit(self, state: _Request, request: generation_pb2.GenerateRequest) -> None:
-        cost = len(request.prompt.encode()) + request.max_tokens
+    def _rate_limit(self, state: RequestState, request: generation_pb2.GenerateRequest) -> None:
         reply = self._timed(state, "ratelimit", self.clients.ratelimit.ShouldRateLimit,
-                            ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=descriptors_for(
-                                state.tenant, request.model, cost), dry_run=state.shadow), fail_closed=True)
-        if reply.overall_code != ratelimit_pb2.RateLimitResponse.OVER_LIMIT:
-            return
-        over = [s for s in reply.statuses if s.code == ratelimit_pb2.RateLimitResponse.OVER_LIMIT]
-        names = ", ".join(s.limit_name for s in over) or "rate limit"
-        if any(s.retry_after_s < 0 for s in over):
-            raise _Stop(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"request costs {cost} tokens, more than the bucket can ever hold ({names}); "
-                        "lower max_tokens or shorten the prompt")
-        retry = max(reply.retry_after_s, 0.0)
-        raise _Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limited by {names}; retry after {retry:.3f}s",
-                    (("retry-after", f"{retry:.3f}"),))
+                            rate_limit_request(state.tenant, request, state.shadow), fail_closed=True)
+        stop = rate_limit_stop(reply, rate_limit_cost(request))
+        if stop is not None:
+            raise stop
 
-    def _lookup(self, state: _Request,
+    def _lookup(self, state: RequestState,
                 request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse | None:
         reply = self._timed(state, "cache", self.clients.cache.Lookup,
                             cache_pb2.CacheLookupRequest(tenant=state.tenant, request=request), fail_closed=False)
@@ -243,7 +266,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         state.completion_tokens = reply.response.completion_tokens
         return reply.response
 
-    def _store(self, state: _Request, request: generation_pb2.GenerateRequest,
+    def _store(self, state: RequestState, request: generation_pb2.GenerateRequest,
                response: generation_pb2.GenerateResponse) -> None:
         if state.shadow:
             return  # shadow traffic never writes to the real cache
@@ -251,29 +274,41 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     cache_pb2.CacheStoreRequest(tenant=state.tenant, request=request, response=response),
                     fail_closed=False)
 
-    def _finish(self, state: _Request) -> None:
+    def _finish(self, state: RequestState) -> None:
         """Metrics and logs for every request, whatever its outcome (both fail open)."""
+        with self._lock:
+            self.in_flight -= 1
         latency = time.perf_counter() - state.started
         record = metrics_pb2.RequestRecord(
             layout=self.layout, model=state.model, tenant=state.tenant, status=state.status, latency_s=latency,
             middleware_s=state.middleware_s, cached=state.cached, shadow=state.shadow,
             completion_tokens=state.completion_tokens)
-        if state.failures and "failed_middlewares" in metrics_pb2.RequestRecord.DESCRIPTOR.fields_by_name:
+        if state.failures:
             record.failed_middlewares.extend(state.failures)
-        self._timed(state, "metrics", self.clients.metrics.Record, record, fail_closed=False, final=True)
-        self._timed(state, "logs", self.clients.logs.Append, logs_pb2.LogRecord(
+        line = logs_pb2.LogRecord(
             request_id=state.request_id, tenant=state.tenant, model=state.model, status=state.status,
-            latency_ms=latency * 1000.0, layout=self.layout, cached=state.cached, shadow=state.shadow),
-            fail_closed=False, final=True)
+            latency_ms=latency * 1000.0, layout=self.layout, cached=state.cached, shadow=state.shadow)
+        completions = self.completions
+        if completions is not None:
+            completions.complete(state, record, line)
+            return
+        self._timed(state, "metrics", self.clients.metrics.Record, record, fail_closed=False, final=True)
+        self._timed(state, "logs", self.clients.logs.Append, line, fail_closed=False, final=True)
+
+    def count_fail_open(self, name: str, reason: str, request_id: str) -> None:
+        """Count a fail-open middleware's failure (also for failures in a batched stage)."""
+        with self._lock:
+            self.fail_open_failures[name] += 1
+        log.warning("fail-open middleware %s failed (%s); request %s goes on", name, reason, request_id)
 
     # -- calling the middlewares ----------------------------------------------------
-    def _timed(self, state: _Request, name: str, method: Any, message: Any, *, fail_closed: bool,
-               parent: Any = None, final: bool = False) -> Any:
+    def _timed(self, state: RequestState, name: str, method: Any, message: Any, *, fail_closed: bool,
+               parent: Any = None, final: bool = False, **extra: Any) -> Any:
         started = time.perf_counter()
         timeout = 1.0 if final else state.remaining()  # metrics/logs must not hang a finished request
         try:
             return method(message, timeout=timeout, metadata=((REQUEST_ID_HEADER, state.request_id),),
-                          parent=parent)
+                          parent=parent, **extra)
         except grpc.RpcError as error:
             if fail_closed:
                 raise self._downstream_error(name, error, fail_closed=True) from None
@@ -282,7 +317,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         finally:
             state.middleware_s[name] = state.middleware_s.get(name, 0.0) + (time.perf_counter() - started)
 
-    def _call_stream(self, state: _Request, request: generation_pb2.GenerateRequest, context: Any) -> Any:
+    def _call_stream(self, state: RequestState, request: generation_pb2.GenerateRequest, context: Any) -> Any:
         try:
             return self.clients.inference.GenerateStream(
                 request, timeout=state.remaining(), metadata=((REQUEST_ID_HEADER, state.request_id),),
@@ -290,45 +325,25 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         except grpc.RpcError as error:
             raise self._downstream_error("inference", error, fail_closed=True) from None
 
-    def _downstream_error(self, name: str, rpc_error: grpc.RpcError, *, fail_closed: bool) -> _Stop:
+    def _downstream_error(self, name: str, rpc_error: grpc.RpcError, *, fail_closed: bool) -> Stop:
         error: Any = rpc_error  # a grpc.Call as well, for remote and local bindings alike
         code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
         details = str(error.details() if callable(getattr(error, "details", None)) else error)
-        if code in _PASS_THROUGH.get(name, ()):
-            trailing = tuple(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ()
-            return _Stop(code, details, tuple((k, v) for k, v in trailing if k == "retry-after"))
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return _Stop(code, f"deadline exceeded while waiting for {name}")
-        return _Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {details})")
+        trailing = tuple(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ()
+        return downstream_stop(name, code, details, trailing)
 
-    def _count_failure(self, state: _Request, name: str, error: grpc.RpcError) -> None:
+    def _count_failure(self, state: RequestState, name: str, error: grpc.RpcError) -> None:
         state.failures.append(name)
-        with self._lock:
-            self.fail_open_failures[name] += 1
         code = error.code() if callable(getattr(error, "code", None)) else None
-        log.warning("fail-open middleware %s failed (%s); request %s goes on", name,
-                    getattr(code, "name", code), state.request_id)
+        self.count_fail_open(name, str(getattr(code, "name", code)), state.request_id)
 
-    def _trailing(self, state: _Request) -> tuple[tuple[str, str], ...]:
+    def _trailing(self, state: RequestState) -> tuple[tuple[str, str], ...]:
         return ((LAYOUT_HEADER, self.layout), (REQUEST_ID_HEADER, state.request_id))
 
 
-_PASS_THROUGH: dict[str, tuple[grpc.StatusCode, ...]] = {
-    "auth": (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED),
-    "router": (grpc.StatusCode.NOT_FOUND,),
-    "ratelimit": (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    "inference": (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND),
-}
-
-
-def _bearer(metadata: tuple[tuple[str, str], ...]) -> str | None:
-    for key, value in metadata:
-        if key == "authorization":
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-    return None
+def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:
+    """The downstream trailers the client should see (load hints), nothing else."""
+    return tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
 
 
 def _safe_request_id(value: str | None) -> str:

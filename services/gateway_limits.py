@@ -1,16 +1,26 @@
-"""Request validation at the front: the same checks, messages and codes in every layout."""
+"""The front's checks and verdicts: the same codes and messages in every layout.
+
+The per-request `Gateway` and the spine's batched pipeline both decide with these
+functions, so a request gets the same status, message and trailers whether it was
+decided alone (through the bindings) or in a micro-batch (through the services' batch
+APIs). Parity between layouts depends on there being exactly one copy of each.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from services.common import ConfigError, number, section
-from spine.v1 import generation_pb2
+from services.ratelimit import descriptors_for
+from spine.v1 import auth_pb2, generation_pb2, ratelimit_pb2
 
 PRIORITIES = (-1, 0, 1)
+MISSING_CREDENTIAL = "missing credential: send 'authorization: Bearer <api key or JWT>' metadata"
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,16 @@ class RequestLimits:
         )
 
 
+class Stop(Exception):
+    """Ends one request's pipeline with a status (turned into context.abort once, at the top)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.trailing = trailing
+
+
 def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLimits) -> str | None:
     """The first problem with a request, as a message naming the field; None when valid."""
     if not request.model:
@@ -57,3 +77,85 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
     if request.inference_timeout_ms < 0:
         return f"inference_timeout_ms: must be >= 0, got {request.inference_timeout_ms}"
     return None
+
+
+def bearer(metadata: Sequence[tuple[str, str]]) -> str | None:
+    """The bearer token in `authorization` metadata, or None."""
+    for key, value in metadata:
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def admission_stop(request: generation_pb2.GenerateRequest, principal: auth_pb2.Principal,
+                   limits: RequestLimits) -> Stop | None:
+    """What stops an authenticated request before routing: bad input, then a priority too high."""
+    problem = validation_error(request, limits)
+    if problem is not None:
+        return Stop(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    if request.priority > principal.max_priority:
+        return Stop(grpc.StatusCode.PERMISSION_DENIED,
+                    f"priority: {request.priority} is above tenant {principal.tenant!r}'s allowance of "
+                    f"{principal.max_priority}")
+    return None
+
+
+def resolved_request(request: generation_pb2.GenerateRequest, model_id: str) -> generation_pb2.GenerateRequest:
+    """A copy of `request` naming the routed model (what the limits, cache and model see)."""
+    resolved = generation_pb2.GenerateRequest()
+    resolved.CopyFrom(request)
+    resolved.model = model_id
+    return resolved
+
+
+def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
+    """Tokens charged for a request: its prompt bytes plus the most it may generate."""
+    return len(request.prompt.encode()) + request.max_tokens
+
+
+def rate_limit_request(tenant: str, request: generation_pb2.GenerateRequest,
+                       shadow: bool) -> ratelimit_pb2.RateLimitRequest:
+    return ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=descriptors_for(
+        tenant, request.model, rate_limit_cost(request)), dry_run=shadow)
+
+
+def rate_limit_stop(reply: ratelimit_pb2.RateLimitResponse, cost: int) -> Stop | None:
+    """None when admitted; else the refusal (never-fits is bad input, over the limit is retryable)."""
+    if reply.overall_code != ratelimit_pb2.RateLimitResponse.OVER_LIMIT:
+        return None
+    over = [s for s in reply.statuses if s.code == ratelimit_pb2.RateLimitResponse.OVER_LIMIT]
+    names = ", ".join(s.limit_name for s in over) or "rate limit"
+    if any(s.retry_after_s < 0 for s in over):
+        return Stop(grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request costs {cost} tokens, more than the bucket can ever hold ({names}); "
+                    "lower max_tokens or shorten the prompt")
+    retry = max(reply.retry_after_s, 0.0)
+    return Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limited by {names}; retry after {retry:.3f}s",
+                (("retry-after", f"{retry:.3f}"),))
+
+
+# Codes a fail-closed middleware may answer with that reach the client as they are.
+PASS_THROUGH: dict[str, tuple[grpc.StatusCode, ...]] = {
+    "auth": (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED),
+    "router": (grpc.StatusCode.NOT_FOUND,),
+    "ratelimit": (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "inference": (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
+                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND),
+}
+
+
+# Trailing metadata a downstream answer hands on to the client: when to retry, how loaded
+# the model is (x-spine-load, read by spine.load_hints).
+FORWARDED_TRAILERS = ("retry-after", "x-spine-load")
+
+
+def downstream_stop(name: str, code: grpc.StatusCode, details: str,
+                    trailing: Sequence[tuple[str, str]] = ()) -> Stop:
+    """A fail-closed middleware's failure as the client sees it."""
+    if code in PASS_THROUGH.get(name, ()):
+        return Stop(code, details, tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS))
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Stop(code, f"deadline exceeded while waiting for {name}")
+    return Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {details})")

@@ -235,7 +235,8 @@ class LocalBinding(_Binding):
             return call_stream
 
         def call_unary(request: Any, timeout: float | None = None, metadata: Metadata | None = None,
-                       parent: Any | None = None, **_: Any) -> Any:
+                       parent: Any | None = None, trailing_out: list[tuple[str, str]] | None = None,
+                       **_: Any) -> Any:
             tokens, md = self._begin(name, metadata)
             context = _context(md, timeout, parent)
             code = grpc.StatusCode.OK
@@ -251,6 +252,8 @@ class LocalBinding(_Binding):
                 if failure is not None:
                     raise failure
                 context.check_live()  # the caller would have given up by now
+                if trailing_out is not None:
+                    trailing_out.extend(context.trailing_metadata())
                 return response
             except grpc.RpcError as error:
                 code = _status_of(error)
@@ -349,15 +352,20 @@ class RemoteBinding(_Binding):
             return call_stream
 
         def call_unary(request: Any, timeout: float | None = None, metadata: Metadata | None = None,
-                       parent: Any | None = None, **kwargs: Any) -> Any:
+                       parent: Any | None = None, trailing_out: list[tuple[str, str]] | None = None,
+                       **kwargs: Any) -> Any:
             tokens, md = self._begin(name, metadata)
             code = grpc.StatusCode.OK
             try:
-                if parent is None:
+                if parent is None and trailing_out is None:
                     return multicallable(request, timeout=timeout, metadata=md or None, **kwargs)
                 future = multicallable.future(request, timeout=timeout, metadata=md or None, **kwargs)
-                parent.add_callback(future.cancel)
-                return future.result()
+                if parent is not None:
+                    parent.add_callback(future.cancel)
+                response = future.result()
+                if trailing_out is not None:
+                    trailing_out.extend(future.trailing_metadata() or ())
+                return response
             except grpc.RpcError as error:
                 code = _status_of(error)
                 raise

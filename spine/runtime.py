@@ -4,6 +4,10 @@ The front (the Gateway) always runs in this process. Each component is bound eit
 locally (its servicer built here on the shared `DeviceContext`, called directly) or
 remotely (a child process behind a gRPC server on a unix socket). All local, it is the
 spine; all remote, it is the layered stack; anything between is a migration stage.
+
+With `batching.enabled`, whatever is local is also batched: admission (auth, ratelimit,
+router and cache all local) and completion (metrics and logs local) are decided per
+micro-batch (`monolith.spine_pipeline`) instead of one call per request.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import grpc
 import yaml
 
 from monolith.device import DeviceContext
+from monolith.spine_pipeline import BatchedAdmission, BatchedCompletions, BatchingConfig
 from services.gateway import Clients, Gateway
 from services.gateway_limits import RequestLimits
 from spine.bindings import BindingHook, LocalBinding, RemoteBinding
@@ -64,8 +69,11 @@ class Stack:
     local_servicers: dict[str, Any] = field(default_factory=dict)
     bindings: dict[str, Any] = field(default_factory=dict)
     metrics_endpoint: Any = None
+    admission: BatchedAdmission | None = None
+    completions: BatchedCompletions | None = None
     _retired: list[Any] = field(default_factory=list)
     _tmp: Any = None
+    _batching: BatchingConfig = field(default_factory=BatchingConfig)
 
     @property
     def layout(self) -> str:
@@ -85,6 +93,7 @@ class Stack:
         config_path = self.run_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
+        self._batching = BatchingConfig.from_config(self.config)
         try:
             remote = [name for name in COMPONENTS
                       if self.placements[name] == "remote" and name not in self.remote_addresses]
@@ -96,6 +105,7 @@ class Stack:
             for name in COMPONENTS:
                 self.bindings[name] = self._bind(name, limits.max_message_bytes)
             self.gateway = Gateway(Clients(**self.bindings), limits, self.layout)
+            self._attach_batching()
             if "metrics" in self.local_servicers:
                 from spine.metrics_endpoint import start_metrics_endpoint
 
@@ -146,6 +156,33 @@ class Stack:
             self._retired.append(old)  # closed at stop(): in-flight calls on it finish first
         self.placements = merged
         self.gateway.layout = self.layout
+        self._attach_batching()
+
+    def _attach_batching(self) -> None:
+        """Batch the stages whose components are all local now; the others go per request."""
+        gateway = self.gateway
+        assert gateway is not None
+        local = {name for name, placement in self.placements.items() if placement == "local"}
+        enabled = self._batching.enabled
+        if enabled and {"auth", "router", "ratelimit", "cache"} <= local:
+            if self.admission is None:
+                servicers = self.local_servicers
+                self.admission = BatchedAdmission(
+                    servicers["auth"], servicers["router"], servicers["ratelimit"], servicers["cache"],
+                    gateway.limits, self._batching, expected=lambda: gateway.in_flight,
+                    fail_open=gateway.count_fail_open, hooks=self.hooks)
+        elif self.admission is not None:
+            self.admission.close()  # requests already inside finish there
+            self.admission = None
+        gateway.admission = self.admission
+        if enabled and {"metrics", "logs"} <= local:
+            if self.completions is None:
+                self.completions = BatchedCompletions(self.local_servicers["metrics"], self.local_servicers["logs"],
+                                                      fail_open=gateway.count_fail_open)
+        elif self.completions is not None:
+            self.completions.close()
+            self.completions = None
+        gateway.completions = self.completions
 
     def metrics_address(self) -> str | None:
         """Where the Prometheus text is served (by this process or the metrics child)."""
@@ -159,6 +196,11 @@ class Stack:
         if self.server is not None:
             self.server.stop(grace)
             self.server = None
+        for stage in (self.admission, self.completions):
+            if stage is not None:
+                stage.close()
+        self.admission = self.completions = None
+        self._write_final_metrics()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()
             self.metrics_endpoint = None
@@ -175,6 +217,16 @@ class Stack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def _write_final_metrics(self) -> None:
+        """The last Prometheus text, written at shutdown to run_dir/metrics.prom (nothing counted is lost)."""
+        metrics = self.local_servicers.get("metrics")
+        if metrics is None or self.run_dir is None:
+            return
+        try:
+            (self.run_dir / "metrics.prom").write_text(metrics.render())
+        except OSError as error:
+            log.warning("could not write the final metrics to %s: %s", self.run_dir / "metrics.prom", error)
 
     def __enter__(self) -> Stack:
         self.start()

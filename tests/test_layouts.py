@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
+from services.inference_load import parse_load
 from spine.client import GatewayClient
 from spine.runtime import Stack
 from spine.v1 import generation_pb2
@@ -118,10 +119,8 @@ def test_bad_input_gets_clear_errors_and_the_process_keeps_serving(layouts: dict
 @pytest.mark.parametrize("layout", ["layered", "collapsed"])
 def test_deadline_is_honoured(layouts: dict[str, Stack], layout: str) -> None:
     with GatewayClient(layouts[layout].address, DEV_KEY) as client:
-        started = time.monotonic()
-        result = client.generate(gen("a long answer please", max_tokens=250, temperature=0.7), timeout=0.05)
+        result = client.generate(gen(f"a long greedy answer for {layout}", max_tokens=250), timeout=0.05)
         assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - started < 2.0
         assert client.generate(gen("after the deadline")).ok
 
 
@@ -130,7 +129,7 @@ def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, Stack]
     engine = stack.local_servicers["inference"].engine
     wait_until_idle(engine)
     with GatewayClient(stack.address, DEV_KEY) as client:
-        call = client.stub.GenerateStream(gen("cancel me", max_tokens=250, temperature=0.5),
+        call = client.stub.GenerateStream(gen("cancel me: greedy answers rarely stop early", max_tokens=250),
                                           metadata=client.metadata(), timeout=30)
         next(iter(call))
         assert engine.active_count == 1
@@ -144,7 +143,7 @@ def test_deadline_frees_the_generation_slot(layouts: dict[str, Stack]) -> None:
     engine = stack.local_servicers["inference"].engine
     wait_until_idle(engine)
     with GatewayClient(stack.address, DEV_KEY) as client:
-        result = client.generate(gen("slow one", max_tokens=250, temperature=0.5), timeout=0.1)
+        result = client.generate(gen("slow one: greedy answers rarely stop early", max_tokens=250), timeout=0.1)
     assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until_idle(engine)
     assert engine.active_count == 0
@@ -154,6 +153,18 @@ def wait_until_idle(engine: Any, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while engine.active_count and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("layout", ["layered", "collapsed", "mixed"])
+def test_answers_carry_the_model_load_hint(layouts: dict[str, Stack], layout: str) -> None:
+    with GatewayClient(layouts[layout].address, DEV_KEY) as client:
+        unary = client.generate(gen(f"load hint {layout}", max_tokens=3))
+        streamed = client.stream(gen(f"load hint stream {layout}", max_tokens=3))
+    for result in (unary, streamed):
+        assert result.ok, result.details
+        hint = parse_load(result.trailing["x-spine-load"])
+        assert {"queue", "running", "slots", "kv_free"} <= set(hint), result.trailing["x-spine-load"]
+        assert hint["slots"] >= 1
 
 
 @pytest.mark.parametrize("layout", ["layered", "collapsed"])

@@ -1,0 +1,160 @@
+"""The micro-batcher: concurrent callers hand in items, one of them decides a batch for all.
+
+Flat combining, no batcher thread: the first caller to find no batch in progress becomes
+the leader; it takes what is queued (up to `max_batch`), optionally waits up to
+`max_wait_s` after the batch's first arrival for more, decides the batch in its own
+thread, hands each caller its result and passes leadership to the oldest caller still
+waiting. So a lone request is decided at once in its own thread (no hop, no wait), and
+under load the requests that arrive while a batch is being decided form the next one.
+
+The wait for more only happens while more requests are expected: `expected()` (e.g.
+requests in flight in the gateway) exceeds what is already queued. A closed loop of one
+client never waits; 64 clients with most requests in the model do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher is shutting down and takes no new items."""
+
+
+class _Slot(Generic[T]):
+    __slots__ = ("item", "arrived", "wake", "done", "value", "error")
+
+    def __init__(self, item: T, arrived: float) -> None:
+        self.item = item
+        self.arrived = arrived
+        self.wake = threading.Event()
+        self.done = False
+        self.value: object = None
+        self.error: BaseException | None = None
+
+
+@dataclass
+class BatchStats:
+    """Counts for tuning and tests: how many batches, of what sizes."""
+
+    batches: int = 0
+    items: int = 0
+    largest: int = 0
+    waited: int = 0  # batches whose leader waited for more items
+
+    @property
+    def mean_size(self) -> float:
+        return self.items / self.batches if self.batches else 0.0
+
+
+class MicroBatcher(Generic[T, R]):
+    """Decides items in batches with `decide(items) -> one result per item`.
+
+    A result that is an exception is raised in its caller alone; an exception raised by
+    `decide` itself goes to every caller of that batch.
+    """
+
+    def __init__(self, decide: Callable[[list[T]], Sequence[R | BaseException]], *, max_batch: int = 32,
+                 max_wait_s: float = 0.0, expected: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s: must be >= 0, got {max_wait_s}")
+        self._decide = decide
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._expected = expected
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._arrival = threading.Condition(self._lock)
+        self._pending: deque[_Slot[T]] = deque()
+        self._leading = False
+        self._closed = False
+        self.stats = BatchStats()
+
+    def submit(self, item: T) -> R:
+        """Block until `item` is decided; return its result (or raise its exception)."""
+        with self._lock:
+            if self._closed:
+                raise BatcherClosed("the batcher is closed (shutting down)")
+            slot: _Slot[T] = _Slot(item, self._clock())
+            self._pending.append(slot)
+            lead = not self._leading
+            if lead:
+                self._leading = True
+            else:
+                self._arrival.notify()  # a leader waiting for more sees the new arrival
+        if not lead:
+            slot.wake.wait()
+        if not slot.done:  # leading (from the start, or handed over)
+            self._lead(slot)
+        if slot.error is not None:
+            raise slot.error
+        return slot.value  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Refuse new items; items already queued are still decided."""
+        with self._lock:
+            self._closed = True
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    # -- leading ----------------------------------------------------------------------
+    def _lead(self, own: _Slot[T]) -> None:
+        try:
+            while not own.done:
+                self._run(self._take())
+        finally:
+            with self._lock:
+                if self._pending:  # hand over to the oldest waiter: it decides the next batch
+                    self._pending[0].wake.set()
+                else:
+                    self._leading = False
+
+    def _take(self) -> list[_Slot[T]]:
+        with self._lock:
+            waited = False
+            if self.max_wait_s > 0 and self._pending:
+                until = self._pending[0].arrived + self.max_wait_s
+                while len(self._pending) < self.max_batch and self._more_expected():
+                    left = until - self._clock()
+                    if left <= 0:
+                        break
+                    waited = True
+                    self._arrival.wait(left)
+            count = min(self.max_batch, len(self._pending))
+            batch = [self._pending.popleft() for _ in range(count)]
+            self.stats.batches += 1
+            self.stats.items += count
+            self.stats.largest = max(self.stats.largest, count)
+            self.stats.waited += waited
+        return batch
+
+    def _more_expected(self) -> bool:
+        return self._expected is not None and self._expected() > len(self._pending)
+
+    def _run(self, batch: list[_Slot[T]]) -> None:
+        try:
+            results = list(self._decide([slot.item for slot in batch]))
+            if len(results) != len(batch):
+                raise RuntimeError(f"decide returned {len(results)} results for {len(batch)} items")
+        except BaseException as error:  # every caller of this batch gets it
+            results = [error] * len(batch)
+        for slot, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                slot.error = result
+            else:
+                slot.value = result
+            slot.done = True
+            slot.wake.set()

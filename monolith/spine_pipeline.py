@@ -1,0 +1,381 @@
+"""The spine's batched stages: admission and completion decided per micro-batch.
+
+`BatchedAdmission` replaces the gateway's per-request calls from auth to the cache probe:
+one `verify_many`, validation, the router, ONE `admit_batch` (exactly the sequential
+result in arrival order) and ONE `lookup_many` per batch. `BatchedCompletions` replaces
+the per-request metrics and log calls: ONE `record_batch` and ONE `append_batch` per
+window of finished requests. Both hand their verdicts to the same functions the
+per-request gateway uses (`services.gateway_limits`), so codes, messages and trailers do
+not depend on the batching; a request that fails a stage fails alone.
+
+Binding hooks (fault injection, spans) still run around each request's part of a stage,
+with the component and method names the bindings would use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from monolith.batcher import BatcherClosed, MicroBatcher
+from services.auth import AuthDenied, AuthService
+from services.cache import CacheService, InvalidCacheRequest
+from services.common import ConfigError
+from services.gateway import Admitted, RequestState
+from services.gateway_limits import (
+    MISSING_CREDENTIAL,
+    RequestLimits,
+    Stop,
+    admission_stop,
+    bearer,
+    downstream_stop,
+    rate_limit_cost,
+    rate_limit_request,
+    rate_limit_stop,
+    resolved_request,
+)
+from services.logs import LogsService
+from services.metrics import MetricsService
+from services.ratelimit import InvalidRateLimitRequest, RateLimitService
+from services.router import RouterService
+from spine.v1 import cache_pb2, generation_pb2, logs_pb2, metrics_pb2
+
+_FIELDS = ("enabled", "max_batch", "max_wait_us")
+FailOpen = Callable[[str, str, str], None]  # (middleware, reason, request id)
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """The `batching` section: whether the collapsed pipeline batches, and its window."""
+
+    enabled: bool = True
+    max_batch: int = 32
+    max_wait_us: float = 500.0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> BatchingConfig:
+        cfg = config.get("batching") or {}
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"batching: expected a mapping, got {type(cfg).__name__}")
+        unknown = sorted(set(cfg) - set(_FIELDS))
+        if unknown:
+            raise ConfigError(f"batching.{unknown[0]}: unknown key (known: {', '.join(_FIELDS)})")
+        enabled = cfg.get("enabled", cls.enabled)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"batching.enabled: expected true or false, got {enabled!r}")
+        max_batch = cfg.get("max_batch", cls.max_batch)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 4096:
+            raise ConfigError(f"batching.max_batch: expected an integer from 1 to 4096, got {max_batch!r}")
+        wait = cfg.get("max_wait_us", cls.max_wait_us)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 100_000:
+            raise ConfigError(f"batching.max_wait_us: expected a number of microseconds from 0 to 100000, "
+                              f"got {wait!r}")
+        return cls(enabled=enabled, max_batch=max_batch, max_wait_us=float(wait))
+
+
+@dataclass(eq=False)
+class _Ticket:
+    request: generation_pb2.GenerateRequest
+    state: RequestState
+    outcome: Admitted | Stop | None = None
+    credential: str = ""
+    principal: Any = None
+    resolved: generation_pb2.GenerateRequest | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.outcome is None
+
+
+def _ignore(name: str, reason: str, request_id: str) -> None:
+    """A fail-open failure nobody asked to count."""
+
+
+def _unexpected(name: str, error: BaseException) -> Stop:
+    """What a bug in a fail-closed service looks like through a binding: UNAVAILABLE."""
+    return downstream_stop(name, grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}")
+
+
+class _Stage:
+    """Times one stage of a batch and runs the binding hooks around each request's part."""
+
+    def __init__(self, name: str, method: str, hooks: Sequence[Any], tickets: list[_Ticket],
+                 fail_open: FailOpen | None = None) -> None:
+        self.name = name
+        self.method = method
+        self.hooks = hooks
+        self.fail_open = fail_open  # set for a fail-open stage: a hook failure skips the stage instead
+        self.tickets: list[_Ticket] = []
+        self._tokens: list[list[Any]] = []
+        now = time.monotonic()
+        for ticket in tickets:
+            if not ticket.open:
+                continue
+            if now >= ticket.state.deadline and fail_open is None:
+                ticket.outcome = Stop(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded while waiting for {name}")
+                continue
+            tokens = self._begin(ticket)
+            if tokens is not None:
+                self.tickets.append(ticket)
+                self._tokens.append(tokens)
+        self.started = time.perf_counter()
+
+    def _begin(self, ticket: _Ticket) -> list[Any] | None:
+        """The hooks' tokens; None when a hook failed the call (the ticket then has its outcome)."""
+        tokens: list[Any] = []
+        metadata = [("x-request-id", ticket.state.request_id)]
+        for hook in self.hooks:
+            try:
+                tokens.append(hook.begin(self.name, self.method, metadata))
+            except grpc.RpcError as error:
+                code, details = _code_details(error)
+                self._end_hooks(tokens, code)
+                if self.fail_open is not None:
+                    ticket.state.failures.append(self.name)
+                    self.fail_open(self.name, code.name, ticket.state.request_id)
+                else:
+                    ticket.outcome = downstream_stop(self.name, code, details)
+                return None
+        return tokens
+
+    def _end_hooks(self, tokens: list[Any], code: grpc.StatusCode) -> None:
+        for hook, token in zip(reversed(self.hooks[:len(tokens)]), reversed(tokens), strict=True):
+            hook.end(token, code)
+
+    def finish(self) -> None:
+        spent = time.perf_counter() - self.started
+        for ticket, tokens in zip(self.tickets, self._tokens, strict=True):
+            state = ticket.state
+            state.middleware_s[self.name] = state.middleware_s.get(self.name, 0.0) + spent
+            if self.hooks:
+                code = ticket.outcome.code if isinstance(ticket.outcome, Stop) else grpc.StatusCode.OK
+                self._end_hooks(tokens, code)
+
+
+def _code_details(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    call: Any = error
+    code = call.code() if callable(getattr(call, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = str(call.details() if callable(getattr(call, "details", None)) else error)
+    return code, details
+
+
+class BatchedAdmission:
+    """Auth → validation → router → ratelimit → cache probe for a micro-batch at a time."""
+
+    def __init__(self, auth: AuthService, router: RouterService, ratelimit: RateLimitService, cache: CacheService,
+                 limits: RequestLimits, config: BatchingConfig, *, expected: Callable[[], int] | None = None,
+                 fail_open: FailOpen | None = None, hooks: Sequence[Any] = ()) -> None:
+        self.auth, self.router, self.ratelimit, self.cache = auth, router, ratelimit, cache
+        self.limits = limits
+        self.hooks = list(hooks)
+        self._fail_open = fail_open
+        self.batcher: MicroBatcher[_Ticket, Admitted] = MicroBatcher(
+            self.decide, max_batch=config.max_batch, max_wait_s=config.max_wait_us / 1e6, expected=expected)
+
+    def admit(self, request: generation_pb2.GenerateRequest, state: RequestState) -> Admitted:
+        """The gateway's `Admission`: wait for this request's batch; its verdict or `Stop`."""
+        try:
+            return self.batcher.submit(_Ticket(request, state))
+        except BatcherClosed:
+            raise Stop(grpc.StatusCode.UNAVAILABLE, "the spine is shutting down; retry on another replica") from None
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    # -- one batch --------------------------------------------------------------------------
+    def decide(self, tickets: list[_Ticket]) -> list[Admitted | Stop]:
+        """Every ticket's verdict, in the gateway's order; the others go on when one fails."""
+        self._authenticate(tickets)
+        self._route(tickets)
+        self._rate_limit(tickets)
+        self._probe_cache(tickets)
+        out: list[Admitted | Stop] = []
+        for ticket in tickets:
+            assert ticket.outcome is not None
+            out.append(ticket.outcome)
+        return out
+
+    def _authenticate(self, tickets: list[_Ticket]) -> None:
+        for ticket in tickets:
+            ticket.state.model = ticket.request.model
+            credential = bearer(ticket.state.metadata)
+            if credential is None:
+                ticket.outcome = Stop(grpc.StatusCode.UNAUTHENTICATED, MISSING_CREDENTIAL)
+            else:
+                ticket.credential = credential
+        stage = _Stage("auth", "Check", self.hooks, tickets)
+        try:
+            asking = stage.tickets
+            try:
+                verdicts = self.auth.verify_many([t.credential for t in asking])
+            except Exception as error:
+                for ticket in asking:
+                    ticket.outcome = _unexpected("auth", error)
+                return
+            for ticket, verdict in zip(asking, verdicts, strict=True):
+                if isinstance(verdict, AuthDenied):
+                    ticket.outcome = downstream_stop("auth", verdict.code, verdict.message)
+                else:
+                    ticket.principal = verdict.principal
+        finally:
+            stage.finish()
+        for ticket in tickets:
+            if ticket.open:
+                ticket.state.tenant = ticket.principal.tenant
+                ticket.outcome = admission_stop(ticket.request, ticket.principal, self.limits)
+
+    def _route(self, tickets: list[_Ticket]) -> None:
+        stage = _Stage("router", "Resolve", self.hooks, tickets)
+        try:
+            for ticket in stage.tickets:
+                try:
+                    route = self.router.resolve(ticket.request.model)
+                except LookupError as error:
+                    ticket.outcome = downstream_stop("router", grpc.StatusCode.NOT_FOUND, str(error))
+                    continue
+                except Exception as error:
+                    ticket.outcome = _unexpected("router", error)
+                    continue
+                ticket.state.model = route.model_id
+                ticket.resolved = resolved_request(ticket.request, route.model_id)
+        finally:
+            stage.finish()
+
+    def _rate_limit(self, tickets: list[_Ticket]) -> None:
+        stage = _Stage("ratelimit", "ShouldRateLimit", self.hooks, tickets)
+        try:
+            asking: list[tuple[_Ticket, Any]] = []
+            for ticket in stage.tickets:
+                assert ticket.resolved is not None
+                message = rate_limit_request(ticket.state.tenant, ticket.resolved, ticket.state.shadow)
+                try:
+                    self.ratelimit.validate(message)
+                except InvalidRateLimitRequest as error:
+                    ticket.outcome = downstream_stop("ratelimit", grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                    continue
+                asking.append((ticket, message))
+            for ticket, reply in zip([t for t, _ in asking], self._admit([m for _, m in asking]), strict=True):
+                if isinstance(reply, Stop):
+                    ticket.outcome = reply
+                    continue
+                assert ticket.resolved is not None
+                ticket.outcome = rate_limit_stop(reply, rate_limit_cost(ticket.resolved))
+        finally:
+            stage.finish()
+
+    def _admit(self, messages: list[Any]) -> list[Any]:
+        """ONE admit_batch; on a full bucket table, one by one (so only the one that needs room fails)."""
+        if not messages:
+            return []
+        try:
+            return list(self.ratelimit.admit_batch(messages))
+        except MemoryError:
+            pass
+        except Exception as error:
+            return [_unexpected("ratelimit", error)] * len(messages)
+        replies: list[Any] = []
+        for message in messages:
+            try:
+                replies.append(self.ratelimit.admit_batch([message])[0])
+            except MemoryError as error:
+                replies.append(downstream_stop("ratelimit", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                               f"ratelimit: no room for a new bucket: {error}"))
+            except Exception as error:
+                replies.append(_unexpected("ratelimit", error))
+        return replies
+
+    def _probe_cache(self, tickets: list[_Ticket]) -> None:
+        """ONE lookup_many; the cache fails open, so a failure is a counted miss."""
+        stage = _Stage("cache", "Lookup", self.hooks, tickets, fail_open=self._fail_open or _ignore)
+        try:
+            probing = stage.tickets
+            messages = [cache_pb2.CacheLookupRequest(tenant=t.state.tenant, request=t.resolved) for t in probing]
+            replies: list[Any] = []
+            if messages:
+                try:
+                    replies = list(self.cache.lookup_many(messages))
+                except Exception:  # all or nothing: find out which one cannot be probed
+                    replies = [self._lookup_one(m) for m in messages]
+            for ticket, reply in zip(probing, replies, strict=True):
+                if isinstance(reply, str):
+                    self._cache_failed(ticket, reply)
+                elif reply.hit:
+                    ticket.state.cached = True
+                    ticket.state.completion_tokens = reply.response.completion_tokens
+                    ticket.outcome = (ticket.resolved, reply.response)  # type: ignore[assignment]
+        finally:
+            stage.finish()
+        for ticket in tickets:
+            if ticket.open:  # a miss, or the cache failed (fail open)
+                ticket.outcome = (ticket.resolved, None)  # type: ignore[assignment]
+
+    def _lookup_one(self, message: cache_pb2.CacheLookupRequest) -> Any:
+        try:
+            return self.cache.lookup_many([message])[0]
+        except InvalidCacheRequest:
+            return "INVALID_ARGUMENT"
+        except Exception:
+            return "UNKNOWN"
+
+    def _cache_failed(self, ticket: _Ticket, reason: str) -> None:
+        ticket.state.failures.append("cache")
+        if self._fail_open is not None:
+            self._fail_open("cache", reason, ticket.state.request_id)
+
+
+_Completion = tuple[RequestState, metrics_pb2.RequestRecord, logs_pb2.LogRecord]
+
+
+class BatchedCompletions:
+    """Metrics and log lines of finished requests: ONE record_batch and ONE append_batch per window.
+
+    A finishing request joins the current window and returns once its record and line are
+    in the metrics tables and the log ring — before its answer is sent — so nothing a client
+    saw answered can be missing from either, even when the process stops right after.
+    """
+
+    def __init__(self, metrics: MetricsService, logs: LogsService, *, max_batch: int = 256,
+                 fail_open: FailOpen | None = None) -> None:
+        self.metrics = metrics
+        self.logs = logs
+        self._fail_open = fail_open
+        self.batcher: MicroBatcher[_Completion, None] = MicroBatcher(self.flush_window, max_batch=max_batch)
+
+    def complete(self, state: RequestState, record: metrics_pb2.RequestRecord, line: logs_pb2.LogRecord) -> None:
+        try:
+            self.batcher.submit((state, record, line))
+        except BatcherClosed:  # a straggler after shutdown began: written alone, counted if it fails
+            self.flush_window([(state, record, line)])
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def flush_window(self, window: list[_Completion]) -> list[None]:
+        self._write("metrics", self.metrics.record_batch, [(s, r) for s, r, _ in window])
+        self._write("logs", self.logs.append_batch, [(s, line) for s, _, line in window])
+        return [None] * len(window)
+
+    def _write(self, name: str, write: Callable[[list[Any]], None], items: list[tuple[RequestState, Any]]) -> None:
+        try:
+            write([item for _, item in items])
+            return
+        except Exception:
+            pass
+        for state, item in items:  # all-or-nothing failed: keep every good one, count the bad
+            try:
+                write([item])
+            except Exception as error:
+                if self._fail_open is not None:
+                    self._fail_open(name, _reason(error), state.request_id)
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, MemoryError):
+        return "RESOURCE_EXHAUSTED"
+    if isinstance(error, ValueError):
+        return "INVALID_ARGUMENT"
+    return "UNAVAILABLE"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common import ConfigError
-from spine.config import LAYOUTS, load_config, placements_for
+from spine.config import LAYOUTS, load_config, placements_for, remote_addresses
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -35,13 +35,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     from monolith.runtime_env import configure_threads
     from spine.runtime import Stack
     from spine.signals import Termination
+    from spine.tracing import install_from_config
 
     configure_threads()
     config = load_config(args.config)
+    install_from_config(config, service_name="spine")
     placements = placements_for(args.layout, config)
     listen = args.listen or str(config.get("listen", DEFAULT_ADDRESS))
     run_dir = Path(args.run_dir) if args.run_dir else None
-    stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external)
+    stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
+                  remote_addresses=remote_addresses(config))
     termination = Termination()
     stack.start()
     key = dev_api_key(config)
@@ -65,22 +68,31 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_call(args: argparse.Namespace) -> int:
     from spine.client import GatewayClient
+    from spine.load_hints import Backoff, Fallback, LoadAwareClient, router_models
     from spine.v1 import generation_pb2
 
     config = load_config(args.config)
     token = args.token or os.environ.get("SPINE_TOKEN") or dev_api_key(config)
     request = generation_pb2.GenerateRequest(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
-                                             temperature=args.temperature, priority=args.priority)
+                                             temperature=args.temperature, priority=args.priority,
+                                             inference_timeout_ms=args.inference_timeout_ms)
     if args.seed is not None:
         request.seed = args.seed
+    backoff = Backoff(attempts=args.retries + 1, base_s=args.backoff_s)
+    fallback = None
+    if args.fallback_model:
+        fallback = Fallback(args.fallback_model, after=args.fallback_after, recover_after=args.fallback_recover)
+        fallback.validate(router_models(config))
     with GatewayClient(args.address, token) as client:
+        helper = LoadAwareClient(client, backoff, fallback)
         if args.stream:
-            result = client.stream(request, timeout=args.timeout)
+            result = helper.stream(request, timeout=args.timeout)
         else:
-            result = client.generate(request, timeout=args.timeout)
+            result = helper.generate(request, timeout=args.timeout)
     out = {
         "status": result.code.name, "details": result.details, "latency_ms": round(result.latency_s * 1000, 3),
         "text": result.text, "token_ids": result.token_ids, "trailing": result.trailing,
+        "attempts": result.attempts, "model": result.model, "load": result.load,
     }
     if result.first_chunk_s is not None:
         out["first_chunk_ms"] = round(result.first_chunk_s * 1000, 3)
@@ -89,7 +101,9 @@ def cmd_call(args: argparse.Namespace) -> int:
     else:
         print(f"status:  {out['status']}" + (f" ({result.details})" if result.details else ""))
         print(f"latency: {out['latency_ms']} ms   layout: {result.layout}   "
-              f"request id: {result.trailing.get('x-request-id', '')}")
+              f"request id: {result.trailing.get('x-request-id', '')}   attempts: {result.attempts}")
+        if result.load:
+            print(f"load:    {result.trailing.get('x-spine-load', '')}")
         if result.ok:
             print(f"answer:  {result.text!r}")
     return 0 if result.ok else 1
@@ -102,9 +116,62 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from spine.demo import run_layouts_side_by_side
+    from spine.ab.command import run_command
+    from spine.ab.runner import RunOptions
+    from spine.ab.workload import SyntheticSpec, TraceError
 
-    return run_layouts_side_by_side(load_config(args.config), count=args.count, concurrency=args.concurrency)
+    config = load_config(args.config)
+    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    bad = sorted(set(layouts) - set(LAYOUTS))
+    if bad:
+        raise ConfigError(f"--layouts: unknown layout(s) {bad}; choose from {', '.join(LAYOUTS)}")
+    targets = {}
+    for target in args.target or []:
+        name, sep, address = target.partition("=")
+        if not sep or not name or not address:
+            raise ConfigError(f"--target: expected NAME=HOST:PORT, got {target!r}")
+        targets[name] = address
+    if not layouts and not targets:
+        raise ConfigError("nothing to compare: give --layouts and/or --target")
+    try:
+        spec = SyntheticSpec(
+            count=args.count, seed=args.seed, prompt_words=_range(args.prompt_words, "--prompt-words"),
+            max_tokens=_range(args.max_tokens, "--max-tokens"), tenants=_weights(args.tenants),
+            cacheable_share=args.cacheable_share, repeat_share=args.repeat_share, stream_share=args.stream_share,
+            rate=args.rate or 20.0, burst_every_s=args.burst_every, burst_size=args.burst_size)
+        options = RunOptions(mode="open" if args.rate or args.open_loop else "closed", concurrency=args.concurrency,
+                             time_limit_s=args.time_limit, timeout_s=args.timeout, warmup=args.warmup)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    try:
+        return run_command(config, layouts=layouts, out_dir=Path(args.out), spec=spec,
+                           trace=Path(args.trace) if args.trace else None,
+                           record=Path(args.record) if args.record else None, targets=targets, options=options,
+                           trace_ratio=args.trace_ratio, plots=not args.no_plots)
+    except TraceError as error:
+        print(f"trace error: {error}", file=sys.stderr)
+        return 2
+
+
+def _range(text: str, flag: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected MIN:MAX (integers), got {text!r}") from None
+
+
+def _weights(text: str | None) -> dict[str, float]:
+    weights: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, weight = part.partition("=")
+        try:
+            weights[name.strip()] = float(weight) if sep else 1.0
+        except ValueError:
+            raise ConfigError(f"--tenants: expected TENANT=WEIGHT, got {part!r}") from None
+    return weights
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,15 +195,44 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--max-tokens", type=int, default=16)
     call.add_argument("--temperature", type=float, default=0.0)
     call.add_argument("--seed", type=int)
-    call.add_argument("--priority", type=int, default=0)
+    call.add_argument("--priority", type=int, default=0, help="-1 throughput, 0 default, 1 latency-sensitive")
+    call.add_argument("--inference-timeout-ms", type=int, default=0, help="compute budget (0: server default)")
+    call.add_argument("--retries", type=int, default=3, help="retries on overload (RESOURCE_EXHAUSTED/UNAVAILABLE)")
+    call.add_argument("--backoff-s", type=float, default=0.05, help="first backoff; doubles per retry, jittered")
+    call.add_argument("--fallback-model", help="smaller model alias to use while the requested one is overloaded")
+    call.add_argument("--fallback-after", type=int, default=3, help="overloads in a row before falling back")
+    call.add_argument("--fallback-recover", type=int, default=5, help="calm answers before returning")
     call.add_argument("--stream", action="store_true")
     call.add_argument("--timeout", type=float, default=30.0)
     call.add_argument("--json", action="store_true")
     call.set_defaults(handler=cmd_call)
 
-    ab = sub.add_parser("ab", help="one workload through the layered and collapsed layouts, side by side")
-    ab.add_argument("--count", type=int, default=120, help="requests per layout")
-    ab.add_argument("--concurrency", type=int, default=4)
+    ab = sub.add_parser("ab", help="one workload through several layouts, interleaved, with a report")
+    ab.add_argument("--layouts", default="layered,collapsed",
+                    help="comma-separated layouts to start (layered, collapsed, mixed); default: %(default)s")
+    ab.add_argument("--target", action="append", metavar="NAME=HOST:PORT",
+                    help="also compare a Gateway already running there (repeatable)")
+    ab.add_argument("--count", type=int, default=200, help="requests (each goes to every layout)")
+    ab.add_argument("--concurrency", type=int, default=4, help="closed-loop workers")
+    ab.add_argument("--rate", type=float, default=0.0, help="open loop: Poisson arrivals per second")
+    ab.add_argument("--open-loop", action="store_true", help="open loop at the trace's own arrival times")
+    ab.add_argument("--time-limit", type=float, default=120.0, help="no request starts after this many seconds")
+    ab.add_argument("--timeout", type=float, default=10.0, help="per-request deadline in seconds")
+    ab.add_argument("--warmup", type=int, default=4, help="unmeasured requests per layout first")
+    ab.add_argument("--seed", type=int, default=7)
+    ab.add_argument("--prompt-words", default="2:24", help="MIN:MAX prompt length in words (log-uniform)")
+    ab.add_argument("--max-tokens", default="4:16", help="MIN:MAX tokens to generate (log-uniform)")
+    ab.add_argument("--tenants", help="tenant mix, e.g. dev=3,other=1 (default: every dev key alike)")
+    ab.add_argument("--cacheable-share", type=float, default=0.5)
+    ab.add_argument("--repeat-share", type=float, default=0.3)
+    ab.add_argument("--stream-share", type=float, default=0.0)
+    ab.add_argument("--burst-every", type=float, default=0.0, help="open loop: a burst every this many seconds")
+    ab.add_argument("--burst-size", type=int, default=0, help="open loop: requests arriving at once per burst")
+    ab.add_argument("--trace", help="replay this JSONL trace instead of a synthetic workload")
+    ab.add_argument("--record", help="write the workload to this JSONL trace (then run it)")
+    ab.add_argument("--trace-ratio", type=float, default=1.0, help="share of requests with spans (0 = none)")
+    ab.add_argument("--out", default="ab-report", help="directory for ab.json, report.md and the plots")
+    ab.add_argument("--no-plots", action="store_true")
     ab.set_defaults(handler=cmd_ab)
 
     demo = sub.add_parser("demo", help="the main job: both layouts side by side (`make run`)")

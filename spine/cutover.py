@@ -26,6 +26,7 @@ from spine.faults import FaultHook
 from spine.front import Front
 from spine.runtime import Stack
 from spine.server import RunningServer, start_server
+from spine.shadow import ShadowConfig
 from spine.v1 import ratelimit_pb2
 
 # A side that gets no traffic still keeps a sliver of budget: a share must be > 0, and
@@ -112,7 +113,9 @@ class Cutover:
             self.spine = Stack(self.config, placements, run_dir=self.run_dir / "spine", hooks=[self.fault],
                                remote_addresses=shared)
             self.spine.start()
-            self.front = Front({"layered": self.layered.address, "spine": self.spine.address})
+            shadow = ShadowConfig.from_config(self.config)
+            self.front = Front({"layered": self.layered.address, "spine": self.spine.address},
+                               shadow=shadow if shadow.share > 0 else None)
             limits = RequestLimits.from_config(self.config)
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
                                              max_message_bytes=limits.max_message_bytes)

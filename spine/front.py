@@ -7,12 +7,14 @@ one layout while the weight holds or grows. `x-spine-route: layered|spine` force
 rollback never moves a request already in flight.
 
 The front also keeps what the controller's gates read: per side, when each request
-ended, whether the layout failed it, and how long it took.
+ended, whether the layout failed it, and how long it took — and, in shadow mode
+(`spine.shadow`), how many mirrored answers disagreed with the primary's.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import threading
 import time
 from collections import deque
@@ -22,6 +24,8 @@ from typing import Any
 
 import grpc
 
+from spine.ab.decisions import Decision, decide
+from spine.shadow import SHADOW_HEADER, Metadata, ShadowConfig, ShadowMirror
 from spine.stats import percentile
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
@@ -53,12 +57,14 @@ class SideWindow:
 class Front(gateway_pb2_grpc.GatewayServicer):
     """Serves the Gateway API by forwarding each call to one of two Gateway addresses."""
 
-    def __init__(self, addresses: dict[str, str], spine_weight: float = 0.0, history: int = 100_000) -> None:
+    def __init__(self, addresses: dict[str, str], spine_weight: float = 0.0, history: int = 100_000,
+                 shadow: ShadowConfig | None = None, rng: random.Random | None = None) -> None:
         self.channels = {side: grpc.insecure_channel(addresses[side]) for side in SIDES}
         self.stubs = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
         self.outcomes: deque[Outcome] = deque(maxlen=history)
         self._lock = threading.Lock()
+        self.shadow = ShadowMirror(shadow, self._shadow_call, SIDES, rng=rng) if shadow is not None else None
 
     def set_weight(self, spine_weight: float) -> None:
         if not 0.0 <= spine_weight <= 100.0:
@@ -83,10 +89,15 @@ class Front(gateway_pb2_grpc.GatewayServicer):
                 request, timeout=_remaining(context), metadata=_forward(metadata))
         except grpc.RpcError as error:
             self._record(side, started, error.code())
-            context.set_trailing_metadata(tuple(error.trailing_metadata() or ()) + ((SIDE_HEADER, side),))  # type: ignore[attr-defined]
-            context.abort(error.code(), error.details())
+            trailing = tuple(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+            context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
+            self._offer_shadow(side, request, metadata, trailing,
+                               decide(request, error.code(), error.details() or ""))  # type: ignore[attr-defined]
+            context.abort(error.code(), error.details())  # type: ignore[attr-defined]
         self._record(side, started, grpc.StatusCode.OK)
-        context.set_trailing_metadata(tuple(call.trailing_metadata() or ()) + ((SIDE_HEADER, side),))
+        trailing = tuple(call.trailing_metadata() or ())
+        context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
+        self._offer_shadow(side, request, metadata, trailing, decide(request, grpc.StatusCode.OK, response=response))
         return response
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
@@ -96,14 +107,59 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         started = time.perf_counter()
         call = self.stubs[side].GenerateStream(request, timeout=_remaining(context), metadata=_forward(metadata))
         context.add_callback(call.cancel)
+        chunks: list[generation_pb2.GenerateChunk] = []
         try:
-            yield from call
+            for chunk in call:
+                if self.shadow is not None:
+                    chunks.append(chunk)
+                yield chunk
         except grpc.RpcError as error:
             self._record(side, started, error.code())
-            context.set_trailing_metadata(tuple(call.trailing_metadata() or ()) + ((SIDE_HEADER, side),))
+            trailing = tuple(call.trailing_metadata() or ())
+            context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
+            self._offer_shadow(side, request, metadata, trailing, decide(request, error.code(), error.details() or ""),
+                               stream=True)
             context.abort(error.code(), error.details())
         self._record(side, started, grpc.StatusCode.OK)
-        context.set_trailing_metadata(tuple(call.trailing_metadata() or ()) + ((SIDE_HEADER, side),))
+        trailing = tuple(call.trailing_metadata() or ())
+        context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
+        self._offer_shadow(side, request, metadata, trailing, decide(request, grpc.StatusCode.OK, chunks=chunks),
+                           stream=True)
+
+    # -- shadow mode -------------------------------------------------------------------
+    def _offer_shadow(self, side: str, request: generation_pb2.GenerateRequest, metadata: Metadata,
+                      trailing: Any, decision: Decision, stream: bool = False) -> None:
+        """Hand an answered request to the mirror (cheap: a coin flip and a pool submit)."""
+        if self.shadow is None or dict(metadata).get(SHADOW_HEADER, "") in ("1", "true"):
+            return  # never mirror a mirror
+        request_id = dict(trailing).get("x-request-id", "")
+        forwarded = _forward(metadata)
+        if request_id and "x-request-id" not in dict(forwarded):
+            forwarded += (("x-request-id", request_id),)  # the shadow's log line joins the primary's
+        self.shadow.offer(side, request, forwarded, decision, stream=stream, request_id=request_id)
+
+    def _shadow_call(self, target: str, request: generation_pb2.GenerateRequest, metadata: Metadata,
+                     timeout_s: float, stream: bool) -> Decision:
+        try:
+            if stream:
+                chunks = list(self.stubs[target].GenerateStream(request, timeout=timeout_s, metadata=metadata))
+                return decide(request, grpc.StatusCode.OK, chunks=chunks)
+            response = self.stubs[target].Generate(request, timeout=timeout_s, metadata=metadata)
+            return decide(request, grpc.StatusCode.OK, response=response)
+        except grpc.RpcError as error:
+            return decide(request, error.code(), error.details() or "")  # type: ignore[attr-defined]
+
+    def set_shadow_share(self, share: float) -> None:
+        """Change the mirrored share at run time (a ramp, as in Scientist)."""
+        if self.shadow is None:
+            raise ValueError("shadow mode is off: construct the front with a ShadowConfig")
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"shadow share: must be between 0 and 1, got {share}")
+        self.shadow.share = share
+
+    def parity_mismatches(self, since: float) -> int:
+        """Shadow mismatches (not explained by noise) since `since`; 0 without shadow mode."""
+        return 0 if self.shadow is None else self.shadow.mismatches_since(since)
 
     # -- what the gates read -----------------------------------------------------------
     def _record(self, side: str, started: float, code: grpc.StatusCode) -> None:
@@ -124,6 +180,8 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         return result
 
     def close(self) -> None:
+        if self.shadow is not None:
+            self.shadow.close()
         for channel in self.channels.values():
             channel.close()
 

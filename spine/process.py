@@ -56,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     from spine.health import start_deep_health
     from spine.server import start_server
     from spine.signals import Termination
+    from spine.tracing import install_from_config
 
     termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
     configure_threads()
     config = load_config(args.config)
+    install_from_config(config, service_name=args.component)  # continue traces from the gateway
     run_dir = Path(args.run_dir)
     spec = SPECS[args.component]
     servicer = spec.build(config, DeviceContext(), run_dir)

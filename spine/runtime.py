@@ -94,6 +94,11 @@ class Stack:
         config_path.write_text(yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
         self._batching = BatchingConfig.from_config(self.config)
+        from spine.tracing import installed
+
+        tracing = installed()
+        if tracing is not None:  # spans with the same names in every layout
+            self.hooks = [*self.hooks, tracing.hook(self.layout)]
         try:
             remote = [name for name in COMPONENTS
                       if self.placements[name] == "remote" and name not in self.remote_addresses]

@@ -19,6 +19,21 @@ from grpc_reflection.v1alpha import reflection
 
 from spine.components import ComponentSpec
 
+# Interceptors every server in this process gets unless it is given its own list: tracing
+# installs its trace-context interceptor here once per process (see spine.tracing.install),
+# so servers started by code that knows nothing of tracing still continue traces.
+_default_interceptors: tuple[grpc.ServerInterceptor, ...] = ()
+
+
+def set_default_interceptors(interceptors: Sequence[grpc.ServerInterceptor]) -> None:
+    """Interceptors for servers started from now on without an explicit list."""
+    global _default_interceptors
+    _default_interceptors = tuple(interceptors)
+
+
+def default_interceptors() -> tuple[grpc.ServerInterceptor, ...]:
+    return _default_interceptors
+
 
 class UnsafeAddress(ValueError):
     """A listen address off loopback, refused unless explicitly allowed."""
@@ -64,11 +79,17 @@ def start_server(
     max_message_bytes: int = 1 << 20,
     max_workers: int = 32,
     allow_external: bool = False,
+    interceptors: Sequence[grpc.ServerInterceptor] | None = None,
 ) -> RunningServer:
-    """Start a server hosting `services` on `listen` (port 0 picks a free port)."""
+    """Start a server hosting `services` on `listen` (port 0 picks a free port).
+
+    `interceptors` default to the process's (`set_default_interceptors`): none unless
+    tracing is installed.
+    """
     check_listen(listen, allow_external)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=list(_default_interceptors if interceptors is None else interceptors),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

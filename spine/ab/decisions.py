@@ -1,0 +1,69 @@
+"""What two layouts must agree on for one request, and how to compare it.
+
+Shared by `spine ab` (every request through every layout) and the front's shadow mode
+(a share of live requests mirrored), so both count a mismatch the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import grpc
+
+from spine.v1 import generation_pb2
+
+FIELDS: tuple[str, ...] = ("status", "details", "auth", "ratelimit", "route", "cached", "tokens")
+_TIMING = re.compile(r"\d+(\.\d+)?s\b")
+_AUTH_DENIED = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One request's outcome, less what legitimately varies (latency, retry-after)."""
+
+    status: str
+    details: str
+    auth: str        # "passed" | "denied"
+    ratelimit: str   # "passed" | "limited"
+    route: str       # the resolved model, "" when the request never got an answer
+    cached: bool
+    tokens: tuple[int, ...] | None  # None: sampled without a seed, so any answer is right
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tokens"] = None if self.tokens is None else list(self.tokens)
+        return data
+
+
+def decide(request: generation_pb2.GenerateRequest, code: grpc.StatusCode | str, details: str = "",
+           response: generation_pb2.GenerateResponse | None = None,
+           chunks: Sequence[generation_pb2.GenerateChunk] = ()) -> Decision:
+    """The decision a layout took on `request`, from its status and answer (or stream)."""
+    status = code if isinstance(code, str) else code.name
+    if response is not None:
+        tokens: tuple[int, ...] = tuple(response.token_ids)
+        cached, model = response.cached, response.model
+    else:
+        tokens = tuple(t for chunk in chunks for t in chunk.token_ids)
+        cached = any(chunk.cached for chunk in chunks)
+        model = next((chunk.model for chunk in chunks if chunk.model), "")
+    sampled_unseeded = request.temperature > 0 and not request.HasField("seed")
+    limited = status == "RESOURCE_EXHAUSTED" and "rate limit" in details
+    return Decision(
+        status=status,
+        details=_TIMING.sub("<t>", details) if status != "OK" else "",
+        auth="denied" if status in _AUTH_DENIED else "passed",
+        ratelimit="limited" if limited else "passed",
+        route=model if status == "OK" else ("not_found" if status == "NOT_FOUND" else ""),
+        cached=cached,
+        tokens=None if sampled_unseeded or status != "OK" else tokens,
+    )
+
+
+def differing(a: Decision, b: Decision, ignore: Iterable[str] = ()) -> tuple[str, ...]:
+    """The fields on which two decisions differ, in `FIELDS` order."""
+    skip = set(ignore)
+    return tuple(name for name in FIELDS if name not in skip and getattr(a, name) != getattr(b, name))

@@ -1,0 +1,459 @@
+"""Run one workload through several layouts, interleaved, and measure each.
+
+Each layout is started once, in a process tree of its own (`spine.ab.serve`), so CPU
+seconds and memory belong to it. Then the requests alternate between the layouts —
+request i goes to every layout, in an order that rotates with i — so that whatever else
+the machine is doing hits every layout alike, and every layout sees the same requests
+in the same order (the same rate-limit and cache state, so decisions can be compared).
+
+Closed loop: `concurrency` workers, each sending its next request to every layout in
+turn. Open loop: requests are released at their arrival offsets (Poisson for synthetic
+workloads) to every layout at once, and latency counts from the scheduled arrival, so a
+layout that falls behind is charged for the queueing it causes.
+
+Every run is bounded: by the workload's count, by `time_limit_s` (no request starts
+after it), and per request by `timeout_s`. A layout that does not come up, or stops answering health checks, is
+reported as down and left out rather than waited on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from spine.ab.serve import RESULT_FILE
+from spine.ab.workload import Entry
+from spine.client import CallResult, GatewayClient
+from spine.server import wait_serving
+from spine.workload import Item
+
+ResultCallback = Callable[[str, int, CallResult], None]
+
+
+class LayoutDown(RuntimeError):
+    """A layout that could not be started or reached (the message says why)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    mode: str = "closed"            # "closed" (at a concurrency) or "open" (at the arrival offsets)
+    concurrency: int = 4
+    time_limit_s: float = 60.0
+    timeout_s: float = 10.0
+    warmup: int = 4                 # requests per layout before measuring (not reported)
+    health_timeout_s: float = 5.0
+    start_timeout_s: float = 120.0
+    max_open_workers: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("closed", "open"):
+            raise ValueError(f"mode: must be 'closed' or 'open', got {self.mode!r}")
+        if not 1 <= self.concurrency <= 1024:
+            raise ValueError(f"concurrency: must be from 1 to 1024, got {self.concurrency}")
+        if self.time_limit_s <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"time_limit_s and timeout_s must be > 0, got {self.time_limit_s} and {self.timeout_s}")
+
+
+@dataclass
+class LayoutRun:
+    """One layout's part of a run: where it was, whether it was up, what it did."""
+
+    name: str
+    address: str | None = None
+    status: str = "up"              # "up" | "down"
+    error: str = ""
+    root_pid: int | None = None
+    results: list[CallResult | None] = field(default_factory=list)
+    scheduled_latency_s: list[float | None] = field(default_factory=list)
+    cpu_s: float | None = None
+    peak_rss_bytes: int | None = None
+    device_bytes: int | None = None
+    spans: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+# -- a layout in its own process tree ------------------------------------------------
+class LayoutProcess:
+    """`python -m spine.ab.serve` for one layout; stops with its tree."""
+
+    def __init__(self, layout: str, config_path: Path, run_dir: Path, trace_ratio: float = 1.0) -> None:
+        self.layout = layout
+        self.config_path = config_path
+        self.run_dir = run_dir
+        self.trace_ratio = trace_ratio
+        self.process: subprocess.Popen[bytes] | None = None
+        self.address: str | None = None
+
+    def start(self, timeout_s: float) -> str:
+        self.spawn()
+        return self.await_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the process. Call from a thread that outlives it: the child asks Linux to
+        SIGTERM it when the thread that spawned it exits (PR_SET_PDEATHSIG)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with (self.run_dir / "serve.log").open("wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "spine.ab.serve", "--layout", self.layout, "--config", str(self.config_path),
+                 "--run-dir", str(self.run_dir), "--trace-ratio", str(self.trace_ratio)],
+                stdout=subprocess.PIPE, stderr=log_file, cwd=Path(__file__).resolve().parents[2])
+
+    def await_ready(self, timeout_s: float) -> str:
+        """The Gateway address once the layout says it is ready; `LayoutDown` otherwise."""
+        assert self.process is not None and self.process.stdout is not None, "spawn() first"
+        log_path = self.run_dir / "serve.log"
+        deadline = time.monotonic() + timeout_s
+        buffer = b""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.process.stdout], [], [], 0.2)
+            if ready:
+                chunk = os.read(self.process.stdout.fileno(), 65536)
+                if not chunk:
+                    break  # exited
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    event = _json_line(line)
+                    if event.get("event") == "ready":
+                        self.address = str(event["address"])
+                        return self.address
+                    if event.get("event") == "failed":
+                        self.stop()
+                        raise LayoutDown(f"{self.layout} layout failed to start: {event.get('error')}")
+            elif self.process.poll() is not None:
+                break
+        self.stop()
+        tail = _tail(log_path)
+        if time.monotonic() >= deadline:
+            raise LayoutDown(f"{self.layout} layout did not come up within {timeout_s:g}s; log: {tail}")
+        raise LayoutDown(f"{self.layout} layout exited before serving; log: {tail}")
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def stop(self, timeout_s: float = 20.0) -> dict[str, Any]:
+        """SIGTERM the tree's root (it stops its children), wait, and read what it measured."""
+        if self.process is None:
+            return {}
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                for child in _tree(self.process.pid)[1:]:
+                    with _gone():
+                        child.kill()
+                self.process.kill()
+                self.process.wait(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self.process = None
+        path = self.run_dir / RESULT_FILE
+        try:
+            result: dict[str, Any] = json.loads(path.read_text())
+            return result
+        except (OSError, ValueError):
+            return {}
+
+
+# -- measuring a process tree -----------------------------------------------------------
+class _gone:
+    """Ignore a process that exited while we looked at it."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, *rest: Any) -> bool:
+        return kind is not None and issubclass(kind, psutil.Error)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants so far."""
+    total = 0.0
+    for process in _tree(pid):
+        with _gone():
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def tree_rss_bytes(pid: int) -> int:
+    total = 0
+    for process in _tree(pid):
+        with _gone():
+            total += process.memory_info().rss
+    return total
+
+
+def device_bytes_by_pid() -> dict[int, int]:
+    """GPU memory per process from nvidia-smi (empty without an NVIDIA driver)."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return {}
+    try:
+        out = subprocess.run([tool, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    usage: dict[int, int] = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            usage[int(parts[0])] = usage.get(int(parts[0]), 0) + int(parts[1]) * (1 << 20)
+    return usage
+
+
+class TreeMonitor:
+    """Samples each tree's resident memory (and GPU memory, when there is a GPU) for peaks."""
+
+    def __init__(self, pids: Mapping[str, int], interval_s: float = 0.1, device_interval_s: float = 1.0) -> None:
+        self.pids = dict(pids)
+        self.interval_s = interval_s
+        self.device_interval_s = device_interval_s
+        self.peak_rss: dict[str, int] = dict.fromkeys(self.pids, 0)
+        self.peak_device: dict[str, int | None] = dict.fromkeys(self.pids)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ab-monitor", daemon=True)
+        self._has_gpu = shutil.which("nvidia-smi") is not None
+
+    def start(self) -> None:
+        self._sample(device=self._has_gpu)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last_device = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            device = self._has_gpu and time.monotonic() - last_device >= self.device_interval_s
+            if device:
+                last_device = time.monotonic()
+            self._sample(device)
+
+    def _sample(self, device: bool) -> None:
+        usage = device_bytes_by_pid() if device else {}
+        for name, pid in self.pids.items():
+            self.peak_rss[name] = max(self.peak_rss[name], tree_rss_bytes(pid))
+            if device:
+                used = sum(usage.get(p.pid, 0) for p in _tree(pid))
+                self.peak_device[name] = max(self.peak_device[name] or 0, used)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self._sample(device=self._has_gpu)
+
+
+# -- sending the workload -----------------------------------------------------------------
+def _send(client: GatewayClient, item: Item, timeout_s: float) -> CallResult:
+    headers = dict(item.headers)
+    if item.stream:
+        return client.stream(item.request, token=item.token or "", timeout=timeout_s, headers=headers)
+    return client.generate(item.request, token=item.token or "", timeout=timeout_s, headers=headers)
+
+
+def run_interleaved(runs: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions,
+                    on_result: ResultCallback | None = None) -> float:
+    """Send every entry to every layout in `runs` (those up); fills their results; the wall seconds."""
+    live = [run for run in runs if run.status == "up" and run.address]
+    for run in live:
+        run.results = [None] * len(entries)
+        run.scheduled_latency_s = [None] * len(entries)
+    if not live:
+        return 0.0
+    started = time.monotonic()
+    deadline = started + options.time_limit_s
+    if options.mode == "closed":
+        _closed_loop(live, entries, options, deadline, on_result)
+    else:
+        _open_loop(live, entries, options, started, deadline, on_result)
+    return time.monotonic() - started
+
+
+def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions, deadline: float,
+                 on_result: ResultCallback | None) -> None:
+    next_index = 0
+    lock = threading.Lock()
+
+    def worker() -> None:
+        nonlocal next_index
+        clients = [GatewayClient(str(run.address)) for run in live]
+        try:
+            while time.monotonic() < deadline:
+                with lock:
+                    index = next_index
+                    next_index += 1
+                if index >= len(entries):
+                    return
+                for offset in range(len(live)):  # rotate the order: no layout always goes first
+                    position = (index + offset) % len(live)
+                    run = live[position]
+                    result = _send(clients[position], entries[index].item, options.timeout_s)
+                    run.results[index] = result
+                    run.scheduled_latency_s[index] = result.latency_s
+                    if on_result is not None:
+                        on_result(run.name, index, result)
+        finally:
+            for client in clients:
+                client.close()
+
+    with ThreadPoolExecutor(max_workers=options.concurrency, thread_name_prefix="ab-closed") as pool:
+        for future in [pool.submit(worker) for _ in range(options.concurrency)]:
+            future.result()
+
+
+def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions, started: float,
+               deadline: float, on_result: ResultCallback | None) -> None:
+    clients = {run.name: GatewayClient(str(run.address)) for run in live}
+
+    def send(run: LayoutRun, index: int, scheduled: float) -> None:
+        result = _send(clients[run.name], entries[index].item, options.timeout_s)
+        run.results[index] = result
+        run.scheduled_latency_s[index] = time.monotonic() - scheduled  # includes waiting for a worker
+        if on_result is not None:
+            on_result(run.name, index, result)
+
+    workers = min(options.max_open_workers, max(options.concurrency, 2 * len(live)) * 4)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ab-open") as pool:
+            for index, entry in enumerate(entries):
+                scheduled = started + entry.at
+                if scheduled >= deadline:
+                    break
+                delay = scheduled - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                for offset in range(len(live)):
+                    pool.submit(send, live[(index + offset) % len(live)], index, scheduled)
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def warm_up(runs: Sequence[LayoutRun], token: str | None, count: int, timeout_s: float) -> None:
+    """A few requests per layout so that first-call costs (imports, allocation) are not measured."""
+    from spine.v1 import generation_pb2
+
+    for run in runs:
+        if run.status != "up" or not run.address or count <= 0:
+            continue
+        with GatewayClient(run.address) as client:
+            for index in range(count):
+                request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"warm up {index}", max_tokens=2)
+                client.generate(request, token=token or "", timeout=timeout_s)
+
+
+# -- the whole run ----------------------------------------------------------------------------
+@dataclass
+class ABRun:
+    runs: list[LayoutRun]
+    wall_s: float
+    options: RunOptions
+
+
+def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[Entry], run_dir: Path, *,
+           options: RunOptions | None = None, targets: Mapping[str, str] | None = None,
+           trace_ratio: float = 1.0, warmup_token: str | None = None,
+           on_status: Callable[[str], None] | None = None, on_result: ResultCallback | None = None,
+           on_total: Callable[[int], None] | None = None) -> ABRun:
+    """Start `layouts` (and reach `targets`: name -> running Gateway address), run, stop, measure."""
+    options = options or RunOptions()
+    say = on_status or (lambda message: None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(dict(config)))
+    runs: list[LayoutRun] = []
+    processes: dict[str, LayoutProcess] = {}
+    try:
+        if layouts:
+            say(f"starting the {', '.join(layouts)} layout{'s' if len(layouts) > 1 else ''}")
+        for layout in layouts:
+            processes[layout] = LayoutProcess(layout, config_path, run_dir / layout, trace_ratio)
+            runs.append(LayoutRun(layout))
+
+        for process in processes.values():
+            process.spawn()  # from this thread, which outlives the run (see spawn)
+
+        def start(run: LayoutRun) -> None:
+            try:
+                run.address = processes[run.name].await_ready(options.start_timeout_s)
+                run.root_pid = processes[run.name].pid
+            except LayoutDown as error:
+                run.status, run.error = "down", str(error)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(runs)), thread_name_prefix="ab-start") as pool:
+            list(pool.map(start, list(runs)))  # side by side: the slowest start bounds the wait
+        for name, address in (targets or {}).items():
+            runs.append(LayoutRun(name, address))
+        for run in runs:
+            if run.status == "up" and not wait_serving(str(run.address), options.health_timeout_s):
+                run.status = "down"
+                run.error = f"{run.name} at {run.address} is not SERVING (no healthy answer in " \
+                            f"{options.health_timeout_s:g}s)"
+        say("warming up")
+        warm_up(runs, warmup_token, options.warmup, options.timeout_s)
+        measured = {run.name: run.root_pid for run in runs if run.status == "up" and run.root_pid}
+        monitor = TreeMonitor({name: pid for name, pid in measured.items() if pid is not None})
+        cpu_before = {name: tree_cpu_seconds(pid) for name, pid in measured.items() if pid is not None}
+        monitor.start()
+        live = sum(r.status == "up" for r in runs)
+        say(f"sending {len(entries)} requests to {live} layouts")
+        if on_total is not None:
+            on_total(len(entries) * live)
+        try:
+            wall = run_interleaved(runs, entries, options, on_result)
+        finally:
+            monitor.stop()
+        for run in runs:
+            if run.name in cpu_before and run.root_pid is not None:
+                run.cpu_s = tree_cpu_seconds(run.root_pid) - cpu_before[run.name]
+                run.peak_rss_bytes = monitor.peak_rss.get(run.name)
+                run.device_bytes = monitor.peak_device.get(run.name)
+    finally:
+        say("stopping the layouts")
+        stoppable = [run for run in runs if run.name in processes]
+        with ThreadPoolExecutor(max_workers=max(1, len(stoppable)), thread_name_prefix="ab-stop") as pool:
+            for run, measured_inside in zip(stoppable, pool.map(lambda r: processes[r.name].stop(), stoppable),
+                                            strict=True):
+                run.spans = measured_inside.get("spans") or {}
+                inside_peak = measured_inside.get("device_peak_bytes")
+                if inside_peak is not None and run.device_bytes is None:
+                    run.device_bytes = int(inside_peak)
+    return ABRun(runs, wall, options)
+
+
+def _json_line(line: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(line.decode(errors="replace"))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,226 @@
+"""Shadow traffic, the way GitHub's Scientist runs an experiment and Diffy measures noise.
+
+A share of live requests is mirrored to another layout after the primary has answered:
+the client always gets the primary's answer, and a mirror never delays it (it runs on
+its own bounded pool; when that pool is full the mirror is dropped, never queued).
+Mirrors carry `x-spine-shadow: 1`, so the gateway only dry-runs the rate limit, never
+writes the cache, and counts them apart in metrics and logs.
+
+Each mirrored answer is compared with the primary's (`spine.ab.decisions`). A mismatch
+is published with both sides: a log line, a counter, and the recent list. A share of the
+mirrors goes to the primary's own side instead — comparing a layout with itself — and a
+field that differs there is noise (timing, state a shadow cannot share), not a verdict
+on the spine: mismatches only in noisy fields are reported but not counted against it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from services.common import ConfigError
+from spine.ab.decisions import FIELDS, Decision, differing
+from spine.v1 import generation_pb2
+
+log = logging.getLogger("spine.shadow")
+
+SHADOW_HEADER = "x-spine-shadow"
+Metadata = tuple[tuple[str, str], ...]
+# (target side, request, metadata, timeout_s, stream) -> the target's decision
+ShadowCall = Callable[[str, generation_pb2.GenerateRequest, Metadata, float, bool], Decision]
+
+
+@dataclass(frozen=True)
+class ShadowConfig:
+    """The `shadow:` config section."""
+
+    share: float = 0.0
+    compare: bool = True
+    calibration_share: float = 0.1
+    max_in_flight: int = 8
+    timeout_s: float = 10.0
+    ignore_fields: tuple[str, ...] = ("cached",)
+
+    def __post_init__(self) -> None:
+        for name in ("share", "calibration_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+                raise ConfigError(f"shadow.{name}: must be a number between 0 and 1, got {value!r}")
+        if isinstance(self.max_in_flight, bool) or not isinstance(self.max_in_flight, int) or not (
+                1 <= self.max_in_flight <= 1024):
+            raise ConfigError(f"shadow.max_in_flight: must be an integer from 1 to 1024, got {self.max_in_flight!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or self.timeout_s <= 0:
+            raise ConfigError(f"shadow.timeout_s: must be a positive number of seconds, got {self.timeout_s!r}")
+        if not isinstance(self.compare, bool):
+            raise ConfigError(f"shadow.compare: must be true or false, got {self.compare!r}")
+        unknown = sorted(set(self.ignore_fields) - set(FIELDS))
+        if unknown:
+            raise ConfigError(f"shadow.ignore_fields: unknown field(s) {unknown}; known: {', '.join(FIELDS)}")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ShadowConfig:
+        section = config.get("shadow") or {}
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"shadow: must be a mapping, got {section!r}")
+        known = {"share", "compare", "calibration_share", "max_in_flight", "timeout_s", "ignore_fields"}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f"shadow: unknown field(s) {unknown}; known: {', '.join(sorted(known))}")
+        values = dict(section)
+        if "ignore_fields" in values:
+            ignore = values["ignore_fields"]
+            if not isinstance(ignore, Sequence) or isinstance(ignore, str):
+                raise ConfigError(f"shadow.ignore_fields: must be a list of field names, got {ignore!r}")
+            values["ignore_fields"] = tuple(ignore)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One mirrored request whose answer differed, with both sides."""
+
+    at: float                 # time.time(), the clock the migration gates use
+    request_id: str
+    primary_side: str
+    shadow_side: str
+    calibration: bool         # the shadow went to the primary's own side
+    fields: tuple[str, ...]
+    primary: Decision
+    shadow: Decision
+
+
+def other_side(side: str, sides: Sequence[str]) -> str:
+    return next(s for s in sides if s != side)
+
+
+class ShadowMirror:
+    """Mirrors, compares and counts; the front offers it every answered request."""
+
+    def __init__(self, config: ShadowConfig, call: ShadowCall, sides: Sequence[str] = ("layered", "spine"), *,
+                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 history: int = 10_000) -> None:
+        self.config = config
+        self.sides = tuple(sides)
+        self._call = call
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._slots = threading.BoundedSemaphore(config.max_in_flight)
+        self._pool = ThreadPoolExecutor(max_workers=config.max_in_flight, thread_name_prefix="shadow")
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.noise: Counter[str] = Counter()      # field -> mismatches of a layout with itself
+        self.mismatches: deque[Mismatch] = deque(maxlen=history)
+        self.share = config.share
+        self._closed = False
+
+    # -- the request path: must stay cheap ------------------------------------------
+    def offer(self, primary_side: str, request: generation_pb2.GenerateRequest, metadata: Metadata,
+              primary: Decision, *, stream: bool = False, request_id: str = "") -> bool:
+        """Maybe mirror this answered request; True when a mirror was started."""
+        if self._closed or self.share <= 0.0 or self._rng.random() >= self.share:
+            return False
+        calibration = self._rng.random() < self.config.calibration_share
+        target = primary_side if calibration else other_side(primary_side, self.sides)
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self.counts["dropped"] += 1
+            return False
+        with self._lock:
+            self.counts["mirrored"] += 1
+        shadow_md = tuple((k, v) for k, v in metadata if k != SHADOW_HEADER) + ((SHADOW_HEADER, "1"),)
+        try:
+            self._pool.submit(self._mirror, primary_side, target, calibration, request, shadow_md, primary,
+                              stream, request_id)
+        except RuntimeError:  # closed meanwhile
+            self._slots.release()
+            return False
+        return True
+
+    # -- off the request path ---------------------------------------------------------
+    def _mirror(self, primary_side: str, target: str, calibration: bool, request: generation_pb2.GenerateRequest,
+                metadata: Metadata, primary: Decision, stream: bool, request_id: str) -> None:
+        try:
+            shadow = self._call(target, request, metadata, self.config.timeout_s, stream)
+        except Exception as error:  # a broken shadow must never reach a client
+            with self._lock:
+                self.counts["errors"] += 1
+            log.warning("shadow call to %s failed: %s", target, error)
+            return
+        finally:
+            self._slots.release()
+        if self.config.compare:
+            self.compare(primary_side, target, primary, shadow, calibration=calibration, request_id=request_id)
+
+    def compare(self, primary_side: str, shadow_side: str, primary: Decision, shadow: Decision, *,
+                calibration: bool = False, request_id: str = "") -> Mismatch | None:
+        """Compare one pair of answers, publish and count a mismatch."""
+        fields = differing(primary, shadow, self.config.ignore_fields)
+        with self._lock:
+            self.counts["calibration_compared" if calibration else "compared"] += 1
+            if calibration:
+                self.noise.update(fields)
+            if not fields:
+                return None
+            self.counts["calibration_mismatched" if calibration else "mismatched"] += 1
+            mismatch = Mismatch(self._clock(), request_id, primary_side, shadow_side, calibration, fields,
+                                primary, shadow)
+            self.mismatches.append(mismatch)
+        log.warning("shadow mismatch%s on %s: request %s, %s said %s; %s said %s",
+                    " (calibration, same layout)" if calibration else "", ", ".join(fields), request_id or "-",
+                    primary_side, _brief(primary, fields), shadow_side, _brief(shadow, fields))
+        return mismatch
+
+    # -- what the gates and reports read ------------------------------------------------
+    def noisy_fields(self) -> frozenset[str]:
+        """Fields on which a layout has disagreed with itself."""
+        with self._lock:
+            return frozenset(name for name, count in self.noise.items() if count)
+
+    def mismatches_since(self, since: float) -> int:
+        """Cross-layout mismatches since `since` that are not explained by noise."""
+        noisy = self.noisy_fields()
+        with self._lock:
+            return sum(1 for m in self.mismatches
+                       if m.at >= since and not m.calibration and set(m.fields) - noisy)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counts = dict(self.counts)
+            noise = dict(self.noise)
+        compared = counts.get("compared", 0)
+        calibrated = counts.get("calibration_compared", 0)
+        return {
+            "share": self.share, "counts": counts, "noise_fields": noise,
+            "mismatch_rate": counts.get("mismatched", 0) / compared if compared else 0.0,
+            "baseline_mismatch_rate": counts.get("calibration_mismatched", 0) / calibrated if calibrated else 0.0,
+            "counted_mismatches": self.mismatches_since(0.0),
+        }
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """True once no mirror is in flight (tests, orderly shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            taken = 0
+            while taken < self.config.max_in_flight and self._slots.acquire(blocking=False):
+                taken += 1
+            for _ in range(taken):
+                self._slots.release()
+            if taken == self.config.max_in_flight:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _brief(decision: Decision, fields: Sequence[str]) -> str:
+    return "{" + ", ".join(f"{name}={getattr(decision, name)!r}" for name in fields) + "}"

@@ -1,0 +1,151 @@
+"""`spine ab`: workloads and traces, interleaved runs, the report, and bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common import ConfigError
+from spine.ab.command import run_command
+from spine.ab.runner import LayoutRun, RunOptions, run_interleaved
+from spine.ab.workload import SyntheticSpec, TraceError, read_trace, synthetic, tenant_keys, write_trace
+from spine.cli import main
+from spine.runtime import Stack
+from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
+
+KEYS = {"dev": DEV_KEY, "other": OTHER_KEY}
+
+
+def test_a_synthetic_workload_is_reproducible_and_follows_its_distributions() -> None:
+    spec = SyntheticSpec(count=300, seed=11, prompt_words=(3, 6), max_tokens=(2, 5), tenants={"other": 1.0},
+                         repeat_share=0.0, invalid_share=0.0, unauthenticated_share=0.0, cacheable_share=1.0)
+    entries = synthetic(spec, KEYS)
+    assert entries == synthetic(spec, KEYS)
+    assert all(3 <= len(e.item.request.prompt.split()) <= 6 for e in entries)
+    assert all(2 <= e.item.request.max_tokens <= 5 for e in entries)
+    assert {e.item.token for e in entries} == {OTHER_KEY}
+    assert all(e.item.request.temperature == 0.0 for e in entries)
+    arrivals = [e.at for e in entries]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+
+
+def test_bursts_arrive_at_the_same_instant() -> None:
+    spec = SyntheticSpec(count=60, rate=10.0, burst_every_s=1.0, burst_size=5)
+    arrivals = [e.at for e in synthetic(spec, KEYS)]
+    assert arrivals.count(1.0) == 6  # the request that reached the burst, and five more with it
+
+
+def test_a_workload_names_tenants_without_a_key() -> None:
+    with pytest.raises(ConfigError, match=r"tenants: no dev API key for \['ghost'\]"):
+        synthetic(SyntheticSpec(tenants={"ghost": 1.0}), KEYS)
+    with pytest.raises(ConfigError, match=r"prompt_words: need 1 <= min <= max, got 5:2"):
+        SyntheticSpec(prompt_words=(5, 2))
+
+
+def test_a_recorded_trace_replays_the_same_requests(tmp_path: Path) -> None:
+    entries = synthetic(SyntheticSpec(count=40, stream_share=0.3), KEYS)
+    path = tmp_path / "trace.jsonl"
+    assert write_trace(path, entries) == 40
+    assert read_trace(path) == entries
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"prompt": "a", "max_tokens": 2', r"trace\.jsonl:3: not valid JSON"),
+    ('{"prompt": "a"}', r"trace\.jsonl:3: missing required field 'max_tokens'"),
+    ('{"prompt": "a", "max_tokens": "2"}', r"trace\.jsonl:3: field 'max_tokens' must be int"),
+    ('{"prompt": "a", "max_tokens": 2, "colour": 1}', r"trace\.jsonl:3: unknown field\(s\) \['colour'\]"),
+    ('{"prompt": "a", "max_tokens": 2, "at": 0.1}', r"trace\.jsonl:3: 'at' goes back in time"),
+    ("[1, 2]", r"trace\.jsonl:3: each line must be a JSON object"),
+])
+def test_a_malformed_trace_names_the_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": 2, "at": 0.5}\n\n' + line + "\n")
+    with pytest.raises(TraceError, match=message):
+        read_trace(path)
+
+
+def test_an_unreadable_trace_is_named(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match=r"cannot read trace file .*missing\.jsonl"):
+        read_trace(tmp_path / "missing.jsonl")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(TraceError, match="not UTF-8"):
+        read_trace(tmp_path / "binary.jsonl")
+
+
+def test_the_cli_reports_a_bad_trace_line_before_starting_anything(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": 2}\nnot json\n')
+    assert main(["ab", "--trace", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+
+
+# -- running -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack("collapsed", tmp_path_factory.mktemp("ab"))
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_open_loop_sends_every_request_to_every_layout_at_its_arrival(collapsed: Stack) -> None:
+    entries = synthetic(SyntheticSpec(count=12, rate=200.0, unauthenticated_share=0.0, invalid_share=0.0),
+                        tenant_keys(config_for_tests()))
+    runs = [LayoutRun("a", collapsed.address), LayoutRun("b", collapsed.address)]
+    wall = run_interleaved(runs, entries, RunOptions(mode="open", time_limit_s=30, timeout_s=10))
+    assert wall > entries[-1].at
+    for run in runs:
+        assert all(r is not None and r.ok for r in run.results)
+        assert all(s is not None and r is not None and s >= r.latency_s
+                   for s, r in zip(run.scheduled_latency_s, run.results, strict=True))
+
+
+def test_a_run_stops_sending_at_its_time_limit(collapsed: Stack) -> None:
+    entries = synthetic(SyntheticSpec(count=50, rate=5.0), tenant_keys(config_for_tests()))  # ~10 s of arrivals
+    runs = [LayoutRun("a", collapsed.address)]
+    run_interleaved(runs, entries, RunOptions(mode="open", time_limit_s=0.5, timeout_s=5))
+    sent = sum(r is not None for r in runs[0].results)
+    assert 0 < sent < 50
+
+
+def test_ab_compares_layouts_side_by_side_and_reports_a_down_one(tmp_path: Path) -> None:
+    # A mixed layout in its own process tree (logs in a child process), against a running
+    # collapsed Gateway and an address where nothing answers.
+    local = {name: "local" for name in ("auth", "ratelimit", "router", "cache", "metrics", "inference")}
+    config = config_for_tests(placements={**local, "logs": "remote"})
+    out = tmp_path / "report"
+    trace = tmp_path / "recorded.jsonl"
+    spec = SyntheticSpec(count=10, seed=3, max_tokens=(2, 4))
+    running = start_stack("collapsed", tmp_path / "running", config)
+    try:
+        code = run_command(config, layouts=["mixed"], out_dir=out, spec=spec, record=trace,
+                           targets={"running": running.address, "ghost": "127.0.0.1:1"},
+                           options=RunOptions(concurrency=2, time_limit_s=60, timeout_s=10, warmup=1,
+                                              health_timeout_s=1.0))
+    finally:
+        running.stop()
+    assert code == 1  # one target was down
+    report = json.loads((out / "ab.json").read_text())
+    assert report["layouts"]["ghost"]["status"] == "down"
+    assert "not SERVING" in report["layouts"]["ghost"]["error"]
+    mixed, other = report["layouts"]["mixed"], report["layouts"]["running"]
+    for layout in (mixed, other):
+        assert layout["status"] == "up" and layout["requests"] == 10
+        assert set(layout["latency_ms"]) >= {"p50", "p90", "p99", "p99.9"}
+    assert mixed["cpu_ms_per_request"] > 0 and mixed["peak_rss_bytes"] > 0  # its process tree, child included
+    assert {"auth.check", "ratelimit.admit", "inference.generate", "logs.append"} <= set(
+        mixed["middleware_ms_per_request"])
+    parity = report["parity"]
+    assert parity["base"] == "mixed"
+    assert parity["vs"]["running"]["compared"] == 10
+    assert parity["vs"]["running"]["identical"] == 10
+    assert len(read_trace(trace)) == 10
+    markdown = (out / "report.md").read_text()
+    assert "ghost is DOWN" in markdown and "![latency_cdf](latency_cdf.png)" in markdown
+    assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "middleware_time.png").read_bytes()[:4] == b"\x89PNG"

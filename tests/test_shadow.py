@@ -1,0 +1,185 @@
+"""Shadow mode: mirrors never change the answer, never spend budget or fill the cache,
+are dropped when saturated, and mismatches (less calibrated noise) feed the parity gate."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common import ConfigError
+from spine.ab.decisions import Decision, decide
+from spine.client import GatewayClient
+from spine.components import GATEWAY
+from spine.cutover import FrontTarget
+from spine.front import Front
+from spine.runtime import Stack
+from spine.server import RunningServer, start_server
+from spine.shadow import ShadowConfig, ShadowMirror
+from spine.v1 import generation_pb2
+from tests.conftest import DEV_KEY, TIGHT_KEY, start_stack
+
+GREEDY = generation_pb2.GenerateRequest(model="tiny-lm", prompt="shadow me", max_tokens=3)
+
+
+def _decision(status: str = "OK", tokens: tuple[int, ...] | None = (1, 2), cached: bool = False) -> Decision:
+    return Decision(status, "", "passed", "passed", "tiny-lm" if status == "OK" else "", cached, tokens)
+
+
+def _never_called(*args: object) -> Decision:
+    raise AssertionError("no mirror expected")
+
+
+def test_a_mismatch_is_published_with_both_sides_and_noise_is_not_counted(caplog: pytest.LogCaptureFixture) -> None:
+    now = [1000.0]
+    mirror = ShadowMirror(ShadowConfig(share=1.0, ignore_fields=()), _never_called, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="spine.shadow"):
+        found = mirror.compare("layered", "spine", _decision(tokens=(1, 2)), _decision(tokens=(1, 3)),
+                               request_id="req-7")
+    assert found is not None and found.fields == ("tokens",)
+    assert "req-7" in caplog.text and "(1, 2)" in caplog.text and "(1, 3)" in caplog.text
+    now[0] = 1010.0
+    mirror.compare("layered", "spine", _decision(cached=False), _decision(cached=True))
+    assert mirror.mismatches_since(0.0) == 2
+    assert mirror.mismatches_since(1005.0) == 1  # counted per time window
+    # Comparing a layout with itself shows `cached` is noise: no longer held against the spine.
+    mirror.compare("spine", "spine", _decision(cached=False), _decision(cached=True), calibration=True)
+    assert mirror.noisy_fields() == {"cached"}
+    assert mirror.mismatches_since(0.0) == 1
+    stats = mirror.stats()
+    assert stats["counts"]["mismatched"] == 2 and stats["baseline_mismatch_rate"] == 1.0
+    mirror.close()
+
+
+def test_a_saturated_mirror_drops_instead_of_queueing() -> None:
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow(target: str, request: generation_pb2.GenerateRequest, metadata: object, timeout: float,
+             stream: bool) -> Decision:
+        started.set()
+        release.wait(5)
+        return _decision()
+
+    mirror = ShadowMirror(ShadowConfig(share=1.0, calibration_share=0.0, max_in_flight=1), slow)
+    try:
+        assert mirror.offer("layered", GREEDY, (), _decision())
+        assert started.wait(5)
+        assert not mirror.offer("layered", GREEDY, (), _decision())
+        assert mirror.counts["dropped"] == 1 and mirror.counts["mirrored"] == 1
+    finally:
+        release.set()
+        assert mirror.wait_idle()
+        mirror.close()
+    assert mirror.counts["compared"] == 1 and mirror.counts.get("mismatched", 0) == 0
+
+
+def test_unseeded_sampling_is_not_compared_token_by_token() -> None:
+    sampled = generation_pb2.GenerateRequest(model="tiny-lm", prompt="p", max_tokens=3, temperature=0.8)
+    a = decide(sampled, grpc.StatusCode.OK, response=generation_pb2.GenerateResponse(token_ids=[1], model="m"))
+    b = decide(sampled, grpc.StatusCode.OK, response=generation_pb2.GenerateResponse(token_ids=[2], model="m"))
+    assert a == b
+    limited = decide(GREEDY, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limited by rps; retry after 0.125s")
+    assert limited.ratelimit == "limited" and limited.details == "rate limited by rps; retry after <t>"
+
+
+def test_shadow_settings_are_checked_and_name_the_field() -> None:
+    assert ShadowConfig.from_config({}) == ShadowConfig()
+    assert ShadowConfig.from_config({"shadow": {"share": 0.1, "ignore_fields": []}}).ignore_fields == ()
+    with pytest.raises(ConfigError, match=r"shadow\.share.*1\.5"):
+        ShadowConfig.from_config({"shadow": {"share": 1.5}})
+    with pytest.raises(ConfigError, match=r"shadow\.max_in_flight.*0"):
+        ShadowConfig.from_config({"shadow": {"max_in_flight": 0}})
+    with pytest.raises(ConfigError, match=r"shadow\.ignore_fields.*colour"):
+        ShadowConfig.from_config({"shadow": {"ignore_fields": ["colour"]}})
+    with pytest.raises(ConfigError, match=r"shadow: unknown field.*rate"):
+        ShadowConfig.from_config({"shadow": {"rate": 1}})
+
+
+# -- the front in shadow mode, on two real layouts ----------------------------------------
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+    tmp = tmp_path_factory.mktemp("shadow")
+    stacks = {"layered": start_stack("collapsed", tmp / "a"), "spine": start_stack("collapsed", tmp / "b")}
+    try:
+        yield stacks
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+
+
+@pytest.fixture
+def front(sides: dict[str, Stack]) -> Iterator[tuple[Front, RunningServer]]:
+    front = Front({side: stack.address for side, stack in sides.items()},
+                  shadow=ShadowConfig(share=1.0, calibration_share=0.0), rng=random.Random(3))
+    server = start_server([(GATEWAY, front)], "127.0.0.1:0")
+    try:
+        yield front, server
+    finally:
+        server.stop(0)
+        front.close()
+
+
+def test_shadows_spend_no_rate_limit_budget_and_write_no_cache(front: tuple[Front, RunningServer],
+                                                               tmp_path: Path) -> None:
+    the_front, server = front
+    assert the_front.shadow is not None
+    with GatewayClient(server.address) as client:
+        # The tight tenant's burst is 4: four answers on the layered side, each mirrored to the spine.
+        for index in range(4):
+            request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"tight {index}", max_tokens=2)
+            result = client.generate(request, token=TIGHT_KEY, headers={"x-spine-route": "layered"})
+            assert result.ok and result.trailing["x-spine-side"] == "layered"
+        cached_first = client.generate(GREEDY, token=DEV_KEY, headers={"x-spine-route": "layered"})
+        assert cached_first.ok
+        assert the_front.shadow.wait_idle()
+        assert the_front.shadow.counts["mirrored"] == 5
+        # The spine side still has the whole budget, and never cached the mirrored answer.
+        for index in range(4):
+            request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"tight {index}", max_tokens=2)
+            assert client.generate(request, token=TIGHT_KEY, headers={"x-spine-route": "spine"}).ok
+        on_spine = client.generate(GREEDY, token=DEV_KEY, headers={"x-spine-route": "spine"})
+        assert on_spine.ok and on_spine.response is not None and not on_spine.response.cached
+        assert the_front.shadow.wait_idle()
+    assert the_front.shadow.counts["compared"] == 10
+    # Mirrors of the spine's tight requests found the layered bucket spent (by its own
+    # primaries only) — published as rate-limit mismatches; every other answer agreed
+    # (the cache-hit difference on the last request is ignored by the default config).
+    mismatches = list(the_front.shadow.mismatches)
+    assert the_front.parity_mismatches(0.0) == len(mismatches) == 4
+    assert all(m.primary_side == "spine" and "ratelimit" in m.fields and m.shadow.ratelimit == "limited"
+               for m in mismatches)
+
+
+def test_shadow_mismatches_feed_the_parity_gate(front: tuple[Front, RunningServer], sides: dict[str, Stack]) -> None:
+    the_front, _ = front
+    assert the_front.shadow is not None
+    target = FrontTarget(the_front, sides["spine"])
+    assert target.window_stats(0.0)[2] == 0
+    the_front.shadow.compare("layered", "spine", _decision(tokens=(1,)), _decision(tokens=(2,)))
+    assert target.window_stats(0.0)[2] == 1
+
+
+def test_calibration_compares_a_layout_with_itself_and_learns_its_noise(sides: dict[str, Stack]) -> None:
+    front = Front({side: stack.address for side, stack in sides.items()},
+                  shadow=ShadowConfig(share=1.0, calibration_share=1.0, ignore_fields=()), rng=random.Random(5))
+    server = start_server([(GATEWAY, front)], "127.0.0.1:0")
+    try:
+        assert front.shadow is not None
+        with GatewayClient(server.address, DEV_KEY) as client:
+            request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="calibrate", max_tokens=2)
+            assert client.generate(request, headers={"x-spine-route": "spine"}).ok
+            assert front.shadow.wait_idle()
+    finally:
+        server.stop(0)
+        front.close()
+    # The mirror went back to the spine itself, after the primary had filled its cache:
+    # the same layout answers from cache the second time, so `cached` is noise.
+    assert front.shadow.counts["calibration_compared"] == 1 and front.shadow.counts.get("compared", 0) == 0
+    assert front.shadow.noisy_fields() == {"cached"}
+    assert front.parity_mismatches(0.0) == 0

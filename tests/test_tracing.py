@@ -1,0 +1,136 @@
+"""Spans with the same names and the same tree in every layout; trace context over gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from monolith.device import DeviceContext
+from services.common import ConfigError
+from spine.bindings import RemoteBinding
+from spine.client import GatewayClient
+from spine.components import SPECS
+from spine.config import placements_for
+from spine.runtime import Stack
+from spine.server import start_server
+from spine.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
+from spine.v1 import generation_pb2, router_pb2
+from tests.conftest import DEV_KEY, config_for_tests
+
+MIDDLEWARE_SPANS = {"auth.check", "router.resolve", "ratelimit.admit", "cache.lookup", "inference.generate",
+                    "cache.store", "metrics.record", "logs.append"}
+
+
+def _tree(spans: Sequence[ReadableSpan]) -> tuple[str, tuple[Any, ...]]:
+    """(name, sorted children) of the one root among `spans`."""
+    by_parent: dict[int | None, list[ReadableSpan]] = {}
+    for span in spans:
+        parent = span.parent.span_id if span.parent is not None else None
+        by_parent.setdefault(parent, []).append(span)
+
+    def shape(span: ReadableSpan) -> tuple[str, tuple[Any, ...]]:
+        children = by_parent.get(span.context.span_id, []) if span.context is not None else []
+        return (span.name, tuple(sorted(shape(child) for child in children)))
+
+    roots = by_parent.get(None, [])
+    assert len(roots) == 1, [s.name for s in roots]
+    return shape(roots[0])
+
+
+def _one_request_spans(layout: str, tmp: Path) -> list[ReadableSpan]:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
+    config = config_for_tests(batching={"enabled": False})
+    with installed_tracing(tracing):
+        stack = Stack(config, placements_for(layout, config), run_dir=tmp / layout)  # the installed tracer hooks itself in
+        stack.start()
+        try:
+            with GatewayClient(stack.address, DEV_KEY) as client:
+                request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="trace me", max_tokens=3)
+                assert client.generate(request).ok
+        finally:
+            stack.stop()
+    spans = [s for s in exporter.get_finished_spans()]
+    roots = [s for s in spans if s.name == ROOT_SPAN]
+    assert len(roots) == 1
+    trace_id = roots[0].context.trace_id if roots[0].context is not None else None
+    return [s for s in spans if s.context is not None and s.context.trace_id == trace_id]
+
+
+def test_span_trees_of_the_layered_and_collapsed_layouts_have_the_same_shape(tmp_path: Path) -> None:
+    layered = _tree(_one_request_spans("layered", tmp_path))
+    collapsed = _tree(_one_request_spans("collapsed", tmp_path))
+    assert layered == collapsed
+    name, children = collapsed
+    assert name == ROOT_SPAN
+    assert {child[0] for child in children} == MIDDLEWARE_SPANS
+
+
+def test_trace_context_crosses_a_grpc_hop_into_the_servers_span(tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
+    servicer = SPECS["router"].build(config_for_tests(), DeviceContext(), tmp_path)
+    server = start_server([(SPECS["router"], servicer)], f"unix:{tmp_path / 'router.sock'}",
+                          interceptors=[tracing.server_interceptor()])
+    binding = RemoteBinding("router", SPECS["router"].descriptor(), SPECS["router"].stub_class(),
+                            grpc.insecure_channel(server.address), [tracing.hook("layered")])
+    try:
+        with tracing.tracer.start_as_current_span("caller"):
+            assert binding.Resolve(router_pb2.ResolveRequest(model="tiny"), timeout=5).model_id == "tiny-lm"
+    finally:
+        binding.close()
+        server.stop(0)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    client, served, caller = spans["router.resolve"], spans["spine.v1.Router/Resolve"], spans["caller"]
+    assert client.parent is not None and caller.context is not None and client.parent.span_id == caller.context.span_id
+    assert served.parent is not None and client.context is not None
+    assert served.parent.span_id == client.context.span_id
+    assert served.context is not None and served.context.trace_id == caller.context.trace_id
+    assert client.attributes is not None and client.attributes["spine.layout"] == "layered"
+
+
+def test_a_traceparent_in_the_metadata_names_the_parent_for_work_on_another_thread() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
+    hook = tracing.hook()
+    with tracing.tracer.start_as_current_span("request") as request_span:
+        from spine.tracing import current_traceparent
+
+        handed_over = list(current_traceparent())
+    metadata = [("x-request-id", "r1"), *handed_over]
+    token = hook.begin("auth", "Check", metadata)  # no current span here: the metadata carries it
+    hook.end(token, grpc.StatusCode.OK)
+    span = next(s for s in exporter.get_finished_spans() if s.name == "auth.check")
+    assert span.parent is not None and span.parent.span_id == request_span.get_span_context().span_id
+    assert [k for k, _ in metadata].count("traceparent") == 1  # replaced by the new span's, not added twice
+
+
+def test_sampled_out_requests_record_nothing_but_still_carry_context() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(sample_ratio=0.0, exporters=[exporter], batch=False)
+    metadata: list[tuple[str, str]] = []
+    token = tracing.hook().begin("cache", "Lookup", metadata)
+    tracing.hook().end(token, grpc.StatusCode.OK)
+    assert exporter.get_finished_spans() == ()
+    flags = int(dict(metadata)["traceparent"].rsplit("-", 1)[1], 16)
+    assert flags & 0x01 == 0  # children follow the decision: not sampled
+
+
+def test_tracing_is_off_by_default_and_bad_settings_name_the_field() -> None:
+    assert Tracing.from_config(config_for_tests()) is None
+    assert TracingConfig.from_config({}) == TracingConfig(False, 0.01, "none")
+    with pytest.raises(ConfigError, match=r"tracing\.sample_ratio.*1\.5"):
+        TracingConfig.from_config({"tracing": {"sample_ratio": 1.5}})
+    with pytest.raises(ConfigError, match=r"tracing\.exporter.*jaeger"):
+        TracingConfig.from_config({"tracing": {"exporter": "jaeger"}})
+    with pytest.raises(ConfigError, match=r"tracing: unknown field.*ratio"):
+        TracingConfig.from_config({"tracing": {"ratio": 0.1}})
+    enabled = Tracing.from_config({"tracing": {"enabled": True, "sample_ratio": 0.5, "exporter": "none"}})
+    assert enabled is not None
+    enabled.shutdown()

@@ -224,14 +224,26 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"run directory kept: {run_dir}")
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
+    serving: dict[str, Any] | None = None
+    if not settings.quick:
+        from bench.serving import measure_serving
+
+        with console.status("priority classes and the KV pool"):
+            serving = measure_serving()
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results = {"runs": runs, "layered_vs_collapsed": comparisons,
+    results = {"runs": runs, "serving": serving, "layered_vs_collapsed": comparisons,
                "batched_vs_unbatched": batching_gain(runs), "machine": machine, "started_at": started_at,
                "duration_s": round(time.perf_counter() - began, 1), "settings": settings.as_dict(),
                "processes_left_running": left}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_tables(results, console)
+    if serving is not None:
+        console.print(
+            f"priority classes ({serving['kv_slots']} KV slots, {serving['requests_per_round']} requests a round): "
+            f"p50 latency class {serving['latency_class_p50_ms']} ms vs throughput class "
+            f"{serving['throughput_class_p50_ms']} ms (single class {serving['single_class_p50_ms']} ms); "
+            f"throughput {serving['throughput_change_pct']:+.1f}% vs single class; KV: {serving['kv']['formula']}")
     console.print(f"wrote {out} in {results['duration_s']} s")
     return 1 if left else 0
 

@@ -39,7 +39,7 @@ class XdsTarget:
         return self.layered.window(since), self.spine.window(since), 0
 
     def applied(self, version: str) -> bool:
-        return self.plane.acked(version)
+        return self.plane.stage_acked(version)
 
     def data_planes(self) -> list[dict[str, object]]:
         return self.plane.status()

@@ -9,12 +9,15 @@ windows and moves placements in the spine without a restart.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from migration.gates import WindowStats
 from migration.runner import ControllerProcess
@@ -24,6 +27,7 @@ from spine.components import COMPONENTS, GATEWAY, MIDDLEWARES
 from spine.config import placements_for
 from spine.faults import FaultHook
 from spine.front import Front
+from spine.health import check_serving
 from spine.runtime import Stack
 from spine.server import RunningServer, start_server
 from spine.shadow import ShadowConfig
@@ -81,7 +85,50 @@ class FrontTarget:
 
     def applied(self, version: str) -> bool:
         """The front applies a weight at once; xDS data planes once they have ACKed it."""
-        return self.xds is None or self.xds.acked(version)
+        return self.xds is None or self.xds.stage_acked(version)
+
+
+class EndpointHealth:
+    """Watches each side's deep health and tells the front (which fails over and counts the
+    failure against that side, so the gates roll back) and xDS (which sends the side as an
+    unhealthy endpoint, so data planes stop picking it)."""
+
+    def __init__(self, front: Front, xds: XdsControlPlane | None, addresses: Mapping[str, str],
+                 interval_s: float = 0.5) -> None:
+        self.front = front
+        self.xds = xds
+        self.addresses = dict(addresses)
+        self.interval_s = interval_s
+        self.healthy: dict[str, bool] = dict.fromkeys(addresses, True)
+        self._channels = {side: grpc.insecure_channel(address) for side, address in addresses.items()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="endpoint-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def check_once(self) -> dict[str, bool]:
+        now = {side: check_serving(channel, timeout=self.interval_s) is True
+               for side, channel in self._channels.items()}
+        if now != self.healthy:
+            self.healthy = now
+            self.front.healthy = dict(now)
+            if self.xds is not None:
+                self.xds.set_endpoints({side: [_endpoint(self.addresses[side], now[side])] for side in now})
+        return now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception:  # keep watching; the next round retries
+                logging.getLogger("spine.cutover").exception("endpoint health check failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for channel in self._channels.values():
+            channel.close()
 
 
 @dataclass
@@ -98,6 +145,7 @@ class Cutover:
     controller: ControllerProcess | None = None
     xds: XdsControlPlane | None = None
     target: FrontTarget | None = None
+    endpoint_health: EndpointHealth | None = None
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
     def start(self) -> str:
@@ -123,6 +171,9 @@ class Cutover:
                 self.xds = XdsControlPlane("spine-gateway", {
                     "layered": [_endpoint(self.layered.address)], "spine": [_endpoint(self.spine.address)]})
                 self.xds.start(self.xds_listen)
+            self.endpoint_health = EndpointHealth(
+                self.front, self.xds, {"layered": self.layered.address, "spine": self.spine.address})
+            self.endpoint_health.start()
             layered_ratelimit = self.layered.bindings.get("ratelimit")
             token_file = self.run_dir / "admin-token"
             token_file.write_text(self.admin_token)
@@ -150,6 +201,9 @@ class Cutover:
         if self.controller is not None:
             self.controller.stop()
             self.controller = None
+        if self.endpoint_health is not None:
+            self.endpoint_health.stop()
+            self.endpoint_health = None
         if self.xds is not None:
             self.xds.stop()
             self.xds = None
@@ -165,9 +219,9 @@ class Cutover:
         self.spine = self.layered = None
 
 
-def _endpoint(address: str) -> Endpoint:
+def _endpoint(address: str, healthy: bool = True) -> Endpoint:
     host, _, port = address.rpartition(":")
-    return Endpoint(host, int(port))
+    return Endpoint(host, int(port), healthy)
 
 
 __all__ = ["COMPONENTS", "Cutover", "FrontTarget"]

@@ -62,6 +62,10 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.channels = {side: grpc.insecure_channel(addresses[side]) for side in SIDES}
         self.stubs = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
+        # Deep health per side (kept by spine.cutover.EndpointHealth): a request meant for a
+        # side that is not SERVING goes to the other one, and counts as a failure of the
+        # side it was meant for — so the gates see it and roll back, and no client does.
+        self.healthy: dict[str, bool] = dict.fromkeys(SIDES, True)
         self.outcomes: deque[Outcome] = deque(maxlen=history)
         self._lock = threading.Lock()
         self.shadow = ShadowMirror(shadow, self._shadow_call, SIDES, rng=rng) if shadow is not None else None
@@ -79,10 +83,20 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % 10_000
         return "spine" if bucket < self.spine_weight * 100 else "layered"
 
+    def route(self, metadata: dict[str, str]) -> str:
+        """`choose`, then fail over from a side that is not SERVING (unless the side is forced)."""
+        side = self.choose(metadata)
+        other = "layered" if side == "spine" else "spine"
+        if self.healthy.get(side, True) or not self.healthy.get(other, True) or metadata.get(ROUTE_HEADER) == side:
+            return side
+        with self._lock:
+            self.outcomes.append(Outcome(time.time(), side, True, 0.0))
+        return other
+
     # -- the Gateway API -------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
         metadata = tuple(context.invocation_metadata())
-        side = self.choose(dict(metadata))
+        side = self.route(dict(metadata))
         started = time.perf_counter()
         try:
             response, call = self.stubs[side].Generate.with_call(
@@ -103,7 +117,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
         metadata = tuple(context.invocation_metadata())
-        side = self.choose(dict(metadata))
+        side = self.route(dict(metadata))
         started = time.perf_counter()
         call = self.stubs[side].GenerateStream(request, timeout=_remaining(context), metadata=_forward(metadata))
         context.add_callback(call.cancel)

@@ -69,6 +69,7 @@ class Stack:
     local_servicers: dict[str, Any] = field(default_factory=dict)
     bindings: dict[str, Any] = field(default_factory=dict)
     metrics_endpoint: Any = None
+    deep_health: Any = None
     admission: BatchedAdmission | None = None
     completions: BatchedCompletions | None = None
     _retired: list[Any] = field(default_factory=list)
@@ -119,6 +120,15 @@ class Stack:
             self.server = start_server([(GATEWAY, self.gateway)], self.listen,
                                        max_message_bytes=limits.max_message_bytes,
                                        allow_external=self.allow_external)
+            if "inference" in self.local_servicers:
+                # The spine is SERVING only while its model can run a tiny forward on its
+                # device: the supervisor, the front and xDS endpoints all read this.
+                from spine.health import start_deep_health
+
+                section = self.config.get("inference") or {}
+                self.deep_health = start_deep_health(
+                    self.server, self.local_servicers["inference"], float(section.get("health_interval_s", 1.0)),
+                    float(section.get("health_timeout_s", 2.0)), services=["", GATEWAY.full_name])
         except BaseException:
             self.stop()
             raise
@@ -198,6 +208,9 @@ class Stack:
 
     def stop(self, grace: float = 3.0) -> None:
         """Finish in-flight requests, flush local logs and metrics, stop every child."""
+        if self.deep_health is not None:
+            self.deep_health.stop()
+            self.deep_health = None
         if self.server is not None:
             self.server.stop(grace)
             self.server = None

@@ -157,3 +157,45 @@ def test_a_nack_is_shown_in_migrate_status_and_traffic_stays_on_the_last_good_ve
     out = StringIO()
     Console(file=out, width=200).print(status_renderable(status))
     assert "xDS data planes" in out.getvalue() and "bad-route" in out.getvalue()
+
+
+def test_a_spine_that_cannot_run_its_model_is_failed_over_and_sent_unhealthy(
+        rig: tuple[Cutover, subprocess.Popen[str]]) -> None:
+    from envoy.config.core.v3 import health_check_pb2
+
+    from migration.xds.snapshot import ENDPOINT
+    from spine.client import GatewayClient
+    from spine.v1 import generation_pb2
+
+    cutover, _ = rig
+    assert cutover.target and cutover.spine and cutover.front and cutover.xds and cutover.endpoint_health
+    assert cutover.spine.deep_health is not None
+    # ratelimit stays shared: with the spine's own limiter at 100% the layered side keeps only
+    # a sliver of every limit, and failed-over requests would be refused until the rollback.
+    cutover.target.apply(100, {**ALL_LOCAL, "ratelimit": "remote"}, "health-full")
+    model = cutover.spine.local_servicers["inference"].backend.model
+
+    def broken_device(*_: object) -> None:
+        raise RuntimeError("CUDA error: device lost")
+
+    model.step = broken_device  # the spine's device fails: its deep health must notice
+    try:
+        assert cutover.spine.deep_health.check_once() is False
+        assert cutover.endpoint_health.check_once() == {"layered": True, "spine": False}
+        since = time.time()
+        with GatewayClient(cutover.address, DEV_KEY) as client:
+            results = [client.generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"hc {i}",
+                                                                      max_tokens=2)) for i in range(5)]
+        assert all(r.ok and r.trailing["x-spine-side"] == "layered" for r in results), [(r.code, r.details, r.trailing) for r in results]
+        assert cutover.front.window(since)["spine"].errors == 5  # what the error-rate gate sees
+        snapshot = cutover.xds.cache.get("*")
+        assert snapshot is not None
+        statuses = {name: [ep.health_status for lle in cla.endpoints for ep in lle.lb_endpoints]
+                    for name, cla in snapshot.resources[ENDPOINT].items()}
+        assert statuses["spine"] == [health_check_pb2.UNHEALTHY]
+        assert statuses["layered"] == [health_check_pb2.HEALTHY]
+    finally:
+        del model.step
+        cutover.spine.deep_health.check_once()
+        cutover.endpoint_health.check_once()
+    assert cutover.front.healthy == {"layered": True, "spine": True}

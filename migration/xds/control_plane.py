@@ -133,6 +133,14 @@ class XdsControlPlane:
         """Every connected data plane has ACKed `version` for every type it subscribes to."""
         return self.ads.acked(version, min_nodes)
 
+    def stage_acked(self, version: str, min_nodes: int = 0) -> bool:
+        """`version`'s weights are in force everywhere: it, or an endpoint update made on top of
+        it ("<version>+e<n>", e.g. an endpoint turning unhealthy), is ACKed by every data plane."""
+        current = self._version
+        if current is not None and current.startswith(f"{version}+e"):
+            return self.ads.acked(current, min_nodes)
+        return self.ads.acked(version, min_nodes)
+
     def wait_acked(self, version: str, timeout: float, min_nodes: int = 0) -> bool:
         return self.ads.wait_acked(version, timeout, min_nodes)
 

@@ -42,6 +42,7 @@ from services.logs import LogsService
 from services.metrics import MetricsService
 from services.ratelimit import InvalidRateLimitRequest, RateLimitService
 from services.router import RouterService
+from spine.tracing import current_traceparent
 from spine.v1 import cache_pb2, generation_pb2, logs_pb2, metrics_pb2
 
 _FIELDS = ("enabled", "max_batch", "max_wait_us")
@@ -85,6 +86,9 @@ class _Ticket:
     credential: str = ""
     principal: Any = None
     resolved: generation_pb2.GenerateRequest | None = None
+    # The request's trace context, taken in its own thread: a batch stage runs on whichever
+    # thread decides the batch, and its spans must still hang under this request's root.
+    trace: tuple[tuple[str, str], ...] = ()
 
     @property
     def open(self) -> bool:
@@ -127,7 +131,7 @@ class _Stage:
     def _begin(self, ticket: _Ticket) -> list[Any] | None:
         """The hooks' tokens; None when a hook failed the call (the ticket then has its outcome)."""
         tokens: list[Any] = []
-        metadata = [("x-request-id", ticket.state.request_id)]
+        metadata = [("x-request-id", ticket.state.request_id), *ticket.trace]
         for hook in self.hooks:
             try:
                 tokens.append(hook.begin(self.name, self.method, metadata))
@@ -179,7 +183,7 @@ class BatchedAdmission:
     def admit(self, request: generation_pb2.GenerateRequest, state: RequestState) -> Admitted:
         """The gateway's `Admission`: wait for this request's batch; its verdict or `Stop`."""
         try:
-            return self.batcher.submit(_Ticket(request, state))
+            return self.batcher.submit(_Ticket(request, state, trace=current_traceparent() if self.hooks else ()))
         except BatcherClosed:
             raise Stop(grpc.StatusCode.UNAVAILABLE, "the spine is shutting down; retry on another replica") from None
 
@@ -339,17 +343,34 @@ class BatchedCompletions:
     """
 
     def __init__(self, metrics: MetricsService, logs: LogsService, *, max_batch: int = 256,
-                 fail_open: FailOpen | None = None) -> None:
+                 fail_open: FailOpen | None = None, hooks: Sequence[Any] = ()) -> None:
         self.metrics = metrics
         self.logs = logs
         self._fail_open = fail_open
+        self.hooks = list(hooks)
         self.batcher: MicroBatcher[_Completion, None] = MicroBatcher(self.flush_window, max_batch=max_batch)
 
     def complete(self, state: RequestState, record: metrics_pb2.RequestRecord, line: logs_pb2.LogRecord) -> None:
+        # The hooks (spans: metrics.record, logs.append) run in the request's own thread, so
+        # they sit under its root exactly as the per-request gateway's do.
+        tokens = self._begin_hooks(state)
         try:
             self.batcher.submit((state, record, line))
         except BatcherClosed:  # a straggler after shutdown began: written alone, counted if it fails
             self.flush_window([(state, record, line)])
+        finally:
+            for hook, token in reversed(tokens):
+                hook.end(token, grpc.StatusCode.OK)
+
+    def _begin_hooks(self, state: RequestState) -> list[tuple[Any, Any]]:
+        begun: list[tuple[Any, Any]] = []
+        for component, method in (("metrics", "Record"), ("logs", "Append")):
+            for hook in self.hooks:
+                try:
+                    begun.append((hook, hook.begin(component, method, [("x-request-id", state.request_id)])))
+                except grpc.RpcError:
+                    pass  # a fault hook on a fail-open stage: the write still happens
+        return begun
 
     def close(self) -> None:
         self.batcher.close()

@@ -193,7 +193,7 @@ class Stack:
         if enabled and {"metrics", "logs"} <= local:
             if self.completions is None:
                 self.completions = BatchedCompletions(self.local_servicers["metrics"], self.local_servicers["logs"],
-                                                      fail_open=gateway.count_fail_open)
+                                                      fail_open=gateway.count_fail_open, hooks=self.hooks)
         elif self.completions is not None:
             self.completions.close()
             self.completions = None

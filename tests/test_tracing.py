@@ -43,12 +43,13 @@ def _tree(spans: Sequence[ReadableSpan]) -> tuple[str, tuple[Any, ...]]:
     return shape(roots[0])
 
 
-def _one_request_spans(layout: str, tmp: Path) -> list[ReadableSpan]:
+def _one_request_spans(layout: str, tmp: Path, batching: bool = False) -> list[ReadableSpan]:
     exporter = InMemorySpanExporter()
     tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
-    config = config_for_tests(batching={"enabled": False})
+    config = config_for_tests(batching={"enabled": batching})
     with installed_tracing(tracing):
-        stack = Stack(config, placements_for(layout, config), run_dir=tmp / layout)  # the installed tracer hooks itself in
+        # the installed tracer hooks itself into the stack's bindings and batch stages
+        stack = Stack(config, placements_for(layout, config), run_dir=tmp / f"{layout}-{batching}")
         stack.start()
         try:
             with GatewayClient(stack.address, DEV_KEY) as client:
@@ -63,9 +64,10 @@ def _one_request_spans(layout: str, tmp: Path) -> list[ReadableSpan]:
     return [s for s in spans if s.context is not None and s.context.trace_id == trace_id]
 
 
-def test_span_trees_of_the_layered_and_collapsed_layouts_have_the_same_shape(tmp_path: Path) -> None:
+@pytest.mark.parametrize("batching", [False, True])
+def test_span_trees_of_the_layered_and_collapsed_layouts_have_the_same_shape(tmp_path: Path, batching: bool) -> None:
     layered = _tree(_one_request_spans("layered", tmp_path))
-    collapsed = _tree(_one_request_spans("collapsed", tmp_path))
+    collapsed = _tree(_one_request_spans("collapsed", tmp_path, batching=batching))
     assert layered == collapsed
     name, children = collapsed
     assert name == ROOT_SPAN

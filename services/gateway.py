@@ -145,9 +145,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             context.set_trailing_metadata(self._trailing(state) + _forwarded(trailers))
             return response
         except _Stop as stop:
-            state.status = stop.code.name
-            context.set_trailing_metadata(self._trailing(state) + stop.trailing)
-            context.abort(stop.code, stop.details)
+            self._abort(state, context, stop)
             raise AssertionError("unreachable") from None
         except Exception:
             if state.status == "OK":
@@ -189,9 +187,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 prompt_tokens=len(resolved.prompt.encode()), completion_tokens=len(tokens))
             self._store(state, resolved, whole)
         except _Stop as stop:
-            state.status = stop.code.name
-            context.set_trailing_metadata(self._trailing(state) + stop.trailing)
-            context.abort(stop.code, stop.details)
+            self._abort(state, context, stop)
         except GeneratorExit:
             state.status = "CANCELLED"
             raise
@@ -203,6 +199,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self._finish(state)
 
     # -- the pipeline -------------------------------------------------------------
+    def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
+        """End the call with the pipeline's verdict; its trailers name layout and request id."""
+        state.status = stop.code.name
+        context.set_trailing_metadata(self._trailing(state) + stop.trailing)
+        context.abort(stop.code, stop.details)
+
     def _begin(self, context: Any) -> RequestState:
         metadata = tuple(context.invocation_metadata() or ())
         md = dict(metadata)

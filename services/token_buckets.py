@@ -146,6 +146,8 @@ class TokenBucketTable:
         is done on the host with numpy; the buckets are read and written once, on the device.
         """
         n = len(charge)
+        if n == 1 and self._state.device.type == "cpu":
+            return self._decide_one(row_slot, row_cost, bool(charge[0]), now)
         plan = _Plan(np.asarray(row_slot, np.int64), np.asarray(row_request, np.int64), np.asarray(row_cost, np.float64), n)
         dev = self._state.device
         slots = torch.from_numpy(plan.slots).to(dev)
@@ -194,6 +196,43 @@ class TokenBucketTable:
             remaining=[remaining_p[p] for p in plan.row_pair],
             retry_after_s=[retry_p[p] for p in plan.row_pair],
             rounds=rounds,
+        )
+
+
+    def _decide_one(self, row_slot: Sequence[int], row_cost: Sequence[float], charge: bool,
+                    now: float) -> BatchDecision:
+        """One request on a CPU table: the same float64 operations, in the same order, as
+        `decide`, on Python floats — a batch of one pays no tensor bookkeeping (about a
+        tenth of the time; the property tests compare the two paths bit for bit)."""
+        buckets = sorted(set(row_slot))
+        cost = dict.fromkeys(buckets, 0.0)
+        for slot, row in zip(row_slot, row_cost, strict=True):
+            cost[slot] += float(row)
+        level_, last_, rate_, cap_ = self._state[:4, buckets].tolist()
+        level: dict[int, float] = {}
+        for j, slot in enumerate(buckets):
+            elapsed = max(now - last_[j], 0.0)
+            level[slot] = min(cap_[j], level_[j] + rate_[j] * elapsed)
+        fits = {slot: cost[slot] <= level[slot] for slot in buckets}
+        admitted = all(fits.values())
+        taken = {slot: cost[slot] if admitted and charge else 0.0 for slot in buckets}
+        retry: dict[int, float] = {}
+        for j, slot in enumerate(buckets):
+            if fits[slot]:
+                retry[slot] = 0.0
+            elif cost[slot] > cap_[j]:
+                retry[slot] = -1.0
+            else:
+                retry[slot] = (cost[slot] - level[slot]) / rate_[j]
+        index = torch.tensor(buckets, dtype=torch.int64)
+        self._state[LEVEL, index] = torch.tensor([level[s] - taken[s] for s in buckets], dtype=torch.float64)
+        self._state[LAST_REFILL, index] = torch.tensor([max(last, now) for last in last_], dtype=torch.float64)
+        return BatchDecision(
+            admitted=[admitted],
+            fits=[fits[slot] for slot in row_slot],
+            remaining=[level[slot] - taken[slot] for slot in row_slot],
+            retry_after_s=[retry[slot] for slot in row_slot],
+            rounds=1,
         )
 
 

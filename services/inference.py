@@ -61,7 +61,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.kv_plan = self._plan_kv()
         self.engine = make_engine(self.backend, device, self.kv_plan.slots)
         self.ms_per_token = self._measure_ms_per_token()
-        self.scheduler = Scheduler(self.engine, config.max_queue, aging_ms=config.aging_ms, clock=clock)
+        self.scheduler = Scheduler(self.engine, config.max_queue, aging_ms=config.aging_ms, clock=clock,
+                                   streams=getattr(device, "stream", None))
         self._gauge = DeviceGauge(device)
         log.info("%s", self.kv_plan.describe())
         log.info("inference %s on %s: %.3f ms per token measured at start; default compute budget "

@@ -13,11 +13,13 @@ the next step, so a cancel, a timeout or a slow consumer costs the batch at most
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,8 +97,11 @@ class Scheduler:
     """Owns the engine; admits waiting jobs by priority between steps; delivers tokens per job."""
 
     def __init__(self, engine: GenerationEngine, max_queue: int, *, aging_ms: float = 500.0,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, streams: Callable[[int], Any] | None = None) -> None:
         self.engine = engine
+        # On CUDA a step runs on the stream of the highest class in the batch (the device
+        # context hands out a high-priority stream for the latency class); None on the CPU.
+        self._streams = streams
         self.max_queue = max_queue
         self.clock = clock
         self._waiting: AgingPriorityQueue[Job] = AgingPriorityQueue(aging_ms)
@@ -167,7 +172,8 @@ class Scheduler:
             if not self._running:
                 continue
             try:
-                outputs = self.engine.step()
+                with self._stream_for_batch():
+                    outputs = self.engine.step()
             except Exception as error:  # the model failed: fail the running jobs, keep serving
                 log.exception("decode step failed")
                 for job in list(self._running.values()):
@@ -201,6 +207,15 @@ class Scheduler:
                     f"compute budget of {job.budget_ms:.0f} ms (inference_timeout_ms) exceeded after "
                     f"{job.tokens} of {job.request.max_tokens} tokens; raise inference_timeout_ms "
                     "or lower max_tokens"))
+
+    def _stream_for_batch(self) -> Any:
+        """`torch.cuda.stream(...)` for the batch's highest class, or a no-op off CUDA."""
+        stream = self._streams(max(job.priority for job in self._running.values())) if self._streams else None
+        if stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(stream)
 
     def _admit(self) -> None:
         with self._wake:

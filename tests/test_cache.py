@@ -384,3 +384,25 @@ def test_round_trip_over_a_real_grpc_server_on_a_unix_socket(unix_address: str) 
         with pytest.raises(grpc.RpcError) as error:
             stub.Lookup(cache_pb2.CacheLookupRequest(tenant="dev"), timeout=10)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_numpy_view_and_the_tensor_ops_read_the_index_identically() -> None:
+    """On the CPU the index is probed through numpy views; on CUDA through torch ops. Both must
+    find, miss, expire and evict exactly alike (the torch path is forced here)."""
+    import random
+
+    from services.cache_index import CacheIndex
+
+    views: CacheIndex[int] = CacheIndex(DeviceContext(), max_entries=16, key_hash=lambda k: k[0] % 7)
+    tensors: CacheIndex[int] = CacheIndex(DeviceContext(), max_entries=16, key_hash=lambda k: k[0] % 7)
+    tensors._host = False  # the path CUDA takes
+    rng = random.Random(5)
+    now = 0.0
+    for step in range(400):
+        now += rng.random()
+        key = bytes([rng.randrange(40)]) + b"-key"
+        if rng.random() < 0.5:
+            ttl = rng.choice([1.0, 5.0, 50.0])
+            assert views.put(key, step, now, ttl) == tensors.put(key, step, now, ttl), step
+        batch = [bytes([rng.randrange(40)]) + b"-key" for _ in range(rng.randrange(1, 6))]
+        assert views.lookup_batch(batch, now) == tensors.lookup_batch(batch, now)

@@ -120,7 +120,11 @@ def wait_serving(address: str, timeout: float, service: str = "") -> bool:
     import time
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    # A fresh subchannel with a short backoff: while a child restarts, a shared subchannel's
+    # growing reconnect backoff would hide it for seconds after it is back.
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1),
+                                                 ("grpc.initial_reconnect_backoff_ms", 100),
+                                                 ("grpc.max_reconnect_backoff_ms", 500)]) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -54,7 +54,14 @@ class Runner:
         env = {k: v for k, v in os.environ.items() if k != "SPINE_ADMIN_TOKEN"}
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, preexec_fn=_die_with_parent,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        channel = grpc.insecure_channel(self.listen)
+        # Its own subchannel pool and a short backoff: a channel to the killed controller's
+        # socket must not hand its growing reconnect backoff to this one (seen in CI).
+        channel = grpc.insecure_channel(self.listen, options=[
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ])
         try:
             grpc.channel_ready_future(channel).result(timeout=30)
         except grpc.FutureTimeoutError:

@@ -20,6 +20,12 @@ def gen(prompt: str = "hello", max_tokens: int = 6, model: str = "tiny-lm", **fi
     return generation_pb2.GenerateRequest(model=model, prompt=prompt, max_tokens=max_tokens, **fields)
 
 
+# A prompt whose greedy answer runs all 250 tokens (many stop early at EOS, and a short answer
+# can beat a deadline on a fast machine). Never completed in the deadline and cancellation
+# tests, so never cached; `test_the_long_prompt_runs_to_its_length` keeps this true.
+LONG_PROMPT = "a long greedy answer for collapsed"
+
+
 def parity_sequence() -> list[tuple[generation_pb2.GenerateRequest, str | None]]:
     """Auth denials, rate-limit denials, cache hits, sampled and greedy answers, bad input."""
     jwt_ok = make_jwt("dev")
@@ -116,10 +122,23 @@ def test_bad_input_gets_clear_errors_and_the_process_keeps_serving(layouts: dict
         assert client.generate(gen("still serving")).ok
 
 
+def test_the_long_prompt_runs_to_its_length(tmp_path: Any) -> None:
+    from tests.conftest import config_for_tests, start_stack
+
+    stack = start_stack("collapsed", tmp_path, config_for_tests(cache={"max_entries": 1, "ttl_s": 0.001}))
+    try:
+        with GatewayClient(stack.address, DEV_KEY) as client:
+            result = client.generate(gen(LONG_PROMPT, max_tokens=250), timeout=60)
+    finally:
+        stack.stop()
+    assert result.ok and result.response is not None
+    assert (result.response.completion_tokens, result.response.finish_reason) == (250, "length")
+
+
 @pytest.mark.parametrize("layout", ["layered", "collapsed"])
 def test_deadline_is_honoured(layouts: dict[str, Stack], layout: str) -> None:
     with GatewayClient(layouts[layout].address, DEV_KEY) as client:
-        result = client.generate(gen(f"a long greedy answer for {layout}", max_tokens=250), timeout=0.05)
+        result = client.generate(gen(LONG_PROMPT, max_tokens=250), timeout=0.05)
         assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert client.generate(gen("after the deadline")).ok
 
@@ -129,7 +148,7 @@ def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, Stack]
     engine = stack.local_servicers["inference"].engine
     wait_until_idle(engine)
     with GatewayClient(stack.address, DEV_KEY) as client:
-        call = client.stub.GenerateStream(gen("cancel me: greedy answers rarely stop early", max_tokens=250),
+        call = client.stub.GenerateStream(gen(LONG_PROMPT, max_tokens=250),
                                           metadata=client.metadata(), timeout=30)
         next(iter(call))
         assert engine.active_count == 1
@@ -143,7 +162,7 @@ def test_deadline_frees_the_generation_slot(layouts: dict[str, Stack]) -> None:
     engine = stack.local_servicers["inference"].engine
     wait_until_idle(engine)
     with GatewayClient(stack.address, DEV_KEY) as client:
-        result = client.generate(gen("slow one: greedy answers rarely stop early", max_tokens=250), timeout=0.1)
+        result = client.generate(gen(LONG_PROMPT, max_tokens=250), timeout=0.1)
     assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until_idle(engine)
     assert engine.active_count == 0

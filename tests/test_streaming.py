@@ -18,7 +18,7 @@ from spine.runtime import Stack, remote_channel
 from spine.v1 import generation_pb2, inference_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
 
-LONG = "tell a long greedy story that does not stop early"
+LONG = "a long greedy answer for collapsed"  # its greedy answer runs all 250 tokens (see test_layouts)
 
 
 def gen(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:

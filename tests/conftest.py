@@ -6,11 +6,15 @@ sockets; the Gateway listens on loopback.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jwt
 import pytest
 
@@ -55,6 +59,25 @@ def make_jwt(tenant: str = "dev", *, expires_in: float = 300, secret: str = JWT_
     payload = {"iss": "spine-dev", "aud": "spine", "sub": f"user-of-{tenant}", "tenant": tenant,
                "scope": "generate", "iat": now, "exp": now + int(expires_in), **claims}
     return jwt.encode(payload, secret, algorithm="HS256")
+
+
+@contextlib.contextmanager
+def served(component: str, servicer: Any) -> Iterator[Any]:
+    """One servicer behind a real gRPC server on a unix socket (the project's own
+    `start_server`, with health and reflection), and a stub to it."""
+    from spine.components import SPECS
+    from spine.server import start_server
+
+    sock_dir = tempfile.mkdtemp(prefix=f"spine-{component}-", dir="/tmp")  # unix paths max ~107 bytes
+    spec = SPECS[component]
+    server = start_server([(spec, servicer)], f"unix:{sock_dir}/{component}.sock")
+    channel = grpc.insecure_channel(server.address)
+    try:
+        yield spec.stub_class()(channel)
+    finally:
+        channel.close()
+        server.stop(0)
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def start_stack(layout: str, tmp: Path, config: dict[str, Any] | None = None) -> Stack:

@@ -6,10 +6,7 @@ import base64
 import hashlib
 import hmac
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from services.auth import AuthConfig, AuthDenied, AuthService
 from services.common import ConfigError
 from spine.v1 import auth_pb2, auth_pb2_grpc
+from tests.conftest import served
 
 NOW = 1_700_000_000.0
 ISSUER, AUDIENCE = "spine-test", "spine"
@@ -92,18 +90,8 @@ def service(ec_key: Any, rsa_key: Any, clock: FakeClock) -> AuthService:
 
 @pytest.fixture
 def stub(service: AuthService) -> Iterator[auth_pb2_grpc.AuthStub]:
-    sock_dir = tempfile.mkdtemp(prefix="spine-auth-", dir="/tmp")  # unix paths max ~107 bytes
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    auth_pb2_grpc.add_AuthServicer_to_server(service, server)
-    server.add_insecure_port(f"unix:{sock_dir}/auth.sock")
-    server.start()
-    channel = grpc.insecure_channel(f"unix:{sock_dir}/auth.sock")
-    try:
-        yield auth_pb2_grpc.AuthStub(channel)
-    finally:
-        channel.close()
-        server.stop(grace=None)
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    with served("auth", service) as auth_stub:
+        yield auth_stub
 
 
 def claims(**overrides: Any) -> dict[str, Any]:

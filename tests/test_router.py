@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +13,7 @@ import yaml
 from services.common import ConfigError
 from services.router import RouterConfig, RouterService
 from spine.v1 import router_pb2, router_pb2_grpc
+from tests.conftest import served
 
 SECTION: dict[str, Any] = {
     "models": [
@@ -33,18 +31,8 @@ def service() -> RouterService:
 
 @pytest.fixture
 def stub(service: RouterService) -> Iterator[router_pb2_grpc.RouterStub]:
-    sock_dir = tempfile.mkdtemp(prefix="spine-router-", dir="/tmp")  # unix paths max ~107 bytes
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    router_pb2_grpc.add_RouterServicer_to_server(service, server)
-    server.add_insecure_port(f"unix:{sock_dir}/router.sock")
-    server.start()
-    channel = grpc.insecure_channel(f"unix:{sock_dir}/router.sock")
-    try:
-        yield router_pb2_grpc.RouterStub(channel)
-    finally:
-        channel.close()
-        server.stop(grace=None)
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    with served("router", service) as router_stub:
+        yield router_stub
 
 
 def resolve(stub: router_pb2_grpc.RouterStub, model: str) -> router_pb2.ResolveResponse:

@@ -61,6 +61,18 @@ def make_jwt(tenant: str = "dev", *, expires_in: float = 300, secret: str = JWT_
     return jwt.encode(payload, secret, algorithm="HS256")
 
 
+@pytest.fixture(scope="module")
+def torch_one_thread() -> Iterator[None]:
+    """Tiny ops run fastest on one thread; more only add contention on a shared 2-core box.
+    Modules that time or batch the model use it (`pytestmark = usefixtures(...)`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @contextlib.contextmanager
 def served(component: str, servicer: Any) -> Iterator[Any]:
     """One servicer behind a real gRPC server on a unix socket (the project's own

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,13 +18,7 @@ TOKENIZER = ByteTokenizer()
 CONTEXT = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny ops run fastest on one thread; more only add contention on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _engine(slots: int = 4, context: int = CONTEXT) -> GenerationEngine:

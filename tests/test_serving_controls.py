@@ -9,7 +9,6 @@ are in the batch" to be a fact rather than a race.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -27,15 +26,7 @@ from tests.test_serving_support import (
     request,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def test_latency_class_is_admitted_before_a_throughput_job_that_queued_first() -> None:

@@ -7,8 +7,6 @@ same request, alone and inside a busy batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 import torch
@@ -20,13 +18,7 @@ from spine.server import start_server
 from spine.v1 import generation_pb2, inference_pb2_grpc
 from tests.test_serving_support import Call, GatedModel, eventually, generate, make_service, request
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 GREEDY = request("The same question", 24)

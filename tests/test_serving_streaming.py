@@ -8,7 +8,6 @@ because anyone cancelled it — and its slot comes back; its batch mates finish 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -16,15 +15,7 @@ import pytest
 from spine.bindings import LocalContext, LocalRpcError
 from tests.test_serving_support import eventually, generate, make_service, request
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def test_a_slow_stream_consumer_is_stopped_frees_its_slot_and_does_not_hold_back_its_batch_mate() -> None:

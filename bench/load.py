@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from spine.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2_grpc
+from spine.workload import closed_loop
 
 WORDS = ("spine", "gateway", "token", "bucket", "cache", "route", "model", "latency", "batch", "tensor",
          "layer", "collapse", "canary", "stage", "rollback", "parity")
@@ -108,29 +109,15 @@ class Endpoint:
 def run_batch(endpoint: Endpoint, requests: Sequence[generation_pb2.GenerateRequest], *, concurrency: int,
               stream: bool = False, time_limit_s: float = 20.0, call_timeout_s: float = 30.0) -> Batch:
     """Send `requests` with `concurrency` closed-loop workers; stop starting new ones at the time limit."""
-    stubs = endpoint.stubs(concurrency)
     calls: list[Call] = []
     lock = threading.Lock()
-    next_index = 0
     started = time.perf_counter()
-    deadline = started + time_limit_s
 
-    def worker(stub: Any) -> None:
-        nonlocal next_index
-        while time.perf_counter() < deadline:
-            with lock:
-                index = next_index
-                next_index += 1
-            if index >= len(requests):
-                return
-            call = endpoint.call(stub, requests[index], stream, call_timeout_s)
-            with lock:
-                calls.append(call)
+    def send(stub: Any, index: int) -> None:
+        call = endpoint.call(stub, requests[index], stream, call_timeout_s)
+        with lock:
+            calls.append(call)
 
-    threads = [threading.Thread(target=worker, args=(stub,), name=f"bench-worker-{i}") for i, stub in enumerate(stubs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    closed_loop(len(requests), endpoint.stubs(concurrency), send, time_limit_s)
     wall = time.perf_counter() - started
     return Batch(calls, wall, max(0, len(requests) - len(calls)))

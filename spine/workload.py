@@ -10,12 +10,13 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from spine.client import CallResult, GatewayClient
 from spine.v1 import generation_pb2
 
+W = TypeVar("W")
 WORDS = ("spine", "gateway", "token", "bucket", "cache", "route", "model", "latency", "batch", "tensor",
          "layer", "collapse", "canary", "stage", "rollback", "parity")
 
@@ -58,6 +59,30 @@ def mixed_workload(count: int, api_key: str, *, seed: int = 7, model: str = "tin
     return items
 
 
+def closed_loop(count: int, workers: Sequence[W], send: Callable[[W, int], None], time_limit_s: float) -> None:
+    """Request indexes 0..count-1 handed out in order to one thread per worker, each sending
+    its next one as soon as its last answer is back; no index starts after `time_limit_s`."""
+    deadline = time.monotonic() + time_limit_s
+    next_index = 0
+    lock = threading.Lock()
+
+    def loop(worker: W) -> None:
+        nonlocal next_index
+        while time.monotonic() < deadline:
+            with lock:
+                index = next_index
+                next_index += 1
+            if index >= count:
+                return
+            send(worker, index)
+
+    threads = [threading.Thread(target=loop, args=(worker,), name=f"load-{i}") for i, worker in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def run_workload(address: str, items: Sequence[Item], *, concurrency: int = 1, time_limit_s: float = 60.0,
                  on_result: Callable[[int, CallResult], None] | None = None) -> list[CallResult | None]:
     """Send `items` with `concurrency` workers; stops by itself after `time_limit_s`.
@@ -65,32 +90,21 @@ def run_workload(address: str, items: Sequence[Item], *, concurrency: int = 1, t
     Results keep the workload's order; a request not sent before the time limit is None.
     """
     results: list[CallResult | None] = [None] * len(items)
-    deadline = time.monotonic() + time_limit_s
-    next_index = 0
-    lock = threading.Lock()
     clients = [GatewayClient(address) for _ in range(concurrency)]
 
-    def worker(client: GatewayClient) -> None:
-        nonlocal next_index
-        while time.monotonic() < deadline:
-            with lock:
-                index = next_index
-                next_index += 1
-            if index >= len(items):
-                return
-            item = items[index]
-            headers = dict(item.headers)
-            if item.stream:
-                result = client.stream(item.request, token=item.token or "", headers=headers)
-            else:
-                result = client.generate(item.request, token=item.token or "", headers=headers)
-            results[index] = result
-            if on_result is not None:
-                on_result(index, result)
+    def send(client: GatewayClient, index: int) -> None:
+        item = items[index]
+        headers = dict(item.headers)
+        if item.stream:
+            result = client.stream(item.request, token=item.token or "", headers=headers)
+        else:
+            result = client.generate(item.request, token=item.token or "", headers=headers)
+        results[index] = result
+        if on_result is not None:
+            on_result(index, result)
 
     try:
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            list(pool.map(worker, clients))
+        closed_loop(len(items), clients, send, time_limit_s)
     finally:
         for client in clients:
             client.close()

@@ -17,6 +17,7 @@ A 64-bit hash can collide: every hash hit is confirmed against the full key on t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -57,6 +58,8 @@ class CacheIndex(Generic[V]):
         self._count = 0
         self._tick = 0
         self._probe_limit = 0
+        self._next_expiry = math.inf  # no live entry expires before this (see remove_expired)
+        self.loop_max = 64  # probes of at most this many positions read elements, not arrays
         # On the CPU the same columns are also seen as numpy arrays (zero-copy views of the
         # tensors' memory): the per-request probes then cost microseconds instead of the
         # tens of microseconds a torch op's dispatch costs. One state, two ways to read it.
@@ -102,12 +105,28 @@ class CacheIndex(Generic[V]):
             slot = self._claim(key)
         self._values[slot] = value
         (self._expiry_np if self._host else self._expiry)[slot] = now + ttl_s
+        self._next_expiry = min(self._next_expiry, now + ttl_s)
         self._touch([slot])
         return evicted
 
     def remove_expired(self, now: float) -> int:
-        """Free every expired entry; returns how many."""
-        expired = torch.nonzero((self._meta[_TICK] > 0) & (self._expiry <= now)).squeeze(1).tolist()
+        """Free every expired entry; returns how many.
+
+        A full cache calls this on every store, so it first asks whether anything can have
+        expired at all: `_next_expiry` is a lower bound on every live entry's expiry (the
+        earliest one seen at the last scan or put since), which skips the table scan.
+        """
+        if now < self._next_expiry:
+            return 0
+        if self._host:
+            live = self._meta_np[_TICK] > 0
+            expired = np.flatnonzero(live & (self._expiry_np <= now)).tolist()
+            left = self._expiry_np[live & (self._expiry_np > now)]
+        else:
+            live_t = self._meta[_TICK] > 0
+            expired = torch.nonzero(live_t & (self._expiry <= now)).squeeze(1).tolist()
+            left = self._expiry[live_t & (self._expiry > now)].cpu().numpy()
+        self._next_expiry = float(left.min()) if left.size else math.inf
         if expired:
             self._free(expired)
             self._probe_limit = self._longest_probe()
@@ -135,6 +154,16 @@ class CacheIndex(Generic[V]):
     def _candidates_host(self, keys: Sequence[bytes], now: float | None) -> list[tuple[int, int]]:
         """`_candidates` on the numpy views: the same gather-and-compare, in the same order."""
         mask = self._size - 1
+        if len(keys) * (self._probe_limit + 1) <= self.loop_max:  # few positions: element reads beat array ops
+            ticks, stored, expiry = self._meta_np[_TICK], self._meta_np[_HASH], self._expiry_np
+            found: list[tuple[int, int]] = []
+            for query, key in enumerate(keys):
+                key_hash = self._key_hash(key)
+                for distance in range(self._probe_limit + 1):
+                    slot = (key_hash + distance) & mask
+                    if ticks[slot] > 0 and stored[slot] == key_hash and (now is None or expiry[slot] > now):
+                        found.append((query, slot))
+            return found
         hashes = np.array([self._key_hash(k) for k in keys], dtype=np.int64)
         window = ((hashes & mask)[:, None] + self._offsets_np[: self._probe_limit + 1]) & mask
         match = (self._meta_np[_TICK][window] > 0) & (self._meta_np[_HASH][window] == hashes[:, None])
@@ -177,24 +206,37 @@ class CacheIndex(Generic[V]):
         ticks = {slot: self._tick + 1 + i for i, slot in enumerate(slots)}  # the last touch wins
         self._tick += len(slots)
         if self._host:
-            self._meta_np[_TICK, list(ticks)] = list(ticks.values())
+            ticks_np = self._meta_np[_TICK]
+            for slot, tick in ticks.items():
+                ticks_np[slot] = tick
             return
         index = torch.tensor(list(ticks), dtype=torch.int64, device=self._meta.device)
         self._meta[_TICK, index] = torch.tensor(list(ticks.values()), dtype=torch.int64, device=self._meta.device)
 
     def _free(self, slots: list[int]) -> None:
-        index = torch.tensor(slots, dtype=torch.int64, device=self._meta.device)
-        self._meta[_TICK, index] = 0
+        if self._host:
+            self._meta_np[_TICK, slots] = 0
+        else:
+            self._meta[_TICK, torch.tensor(slots, dtype=torch.int64, device=self._meta.device)] = 0
         for slot in slots:
             self._keys[slot] = None
             self._values[slot] = None
         self._count -= len(slots)
 
     def _least_recently_used(self) -> int:
+        if self._host:
+            ticks_np = self._meta_np[_TICK]
+            return int(np.argmin(np.where(ticks_np > 0, ticks_np, _NO_TICK)))
         ticks = self._meta[_TICK]
         return int(torch.argmin(torch.where(ticks > 0, ticks, torch.full_like(ticks, _NO_TICK))))
 
     def _longest_probe(self) -> int:
+        if self._host:
+            live_np = self._meta_np[_TICK] > 0
+            if not live_np.any():
+                return 0
+            gap = (self._offsets_np - (self._meta_np[_HASH] & (self._size - 1))) & (self._size - 1)
+            return int(gap[live_np].max())
         live = self._meta[_TICK] > 0
         if not bool(live.any()):
             return 0

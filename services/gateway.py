@@ -18,10 +18,11 @@ to an `Admission` and a `Completions` object that decide many requests together 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -352,4 +353,10 @@ def _safe_request_id(value: str | None) -> str:
     """Keep a caller's request id when it is short and plain; otherwise make one."""
     if value and len(value) <= 64 and all(c.isalnum() or c in "-_." for c in value):
         return value
-    return uuid.uuid4().hex
+    return f"{_ID_PREFIX}{next(_ID_SEQUENCE):012x}"
+
+
+# Request ids: a random per-process prefix (80 bits) and a counter — unique across
+# processes and restarts like a uuid4, without a system call per request.
+_ID_PREFIX = secrets.token_hex(10)
+_ID_SEQUENCE = itertools.count()

@@ -13,6 +13,7 @@ snapshots with its own lock, so that related tables change together.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,6 +98,7 @@ class HistogramTable:
         self._bounds_t = torch.tensor(values, dtype=torch.float64, device=device.device)
         self._counts = device.allocate(owner, (initial_rows, len(values) + 1), torch.int64)
         self._sums = device.allocate(owner, (initial_rows,), torch.float64)
+        self.host_paths = True  # False forces the torch ops CUDA uses (tests compare the paths)
 
     def __len__(self) -> int:
         return len(self._rows.index)
@@ -114,6 +116,15 @@ class HistogramTable:
             self._rows.forget(added)
             raise
         dev = self._device.device
+        if self.host_paths and self._counts.device.type == "cpu":
+            # Zero-copy numpy views of the same tensors: for the few observations a
+            # micro-batch brings, per-element updates beat a torch op's dispatch cost ~10x.
+            # `bisect_left` is bucketize's `le` rule; sums are added in the same order.
+            counts, sums, bounds = self._counts.numpy(), self._sums.numpy(), self.bounds
+            for row, value in zip(rows, values, strict=True):
+                counts[row, bisect_left(bounds, value)] += 1
+                sums[row] += value
+            return
         row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         val_t = torch.tensor(values, dtype=torch.float64, device=dev)
         buckets = torch.bucketize(val_t, self._bounds_t, right=False)
@@ -156,6 +167,7 @@ class CounterTable:
         self._owner = owner
         self._rows = _Rows(initial_rows)
         self._values = device.allocate(owner, (initial_rows,), torch.int64)
+        self.host_paths = True  # False forces the torch ops CUDA uses (tests compare the paths)
 
     def __len__(self) -> int:
         return len(self._rows.index)
@@ -176,6 +188,11 @@ class CounterTable:
                 self._rows.forget(added)
                 raise
             self._rows.capacity = needed
+        if self.host_paths and self._values.device.type == "cpu":
+            values = self._values.numpy()  # a zero-copy view (see HistogramTable.observe)
+            for row, amount in zip(rows, amounts, strict=True):
+                values[row] += amount
+            return
         dev = self._device.device
         self._values.index_add_(
             0,

@@ -71,8 +71,9 @@ class Job:
     """One request's place in the scheduler; its step outputs arrive on `out`.
 
     `buffer` bounds the outputs not yet taken by the consumer (0 = unbounded, for unary
-    calls, whose consumer is the servicer itself); `budget_ms` is the compute budget,
-    counted from admission into a slot (0 = none).
+    calls, whose consumer is the servicer itself: it gets all its outputs as one list on
+    `out` when the job finishes); `budget_ms` is the compute budget, counted from
+    admission into a slot (0 = none).
     """
 
     request: GenerationRequest
@@ -88,6 +89,7 @@ class Job:
     admitted_seq: int | None = None
     tokens: int = 0
     done: bool = False  # its last output is on `out`
+    held: list[StepOutput] = field(default_factory=list)  # a unary job's outputs until it finishes
 
     def __post_init__(self) -> None:
         self.out = queue.Queue(maxsize=self.buffer)
@@ -185,10 +187,21 @@ class Scheduler:
                     self._deliver(owner, output)
 
     def _deliver(self, job: Job, output: StepOutput) -> None:
-        """Hand `output` to its job without ever waiting for the consumer."""
+        """Hand `output` to its job without ever waiting for the consumer.
+
+        A unary job (no buffer bound) gets its outputs in one hand-off when it finishes:
+        waking its consumer's thread for every token cost more CPU than the token itself
+        on a busy host, and a unary caller cannot use a token before the last one anyway.
+        """
         job.tokens += 1
+        item: StepOutput | list[StepOutput] = output
+        if not job.buffer:
+            job.held.append(output)
+            if not output.finished:
+                return
+            item, job.held = job.held, []
         try:
-            job.out.put_nowait(output)
+            job.out.put_nowait(item)
         except queue.Full:
             self._stop(job, ConsumerTooSlow(
                 f"stream consumer too slow: {job.buffer} chunks were waiting unread "

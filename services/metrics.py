@@ -143,12 +143,26 @@ def check_record(record: metrics_pb2.RequestRecord) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _RequestKeys:
+    """The series keys of one (layout, model, tenant, status, shadow) combination."""
+
+    requests: SeriesKey
+    cache_hits: SeriesKey
+    tokens: SeriesKey
+    duration: SeriesKey
+
+
+_KEY_MEMO_LIMIT = 4096
+
+
 class MetricsService(metrics_pb2_grpc.MetricsServicer):
     """Counts and times requests; `record_batch` is the batcher's one update per micro-batch."""
 
     def __init__(self, config: MetricsConfig, device: DeviceState) -> None:
         self.config = config
         self._lock = threading.Lock()
+        self._keys: dict[tuple[str, str, str, str, bool], _RequestKeys] = {}
         self._counters = CounterTable(device, owner="metrics", initial_rows=config.initial_series)
         self._histograms = HistogramTable(
             device, config.buckets, owner="metrics", initial_rows=config.initial_series
@@ -170,31 +184,47 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
             problem = check_record(r)
             if problem:
                 raise ValueError(f"records[{i}].{problem}")
-            shadow = "true" if r.shadow else "false"
-            who = (r.layout, r.model, r.tenant)
-            counter_keys.append((REQUESTS.name, *who, r.status, shadow))
+            layout, shadow = r.layout, r.shadow
+            keys = self._request_keys(layout, r.model, r.tenant, r.status, shadow)
+            counter_keys.append(keys.requests)
             amounts.append(1)
             if r.cached:
-                counter_keys.append((CACHE_HITS.name, *who, shadow))
+                counter_keys.append(keys.cache_hits)
                 amounts.append(1)
             if r.completion_tokens:
-                counter_keys.append((TOKENS.name, *who, shadow))
+                counter_keys.append(keys.tokens)
                 amounts.append(r.completion_tokens)
             for middleware in r.failed_middlewares:
                 counter_keys.append((FAILURES.name, middleware))
                 amounts.append(1)
-            if r.shadow:
-                hist_keys.append((SHADOW_DURATION.name, *who, r.status))
-                values.append(r.latency_s)
-                continue
-            hist_keys.append((DURATION.name, *who, r.status))
+            hist_keys.append(keys.duration)
             values.append(r.latency_s)
+            if shadow:
+                continue
             for middleware, seconds in sorted(r.middleware_s.items()):
-                hist_keys.append((MIDDLEWARE_DURATION.name, r.layout, middleware))
+                hist_keys.append((MIDDLEWARE_DURATION.name, layout, middleware))
                 values.append(seconds)
         with self._lock:
             self._counters.add(counter_keys, amounts)
             self._histograms.observe(hist_keys, values)
+
+    def _request_keys(self, layout: str, model: str, tenant: str, status: str, shadow: bool) -> _RequestKeys:
+        """The series one request touches, built once per label combination (the same few
+        combinations repeat on every request, and building tuples is most of the cost)."""
+        label = (layout, model, tenant, status, shadow)
+        keys = self._keys.get(label)
+        if keys is None:
+            flag = "true" if shadow else "false"
+            who = (layout, model, tenant)
+            keys = _RequestKeys(
+                requests=(REQUESTS.name, *who, status, flag),
+                cache_hits=(CACHE_HITS.name, *who, flag),
+                tokens=(TOKENS.name, *who, flag),
+                duration=((SHADOW_DURATION if shadow else DURATION).name, *who, status),
+            )
+            if len(self._keys) < _KEY_MEMO_LIMIT:  # label values come from requests: stay bounded
+                self._keys[label] = keys
+        return keys
 
     def record_middleware_failure(self, middleware: str, count: int = 1) -> None:
         """Count a fail-open middleware failure outside of a request record."""

@@ -9,6 +9,7 @@ Two rules, both applied wherever a mapping or text leaves the process for humans
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -42,8 +43,17 @@ _SECRET_TEXT = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_secret_name(name: str) -> bool:
+    """Memoized: log records repeat the same few field names on every request."""
+    flat = re.sub(r"[^a-z0-9]", "", name.lower())
+    return any(part in flat for part in _SECRET_KEY_PARTS) or flat.endswith(_SECRET_KEY_SUFFIXES)
+
+
 def is_secret_key(key: object) -> bool:
     """True when a key names a credential, whatever the case or separators."""
+    if isinstance(key, str):
+        return _is_secret_name(key)
     flat = re.sub(r"[^a-z0-9]", "", str(key).lower())
     return any(part in flat for part in _SECRET_KEY_PARTS) or flat.endswith(_SECRET_KEY_SUFFIXES)
 

@@ -396,6 +396,8 @@ def test_the_numpy_view_and_the_tensor_ops_read_the_index_identically() -> None:
     views: CacheIndex[int] = CacheIndex(DeviceContext(), max_entries=16, key_hash=lambda k: k[0] % 7)
     tensors: CacheIndex[int] = CacheIndex(DeviceContext(), max_entries=16, key_hash=lambda k: k[0] % 7)
     tensors._host = False  # the path CUDA takes
+    arrays: CacheIndex[int] = CacheIndex(DeviceContext(), max_entries=16, key_hash=lambda k: k[0] % 7)
+    arrays.loop_max = 0  # a large batch on the CPU: numpy gathers instead of element reads
     rng = random.Random(5)
     now = 0.0
     for step in range(400):
@@ -403,6 +405,8 @@ def test_the_numpy_view_and_the_tensor_ops_read_the_index_identically() -> None:
         key = bytes([rng.randrange(40)]) + b"-key"
         if rng.random() < 0.5:
             ttl = rng.choice([1.0, 5.0, 50.0])
-            assert views.put(key, step, now, ttl) == tensors.put(key, step, now, ttl), step
+            evicted = tensors.put(key, step, now, ttl)
+            assert views.put(key, step, now, ttl) == arrays.put(key, step, now, ttl) == evicted, step
         batch = [bytes([rng.randrange(40)]) + b"-key" for _ in range(rng.randrange(1, 6))]
-        assert views.lookup_batch(batch, now) == tensors.lookup_batch(batch, now)
+        found = tensors.lookup_batch(batch, now)
+        assert views.lookup_batch(batch, now) == arrays.lookup_batch(batch, now) == found

@@ -12,6 +12,8 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
 from services.common import ConfigError
@@ -298,3 +300,26 @@ def test_grpc_round_trip_on_a_unix_socket(metrics: MetricsService) -> None:
         s, "spine_request_duration_seconds_bucket",
         layout="collapsed", model="tiny-lm", tenant="dev", status="OK", le="0.005",
     ) == 1  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]),
+                                           st.floats(min_value=0.0, max_value=20.0, allow_nan=False),
+                                           st.integers(min_value=0, max_value=50)),
+                                 max_size=12), max_size=6))
+def test_host_updates_equal_the_torch_ops_bit_for_bit(batches: list[list[tuple[str, float, int]]]) -> None:
+    """On the CPU the tables update numpy views of their tensors; CUDA takes the torch ops.
+    Both must leave identical counts, sums (same additions, same order) and counters —
+    values on bucket bounds included, where `le` decides."""
+    bounds = [0.5, 1.0, 2.5, 10.0]
+    tables = []
+    for host in (True, False):
+        device = DeviceContext(device=torch.device("cpu"))
+        hist, counters = HistogramTable(device, bounds, initial_rows=1), CounterTable(device, initial_rows=1)
+        hist.host_paths = counters.host_paths = host
+        for batch in batches:
+            edge = [(k, bounds[n % len(bounds)] if n % 3 == 0 else v, n) for k, v, n in batch]
+            hist.observe([(k,) for k, _, _ in edge], [v for _, v, _ in edge])
+            counters.add([(k,) for k, _, _ in edge], [n for _, _, n in edge])
+        tables.append((hist.snapshot(), counters.snapshot()))
+    assert tables[0] == tables[1]

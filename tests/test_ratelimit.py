@@ -422,14 +422,18 @@ def test_round_trip_over_a_real_grpc_server_on_a_unix_socket(unix_server: tuple[
                                              st.booleans()), min_size=1, max_size=12),
                           st.floats(0.0, 3.0)), min_size=1, max_size=8))
 def test_the_cpu_fast_paths_and_the_torch_ops_decide_bit_for_bit_alike(batches: list) -> None:
-    """On the CPU a table decides on Python floats (one request) or numpy views (a batch); on
-    CUDA with torch ops. Same answers, same bucket levels, for any batches and times."""
+    """On the CPU a table decides on Python floats (a micro-batch) or numpy views (a large
+    batch); on CUDA with torch ops. Same answers, same bucket levels, for any batches and times."""
     host, _ = make({"requests_per_second": 2, "burst": 5, "tokens_per_minute": 120, "token_burst": 80})
     torch_ops, _ = make({"requests_per_second": 2, "burst": 5, "tokens_per_minute": 120, "token_burst": 80})
+    numpy_ops, _ = make({"requests_per_second": 2, "burst": 5, "tokens_per_minute": 120, "token_burst": 80})
     torch_ops._table.host_paths = False  # the path CUDA takes
+    numpy_ops._table.sequential_max = 0  # a large batch on the CPU: numpy's cumulative sums
     now = 100.0
     for batch, advance in batches:
         now += advance
         requests = [request(tokens, tenant, dry_run=dry) for tenant, tokens, dry in batch]
-        assert host.admit_batch(requests, now=now) == torch_ops.admit_batch(requests, now=now)
-    assert host.snapshot() == torch_ops.snapshot()
+        expected = torch_ops.admit_batch(requests, now=now)
+        assert host.admit_batch(requests, now=now) == expected
+        assert numpy_ops.admit_batch(requests, now=now) == expected
+    assert host.snapshot() == torch_ops.snapshot() == numpy_ops.snapshot()

@@ -5,7 +5,8 @@ CUDA, never at module import — nothing in the default install needs it. Every 
 a torch fallback with the same result, which is what runs on the CPU (and in CI).
 
 `scatter_add` is the counters' update (one atomicAdd per row, any number of repeats of
-a row in one batch): the metrics tables and the rate-limit charges are this operation.
+a row in one batch). The metric tables reach it through `DeviceContext.scatter_add` (the
+services never import this package; the device state they are given carries the kernel).
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ def _kernel() -> Any:
     return cupy.RawKernel(_SCATTER_ADD, "scatter_add_i64")
 
 
-def scatter_add(table: torch.Tensor, rows: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
+def scatter_add(table: torch.Tensor, rows: torch.Tensor, amounts: torch.Tensor, *,
+                checked: bool = True) -> torch.Tensor:
     """table[rows[i]] += amounts[i] for every i (repeats add up), in place; returns `table`.
 
     On a CUDA int64 table with CuPy present: one atomicAdd per element, on torch's current
     stream, on the very memory torch owns (DLPack, no copy). Otherwise torch's index_add_.
+    `checked=False` skips the range check (two device-to-host reads on CUDA) for callers
+    whose rows come from their own index, like the metric tables.
     """
     if rows.numel() != amounts.numel():
         raise ValueError(f"rows and amounts: expected the same length, got {rows.numel()} and {amounts.numel()}")
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= table.numel()):
+    if checked and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= table.numel()):
         raise IndexError(f"rows: every row must be in [0, {table.numel()}), got {int(rows.min())}..{int(rows.max())}")
     if table.is_cuda and table.dtype == torch.int64 and table.is_contiguous() and available():
         return _scatter_add_cupy(table, rows, amounts)

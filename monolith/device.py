@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from monolith import cupy_kernels
+
 
 def pick_device(preferred: str = "auto") -> torch.device:
     """CUDA when torch sees one (or when asked for), else the CPU."""
@@ -49,6 +51,11 @@ class DeviceContext:
     def release(self, owner: str, tensor: torch.Tensor) -> None:
         with self._lock:
             self._used[owner] = max(0, self._used[owner] - tensor.numel() * tensor.element_size())
+
+    def scatter_add(self, table: torch.Tensor, rows: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
+        """Counter updates for the services' tables: CuPy's atomicAdd kernel on CUDA when the
+        `gpu` extra is installed (imported lazily, on first use), torch's index_add_ otherwise."""
+        return cupy_kernels.scatter_add(table, rows, amounts, checked=False)
 
     def usage(self) -> dict[str, int]:
         """Bytes in use per owner, for `spine status` and the benchmark."""

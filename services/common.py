@@ -37,6 +37,14 @@ class DeviceState(Protocol):
         """Return a tensor's bytes to the budget (e.g. when a table grows)."""
         ...
 
+    def scatter_add(self, table: torch.Tensor, rows: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
+        """table.view(-1)[rows[i]] += amounts[i] for every i, repeats adding up; in place.
+
+        The device's counter update: a raw atomicAdd kernel where the device has one
+        (CuPy on CUDA), torch's index_add_ elsewhere. Rows must already be in range.
+        """
+        ...
+
 
 def section(config: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:
     """The `name` section of a config mapping, or {}; a non-mapping is a ConfigError."""

@@ -129,7 +129,7 @@ class HistogramTable:
         val_t = torch.tensor(values, dtype=torch.float64, device=dev)
         buckets = torch.bucketize(val_t, self._bounds_t, right=False)
         width = self._counts.shape[1]
-        self._counts.view(-1).index_add_(0, row_t * width + buckets, torch.ones_like(row_t))
+        self._device.scatter_add(self._counts, row_t * width + buckets, torch.ones_like(row_t))
         self._sums.index_add_(0, row_t, val_t)
 
     def snapshot(self) -> list[HistogramSeries]:
@@ -194,8 +194,8 @@ class CounterTable:
                 values[row] += amount
             return
         dev = self._device.device
-        self._values.index_add_(
-            0,
+        self._device.scatter_add(
+            self._values,
             torch.tensor(rows, dtype=torch.int64, device=dev),
             torch.tensor(amounts, dtype=torch.int64, device=dev),
         )

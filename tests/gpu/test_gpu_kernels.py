@@ -44,3 +44,30 @@ def test_rate_limit_admission_on_cuda_equals_the_cpu_decisions() -> None:
         service = RateLimitService(config, DeviceContext(torch.device(device)), clock=lambda: 100.0)
         answers.append([r.SerializeToString(deterministic=True) for r in service.admit_batch(requests)])
     assert answers[0] == answers[1]
+
+
+def test_metric_tables_on_cuda_count_like_the_cpu_tables() -> None:
+    """The counters and histogram counts go through `DeviceContext.scatter_add` (CuPy's
+    atomicAdd when installed); the exposition must equal the CPU service's."""
+    from services.metrics import MetricsConfig, MetricsService
+    from spine.v1 import metrics_pb2
+
+    records = [metrics_pb2.RequestRecord(layout="collapsed", model="tiny-lm", tenant=f"t{i % 5}",
+                                         status="OK" if i % 7 else "RESOURCE_EXHAUSTED", latency_s=0.001 * (i % 40),
+                                         middleware_s={"auth": 1e-4 * (i % 3)}, cached=i % 4 == 0,
+                                         completion_tokens=i % 9)
+               for i in range(2_000)]
+    rendered = []
+    for device in ("cpu", "cuda"):
+        service = MetricsService(MetricsConfig(), DeviceContext(device=torch.device(device)))
+        for start in range(0, len(records), 64):
+            service.record_batch(records[start:start + 64])
+        rendered.append(service.render().splitlines())
+    cpu, cuda = rendered
+    assert len(cpu) == len(cuda)
+    for want, got in zip(cpu, cuda, strict=True):
+        if "_sum{" in want:  # float sums: atomic adds on the GPU may add in another order
+            assert want.rsplit(" ", 1)[0] == got.rsplit(" ", 1)[0]
+            assert float(got.rsplit(" ", 1)[1]) == pytest.approx(float(want.rsplit(" ", 1)[1]), rel=1e-9)
+        else:  # counts are integers: exactly equal
+            assert want == got

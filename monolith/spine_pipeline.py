@@ -255,14 +255,8 @@ class BatchedAdmission:
             asking: list[tuple[_Ticket, Any]] = []
             for ticket in stage.tickets:
                 assert ticket.resolved is not None
-                message = rate_limit_request(ticket.state.tenant, ticket.resolved, ticket.state.shadow)
-                try:
-                    self.ratelimit.validate(message)
-                except InvalidRateLimitRequest as error:
-                    ticket.outcome = downstream_stop("ratelimit", grpc.StatusCode.INVALID_ARGUMENT, str(error))
-                    continue
-                asking.append((ticket, message))
-            for ticket, reply in zip([t for t, _ in asking], self._admit([m for _, m in asking]), strict=True):
+                asking.append((ticket, rate_limit_request(ticket.state.tenant, ticket.resolved, ticket.state.shadow)))
+            for ticket, reply in self._admit_valid(asking):
                 if isinstance(reply, Stop):
                     ticket.outcome = reply
                     continue
@@ -270,6 +264,17 @@ class BatchedAdmission:
                 ticket.outcome = rate_limit_stop(reply, rate_limit_cost(ticket.resolved))
         finally:
             stage.finish()
+
+    def _admit_valid(self, asking: list[tuple[_Ticket, Any]]) -> list[tuple[_Ticket, Any]]:
+        """Each ticket with its reply. A malformed request fails alone, INVALID_ARGUMENT: the
+        batch names it (`InvalidRateLimitRequest.index`, raised before any bucket changes)
+        and is decided again without it — a batch is parsed once when all are well formed."""
+        while True:
+            try:
+                return list(zip([t for t, _ in asking], self._admit([m for _, m in asking]), strict=True))
+            except InvalidRateLimitRequest as error:
+                ticket, _ = asking.pop(error.index)
+                ticket.outcome = downstream_stop("ratelimit", grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     def _admit(self, messages: list[Any]) -> list[Any]:
         """ONE admit_batch; on a full bucket table, one by one (so only the one that needs room fails)."""
@@ -279,6 +284,8 @@ class BatchedAdmission:
             return list(self.ratelimit.admit_batch(messages))
         except MemoryError:
             pass
+        except InvalidRateLimitRequest:
+            raise  # `_admit_valid` takes the malformed one out
         except Exception as error:
             return [_unexpected("ratelimit", error)] * len(messages)
         replies: list[Any] = []

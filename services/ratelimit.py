@@ -167,18 +167,19 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                 slots, [r.cost for r in rows], row_request, [not q.dry_run for q in requests], at
             )
         responses = [ratelimit_pb2.RateLimitResponse() for _ in requests]
+        waits: list[list[float]] = [[] for _ in requests]
         for i, row in enumerate(rows):
-            fits = decision.fits[i]
+            retry = decision.retry_after_s[i]
             responses[row_request[i]].statuses.add(
-                code=_OK if fits else _OVER_LIMIT,
+                code=_OK if decision.fits[i] else _OVER_LIMIT,
                 limit_name=row.bucket.name,
                 limit_remaining=decision.remaining[i],
-                retry_after_s=decision.retry_after_s[i],
+                retry_after_s=retry,
             )
-        for response, admitted in zip(responses, decision.admitted, strict=True):
+            waits[row_request[i]].append(retry)
+        for response, admitted, wait in zip(responses, decision.admitted, waits, strict=True):
             response.overall_code = _OK if admitted else _OVER_LIMIT
-            waits = [s.retry_after_s for s in response.statuses]
-            response.retry_after_s = -1.0 if -1.0 in waits else max(waits)
+            response.retry_after_s = -1.0 if -1.0 in wait else max(wait)
         return responses
 
     def validate(self, request: ratelimit_pb2.RateLimitRequest) -> None:

@@ -266,24 +266,25 @@ class TokenBucketTable:
         for slot, cost, request in zip(row_slot, row_cost, row_request, strict=True):
             costs = wants[request]
             costs[slot] = costs.get(slot, 0.0) + float(cost)
-        buckets = sorted(set(row_slot))
         state = self._state.numpy()
-        level_, last_, rate_, cap_ = state[:4, buckets].tolist()
+        item = state.item
         level: dict[int, float] = {}
-        for j, slot in enumerate(buckets):
-            level[slot] = min(cap_[j], level_[j] + rate_[j] * max(now - last_[j], 0.0))
-        rate = dict(zip(buckets, rate_, strict=True))
-        cap = dict(zip(buckets, cap_, strict=True))
+        last: dict[int, float] = {}
+        rate: dict[int, float] = {}
+        cap: dict[int, float] = {}
+        for slot in dict.fromkeys(row_slot):
+            last[slot], rate[slot], cap[slot] = item(LAST_REFILL, slot), item(RATE, slot), item(CAPACITY, slot)
+            level[slot] = min(cap[slot], item(LEVEL, slot) + rate[slot] * max(now - last[slot], 0.0))
         admitted: list[bool] = []
         outcome: list[dict[int, tuple[bool, float, float]]] = []  # per request: bucket -> (fits, left, retry)
         for request, costs in enumerate(wants):
-            fits = {slot: cost <= level[slot] for slot, cost in costs.items()}
-            ok = all(fits.values())
+            ok = all(cost <= level[slot] for slot, cost in costs.items())
             take = ok and bool(charge[request])
             out: dict[int, tuple[bool, float, float]] = {}
             for slot, cost in costs.items():
                 current = level[slot]
-                if fits[slot]:
+                fits = cost <= current
+                if fits:
                     retry = 0.0
                 elif cost > cap[slot]:
                     retry = -1.0
@@ -291,12 +292,12 @@ class TokenBucketTable:
                     retry = (cost - current) / rate[slot] if rate[slot] > 0 else math.inf
                 if take:
                     level[slot] = current - cost
-                out[slot] = (fits[slot], level[slot], retry)
+                out[slot] = (fits, level[slot], retry)
             admitted.append(ok)
             outcome.append(out)
-        for j, slot in enumerate(buckets):
-            state[LEVEL, slot] = level[slot]
-            state[LAST_REFILL, slot] = max(last_[j], now)
+        for slot, value in level.items():
+            state[LEVEL, slot] = value
+            state[LAST_REFILL, slot] = max(last[slot], now)
         rows = [outcome[request][slot] for slot, request in zip(row_slot, row_request, strict=True)]
         return BatchDecision(
             admitted=admitted,

@@ -191,6 +191,32 @@ def test_an_invalid_request_fails_alone_and_the_rest_of_the_batch_proceeds() -> 
     assert outcomes[7][0].model == "tiny-lm"  # type: ignore[index]
 
 
+def test_a_malformed_rate_limit_request_fails_alone_and_the_others_are_charged_once() -> None:
+    """The batch is parsed once; the request it names as malformed is taken out with
+    INVALID_ARGUMENT and the rest decided again: nobody is charged twice."""
+    from monolith.spine_pipeline import _Ticket
+    from services.gateway_limits import rate_limit_request
+    from spine.v1 import ratelimit_pb2
+
+    services = make_services()
+    admission = batched(services)
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="hello", max_tokens=4)
+    good = rate_limit_request("tight", request, False)
+    bad = ratelimit_pb2.RateLimitRequest(domain="elsewhere", descriptors=good.descriptors)
+    tickets = [_Ticket(request, new_state(TIGHT_KEY, index=i)) for i in range(4)]
+    replies = admission._admit_valid(list(zip(tickets, [good, bad, good, bad], strict=True)))
+    assert [t for t, _ in replies] == [tickets[0], tickets[2]]
+    assert all(r.overall_code == ratelimit_pb2.RateLimitResponse.OK for _, r in replies)
+    for ticket in (tickets[1], tickets[3]):
+        assert isinstance(ticket.outcome, Stop) and ticket.outcome.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "domain: expected 'spine', got 'elsewhere'" in ticket.outcome.details
+    # Two requests charged, once each: the requests bucket lost exactly 2 from its burst.
+    buckets = services.ratelimit.snapshot()
+    requests_bucket = next(v for k, v in buckets.items() if "tenant=tight" in k and "resource=requests" in k)
+    burst = CONFIG["ratelimit"]["tenants"]["tight"]["burst"]
+    assert requests_bucket.level == burst - 2
+
+
 def test_one_batch_admits_exactly_the_burst_and_tells_the_rest_when_to_retry() -> None:
     services = make_services()
     admission = batched(services)

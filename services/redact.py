@@ -58,8 +58,15 @@ def is_secret_key(key: object) -> bool:
     return any(part in flat for part in _SECRET_KEY_PARTS) or flat.endswith(_SECRET_KEY_SUFFIXES)
 
 
+# The shortest text any of the patterns can match ("eyJ.a."): shorter text is kept as is
+# without running the regex (most log values — status, tenant — are that short).
+_SHORTEST_SECRET = 6
+
+
 def redact_text(text: str) -> str:
     """`text` with every bearer credential and JWT-looking token replaced by [REDACTED]."""
+    if len(text) < _SHORTEST_SECRET:
+        return text
     return _SECRET_TEXT.sub(REDACTED, text)
 
 
@@ -67,6 +74,8 @@ def redact_value(value: Any) -> Any:
     """Strings are scrubbed by shape; mappings and sequences are walked; the rest is kept."""
     if isinstance(value, str):
         return redact_text(value)
+    if value is None or isinstance(value, bool | int | float):  # before the (slow) Mapping ABC check
+        return value
     if isinstance(value, Mapping):
         return redact_mapping(value)
     if isinstance(value, list | tuple):

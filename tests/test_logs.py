@@ -297,3 +297,17 @@ def test_grpc_round_trip_on_a_unix_socket(service: LogsService) -> None:
     lines = read_lines(service.config.path)
     assert [line["request_id"] for line in lines] == ["r1", "r2"]
     assert lines[0]["fields"] == {"password": REDACTED}
+
+
+def test_text_too_short_to_hold_a_secret_skips_the_regex_and_nothing_shorter_matches() -> None:
+    """`redact_text` keeps text under `_SHORTEST_SECRET` characters without running the
+    regex; that is safe only if no shorter text can match — checked exhaustively over the
+    characters the patterns are made of."""
+    import itertools
+
+    from services.redact import _SECRET_TEXT, _SHORTEST_SECRET, redact_text
+
+    assert redact_text("eyJ.a.") == "[REDACTED]"  # the shortest match is still caught
+    for length in range(1, _SHORTEST_SECRET):
+        for chars in itertools.product("eyJbBr a.=-_", repeat=length):
+            assert _SECRET_TEXT.search("".join(chars)) is None, chars

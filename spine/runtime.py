@@ -192,8 +192,10 @@ class Stack:
         gateway.admission = self.admission
         if enabled and {"metrics", "logs"} <= local:
             if self.completions is None:
-                self.completions = BatchedCompletions(self.local_servicers["metrics"], self.local_servicers["logs"],
-                                                      fail_open=gateway.count_fail_open, hooks=self.hooks)
+                self.completions = BatchedCompletions(
+                    self.local_servicers["metrics"], self.local_servicers["logs"],
+                    max_wait_us=self._batching.completion_wait_us, expected=lambda: gateway.in_flight,
+                    fail_open=gateway.count_fail_open, hooks=self.hooks)
         elif self.completions is not None:
             self.completions.close()
             self.completions = None

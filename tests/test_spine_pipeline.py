@@ -274,9 +274,41 @@ def test_completions_write_one_batch_and_keep_the_good_records_when_one_is_bad(t
     assert (tmp_path / "requests.jsonl").read_text().count("\n") == 3
 
 
+def test_finished_requests_wait_for_each_other_within_the_completion_window(tmp_path: Any) -> None:
+    """Requests finishing together share one metrics write and one log write; a window
+    closes early once everyone expected is in, and every record is counted before the
+    callers return."""
+    import threading
+
+    device = DeviceContext()
+    metrics = MetricsService(MetricsConfig.from_dict({}), device)
+    logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+    writes: list[int] = []
+    record_batch = metrics.record_batch
+    metrics.record_batch = lambda records: (writes.append(len(records)), record_batch(records))[1]  # type: ignore[method-assign]
+    completions = BatchedCompletions(metrics, logs, max_wait_us=5_000_000, expected=lambda: 3)
+
+    def finish(i: int) -> None:
+        state = new_state(DEV_KEY, index=i)
+        completions.complete(state, metrics_pb2.RequestRecord(layout="collapsed", model="tiny-lm", tenant="dev",
+                                                              status="OK", latency_s=0.01),
+                             logs_pb2.LogRecord(request_id=state.request_id, tenant="dev", status="OK", latency_ms=10))
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=4)  # far less than the 5 s window: the third arrival closes it
+    assert not any(thread.is_alive() for thread in threads)
+    assert writes == [3]
+    assert 'tenant="dev",status="OK",shadow="false"} 3' in metrics.render()
+    logs.close()
+
+
 @pytest.mark.parametrize(("section", "message"), [
     ({"max_batch": 0}, "batching.max_batch"),
     ({"max_wait_us": -5}, "batching.max_wait_us"),
+    ({"completion_wait_us": True}, "batching.completion_wait_us"),
     ({"enabled": "yes"}, "batching.enabled"),
     ({"window": 3}, "batching.window: unknown key"),
 ])
@@ -286,4 +318,5 @@ def test_bad_batching_config_names_the_field(section: dict, message: str) -> Non
 
 
 def test_default_batching_config_is_the_documented_one() -> None:
-    assert BatchingConfig.from_config(CONFIG) == BatchingConfig(enabled=True, max_batch=32, max_wait_us=500.0)
+    assert BatchingConfig.from_config(CONFIG) == BatchingConfig(enabled=True, max_batch=32, max_wait_us=500.0,
+                                                                completion_wait_us=1000.0)

@@ -111,7 +111,8 @@ class Admission(Protocol):
 
 
 class Completions(Protocol):
-    """Records a finished request's metrics and log line before its answer goes out."""
+    """Takes a finished request's metrics record and log line before its answer goes out;
+    they are counted before anyone reads the metrics or logs, and before shutdown ends."""
 
     def complete(self, state: RequestState, record: metrics_pb2.RequestRecord,
                  line: logs_pb2.LogRecord) -> None: ...

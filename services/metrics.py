@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +163,7 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         self.config = config
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, str, str, str, bool], _RequestKeys] = {}
+        self._read_hooks: list[Callable[[], None]] = []
         self._counters = CounterTable(device, owner="metrics", initial_rows=config.initial_series)
         self._histograms = HistogramTable(
             device, config.buckets, owner="metrics", initial_rows=config.initial_series
@@ -233,8 +234,19 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         with self._lock:
             self._counters.add([(FAILURES.name, middleware)], [count])
 
+    def add_read_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook` before every read: whoever holds records not yet handed in (the
+        spine's completions window) hands them in, so a scrape never misses one."""
+        self._read_hooks.append(hook)
+
+    def remove_read_hook(self, hook: Callable[[], None]) -> None:
+        if hook in self._read_hooks:
+            self._read_hooks.remove(hook)
+
     def render(self) -> str:
         """The whole exposition, Prometheus text format 0.0.4, families and series sorted."""
+        for hook in list(self._read_hooks):
+            hook()
         with self._lock:
             counters = self._counters.snapshot()
             histograms = self._histograms.snapshot()

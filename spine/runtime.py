@@ -194,7 +194,7 @@ class Stack:
             if self.completions is None:
                 self.completions = BatchedCompletions(
                     self.local_servicers["metrics"], self.local_servicers["logs"],
-                    max_wait_us=self._batching.completion_wait_us, expected=lambda: gateway.in_flight,
+                    interval_s=self._batching.completion_interval_ms / 1000.0,
                     fail_open=gateway.count_fail_open, hooks=self.hooks)
         elif self.completions is not None:
             self.completions.close()

@@ -8,6 +8,7 @@ equal those of the per-request pipeline deciding the same requests in arrival or
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,19 +275,18 @@ def test_completions_write_one_batch_and_keep_the_good_records_when_one_is_bad(t
     assert (tmp_path / "requests.jsonl").read_text().count("\n") == 3
 
 
-def test_finished_requests_wait_for_each_other_within_the_completion_window(tmp_path: Any) -> None:
-    """Requests finishing together share one metrics write and one log write; a window
-    closes early once everyone expected is in, and every record is counted before the
-    callers return."""
-    import threading
-
+def test_finished_requests_answer_at_once_and_every_reader_sees_their_records(tmp_path: Any) -> None:
+    """A finished request only hands its record and line over; they are written a window
+    at a time (one metrics and one log write) — by the folder, or by any reader first:
+    a scrape and a log flush always see every request that was answered, and close
+    writes what is left."""
     device = DeviceContext()
     metrics = MetricsService(MetricsConfig.from_dict({}), device)
     logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
     writes: list[int] = []
     record_batch = metrics.record_batch
     metrics.record_batch = lambda records: (writes.append(len(records)), record_batch(records))[1]  # type: ignore[method-assign]
-    completions = BatchedCompletions(metrics, logs, max_wait_us=5_000_000, expected=lambda: 3)
+    completions = BatchedCompletions(metrics, logs, interval_s=3600.0)  # the folder never fires here
 
     def finish(i: int) -> None:
         state = new_state(DEV_KEY, index=i)
@@ -294,21 +294,42 @@ def test_finished_requests_wait_for_each_other_within_the_completion_window(tmp_
                                                               status="OK", latency_s=0.01),
                              logs_pb2.LogRecord(request_id=state.request_id, tenant="dev", status="OK", latency_ms=10))
 
-    threads = [threading.Thread(target=finish, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=4)  # far less than the 5 s window: the third arrival closes it
-    assert not any(thread.is_alive() for thread in threads)
+    for i in range(3):
+        finish(i)
+    assert writes == [] and completions.pending == 3  # answered, not yet written
+    assert 'tenant="dev",status="OK",shadow="false"} 3' in metrics.render()  # the scrape wrote them first
     assert writes == [3]
-    assert 'tenant="dev",status="OK",shadow="false"} 3' in metrics.render()
+    finish(3)
+    assert logs.flush() == 4  # the flush wrote the fourth, then put every line on disk
+    finish(4)
+    completions.close()  # shutdown: what is left is written
+    finish(5)  # a straggler after close is written at once
+    assert writes == [3, 1, 1, 1]
+    logs.close()
+    assert (tmp_path / "requests.jsonl").read_text().count("\n") == 6
+
+
+def test_the_completions_folder_writes_on_its_own_interval(tmp_path: Any) -> None:
+    device = DeviceContext()
+    metrics = MetricsService(MetricsConfig.from_dict({}), device)
+    logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+    completions = BatchedCompletions(metrics, logs, interval_s=0.01)
+    state = new_state(DEV_KEY)
+    completions.complete(state, metrics_pb2.RequestRecord(layout="collapsed", model="tiny-lm", tenant="dev",
+                                                          status="OK", latency_s=0.01),
+                         logs_pb2.LogRecord(request_id=state.request_id, tenant="dev", status="OK", latency_ms=10))
+    deadline = time.monotonic() + 5
+    while completions.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert completions.pending == 0 and completions.stats.batches == 1
+    completions.close()
     logs.close()
 
 
 @pytest.mark.parametrize(("section", "message"), [
     ({"max_batch": 0}, "batching.max_batch"),
     ({"max_wait_us": -5}, "batching.max_wait_us"),
-    ({"completion_wait_us": True}, "batching.completion_wait_us"),
+    ({"completion_interval_ms": 0}, "batching.completion_interval_ms"),
     ({"enabled": "yes"}, "batching.enabled"),
     ({"window": 3}, "batching.window: unknown key"),
 ])
@@ -319,4 +340,4 @@ def test_bad_batching_config_names_the_field(section: dict, message: str) -> Non
 
 def test_default_batching_config_is_the_documented_one() -> None:
     assert BatchingConfig.from_config(CONFIG) == BatchingConfig(enabled=True, max_batch=32, max_wait_us=500.0,
-                                                                completion_wait_us=1000.0)
+                                                                completion_interval_ms=50.0)

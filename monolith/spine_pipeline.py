@@ -367,12 +367,20 @@ class BatchedCompletions:
     SIGTERM loses no answered request's count or line.
     """
 
-    def __init__(self, metrics: MetricsService, logs: LogsService, *, max_batch: int = 256,
-                 interval_s: float = 0.05, fail_open: FailOpen | None = None, hooks: Sequence[Any] = ()) -> None:
+    def __init__(self, metrics: MetricsService, logs: LogsService, *, cache: CacheService | None = None,
+                 max_batch: int = 256, interval_s: float = 0.05, busy: Callable[[], bool] | None = None,
+                 fail_open: FailOpen | None = None, hooks: Sequence[Any] = ()) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         self.metrics = metrics
         self.logs = logs
+        self.cache = cache
+        # When nothing else is in flight the folder writes at once, in the gap before the
+        # next request (a lone client never finds work waiting); under load it waits for
+        # `interval_s` so a window holds many requests.
+        self._busy = busy or (lambda: True)
+        self._stores: deque[tuple[RequestState, cache_pb2.CacheStoreRequest]] = deque()
+        self._store_lock = threading.Lock()
         self.max_batch = max_batch
         self.interval_s = interval_s
         self._fail_open = fail_open
@@ -384,6 +392,8 @@ class BatchedCompletions:
         self._closed = False
         metrics.add_read_hook(self.drain)
         logs.add_read_hook(self.drain)
+        if cache is not None:
+            cache.add_read_hook(self.drain_stores)
         self._thread = threading.Thread(target=self._fold, name="spine-completions", daemon=True)
         self._thread.start()
 
@@ -395,15 +405,58 @@ class BatchedCompletions:
             self._pending.append((state, record, line))
             if self._closed:  # a straggler after shutdown began: written now, counted if it fails
                 self.drain()
-            elif len(self._pending) >= self.max_batch:
+            elif len(self._pending) >= self.max_batch or not self._busy():
                 self._wake.set()
         finally:
             for hook, token in reversed(tokens):
                 hook.end(token, grpc.StatusCode.OK)
 
+    def store(self, state: RequestState, request: generation_pb2.GenerateRequest,
+              response: generation_pb2.GenerateResponse) -> bool:
+        """Hand a response over for the cache; False when this spine has no local cache (the
+        caller then stores it itself). It is stored before any later lookup (the cache calls
+        `drain_stores` first), so a repeated request still hits."""
+        if self.cache is None:
+            return False
+        tokens: list[tuple[Any, Any]] = []
+        for hook in self.hooks:
+            try:
+                tokens.append((hook, hook.begin("cache", "Store", [("x-request-id", state.request_id)])))
+            except grpc.RpcError as error:  # an injected fault: the cache fails open, counted
+                for begun, token in reversed(tokens):
+                    begun.end(token, _code_details(error)[0])
+                state.failures.append("cache")
+                if self._fail_open is not None:
+                    self._fail_open("cache", _code_details(error)[0].name, state.request_id)
+                return True
+        try:
+            self._stores.append((state, cache_pb2.CacheStoreRequest(tenant=state.tenant, request=request,
+                                                                    response=response)))
+            if self._closed:
+                self.drain_stores()
+        finally:
+            for hook, token in reversed(tokens):
+                hook.end(token, grpc.StatusCode.OK)
+        return True
+
+    def drain_stores(self) -> None:
+        """Put every handed-over response in the cache (each alone: a bad one fails alone)."""
+        if self.cache is None:
+            return
+        with self._store_lock:
+            while self._stores:
+                state, message = self._stores.popleft()
+                try:
+                    self.cache.store(message)
+                except Exception as error:
+                    if self._fail_open is not None:
+                        self._fail_open("cache", _reason(error), state.request_id)
+
     def drain(self) -> None:
         """Write everything handed over so far (windows of at most `max_batch`); returns once
-        it is in the metrics tables and the log ring, also when another thread was writing."""
+        it is in the cache, the metrics tables and the log ring, also when another thread
+        was writing."""
+        self.drain_stores()
         with self._drain_lock:
             while self._pending:
                 window = [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
@@ -441,6 +494,8 @@ class BatchedCompletions:
         self.drain()
         self.metrics.remove_read_hook(self.drain)
         self.logs.remove_read_hook(self.drain)
+        if self.cache is not None:
+            self.cache.remove_read_hook(self.drain_stores)
 
     def flush_window(self, window: list[_Completion]) -> list[None]:
         self._write("metrics", self.metrics.record_batch, [(s, r) for s, r, _ in window])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,10 +95,22 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._read_hooks: list[Callable[[], None]] = []
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
+    def add_read_hook(self, hook: Callable[[], None]) -> None:
+        """Call `hook` before every lookup: whoever holds responses not yet handed in (the
+        spine's completions) stores them first, so a repeated request still hits."""
+        self._read_hooks.append(hook)
+
+    def remove_read_hook(self, hook: Callable[[], None]) -> None:
+        if hook in self._read_hooks:
+            self._read_hooks.remove(hook)
+
     def lookup_many(self, requests: list[cache_pb2.CacheLookupRequest]) -> list[cache_pb2.CacheLookupResponse]:
         """Answer a micro-batch with one probe; raises InvalidCacheRequest before counting anything."""
+        for hook in list(self._read_hooks):
+            hook()
         keys = [cache_key(r.tenant, r.request) for r in self._checked(requests)]
         probe = [k for k in keys if k is not None]
         with self._lock:
@@ -136,6 +148,8 @@ class CacheService(cache_pb2_grpc.CacheServicer):
 
     def stats(self) -> cache_pb2.CacheStatsResponse:
         """Counters; expired entries are dropped first so `entries` counts what can still hit."""
+        for hook in list(self._read_hooks):
+            hook()
         with self._lock:
             self._index.remove_expired(self._clock())
             return cache_pb2.CacheStatsResponse(

@@ -117,6 +117,11 @@ class Completions(Protocol):
     def complete(self, state: RequestState, record: metrics_pb2.RequestRecord,
                  line: logs_pb2.LogRecord) -> None: ...
 
+    def store(self, state: RequestState, request: generation_pb2.GenerateRequest,
+              response: generation_pb2.GenerateResponse) -> bool:
+        """Take a response for the cache (True), or leave it to the gateway (False)."""
+        ...
+
 
 class Gateway(gateway_pb2_grpc.GatewayServicer):
     """Serves `spine.v1.Gateway` by calling the middlewares in order."""
@@ -274,6 +279,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                response: generation_pb2.GenerateResponse) -> None:
         if state.shadow:
             return  # shadow traffic never writes to the real cache
+        completions = self.completions
+        if completions is not None and completions.store(state, request, response):
+            return  # the spine stores it off the request path, before any later lookup
         self._timed(state, "cache", self.clients.cache.Store,
                     cache_pb2.CacheStoreRequest(tenant=state.tenant, request=request, response=response),
                     fail_closed=False)

@@ -190,11 +190,16 @@ class Stack:
             self.admission.close()  # requests already inside finish there
             self.admission = None
         gateway.admission = self.admission
+        cache = self.local_servicers.get("cache") if "cache" in local else None
+        if self.completions is not None and self.completions.cache is not cache:
+            self.completions.close()  # the cache moved: responses go where lookups now look
+            self.completions = None
         if enabled and {"metrics", "logs"} <= local:
             if self.completions is None:
                 self.completions = BatchedCompletions(
-                    self.local_servicers["metrics"], self.local_servicers["logs"],
+                    self.local_servicers["metrics"], self.local_servicers["logs"], cache=cache,
                     interval_s=self._batching.completion_interval_ms / 1000.0,
+                    busy=lambda: gateway.in_flight > 0,
                     fail_open=gateway.count_fail_open, hooks=self.hooks)
         elif self.completions is not None:
             self.completions.close()

@@ -309,6 +309,31 @@ def test_finished_requests_answer_at_once_and_every_reader_sees_their_records(tm
     assert (tmp_path / "requests.jsonl").read_text().count("\n") == 6
 
 
+def test_a_response_handed_over_for_the_cache_is_stored_before_the_next_lookup(tmp_path: Any) -> None:
+    """The spine stores answers off the request path, yet a repeated request still hits:
+    every lookup stores what was handed over first."""
+    services = make_services()
+    device = DeviceContext()
+    metrics = MetricsService(MetricsConfig.from_dict({}), device)
+    logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+    completions = BatchedCompletions(metrics, logs, cache=services.cache, interval_s=3600.0)
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="store me later", max_tokens=4)
+    answer = generation_pb2.GenerateResponse(text="wxyz", token_ids=[5, 6, 7, 8], model="tiny-lm",
+                                             completion_tokens=4)
+    state = new_state(DEV_KEY)
+    state.tenant = "dev"
+    entries = services.cache.stats().entries
+    assert completions.store(state, request, answer)
+    assert services.cache._index.__len__() == entries  # handed over, not stored yet
+    found = services.cache.lookup_many([cache_pb2.CacheLookupRequest(tenant="dev", request=request)])[0]
+    assert found.hit and found.response.text == "wxyz"
+    completions.close()
+    alone = BatchedCompletions(metrics, logs)  # no local cache: the gateway stores it itself
+    assert not alone.store(state, request, answer)
+    alone.close()
+    logs.close()
+
+
 def test_the_completions_folder_writes_on_its_own_interval(tmp_path: Any) -> None:
     device = DeviceContext()
     metrics = MetricsService(MetricsConfig.from_dict({}), device)

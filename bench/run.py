@@ -33,6 +33,7 @@ from spine.config import load_config, merge
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
+REQUESTS_PER_WORKER = 25  # per unary cell, so each of the rounds keeps every worker busy
 # The bench measures overhead, not admission: the default buckets must never refuse it.
 RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
     "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
@@ -50,6 +51,14 @@ class Settings:
     ready_timeout_s: float
     quick: bool
     layouts: tuple[str, ...] = LAYOUTS
+    scale_with_concurrency: bool = False  # True unless --requests was given (or --quick)
+
+    def cell_requests(self, concurrency: int) -> int:
+        """Requests in a unary cell: at 64 workers, 400 requests in 5 rounds would give each
+        worker one or two calls a round — mostly ramp-up and drain, not steady load."""
+        if not self.scale_with_concurrency:
+            return self.requests
+        return max(self.requests, REQUESTS_PER_WORKER * concurrency)
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "concurrency": list(self.concurrency), "layouts": list(self.layouts)}
@@ -62,7 +71,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser.add_argument("--concurrency", help="comma-separated worker counts (default 1,16,64; quick 1,16)")
     parser.add_argument("--layouts", help=f"comma-separated layouts (default {','.join(LAYOUTS)}; "
                                           f"quick {','.join(QUICK_LAYOUTS)})")
-    parser.add_argument("--requests", type=int, help="unary requests per cell and layout (default 400; quick 12)")
+    parser.add_argument("--requests", type=int,
+                        help="unary requests per cell and layout (default: 400, or 25 per worker where that is "
+                             "more, so every round keeps all workers busy; quick 12)")
     parser.add_argument("--stream-requests", type=int, help="stream requests per layout (default 200; quick 6)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--rounds", type=int, help="interleaved turns per cell (default 5; quick 2)")
@@ -94,7 +105,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     settings = Settings(concurrency=concurrency, requests=requests, stream_requests=stream_requests,
                         rounds=min(rounds, requests), max_tokens=args.max_tokens,
                         cell_time_limit_s=args.cell_time_limit, warmup=2 if quick else 6,
-                        ready_timeout_s=120.0, quick=quick, layouts=layouts)
+                        ready_timeout_s=120.0, quick=quick, layouts=layouts,
+                        scale_with_concurrency=not quick and args.requests is None)
     return settings, args.out, bool(args.keep_run_dir)
 
 
@@ -152,7 +164,7 @@ def warm_up(endpoints: dict[str, Endpoint], settings: Settings) -> None:
 def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Settings,
             console: Console) -> list[dict[str, Any]]:
     """Every cell, its rounds interleaved across layouts; one run record per (cell, layout)."""
-    cells = [("unary", c, settings.requests) for c in settings.concurrency]
+    cells = [("unary", c, settings.cell_requests(c)) for c in settings.concurrency]
     cells.append(("stream", 1, settings.stream_requests))
     runs: list[dict[str, Any]] = []
     layouts = list(endpoints)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import grpc
 
 from monolith.batcher import BatcherClosed, BatchStats, MicroBatcher
 from services.auth import AuthDenied, AuthService
-from services.cache import CacheService, InvalidCacheRequest
+from services.cache import CacheService, InvalidCacheRequest, cache_key
 from services.common import ConfigError
 from services.gateway import Admitted, RequestState
 from services.gateway_limits import (
@@ -379,7 +379,7 @@ class BatchedCompletions:
         # next request (a lone client never finds work waiting); under load it waits for
         # `interval_s` so a window holds many requests.
         self._busy = busy or (lambda: True)
-        self._stores: deque[tuple[RequestState, cache_pb2.CacheStoreRequest]] = deque()
+        self._stores: deque[tuple[RequestState, bytes, cache_pb2.CacheStoreRequest]] = deque()
         self._store_lock = threading.Lock()
         self.max_batch = max_batch
         self.interval_s = interval_s
@@ -430,8 +430,10 @@ class BatchedCompletions:
                     self._fail_open("cache", _code_details(error)[0].name, state.request_id)
                 return True
         try:
-            self._stores.append((state, cache_pb2.CacheStoreRequest(tenant=state.tenant, request=request,
-                                                                    response=response)))
+            key = cache_key(state.tenant, request)
+            if key is not None:  # not cacheable (sampled without a seed): nothing to store
+                self._stores.append((state, key, cache_pb2.CacheStoreRequest(tenant=state.tenant, request=request,
+                                                                             response=response)))
             if self._closed:
                 self.drain_stores()
         finally:
@@ -439,13 +441,22 @@ class BatchedCompletions:
                 hook.end(token, grpc.StatusCode.OK)
         return True
 
-    def drain_stores(self) -> None:
-        """Put every handed-over response in the cache (each alone: a bad one fails alone)."""
-        if self.cache is None:
+    def drain_stores(self, keys: Collection[bytes] | None = None) -> None:
+        """Put handed-over responses in the cache (each alone: a bad one fails alone): those
+        under `keys` (what a lookup is about to probe), or all of them.
+
+        A lookup stores only what it could find, so the stores stay off the request path:
+        the folder writes the rest. The others keep their order, ahead of later arrivals,
+        so the last answer handed over for a key is the one kept."""
+        if self.cache is None or not self._stores:
             return
         with self._store_lock:
-            while self._stores:
-                state, message = self._stores.popleft()
+            taken = [self._stores.popleft() for _ in range(len(self._stores))]
+            if keys is not None:
+                wanted = set(keys)
+                self._stores.extendleft(reversed([item for item in taken if item[1] not in wanted]))
+                taken = [item for item in taken if item[1] in wanted]
+            for state, _, message in taken:
                 try:
                     self.cache.store(message)
                 except Exception as error:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,9 @@ class CacheConfig:
         return cls(max_entries=max_entries, ttl_s=ttl_s)
 
 
+ReadHook = Callable[[Sequence[bytes] | None], None]
+
+
 def cacheable(request: generation_pb2.GenerateRequest) -> bool:
     """Greedy or seeded: the same inputs give the same answer."""
     return request.temperature == 0.0 or request.HasField("seed")
@@ -95,24 +98,25 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
-        self._read_hooks: list[Callable[[], None]] = []
+        self._read_hooks: list[ReadHook] = []
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
-    def add_read_hook(self, hook: Callable[[], None]) -> None:
-        """Call `hook` before every lookup: whoever holds responses not yet handed in (the
-        spine's completions) stores them first, so a repeated request still hits."""
+    def add_read_hook(self, hook: ReadHook) -> None:
+        """Call `hook(keys)` before every lookup (`hook(None)` before `stats`): whoever holds
+        responses not yet handed in (the spine's completions) stores those under `keys`
+        first, so a repeated request still hits."""
         self._read_hooks.append(hook)
 
-    def remove_read_hook(self, hook: Callable[[], None]) -> None:
+    def remove_read_hook(self, hook: ReadHook) -> None:
         if hook in self._read_hooks:
             self._read_hooks.remove(hook)
 
     def lookup_many(self, requests: list[cache_pb2.CacheLookupRequest]) -> list[cache_pb2.CacheLookupResponse]:
         """Answer a micro-batch with one probe; raises InvalidCacheRequest before counting anything."""
-        for hook in list(self._read_hooks):
-            hook()
         keys = [cache_key(r.tenant, r.request) for r in self._checked(requests)]
         probe = [k for k in keys if k is not None]
+        for hook in list(self._read_hooks):
+            hook(probe)
         with self._lock:
             slots = iter(self._index.lookup_batch(probe, self._clock()) if probe else [])
             responses = []
@@ -149,7 +153,7 @@ class CacheService(cache_pb2_grpc.CacheServicer):
     def stats(self) -> cache_pb2.CacheStatsResponse:
         """Counters; expired entries are dropped first so `entries` counts what can still hit."""
         for hook in list(self._read_hooks):
-            hook()
+            hook(None)
         with self._lock:
             self._index.remove_expired(self._clock())
             return cache_pb2.CacheStatsResponse(

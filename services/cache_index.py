@@ -60,6 +60,9 @@ class CacheIndex(Generic[V]):
         self._probe_limit = 0
         self._next_expiry = math.inf  # no live entry expires before this (see remove_expired)
         self.loop_max = 64  # probes of at most this many positions read elements, not arrays
+        # On the host, live slots in touch order (oldest first): the LRU victim in O(1)
+        # instead of an argmin over every tick when a full cache stores.
+        self._recency: dict[int, None] = {}
         # On the CPU the same columns are also seen as numpy arrays (zero-copy views of the
         # tensors' memory): the per-request probes then cost microseconds instead of the
         # tens of microseconds a torch op's dispatch costs. One state, two ways to read it.
@@ -209,6 +212,9 @@ class CacheIndex(Generic[V]):
             ticks_np = self._meta_np[_TICK]
             for slot, tick in ticks.items():
                 ticks_np[slot] = tick
+            for slot in slots:  # by last touch, like the ticks
+                self._recency.pop(slot, None)
+                self._recency[slot] = None
             return
         index = torch.tensor(list(ticks), dtype=torch.int64, device=self._meta.device)
         self._meta[_TICK, index] = torch.tensor(list(ticks.values()), dtype=torch.int64, device=self._meta.device)
@@ -221,12 +227,12 @@ class CacheIndex(Generic[V]):
         for slot in slots:
             self._keys[slot] = None
             self._values[slot] = None
+            self._recency.pop(slot, None)
         self._count -= len(slots)
 
     def _least_recently_used(self) -> int:
-        if self._host:
-            ticks_np = self._meta_np[_TICK]
-            return int(np.argmin(np.where(ticks_np > 0, ticks_np, _NO_TICK)))
+        if self._host:  # the oldest in touch order is the live slot with the smallest tick
+            return next(iter(self._recency))
         ticks = self._meta[_TICK]
         return int(torch.argmin(torch.where(ticks > 0, ticks, torch.full_like(ticks, _NO_TICK))))
 

@@ -322,11 +322,17 @@ def test_a_response_handed_over_for_the_cache_is_stored_before_the_next_lookup(t
                                              completion_tokens=4)
     state = new_state(DEV_KEY)
     state.tenant = "dev"
-    entries = services.cache.stats().entries
-    assert completions.store(state, request, answer)
-    assert services.cache._index.__len__() == entries  # handed over, not stored yet
+    other = generation_pb2.GenerateRequest(model="tiny-lm", prompt="someone else", max_tokens=4)
+    entries = len(services.cache._index)
+    stale = generation_pb2.GenerateResponse(text="old!", token_ids=[1], model="tiny-lm", completion_tokens=1)
+    assert completions.store(state, request, stale)
+    assert completions.store(state, request, answer)  # handed over later: the one kept
+    assert len(services.cache._index) == entries  # handed over, not stored yet
+    services.cache.lookup_many([cache_pb2.CacheLookupRequest(tenant="dev", request=other)])
+    assert len(services.cache._index) == entries  # a lookup for another key stores nothing
     found = services.cache.lookup_many([cache_pb2.CacheLookupRequest(tenant="dev", request=request)])[0]
     assert found.hit and found.response.text == "wxyz"
+    assert services.cache.stats().entries == entries + 1
     completions.close()
     alone = BatchedCompletions(metrics, logs)  # no local cache: the gateway stores it itself
     assert not alone.store(state, request, answer)

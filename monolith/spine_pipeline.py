@@ -14,6 +14,7 @@ with the component and method names the bindings would use.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -46,6 +47,8 @@ from services.ratelimit import InvalidRateLimitRequest, RateLimitService
 from services.router import RouterService
 from spine.tracing import current_traceparent
 from spine.v1 import cache_pb2, generation_pb2, logs_pb2, metrics_pb2
+
+log = logging.getLogger("spine.pipeline")
 
 _FIELDS = ("enabled", "max_batch", "max_wait_us", "completion_interval_ms")
 FailOpen = Callable[[str, str, str], None]  # (middleware, reason, request id)
@@ -387,6 +390,9 @@ class BatchedCompletions:
         self.hooks = list(hooks)
         self.stats = BatchStats()
         self._pending: deque[_Completion] = deque()
+        # Past this many waiting, a finishing request writes them itself: memory stays
+        # bounded and a stalled writer slows the callers down again instead of piling up.
+        self._backlog_limit = 8 * max_batch
         self._drain_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -405,6 +411,8 @@ class BatchedCompletions:
             self._pending.append((state, record, line))
             if self._closed:  # a straggler after shutdown began: written now, counted if it fails
                 self.drain()
+            elif len(self._pending) >= self._backlog_limit:
+                self.drain()  # the writes fall behind (a stalled log file?): wait for them, as before
             elif len(self._pending) >= self.max_batch or not self._busy():
                 self._wake.set()
         finally:
@@ -448,9 +456,9 @@ class BatchedCompletions:
         A lookup stores only what it could find, so the stores stay off the request path:
         the folder writes the rest. The others keep their order, ahead of later arrivals,
         so the last answer handed over for a key is the one kept."""
-        if self.cache is None or not self._stores:
+        if self.cache is None:
             return
-        with self._store_lock:
+        with self._store_lock:  # also when the deque is empty: another thread may be storing them
             taken = [self._stores.popleft() for _ in range(len(self._stores))]
             if keys is not None:
                 wanted = set(keys)
@@ -459,9 +467,16 @@ class BatchedCompletions:
             for state, _, message in taken:
                 try:
                     self.cache.store(message)
-                except Exception as error:
-                    if self._fail_open is not None:
-                        self._fail_open("cache", _reason(error), state.request_id)
+                except Exception as error:  # counted as the gateway counts a failed Store
+                    self._count_store_failure(state, error)
+
+    def _count_store_failure(self, state: RequestState, error: BaseException) -> None:
+        try:
+            self.metrics.record_middleware_failure("cache")
+        except Exception:
+            pass  # metrics fail open too
+        if self._fail_open is not None:
+            self._fail_open("cache", _reason(error), state.request_id)
 
     def drain(self) -> None:
         """Write everything handed over so far (windows of at most `max_batch`); returns once
@@ -469,8 +484,10 @@ class BatchedCompletions:
         was writing."""
         self.drain_stores()
         with self._drain_lock:
-            while self._pending:
-                window = [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
+            left = len(self._pending)  # what was handed over before this call; later ones can wait
+            while left > 0:
+                window = [self._pending.popleft() for _ in range(min(self.max_batch, left))]
+                left -= len(window)
                 self.stats.batches += 1
                 self.stats.items += len(window)
                 self.stats.largest = max(self.stats.largest, len(window))
@@ -484,7 +501,10 @@ class BatchedCompletions:
         while not self._closed:
             self._wake.wait(self.interval_s)
             self._wake.clear()
-            self.drain()
+            try:
+                self.drain()
+            except Exception:  # never let the folder die: readers and close still drain
+                log.exception("writing finished requests' metrics and logs failed; retrying")
 
     def _begin_hooks(self, state: RequestState) -> list[tuple[Any, Any]]:
         begun: list[tuple[Any, Any]] = []

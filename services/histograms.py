@@ -122,7 +122,8 @@ class HistogramTable:
             # `bisect_left` is bucketize's `le` rule; sums are added in the same order.
             counts, sums, bounds = self._counts.numpy(), self._sums.numpy(), self.bounds
             for row, value in zip(rows, values, strict=True):
-                counts[row, bisect_left(bounds, value)] += 1
+                # NaN (never from the metrics service, which refuses it) goes where bucketize puts it.
+                counts[row, bisect_left(bounds, value) if value == value else len(bounds)] += 1
                 sums[row] += value
             return
         row_t = torch.tensor(rows, dtype=torch.int64, device=dev)

@@ -340,6 +340,55 @@ def test_a_response_handed_over_for_the_cache_is_stored_before_the_next_lookup(t
     logs.close()
 
 
+def test_a_lookup_waits_for_a_store_another_thread_is_writing(tmp_path: Any) -> None:
+    """The folder may have taken an answer off the queue and be storing it when a lookup
+    for it arrives: the lookup must wait for that store, not find the queue empty and miss."""
+    import threading
+
+    services = make_services()
+    device = DeviceContext()
+    metrics = MetricsService(MetricsConfig.from_dict({}), device)
+    logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+    completions = BatchedCompletions(metrics, logs, cache=services.cache, interval_s=3600.0)
+    store = services.cache.store
+    storing = threading.Event()
+
+    def slow_store(message: Any) -> bool:
+        storing.set()
+        time.sleep(0.2)
+        return store(message)
+
+    services.cache.store = slow_store  # type: ignore[method-assign]
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="slow to store", max_tokens=4)
+    state = new_state(DEV_KEY)
+    state.tenant = "dev"
+    completions.store(state, request, generation_pb2.GenerateResponse(text="late", model="tiny-lm"))
+    writer = threading.Thread(target=completions.drain_stores)
+    writer.start()
+    assert storing.wait(5)
+    found = services.cache.lookup_many([cache_pb2.CacheLookupRequest(tenant="dev", request=request)])[0]
+    writer.join()
+    assert found.hit and found.response.text == "late"
+    completions.close()
+    logs.close()
+
+
+def test_a_backlog_of_finished_requests_is_written_by_the_requests_themselves(tmp_path: Any) -> None:
+    device = DeviceContext()
+    metrics = MetricsService(MetricsConfig.from_dict({}), device)
+    logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+    completions = BatchedCompletions(metrics, logs, max_batch=2, interval_s=3600.0)  # the folder never fires
+    for i in range(40):
+        state = new_state(DEV_KEY, index=i)
+        completions.complete(state, metrics_pb2.RequestRecord(layout="collapsed", model="tiny-lm", tenant="dev",
+                                                              status="OK", latency_s=0.01),
+                             logs_pb2.LogRecord(request_id=state.request_id, tenant="dev", status="OK", latency_ms=10))
+        assert completions.pending < 16  # 8 x max_batch: bounded memory
+    assert completions.stats.items >= 32
+    completions.close()
+    logs.close()
+
+
 def test_the_completions_folder_writes_on_its_own_interval(tmp_path: Any) -> None:
     device = DeviceContext()
     metrics = MetricsService(MetricsConfig.from_dict({}), device)

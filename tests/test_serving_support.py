@@ -60,6 +60,10 @@ class GatedModel:
         return self.inner.step(segments, cache)
 
     def hold(self) -> None:
+        # Drop the permits a previous `open` left over: otherwise the next ~64 steps would
+        # run through a "held" gate (a test then raced the neighbours' own decoding).
+        while self._permits.acquire(blocking=False):
+            pass
         self._held = True
 
     def release(self, steps: int = 1) -> None:

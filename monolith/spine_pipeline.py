@@ -3,10 +3,12 @@
 `BatchedAdmission` replaces the gateway's per-request calls from auth to the cache probe:
 one `verify_many`, validation, the router, ONE `admit_batch` (exactly the sequential
 result in arrival order) and ONE `lookup_many` per batch. `BatchedCompletions` replaces
-the per-request metrics and log calls: ONE `record_batch` and ONE `append_batch` per
-window of finished requests. Both hand their verdicts to the same functions the
-per-request gateway uses (`services.gateway_limits`), so codes, messages and trailers do
-not depend on the batching; a request that fails a stage fails alone.
+the per-request metrics, log and cache-store calls: a finished request hands them over
+and answers at once; they are written a window at a time (ONE `record_batch` and ONE
+`append_batch` per window), always before anyone reads them. Admission hands its
+verdicts to the same functions the per-request gateway uses (`services.gateway_limits`),
+so codes, messages and trailers do not depend on the batching; a request that fails a
+stage fails alone.
 
 Binding hooks (fault injection, spans) still run around each request's part of a stage,
 with the component and method names the bindings would use.

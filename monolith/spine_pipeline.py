@@ -29,7 +29,7 @@ import grpc
 from monolith.batcher import BatcherClosed, BatchStats, MicroBatcher
 from services.auth import AuthDenied, AuthService
 from services.cache import CacheService, InvalidCacheRequest, cache_key
-from services.common import ConfigError
+from services.common import ConfigError, number
 from services.gateway import Admitted, RequestState
 from services.gateway_limits import (
     MISSING_CREDENTIAL,
@@ -81,16 +81,10 @@ class BatchingConfig:
         max_batch = cfg.get("max_batch", cls.max_batch)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 4096:
             raise ConfigError(f"batching.max_batch: expected an integer from 1 to 4096, got {max_batch!r}")
-        wait = _number(cfg, "max_wait_us", cls.max_wait_us, 0, 100_000, "microseconds")
-        interval = _number(cfg, "completion_interval_ms", cls.completion_interval_ms, 1, 10_000, "milliseconds")
+        wait = number(cfg, "max_wait_us", cls.max_wait_us, where="batching", minimum=0, maximum=100_000)
+        interval = number(cfg, "completion_interval_ms", cls.completion_interval_ms, where="batching",
+                          minimum=1, maximum=10_000)
         return cls(enabled=enabled, max_batch=max_batch, max_wait_us=wait, completion_interval_ms=interval)
-
-
-def _number(cfg: Mapping[str, Any], name: str, default: float, low: float, high: float, unit: str) -> float:
-    value = cfg.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ConfigError(f"batching.{name}: expected a number of {unit} from {low} to {high}, got {value!r}")
-    return float(value)
 
 
 @dataclass(eq=False)

@@ -58,11 +58,14 @@ def section(config: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:
     return value
 
 
-def number(cfg: Mapping[str, Any], key: str, default: float, *, where: str, minimum: float = 0.0) -> float:
-    """A number field with a lower bound, or a ConfigError naming `where.key`."""
+def number(cfg: Mapping[str, Any], key: str, default: float, *, where: str, minimum: float = 0.0,
+           maximum: float | None = None) -> float:
+    """A number field with a lower (and optionally an upper) bound, or a ConfigError naming `where.key`."""
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}.{key}: expected a number, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{where}.{key}: must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where}.{key}: must be <= {maximum}, got {value!r}")
     return float(value)

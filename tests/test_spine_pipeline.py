@@ -410,6 +410,7 @@ def test_the_completions_folder_writes_on_its_own_interval(tmp_path: Any) -> Non
 @pytest.mark.parametrize(("section", "message"), [
     ({"max_batch": 0}, "batching.max_batch"),
     ({"max_wait_us": -5}, "batching.max_wait_us"),
+    ({"max_wait_us": 200_000}, r"batching.max_wait_us: must be <= 100000"),
     ({"completion_interval_ms": 0}, "batching.completion_interval_ms"),
     ({"enabled": "yes"}, "batching.enabled"),
     ({"window": 3}, "batching.window: unknown key"),

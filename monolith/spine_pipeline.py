@@ -392,10 +392,10 @@ class BatchedCompletions:
         self._drain_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
-        metrics.add_read_hook(self.drain)
-        logs.add_read_hook(self.drain)
+        metrics.read_hooks.add(self.drain)
+        logs.read_hooks.add(self.drain)
         if cache is not None:
-            cache.add_read_hook(self.drain_stores)
+            cache.read_hooks.add(self.drain_stores)
         self._thread = threading.Thread(target=self._fold, name="spine-completions", daemon=True)
         self._thread.start()
 
@@ -519,10 +519,10 @@ class BatchedCompletions:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         self.drain()
-        self.metrics.remove_read_hook(self.drain)
-        self.logs.remove_read_hook(self.drain)
+        self.metrics.read_hooks.remove(self.drain)
+        self.logs.read_hooks.remove(self.drain)
         if self.cache is not None:
-            self.cache.remove_read_hook(self.drain_stores)
+            self.cache.read_hooks.remove(self.drain_stores)
 
     def flush_window(self, window: list[_Completion]) -> list[None]:
         self._write("metrics", self.metrics.record_batch, [(s, r) for s, r, _ in window])

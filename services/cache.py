@@ -16,14 +16,14 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from services.cache_index import CacheIndex, KeyHash, default_key_hash
-from services.common import Clock, ConfigError, DeviceState, number
+from services.common import Clock, ConfigError, DeviceState, ReadHooks, number
 from spine.v1 import cache_pb2, cache_pb2_grpc, generation_pb2
 
 _FIELDS = ("max_entries", "ttl_s")
@@ -57,9 +57,6 @@ class CacheConfig:
         if ttl_s == 0:
             raise ConfigError(f"cache.ttl_s: must be > 0, got {ttl_s!r}")
         return cls(max_entries=max_entries, ttl_s=ttl_s)
-
-
-ReadHook = Callable[[Sequence[bytes] | None], None]
 
 
 def cacheable(request: generation_pb2.GenerateRequest) -> bool:
@@ -98,25 +95,17 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
-        self._read_hooks: list[ReadHook] = []
+        # Run as hook(keys) before every lookup and hook(None) before `stats`: responses
+        # handed over but not yet stored (the spine's completions) go in first, so a
+        # repeated request still hits.
+        self.read_hooks = ReadHooks()
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
-    def add_read_hook(self, hook: ReadHook) -> None:
-        """Call `hook(keys)` before every lookup (`hook(None)` before `stats`): whoever holds
-        responses not yet handed in (the spine's completions) stores those under `keys`
-        first, so a repeated request still hits."""
-        self._read_hooks.append(hook)
-
-    def remove_read_hook(self, hook: ReadHook) -> None:
-        if hook in self._read_hooks:
-            self._read_hooks.remove(hook)
-
     def lookup_many(self, requests: list[cache_pb2.CacheLookupRequest]) -> list[cache_pb2.CacheLookupResponse]:
         """Answer a micro-batch with one probe; raises InvalidCacheRequest before counting anything."""
         keys = [cache_key(r.tenant, r.request) for r in self._checked(requests)]
         probe = [k for k in keys if k is not None]
-        for hook in list(self._read_hooks):
-            hook(probe)
+        self.read_hooks.run(probe)
         with self._lock:
             slots = iter(self._index.lookup_batch(probe, self._clock()) if probe else [])
             responses = []
@@ -152,8 +141,7 @@ class CacheService(cache_pb2_grpc.CacheServicer):
 
     def stats(self) -> cache_pb2.CacheStatsResponse:
         """Counters; expired entries are dropped first so `entries` counts what can still hit."""
-        for hook in list(self._read_hooks):
-            hook(None)
+        self.read_hooks.run(None)
         with self._lock:
             self._index.remove_expired(self._clock())
             return cache_pb2.CacheStatsResponse(

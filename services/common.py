@@ -69,3 +69,27 @@ def number(cfg: Mapping[str, Any], key: str, default: float, *, where: str, mini
     if maximum is not None and value > maximum:
         raise ConfigError(f"{where}.{key}: must be <= {maximum}, got {value!r}")
     return float(value)
+
+
+class ReadHooks:
+    """Callbacks a service runs before it reads its own state.
+
+    Whoever holds writes not yet handed in (the spine's completions window) registers one,
+    so a reader (a scrape, a log flush, a cache lookup) never misses a write that was
+    already accepted. The arguments are the service's to define (the cache passes the keys
+    it is about to probe).
+    """
+
+    def __init__(self) -> None:
+        self._hooks: list[Callable[..., None]] = []
+
+    def add(self, hook: Callable[..., None]) -> None:
+        self._hooks.append(hook)
+
+    def remove(self, hook: Callable[..., None]) -> None:
+        if hook in self._hooks:
+            self._hooks.remove(hook)
+
+    def run(self, *args: Any) -> None:
+        for hook in list(self._hooks):
+            hook(*args)

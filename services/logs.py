@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import Clock, ConfigError, DeviceState, number
+from services.common import Clock, ConfigError, DeviceState, ReadHooks, number
 from services.log_ring import BatchedLineWriter, LogsClosedError
 from services.redact import redact_mapping
 from spine.v1 import logs_pb2, logs_pb2_grpc
@@ -100,7 +100,9 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         self.config = config
         self.device = device
         self._clock = clock
-        self._read_hooks: list[Callable[[], None]] = []
+        # Run before every flush and at close: lines handed over but not yet appended (the
+        # spine's completions window) go in first.
+        self.read_hooks = ReadHooks()
         self._writer = BatchedLineWriter(
             config.path,
             capacity=config.ring_capacity,
@@ -147,28 +149,15 @@ class LogsService(logs_pb2_grpc.LogsServicer):
                 raise ValueError(f"records[{i}].{exc}") from None
         self._writer.append(lines)
 
-    def add_read_hook(self, hook: Callable[[], None]) -> None:
-        """Call `hook` before every flush and at close: whoever holds lines not yet handed in
-        (the spine's completions window) hands them in first."""
-        self._read_hooks.append(hook)
-
-    def remove_read_hook(self, hook: Callable[[], None]) -> None:
-        if hook in self._read_hooks:
-            self._read_hooks.remove(hook)
-
     def flush(self) -> int:
         """Write everything accepted so far; returns the number of lines in the file."""
-        self._hand_in()
+        self.read_hooks.run()
         return self._writer.flush()
 
     def close(self) -> None:
         """Flush everything accepted and stop the flusher; safe to call more than once."""
-        self._hand_in()
+        self.read_hooks.run()
         self._writer.close()
-
-    def _hand_in(self) -> None:
-        for hook in list(self._read_hooks):
-            hook()
 
     @property
     def lines_on_disk(self) -> int:

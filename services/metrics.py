@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from services.common import ConfigError, DeviceState, number
+from services.common import ConfigError, DeviceState, ReadHooks, number
 from services.histograms import CounterTable, HistogramTable, SeriesKey
 from services.prometheus_http import is_loopback, parse_listen
 from spine.v1 import metrics_pb2, metrics_pb2_grpc
@@ -163,7 +163,9 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         self.config = config
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, str, str, str, bool], _RequestKeys] = {}
-        self._read_hooks: list[Callable[[], None]] = []
+        # Run before every render: records handed over but not yet counted (the spine's
+        # completions window) are counted first, so a scrape never misses one.
+        self.read_hooks = ReadHooks()
         self._counters = CounterTable(device, owner="metrics", initial_rows=config.initial_series)
         self._histograms = HistogramTable(
             device, config.buckets, owner="metrics", initial_rows=config.initial_series
@@ -234,19 +236,9 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         with self._lock:
             self._counters.add([(FAILURES.name, middleware)], [count])
 
-    def add_read_hook(self, hook: Callable[[], None]) -> None:
-        """Call `hook` before every read: whoever holds records not yet handed in (the
-        spine's completions window) hands them in, so a scrape never misses one."""
-        self._read_hooks.append(hook)
-
-    def remove_read_hook(self, hook: Callable[[], None]) -> None:
-        if hook in self._read_hooks:
-            self._read_hooks.remove(hook)
-
     def render(self) -> str:
         """The whole exposition, Prometheus text format 0.0.4, families and series sorted."""
-        for hook in list(self._read_hooks):
-            hook()
+        self.read_hooks.run()
         with self._lock:
             counters = self._counters.snapshot()
             histograms = self._histograms.snapshot()

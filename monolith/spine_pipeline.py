@@ -524,10 +524,10 @@ class BatchedCompletions:
         if self.cache is not None:
             self.cache.read_hooks.remove(self.drain_stores)
 
-    def flush_window(self, window: list[_Completion]) -> list[None]:
+    def flush_window(self, window: list[_Completion]) -> None:
+        """ONE metrics write and ONE log write for the window (a bad item fails alone)."""
         self._write("metrics", self.metrics.record_batch, [(s, r) for s, r, _ in window])
         self._write("logs", self.logs.append_batch, [(s, line) for s, _, line in window])
-        return [None] * len(window)
 
     def _write(self, name: str, write: Callable[[list[Any]], None], items: list[tuple[RequestState, Any]]) -> None:
         try:

@@ -116,6 +116,18 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def _print_ratios(console: Console, rows: list[dict[str, Any]] | None, title: str, ratios: dict[str, str]) -> None:
+    """One row per (mode, concurrency) cell; `ratios` maps a column heading to its key."""
+    if not rows:
+        return
+    table = Table(title=title)
+    for column in ("mode", "conc", *ratios):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row["mode"], str(row["concurrency"]), *(_fmt(row[key]) for key in ratios.values()))
+    console.print(table)
+
+
 def print_tables(results: Mapping[str, Any], console: Console) -> None:
     runs = results["runs"]
     unary = [r for r in runs if r["mode"] == "unary"]
@@ -140,24 +152,12 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
                           _fmt(run["itl_p99_ms"]), _fmt(run["p50_ms"]), _fmt(run["p99_ms"]),
                           _fmt(run.get("p50_vs_bare")), _fmt(run["peak_rss_mb"], 0))
         console.print(table)
-    comparisons = results.get("layered_vs_collapsed") or []
-    if comparisons:
-        table = Table(title="layered vs collapsed (same cell)")
-        for column in ("mode", "conc", "p50 layered/collapsed", "p99 layered/collapsed", "rps collapsed/layered"):
-            table.add_column(column, justify="right")
-        for row in comparisons:
-            table.add_row(row["mode"], str(row["concurrency"]), _fmt(row["layered_over_collapsed_p50"]),
-                          _fmt(row["layered_over_collapsed_p99"]), _fmt(row["collapsed_over_layered_rps"]))
-        console.print(table)
-    gains = results.get("batched_vs_unbatched") or []
-    if gains:
-        table = Table(title="batched vs unbatched collapsed spine (same cell)")
-        for column in ("mode", "conc", "rps batched/unbatched", "p50 batched/unbatched", "p99 batched/unbatched"):
-            table.add_column(column, justify="right")
-        for row in gains:
-            table.add_row(row["mode"], str(row["concurrency"]), _fmt(row["batched_over_unbatched_rps"]),
-                          _fmt(row["batched_over_unbatched_p50"]), _fmt(row["batched_over_unbatched_p99"]))
-        console.print(table)
+    _print_ratios(console, results.get("layered_vs_collapsed"), "layered vs collapsed (same cell)", {
+        "p50 layered/collapsed": "layered_over_collapsed_p50", "p99 layered/collapsed": "layered_over_collapsed_p99",
+        "rps collapsed/layered": "collapsed_over_layered_rps"})
+    _print_ratios(console, results.get("batched_vs_unbatched"), "batched vs unbatched collapsed spine (same cell)", {
+        "rps batched/unbatched": "batched_over_unbatched_rps", "p50 batched/unbatched": "batched_over_unbatched_p50",
+        "p99 batched/unbatched": "batched_over_unbatched_p99"})
     machine = results["machine"]
     console.print(f"machine: {machine['cpu_count']} CPUs, torch {machine['torch']}, load average "
                   f"{machine['loadavg_start']} at start, {machine.get('loadavg_end')} at end "

@@ -115,7 +115,6 @@ class HistogramTable:
         except MemoryError:
             self._rows.forget(added)
             raise
-        dev = self._device.device
         if self.host_paths and self._counts.device.type == "cpu":
             # Zero-copy numpy views of the same tensors: for the few observations a
             # micro-batch brings, per-element updates beat a torch op's dispatch cost ~10x.
@@ -126,6 +125,7 @@ class HistogramTable:
                 counts[row, bisect_left(bounds, value) if value == value else len(bounds)] += 1
                 sums[row] += value
             return
+        dev = self._device.device
         row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         val_t = torch.tensor(values, dtype=torch.float64, device=dev)
         buckets = torch.bucketize(val_t, self._bounds_t, right=False)

@@ -65,8 +65,8 @@ class TokenBucketTable:
         self._slots: dict[Hashable, int] = {}
         self._share = 1.0
         self._state = device.allocate(OWNER, (_ROWS, max(1, initial_slots)), torch.float64)
-        # On the CPU, decide on Python floats (one request) or numpy views (a batch) of the
-        # same memory; False forces the torch ops CUDA uses (tests compare the paths).
+        # On the CPU, decide on Python floats (a micro-batch) or numpy views (a large batch)
+        # of the same memory; False forces the torch ops CUDA uses (tests compare the paths).
         self.host_paths = True
         # Batches up to this many requests are decided one by one on the host (cheapest for
         # micro-batches); larger ones with numpy's cumulative sums.

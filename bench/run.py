@@ -28,7 +28,16 @@ from rich.console import Console
 
 from bench.load import Batch, Call, Endpoint, prompts, requests_for, run_batch
 from bench.report import add_ratios, batching_gain, machine_info, print_tables, run_record
-from bench.targets import LAYOUTS, QUICK_LAYOUTS, UNBATCHED_OVERLAY, RssSampler, Target, TargetFailed, launch
+from bench.targets import (
+    LAYOUTS,
+    MIDDLEWARE_UNBATCHED_OVERLAY,
+    QUICK_LAYOUTS,
+    UNBATCHED_OVERLAY,
+    RssSampler,
+    Target,
+    TargetFailed,
+    launch,
+)
 from spine.config import load_config, merge
 
 DEV_KEY = "spine-dev-key-0000"
@@ -116,9 +125,12 @@ def write_configs(run_dir: Path) -> dict[str, Path]:
     overlay.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
     unbatched = run_dir / "bench-overlay-unbatched.yaml"
     unbatched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, UNBATCHED_OVERLAY)))
+    middleware_unbatched = run_dir / "bench-overlay-middleware-unbatched.yaml"
+    middleware_unbatched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, MIDDLEWARE_UNBATCHED_OVERLAY)))
     merged = run_dir / "bench-config.yaml"
     merged.write_text(yaml.safe_dump(load_config(overlay)))
-    return {"bare": merged, "collapsed": overlay, "collapsed-unbatched": unbatched, "layered": overlay}
+    return {"bare": merged, "collapsed": overlay, "collapsed-unbatched": unbatched,
+            "collapsed-middleware-unbatched": middleware_unbatched, "layered": overlay}
 
 
 def start_all(run_dir: Path, settings: Settings, console: Console) -> dict[str, Target]:
@@ -244,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             serving = measure_serving()
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results = {"runs": runs, "serving": serving, "layered_vs_collapsed": comparisons,
-               "batched_vs_unbatched": batching_gain(runs), "machine": machine, "started_at": started_at,
+               "batched_vs_unbatched": batching_gain(runs),
+               "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"), "machine": machine, "started_at": started_at,
                "duration_s": round(time.perf_counter() - began, 1), "settings": settings.as_dict(),
                "processes_left_running": left}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,13 @@ GIL would be slowed by the very load it is measuring, and unequally across layou
 
     bare       python -m spine.process inference ...   (the model service, no middleware)
     collapsed  python -m spine --config F up --layout collapsed   (the batched spine)
-    collapsed-unbatched  the same with `batching.enabled: false` (one call per middleware per request)
+    collapsed-unbatched  the same with the batcher off end to end: `batching.enabled: false`
+               (one call per middleware per request) and `inference.max_batch: 1` (one
+               sequence per model step). The issue's micro-batcher batches the model step
+               too ("one batched model step for the misses"), so "batcher off" means both.
+    collapsed-middleware-unbatched  only the middleware batcher off; the model still
+               batches decode steps across requests. What batching the middleware alone is
+               worth, and the bound on it: at best this equals bare.
     layered    python -m spine --config F up --layout layered  (+ one child per component)
 """
 
@@ -27,10 +33,14 @@ import psutil
 from spine.process import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "collapsed-unbatched", "layered")
+LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "collapsed-unbatched", "collapsed-middleware-unbatched", "layered")
 # `--quick` (the smoke test) keeps to these, inside its time limit.
 QUICK_LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "layered")
-UNBATCHED_OVERLAY: dict[str, object] = {"batching": {"enabled": False}}
+MIDDLEWARE_UNBATCHED_OVERLAY: dict[str, object] = {"batching": {"enabled": False}}
+UNBATCHED_OVERLAY: dict[str, object] = {**MIDDLEWARE_UNBATCHED_OVERLAY, "inference": {"max_batch": 1}}
+# Which `spine up --layout` each collapsed/layered bench layout runs.
+SPINE_LAYOUT: dict[str, str] = {"collapsed": "collapsed", "collapsed-unbatched": "collapsed",
+                                "collapsed-middleware-unbatched": "collapsed", "layered": "layered"}
 
 
 class TargetFailed(RuntimeError):
@@ -161,9 +171,9 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
     if layout == "bare":
         argv = [sys.executable, "-m", "spine.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
                 "--config", str(config_path), "--run-dir", str(layout_dir)]
-    elif layout in ("collapsed", "collapsed-unbatched", "layered"):
+    elif layout in SPINE_LAYOUT:
         argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",
-                "--layout", layout.removesuffix("-unbatched"), "--listen", "127.0.0.1:0", "--run-dir", str(layout_dir)]
+                "--layout", SPINE_LAYOUT[layout], "--listen", "127.0.0.1:0", "--run-dir", str(layout_dir)]
     else:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     log_path = run_dir / f"{layout}.log"

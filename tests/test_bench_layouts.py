@@ -1,0 +1,36 @@
+"""The bench's spines differ only in what they batch: checked on the configs they start with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.report import batching_gain
+from bench.run import write_configs
+from bench.targets import LAYOUTS
+from spine.config import load_config
+
+
+def test_each_spine_layout_batches_what_its_name_says(tmp_path: Path) -> None:
+    configs = {layout: load_config(path) for layout, path in write_configs(tmp_path).items()}
+    assert set(configs) == set(LAYOUTS)
+    default_model_batch = configs["collapsed"]["inference"]["max_batch"]
+    assert default_model_batch > 1
+    assert configs["collapsed"]["batching"]["enabled"] is True
+    # the batcher off end to end: middleware per request and one sequence per model step
+    assert configs["collapsed-unbatched"]["batching"]["enabled"] is False
+    assert configs["collapsed-unbatched"]["inference"]["max_batch"] == 1
+    # only the middleware batcher off: the model batches exactly as in the batched spine and bare
+    assert configs["collapsed-middleware-unbatched"]["batching"]["enabled"] is False
+    assert configs["collapsed-middleware-unbatched"]["inference"] == configs["collapsed"]["inference"]
+    assert configs["bare"]["inference"] == configs["collapsed"]["inference"]
+
+
+def test_batching_gain_compares_the_batched_spine_with_the_named_unbatched_one() -> None:
+    def run(layout: str, rps: float) -> dict:
+        return {"mode": "unary", "concurrency": 64, "layout": layout, "rps": rps, "p50_ms": 1000 / rps,
+                "p99_ms": 2000 / rps}
+
+    runs = [run("collapsed", 400.0), run("collapsed-unbatched", 100.0), run("collapsed-middleware-unbatched", 320.0)]
+    assert batching_gain(runs)[0]["batched_over_unbatched_rps"] == 4.0
+    assert batching_gain(runs, "collapsed-middleware-unbatched")[0]["batched_over_unbatched_rps"] == 1.25
+    assert batching_gain(runs[:1]) == []

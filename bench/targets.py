@@ -152,6 +152,8 @@ class Target:
 
 
 def _ready_address(layout: str, line: str) -> str:
+    # Every layout listens on a unix socket, so the ratios to bare measure the middleware
+    # layer, not a transport difference (loopback TCP costs more per call than a socket file).
     if layout == "bare":
         marker = " serving on "
         return line.split(marker, 1)[1].strip() if marker in line else ""
@@ -168,12 +170,15 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
     """Start one layout's server process. Call from the main thread (see `die_with_parent`)."""
     layout_dir = run_dir / layout
     layout_dir.mkdir(parents=True, exist_ok=True)
+    # Every layout listens on a unix socket, so the ratios to bare measure the middleware
+    # layer, not a transport difference (loopback TCP costs more per call than a socket file).
     if layout == "bare":
         argv = [sys.executable, "-m", "spine.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
                 "--config", str(config_path), "--run-dir", str(layout_dir)]
     elif layout in SPINE_LAYOUT:
         argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",
-                "--layout", SPINE_LAYOUT[layout], "--listen", "127.0.0.1:0", "--run-dir", str(layout_dir)]
+                "--layout", SPINE_LAYOUT[layout], "--listen", f"unix:{layout_dir}/gateway.sock",
+                "--run-dir", str(layout_dir)]
     else:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     log_path = run_dir / f"{layout}.log"

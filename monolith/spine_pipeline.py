@@ -1,7 +1,7 @@
 """The spine's batched stages: admission and completion decided per micro-batch.
 
 `BatchedAdmission` replaces the gateway's per-request calls from auth to the cache probe:
-one `verify_many`, validation, the router, ONE `admit_batch` (exactly the sequential
+one `verify_many`, validation, the router, ONE `admit_asks` (exactly the sequential
 result in arrival order) and ONE `lookup_many` per batch. `BatchedCompletions` replaces
 the per-request metrics, log and cache-store calls: a finished request hands them over
 and answers at once; they are written a window at a time (ONE `record_batch` and ONE
@@ -38,8 +38,8 @@ from services.gateway_limits import (
     admission_stop,
     bearer,
     downstream_stop,
+    rate_limit_ask,
     rate_limit_cost,
-    rate_limit_request,
     rate_limit_stop,
     resolved_request,
 )
@@ -264,7 +264,7 @@ class BatchedAdmission:
             asking: list[tuple[_Ticket, Any]] = []
             for ticket in stage.tickets:
                 assert ticket.resolved is not None
-                asking.append((ticket, rate_limit_request(ticket.state.tenant, ticket.resolved, ticket.state.shadow)))
+                asking.append((ticket, rate_limit_ask(ticket.state.tenant, ticket.resolved, ticket.state.shadow)))
             for ticket, reply in self._admit_valid(asking):
                 if isinstance(reply, Stop):
                     ticket.outcome = reply
@@ -286,11 +286,11 @@ class BatchedAdmission:
                 ticket.outcome = downstream_stop("ratelimit", grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     def _admit(self, messages: list[Any]) -> list[Any]:
-        """ONE admit_batch; on a full bucket table, one by one (so only the one that needs room fails)."""
+        """ONE admit_asks; on a full bucket table, one by one (so only the one that needs room fails)."""
         if not messages:
             return []
         try:
-            return list(self.ratelimit.admit_batch(messages))
+            return list(self.ratelimit.admit_asks(messages))
         except MemoryError:
             pass
         except InvalidRateLimitRequest:
@@ -300,7 +300,7 @@ class BatchedAdmission:
         replies: list[Any] = []
         for message in messages:
             try:
-                replies.append(self.ratelimit.admit_batch([message])[0])
+                replies.append(self.ratelimit.admit_asks([message])[0])
             except MemoryError as error:
                 replies.append(downstream_stop("ratelimit", grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                f"ratelimit: no room for a new bucket: {error}"))

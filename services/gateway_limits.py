@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from services.common import ConfigError, number, section
-from services.ratelimit import descriptors_for
+from services.ratelimit import RateLimitAsk, RateLimitVerdict, ask_for
 from spine.v1 import auth_pb2, generation_pb2, ratelimit_pb2
 
 PRIORITIES = (-1, 0, 1)
@@ -115,23 +115,28 @@ def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
     return len(request.prompt.encode()) + request.max_tokens
 
 
+def rate_limit_ask(tenant: str, request: generation_pb2.GenerateRequest, shadow: bool) -> RateLimitAsk:
+    """What the rate limiter is asked for a request (the spine hands it over as is)."""
+    return ask_for(tenant, request.model, rate_limit_cost(request), dry_run=shadow)
+
+
 def rate_limit_request(tenant: str, request: generation_pb2.GenerateRequest,
                        shadow: bool) -> ratelimit_pb2.RateLimitRequest:
-    return ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=descriptors_for(
-        tenant, request.model, rate_limit_cost(request)), dry_run=shadow)
+    """`rate_limit_ask` as the proto a binding sends."""
+    return rate_limit_ask(tenant, request, shadow).to_proto()
 
 
-def rate_limit_stop(reply: ratelimit_pb2.RateLimitResponse, cost: int) -> Stop | None:
+def rate_limit_stop(reply: ratelimit_pb2.RateLimitResponse | RateLimitVerdict, cost: int) -> Stop | None:
     """None when admitted; else the refusal (never-fits is bad input, over the limit is retryable)."""
-    if reply.overall_code != ratelimit_pb2.RateLimitResponse.OVER_LIMIT:
+    verdict = reply if isinstance(reply, RateLimitVerdict) else RateLimitVerdict.from_proto(reply)
+    if verdict.admitted:
         return None
-    over = [s for s in reply.statuses if s.code == ratelimit_pb2.RateLimitResponse.OVER_LIMIT]
-    names = ", ".join(s.limit_name for s in over) or "rate limit"
-    if any(s.retry_after_s < 0 for s in over):
+    names = ", ".join(name for name, _ in verdict.over) or "rate limit"
+    if any(retry < 0 for _, retry in verdict.over):
         return Stop(grpc.StatusCode.INVALID_ARGUMENT,
                     f"request costs {cost} tokens, more than the bucket can ever hold ({names}); "
                     "lower max_tokens or shorten the prompt")
-    retry = max(reply.retry_after_s, 0.0)
+    retry = max(verdict.retry_after_s, 0.0)
     return Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limited by {names}; retry after {retry:.3f}s",
                 (("retry-after", f"{retry:.3f}"),))
 

@@ -17,9 +17,13 @@ from hypothesis import strategies as st
 from monolith.device import DeviceContext
 from services.common import ConfigError
 from services.ratelimit import (
+    MAX_HITS_ADDEND,
     InvalidRateLimitRequest,
+    RateLimitAsk,
     RateLimitConfig,
     RateLimitService,
+    RateLimitVerdict,
+    ask_for,
     descriptors_for,
 )
 from spine.bindings import LocalContext, LocalRpcError
@@ -437,3 +441,42 @@ def test_the_cpu_fast_paths_and_the_torch_ops_decide_bit_for_bit_alike(batches: 
         assert host.admit_batch(requests, now=now) == expected
         assert numpy_ops.admit_batch(requests, now=now) == expected
     assert host.snapshot() == torch_ops.snapshot() == numpy_ops.snapshot()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_admit_asks_decides_and_charges_exactly_as_admit_batch(scenario: tuple[dict, list]) -> None:
+    """The spine's proto-free path: the same verdicts (as `rate_limit_stop` reads them) and
+    the same bucket levels as the proto path, batch after batch."""
+    config_dict, steps = scenario
+    config = RateLimitConfig.from_dict(config_dict)
+    clock = FakeClock()
+    plain = RateLimitService(config, DeviceContext(), clock=clock)
+    protos = RateLimitService(config, DeviceContext(), clock=clock)
+    for dt, batch, share in steps:
+        clock.now += dt
+        if share is not None:
+            plain.set_share(share)
+            protos.set_share(share)
+        requests = [build(*spec) for spec in batch]
+        expected = [RateLimitVerdict.from_proto(r) for r in protos.admit_batch(requests, now=clock.now)]
+        assert plain.admit_asks([RateLimitAsk.from_proto(r) for r in requests], now=clock.now) == expected
+        assert plain.snapshot() == protos.snapshot()
+
+
+def test_an_ask_round_trips_through_its_proto_and_the_gateway_sends_the_documented_pair() -> None:
+    ask = ask_for("dev", "tiny-lm", 42, dry_run=True)
+    assert RateLimitAsk.from_proto(ask.to_proto()) == ask
+    assert ask.to_proto() == pb.RateLimitRequest(domain="spine", descriptors=descriptors_for("dev", "tiny-lm", 42),
+                                                 dry_run=True)
+    assert [hits for _, hits in ask.descriptors] == [1, 42]
+    assert [dict(key)["resource"] for key, _ in ask.descriptors] == ["requests", "tokens"]
+
+
+def test_a_malformed_ask_is_refused_like_the_proto_naming_its_index() -> None:
+    service = RateLimitService(RateLimitConfig.from_dict({}), DeviceContext())
+    good = ask_for("dev", "tiny-lm", 5)
+    with pytest.raises(InvalidRateLimitRequest, match="hits_addend: at most") as raised:
+        service.admit_asks([good, ask_for("dev", "tiny-lm", MAX_HITS_ADDEND + 1)])
+    assert raised.value.index == 1
+    assert service.snapshot() == {}  # nothing was charged

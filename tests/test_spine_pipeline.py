@@ -195,19 +195,20 @@ def test_an_invalid_request_fails_alone_and_the_rest_of_the_batch_proceeds() -> 
 def test_a_malformed_rate_limit_request_fails_alone_and_the_others_are_charged_once() -> None:
     """The batch is parsed once; the request it names as malformed is taken out with
     INVALID_ARGUMENT and the rest decided again: nobody is charged twice."""
+    from dataclasses import replace
+
     from monolith.spine_pipeline import _Ticket
-    from services.gateway_limits import rate_limit_request
-    from spine.v1 import ratelimit_pb2
+    from services.gateway_limits import rate_limit_ask
 
     services = make_services()
     admission = batched(services)
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="hello", max_tokens=4)
-    good = rate_limit_request("tight", request, False)
-    bad = ratelimit_pb2.RateLimitRequest(domain="elsewhere", descriptors=good.descriptors)
+    good = rate_limit_ask("tight", request, False)
+    bad = replace(good, domain="elsewhere")
     tickets = [_Ticket(request, new_state(TIGHT_KEY, index=i)) for i in range(4)]
     replies = admission._admit_valid(list(zip(tickets, [good, bad, good, bad], strict=True)))
     assert [t for t, _ in replies] == [tickets[0], tickets[2]]
-    assert all(r.overall_code == ratelimit_pb2.RateLimitResponse.OK for _, r in replies)
+    assert all(r.admitted for _, r in replies)
     for ticket in (tickets[1], tickets[3]):
         assert isinstance(ticket.outcome, Stop) and ticket.outcome.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "domain: expected 'spine', got 'elsewhere'" in ticket.outcome.details

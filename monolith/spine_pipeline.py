@@ -2,7 +2,7 @@
 
 `BatchedAdmission` replaces the gateway's per-request calls from auth to the cache probe:
 one `verify_many`, validation, the router, ONE `admit_asks` (exactly the sequential
-result in arrival order) and ONE `lookup_many` per batch. `BatchedCompletions` replaces
+result in arrival order) and ONE `lookup_keys` per batch. `BatchedCompletions` replaces
 the per-request metrics, log and cache-store calls: a finished request hands them over
 and answers at once; they are written a window at a time (ONE `record_batch` and ONE
 `append_batch` per window), always before anyone reads them. Admission hands its
@@ -28,7 +28,7 @@ import grpc
 
 from monolith.batcher import BatcherClosed, BatchStats, MicroBatcher
 from services.auth import AuthDenied, AuthService
-from services.cache import CacheService, InvalidCacheRequest, cache_key
+from services.cache import CacheService, InvalidCacheRequest
 from services.common import ConfigError, number
 from services.gateway import Admitted, RequestState
 from services.gateway_limits import (
@@ -48,7 +48,7 @@ from services.metrics import MetricsService
 from services.ratelimit import InvalidRateLimitRequest, RateLimitService
 from services.router import RouterService
 from spine.tracing import current_traceparent
-from spine.v1 import cache_pb2, generation_pb2, logs_pb2, metrics_pb2
+from spine.v1 import generation_pb2, logs_pb2, metrics_pb2
 
 log = logging.getLogger("spine.pipeline")
 
@@ -309,35 +309,45 @@ class BatchedAdmission:
         return replies
 
     def _probe_cache(self, tickets: list[_Ticket]) -> None:
-        """ONE lookup_many; the cache fails open, so a failure is a counted miss."""
+        """ONE lookup_keys; the cache fails open, so a failure is a counted miss. Each request
+        is keyed once here, and its store reuses the key (`RequestState.cache_key`)."""
         stage = _Stage("cache", "Lookup", self.hooks, tickets, fail_open=self._fail_open or _ignore)
         try:
-            probing = stage.tickets
-            messages = [cache_pb2.CacheLookupRequest(tenant=t.state.tenant, request=t.resolved) for t in probing]
-            replies: list[Any] = []
-            if messages:
+            probing: list[_Ticket] = []
+            keys: list[bytes | None] = []
+            for ticket in stage.tickets:
+                assert ticket.resolved is not None
                 try:
-                    replies = list(self.cache.lookup_many(messages))
+                    key = self.cache.key_for(ticket.state.tenant, ticket.resolved)
+                except Exception as error:
+                    self._cache_failed(ticket, "INVALID_ARGUMENT" if isinstance(error, InvalidCacheRequest)
+                                       else "UNKNOWN")
+                    continue
+                ticket.state.cache_key = key
+                probing.append(ticket)
+                keys.append(key)
+            answers: list[Any] = []
+            if keys:
+                try:
+                    answers = list(self.cache.lookup_keys(keys))
                 except Exception:  # all or nothing: find out which one cannot be probed
-                    replies = [self._lookup_one(m) for m in messages]
-            for ticket, reply in zip(probing, replies, strict=True):
-                if isinstance(reply, str):
-                    self._cache_failed(ticket, reply)
-                elif reply.hit:
+                    answers = [self._lookup_one(key) for key in keys]
+            for ticket, answer in zip(probing, answers, strict=True):
+                if isinstance(answer, str):
+                    self._cache_failed(ticket, answer)
+                elif answer is not None:
                     ticket.state.cached = True
-                    ticket.state.completion_tokens = reply.response.completion_tokens
-                    ticket.outcome = (ticket.resolved, reply.response)  # type: ignore[assignment]
+                    ticket.state.completion_tokens = answer.completion_tokens
+                    ticket.outcome = (ticket.resolved, answer)  # type: ignore[assignment]
         finally:
             stage.finish()
         for ticket in tickets:
             if ticket.open:  # a miss, or the cache failed (fail open)
                 ticket.outcome = (ticket.resolved, None)  # type: ignore[assignment]
 
-    def _lookup_one(self, message: cache_pb2.CacheLookupRequest) -> Any:
+    def _lookup_one(self, key: bytes | None) -> Any:
         try:
-            return self.cache.lookup_many([message])[0]
-        except InvalidCacheRequest:
-            return "INVALID_ARGUMENT"
+            return self.cache.lookup_keys([key])[0]
         except Exception:
             return "UNKNOWN"
 
@@ -378,7 +388,7 @@ class BatchedCompletions:
         # next request (a lone client never finds work waiting); under load it waits for
         # `interval_s` so a window holds many requests.
         self._busy = busy or (lambda: True)
-        self._stores: deque[tuple[RequestState, bytes, cache_pb2.CacheStoreRequest]] = deque()
+        self._stores: deque[tuple[RequestState, bytes, generation_pb2.GenerateResponse]] = deque()
         self._store_lock = threading.Lock()
         self.max_batch = max_batch
         self.interval_s = interval_s
@@ -434,12 +444,15 @@ class BatchedCompletions:
                     self._fail_open("cache", _code_details(error)[0].name, state.request_id)
                 return True
         try:
-            key = cache_key(state.tenant, request)
+            key = state.cache_key  # keyed at lookup; a request admitted per request is keyed now
+            if key is None:
+                key = self.cache.key_for(state.tenant, request)
             if key is not None:  # not cacheable (sampled without a seed): nothing to store
-                self._stores.append((state, key, cache_pb2.CacheStoreRequest(tenant=state.tenant, request=request,
-                                                                             response=response)))
+                self._stores.append((state, key, response))
             if self._closed:
                 self.drain_stores()
+        except InvalidCacheRequest as error:  # what the Store call would have refused: counted
+            self._count_store_failure(state, error)
         finally:
             for hook, token in reversed(tokens):
                 hook.end(token, grpc.StatusCode.OK)
@@ -460,9 +473,9 @@ class BatchedCompletions:
                 wanted = set(keys)
                 self._stores.extendleft(reversed([item for item in taken if item[1] not in wanted]))
                 taken = [item for item in taken if item[1] in wanted]
-            for state, _, message in taken:
+            for state, key, response in taken:
                 try:
-                    self.cache.store(message)
+                    self.cache.store_key(key, response)
                 except Exception as error:  # counted as the gateway counts a failed Store
                     self._count_store_failure(state, error)
 

@@ -7,7 +7,9 @@ parameter is a different entry. Priority and timeouts change when an answer come
 what it is, so they are not part of the key.
 
 `lookup_many` probes a whole micro-batch in one tensor op (see `services/cache_index.py`);
-the gRPC `Lookup` is the batch of one. Shadow stores are refused so that shadow traffic
+the gRPC `Lookup` is the batch of one. `lookup_keys` and `store_key` are the same without
+the protos around them: the spine keys a request once (`key_for`) and probes and stores
+by that key. Shadow stores are refused so that shadow traffic
 can never change what clients are served.
 """
 
@@ -104,26 +106,39 @@ class CacheService(cache_pb2_grpc.CacheServicer):
     def lookup_many(self, requests: list[cache_pb2.CacheLookupRequest]) -> list[cache_pb2.CacheLookupResponse]:
         """Answer a micro-batch with one probe; raises InvalidCacheRequest before counting anything."""
         keys = [cache_key(r.tenant, r.request) for r in self._checked(requests)]
+        responses = []
+        for key, answer in zip(keys, self.lookup_keys(keys), strict=True):
+            if key is None:
+                responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=False))
+            elif answer is None:
+                responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=True))
+            else:
+                responses.append(cache_pb2.CacheLookupResponse(hit=True, cacheable=True, response=answer))
+        return responses
+
+    def lookup_keys(self, keys: list[bytes | None]) -> list[generation_pb2.GenerateResponse | None]:
+        """`lookup_many` by keys (`key_for`'s), without protos around them: the spine's path.
+        A None key (not cacheable) is neither a hit nor a miss; a hit is a copy marked cached."""
         probe = [k for k in keys if k is not None]
         self.read_hooks.run(probe)
+        answers: list[generation_pb2.GenerateResponse | None] = []
         with self._lock:
             slots = iter(self._index.lookup_batch(probe, self._clock()) if probe else [])
-            responses = []
             for key in keys:
                 if key is None:
-                    responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=False))
+                    answers.append(None)
                     continue
                 slot = next(slots)
                 if slot < 0:
                     self._misses += 1
-                    responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=True))
+                    answers.append(None)
                     continue
                 self._hits += 1
                 answer = generation_pb2.GenerateResponse()
                 answer.CopyFrom(self._index.value(slot))
                 answer.cached = True
-                responses.append(cache_pb2.CacheLookupResponse(hit=True, cacheable=True, response=answer))
-        return responses
+                answers.append(answer)
+        return answers
 
     def store(self, request: cache_pb2.CacheStoreRequest) -> bool:
         """Keep a response; False for shadow traffic and non-cacheable requests."""
@@ -133,11 +148,22 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         key = cache_key(request.tenant, request.request)
         if request.shadow or key is None:
             return False
+        self.store_key(key, request.response)
+        return True
+
+    def store_key(self, key: bytes, response: generation_pb2.GenerateResponse) -> None:
+        """`store` by key (`key_for`'s): the spine's path, which keyed the request at lookup."""
         value = generation_pb2.GenerateResponse()
-        value.CopyFrom(request.response)
+        value.CopyFrom(response)
         with self._lock:
             self._evictions += self._index.put(key, value, self._clock(), self.config.ttl_s)
-        return True
+
+    @classmethod
+    def key_for(cls, tenant: str, request: generation_pb2.GenerateRequest) -> bytes | None:
+        """The key `lookup_many` and `store` would use (None: not cacheable); raises
+        InvalidCacheRequest for what they would refuse."""
+        cls._check(tenant, request, 0)
+        return cache_key(tenant, request)
 
     def stats(self) -> cache_pb2.CacheStatsResponse:
         """Counters; expired entries are dropped first so `entries` counts what can still hit."""
@@ -167,13 +193,17 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         return self.stats()
 
     # -- checks ------------------------------------------------------------------------
-    @staticmethod
-    def _checked(requests: list[Any]) -> list[Any]:
+    @classmethod
+    def _checked(cls, requests: list[Any]) -> list[Any]:
         for index, r in enumerate(requests):
-            if not r.tenant:
-                raise InvalidCacheRequest("tenant: must not be empty (entries are kept per tenant)", index)
-            if not r.HasField("request"):
-                raise InvalidCacheRequest("request: missing (the generate request to key on)", index)
-            if not r.request.model:
-                raise InvalidCacheRequest("request.model: must be the resolved model id, got ''", index)
+            cls._check(r.tenant, r.request if r.HasField("request") else None, index)
         return requests
+
+    @staticmethod
+    def _check(tenant: str, request: generation_pb2.GenerateRequest | None, index: int) -> None:
+        if not tenant:
+            raise InvalidCacheRequest("tenant: must not be empty (entries are kept per tenant)", index)
+        if request is None:
+            raise InvalidCacheRequest("request: missing (the generate request to key on)", index)
+        if not request.model:
+            raise InvalidCacheRequest("request.model: must be the resolved model id, got ''", index)

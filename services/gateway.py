@@ -92,6 +92,7 @@ class RequestState:
     completion_tokens: int = 0
     middleware_s: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    cache_key: bytes | None = None  # the spine's batched probe keys a request once; its store reuses it
 
     def remaining(self) -> float:
         return max(0.001, self.deadline - time.monotonic())

@@ -255,6 +255,55 @@ def test_a_hook_failure_fails_a_closed_stage_and_is_let_through_by_the_cache() -
             assert "injected fault in router.Resolve" in outcome.details
 
 
+def test_a_cache_that_fails_for_one_key_fails_open_for_that_request_alone(tmp_path: Any) -> None:
+    """The probe is all or nothing, so a failing key is found by probing each alone: that
+    request is a counted miss, the others still hit; its deferred store is counted too."""
+    from monolith.spine_pipeline import _Ticket
+
+    counted: list[tuple[str, str]] = []
+    services = make_services()
+    cached = generation_pb2.GenerateRequest(model="tiny-lm", prompt=CACHED_PROMPT, max_tokens=4)
+    broken = generation_pb2.GenerateRequest(model="tiny-lm", prompt="the index cannot take this one", max_tokens=4)
+    broken_key = services.cache.key_for("dev", broken)
+    probe, store = services.cache.lookup_keys, services.cache.store_key
+
+    def failing_probe(keys: list[bytes | None]) -> list[Any]:
+        if broken_key in keys:
+            raise RuntimeError("device lost")
+        return probe(keys)
+
+    def failing_store(key: bytes, response: Any) -> None:
+        if key == broken_key:
+            raise RuntimeError("device lost")
+        store(key, response)
+
+    services.cache.lookup_keys = failing_probe  # type: ignore[method-assign]
+    services.cache.store_key = failing_store  # type: ignore[method-assign]
+    admission = batched(services, fail_open=lambda name, reason, rid: counted.append((name, reason)))
+    tickets = [_Ticket(request, new_state(DEV_KEY, index=i)) for i, request in enumerate([cached, broken, cached])]
+    outcomes = admission.decide(tickets)
+    assert [o[1] is not None for o in outcomes] == [True, False, True]  # type: ignore[index]
+    assert counted == [("cache", "UNKNOWN")]
+    assert [t.state.failures for t in tickets] == [[], ["cache"], []]
+
+    device = DeviceContext()
+    metrics = MetricsService(MetricsConfig.from_dict({}), device)
+    logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+    completions = BatchedCompletions(metrics, logs, cache=services.cache, interval_s=3600.0,
+                                     fail_open=lambda name, reason, rid: counted.append((name, reason)))
+    answer = generation_pb2.GenerateResponse(text="new", model="tiny-lm", completion_tokens=1)
+    fine = generation_pb2.GenerateRequest(model="tiny-lm", prompt="stored fine", max_tokens=4)
+    for i, request in enumerate([broken, fine]):
+        state = new_state(DEV_KEY, index=i)
+        state.tenant = "dev"
+        assert completions.store(state, request, answer)
+    completions.close()
+    logs.close()
+    assert counted[1:] == [("cache", "UNAVAILABLE")]
+    assert 'spine_middleware_failures_total{middleware="cache"} 1' in metrics.render()
+    assert services.cache.lookup_many([cache_pb2.CacheLookupRequest(tenant="dev", request=fine)])[0].hit
+
+
 def test_completions_write_one_batch_and_keep_the_good_records_when_one_is_bad(tmp_path: Any) -> None:
     device = DeviceContext()
     metrics = MetricsService(MetricsConfig.from_dict({}), device)
@@ -351,15 +400,15 @@ def test_a_lookup_waits_for_a_store_another_thread_is_writing(tmp_path: Any) -> 
     metrics = MetricsService(MetricsConfig.from_dict({}), device)
     logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
     completions = BatchedCompletions(metrics, logs, cache=services.cache, interval_s=3600.0)
-    store = services.cache.store
+    store = services.cache.store_key
     storing = threading.Event()
 
-    def slow_store(message: Any) -> bool:
+    def slow_store(key: bytes, response: Any) -> None:
         storing.set()
         time.sleep(0.2)
-        return store(message)
+        store(key, response)
 
-    services.cache.store = slow_store  # type: ignore[method-assign]
+    services.cache.store_key = slow_store  # type: ignore[method-assign]
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="slow to store", max_tokens=4)
     state = new_state(DEV_KEY)
     state.tenant = "dev"

@@ -30,12 +30,17 @@ class BatcherClosed(RuntimeError):
 
 
 class _Slot(Generic[T]):
+    """One caller's item. `wake` is a plain lock taken at creation: the caller blocks on
+    it, and whoever has its answer (or leadership) for it releases it exactly once — half
+    the cost of an Event, which builds a Condition and a waiter lock per wait."""
+
     __slots__ = ("item", "arrived", "wake", "done", "value", "error")
 
     def __init__(self, item: T, arrived: float) -> None:
         self.item = item
         self.arrived = arrived
-        self.wake = threading.Event()
+        self.wake = threading.Lock()
+        self.wake.acquire()
         self.done = False
         self.value: object = None
         self.error: BaseException | None = None
@@ -94,7 +99,7 @@ class MicroBatcher(Generic[T, R]):
             else:
                 self._arrival.notify()  # a leader waiting for more sees the new arrival
         if not lead:
-            slot.wake.wait()
+            slot.wake.acquire()
         if not slot.done:  # leading (from the start, or handed over)
             self._lead(slot)
         if slot.error is not None:
@@ -118,7 +123,7 @@ class MicroBatcher(Generic[T, R]):
         finally:
             with self._lock:
                 if self._pending:  # hand over to the oldest waiter: it decides the next batch
-                    self._pending[0].wake.set()
+                    self._pending[0].wake.release()
                 else:
                     self._leading = False
 
@@ -157,4 +162,4 @@ class MicroBatcher(Generic[T, R]):
             else:
                 slot.value = result
             slot.done = True
-            slot.wake.set()
+            slot.wake.release()

@@ -164,13 +164,22 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             raise AuthDenied(_UNAUTHENTICATED, "credential could not be verified") from None
 
     def verify_many(self, credentials: Iterable[str]) -> list[Verdict]:
-        """One verdict per credential, in order: the batcher's entry point."""
+        """One verdict per credential, in order: the batcher's entry point.
+
+        A credential repeated in the batch (one client's requests arriving together, the
+        common case) is verified once and its verdict shared: callers read it, never
+        change it. Verification has no side effects, so this decides what one by one would."""
         out: list[Verdict] = []
+        seen: dict[str, Verdict] = {}
         for credential in credentials:
-            try:
-                out.append(self.verify(credential))
-            except AuthDenied as denied:
-                out.append(denied)
+            verdict = seen.get(credential)
+            if verdict is None:
+                try:
+                    verdict = self.verify(credential)
+                except AuthDenied as denied:
+                    verdict = denied
+                seen[credential] = verdict
+            out.append(verdict)
         return out
 
     def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse:

@@ -349,6 +349,31 @@ def test_verify_many_returns_one_verdict_per_credential_in_order(service: AuthSe
     assert isinstance(verdicts[2], auth_pb2.CheckResponse) and verdicts[2].principal.tenant == "acme"
 
 
+
+def test_a_credential_repeated_in_a_batch_is_verified_once_with_the_one_by_one_verdict(
+        service: AuthService) -> None:
+    token = hs256()
+    batch = [DEV_KEY, "nope", token, DEV_KEY, "nope", token, DEV_KEY]
+    calls: list[str] = []
+    verify = service.verify
+
+    def counting(credential: str) -> auth_pb2.CheckResponse:
+        calls.append(credential)
+        return verify(credential)
+
+    service.verify = counting  # type: ignore[method-assign]
+    verdicts = service.verify_many(batch)
+    assert sorted(calls) == sorted({DEV_KEY, "nope", token})
+    one_by_one = []
+    for credential in batch:
+        try:
+            one_by_one.append(("ok", verify(credential).principal.SerializeToString(deterministic=True)))
+        except AuthDenied as denied:
+            one_by_one.append(("denied", denied.code, denied.message))
+    assert [("denied", v.code, v.message) if isinstance(v, AuthDenied)
+            else ("ok", v.principal.SerializeToString(deterministic=True)) for v in verdicts] == one_by_one
+
+
 # --- the verification cache ----------------------------------------------------------------
 
 

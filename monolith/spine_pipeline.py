@@ -140,6 +140,8 @@ class _Stage:
     def _begin(self, ticket: _Ticket) -> list[Any] | None:
         """The hooks' tokens; None when a hook failed the call (the ticket then has its outcome)."""
         tokens: list[Any] = []
+        if not self.hooks:
+            return tokens
         metadata = [("x-request-id", ticket.state.request_id), *ticket.trace]
         for hook in self.hooks:
             try:

@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results = {"runs": runs, "serving": serving, "layered_vs_collapsed": comparisons,
                "batched_vs_unbatched": batching_gain(runs),
-               "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"), "machine": machine, "started_at": started_at,
+               "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
+               "machine": machine, "started_at": started_at,
                "duration_s": round(time.perf_counter() - began, 1), "settings": settings.as_dict(),
                "processes_left_running": left}
     out.parent.mkdir(parents=True, exist_ok=True)

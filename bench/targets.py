@@ -152,8 +152,6 @@ class Target:
 
 
 def _ready_address(layout: str, line: str) -> str:
-    # Every layout listens on a unix socket, so the ratios to bare measure the middleware
-    # layer, not a transport difference (loopback TCP costs more per call than a socket file).
     if layout == "bare":
         marker = " serving on "
         return line.split(marker, 1)[1].strip() if marker in line else ""

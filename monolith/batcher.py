@@ -122,6 +122,10 @@ class MicroBatcher(Generic[T, R]):
                 self._run(self._take())
         finally:
             with self._lock:
+                if not own.done and own in self._pending:
+                    # Leading failed before deciding its own item (say `expected()` raised):
+                    # nobody may be handed leadership for a caller that has already left.
+                    self._pending.remove(own)
                 if self._pending:  # hand over to the oldest waiter: it decides the next batch
                     self._pending[0].wake.release()
                 else:

@@ -431,7 +431,11 @@ class BatchedCompletions:
               response: generation_pb2.GenerateResponse) -> bool:
         """Hand a response over for the cache; False when this spine has no local cache (the
         caller then stores it itself). It is stored before any later lookup (the cache calls
-        `drain_stores` first), so a repeated request still hits."""
+        `drain_stores` first), so a repeated request still hits.
+
+        `request` is the resolved request that was probed: when the batched probe keyed
+        it, the key on `state` is used as is (a key is a pure function of tenant and
+        resolved request, and both are fixed once admitted). Otherwise it is keyed here."""
         if self.cache is None:
             return False
         tokens: list[tuple[Any, Any]] = []

@@ -167,8 +167,9 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         """One verdict per credential, in order: the batcher's entry point.
 
         A credential repeated in the batch (one client's requests arriving together, the
-        common case) is verified once and its verdict shared: callers read it, never
-        change it. Verification has no side effects, so this decides what one by one would."""
+        common case) is verified once and its verdict shared: the batcher only reads it.
+        The verdicts are what one by one would give; only the verification cache's
+        hit/miss counters differ (a JWT repeated N times counts one miss, not N-1 hits more)."""
         out: list[Verdict] = []
         seen: dict[str, Verdict] = {}
         for credential in credentials:

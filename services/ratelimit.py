@@ -182,7 +182,7 @@ def limit_name(key: Key) -> str:
 
 @dataclass(frozen=True)
 class _Bucket:
-    """What a descriptor's entries resolve to; cached, since reading protos is the slow part."""
+    """What a descriptor's entries resolve to: checked once per distinct key, then cached."""
 
     key: Key
     name: str
@@ -313,6 +313,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         for d, (key, hits) in enumerate(ask.descriptors):
             bucket = self._buckets.get(key) or self._resolve(key, f"descriptors[{d}]", index)
             hits = hits or 1
+            if hits < 0:  # a proto's uint64 cannot be; an ask built in-process can
+                raise invalid(f"descriptors[{d}].hits_addend: must be >= 0, got {hits}")
             if hits > MAX_HITS_ADDEND:
                 raise invalid(f"descriptors[{d}].hits_addend: at most {MAX_HITS_ADDEND}, got {hits}")
             rows.append(_Row(bucket, float(hits)))

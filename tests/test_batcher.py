@@ -121,6 +121,25 @@ def test_a_failing_decide_fails_every_caller_of_that_batch_and_the_batcher_goes_
     assert batcher.submit(2) == 2
 
 
+def test_a_leader_that_fails_before_deciding_its_own_item_leaves_the_batcher_usable() -> None:
+    """`expected()` raising inside the leader's wait: that caller gets the error, and the
+    next caller leads (it is not handed to the departed one, which would hang everyone)."""
+    failures = [1]
+
+    def expected() -> int:
+        if failures and failures.pop():
+            raise RuntimeError("in-flight count unavailable")
+        return 0
+
+    batcher = MicroBatcher(Recorder(), max_batch=4, max_wait_s=1.0, expected=expected)
+    with pytest.raises(RuntimeError, match="in-flight count unavailable"):
+        batcher.submit(1)
+    assert batcher.queued == 0
+    threads, results = submit_all(batcher, [2])
+    threads[0].join(5)
+    assert results == {2: 20}
+
+
 def test_the_leader_waits_for_more_while_more_are_in_flight() -> None:
     decide = Recorder()
     in_flight = [2]

@@ -479,4 +479,7 @@ def test_a_malformed_ask_is_refused_like_the_proto_naming_its_index() -> None:
     with pytest.raises(InvalidRateLimitRequest, match="hits_addend: at most") as raised:
         service.admit_asks([good, ask_for("dev", "tiny-lm", MAX_HITS_ADDEND + 1)])
     assert raised.value.index == 1
+    negative = RateLimitAsk("spine", ((good.descriptors[0][0], -3),))  # would credit the bucket
+    with pytest.raises(InvalidRateLimitRequest, match=r"descriptors\[0\]\.hits_addend: must be >= 0, got -3"):
+        service.admit_asks([negative])
     assert service.snapshot() == {}  # nothing was charged

@@ -304,6 +304,34 @@ def test_a_cache_that_fails_for_one_key_fails_open_for_that_request_alone(tmp_pa
     assert services.cache.lookup_many([cache_pb2.CacheLookupRequest(tenant="dev", request=fine)])[0].hit
 
 
+def test_the_store_reuses_the_key_the_batched_probe_made(tmp_path: Any) -> None:
+    """Keyed once: the admission's probe keys the request, and its store (after the
+    answer) files the response under that same key without hashing the request again."""
+    from monolith.spine_pipeline import _Ticket
+
+    services = make_services()
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="keyed once", max_tokens=4)
+    state = new_state(DEV_KEY)
+    [outcome] = batched(services).decide([_Ticket(request, state)])
+    assert not isinstance(outcome, Stop) and outcome[1] is None  # a miss
+    assert state.cache_key == services.cache.key_for("dev", request)
+
+    def no_rekeying(tenant: str, request: Any) -> bytes | None:
+        raise AssertionError("the store keyed the request again")
+
+    services.cache.key_for = no_rekeying  # type: ignore[method-assign]
+    device = DeviceContext()
+    metrics = MetricsService(MetricsConfig.from_dict({}), device)
+    logs = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+    completions = BatchedCompletions(metrics, logs, cache=services.cache, interval_s=3600.0)
+    answer = generation_pb2.GenerateResponse(text="once", model="tiny-lm", completion_tokens=1)
+    assert completions.store(state, outcome[0], answer)
+    completions.close()
+    logs.close()
+    found = services.cache.lookup_keys([state.cache_key])[0]
+    assert found is not None and found.text == "once" and found.cached
+
+
 def test_completions_write_one_batch_and_keep_the_good_records_when_one_is_bad(tmp_path: Any) -> None:
     device = DeviceContext()
     metrics = MetricsService(MetricsConfig.from_dict({}), device)

@@ -33,14 +33,14 @@ import psutil
 from spine.process import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "collapsed-unbatched", "collapsed-middleware-unbatched", "layered")
+# Which `spine up --layout` each bench layout but bare runs (bare is the model service alone).
+SPINE_LAYOUT: dict[str, str] = {"collapsed": "collapsed", "collapsed-unbatched": "collapsed",
+                                "collapsed-middleware-unbatched": "collapsed", "layered": "layered"}
+LAYOUTS: tuple[str, ...] = ("bare", *SPINE_LAYOUT)
 # `--quick` (the smoke test) keeps to these, inside its time limit.
 QUICK_LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "layered")
 MIDDLEWARE_UNBATCHED_OVERLAY: dict[str, object] = {"batching": {"enabled": False}}
 UNBATCHED_OVERLAY: dict[str, object] = {**MIDDLEWARE_UNBATCHED_OVERLAY, "inference": {"max_batch": 1}}
-# Which `spine up --layout` each collapsed/layered bench layout runs.
-SPINE_LAYOUT: dict[str, str] = {"collapsed": "collapsed", "collapsed-unbatched": "collapsed",
-                                "collapsed-middleware-unbatched": "collapsed", "layered": "layered"}
 
 
 class TargetFailed(RuntimeError):

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Call
-from spine.stats import percentile
+from spine.runtime.stats import percentile
 
 MB = 1024 * 1024
 

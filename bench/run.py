@@ -38,7 +38,7 @@ from bench.targets import (
     TargetFailed,
     launch,
 )
-from spine.config import load_config, merge
+from spine.runtime.config import load_config, merge
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")

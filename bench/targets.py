@@ -3,7 +3,7 @@
 Why subprocesses: the load generator runs in the bench process; a server sharing its
 GIL would be slowed by the very load it is measuring, and unequally across layouts.
 
-    bare       python -m spine.process inference ...   (the model service, no middleware)
+    bare       python -m spine.runtime.process inference ...   (the model service, no middleware)
     collapsed  python -m spine --config F up --layout collapsed   (the batched spine)
     collapsed-unbatched  the same with the batcher off end to end: `batching.enabled: false`
                (one call per middleware per request) and `inference.max_batch: 1` (one
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from spine.process import die_with_parent
+from spine.runtime.process import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Which `spine up --layout` each bench layout but bare runs (bare is the model service alone).
@@ -171,7 +171,7 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
     # Every layout listens on a unix socket, so the ratios to bare measure the middleware
     # layer, not a transport difference (loopback TCP costs more per call than a socket file).
     if layout == "bare":
-        argv = [sys.executable, "-m", "spine.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
+        argv = [sys.executable, "-m", "spine.runtime.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
                 "--config", str(config_path), "--run-dir", str(layout_dir)]
     elif layout in SPINE_LAYOUT:
         argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",

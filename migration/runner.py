@@ -29,7 +29,7 @@ from migration.recording import RecordingTarget
 from migration.service import SERVICE_NAME, MigrationService
 from migration.target import TrafficTarget
 from services.common import Clock, ConfigError
-from spine.signals import Termination
+from spine.runtime.signals import Termination
 from spine.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
@@ -127,8 +127,8 @@ def build_target(args: argparse.Namespace) -> TrafficTarget:
 def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
     """Weights over ADS to real data planes; gates on each side's Prometheus metrics."""
     from migration.prometheus_window import PrometheusWindow
+    from migration.traffic.xds_target import XdsTarget
     from migration.xds import Endpoint, XdsControlPlane
-    from migration.xds_target import XdsTarget
 
     missing = [flag for flag, value in (("--xds-listen", args.xds_listen), ("--layered", args.layered),
                                         ("--spine", args.spine), ("--layered-metrics", args.layered_metrics),

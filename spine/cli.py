@@ -13,29 +13,19 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from services.common import ConfigError
-from spine.config import LAYOUTS, load_config, placements_for, remote_addresses
+from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
-def dev_api_key(config: Mapping[str, Any]) -> str | None:
-    """The plain dev key from the config (dev configs only; production ones hold hashes)."""
-    for entry in (config.get("auth") or {}).get("api_keys") or []:
-        if isinstance(entry, Mapping) and entry.get("key"):
-            return str(entry["key"])
-    return None
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     from monolith.runtime_env import configure_threads
-    from spine.runtime import Stack
-    from spine.signals import Termination
-    from spine.tracing import install_from_config
+    from spine.runtime.signals import Termination
+    from spine.runtime.stack import Stack
+    from spine.runtime.tracing import install_from_config
 
     configure_threads()
     config = load_config(args.config)
@@ -67,8 +57,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_call(args: argparse.Namespace) -> int:
-    from spine.client import GatewayClient
-    from spine.load_hints import Backoff, Fallback, LoadAwareClient, router_models
+    from spine.client.gateway_client import GatewayClient
+    from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_models
     from spine.v1 import generation_pb2
 
     config = load_config(args.config)
@@ -110,15 +100,15 @@ def cmd_call(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from spine.demo import run_demo
+    from spine.tools.demo import run_demo
 
     return run_demo(load_config(args.config))
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from spine.ab.command import run_command
-    from spine.ab.runner import RunOptions
-    from spine.ab.workload import SyntheticSpec, TraceError
+    from spine.tools.ab.command import run_command
+    from spine.tools.ab.runner import RunOptions
+    from spine.tools.ab.workload import SyntheticSpec, TraceError
 
     config = load_config(args.config)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]

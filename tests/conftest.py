@@ -18,8 +18,8 @@ import grpc
 import jwt
 import pytest
 
-from spine.config import load_config, placements_for
-from spine.runtime import Stack
+from spine.runtime.config import load_config, placements_for
+from spine.runtime.stack import Stack
 
 DEV_KEY = "spine-dev-key-0000"
 TIGHT_KEY = "tight-tenant-key-0000"
@@ -49,7 +49,7 @@ TEST_OVERRIDES: dict[str, Any] = {
 
 
 def config_for_tests(**extra: Any) -> dict[str, Any]:
-    from spine.config import merge
+    from spine.runtime.config import merge
 
     return load_config(overrides=merge(TEST_OVERRIDES, extra))
 
@@ -77,8 +77,8 @@ def torch_one_thread() -> Iterator[None]:
 def served(component: str, servicer: Any) -> Iterator[Any]:
     """One servicer behind a real gRPC server on a unix socket (the project's own
     `start_server`, with health and reflection), and a stub to it."""
-    from spine.components import SPECS
-    from spine.server import start_server
+    from services.registry import SPECS
+    from spine.runtime.server import start_server
 
     sock_dir = tempfile.mkdtemp(prefix=f"spine-{component}-", dir="/tmp")  # unix paths max ~107 bytes
     spec = SPECS[component]

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from services.common import ConfigError
-from spine.ab.command import run_command
-from spine.ab.runner import LayoutRun, RunOptions, run_interleaved
-from spine.ab.workload import SyntheticSpec, TraceError, read_trace, synthetic, tenant_keys, write_trace
 from spine.cli import main
-from spine.runtime import Stack
+from spine.runtime.stack import Stack
+from spine.tools.ab.command import run_command
+from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
+from spine.tools.ab.workload import SyntheticSpec, TraceError, read_trace, synthetic, tenant_keys, write_trace
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
 
 KEYS = {"dev": DEV_KEY, "other": OTHER_KEY}

@@ -14,10 +14,10 @@ from typing import Any
 import grpc
 import pytest
 
-from spine.bindings import LocalBinding, LocalContext, RemoteBinding
-from spine.components import SPECS
-from spine.runtime import remote_channel
-from spine.server import start_server
+from services.registry import SPECS
+from spine.runtime.bindings import LocalBinding, LocalContext, RemoteBinding
+from spine.runtime.server import start_server
+from spine.runtime.stack import remote_channel
 from spine.v1 import generation_pb2, inference_pb2_grpc
 
 

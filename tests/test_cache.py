@@ -18,7 +18,7 @@ from monolith.device import DeviceContext
 from services.cache import CacheConfig, CacheService, cache_key
 from services.cache_index import CacheIndex
 from services.common import ConfigError
-from spine.bindings import LocalContext, LocalRpcError
+from spine.runtime.bindings import LocalContext, LocalRpcError
 from spine.v1 import cache_pb2, cache_pb2_grpc
 from spine.v1.generation_pb2 import GenerateRequest, GenerateResponse
 

@@ -16,11 +16,11 @@ import grpc
 import pytest
 
 from services.common import ConfigError
+from services.registry import GATEWAY
 from spine.cli import main
-from spine.client import GatewayClient
-from spine.components import GATEWAY
-from spine.load_hints import Backoff, Fallback, LoadAwareClient, router_models
-from spine.server import start_server
+from spine.client.gateway_client import GatewayClient
+from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_models
+from spine.runtime.server import start_server
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
 BUSY = "queue=9;running=4;slots=4;kv_free=0;mem_free_mb=100.0;ms_per_token=1.000"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from migration.status import State
-from spine.client import GatewayClient
-from spine.cutover import Cutover
-from spine.migration_demo import DEMO_PLAN, TrafficDriver, walk_plan
+from migration.traffic.cutover import Cutover
+from spine.client.gateway_client import GatewayClient
+from spine.tools.migration_demo import DEMO_PLAN, TrafficDriver, walk_plan
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from spine.cutover import Cutover
+from migration.traffic.cutover import Cutover
 from tests.conftest import DEV_KEY, config_for_tests
 
 pytestmark = pytest.mark.timeout(180)
@@ -164,7 +164,7 @@ def test_a_spine_that_cannot_run_its_model_is_failed_over_and_sent_unhealthy(
     from envoy.config.core.v3 import health_check_pb2
 
     from migration.xds.snapshot import ENDPOINT
-    from spine.client import GatewayClient
+    from spine.client.gateway_client import GatewayClient
     from spine.v1 import generation_pb2
 
     cutover, _ = rig

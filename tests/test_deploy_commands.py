@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from migration.runner import parse_args as runner_args
+from services.registry import COMPONENTS
 from spine.cli import build_parser as cli_parser
-from spine.components import COMPONENTS
-from spine.config import load_config, remote_addresses
-from spine.process import build_parser as process_parser
+from spine.runtime.config import load_config, remote_addresses
+from spine.runtime.process import build_parser as process_parser
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 
@@ -54,7 +54,7 @@ def configs() -> list[tuple[str, dict[str, Any]]]:
 @pytest.mark.parametrize(("where", "container"), containers(), ids=[name for name, _ in containers()])
 def test_container_command_parses_with_the_real_cli(where: str, container: dict[str, Any]) -> None:
     command = list(container["command"]) + [str(arg) for arg in container.get("args", [])]
-    if command[:3] == ["python", "-m", "spine.process"]:
+    if command[:3] == ["python", "-m", "spine.runtime.process"]:
         args = process_parser().parse_args(command[3:])
         assert args.component in COMPONENTS
         if not args.listen.startswith(("127.", "unix:", "localhost")):

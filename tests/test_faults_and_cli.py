@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from spine.client import GatewayClient
-from spine.runtime import Stack
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, start_stack
 

@@ -8,7 +8,7 @@ import threading
 
 from monolith.device import DeviceContext
 from services.inference import InferenceConfig, InferenceService
-from spine.bindings import LocalContext
+from spine.runtime.bindings import LocalContext
 from spine.v1 import generation_pb2
 
 

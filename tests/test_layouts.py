@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from services.inference_load import parse_load
-from spine.client import GatewayClient
-from spine.runtime import Stack
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, make_jwt
 

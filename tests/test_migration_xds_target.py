@@ -20,10 +20,10 @@ import pytest
 from migration.prometheus_window import p99_ms, parse_totals
 from monolith.device import DeviceContext
 from services.metrics import MetricsConfig, MetricsService
-from spine.client import GatewayClient
-from spine.config import placements_for
-from spine.runtime import Stack
-from spine.server import wait_serving
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.config import placements_for
+from spine.runtime.server import wait_serving
+from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2, metrics_pb2, migration_pb2, migration_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
 

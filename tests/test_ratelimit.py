@@ -26,7 +26,7 @@ from services.ratelimit import (
     ask_for,
     descriptors_for,
 )
-from spine.bindings import LocalContext, LocalRpcError
+from spine.runtime.bindings import LocalContext, LocalRpcError
 from spine.v1 import ratelimit_pb2 as pb
 from spine.v1 import ratelimit_pb2_grpc
 

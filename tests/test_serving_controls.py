@@ -15,7 +15,7 @@ import pytest
 
 from services.common import ConfigError
 from services.inference_load import LOAD_HEADER, parse_load
-from spine.bindings import LocalRpcError
+from spine.runtime.bindings import LocalRpcError
 from tests.test_serving_support import (
     Call,
     ManualClock,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from services.inference import InferenceService
-from spine.bindings import LocalContext
-from spine.components import SPECS
-from spine.server import start_server
+from services.registry import SPECS
+from spine.runtime.bindings import LocalContext
+from spine.runtime.server import start_server
 from spine.v1 import generation_pb2, inference_pb2_grpc
 from tests.test_serving_support import Call, GatedModel, eventually, generate, make_service, request
 

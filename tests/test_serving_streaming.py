@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from spine.bindings import LocalContext, LocalRpcError
+from spine.runtime.bindings import LocalContext, LocalRpcError
 from tests.test_serving_support import eventually, generate, make_service, request
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -18,7 +18,7 @@ from services.model.backend import TokenizedBackend
 from services.model.interface import Segment
 from services.model.tiny_lm import TinyLM
 from services.model.tokenizer import ByteTokenizer
-from spine.bindings import LocalContext, LocalRpcError
+from spine.runtime.bindings import LocalContext, LocalRpcError
 from spine.v1 import generation_pb2
 
 MODEL = TinyLM.from_seed(1234, max_context=256)

@@ -12,15 +12,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from migration.traffic.cutover import FrontTarget
+from migration.traffic.decisions import Decision, decide
+from migration.traffic.front import Front
+from migration.traffic.shadow import ShadowConfig, ShadowMirror
 from services.common import ConfigError
-from spine.ab.decisions import Decision, decide
-from spine.client import GatewayClient
-from spine.components import GATEWAY
-from spine.cutover import FrontTarget
-from spine.front import Front
-from spine.runtime import Stack
-from spine.server import RunningServer, start_server
-from spine.shadow import ShadowConfig, ShadowMirror
+from services.registry import GATEWAY
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.server import RunningServer, start_server
+from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, start_stack
 

@@ -17,19 +17,19 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from monolith.batched import BatchedAdmission, BatchedCompletions, BatchingConfig
 from monolith.device import DeviceContext
-from monolith.spine_pipeline import BatchedAdmission, BatchedCompletions, BatchingConfig
 from services.auth import AuthConfig, AuthService
 from services.cache import CacheConfig, CacheService
 from services.common import ConfigError
-from services.gateway import Clients, Gateway, RequestState
-from services.gateway_limits import RequestLimits, Stop
 from services.logs import LogsConfig, LogsService
 from services.metrics import MetricsConfig, MetricsService
+from services.pipeline.gateway import Clients, Gateway, RequestState
+from services.pipeline.verdicts import RequestLimits, Stop
 from services.ratelimit import RateLimitConfig, RateLimitService
+from services.registry import SPECS
 from services.router import RouterConfig, RouterService
-from spine.bindings import LocalBinding
-from spine.components import SPECS
+from spine.runtime.bindings import LocalBinding
 from spine.v1 import cache_pb2, generation_pb2, logs_pb2, metrics_pb2
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
 
@@ -163,7 +163,7 @@ def test_batched_admission_equals_sequential_decisions(arrivals: list, cuts: lis
         for offset, (request, token, shadow) in enumerate(batch):
             expected.append(decide_sequentially(gateway, request, new_state(token, shadow, start + offset)))
         states = [new_state(token, shadow, start + offset) for offset, (_, token, shadow) in enumerate(batch)]
-        from monolith.spine_pipeline import _Ticket
+        from monolith.batched import _Ticket
         tickets = [_Ticket(request, state) for (request, _, _), state in zip(batch, states, strict=True)]
         got += [verdict(o, s) for o, s in zip(admission.decide(tickets), states, strict=True)]
         start += size
@@ -173,7 +173,7 @@ def test_batched_admission_equals_sequential_decisions(arrivals: list, cuts: lis
 
 def test_an_invalid_request_fails_alone_and_the_rest_of_the_batch_proceeds() -> None:
     admission = batched(make_services())
-    from monolith.spine_pipeline import _Ticket
+    from monolith.batched import _Ticket
 
     def ticket(token: str | None, **fields: Any) -> _Ticket:
         base = {"model": "tiny-lm", "prompt": "hello", "max_tokens": 4}
@@ -197,8 +197,8 @@ def test_a_malformed_rate_limit_request_fails_alone_and_the_others_are_charged_o
     INVALID_ARGUMENT and the rest decided again: nobody is charged twice."""
     from dataclasses import replace
 
-    from monolith.spine_pipeline import _Ticket
-    from services.gateway_limits import rate_limit_ask
+    from monolith.batched import _Ticket
+    from services.pipeline.verdicts import rate_limit_ask
 
     services = make_services()
     admission = batched(services)
@@ -222,7 +222,7 @@ def test_a_malformed_rate_limit_request_fails_alone_and_the_others_are_charged_o
 def test_one_batch_admits_exactly_the_burst_and_tells_the_rest_when_to_retry() -> None:
     services = make_services()
     admission = batched(services)
-    from monolith.spine_pipeline import _Ticket
+    from monolith.batched import _Ticket
 
     tickets = [_Ticket(generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"p{i}", max_tokens=4),
                        new_state(TIGHT_KEY, index=i)) for i in range(10)]
@@ -235,8 +235,8 @@ def test_one_batch_admits_exactly_the_burst_and_tells_the_rest_when_to_retry() -
 
 
 def test_a_hook_failure_fails_a_closed_stage_and_is_let_through_by_the_cache() -> None:
-    from monolith.spine_pipeline import _Ticket
-    from spine.faults import FaultHook
+    from monolith.batched import _Ticket
+    from spine.runtime.faults import FaultHook
 
     counted: list[tuple[str, str]] = []
     services = make_services()
@@ -258,7 +258,7 @@ def test_a_hook_failure_fails_a_closed_stage_and_is_let_through_by_the_cache() -
 def test_a_cache_that_fails_for_one_key_fails_open_for_that_request_alone(tmp_path: Any) -> None:
     """The probe is all or nothing, so a failing key is found by probing each alone: that
     request is a counted miss, the others still hit; its deferred store is counted too."""
-    from monolith.spine_pipeline import _Ticket
+    from monolith.batched import _Ticket
 
     counted: list[tuple[str, str]] = []
     services = make_services()
@@ -307,7 +307,7 @@ def test_a_cache_that_fails_for_one_key_fails_open_for_that_request_alone(tmp_pa
 def test_the_store_reuses_the_key_the_batched_probe_made(tmp_path: Any) -> None:
     """Keyed once: the admission's probe keys the request, and its store (after the
     answer) files the response under that same key without hashing the request again."""
-    from monolith.spine_pipeline import _Ticket
+    from monolith.batched import _Ticket
 
     services = make_services()
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="keyed once", max_tokens=4)

@@ -18,9 +18,9 @@ from typing import Any
 import grpc
 import pytest
 
-from spine.client import CallResult, GatewayClient
-from spine.config import placements_for
-from spine.runtime import Stack
+from spine.client.gateway_client import CallResult, GatewayClient
+from spine.runtime.config import placements_for
+from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests
 from tests.test_faults_and_cli import spine_up

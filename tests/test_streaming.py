@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from services.inference_load import parse_load
-from spine.client import GatewayClient
-from spine.config import placements_for
-from spine.runtime import Stack, remote_channel
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.config import placements_for
+from spine.runtime.stack import Stack, remote_channel
 from spine.v1 import generation_pb2, inference_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from services.common import ConfigError
+from spine.tools.workload import WORDS, Item
 from spine.v1 import generation_pb2
-from spine.workload import WORDS, Item
 
 MAX_TRACE_LINES = 1_000_000
 

@@ -13,7 +13,7 @@ open (the request goes on and the failure is counted).
 In the spine, admission (auth to cache probe) and the final metrics + logs can be handed
 to an `Admission` and a `Completions` object that decide many requests together (see
 `monolith/spine_pipeline.py`); they use the same verdict functions
-(`services.gateway_limits`), so answers, codes and messages do not change.
+(`services.pipeline.verdicts`), so answers, codes and messages do not change.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from services.gateway_limits import (
+from services.pipeline.verdicts import (
     FORWARDED_TRAILERS,
     MISSING_CREDENTIAL,
     RequestLimits,

@@ -17,10 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from spine.components import ComponentSpec
+from services.registry import ComponentSpec
 
 # Interceptors every server in this process gets unless it is given its own list: tracing
-# installs its trace-context interceptor here once per process (see spine.tracing.install),
+# installs its trace-context interceptor here once per process (see spine.runtime.tracing.install),
 # so servers started by code that knows nothing of tracing still continue traces.
 _default_interceptors: tuple[grpc.ServerInterceptor, ...] = ()
 

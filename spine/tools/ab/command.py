@@ -12,7 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from spine.ab.report import (
+from spine.client.gateway_client import CallResult
+from spine.tools.ab.report import (
     build_report,
     down_lines,
     parity_lines,
@@ -21,9 +22,8 @@ from spine.ab.report import (
     write_markdown,
     write_plots,
 )
-from spine.ab.runner import RunOptions, run_ab
-from spine.ab.workload import Entry, SyntheticSpec, read_trace, synthetic, tenant_keys, write_trace
-from spine.client import CallResult
+from spine.tools.ab.runner import RunOptions, run_ab
+from spine.tools.ab.workload import Entry, SyntheticSpec, read_trace, synthetic, tenant_keys, write_trace
 
 
 def run_command(config: Mapping[str, Any], *, layouts: Sequence[str], out_dir: Path,

@@ -8,7 +8,7 @@ rollback never moves a request already in flight.
 
 The front also keeps what the controller's gates read: per side, when each request
 ended, whether the layout failed it, and how long it took — and, in shadow mode
-(`spine.shadow`), how many mirrored answers disagreed with the primary's.
+(`migration.traffic.shadow`), how many mirrored answers disagreed with the primary's.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 
 import grpc
 
-from spine.ab.decisions import Decision, decide
-from spine.shadow import SHADOW_HEADER, Metadata, ShadowConfig, ShadowMirror
-from spine.stats import percentile
+from migration.traffic.decisions import Decision, decide
+from migration.traffic.shadow import SHADOW_HEADER, Metadata, ShadowConfig, ShadowMirror
+from spine.runtime.stats import percentile
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
 SIDES = ("layered", "spine")
@@ -62,7 +62,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.channels = {side: grpc.insecure_channel(addresses[side]) for side in SIDES}
         self.stubs = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
-        # Deep health per side (kept by spine.cutover.EndpointHealth): a request meant for a
+        # Deep health per side (kept by migration.traffic.cutover.EndpointHealth): a request meant for a
         # side that is not SERVING goes to the other one, and counts as a failure of the
         # side it was meant for — so the gates see it and roll back, and no client does.
         self.healthy: dict[str, bool] = dict.fromkeys(SIDES, True)

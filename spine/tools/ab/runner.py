@@ -1,6 +1,6 @@
 """Run one workload through several layouts, interleaved, and measure each.
 
-Each layout is started once, in a process tree of its own (`spine.ab.serve`), so CPU
+Each layout is started once, in a process tree of its own (`spine.tools.ab.serve`), so CPU
 seconds and memory belong to it. Then the requests alternate between the layouts —
 request i goes to every layout, in an order that rotates with i — so that whatever else
 the machine is doing hits every layout alike, and every layout sees the same requests
@@ -36,11 +36,11 @@ from typing import Any
 import psutil
 import yaml
 
-from spine.ab.serve import RESULT_FILE
-from spine.ab.workload import Entry
-from spine.client import CallResult, GatewayClient
-from spine.server import wait_serving
-from spine.workload import Item
+from spine.client.gateway_client import CallResult, GatewayClient
+from spine.runtime.server import wait_serving
+from spine.tools.ab.serve import RESULT_FILE
+from spine.tools.ab.workload import Entry
+from spine.tools.workload import Item
 
 ResultCallback = Callable[[str, int, CallResult], None]
 
@@ -88,7 +88,7 @@ class LayoutRun:
 
 # -- a layout in its own process tree ------------------------------------------------
 class LayoutProcess:
-    """`python -m spine.ab.serve` for one layout; stops with its tree."""
+    """`python -m spine.tools.ab.serve` for one layout; stops with its tree."""
 
     def __init__(self, layout: str, config_path: Path, run_dir: Path, trace_ratio: float = 1.0) -> None:
         self.layout = layout
@@ -108,9 +108,9 @@ class LayoutProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with (self.run_dir / "serve.log").open("wb") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "spine.ab.serve", "--layout", self.layout, "--config", str(self.config_path),
+                [sys.executable, "-m", "spine.tools.ab.serve", "--layout", self.layout, "--config", str(self.config_path),
                  "--run-dir", str(self.run_dir), "--trace-ratio", str(self.trace_ratio)],
-                stdout=subprocess.PIPE, stderr=log_file, cwd=Path(__file__).resolve().parents[2])
+                stdout=subprocess.PIPE, stderr=log_file, cwd=Path(__file__).resolve().parents[3])
 
     def await_ready(self, timeout_s: float) -> str:
         """The Gateway address once the layout says it is ready; `LayoutDown` otherwise."""

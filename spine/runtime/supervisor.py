@@ -1,6 +1,6 @@
 """Supervise the layered layout's processes: start, wait for SERVING, restart, stop.
 
-Each child is a real OS process running `python -m spine.process`. A child is ready
+Each child is a real OS process running `python -m spine.runtime.process`. A child is ready
 when its gRPC health check says SERVING — deep health (spine/health.py) where the child
 runs a model, so "ready" means its model can run a forward on its device. Readiness is
 watched for as long as the child lives (`ready()`): a child whose device fails turns not
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from spine.health import check_serving
-from spine.server import wait_serving
+from spine.runtime.health import check_serving
+from spine.runtime.server import wait_serving
 
 log = logging.getLogger("spine.supervisor")
 
@@ -68,9 +68,9 @@ class Supervisor:
         self._channels: dict[str, grpc.Channel] = {}
 
     def add_component(self, component: str, config_path: Path) -> Child:
-        """A `spine.process` child serving `component` on a unix socket in the run dir."""
+        """A `spine.runtime.process` child serving `component` on a unix socket in the run dir."""
         address = f"unix:{self.run_dir / (component + '.sock')}"
-        argv = [sys.executable, "-m", "spine.process", component, "--listen", address,
+        argv = [sys.executable, "-m", "spine.runtime.process", component, "--listen", address,
                 "--config", str(config_path), "--run-dir", str(self.run_dir), "--parent-pid", str(os.getpid())]
         child = Child(component, argv, address, self.run_dir / "logs" / f"{component}.log")
         self.children[component] = child

@@ -18,12 +18,12 @@ from typing import Any
 
 from rich.table import Table
 
-from spine.ab.decisions import FIELDS, decide, differing
-from spine.ab.runner import ABRun, LayoutRun
-from spine.ab.workload import Entry
-from spine.client import CallResult
-from spine.stats import percentile
-from spine.tracing import ROOT_SPAN
+from migration.traffic.decisions import FIELDS, decide, differing
+from spine.client.gateway_client import CallResult
+from spine.runtime.stats import percentile
+from spine.runtime.tracing import ROOT_SPAN
+from spine.tools.ab.runner import ABRun, LayoutRun
+from spine.tools.ab.workload import Entry
 
 # Stacking order of the per-middleware bar: the pipeline's order.
 SPAN_ORDER = ("auth.check", "router.resolve", "ratelimit.admit", "cache.lookup", "inference.generate",

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from spine.server import RunningServer
+from spine.runtime.server import RunningServer
 
 log = logging.getLogger("spine.health")
 

@@ -21,10 +21,10 @@ from rich.table import Table
 
 from migration.plan import load_plan
 from migration.status import FINISHED, State
-from spine.cutover import Cutover
-from spine.workload import Item, mixed_workload, run_workload
+from migration.traffic.cutover import Cutover
+from spine.tools.workload import Item, mixed_workload, run_workload
 
-DEMO_PLAN = Path(__file__).resolve().parent.parent / "deploy" / "plans" / "demo.yaml"
+DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yaml"
 
 
 @dataclass
@@ -140,7 +140,7 @@ def stage_table(title: str, report: RunReport) -> Table:
 
 def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                        console: Console | None = None) -> int:
-    from spine.cli import dev_api_key
+    from spine.runtime.config import dev_api_key
 
     console = console or Console(width=None if Console().is_terminal else 140)
     plan_text = plan_path.read_text()

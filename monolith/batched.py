@@ -6,7 +6,7 @@ result in arrival order) and ONE `lookup_keys` per batch. `BatchedCompletions` r
 the per-request metrics, log and cache-store calls: a finished request hands them over
 and answers at once; they are written a window at a time (ONE `record_batch` and ONE
 `append_batch` per window), always before anyone reads them. Admission hands its
-verdicts to the same functions the per-request gateway uses (`services.gateway_limits`),
+verdicts to the same functions the per-request gateway uses (`services.pipeline.verdicts`),
 so codes, messages and trailers do not depend on the batching; a request that fails a
 stage fails alone.
 
@@ -30,8 +30,10 @@ from monolith.batcher import BatcherClosed, BatchStats, MicroBatcher
 from services.auth import AuthDenied, AuthService
 from services.cache import CacheService, InvalidCacheRequest
 from services.common import ConfigError, number
-from services.gateway import Admitted, RequestState
-from services.gateway_limits import (
+from services.logs import LogsService
+from services.metrics import MetricsService
+from services.pipeline.gateway import Admitted, RequestState
+from services.pipeline.verdicts import (
     MISSING_CREDENTIAL,
     RequestLimits,
     Stop,
@@ -43,11 +45,9 @@ from services.gateway_limits import (
     rate_limit_stop,
     resolved_request,
 )
-from services.logs import LogsService
-from services.metrics import MetricsService
 from services.ratelimit import InvalidRateLimitRequest, RateLimitService
 from services.router import RouterService
-from spine.tracing import current_traceparent
+from spine.runtime.tracing import current_traceparent
 from spine.v1 import generation_pb2, logs_pb2, metrics_pb2
 
 log = logging.getLogger("spine.pipeline")

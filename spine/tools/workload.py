@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from spine.client import CallResult, GatewayClient
+from spine.client.gateway_client import CallResult, GatewayClient
 from spine.v1 import generation_pb2
 
 W = TypeVar("W")

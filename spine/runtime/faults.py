@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from spine.bindings import LocalRpcError
+from spine.runtime.bindings import LocalRpcError
 
 
 @dataclass

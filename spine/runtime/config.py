@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from services.common import ConfigError
-from spine.components import COMPONENTS, MIDDLEWARES, PLACEMENTS
+from services.registry import COMPONENTS, MIDDLEWARES, PLACEMENTS
 
-DEFAULT_CONFIG_PATH = Path(__file__).with_name("default_config.yaml")
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "default_config.yaml"
 SECTIONS = frozenset(
     {"listen", "placements", "limits", "auth", "ratelimit", "router", "cache", "metrics", "logs",
      "inference", "batching", "tracing", "shadow", "split", "remote_addresses"}
@@ -106,6 +106,14 @@ def layout_name(placements: Mapping[str, str]) -> str:
     if values == {"local"}:
         return "collapsed"
     return "mixed"
+
+
+def dev_api_key(config: Mapping[str, Any]) -> str | None:
+    """The plain dev key from the config (dev configs only; production ones hold hashes)."""
+    for entry in (config.get("auth") or {}).get("api_keys") or []:
+        if isinstance(entry, Mapping) and entry.get("key"):
+            return str(entry["key"])
+    return None
 
 
 __all__ = ["MIDDLEWARES", "load_config", "merge", "placements_for", "check_placements", "layout_name"]

@@ -6,7 +6,7 @@ its own bounded pool; when that pool is full the mirror is dropped, never queued
 Mirrors carry `x-spine-shadow: 1`, so the gateway only dry-runs the rate limit, never
 writes the cache, and counts them apart in metrics and logs.
 
-Each mirrored answer is compared with the primary's (`spine.ab.decisions`). A mismatch
+Each mirrored answer is compared with the primary's (`migration.traffic.decisions`). A mismatch
 is published with both sides: a log line, a counter, and the recent list. A share of the
 mirrors goes to the primary's own side instead — comparing a layout with itself — and a
 field that differs there is noise (timing, state a shadow cannot share), not a verdict
@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from migration.traffic.decisions import FIELDS, Decision, differing
 from services.common import ConfigError
-from spine.ab.decisions import FIELDS, Decision, differing
 from spine.v1 import generation_pb2
 
 log = logging.getLogger("spine.shadow")

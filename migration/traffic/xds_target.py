@@ -4,7 +4,7 @@ Weights go out over xDS; a stage counts as applied once every connected data pla
 ACKed its version; the gates read each side's own Prometheus metrics. Placements are the
 spine's own configuration in this mode (a spine Deployment runs with its middlewares
 collapsed); the controller records them with each stage but has no process to move them
-in — the built-in front (`spine.cutover`) is the mode that moves placements live.
+in — the built-in front (`migration.traffic.cutover`) is the mode that moves placements live.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One component in its own process: the layered layout's building block.
 
-    python -m spine.process COMPONENT --listen unix:/run/spine/auth.sock --config run/config.yaml
+    python -m spine.runtime.process COMPONENT --listen unix:/run/spine/auth.sock --config run/config.yaml
 
 The process makes its own device context, serves the component behind a real gRPC
 server (with health and reflection), and on SIGTERM stops accepting, finishes what it
@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from spine.components import COMPONENTS, SPECS, close_servicer
+from services.registry import COMPONENTS, SPECS, close_servicer
 
 PR_SET_PDEATHSIG = 1
 
@@ -31,7 +31,7 @@ def die_with_parent() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m spine.process", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m spine.runtime.process", description=__doc__)
     parser.add_argument("component", choices=COMPONENTS)
     parser.add_argument("--listen", required=True, help="unix:/path or 127.0.0.1:PORT")
     parser.add_argument("--config", required=True, help="the run's merged config YAML")
@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from monolith.device import DeviceContext
     from monolith.runtime_env import configure_threads
-    from spine.config import load_config
-    from spine.health import start_deep_health
-    from spine.server import start_server
-    from spine.signals import Termination
-    from spine.tracing import install_from_config
+    from spine.runtime.config import load_config
+    from spine.runtime.health import start_deep_health
+    from spine.runtime.server import start_server
+    from spine.runtime.signals import Termination
+    from spine.runtime.tracing import install_from_config
 
     termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
     configure_threads()
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                              float(inference.get("health_timeout_s", 2.0)), services=["", spec.full_name])
     extra = None
     if args.component == "metrics":
-        from spine.metrics_endpoint import start_metrics_endpoint
+        from spine.runtime.metrics_endpoint import start_metrics_endpoint
 
         extra = start_metrics_endpoint(servicer, config, run_dir)
 

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from services.common import ConfigError
-from spine.client import CallResult, GatewayClient
+from spine.client.gateway_client import CallResult, GatewayClient
 from spine.v1 import generation_pb2
 
 log = logging.getLogger("spine.load_hints")

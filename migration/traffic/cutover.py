@@ -21,16 +21,16 @@ import grpc
 
 from migration.gates import WindowStats
 from migration.runner import ControllerProcess
+from migration.traffic.front import Front
+from migration.traffic.shadow import ShadowConfig
 from migration.xds import Endpoint, XdsControlPlane
-from services.gateway_limits import RequestLimits
-from spine.components import COMPONENTS, GATEWAY, MIDDLEWARES
-from spine.config import placements_for
-from spine.faults import FaultHook
-from spine.front import Front
-from spine.health import check_serving
-from spine.runtime import Stack
-from spine.server import RunningServer, start_server
-from spine.shadow import ShadowConfig
+from services.pipeline.verdicts import RequestLimits
+from services.registry import COMPONENTS, GATEWAY, MIDDLEWARES
+from spine.runtime.config import placements_for
+from spine.runtime.faults import FaultHook
+from spine.runtime.health import check_serving
+from spine.runtime.server import RunningServer, start_server
+from spine.runtime.stack import Stack
 from spine.v1 import ratelimit_pb2
 
 # A side that gets no traffic still keeps a sliver of budget: a share must be > 0, and

@@ -152,7 +152,7 @@ PASS_THROUGH: dict[str, tuple[grpc.StatusCode, ...]] = {
 
 
 # Trailing metadata a downstream answer hands on to the client: when to retry, how loaded
-# the model is (x-spine-load, read by spine.load_hints).
+# the model is (x-spine-load, read by spine.client.load_hints).
 FORWARDED_TRAILERS = ("retry-after", "x-spine-load")
 
 

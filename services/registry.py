@@ -58,13 +58,13 @@ class ComponentSpec:
 
 
 SPECS: dict[str, ComponentSpec] = {
-    "auth": ComponentSpec("auth", "spine.v1.auth_pb2", "Auth", "spine.factories:build_auth"),
-    "ratelimit": ComponentSpec("ratelimit", "spine.v1.ratelimit_pb2", "RateLimit", "spine.factories:build_ratelimit"),
-    "router": ComponentSpec("router", "spine.v1.router_pb2", "Router", "spine.factories:build_router"),
-    "cache": ComponentSpec("cache", "spine.v1.cache_pb2", "Cache", "spine.factories:build_cache"),
-    "metrics": ComponentSpec("metrics", "spine.v1.metrics_pb2", "Metrics", "spine.factories:build_metrics"),
-    "logs": ComponentSpec("logs", "spine.v1.logs_pb2", "Logs", "spine.factories:build_logs"),
-    "inference": ComponentSpec("inference", "spine.v1.inference_pb2", "Inference", "spine.factories:build_inference"),
+    "auth": ComponentSpec("auth", "spine.v1.auth_pb2", "Auth", "services.factories:build_auth"),
+    "ratelimit": ComponentSpec("ratelimit", "spine.v1.ratelimit_pb2", "RateLimit", "services.factories:build_ratelimit"),
+    "router": ComponentSpec("router", "spine.v1.router_pb2", "Router", "services.factories:build_router"),
+    "cache": ComponentSpec("cache", "spine.v1.cache_pb2", "Cache", "services.factories:build_cache"),
+    "metrics": ComponentSpec("metrics", "spine.v1.metrics_pb2", "Metrics", "services.factories:build_metrics"),
+    "logs": ComponentSpec("logs", "spine.v1.logs_pb2", "Logs", "services.factories:build_logs"),
+    "inference": ComponentSpec("inference", "spine.v1.inference_pb2", "Inference", "services.factories:build_inference"),
 }
 GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "")
 

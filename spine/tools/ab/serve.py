@@ -1,6 +1,6 @@
 """One layout in its own process tree, for `spine ab`.
 
-    python -m spine.ab.serve --layout layered --config run/config.yaml --run-dir run/layered
+    python -m spine.tools.ab.serve --layout layered --config run/config.yaml --run-dir run/layered
 
 Like `spine up`, plus what the A/B runner measures from inside: spans per middleware
 (summed in memory, no exporter on the request path) and the device's peak memory. It
@@ -22,21 +22,21 @@ RESULT_FILE = "ab-serve.json"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spine.ab.serve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m spine.tools.ab.serve", description=__doc__)
     parser.add_argument("--layout", required=True, choices=("layered", "collapsed", "mixed"))
     parser.add_argument("--config", required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--trace-ratio", type=float, default=1.0, help="share of requests traced (0 = none)")
     args = parser.parse_args(argv)
 
-    from spine.process import die_with_parent
+    from spine.runtime.process import die_with_parent
 
     die_with_parent()
     from monolith.runtime_env import configure_threads
-    from spine.config import load_config, placements_for
-    from spine.runtime import Stack
-    from spine.signals import Termination
-    from spine.tracing import SpanTimes, Tracing, install
+    from spine.runtime.config import load_config, placements_for
+    from spine.runtime.signals import Termination
+    from spine.runtime.stack import Stack
+    from spine.runtime.tracing import SpanTimes, Tracing, install
 
     termination = Termination()
     configure_threads()

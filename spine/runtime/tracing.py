@@ -279,7 +279,7 @@ _installed: Tracing | None = None
 def install(tracing: Tracing | None) -> None:
     """Make every gRPC server started from now on in this process continue traces."""
     global _installed
-    from spine.server import set_default_interceptors
+    from spine.runtime.server import set_default_interceptors
 
     _installed = tracing
     set_default_interceptors([tracing.server_interceptor()] if tracing is not None else [])

@@ -7,7 +7,7 @@ spine; all remote, it is the layered stack; anything between is a migration stag
 
 With `batching.enabled`, whatever is local is also batched: admission (auth, ratelimit,
 router and cache all local) and completion (metrics and logs local) are decided per
-micro-batch (`monolith.spine_pipeline`) instead of one call per request.
+micro-batch (`monolith.batched`) instead of one call per request.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from typing import Any
 import grpc
 import yaml
 
+from monolith.batched import BatchedAdmission, BatchedCompletions, BatchingConfig
 from monolith.device import DeviceContext
-from monolith.spine_pipeline import BatchedAdmission, BatchedCompletions, BatchingConfig
-from services.gateway import Clients, Gateway
-from services.gateway_limits import RequestLimits
-from spine.bindings import BindingHook, LocalBinding, RemoteBinding
-from spine.components import COMPONENTS, GATEWAY, SPECS, close_servicer
-from spine.config import layout_name
-from spine.server import RunningServer, start_server
-from spine.supervisor import Supervisor
+from services.pipeline.gateway import Clients, Gateway
+from services.pipeline.verdicts import RequestLimits
+from services.registry import COMPONENTS, GATEWAY, SPECS, close_servicer
+from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
+from spine.runtime.config import layout_name
+from spine.runtime.server import RunningServer, start_server
+from spine.runtime.supervisor import Supervisor
 
 log = logging.getLogger("spine.runtime")
 
@@ -95,7 +95,7 @@ class Stack:
         config_path.write_text(yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
         self._batching = BatchingConfig.from_config(self.config)
-        from spine.tracing import installed
+        from spine.runtime.tracing import installed
 
         tracing = installed()
         if tracing is not None:  # spans with the same names in every layout
@@ -113,7 +113,7 @@ class Stack:
             self.gateway = Gateway(Clients(**self.bindings), limits, self.layout)
             self._attach_batching()
             if "metrics" in self.local_servicers:
-                from spine.metrics_endpoint import start_metrics_endpoint
+                from spine.runtime.metrics_endpoint import start_metrics_endpoint
 
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
                                                                self.run_dir)
@@ -123,7 +123,7 @@ class Stack:
             if "inference" in self.local_servicers:
                 # The spine is SERVING only while its model can run a tiny forward on its
                 # device: the supervisor, the front and xDS endpoints all read this.
-                from spine.health import start_deep_health
+                from spine.runtime.health import start_deep_health
 
                 section = self.config.get("inference") or {}
                 self.deep_health = start_deep_health(

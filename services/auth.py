@@ -1,7 +1,7 @@
 """The Auth service: a bearer credential (API key or JWT) becomes a principal, or a denial.
 
-`AuthService.verify` is plain Python so the spine's batcher can decide many credentials at
-once; the gRPC `Check` only wraps it. Everything fails closed: any error while verifying is
+`CheckBatch` decides many credentials at once (the pipeline's auth stage calls it, in
+either layout); the per-request `Check` is its batch of one. Everything fails closed: any error while verifying is
 UNAUTHENTICATED, and no message ever quotes the credential or a secret.
 
 Repeat JWTs hit a verification cache keyed on sha256(token): a signature check costs
@@ -15,7 +15,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,10 @@ import grpc
 
 from services.auth_jwt import JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
 from services.auth_keys import ApiKeyTable, entry_list, expect_fields, expect_mapping, required_text
-from services.common import Clock, ConfigError, DeviceState, number
+from services.common import Clock, ConfigError, DeviceState, answer_one, number, set_status, status_code
+from services.pipeline.stage import Stage, StageCall
+from services.pipeline.state import RequestState
+from services.pipeline.verdicts import MISSING_CREDENTIAL, Stop, bearer
 from spine.v1 import auth_pb2, auth_pb2_grpc
 
 _AUTH_FIELDS = ("api_keys", "jwt", "required_scope", "cache")
@@ -143,11 +146,30 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         self._jwt = None if config.jwt is None else JwtVerifier(config.jwt, clock)
         self.cache = VerdictCache(config.cache.max_entries, clock)
 
+    def CheckBatch(self, request: auth_pb2.CheckBatchRequest, context: Any = None) -> auth_pb2.CheckBatchResponse:
+        """One result per credential, in order; a denial is that item's status, not the call's.
+
+        A credential repeated in the batch (one client's requests arriving together, the
+        common case) is verified once and its result shared. The results are what one by
+        one would give; only the JWT verification cache's hit/miss counters differ."""
+        answer = auth_pb2.CheckBatchResponse()
+        seen: dict[str, auth_pb2.CheckResult] = {}
+        for item in request.items:
+            result = answer.results.add()
+            first = seen.get(item.credential)
+            if first is not None:
+                result.CopyFrom(first)
+                continue
+            try:
+                result.response.CopyFrom(self.verify(item.credential))
+            except AuthDenied as denied:
+                set_status(result.status, denied.code, denied.message)
+            seen[item.credential] = result
+        return answer
+
     def Check(self, request: auth_pb2.CheckRequest, context: grpc.ServicerContext) -> auth_pb2.CheckResponse:
-        try:
-            return self.verify(request.credential)
-        except AuthDenied as denied:
-            context.abort(denied.code, denied.message)
+        """The batch of one: a denial ends the call with its status."""
+        return answer_one(self.CheckBatch(auth_pb2.CheckBatchRequest(items=[request])).results[0], context)
 
     def verify(self, credential: str) -> auth_pb2.CheckResponse:
         """The principal for `credential`, or AuthDenied (UNAUTHENTICATED / PERMISSION_DENIED)."""
@@ -162,26 +184,6 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             raise
         except Exception:  # fail closed; the exception text may quote the token, so drop it
             raise AuthDenied(_UNAUTHENTICATED, "credential could not be verified") from None
-
-    def verify_many(self, credentials: Iterable[str]) -> list[Verdict]:
-        """One verdict per credential, in order: the batcher's entry point.
-
-        A credential repeated in the batch (one client's requests arriving together, the
-        common case) is verified once and its verdict shared: the batcher only reads it.
-        The verdicts are what one by one would give; only the verification cache's
-        hit/miss counters differ (a JWT repeated N times counts one miss, not N-1 hits more)."""
-        out: list[Verdict] = []
-        seen: dict[str, Verdict] = {}
-        for credential in credentials:
-            verdict = seen.get(credential)
-            if verdict is None:
-                try:
-                    verdict = self.verify(credential)
-                except AuthDenied as denied:
-                    verdict = denied
-                seen[credential] = verdict
-            out.append(verdict)
-        return out
 
     def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse:
         key = self.config.api_keys.lookup(token)
@@ -240,3 +242,28 @@ def _bearer(credential: str) -> str:
     if token[:7].lower() == "bearer ":
         token = token[7:].strip()
     return token
+
+
+class AuthStage(Stage):
+    """The pipeline asks Auth whose bearer credential a request carries (fail closed)."""
+
+    method = "Check"
+    order = 10
+
+    def screen(self, state: RequestState) -> Stop | None:
+        if bearer(state.metadata) is None:
+            return Stop(grpc.StatusCode.UNAUTHENTICATED, MISSING_CREDENTIAL)
+        return None
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = auth_pb2.CheckBatchRequest()
+        for state in batch:
+            request.items.add(credential=bearer(state.metadata) or "")
+        answer = call("CheckBatch", request)
+        for state, result in self.each(answer.results, batch):
+            if result.status.code:
+                call.fail(state, status_code(result.status.code), result.status.message)
+            else:
+                state.principal = result.response.principal
+                state.tenant = state.principal.tenant
+

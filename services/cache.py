@@ -6,11 +6,11 @@ max_tokens, temperature, seed), so tenants never see each other's entries and a 
 parameter is a different entry. Priority and timeouts change when an answer comes, not
 what it is, so they are not part of the key.
 
-`lookup_many` probes a whole micro-batch in one tensor op (see `services/cache_index.py`);
-the gRPC `Lookup` is the batch of one. `lookup_keys` and `store_key` are the same without
-the protos around them: the spine keys a request once (`key_for`) and probes and stores
-by that key. Shadow stores are refused so that shadow traffic
-can never change what clients are served.
+`LookupBatch` probes a whole micro-batch in one tensor op (see `services/cache_index.py`)
+and `StoreBatch` keeps many answers under one lock; the per-request `Lookup` and `Store`
+are their batches of one. A lookup returns each cacheable request's key, and a store may
+send it back instead of the request, so an answer is keyed once. Shadow stores are
+refused so that shadow traffic can never change what clients are served.
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ from typing import Any
 import grpc
 
 from services.cache_index import CacheIndex, KeyHash, default_key_hash
-from services.common import Clock, ConfigError, DeviceState, ReadHooks, number
+from services.common import Clock, ConfigError, DeviceState, answer_one, number, set_status, status_code
+from services.pipeline.stage import Phase, Stage, StageCall
+from services.pipeline.state import RequestState
 from spine.v1 import cache_pb2, cache_pb2_grpc, generation_pb2
 
 _FIELDS = ("max_entries", "ttl_s")
+KEY_BYTES = 32  # sha256
 
 
 class InvalidCacheRequest(ValueError):
@@ -97,77 +100,9 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
-        # Run as hook(keys) before every lookup and hook(None) before `stats`: responses
-        # handed over but not yet stored (the spine's completions) go in first, so a
-        # repeated request still hits.
-        self.read_hooks = ReadHooks()
-
-    # -- plain Python API (the spine's batcher calls this) ----------------------------
-    def lookup_many(self, requests: list[cache_pb2.CacheLookupRequest]) -> list[cache_pb2.CacheLookupResponse]:
-        """Answer a micro-batch with one probe; raises InvalidCacheRequest before counting anything."""
-        keys = [cache_key(r.tenant, r.request) for r in self._checked(requests)]
-        responses = []
-        for key, answer in zip(keys, self.lookup_keys(keys), strict=True):
-            if key is None:
-                responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=False))
-            elif answer is None:
-                responses.append(cache_pb2.CacheLookupResponse(hit=False, cacheable=True))
-            else:
-                responses.append(cache_pb2.CacheLookupResponse(hit=True, cacheable=True, response=answer))
-        return responses
-
-    def lookup_keys(self, keys: list[bytes | None]) -> list[generation_pb2.GenerateResponse | None]:
-        """`lookup_many` by keys (`key_for`'s), without protos around them: the spine's path.
-        A None key (not cacheable) is neither a hit nor a miss; a hit is a copy marked cached."""
-        probe = [k for k in keys if k is not None]
-        self.read_hooks.run(probe)
-        answers: list[generation_pb2.GenerateResponse | None] = []
-        with self._lock:
-            slots = iter(self._index.lookup_batch(probe, self._clock()) if probe else [])
-            for key in keys:
-                if key is None:
-                    answers.append(None)
-                    continue
-                slot = next(slots)
-                if slot < 0:
-                    self._misses += 1
-                    answers.append(None)
-                    continue
-                self._hits += 1
-                answer = generation_pb2.GenerateResponse()
-                answer.CopyFrom(self._index.value(slot))
-                answer.cached = True
-                answers.append(answer)
-        return answers
-
-    def store(self, request: cache_pb2.CacheStoreRequest) -> bool:
-        """Keep a response; False for shadow traffic and non-cacheable requests."""
-        self._checked([request])
-        if not request.HasField("response"):
-            raise InvalidCacheRequest("response: missing (nothing to store)")
-        key = cache_key(request.tenant, request.request)
-        if request.shadow or key is None:
-            return False
-        self.store_key(key, request.response)
-        return True
-
-    def store_key(self, key: bytes, response: generation_pb2.GenerateResponse) -> None:
-        """`store` by key (`key_for`'s): the spine's path, which keyed the request at lookup."""
-        value = generation_pb2.GenerateResponse()
-        value.CopyFrom(response)
-        with self._lock:
-            self._evictions += self._index.put(key, value, self._clock(), self.config.ttl_s)
-
-    @classmethod
-    def key_for(cls, tenant: str, request: generation_pb2.GenerateRequest) -> bytes | None:
-        """The key `lookup_many` and `store` would use (None: not cacheable); raises
-        InvalidCacheRequest for what they would refuse."""
-        cls._check(tenant, request, 0)
-        return cache_key(tenant, request)
 
     def stats(self) -> cache_pb2.CacheStatsResponse:
         """Counters; expired entries are dropped first so `entries` counts what can still hit."""
-        self.read_hooks.run(None)
         with self._lock:
             self._index.remove_expired(self._clock())
             return cache_pb2.CacheStatsResponse(
@@ -175,29 +110,91 @@ class CacheService(cache_pb2_grpc.CacheServicer):
             )
 
     # -- gRPC --------------------------------------------------------------------------
+    def LookupBatch(self, request: cache_pb2.CacheLookupBatchRequest,
+                    context: Any = None) -> cache_pb2.CacheLookupBatchResponse:
+        """Probe every cacheable item with one index probe; a malformed item is refused alone.
+
+        A hit is a copy of the stored answer marked `cached`; a cacheable item's answer
+        carries its key, which a store may send back instead of the request."""
+        answer = cache_pb2.CacheLookupBatchResponse()
+        keys: list[bytes] = []
+        probing: list[cache_pb2.CacheLookupResponse] = []
+        for index, item in enumerate(request.items):
+            result = answer.results.add()
+            try:
+                self._check(item.tenant, item.request if item.HasField("request") else None, index)
+            except InvalidCacheRequest as error:
+                set_status(result.status, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                continue
+            key = cache_key(item.tenant, item.request)
+            if key is None:
+                continue  # not cacheable: neither a hit nor a miss
+            result.response.cacheable = True
+            result.response.key = key
+            keys.append(key)
+            probing.append(result.response)
+        if keys:
+            with self._lock:
+                for response, slot in zip(probing, self._index.lookup_batch(keys, self._clock()), strict=True):
+                    if slot < 0:
+                        self._misses += 1
+                        continue
+                    self._hits += 1
+                    response.hit = True
+                    response.response.CopyFrom(self._index.value(slot))
+                    response.response.cached = True
+        return answer
+
+    def StoreBatch(self, request: cache_pb2.CacheStoreBatchRequest,
+                   context: Any = None) -> cache_pb2.CacheStoreBatchResponse:
+        """Keep every storable answer, in order (the last one for a key wins); shadow traffic and
+        non-cacheable requests are not stored; a malformed item is refused alone."""
+        answer = cache_pb2.CacheStoreBatchResponse()
+        entries: list[tuple[bytes, generation_pb2.GenerateResponse]] = []
+        for index, item in enumerate(request.items):
+            result = answer.results.add()
+            try:
+                key = self._store_key(item, index)
+            except InvalidCacheRequest as error:
+                set_status(result.status, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                continue
+            if item.shadow or key is None:
+                continue
+            value = generation_pb2.GenerateResponse()
+            value.CopyFrom(item.response)
+            entries.append((key, value))
+            result.response.stored = True
+        if entries:
+            with self._lock:
+                now = self._clock()
+                for key, value in entries:
+                    self._evictions += self._index.put(key, value, now, self.config.ttl_s)
+        return answer
+
     def Lookup(self, request: cache_pb2.CacheLookupRequest, context: Any) -> cache_pb2.CacheLookupResponse:
-        try:
-            return self.lookup_many([request])[0]
-        except InvalidCacheRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        raise AssertionError("context.abort returned")  # pragma: no cover
+        """The batch of one."""
+        return answer_one(self.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=[request])).results[0], context)
 
     def Store(self, request: cache_pb2.CacheStoreRequest, context: Any) -> cache_pb2.CacheStoreResponse:
-        try:
-            return cache_pb2.CacheStoreResponse(stored=self.store(request))
-        except InvalidCacheRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        raise AssertionError("context.abort returned")  # pragma: no cover
+        """The batch of one."""
+        return answer_one(self.StoreBatch(cache_pb2.CacheStoreBatchRequest(items=[request])).results[0], context)
 
     def Stats(self, request: cache_pb2.CacheStatsRequest, context: Any) -> cache_pb2.CacheStatsResponse:
         return self.stats()
 
     # -- checks ------------------------------------------------------------------------
     @classmethod
-    def _checked(cls, requests: list[Any]) -> list[Any]:
-        for index, r in enumerate(requests):
-            cls._check(r.tenant, r.request if r.HasField("request") else None, index)
-        return requests
+    def _store_key(cls, item: cache_pb2.CacheStoreRequest, index: int) -> bytes | None:
+        """The key an item is stored under: the lookup's (sent back), or keyed from the request."""
+        if not item.HasField("response"):
+            raise InvalidCacheRequest("response: missing (nothing to store)", index)
+        if item.key:
+            if len(item.key) != KEY_BYTES:
+                raise InvalidCacheRequest(f"key: expected the {KEY_BYTES}-byte key a lookup returned, "
+                                          f"got {len(item.key)} bytes", index)
+            return item.key
+        cls._check(item.tenant, item.request if item.HasField("request") else None, index)
+        return cache_key(item.tenant, item.request)
 
     @staticmethod
     def _check(tenant: str, request: generation_pb2.GenerateRequest | None, index: int) -> None:
@@ -207,3 +204,56 @@ class CacheService(cache_pb2_grpc.CacheServicer):
             raise InvalidCacheRequest("request: missing (the generate request to key on)", index)
         if not request.model:
             raise InvalidCacheRequest("request.model: must be the resolved model id, got ''", index)
+
+
+class CacheLookupStage(Stage):
+    """The pipeline probes the cache before the model (fail open: a failure is a counted miss)."""
+
+    method = "Lookup"
+    order = 40
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = cache_pb2.CacheLookupBatchRequest()
+        for state in batch:
+            request.items.add(tenant=state.tenant, request=state.resolved)
+        answer = call("LookupBatch", request)
+        for state, result in self.each(answer.results, batch):
+            if result.status.code:
+                call.fail(state, status_code(result.status.code), result.status.message)
+                continue
+            found = result.response
+            state.cacheable = found.cacheable
+            state.cache_key = found.key
+            if found.hit:
+                state.hit = found.response
+                state.cached = True
+                state.completion_tokens = found.response.completion_tokens
+
+
+class CacheStoreStage(Stage):
+    """The pipeline keeps a fresh answer for the next identical request (fail open).
+
+    Not for shadow copies (they must not change what clients are served), cache hits, or
+    requests the lookup found not cacheable; the lookup's key travels back with the store."""
+
+    method = "Store"
+    phase = Phase.COMPLETE
+    order = 60
+
+    def wants(self, state: RequestState) -> bool:
+        return (state.response is not None and state.resolved is not None and not state.shadow
+                and state.cacheable is not False)
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = cache_pb2.CacheStoreBatchRequest()
+        for state in batch:
+            item = request.items.add(tenant=state.tenant, response=state.response)
+            if state.cache_key:
+                item.key = state.cache_key
+            else:  # the lookup failed: the cache keys the request itself
+                assert state.resolved is not None  # `wants` saw it
+                item.request.CopyFrom(state.resolved)
+        answer = call("StoreBatch", request)
+        for state, result in self.each(answer.results, batch):
+            if result.status.code:
+                call.fail(state, status_code(result.status.code), result.status.message)

@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+import grpc
+
+from spine.v1 import batch_pb2
+
 if TYPE_CHECKING:  # torch is heavy to import; processes that never touch tensors skip it
     import torch
 
@@ -93,3 +97,34 @@ class ReadHooks:
     def run(self, *args: Any) -> None:
         for hook in list(self._hooks):
             hook(*args)
+
+
+# -- batch rpcs ---------------------------------------------------------------------------
+# Every middleware declares a batch rpc; its per-request rpc is the batch of one. These
+# helpers keep the per-item status and the single-call abort the same in every service.
+
+_STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The grpc.StatusCode for a status number (UNKNOWN for a number gRPC does not define)."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def set_status(status: batch_pb2.ItemStatus, code: grpc.StatusCode, message: str) -> None:
+    """Mark one item of a batch answer as failed with the status its per-request rpc would end with."""
+    status.code = code.value[0]
+    status.message = message
+
+
+def answer_one(result: Any, context: Any) -> Any:
+    """The per-request rpc's answer from a batch-of-one result: its response, or abort with its status."""
+    if result.status.code:
+        context.abort(status_code(result.status.code), result.status.message)
+    return result.response
+
+
+def abort_on_item(status: batch_pb2.ItemStatus, context: Any) -> None:
+    """For batch-of-one rpcs whose results are bare statuses (metrics, logs)."""
+    if status.code:
+        context.abort(status_code(status.code), status.message)

@@ -15,15 +15,17 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import Clock, ConfigError, DeviceState, ReadHooks, number
+from services.common import Clock, ConfigError, DeviceState, number, set_status, status_code
 from services.log_ring import BatchedLineWriter, LogsClosedError
+from services.pipeline.stage import Phase, Stage, StageCall
+from services.pipeline.state import RequestState
 from services.redact import redact_mapping
 from spine.v1 import logs_pb2, logs_pb2_grpc
 
@@ -100,9 +102,6 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         self.config = config
         self.device = device
         self._clock = clock
-        # Run before every flush and at close: lines handed over but not yet appended (the
-        # spine's completions window) go in first.
-        self.read_hooks = ReadHooks()
         self._writer = BatchedLineWriter(
             config.path,
             capacity=config.ring_capacity,
@@ -139,24 +138,12 @@ class LogsService(logs_pb2_grpc.LogsServicer):
             )
         return line
 
-    def append_batch(self, records: Sequence[logs_pb2.LogRecord]) -> None:
-        """Encode all records, then accept them in one ring append (all or none if one is bad)."""
-        lines = []
-        for i, record in enumerate(records):
-            try:
-                lines.append(self.encode(record))
-            except ValueError as exc:
-                raise ValueError(f"records[{i}].{exc}") from None
-        self._writer.append(lines)
-
     def flush(self) -> int:
         """Write everything accepted so far; returns the number of lines in the file."""
-        self.read_hooks.run()
         return self._writer.flush()
 
     def close(self) -> None:
         """Flush everything accepted and stop the flusher; safe to call more than once."""
-        self.read_hooks.run()
         self._writer.close()
 
     @property
@@ -173,15 +160,33 @@ class LogsService(logs_pb2_grpc.LogsServicer):
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def Append(self, request: logs_pb2.LogRecord, context: grpc.ServicerContext) -> logs_pb2.AppendResponse:
+    def AppendBatch(self, request: logs_pb2.AppendBatchRequest, context: Any = None) -> logs_pb2.AppendBatchResponse:
+        """Encode every record and accept the good ones in one ring append; a record that cannot
+        be a line is refused alone (INVALID_ARGUMENT naming its field). A closed or unwritable
+        log fails the whole call (UNAVAILABLE): nothing of it was accepted."""
+        answer = logs_pb2.AppendBatchResponse()
+        lines: list[bytes] = []
+        for record in request.records:
+            status = answer.results.add()
+            try:
+                lines.append(self.encode(record))
+            except ValueError as exc:
+                set_status(status, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            self.append_batch([request])
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).removeprefix("records[0]."))
-        except LogsClosedError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}: the service is shutting down")
-        except OSError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot write request log {self.config.path}: {exc}")
+            self._writer.append(lines)
+        except (LogsClosedError, OSError) as exc:
+            if context is None:  # an in-process caller without a context sees the error itself
+                raise
+            reason = ("the service is shutting down" if isinstance(exc, LogsClosedError)
+                      else f"cannot write request log {self.config.path}")
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{reason}: {exc}")
+        return answer
+
+    def Append(self, request: logs_pb2.LogRecord, context: grpc.ServicerContext) -> logs_pb2.AppendResponse:
+        """The batch of one."""
+        result = self.AppendBatch(logs_pb2.AppendBatchRequest(records=[request]), context).results[0]
+        if result.code:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
         return logs_pb2.AppendResponse()
 
     def Flush(self, request: logs_pb2.FlushRequest, context: grpc.ServicerContext) -> logs_pb2.FlushResponse:
@@ -190,3 +195,25 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         except OSError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot write request log {self.config.path}: {exc}")
         return logs_pb2.FlushResponse()  # not reached: abort raises
+
+
+class LogsStage(Stage):
+    """The pipeline writes one log line per request, whatever its outcome (fail open)."""
+
+    method = "Append"
+    phase = Phase.COMPLETE
+    order = 70  # before metrics, so a failed append is counted in the request's record
+
+    def wants(self, state: RequestState) -> bool:
+        return True
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = logs_pb2.AppendBatchRequest()
+        for state in batch:
+            request.records.add(
+                request_id=state.request_id, tenant=state.tenant, model=state.model, status=state.status,
+                latency_ms=state.latency_s * 1000.0, layout=state.layout, cached=state.cached, shadow=state.shadow)
+        answer = call("AppendBatch", request)
+        for state, status in self.each(answer.results, batch):
+            if status.code:
+                call.fail(state, status_code(status.code), status.message)

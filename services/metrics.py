@@ -19,10 +19,20 @@ from typing import Any
 
 import grpc
 
-from services.common import ConfigError, DeviceState, ReadHooks, number
+from services.common import (
+    ConfigError,
+    DeviceState,
+    ReadHooks,
+    abort_on_item,
+    number,
+    set_status,
+    status_code,
+)
 from services.histograms import CounterTable, HistogramTable, SeriesKey
+from services.pipeline.stage import Phase, Stage, StageCall
+from services.pipeline.state import RequestState
 from services.prometheus_http import is_loopback, parse_listen
-from spine.v1 import metrics_pb2, metrics_pb2_grpc
+from spine.v1 import batch_pb2, metrics_pb2, metrics_pb2_grpc
 
 # Prometheus-style buckets from 0.1 ms to 10 s: fine enough for an in-process middleware hop
 # (tens of microseconds to a millisecond) and for a whole generation (seconds).
@@ -173,20 +183,14 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
 
     # -- in-process API -------------------------------------------------------------------
 
-    def record_batch(self, records: Sequence[metrics_pb2.RequestRecord]) -> None:
-        """Count many records with one counter update and one histogram update.
-
-        All or nothing: a bad record raises ValueError naming its index and field, and none of
-        the batch is counted.
-        """
+    def _count(self, records: Sequence[metrics_pb2.RequestRecord]) -> None:
+        """Count checked records with one counter update and one histogram update (MemoryError:
+        no room for a new series, and nothing of the batch is counted)."""
         counter_keys: list[SeriesKey] = []
         amounts: list[int] = []
         hist_keys: list[SeriesKey] = []
         values: list[float] = []
-        for i, r in enumerate(records):
-            problem = check_record(r)
-            if problem:
-                raise ValueError(f"records[{i}].{problem}")
+        for r in records:
             layout, shadow = r.layout, r.shadow
             keys = self._request_keys(layout, r.model, r.tenant, r.status, shadow)
             counter_keys.append(keys.requests)
@@ -266,15 +270,34 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
 
     # -- gRPC -----------------------------------------------------------------------------
 
+    def RecordBatch(self, request: metrics_pb2.RecordBatchRequest,
+                    context: Any = None) -> metrics_pb2.RecordBatchResponse:
+        """Count every good record with one update; a bad record is refused alone (INVALID_ARGUMENT
+        naming its field), so one corrupt record never costs the others their count."""
+        answer = metrics_pb2.RecordBatchResponse()
+        good: list[tuple[metrics_pb2.RequestRecord, batch_pb2.ItemStatus]] = []
+        for record in request.records:
+            status = answer.results.add()
+            problem = check_record(record)
+            if problem:
+                set_status(status, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            else:
+                good.append((record, status))
+        try:
+            self._count([record for record, _ in good])
+        except MemoryError:  # the table is full: count one by one, so only new series fail
+            for record, status in good:
+                try:
+                    self._count([record])
+                except MemoryError as exc:
+                    set_status(status, grpc.StatusCode.RESOURCE_EXHAUSTED, f"metrics: no room for a new series: {exc}")
+        return answer
+
     def Record(
         self, request: metrics_pb2.RequestRecord, context: grpc.ServicerContext
     ) -> metrics_pb2.RecordResponse:
-        try:
-            self.record_batch([request])
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).removeprefix("records[0]."))
-        except MemoryError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"metrics: no room for a new series: {exc}")
+        """The batch of one."""
+        abort_on_item(self.RecordBatch(metrics_pb2.RecordBatchRequest(records=[request])).results[0], context)
         return metrics_pb2.RecordResponse()
 
     def Scrape(
@@ -304,3 +327,27 @@ def format_value(value: float) -> str:
     if math.isnan(value):
         return "NaN"
     return repr(float(value))
+
+
+class MetricsStage(Stage):
+    """The pipeline counts and times every request, whatever its outcome (fail open)."""
+
+    method = "Record"
+    phase = Phase.COMPLETE
+    order = 80
+
+    def wants(self, state: RequestState) -> bool:
+        return True
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = metrics_pb2.RecordBatchRequest()
+        for state in batch:
+            request.records.add(
+                layout=state.layout, model=state.model, tenant=state.tenant, status=state.status,
+                latency_s=state.latency_s, middleware_s=state.middleware_s, cached=state.cached,
+                shadow=state.shadow, completion_tokens=state.completion_tokens,
+                failed_middlewares=state.failures)
+        answer = call("RecordBatch", request)
+        for state, status in self.each(answer.results, batch):
+            if status.code:
+                call.fail(state, status_code(status.code), status.message)

@@ -1,14 +1,15 @@
-"""The RateLimit service: token buckets per (tenant, model, resource), Envoy-shaped.
+"""The RateLimit service: token buckets per (tenant, model, resource).
 
-The gateway sends one request per call with two descriptors, built by `ask_for`:
+The pipeline asks `AdmitBatch` (the per-request `Admit` is its batch of one): each item is
 one request against the requests-per-second bucket and `prompt + max_tokens` tokens
-against the tokens-per-minute bucket. A call is all-or-nothing: it is admitted only when
-every descriptor fits, and then all of them are charged.
+against the tokens-per-minute bucket, turned into two descriptors by `ask_for`. An item
+is all-or-nothing: admitted only when both fit, and then both are charged.
+`ShouldRateLimit` is the general descriptor form (Envoy's shape), decided by the same
+code on the same buckets.
 
-`admit_batch` decides a micro-batch with tensor ops and gives exactly the answers (and
-leaves exactly the bucket levels) of deciding the same requests one by one in list order;
-`admit_asks` is the same without protos (the spine's in-process path), and
-`ShouldRateLimit` is the batch of one. See `services/token_buckets.py` for how.
+A batch is decided with one table decision and gives exactly the answers (and leaves
+exactly the bucket levels) of deciding the same requests one by one in list order. See
+`services/token_buckets.py` for how.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any, cast
 
 import grpc
 
-from services.common import Clock, ConfigError, DeviceState, number
+from services.common import Clock, ConfigError, DeviceState, answer_one, number, set_status, status_code
+from services.pipeline.stage import Stage, StageCall
+from services.pipeline.state import RequestState
+from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
 from services.token_buckets import BatchDecision, BucketState, TokenBucketTable
 from spine.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
@@ -110,12 +114,10 @@ class RateLimitConfig:
 
 @dataclass(frozen=True)
 class RateLimitAsk:
-    """A rate-limit request without protos: what the spine's batcher hands `admit_asks`.
+    """What is decided, whichever rpc asked: a domain and descriptors as (entries, hits) pairs.
 
-    The same fields as `RateLimitRequest` (descriptors as (entries, hits) pairs), decided by
-    the same code: `admit_batch` turns each proto into one of these first. In-process,
-    building and reading back two descriptors of three entries per request (and a response
-    with two statuses) cost more than the admission decision itself.
+    `AdmitBatch` items and `ShouldRateLimit` descriptors both become these first, so one
+    parse and one decision path serve both.
     """
 
     domain: str
@@ -132,25 +134,6 @@ class RateLimitAsk:
         return ratelimit_pb2.RateLimitRequest(domain=self.domain, dry_run=self.dry_run, descriptors=[
             ratelimit_pb2.RateLimitDescriptor(entries=[Entry(key=k, value=v) for k, v in key], hits_addend=hits)
             for key, hits in self.descriptors])
-
-
-@dataclass(frozen=True)
-class RateLimitVerdict:
-    """`admit_asks`' answer: what a `RateLimitResponse` says, without the proto.
-
-    `over` names each bucket the request did not fit, with its retry-after (-1: the cost
-    is more than the bucket can ever hold); `retry_after_s` is the response's overall one.
-    """
-
-    admitted: bool
-    over: tuple[tuple[str, float], ...]
-    retry_after_s: float
-
-    @classmethod
-    def from_proto(cls, response: ratelimit_pb2.RateLimitResponse) -> RateLimitVerdict:
-        return cls(response.overall_code != _OVER_LIMIT,
-                   tuple([(s.limit_name, s.retry_after_s) for s in response.statuses if s.code == _OVER_LIMIT]),
-                   response.retry_after_s)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -232,19 +215,6 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             response.retry_after_s = _overall_retry(wait)
         return responses
 
-    def admit_asks(self, asks: list[RateLimitAsk], now: float | None = None) -> list[RateLimitVerdict]:
-        """`admit_batch` without protos: the same decisions, buckets and errors."""
-        rows, row_request, decision = self._decide(asks, now)
-        over: list[list[tuple[str, float]]] = [[] for _ in asks]
-        waits: list[list[float]] = [[] for _ in asks]
-        for i, row in enumerate(rows):
-            retry = decision.retry_after_s[i]
-            if not decision.fits[i]:
-                over[row_request[i]].append((row.bucket.name, retry))
-            waits[row_request[i]].append(retry)
-        return [RateLimitVerdict(bool(admitted), tuple(o), _overall_retry(w))
-                for admitted, o, w in zip(decision.admitted, over, waits, strict=True)]
-
     def _decide(self, asks: list[RateLimitAsk], now: float | None) -> tuple[list[_Row], list[int], BatchDecision]:
         """Parse every ask (all or none), then ONE table decision in list order."""
         parsed = [self._parse(ask, index) for index, ask in enumerate(asks)]
@@ -284,6 +254,62 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             return {limit_name(cast(Key, k)): v for k, v in self._table.snapshot().items()}
 
     # -- gRPC --------------------------------------------------------------------------
+    def AdmitBatch(self, request: ratelimit_pb2.AdmitBatchRequest,
+                   context: Any = None) -> ratelimit_pb2.AdmitBatchResponse:
+        """Decide every item as if one by one in list order, with one table decision.
+
+        A malformed item is refused alone (INVALID_ARGUMENT naming the field) and the rest
+        decided without it; when the bucket table has no room for a new bucket, the items
+        are decided one by one so only those that needed room fail (RESOURCE_EXHAUSTED)."""
+        answer = ratelimit_pb2.AdmitBatchResponse()
+        results = [answer.results.add() for _ in request.items]
+        asking: list[tuple[int, RateLimitAsk]] = []
+        domain = self.config.domain
+        for index, item in enumerate(request.items):
+            if not item.tenant or not item.model:
+                field_name = "tenant" if not item.tenant else "model"
+                set_status(results[index].status, grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must not be empty")
+                continue
+            asking.append((index, ask_for(item.tenant, item.model, item.tokens, item.dry_run, domain)))
+        self._admit_into(results, asking)
+        return answer
+
+    def Admit(self, request: ratelimit_pb2.AdmitRequest, context: Any) -> ratelimit_pb2.AdmitResponse:
+        """The batch of one."""
+        return answer_one(self.AdmitBatch(ratelimit_pb2.AdmitBatchRequest(items=[request])).results[0], context)
+
+    def _admit_into(self, results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]]) -> None:
+        while asking:
+            try:
+                self._fill(results, asking, self._decide([ask for _, ask in asking], None))
+                return
+            except InvalidRateLimitRequest as error:  # raised before any bucket changed
+                index, _ = asking.pop(error.index)
+                set_status(results[index].status, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except MemoryError:
+                break
+        for index, ask in asking:  # no room for a new bucket: only the one that needs it fails
+            try:
+                self._fill(results, [(index, ask)], self._decide([ask], None))
+            except MemoryError as error:
+                set_status(results[index].status, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"ratelimit: no room for a new bucket: {error}")
+
+    @staticmethod
+    def _fill(results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]],
+              decided: tuple[list[_Row], list[int], BatchDecision]) -> None:
+        rows, row_request, decision = decided
+        waits: list[list[float]] = [[] for _ in asking]
+        for i, row in enumerate(rows):
+            retry = decision.retry_after_s[i]
+            if not decision.fits[i]:
+                results[asking[row_request[i]][0]].response.over.add(limit_name=row.bucket.name, retry_after_s=retry)
+            waits[row_request[i]].append(retry)
+        for (index, _), admitted, wait in zip(asking, decision.admitted, waits, strict=True):
+            response = results[index].response
+            response.admitted = bool(admitted)
+            response.retry_after_s = _overall_retry(wait)
+
     def SetShare(self, request: ratelimit_pb2.SetShareRequest, context: Any) -> ratelimit_pb2.SetShareResponse:
         try:
             self.set_share(request.fraction)
@@ -337,3 +363,27 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         bucket = _Bucket(key, limit_name(key), self.config.limits_for(fields.get("tenant", "")).bucket(resource))
         self._buckets[key] = bucket
         return bucket
+
+
+class RateLimitStage(Stage):
+    """The pipeline asks RateLimit to admit a request against its tenant's limits (fail closed).
+
+    Shadow copies are decided without consuming budget (dry run)."""
+
+    method = "Admit"
+    order = 30
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = ratelimit_pb2.AdmitBatchRequest()
+        costs: list[int] = []
+        for state in batch:
+            assert state.resolved is not None
+            cost = rate_limit_cost(state.resolved)
+            costs.append(cost)
+            request.items.add(tenant=state.tenant, model=state.resolved.model, tokens=cost, dry_run=state.shadow)
+        answer = call("AdmitBatch", request)
+        for (state, cost), result in self.each(answer.results, list(zip(batch, costs, strict=True))):
+            if result.status.code:
+                call.fail(state, status_code(result.status.code), result.status.message)
+            else:
+                state.outcome = rate_limit_stop(result.response, cost)

@@ -1,39 +1,53 @@
-"""The component table: every middleware and the model, in pipeline order, in one place.
+"""The component table: every middleware and the model, declared once.
 
-Adding a middleware touches its proto, one service module and this table. Each entry
-knows how to build its servicer from the config, how to put it on a gRPC server, and
-which stub reaches it over the wire — everything a binding needs, nothing about layout.
+Adding a middleware = its proto, its service module (the servicer and the stage that
+calls it) and one entry here. Everything else is derived from the table: the pipeline's
+stages and their order, the config sections, the span names, the list of middlewares a
+migration plan may move, the children of the layered layout and the names in the
+Kubernetes manifests.
+
+An entry names modules and classes as "module:attribute" strings, resolved when used, so
+that reading the table imports no model or crypto library: a process imports only what
+it serves.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import descriptor as pb_descriptor
 
 from services.common import DeviceState
+from services.pipeline.limits import RequestLimits
+from services.pipeline.stage import FailMode, Stage, StagePolicy
+from services.pipeline.validation import ValidationStage
 
-MIDDLEWARES: tuple[str, ...] = ("auth", "ratelimit", "router", "cache", "metrics", "logs")
-COMPONENTS: tuple[str, ...] = (*MIDDLEWARES, "inference")
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 
-# Fail closed: without them a request must not be served. Fail open: a request goes on
-# without them and the failure is counted.
-FAIL_CLOSED: frozenset[str] = frozenset({"auth", "ratelimit", "router", "inference"})
+
+def _resolve(path: str) -> Any:
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass(frozen=True)
 class ComponentSpec:
-    """How to build, serve and reach one component."""
+    """How to build, serve, reach and call one component."""
 
-    name: str
-    proto_module: str      # e.g. "spine.v1.auth_pb2"
-    service: str           # service name in the proto, e.g. "Auth"
-    factory: str           # "module:function" building the servicer from (config, device, run_dir)
+    name: str  # also its config section and its process name in the layered layout
+    proto_module: str  # e.g. "spine.v1.auth_pb2"
+    service: str  # the service's name in the proto, e.g. "Auth"
+    factory: str  # "module:function" building the servicer from (config, device, run_dir)
+    stages: tuple[str, ...]  # "module:Class" of the pipeline stages that call it
+    fail_mode: FailMode = FailMode.CLOSED
+    budget_ms: float = 250.0  # the default call budget of its stages
+    middleware: bool = True  # False for the model: placed, but not migrated as a middleware
+    # Batch rpcs whose spans carry the per-request rpc's name (e.g. CheckBatch -> Check).
+    batch_methods: Mapping[str, str] = field(default_factory=dict)
 
     def descriptor(self) -> pb_descriptor.ServiceDescriptor:
         module = importlib.import_module(self.proto_module)
@@ -53,24 +67,101 @@ class ComponentSpec:
         getattr(self._grpc_module(), f"add_{self.service}Servicer_to_server")(servicer, server)
 
     def build(self, config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-        module_name, function = self.factory.split(":")
-        return getattr(importlib.import_module(module_name), function)(config, device, run_dir)
+        return _resolve(self.factory)(config, device, run_dir)
+
+    def policy(self, budget_ms: float | None = None) -> StagePolicy:
+        return StagePolicy(self.name, self.fail_mode, (self.budget_ms if budget_ms is None else budget_ms) / 1000.0)
+
+    def stage_classes(self) -> list[type[Stage]]:
+        return [_resolve(path) for path in self.stages]
 
 
-SPECS: dict[str, ComponentSpec] = {
-    "auth": ComponentSpec("auth", "spine.v1.auth_pb2", "Auth", "services.factories:build_auth"),
-    "ratelimit": ComponentSpec("ratelimit", "spine.v1.ratelimit_pb2", "RateLimit", "services.factories:build_ratelimit"),
-    "router": ComponentSpec("router", "spine.v1.router_pb2", "Router", "services.factories:build_router"),
-    "cache": ComponentSpec("cache", "spine.v1.cache_pb2", "Cache", "services.factories:build_cache"),
-    "metrics": ComponentSpec("metrics", "spine.v1.metrics_pb2", "Metrics", "services.factories:build_metrics"),
-    "logs": ComponentSpec("logs", "spine.v1.logs_pb2", "Logs", "services.factories:build_logs"),
-    "inference": ComponentSpec("inference", "spine.v1.inference_pb2", "Inference", "services.factories:build_inference"),
-}
-GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "")
+class Registry:
+    """An ordered set of components; the default one is `DEFAULT`, tests may extend it."""
+
+    def __init__(self, specs: Iterable[ComponentSpec]) -> None:
+        self._specs: dict[str, ComponentSpec] = {}
+        for spec in specs:
+            if spec.name in self._specs:
+                raise ValueError(f"component {spec.name!r} is declared twice")
+            self._specs[spec.name] = spec
+
+    def __iter__(self) -> Iterator[ComponentSpec]:
+        return iter(self._specs.values())
+
+    def __getitem__(self, name: str) -> ComponentSpec:
+        return self._specs[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every component (the layered layout runs one process each)."""
+        return tuple(self._specs)
+
+    @property
+    def middlewares(self) -> tuple[str, ...]:
+        """What a migration plan moves between the layered stack and the spine."""
+        return tuple(spec.name for spec in self if spec.middleware)
+
+    def with_component(self, spec: ComponentSpec) -> Registry:
+        """This table plus one more component (its stages join the path by their order)."""
+        return Registry([*self, spec])
+
+    def stages(self, limits: RequestLimits, budgets_ms: Mapping[str, float] | None = None) -> list[Stage]:
+        """The request path: every component's stages plus the gateway's own, in order."""
+        budgets = budgets_ms or {}
+        stages: list[Stage] = [ValidationStage(StagePolicy(""), limits)]
+        for spec in self:
+            policy = spec.policy(budgets.get(spec.name))
+            stages.extend(cls(policy, limits) for cls in spec.stage_classes())
+        return sorted(stages, key=lambda stage: stage.order)
+
+    def span_names(self) -> dict[tuple[str, str], str]:
+        """(component, rpc) -> span name, the same in every layout: the stage's name for the
+        rpc it stands for and for the batch rpc it sends."""
+        names: dict[tuple[str, str], str] = {}
+        for spec in self:
+            for cls in spec.stage_classes():
+                span = f"{spec.name}.{cls.method.lower()}"
+                names[(spec.name, cls.method)] = span
+                for batch, single in spec.batch_methods.items():
+                    if single == cls.method:
+                        names[(spec.name, batch)] = span
+        return names
+
+
+def _spec(name: str, service: str, stages: tuple[str, ...], batch_methods: Mapping[str, str], *,
+          fail_mode: FailMode = FailMode.CLOSED, budget_ms: float = 250.0, middleware: bool = True) -> ComponentSpec:
+    return ComponentSpec(name, f"spine.v1.{name}_pb2", service, f"services.factories:build_{name}", stages,
+                         fail_mode, budget_ms, middleware, batch_methods)
+
+
+DEFAULT = Registry([
+    _spec("auth", "Auth", ("services.auth:AuthStage",), {"CheckBatch": "Check"}),
+    _spec("ratelimit", "RateLimit", ("services.ratelimit:RateLimitStage",),
+          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit"}),
+    _spec("router", "Router", ("services.router:RouterStage",), {"ResolveBatch": "Resolve"}),
+    _spec("cache", "Cache", ("services.cache:CacheLookupStage", "services.cache:CacheStoreStage"),
+          {"LookupBatch": "Lookup", "StoreBatch": "Store"}, fail_mode=FailMode.OPEN),
+    _spec("metrics", "Metrics", ("services.metrics:MetricsStage",), {"RecordBatch": "Record"},
+          fail_mode=FailMode.OPEN, budget_ms=1000.0),
+    _spec("logs", "Logs", ("services.logs:LogsStage",), {"AppendBatch": "Append"},
+          fail_mode=FailMode.OPEN, budget_ms=1000.0),
+    # The model: its budget is the compute budget it enforces itself; the call is bounded
+    # by the request's deadline.
+    _spec("inference", "Inference", ("services.inference:InferenceStage",), {"GenerateStream": "Generate"},
+          budget_ms=float("inf"), middleware=False),
+])
+GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", ())
+
+MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares
+COMPONENTS: tuple[str, ...] = DEFAULT.names
 
 
 def close_servicer(servicer: Any) -> None:
     """Flush and stop what a servicer holds (log ring, flusher threads, model loop)."""
-    close: Callable[[], None] | None = getattr(servicer, "close", None)
+    close = getattr(servicer, "close", None)
     if close is not None:
         close()

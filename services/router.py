@@ -2,8 +2,8 @@
 
 Names are checked at load so that every name resolves to exactly one model: a duplicate id
 or alias, or an alias that shadows another model's id, is a ConfigError, never a silent
-"last one wins". `RouterService.resolve` is plain Python for the batcher; the gRPC methods
-only wrap it.
+"last one wins". `ResolveBatch` routes many requests at once (the pipeline's router stage
+calls it in either layout); the per-request `Resolve` is its batch of one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from typing import Any
 
 import grpc
 
-from services.common import ConfigError, DeviceState
+from services.common import ConfigError, DeviceState, answer_one, set_status, status_code
+from services.pipeline.stage import Stage, StageCall
+from services.pipeline.state import RequestState
+from services.pipeline.verdicts import resolved_request
 from spine.v1 import router_pb2, router_pb2_grpc
 
 _ROUTER_FIELDS = ("models",)
@@ -125,13 +128,42 @@ class RouterService(router_pb2_grpc.RouterServicer):
             aliases={alias: m.id for m in self.config.models for alias in m.aliases},
         )
 
+    def ResolveBatch(self, request: router_pb2.ResolveBatchRequest,
+                     context: Any = None) -> router_pb2.ResolveBatchResponse:
+        """One route per item, in order; an unknown model is that item's NOT_FOUND."""
+        answer = router_pb2.ResolveBatchResponse()
+        for item in request.items:
+            result = answer.results.add()
+            try:
+                result.response.CopyFrom(self.resolve(item.model))
+            except LookupError as exc:
+                set_status(result.status, grpc.StatusCode.NOT_FOUND, str(exc))
+        return answer
+
     def Resolve(self, request: router_pb2.ResolveRequest, context: grpc.ServicerContext) -> router_pb2.ResolveResponse:
-        try:
-            return self.resolve(request.model)
-        except LookupError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        """The batch of one."""
+        return answer_one(self.ResolveBatch(router_pb2.ResolveBatchRequest(items=[request])).results[0], context)
 
     def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.ServicerContext
     ) -> router_pb2.ListModelsResponse:
         return self.list_models()
+
+
+class RouterStage(Stage):
+    """The pipeline asks the Router which model a request's id or alias names (fail closed)."""
+
+    method = "Resolve"
+    order = 20
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = router_pb2.ResolveBatchRequest()
+        for state in batch:
+            request.items.add(model=state.request.model)
+        answer = call("ResolveBatch", request)
+        for state, result in self.each(answer.results, batch):
+            if result.status.code:
+                call.fail(state, status_code(result.status.code), result.status.message)
+            else:
+                state.model = result.response.model_id
+                state.resolved = resolved_request(state.request, state.model)

@@ -77,11 +77,11 @@ def torch_one_thread() -> Iterator[None]:
 def served(component: str, servicer: Any) -> Iterator[Any]:
     """One servicer behind a real gRPC server on a unix socket (the project's own
     `start_server`, with health and reflection), and a stub to it."""
-    from services.registry import SPECS
+    from services.registry import DEFAULT
     from spine.runtime.server import start_server
 
     sock_dir = tempfile.mkdtemp(prefix=f"spine-{component}-", dir="/tmp")  # unix paths max ~107 bytes
-    spec = SPECS[component]
+    spec = DEFAULT[component]
     server = start_server([(spec, servicer)], f"unix:{sock_dir}/{component}.sock")
     channel = grpc.insecure_channel(server.address)
     try:

@@ -342,12 +342,16 @@ def test_no_denial_message_quotes_the_credential_or_a_secret(
         assert HS_SECRET not in details
 
 
-def test_verify_many_returns_one_verdict_per_credential_in_order(service: AuthService) -> None:
-    verdicts = service.verify_many([DEV_KEY, "nope", hs256()])
-    assert isinstance(verdicts[0], auth_pb2.CheckResponse) and verdicts[0].principal.tenant == "dev"
-    assert isinstance(verdicts[1], AuthDenied) and verdicts[1].code == UNAUTH
-    assert isinstance(verdicts[2], auth_pb2.CheckResponse) and verdicts[2].principal.tenant == "acme"
+def check_batch(service: AuthService, credentials: list[str]) -> list[auth_pb2.CheckResult]:
+    request = auth_pb2.CheckBatchRequest(items=[auth_pb2.CheckRequest(credential=c) for c in credentials])
+    return list(service.CheckBatch(request).results)
 
+
+def test_check_batch_returns_one_result_per_credential_in_order(service: AuthService) -> None:
+    ok, denied, jwt_ok = check_batch(service, [DEV_KEY, "nope", hs256()])
+    assert ok.status.code == 0 and ok.response.principal.tenant == "dev"
+    assert denied.status.code == UNAUTH.value[0] and denied.status.message == "unknown API key"
+    assert jwt_ok.status.code == 0 and jwt_ok.response.principal.tenant == "acme"
 
 
 def test_a_credential_repeated_in_a_batch_is_verified_once_with_the_one_by_one_verdict(
@@ -362,16 +366,10 @@ def test_a_credential_repeated_in_a_batch_is_verified_once_with_the_one_by_one_v
         return verify(credential)
 
     service.verify = counting  # type: ignore[method-assign]
-    verdicts = service.verify_many(batch)
+    results = check_batch(service, batch)
     assert sorted(calls) == sorted({DEV_KEY, "nope", token})
-    one_by_one = []
-    for credential in batch:
-        try:
-            one_by_one.append(("ok", verify(credential).principal.SerializeToString(deterministic=True)))
-        except AuthDenied as denied:
-            one_by_one.append(("denied", denied.code, denied.message))
-    assert [("denied", v.code, v.message) if isinstance(v, AuthDenied)
-            else ("ok", v.principal.SerializeToString(deterministic=True)) for v in verdicts] == one_by_one
+    one_by_one = [check_batch(service, [credential])[0] for credential in batch]
+    assert results == one_by_one
 
 
 # --- the verification cache ----------------------------------------------------------------

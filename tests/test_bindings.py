@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.registry import SPECS
+from services.registry import DEFAULT
 from spine.runtime.bindings import LocalBinding, LocalContext, RemoteBinding
 from spine.runtime.server import start_server
 from spine.runtime.stack import remote_channel
@@ -80,7 +80,7 @@ class Recorder:
 
 @pytest.fixture(params=["local", "remote"])
 def bound(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[tuple[Any, ScriptedInference, Recorder]]:
-    spec = SPECS["inference"]
+    spec = DEFAULT["inference"]
     servicer = ScriptedInference()
     recorder = Recorder()
     if request.param == "local":

@@ -223,8 +223,34 @@ def test_batched_lookup_equals_one_by_one() -> None:
         cache_pb2.CacheLookupRequest(tenant="x", request=gen("p2")),
     ]
     expected = [one_by_one.Lookup(r, LocalContext()) for r in requests]
-    assert batched.lookup_many(requests) == expected
+    answer = batched.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=requests))
+    assert [result.response for result in answer.results] == expected
+    assert not any(result.status.code for result in answer.results)
     assert stats(batched) == stats(one_by_one)
+
+
+def test_a_malformed_item_of_a_batch_is_refused_alone() -> None:
+    service, _ = make(max_entries=4)
+    store(service, gen("a"), "a")
+    answer = service.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=[
+        cache_pb2.CacheLookupRequest(tenant="", request=gen("a")),
+        cache_pb2.CacheLookupRequest(tenant="dev", request=gen("a")),
+    ]))
+    bad, good = answer.results
+    assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == bad.status.code and "tenant" in bad.status.message
+    assert good.status.code == 0 and good.response.hit and good.response.response.text == "a"
+
+
+def test_a_store_may_send_back_the_lookups_key_instead_of_the_request() -> None:
+    service, _ = make(max_entries=4)
+    key = lookup(service, gen("k")).key
+    assert len(key) == 32
+    answer = service.StoreBatch(cache_pb2.CacheStoreBatchRequest(items=[
+        cache_pb2.CacheStoreRequest(tenant="dev", key=key, response=GenerateResponse(text="by key", model="m")),
+        cache_pb2.CacheStoreRequest(tenant="dev", key=b"short", response=GenerateResponse(text="x", model="m")),
+    ]))
+    assert [r.status.code for r in answer.results] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+    assert lookup(service, gen("k")).response.text == "by key"
 
 
 def test_hash_collisions_are_told_apart_by_the_full_key() -> None:

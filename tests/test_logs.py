@@ -40,6 +40,14 @@ def rec(i: int = 0, **kw: Any) -> logs_pb2.LogRecord:
     return logs_pb2.LogRecord(**base)
 
 
+def append(service: LogsService, records: list[logs_pb2.LogRecord]) -> None:
+    """AppendBatch in-process; a refused record raises ValueError naming its index."""
+    answer = service.AppendBatch(logs_pb2.AppendBatchRequest(records=records))
+    problems = [f"records[{i}].{status.message}" for i, status in enumerate(answer.results) if status.code]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def config(tmp_path: Path, **kw: Any) -> LogsConfig:
     cfg: dict[str, Any] = {"path": "logs/requests.jsonl", "batch_lines": 64, "flush_interval_s": 3600.0}
     cfg.update(kw)
@@ -70,7 +78,7 @@ def service(tmp_path: Path) -> Iterator[LogsService]:
 
 
 def test_each_request_is_one_json_line_with_the_agreed_fields(service: LogsService) -> None:
-    service.append_batch(
+    append(service,
         [rec(1, cached=True, shadow=True, status="UNAVAILABLE", fields={"route": "tiny-lm"})]
     )
     assert service.flush() == 1
@@ -105,13 +113,13 @@ def test_path_is_relative_to_the_run_dir_and_config_errors_name_the_field(tmp_pa
 def test_a_full_batch_is_flushed_in_one_write(tmp_path: Path) -> None:
     svc = LogsService(config(tmp_path, batch_lines=5))
     try:
-        svc.append_batch([rec(i) for i in range(4)])
-        svc.append_batch([rec(4)])
+        append(svc, [rec(i) for i in range(4)])
+        append(svc, [rec(4)])
         lines = wait_for_lines(svc.config.path, 5)
         assert [line["request_id"] for line in lines] == [f"r{i}" for i in range(5)]
         assert svc.flush() == 5  # nothing pending: waits for the batch's write, writes nothing
         assert svc.writes == 1
-        svc.append_batch([rec(5)])  # below batch_lines, and the interval is an hour away
+        append(svc, [rec(5)])  # below batch_lines, and the interval is an hour away
         time.sleep(0.1)
         assert len(read_lines(svc.config.path)) == 5
         assert svc.pending == 1
@@ -122,7 +130,7 @@ def test_a_full_batch_is_flushed_in_one_write(tmp_path: Path) -> None:
 def test_a_partial_batch_is_flushed_when_the_interval_passes(tmp_path: Path) -> None:
     svc = LogsService(config(tmp_path, batch_lines=1000, ring_capacity=1000, flush_interval_s=0.02))
     try:
-        svc.append_batch([rec(i) for i in range(3)])
+        append(svc, [rec(i) for i in range(3)])
         assert len(wait_for_lines(svc.config.path, 3)) == 3
         assert svc.pending == 0
     finally:
@@ -135,7 +143,7 @@ def test_close_writes_every_line_accepted_from_many_threads(tmp_path: Path) -> N
 
     def worker(t: int) -> None:
         for i in range(0, per_thread, 10):
-            svc.append_batch([rec(t * per_thread + i + j) for j in range(10)])
+            append(svc, [rec(t * per_thread + i + j) for j in range(10)])
 
     workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
     for w in workers:
@@ -155,8 +163,8 @@ def test_a_full_ring_blocks_then_flushes_without_dropping(tmp_path: Path) -> Non
     # must wait for the flusher or flush in its own thread.
     svc = LogsService(config(tmp_path, batch_lines=4, ring_capacity=4, full_wait_s=0.001))
     try:
-        svc.append_batch([rec(i) for i in range(10)])  # more than the ring holds at once
-        svc.append_batch([rec(10 + i) for i in range(7)])
+        append(svc, [rec(i) for i in range(10)])  # more than the ring holds at once
+        append(svc, [rec(10 + i) for i in range(7)])
         assert svc.flush() == 17
         assert [line["request_id"] for line in read_lines(svc.config.path)] == [f"r{i}" for i in range(17)]
     finally:
@@ -178,12 +186,12 @@ def test_a_failing_disk_pushes_back_instead_of_losing_or_hoarding_lines(tmp_path
         )
     )
     try:
-        svc.append_batch([rec(i) for i in range(4)])
+        append(svc, [rec(i) for i in range(4)])
         with pytest.raises(OSError):
             svc.flush()
-        svc.append_batch([rec(4 + i) for i in range(4)])  # the ring has room again
+        append(svc, [rec(4 + i) for i in range(4)])  # the ring has room again
         with pytest.raises(OSError):
-            svc.append_batch([rec(8)])  # ring full and the disk still fails: refused
+            append(svc, [rec(8)])  # ring full and the disk still fails: refused
         assert svc.pending == 8  # the failed batch is kept for retry, nothing more is taken
         assert svc.lines_on_disk == 0
     finally:
@@ -193,13 +201,13 @@ def test_a_failing_disk_pushes_back_instead_of_losing_or_hoarding_lines(tmp_path
 
 def test_lines_stay_in_order_of_acceptance(service: LogsService) -> None:
     for i in range(0, 300, 3):
-        service.append_batch([rec(i), rec(i + 1), rec(i + 2)])
+        append(service, [rec(i), rec(i + 1), rec(i + 2)])
     service.close()
     assert [line["request_id"] for line in read_lines(service.config.path)] == [f"r{i}" for i in range(300)]
 
 
 def test_secrets_in_fields_or_jwt_values_never_reach_the_file(service: LogsService) -> None:
-    service.append_batch(
+    append(service,
         [
             rec(
                 1,
@@ -242,23 +250,24 @@ def test_redaction_rules() -> None:
     assert redact_text("api.example.com v1.2.3 tiny-lm") == "api.example.com v1.2.3 tiny-lm"
 
 
-def test_bad_records_are_refused_whole(service: LogsService) -> None:
+def test_a_bad_record_is_refused_alone_and_the_rest_of_its_batch_is_written(service: LogsService) -> None:
     with pytest.raises(ValueError, match=r"records\[1\]\.latency_ms"):
-        service.append_batch([rec(0), rec(1, latency_ms=float("inf"))])
+        append(service, [rec(0), rec(1, latency_ms=float("inf"))])
     with pytest.raises(ValueError, match=r"above logs\.max_line_bytes=65536"):
-        service.append_batch([rec(2, fields={"big": "x" * 70_000})])
-    assert service.flush() == 0
+        append(service, [rec(2, fields={"big": "x" * 70_000})])
+    assert service.flush() == 1
+    assert [line["request_id"] for line in read_lines(service.config.path)] == ["r0"]
 
 
 def test_append_after_close_is_refused_and_line_count_survives_restart(tmp_path: Path) -> None:
     svc = LogsService(config(tmp_path))
-    svc.append_batch([rec(0), rec(1)])
+    append(svc, [rec(0), rec(1)])
     svc.close()
     with pytest.raises(LogsClosedError):
-        svc.append_batch([rec(2)])
+        append(svc, [rec(2)])
     again = LogsService(config(tmp_path))
     try:
-        again.append_batch([rec(2)])
+        append(again, [rec(2)])
         assert again.flush() == 3
     finally:
         again.close()

@@ -64,6 +64,14 @@ def metrics() -> MetricsService:
     return MetricsService(MetricsConfig(), DeviceContext(device=torch.device("cpu")))
 
 
+def record(service: MetricsService, records: list[metrics_pb2.RequestRecord]) -> None:
+    """RecordBatch in-process; a refused record raises ValueError naming its index."""
+    answer = service.RecordBatch(metrics_pb2.RecordBatchRequest(records=records))
+    problems = [f"records[{i}].{status.message}" for i, status in enumerate(answer.results) if status.code]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def rec(**kw: Any) -> metrics_pb2.RequestRecord:
     base: dict[str, Any] = {"layout": "collapsed", "model": "tiny-lm", "tenant": "dev", "status": "OK"}
     base.update(kw)
@@ -71,7 +79,7 @@ def rec(**kw: Any) -> metrics_pb2.RequestRecord:
 
 
 def test_record_counts_requests_by_layout_model_tenant_status(metrics: MetricsService) -> None:
-    metrics.record_batch([rec(latency_s=0.01), rec(latency_s=0.02), rec(status="UNAVAILABLE", latency_s=0.3)])
+    record(metrics, [rec(latency_s=0.01), rec(latency_s=0.02), rec(status="UNAVAILABLE", latency_s=0.3)])
     s = parse_exposition(metrics.render())
     common = {"layout": "collapsed", "model": "tiny-lm", "tenant": "dev", "shadow": "false"}
     assert sample(s, "spine_requests_total", status="OK", **common) == 2
@@ -80,7 +88,7 @@ def test_record_counts_requests_by_layout_model_tenant_status(metrics: MetricsSe
 
 def test_latency_lands_in_cumulative_le_buckets(metrics: MetricsService) -> None:
     # 0.001 sits exactly on a bound: `le` means it counts in that bucket.
-    metrics.record_batch([rec(latency_s=v) for v in (0.00005, 0.001, 0.003, 20.0)])
+    record(metrics, [rec(latency_s=v) for v in (0.00005, 0.001, 0.003, 20.0)])
     s = parse_exposition(metrics.render())
     labels = {"layout": "collapsed", "model": "tiny-lm", "tenant": "dev", "status": "OK"}
 
@@ -121,14 +129,14 @@ def test_batch_update_equals_one_by_one() -> None:
     ]
     batched = MetricsService(MetricsConfig(initial_series=1), DeviceContext(device=torch.device("cpu")))
     single = MetricsService(MetricsConfig(), DeviceContext(device=torch.device("cpu")))
-    batched.record_batch(records)
+    record(batched, records)
     for r in records:
         single.Record(r, context=None)  # type: ignore[arg-type]
     assert batched.render() == single.render()
 
 
 def test_middleware_durations_and_cache_and_tokens_are_counted(metrics: MetricsService) -> None:
-    metrics.record_batch(
+    record(metrics,
         [
             rec(
                 latency_s=0.01,
@@ -154,7 +162,7 @@ def test_middleware_durations_and_cache_and_tokens_are_counted(metrics: MetricsS
 
 
 def test_fail_open_middleware_failures_are_counted_per_middleware(metrics: MetricsService) -> None:
-    metrics.record_batch([rec(failed_middlewares=["auth", "logs"]), rec(failed_middlewares=["logs"])])
+    record(metrics, [rec(failed_middlewares=["auth", "logs"]), rec(failed_middlewares=["logs"])])
     metrics.record_middleware_failure("auth")
     s = parse_exposition(metrics.render())
     assert sample(s, "spine_middleware_failures_total", middleware="auth") == 2
@@ -162,7 +170,7 @@ def test_fail_open_middleware_failures_are_counted_per_middleware(metrics: Metri
 
 
 def test_shadow_records_are_counted_apart_and_kept_out_of_the_main_histogram(metrics: MetricsService) -> None:
-    metrics.record_batch(
+    record(metrics,
         [
             rec(latency_s=0.01, middleware_s={"auth": 0.001}),
             rec(latency_s=5.0, shadow=True, middleware_s={"auth": 1.0}),
@@ -181,7 +189,7 @@ def test_shadow_records_are_counted_apart_and_kept_out_of_the_main_histogram(met
 
 def test_label_values_are_escaped(metrics: MetricsService) -> None:
     tenant = 'ev"il\\ten\nant'
-    metrics.record_batch([rec(tenant=tenant, latency_s=0.1)])
+    record(metrics, [rec(tenant=tenant, latency_s=0.1)])
     text = metrics.render()
     assert 'tenant="ev\\"il\\\\ten\\nant"' in text
     s = parse_exposition(text)
@@ -200,7 +208,7 @@ def test_label_values_are_escaped(metrics: MetricsService) -> None:
 
 
 def test_exposition_has_help_and_type_and_sorted_series(metrics: MetricsService) -> None:
-    metrics.record_batch([rec(tenant=t, latency_s=0.1) for t in ("zeta", "alpha", "mid")])
+    record(metrics, [rec(tenant=t, latency_s=0.1) for t in ("zeta", "alpha", "mid")])
     text = metrics.render()
     parse_exposition(text)
     assert "# HELP spine_requests_total " in text
@@ -211,12 +219,14 @@ def test_exposition_has_help_and_type_and_sorted_series(metrics: MetricsService)
     assert text == metrics.render()
 
 
-def test_invalid_latency_is_refused_and_nothing_of_the_batch_is_counted(metrics: MetricsService) -> None:
+def test_an_invalid_record_is_refused_alone_and_the_rest_of_its_batch_is_counted(metrics: MetricsService) -> None:
     with pytest.raises(ValueError, match=r"records\[1\]\.latency_s"):
-        metrics.record_batch([rec(latency_s=0.1), rec(latency_s=float("nan"))])
+        record(metrics, [rec(latency_s=0.1), rec(latency_s=float("nan"))])
     with pytest.raises(ValueError, match=r"middleware_s\['auth'\]"):
-        metrics.record_batch([rec(middleware_s={"auth": -1.0})])
-    assert "spine_requests_total{" not in metrics.render()
+        record(metrics, [rec(middleware_s={"auth": -1.0})])
+    samples = parse_exposition(metrics.render())
+    assert sample(samples, "spine_requests_total", layout="collapsed", model="tiny-lm", tenant="dev",
+                  status="OK", shadow="false") == 1
 
 
 def test_tables_grow_by_doubling_and_keep_their_counts() -> None:
@@ -258,7 +268,7 @@ def test_config_from_dict_validates_fields() -> None:
 
 
 def test_http_endpoint_serves_the_exposition(metrics: MetricsService) -> None:
-    metrics.record_batch([rec(latency_s=0.2)])
+    record(metrics, [rec(latency_s=0.2)])
     with PrometheusHTTPServer(metrics.render) as server:
         with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=10) as resp:
             assert resp.status == 200

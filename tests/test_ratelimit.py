@@ -22,7 +22,6 @@ from services.ratelimit import (
     RateLimitAsk,
     RateLimitConfig,
     RateLimitService,
-    RateLimitVerdict,
     ask_for,
     descriptors_for,
 )
@@ -443,25 +442,35 @@ def test_the_cpu_fast_paths_and_the_torch_ops_decide_bit_for_bit_alike(batches: 
     assert host.snapshot() == torch_ops.snapshot() == numpy_ops.snapshot()
 
 
+def admit(service: RateLimitService, items: list[pb.AdmitRequest]) -> list[pb.AdmitResult]:
+    return list(service.AdmitBatch(pb.AdmitBatchRequest(items=items)).results)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
-def test_admit_asks_decides_and_charges_exactly_as_admit_batch(scenario: tuple[dict, list]) -> None:
-    """The spine's proto-free path: the same verdicts (as `rate_limit_stop` reads them) and
-    the same bucket levels as the proto path, batch after batch."""
+def test_admit_batch_decides_and_charges_exactly_as_should_rate_limit(scenario: tuple[dict, list]) -> None:
+    """The pipeline's flat ask and the descriptor form: the same verdicts and the same bucket
+    levels, batch after batch (the ask is the gateway's pair of descriptors)."""
     config_dict, steps = scenario
     config = RateLimitConfig.from_dict(config_dict)
     clock = FakeClock()
-    plain = RateLimitService(config, DeviceContext(), clock=clock)
-    protos = RateLimitService(config, DeviceContext(), clock=clock)
+    flat = RateLimitService(config, DeviceContext(), clock=clock)
+    descriptors = RateLimitService(config, DeviceContext(), clock=clock)
     for dt, batch, share in steps:
         clock.now += dt
         if share is not None:
-            plain.set_share(share)
-            protos.set_share(share)
-        requests = [build(*spec) for spec in batch]
-        expected = [RateLimitVerdict.from_proto(r) for r in protos.admit_batch(requests, now=clock.now)]
-        assert plain.admit_asks([RateLimitAsk.from_proto(r) for r in requests], now=clock.now) == expected
-        assert plain.snapshot() == protos.snapshot()
+            flat.set_share(share)
+            descriptors.set_share(share)
+        asks = [(tenant, model, tokens, dry_run) for tenant, model, tokens, dry_run, _ in batch]
+        expected = descriptors.admit_batch([build(*ask, "pair") for ask in asks], now=clock.now)
+        results = admit(flat, [pb.AdmitRequest(tenant=a, model=m, tokens=n, dry_run=d) for a, m, n, d in asks])
+        assert all(result.status.code == 0 for result in results)
+        for result, reference in zip(results, expected, strict=True):
+            assert result.response.admitted == (reference.overall_code == OK)
+            assert [(o.limit_name, o.retry_after_s) for o in result.response.over] == [
+                (s.limit_name, s.retry_after_s) for s in reference.statuses if s.code == OVER]
+            assert result.response.retry_after_s == reference.retry_after_s
+        assert flat.snapshot() == descriptors.snapshot()
 
 
 def test_an_ask_round_trips_through_its_proto_and_the_gateway_sends_the_documented_pair() -> None:
@@ -473,13 +482,23 @@ def test_an_ask_round_trips_through_its_proto_and_the_gateway_sends_the_document
     assert [dict(key)["resource"] for key, _ in ask.descriptors] == ["requests", "tokens"]
 
 
-def test_a_malformed_ask_is_refused_like_the_proto_naming_its_index() -> None:
+def test_a_malformed_item_is_refused_alone_and_the_rest_decided() -> None:
     service = RateLimitService(RateLimitConfig.from_dict({}), DeviceContext())
-    good = ask_for("dev", "tiny-lm", 5)
-    with pytest.raises(InvalidRateLimitRequest, match="hits_addend: at most") as raised:
-        service.admit_asks([good, ask_for("dev", "tiny-lm", MAX_HITS_ADDEND + 1)])
-    assert raised.value.index == 1
-    negative = RateLimitAsk("spine", ((good.descriptors[0][0], -3),))  # would credit the bucket
+    too_big, empty, good = admit(service, [
+        pb.AdmitRequest(tenant="dev", model="tiny-lm", tokens=MAX_HITS_ADDEND + 1),
+        pb.AdmitRequest(tenant="", model="tiny-lm", tokens=1),
+        pb.AdmitRequest(tenant="dev", model="tiny-lm", tokens=5),
+    ])
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert too_big.status.code == invalid and "hits_addend: at most" in too_big.status.message
+    assert empty.status.code == invalid and empty.status.message == "tenant: must not be empty"
+    assert good.status.code == 0 and good.response.admitted
+    assert set(service.snapshot()) == {REQUESTS, TOKENS}  # only the good one was charged
+
+
+def test_a_negative_hits_addend_is_refused_before_any_bucket_changes() -> None:
+    service = RateLimitService(RateLimitConfig.from_dict({}), DeviceContext())
+    negative = RateLimitAsk("spine", ((ask_for("dev", "tiny-lm", 5).descriptors[0][0], -3),))  # would credit it
     with pytest.raises(InvalidRateLimitRequest, match=r"descriptors\[0\]\.hits_addend: must be >= 0, got -3"):
-        service.admit_asks([negative])
-    assert service.snapshot() == {}  # nothing was charged
+        service._decide([negative], None)
+    assert service.snapshot() == {}

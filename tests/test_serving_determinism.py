@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.inference import InferenceService
-from services.registry import SPECS
+from services.registry import DEFAULT
 from spine.runtime.bindings import LocalContext
 from spine.runtime.server import start_server
 from spine.v1 import generation_pb2, inference_pb2_grpc
@@ -68,7 +68,7 @@ def test_deterministic_answers_match_alone_in_a_busy_batch_streamed_and_across_r
 
 def test_the_layered_hop_answers_exactly_what_the_in_process_call_does() -> None:
     service, _ = make_service(deterministic=True)
-    server = start_server([(SPECS["inference"], service)], "127.0.0.1:0")
+    server = start_server([(DEFAULT["inference"], service)], "127.0.0.1:0")
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)

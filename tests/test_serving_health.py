@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.registry import SPECS
+from services.registry import DEFAULT
 from spine.runtime.health import start_deep_health
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.supervisor import Child, Supervisor
@@ -21,7 +21,7 @@ INFERENCE = "spine.v1.Inference"
 @pytest.fixture
 def served() -> Iterator[tuple[RunningServer, object, GatedModel]]:
     service, model = make_service()
-    server = start_server([(SPECS["inference"], service)], "127.0.0.1:0")
+    server = start_server([(DEFAULT["inference"], service)], "127.0.0.1:0")
     try:
         yield server, service, model
     finally:

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from monolith.device import DeviceContext
 from services.common import ConfigError
-from services.registry import SPECS
+from services.registry import DEFAULT
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.bindings import RemoteBinding
 from spine.runtime.config import placements_for
@@ -77,10 +77,10 @@ def test_span_trees_of_the_layered_and_collapsed_layouts_have_the_same_shape(tmp
 def test_trace_context_crosses_a_grpc_hop_into_the_servers_span(tmp_path: Path) -> None:
     exporter = InMemorySpanExporter()
     tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
-    servicer = SPECS["router"].build(config_for_tests(), DeviceContext(), tmp_path)
-    server = start_server([(SPECS["router"], servicer)], f"unix:{tmp_path / 'router.sock'}",
+    servicer = DEFAULT["router"].build(config_for_tests(), DeviceContext(), tmp_path)
+    server = start_server([(DEFAULT["router"], servicer)], f"unix:{tmp_path / 'router.sock'}",
                           interceptors=[tracing.server_interceptor()])
-    binding = RemoteBinding("router", SPECS["router"].descriptor(), SPECS["router"].stub_class(),
+    binding = RemoteBinding("router", DEFAULT["router"].descriptor(), DEFAULT["router"].stub_class(),
                             grpc.insecure_channel(server.address), [tracing.hook("layered")])
     try:
         with tracing.tracer.start_as_current_span("caller"):

@@ -1,19 +1,17 @@
-"""The Gateway: the public API, and the one place where the pipeline's order lives.
+"""The Gateway: the public API in front of the pipeline, the same code in every layout.
 
-The gateway calls each middleware through a client with the stub's call shape. Whether
-that client is a gRPC stub to another process or a direct call into the same process is
-decided by the runtime (the bindings), never here — so both layouts run this exact code
-and decide identically.
+A request becomes a `RequestState`, is admitted by the admission stages (auth, validation,
+router, rate limit, cache probe), answered by the model (or the cache), and handed to the
+completion stages (cache store, logs, metrics) whatever its outcome. How admission and
+completion are scheduled is the runtime's choice, never this module's:
 
-Order: auth → validate → router → ratelimit → cache → inference → cache store, and
-metrics + logs for every request, whatever its outcome. Auth, router, ratelimit and
-inference fail closed (UNAVAILABLE when they cannot answer); cache, metrics and logs fail
-open (the request goes on and the failure is counted).
+- `DirectAdmission` / `DirectCompletions`: the pipeline with a batch of one, in the
+  request's own thread (the layered gateway);
+- the spine's micro-batcher and its deferred writer (`monolith.batched`) decide many
+  requests with the same stages.
 
-In the spine, admission (auth to cache probe) and the final metrics + logs can be handed
-to an `Admission` and a `Completions` object that decide many requests together (see
-`monolith/spine_pipeline.py`); they use the same verdict functions
-(`services.pipeline.verdicts`), so answers, codes and messages do not change.
+Either way the verdicts come from the same stages, so codes, messages and trailers do not
+depend on the layout or the batch size.
 """
 
 from __future__ import annotations
@@ -25,33 +23,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
 
-from services.pipeline.verdicts import (
-    FORWARDED_TRAILERS,
-    MISSING_CREDENTIAL,
-    RequestLimits,
-    Stop,
-    admission_stop,
-    bearer,
-    downstream_stop,
-    rate_limit_cost,
-    rate_limit_request,
-    rate_limit_stop,
-    resolved_request,
-)
-from spine.v1 import (
-    auth_pb2,
-    cache_pb2,
-    gateway_pb2_grpc,
-    generation_pb2,
-    logs_pb2,
-    metrics_pb2,
-    router_pb2,
-)
+from services.pipeline.limits import RequestLimits
+from services.pipeline.runner import Pipeline, code_details
+from services.pipeline.state import RequestState
+from services.pipeline.verdicts import FORWARDED_TRAILERS, Stop, downstream_stop
+from spine.v1 import gateway_pb2_grpc, generation_pb2
 
 log = logging.getLogger("spine.gateway")
 
@@ -60,99 +40,69 @@ REQUEST_ID_HEADER = "x-request-id"
 LAYOUT_HEADER = "x-spine-layout"
 
 
-@dataclass
-class Clients:
-    """One client per component, each with its stub's call shape."""
-
-    auth: Any
-    ratelimit: Any
-    router: Any
-    cache: Any
-    metrics: Any
-    logs: Any
-    inference: Any
-
-
-_Stop = Stop  # raised inside the pipeline, turned into context.abort once
-
-
-@dataclass
-class RequestState:
-    """What the gateway learns about one request as it goes down the pipeline."""
-
-    request_id: str
-    started: float
-    deadline: float
-    shadow: bool
-    metadata: tuple[tuple[str, str], ...]
-    tenant: str = ""
-    model: str = ""
-    status: str = "OK"
-    cached: bool = False
-    completion_tokens: int = 0
-    middleware_s: dict[str, float] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-    cache_key: bytes | None = None  # the spine's batched probe keys a request once; its store reuses it
-
-    def remaining(self) -> float:
-        return max(0.001, self.deadline - time.monotonic())
-
-
-Admitted = tuple[generation_pb2.GenerateRequest, generation_pb2.GenerateResponse | None]
-
-
 class Admission(Protocol):
-    """Decides auth → validation → router → ratelimit → cache probe for a request.
+    """Runs the admission stages for a request; raises its `Stop` when one stops it."""
 
-    Returns the resolved request and a cache hit (or None), or raises `Stop`; fills in the
-    state's tenant, model, cache flag and middleware times as the gateway would.
-    """
-
-    def admit(self, request: generation_pb2.GenerateRequest, state: RequestState) -> Admitted: ...
+    def admit(self, state: RequestState) -> None: ...
 
 
 class Completions(Protocol):
-    """Takes a finished request's metrics record and log line before its answer goes out;
-    they are counted before anyone reads the metrics or logs, and before shutdown ends."""
+    """Runs (or takes, to run soon) the completion stages for a finished request."""
 
-    def complete(self, state: RequestState, record: metrics_pb2.RequestRecord,
-                 line: logs_pb2.LogRecord) -> None: ...
+    def complete(self, state: RequestState) -> None: ...
 
-    def store(self, state: RequestState, request: generation_pb2.GenerateRequest,
-              response: generation_pb2.GenerateResponse) -> bool:
-        """Take a response for the cache (True), or leave it to the gateway (False)."""
-        ...
+
+class DirectAdmission:
+    """The pipeline with a batch of one, in the request's thread."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def admit(self, state: RequestState) -> None:
+        self.pipeline.admit([state])
+        if state.outcome is not None:
+            raise state.outcome
+
+
+class DirectCompletions:
+    """Every completion stage with a batch of one, before the answer leaves."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def complete(self, state: RequestState) -> None:
+        self.pipeline.complete([state])
 
 
 class Gateway(gateway_pb2_grpc.GatewayServicer):
-    """Serves `spine.v1.Gateway` by calling the middlewares in order."""
+    """Serves `spine.v1.Gateway` through the pipeline."""
 
-    def __init__(self, clients: Clients, limits: RequestLimits, layout: str) -> None:
-        self.clients = clients
+    def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str) -> None:
+        self.pipeline = pipeline
         self.limits = limits
         self.layout = layout
         self.fail_open_failures: Counter[str] = Counter()
         self._lock = threading.Lock()
-        # The spine's batched stages; None: each middleware is called through its client.
-        self.admission: Admission | None = None
-        self.completions: Completions | None = None
+        self.admission: Admission = DirectAdmission(pipeline)
+        self.completions: Completions = DirectCompletions(pipeline)
         self.in_flight = 0  # requests begun and not finished: how many more a batch may expect
+        pipeline.on_fail_open = self.count_fail_open
 
     # -- public API ---------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        state = self._begin(context)
+        state = self._begin(request, context)
         try:
-            resolved, cached = self._admit(request, state, context)
-            if cached is not None:
-                return cached
+            self.admission.admit(state)
+            if state.hit is not None:
+                return state.hit
+            assert state.resolved is not None
             trailers: list[tuple[str, str]] = []
-            response = self._timed(state, "inference", self.clients.inference.Generate, resolved,
-                                   fail_closed=True, parent=context, trailing_out=trailers)
+            response = self._model_call(state, "Generate", context, trailing_out=trailers)
             state.completion_tokens = response.completion_tokens
-            self._store(state, resolved, response)
+            state.response = response
             context.set_trailing_metadata(self._trailing(state) + _forwarded(trailers))
             return response
-        except _Stop as stop:
+        except Stop as stop:
             self._abort(state, context, stop)
             raise AssertionError("unreachable") from None
         except Exception:
@@ -164,19 +114,21 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
-        state = self._begin(context)
+        state = self._begin(request, context)
         try:
-            resolved, cached = self._admit(request, state, context)
-            if cached is not None:
-                yield generation_pb2.GenerateChunk(text=cached.text, token_ids=cached.token_ids, index=0,
-                                                   finish_reason=cached.finish_reason, cached=True,
-                                                   model=cached.model)
+            self.admission.admit(state)
+            hit = state.hit
+            if hit is not None:
+                yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
+                                                   finish_reason=hit.finish_reason, cached=True, model=hit.model)
                 return
+            resolved = state.resolved
+            assert resolved is not None
             tokens: list[int] = []
             texts: list[str] = []
             finish = ""
             started = time.perf_counter()
-            stream = self._call_stream(state, resolved, context)
+            stream = self._model_call(state, "GenerateStream", context)
             try:
                 for chunk in stream:
                     tokens.extend(chunk.token_ids)
@@ -184,17 +136,15 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     finish = chunk.finish_reason or finish
                     yield chunk
             except grpc.RpcError as error:
-                raise self._downstream_error("inference", error, fail_closed=True) from None
+                raise self._model_stop(error) from None
             finally:
-                state.middleware_s["inference"] = state.middleware_s.get("inference", 0.0) + (
-                    time.perf_counter() - started)
+                state.add_time(self.pipeline.model.component, time.perf_counter() - started)
             state.completion_tokens = len(tokens)
             context.set_trailing_metadata(self._trailing(state) + _forwarded(stream.trailing_metadata() or ()))
-            whole = generation_pb2.GenerateResponse(
+            state.response = generation_pb2.GenerateResponse(
                 text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
                 prompt_tokens=len(resolved.prompt.encode()), completion_tokens=len(tokens))
-            self._store(state, resolved, whole)
-        except _Stop as stop:
+        except Stop as stop:
             self._abort(state, context, stop)
         except GeneratorExit:
             state.status = "CANCELLED"
@@ -206,149 +156,67 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         finally:
             self._finish(state)
 
-    # -- the pipeline -------------------------------------------------------------
-    def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
-        """End the call with the pipeline's verdict; its trailers name layout and request id."""
-        state.status = stop.code.name
-        context.set_trailing_metadata(self._trailing(state) + stop.trailing)
-        context.abort(stop.code, stop.details)
-
-    def _begin(self, context: Any) -> RequestState:
+    # -- the request's life -----------------------------------------------------------
+    def _begin(self, request: generation_pb2.GenerateRequest, context: Any) -> RequestState:
         metadata = tuple(context.invocation_metadata() or ())
         md = dict(metadata)
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e6:
             remaining = self.limits.default_deadline_s
         state = RequestState(
+            request=request,
             request_id=_safe_request_id(md.get(REQUEST_ID_HEADER)),
+            layout=self.layout,
             started=time.perf_counter(),
             deadline=time.monotonic() + remaining,
             shadow=md.get(SHADOW_HEADER, "") in ("1", "true"),
             metadata=metadata,
+            model=request.model,
         )
         context.set_trailing_metadata(self._trailing(state))
         with self._lock:
             self.in_flight += 1
         return state
 
-    def _admit(self, request: generation_pb2.GenerateRequest, state: RequestState,
-               context: Any) -> Admitted:
-        """Auth, validation, routing, rate limit and cache probe; the resolved request and a cache hit."""
-        state.model = request.model
-        admission = self.admission
-        if admission is not None:
-            return admission.admit(request, state)
-        principal = self._authenticate(state)
-        state.tenant = principal.tenant
-        stop = admission_stop(request, principal, self.limits)
-        if stop is not None:
-            raise stop
-        route = self._timed(state, "router", self.clients.router.Resolve,
-                            router_pb2.ResolveRequest(model=request.model), fail_closed=True)
-        state.model = route.model_id
-        resolved = resolved_request(request, route.model_id)
-        self._rate_limit(state, resolved)
-        hit = self._lookup(state, resolved)
-        return resolved, hit
+    def _model_call(self, state: RequestState, method: str, context: Any, **extra: Any) -> Any:
+        """The model, through its binding (the engine batches decode steps itself)."""
+        stage = self.pipeline.model
+        client = self.pipeline.clients[stage.component]
+        started = time.perf_counter()
+        try:
+            return getattr(client, method)(state.resolved, timeout=state.remaining(),
+                                           metadata=((REQUEST_ID_HEADER, state.request_id),),
+                                           parent=context, **extra)
+        except grpc.RpcError as error:
+            raise self._model_stop(error) from None
+        finally:
+            if method == "Generate":
+                state.add_time(stage.component, time.perf_counter() - started)
 
-    def _authenticate(self, state: RequestState) -> auth_pb2.Principal:
-        credential = bearer(state.metadata)
-        if credential is None:
-            raise Stop(grpc.StatusCode.UNAUTHENTICATED, MISSING_CREDENTIAL)
-        reply = self._timed(state, "auth", self.clients.auth.Check,
-                            auth_pb2.CheckRequest(credential=credential), fail_closed=True)
-        return reply.principal
+    def _model_stop(self, error: grpc.RpcError) -> Stop:
+        code, details, trailing = code_details(error)
+        return downstream_stop(self.pipeline.model.component, code, details, trailing)
 
-    def _rate_limit(self, state: RequestState, request: generation_pb2.GenerateRequest) -> None:
-        reply = self._timed(state, "ratelimit", self.clients.ratelimit.ShouldRateLimit,
-                            rate_limit_request(state.tenant, request, state.shadow), fail_closed=True)
-        stop = rate_limit_stop(reply, rate_limit_cost(request))
-        if stop is not None:
-            raise stop
-
-    def _lookup(self, state: RequestState,
-                request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse | None:
-        reply = self._timed(state, "cache", self.clients.cache.Lookup,
-                            cache_pb2.CacheLookupRequest(tenant=state.tenant, request=request), fail_closed=False)
-        if reply is None or not reply.hit:
-            return None
-        state.cached = True
-        state.completion_tokens = reply.response.completion_tokens
-        return reply.response
-
-    def _store(self, state: RequestState, request: generation_pb2.GenerateRequest,
-               response: generation_pb2.GenerateResponse) -> None:
-        if state.shadow:
-            return  # shadow traffic never writes to the real cache
-        completions = self.completions
-        if completions is not None and completions.store(state, request, response):
-            return  # the spine stores it off the request path, before any later lookup
-        self._timed(state, "cache", self.clients.cache.Store,
-                    cache_pb2.CacheStoreRequest(tenant=state.tenant, request=request, response=response),
-                    fail_closed=False)
+    def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
+        """End the call with the pipeline's verdict; its trailers name layout and request id."""
+        state.status = stop.code.name
+        context.set_trailing_metadata(self._trailing(state) + stop.trailing)
+        context.abort(stop.code, stop.details)
 
     def _finish(self, state: RequestState) -> None:
-        """Metrics and logs for every request, whatever its outcome (both fail open)."""
+        """The completion stages for every request, whatever its outcome (all fail open)."""
         with self._lock:
             self.in_flight -= 1
-        latency = time.perf_counter() - state.started
-        record = metrics_pb2.RequestRecord(
-            layout=self.layout, model=state.model, tenant=state.tenant, status=state.status, latency_s=latency,
-            middleware_s=state.middleware_s, cached=state.cached, shadow=state.shadow,
-            completion_tokens=state.completion_tokens)
-        if state.failures:
-            record.failed_middlewares.extend(state.failures)
-        line = logs_pb2.LogRecord(
-            request_id=state.request_id, tenant=state.tenant, model=state.model, status=state.status,
-            latency_ms=latency * 1000.0, layout=self.layout, cached=state.cached, shadow=state.shadow)
-        completions = self.completions
-        if completions is not None:
-            completions.complete(state, record, line)
-            return
-        self._timed(state, "metrics", self.clients.metrics.Record, record, fail_closed=False, final=True)
-        self._timed(state, "logs", self.clients.logs.Append, line, fail_closed=False, final=True)
+        state.latency_s = time.perf_counter() - state.started
+        if state.status != "OK":
+            state.response = None  # only a good answer is worth keeping
+        self.completions.complete(state)
 
     def count_fail_open(self, name: str, reason: str, request_id: str) -> None:
-        """Count a fail-open middleware's failure (also for failures in a batched stage)."""
+        """Count a fail-open middleware's failure; the request goes on."""
         with self._lock:
             self.fail_open_failures[name] += 1
         log.warning("fail-open middleware %s failed (%s); request %s goes on", name, reason, request_id)
-
-    # -- calling the middlewares ----------------------------------------------------
-    def _timed(self, state: RequestState, name: str, method: Any, message: Any, *, fail_closed: bool,
-               parent: Any = None, final: bool = False, **extra: Any) -> Any:
-        started = time.perf_counter()
-        timeout = 1.0 if final else state.remaining()  # metrics/logs must not hang a finished request
-        try:
-            return method(message, timeout=timeout, metadata=((REQUEST_ID_HEADER, state.request_id),),
-                          parent=parent, **extra)
-        except grpc.RpcError as error:
-            if fail_closed:
-                raise self._downstream_error(name, error, fail_closed=True) from None
-            self._count_failure(state, name, error)
-            return None
-        finally:
-            state.middleware_s[name] = state.middleware_s.get(name, 0.0) + (time.perf_counter() - started)
-
-    def _call_stream(self, state: RequestState, request: generation_pb2.GenerateRequest, context: Any) -> Any:
-        try:
-            return self.clients.inference.GenerateStream(
-                request, timeout=state.remaining(), metadata=((REQUEST_ID_HEADER, state.request_id),),
-                parent=context)
-        except grpc.RpcError as error:
-            raise self._downstream_error("inference", error, fail_closed=True) from None
-
-    def _downstream_error(self, name: str, rpc_error: grpc.RpcError, *, fail_closed: bool) -> Stop:
-        error: Any = rpc_error  # a grpc.Call as well, for remote and local bindings alike
-        code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
-        details = str(error.details() if callable(getattr(error, "details", None)) else error)
-        trailing = tuple(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else ()
-        return downstream_stop(name, code, details, trailing)
-
-    def _count_failure(self, state: RequestState, name: str, error: grpc.RpcError) -> None:
-        state.failures.append(name)
-        code = error.code() if callable(getattr(error, "code", None)) else None
-        self.count_fail_open(name, str(getattr(code, "name", code)), state.request_id)
 
     def _trailing(self, state: RequestState) -> tuple[tuple[str, str], ...]:
         return ((LAYOUT_HEADER, self.layout), (REQUEST_ID_HEADER, state.request_id))

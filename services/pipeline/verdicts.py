@@ -1,51 +1,23 @@
-"""The front's checks and verdicts: the same codes and messages in every layout.
+"""The pipeline's verdicts: every status code a client can get, decided in one place.
 
-The per-request `Gateway` and the spine's batched pipeline both decide with these
-functions, so a request gets the same status, message and trailers whether it was
-decided alone (through the bindings) or in a micro-batch (through the services' batch
-APIs). Parity between layouts depends on there being exactly one copy of each.
+Each stage turns what its component answered into a `Stop` (or nothing) with these
+functions, whatever the batch size and wherever the component runs, so a request gets the
+same status, message and trailers in every layout. Parity between layouts depends on
+there being exactly one copy of each.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import grpc
 
-from services.common import ConfigError, number, section
-from services.ratelimit import RateLimitAsk, RateLimitVerdict, ask_for
+from services.pipeline.limits import RequestLimits
 from spine.v1 import auth_pb2, generation_pb2, ratelimit_pb2
 
 PRIORITIES = (-1, 0, 1)
 MISSING_CREDENTIAL = "missing credential: send 'authorization: Bearer <api key or JWT>' metadata"
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_prompt_chars: int = 2048
-    max_tokens: int = 256
-    max_temperature: float = 2.0
-    max_message_bytes: int = 1 << 20
-    default_deadline_s: float = 30.0
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> RequestLimits:
-        cfg = section(config, "limits")
-        unknown = sorted(set(cfg) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"limits: unknown key(s) {unknown}")
-        return cls(
-            max_prompt_chars=int(number(cfg, "max_prompt_chars", cls.max_prompt_chars, where="limits", minimum=1)),
-            max_tokens=int(number(cfg, "max_tokens", cls.max_tokens, where="limits", minimum=1)),
-            max_temperature=number(cfg, "max_temperature", cls.max_temperature, where="limits"),
-            max_message_bytes=int(number(cfg, "max_message_bytes", cls.max_message_bytes, where="limits",
-                                         minimum=1024)),
-            default_deadline_s=number(cfg, "default_deadline_s", cls.default_deadline_s, where="limits",
-                                      minimum=0.001),
-        )
 
 
 class Stop(Exception):
@@ -115,24 +87,12 @@ def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
     return len(request.prompt.encode()) + request.max_tokens
 
 
-def rate_limit_ask(tenant: str, request: generation_pb2.GenerateRequest, shadow: bool) -> RateLimitAsk:
-    """What the rate limiter is asked for a request (the spine hands it over as is)."""
-    return ask_for(tenant, request.model, rate_limit_cost(request), dry_run=shadow)
-
-
-def rate_limit_request(tenant: str, request: generation_pb2.GenerateRequest,
-                       shadow: bool) -> ratelimit_pb2.RateLimitRequest:
-    """`rate_limit_ask` as the proto a binding sends."""
-    return rate_limit_ask(tenant, request, shadow).to_proto()
-
-
-def rate_limit_stop(reply: ratelimit_pb2.RateLimitResponse | RateLimitVerdict, cost: int) -> Stop | None:
+def rate_limit_stop(verdict: ratelimit_pb2.AdmitResponse, cost: int) -> Stop | None:
     """None when admitted; else the refusal (never-fits is bad input, over the limit is retryable)."""
-    verdict = reply if isinstance(reply, RateLimitVerdict) else RateLimitVerdict.from_proto(reply)
     if verdict.admitted:
         return None
-    names = ", ".join(name for name, _ in verdict.over) or "rate limit"
-    if any(retry < 0 for _, retry in verdict.over):
+    names = ", ".join(over.limit_name for over in verdict.over) or "rate limit"
+    if any(over.retry_after_s < 0 for over in verdict.over):
         return Stop(grpc.StatusCode.INVALID_ARGUMENT,
                     f"request costs {cost} tokens, more than the bucket can ever hold ({names}); "
                     "lower max_tokens or shorten the prompt")

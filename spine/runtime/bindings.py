@@ -181,7 +181,11 @@ def _status_of(error: BaseException) -> grpc.StatusCode:
 
 
 class _Binding:
-    """What both bindings share: the method table and the hooks."""
+    """What both bindings share: the method table and the hooks.
+
+    Each rpc is an attribute with the stub's call shape that runs the hooks around the
+    call. `invoke` makes the same call without them: the pipeline runs the hooks itself,
+    once per request, around a batch call that serves many requests."""
 
     placement = "?"
 
@@ -189,11 +193,22 @@ class _Binding:
         self.component = component
         self.service = service
         self.hooks = list(hooks)
+        self._plain: dict[str, Callable[..., Any]] = {}
         for method in service.methods:
             setattr(self, method.name, self._make_method(method))
+            if not method.server_streaming:
+                self._plain[method.name] = self._make_plain(method)
 
     def _make_method(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
         raise NotImplementedError
+
+    def _make_plain(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def invoke(self, method: str, request: Any, *, timeout: float | None = None,
+               metadata: Metadata | None = None) -> Any:
+        """A unary call without the hooks; raises `grpc.RpcError` as the wire would."""
+        return self._plain[method](request, timeout, metadata)
 
     def _begin(self, method: str, metadata: Metadata | None) -> tuple[list[Any], list[tuple[str, str]]]:
         md = list(metadata or ())
@@ -238,30 +253,44 @@ class LocalBinding(_Binding):
                        parent: Any | None = None, trailing_out: list[tuple[str, str]] | None = None,
                        **_: Any) -> Any:
             tokens, md = self._begin(name, metadata)
-            context = _context(md, timeout, parent)
             code = grpc.StatusCode.OK
             try:
-                context.check_live()
-                try:
-                    response = handler(request, context)
-                except grpc.RpcError:
-                    raise
-                except Exception as error:  # what grpc does with an exception in a handler
-                    raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
-                failure = context.result_error()
-                if failure is not None:
-                    raise failure
-                context.check_live()  # the caller would have given up by now
-                if trailing_out is not None:
-                    trailing_out.extend(context.trailing_metadata())
-                return response
+                return _call_local(handler, request, _context(md, timeout, parent), trailing_out)
             except grpc.RpcError as error:
                 code = _status_of(error)
                 raise
             finally:
-                context._finish()
                 self._end(tokens, code)
         return call_unary
+
+    def _make_plain(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
+        handler = getattr(self.servicer, method.name)
+
+        def call(request: Any, timeout: float | None, metadata: Metadata | None) -> Any:
+            return _call_local(handler, request, _context(metadata or (), timeout, None), None)
+        return call
+
+
+def _call_local(handler: Callable[[Any, Any], Any], request: Any, context: LocalContext,
+                trailing_out: list[tuple[str, str]] | None) -> Any:
+    """One unary handler call with the wire's rules: status codes, deadline, cancellation."""
+    try:
+        context.check_live()
+        try:
+            response = handler(request, context)
+        except grpc.RpcError:
+            raise
+        except Exception as error:  # what grpc does with an exception in a handler
+            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
+        failure = context.result_error()
+        if failure is not None:
+            raise failure
+        context.check_live()  # the caller would have given up by now
+        if trailing_out is not None:
+            trailing_out.extend(context.trailing_metadata())
+        return response
+    finally:
+        context._finish()
 
 
 def _context(metadata: Metadata, timeout: float | None, parent: Any | None) -> LocalContext:
@@ -375,6 +404,13 @@ class RemoteBinding(_Binding):
             finally:
                 self._end(tokens, code)
         return call_unary
+
+    def _make_plain(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
+        multicallable = getattr(self.stub, method.name)
+
+        def call(request: Any, timeout: float | None, metadata: Metadata | None) -> Any:
+            return multicallable(request, timeout=timeout, metadata=metadata or None)
+        return call
 
     def close(self) -> None:
         self.channel.close()

@@ -100,7 +100,7 @@ def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:
 
 def layout_name(placements: Mapping[str, str]) -> str:
     """'layered', 'collapsed' or 'mixed' for a placement map (the x-spine-layout label)."""
-    values = {placements[name] for name in COMPONENTS}
+    values = set(placements.values())
     if values == {"remote"}:
         return "layered"
     if values == {"local"}:

@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-from services.registry import COMPONENTS, SPECS, close_servicer
+from services.registry import COMPONENTS, DEFAULT, close_servicer
 
 PR_SET_PDEATHSIG = 1
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     install_from_config(config, service_name=args.component)  # continue traces from the gateway
     run_dir = Path(args.run_dir)
-    spec = SPECS[args.component]
+    spec = DEFAULT[args.component]
     servicer = spec.build(config, DeviceContext(), run_dir)
     limits = config.get("limits", {})
     server = start_server([(spec, servicer)], args.listen,

@@ -22,11 +22,12 @@ from typing import Any
 import grpc
 import yaml
 
-from monolith.batched import BatchedAdmission, BatchedCompletions, BatchingConfig
+from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
-from services.pipeline.gateway import Clients, Gateway
-from services.pipeline.verdicts import RequestLimits
-from services.registry import COMPONENTS, GATEWAY, SPECS, close_servicer
+from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
+from services.pipeline.limits import RequestLimits
+from services.pipeline.runner import Pipeline
+from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import layout_name
 from spine.runtime.server import RunningServer, start_server
@@ -62,16 +63,18 @@ class Stack:
     # Components already served elsewhere (e.g. the layered stack's children, which a spine
     # in mid-migration shares): bound remotely to these addresses instead of spawned.
     remote_addresses: Mapping[str, str] = field(default_factory=dict)
+    registry: Registry = DEFAULT
     device: DeviceContext = field(default_factory=DeviceContext)
     supervisor: Supervisor | None = None
     server: RunningServer | None = None
     gateway: Gateway | None = None
+    pipeline: Pipeline | None = None
     local_servicers: dict[str, Any] = field(default_factory=dict)
     bindings: dict[str, Any] = field(default_factory=dict)
     metrics_endpoint: Any = None
     deep_health: Any = None
     admission: BatchedAdmission | None = None
-    completions: BatchedCompletions | None = None
+    completions: DeferredCompletions | None = None
     _retired: list[Any] = field(default_factory=list)
     _tmp: Any = None
     _batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -101,16 +104,17 @@ class Stack:
         if tracing is not None:  # spans with the same names in every layout
             self.hooks = [*self.hooks, tracing.hook(self.layout)]
         try:
-            remote = [name for name in COMPONENTS
+            remote = [name for name in self.registry.names
                       if self.placements[name] == "remote" and name not in self.remote_addresses]
             if remote:
                 self.supervisor = Supervisor(self.run_dir)
                 for name in remote:
                     self.supervisor.add_component(name, config_path)
                 self.supervisor.start()
-            for name in COMPONENTS:
+            for name in self.registry.names:
                 self.bindings[name] = self._bind(name, limits.max_message_bytes)
-            self.gateway = Gateway(Clients(**self.bindings), limits, self.layout)
+            self.pipeline = Pipeline(self.registry.stages(limits), self.bindings, hooks=self.hooks)
+            self.gateway = Gateway(self.pipeline, limits, self.layout)
             self._attach_batching()
             if "metrics" in self.local_servicers:
                 from spine.runtime.metrics_endpoint import start_metrics_endpoint
@@ -136,7 +140,7 @@ class Stack:
         return self.server.address
 
     def _bind(self, name: str, max_message_bytes: int, placement: str | None = None) -> Any:
-        spec = SPECS[name]
+        spec = self.registry[name]
         if (placement or self.placements[name]) == "local":
             assert self.run_dir is not None
             servicer = self.local_servicers.get(name)
@@ -155,56 +159,69 @@ class Stack:
     def set_placements(self, placements: Mapping[str, str]) -> None:
         """Move components between local and remote without a restart.
 
-        Each swap is one attribute assignment on the gateway's clients: a request already
-        past that middleware is unaffected; the next one uses the new binding. A component
-        moved back to remote keeps its local servicer (and state) for the next move.
+        Each swap is one assignment in the pipeline's table of clients: a request already
+        past that stage is unaffected; the next one uses the new binding. A component moved
+        back to remote keeps its local servicer (and state) for the next move. Answers
+        handed over to the old placement are written there first.
         """
         assert self.gateway is not None, "stack not started"
         limits = RequestLimits.from_config(self.config)
         merged = {**self.placements, **placements}
-        for name in COMPONENTS:
+        if self.completions is not None and merged != dict(self.placements):
+            self.completions.drain()
+        for name in self.registry.names:
             if merged[name] == self.placements[name]:
                 continue
             old = self.bindings[name]
             self.bindings[name] = self._bind(name, limits.max_message_bytes, merged[name])
-            setattr(self.gateway.clients, name, self.bindings[name])
             self._retired.append(old)  # closed at stop(): in-flight calls on it finish first
         self.placements = merged
         self.gateway.layout = self.layout
         self._attach_batching()
 
     def _attach_batching(self) -> None:
-        """Batch the stages whose components are all local now; the others go per request."""
-        gateway = self.gateway
-        assert gateway is not None
-        local = {name for name, placement in self.placements.items() if placement == "local"}
-        enabled = self._batching.enabled
-        if enabled and {"auth", "router", "ratelimit", "cache"} <= local:
+        """Batch the stages whose components are local now (or all, with batching.remote);
+        the others go per request."""
+        gateway, pipeline = self.gateway, self.pipeline
+        assert gateway is not None and pipeline is not None
+        batching = self._batching
+        batched_admission = all(batching.batches(self.placements[stage.component])
+                                for stage in pipeline.admission if stage.component)
+        if batched_admission:
             if self.admission is None:
-                servicers = self.local_servicers
-                self.admission = BatchedAdmission(
-                    servicers["auth"], servicers["router"], servicers["ratelimit"], servicers["cache"],
-                    gateway.limits, self._batching, expected=lambda: gateway.in_flight,
-                    fail_open=gateway.count_fail_open, hooks=self.hooks)
-        elif self.admission is not None:
-            self.admission.close()  # requests already inside finish there
-            self.admission = None
-        gateway.admission = self.admission
-        cache = self.local_servicers.get("cache") if "cache" in local else None
-        if self.completions is not None and self.completions.cache is not cache:
-            self.completions.close()  # the cache moved: responses go where lookups now look
-            self.completions = None
-        if enabled and {"metrics", "logs"} <= local:
-            if self.completions is None:
-                self.completions = BatchedCompletions(
-                    self.local_servicers["metrics"], self.local_servicers["logs"], cache=cache,
-                    interval_s=self._batching.completion_interval_ms / 1000.0,
-                    busy=lambda: gateway.in_flight > 0,
-                    fail_open=gateway.count_fail_open, hooks=self.hooks)
-        elif self.completions is not None:
-            self.completions.close()
-            self.completions = None
-        gateway.completions = self.completions
+                self.admission = BatchedAdmission(pipeline, batching, expected=lambda: gateway.in_flight)
+            gateway.admission = self.admission
+        else:
+            if self.admission is not None:
+                self.admission.close()  # requests already inside finish there
+                self.admission = None
+            gateway.admission = DirectAdmission(pipeline)
+        deferred = frozenset(stage.name for stage in pipeline.completion
+                             if batching.batches(self.placements[stage.component]))
+        if self.completions is not None and {s.name for s in self.completions.deferred} != deferred:
+            self._close_completions()  # what it holds is written where it was meant to go
+        if deferred and self.completions is None:
+            self.completions = DeferredCompletions(
+                pipeline, deferred, interval_s=batching.completion_interval_ms / 1000.0,
+                busy=lambda: gateway.in_flight > 0)
+            metrics = self.local_servicers.get("metrics")
+            if metrics is not None:  # a scrape counts what was handed over first
+                metrics.read_hooks.add(self.completions.drain)
+        gateway.completions = self.completions if self.completions is not None else DirectCompletions(pipeline)
+
+    def _close_completions(self) -> None:
+        if self.completions is None:
+            return
+        self.completions.close()
+        metrics = self.local_servicers.get("metrics")
+        if metrics is not None:
+            metrics.read_hooks.remove(self.completions.drain)
+        self.completions = None
+
+    def drain(self) -> None:
+        """Write what finished requests handed over (before reading metrics, logs or the cache)."""
+        if self.completions is not None:
+            self.completions.drain()
 
     def metrics_address(self) -> str | None:
         """Where the Prometheus text is served (by this process or the metrics child)."""
@@ -221,10 +238,10 @@ class Stack:
         if self.server is not None:
             self.server.stop(grace)
             self.server = None
-        for stage in (self.admission, self.completions):
-            if stage is not None:
-                stage.close()
-        self.admission = self.completions = None
+        if self.admission is not None:
+            self.admission.close()
+            self.admission = None
+        self._close_completions()
         self._write_final_metrics()
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.stop()

@@ -1,0 +1,239 @@
+"""The pipeline: runs the stages over a batch of requests, the same way in every layout.
+
+What a stage does not decide, the runner does once for all of them:
+- which requests a stage sees (still open, not past their deadline);
+- the hooks around each request's part (a span per request, an injected fault), with the
+  request's own trace context, whichever thread decides the batch;
+- the call: the component's batch rpc through its binding (a direct call in the spine, a
+  gRPC call in the layered stack), with the stage's budget as its timeout;
+- a failed call: fail-closed stages stop each request of the batch (`downstream_stop`:
+  UNAVAILABLE, or the component's own code where it reaches the client as is), fail-open
+  stages let each one go on and count the failure;
+- the time each request spent in each component (`middleware_s`).
+
+The per-request path is `admit([state])`; the spine's micro-batcher calls `admit(batch)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from services.pipeline.stage import Phase, Stage
+from services.pipeline.state import Metadata, RequestState
+from services.pipeline.verdicts import Stop, downstream_stop
+
+log = logging.getLogger("spine.pipeline")
+
+FailOpen = Callable[[str, str, str], None]  # (component, reason, request id)
+Barrier = Callable[[list[RequestState]], None]
+
+
+class Hook(Protocol):
+    """Runs around each request's part of every stage that calls a component (spans, faults).
+
+    `begin` may add metadata (trace context) to the list it is given and may raise a
+    `grpc.RpcError` to fail the call before it is made (fault injection)."""
+
+    def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> Any: ...
+
+    def end(self, token: Any, code: grpc.StatusCode) -> None: ...
+
+
+def _ignore(component: str, reason: str, request_id: str) -> None:
+    """A fail-open failure nobody asked to count."""
+
+
+def code_details(error: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """Code, details and trailers of an RpcError (a real call's, or the in-process twin)."""
+    call: Any = error
+    code = call.code() if callable(getattr(call, "code", None)) else grpc.StatusCode.UNKNOWN
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    details = str(call.details() if callable(getattr(call, "details", None)) else error)
+    trailing = call.trailing_metadata() if callable(getattr(call, "trailing_metadata", None)) else ()
+    return code, details, tuple(trailing or ())
+
+
+class Pipeline:
+    """The ordered stages and the clients (bindings) they call, by component name."""
+
+    def __init__(self, stages: Iterable[Stage], clients: MutableMapping[str, Any], *,
+                 hooks: Sequence[Hook] = (), on_fail_open: FailOpen | None = None) -> None:
+        ordered = sorted(stages, key=lambda stage: stage.order)
+        self.admission = [stage for stage in ordered if stage.phase == Phase.ADMIT]
+        self.completion = [stage for stage in ordered if stage.phase == Phase.COMPLETE]
+        self.model = next(stage for stage in ordered if stage.phase == Phase.MODEL)
+        self.clients = clients  # swapped by the runtime when a component moves
+        self.hooks = list(hooks)
+        self.on_fail_open = on_fail_open or _ignore
+        # Run before a stage decides a batch: e.g. answers handed over for the cache and not
+        # yet stored go in before a lookup of the same request (see monolith.batched).
+        self.barriers: dict[str, Barrier] = {}
+
+    @property
+    def stages(self) -> list[Stage]:
+        return [*self.admission, self.model, *self.completion]
+
+    def capture(self) -> Metadata:
+        """The calling thread's context that the hooks carry (trace), for work done elsewhere."""
+        captured: list[tuple[str, str]] = []
+        for hook in self.hooks:
+            capture = getattr(hook, "capture", None)
+            if capture is not None:
+                captured.extend(capture())
+        return tuple(captured)
+
+    # -- running stages --------------------------------------------------------------------
+    def admit(self, batch: list[RequestState]) -> None:
+        """Every admission stage in order; a request a stage stops has its `outcome` set."""
+        for stage in self.admission:
+            self.run(stage, batch)
+
+    def complete(self, batch: list[RequestState], stages: Sequence[Stage] | None = None, *,
+                 hooks: bool = True, timed: bool = True) -> None:
+        """The completion stages (or some of them) for finished requests; they fail open."""
+        for stage in self.completion if stages is None else stages:
+            self.run(stage, batch, hooks=hooks, timed=timed)
+
+    def run(self, stage: Stage, batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
+        final = stage.phase == Phase.COMPLETE  # after the answer: the budget alone bounds it
+        states = self._entering(stage, batch, final)
+        if not states:
+            return
+        begun = self._begin(stage, states) if hooks and self.hooks and stage.component else None
+        if begun is not None:
+            states = [state for state in states if state in begun]
+        call = _Call(self, stage, states, begun, final)
+        started = time.perf_counter()
+        try:
+            if states:
+                barrier = self.barriers.get(stage.name)
+                if barrier is not None:
+                    barrier(states)
+                stage.decide(states, call)
+        except grpc.RpcError as error:  # the whole call failed: every request of the batch
+            code, details, trailing = code_details(error)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and call.bounded_by_budget:
+                code = grpc.StatusCode.UNAVAILABLE  # the component is slow, not the client impatient
+                details = f"no answer within its {stage.budget_s * 1000:g} ms budget"
+                trailing = ()
+            for state in states:
+                call.fail(state, code, details, trailing)
+        except Exception as error:  # a broken stage or peer: what gRPC makes of a handler's bug
+            log.warning("stage %s failed for %d request(s): %r", stage.name, len(states), error)
+            for state in states:
+                call.fail(state, grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}")
+        finally:
+            spent = time.perf_counter() - started
+            if timed and stage.component:
+                for state in states:
+                    state.add_time(stage.component, spent)
+            if begun:
+                for state in states:
+                    self._end(begun[state], call.code_for(state))
+
+    def mark(self, stage: Stage, state: RequestState) -> None:
+        """Run the hooks of a stage whose write happens later, off the request path, in the
+        request's own thread: its span sits under the request, and an injected fault skips
+        the write (counted) just as it would fail the call itself."""
+        if not self.hooks or not stage.component:
+            return
+        begun = self._begin(stage, [state])
+        if state in begun:
+            self._end(begun[state], grpc.StatusCode.OK)
+        else:
+            state.skip = state.skip | {stage.name}
+
+    def _entering(self, stage: Stage, batch: list[RequestState], final: bool) -> list[RequestState]:
+        now = time.monotonic()
+        states: list[RequestState] = []
+        for state in batch:
+            if not stage.wants(state) or stage.name in state.skip:
+                continue
+            stop = stage.screen(state)
+            if stop is not None:
+                state.outcome = stop
+                continue
+            if not final and now >= state.deadline and not stage.fail_open:
+                state.outcome = Stop(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"deadline exceeded while waiting for {stage.component or stage.name}")
+                continue
+            states.append(state)
+        return states
+
+    def _begin(self, stage: Stage, states: list[RequestState]) -> dict[RequestState, tuple[list[Any], list[Any]]]:
+        """Each request's hook tokens and call metadata; one a hook failed is decided here."""
+        begun: dict[RequestState, tuple[list[Any], list[Any]]] = {}
+        for state in states:
+            metadata: list[tuple[str, str]] = [("x-request-id", state.request_id), *state.trace]
+            tokens: list[Any] = []
+            try:
+                for hook in self.hooks:
+                    tokens.append(hook.begin(stage.component, stage.method, metadata))
+            except grpc.RpcError as error:
+                code, details, _ = code_details(error)
+                self._end((tokens, metadata), code)
+                _fail(self, stage, state, code, details, ())
+                continue
+            begun[state] = (tokens, metadata)
+        return begun
+
+    def _end(self, begun: tuple[list[Any], list[Any]], code: grpc.StatusCode) -> None:
+        tokens, _ = begun
+        for hook, token in zip(reversed(self.hooks[:len(tokens)]), reversed(tokens), strict=True):
+            hook.end(token, code)
+
+
+def _fail(pipeline: Pipeline, stage: Stage, state: RequestState, code: grpc.StatusCode, details: str,
+          trailing: Sequence[tuple[str, str]]) -> None:
+    """One request's verdict when its part of a stage failed, by the stage's fail mode."""
+    if stage.fail_open:
+        state.failures.append(stage.component)
+        pipeline.on_fail_open(stage.component, code.name, state.request_id)
+    elif state.outcome is None:
+        state.outcome = downstream_stop(stage.component, code, details, trailing)
+
+
+class _Call:
+    """A stage's view of its component for one batch (the `StageCall` protocol)."""
+
+    def __init__(self, pipeline: Pipeline, stage: Stage, states: list[RequestState],
+                 begun: dict[RequestState, tuple[list[Any], list[Any]]] | None, final: bool) -> None:
+        self._pipeline = pipeline
+        self._stage = stage
+        self._states = states
+        self._begun = begun
+        self._final = final
+        self._codes: dict[RequestState, grpc.StatusCode] = {}
+        self.bounded_by_budget = False  # the call's timeout was the stage's budget, not a deadline
+
+    def __call__(self, method: str, request: Any) -> Any:
+        stage = self._stage
+        client = self._pipeline.clients[stage.component]
+        timeout = stage.budget_s
+        if not self._final:
+            timeout = min(timeout, max(state.remaining() for state in self._states))
+        self.bounded_by_budget = timeout == stage.budget_s
+        if len(self._states) == 1:  # the request's own id and trace context travel with it
+            state = self._states[0]
+            metadata: Sequence[tuple[str, str]] = (
+                self._begun[state][1] if self._begun else (("x-request-id", state.request_id),))
+        else:
+            metadata = ()
+        return client.invoke(method, request, timeout=timeout, metadata=metadata)
+
+    def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
+             trailing: Sequence[tuple[str, str]] = ()) -> None:
+        self._codes[state] = code
+        _fail(self._pipeline, self._stage, state, code, message, trailing)
+
+    def code_for(self, state: RequestState) -> grpc.StatusCode:
+        if state in self._codes:
+            return self._codes[state]
+        outcome = state.outcome
+        return outcome.code if outcome is not None else grpc.StatusCode.OK

@@ -1,0 +1,96 @@
+"""A stage: one step of the request path, run over a batch of requests.
+
+The request path is an ordered list of stages (see `services/registry.py`), the same list
+in every layout. A stage knows its component, the rpc it stands for (which names its span),
+its phase (admission before the model, completion after the answer), whether it fails
+closed or open, and its call budget. It decides a batch of requests with one call of its
+component's batch rpc; the per-request path is the same stage with a batch of one.
+
+A stage only says what its component answered; the `Pipeline` (`runner.py`) times it,
+runs the hooks (spans, injected faults) around each request's part, enforces the budget
+and turns a failed call into each request's verdict, by the stage's fail mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol
+
+import grpc
+
+from services.pipeline.limits import RequestLimits
+from services.pipeline.state import RequestState
+from services.pipeline.verdicts import Stop
+
+
+class FailMode(StrEnum):
+    CLOSED = "closed"  # without it a request must not be served: UNAVAILABLE
+    OPEN = "open"  # the request goes on without it; the failure is counted
+
+
+class Phase(StrEnum):
+    ADMIT = "admit"  # before the model; may stop the request
+    MODEL = "model"  # the model itself (batched by the engine, not by the pipeline)
+    COMPLETE = "complete"  # after the answer; never changes it
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """What the component table says about the component a stage calls."""
+
+    component: str  # "" for the gateway's own checks, which call nothing
+    fail_mode: FailMode = FailMode.CLOSED
+    budget_s: float = 0.25
+
+
+class StageCall(Protocol):
+    """What a stage's `decide` uses: its component's rpc, and a per-request failure."""
+
+    def __call__(self, method: str, request: Any) -> Any: ...
+
+    def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
+             trailing: Sequence[tuple[str, str]] = ()) -> None: ...
+
+
+class ResultCountError(RuntimeError):
+    """A component answered a batch with the wrong number of results (a broken peer)."""
+
+
+class Stage:
+    """Base of every stage. Subclasses set `method`, `phase`, `order` and `decide`."""
+
+    method: ClassVar[str] = ""  # the per-request rpc, as hooks and spans name the call
+    phase: ClassVar[Phase] = Phase.ADMIT
+    order: ClassVar[int] = 0  # position in the path; the table sorts stages by it
+
+    def __init__(self, policy: StagePolicy, limits: RequestLimits) -> None:
+        self.policy = policy
+        self.limits = limits
+        self.component = policy.component
+        self.fail_open = policy.fail_mode == FailMode.OPEN
+        self.budget_s = policy.budget_s
+        self.name = f"{self.component or 'gateway'}.{self.method.lower()}"  # also the span name
+
+    def wants(self, state: RequestState) -> bool:
+        """Whether this stage acts on `state` (admission stages: while it is still open)."""
+        return state.open
+
+    def screen(self, state: RequestState) -> Stop | None:
+        """A verdict that needs no call (e.g. no credential at all); runs before any hook."""
+        return None
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        """Decide each request's part: fill in the state, or `call.fail` it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def each(results: Sequence[Any], batch: Sequence[Any]) -> Any:
+        """Pair results with the requests asked about, refusing a count that does not match."""
+        if len(results) != len(batch):
+            raise ResultCountError(f"{len(results)} results for {len(batch)} items")
+        return zip(batch, results, strict=True)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.policy.fail_mode} {self.budget_s * 1000:g}ms>"

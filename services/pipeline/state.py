@@ -1,0 +1,57 @@
+"""What the pipeline learns about one request as it goes down the stages.
+
+One object per request, handed from stage to stage whether the request is decided alone
+or in a micro-batch; a stage that stops the request sets `outcome`, and later stages pass
+it by. The completion stages (cache store, logs, metrics) read what the others wrote.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.pipeline.verdicts import Stop
+from spine.v1 import auth_pb2, generation_pb2
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: generation_pb2.GenerateRequest  # as the client sent it
+    request_id: str
+    layout: str
+    started: float  # time.perf_counter() at arrival
+    deadline: float  # time.monotonic() by which the client wants its answer
+    shadow: bool
+    metadata: Metadata  # the client's invocation metadata
+    # The hooks' view of the request's context (trace), captured in its own thread: a batch
+    # may be decided, and its completions written, on another thread.
+    trace: Metadata = ()
+    outcome: Stop | None = None
+    principal: auth_pb2.Principal | None = None
+    tenant: str = ""
+    model: str = ""
+    resolved: generation_pb2.GenerateRequest | None = None  # the request naming the routed model
+    cacheable: bool | None = None  # None: the cache could not say
+    cache_key: bytes = b""  # the cache's key, sent back with the store
+    hit: generation_pb2.GenerateResponse | None = None
+    response: generation_pb2.GenerateResponse | None = None  # a fresh answer, for the cache
+    status: str = "OK"
+    cached: bool = False
+    completion_tokens: int = 0
+    latency_s: float = 0.0  # arrival to answer; set when the answer goes out
+    middleware_s: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # fail-open components that failed for it
+    skip: frozenset[str] = frozenset()  # stages a hook already failed (written later, off the request path)
+
+    @property
+    def open(self) -> bool:
+        """Still going: no stage has stopped it."""
+        return self.outcome is None
+
+    def remaining(self) -> float:
+        return max(0.001, self.deadline - time.monotonic())
+
+    def add_time(self, component: str, seconds: float) -> None:
+        self.middleware_s[component] = self.middleware_s.get(component, 0.0) + seconds

@@ -198,8 +198,8 @@ class Controller:
                 if stage is not None and stage == plan.stages[s.stage_index].name:
                     return self.status
                 hint = HINTS.get(s.state, "")
-                raise InvalidTransition(f"nothing awaits approval: the rollout is {s.state}{self._where()}"
-                                        + (f" ({hint})" if hint else ""))
+                raise InvalidTransition(f"nothing awaits approval: cannot approve while the rollout is "
+                                        f"{s.state}{self._where()}" + (f"; {hint}" if hint else ""))
             awaited = plan.stages[s.stage_index + 1].name
             if stage is not None and stage != awaited:
                 raise InvalidTransition(f"stage {stage!r} is not awaiting approval; {awaited!r} is")
@@ -269,7 +269,11 @@ class Controller:
         `index` is the stage an ENTER effect applies (the command resolved it from its
         arguments); `changes` are extra status fields the transition persists with it.
         """
-        step = self._step(action)
+        with self._cond:  # reentrant: commands already hold it; tests walking the table may not
+            return self._carry_out(action, self._step(action), actor, reason, index, changes)
+
+    def _carry_out(self, action: Action, step: Transition, actor: str, reason: str, index: int | None,
+                   changes: dict[str, Any]) -> RolloutStatus:
         s = self._status
         state = step.next if step.next is not None else State(s.resume_state or State.PROGRESSING)
         record = step.record_as or str(action)

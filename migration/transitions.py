@@ -184,14 +184,16 @@ def transition(state: State, action: Action, where: str = "") -> Transition:
     step = TRANSITIONS.get((state, action))
     if step is not None:
         return step
-    lead = _LEADS.get(action, f"cannot {action}")
+    lead = _LEADS.get(action, "")
     if action in (Action.LOAD, Action.START):  # refused only while a rollout is in flight
-        hint = "abort it (or wait for it to finish) first"
+        hint = "abort it or wait for it to finish first"
     else:
         hint = HINTS.get(state, "")
-    commands = ", ".join(accepted(state)) or "none"
-    raise InvalidTransition(f"{lead}: the rollout is {state}{where}; {state} accepts {commands}"
-                            + (f" ({hint})" if hint else ""))
+    moving = [a for a in accepted(state) if TRANSITIONS[state, a].effect is not Effect.NONE]
+    retries = [a for a in accepted(state) if TRANSITIONS[state, a].effect is Effect.NONE]
+    commands = ", ".join(moving) + (f" (and, as no-op retries, {', '.join(retries)})" if retries else "")
+    raise InvalidTransition(f"{lead + ': ' if lead else ''}cannot {action} while the rollout is {state}{where}; "
+                            f"{state} accepts {commands}" + (f"; {hint}" if hint else ""))
 
 
 def table_text() -> str:

@@ -61,6 +61,13 @@ class StatusView:
 
 
 class Controller:
+    """One rollout's state machine over a sqlite store and a traffic target.
+
+    Every public method takes the (reentrant) lock, so the gRPC service's commands and the
+    runner's tick thread never interleave a transition: the table decides on the state the
+    transition will actually be applied to.
+    """
+
     def __init__(self, store: Store, target: TrafficTarget, *, clock: Clock = time.time) -> None:
         self._store = store
         self._target = target
@@ -269,42 +276,39 @@ class Controller:
         `index` is the stage an ENTER effect applies (the command resolved it from its
         arguments); `changes` are extra status fields the transition persists with it.
         """
-        with self._cond:  # reentrant: commands already hold it; tests walking the table may not
-            return self._carry_out(action, self._step(action), actor, reason, index, changes)
-
-    def _carry_out(self, action: Action, step: Transition, actor: str, reason: str, index: int | None,
-                   changes: dict[str, Any]) -> RolloutStatus:
-        s = self._status
-        state = step.next if step.next is not None else State(s.resume_state or State.PROGRESSING)
-        record = step.record_as or str(action)
-        match step.effect:
-            case Effect.NONE:
-                return self.status
-            case Effect.RECORD:
-                return self._move(state, record, actor, reason, **changes)
-            case Effect.ENTER:
-                assert index is not None, f"{action} enters a stage: the command must name it"
-                return self._enter(index, state, record, actor, reason, **changes)
-            case Effect.PAUSE:
-                return self._move(state, record, actor, reason, paused_at=self._clock(),
-                                  resume_state=str(s.state))
-            case Effect.RESUME:
-                now = self._clock()
-                paused_for = now - (s.paused_at if s.paused_at is not None else now)
-                started = s.stage_started_at + paused_for if s.stage_started_at is not None else None
-                # The hold does not count paused time; the window in progress is discarded.
-                return self._move(state, record, actor, reason, stage_started_at=started,
-                                  window_started_at=now if s.acked else None, last_verdict="")
-            case Effect.ROLL_BACK:
-                placements = (self._plan.stages[s.stage_index - 1].placements
-                              if self._plan and s.stage_index > 0 else all_remote())
-                self._move(state, record, actor, reason, apply=(0.0, placements))
-                # The built-in front ACKs at once: finish the rollback in the same call.
-                return self._settle_rollback() if state is State.ROLLING_BACK else self.status
-            case Effect.REAPPLY:
-                return self._move(state, record, actor, reason, apply=(s.spine_weight, s.placements),
-                                  window_started_at=None, last_verdict="")
-        raise AssertionError(f"{action} in {s.state}: {step.effect} is tick's work, not a transition")
+        with self._cond:  # reentrant: commands already hold it; a test walking the table may not
+            step = self._step(action)
+            s = self._status
+            state = step.next if step.next is not None else State(s.resume_state or State.PROGRESSING)
+            record = step.record_as or str(action)
+            match step.effect:
+                case Effect.NONE:
+                    return self.status
+                case Effect.RECORD:
+                    return self._move(state, record, actor, reason, **changes)
+                case Effect.ENTER:
+                    assert index is not None, f"{action} enters a stage: the command must name it"
+                    return self._enter(index, state, record, actor, reason, **changes)
+                case Effect.PAUSE:
+                    return self._move(state, record, actor, reason, paused_at=self._clock(),
+                                      resume_state=str(s.state))
+                case Effect.RESUME:
+                    now = self._clock()
+                    paused_for = now - (s.paused_at if s.paused_at is not None else now)
+                    started = s.stage_started_at + paused_for if s.stage_started_at is not None else None
+                    # The hold does not count paused time; the window in progress is discarded.
+                    return self._move(state, record, actor, reason, stage_started_at=started,
+                                      window_started_at=now if s.acked else None, last_verdict="")
+                case Effect.ROLL_BACK:
+                    placements = (self._plan.stages[s.stage_index - 1].placements
+                                  if self._plan and s.stage_index > 0 else all_remote())
+                    self._move(state, record, actor, reason, apply=(0.0, placements))
+                    # The built-in front ACKs at once: finish the rollback in the same call.
+                    return self._settle_rollback() if state is State.ROLLING_BACK else self.status
+                case Effect.REAPPLY:
+                    return self._move(state, record, actor, reason, apply=(s.spine_weight, s.placements),
+                                      window_started_at=None, last_verdict="")
+            raise AssertionError(f"{action} in {s.state}: {step.effect} is tick's work, not a transition")
 
     def _with_plan(self, plan: Plan, do: Callable[[], RolloutStatus]) -> RolloutStatus:
         """Run `do` with `plan` as the controller's plan; put the old one back if it fails."""

@@ -105,7 +105,7 @@ def add_migrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     approve.add_argument("--stage", help="the stage you approve (default: whichever awaits)")
     approve.set_defaults(handler=cmd_approve)
 
-    for name, help_text in (("pause", "stop advancing; weights stay"),
+    for name, help_text in (("pause", "stop judging and advancing (no gates, no auto rollback); weights stay"),
                             ("resume", "continue; after a rollback, retry the stage"),
                             ("rollback", "all traffic to layered, placements to the previous stage's"),
                             ("abort", "roll back and stop for good")):

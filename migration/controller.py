@@ -4,10 +4,16 @@ States: pending → progressing ⇄ paused, progressing → awaiting_approval �
 the last stage → promoted; any live state → rolling_back → rolled_back (→ resume retries
 the stage that failed); abort = rollback + terminal.
 
-Rules every command follows:
+Which action is legal in which state, where it leads and what it does is ONE table,
+`migration.transitions.TRANSITIONS`; every command and every tick goes through it
+(`_step` to look up, `_perform` to carry out), so the rules cannot drift apart per command.
+Rules the table encodes:
 - Idempotent: a command whose effect already holds (pause while paused, rollback while
-  rolled back, advance/approve to the stage already current) succeeds and records nothing.
-- A command that makes no sense in the state raises InvalidTransition and changes nothing.
+  rolled back) has effect NONE: it succeeds and records nothing. Argument-level retries
+  (advance/approve naming the stage already current) are no-ops too.
+- A pair absent from the table raises InvalidTransition and changes nothing.
+- Paused means paused: a tick in `paused` does nothing (no window, no gate row, no
+  automatic rollback); resume returns to the paused-from state with a fresh window.
 - The data path is told first (`target.apply`), then the transition is persisted with its
   audit row in one transaction; a failed apply changes nothing, and after a crash the
   persisted stage is re-applied, so the record and the data path agree again.
@@ -24,22 +30,21 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
 from migration.plan import Plan, Stage, load_plan
-from migration.status import FINISHED, WATCHED, AuditEntry, GateRecord, RolloutStatus, State, all_remote
+from migration.status import AuditEntry, GateRecord, RolloutStatus, State, all_remote
 from migration.store import Store
 from migration.target import TrafficTarget
+from migration.transitions import HINTS, Action, Effect, InvalidTransition, Transition, transition
 from services.common import Clock
 
+__all__ = ["SYSTEM_ACTOR", "Controller", "InvalidTransition", "StatusView"]
+
 SYSTEM_ACTOR = "controller"
-
-
-class InvalidTransition(Exception):
-    """The command makes no sense in the rollout's current state; nothing was changed."""
-
 
 @dataclass(frozen=True)
 class StatusView:
@@ -56,6 +61,13 @@ class StatusView:
 
 
 class Controller:
+    """One rollout's state machine over a sqlite store and a traffic target.
+
+    Every public method takes the (reentrant) lock, so the gRPC service's commands and the
+    runner's tick thread never interleave a transition: the table decides on the state the
+    transition will actually be applied to.
+    """
+
     def __init__(self, store: Store, target: TrafficTarget, *, clock: Clock = time.time) -> None:
         self._store = store
         self._target = target
@@ -116,149 +128,117 @@ class Controller:
             return rows
 
     # --- commands ------------------------------------------------------------------------
+    # Each command asks the table (`_step`/`_perform`) what its action does in the current
+    # state; the only checks left here are about its ARGUMENTS (see migration/transitions.py).
 
     def load(self, plan: Plan, actor: str, reason: str = "") -> RolloutStatus:
         """Make `plan` the pending plan (only while nothing is in flight)."""
         with self._cond:
+            self._step(Action.LOAD)
             s = self._status
             if s.state is State.PENDING and s.plan_yaml == plan.source:
-                return self.status
-            if s.state not in FINISHED:
-                raise InvalidTransition(self._busy(f"cannot load plan {plan.name!r}"))
-            previous = self._plan
-            self._plan = plan
-            try:
-                return self._move(State.PENDING, "load", actor, reason or f"loaded plan {plan.name!r}",
-                                  plan_name=plan.name, plan_yaml=plan.source, stage_index=0)
-            except BaseException:
-                self._plan = previous
-                raise
+                return self.status  # that plan is already the pending one
+            return self._with_plan(plan, lambda: self._perform(
+                Action.LOAD, actor, reason or f"loaded plan {plan.name!r}",
+                plan_name=plan.name, plan_yaml=plan.source, stage_index=0))
 
     def start(self, plan: Plan | None, actor: str, reason: str = "") -> RolloutStatus:
         """Begin the plan (or the loaded one) at its first stage."""
         with self._cond:
-            plan = plan or self._plan
-            s = self._status
-            if plan is None:
+            step = self._step(Action.START)
+            chosen = plan or self._plan
+            if chosen is None:
                 raise InvalidTransition("no plan to start: load one with Plan (spine migrate plan FILE) "
                                         "or pass it to Start")
-            if s.state not in FINISHED:
-                if s.plan_yaml == plan.source and s.state is not State.ROLLING_BACK:
-                    return self.status  # a retried start of the running plan
-                raise InvalidTransition(self._busy(f"cannot start plan {plan.name!r}"))
-            previous = self._plan
-            self._plan = plan
-            try:
-                return self._enter(0, State.PROGRESSING, "start", actor, reason or f"start plan {plan.name!r}",
-                                   plan_name=plan.name, plan_yaml=plan.source)
-            except BaseException:
-                self._plan = previous
-                raise
+            s = self._status
+            if step.effect is Effect.NONE:  # a retried start: only of the plan already running
+                if chosen.source != s.plan_yaml:
+                    raise InvalidTransition(
+                        f"cannot start plan {chosen.name!r}: plan {s.plan_name!r} is {s.state} at stage "
+                        f"{s.stage_index + 1}; abort it (or wait for it to finish) first")
+                return self.status
+            return self._with_plan(chosen, lambda: self._perform(
+                Action.START, actor, reason or f"start plan {chosen.name!r}", index=0,
+                plan_name=chosen.name, plan_yaml=chosen.source))
 
     def advance(self, stage: str | None, actor: str, reason: str = "") -> RolloutStatus:
         """Skip to `stage` (default: the next one) now, ignoring hold and gates."""
         with self._cond:
-            s, plan = self._status, self._plan
-            if s.state not in (State.PROGRESSING, State.PAUSED, State.AWAITING_APPROVAL) or plan is None:
-                raise InvalidTransition(f"cannot advance: the rollout is {s.state}{self._hint()}")
-            if stage is None:
-                index = s.stage_index + 1
-            else:
+            self._step(Action.ADVANCE)
+            s, plan = self._status, self._loaded()
+            index = s.stage_index + 1
+            if stage is not None:
                 found = plan.stage_index(stage)
                 if found is None:
                     names = ", ".join(st.name for st in plan.stages)
                     raise InvalidTransition(f"unknown stage {stage!r}; plan {plan.name!r} has: {names}")
-                if found == s.stage_index:
-                    return self.status
                 if found < s.stage_index:
                     raise InvalidTransition(f"stage {stage!r} is behind the current stage "
                                             f"{plan.stages[s.stage_index].name!r}; use rollback to go back")
+                if found == s.stage_index:
+                    return self.status  # a retried advance that already took effect
                 index = found
             reason = reason or "advanced by operator"
             if index >= len(plan.stages):
-                return self._move(State.PROMOTED, "promote", actor, reason)
-            return self._enter(index, State.PROGRESSING, "advance", actor, reason)
+                return self._perform(Action.PROMOTE, actor, reason)
+            return self._perform(Action.ADVANCE, actor, reason, index=index)
 
     def pause(self, actor: str, reason: str = "") -> RolloutStatus:
-        """Stop evaluating and advancing; the stage's weights stay as they are."""
+        """Stop judging and advancing (tick does nothing); the stage's weights stay as they are."""
         with self._cond:
-            s = self._status
-            if s.state is State.PAUSED:
-                return self.status
-            if s.state not in WATCHED:
-                raise InvalidTransition(f"cannot pause: the rollout is {s.state}{self._hint()}")
-            return self._move(State.PAUSED, "pause", actor, reason, paused_at=self._clock(),
-                              resume_state=str(s.state))
+            return self._perform(Action.PAUSE, actor, reason)
 
     def resume(self, actor: str, reason: str = "") -> RolloutStatus:
         """Continue a paused rollout; after a rollback, retry the stage that rolled back."""
         with self._cond:
-            s = self._status
-            if s.state in WATCHED:
-                return self.status
-            if s.state is State.ROLLED_BACK:
-                return self._enter(s.stage_index, State.PROGRESSING, "retry", actor,
-                                   reason or "retry the stage that rolled back")
-            if s.state is not State.PAUSED:
-                raise InvalidTransition(f"cannot resume: the rollout is {s.state}{self._hint()}")
-            now = self._clock()
-            paused_for = now - (s.paused_at if s.paused_at is not None else now)
-            started = s.stage_started_at + paused_for if s.stage_started_at is not None else None
-            # The hold does not count paused time; the window in progress is discarded.
-            return self._move(State(s.resume_state or State.PROGRESSING), "resume", actor, reason,
-                              stage_started_at=started, window_started_at=now if s.acked else None,
-                              last_verdict="", paused_at=None, resume_state="")
+            if self._step(Action.RESUME).effect is Effect.ENTER:
+                reason = reason or "retry the stage that rolled back"
+            return self._perform(Action.RESUME, actor, reason, index=self._status.stage_index)
 
     def approve(self, stage: str | None, actor: str, reason: str = "") -> RolloutStatus:
         """Let the rollout enter the stage that waits for manual approval."""
         with self._cond:
-            s, plan = self._status, self._plan
-            current = plan.stages[s.stage_index].name if plan else ""
-            if s.state is State.AWAITING_APPROVAL and plan is not None:
-                awaited = plan.stages[s.stage_index + 1].name
-                if stage is not None and stage != awaited:
-                    raise InvalidTransition(f"stage {stage!r} is not awaiting approval; {awaited!r} is")
-                return self._enter(s.stage_index + 1, State.PROGRESSING, "approve", actor,
-                                   reason or f"approved entering {awaited!r}")
-            if stage is not None and stage == current and s.state in (State.PROGRESSING, State.PAUSED):
-                return self.status  # a retried approval that already took effect
-            raise InvalidTransition(f"nothing awaits approval: the rollout is {s.state}"
-                                    + (f" at stage {current!r}" if current else "") + self._hint())
+            step = self._step(Action.APPROVE)
+            s, plan = self._status, self._loaded()
+            if step.effect is Effect.NONE:
+                # Nothing awaits: only a retried approval, naming the stage it let in, succeeds.
+                if stage is not None and stage == plan.stages[s.stage_index].name:
+                    return self.status
+                hint = HINTS.get(s.state, "")
+                raise InvalidTransition(f"nothing awaits approval: cannot approve while the rollout is "
+                                        f"{s.state}{self._where()}" + (f"; {hint}" if hint else ""))
+            awaited = plan.stages[s.stage_index + 1].name
+            if stage is not None and stage != awaited:
+                raise InvalidTransition(f"stage {stage!r} is not awaiting approval; {awaited!r} is")
+            return self._perform(Action.APPROVE, actor, reason or f"approved entering {awaited!r}",
+                                 index=s.stage_index + 1)
 
     def rollback(self, actor: str, reason: str = "") -> RolloutStatus:
         """All traffic to the layered side, the spine's placements to the previous stage's."""
         with self._cond:
-            s = self._status
-            if s.state in (State.ROLLING_BACK, State.ROLLED_BACK, State.ABORTED):
-                return self.status
-            if s.state is State.PENDING:
-                raise InvalidTransition("nothing to roll back: no rollout has started")
-            self._roll_back(State.ROLLING_BACK, "rollback", actor, reason or "rolled back by operator")
-            return self._settle_rollback()
+            return self._perform(Action.ROLLBACK, actor, reason or "rolled back by operator")
 
     def abort(self, actor: str, reason: str = "") -> RolloutStatus:
-        """Roll back and stop for good: only a new `start` leaves the aborted state."""
+        """Roll back and stop for good: only a new `load` or `start` leaves the aborted state."""
         with self._cond:
-            s = self._status
-            if s.state is State.ABORTED:
-                return self.status
-            if s.state is State.PENDING:
-                raise InvalidTransition("nothing to abort: no rollout has started")
-            reason = reason or "aborted by operator"
-            if s.state in (State.ROLLING_BACK, State.ROLLED_BACK):
-                return self._move(State.ABORTED, "abort", actor, reason)
-            return self._roll_back(State.ABORTED, "abort", actor, reason)
+            return self._perform(Action.ABORT, actor, reason or "aborted by operator")
 
     # --- reconciling ---------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> RolloutStatus:
-        """One reconcile step: ACKs, window evaluation, automatic advance or rollback."""
+        """One reconcile step: ACKs, window evaluation, automatic advance or rollback.
+
+        What a tick may do is the table's (state, tick) entry: judge and advance while
+        progressing, judge only while awaiting approval, finish a rollback once ACKed, and
+        nothing at all in any other state (paused included: no window, no gate row).
+        """
         with self._cond:
             now = self._clock() if now is None else now
-            if self._status.state is State.ROLLING_BACK:
+            step = self._step(Action.TICK)
+            if step.effect is Effect.SETTLE:
                 return self._settle_rollback()
-            stage = self._stage()
-            if self._status.state not in WATCHED or stage is None or self._plan is None:
+            stage, plan = self._stage(), self._plan
+            if step.effect not in (Effect.WATCH, Effect.PROGRESS) or stage is None or plan is None:
                 return self.status
             s = self._status
             if not s.acked:
@@ -267,9 +247,9 @@ class Controller:
                 started = s.stage_started_at if s.stage_started_at is not None else now
                 s = self._save(acked=True, stage_started_at=started, window_started_at=now, updated_at=now)
             start = s.window_started_at if s.window_started_at is not None else now
-            if now - start >= self._plan.window_s:
+            if now - start >= plan.window_s:
                 layered, spine, mismatches = self._target.window_stats(since=start)
-                results = evaluate(stage.gates, layered, spine, mismatches, self._plan.min_window_requests)
+                results = evaluate(stage.gates, layered, spine, mismatches, plan.min_window_requests)
                 verdict = window_verdict(results)
                 failures = {Verdict.FAIL: s.consecutive_failures + 1, Verdict.PASS: 0}.get(
                     verdict, s.consecutive_failures)
@@ -277,14 +257,68 @@ class Controller:
                                last_verdict=str(verdict), consecutive_failures=failures, updated_at=now,
                                gates=[(r, stage.name, start, now) for r in results])
                 if verdict is Verdict.FAIL and failures >= stage.failure_limit:
-                    self._roll_back(State.ROLLING_BACK, "rollback", SYSTEM_ACTOR,
-                                    _failure_reason(results, failures, stage.failure_limit))
-                    return self._settle_rollback()
-            if s.state is State.PROGRESSING and self._stage_done(stage, now):
+                    return self._perform(Action.ROLLBACK, SYSTEM_ACTOR,
+                                         _failure_reason(results, failures, stage.failure_limit))
+            if step.effect is Effect.PROGRESS and self._stage_done(stage, now):
                 return self._next_stage(stage, now)
             return self.status
 
     # --- internals -----------------------------------------------------------------------
+
+    def _step(self, action: Action) -> Transition:
+        """The table's entry for `action` now; refuses (changing nothing) when there is none."""
+        return transition(self._status.state, action, self._where())
+
+    def _perform(self, action: Action, actor: str, reason: str, *, index: int | None = None,
+                 **changes: Any) -> RolloutStatus:
+        """Carry out the table's entry for `action` in the current state.
+
+        `index` is the stage an ENTER effect applies (the command resolved it from its
+        arguments); `changes` are extra status fields the transition persists with it.
+        """
+        with self._cond:  # reentrant: commands already hold it; a test walking the table may not
+            step = self._step(action)
+            s = self._status
+            state = step.next if step.next is not None else State(s.resume_state or State.PROGRESSING)
+            record = step.record_as or str(action)
+            match step.effect:
+                case Effect.NONE:
+                    return self.status
+                case Effect.RECORD:
+                    return self._move(state, record, actor, reason, **changes)
+                case Effect.ENTER:
+                    assert index is not None, f"{action} enters a stage: the command must name it"
+                    return self._enter(index, state, record, actor, reason, **changes)
+                case Effect.PAUSE:
+                    return self._move(state, record, actor, reason, paused_at=self._clock(),
+                                      resume_state=str(s.state))
+                case Effect.RESUME:
+                    now = self._clock()
+                    paused_for = now - (s.paused_at if s.paused_at is not None else now)
+                    started = s.stage_started_at + paused_for if s.stage_started_at is not None else None
+                    # The hold does not count paused time; the window in progress is discarded.
+                    return self._move(state, record, actor, reason, stage_started_at=started,
+                                      window_started_at=now if s.acked else None, last_verdict="")
+                case Effect.ROLL_BACK:
+                    placements = (self._plan.stages[s.stage_index - 1].placements
+                                  if self._plan and s.stage_index > 0 else all_remote())
+                    self._move(state, record, actor, reason, apply=(0.0, placements))
+                    # The built-in front ACKs at once: finish the rollback in the same call.
+                    return self._settle_rollback() if state is State.ROLLING_BACK else self.status
+                case Effect.REAPPLY:
+                    return self._move(state, record, actor, reason, apply=(s.spine_weight, s.placements),
+                                      window_started_at=None, last_verdict="")
+            raise AssertionError(f"{action} in {s.state}: {step.effect} is tick's work, not a transition")
+
+    def _with_plan(self, plan: Plan, do: Callable[[], RolloutStatus]) -> RolloutStatus:
+        """Run `do` with `plan` as the controller's plan; put the old one back if it fails."""
+        previous = self._plan
+        self._plan = plan
+        try:
+            return do()
+        except BaseException:
+            self._plan = previous
+            raise
 
     def _stage_done(self, stage: Stage, now: float) -> bool:
         s = self._status
@@ -293,46 +327,44 @@ class Controller:
         return held and counted and s.last_verdict == Verdict.PASS
 
     def _next_stage(self, stage: Stage, now: float) -> RolloutStatus:
-        assert self._plan is not None
-        s = self._status
+        plan, s = self._loaded(), self._status
         held = now - (s.stage_started_at or now)
         done = f"stage {stage.name!r} held {held:.0f}s with {s.stage_requests} spine requests, gates passing"
         index = s.stage_index + 1
-        if index >= len(self._plan.stages):
-            return self._move(State.PROMOTED, "promote", SYSTEM_ACTOR, done)
-        following = self._plan.stages[index]
+        if index >= len(plan.stages):
+            return self._perform(Action.PROMOTE, SYSTEM_ACTOR, done)
+        following = plan.stages[index]
         if following.manual_approval:
-            return self._move(State.AWAITING_APPROVAL, "await_approval", SYSTEM_ACTOR,
-                              f"{done}; {following.name!r} needs manual approval")
-        return self._enter(index, State.PROGRESSING, "advance", SYSTEM_ACTOR, done)
+            return self._perform(Action.AWAIT_APPROVAL, SYSTEM_ACTOR,
+                                 f"{done}; {following.name!r} needs manual approval")
+        return self._perform(Action.ADVANCE, SYSTEM_ACTOR, done, index=index)
 
     def _enter(self, index: int, state: State, action: str, actor: str, reason: str,
                **changes: Any) -> RolloutStatus:
-        assert self._plan is not None
-        stage = self._plan.stages[index]
+        stage = self._loaded().stages[index]
         return self._move(state, action, actor, reason, apply=(stage.spine_weight, stage.placements),
                           stage_index=index, consecutive_failures=0, stage_started_at=None,
-                          window_started_at=None, stage_requests=0, last_verdict="",
-                          paused_at=None, resume_state="", **changes)
-
-    def _roll_back(self, state: State, action: str, actor: str, reason: str) -> RolloutStatus:
-        index = self._status.stage_index
-        placements = self._plan.stages[index - 1].placements if self._plan and index > 0 else all_remote()
-        return self._move(state, action, actor, reason, apply=(0.0, placements),
-                          paused_at=None, resume_state="")
+                          window_started_at=None, stage_requests=0, last_verdict="", **changes)
 
     def _settle_rollback(self) -> RolloutStatus:
+        """Take `rolled_back` once the data planes ACK the rollback version (else wait)."""
         s = self._status
-        if s.state is State.ROLLING_BACK and self._target.applied(s.version):
-            return self._move(State.ROLLED_BACK, "rolled_back", SYSTEM_ACTOR,
-                              f"data planes acknowledged version {s.version}", acked=True)
+        if self._target.applied(s.version):
+            return self._perform(Action.ROLLED_BACK, SYSTEM_ACTOR,
+                                 f"data planes acknowledged version {s.version}", acked=True)
         return self.status
 
     def _move(self, state: State, action: str, actor: str, reason: str, *,
               apply: tuple[float, dict[str, str]] | None = None, **changes: Any) -> RolloutStatus:
-        """One transition: apply to the data path, then persist status + audit atomically."""
+        """One transition: apply to the data path, then persist status + audit atomically.
+
+        Leaving `paused` always clears the pause bookkeeping, whichever command leaves it, so
+        a stale `paused_at` can never shift a later stage's hold.
+        """
         before = self._status
         now = self._clock()
+        if state is not State.PAUSED:
+            changes = {"paused_at": None, "resume_state": "", **changes}
         new = replace(before, state=state, updated_at=now, **changes)
         if apply is not None:
             weight, placements = apply
@@ -358,32 +390,28 @@ class Controller:
     def _recover(self) -> None:
         with self._cond:
             s = self._status
-            if s.state is State.PENDING or self._plan is None:
+            if self._step(Action.RECOVER).effect is Effect.NONE or self._plan is None:
                 return
-            self._move(s.state, "recover", SYSTEM_ACTOR,
-                       f"controller restarted; re-applied {s.spine_weight:g}% spine at stage "
-                       f"{self._plan.stages[s.stage_index].name!r}, hold continues from the stage start",
-                       apply=(s.spine_weight, s.placements), window_started_at=None, last_verdict="")
+            self._perform(Action.RECOVER, SYSTEM_ACTOR,
+                          f"controller restarted; re-applied {s.spine_weight:g}% spine at stage "
+                          f"{self._plan.stages[s.stage_index].name!r}, hold continues from the stage start")
+
+    def _loaded(self) -> Plan:
+        """The plan, in a state the table only allows once one is loaded."""
+        assert self._plan is not None, f"no plan in state {self._status.state}"
+        return self._plan
 
     def _stage(self) -> Stage | None:
         if self._plan is None or self._status.state is State.PENDING:
             return None
         return self._plan.stages[self._status.stage_index]
 
-    def _busy(self, what: str) -> str:
+    def _where(self) -> str:
+        """Where the rollout stands, for refusal messages (empty before a rollout starts)."""
         s = self._status
-        return (f"{what}: plan {s.plan_name!r} is {s.state} at stage {s.stage_index + 1}; "
-                "abort it (or wait for it to finish) first")
-
-    def _hint(self) -> str:
-        return {
-            State.PENDING: " (start a plan first)",
-            State.ROLLED_BACK: " (resume retries the stage; start begins a new rollout)",
-            State.ABORTED: " (start a plan to begin again)",
-            State.PROMOTED: " (the plan is complete)",
-            State.ROLLING_BACK: " (wait for the rollback to finish)",
-            State.PAUSED: " (resume it first)",
-        }.get(self._status.state, "")
+        if self._plan is None or s.state is State.PENDING:
+            return ""
+        return f" at stage {self._plan.stages[s.stage_index].name!r} of plan {s.plan_name!r}"
 
 
 def _failure_reason(results: list[GateResult], failures: int, limit: int) -> str:

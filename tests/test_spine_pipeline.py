@@ -300,7 +300,7 @@ def test_a_cache_that_fails_for_one_key_fails_open_for_that_request_alone(tmp_pa
     completions.close()
     logs.close()
     assert counted[1:] == [("cache", "UNAVAILABLE")]
-    assert 'spine_middleware_failures_total{middleware="cache"} 1' in metrics.render()
+    assert 'spine_middleware_failures_total{middleware="cache"} 1.0' in metrics.render()
     assert services.cache.lookup_many([cache_pb2.CacheLookupRequest(tenant="dev", request=fine)])[0].hit
 
 
@@ -348,7 +348,7 @@ def test_completions_write_one_batch_and_keep_the_good_records_when_one_is_bad(t
     completions.flush_window(window)
     logs.close()
     assert failures == [("metrics", "INVALID_ARGUMENT", "r1")]
-    assert 'spine_requests_total{layout="collapsed",model="tiny-lm",tenant="dev",status="OK",shadow="false"} 2' \
+    assert 'spine_requests_total{layout="collapsed",model="tiny-lm",shadow="false",status="OK",tenant="dev"} 2.0' \
         in metrics.render()
     assert (tmp_path / "requests.jsonl").read_text().count("\n") == 3
 
@@ -375,7 +375,7 @@ def test_finished_requests_answer_at_once_and_every_reader_sees_their_records(tm
     for i in range(3):
         finish(i)
     assert writes == [] and completions.pending == 3  # answered, not yet written
-    assert 'tenant="dev",status="OK",shadow="false"} 3' in metrics.render()  # the scrape wrote them first
+    assert 'shadow="false",status="OK",tenant="dev"} 3.0' in metrics.render()  # the scrape wrote them first
     assert writes == [3]
     finish(3)
     assert logs.flush() == 4  # the flush wrote the fourth, then put every line on disk

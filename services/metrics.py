@@ -7,17 +7,26 @@ micro-batch of records is exactly two vectorized updates, whatever mix of famili
 Shadow (mirrored) requests are counted with `shadow="true"` and timed in their own histogram,
 `spine_shadow_request_duration_seconds`, so they never skew the latency that the migration
 gates compare; their per-middleware times are left out for the same reason.
+
+The exposition is prometheus_client's: `TableCollector` turns one snapshot of both tables
+into metric families at scrape time, on this service's own `CollectorRegistry`; `render()`
+and `Scrape` return `generate_latest` of it, and the HTTP endpoint serves it as text or
+OpenMetrics (`services.prometheus_http`).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from services.common import (
     ConfigError,
@@ -28,7 +37,7 @@ from services.common import (
     set_status,
     status_code,
 )
-from services.histograms import CounterTable, HistogramTable, SeriesKey
+from services.histograms import CounterTable, HistogramSeries, HistogramTable, SeriesKey
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.prometheus_http import is_loopback, parse_listen
@@ -180,6 +189,10 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         self._histograms = HistogramTable(
             device, config.buckets, owner="metrics", initial_rows=config.initial_series
         )
+        # What /metrics, Scrape and render() expose: this service's own registry (never the
+        # process-global one), whose one collector reads the tables at scrape time.
+        self.registry = CollectorRegistry()
+        self.registry.register(TableCollector(self.snapshot, self._histograms.bounds))
 
     # -- in-process API -------------------------------------------------------------------
 
@@ -241,32 +254,17 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
             self._counters.add([(FAILURES.name, middleware)], [count])
 
     def render(self) -> str:
-        """The whole exposition, Prometheus text format 0.0.4, families and series sorted."""
+        """The whole exposition in the Prometheus text format 0.0.4, written by prometheus_client
+        (`generate_latest` on this service's registry); families and series sorted."""
+        return generate_latest(self.registry).decode("utf-8")
+
+    def snapshot(self) -> tuple[list[tuple[SeriesKey, int]], list[HistogramSeries]]:
+        """Every counter and histogram series, sorted by key, read in one go under the lock.
+        The read hooks run first: records handed over but not yet counted (the spine's
+        completions window) are counted before, so a scrape never misses one."""
         self.read_hooks.run()
         with self._lock:
-            counters = self._counters.snapshot()
-            histograms = self._histograms.snapshot()
-        by_family: dict[str, list[str]] = {name: [] for name in FAMILIES}
-        for key, value in counters:
-            family = FAMILIES[key[0]]
-            by_family[family.name].append(f"{family.name}{format_labels(family.labels, key[1:])} {value}")
-        bounds = [*(format_value(b) for b in self._histograms.bounds), "+Inf"]
-        for series in histograms:
-            family = FAMILIES[series.key[0]]
-            names, label_values = family.labels, series.key[1:]
-            lines = by_family[family.name]
-            for le, count in zip(bounds, series.cumulative, strict=True):
-                labels = format_labels((*names, "le"), (*label_values, le))
-                lines.append(f"{family.name}_bucket{labels} {count}")
-            lines.append(f"{family.name}_sum{format_labels(names, label_values)} {format_value(series.sum)}")
-            lines.append(f"{family.name}_count{format_labels(names, label_values)} {series.count}")
-        out: list[str] = []
-        for name in sorted(FAMILIES):
-            family = FAMILIES[name]
-            out.append(f"# HELP {name} {escape_help(family.help)}")
-            out.append(f"# TYPE {name} {family.kind}")
-            out.extend(by_family[name])
-        return "\n".join(out) + "\n"
+            return self._counters.snapshot(), self._histograms.snapshot()
 
     # -- gRPC -----------------------------------------------------------------------------
 
@@ -306,27 +304,43 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         return metrics_pb2.ScrapeResponse(text=self.render())
 
 
-def escape_label_value(value: str) -> str:
-    """Backslash, double quote and newline escaped, as the text format requires."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class TableCollector(Collector):
+    """A prometheus_client collector over the device tables: `collect()` turns one snapshot
+    into metric families at scrape time. Counting never goes through prometheus_client; the
+    hot path stays one vectorized table update per micro-batch."""
 
+    def __init__(
+        self,
+        snapshot: Callable[[], tuple[list[tuple[SeriesKey, int]], list[HistogramSeries]]],
+        bounds: Sequence[float],
+    ) -> None:
+        self._snapshot = snapshot
+        # The `le` label of each bucket, +Inf last, written as prometheus_client writes them.
+        self._le = (*(floatToGoString(b) for b in bounds), "+Inf")
 
-def escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples: lets the registry know the names (`?name[]=` filters)."""
+        yield from self._families().values()
 
+    def collect(self) -> Iterator[Metric]:
+        counters, histograms = self._snapshot()
+        families = self._families()
+        for key, value in counters:
+            counter = families[key[0]]
+            assert isinstance(counter, CounterMetricFamily)
+            counter.add_metric(key[1:], value)
+        for series in histograms:
+            histogram = families[series.key[0]]
+            assert isinstance(histogram, HistogramMetricFamily)
+            histogram.add_metric(series.key[1:], list(zip(self._le, series.cumulative, strict=True)), series.sum)
+        for name in sorted(families):
+            yield families[name]
 
-def format_labels(names: Iterable[str], values: Iterable[str]) -> str:
-    pairs = ",".join(f'{n}="{escape_label_value(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + pairs + "}" if pairs else ""
-
-
-def format_value(value: float) -> str:
-    """Go-style float text: integers keep a `.0`, infinities are `+Inf`/`-Inf`."""
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    return repr(float(value))
+    @staticmethod
+    def _families() -> dict[str, Metric]:
+        """One empty family per entry of FAMILIES: every family is exposed, even before a sample."""
+        kinds = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
+        return {f.name: kinds[f.kind](f.name, f.help, labels=f.labels) for f in FAMILIES.values()}
 
 
 class MetricsStage(Stage):

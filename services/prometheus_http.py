@@ -1,4 +1,9 @@
-"""A small HTTP endpoint serving GET /metrics in the Prometheus text format.
+"""The HTTP endpoint serving GET /metrics: prometheus_client's WSGI app on a loopback socket.
+
+prometheus_client writes the exposition and negotiates its format from the Accept header
+(the Prometheus text format by default, OpenMetrics for `application/openmetrics-text`,
+gzip when asked); this module only binds it, serves it from a daemon thread and answers
+404 for every other path.
 
 Loopback only unless asked otherwise: metrics name tenants and models, so exposing them on
 every interface has to be a decision someone wrote down (`allow_external=True`).
@@ -8,12 +13,14 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.registry import Collector
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -39,19 +46,42 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-
-class _Server6(_Server):
+class _Server6(ThreadingWSGIServer):
     address_family = socket.AF_INET6
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds would flood stderr; stay quiet."""
+
+
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def metrics_app(registry: Collector) -> WSGIApp:
+    """prometheus_client's app for `registry` at /metrics only; a failed scrape is a 500."""
+    app = make_wsgi_app(registry)
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: metrics are at /metrics\n"]
+        try:
+            # The app renders the whole body before it starts the response.
+            return app(environ, start_response)  # type: ignore[no-any-return]
+        except Exception as exc:  # a scrape must not take the server thread down
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain; charset=utf-8")],
+                           sys.exc_info())
+            return [f"rendering metrics failed: {exc}\n".encode()]
+
+    return serve
+
+
 class PrometheusHTTPServer:
-    """Serves `render()` at GET /metrics from a daemon thread; 404 for every other path."""
+    """Serves `registry` at GET /metrics from a daemon thread; 404 for every other path."""
 
     def __init__(
-        self, render: Callable[[], str], listen: str = "127.0.0.1:0", *, allow_external: bool = False
+        self, registry: Collector, listen: str = "127.0.0.1:0", *, allow_external: bool = False
     ) -> None:
         host, port = parse_listen(listen)
         if not allow_external and not is_loopback(host):
@@ -59,10 +89,10 @@ class PrometheusHTTPServer:
                 f"refusing to serve metrics on {listen!r}: not a loopback address; "
                 "pass allow_external=True (metrics.allow_external: true) to expose it"
             )
-        self._render = render
+        self._app = metrics_app(registry)
         self._host = host
         self._port = port
-        self._server: _Server | None = None
+        self._server: ThreadingWSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -77,8 +107,8 @@ class PrometheusHTTPServer:
     def start(self) -> None:
         if self._server is not None:
             return
-        server_cls = _Server6 if ":" in self._host else _Server
-        self._server = server_cls((self._host, self._port), _handler(self._render))
+        server_cls = _Server6 if ":" in self._host else ThreadingWSGIServer
+        self._server = make_server(self._host, self._port, self._app, server_cls, _QuietHandler)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="metrics-http", daemon=True
         )
@@ -100,29 +130,3 @@ class PrometheusHTTPServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _handler(render: Callable[[], str]) -> type[BaseHTTPRequestHandler]:
-    class MetricsHandler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the name http.server dispatches on
-            if urlsplit(self.path).path != "/metrics":
-                self._reply(404, "text/plain; charset=utf-8", b"not found: metrics are at /metrics\n")
-                return
-            try:
-                body = render().encode("utf-8")
-            except Exception as exc:  # a scrape must not kill the server thread
-                self._reply(500, "text/plain; charset=utf-8", f"rendering metrics failed: {exc}\n".encode())
-                return
-            self._reply(200, CONTENT_TYPE, body)
-
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            """Scrapes every few seconds would flood stderr; stay quiet."""
-
-    return MetricsHandler

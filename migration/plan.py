@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from migration.yamlsource import LocatedData, YamlSourceError, load_located
+from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
 
 MIDDLEWARES: tuple[str, ...] = ("auth", "ratelimit", "router", "cache", "metrics", "logs")

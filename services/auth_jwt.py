@@ -60,7 +60,7 @@ class PublicKeyEntry(Section):
 
     alg: Literal["ES256", "RS256"]
     pem: StrictStr | None = None
-    pem_file: NonEmptyStr | None = Field(None, description="read when auth starts")
+    pem_file: NonEmptyStr | None = Field(default=None, description="read when auth starts")
     kid: NonEmptyStr | None = None
 
     @model_validator(mode="after")

@@ -41,8 +41,8 @@ class ApiKeyEntry(Section):
 
     id: NonEmptyStr
     tenant: NonEmptyStr
-    key: SecretStr | None = Field(None, description="the key itself (dev configs only); hashed at load")
-    key_sha256: StrictStr | None = Field(None, description="sha256 hex of the key",
+    key: SecretStr | None = Field(default=None, description="the key itself (dev configs only); hashed at load")
+    key_sha256: StrictStr | None = Field(default=None, description="sha256 hex of the key",
                                          json_schema_extra={"pattern": _SHA256_HEX.pattern})
     scopes: Items[NonEmptyStr] = ()
     max_priority: Annotated[StrictInt, Field(ge=0)] = 0

@@ -24,11 +24,14 @@ import yaml
 
 from monolith.batched import BatchedAdmission, BatchedCompletions, BatchingConfig
 from monolith.device import DeviceContext
+from services.common import section
+from services.inference_config import InferenceConfig
 from services.pipeline.gateway import Clients, Gateway
 from services.pipeline.verdicts import RequestLimits
 from services.registry import COMPONENTS, GATEWAY, SPECS, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import layout_name
+from spine.runtime.config_model import check_config
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.supervisor import Supervisor
 
@@ -62,7 +65,7 @@ class Stack:
     # Components already served elsewhere (e.g. the layered stack's children, which a spine
     # in mid-migration shares): bound remotely to these addresses instead of spawned.
     remote_addresses: Mapping[str, str] = field(default_factory=dict)
-    device: DeviceContext = field(default_factory=DeviceContext)
+    device: DeviceContext | None = None  # made at start from the config's `device` section
     supervisor: Supervisor | None = None
     server: RunningServer | None = None
     gateway: Gateway | None = None
@@ -93,8 +96,11 @@ class Stack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(dict(self.config)))
+        check_config(self.config)  # every section, before any child process starts
         limits = RequestLimits.from_config(self.config)
         self._batching = BatchingConfig.from_config(self.config)
+        if self.device is None:
+            self.device = DeviceContext.from_config(self.config)
         from spine.runtime.tracing import installed
 
         tracing = installed()
@@ -125,10 +131,10 @@ class Stack:
                 # device: the supervisor, the front and xDS endpoints all read this.
                 from spine.runtime.health import start_deep_health
 
-                section = self.config.get("inference") or {}
+                inference = InferenceConfig.from_dict(section(self.config, "inference"))
                 self.deep_health = start_deep_health(
-                    self.server, self.local_servicers["inference"], float(section.get("health_interval_s", 1.0)),
-                    float(section.get("health_timeout_s", 2.0)), services=["", GATEWAY.full_name])
+                    self.server, self.local_servicers["inference"], inference.health_interval_s,
+                    inference.health_timeout_s, services=["", GATEWAY.full_name])
         except BaseException:
             self.stop()
             raise
@@ -138,7 +144,7 @@ class Stack:
     def _bind(self, name: str, max_message_bytes: int, placement: str | None = None) -> Any:
         spec = SPECS[name]
         if (placement or self.placements[name]) == "local":
-            assert self.run_dir is not None
+            assert self.run_dir is not None and self.device is not None, "stack not started"
             servicer = self.local_servicers.get(name)
             if servicer is None:
                 servicer = spec.build(self.config, self.device, self.run_dir)

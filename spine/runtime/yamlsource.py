@@ -42,11 +42,12 @@ class LocatedData:
         while path:
             if path in self.lines:
                 return self.lines[path]
-            path = _parent(path)
+            path = parent_path(path)
         return self.lines.get("", 1)
 
 
-def _parent(path: str) -> str:
+def parent_path(path: str) -> str:
+    """`a.b[0].c` -> `a.b[0]` -> `a.b` -> `a` -> `` (the root)."""
     cut = max(path.rfind("."), path.rfind("["))
     return path[:cut] if cut > 0 else ""
 

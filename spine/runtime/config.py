@@ -31,7 +31,7 @@ LAYOUTS = ("layered", "collapsed", "mixed")
 class _Source:
     """One YAML file that went into a config, with the line of every key in it."""
 
-    name: str
+    name: str  # "" for the overrides given in code, which have no lines
     located: LocatedData
 
 
@@ -50,6 +50,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         config = merge(config, source.located.data or {})
     if overrides:
         config = merge(config, overrides)
+        sources.append(_Source("", LocatedData(overrides, dict.fromkeys(_paths(overrides), 0))))
     found += [_locate(problem, sources) for problem in config_problems(config)]
     if found:
         raise ConfigProblems([text for _, _, text in sorted(found)])  # file by file, top to bottom
@@ -82,10 +83,21 @@ def _locate(problem: Problem, sources: Sequence[_Source]) -> tuple[int, int, str
             path, up = parent_path(path), up + 1
         if path and (best is None or up < best[0]):
             best = (up, index, lines[path])
-    if best is None:
+    if best is None or not sources[best[1]].name:
         return len(sources), 0, str(problem)
     _, index, line = best
     return index, line, f"{sources[index].name}:{line}: {problem}"
+
+
+def _paths(data: Any, prefix: str = "") -> list[str]:
+    """Every key path in plain data, in the yamlsource format (`a.b[0].c`)."""
+    if isinstance(data, Mapping):
+        items = [(f"{prefix}.{key}" if prefix else str(key), value) for key, value in data.items()]
+    elif isinstance(data, list | tuple):
+        items = [(f"{prefix}[{index}]", value) for index, value in enumerate(data)]
+    else:
+        return []
+    return [path for child, value in items for path in (child, *_paths(value, child))]
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

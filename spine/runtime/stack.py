@@ -90,13 +90,13 @@ class Stack:
 
     def start(self) -> str:
         """Start everything and return the Gateway's address once all is SERVING."""
+        check_config(self.config)  # every section, before anything is created or started
         if self.run_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
             self.run_dir = Path(self._tmp.name)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(dict(self.config)))
-        check_config(self.config)  # every section, before any child process starts
         limits = RequestLimits.from_config(self.config)
         self._batching = BatchingConfig.from_config(self.config)
         if self.device is None:

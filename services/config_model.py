@@ -56,10 +56,10 @@ class Section(BaseModel):
         return {} if data is None else data
 
     @classmethod
-    def parse(cls, data: Any, where: str, *, context: Mapping[str, Any] | None = None) -> Self:
+    def parse(cls, data: Any, where: str) -> Self:
         """Validate `data` (None reads as an empty section); ConfigError lists every problem under `where`."""
         try:
-            return cls.model_validate(data, context=context)
+            return cls.model_validate(data)
         except ValidationError as error:
             raise ConfigProblems([str(p) for p in describe(error, cls, where)]) from None
 

@@ -19,6 +19,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -211,7 +212,7 @@ class LogsConfig(Section):
 
     @field_validator("ring_capacity")
     @classmethod
-    def _ring_holds_a_batch(cls, capacity: int, info: Any) -> int:
+    def _ring_holds_a_batch(cls, capacity: int, info: ValidationInfo) -> int:
         batch = info.data.get("batch_lines")
         if batch is not None and capacity < batch:
             raise problem(f"must be >= logs.batch_lines ({batch})", show_input=True)

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from migration.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
+from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located
 
 MIDDLEWARES: tuple[str, ...] = ("auth", "ratelimit", "router", "cache", "metrics", "logs")
 PLACEMENTS: tuple[str, ...] = ("local", "remote")

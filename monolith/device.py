@@ -7,13 +7,23 @@ each process makes its own context, so the same service classes serve both layou
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from monolith import cupy_kernels
+from monolith.device_config import DeviceConfig
+
+log = logging.getLogger("spine.device")
+
+# `memory_budget_mib: auto` on the CPU: the middlewares' tables and the tiny model's KV pool
+# fit with room to spare, and a test run on a shared box stays small.
+CPU_AUTO_BUDGET_BYTES = 256 * 1024 * 1024
 
 
 def pick_device(preferred: str = "auto") -> torch.device:
@@ -23,12 +33,32 @@ def pick_device(preferred: str = "auto") -> torch.device:
     return torch.device(preferred)
 
 
+def budget_bytes(device: torch.device, config: DeviceConfig) -> int:
+    """The budget `config` asks for on `device`; `auto` reads the free memory now (CUDA)."""
+    if config.memory_budget_mib != "auto":
+        return int(config.memory_budget_mib) << 20
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.auto_memory_fraction)
+    return CPU_AUTO_BUDGET_BYTES
+
+
 @dataclass
 class DeviceContext:
     """Owns the device and accounts every byte allocated through it to an owner."""
 
     device: torch.device = field(default_factory=pick_device)
-    budget_bytes: int = 256 * 1024 * 1024
+    budget_bytes: int = CPU_AUTO_BUDGET_BYTES  # `from_config` sizes it from the `device` section
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> DeviceContext:
+        """A context on the picked device with the budget of the config's `device` section."""
+        settings = DeviceConfig.from_config(config)
+        device = pick_device()
+        context = cls(device=device, budget_bytes=budget_bytes(device, settings))
+        log.info("device %s: memory budget %.1f MiB (device.memory_budget_mib: %s)",
+                 device, context.budget_bytes / (1 << 20), settings.memory_budget_mib)
+        return context
     _used: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _streams: dict[int, object] = field(default_factory=dict)

@@ -17,20 +17,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
+from pydantic import Field, StrictInt, field_validator
 
-from services.auth_jwt import JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
-from services.auth_keys import ApiKeyTable, entry_list, expect_fields, expect_mapping, required_text
-from services.common import Clock, ConfigError, DeviceState, answer_one, number, set_status, status_code
+from services.auth_jwt import JwtSection, JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
+from services.auth_keys import (
+    ApiKeyEntry,
+    ApiKeyTable,
+    check_unique,
+)
+from services.common import Clock, DeviceState, answer_one, set_status, status_code
+from services.config_model import Float, Items, NonEmptyStr, Section
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import MISSING_CREDENTIAL, Stop, bearer
 from spine.v1 import auth_pb2, auth_pb2_grpc
 
-_AUTH_FIELDS = ("api_keys", "jwt", "required_scope", "cache")
-_CACHE_FIELDS = ("max_entries", "max_ttl_s", "denial_ttl_s")
 MAX_DENIAL_TTL_S = 10.0
 _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
@@ -44,26 +48,39 @@ class AuthDenied(Exception):
         self.message = message
 
 
-@dataclass(frozen=True)
-class CacheSettings:
-    max_entries: int = 4096  # 0 turns the cache off
-    max_ttl_s: float = 300.0  # cap on an accepted verdict, even for long-lived tokens
-    denial_ttl_s: float = 2.0
+class CacheSettings(Section):
+    """`auth.cache`: the JWT verification cache."""
+
+    max_entries: Annotated[StrictInt, Field(ge=0)] = 4096  # 0 turns the cache off
+    max_ttl_s: Annotated[Float, Field(ge=0)] = 300.0  # cap on an accepted verdict, even for long-lived tokens
+    # A denial is kept only briefly, so a clock-skewed `nbf` heals quickly.
+    denial_ttl_s: Annotated[Float, Field(ge=0, le=MAX_DENIAL_TTL_S)] = 2.0
 
     @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any], where: str = "auth.cache") -> CacheSettings:
-        expect_fields(cfg, _CACHE_FIELDS, where)
-        max_entries = cfg.get("max_entries", cls.max_entries)
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
-            raise ConfigError(f"{where}.max_entries: expected an integer >= 0, got {max_entries!r}")
-        denial = number(cfg, "denial_ttl_s", cls.denial_ttl_s, where=where)
-        if denial > MAX_DENIAL_TTL_S:
-            raise ConfigError(f"{where}.denial_ttl_s: must be <= {MAX_DENIAL_TTL_S}, got {denial!r}")
-        return cls(max_entries, number(cfg, "max_ttl_s", cls.max_ttl_s, where=where), denial)
+    def from_dict(cls, cfg: Mapping[str, Any] | None, where: str = "auth.cache") -> CacheSettings:
+        return cls.parse(cfg, where)
+
+
+class AuthSection(Section):
+    """The `auth` section as written (the root config model's `auth`)."""
+
+    api_keys: Items[ApiKeyEntry] = ()
+    jwt: JwtSection | None = None
+    required_scope: NonEmptyStr = "generate"
+    cache: CacheSettings = CacheSettings()
+
+    @field_validator("api_keys")
+    @classmethod
+    def _unique(cls, entries: tuple[ApiKeyEntry, ...]) -> tuple[ApiKeyEntry, ...]:
+        check_unique(entries)
+        return entries
 
 
 @dataclass(frozen=True)
 class AuthConfig:
+    """What the service runs with: keys as digests only, JWT keys loaded. Built from a validated
+    `AuthSection`, so the plaintext of a dev key never outlives loading."""
+
     api_keys: ApiKeyTable = field(default_factory=lambda: ApiKeyTable([]))
     jwt: JwtSettings | None = None
     required_scope: str = "generate"
@@ -72,15 +89,13 @@ class AuthConfig:
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> AuthConfig:
         """Parse the `auth` section; `environ` (default os.environ) resolves `hs256_secret_env`."""
-        cfg = expect_mapping(section or {}, "auth")
-        expect_fields(cfg, _AUTH_FIELDS, "auth")
-        jwt_cfg = cfg.get("jwt")
-        return cls(
-            api_keys=ApiKeyTable.from_config(entry_list(cfg, "api_keys", "auth")),
-            jwt=None if jwt_cfg is None else JwtSettings.from_dict(expect_mapping(jwt_cfg, "auth.jwt"), environ=environ),
-            required_scope=required_text({"required_scope": "generate", **cfg}, "required_scope", "auth"),
-            cache=CacheSettings.from_dict(expect_mapping(cfg.get("cache") or {}, "auth.cache")),
-        )
+        return cls.from_section(AuthSection.parse(section, "auth"), environ)
+
+    @classmethod
+    def from_section(cls, section: AuthSection, environ: Mapping[str, str] | None = None) -> AuthConfig:
+        jwt = None if section.jwt is None else JwtSettings.from_section(section.jwt, "auth.jwt", environ)
+        return cls(api_keys=ApiKeyTable.from_entries(section.api_keys), jwt=jwt,
+                   required_scope=section.required_scope, cache=section.cache)
 
 
 Verdict = auth_pb2.CheckResponse | AuthDenied

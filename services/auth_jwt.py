@@ -17,25 +17,20 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import HMACAlgorithm
+from pydantic import Field, SecretStr, StrictStr, field_validator, model_validator
 
-from services.auth_keys import entry_list, expect_fields, required_text
-from services.common import Clock, ConfigError, number
+from services.common import Clock, ConfigError
+from services.config_model import Float, Items, NonEmptyStr, Section, problem
 
 # Three dot-separated base64url parts; the signature may be empty (`alg: none`), so that such
 # a token is still treated as a JWT and refused as one rather than as an unknown API key.
 _JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
-_JWT_FIELDS = (
-    "issuer", "audience", "leeway_s", "hs256_secret", "hs256_secret_env",
-    "public_keys", "tenant_claim", "scopes_claim",
-)
-_PUBLIC_KEY_FIELDS = ("alg", "pem", "pem_file", "kid")
-_PUBLIC_ALGS = ("ES256", "RS256")
 # Registered JWS names: safe to quote back in a message, unlike anything else from a header.
 _JWS_NAMES = frozenset({
     "none", "HS256", "HS384", "HS512", "RS256", "RS384", "RS512",
@@ -60,6 +55,68 @@ class VerificationKey:
     kid: str | None = None
 
 
+class PublicKeyEntry(Section):
+    """One `auth.jwt.public_keys` entry: a PEM public key (inline or a file) and its algorithm."""
+
+    alg: Literal["ES256", "RS256"]
+    pem: StrictStr | None = None
+    pem_file: NonEmptyStr | None = Field(default=None, description="read when auth starts")
+    kid: NonEmptyStr | None = None
+
+    @model_validator(mode="after")
+    def _one_pem_that_fits_alg(self) -> PublicKeyEntry:
+        if (self.pem is None) == (self.pem_file is None):
+            raise problem("give exactly one of pem or pem_file")
+        if self.pem is not None:
+            try:
+                load_public_key(self.alg, self.pem.encode("utf-8"))
+            except ValueError as exc:
+                raise problem(str(exc), "pem") from None
+        return self
+
+
+class JwtSection(Section):
+    """`auth.jwt` as written. An environment variable (`hs256_secret_env`) and a `pem_file` are
+    read when auth starts (`JwtSettings.from_section`), in the process that serves it."""
+
+    issuer: NonEmptyStr
+    audience: NonEmptyStr
+    leeway_s: Annotated[Float, Field(ge=0)] = 30.0
+    hs256_secret: SecretStr | None = None
+    hs256_secret_env: NonEmptyStr | None = None
+    public_keys: Items[PublicKeyEntry] = ()
+    tenant_claim: NonEmptyStr = "tenant"
+    scopes_claim: NonEmptyStr = "scope"
+
+    @field_validator("hs256_secret")
+    @classmethod
+    def _secret_is_strong(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None:
+            trouble = hs256_secret_problem(secret.get_secret_value().encode("utf-8"))
+            if trouble:
+                raise problem(trouble)
+        return secret
+
+    @field_validator("public_keys")
+    @classmethod
+    def _kids_are_unique(cls, keys: tuple[PublicKeyEntry, ...]) -> tuple[PublicKeyEntry, ...]:
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            if key.kid is not None:
+                if key.kid in seen:
+                    raise problem(f"duplicate key id {key.kid!r}", i, "kid")
+                seen.add(key.kid)
+        return keys
+
+    @model_validator(mode="after")
+    def _some_key(self) -> JwtSection:
+        if self.hs256_secret is not None and self.hs256_secret_env is not None:
+            raise problem("give one of hs256_secret or hs256_secret_env, not both")
+        if self.hs256_secret is None and self.hs256_secret_env is None and not self.public_keys:
+            raise problem("no verification key; give hs256_secret, hs256_secret_env or public_keys")
+        return self
+
+
 @dataclass(frozen=True)
 class JwtSettings:
     issuer: str
@@ -77,91 +134,81 @@ class JwtSettings:
     def from_dict(
         cls, cfg: Mapping[str, Any], where: str = "auth.jwt", environ: Mapping[str, str] | None = None
     ) -> JwtSettings:
-        expect_fields(cfg, _JWT_FIELDS, where)
+        return cls.from_section(JwtSection.parse(cfg, where), where, environ)
+
+    @classmethod
+    def from_section(
+        cls, section: JwtSection, where: str = "auth.jwt", environ: Mapping[str, str] | None = None
+    ) -> JwtSettings:
+        """Settings with every key loaded; reads `hs256_secret_env` from `environ` (default
+        os.environ) and `pem_file`s, the two things a config check cannot see."""
         keys: list[VerificationKey] = []
-        secret = _hs256_secret(cfg, where, os.environ if environ is None else environ)
+        secret = _hs256_secret(section, where, os.environ if environ is None else environ)
         if secret is not None:
             keys.append(VerificationKey("HS256", secret))
-        seen_kids: set[str] = set()
-        for i, entry in enumerate(entry_list(cfg, "public_keys", where)):
-            key = _public_key(entry, f"{where}.public_keys[{i}]")
-            if key.kid is not None:
-                if key.kid in seen_kids:
-                    raise ConfigError(f"{where}.public_keys[{i}].kid: duplicate key id {key.kid!r}")
-                seen_kids.add(key.kid)
-            keys.append(key)
-        if not keys:
-            raise ConfigError(f"{where}: no verification key; give hs256_secret, hs256_secret_env or public_keys")
-        return cls(
-            issuer=required_text(cfg, "issuer", where),
-            audience=required_text(cfg, "audience", where),
-            leeway_s=number(cfg, "leeway_s", 30.0, where=where),
-            keys=tuple(keys),
-            tenant_claim=required_text({"tenant_claim": "tenant", **cfg}, "tenant_claim", where),
-            scopes_claim=required_text({"scopes_claim": "scope", **cfg}, "scopes_claim", where),
-        )
+        for i, entry in enumerate(section.public_keys):
+            keys.append(_public_key(entry, f"{where}.public_keys[{i}]"))
+        return cls(issuer=section.issuer, audience=section.audience, leeway_s=section.leeway_s, keys=tuple(keys),
+                   tenant_claim=section.tenant_claim, scopes_claim=section.scopes_claim)
 
 
-def _hs256_secret(cfg: Mapping[str, Any], where: str, environ: Mapping[str, str]) -> bytes | None:
-    inline, env_name = cfg.get("hs256_secret"), cfg.get("hs256_secret_env")
-    if inline is not None and env_name is not None:
-        raise ConfigError(f"{where}: give one of hs256_secret or hs256_secret_env, not both")
-    if inline is None and env_name is None:
-        return None
-    if env_name is not None:
-        if not isinstance(env_name, str) or not env_name:
-            raise ConfigError(f"{where}.hs256_secret_env: expected an environment variable name, got {env_name!r}")
-        field, value = f"{where}.hs256_secret_env", environ.get(env_name, "")
-        if not value:
-            raise ConfigError(f"{field}: environment variable {env_name!r} is not set or empty")
-    else:
-        field = f"{where}.hs256_secret"
-        if not isinstance(inline, str):
-            raise ConfigError(f"{field}: expected a string, got {type(inline).__name__}")
-        value = inline
-    secret = value.encode("utf-8")
-    # The secret's length is reported, never the secret.
+def hs256_secret_problem(secret: bytes) -> str | None:
+    """What makes `secret` unfit to be an HMAC key, or None. Its length is told, never the secret."""
     if len(secret) < MIN_HS256_SECRET_BYTES:
-        raise ConfigError(f"{field}: must be at least {MIN_HS256_SECRET_BYTES} bytes, got {len(secret)}")
+        return f"must be at least {MIN_HS256_SECRET_BYTES} bytes, got {len(secret)}"
     try:
         HMACAlgorithm(HMACAlgorithm.SHA256).prepare_key(secret)
-    except jwt.InvalidKeyError as exc:
-        raise ConfigError(f"{field}: looks like a PEM/SSH key, not an HMAC secret") from exc
+    except jwt.InvalidKeyError:
+        return "looks like a PEM/SSH key, not an HMAC secret"
+    return None
+
+
+def _hs256_secret(section: JwtSection, where: str, environ: Mapping[str, str]) -> bytes | None:
+    if section.hs256_secret is not None:
+        return section.hs256_secret.get_secret_value().encode("utf-8")
+    name = section.hs256_secret_env
+    if name is None:
+        return None
+    field = f"{where}.hs256_secret_env"
+    value = environ.get(name, "")
+    if not value:
+        raise ConfigError(f"{field}: environment variable {name!r} is not set or empty")
+    secret = value.encode("utf-8")
+    trouble = hs256_secret_problem(secret)
+    if trouble:
+        raise ConfigError(f"{field}: {trouble}")
     return secret
 
 
-def _public_key(cfg: Mapping[str, Any], where: str) -> VerificationKey:
-    expect_fields(cfg, _PUBLIC_KEY_FIELDS, where)
-    alg = cfg.get("alg")
-    if alg not in _PUBLIC_ALGS:
-        raise ConfigError(f"{where}.alg: unknown algorithm {alg!r}; expected one of {', '.join(_PUBLIC_ALGS)}")
-    kid = cfg.get("kid")
-    if kid is not None and (not isinstance(kid, str) or not kid):
-        raise ConfigError(f"{where}.kid: expected a non-empty string, got {kid!r}")
-    pem, pem_file = cfg.get("pem"), cfg.get("pem_file")
-    if (pem is None) == (pem_file is None):
-        raise ConfigError(f"{where}: give exactly one of pem or pem_file")
-    if pem_file is not None:
-        field = f"{where}.pem_file"
-        try:
-            data = Path(str(pem_file)).read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{field}: cannot read {pem_file!r}: {exc.strerror}") from exc
-    else:
-        field = f"{where}.pem"
-        data = pem.encode("utf-8") if isinstance(pem, str) else b""
+def load_public_key(alg: str, data: bytes) -> Any:
+    """The public key in PEM `data`, if it fits `alg`; ValueError says why not."""
     try:
         key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{field}: does not parse as a PEM public key") from exc
+    except (ValueError, TypeError):
+        raise ValueError("does not parse as a PEM public key") from None
     if alg == "ES256" and not (isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name == "secp256r1"):
-        raise ConfigError(f"{field}: ES256 needs a P-256 (secp256r1) EC public key")
+        raise ValueError("ES256 needs a P-256 (secp256r1) EC public key")
     if alg == "RS256":
         if not isinstance(key, rsa.RSAPublicKey):
-            raise ConfigError(f"{field}: RS256 needs an RSA public key")
+            raise ValueError("RS256 needs an RSA public key")
         if key.key_size < MIN_RSA_BITS:
-            raise ConfigError(f"{field}: RSA key has {key.key_size} bits; at least {MIN_RSA_BITS} required")
-    return VerificationKey(alg, key, kid)
+            raise ValueError(f"RSA key has {key.key_size} bits; at least {MIN_RSA_BITS} required")
+    return key
+
+
+def _public_key(entry: PublicKeyEntry, where: str) -> VerificationKey:
+    if entry.pem_file is not None:
+        field = f"{where}.pem_file"
+        try:
+            data = Path(entry.pem_file).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{field}: cannot read {entry.pem_file!r}: {exc.strerror}") from exc
+    else:
+        field, data = f"{where}.pem", (entry.pem or "").encode("utf-8")
+    try:
+        return VerificationKey(entry.alg, load_public_key(entry.alg, data), entry.kid)
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,8 @@
-"""API keys: parsed from config, held only as SHA-256 digests, looked up by a bearer string.
+"""API keys: validated from config, held only as SHA-256 digests, looked up by a bearer string.
 
 The plaintext of a key is hashed at load and dropped, so a heap dump or a config echo of
 the running service never shows a usable key. Production configs give `key_sha256`
-directly; `key` exists for the dev tenant.
-
-This module also holds the small config readers the auth modules share, so every auth
-config error has the same shape: `auth.<path>: <what is wrong>, got <value>`.
+directly; `key` exists for the dev tenant. Neither is ever quoted in a config error.
 """
 
 from __future__ import annotations
@@ -13,61 +10,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated
 
-from services.common import ConfigError
+from pydantic import Field, SecretStr, StrictInt, StrictStr, field_validator, model_validator
+
+from services.config_model import Items, NonEmptyStr, Section, problem
 
 _SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
-_KEY_FIELDS = ("id", "tenant", "key", "key_sha256", "scopes", "max_priority")
-
-
-# --- config readers shared by the auth modules ---------------------------------------------
-
-
-def expect_mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-    return value
-
-
-def expect_fields(cfg: Mapping[str, Any], allowed: Collection[str], where: str) -> None:
-    """Reject unknown fields: a typo (`scope:` for `scopes:`) must not silently drop a setting."""
-    for name in cfg:
-        if name not in allowed:
-            raise ConfigError(f"{where}: unknown field {name!r}; expected one of {', '.join(allowed)}")
-
-
-def required_text(cfg: Mapping[str, Any], key: str, where: str) -> str:
-    value = cfg.get(key)
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}.{key}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def text_list(cfg: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
-    value = cfg.get(key, [])
-    if value is None:
-        return ()
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise ConfigError(f"{where}.{key}: expected a list of strings, got {value!r}")
-    for i, item in enumerate(value):
-        if not isinstance(item, str) or not item:
-            raise ConfigError(f"{where}.{key}[{i}]: expected a non-empty string, got {item!r}")
-    return tuple(value)
-
-
-def entry_list(cfg: Mapping[str, Any], key: str, where: str) -> list[Mapping[str, Any]]:
-    value = cfg.get(key, [])
-    if value is None:
-        return []
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise ConfigError(f"{where}.{key}: expected a list, got {type(value).__name__}")
-    return [expect_mapping(item, f"{where}.{key}[{i}]") for i, item in enumerate(value)]
-
-
-# --- API keys ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -85,28 +36,60 @@ def key_digest(credential: str) -> bytes:
     return hashlib.sha256(credential.encode("utf-8")).digest()
 
 
-def parse_api_key(cfg: Mapping[str, Any], where: str) -> ApiKey:
-    expect_fields(cfg, _KEY_FIELDS, where)
-    key_id = required_text(cfg, "id", where)
-    tenant = required_text(cfg, "tenant", where)
-    has_key, has_hash = cfg.get("key") is not None, cfg.get("key_sha256") is not None
-    if has_key == has_hash:
-        raise ConfigError(f"{where}: give exactly one of `key` or `key_sha256` (key id {key_id!r})")
-    if has_key:
-        plain = cfg["key"]
-        if not isinstance(plain, str) or not plain:
-            # Never echo the value: it may be a real key pasted into the wrong place.
-            raise ConfigError(f"{where}.key: expected a non-empty string, got {type(plain).__name__}")
-        digest = key_digest(plain)
-    else:
-        hexed = cfg["key_sha256"]
-        if not isinstance(hexed, str) or not _SHA256_HEX.fullmatch(hexed):
-            raise ConfigError(f"{where}.key_sha256: expected 64 hex characters (sha256 of the key)")
-        digest = bytes.fromhex(hexed)
-    max_priority = cfg.get("max_priority", 0)
-    if isinstance(max_priority, bool) or not isinstance(max_priority, int) or max_priority < 0:
-        raise ConfigError(f"{where}.max_priority: expected an integer >= 0, got {max_priority!r}")
-    return ApiKey(key_id, tenant, digest, text_list(cfg, "scopes", where), max_priority)
+class ApiKeyEntry(Section):
+    """One `auth.api_keys` entry as written: exactly one of `key` (dev) or `key_sha256`."""
+
+    id: NonEmptyStr
+    tenant: NonEmptyStr
+    key: SecretStr | None = Field(default=None, description="the key itself (dev configs only); hashed at load")
+    key_sha256: StrictStr | None = Field(default=None, description="sha256 hex of the key",
+                                         json_schema_extra={"pattern": _SHA256_HEX.pattern})
+    scopes: Items[NonEmptyStr] = ()
+    max_priority: Annotated[StrictInt, Field(ge=0)] = 0
+
+    @field_validator("key")
+    @classmethod
+    def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value():
+            raise problem("expected a non-empty string")
+        return key
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hash_is_hex(cls, hexed: str | None) -> str | None:
+        # Never echoed: it may be a real key pasted into the wrong place.
+        if hexed is not None and not _SHA256_HEX.fullmatch(hexed):
+            raise problem("expected 64 hex characters (sha256 of the key)")
+        return hexed
+
+    @model_validator(mode="after")
+    def _exactly_one_key(self) -> ApiKeyEntry:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise problem(f"give exactly one of `key` or `key_sha256` (key id {self.id!r})")
+        return self
+
+    def digest(self) -> bytes:
+        if self.key is not None:
+            return key_digest(self.key.get_secret_value())
+        assert self.key_sha256 is not None
+        return bytes.fromhex(self.key_sha256)
+
+    def to_key(self) -> ApiKey:
+        return ApiKey(self.id, self.tenant, self.digest(), tuple(self.scopes), self.max_priority)
+
+
+def check_unique(entries: Sequence[ApiKeyEntry]) -> None:
+    """Every id and every key once: raise the problem at the entry that repeats one."""
+    ids: set[str] = set()
+    owners: dict[bytes, str] = {}
+    for i, entry in enumerate(entries):
+        if entry.id in ids:
+            raise problem(f"duplicate key id {entry.id!r}", i, "id")
+        ids.add(entry.id)
+        digest = entry.digest()
+        if digest in owners:
+            raise problem(f"same key as id {owners[digest]!r}; every key must be distinct", i)
+        owners[digest] = entry.id
 
 
 class ApiKeyTable:
@@ -114,21 +97,12 @@ class ApiKeyTable:
     confirmed with `hmac.compare_digest`, so timing says nothing useful about stored keys."""
 
     def __init__(self, keys: Sequence[ApiKey]) -> None:
-        self._by_digest: dict[bytes, ApiKey] = {}
-        seen_ids: set[str] = set()
-        for i, key in enumerate(keys):
-            where = f"auth.api_keys[{i}]"
-            if key.id in seen_ids:
-                raise ConfigError(f"{where}.id: duplicate key id {key.id!r}")
-            seen_ids.add(key.id)
-            other = self._by_digest.get(key.digest)
-            if other is not None:
-                raise ConfigError(f"{where}: same key as id {other.id!r}; every key must be distinct")
-            self._by_digest[key.digest] = key
+        self._by_digest: dict[bytes, ApiKey] = {key.digest: key for key in keys}
 
     @classmethod
-    def from_config(cls, entries: Sequence[Mapping[str, Any]]) -> ApiKeyTable:
-        return cls([parse_api_key(entry, f"auth.api_keys[{i}]") for i, entry in enumerate(entries)])
+    def from_entries(cls, entries: Sequence[ApiKeyEntry]) -> ApiKeyTable:
+        """The table of validated entries (`AuthSection` has checked that ids and keys are unique)."""
+        return cls([entry.to_key() for entry in entries])
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -139,3 +113,4 @@ class ApiKeyTable:
         if found is None or not hmac.compare_digest(found.digest, digest):
             return None
         return found
+

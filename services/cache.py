@@ -18,19 +18,23 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from services.cache_index import CacheIndex, KeyHash, default_key_hash
-from services.common import Clock, ConfigError, DeviceState, answer_one, number, set_status, status_code
+from services.common import (
+    Clock,
+    DeviceState,
+    answer_one,
+    set_status,
+    status_code,
+)
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
+from services.sections import CacheConfig
 from spine.v1 import cache_pb2, cache_pb2_grpc, generation_pb2
 
-_FIELDS = ("max_entries", "ttl_s")
 KEY_BYTES = 32  # sha256
 
 
@@ -40,28 +44,6 @@ class InvalidCacheRequest(ValueError):
     def __init__(self, message: str, index: int = 0) -> None:
         super().__init__(message)
         self.index = index
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    max_entries: int = 4096
-    ttl_s: float = 300.0
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> CacheConfig:
-        cfg = section or {}
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"cache: expected a mapping, got {type(cfg).__name__}")
-        unknown = sorted(set(cfg) - set(_FIELDS))
-        if unknown:
-            raise ConfigError(f"cache.{unknown[0]}: unknown key (known: {', '.join(_FIELDS)})")
-        max_entries = cfg.get("max_entries", cls.max_entries)
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ConfigError(f"cache.max_entries: expected an integer >= 1, got {max_entries!r}")
-        ttl_s = number(cfg, "ttl_s", cls.ttl_s, where="cache")
-        if ttl_s == 0:
-            raise ConfigError(f"cache.ttl_s: must be > 0, got {ttl_s!r}")
-        return cls(max_entries=max_entries, ttl_s=ttl_s)
 
 
 def cacheable(request: generation_pb2.GenerateRequest) -> bool:

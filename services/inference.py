@@ -57,7 +57,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._deterministic_before: bool | None = None
         if config.deterministic:
             self._enter_deterministic()
-        spec = {"model_id": config.model_id, "seed": config.seed, **dict(config.backend)}
+        spec = {"model_id": config.model_id, "seed": config.seed, **config.backend.spec()}
         self.backend = backend if backend is not None else load_backend(spec, device=device)
         self.kv_plan = self._plan_kv()
         self.engine = make_engine(self.backend, device, self.kv_plan.slots)
@@ -232,7 +232,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 weight_bytes=weight_bytes(model),
                 free_bytes=free_device_bytes(self.device, int(cfg.kv_cpu_memory_cap_mb * (1 << 20))),
                 memory_fraction=cfg.kv_memory_fraction, max_batch=cfg.max_batch,
-                requested=cfg.kv_cache_max_entries)
+                requested=cfg.kv_slots)
         except ValueError as error:
             raise ConfigError(f"inference.kv_cache_max_entries: {error}") from error
 

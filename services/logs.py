@@ -15,82 +15,17 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import Clock, ConfigError, DeviceState, number, set_status, status_code
+from services.common import Clock, DeviceState, set_status, status_code
 from services.log_ring import BatchedLineWriter, LogsClosedError
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.redact import redact_mapping
+from services.sections import LogsConfig
 from spine.v1 import logs_pb2, logs_pb2_grpc
-
-_KNOWN_FIELDS = (
-    "path",
-    "batch_lines",
-    "flush_interval_s",
-    "ring_capacity",
-    "full_wait_s",
-    "max_line_bytes",
-    "fsync",
-)
-
-
-@dataclass(frozen=True)
-class LogsConfig:
-    """The `logs` config section, with `path` resolved against the run directory."""
-
-    path: Path
-    batch_lines: int = 64
-    flush_interval_s: float = 0.5
-    ring_capacity: int = 4096
-    full_wait_s: float = 0.05
-    max_line_bytes: int = 65536
-    fsync: bool = True
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None, run_dir: str | Path) -> LogsConfig:
-        cfg = cfg or {}
-        unknown = sorted(set(cfg) - set(_KNOWN_FIELDS))
-        if unknown:
-            raise ConfigError(f"logs.{unknown[0]}: unknown field (known: {', '.join(_KNOWN_FIELDS)})")
-        raw_path = cfg.get("path", "requests.jsonl")
-        if not isinstance(raw_path, str) or not raw_path.strip():
-            raise ConfigError(f"logs.path: expected a file path, got {raw_path!r}")
-        batch_lines = _integer(cfg, "batch_lines", cls.batch_lines)
-        ring_capacity = _integer(cfg, "ring_capacity", cls.ring_capacity)
-        if ring_capacity < batch_lines:
-            raise ConfigError(
-                f"logs.ring_capacity: must be >= logs.batch_lines ({batch_lines}), got {ring_capacity}"
-            )
-        interval = number(cfg, "flush_interval_s", cls.flush_interval_s, where="logs")
-        if interval <= 0:
-            raise ConfigError(f"logs.flush_interval_s: must be > 0, got {interval!r}")
-        fsync = cfg.get("fsync", True)
-        if not isinstance(fsync, bool):
-            raise ConfigError(f"logs.fsync: expected true or false, got {fsync!r}")
-        return cls(
-            path=Path(run_dir) / Path(raw_path).expanduser(),
-            batch_lines=batch_lines,
-            flush_interval_s=interval,
-            ring_capacity=ring_capacity,
-            full_wait_s=number(cfg, "full_wait_s", cls.full_wait_s, where="logs"),
-            max_line_bytes=_integer(cfg, "max_line_bytes", cls.max_line_bytes, minimum=256),
-            fsync=fsync,
-        )
-
-
-def _integer(cfg: Mapping[str, Any], key: str, default: int, *, minimum: int = 1) -> int:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"logs.{key}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"logs.{key}: must be >= {minimum}, got {value!r}")
-    return value
 
 
 class LogsService(logs_pb2_grpc.LogsServicer):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,25 +29,18 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from services.common import (
-    ConfigError,
     DeviceState,
     ReadHooks,
     abort_on_item,
-    number,
     set_status,
     status_code,
 )
 from services.histograms import CounterTable, HistogramSeries, HistogramTable, SeriesKey
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
-from services.prometheus_http import is_loopback, parse_listen
+from services.sections import DEFAULT_BUCKETS as DEFAULT_BUCKETS
+from services.sections import MetricsConfig
 from spine.v1 import batch_pb2, metrics_pb2, metrics_pb2_grpc
-
-# Prometheus-style buckets from 0.1 ms to 10 s: fine enough for an in-process middleware hop
-# (tens of microseconds to a millisecond) and for a whole generation (seconds).
-DEFAULT_BUCKETS: tuple[float, ...] = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -91,60 +84,6 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (REQUESTS, CACHE_HITS, TOKENS, FAILURES, DURATION, SHADOW_DURATION, MIDDLEWARE_DURATION)
 }
-
-_KNOWN_FIELDS = ("http_listen", "allow_external", "buckets", "initial_series")
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """The `metrics` config section."""
-
-    http_listen: str = "127.0.0.1:0"
-    allow_external: bool = False
-    buckets: tuple[float, ...] = DEFAULT_BUCKETS
-    initial_series: int = 64
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None) -> MetricsConfig:
-        cfg = cfg or {}
-        unknown = sorted(set(cfg) - set(_KNOWN_FIELDS))
-        if unknown:
-            raise ConfigError(f"metrics.{unknown[0]}: unknown field (known: {', '.join(_KNOWN_FIELDS)})")
-        listen = cfg.get("http_listen", cls.http_listen)
-        if not isinstance(listen, str):
-            raise ConfigError(f"metrics.http_listen: expected HOST:PORT, got {listen!r}")
-        try:
-            host, _ = parse_listen(listen)
-        except ValueError as exc:
-            raise ConfigError(f"metrics.http_listen: {exc}") from None
-        allow_external = cfg.get("allow_external", False)
-        if not isinstance(allow_external, bool):
-            raise ConfigError(f"metrics.allow_external: expected true or false, got {allow_external!r}")
-        if not allow_external and not is_loopback(host):
-            raise ConfigError(
-                f"metrics.http_listen: {listen!r} is not a loopback address; "
-                "set metrics.allow_external: true to expose metrics beyond this machine"
-            )
-        return cls(
-            http_listen=listen,
-            allow_external=allow_external,
-            buckets=_buckets(cfg.get("buckets", list(DEFAULT_BUCKETS))),
-            initial_series=int(number(cfg, "initial_series", cls.initial_series, where="metrics", minimum=1)),
-        )
-
-
-def _buckets(value: object) -> tuple[float, ...]:
-    if not isinstance(value, list | tuple) or not value:
-        raise ConfigError(f"metrics.buckets: expected a non-empty list of seconds, got {value!r}")
-    for i, b in enumerate(value):
-        if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b) or b <= 0:
-            raise ConfigError(f"metrics.buckets[{i}]: expected a positive finite number, got {b!r}")
-    bounds = tuple(float(b) for b in value)
-    for i in range(1, len(bounds)):
-        if bounds[i] <= bounds[i - 1]:
-            raise ConfigError(f"metrics.buckets[{i}]: must be above {bounds[i - 1]}, got {bounds[i]}")
-    return bounds
-
 
 def check_record(record: metrics_pb2.RequestRecord) -> str | None:
     """Why `record` cannot be counted, or None: a bad latency would corrupt every later scrape."""

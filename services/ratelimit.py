@@ -17,23 +17,22 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
 
-from services.common import Clock, ConfigError, DeviceState, answer_one, number, set_status, status_code
+from services.common import Clock, DeviceState, answer_one, set_status, status_code
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
+from services.sections import BucketLimits as BucketLimits
+from services.sections import RateLimitConfig
 from services.token_buckets import BatchDecision, BucketState, TokenBucketTable
 from spine.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 Key = tuple[tuple[str, str], ...]
 RESOURCES = ("requests", "tokens")
-_LIMIT_FIELDS = ("requests_per_second", "burst", "tokens_per_minute", "token_burst")
-_FIELDS = ("domain", "default", "tenants")
 # Costs are summed exactly in float64; this bound keeps any batch's sums below 2**53.
 MAX_HITS_ADDEND = 2**40
 _OK = ratelimit_pb2.RateLimitResponse.OK
@@ -47,69 +46,6 @@ class InvalidRateLimitRequest(ValueError):
     def __init__(self, message: str, index: int = 0) -> None:
         super().__init__(message)
         self.index = index
-
-
-@dataclass(frozen=True)
-class BucketLimits:
-    requests_per_second: float = 200.0
-    burst: float = 400.0
-    tokens_per_minute: float = 6_000_000.0
-    token_burst: float = 1_000_000.0
-
-    @classmethod
-    def from_dict(cls, cfg: Any, where: str, base: BucketLimits | None = None) -> BucketLimits:
-        """Parse a limits block; keys not given come from `base` (the default block)."""
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {type(cfg).__name__}")
-        unknown = sorted(set(cfg) - set(_LIMIT_FIELDS))
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(_LIMIT_FIELDS)})")
-        base = base or cls()
-        values = {}
-        for key in _LIMIT_FIELDS:
-            minimum = 1.0 if key in ("burst", "token_burst") else 0.0
-            value = number(cfg, key, getattr(base, key), where=where, minimum=minimum)
-            if minimum == 0.0 and value == 0.0:
-                raise ConfigError(f"{where}.{key}: must be > 0 (a bucket that never refills is a quota), got {value!r}")
-            values[key] = value
-        return cls(**values)
-
-    def bucket(self, resource: str) -> tuple[float, float]:
-        """(rate per second, capacity) of the bucket for `resource`."""
-        if resource == "requests":
-            return self.requests_per_second, self.burst
-        return self.tokens_per_minute / 60.0, self.token_burst
-
-
-@dataclass(frozen=True)
-class RateLimitConfig:
-    domain: str = "spine"
-    default: BucketLimits = BucketLimits()
-    tenants: Mapping[str, BucketLimits] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> RateLimitConfig:
-        cfg = section or {}
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"ratelimit: expected a mapping, got {type(cfg).__name__}")
-        unknown = sorted(set(cfg) - set(_FIELDS))
-        if unknown:
-            raise ConfigError(f"ratelimit.{unknown[0]}: unknown key (known: {', '.join(_FIELDS)})")
-        domain = cfg.get("domain", cls.domain)
-        if not isinstance(domain, str) or not domain:
-            raise ConfigError(f"ratelimit.domain: expected a non-empty string, got {domain!r}")
-        default = BucketLimits.from_dict(cfg.get("default") or {}, "ratelimit.default")
-        tenants_cfg = cfg.get("tenants") or {}
-        if not isinstance(tenants_cfg, Mapping):
-            raise ConfigError(f"ratelimit.tenants: expected a mapping, got {type(tenants_cfg).__name__}")
-        tenants = {
-            str(name): BucketLimits.from_dict(block or {}, f"ratelimit.tenants.{name}", base=default)
-            for name, block in tenants_cfg.items()
-        }
-        return cls(domain=domain, default=default, tenants=tenants)
-
-    def limits_for(self, tenant: str) -> BucketLimits:
-        return self.tenants.get(tenant, self.default)
 
 
 @dataclass(frozen=True)

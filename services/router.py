@@ -8,88 +8,18 @@ calls it in either layout); the per-request `Resolve` is its batch of one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from services.common import ConfigError, DeviceState, answer_one, set_status, status_code
+from services.common import DeviceState, answer_one, set_status, status_code
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import resolved_request
+from services.sections import ModelRoute, RouterConfig
 from spine.v1 import router_pb2, router_pb2_grpc
 
-_ROUTER_FIELDS = ("models",)
-_MODEL_FIELDS = ("id", "backend", "aliases")
 _MAX_ECHO = 64  # an unknown name is quoted back, but not an arbitrarily long one
-
-
-@dataclass(frozen=True)
-class ModelRoute:
-    id: str
-    backend: str
-    aliases: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    models: tuple[ModelRoute, ...]
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> RouterConfig:
-        cfg = _mapping(section or {}, "router")
-        _known_fields(cfg, _ROUTER_FIELDS, "router")
-        entries = cfg.get("models")
-        if isinstance(entries, str) or not isinstance(entries, Sequence) or not entries:
-            raise ConfigError(f"router.models: expected a non-empty list of models, got {entries!r}")
-        models = tuple(_model(_mapping(e, f"router.models[{i}]"), f"router.models[{i}]") for i, e in enumerate(entries))
-        _check_unique(models)
-        return cls(models)
-
-
-def _model(cfg: Mapping[str, Any], where: str) -> ModelRoute:
-    _known_fields(cfg, _MODEL_FIELDS, where)
-    aliases = cfg.get("aliases") or []
-    if isinstance(aliases, str) or not isinstance(aliases, Sequence):
-        raise ConfigError(f"{where}.aliases: expected a list of names, got {aliases!r}")
-    for j, alias in enumerate(aliases):
-        _name(alias, f"{where}.aliases[{j}]")
-    return ModelRoute(_name(cfg.get("id"), f"{where}.id"), _name(cfg.get("backend"), f"{where}.backend"), tuple(aliases))
-
-
-def _check_unique(models: tuple[ModelRoute, ...]) -> None:
-    """Every id and alias names one model; the first claim on a name wins the error message."""
-    owner: dict[str, str] = {}  # name -> the field that first claimed it
-    for i, model in enumerate(models):
-        where = f"router.models[{i}]"
-        if model.id in owner:
-            raise ConfigError(f"{where}.id: {model.id!r} is already used by {owner[model.id]}")
-        owner[model.id] = f"{where}.id"
-    for i, model in enumerate(models):
-        for j, alias in enumerate(model.aliases):
-            where = f"router.models[{i}].aliases[{j}]"
-            if alias in owner:
-                raise ConfigError(f"{where}: {alias!r} is already used by {owner[alias]}")
-            owner[alias] = where
-
-
-def _name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def _mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
-    return value
-
-
-def _known_fields(cfg: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    for name in cfg:
-        if name not in allowed:
-            raise ConfigError(f"{where}: unknown field {name!r}; expected one of {', '.join(allowed)}")
 
 
 class UnknownModel(LookupError):

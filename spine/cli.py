@@ -3,7 +3,10 @@
     spine up --layout layered|collapsed|mixed [--listen HOST:PORT]
     spine call --prompt "hello" [--stream]
     spine demo
+    spine config schema|check
     spine migrate ...
+
+A config problem (`--config`) exits 2 with one line per problem, before anything starts.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     install_from_config(config, service_name="spine")
     placements = placements_for(args.layout, config)
-    listen = args.listen or str(config.get("listen", DEFAULT_ADDRESS))
+    listen = args.listen or str(config["listen"])
     run_dir = Path(args.run_dir) if args.run_dir else None
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
                   remote_addresses=remote_addresses(config))
@@ -53,6 +56,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         print("stopping: finishing in-flight requests, flushing logs and metrics", file=sys.stderr)
         stack.stop()
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """`schema`: the JSON schema of a config file; `check`: load --config (exit 2 on a problem)."""
+    if args.action == "schema":
+        from spine.runtime.config_model import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    load_config(args.config)
+    print(f"{args.config or 'the default config'}: ok")
     return 0
 
 
@@ -228,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: both layouts side by side (`make run`)")
     demo.set_defaults(handler=cmd_demo)
 
+    config = sub.add_parser("config", help="the config file: its JSON schema, or check one (--config)")
+    config.add_argument("action", choices=("schema", "check"))
+    config.set_defaults(handler=cmd_config)
+
     try:
         from migration.cli import add_migrate_parser
     except ImportError:
@@ -245,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+        for line in getattr(error, "problems", None) or str(error).splitlines():
+            print(f"config error: {line}", file=sys.stderr)
         return 2
 
 

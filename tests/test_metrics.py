@@ -266,7 +266,7 @@ def test_config_from_dict_validates_fields() -> None:
     with pytest.raises(ConfigError, match=r"metrics\.http_listen: '0\.0\.0\.0:9464' is not a loopback"):
         MetricsConfig.from_dict({"http_listen": "0.0.0.0:9464"})
     assert MetricsConfig.from_dict({"http_listen": "0.0.0.0:9464", "allow_external": True}).allow_external
-    with pytest.raises(ConfigError, match=r"metrics\.http_listn: unknown field"):
+    with pytest.raises(ConfigError, match=r"metrics\.http_listn: unknown key; known: http_listen"):
         MetricsConfig.from_dict({"http_listn": "127.0.0.1:1"})
 
 

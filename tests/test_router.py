@@ -132,4 +132,4 @@ def test_no_models_is_a_config_error() -> None:
 
 def test_misspelled_field_is_a_config_error() -> None:
     message = _config_error([{"id": "a", "backend": "b", "alias": ["x"]}])
-    assert message.startswith("router.models[0]: unknown field 'alias'")
+    assert message.startswith("router.models[0].alias: unknown key; known: id, backend, aliases")

@@ -97,7 +97,7 @@ def test_shadow_settings_are_checked_and_name_the_field() -> None:
         ShadowConfig.from_config({"shadow": {"max_in_flight": 0}})
     with pytest.raises(ConfigError, match=r"shadow\.ignore_fields.*colour"):
         ShadowConfig.from_config({"shadow": {"ignore_fields": ["colour"]}})
-    with pytest.raises(ConfigError, match=r"shadow: unknown field.*rate"):
+    with pytest.raises(ConfigError, match=r"shadow\.rate: unknown key; known: share"):
         ShadowConfig.from_config({"shadow": {"rate": 1}})
 
 

@@ -126,12 +126,12 @@ def test_sampled_out_requests_record_nothing_but_still_carry_context() -> None:
 
 def test_tracing_is_off_by_default_and_bad_settings_name_the_field() -> None:
     assert Tracing.from_config(config_for_tests()) is None
-    assert TracingConfig.from_config({}) == TracingConfig(False, 0.01, "none")
+    assert TracingConfig.from_config({}) == TracingConfig(enabled=False, sample_ratio=0.01, exporter="none")
     with pytest.raises(ConfigError, match=r"tracing\.sample_ratio.*1\.5"):
         TracingConfig.from_config({"tracing": {"sample_ratio": 1.5}})
     with pytest.raises(ConfigError, match=r"tracing\.exporter.*jaeger"):
         TracingConfig.from_config({"tracing": {"exporter": "jaeger"}})
-    with pytest.raises(ConfigError, match=r"tracing: unknown field.*ratio"):
+    with pytest.raises(ConfigError, match=r"tracing\.ratio: unknown key; known: enabled, sample_ratio, exporter"):
         TracingConfig.from_config({"tracing": {"ratio": 0.1}})
     enabled = Tracing.from_config({"tracing": {"enabled": True, "sample_ratio": 0.5, "exporter": "none"}})
     assert enabled is not None

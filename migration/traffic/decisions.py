@@ -9,13 +9,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, get_args
 
 import grpc
 
+from spine.runtime.sections import DecisionField
 from spine.v1 import generation_pb2
 
-FIELDS: tuple[str, ...] = ("status", "details", "auth", "ratelimit", "route", "cached", "tokens")
+# The shadow section's `ignore_fields` names these; its schema lists them (a test keeps both
+# equal to Decision's fields).
+FIELDS: tuple[str, ...] = get_args(DecisionField)
 _TIMING = re.compile(r"\d+(\.\d+)?s\b")
 _AUTH_DENIED = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 

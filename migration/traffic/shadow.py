@@ -20,13 +20,13 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from migration.traffic.decisions import FIELDS, Decision, differing
-from services.common import ConfigError
+from migration.traffic.decisions import Decision, differing
+from spine.runtime.sections import ShadowConfig
 from spine.v1 import generation_pb2
 
 log = logging.getLogger("spine.shadow")
@@ -35,51 +35,6 @@ SHADOW_HEADER = "x-spine-shadow"
 Metadata = tuple[tuple[str, str], ...]
 # (target side, request, metadata, timeout_s, stream) -> the target's decision
 ShadowCall = Callable[[str, generation_pb2.GenerateRequest, Metadata, float, bool], Decision]
-
-
-@dataclass(frozen=True)
-class ShadowConfig:
-    """The `shadow:` config section."""
-
-    share: float = 0.0
-    compare: bool = True
-    calibration_share: float = 0.1
-    max_in_flight: int = 8
-    timeout_s: float = 10.0
-    ignore_fields: tuple[str, ...] = ("cached",)
-
-    def __post_init__(self) -> None:
-        for name in ("share", "calibration_share"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
-                raise ConfigError(f"shadow.{name}: must be a number between 0 and 1, got {value!r}")
-        if isinstance(self.max_in_flight, bool) or not isinstance(self.max_in_flight, int) or not (
-                1 <= self.max_in_flight <= 1024):
-            raise ConfigError(f"shadow.max_in_flight: must be an integer from 1 to 1024, got {self.max_in_flight!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or self.timeout_s <= 0:
-            raise ConfigError(f"shadow.timeout_s: must be a positive number of seconds, got {self.timeout_s!r}")
-        if not isinstance(self.compare, bool):
-            raise ConfigError(f"shadow.compare: must be true or false, got {self.compare!r}")
-        unknown = sorted(set(self.ignore_fields) - set(FIELDS))
-        if unknown:
-            raise ConfigError(f"shadow.ignore_fields: unknown field(s) {unknown}; known: {', '.join(FIELDS)}")
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ShadowConfig:
-        section = config.get("shadow") or {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"shadow: must be a mapping, got {section!r}")
-        known = {"share", "compare", "calibration_share", "max_in_flight", "timeout_s", "ignore_fields"}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ConfigError(f"shadow: unknown field(s) {unknown}; known: {', '.join(sorted(known))}")
-        values = dict(section)
-        if "ignore_fields" in values:
-            ignore = values["ignore_fields"]
-            if not isinstance(ignore, Sequence) or isinstance(ignore, str):
-                raise ConfigError(f"shadow.ignore_fields: must be a list of field names, got {ignore!r}")
-            values["ignore_fields"] = tuple(ignore)
-        return cls(**values)
 
 
 @dataclass(frozen=True)

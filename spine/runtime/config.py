@@ -1,48 +1,103 @@
 """One YAML configuration file, laid over the documented default (`default_config.yaml`).
 
-Each component reads its own section; this module only merges, checks the top-level
-shape and turns a layout name into placements.
+`load_config` reads both through the strict loader (`spine.runtime.yamlsource`: duplicate
+keys are refused, every key keeps its line), merges them and validates the result against
+the root model (`spine.runtime.config_model.SpineConfig`) before anything starts. Every
+problem is reported, one line each, as `FILE:LINE: PATH: WHAT`. It returns the merged
+mapping, which components read through their own section models.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from services.common import ConfigError
-from services.registry import COMPONENTS, MIDDLEWARES, PLACEMENTS
+from services.config_model import ConfigProblems, Problem
+from services.registry import COMPONENTS, MIDDLEWARES
+from spine.runtime.config_model import SECTIONS as SECTIONS
+from spine.runtime.config_model import config_problems
+from spine.runtime.sections import Placements, RemoteAddresses
+from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located, parent_path
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "default_config.yaml"
-SECTIONS = frozenset(
-    {"listen", "placements", "limits", "auth", "ratelimit", "router", "cache", "metrics", "logs",
-     "inference", "batching", "tracing", "shadow", "split", "remote_addresses"}
-)
 LAYOUTS = ("layered", "collapsed", "mixed")
 
 
+@dataclass(frozen=True)
+class _Source:
+    """One YAML file that went into a config, with the line of every key in it."""
+
+    name: str  # "" for the overrides given in code, which have no lines
+    located: LocatedData
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The default config, with the file at `path` and then `overrides` merged over it."""
-    config = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    """The default config, with the file at `path` and then `overrides` merged over it, validated.
+
+    Raises ConfigProblems (a ConfigError) listing every problem: YAML errors, duplicate keys,
+    unknown sections and keys, bad values."""
+    sources = [_read(DEFAULT_CONFIG_PATH)]
     if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as error:
-            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"config file {path}: the top level must be a mapping")
-        config = merge(config, loaded)
+        sources.append(_read(Path(path)))
+    found = [(index, line, f"{source.name}:{line}: {key}: duplicate key")
+             for index, source in enumerate(sources) for key, line in source.located.duplicates]
+    config: dict[str, Any] = {}
+    for source in sources:
+        config = merge(config, source.located.data or {})
     if overrides:
         config = merge(config, overrides)
-    unknown = sorted(set(config) - SECTIONS)
-    if unknown:
-        raise ConfigError(f"unknown config section(s) {unknown}; known: {sorted(SECTIONS)}")
+        sources.append(_Source("", LocatedData(overrides, dict.fromkeys(_paths(overrides), 0))))
+    found += [_locate(problem, sources) for problem in config_problems(config)]
+    if found:
+        raise ConfigProblems([text for _, _, text in sorted(found)])  # file by file, top to bottom
     return config
+
+
+def _read(path: Path) -> _Source:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigProblems([f"{path}: cannot read the config file: {error.strerror}"]) from error
+    try:
+        located = load_located(text, strict=False)
+    except YamlSourceError as error:
+        raise ConfigProblems([f"{path}:{error.line}: {error}"]) from None
+    if located.data is not None and not isinstance(located.data, Mapping):
+        raise ConfigProblems([f"{path}:{located.line('')}: the top level must be a mapping of sections, "
+                              f"got {type(located.data).__name__}"])
+    return _Source(str(path), located)
+
+
+def _locate(problem: Problem, sources: Sequence[_Source]) -> tuple[int, int, str]:
+    """(source index, line, `FILE:LINE: problem`) at the deepest key of the problem's path that a
+    file spells out (the user's file over the default on a tie); unlocated (overrides) sort last."""
+    best: tuple[int, int, int] | None = None  # (levels above the problem's path, source index, line)
+    for index in reversed(range(len(sources))):
+        lines = sources[index].located.lines
+        path, up = problem.path, 0
+        while path and path not in lines:
+            path, up = parent_path(path), up + 1
+        if path and (best is None or up < best[0]):
+            best = (up, index, lines[path])
+    if best is None or not sources[best[1]].name:
+        return len(sources), 0, str(problem)
+    _, index, line = best
+    return index, line, f"{sources[index].name}:{line}: {problem}"
+
+
+def _paths(data: Any, prefix: str = "") -> list[str]:
+    """Every key path in plain data, in the yamlsource format (`a.b[0].c`)."""
+    if isinstance(data, Mapping):
+        items = [(f"{prefix}.{key}" if prefix else str(key), value) for key, value in data.items()]
+    elif isinstance(data, list | tuple):
+        items = [(f"{prefix}[{index}]", value) for index, value in enumerate(data)]
+    else:
+        return []
+    return [path for child, value in items for path in (child, *_paths(value, child))]
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,21 +119,12 @@ def placements_for(layout: str, config: Mapping[str, Any]) -> dict[str, str]:
         return dict.fromkeys(COMPONENTS, "local")
     if layout != "mixed":
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    return check_placements(config.get("placements") or {})
+    return check_placements(config.get("placements"))
 
 
-def check_placements(placements: Mapping[str, Any]) -> dict[str, str]:
+def check_placements(placements: Mapping[str, Any] | None) -> dict[str, str]:
     """Validate a placement map; components left out default to remote (inference: local)."""
-    unknown = sorted(set(placements) - set(COMPONENTS))
-    if unknown:
-        raise ConfigError(f"placements: unknown component(s) {unknown}; known: {', '.join(COMPONENTS)}")
-    result: dict[str, str] = {}
-    for name in COMPONENTS:
-        value = placements.get(name, "local" if name == "inference" else "remote")
-        if value not in PLACEMENTS:
-            raise ConfigError(f"placements.{name}: must be 'local' or 'remote', got {value!r}")
-        result[name] = value
-    return result
+    return Placements.parse(placements, "placements").model_dump()
 
 
 def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:
@@ -86,16 +132,7 @@ def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:
 
     `remote_addresses: {auth: "dns:///spine-auth.spine.svc.cluster.local:50061", ...}`
     """
-    value = config.get("remote_addresses") or {}
-    if not isinstance(value, Mapping):
-        raise ConfigError("remote_addresses: expected a mapping of component to gRPC target")
-    unknown = sorted(set(value) - set(COMPONENTS))
-    if unknown:
-        raise ConfigError(f"remote_addresses: unknown component(s) {unknown}; known: {', '.join(COMPONENTS)}")
-    for name, target in value.items():
-        if not isinstance(target, str) or not target:
-            raise ConfigError(f"remote_addresses.{name}: expected a gRPC target string, got {target!r}")
-    return dict(value)
+    return RemoteAddresses.parse(config.get("remote_addresses"), "remote_addresses").given()
 
 
 def layout_name(placements: Mapping[str, str]) -> str:
@@ -116,4 +153,5 @@ def dev_api_key(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-__all__ = ["MIDDLEWARES", "load_config", "merge", "placements_for", "check_placements", "layout_name"]
+__all__ = ["COMPONENTS", "MIDDLEWARES", "SECTIONS", "ConfigError", "load_config", "merge", "placements_for",
+           "check_placements", "layout_name"]

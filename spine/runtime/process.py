@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from monolith.device import DeviceContext
     from monolith.runtime_env import configure_threads
+    from services.common import section
+    from services.inference_config import InferenceConfig
+    from services.pipeline.verdicts import RequestLimits
     from spine.runtime.config import load_config
     from spine.runtime.health import start_deep_health
     from spine.runtime.server import start_server
@@ -64,17 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     install_from_config(config, service_name=args.component)  # continue traces from the gateway
     run_dir = Path(args.run_dir)
     spec = DEFAULT[args.component]
-    servicer = spec.build(config, DeviceContext(), run_dir)
-    limits = config.get("limits", {})
+    servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
     server = start_server([(spec, servicer)], args.listen,
-                          max_message_bytes=int(limits.get("max_message_bytes", 1 << 20)),
+                          max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
                           allow_external=args.allow_external)
     # Deep health: SERVING only while the component can do its work (for inference: a tiny
     # forward on its device within a bound), so the supervisor, the gates and xDS
     # endpoints see a broken device, not just a live process.
-    inference = config.get("inference") or {}
-    deep = start_deep_health(server, servicer, float(inference.get("health_interval_s", 1.0)),
-                             float(inference.get("health_timeout_s", 2.0)), services=["", spec.full_name])
+    inference = InferenceConfig.from_dict(section(config, "inference"))
+    deep = start_deep_health(server, servicer, inference.health_interval_s, inference.health_timeout_s,
+                             services=["", spec.full_name])
     extra = None
     if args.component == "metrics":
         from spine.runtime.metrics_endpoint import start_metrics_endpoint

@@ -24,12 +24,15 @@ import yaml
 
 from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
+from services.common import section
+from services.inference_config import InferenceConfig
 from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
 from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline
 from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import layout_name
+from spine.runtime.config_model import check_config
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.supervisor import Supervisor
 
@@ -64,7 +67,7 @@ class Stack:
     # in mid-migration shares): bound remotely to these addresses instead of spawned.
     remote_addresses: Mapping[str, str] = field(default_factory=dict)
     registry: Registry = DEFAULT
-    device: DeviceContext = field(default_factory=DeviceContext)
+    device: DeviceContext | None = None  # made at start from the config's `device` section
     supervisor: Supervisor | None = None
     server: RunningServer | None = None
     gateway: Gateway | None = None
@@ -90,6 +93,7 @@ class Stack:
 
     def start(self) -> str:
         """Start everything and return the Gateway's address once all is SERVING."""
+        check_config(self.config)  # every section, before anything is created or started
         if self.run_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
             self.run_dir = Path(self._tmp.name)
@@ -98,6 +102,8 @@ class Stack:
         config_path.write_text(yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
         self._batching = BatchingConfig.from_config(self.config)
+        if self.device is None:
+            self.device = DeviceContext.from_config(self.config)
         from spine.runtime.tracing import installed
 
         tracing = installed()
@@ -129,10 +135,10 @@ class Stack:
                 # device: the supervisor, the front and xDS endpoints all read this.
                 from spine.runtime.health import start_deep_health
 
-                section = self.config.get("inference") or {}
+                inference = InferenceConfig.from_dict(section(self.config, "inference"))
                 self.deep_health = start_deep_health(
-                    self.server, self.local_servicers["inference"], float(section.get("health_interval_s", 1.0)),
-                    float(section.get("health_timeout_s", 2.0)), services=["", GATEWAY.full_name])
+                    self.server, self.local_servicers["inference"], inference.health_interval_s,
+                    inference.health_timeout_s, services=["", GATEWAY.full_name])
         except BaseException:
             self.stop()
             raise
@@ -142,7 +148,7 @@ class Stack:
     def _bind(self, name: str, max_message_bytes: int, placement: str | None = None) -> Any:
         spec = self.registry[name]
         if (placement or self.placements[name]) == "local":
-            assert self.run_dir is not None
+            assert self.run_dir is not None and self.device is not None, "stack not started"
             servicer = self.local_servicers.get(name)
             if servicer is None:
                 servicer = spec.build(self.config, self.device, self.run_dir)

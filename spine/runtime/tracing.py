@@ -22,7 +22,6 @@ import importlib.util
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -40,7 +39,9 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.common import ConfigError
+from spine.runtime.sections import EXPORTERS as EXPORTERS
+from spine.runtime.sections import TracingConfig
+from spine.runtime.sections import otlp_available as otlp_available
 
 ROOT_SPAN = "gateway.generate"
 # (component, method) -> span name, identical in every layout.
@@ -60,7 +61,6 @@ SERVER_SPAN_NAMES: dict[str, str] = {
     "/spine.v1.Gateway/Generate": ROOT_SPAN,
     "/spine.v1.Gateway/GenerateStream": ROOT_SPAN,
 }
-EXPORTERS = ("none", "console", "otlp")
 LAYOUT_ATTRIBUTE = "spine.layout"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -74,44 +74,6 @@ def current_traceparent() -> tuple[tuple[str, str], ...]:
 
 def span_name(component: str, method: str) -> str:
     return SPAN_NAMES.get((component, method), f"{component}.{method.lower()}")
-
-
-@dataclass(frozen=True)
-class TracingConfig:
-    """The `tracing:` config section."""
-
-    enabled: bool = False
-    sample_ratio: float = 0.01
-    exporter: str = "none"
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> TracingConfig:
-        section = config.get("tracing") or {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"tracing: must be a mapping, got {section!r}")
-        unknown = sorted(set(section) - {"enabled", "sample_ratio", "exporter"})
-        if unknown:
-            raise ConfigError(f"tracing: unknown field(s) {unknown}; known: enabled, sample_ratio, exporter")
-        enabled = section.get("enabled", False)
-        if not isinstance(enabled, bool):
-            raise ConfigError(f"tracing.enabled: must be true or false, got {enabled!r}")
-        ratio = section.get("sample_ratio", 0.01)
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
-            raise ConfigError(f"tracing.sample_ratio: must be a number between 0 and 1, got {ratio!r}")
-        exporter = section.get("exporter", "none")
-        if exporter not in EXPORTERS:
-            raise ConfigError(f"tracing.exporter: must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
-        if exporter == "otlp" and enabled and not otlp_available():
-            raise ConfigError("tracing.exporter: 'otlp' needs the opentelemetry-exporter-otlp-proto-grpc "
-                              "package, which is not installed; pip install it or use 'console'")
-        return cls(enabled, float(ratio), exporter)
-
-
-def otlp_available() -> bool:
-    try:
-        return importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc.trace_exporter") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def make_exporter(name: str) -> SpanExporter | None:

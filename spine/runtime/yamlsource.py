@@ -1,9 +1,14 @@
 """YAML to plain data, remembering the line of every key and list item.
 
-Operators edit plans by hand; an error that says `stages[2].spine_weight (line 14)` sends
-them to the line. PyYAML's constructed objects forget their marks, so this walks the
-composed node tree and records `path -> line` beside the plain data. Duplicate keys (which
-PyYAML silently resolves to the last one) are reported instead of guessed at.
+Operators edit plans and configs by hand; an error that says `stages[2].spine_weight
+(line 14)` sends them to the line. PyYAML's constructed objects forget their marks, so this
+walks the composed node tree and records `path -> line` beside the plain data. Duplicate
+keys (which PyYAML silently resolves to the last one) are reported instead of guessed at:
+raised at the first one, or (`strict=False`) all collected so a config check can list
+every problem at once.
+
+Used by the migration plans and by `spine.runtime.config`; it lives in the lowest layer that
+needs it so neither has to import the other.
 """
 
 from __future__ import annotations
@@ -29,23 +34,29 @@ class LocatedData:
 
     data: Any
     lines: dict[str, int] = field(default_factory=dict)
+    # (path, line) of every repeated key after its first occurrence; the first value is kept.
+    duplicates: list[tuple[str, int]] = field(default_factory=list)
 
     def line(self, path: str) -> int:
         """The line of `path`, or of its nearest recorded ancestor (1 for the root)."""
         while path:
             if path in self.lines:
                 return self.lines[path]
-            path = _parent(path)
+            path = parent_path(path)
         return self.lines.get("", 1)
 
 
-def _parent(path: str) -> str:
+def parent_path(path: str) -> str:
+    """`a.b[0].c` -> `a.b[0]` -> `a.b` -> `a` -> `` (the root)."""
     cut = max(path.rfind("."), path.rfind("["))
     return path[:cut] if cut > 0 else ""
 
 
-def load_located(text: str) -> LocatedData:
-    """Parse one YAML document; raise YamlSourceError naming the line on bad input."""
+def load_located(text: str, *, strict: bool = True) -> LocatedData:
+    """Parse one YAML document; raise YamlSourceError naming the line on bad input.
+
+    `strict=False` records duplicate keys in `duplicates` instead of raising at the first.
+    """
     loader = yaml.SafeLoader(text)
     try:
         try:
@@ -60,13 +71,17 @@ def load_located(text: str) -> LocatedData:
         if node is None:
             return located
         located.lines[""] = node.start_mark.line + 1
-        located.data = _convert(loader, node, "", located.lines)
+        located.data = _convert(loader, node, "", located)
+        if strict and located.duplicates:
+            path, line = located.duplicates[0]
+            raise YamlSourceError("duplicate key", line, path)
         return located
     finally:
         loader.dispose()
 
 
-def _convert(loader: yaml.SafeLoader, node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
+def _convert(loader: yaml.SafeLoader, node: yaml.Node, path: str, located: LocatedData) -> Any:
+    lines = located.lines
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
@@ -76,16 +91,17 @@ def _convert(loader: yaml.SafeLoader, node: yaml.Node, path: str, lines: dict[st
                 raise YamlSourceError(f"keys must be strings, got {key!r}", line, path)
             child = f"{path}.{key}" if path else key
             if key in out:
-                raise YamlSourceError("duplicate key", line, child)
+                located.duplicates.append((child, line))
+                continue
             lines[child] = line
-            out[key] = _convert(loader, value_node, child, lines)
+            out[key] = _convert(loader, value_node, child, located)
         return out
     if isinstance(node, yaml.SequenceNode):
         items = []
         for index, item in enumerate(node.value):
             child = f"{path}[{index}]"
             lines[child] = item.start_mark.line + 1
-            items.append(_convert(loader, item, child, lines))
+            items.append(_convert(loader, item, child, located))
         return items
     return _scalar(loader, node)
 

@@ -1,0 +1,224 @@
+"""The config sections of the ratelimit, router, cache, metrics and logs middlewares.
+
+Each is the component's config class (re-exported by its service module, so
+`services.cache.CacheConfig` still works) and a section of the root model
+(`spine.runtime.config_model`). They live here, not beside their services, because those
+import torch: loading or checking a config, or printing its schema, should not.
+Defaults are the ones the services have always had; `spine/default_config.yaml` documents them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import (
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from services.config_model import Float, Items, NonEmptyStr, Section, Table, problem
+from services.prometheus_http import is_loopback, parse_listen
+
+# --- ratelimit ----------------------------------------------------------------------------
+
+# A rate of 0 never refills: that is a quota, which this service does not implement.
+Rate = Annotated[Float, Field(gt=0)]
+Burst = Annotated[Float, Field(ge=1)]
+
+
+class BucketLimits(Section):
+    """One tenant's token buckets: requests per second and tokens per minute, each with a burst."""
+
+    requests_per_second: Rate = 200.0
+    burst: Burst = 400.0
+    tokens_per_minute: Rate = 6_000_000.0
+    token_burst: Burst = 1_000_000.0
+
+    @classmethod
+    def from_dict(cls, cfg: Any, where: str, base: BucketLimits | None = None) -> BucketLimits:
+        """Parse a limits block; keys not given come from `base` (the default block)."""
+        if base is not None and isinstance(cfg, Mapping):
+            cfg = {**base.model_dump(), **cfg}
+        return cls.parse(cfg, where)
+
+    def bucket(self, resource: str) -> tuple[float, float]:
+        """(rate per second, capacity) of the bucket for `resource`."""
+        if resource == "requests":
+            return self.requests_per_second, self.burst
+        return self.tokens_per_minute / 60.0, self.token_burst
+
+
+class RateLimitConfig(Section):
+    """The `ratelimit` section; a tenant's block inherits every key it leaves out from `default`."""
+
+    domain: NonEmptyStr = "spine"
+    default: BucketLimits = BucketLimits()
+    tenants: Table[BucketLimits] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tenants_inherit_default(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not isinstance(data.get("tenants"), Mapping):
+            return data
+        default = data.get("default") or {}
+        try:  # a bad default is reported once, at `default`, not again under every tenant
+            BucketLimits.model_validate(default)
+        except ValidationError:
+            return data
+        tenants = {name: {**default, **(block or {})} if isinstance(block, Mapping | None) else block
+                   for name, block in data["tenants"].items()}
+        return {**data, "tenants": tenants}
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> RateLimitConfig:
+        return cls.parse(section, "ratelimit")
+
+    def limits_for(self, tenant: str) -> BucketLimits:
+        return self.tenants.get(tenant, self.default)
+
+
+# --- router -------------------------------------------------------------------------------
+
+
+class ModelRoute(Section):
+    """A model the router knows: its id, the backend serving it, and other names for it."""
+
+    id: NonEmptyStr
+    backend: NonEmptyStr
+    aliases: Items[NonEmptyStr] = ()
+
+
+class RouterConfig(Section):
+    """The `router` section. Every id and alias names exactly one model: a repeat is an error,
+    never a silent "last one wins"."""
+
+    # Not `min_length`: pydantic would also call a list whose only model is wrong "too short".
+    models: Annotated[tuple[ModelRoute, ...], Field(json_schema_extra={"minItems": 1})]
+
+    @field_validator("models")
+    @classmethod
+    def _names_are_unique(cls, models: tuple[ModelRoute, ...]) -> tuple[ModelRoute, ...]:
+        if not models:
+            raise problem("expected a non-empty list of models")
+        owner: dict[str, str] = {}  # name -> the field that first claimed it
+        for i, model in enumerate(models):
+            if model.id in owner:
+                raise problem(f"{model.id!r} is already used by {owner[model.id]}", i, "id")
+            owner[model.id] = f"router.models[{i}].id"
+        for i, model in enumerate(models):
+            for j, alias in enumerate(model.aliases):
+                if alias in owner:
+                    raise problem(f"{alias!r} is already used by {owner[alias]}", i, "aliases", j)
+                owner[alias] = f"router.models[{i}].aliases[{j}]"
+        return models
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> RouterConfig:
+        return cls.parse(section, "router")
+
+
+# --- cache --------------------------------------------------------------------------------
+
+
+class CacheConfig(Section):
+    """The `cache` section: how many answers are kept, and for how long."""
+
+    max_entries: Annotated[StrictInt, Field(ge=1)] = 4096
+    ttl_s: Annotated[Float, Field(gt=0)] = 300.0
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> CacheConfig:
+        return cls.parse(section, "cache")
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+# Prometheus-style buckets from 0.1 ms to 10 s: fine enough for an in-process middleware hop
+# (tens of microseconds to a millisecond) and for a whole generation (seconds).
+DEFAULT_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class MetricsConfig(Section):
+    """The `metrics` section. Loopback only unless `allow_external`: metrics name tenants."""
+
+    http_listen: StrictStr = "127.0.0.1:0"
+    allow_external: StrictBool = False
+    buckets: Annotated[tuple[Annotated[Float, Field(gt=0)], ...], Field(json_schema_extra={"minItems": 1})] = (
+        DEFAULT_BUCKETS)
+    initial_series: Annotated[StrictInt, Field(ge=1)] = 64
+
+    @field_validator("http_listen")
+    @classmethod
+    def _listen_parses(cls, listen: str) -> str:
+        try:
+            parse_listen(listen)
+        except ValueError as exc:
+            raise problem(str(exc)) from None
+        return listen
+
+    @field_validator("buckets")
+    @classmethod
+    def _buckets_increase(cls, bounds: tuple[float, ...]) -> tuple[float, ...]:
+        if not bounds:
+            raise problem("expected a non-empty list of seconds")
+        for i in range(1, len(bounds)):
+            if bounds[i] <= bounds[i - 1]:
+                raise problem(f"must be above {bounds[i - 1]}, got {bounds[i]}", i)
+        return bounds
+
+    @model_validator(mode="after")
+    def _loopback_unless_allowed(self) -> MetricsConfig:
+        host, _ = parse_listen(self.http_listen)
+        if not self.allow_external and not is_loopback(host):
+            raise problem(f"{self.http_listen!r} is not a loopback address; set metrics.allow_external: true "
+                          "to expose metrics beyond this machine", "http_listen")
+        return self
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any] | None) -> MetricsConfig:
+        return cls.parse(cfg, "metrics")
+
+
+# --- logs ---------------------------------------------------------------------------------
+
+
+class LogsConfig(Section):
+    """The `logs` section. `from_dict` resolves `path` against the run directory."""
+
+    path: Path = Path("requests.jsonl")
+    batch_lines: Annotated[StrictInt, Field(ge=1)] = 64
+    flush_interval_s: Annotated[Float, Field(gt=0)] = 0.5
+    ring_capacity: Annotated[StrictInt, Field(ge=1)] = 4096
+    full_wait_s: Annotated[Float, Field(ge=0)] = 0.05
+    max_line_bytes: Annotated[StrictInt, Field(ge=256)] = 65536
+    fsync: StrictBool = True
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_is_text(cls, value: Any) -> Any:
+        if not isinstance(value, str | Path) or not str(value).strip():
+            raise problem("expected a file path", show_input=True)
+        return value
+
+    @field_validator("ring_capacity")
+    @classmethod
+    def _ring_holds_a_batch(cls, capacity: int, info: ValidationInfo) -> int:
+        batch = info.data.get("batch_lines")
+        if batch is not None and capacity < batch:
+            raise problem(f"must be >= logs.batch_lines ({batch})", show_input=True)
+        return capacity
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any] | None, run_dir: str | Path) -> LogsConfig:
+        config = cls.parse(cfg, "logs")
+        return config.model_copy(update={"path": Path(run_dir) / config.path.expanduser()})

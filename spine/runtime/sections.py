@@ -1,0 +1,101 @@
+"""The config sections the runtime owns: placements, remote addresses, tracing, shadow traffic.
+
+Light on purpose (pydantic only): the root model imports them, and loading a config must
+not load OpenTelemetry or the migration code. `spine.runtime.tracing.TracingConfig` and
+`migration.traffic.shadow.ShadowConfig` are these classes, re-exported where they are used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field, StrictBool, StrictInt, model_validator
+
+from services.config_model import Float, Items, NonEmptyStr, Section, problem
+
+Placement = Literal["local", "remote"]
+Share = Annotated[Float, Field(ge=0, le=1)]
+
+
+class Placements(Section):
+    """`placements` for `spine up --layout mixed`. A component left out is remote, except
+    inference, which is local: the spine exists to put the model next to the middlewares.
+
+    One field per component of `services.registry.COMPONENTS` (a test keeps them equal)."""
+
+    auth: Placement = "remote"
+    ratelimit: Placement = "remote"
+    router: Placement = "remote"
+    cache: Placement = "remote"
+    metrics: Placement = "remote"
+    logs: Placement = "remote"
+    inference: Placement = "local"
+
+
+class RemoteAddresses(Section):
+    """`remote_addresses`: components already running elsewhere (e.g. Kubernetes Services),
+    bound by gRPC target instead of spawned: `auth: dns:///spine-auth.spine.svc:50061`."""
+
+    auth: NonEmptyStr | None = None
+    ratelimit: NonEmptyStr | None = None
+    router: NonEmptyStr | None = None
+    cache: NonEmptyStr | None = None
+    metrics: NonEmptyStr | None = None
+    logs: NonEmptyStr | None = None
+    inference: NonEmptyStr | None = None
+
+    def given(self) -> dict[str, str]:
+        return {name: target for name, target in self.model_dump().items() if target is not None}
+
+
+Exporter = Literal["none", "console", "otlp"]
+EXPORTERS: tuple[str, ...] = get_args(Exporter)
+
+
+def otlp_available() -> bool:
+    try:
+        return importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc.trace_exporter") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+class TracingConfig(Section):
+    """The `tracing:` section (see `spine.runtime.tracing`)."""
+
+    enabled: StrictBool = False
+    sample_ratio: Share = 0.01
+    exporter: Exporter = "none"
+
+    @model_validator(mode="after")
+    def _exporter_installed(self) -> TracingConfig:
+        # Checked at load, where it can be fixed, rather than when the first span is exported.
+        if self.exporter == "otlp" and self.enabled and not otlp_available():
+            raise problem("'otlp' needs the opentelemetry-exporter-otlp-proto-grpc package, which is "
+                          "not installed; pip install it or use 'console'", "exporter")
+        return self
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> TracingConfig:
+        return cls.parse(config.get("tracing"), "tracing")
+
+
+# What two layouts' answers are compared on (`migration.traffic.decisions.Decision`'s fields);
+# listed here so the shadow section's schema can name them.
+DecisionField = Literal["status", "details", "auth", "ratelimit", "route", "cached", "tokens"]
+
+
+class ShadowConfig(Section):
+    """The `shadow:` section (see `migration.traffic.shadow`)."""
+
+    share: Share = 0.0
+    compare: StrictBool = True
+    calibration_share: Share = 0.1
+    max_in_flight: Annotated[StrictInt, Field(ge=1, le=1024)] = 8
+    timeout_s: Annotated[Float, Field(gt=0)] = 10.0
+    ignore_fields: Items[DecisionField] = ("cached",)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ShadowConfig:
+        return cls.parse(config.get("shadow"), "shadow")

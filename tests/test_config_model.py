@@ -1,0 +1,183 @@
+"""The config as models: strict loading (file, line, path), the root model, the schema, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+import torch
+
+from migration.traffic.decisions import Decision
+from monolith.device import DeviceContext
+from monolith.device_config import DeviceConfig
+from services.cache import CacheConfig
+from services.common import ConfigError, section
+from services.config_model import ConfigProblems
+from services.inference_config import InferenceConfig
+from services.metrics import MetricsConfig
+from services.ratelimit import RateLimitConfig
+from services.registry import COMPONENTS
+from spine import cli
+from spine.runtime.config import SECTIONS, load_config, placements_for
+from spine.runtime.config_model import SpineConfig, check_config
+from spine.runtime.sections import DecisionField, Placements, RemoteAddresses, ShadowConfig, TracingConfig
+from spine.runtime.stack import Stack
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "spine.yaml"
+    path.write_text(text)
+    return path
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(ConfigProblems) as info:
+        load_config(path)
+    return info.value.problems
+
+
+def test_a_duplicate_key_is_refused_naming_file_line_and_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "cache:\n  max_entries: 10\n  ttl_s: 5\n  max_entries: 20\n")
+    assert problems(path) == [f"{path}:4: cache.max_entries: duplicate key"]
+
+
+def test_an_unknown_key_in_a_section_names_its_path_line_and_the_known_keys(tmp_path: Path) -> None:
+    path = write(tmp_path, "logs:\n  path: r.jsonl\n  bach_lines: 3\n")
+    assert problems(path) == [f"{path}:3: logs.bach_lines: unknown key; known: path, batch_lines, "
+                              "flush_interval_s, ring_capacity, full_wait_s, max_line_bytes, fsync"]
+
+
+def test_a_nested_unknown_key_names_the_whole_path(tmp_path: Path) -> None:
+    path = write(tmp_path, "auth:\n  api_keys:\n    - id: a\n      tenant: t\n      key: k-0001\n"
+                           "      scope: [generate]\n")
+    [line] = problems(path)
+    assert line.startswith(f"{path}:6: auth.api_keys[0].scope: unknown key; known: id, tenant, key")
+
+
+def test_the_split_section_is_refused_as_unknown(tmp_path: Path) -> None:
+    path = write(tmp_path, "listen: 127.0.0.1:50051\nsplit:\n  share: 0.5\n")
+    [line] = problems(path)
+    assert line.startswith(f"{path}:2: split: unknown section; known: listen, placements")
+    assert "split" not in SECTIONS
+
+
+def test_every_problem_is_reported_one_line_each_in_file_order(tmp_path: Path) -> None:
+    path = write(tmp_path, "\n".join([
+        "split: {}",                       # 1
+        "cache:",                          # 2
+        "  ttl: 5",                        # 3
+        "  ttl: 6",                        # 4
+        "inference:",                      # 5
+        "  kv_cache_max_entries: lots",    # 6
+        "ratelimit:",                      # 7
+        "  tenants:",                      # 8
+        "    acme: {burst: 0}",            # 9
+    ]) + "\n")
+    found = problems(path)
+    assert [line.split(": ", 2)[:2] for line in found] == [
+        [f"{path}:1", "split"], [f"{path}:3", "cache.ttl"], [f"{path}:4", "cache.ttl"],
+        [f"{path}:6", "inference.kv_cache_max_entries"], [f"{path}:9", "ratelimit.tenants.acme.burst"]]
+    assert found[2].endswith("duplicate key")
+    assert found[3].endswith("expected 'auto' or an integer >= 1, got 'lots'")
+
+
+def test_yaml_that_does_not_parse_names_the_line(tmp_path: Path) -> None:
+    [line] = problems(write(tmp_path, "cache:\n  max_entries: [1,\n"))
+    assert ":3: not valid YAML" in line or ":2: not valid YAML" in line
+
+
+def test_a_problem_from_overrides_has_a_path_but_no_file() -> None:
+    with pytest.raises(ConfigProblems) as info:
+        load_config(overrides={"cache": {"max_entries": 0}})
+    assert info.value.problems == ["cache.max_entries: Input should be greater than or equal to 1, got 0"]
+
+
+def test_a_secret_is_never_quoted_back(tmp_path: Path) -> None:
+    path = write(tmp_path, "auth:\n  api_keys:\n    - {id: a, tenant: t, key: 123456789}\n"
+                           "  jwt: {hs256_secret: short-secret-value}\n")
+    text = "\n".join(problems(path))
+    assert "auth.api_keys[0].key: Input should be a valid string, got int" in text
+    assert "auth.jwt.hs256_secret: must be at least 32 bytes, got 18" in text
+    assert "123456789" not in text and "short-secret-value" not in text
+
+
+def test_defaults_are_unchanged() -> None:
+    config = load_config()
+    assert config["listen"] == "127.0.0.1:50051"
+    assert (config["cache"]["max_entries"], config["cache"]["ttl_s"]) == (4096, 300)
+    assert config["inference"]["health_interval_s"] == 1.0 and config["inference"]["max_batch"] == 16
+    # The documented default file and the models' own defaults agree, section by section.
+    assert InferenceConfig.from_dict(section(config, "inference")) == InferenceConfig()
+    assert CacheConfig.from_dict(section(config, "cache")) == CacheConfig()
+    assert MetricsConfig.from_dict(section(config, "metrics")) == MetricsConfig()
+    assert RateLimitConfig.from_dict(section(config, "ratelimit")) == RateLimitConfig()
+    assert TracingConfig.from_config(config) == TracingConfig()
+    assert ShadowConfig.from_config(config) == ShadowConfig()
+    assert DeviceConfig.from_config(config) == DeviceConfig()
+    model = check_config(config)
+    assert model.router.models[0].id == "tiny-lm" and model.auth.jwt is not None
+    assert placements_for("mixed", config) == {"auth": "remote", "ratelimit": "remote", "router": "local",
+                                                "cache": "local", "metrics": "local", "logs": "local",
+                                                "inference": "local"}
+
+
+def test_the_root_model_names_every_section_and_component() -> None:
+    assert set(SpineConfig.model_fields) == SECTIONS
+    assert tuple(Placements.model_fields) == COMPONENTS
+    assert tuple(RemoteAddresses.model_fields) == COMPONENTS
+    assert get_args(DecisionField) == tuple(f.name for f in dataclasses.fields(Decision))
+
+
+def test_the_device_budget_comes_from_the_config() -> None:
+    cpu = torch.device("cpu")
+    assert DeviceContext.from_config(load_config()).budget_bytes == 256 << 20 or torch.cuda.is_available()
+    from monolith.device import budget_bytes
+
+    assert budget_bytes(cpu, DeviceConfig()) == 256 << 20
+    assert budget_bytes(cpu, DeviceConfig.from_config({"device": {"memory_budget_mib": 64}})) == 64 << 20
+    with pytest.raises(ConfigError, match=r"device\.memory_budget_mib: expected 'auto' or an integer >= 1"):
+        DeviceConfig.from_config({"device": {"memory_budget_mib": 0}})
+
+
+def test_config_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert set(schema["properties"]) == SECTIONS
+    assert schema["additionalProperties"] is False
+    assert schema["$defs"]["CacheConfig"]["properties"]["max_entries"]["minimum"] == 1
+
+
+def test_config_check_exits_2_with_one_line_per_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "split: {}\ncache:\n  ttl: 5\n")
+    assert cli.main(["--config", str(path), "config", "check"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(": ")[1] for line in err] == [f"{path}:1", f"{path}:3"]
+    assert all(line.startswith("config error: ") for line in err)
+
+
+@pytest.mark.parametrize("text", [
+    "cache:\n  max_entries: 10\n  max_entries: 20\n",      # duplicate key
+    "logs:\n  bach_lines: 3\n",                             # unknown key
+    "split:\n  share: 0.5\n",                               # unknown section
+])
+def test_up_with_a_bad_config_exits_2_before_any_child_starts(
+        text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    spawned: list[Any] = []
+    monkeypatch.setattr("spine.runtime.stack.Supervisor", lambda *args: spawned.append(args))
+    path, run_dir = write(tmp_path, text), tmp_path / "run"
+    rc = cli.main(["--config", str(path), "up", "--layout", "layered", "--run-dir", str(run_dir)])
+    assert rc == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"config error: {path}:")
+    assert spawned == [] and not run_dir.exists()
+
+
+def test_a_stack_refuses_a_bad_config_before_creating_anything(tmp_path: Path) -> None:
+    config = {**load_config(), "split": {"share": 0.5}}
+    stack = Stack(config, placements_for("layered", config), run_dir=tmp_path / "run")
+    with pytest.raises(ConfigProblems, match="split: unknown section"):
+        stack.start()
+    assert stack.supervisor is None and not (tmp_path / "run").exists()

@@ -24,13 +24,13 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
+from pydantic import Field, StrictBool, StrictInt
 
 from monolith.batcher import BatcherClosed, MicroBatcher
-from services.common import ConfigError, number
+from services.config_model import Float, Section
 from services.pipeline.runner import Pipeline
 from services.pipeline.stage import Stage
 from services.pipeline.state import RequestState
@@ -38,47 +38,28 @@ from services.pipeline.verdicts import Stop
 
 log = logging.getLogger("spine.pipeline")
 
-_FIELDS = ("enabled", "remote", "max_batch", "max_wait_us", "completion_interval_ms")
 STORE_STAGE = "cache.store"
 LOOKUP_STAGE = "cache.lookup"
 
 
-@dataclass(frozen=True)
-class BatchingConfig:
+class BatchingConfig(Section):
     """The `batching` section: whether and how the pipeline batches."""
 
-    enabled: bool = True
+    enabled: StrictBool = True
     # Also batch calls to components in other processes (one batch rpc per hop per batch).
     # Off by default: the layered layout then makes one call per request per hop, as a
     # layered stack does; `make bench` measures it on (`layered-batched`).
-    remote: bool = False
-    max_batch: int = 32
-    max_wait_us: float = 500.0
+    remote: StrictBool = False
+    max_batch: Annotated[StrictInt, Field(ge=1, le=4096)] = 32
+    max_wait_us: Annotated[Float, Field(ge=0, le=100_000)] = 500.0
     # How often finished requests' completions are written, a window at a time, off the
     # request path; readers and shutdown never wait for it.
-    completion_interval_ms: float = 50.0
+    completion_interval_ms: Annotated[Float, Field(ge=1, le=10_000)] = 50.0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> BatchingConfig:
-        cfg = config.get("batching") or {}
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"batching: expected a mapping, got {type(cfg).__name__}")
-        unknown = sorted(set(cfg) - set(_FIELDS))
-        if unknown:
-            raise ConfigError(f"batching.{unknown[0]}: unknown key (known: {', '.join(_FIELDS)})")
-        flags = {}
-        for name in ("enabled", "remote"):
-            flags[name] = cfg.get(name, getattr(cls, name))
-            if not isinstance(flags[name], bool):
-                raise ConfigError(f"batching.{name}: expected true or false, got {flags[name]!r}")
-        max_batch = cfg.get("max_batch", cls.max_batch)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 4096:
-            raise ConfigError(f"batching.max_batch: expected an integer from 1 to 4096, got {max_batch!r}")
-        wait = number(cfg, "max_wait_us", cls.max_wait_us, where="batching", minimum=0, maximum=100_000)
-        interval = number(cfg, "completion_interval_ms", cls.completion_interval_ms, where="batching",
-                          minimum=1, maximum=10_000)
-        return cls(enabled=flags["enabled"], remote=flags["remote"], max_batch=max_batch, max_wait_us=wait,
-                   completion_interval_ms=interval)
+        """The `batching` section of a whole config mapping."""
+        return cls.parse(config.get("batching"), "batching")
 
     def batches(self, placement: str) -> bool:
         """Whether a stage whose component has `placement` is batched."""

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import grpc
@@ -28,7 +29,7 @@ from services.auth_keys import (
     ApiKeyTable,
     check_unique,
 )
-from services.common import Clock, DeviceState, answer_one, set_status, status_code
+from services.common import Clock, DeviceState, answer_one, section, set_status, status_code
 from services.config_model import Float, Items, NonEmptyStr, Section
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
@@ -282,3 +283,7 @@ class AuthStage(Stage):
                 state.principal = result.response.principal
                 state.tenant = state.principal.tenant
 
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return AuthService(AuthConfig.from_dict(section(config, "auth")), device)

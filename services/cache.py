@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +29,7 @@ from services.common import (
     Clock,
     DeviceState,
     answer_one,
+    section,
     set_status,
     status_code,
 )
@@ -239,3 +242,8 @@ class CacheStoreStage(Stage):
         for state, result in self.each(answer.results, batch):
             if result.status.code:
                 call.fail(state, status_code(result.status.code), result.status.message)
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return CacheService(CacheConfig.from_dict(section(config, "cache")), device)

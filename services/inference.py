@@ -20,13 +20,14 @@ import os
 import queue
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
 import torch
 
-from services.common import ConfigError, DeviceState
+from services.common import ConfigError, DeviceState, section
 from services.inference_config import InferenceConfig
 from services.inference_load import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference_scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
@@ -271,3 +272,8 @@ class InferenceStage(Stage):
     method = "Generate"
     phase = Phase.MODEL
     order = 50
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return InferenceService(InferenceConfig.from_dict(section(config, "inference")), device)

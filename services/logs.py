@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import Clock, DeviceState, set_status, status_code
+from services.common import Clock, DeviceState, section, set_status, status_code
 from services.log_ring import BatchedLineWriter, LogsClosedError
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
@@ -152,3 +154,8 @@ class LogsStage(Stage):
         for state, status in self.each(answer.results, batch):
             if status.code:
                 call.fail(state, status_code(status.code), status.message)
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return LogsService(LogsConfig.from_dict(section(config, "logs"), run_dir), device)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,6 +33,7 @@ from services.common import (
     DeviceState,
     ReadHooks,
     abort_on_item,
+    section,
     set_status,
     status_code,
 )
@@ -304,3 +306,8 @@ class MetricsStage(Stage):
         for state, status in self.each(answer.results, batch):
             if status.code:
                 call.fail(state, status_code(status.code), status.message)
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return MetricsService(MetricsConfig.from_dict(section(config, "metrics")), device)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
 
-from services.common import Clock, DeviceState, answer_one, set_status, status_code
+from services.common import Clock, DeviceState, answer_one, section, set_status, status_code
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
@@ -323,3 +325,8 @@ class RateLimitStage(Stage):
                 call.fail(state, status_code(result.status.code), result.status.message)
             else:
                 state.outcome = rate_limit_stop(result.response, cost)
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return RateLimitService(RateLimitConfig.from_dict(section(config, "ratelimit")), device)

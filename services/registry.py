@@ -42,6 +42,7 @@ class ComponentSpec:
     proto_module: str  # e.g. "spine.v1.auth_pb2"
     service: str  # the service's name in the proto, e.g. "Auth"
     factory: str  # "module:function" building the servicer from (config, device, run_dir)
+    config: str  # "module:Class" of its config section's model (a `services.config_model.Section`)
     stages: tuple[str, ...]  # "module:Class" of the pipeline stages that call it
     fail_mode: FailMode = FailMode.CLOSED
     budget_ms: float = 250.0  # the default call budget of its stages
@@ -68,6 +69,9 @@ class ComponentSpec:
 
     def build(self, config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
         return _resolve(self.factory)(config, device, run_dir)
+
+    def config_model(self) -> type[Any]:
+        return _resolve(self.config)
 
     def policy(self, budget_ms: float | None = None) -> StagePolicy:
         return StagePolicy(self.name, self.fail_mode, (self.budget_ms if budget_ms is None else budget_ms) / 1000.0)
@@ -101,6 +105,11 @@ class Registry:
         return tuple(self._specs)
 
     @property
+    def models(self) -> tuple[str, ...]:
+        """The components that are the model (placed in the spine by default)."""
+        return tuple(spec.name for spec in self if not spec.middleware)
+
+    @property
     def middlewares(self) -> tuple[str, ...]:
         """What a migration plan moves between the layered stack and the spine."""
         return tuple(spec.name for spec in self if spec.middleware)
@@ -132,29 +141,32 @@ class Registry:
         return names
 
 
-def _spec(name: str, service: str, stages: tuple[str, ...], batch_methods: Mapping[str, str], *,
+def _spec(name: str, service: str, config: str, stages: tuple[str, ...], batch_methods: Mapping[str, str], *,
           fail_mode: FailMode = FailMode.CLOSED, budget_ms: float = 250.0, middleware: bool = True) -> ComponentSpec:
-    return ComponentSpec(name, f"spine.v1.{name}_pb2", service, f"services.factories:build_{name}", stages,
+    return ComponentSpec(name, f"spine.v1.{name}_pb2", service, f"services.{name}:build", config, stages,
                          fail_mode, budget_ms, middleware, batch_methods)
 
 
 DEFAULT = Registry([
-    _spec("auth", "Auth", ("services.auth:AuthStage",), {"CheckBatch": "Check"}),
-    _spec("ratelimit", "RateLimit", ("services.ratelimit:RateLimitStage",),
+    _spec("auth", "Auth", "services.auth:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"}),
+    _spec("ratelimit", "RateLimit", "services.sections:RateLimitConfig", ("services.ratelimit:RateLimitStage",),
           {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit"}),
-    _spec("router", "Router", ("services.router:RouterStage",), {"ResolveBatch": "Resolve"}),
-    _spec("cache", "Cache", ("services.cache:CacheLookupStage", "services.cache:CacheStoreStage"),
+    _spec("router", "Router", "services.sections:RouterConfig", ("services.router:RouterStage",),
+          {"ResolveBatch": "Resolve"}),
+    _spec("cache", "Cache", "services.sections:CacheConfig",
+          ("services.cache:CacheLookupStage", "services.cache:CacheStoreStage"),
           {"LookupBatch": "Lookup", "StoreBatch": "Store"}, fail_mode=FailMode.OPEN),
-    _spec("metrics", "Metrics", ("services.metrics:MetricsStage",), {"RecordBatch": "Record"},
-          fail_mode=FailMode.OPEN, budget_ms=1000.0),
-    _spec("logs", "Logs", ("services.logs:LogsStage",), {"AppendBatch": "Append"},
+    _spec("metrics", "Metrics", "services.sections:MetricsConfig", ("services.metrics:MetricsStage",),
+          {"RecordBatch": "Record"}, fail_mode=FailMode.OPEN, budget_ms=1000.0),
+    _spec("logs", "Logs", "services.sections:LogsConfig", ("services.logs:LogsStage",), {"AppendBatch": "Append"},
           fail_mode=FailMode.OPEN, budget_ms=1000.0),
     # The model: its budget is the compute budget it enforces itself; the call is bounded
     # by the request's deadline.
-    _spec("inference", "Inference", ("services.inference:InferenceStage",), {"GenerateStream": "Generate"},
+    _spec("inference", "Inference", "services.inference_config:InferenceConfig",
+          ("services.inference:InferenceStage",), {"GenerateStream": "Generate"},
           budget_ms=float("inf"), middleware=False),
 ])
-GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", ())
+GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", "", ())
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares
 COMPONENTS: tuple[str, ...] = DEFAULT.names

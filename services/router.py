@@ -8,11 +8,13 @@ calls it in either layout); the per-request `Resolve` is its batch of one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import DeviceState, answer_one, set_status, status_code
+from services.common import DeviceState, answer_one, section, set_status, status_code
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import resolved_request
@@ -97,3 +99,8 @@ class RouterStage(Stage):
             else:
                 state.model = result.response.model_id
                 state.resolved = resolved_request(state.request, state.model)
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return RouterService(RouterConfig.from_dict(section(config, "router")), device)

@@ -431,7 +431,7 @@ def test_stages_still_in_another_process_run_at_once_the_rest_later(tmp_path: Pa
 @pytest.mark.parametrize(("section", "message"), [
     ({"max_batch": 0}, "batching.max_batch"),
     ({"max_wait_us": -5}, "batching.max_wait_us"),
-    ({"max_wait_us": 200_000}, r"batching.max_wait_us: must be <= 100000"),
+    ({"max_wait_us": 200_000}, r"batching.max_wait_us: Input should be less than or equal to 100000"),
     ({"completion_interval_ms": 0}, "batching.completion_interval_ms"),
     ({"enabled": "yes"}, "batching.enabled"),
     ({"remote": 1}, "batching.remote"),

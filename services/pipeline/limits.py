@@ -1,34 +1,26 @@
-"""Request validation limits (the `limits` config section)."""
+"""Request validation limits (the `limits` config section): what the gateway accepts."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from services.common import ConfigError, number, section
+from pydantic import Field, StrictInt
+
+from services.config_model import Float, Section
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    max_prompt_chars: int = 2048
-    max_tokens: int = 256
-    max_temperature: float = 2.0
-    max_message_bytes: int = 1 << 20
-    default_deadline_s: float = 30.0
+class RequestLimits(Section):
+    """The `limits` section. Checked by the gateway's validation stage, in every layout."""
+
+    max_prompt_chars: Annotated[StrictInt, Field(ge=1)] = 2048
+    max_tokens: Annotated[StrictInt, Field(ge=1)] = 256
+    max_temperature: Annotated[Float, Field(ge=0)] = 2.0
+    max_message_bytes: Annotated[StrictInt, Field(ge=1024)] = 1 << 20
+    # A client that sends no deadline gets this one: nothing waits forever.
+    default_deadline_s: Annotated[Float, Field(ge=0.001)] = 30.0
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> RequestLimits:
-        cfg = section(config, "limits")
-        unknown = sorted(set(cfg) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"limits: unknown key(s) {unknown}")
-        return cls(
-            max_prompt_chars=int(number(cfg, "max_prompt_chars", cls.max_prompt_chars, where="limits", minimum=1)),
-            max_tokens=int(number(cfg, "max_tokens", cls.max_tokens, where="limits", minimum=1)),
-            max_temperature=number(cfg, "max_temperature", cls.max_temperature, where="limits"),
-            max_message_bytes=int(number(cfg, "max_message_bytes", cls.max_message_bytes, where="limits",
-                                         minimum=1024)),
-            default_deadline_s=number(cfg, "default_deadline_s", cls.default_deadline_s, where="limits",
-                                      minimum=0.001),
-        )
+        """The `limits` section of a whole config mapping."""
+        return cls.parse(config.get("limits"), "limits")

@@ -17,10 +17,10 @@ from typing import Any
 
 from services.common import ConfigError
 from services.config_model import ConfigProblems, Problem
-from services.registry import COMPONENTS, MIDDLEWARES
+from services.registry import COMPONENTS, DEFAULT, MIDDLEWARES
 from spine.runtime.config_model import SECTIONS as SECTIONS
 from spine.runtime.config_model import config_problems
-from spine.runtime.sections import Placements, RemoteAddresses
+from spine.runtime.sections import placements_model, remote_addresses_model
 from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located, parent_path
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "default_config.yaml"
@@ -124,7 +124,7 @@ def placements_for(layout: str, config: Mapping[str, Any]) -> dict[str, str]:
 
 def check_placements(placements: Mapping[str, Any] | None) -> dict[str, str]:
     """Validate a placement map; components left out default to remote (inference: local)."""
-    return Placements.parse(placements, "placements").model_dump()
+    return placements_model(COMPONENTS, DEFAULT.models).parse(placements, "placements").model_dump()
 
 
 def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:
@@ -132,7 +132,8 @@ def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:
 
     `remote_addresses: {auth: "dns:///spine-auth.spine.svc.cluster.local:50061", ...}`
     """
-    return RemoteAddresses.parse(config.get("remote_addresses"), "remote_addresses").given()
+    model = remote_addresses_model(COMPONENTS)
+    return model.parse(config.get("remote_addresses"), "remote_addresses").given()  # type: ignore[attr-defined]
 
 
 def layout_name(placements: Mapping[str, str]) -> str:

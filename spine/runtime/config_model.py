@@ -7,76 +7,73 @@ silently ignored. `spine config schema` prints its JSON schema.
 
 The model's defaults are what a section gets when a key is absent from every file; they are
 the components' own defaults, and `spine/default_config.yaml` (merged under every config)
-documents them. `limits` and `batching` are typed loosely for now: their parsers
-(`services.pipeline.verdicts.RequestLimits`, `monolith.batched.BatchingConfig`) still check
-them when a stack starts, before any child process.
+documents them. The model is built from the component table (`root_model`): each
+component's section is its `ComponentSpec.config` model.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, create_model
 
+from monolith.batched import BatchingConfig
 from monolith.device_config import DeviceConfig
-from services.auth import AuthSection
-from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section, Table, describe
-from services.inference_config import InferenceConfig
-from services.sections import (
-    CacheConfig,
-    LogsConfig,
-    MetricsConfig,
-    ModelRoute,
-    RateLimitConfig,
-    RouterConfig,
-)
-from spine.runtime.sections import Placements, RemoteAddresses, ShadowConfig, TracingConfig
-
-# The built-in model behind the inference component, under the names clients use for it.
-_BUILT_IN_ROUTE = ModelRoute(id="tiny-lm", backend="inference", aliases=("default", "tiny"))
+from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section, describe
+from services.pipeline.limits import RequestLimits
+from services.registry import DEFAULT, Registry
+from spine.runtime.sections import ShadowConfig, TracingConfig, placements_model, remote_addresses_model
 
 
-class SpineConfig(Section):
+class _Root(Section):
     """A whole spine config (the default config with the user's file merged over it)."""
 
-    listen: NonEmptyStr = Field(default="127.0.0.1:50051", description="where the public Gateway API listens")
-    placements: Placements = Placements()
-    limits: Table[Any] = Field(default_factory=dict, description="request validation (RequestLimits); "
-                                                                 "checked when a stack starts")
-    auth: AuthSection = AuthSection()
-    ratelimit: RateLimitConfig = RateLimitConfig()
-    router: RouterConfig = RouterConfig(models=(_BUILT_IN_ROUTE,))
-    cache: CacheConfig = CacheConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    logs: LogsConfig = LogsConfig()
-    inference: InferenceConfig = InferenceConfig()
-    batching: Table[Any] = Field(default_factory=dict, description="the spine's micro-batcher "
-                                                                   "(BatchingConfig); checked when a stack starts")
-    tracing: TracingConfig = TracingConfig()
-    shadow: ShadowConfig = ShadowConfig()
-    remote_addresses: RemoteAddresses = RemoteAddresses()
-    device: DeviceConfig = DeviceConfig()
+
+@functools.cache
+def root_model(registry: Registry = DEFAULT) -> type[Section]:
+    """The root model for a component table: the runtime's own sections, then one section
+    per component (its `ComponentSpec.config` model), so a new middleware's section is
+    checked like every other one."""
+    fields: dict[str, Any] = {
+        "listen": (NonEmptyStr, Field(default="127.0.0.1:50051", description="where the public Gateway API listens")),
+        "placements": (placements_model(registry.names, registry.models), Field(default_factory=dict)),
+        "limits": (RequestLimits, RequestLimits()),
+        "batching": (BatchingConfig, BatchingConfig()),
+    }
+    for spec in registry:
+        model = spec.config_model()
+        fields[spec.name] = (model, Field(default_factory=dict, validate_default=True))
+    fields.update({
+        "tracing": (TracingConfig, TracingConfig()),
+        "shadow": (ShadowConfig, ShadowConfig()),
+        "remote_addresses": (remote_addresses_model(registry.names), Field(default_factory=dict)),
+        "device": (DeviceConfig, DeviceConfig()),
+    })
+    return create_model("SpineConfig", __base__=_Root, **fields)
 
 
+SpineConfig = root_model(DEFAULT)
 SECTIONS: frozenset[str] = frozenset(SpineConfig.model_fields)
 
 
-def config_problems(config: Mapping[str, Any]) -> list[Problem]:
+def config_problems(config: Mapping[str, Any], registry: Registry = DEFAULT) -> list[Problem]:
     """Everything wrong with a whole config mapping, each with its path ([] when it is valid)."""
+    model = root_model(registry)
     try:
-        SpineConfig.model_validate(config)
+        model.model_validate(config)
     except ValidationError as error:
-        return describe(error, SpineConfig)
+        return describe(error, model)
     return []
 
 
-def check_config(config: Mapping[str, Any]) -> SpineConfig:
+def check_config(config: Mapping[str, Any], registry: Registry = DEFAULT) -> Section:
     """The validated model of a whole config mapping; ConfigProblems lists every problem."""
-    problems = config_problems(config)
+    problems = config_problems(config, registry)
     if problems:
         raise ConfigProblems([str(p) for p in problems])
-    return SpineConfig.model_validate(config)
+    return root_model(registry).model_validate(config)
 
 
 def json_schema() -> dict[str, Any]:

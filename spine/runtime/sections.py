@@ -1,5 +1,8 @@
 """The config sections the runtime owns: placements, remote addresses, tracing, shadow traffic.
 
+Placements and remote addresses have one field per component of the component table, so
+they are built from it (`placements_model`, `remote_addresses_model`).
+
 Light on purpose (pydantic only): the root model imports them, and loading a config must
 not load OpenTelemetry or the migration code. `spine.runtime.tracing.TracingConfig` and
 `migration.traffic.shadow.ShadowConfig` are these classes, re-exported where they are used.
@@ -7,11 +10,12 @@ not load OpenTelemetry or the migration code. `spine.runtime.tracing.TracingConf
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, create_model, model_validator
 
 from services.config_model import Float, Items, NonEmptyStr, Section, problem
 
@@ -19,35 +23,27 @@ Placement = Literal["local", "remote"]
 Share = Annotated[Float, Field(ge=0, le=1)]
 
 
-class Placements(Section):
-    """`placements` for `spine up --layout mixed`. A component left out is remote, except
-    inference, which is local: the spine exists to put the model next to the middlewares.
-
-    One field per component of `services.registry.COMPONENTS` (a test keeps them equal)."""
-
-    auth: Placement = "remote"
-    ratelimit: Placement = "remote"
-    router: Placement = "remote"
-    cache: Placement = "remote"
-    metrics: Placement = "remote"
-    logs: Placement = "remote"
-    inference: Placement = "local"
-
-
-class RemoteAddresses(Section):
+class RemoteAddressesBase(Section):
     """`remote_addresses`: components already running elsewhere (e.g. Kubernetes Services),
     bound by gRPC target instead of spawned: `auth: dns:///spine-auth.spine.svc:50061`."""
 
-    auth: NonEmptyStr | None = None
-    ratelimit: NonEmptyStr | None = None
-    router: NonEmptyStr | None = None
-    cache: NonEmptyStr | None = None
-    metrics: NonEmptyStr | None = None
-    logs: NonEmptyStr | None = None
-    inference: NonEmptyStr | None = None
-
     def given(self) -> dict[str, str]:
         return {name: target for name, target in self.model_dump().items() if target is not None}
+
+
+@functools.cache
+def placements_model(components: tuple[str, ...], models: tuple[str, ...]) -> type[Section]:
+    """`placements` for `spine up --layout mixed`, one field per component. A component left
+    out is remote, except the model, which is local: the spine exists to put the model next
+    to the middlewares."""
+    fields: dict[str, Any] = {name: (Placement, "local" if name in models else "remote") for name in components}
+    return create_model("Placements", __base__=Section, __doc__=placements_model.__doc__, **fields)
+
+
+@functools.cache
+def remote_addresses_model(components: tuple[str, ...]) -> type[RemoteAddressesBase]:
+    fields: dict[str, Any] = {name: (NonEmptyStr | None, None) for name in components}
+    return create_model("RemoteAddresses", __base__=RemoteAddressesBase, **fields)
 
 
 Exporter = Literal["none", "console", "otlp"]

@@ -8,14 +8,14 @@ something other than what its author thought is how a migration goes wrong.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.common import ConfigError
+from services.registry import MIDDLEWARES
 from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located
 
-MIDDLEWARES: tuple[str, ...] = ("auth", "ratelimit", "router", "cache", "metrics", "logs")
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 # Each gate type and the one threshold field it takes.
 GATE_THRESHOLDS: dict[str, str] = {
@@ -83,13 +83,15 @@ class Plan:
         return None
 
 
-def load_plan(text: str) -> Plan:
-    """Parse and validate a plan; raise PlanError listing every problem with its line."""
+def load_plan(text: str, middlewares: Sequence[str] = MIDDLEWARES) -> Plan:
+    """Parse and validate a plan; raise PlanError listing every problem with its line.
+
+    `middlewares`: what a stage may place (the component table's middlewares)."""
     try:
         located = load_located(text)
     except YamlSourceError as exc:
         raise PlanError([f"{exc.path or 'plan'} (line {exc.line}): {exc}"]) from None
-    checker = _Checker(located)
+    checker = _Checker(located, tuple(middlewares))
     plan = checker.plan(text)
     if checker.problems or plan is None:
         raise PlanError(checker.problems)
@@ -99,8 +101,9 @@ def load_plan(text: str) -> Plan:
 class _Checker:
     """Walks the located data, collecting problems instead of stopping at the first."""
 
-    def __init__(self, located: LocatedData) -> None:
+    def __init__(self, located: LocatedData, middlewares: tuple[str, ...]) -> None:
         self.located = located
+        self.middlewares = middlewares
         self.problems: list[str] = []
 
     def fail(self, path: str, message: str) -> None:
@@ -121,7 +124,7 @@ class _Checker:
         if not isinstance(raw_stages, list) or not raw_stages:
             self.fail("stages", f"must be a non-empty list of stages, got {_kind(raw_stages)}")
         else:
-            previous = dict.fromkeys(MIDDLEWARES, "remote")
+            previous = dict.fromkeys(self.middlewares, "remote")
             seen: dict[str, int] = {}
             for index, raw in enumerate(raw_stages):
                 stage = self.stage(raw, f"stages[{index}]", index, previous)
@@ -180,8 +183,8 @@ class _Checker:
             return out
         for middleware, placement in raw.items():
             where = f"{path}.{middleware}"
-            if middleware not in MIDDLEWARES:
-                self.fail(where, f"unknown middleware {middleware!r}; expected one of {', '.join(MIDDLEWARES)}")
+            if middleware not in self.middlewares:
+                self.fail(where, f"unknown middleware {middleware!r}; expected one of {', '.join(self.middlewares)}")
             elif placement not in PLACEMENTS:
                 self.fail(where, f"must be local or remote, got {placement!r}")
             else:

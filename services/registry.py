@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from google.protobuf import descriptor as pb_descriptor
 
 from services.common import DeviceState
@@ -49,6 +50,9 @@ class ComponentSpec:
     middleware: bool = True  # False for the model: placed, but not migrated as a middleware
     # Batch rpcs whose spans carry the per-request rpc's name (e.g. CheckBatch -> Check).
     batch_methods: Mapping[str, str] = field(default_factory=dict)
+    # Codes it answers with that reach the client as they are (a fail-closed component's
+    # own verdicts); any other failure of a fail-closed component is UNAVAILABLE.
+    passes: frozenset[grpc.StatusCode] = frozenset()
 
     def descriptor(self) -> pb_descriptor.ServiceDescriptor:
         module = importlib.import_module(self.proto_module)
@@ -74,7 +78,8 @@ class ComponentSpec:
         return _resolve(self.config)
 
     def policy(self, budget_ms: float | None = None) -> StagePolicy:
-        return StagePolicy(self.name, self.fail_mode, (self.budget_ms if budget_ms is None else budget_ms) / 1000.0)
+        budget_s = (self.budget_ms if budget_ms is None else budget_ms) / 1000.0
+        return StagePolicy(self.name, self.fail_mode, budget_s, self.passes)
 
     def stage_classes(self) -> list[type[Stage]]:
         return [_resolve(path) for path in self.stages]
@@ -142,17 +147,21 @@ class Registry:
 
 
 def _spec(name: str, service: str, config: str, stages: tuple[str, ...], batch_methods: Mapping[str, str], *,
-          fail_mode: FailMode = FailMode.CLOSED, budget_ms: float = 250.0, middleware: bool = True) -> ComponentSpec:
+          passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
+          budget_ms: float = 250.0, middleware: bool = True) -> ComponentSpec:
     return ComponentSpec(name, f"spine.v1.{name}_pb2", service, f"services.{name}:build", config, stages,
-                         fail_mode, budget_ms, middleware, batch_methods)
+                         fail_mode, budget_ms, middleware, batch_methods, frozenset(passes))
 
 
+_CODE = grpc.StatusCode
 DEFAULT = Registry([
-    _spec("auth", "Auth", "services.auth:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"}),
+    _spec("auth", "Auth", "services.auth:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"},
+          passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED)),
     _spec("ratelimit", "RateLimit", "services.sections:RateLimitConfig", ("services.ratelimit:RateLimitStage",),
-          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit"}),
+          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit"},
+          passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED)),
     _spec("router", "Router", "services.sections:RouterConfig", ("services.router:RouterStage",),
-          {"ResolveBatch": "Resolve"}),
+          {"ResolveBatch": "Resolve"}, passes=(_CODE.NOT_FOUND,)),
     _spec("cache", "Cache", "services.sections:CacheConfig",
           ("services.cache:CacheLookupStage", "services.cache:CacheStoreStage"),
           {"LookupBatch": "Lookup", "StoreBatch": "Store"}, fail_mode=FailMode.OPEN),
@@ -164,6 +173,8 @@ DEFAULT = Registry([
     # by the request's deadline.
     _spec("inference", "Inference", "services.inference_config:InferenceConfig",
           ("services.inference:InferenceStage",), {"GenerateStream": "Generate"},
+          passes=(_CODE.INVALID_ARGUMENT, _CODE.DEADLINE_EXCEEDED, _CODE.RESOURCE_EXHAUSTED, _CODE.CANCELLED,
+                  _CODE.NOT_FOUND),
           budget_ms=float("inf"), middleware=False),
 ])
 GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", "", ())

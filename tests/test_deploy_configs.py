@@ -19,11 +19,12 @@ from google.protobuf import json_format
 
 from migration.xds import Endpoint, build_snapshot
 from migration.xds.snapshot import CLUSTER, ROUTE
+from services.registry import COMPONENTS
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 ENVOY_FILES = sorted((DEPLOY / "envoy").glob("*.yaml"))
 K8S_FILES = sorted((DEPLOY / "k8s").rglob("*.yaml"))
-LAYERED_COMPONENTS = ["auth", "ratelimit", "router", "cache", "metrics", "logs", "inference"]
+LAYERED_COMPONENTS = list(COMPONENTS)  # the manifests name every component of the table
 
 
 def load_bootstrap(path: Path) -> bootstrap_pb2.Bootstrap:

@@ -195,7 +195,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _model_stop(self, error: grpc.RpcError) -> Stop:
         code, details, trailing = code_details(error)
-        return downstream_stop(self.pipeline.model.component, code, details, trailing)
+        model = self.pipeline.model
+        return downstream_stop(model.component, code, details, trailing, model.policy.passes)
 
     def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
         """End the call with the pipeline's verdict; its trailers name layout and request id."""

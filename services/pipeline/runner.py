@@ -196,7 +196,7 @@ def _fail(pipeline: Pipeline, stage: Stage, state: RequestState, code: grpc.Stat
         state.failures.append(stage.component)
         pipeline.on_fail_open(stage.component, code.name, state.request_id)
     elif state.outcome is None:
-        state.outcome = downstream_stop(stage.component, code, details, trailing)
+        state.outcome = downstream_stop(stage.component, code, details, trailing, stage.policy.passes)
 
 
 class _Call:

@@ -43,6 +43,9 @@ class StagePolicy:
     component: str  # "" for the gateway's own checks, which call nothing
     fail_mode: FailMode = FailMode.CLOSED
     budget_s: float = 0.25
+    # The component's own verdicts, which reach the client as they are (auth's
+    # UNAUTHENTICATED, the router's NOT_FOUND); any other failure is UNAVAILABLE.
+    passes: frozenset[grpc.StatusCode] = frozenset()
 
 
 class StageCall(Protocol):

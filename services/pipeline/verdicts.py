@@ -9,7 +9,7 @@ there being exactly one copy of each.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import grpc
 
@@ -101,25 +101,17 @@ def rate_limit_stop(verdict: ratelimit_pb2.AdmitResponse, cost: int) -> Stop | N
                 (("retry-after", f"{retry:.3f}"),))
 
 
-# Codes a fail-closed middleware may answer with that reach the client as they are.
-PASS_THROUGH: dict[str, tuple[grpc.StatusCode, ...]] = {
-    "auth": (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED),
-    "router": (grpc.StatusCode.NOT_FOUND,),
-    "ratelimit": (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    "inference": (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND),
-}
-
-
 # Trailing metadata a downstream answer hands on to the client: when to retry, how loaded
 # the model is (x-spine-load, read by spine.client.load_hints).
 FORWARDED_TRAILERS = ("retry-after", "x-spine-load")
 
 
 def downstream_stop(name: str, code: grpc.StatusCode, details: str,
-                    trailing: Sequence[tuple[str, str]] = ()) -> Stop:
-    """A fail-closed middleware's failure as the client sees it."""
-    if code in PASS_THROUGH.get(name, ()):
+                    trailing: Sequence[tuple[str, str]] = (), passes: Collection[grpc.StatusCode] = ()) -> Stop:
+    """A fail-closed middleware's failure as the client sees it: a code it `passes` (its own
+    verdict, e.g. auth's UNAUTHENTICATED) as it is, a deadline as a deadline, anything else
+    as UNAVAILABLE naming the middleware."""
+    if code in passes:
         return Stop(code, details, tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Stop(code, f"deadline exceeded while waiting for {name}")

@@ -93,7 +93,7 @@ class Stack:
 
     def start(self) -> str:
         """Start everything and return the Gateway's address once all is SERVING."""
-        check_config(self.config)  # every section, before anything is created or started
+        check_config(self.config, self.registry)  # every section, before anything is created or started
         if self.run_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
             self.run_dir = Path(self._tmp.name)

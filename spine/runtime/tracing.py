@@ -39,23 +39,14 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from services.registry import DEFAULT
 from spine.runtime.sections import EXPORTERS as EXPORTERS
 from spine.runtime.sections import TracingConfig
 from spine.runtime.sections import otlp_available as otlp_available
 
 ROOT_SPAN = "gateway.generate"
-# (component, method) -> span name, identical in every layout.
-SPAN_NAMES: dict[tuple[str, str], str] = {
-    ("auth", "Check"): "auth.check",
-    ("ratelimit", "ShouldRateLimit"): "ratelimit.admit",
-    ("router", "Resolve"): "router.resolve",
-    ("cache", "Lookup"): "cache.lookup",
-    ("cache", "Store"): "cache.store",
-    ("inference", "Generate"): "inference.generate",
-    ("inference", "GenerateStream"): "inference.generate",
-    ("metrics", "Record"): "metrics.record",
-    ("logs", "Append"): "logs.append",
-}
+# (component, rpc) -> span name, identical in every layout: from the component table.
+SPAN_NAMES: dict[tuple[str, str], str] = DEFAULT.span_names()
 # Server spans named by the public methods they serve; anything else keeps its gRPC name.
 SERVER_SPAN_NAMES: dict[str, str] = {
     "/spine.v1.Gateway/Generate": ROOT_SPAN,
@@ -180,6 +171,11 @@ class TracingHook:
             _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
             metadata.extend(carrier.items())
         return span
+
+    @staticmethod
+    def capture() -> tuple[tuple[str, str], ...]:
+        """The request's trace context, for its part of a batch decided on another thread."""
+        return current_traceparent()
 
     def end(self, token: Any, code: grpc.StatusCode) -> None:
         span: trace.Span = token

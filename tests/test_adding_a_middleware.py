@@ -1,0 +1,207 @@
+"""Adding a middleware = its proto, its service (the servicer and its stage), one table entry.
+
+A throwaway `audit` middleware, defined entirely in this file (its proto is compiled here),
+joins the request path of both layouts through one `ComponentSpec`: its config section is
+checked, its placement is a knob, its stage runs in order, its spans are named, a plan may
+move it and its own verdict reaches the client.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_tools import protoc
+
+from migration.plan import load_plan
+from services.common import ConfigError, DeviceState, abort_on_item, set_status, status_code
+from services.config_model import Items, NonEmptyStr, Section
+from services.pipeline.stage import FailMode, Stage, StageCall
+from services.pipeline.state import RequestState
+from services.registry import DEFAULT, ComponentSpec
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.config import load_config
+from spine.runtime.config_model import root_model
+from spine.runtime.server import start_server
+from spine.runtime.stack import Stack
+from spine.v1 import generation_pb2
+from tests.conftest import DEV_KEY
+
+REPO = Path(__file__).resolve().parents[1]
+AUDIT_PROTO = """
+syntax = "proto3";
+package spinetest.v1;
+import "spine/v1/batch.proto";
+
+message SeenRequest { string tenant = 1; string model = 2; }
+message SeenResult { spine.v1.ItemStatus status = 1; }
+message SeenBatchRequest { repeated SeenRequest items = 1; }
+message SeenBatchResponse { repeated SeenResult results = 1; }
+
+service Audit {
+  rpc Seen(SeenRequest) returns (SeenResult);
+  rpc SeenBatch(SeenBatchRequest) returns (SeenBatchResponse);
+}
+"""
+
+
+def _compile_audit_proto() -> Any:
+    """The proto, compiled as `make protos` compiles the project's own."""
+    out = Path(tempfile.mkdtemp(prefix="spine-audit-proto-"))
+    (out / "spinetest" / "v1").mkdir(parents=True)
+    (out / "spinetest" / "v1" / "audit.proto").write_text(AUDIT_PROTO)
+    code = protoc.main(["protoc", f"-I{REPO / 'protos'}", f"-I{out}", f"--python_out={out}",
+                        f"--grpc_python_out={out}", "spinetest/v1/audit.proto"])
+    assert code == 0, "protoc failed on the audit proto"
+    sys.path.insert(0, str(out))
+    return importlib.import_module("spinetest.v1.audit_pb2")
+
+
+audit_pb2 = _compile_audit_proto()
+
+
+# -- the service -------------------------------------------------------------------------------
+
+class AuditSection(Section):
+    blocked: Items[NonEmptyStr] = ()  # tenants refused
+
+
+class AuditService:
+    """Remembers who asked for what; refuses blocked tenants (its own verdict, per item)."""
+
+    def __init__(self, config: AuditSection) -> None:
+        self.config = config
+        self.seen: list[tuple[str, str]] = []
+
+    def SeenBatch(self, request: Any, context: Any = None) -> Any:
+        answer = audit_pb2.SeenBatchResponse()
+        for item in request.items:
+            result = answer.results.add()
+            self.seen.append((item.tenant, item.model))
+            if item.tenant in self.config.blocked:
+                set_status(result.status, grpc.StatusCode.PERMISSION_DENIED,
+                           f"tenant {item.tenant!r} is blocked by audit")
+        return answer
+
+    def Seen(self, request: Any, context: Any) -> Any:
+        result = self.SeenBatch(audit_pb2.SeenBatchRequest(items=[request])).results[0]
+        abort_on_item(result.status, context)
+        return result
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> AuditService:
+    return AuditService(AuditSection.parse(config.get("audit"), "audit"))
+
+
+class AuditStage(Stage):
+    method = "Seen"
+    order = 35  # after the rate limit, before the cache
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        request = audit_pb2.SeenBatchRequest()
+        for state in batch:
+            request.items.add(tenant=state.tenant, model=state.model)
+        answer = call("SeenBatch", request)
+        for state, result in self.each(answer.results, batch):
+            if result.status.code:
+                call.fail(state, status_code(result.status.code), result.status.message)
+
+
+# -- the one table entry -------------------------------------------------------------------------
+
+AUDIT = ComponentSpec(
+    "audit", "spinetest.v1.audit_pb2", "Audit", f"{__name__}:build", f"{__name__}:AuditSection",
+    (f"{__name__}:AuditStage",), FailMode.CLOSED, batch_methods={"SeenBatch": "Seen"},
+    passes=frozenset({grpc.StatusCode.PERMISSION_DENIED}))
+REGISTRY = DEFAULT.with_component(AUDIT)
+
+
+def config_with(audit: dict[str, Any]) -> dict[str, Any]:
+    config = load_config()
+    config["audit"] = audit
+    return config
+
+
+def placements(audit: str) -> dict[str, str]:
+    return {**dict.fromkeys(DEFAULT.names, "local"), "audit": audit}
+
+
+@pytest.fixture
+def client_of() -> Iterator[Any]:
+    stacks: list[Stack] = []
+
+    def start(stack: Stack) -> GatewayClient:
+        stacks.append(stack)
+        stack.start()
+        return GatewayClient(stack.address, token=DEV_KEY)
+
+    yield start
+    for stack in stacks:
+        stack.stop()
+
+
+def test_the_table_entry_is_enough_for_config_plans_spans_and_order() -> None:
+    assert REGISTRY.middlewares == (*DEFAULT.middlewares, "audit")
+    model = root_model(REGISTRY)
+    assert "audit" in model.model_fields and "audit" in model.model_fields["placements"].annotation.model_fields
+    assert REGISTRY.span_names()[("audit", "SeenBatch")] == "audit.seen"
+    names = [stage.name for stage in REGISTRY.stages(load_limits())]
+    assert names.index("ratelimit.admit") < names.index("audit.seen") < names.index("cache.lookup")
+    plan = load_plan("name: p\nstages:\n  - name: audit-local\n    spine_weight: 10\n    hold_s: 1\n"
+                     "    placements: {audit: local}\n",
+                     REGISTRY.middlewares)
+    assert plan.stages[0].placements["audit"] == "local"
+
+
+def request(prompt: str) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=2)
+
+
+def load_limits() -> Any:
+    from services.pipeline.limits import RequestLimits
+
+    return RequestLimits()
+
+
+def test_a_new_middleware_runs_in_the_spine_and_its_verdict_reaches_the_client(client_of: Any, tmp_path: Path) -> None:
+    stack = Stack(config_with({}), placements("local"), run_dir=tmp_path / "open", registry=REGISTRY)
+    result = client_of(stack).generate(request("audited"))
+    assert result.code == grpc.StatusCode.OK
+    assert stack.local_servicers["audit"].seen == [("dev", "tiny-lm")]
+
+    blocked = Stack(config_with({"blocked": ["dev"]}), placements("local"), run_dir=tmp_path / "blocked",
+                    registry=REGISTRY)
+    refused = client_of(blocked).generate(request("audited"))
+    assert refused.code == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.details == "tenant 'dev' is blocked by audit"
+
+
+def test_a_new_middleware_runs_in_its_own_process_too(client_of: Any, tmp_path: Path) -> None:
+    servicer = AuditService(AuditSection(blocked=()))
+    sock_dir = tempfile.mkdtemp(prefix="spine-audit-", dir="/tmp")
+    server = start_server([(AUDIT, servicer)], f"unix:{sock_dir}/audit.sock")
+    try:
+        stack = Stack(config_with({}), placements("remote"), run_dir=tmp_path / "remote", registry=REGISTRY,
+                      remote_addresses={"audit": server.address})
+        result = client_of(stack).generate(request("audited over the wire"))
+        assert result.code == grpc.StatusCode.OK
+        assert servicer.seen == [("dev", "tiny-lm")]
+        assert stack.layout == "mixed"
+    finally:
+        server.stop(0)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_its_config_section_is_checked_like_every_other(tmp_path: Path) -> None:
+    stack = Stack(config_with({"blokced": ["dev"]}), placements("local"), run_dir=tmp_path / "bad",
+                  registry=REGISTRY)
+    with pytest.raises(ConfigError, match=r"audit\.blokced: unknown key; known: blocked"):
+        stack.start()
+    assert not (tmp_path / "bad").exists()  # refused before anything was created

@@ -33,6 +33,7 @@ bench: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) spine/v1 bench/results.json

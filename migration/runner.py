@@ -10,110 +10,17 @@ well within a second) and exits cleanly on SIGTERM or SIGINT.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
-import os
-import stat
 import sys
-import threading
-import time
-from concurrent import futures
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from migration.admin_token import read_admin_token
-from migration.controller import Controller
 from migration.recording import RecordingTarget
-from migration.service import SERVICE_NAME, MigrationService
+from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
-from services.common import Clock, ConfigError
+from services.common import ConfigError
 from spine.runtime.signals import Termination
-from spine.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
-
-
-def check_listen(listen: str, allow_external: bool = False) -> str:
-    """`unix:PATH` or a loopback `host:port`; anything that could face a network is refused
-    unless `allow_external` (a pod address in a cluster, where the admin token guards it)."""
-    if listen.startswith("unix:"):
-        if not listen[len("unix:"):]:
-            raise ConfigError("--listen: unix: needs a socket path, e.g. unix:/run/spine/migration.sock")
-        return listen
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"--listen: expected unix:PATH or HOST:PORT, got {listen!r}")
-    if host != "localhost" and not allow_external:
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ConfigError(f"--listen: the controller binds to loopback or a unix socket only, got {listen!r}")
-    return listen
-
-
-class ControllerProcess:
-    """Controller + gRPC server + tick thread, started and stopped together."""
-
-    def __init__(self, db_path: str, listen: str, admin_token: str, target: TrafficTarget, *,
-                 tick_s: float = 0.1, clock: Clock = time.time, allow_external: bool = False) -> None:
-        self.listen = check_listen(listen, allow_external)
-        self.controller = Controller.open(db_path, target, clock=clock)
-        self.service = MigrationService(self.controller, admin_token)
-        self._tick_s = tick_s
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick_loop, name="migration-tick", daemon=True)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="migration"))
-        migration_pb2_grpc.add_MigrationControlServicer_to_server(self.service, self.server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (migration_pb2.DESCRIPTOR.services_by_name["MigrationControl"].full_name,
-                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
-        self.port = 0
-
-    def start(self) -> None:
-        _remove_stale_socket(self.listen)
-        self.port = self.server.add_insecure_port(self.listen)
-        if not self.listen.startswith("unix:") and self.port == 0:
-            raise ConfigError(f"--listen: could not bind {self.listen}")
-        self.server.start()
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._ticker.start()
-        log.info("migration controller listening on %s", self.listen)
-
-    def stop(self, grace: float = 1.0) -> None:
-        self._stop.set()
-        self.health.enter_graceful_shutdown()
-        self.service.close()
-        self.server.stop(grace).wait()
-        if self._ticker.is_alive():
-            self._ticker.join()
-        self.controller.close()
-        _remove_stale_socket(self.listen)
-
-    def _tick_loop(self) -> None:
-        while not self._stop.wait(self._tick_s):
-            try:
-                self.controller.tick()
-            except Exception:  # a flaky data path must not stop the loop; the next tick retries
-                log.exception("migration tick failed; retrying")
-
-
-def _remove_stale_socket(listen: str) -> None:
-    if not listen.startswith("unix:"):
-        return
-    path = listen[len("unix:"):]
-    try:
-        if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def build_target(args: argparse.Namespace) -> TrafficTarget:

@@ -13,7 +13,7 @@ import pytest
 
 from migration.cli import main
 from migration.recording import RecordingTarget
-from migration.runner import ControllerProcess
+from migration.server import ControllerProcess
 from migration.testing import ADMIN_TOKEN, HEALTHY, THREE_STAGES
 
 FAST_PLAN = textwrap.dedent("""\

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from migration.recording import RecordingTarget
-from migration.runner import ControllerProcess, check_listen
+from migration.server import ControllerProcess, check_listen
 from migration.testing import ADMIN_TOKEN, HEALTHY, THREE_STAGES
 from services.common import ConfigError
 from spine.v1 import migration_pb2 as pb

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from migration.gates import WindowStats
-from migration.runner import ControllerProcess
+from migration.server import ControllerProcess
 from migration.traffic.front import Front
 from migration.traffic.shadow import ShadowConfig
 from migration.xds import Endpoint, XdsControlPlane

@@ -115,9 +115,9 @@ def cmd_call(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from spine.tools.demo import run_demo
+    from spine.tools.migration_demo import run_migration_demo
 
-    return run_demo(load_config(args.config))
+    return run_migration_demo(load_config(args.config))
 
 
 def cmd_ab(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +225,3 @@ def _parse_line(path: str | Path, number: int, line: str) -> Entry:
                 headers=tuple(sorted(headers.items())))
     return Entry(at, item, str(data.get("tenant", "")))
 
-
-def items_of(entries: Sequence[Entry]) -> list[Item]:
-    return [entry.item for entry in entries]

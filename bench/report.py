@@ -73,17 +73,18 @@ def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return comparisons
 
 
-def batching_gain(runs: Sequence[Mapping[str, Any]], unbatched_layout: str = "collapsed-unbatched",
-                  ) -> list[dict[str, Any]]:
-    """Per cell: the batched spine against the same spine with a batcher off —
-    `collapsed-unbatched` (nothing batched, the model step included) by default, or
-    `collapsed-middleware-unbatched` (only the middleware batcher off)."""
+def batching_gain(runs: Sequence[Mapping[str, Any]], unbatched_layout: str = "collapsed-unbatched", *,
+                  batched_layout: str = "collapsed") -> list[dict[str, Any]]:
+    """Per cell: a batched layout against the same layout with a batcher off — the spine
+    against `collapsed-unbatched` (nothing batched, the model step included) by default, or
+    `collapsed-middleware-unbatched` (only the middleware batcher off); `layered-batched`
+    against `layered` (the layered gateway batching each hop over the wire, or not)."""
     by_cell: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
     for run in runs:
         by_cell.setdefault((run["mode"], run["concurrency"]), {})[run["layout"]] = run
     out = []
     for (mode, concurrency), cell in by_cell.items():
-        batched, unbatched = cell.get("collapsed"), cell.get(unbatched_layout)
+        batched, unbatched = cell.get(batched_layout), cell.get(unbatched_layout)
         if batched is not None and unbatched is not None:
             out.append({"mode": mode, "concurrency": concurrency,
                         "batched_over_unbatched_rps": _ratio(batched["rps"], unbatched["rps"]),
@@ -166,6 +167,9 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
                   gain_columns)
     _print_ratios(console, results.get("batched_vs_middleware_unbatched"),
                   "batched vs collapsed-middleware-unbatched: only the middleware batcher off (same cell)",
+                  gain_columns)
+    _print_ratios(console, results.get("layered_batched_vs_layered"),
+                  "layered-batched vs layered: the layered gateway batching each hop over the wire (same cell)",
                   gain_columns)
     machine = results["machine"]
     console.print(f"machine: {machine['cpu_count']} CPUs, torch {machine['torch']}, load average "

@@ -32,6 +32,7 @@ from bench.targets import (
     LAYOUTS,
     MIDDLEWARE_UNBATCHED_OVERLAY,
     QUICK_LAYOUTS,
+    REMOTE_BATCHED_OVERLAY,
     UNBATCHED_OVERLAY,
     RssSampler,
     Target,
@@ -127,10 +128,13 @@ def write_configs(run_dir: Path) -> dict[str, Path]:
     unbatched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, UNBATCHED_OVERLAY)))
     middleware_unbatched = run_dir / "bench-overlay-middleware-unbatched.yaml"
     middleware_unbatched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, MIDDLEWARE_UNBATCHED_OVERLAY)))
+    remote_batched = run_dir / "bench-overlay-remote-batched.yaml"
+    remote_batched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, REMOTE_BATCHED_OVERLAY)))
     merged = run_dir / "bench-config.yaml"
     merged.write_text(yaml.safe_dump(load_config(overlay)))
     return {"bare": merged, "collapsed": overlay, "collapsed-unbatched": unbatched,
-            "collapsed-middleware-unbatched": middleware_unbatched, "layered": overlay}
+            "collapsed-middleware-unbatched": middleware_unbatched, "layered": overlay,
+            "layered-batched": remote_batched}
 
 
 def start_all(run_dir: Path, settings: Settings, console: Console) -> dict[str, Target]:
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"runs": runs, "serving": serving, "layered_vs_collapsed": comparisons,
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
+               "layered_batched_vs_layered": batching_gain(runs, "layered", batched_layout="layered-batched"),
                "machine": machine, "started_at": started_at,
                "duration_s": round(time.perf_counter() - began, 1), "settings": settings.as_dict(),
                "processes_left_running": left}

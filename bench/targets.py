@@ -13,6 +13,8 @@ GIL would be slowed by the very load it is measuring, and unequally across layou
                batches decode steps across requests. What batching the middleware alone is
                worth, and the bound on it: at best this equals bare.
     layered    python -m spine --config F up --layout layered  (+ one child per component)
+    layered-batched  the same with `batching.remote: true`: the layered gateway batches too,
+               one batch rpc per hop per micro-batch instead of one call per request per hop
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from spine.runtime.process import die_with_parent
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Which `spine up --layout` each bench layout but bare runs (bare is the model service alone).
 SPINE_LAYOUT: dict[str, str] = {"collapsed": "collapsed", "collapsed-unbatched": "collapsed",
-                                "collapsed-middleware-unbatched": "collapsed", "layered": "layered"}
+                                "collapsed-middleware-unbatched": "collapsed", "layered": "layered",
+                                "layered-batched": "layered"}
 LAYOUTS: tuple[str, ...] = ("bare", *SPINE_LAYOUT)
 # `--quick` (the smoke test) keeps to these, inside its time limit.
 QUICK_LAYOUTS: tuple[str, ...] = ("bare", "collapsed", "layered")
 MIDDLEWARE_UNBATCHED_OVERLAY: dict[str, object] = {"batching": {"enabled": False}}
 UNBATCHED_OVERLAY: dict[str, object] = {**MIDDLEWARE_UNBATCHED_OVERLAY, "inference": {"max_batch": 1}}
+REMOTE_BATCHED_OVERLAY: dict[str, object] = {"batching": {"remote": True}}
 
 
 class TargetFailed(RuntimeError):

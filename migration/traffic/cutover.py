@@ -66,8 +66,9 @@ class FrontTarget:
     def _split_limits(self, spine_weight: float) -> None:
         spine_share = spine_weight / 100.0
         own = self.spine.placements.get("ratelimit") == "local"
-        if own:
-            self.spine.local_servicers["ratelimit"].set_share(max(spine_share, MIN_SHARE))
+        if own:  # through the spine's own binding, as to any rate limiter
+            self.spine.bindings["ratelimit"].SetShare(
+                ratelimit_pb2.SetShareRequest(fraction=max(spine_share, MIN_SHARE)), timeout=1.0)
         if self.layered_ratelimit is not None:
             layered_share = max(1.0 - spine_share, MIN_SHARE) if own else 1.0
             self.layered_ratelimit.SetShare(ratelimit_pb2.SetShareRequest(fraction=layered_share), timeout=1.0)

@@ -61,6 +61,22 @@ def make_jwt(tenant: str = "dev", *, expires_in: float = 300, secret: str = JWT_
     return jwt.encode(payload, secret, algorithm="HS256")
 
 
+@pytest.fixture(scope="session")
+def ec_key() -> Any:
+    """A P-256 key for ES256 tokens (made once: key generation is slow)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+@pytest.fixture(scope="session")
+def rsa_key() -> Any:
+    """An RSA key for RS256 tokens (made once)."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
 @pytest.fixture(scope="module")
 def torch_one_thread() -> Iterator[None]:
     """Tiny ops run fastest on one thread; more only add contention on a shared 2-core box.

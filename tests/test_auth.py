@@ -8,18 +8,15 @@ import hmac
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 import jwt
 import pytest
-import yaml
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from services.auth import AuthConfig, AuthDenied, AuthService
-from services.common import ConfigError
 from spine.v1 import auth_pb2, auth_pb2_grpc
 from tests.conftest import served
 
@@ -39,20 +36,10 @@ class FakeClock:
         return self.now
 
 
-def _pem(private_key: Any) -> str:
+def public_pem(private_key: Any) -> str:
     return private_key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     ).decode()
-
-
-@pytest.fixture(scope="module")
-def ec_key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-@pytest.fixture(scope="module")
-def rsa_key() -> rsa.RSAPrivateKey:
-    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
 def auth_section(ec_key: Any, rsa_key: Any, **jwt_overrides: Any) -> dict[str, Any]:
@@ -70,7 +57,7 @@ def auth_section(ec_key: Any, rsa_key: Any, **jwt_overrides: Any) -> dict[str, A
             "audience": AUDIENCE,
             "leeway_s": 30,
             "hs256_secret": HS_SECRET,
-            "public_keys": [{"alg": "ES256", "pem": _pem(ec_key)}, {"alg": "RS256", "pem": _pem(rsa_key)}],
+            "public_keys": [{"alg": "ES256", "pem": public_pem(ec_key)}, {"alg": "RS256", "pem": public_pem(rsa_key)}],
             "tenant_claim": "tenant",
             "scopes_claim": "scope",
             **jwt_overrides,
@@ -206,7 +193,7 @@ def test_rs256_token_with_scope_list_and_priority_is_accepted(stub: auth_pb2_grp
 def test_token_signed_by_any_configured_key_of_its_algorithm_is_accepted(ec_key: Any, rsa_key: Any) -> None:
     other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     section = auth_section(ec_key, rsa_key)
-    section["jwt"]["public_keys"].append({"alg": "RS256", "pem": _pem(other), "kid": "next"})
+    section["jwt"]["public_keys"].append({"alg": "RS256", "pem": public_pem(other), "kid": "next"})
     service = AuthService(AuthConfig.from_dict(section), clock=FakeClock())
     assert service.verify(jwt.encode(claims(), other, algorithm="RS256")).principal.tenant == "acme"
     by_kid = jwt.encode(claims(), other, algorithm="RS256", headers={"kid": "next"})
@@ -256,7 +243,7 @@ def test_hs256_token_signed_with_a_public_key_pem_is_unauthenticated(
     stub: auth_pb2_grpc.AuthStub, rsa_key: Any
 ) -> None:
     """Algorithm confusion: the public PEM used as an HMAC secret must never verify."""
-    pem = _pem(rsa_key).encode()
+    pem = public_pem(rsa_key).encode()
     token = handmade_token(
         {"alg": "HS256", "typ": "JWT"}, claims(), lambda data: hmac.new(pem, data, hashlib.sha256).digest()
     )
@@ -267,7 +254,7 @@ def test_hs256_token_signed_with_a_public_key_pem_is_unauthenticated(
 def test_hs256_token_is_refused_when_only_public_keys_are_configured(ec_key: Any, rsa_key: Any) -> None:
     section = auth_section(ec_key, rsa_key, hs256_secret=None)
     service = AuthService(AuthConfig.from_dict(section), clock=FakeClock())
-    pem = _pem(rsa_key).encode()
+    pem = public_pem(rsa_key).encode()
     token = handmade_token(
         {"alg": "HS256", "typ": "JWT"}, claims(), lambda data: hmac.new(pem, data, hashlib.sha256).digest()
     )
@@ -321,7 +308,7 @@ def test_jwt_is_refused_when_jwt_is_not_configured(ec_key: Any, rsa_key: Any) ->
 def test_no_denial_message_quotes_the_credential_or_a_secret(
     stub: auth_pb2_grpc.AuthStub, rsa_key: Any
 ) -> None:
-    pem = _pem(rsa_key).encode()
+    pem = public_pem(rsa_key).encode()
     credentials = [
         "sk-unknown-key-with-a-distinctive-tail-XYZZY",
         "sk-test-read-only-0003",
@@ -429,109 +416,3 @@ def test_cache_is_bounded_and_evicts_the_least_recently_used(ec_key: Any, rsa_ke
     assert service.cache.hits == hits + 1
     service.verify(b)
     assert service.cache.hits == hits + 1
-
-
-# --- configuration -------------------------------------------------------------------------
-
-
-def test_default_config_auth_section_parses_and_its_dev_key_works() -> None:
-    config = yaml.safe_load(Path("spine/default_config.yaml").read_text())
-    service = AuthService(AuthConfig.from_dict(config["auth"]))
-    assert service.verify("spine-dev-key-0000").principal.tenant == "dev"
-
-
-def test_hs256_secret_can_come_from_the_environment(ec_key: Any, rsa_key: Any) -> None:
-    section = auth_section(ec_key, rsa_key, hs256_secret=None, hs256_secret_env="SPINE_TEST_SECRET")
-    config = AuthConfig.from_dict(section, environ={"SPINE_TEST_SECRET": HS_SECRET})
-    assert AuthService(config, clock=FakeClock()).verify(hs256()).principal.tenant == "acme"
-
-
-def _config_error(section: dict[str, Any], environ: dict[str, str] | None = None) -> str:
-    with pytest.raises(ConfigError) as info:
-        AuthConfig.from_dict(section, environ=environ or {})
-    return str(info.value)
-
-
-def test_short_hs256_secret_is_a_config_error_that_hides_the_secret(ec_key: Any, rsa_key: Any) -> None:
-    message = _config_error(auth_section(ec_key, rsa_key, hs256_secret="too-short-secret"))
-    assert message.startswith("auth.jwt.hs256_secret:")
-    assert "at least 32 bytes, got 16" in message
-    assert "too-short-secret" not in message
-
-
-def test_empty_hs256_secret_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    assert _config_error(auth_section(ec_key, rsa_key, hs256_secret="")).startswith("auth.jwt.hs256_secret:")
-
-
-def test_unset_secret_environment_variable_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    section = auth_section(ec_key, rsa_key, hs256_secret=None, hs256_secret_env="SPINE_MISSING")
-    message = _config_error(section)
-    assert message.startswith("auth.jwt.hs256_secret_env:") and "'SPINE_MISSING'" in message
-
-
-def test_pem_that_does_not_parse_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    bad = [{"alg": "ES256", "pem": "-----BEGIN PUBLIC KEY-----\nnot base64\n-----END PUBLIC KEY-----\n"}]
-    message = _config_error(auth_section(ec_key, rsa_key, public_keys=bad))
-    assert message == "auth.jwt.public_keys[0].pem: does not parse as a PEM public key"
-
-
-def test_pem_of_the_wrong_key_type_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    swapped = [{"alg": "ES256", "pem": _pem(rsa_key)}]
-    assert "P-256" in _config_error(auth_section(ec_key, rsa_key, public_keys=swapped))
-
-
-def test_unreadable_pem_file_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    missing = [{"alg": "RS256", "pem_file": "/nonexistent/spine.pub"}]
-    message = _config_error(auth_section(ec_key, rsa_key, public_keys=missing))
-    assert message.startswith("auth.jwt.public_keys[0].pem_file:") and "/nonexistent/spine.pub" in message
-
-
-def test_unknown_algorithm_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    keys = [{"alg": "HS512", "pem": _pem(ec_key)}]
-    message = _config_error(auth_section(ec_key, rsa_key, public_keys=keys))
-    assert message == "auth.jwt.public_keys[0].alg: Input should be 'ES256' or 'RS256', got 'HS512'"
-
-
-def test_duplicate_api_key_id_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    section = auth_section(ec_key, rsa_key)
-    section["api_keys"].append({"id": "dev-key", "tenant": "x", "key": "sk-another-key-entirely"})
-    assert _config_error(section) == "auth.api_keys[3].id: duplicate key id 'dev-key'"
-
-
-def test_same_key_under_two_ids_is_a_config_error_that_hides_the_key(ec_key: Any, rsa_key: Any) -> None:
-    section = auth_section(ec_key, rsa_key)
-    section["api_keys"].append({"id": "copy", "tenant": "x", "key": DEV_KEY})
-    message = _config_error(section)
-    assert "'dev-key'" in message and DEV_KEY not in message
-
-
-def test_duplicate_public_key_kid_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    keys = [{"alg": "ES256", "pem": _pem(ec_key), "kid": "k1"}, {"alg": "RS256", "pem": _pem(rsa_key), "kid": "k1"}]
-    assert _config_error(auth_section(ec_key, rsa_key, public_keys=keys)).startswith("auth.jwt.public_keys[1].kid:")
-
-
-def test_key_with_both_plaintext_and_hash_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    section = auth_section(ec_key, rsa_key)
-    section["api_keys"][0]["key_sha256"] = "0" * 64
-    assert _config_error(section).startswith("auth.api_keys[0]: give exactly one of")
-
-
-def test_malformed_key_hash_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    section = auth_section(ec_key, rsa_key)
-    section["api_keys"][1]["key_sha256"] = "abc"
-    assert _config_error(section).startswith("auth.api_keys[1].key_sha256:")
-
-
-def test_misspelled_field_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    section = auth_section(ec_key, rsa_key)
-    section["api_keys"][0]["scope"] = ["generate"]
-    assert _config_error(section).startswith("auth.api_keys[0].scope: unknown key; known: id, tenant, key")
-
-
-def test_jwt_section_without_any_key_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    message = _config_error(auth_section(ec_key, rsa_key, hs256_secret=None, public_keys=[]))
-    assert message.startswith("auth.jwt: no verification key")
-
-
-def test_jwt_section_without_issuer_is_a_config_error(ec_key: Any, rsa_key: Any) -> None:
-    assert _config_error(auth_section(ec_key, rsa_key, issuer="")).startswith("auth.jwt.issuer:")

@@ -29,7 +29,7 @@ from services.auth_keys import (
     ApiKeyTable,
     check_unique,
 )
-from services.common import Clock, DeviceState, answer_one, section, set_status, status_code
+from services.common import Clock, DeviceState, answer_one, section, set_status
 from services.config_model import Float, Items, NonEmptyStr, Section
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
@@ -276,12 +276,9 @@ class AuthStage(Stage):
         for state in batch:
             request.items.add(credential=bearer(state.metadata) or "")
         answer = call("CheckBatch", request)
-        for state, result in self.each(answer.results, batch):
-            if result.status.code:
-                call.fail(state, status_code(result.status.code), result.status.message)
-            else:
-                state.principal = result.response.principal
-                state.tenant = state.principal.tenant
+        for state, result in self.answered(call, batch, answer.results):
+            state.principal = result.response.principal
+            state.tenant = state.principal.tenant
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

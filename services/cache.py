@@ -31,7 +31,6 @@ from services.common import (
     answer_one,
     section,
     set_status,
-    status_code,
 )
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
@@ -202,10 +201,7 @@ class CacheLookupStage(Stage):
         for state in batch:
             request.items.add(tenant=state.tenant, request=state.resolved)
         answer = call("LookupBatch", request)
-        for state, result in self.each(answer.results, batch):
-            if result.status.code:
-                call.fail(state, status_code(result.status.code), result.status.message)
-                continue
+        for state, result in self.answered(call, batch, answer.results):
             found = result.response
             state.cacheable = found.cacheable
             state.cache_key = found.key
@@ -239,9 +235,7 @@ class CacheStoreStage(Stage):
                 assert state.resolved is not None  # `wants` saw it
                 item.request.CopyFrom(state.resolved)
         answer = call("StoreBatch", request)
-        for state, result in self.each(answer.results, batch):
-            if result.status.code:
-                call.fail(state, status_code(result.status.code), result.status.message)
+        self.answered(call, batch, answer.results)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

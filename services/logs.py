@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from services.common import Clock, DeviceState, section, set_status, status_code
+from services.common import Clock, DeviceState, section, set_status
 from services.log_ring import BatchedLineWriter, LogsClosedError
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
@@ -151,9 +151,7 @@ class LogsStage(Stage):
                 request_id=state.request_id, tenant=state.tenant, model=state.model, status=state.status,
                 latency_ms=state.latency_s * 1000.0, layout=state.layout, cached=state.cached, shadow=state.shadow)
         answer = call("AppendBatch", request)
-        for state, status in self.each(answer.results, batch):
-            if status.code:
-                call.fail(state, status_code(status.code), status.message)
+        self.answered(call, batch, answer.results)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

@@ -35,7 +35,6 @@ from services.common import (
     abort_on_item,
     section,
     set_status,
-    status_code,
 )
 from services.histograms import CounterTable, HistogramSeries, HistogramTable, SeriesKey
 from services.pipeline.stage import Phase, Stage, StageCall
@@ -303,9 +302,7 @@ class MetricsStage(Stage):
                 shadow=state.shadow, completion_tokens=state.completion_tokens,
                 failed_middlewares=state.failures)
         answer = call("RecordBatch", request)
-        for state, status in self.each(answer.results, batch):
-            if status.code:
-                call.fail(state, status_code(status.code), status.message)
+        self.answered(call, batch, answer.results)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

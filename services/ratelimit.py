@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import grpc
 
-from services.common import Clock, DeviceState, answer_one, section, set_status, status_code
+from services.common import Clock, DeviceState, answer_one, section, set_status
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
@@ -313,18 +313,13 @@ class RateLimitStage(Stage):
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
         request = ratelimit_pb2.AdmitBatchRequest()
-        costs: list[int] = []
         for state in batch:
             assert state.resolved is not None
-            cost = rate_limit_cost(state.resolved)
-            costs.append(cost)
-            request.items.add(tenant=state.tenant, model=state.resolved.model, tokens=cost, dry_run=state.shadow)
+            request.items.add(tenant=state.tenant, model=state.resolved.model, tokens=rate_limit_cost(state.resolved),
+                              dry_run=state.shadow)
         answer = call("AdmitBatch", request)
-        for (state, cost), result in self.each(answer.results, list(zip(batch, costs, strict=True))):
-            if result.status.code:
-                call.fail(state, status_code(result.status.code), result.status.message)
-            else:
-                state.outcome = rate_limit_stop(result.response, cost)
+        for state, result in self.answered(call, batch, answer.results):
+            state.outcome = rate_limit_stop(result.response, rate_limit_cost(state.resolved))
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

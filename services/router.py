@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from services.common import DeviceState, answer_one, section, set_status, status_code
+from services.common import DeviceState, answer_one, section, set_status
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import resolved_request
@@ -93,12 +93,9 @@ class RouterStage(Stage):
         for state in batch:
             request.items.add(model=state.request.model)
         answer = call("ResolveBatch", request)
-        for state, result in self.each(answer.results, batch):
-            if result.status.code:
-                call.fail(state, status_code(result.status.code), result.status.message)
-            else:
-                state.model = result.response.model_id
-                state.resolved = resolved_request(state.request, state.model)
+        for state, result in self.answered(call, batch, answer.results):
+            state.model = result.response.model_id
+            state.resolved = resolved_request(state.request, state.model)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

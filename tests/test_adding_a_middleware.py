@@ -21,7 +21,7 @@ import pytest
 from grpc_tools import protoc
 
 from migration.plan import load_plan
-from services.common import ConfigError, DeviceState, abort_on_item, set_status, status_code
+from services.common import ConfigError, DeviceState, abort_on_item, set_status
 from services.config_model import Items, NonEmptyStr, Section
 from services.pipeline.stage import FailMode, Stage, StageCall
 from services.pipeline.state import RequestState
@@ -108,10 +108,7 @@ class AuditStage(Stage):
         request = audit_pb2.SeenBatchRequest()
         for state in batch:
             request.items.add(tenant=state.tenant, model=state.model)
-        answer = call("SeenBatch", request)
-        for state, result in self.each(answer.results, batch):
-            if result.status.code:
-                call.fail(state, status_code(result.status.code), result.status.message)
+        self.answered(call, batch, call("SeenBatch", request).results)
 
 
 # -- the one table entry -------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 
 import grpc
 
+from services.common import status_code
 from services.pipeline.limits import RequestLimits
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import Stop
@@ -94,6 +95,19 @@ class Stage:
         if len(results) != len(batch):
             raise ResultCountError(f"{len(results)} results for {len(batch)} items")
         return zip(batch, results, strict=True)
+
+    @classmethod
+    def answered(cls, call: StageCall, batch: Sequence[RequestState], results: Sequence[Any]) -> list[Any]:
+        """Each request with its result, but those whose item failed: they go to `call.fail`
+        with their item's status (a result's `status`, or the result itself when it is one)."""
+        ok = []
+        for state, result in cls.each(results, batch):
+            status = getattr(result, "status", result)
+            if status.code:
+                call.fail(state, status_code(status.code), status.message)
+            else:
+                ok.append((state, result))
+        return ok
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} {self.policy.fail_mode} {self.budget_s * 1000:g}ms>"

@@ -20,12 +20,14 @@ from pathlib import Path
 
 from services.common import ConfigError
 from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
+from spine.runtime.server import UnsafeAddress
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from monolith.runtime_env import configure_threads
+    from spine.runtime.server import check_listen
     from spine.runtime.signals import Termination
     from spine.runtime.stack import Stack
     from spine.runtime.tracing import install_from_config
@@ -35,6 +37,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     install_from_config(config, service_name="spine")
     placements = placements_for(args.layout, config)
     listen = args.listen or str(config["listen"])
+    check_listen(listen, args.allow_external)  # before any child process starts
     run_dir = Path(args.run_dir) if args.run_dir else None
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
                   remote_addresses=remote_addresses(config))
@@ -266,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         for line in getattr(error, "problems", None) or str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
+        return 2
+    except UnsafeAddress as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
 
 

@@ -183,3 +183,15 @@ def test_a_stack_refuses_a_bad_config_before_creating_anything(tmp_path: Path) -
     with pytest.raises(ConfigProblems, match="split: unknown section"):
         stack.start()
     assert stack.supervisor is None and not (tmp_path / "run").exists()
+
+
+def test_up_on_a_listen_address_off_loopback_exits_2_in_one_line_before_any_child_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    spawned: list[Any] = []
+    monkeypatch.setattr("spine.runtime.stack.Supervisor", lambda *args: spawned.append(args))
+    run_dir = tmp_path / "run"
+    rc = cli.main(["up", "--layout", "layered", "--listen", "0.0.0.0:50999", "--run-dir", str(run_dir)])
+    assert rc == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: listen address '0.0.0.0:50999' is not loopback") and "--allow-external" in line
+    assert spawned == [] and not run_dir.exists()

@@ -78,6 +78,7 @@ def test_fail_closed_middleware_down_is_unavailable_within_the_deadline(layered:
         else:
             assert result.code == grpc.StatusCode.UNAVAILABLE, result.details
             assert name in result.details
+            assert ".sock" not in result.details and "unix:" not in result.details  # no internal address
             assert elapsed < 2.5
         wait_restarted(layered, name, old)
         assert eventually_ok(client, gen(f"after {name} restarted"))

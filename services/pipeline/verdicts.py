@@ -9,6 +9,7 @@ there being exactly one copy of each.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Sequence
 
 import grpc
@@ -115,4 +116,14 @@ def downstream_stop(name: str, code: grpc.StatusCode, details: str,
         return Stop(code, details, tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Stop(code, f"deadline exceeded while waiting for {name}")
-    return Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {details})")
+    return Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {internal_addresses_hidden(details)})")
+
+
+# A transport error names the socket or address it could not reach: a client has no use
+# for where the internal components live, and an attacker would.
+_INTERNAL_ADDRESS = re.compile(r"(?:unix(?:-abstract)?:|ipv[46]:)\S+?(?=[\s,;)]|: |$)|/[\w./-]*\.sock\b")
+
+
+def internal_addresses_hidden(details: str) -> str:
+    """`details` with socket paths and internal addresses replaced by a placeholder."""
+    return _INTERNAL_ADDRESS.sub("<internal address>", details)

@@ -68,6 +68,10 @@ FAILURES = Family(
     "spine_middleware_failures_total", "counter",
     "Middleware calls that failed and were let through (fail-open).", ("middleware",),
 )  # fmt: skip
+EJECTED = Family(
+    "spine_middleware_ejected_total", "counter",
+    "Requests that found a middleware ejected (failing fast after consecutive failures).", ("middleware",),
+)  # fmt: skip
 DURATION = Family(
     "spine_request_duration_seconds", "histogram", "End-to-end request latency (shadow traffic excluded).",
     ("layout", "model", "tenant", "status"),
@@ -83,7 +87,7 @@ MIDDLEWARE_DURATION = Family(
 
 FAMILIES: dict[str, Family] = {
     f.name: f
-    for f in (REQUESTS, CACHE_HITS, TOKENS, FAILURES, DURATION, SHADOW_DURATION, MIDDLEWARE_DURATION)
+    for f in (REQUESTS, CACHE_HITS, TOKENS, FAILURES, EJECTED, DURATION, SHADOW_DURATION, MIDDLEWARE_DURATION)
 }
 
 def check_record(record: metrics_pb2.RequestRecord) -> str | None:
@@ -99,6 +103,8 @@ def check_record(record: metrics_pb2.RequestRecord) -> str | None:
         return f"completion_tokens: expected >= 0, got {record.completion_tokens}"
     if any(not m for m in record.failed_middlewares):
         return "failed_middlewares: a middleware name is empty"
+    if any(not m for m in record.ejected_middlewares):
+        return "ejected_middlewares: a middleware name is empty"
     return None
 
 
@@ -156,6 +162,9 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
                 amounts.append(r.completion_tokens)
             for middleware in r.failed_middlewares:
                 counter_keys.append((FAILURES.name, middleware))
+                amounts.append(1)
+            for middleware in r.ejected_middlewares:
+                counter_keys.append((EJECTED.name, middleware))
                 amounts.append(1)
             hist_keys.append(keys.duration)
             values.append(r.latency_s)
@@ -300,7 +309,7 @@ class MetricsStage(Stage):
                 layout=state.layout, model=state.model, tenant=state.tenant, status=state.status,
                 latency_s=state.latency_s, middleware_s=state.middleware_s, cached=state.cached,
                 shadow=state.shadow, completion_tokens=state.completion_tokens,
-                failed_middlewares=state.failures)
+                failed_middlewares=state.failures, ejected_middlewares=state.ejected)
         answer = call("RecordBatch", request)
         self.answered(call, batch, answer.results)
 

@@ -188,6 +188,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                                            metadata=((REQUEST_ID_HEADER, state.request_id),),
                                            parent=context, **extra)
         except grpc.RpcError as error:
+            if getattr(error, "ejected", False):
+                state.ejected.append(stage.component)
             raise self._model_stop(error) from None
         finally:
             if method == "Generate":

@@ -118,6 +118,9 @@ class Pipeline:
                 stage.decide(states, call)
         except grpc.RpcError as error:  # the whole call failed: every request of the batch
             code, details, trailing = code_details(error)
+            if getattr(error, "ejected", False):  # the component was failing fast: no call was made
+                for state in states:
+                    state.ejected.append(stage.component)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and call.bounded_by_budget:
                 code = grpc.StatusCode.UNAVAILABLE  # the component is slow, not the client impatient
                 details = f"no answer within its {stage.budget_s * 1000:g} ms budget"

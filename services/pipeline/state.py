@@ -43,6 +43,7 @@ class RequestState:
     latency_s: float = 0.0  # arrival to answer; set when the answer goes out
     middleware_s: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # fail-open components that failed for it
+    ejected: list[str] = field(default_factory=list)  # components that were failing fast when it came
     skip: frozenset[str] = frozenset()  # stages a hook already failed (written later, off the request path)
 
     @property

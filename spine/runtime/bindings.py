@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 
+from spine.runtime.outlier import OutlierDetector
+
 Metadata = Sequence[tuple[str, str]]
 
 
@@ -357,15 +359,32 @@ class LocalStream:
 
 
 class RemoteBinding(_Binding):
-    """A real gRPC stub on a channel (unix socket or loopback TCP)."""
+    """A real gRPC stub on a channel (unix socket or loopback TCP).
+
+    With an `OutlierDetector`, a component that keeps failing is ejected: calls fail at
+    once with UNAVAILABLE instead of each waiting out its timeout (see `outlier.py`)."""
 
     placement = "remote"
 
     def __init__(self, component: str, service: pb_descriptor.ServiceDescriptor, stub_class: type,
-                 channel: grpc.Channel, hooks: Sequence[BindingHook] = ()) -> None:
+                 channel: grpc.Channel, hooks: Sequence[BindingHook] = (),
+                 outlier: OutlierDetector | None = None) -> None:
         self.channel = channel
         self.stub = stub_class(channel)
+        self.outlier = outlier
         super().__init__(component, service, hooks)
+
+    def _admit(self, tokens: list[Any]) -> None:
+        if self.outlier is not None:
+            try:
+                self.outlier.admit()
+            except grpc.RpcError:
+                self._end(tokens, grpc.StatusCode.UNAVAILABLE)
+                raise
+
+    def _record(self, code: grpc.StatusCode, timeout: float | None) -> None:
+        if self.outlier is not None:
+            self.outlier.record(code, timeout)
 
     def _make_method(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
         multicallable = getattr(self.stub, method.name)
@@ -374,16 +393,22 @@ class RemoteBinding(_Binding):
             def call_stream(request: Any, timeout: float | None = None, metadata: Metadata | None = None,
                             parent: Any | None = None, **kwargs: Any) -> Any:
                 tokens, md = self._begin(name, metadata)
+                self._admit(tokens)
                 call = multicallable(request, timeout=timeout, metadata=md or None, **kwargs)
                 if parent is not None:
                     parent.add_callback(call.cancel)
-                return _RemoteStream(call, lambda code: self._end(tokens, code))
+
+                def ended(code: grpc.StatusCode) -> None:
+                    self._record(code, timeout)
+                    self._end(tokens, code)
+                return _RemoteStream(call, ended)
             return call_stream
 
         def call_unary(request: Any, timeout: float | None = None, metadata: Metadata | None = None,
                        parent: Any | None = None, trailing_out: list[tuple[str, str]] | None = None,
                        **kwargs: Any) -> Any:
             tokens, md = self._begin(name, metadata)
+            self._admit(tokens)
             code = grpc.StatusCode.OK
             try:
                 if parent is None and trailing_out is None:
@@ -402,6 +427,7 @@ class RemoteBinding(_Binding):
                 code = grpc.StatusCode.CANCELLED
                 raise LocalRpcError(code, "Cancelled by the caller") from error
             finally:
+                self._record(code, timeout)
                 self._end(tokens, code)
         return call_unary
 
@@ -409,7 +435,16 @@ class RemoteBinding(_Binding):
         multicallable = getattr(self.stub, method.name)
 
         def call(request: Any, timeout: float | None, metadata: Metadata | None) -> Any:
-            return multicallable(request, timeout=timeout, metadata=metadata or None)
+            if self.outlier is not None:
+                self.outlier.admit()
+            code = grpc.StatusCode.OK
+            try:
+                return multicallable(request, timeout=timeout, metadata=metadata or None)
+            except grpc.RpcError as error:
+                code = _status_of(error)
+                raise
+            finally:
+                self._record(code, timeout)
         return call
 
     def close(self) -> None:

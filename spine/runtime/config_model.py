@@ -24,7 +24,13 @@ from monolith.device_config import DeviceConfig
 from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section, describe
 from services.pipeline.limits import RequestLimits
 from services.registry import DEFAULT, Registry
-from spine.runtime.sections import ShadowConfig, TracingConfig, placements_model, remote_addresses_model
+from spine.runtime.sections import (
+    ShadowConfig,
+    TracingConfig,
+    calls_model,
+    placements_model,
+    remote_addresses_model,
+)
 
 
 class _Root(Section):
@@ -41,6 +47,7 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
         "placements": (placements_model(registry.names, registry.models), Field(default_factory=dict)),
         "limits": (RequestLimits, RequestLimits()),
         "batching": (BatchingConfig, BatchingConfig()),
+        "calls": (calls_model(registry.names), Field(default_factory=dict)),
     }
     for spec in registry:
         model = spec.config_model()

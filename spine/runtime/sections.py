@@ -46,6 +46,24 @@ def remote_addresses_model(components: tuple[str, ...]) -> type[RemoteAddressesB
     return create_model("RemoteAddresses", __base__=RemoteAddressesBase, **fields)
 
 
+class CallsBase(Section):
+    """`calls`: how the gateway calls its components — each stage's budget, and when a
+    component in another process is ejected (calls fail fast) after failing in a row."""
+
+    eject_after_failures: Annotated[StrictInt, Field(ge=1)] = 5
+    ejection_ms: Annotated[Float, Field(gt=0)] = 1000.0  # doubles while probes fail
+    max_ejection_ms: Annotated[Float, Field(gt=0)] = 30000.0
+
+
+@functools.cache
+def calls_model(components: tuple[str, ...]) -> type[CallsBase]:
+    """`calls` with `budgets_ms`: per component, the call budget of its stages (over the
+    component table's defaults: 250 ms for a middleware, 1 s for metrics and logs)."""
+    fields: dict[str, Any] = {name: (Annotated[Float, Field(gt=0)] | None, None) for name in components}
+    budgets = create_model("CallBudgets", __base__=Section, **fields)
+    return create_model("CallsConfig", __base__=CallsBase, budgets_ms=(budgets, Field(default_factory=dict)))
+
+
 Exporter = Literal["none", "console", "otlp"]
 EXPORTERS: tuple[str, ...] = get_args(Exporter)
 

@@ -33,6 +33,7 @@ from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import layout_name
 from spine.runtime.config_model import check_config
+from spine.runtime.outlier import OutlierDetector, OutlierPolicy
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.supervisor import Supervisor
 
@@ -81,6 +82,9 @@ class Stack:
     _retired: list[Any] = field(default_factory=list)
     _tmp: Any = None
     _batching: BatchingConfig = field(default_factory=BatchingConfig)
+    _budgets_ms: dict[str, float] = field(default_factory=dict)
+    _outlier: OutlierPolicy = field(default_factory=OutlierPolicy)
+    _detectors: dict[str, OutlierDetector] = field(default_factory=dict)
 
     @property
     def layout(self) -> str:
@@ -93,7 +97,11 @@ class Stack:
 
     def start(self) -> str:
         """Start everything and return the Gateway's address once all is SERVING."""
-        check_config(self.config, self.registry)  # every section, before anything is created or started
+        checked: Any = check_config(self.config, self.registry)  # every section, before anything starts
+        calls = checked.calls
+        self._budgets_ms = {name: ms for name, ms in calls.budgets_ms.model_dump().items() if ms is not None}
+        self._outlier = OutlierPolicy(calls.eject_after_failures, calls.ejection_ms / 1000.0,
+                                      calls.max_ejection_ms / 1000.0)
         if self.run_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
             self.run_dir = Path(self._tmp.name)
@@ -119,7 +127,7 @@ class Stack:
                 self.supervisor.start()
             for name in self.registry.names:
                 self.bindings[name] = self._bind(name, limits.max_message_bytes)
-            self.pipeline = Pipeline(self.registry.stages(limits), self.bindings, hooks=self.hooks)
+            self.pipeline = Pipeline(self.registry.stages(limits, self._budgets_ms), self.bindings, hooks=self.hooks)
             self.gateway = Gateway(self.pipeline, limits, self.layout)
             self._attach_batching()
             if "metrics" in self.local_servicers:
@@ -160,7 +168,11 @@ class Stack:
             assert self.supervisor is not None, f"{name} has no process to reach"
             address = self.supervisor.children[name].address
         channel = remote_channel(address, max_message_bytes)
-        return RemoteBinding(name, spec.descriptor(), spec.stub_class(), channel, self.hooks)
+        detector = self._detectors.get(name)
+        if detector is None:  # one per component, kept across moves: its record is the component's
+            budget_s = self._budgets_ms.get(name, spec.budget_ms) / 1000.0
+            detector = self._detectors[name] = OutlierDetector(name, self._outlier, budget_s)
+        return RemoteBinding(name, spec.descriptor(), spec.stub_class(), channel, self.hooks, outlier=detector)
 
     def set_placements(self, placements: Mapping[str, str]) -> None:
         """Move components between local and remote without a restart.

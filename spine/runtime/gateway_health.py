@@ -7,7 +7,8 @@ looks at every component where it is placed now:
 
 * remote: a `grpc.health.v1.Health/Check` for the component's service on the very channel
   the pipeline uses, all at once, each within `timeout_s` (a stopped process never answers:
-  that is NOT_SERVING after one deadline); a supervised child that has exited or is in a
+  one that misses the deadline is asked again at once and is NOT_SERVING when it misses that
+  one too, so one late answer on a loaded machine flips nothing); a supervised child that has exited or is in a
   crash loop is NOT_SERVING without asking (`Supervisor.down_reason`);
 * local: a check the stack hands in (the model's deep health; the other local components
   serve while the process does).
@@ -15,8 +16,9 @@ looks at every component where it is placed now:
 Each component is reported under its own service name (`spine.v1.Auth`, ...). The gateway
 (`""` and `spine.v1.Gateway`) is SERVING only while every *fail-closed* component is;
 fail-open ones (cache, metrics, logs) are reported but never take the gateway down. With the
-defaults a component that stops answering turns the gateway NOT_SERVING within about one
-second (an interval plus a deadline). Each flip is logged once, one line.
+defaults (0.5 s each) a component that stops answering turns the gateway NOT_SERVING within
+1.5 s at most (an interval plus two deadlines); one that says NOT_SERVING or whose process
+exits, within one interval. Each flip is logged once, one line.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A process that is stopped (SIGSTOP), wedged or overloaded keeps its socket open and never
 answers: only a deadline tells it apart from a slow one. `check_many` sends every check at
-once and waits at most `timeout` for all of them, so one hung peer costs one deadline per
-round, not one per peer. `HealthWatch` does that every `interval_s` for a set of named
+once and waits at most `timeout` for all of them (and as long again for those that missed
+it), so one hung peer costs two deadlines per round, not two per peer. `HealthWatch` does that every `interval_s` for a set of named
 addresses and reports each flip once: the migration front, the xDS endpoints and the A/B
 tool use it on the gateways they send to; the gateway uses `check_many` on its components.
 """
@@ -34,24 +34,39 @@ def health_channel(address: str) -> grpc.Channel:
 
 
 def check_many(targets: Mapping[str, tuple[grpc.Channel, str]], timeout: float) -> dict[str, tuple[bool, str]]:
-    """Ask each (channel, service) at once; per name, (serving, why) within `timeout` overall."""
+    """Ask each (channel, service) at once; per name, (serving, why).
+
+    A peer that does not answer within `timeout` is asked once more at once, and counts as
+    not serving only when it misses that deadline too: one answer late on a loaded machine
+    does not flip anything, a stopped process is found within two deadlines. A NOT_SERVING
+    answer or a refused connection counts at once.
+    """
+    answers = _ask(targets, timeout)
+    late = {name: targets[name] for name, (_, why, answered) in answers.items() if not answered}
+    if late:
+        answers.update(_ask(late, timeout))
+    return {name: (serving, why) for name, (serving, why, _) in answers.items()}
+
+
+def _ask(targets: Mapping[str, tuple[grpc.Channel, str]], timeout: float) -> dict[str, tuple[bool, str, bool]]:
+    """(serving, why, answered in time) per name, all asked at once."""
     pending = {}
     for name, (channel, service) in targets.items():
         stub = health_pb2_grpc.HealthStub(channel)
         pending[name] = stub.Check.future(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    answers: dict[str, tuple[bool, str]] = {}
+    answers: dict[str, tuple[bool, str, bool]] = {}
     for name, future in pending.items():
         try:
             reply = future.result()
         except grpc.RpcError as error:
             code = error.code()  # type: ignore[attr-defined]
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                answers[name] = (False, f"no health answer within {timeout:g}s")
+                answers[name] = (False, f"no health answer within {timeout:g}s, twice", False)
             else:
-                answers[name] = (False, f"health check failed: {code.name}")
+                answers[name] = (False, f"health check failed: {code.name}", True)
             continue
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        answers[name] = (reply.status == SERVING, status)
+        answers[name] = (reply.status == SERVING, status, True)
     return answers
 
 

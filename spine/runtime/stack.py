@@ -83,7 +83,8 @@ class Stack:
     deep_health: Any = None  # the local model's (spine.runtime.health.DeepHealth)
     health: GatewayHealth | None = None  # the gateway's, from every component's
     # How often the gateway asks each remote component's health, and how long it waits: a
-    # component that stops answering turns the gateway NOT_SERVING within about their sum.
+    # component that stops answering turns the gateway NOT_SERVING within the interval plus
+    # two deadlines (a late answer is asked again once).
     health_interval_s: float = 0.5
     health_timeout_s: float = 0.5
     admission: BatchedAdmission | None = None

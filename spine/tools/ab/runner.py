@@ -14,9 +14,9 @@ layout that falls behind is charged for the queueing it causes.
 Every run is bounded: by the workload's count, by `time_limit_s` (no request starts
 after it), and per request by `timeout_s`. A layout that does not come up, or stops answering health checks, is
 reported as down and left out rather than waited on. While the workload runs each layout's gateway health is
-watched (every 0.5 s, each check within 0.5 s): requests meant for a layout that is not SERVING — a fail-closed
-component of it dead, hung or not serving — are not sent to it but counted (`not_serving`), so a broken layout
-loses its traffic within about a second instead of timing every request out.
+watched (every 0.5 s, each check within 0.5 s, a late one asked again): requests meant for a layout that is not
+SERVING — a fail-closed component of it dead, hung or not serving — are not sent to it but counted
+(`not_serving`), so a broken layout loses its traffic within a second or so instead of timing every request out.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -30,6 +29,7 @@ from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.test_supervisor import refused_config, seconds_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -68,16 +68,6 @@ def status(address: str, service: str = "") -> int | None:
         except grpc.RpcError:
             return None
     return int(reply.status)
-
-
-def seconds_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> float:
-    """Poll `condition` every 50 ms; the seconds it took to hold (fails after `timeout`)."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 @contextlib.contextmanager
@@ -210,22 +200,11 @@ def test_the_ab_tool_sends_nothing_to_a_layout_that_is_not_serving(layered: Stac
     assert runs[1].not_serving == 0 and all(r is not None and r.ok for r in runs[1].results)
 
 
-@contextlib.contextmanager
-def broken_config(path: Path) -> Iterator[None]:
-    """A config every restarted child refuses (an unknown key): it exits at once on start."""
-    text = path.read_text()
-    path.write_text(text + "\nnot_a_section: {}\n")
-    try:
-        yield
-    finally:
-        path.write_text(text)
-
-
 def test_a_child_in_a_crash_loop_is_reported_in_the_gateway_health(layered: Stack) -> None:
     supervisor = layered.supervisor
     assert supervisor is not None and layered.run_dir is not None and layered.health is not None
     child = supervisor.children["router"]
-    with broken_config(layered.run_dir / "config.yaml"):
+    with refused_config(layered.run_dir / "config.yaml"):
         pid = child.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)

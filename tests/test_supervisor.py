@@ -17,18 +17,20 @@ from spine.runtime.supervisor import Supervisor
 from tests.conftest import config_for_tests
 
 
-def seconds_until(condition: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> float:
+def seconds_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> float:
+    """Poll `condition` every 50 ms; the seconds it took to hold (fails after `timeout`)."""
     started = time.monotonic()
     while not condition():
         if time.monotonic() - started > timeout:
             raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.02)
+        time.sleep(0.05)
     return time.monotonic() - started
 
 
 @contextlib.contextmanager
 def refused_config(path: Path) -> Iterator[None]:
-    """Every child started meanwhile exits at once: the config has an unknown section."""
+    """Every child started meanwhile exits at once: the config has an unknown section (as a
+    bad deploy would)."""
     text = path.read_text()
     path.write_text(text + "\nnot_a_section: {}\n")
     try:

@@ -33,7 +33,7 @@ import grpc
 
 from services.pipeline.stage import FailMode
 from services.registry import GATEWAY, Registry
-from spine.runtime.health_watch import check_many
+from spine.runtime.health_watch import Rounds, check_many
 from spine.runtime.server import RunningServer
 
 log = logging.getLogger("spine.health")
@@ -68,19 +68,16 @@ class GatewayHealth:
         self.serving: bool | None = None
         self.reason = "not checked yet"
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="gateway-health", daemon=True)
+        self._rounds = Rounds(self.check_once, interval_s, "gateway-health", join_s=interval_s + 2 * timeout_s + 2.0)
 
     def start(self) -> GatewayHealth:
         """First round before it returns (the gateway is truthful from its first answer)."""
         self.check_once()
-        self._thread.start()
+        self._rounds.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.interval_s + self.timeout_s + 2.0)
+        self._rounds.stop()
 
     def check_once(self) -> bool:
         """Ask every remote component (at once, each within the deadline), read the local
@@ -107,13 +104,6 @@ class GatewayHealth:
                     "components": {name: {"serving": state.serving, "reason": state.reason,
                                           "fail_mode": self.registry[name].fail_mode.value}
                                    for name, state in self.components.items()}}
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check_once()
-            except Exception as error:  # keep watching; the next round asks again
-                log.warning("gateway health round failed: %s: %s", type(error).__name__, error)
 
     def _publish(self, found: Mapping[str, ComponentHealth]) -> bool:
         with self._lock:

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from spine.runtime.health_watch import Rounds
 from spine.runtime.server import RunningServer
 
 log = logging.getLogger("spine.health")
@@ -55,9 +56,8 @@ class DeepHealth:
         self.services = tuple(services)
         self.serving: bool | None = None
         self.reason = "not probed yet"
-        self._stop = threading.Event()
         self._inflight: threading.Thread | None = None
-        self._thread = threading.Thread(target=self._loop, name="deep-health", daemon=True)
+        self._rounds = Rounds(self.check_once, interval_s, "deep-health", join_s=interval_s + timeout_s + 1.0)
 
     def check_once(self) -> bool:
         """Run one probe within the time bound, publish the result and return it."""
@@ -68,17 +68,11 @@ class DeepHealth:
     def start(self) -> DeepHealth:
         self._publish(False, "not probed yet")
         self.check_once()
-        self._thread.start()
+        self._rounds.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.interval_s + self.timeout_s + 1.0)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.check_once()
+        self._rounds.stop()
 
     def _probe(self) -> tuple[bool, str]:
         if self.probe is None:

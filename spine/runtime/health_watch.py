@@ -70,6 +70,33 @@ def _ask(targets: Mapping[str, tuple[grpc.Channel, str]], timeout: float) -> dic
     return answers
 
 
+class Rounds:
+    """Runs `one_round` every `interval_s` in a daemon thread until stopped; a round that
+    raises is logged (one line) and the next one runs."""
+
+    def __init__(self, one_round: Callable[[], object], interval_s: float, name: str, join_s: float) -> None:
+        self.one_round = one_round
+        self.interval_s = interval_s
+        self.join_s = join_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.join_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.one_round()
+            except Exception as error:  # keep watching; the next round asks again
+                log.warning("%s round failed: %s: %s", self._thread.name, type(error).__name__, error)
+
+
 class HealthWatch:
     """Watches the health (`service`, "" = the whole server) of named addresses.
 
@@ -89,11 +116,10 @@ class HealthWatch:
         self.serving: dict[str, bool] = dict.fromkeys(self.addresses, True)
         self._channels = {name: health_channel(address) for name, address in self.addresses.items()}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{what}-health", daemon=True)
+        self._rounds = Rounds(self.check_once, interval_s, f"{what}-health", join_s=interval_s + 2 * timeout_s + 2.0)
 
     def start(self) -> HealthWatch:
-        self._thread.start()
+        self._rounds.start()
         return self
 
     def check_once(self) -> dict[str, bool]:
@@ -116,16 +142,7 @@ class HealthWatch:
             self.on_change(now)
         return now
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check_once()
-            except Exception as error:  # keep watching; the next round asks again
-                log.warning("%s health round failed: %s: %s", self.what, type(error).__name__, error)
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.interval_s + self.timeout_s + 2.0)
+        self._rounds.stop()
         for channel in self._channels.values():
             channel.close()

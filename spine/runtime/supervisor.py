@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from spine.runtime.health_watch import check_many, health_channel
+from spine.runtime.health_watch import Rounds, check_many, health_channel
 from spine.runtime.server import wait_serving
 
 log = logging.getLogger("spine.supervisor")
@@ -99,8 +99,9 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._monitor: threading.Thread | None = None
-        self._health_monitor: threading.Thread | None = None
+        self._monitor = Rounds(self._tend_all, 0.1, "supervisor", join_s=2.0)
+        self._health_monitor = Rounds(self.refresh_health, health_interval, "supervisor-health",
+                                      join_s=health_interval + 2 * health_timeout + 1.0)
         self._channels: dict[str, grpc.Channel] = {}
 
     def add_component(self, component: str, config_path: Path) -> Child:
@@ -120,9 +121,7 @@ class Supervisor:
             child.started_at = time.monotonic()
         for child in self.children.values():
             self._await_healthy(child)
-        self._monitor = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._monitor.start()
-        self._health_monitor = threading.Thread(target=self._watch_health, name="supervisor-health", daemon=True)
         self._health_monitor.start()
 
     # -- what others read ------------------------------------------------------------------
@@ -196,6 +195,8 @@ class Supervisor:
         answers = check_many(asked, self.health_timeout)
         now = time.monotonic()
         with self._lock:
+            if self._stopping.is_set():
+                return self.ready()  # children are being stopped: not news
             for name, (serving, reason) in answers.items():
                 child = self.children[name]
                 process = processes[name]
@@ -217,13 +218,6 @@ class Supervisor:
                     child.healthy.clear()
                     child.serving_since = None
         return self.ready()
-
-    def _watch_health(self) -> None:
-        while not self._stopping.wait(self.health_interval):
-            try:
-                self.refresh_health()
-            except Exception as error:  # keep watching; the next round asks again
-                log.warning("health round failed: %s: %s", type(error).__name__, error)
 
     def _await_healthy(self, child: Child) -> None:
         deadline = time.monotonic() + self.ready_timeout
@@ -252,11 +246,10 @@ class Supervisor:
         finally:
             out.close()
 
-    def _watch(self) -> None:
-        while not self._stopping.wait(0.1):
-            for child in list(self.children.values()):
-                if self._tend(child):
-                    self._restart(child)
+    def _tend_all(self) -> None:
+        for child in list(self.children.values()):
+            if self._tend(child):
+                self._restart(child)
 
     def _tend(self, child: Child) -> bool:
         """One look at a child under the lock (no waiting there): note an exit and schedule its
@@ -330,10 +323,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if self._monitor is not None:
-            self._monitor.join(timeout=2.0)
-        if self._health_monitor is not None:
-            self._health_monitor.join(timeout=2.0)
+        self._monitor.stop()
+        self._health_monitor.stop()
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()

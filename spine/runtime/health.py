@@ -11,7 +11,7 @@ most `timeout_s` for it; the gRPC health status of the process follows:
 
 A servicer without `health_probe` is healthy while its process is: liveness is all it has.
 In a gateway's process the model's deep health publishes nothing itself (`services=()`):
-`GatewayHealth` (spine/gateway_health.py) reads `serving` and is told of each change
+`GatewayHealth` (spine/runtime/gateway_health.py) reads `serving` and is told of each change
 (`on_change`), and reports the gateway from every component's health.
 The status starts NOT_SERVING and turns SERVING after the first good probe, so a supervisor
 that waits for SERVING (spine/supervisor.py) waits for a model that can run.

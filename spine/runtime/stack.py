@@ -176,8 +176,8 @@ class Stack:
             if binding is None:
                 continue
             if isinstance(binding, RemoteBinding):
-                child = self.supervisor.children.get(name) if self.supervisor is not None else None
-                down = self.supervisor.down_reason(name) if self.supervisor is not None and child is not None else None
+                supervisor = self.supervisor
+                down = supervisor.down_reason(name) if supervisor is not None and name in supervisor.children else None
                 targets[name] = binding.channel if down is None else _down(down)
             elif name == "inference" and self.deep_health is not None:
                 targets[name] = self._model_health

@@ -34,6 +34,7 @@ def build_target(args: argparse.Namespace) -> TrafficTarget:
 def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
     """Weights over ADS to real data planes; gates on each side's Prometheus metrics."""
     from migration.prometheus_window import PrometheusWindow
+    from migration.traffic.endpoint_health import EndpointHealth
     from migration.traffic.xds_target import XdsTarget
     from migration.xds import Endpoint, XdsControlPlane
 
@@ -57,7 +58,10 @@ def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
                                               "spine": endpoints(args.spine, "--spine")})
     plane.start(args.xds_listen)
     log.info("xDS (ADS) serving on %s", plane.address)
-    return XdsTarget(plane, PrometheusWindow(args.layered_metrics), PrometheusWindow(args.spine_metrics))
+    # A gateway that is not SERVING is sent UNHEALTHY, so data planes stop picking it.
+    health = EndpointHealth({"layered": args.layered, "spine": args.spine}, xds=plane).start()
+    return XdsTarget(plane, PrometheusWindow(args.layered_metrics), PrometheusWindow(args.spine_metrics),
+                     endpoint_health=health)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -48,6 +48,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         "event": "ready", "layout": stack.layout, "address": stack.address, "pid": os.getpid(),
         "placements": dict(placements), "run_dir": str(stack.run_dir), "metrics": stack.metrics_address(),
         "children": stack.supervisor.pids() if stack.supervisor else {},
+        # The gateway's health and each component's; later flips, restarts and crash loops
+        # are logged (one line each) on stderr.
+        "health": stack.health_report(),
     }
     print(json.dumps(ready), flush=True)
     print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)

@@ -145,6 +145,10 @@ def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: P
         children = ready["children"]
         assert isinstance(children, dict) and set(children) == {
             "auth", "ratelimit", "router", "cache", "metrics", "logs", "inference"}
+        health = ready["health"]  # the gateway's, each component's, each child's state
+        assert isinstance(health, dict) and health["serving"] is True
+        assert {name: state["serving"] for name, state in health["components"].items()} == dict.fromkeys(children, True)
+        assert {state["state"] for state in health["children"].values()} == {"serving"}
         call = subprocess.run([sys.executable, "-m", "spine", "call", "--address", str(ready["address"]),
                                "--prompt", "from the cli", "--json"], capture_output=True, text=True, timeout=60)
         answer = json.loads(call.stdout)

@@ -9,7 +9,6 @@ windows and moves placements in the spine without a restart.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import threading
 from collections.abc import Mapping
@@ -17,18 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from migration.gates import WindowStats
 from migration.server import ControllerProcess
+from migration.traffic.endpoint_health import EndpointHealth, endpoint
 from migration.traffic.front import Front
 from migration.traffic.shadow import ShadowConfig
-from migration.xds import Endpoint, XdsControlPlane
+from migration.xds import XdsControlPlane
 from services.pipeline.verdicts import RequestLimits
 from services.registry import COMPONENTS, GATEWAY, MIDDLEWARES
 from spine.runtime.config import placements_for
 from spine.runtime.faults import FaultHook
-from spine.runtime.health import check_serving
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.stack import Stack
 from spine.v1 import ratelimit_pb2
@@ -89,49 +86,6 @@ class FrontTarget:
         return self.xds is None or self.xds.stage_acked(version)
 
 
-class EndpointHealth:
-    """Watches each side's deep health and tells the front (which fails over and counts the
-    failure against that side, so the gates roll back) and xDS (which sends the side as an
-    unhealthy endpoint, so data planes stop picking it)."""
-
-    def __init__(self, front: Front, xds: XdsControlPlane | None, addresses: Mapping[str, str],
-                 interval_s: float = 0.5) -> None:
-        self.front = front
-        self.xds = xds
-        self.addresses = dict(addresses)
-        self.interval_s = interval_s
-        self.healthy: dict[str, bool] = dict.fromkeys(addresses, True)
-        self._channels = {side: grpc.insecure_channel(address) for side, address in addresses.items()}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="endpoint-health", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def check_once(self) -> dict[str, bool]:
-        now = {side: check_serving(channel, timeout=self.interval_s) is True
-               for side, channel in self._channels.items()}
-        if now != self.healthy:
-            self.healthy = now
-            self.front.healthy = dict(now)
-            if self.xds is not None:
-                self.xds.set_endpoints({side: [_endpoint(self.addresses[side], now[side])] for side in now})
-        return now
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check_once()
-            except Exception:  # keep watching; the next round retries
-                logging.getLogger("spine.cutover").exception("endpoint health check failed")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for channel in self._channels.values():
-            channel.close()
-
-
 @dataclass
 class Cutover:
     config: Mapping[str, Any]
@@ -170,11 +124,13 @@ class Cutover:
                                              max_message_bytes=limits.max_message_bytes)
             if self.xds_listen is not None:
                 self.xds = XdsControlPlane("spine-gateway", {
-                    "layered": [_endpoint(self.layered.address)], "spine": [_endpoint(self.spine.address)]})
+                    "layered": [endpoint(self.layered.address)], "spine": [endpoint(self.spine.address)]})
                 self.xds.start(self.xds_listen)
+            # Each side's gateway health (SERVING only while its fail-closed components are)
+            # steers the front and the xDS endpoints.
             self.endpoint_health = EndpointHealth(
-                self.front, self.xds, {"layered": self.layered.address, "spine": self.spine.address})
-            self.endpoint_health.start()
+                {"layered": [self.layered.address], "spine": [self.spine.address]},
+                front=self.front, xds=self.xds).start()
             layered_ratelimit = self.layered.bindings.get("ratelimit")
             token_file = self.run_dir / "admin-token"
             token_file.write_text(self.admin_token)
@@ -218,11 +174,6 @@ class Cutover:
             if stack is not None:
                 stack.stop()
         self.spine = self.layered = None
-
-
-def _endpoint(address: str, healthy: bool = True) -> Endpoint:
-    host, _, port = address.rpartition(":")
-    return Endpoint(host, int(port), healthy)
 
 
 __all__ = ["COMPONENTS", "Cutover", "FrontTarget"]

@@ -62,8 +62,9 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.channels = {side: grpc.insecure_channel(addresses[side]) for side in SIDES}
         self.stubs = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
-        # Deep health per side (kept by migration.traffic.cutover.EndpointHealth): a request meant for a
-        # side that is not SERVING goes to the other one, and counts as a failure of the
+        # Each side's gateway health (kept by migration.traffic.endpoint_health.EndpointHealth;
+        # a gateway is SERVING only while its fail-closed components are): a request meant for
+        # a side that is not SERVING goes to the other one, and counts as a failure of the
         # side it was meant for — so the gates see it and roll back, and no client does.
         self.healthy: dict[str, bool] = dict.fromkeys(SIDES, True)
         self.outcomes: deque[Outcome] = deque(maxlen=history)

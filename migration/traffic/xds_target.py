@@ -1,7 +1,9 @@
 """The controller's target when real data planes carry the traffic (Envoy, proxyless gRPC).
 
 Weights go out over xDS; a stage counts as applied once every connected data plane has
-ACKed its version; the gates read each side's own Prometheus metrics. Placements are the
+ACKed its version; the gates read each side's own Prometheus metrics. Each gateway's health
+(`EndpointHealth`) marks its endpoint UNHEALTHY while it is not SERVING, so data planes
+stop picking it. Placements are the
 spine's own configuration in this mode (a spine Deployment runs with its middlewares
 collapsed); the controller records them with each stage but has no process to move them
 in — the built-in front (`migration.traffic.cutover`) is the mode that moves placements live.
@@ -14,6 +16,7 @@ import threading
 
 from migration.gates import WindowStats
 from migration.prometheus_window import PrometheusWindow
+from migration.traffic.endpoint_health import EndpointHealth
 from migration.xds import XdsControlPlane
 
 log = logging.getLogger("spine.migration.xds_target")
@@ -21,8 +24,9 @@ log = logging.getLogger("spine.migration.xds_target")
 
 class XdsTarget:
     def __init__(self, plane: XdsControlPlane, layered: PrometheusWindow, spine: PrometheusWindow,
-                 scrape_interval_s: float = 0.5) -> None:
+                 scrape_interval_s: float = 0.5, endpoint_health: EndpointHealth | None = None) -> None:
         self.plane = plane
+        self.endpoint_health = endpoint_health
         self.layered = layered
         self.spine = spine
         self._stop = threading.Event()
@@ -55,4 +59,6 @@ class XdsTarget:
 
     def close(self) -> None:
         self._stop.set()
+        if self.endpoint_health is not None:
+            self.endpoint_health.stop()
         self.plane.stop()

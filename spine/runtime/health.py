@@ -10,6 +10,9 @@ most `timeout_s` for it; the gRPC health status of the process follows:
   until it returns, so a stuck device costs one thread, not one per interval)
 
 A servicer without `health_probe` is healthy while its process is: liveness is all it has.
+In a gateway's process the model's deep health publishes nothing itself (`services=()`):
+`GatewayHealth` (spine/runtime/gateway_health.py) reads `serving` and is told of each change
+(`on_change`), and reports the gateway from every component's health.
 The status starts NOT_SERVING and turns SERVING after the first good probe, so a supervisor
 that waits for SERVING (spine/supervisor.py) waits for a model that can run.
 
@@ -31,6 +34,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from spine.runtime.health_watch import Rounds
 from spine.runtime.server import RunningServer
 
 log = logging.getLogger("spine.health")
@@ -42,17 +46,18 @@ class DeepHealth:
     """Probes every `interval_s`; sets `services` SERVING or NOT_SERVING on the running server."""
 
     def __init__(self, running: RunningServer, probe: Probe | None, *, interval_s: float = 1.0,
-                 timeout_s: float = 2.0, services: Sequence[str] = ("",)) -> None:
+                 timeout_s: float = 2.0, services: Sequence[str] = ("",),
+                 on_change: Callable[[], None] | None = None) -> None:
         self.running = running
+        self.on_change = on_change
         self.probe = probe
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.services = tuple(services)
         self.serving: bool | None = None
         self.reason = "not probed yet"
-        self._stop = threading.Event()
         self._inflight: threading.Thread | None = None
-        self._thread = threading.Thread(target=self._loop, name="deep-health", daemon=True)
+        self._rounds = Rounds(self.check_once, interval_s, "deep-health", join_s=interval_s + timeout_s + 1.0)
 
     def check_once(self) -> bool:
         """Run one probe within the time bound, publish the result and return it."""
@@ -63,17 +68,11 @@ class DeepHealth:
     def start(self) -> DeepHealth:
         self._publish(False, "not probed yet")
         self.check_once()
-        self._thread.start()
+        self._rounds.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.interval_s + self.timeout_s + 1.0)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.check_once()
+        self._rounds.stop()
 
     def _probe(self) -> tuple[bool, str]:
         if self.probe is None:
@@ -101,20 +100,23 @@ class DeepHealth:
         return True, "model forward ok"
 
     def _publish(self, healthy: bool, reason: str) -> None:
-        if healthy != self.serving:
+        changed = healthy != self.serving
+        if changed and self.services:  # without services, whoever reads `serving` tells the flip
             level = logging.INFO if healthy else logging.WARNING
             log.log(level, "%s: %s (%s)", self.running.address, "SERVING" if healthy else "NOT_SERVING", reason)
         self.serving, self.reason = healthy, reason
         for service in self.services:
             self.running.set_serving(healthy, service)
+        if changed and self.on_change is not None:
+            self.on_change()
 
 
 def start_deep_health(running: RunningServer, servicer: Any, interval_s: float = 1.0, timeout_s: float = 2.0,
-                      services: Sequence[str] = ("",)) -> DeepHealth:
+                      services: Sequence[str] = ("",), on_change: Callable[[], None] | None = None) -> DeepHealth:
     """Deep health for `servicer` on `running` (first probe done before it returns)."""
     probe = getattr(servicer, "health_probe", None)
     return DeepHealth(running, probe if callable(probe) else None, interval_s=interval_s,
-                      timeout_s=timeout_s, services=services).start()
+                      timeout_s=timeout_s, services=services, on_change=on_change).start()
 
 
 def check_serving(channel: grpc.Channel, timeout: float = 0.5, service: str = "") -> bool | None:

@@ -78,9 +78,18 @@ class OutlierDetector:
         self.ejections = 0  # how many times it was ejected
         self._cooldown_s = policy.ejection_s
         self._until = 0.0
+        self.not_serving = ""  # why its health check says it cannot serve ("" while it can)
+
+    def set_health(self, serving: bool, reason: str) -> None:
+        """The gateway's health watcher's view: while the component is not serving (dead,
+        stopped, in a crash loop), calls fail at once; the watcher's own checks probe it."""
+        self.not_serving = "" if serving else (reason or "not serving")
 
     def admit(self) -> None:
         """Before a call: raise `Ejected` when the call must not be made."""
+        down = self.not_serving
+        if down:
+            raise Ejected(f"{self.component} is not serving ({down})")
         with self._lock:
             if self.state == Ejection.IN:
                 return

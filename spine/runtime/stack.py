@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,11 +33,16 @@ from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import layout_name
 from spine.runtime.config_model import check_config
+from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.supervisor import Supervisor
 
 log = logging.getLogger("spine.runtime")
+
+
+def _down(reason: str) -> Callable[[], tuple[bool, str]]:
+    return lambda: (False, reason)
 
 
 def remote_channel(address: str, max_message_bytes: int) -> grpc.Channel:
@@ -76,7 +81,13 @@ class Stack:
     local_servicers: dict[str, Any] = field(default_factory=dict)
     bindings: dict[str, Any] = field(default_factory=dict)
     metrics_endpoint: Any = None
-    deep_health: Any = None
+    deep_health: Any = None  # the local model's (spine.runtime.health.DeepHealth)
+    health: GatewayHealth | None = None  # the gateway's, from every component's
+    # How often the gateway asks each remote component's health, and how long it waits: a
+    # component that stops answering turns the gateway NOT_SERVING within the interval plus
+    # two deadlines (a late answer is asked again once).
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 0.5
     admission: BatchedAdmission | None = None
     completions: DeferredCompletions | None = None
     _retired: list[Any] = field(default_factory=list)
@@ -138,20 +149,70 @@ class Stack:
             self.server = start_server([(GATEWAY, self.gateway)], self.listen,
                                        max_message_bytes=limits.max_message_bytes,
                                        allow_external=self.allow_external)
-            if "inference" in self.local_servicers:
-                # The spine is SERVING only while its model can run a tiny forward on its
-                # device: the supervisor, the front and xDS endpoints all read this.
-                from spine.runtime.health import start_deep_health
-
-                inference = InferenceConfig.from_dict(section(self.config, "inference"))
-                self.deep_health = start_deep_health(
-                    self.server, self.local_servicers["inference"], inference.health_interval_s,
-                    inference.health_timeout_s, services=["", GATEWAY.full_name])
+            self._start_deep_health()
+            # The gateway is SERVING only while every fail-closed component is: the front,
+            # xDS endpoints, the A/B tool and load balancers all read this.
+            self.health = GatewayHealth(self.server, self.registry, self._health_targets,
+                                        interval_s=self.health_interval_s, timeout_s=self.health_timeout_s,
+                                        on_flip=self._component_flipped).start()
         except BaseException:
             self.stop()
             raise
         log.info("%s layout serving on %s", self.layout, self.server.address)
         return self.server.address
+
+    def _start_deep_health(self) -> None:
+        """The local model's deep health: it can run a tiny forward on its device in time.
+        It publishes nothing itself; the gateway's health reads it and hears of each change."""
+        if self.deep_health is not None or "inference" not in self.local_servicers or self.server is None:
+            return
+        from spine.runtime.health import start_deep_health
+
+        inference = InferenceConfig.from_dict(section(self.config, "inference"))
+        self.deep_health = start_deep_health(
+            self.server, self.local_servicers["inference"], inference.health_interval_s,
+            inference.health_timeout_s, services=(), on_change=self._local_health_changed)
+
+    def _component_flipped(self, name: str, state: ComponentHealth) -> None:
+        """A component the gateway cannot reach fails fast: calls to it end at once with
+        UNAVAILABLE instead of each waiting out its budget, until it is SERVING again."""
+        detector = self._detectors.get(name)
+        if detector is not None:
+            detector.set_health(state.serving, state.reason)
+
+    def _local_health_changed(self) -> None:
+        if self.health is not None:
+            self.health.refresh()
+
+    def _health_targets(self) -> dict[str, Target]:
+        """What the gateway's health looks at for each component, where it is placed now."""
+        targets: dict[str, Target] = {}
+        for name in self.registry.names:
+            binding = self.bindings.get(name)
+            if binding is None:
+                continue
+            if isinstance(binding, RemoteBinding):
+                supervisor = self.supervisor
+                down = supervisor.down_reason(name) if supervisor is not None and name in supervisor.children else None
+                targets[name] = binding.channel if down is None else _down(down)
+            elif name == "inference" and self.deep_health is not None:
+                targets[name] = self._model_health
+            else:
+                targets[name] = always_serving
+        return targets
+
+    def _model_health(self) -> tuple[bool, str]:
+        deep = self.deep_health
+        if deep is None:
+            return True, "local"
+        return deep.serving is True, deep.reason
+
+    def health_report(self) -> dict[str, Any]:
+        """The gateway's health, each component's, and each child's state (restarts, crash loops)."""
+        report = self.health.report() if self.health is not None else {"serving": None, "components": {}}
+        if self.supervisor is not None:
+            report["children"] = self.supervisor.status()
+        return report
 
     def _bind(self, name: str, max_message_bytes: int, placement: str | None = None) -> Any:
         spec = self.registry[name]
@@ -196,6 +257,7 @@ class Stack:
         self.placements = merged
         self.gateway.layout = self.layout
         self._attach_batching()
+        self._start_deep_health()  # the model moved here: the gateway's health reads its probe
 
     def _attach_batching(self) -> None:
         """Batch the stages whose components are local now (or all, with batching.remote);
@@ -250,6 +312,9 @@ class Stack:
 
     def stop(self, grace: float = 3.0) -> None:
         """Finish in-flight requests, flush local logs and metrics, stop every child."""
+        if self.health is not None:
+            self.health.stop()
+            self.health = None
         if self.deep_health is not None:
             self.deep_health.stop()
             self.deep_health = None

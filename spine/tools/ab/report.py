@@ -72,6 +72,7 @@ def _layout_report(run: LayoutRun, ab: ABRun) -> dict[str, Any]:
         middleware_ms = {name: run.spans[name]["total_s"] / roots * 1000.0 for name in names}
     return {
         "status": "up", "address": run.address, "requests": len(done), "not_sent": len(run.results) - len(done),
+        "not_serving": run.not_serving,
         "ok": statuses.get("OK", 0), "errors_by_status": {k: v for k, v in sorted(statuses.items()) if k != "OK"},
         "latency_ms": {"p50": percentile(latencies_ms, 50), "p90": percentile(latencies_ms, 90),
                        "p99": percentile(latencies_ms, 99), "p99.9": percentile(latencies_ms, 99.9),
@@ -158,8 +159,10 @@ def metric_rows(report: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
     statuses = sorted({code for d in data for code in d["errors_by_status"]})
     for code in statuses:
         rows.append((f"status {code}", [str(d["errors_by_status"].get(code, 0)) for d in data]))
-    if any(d["not_sent"] for d in data):
-        rows.append(("not sent (time limit)", [str(d["not_sent"]) for d in data]))
+    if any(d["not_sent"] - d.get("not_serving", 0) for d in data):
+        rows.append(("not sent (time limit)", [str(d["not_sent"] - d.get("not_serving", 0)) for d in data]))
+    if any(d.get("not_serving", 0) for d in data):
+        rows.append(("not sent (not SERVING)", [str(d.get("not_serving", 0)) for d in data]))
     rows.append(("CPU ms / request (tree)", [_fmt(d["cpu_ms_per_request"]) for d in data]))
     rows.append(("peak RSS MiB (tree)", [_mib(d["peak_rss_bytes"]) for d in data]))
     if any(d["device_bytes"] is not None for d in data):

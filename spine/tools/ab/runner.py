@@ -13,7 +13,10 @@ layout that falls behind is charged for the queueing it causes.
 
 Every run is bounded: by the workload's count, by `time_limit_s` (no request starts
 after it), and per request by `timeout_s`. A layout that does not come up, or stops answering health checks, is
-reported as down and left out rather than waited on.
+reported as down and left out rather than waited on. While the workload runs each layout's gateway health is
+watched (every 0.5 s, each check within 0.5 s, a late one asked again): requests meant for a layout that is not
+SERVING — a fail-closed component of it dead, hung or not serving — are not sent to it but counted
+(`not_serving`), so a broken layout loses its traffic within a second or so instead of timing every request out.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import yaml
 
 from spine.client.gateway_client import CallResult, GatewayClient
+from spine.runtime.health_watch import HealthWatch
 from spine.runtime.server import wait_serving
 from spine.tools.ab.process_tree import TreeMonitor, gone, tree, tree_cpu_seconds
 from spine.tools.ab.serve import RESULT_FILE
@@ -42,6 +46,7 @@ from spine.tools.ab.workload import Entry
 from spine.tools.workload import Item
 
 ResultCallback = Callable[[str, int, CallResult], None]
+Serving = Callable[[str], bool]  # a layout's name -> is its gateway SERVING now
 
 
 class LayoutDown(RuntimeError):
@@ -78,6 +83,7 @@ class LayoutRun:
     error: str = ""
     root_pid: int | None = None
     results: list[CallResult | None] = field(default_factory=list)
+    not_serving: int = 0            # requests not sent because the layout was not SERVING
     scheduled_latency_s: list[float | None] = field(default_factory=list)
     cpu_s: float | None = None
     peak_rss_bytes: int | None = None
@@ -179,9 +185,12 @@ def _send(client: GatewayClient, item: Item, timeout_s: float) -> CallResult:
 
 
 def run_interleaved(runs: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions,
-                    on_result: ResultCallback | None = None) -> float:
-    """Send every entry to every layout in `runs` (those up); fills their results; the wall seconds."""
+                    on_result: ResultCallback | None = None, serving: Serving | None = None) -> float:
+    """Send every entry to every layout in `runs` (those up) while `serving(name)` says it is
+    SERVING (else count it in `not_serving`); fills their results; the wall seconds."""
     live = [run for run in runs if run.status == "up" and run.address]
+    for run in live:
+        run.not_serving = 0
     for run in live:
         run.results = [None] * len(entries)
         run.scheduled_latency_s = [None] * len(entries)
@@ -189,15 +198,24 @@ def run_interleaved(runs: Sequence[LayoutRun], entries: Sequence[Entry], options
         return 0.0
     started = time.monotonic()
     deadline = started + options.time_limit_s
+    lock = threading.Lock()
+
+    def sendable(run: LayoutRun) -> bool:
+        if serving is None or serving(run.name):
+            return True
+        with lock:
+            run.not_serving += 1
+        return False
+
     if options.mode == "closed":
-        _closed_loop(live, entries, options, deadline, on_result)
+        _closed_loop(live, entries, options, deadline, on_result, sendable)
     else:
-        _open_loop(live, entries, options, started, deadline, on_result)
+        _open_loop(live, entries, options, started, deadline, on_result, sendable)
     return time.monotonic() - started
 
 
 def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions, deadline: float,
-                 on_result: ResultCallback | None) -> None:
+                 on_result: ResultCallback | None, sendable: Callable[[LayoutRun], bool]) -> None:
     next_index = 0
     lock = threading.Lock()
 
@@ -214,6 +232,8 @@ def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: R
                 for offset in range(len(live)):  # rotate the order: no layout always goes first
                     position = (index + offset) % len(live)
                     run = live[position]
+                    if not sendable(run):
+                        continue
                     result = _send(clients[position], entries[index].item, options.timeout_s)
                     run.results[index] = result
                     run.scheduled_latency_s[index] = result.latency_s
@@ -229,10 +249,12 @@ def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: R
 
 
 def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions, started: float,
-               deadline: float, on_result: ResultCallback | None) -> None:
+               deadline: float, on_result: ResultCallback | None, sendable: Callable[[LayoutRun], bool]) -> None:
     clients = {run.name: GatewayClient(str(run.address)) for run in live}
 
     def send(run: LayoutRun, index: int, scheduled: float) -> None:
+        if not sendable(run):
+            return
         result = _send(clients[run.name], entries[index].item, options.timeout_s)
         run.results[index] = result
         run.scheduled_latency_s[index] = time.monotonic() - scheduled  # includes waiting for a worker
@@ -326,9 +348,13 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
         say(f"sending {len(entries)} requests to {live} layouts")
         if on_total is not None:
             on_total(len(entries) * live)
+        health = HealthWatch({run.name: str(run.address) for run in runs if run.status == "up" and run.address},
+                             what="layout").start()
         try:
-            wall = run_interleaved(runs, entries, options, on_result)
+            wall = run_interleaved(runs, entries, options, on_result,
+                                   serving=lambda name: health.serving.get(name, True))
         finally:
+            health.stop()
             monitor.stop()
         for run in runs:
             if run.name in cpu_before and run.root_pid is not None:

@@ -144,3 +144,14 @@ def test_a_hung_auth_answers_unavailable_within_its_budget_then_at_once_then_com
     ejected = [s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "spine_middleware_ejected_total" and s.labels == {"middleware": "auth"}]
     assert ejected and ejected[0] >= 1
+
+
+def test_the_health_watcher_fails_calls_fast_while_down_and_readmits_when_serving() -> None:
+    outlier, _ = detector(failures=1)
+    outlier.record(CODE.UNAVAILABLE, 0.25)  # ejected by its failures
+    outlier.set_health(False, "no health answer within 0.5s, twice")
+    with pytest.raises(Ejected, match=r"auth is not serving \(no health answer within 0.5s, twice\)"):
+        outlier.admit()
+    outlier.set_health(True, "SERVING")
+    outlier.admit()  # its health answered: back in without waiting for a probe
+    assert outlier.state == Ejection.IN

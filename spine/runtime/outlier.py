@@ -84,6 +84,13 @@ class OutlierDetector:
         """The gateway's health watcher's view: while the component is not serving (dead,
         stopped, in a crash loop), calls fail at once; the watcher's own checks probe it."""
         self.not_serving = "" if serving else (reason or "not serving")
+        if serving:
+            with self._lock:  # its health answered: as good a probe as any
+                if self.state != Ejection.IN:
+                    log.warning("%s readmitted: its health check answers SERVING", self.component)
+                self.state = Ejection.IN
+                self.consecutive = 0
+                self._cooldown_s = self.policy.ejection_s
 
     def admit(self) -> None:
         """Before a call: raise `Ejected` when the call must not be made."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -10,9 +11,10 @@ import pytest
 
 from services.inference_load import parse_load
 from spine.client.gateway_client import GatewayClient
+from spine.runtime.config import placements_for
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, make_jwt
+from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
 
 
 def gen(prompt: str = "hello", max_tokens: int = 6, model: str = "tiny-lm", **fields: Any,
@@ -195,3 +197,13 @@ def test_stream_equals_unary_answer(layouts: dict[str, Stack], layout: str) -> N
     assert streamed.ok and unary.ok and not unary.response.cached
     assert streamed.token_ids == unary.token_ids
     assert streamed.text == unary.text
+
+
+def test_the_run_dir_and_the_config_copy_are_readable_by_this_user_only(tmp_path: Path) -> None:
+    import stat
+
+    run_dir = tmp_path / "private"
+    run_dir.mkdir(mode=0o755)
+    with Stack(config_for_tests(), placements_for("collapsed", config_for_tests()), run_dir=run_dir):
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE((run_dir / "config.yaml").stat().st_mode) == 0o600

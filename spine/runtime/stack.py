@@ -13,6 +13,7 @@ micro-batch (`monolith.batched`) instead of one call per request.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,19 @@ def remote_channel(address: str, max_message_bytes: int) -> grpc.Channel:
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ])
+
+
+def write_private(run_dir: Path, name: str, text: str) -> Path:
+    """Write `name` in `run_dir`, both readable by this user only: the run dir holds the unix
+    sockets of the internal links and the config copy holds secrets (API keys, JWT secret)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.chmod(0o700)
+    path = run_dir / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(file.fileno(), 0o600)  # also when it existed with wider permissions
+        file.write(text)
+    return path
 
 
 @dataclass
@@ -116,9 +130,7 @@ class Stack:
         if self.run_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
             self.run_dir = Path(self._tmp.name)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = self.run_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(dict(self.config)))
+        config_path = write_private(self.run_dir, "config.yaml", yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
         self._batching = BatchingConfig.from_config(self.config)
         if self.device is None:

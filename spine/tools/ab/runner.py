@@ -40,6 +40,7 @@ import yaml
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.runtime.health_watch import HealthWatch
 from spine.runtime.server import wait_serving
+from spine.runtime.stack import write_private
 from spine.tools.ab.process_tree import TreeMonitor, gone, tree, tree_cpu_seconds
 from spine.tools.ab.serve import RESULT_FILE
 from spine.tools.ab.workload import Entry
@@ -307,9 +308,7 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
     """Start `layouts` (and reach `targets`: name -> running Gateway address), run, stop, measure."""
     options = options or RunOptions()
     say = on_status or (lambda message: None)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(dict(config)))
+    config_path = write_private(run_dir, "config.yaml", yaml.safe_dump(dict(config)))
     runs: list[LayoutRun] = []
     processes: dict[str, LayoutProcess] = {}
     try:

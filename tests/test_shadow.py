@@ -22,9 +22,10 @@ from spine.client.gateway_client import GatewayClient
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, TIGHT_KEY, start_stack
+from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
 
 GREEDY = generation_pb2.GenerateRequest(model="tiny-lm", prompt="shadow me", max_tokens=3)
+INTERNAL_SECRET = "shadow-test-internal-secret-0123456789"
 
 
 def _decision(status: str = "OK", tokens: tuple[int, ...] | None = (1, 2), cached: bool = False) -> Decision:
@@ -37,7 +38,8 @@ def _never_called(*args: object) -> Decision:
 
 def test_a_mismatch_is_published_with_both_sides_and_noise_is_not_counted(caplog: pytest.LogCaptureFixture) -> None:
     now = [1000.0]
-    mirror = ShadowMirror(ShadowConfig(share=1.0, ignore_fields=()), _never_called, clock=lambda: now[0])
+    mirror = ShadowMirror(ShadowConfig(share=1.0, ignore_fields=()), _never_called, key=b"k" * 16,
+                          clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="spine.shadow"):
         found = mirror.compare("layered", "spine", _decision(tokens=(1, 2)), _decision(tokens=(1, 3)),
                                request_id="req-7")
@@ -66,7 +68,7 @@ def test_a_saturated_mirror_drops_instead_of_queueing() -> None:
         release.wait(5)
         return _decision()
 
-    mirror = ShadowMirror(ShadowConfig(share=1.0, calibration_share=0.0, max_in_flight=1), slow)
+    mirror = ShadowMirror(ShadowConfig(share=1.0, calibration_share=0.0, max_in_flight=1), slow, key=b"k" * 16)
     try:
         assert mirror.offer("layered", GREEDY, (), _decision())
         assert started.wait(5)
@@ -105,7 +107,8 @@ def test_shadow_settings_are_checked_and_name_the_field() -> None:
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
     tmp = tmp_path_factory.mktemp("shadow")
-    stacks = {"layered": start_stack("collapsed", tmp / "a"), "spine": start_stack("collapsed", tmp / "b")}
+    config = config_for_tests(internal={"secret": INTERNAL_SECRET})
+    stacks = {"layered": start_stack("collapsed", tmp / "a", config), "spine": start_stack("collapsed", tmp / "b", config)}
     try:
         yield stacks
     finally:
@@ -116,7 +119,8 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]
 @pytest.fixture
 def front(sides: dict[str, Stack]) -> Iterator[tuple[Front, RunningServer]]:
     front = Front({side: stack.address for side, stack in sides.items()},
-                  shadow=ShadowConfig(share=1.0, calibration_share=0.0), rng=random.Random(3))
+                  shadow=ShadowConfig(share=1.0, calibration_share=0.0), rng=random.Random(3),
+                  internal_key=INTERNAL_SECRET.encode())
     server = start_server([(GATEWAY, front)], "127.0.0.1:0")
     try:
         yield front, server
@@ -167,7 +171,8 @@ def test_shadow_mismatches_feed_the_parity_gate(front: tuple[Front, RunningServe
 
 def test_calibration_compares_a_layout_with_itself_and_learns_its_noise(sides: dict[str, Stack]) -> None:
     front = Front({side: stack.address for side, stack in sides.items()},
-                  shadow=ShadowConfig(share=1.0, calibration_share=1.0, ignore_fields=()), rng=random.Random(5))
+                  shadow=ShadowConfig(share=1.0, calibration_share=1.0, ignore_fields=()), rng=random.Random(5),
+                  internal_key=INTERNAL_SECRET.encode())
     server = start_server([(GATEWAY, front)], "127.0.0.1:0")
     try:
         assert front.shadow is not None

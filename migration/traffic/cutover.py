@@ -24,7 +24,7 @@ from migration.traffic.shadow import ShadowConfig
 from migration.xds import XdsControlPlane
 from services.pipeline.verdicts import RequestLimits
 from services.registry import COMPONENTS, GATEWAY, MIDDLEWARES
-from spine.runtime.config import placements_for
+from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook
 from spine.runtime.server import RunningServer, start_server
 from spine.runtime.stack import Stack
@@ -106,6 +106,8 @@ class Cutover:
     def start(self) -> str:
         """Start both layouts, the front and the controller; the front's address."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if internal_key(self.config) is None:  # the front and both sides share one, made for this run
+            self.config = merge(self.config, {"internal": {"secret": secrets.token_urlsafe(32)}})
         try:
             self.layered = Stack(self.config, placements_for("layered", self.config), run_dir=self.run_dir / "layered")
             self.layered.start()
@@ -118,7 +120,7 @@ class Cutover:
             self.spine.start()
             shadow = ShadowConfig.from_config(self.config)
             self.front = Front({"layered": self.layered.address, "spine": self.spine.address},
-                               shadow=shadow if shadow.share > 0 else None)
+                               shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config))
             limits = RequestLimits.from_config(self.config)
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
                                              max_message_bytes=limits.max_message_bytes)

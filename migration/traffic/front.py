@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from migration.traffic.decisions import Decision, decide
-from migration.traffic.shadow import SHADOW_HEADER, Metadata, ShadowConfig, ShadowMirror
+from migration.traffic.shadow import Metadata, ShadowConfig, ShadowMirror
 from spine.runtime.stats import percentile
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
@@ -58,7 +58,8 @@ class Front(gateway_pb2_grpc.GatewayServicer):
     """Serves the Gateway API by forwarding each call to one of two Gateway addresses."""
 
     def __init__(self, addresses: dict[str, str], spine_weight: float = 0.0, history: int = 100_000,
-                 shadow: ShadowConfig | None = None, rng: random.Random | None = None) -> None:
+                 shadow: ShadowConfig | None = None, rng: random.Random | None = None,
+                 internal_key: bytes | None = None, route_header: bool = True) -> None:
         self.channels = {side: grpc.insecure_channel(addresses[side]) for side in SIDES}
         self.stubs = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
@@ -69,7 +70,13 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.healthy: dict[str, bool] = dict.fromkeys(SIDES, True)
         self.outcomes: deque[Outcome] = deque(maxlen=history)
         self._lock = threading.Lock()
-        self.shadow = ShadowMirror(shadow, self._shadow_call, SIDES, rng=rng) if shadow is not None else None
+        # `x-spine-route` forces a side: an operator's tool, off where clients are not trusted.
+        self.route_header = route_header
+        if shadow is not None and internal_key is None:
+            raise ValueError("shadow traffic needs the deployment's internal secret (internal.secret): "
+                             "without it a shadow copy cannot be told from a client's request")
+        self.shadow = (ShadowMirror(shadow, self._shadow_call, SIDES, key=internal_key, rng=rng)
+                       if shadow is not None and internal_key is not None else None)
 
     def set_weight(self, spine_weight: float) -> None:
         if not 0.0 <= spine_weight <= 100.0:
@@ -77,7 +84,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.spine_weight = spine_weight
 
     def choose(self, metadata: dict[str, str]) -> str:
-        forced = metadata.get(ROUTE_HEADER, "")
+        forced = metadata.get(ROUTE_HEADER, "") if self.route_header else ""
         if forced in SIDES:
             return forced
         key = metadata.get(SESSION_HEADER) or metadata.get("authorization", "")
@@ -88,7 +95,8 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         """`choose`, then fail over from a side that is not SERVING (unless the side is forced)."""
         side = self.choose(metadata)
         other = "layered" if side == "spine" else "spine"
-        if self.healthy.get(side, True) or not self.healthy.get(other, True) or metadata.get(ROUTE_HEADER) == side:
+        forced = self.route_header and metadata.get(ROUTE_HEADER) == side
+        if self.healthy.get(side, True) or not self.healthy.get(other, True) or forced:
             return side
         with self._lock:
             self.outcomes.append(Outcome(time.time(), side, True, 0.0))
@@ -145,8 +153,8 @@ class Front(gateway_pb2_grpc.GatewayServicer):
     def _offer_shadow(self, side: str, request: generation_pb2.GenerateRequest, metadata: Metadata,
                       trailing: Any, decision: Decision, stream: bool = False) -> None:
         """Hand an answered request to the mirror (cheap: a coin flip and a pool submit)."""
-        if self.shadow is None or dict(metadata).get(SHADOW_HEADER, "") in ("1", "true"):
-            return  # never mirror a mirror
+        if self.shadow is None:
+            return
         request_id = dict(trailing).get("x-request-id", "")
         forwarded = _forward(metadata)
         if request_id and "x-request-id" not in dict(forwarded):
@@ -202,8 +210,10 @@ class Front(gateway_pb2_grpc.GatewayServicer):
 
 
 def _forward(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-    """Pass the caller's metadata on, less what the front itself consumes."""
-    return tuple((k, v) for k, v in metadata if k not in (ROUTE_HEADER,) and not k.startswith("grpc-"))
+    """Pass the caller's metadata on, less the front's own and anything internal: no
+    `x-spine-*` key a client sends reaches a side (the marks the front itself puts on its
+    shadow copies are signed; see `migration.traffic.shadow`)."""
+    return tuple((k, v) for k, v in metadata if not k.startswith(("x-spine-", "grpc-")))
 
 
 def _remaining(context: Any) -> float | None:

@@ -3,8 +3,9 @@
 A share of live requests is mirrored to another layout after the primary has answered:
 the client always gets the primary's answer, and a mirror never delays it (it runs on
 its own bounded pool; when that pool is full the mirror is dropped, never queued).
-Mirrors carry `x-spine-shadow: 1`, so the gateway only dry-runs the rate limit, never
-writes the cache, and counts them apart in metrics and logs.
+Mirrors carry `x-spine-shadow`, signed with the deployment's internal secret
+(`services.pipeline.internal_marks`), so the gateway only dry-runs the rate limit, never
+writes the cache, and counts them apart in metrics and logs; a client cannot forge it.
 
 Each mirrored answer is compared with the primary's (`migration.traffic.decisions`). A mismatch
 is published with both sides: a log line, a counter, and the recent list. A share of the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from collections import Counter, deque
@@ -26,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from migration.traffic.decisions import Decision, differing
+from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
 from spine.runtime.sections import ShadowConfig
 from spine.v1 import generation_pb2
 
 log = logging.getLogger("spine.shadow")
 
-SHADOW_HEADER = "x-spine-shadow"
 Metadata = tuple[tuple[str, str], ...]
 # (target side, request, metadata, timeout_s, stream) -> the target's decision
 ShadowCall = Callable[[str, generation_pb2.GenerateRequest, Metadata, float, bool], Decision]
@@ -59,9 +61,10 @@ class ShadowMirror:
     """Mirrors, compares and counts; the front offers it every answered request."""
 
     def __init__(self, config: ShadowConfig, call: ShadowCall, sides: Sequence[str] = ("layered", "spine"), *,
-                 clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 key: bytes, clock: Callable[[], float] = time.time, rng: random.Random | None = None,
                  history: int = 10_000) -> None:
         self.config = config
+        self.key = key  # the deployment's internal secret: signs each copy's shadow mark
         self.sides = tuple(sides)
         self._call = call
         self._clock = clock
@@ -89,7 +92,9 @@ class ShadowMirror:
             return False
         with self._lock:
             self.counts["mirrored"] += 1
-        shadow_md = tuple((k, v) for k, v in metadata if k != SHADOW_HEADER) + ((SHADOW_HEADER, "1"),)
+        request_id = request_id or f"shadow-{secrets.token_hex(8)}"
+        shadow_md = tuple((k, v) for k, v in metadata if k not in (SHADOW_HEADER, "x-request-id")) + (
+            ("x-request-id", request_id), (SHADOW_HEADER, shadow_mark(self.key, request_id)))
         try:
             self._pool.submit(self._mirror, primary_side, target, calibration, request, shadow_md, primary,
                               stream, request_id)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline, code_details
 from services.pipeline.state import RequestState
@@ -35,7 +36,6 @@ from spine.v1 import gateway_pb2_grpc, generation_pb2
 
 log = logging.getLogger("spine.gateway")
 
-SHADOW_HEADER = "x-spine-shadow"
 REQUEST_ID_HEADER = "x-request-id"
 LAYOUT_HEADER = "x-spine-layout"
 
@@ -77,10 +77,13 @@ class DirectCompletions:
 class Gateway(gateway_pb2_grpc.GatewayServicer):
     """Serves `spine.v1.Gateway` through the pipeline."""
 
-    def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str) -> None:
+    def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str, *,
+                 internal_key: bytes | None = None) -> None:
         self.pipeline = pipeline
         self.limits = limits
         self.layout = layout
+        # Verifies the front's shadow marks (`internal_marks`); None: no request is shadow.
+        self.internal_key = internal_key
         self.fail_open_failures: Counter[str] = Counter()
         self._lock = threading.Lock()
         self.admission: Admission = DirectAdmission(pipeline)
@@ -163,13 +166,15 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         if remaining is None or remaining > 1e6:
             remaining = self.limits.default_deadline_s
+        request_id = _safe_request_id(md.get(REQUEST_ID_HEADER))
         state = RequestState(
             request=request,
-            request_id=_safe_request_id(md.get(REQUEST_ID_HEADER)),
+            request_id=request_id,
             layout=self.layout,
             started=time.perf_counter(),
             deadline=time.monotonic() + remaining,
-            shadow=md.get(SHADOW_HEADER, "") in ("1", "true"),
+            # Only a copy the front marked: a client claiming shadow would skip its rate limit.
+            shadow=SHADOW_HEADER in md and is_shadow(self.internal_key, md[SHADOW_HEADER], request_id),
             metadata=metadata,
             model=request.model,
         )

@@ -20,7 +20,7 @@ from services.config_model import ConfigProblems, Problem
 from services.registry import COMPONENTS, DEFAULT, MIDDLEWARES
 from spine.runtime.config_model import SECTIONS as SECTIONS
 from spine.runtime.config_model import config_problems
-from spine.runtime.sections import placements_model, remote_addresses_model
+from spine.runtime.sections import InternalConfig, placements_model, remote_addresses_model
 from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located, parent_path
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "default_config.yaml"
@@ -144,6 +144,17 @@ def layout_name(placements: Mapping[str, str]) -> str:
     if values == {"local"}:
         return "collapsed"
     return "mixed"
+
+
+def internal_key(config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The deployment's internal secret (`internal:`), or None when there is none."""
+    import os
+
+    section = InternalConfig.parse(config.get("internal"), "internal")
+    try:
+        return section.key(os.environ if environ is None else environ)
+    except ValueError as error:
+        raise ConfigError(f"internal.secret_env: {error}") from None
 
 
 def dev_api_key(config: Mapping[str, Any]) -> str | None:

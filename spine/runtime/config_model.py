@@ -25,6 +25,7 @@ from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section,
 from services.pipeline.limits import RequestLimits
 from services.registry import DEFAULT, Registry
 from spine.runtime.sections import (
+    InternalConfig,
     ShadowConfig,
     TracingConfig,
     calls_model,
@@ -48,6 +49,7 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
         "limits": (RequestLimits, RequestLimits()),
         "batching": (BatchingConfig, BatchingConfig()),
         "calls": (calls_model(registry.names), Field(default_factory=dict)),
+        "internal": (InternalConfig, InternalConfig()),
     }
     for spec in registry:
         model = spec.config_model()

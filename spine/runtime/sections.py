@@ -15,7 +15,7 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, StrictBool, StrictInt, create_model, model_validator
+from pydantic import Field, SecretStr, StrictBool, StrictInt, create_model, model_validator
 
 from services.config_model import Float, Items, NonEmptyStr, Section, problem
 
@@ -44,6 +44,25 @@ def placements_model(components: tuple[str, ...], models: tuple[str, ...]) -> ty
 def remote_addresses_model(components: tuple[str, ...]) -> type[RemoteAddressesBase]:
     fields: dict[str, Any] = {name: (NonEmptyStr | None, None) for name in components}
     return create_model("RemoteAddresses", __base__=RemoteAddressesBase, **fields)
+
+
+class InternalConfig(Section):
+    """`internal`: the secret only the deployment's own parts share. It signs the marks the
+    front puts on its shadow copies (`services.pipeline.internal_marks`); without it no
+    request is ever treated as shadow traffic, whatever a client sends."""
+
+    secret: SecretStr | None = None  # inline: for local trials only
+    secret_env: NonEmptyStr | None = None  # the name of an environment variable holding it
+
+    def key(self, environ: Mapping[str, str]) -> bytes | None:
+        if self.secret is not None:
+            return self.secret.get_secret_value().encode()
+        if self.secret_env is not None:
+            value = environ.get(self.secret_env, "")
+            if len(value) < 16:
+                raise ValueError(f"environment variable {self.secret_env} must hold at least 16 characters")
+            return value.encode()
+        return None
 
 
 class CallsBase(Section):

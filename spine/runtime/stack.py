@@ -32,7 +32,7 @@ from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline
 from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
-from spine.runtime.config import layout_name
+from spine.runtime.config import internal_key, layout_name
 from spine.runtime.config_model import check_config
 from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
@@ -151,7 +151,7 @@ class Stack:
             for name in self.registry.names:
                 self.bindings[name] = self._bind(name, limits.max_message_bytes)
             self.pipeline = Pipeline(self.registry.stages(limits, self._budgets_ms), self.bindings, hooks=self.hooks)
-            self.gateway = Gateway(self.pipeline, limits, self.layout)
+            self.gateway = Gateway(self.pipeline, limits, self.layout, internal_key=internal_key(self.config))
             self._attach_batching()
             if "metrics" in self.local_servicers:
                 from spine.runtime.metrics_endpoint import start_metrics_endpoint

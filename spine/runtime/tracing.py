@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.registry import DEFAULT
@@ -215,9 +215,21 @@ class TraceContextInterceptor(grpc.ServerInterceptor):
         carrier = {str(item[0]): str(item[1]) for item in metadata if item[0] in ("traceparent", "tracestate")}
         return _PROPAGATOR.extract(carrier)
 
+    def _span(self, name: str, metadata: Sequence[Any]) -> Any:
+        """The server span. On the public API a client's trace context is a link, not a
+        parent: its sampled flag must not switch tracing on (a cost a client could force),
+        so the request gets a root of its own, sampled by the spine's own ratio."""
+        parent = self._parent(metadata)
+        if name != ROOT_SPAN:
+            return self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER)
+        caller = trace.get_current_span(parent).get_span_context()
+        links = [Link(caller)] if caller.is_valid else []
+        return self.tracer.start_as_current_span(name, context=otel_context.Context(), kind=SpanKind.SERVER,
+                                                 links=links)
+
     def _unary(self, name: str, metadata: Sequence[Any], behaviour: Callable[[Any, Any], Any]) -> Callable[..., Any]:
         def handle(request: Any, context: Any) -> Any:
-            with self.tracer.start_as_current_span(name, context=self._parent(metadata), kind=SpanKind.SERVER):
+            with self._span(name, metadata):
                 return behaviour(request, context)
         return handle
 
@@ -225,7 +237,7 @@ class TraceContextInterceptor(grpc.ServerInterceptor):
                 behaviour: Callable[[Any, Any], Iterator[Any]]) -> Callable[..., Iterator[Any]]:
         def handle(request: Any, context: Any) -> Iterator[Any]:
             # gRPC iterates a response stream in one worker thread, so the span stays current throughout.
-            with self.tracer.start_as_current_span(name, context=self._parent(metadata), kind=SpanKind.SERVER):
+            with self._span(name, metadata):
                 yield from behaviour(request, context)
         return handle
 

@@ -126,3 +126,16 @@ def test_an_unreachable_controller_exits_4(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPINE_ADMIN_TOKEN", ADMIN_TOKEN)
     assert main(["migrate", "status", "--controller", f"unix:{tmp_path}/none.sock", "--timeout", "1"]) == 4
     assert "cannot reach the controller" in capsys.readouterr().err
+
+
+def test_a_token_file_others_can_read_is_refused_naming_the_fix(tmp_path):
+    from migration.admin_token import read_admin_token
+    from services.common import ConfigError
+
+    path = tmp_path / "token"
+    path.write_text("a-long-enough-admin-token\n")
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match=r"readable by other users \(mode 0644\); chmod 600"):
+        read_admin_token(str(path))
+    path.chmod(0o600)
+    assert read_admin_token(str(path)) == "a-long-enough-admin-token"

@@ -43,6 +43,7 @@ class Runner:
         self.token_file = workdir / "token"
         self.token_file.write_text(ADMIN_TOKEN + "\n")
         self.token_file.chmod(0o600)
+        self.token_file.chmod(0o600)
         self.applies = workdir / "applies.jsonl"
         self.listen = f"unix:{sockets}/c.sock"
         self.args = [sys.executable, "-m", "migration.runner", "--db", str(workdir / "m.db"), "--listen",

@@ -76,6 +76,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]
 def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, Stack], tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     listen = f"unix:{tmp_path / 'controller.sock'}"
     argv = [sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "rollout.db"), "--listen", listen,
             "--admin-token-file", str(token_file), "--target", "xds", "--xds-listen", "127.0.0.1:0",

@@ -27,7 +27,7 @@ from services.registry import COMPONENTS, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook
 from spine.runtime.server import RunningServer, start_server
-from spine.runtime.stack import Stack
+from spine.runtime.stack import Stack, write_private
 from spine.v1 import ratelimit_pb2
 
 # A side that gets no traffic still keeps a sliver of budget: a share must be > 0, and
@@ -134,8 +134,7 @@ class Cutover:
                 {"layered": [self.layered.address], "spine": [self.spine.address]},
                 front=self.front, xds=self.xds).start()
             layered_ratelimit = self.layered.bindings.get("ratelimit")
-            token_file = self.run_dir / "admin-token"
-            token_file.write_text(self.admin_token)
+            token_file = write_private(self.run_dir, "admin-token", self.admin_token)
             token_file.chmod(0o600)
             self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds)
             self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"),

@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         target = build_target(args)
         process = ControllerProcess(args.db, args.listen, token, target, tick_s=args.tick_s,
                                     allow_external=args.allow_external)
+        serve_stable = getattr(target, "serve_stable", None)
+        if serve_stable is not None:  # after the controller re-applied whatever it recorded
+            serve_stable()
         process.start()
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ from migration.traffic.endpoint_health import EndpointHealth
 from migration.xds import XdsControlPlane
 
 log = logging.getLogger("spine.migration.xds_target")
+STABLE_VERSION = "stable"
 
 
 class XdsTarget:
@@ -38,6 +39,14 @@ class XdsTarget:
         self.plane.set_spine_percent(spine_weight, version)
         log.info("published %s: spine %.2f%% (placements %s are the spine's own config in xds mode)",
                  version, spine_weight, placements)
+
+    def serve_stable(self) -> None:
+        """Before any rollout has moved traffic (nothing published once the controller has
+        re-applied what it recorded): serve the stable state, 100% layered, so a data plane
+        that connects before any plan reaches a backend."""
+        if self.plane.version is None:
+            self.plane.set_spine_percent(0.0, STABLE_VERSION)
+            log.info("published %s: 100%% layered (no rollout has started)", STABLE_VERSION)
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
         return self.layered.window(since), self.spine.window(since), 0

@@ -2,6 +2,9 @@
 
     python -m migration.runner --db PATH --listen unix:PATH --admin-token-file PATH
 
+With `--target xds` the gates read PromQL from `--prometheus-url`, or scrape every
+`--layered-metrics` / `--spine-metrics` URL (each repeatable) directly.
+
 It binds only to a unix socket or loopback, re-applies the persisted stage on start (see
 `Controller.open`), ticks every ~100 ms (so a failing gate's rollback reaches the data path
 well within a second) and exits cleanly on SIGTERM or SIGINT.

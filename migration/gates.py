@@ -63,9 +63,7 @@ def _missing(layered: WindowStats, spine: WindowStats) -> str | None:
 
 
 def _too_few(layered: WindowStats, spine: WindowStats, min_requests: int) -> str | None:
-    """Why one window says nothing: a side could not be read, or has too few requests.
-
-    A side with no requests at all never passes, whatever `min_requests` says."""
+    """Why a side's request count says nothing; a side with none never passes, whatever `min_requests` says."""
     need = max(min_requests, 1)
     if layered.requests < need or spine.requests < need:
         return (f"too few requests to judge: layered {layered.requests}, spine {spine.requests}, "
@@ -103,7 +101,7 @@ def latency_p99_ratio_gate(layered: WindowStats, spine: WindowStats, max_ratio: 
         return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run,
                           f"too few successful requests to compare latency: layered {layered.successes}, "
                           f"spine {spine.successes}, need {need} on each side")
-    if not layered.p99_ms or layered.p99_ms <= 0 or not spine.p99_ms or spine.p99_ms <= 0:
+    if not (layered.p99_ms and layered.p99_ms > 0 and spine.p99_ms and spine.p99_ms > 0):
         return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run,
                           f"no latency measured for successful requests (layered p99 {_ms(layered.p99_ms)}, "
                           f"spine p99 {_ms(spine.p99_ms)})")

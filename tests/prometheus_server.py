@@ -48,16 +48,21 @@ class PrometheusServer:
         assert body["status"] == "success", body
         return list(body["data"]["result"])
 
-    def wait_scraped(self, after: float, targets: int, timeout_s: float = 20.0) -> float:
-        """Wait until each of `targets` targets has a sample scraped after `after`; the latest scrape's time."""
+    def wait_scraped(self, after: float, targets: int, timeout_s: float = 30.0) -> float:
+        """Wait until the latest scrape of each of `targets` targets started after `after` and
+        succeeded; the newest of those scrapes' timestamps.
+
+        A failed scrape (a busy machine can take longer than the scrape timeout) marks the
+        target's series stale, so a window should end on a round that succeeded."""
         deadline = time.monotonic() + timeout_s
         while True:
-            stamps = [float(s["value"][1]) for s in self.query("timestamp(up)")]
+            # timestamp() of a selector is its samples' time (of any other expression, the query's)
+            stamps = [float(s["value"][1]) for s in self.query("timestamp(up) and up == 1")]
             if len(stamps) >= targets and min(stamps) > after:
                 return max(stamps)
             if time.monotonic() > deadline:
-                raise AssertionError(f"Prometheus did not scrape {targets} targets after {after:.3f} "
-                                     f"within {timeout_s}s (latest: {stamps})")
+                raise AssertionError(f"Prometheus did not scrape {targets} targets successfully after {after:.3f} "
+                                     f"within {timeout_s}s (latest successful: {stamps})")
             time.sleep(0.1)
 
 

@@ -47,9 +47,9 @@ def settled_window(prometheus: PrometheusServer) -> float:
 
 
 def window_end(prometheus: PrometheusServer) -> float:
-    """Now, once every target has been scraped twice since the last thing recorded."""
-    prometheus.wait_scraped(prometheus.wait_scraped(time.time(), TARGETS), TARGETS)
-    return time.time()
+    """The time of a round of scrapes of every target, the second one since the last thing
+    recorded; ending the window there leaves any later (maybe failed) scrape out of it."""
+    return prometheus.wait_scraped(prometheus.wait_scraped(time.time(), TARGETS), TARGETS)
 
 
 @pytest.fixture(scope="module")

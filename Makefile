@@ -4,9 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/spine/v1/*.proto)
 
-.PHONY: install protos run test bench lint clean
+.PHONY: install prometheus protos run test bench lint clean
 
-install: $(VENV)/.installed spine/v1/.generated
+install: $(VENV)/.installed spine/v1/.generated prometheus
+
+# The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
+# the Debian package (apt-get, quiet; one line and on if it cannot be had).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || .ci/install-prometheus
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

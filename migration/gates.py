@@ -1,8 +1,9 @@
 """Analysis gates: pure arithmetic on one window of layered vs spine traffic.
 
 Each gate compares the spine with the layered baseline measured over the SAME window, so a
-bad minute for everyone does not roll the migration back. Too little traffic on either side
-says nothing, so it is `inconclusive` (the stage holds) rather than a pass or a fail.
+bad minute for everyone does not roll the migration back. Too little traffic on either side,
+or a side the metrics source could not read, says nothing, so it is `inconclusive` (the
+stage holds) rather than a pass or a fail: no data is never a pass.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from migration.plan import GateSpec
+from migration.plan import DEFAULT_MIN_DELTA_MS, GateSpec
 
 
 class Verdict(StrEnum):
@@ -22,15 +23,28 @@ class Verdict(StrEnum):
 
 @dataclass(frozen=True)
 class WindowStats:
-    """One side's traffic in one window: request and error counts and the p99 latency."""
+    """One side's traffic in one window, as the gates compare it.
+
+    `requests` and `errors` count every request (shadow traffic left out; `errors` are the
+    ones the layout failed). The latency is over successful requests only, `ok_requests` of
+    them: a side answering refusals in a tenth of a millisecond is not comparable with one
+    doing real work. `missing` says why a source could not read this side at all (its
+    Prometheus query failed, no endpoint answered); every gate that needs the side then holds.
+    """
 
     requests: int
     errors: int
-    p99_ms: float
+    p99_ms: float | None  # p99 latency of the successful requests; None or 0: none measured
+    ok_requests: int | None = None  # None: not counted apart, taken as requests - errors
+    missing: str = ""
 
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
+
+    @property
+    def successes(self) -> int:
+        return self.ok_requests if self.ok_requests is not None else self.requests - self.errors
 
 
 @dataclass(frozen=True)
@@ -43,17 +57,24 @@ class GateResult:
     message: str
 
 
+def _missing(layered: WindowStats, spine: WindowStats) -> str | None:
+    gaps = [f"{side}: {stats.missing}" for side, stats in (("layered", layered), ("spine", spine)) if stats.missing]
+    return "no data to judge: " + "; ".join(gaps) if gaps else None
+
+
 def _too_few(layered: WindowStats, spine: WindowStats, min_requests: int) -> str | None:
-    if layered.requests < min_requests or spine.requests < min_requests:
+    """Why a side's request count says nothing; a side with none never passes, whatever `min_requests` says."""
+    need = max(min_requests, 1)
+    if layered.requests < need or spine.requests < need:
         return (f"too few requests to judge: layered {layered.requests}, spine {spine.requests}, "
-                f"need {min_requests} on each side")
+                f"need {need} on each side")
     return None
 
 
 def error_rate_gate(layered: WindowStats, spine: WindowStats, max_delta: float, min_requests: int,
                     dry_run: bool = False) -> GateResult:
     """Pass while spine_rate <= layered_rate + max_delta; the value is the delta."""
-    few = _too_few(layered, spine, min_requests)
+    few = _missing(layered, spine) or _too_few(layered, spine, min_requests)
     if few:
         return GateResult("error_rate", Verdict.INCONCLUSIVE, None, max_delta, dry_run, few)
     delta = spine.error_rate - layered.error_rate
@@ -64,20 +85,41 @@ def error_rate_gate(layered: WindowStats, spine: WindowStats, max_delta: float, 
 
 
 def latency_p99_ratio_gate(layered: WindowStats, spine: WindowStats, max_ratio: float, min_requests: int,
-                           dry_run: bool = False) -> GateResult:
-    """Pass while spine_p99 / layered_p99 <= max_ratio; the value is the ratio."""
-    few = _too_few(layered, spine, min_requests)
-    if few:
-        return GateResult("latency_p99_ratio", Verdict.INCONCLUSIVE, None, max_ratio, dry_run, few)
-    if layered.p99_ms <= 0:
-        return GateResult("latency_p99_ratio", Verdict.INCONCLUSIVE, None, max_ratio, dry_run,
-                          f"no layered latency baseline (layered p99 {layered.p99_ms:g} ms)")
+                           dry_run: bool = False, min_delta_ms: float = DEFAULT_MIN_DELTA_MS) -> GateResult:
+    """Fail only when spine_p99 / layered_p99 > max_ratio AND spine_p99 - layered_p99 > min_delta_ms.
+
+    Like for like: both p99s are over successful requests only, and each side needs
+    `min_requests` of them. The floor keeps a ratio of two sub-millisecond numbers (noise)
+    from rolling a migration back. The value is the ratio.
+    """
+    gate = "latency_p99_ratio"
+    missing = _missing(layered, spine)
+    if missing:
+        return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run, missing)
+    need = max(min_requests, 1)
+    if layered.successes < need or spine.successes < need:
+        return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run,
+                          f"too few successful requests to compare latency: layered {layered.successes}, "
+                          f"spine {spine.successes}, need {need} on each side")
+    if not (layered.p99_ms and layered.p99_ms > 0 and spine.p99_ms and spine.p99_ms > 0):
+        return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run,
+                          f"no latency measured for successful requests (layered p99 {_ms(layered.p99_ms)}, "
+                          f"spine p99 {_ms(spine.p99_ms)})")
     ratio = spine.p99_ms / layered.p99_ms
-    ok = ratio <= max_ratio
-    message = (f"spine p99 {spine.p99_ms:.1f} ms / layered p99 {layered.p99_ms:.1f} ms = {ratio:.3f} "
-               f"{'<=' if ok else '>'} max_ratio {max_ratio:g}")
-    return GateResult("latency_p99_ratio", Verdict.PASS if ok else Verdict.FAIL, ratio, max_ratio,
-                      dry_run, message)
+    delta = spine.p99_ms - layered.p99_ms
+    comparison = (f"spine p99 {_ms(spine.p99_ms)} / layered p99 {_ms(layered.p99_ms)} = {ratio:.3f} "
+                  f"{'<=' if ratio <= max_ratio else '>'} max_ratio {max_ratio:g}")
+    if ratio <= max_ratio:
+        return GateResult(gate, Verdict.PASS, ratio, max_ratio, dry_run, comparison)
+    if delta <= min_delta_ms:
+        return GateResult(gate, Verdict.PASS, ratio, max_ratio, dry_run,
+                          f"{comparison}, but only {delta:+.3f} ms apart <= min_delta_ms {min_delta_ms:g}")
+    return GateResult(gate, Verdict.FAIL, ratio, max_ratio, dry_run,
+                      f"{comparison}, {delta:+.3f} ms apart > min_delta_ms {min_delta_ms:g}")
+
+
+def _ms(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3f} ms"
 
 
 def parity_gate(spine: WindowStats, mismatches: int, max_mismatches: float, min_requests: int,
@@ -90,24 +132,31 @@ def parity_gate(spine: WindowStats, mismatches: int, max_mismatches: float, min_
     if mismatches > max_mismatches:
         return GateResult("parity", Verdict.FAIL, float(mismatches), max_mismatches, dry_run,
                           f"{mismatches} decision mismatches > max_mismatches {max_mismatches:g}")
-    if spine.requests < min_requests:
+    if spine.missing:
         return GateResult("parity", Verdict.INCONCLUSIVE, float(mismatches), max_mismatches, dry_run,
-                          f"too few spine requests to judge parity: {spine.requests}, need {min_requests}")
+                          f"no spine data to judge parity: {spine.missing}")
+    if spine.requests < max(min_requests, 1):
+        return GateResult("parity", Verdict.INCONCLUSIVE, float(mismatches), max_mismatches, dry_run,
+                          f"too few spine requests to judge parity: {spine.requests}, need {max(min_requests, 1)}")
     return GateResult("parity", Verdict.PASS, float(mismatches), max_mismatches, dry_run,
                       f"{mismatches} decision mismatches <= max_mismatches {max_mismatches:g}")
 
 
 def evaluate(gates: Iterable[GateSpec], layered: WindowStats, spine: WindowStats, mismatches: int,
              min_requests: int) -> list[GateResult]:
-    """Every gate of a stage on one window, in plan order."""
+    """Every gate of a stage on one window, in plan order.
+
+    `min_requests` is the plan's `min_window_requests`; a gate's own `min_requests` wins."""
     results = []
     for gate in gates:
+        need = gate.min_requests if gate.min_requests is not None else min_requests
         if gate.type == "error_rate":
-            results.append(error_rate_gate(layered, spine, gate.threshold, min_requests, gate.dry_run))
+            results.append(error_rate_gate(layered, spine, gate.threshold, need, gate.dry_run))
         elif gate.type == "latency_p99_ratio":
-            results.append(latency_p99_ratio_gate(layered, spine, gate.threshold, min_requests, gate.dry_run))
+            results.append(latency_p99_ratio_gate(layered, spine, gate.threshold, need, gate.dry_run,
+                                                  gate.min_delta_ms))
         elif gate.type == "parity":
-            results.append(parity_gate(spine, mismatches, gate.threshold, min_requests, gate.dry_run))
+            results.append(parity_gate(spine, mismatches, gate.threshold, need, gate.dry_run))
         else:  # the plan validator admits only the types above
             raise ValueError(f"unknown gate type {gate.type!r}")
     return results

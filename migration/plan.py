@@ -23,6 +23,12 @@ GATE_THRESHOLDS: dict[str, str] = {
     "latency_p99_ratio": "max_ratio",
     "parity": "max_mismatches",
 }
+# Optional fields a gate may carry beside its threshold (every gate may set min_requests).
+GATE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "error_rate": ("min_requests",),
+    "latency_p99_ratio": ("min_requests", "min_delta_ms"),
+    "parity": ("min_requests",),
+}
 
 _PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "stages"}
 _STAGE_KEYS = {
@@ -31,6 +37,9 @@ _STAGE_KEYS = {
 }
 DEFAULT_WINDOW_S = 10.0
 DEFAULT_MIN_WINDOW_REQUESTS = 20
+# A latency ratio fails only when the p99s are also this many ms apart: 0.25 ms against
+# 0.1 ms is a ratio of 2.5 and means nothing.
+DEFAULT_MIN_DELTA_MS = 5.0
 
 
 class PlanError(ConfigError):
@@ -43,14 +52,25 @@ class PlanError(ConfigError):
 
 @dataclass(frozen=True)
 class GateSpec:
-    """One analysis gate of a stage; a dry-run gate is evaluated and recorded, never obeyed."""
+    """One analysis gate of a stage; a dry-run gate is evaluated and recorded, never obeyed.
+
+    `min_requests`: requests per side a window needs before this gate judges (None: the
+    plan's min_window_requests; for the latency gate, successful requests). `min_delta_ms`:
+    the latency gate's floor, ignored by the others.
+    """
 
     type: str
     threshold: float
     dry_run: bool = False
+    min_requests: int | None = None
+    min_delta_ms: float = DEFAULT_MIN_DELTA_MS
 
     def describe(self) -> str:
         text = f"{self.type} {GATE_THRESHOLDS[self.type]}={self.threshold:g}"
+        if self.type == "latency_p99_ratio":
+            text += f" min_delta_ms={self.min_delta_ms:g}"
+        if self.min_requests is not None:
+            text += f" min_requests={self.min_requests}"
         return text + " (dry run)" if self.dry_run else text
 
 
@@ -209,14 +229,17 @@ class _Checker:
                           f"unknown gate type {kind!r}; expected one of {', '.join(GATE_THRESHOLDS)}")
                 continue
             field = GATE_THRESHOLDS[kind]
-            self.unknown_keys(gate, where, {"type", "dry_run", field})
+            self.unknown_keys(gate, where, {"type", "dry_run", field, *GATE_OPTIONS[kind]})
             if kind == "parity":
                 threshold = self.integer(gate, field, where, None, minimum=0)
             elif kind == "error_rate":
                 threshold = self.number(gate, field, where, None, minimum=0.0, maximum=1.0)
             else:
                 threshold = self.number(gate, field, where, None, minimum=0.0, exclusive=True)
-            specs.append(GateSpec(kind, float(threshold or 0), self.flag(gate, "dry_run", where)))
+            min_requests = self.integer(gate, "min_requests", where, None, minimum=1, required=False)
+            min_delta_ms = self.number(gate, "min_delta_ms", where, DEFAULT_MIN_DELTA_MS, minimum=0.0)
+            specs.append(GateSpec(kind, float(threshold or 0), self.flag(gate, "dry_run", where),
+                                  min_requests, float(min_delta_ms)))
         return tuple(specs)
 
     def unknown_keys(self, raw: Mapping[str, Any], path: str, allowed: set[str]) -> None:

@@ -2,6 +2,9 @@
 
     python -m migration.runner --db PATH --listen unix:PATH --admin-token-file PATH
 
+With `--target xds` the gates read PromQL from `--prometheus-url`, or scrape every
+`--layered-metrics` / `--spine-metrics` URL (each repeatable) directly.
+
 It binds only to a unix socket or loopback, re-applies the persisted stage on start (see
 `Controller.open`), ticks every ~100 ms (so a failing gate's rollback reaches the data path
 well within a second) and exits cleanly on SIGTERM or SIGINT.
@@ -14,6 +17,7 @@ import logging
 import sys
 
 from migration.admin_token import read_admin_token
+from migration.metrics.source import MetricsSource
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
@@ -32,17 +36,16 @@ def build_target(args: argparse.Namespace) -> TrafficTarget:
 
 
 def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
-    """Weights over ADS to real data planes; gates on each side's Prometheus metrics."""
-    from migration.prometheus_window import PrometheusWindow
+    """Weights over ADS to real data planes; gates on each side's metrics."""
     from migration.traffic.endpoint_health import EndpointHealth
     from migration.traffic.xds_target import XdsTarget
     from migration.xds import Endpoint, XdsControlPlane
 
     missing = [flag for flag, value in (("--xds-listen", args.xds_listen), ("--layered", args.layered),
-                                        ("--spine", args.spine), ("--layered-metrics", args.layered_metrics),
-                                        ("--spine-metrics", args.spine_metrics)) if not value]
+                                        ("--spine", args.spine)) if not value]
     if missing:
         raise ConfigError(f"--target xds needs {', '.join(missing)}")
+    metrics = build_metrics_source(args)
 
     def endpoints(addresses: list[str], flag: str) -> list[Endpoint]:
         result = []
@@ -53,15 +56,49 @@ def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
             result.append(Endpoint(host, int(port)))
         return result
 
-    check_listen(args.xds_listen, args.allow_external)
-    plane = XdsControlPlane("spine-gateway", {"layered": endpoints(args.layered, "--layered"),
-                                              "spine": endpoints(args.spine, "--spine")})
+    try:
+        check_listen(args.xds_listen, args.allow_external)
+        plane = XdsControlPlane("spine-gateway", {"layered": endpoints(args.layered, "--layered"),
+                                                  "spine": endpoints(args.spine, "--spine")})
+    except ConfigError:
+        metrics.close()
+        raise
     plane.start(args.xds_listen)
     log.info("xDS (ADS) serving on %s", plane.address)
     # A gateway that is not SERVING is sent UNHEALTHY, so data planes stop picking it.
     health = EndpointHealth({"layered": args.layered, "spine": args.spine}, xds=plane).start()
-    return XdsTarget(plane, PrometheusWindow(args.layered_metrics), PrometheusWindow(args.spine_metrics),
-                     endpoint_health=health)
+    return XdsTarget(plane, metrics, endpoint_health=health)
+
+
+def build_metrics_source(args: argparse.Namespace) -> MetricsSource:
+    """PromQL against --prometheus-url, else a direct scrape of every --*-metrics URL."""
+    scrape = args.layered_metrics or args.spine_metrics
+    try:
+        if args.prometheus_url:
+            if scrape:
+                raise ConfigError("--prometheus-url and --layered-metrics/--spine-metrics exclude each other: "
+                                  "the gates read one metrics source")
+            from migration.metrics.promql import PrometheusSource
+
+            prometheus = PrometheusSource(
+                args.prometheus_url, {"layered": args.layered_selector, "spine": args.spine_selector})
+            log.info("gates on PromQL from %s (layered {%s}, spine {%s})", prometheus.url,
+                     prometheus.selectors["layered"], prometheus.selectors["spine"])
+            return prometheus
+        if args.layered_selector or args.spine_selector:
+            raise ConfigError("--layered-selector/--spine-selector pick series in Prometheus: "
+                              "they need --prometheus-url")
+        if not (args.layered_metrics and args.spine_metrics):
+            raise ConfigError("--target xds needs --prometheus-url, or --layered-metrics and --spine-metrics "
+                              "(each repeatable: every /metrics endpoint of the side)")
+        if not args.scrape_interval_s > 0:
+            raise ConfigError(f"--scrape-interval-s: must be greater than 0, got {args.scrape_interval_s:g}")
+        from migration.metrics.scrape import ScrapeSource
+
+        return ScrapeSource({"layered": args.layered_metrics, "spine": args.spine_metrics},
+                            interval_s=args.scrape_interval_s)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,14 +108,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--admin-token-file", help=f"file holding the admin token (else ${'SPINE_ADMIN_TOKEN'})")
     parser.add_argument("--target", choices=["recording", "xds"], default="recording",
                         help="the data path to drive (recording: a test double with healthy stats; "
-                             "xds: Envoy/proxyless data planes over ADS, gates on Prometheus metrics)")
+                             "xds: Envoy/proxyless data planes over ADS, gates on each side's metrics)")
     parser.add_argument("--allow-external", action="store_true",
                         help="allow non-loopback listen addresses (in a cluster; the admin token guards the API)")
     parser.add_argument("--xds-listen", help="with --target xds: where ADS listens, HOST:PORT")
     parser.add_argument("--layered", action="append", default=[], help="with --target xds: a layered gateway HOST:PORT")
     parser.add_argument("--spine", action="append", default=[], help="with --target xds: a spine HOST:PORT")
-    parser.add_argument("--layered-metrics", help="with --target xds: the layered side's Prometheus /metrics URL")
-    parser.add_argument("--spine-metrics", help="with --target xds: the spine's Prometheus /metrics URL")
+    parser.add_argument("--prometheus-url",
+                        help="with --target xds: gates on PromQL from this Prometheus server (http://HOST:PORT)")
+    parser.add_argument("--layered-selector",
+                        help='with --prometheus-url: label matchers picking the layered series (default layout="layered")')
+    parser.add_argument("--spine-selector",
+                        help='with --prometheus-url: label matchers picking the spine series (default layout!="layered")')
+    parser.add_argument("--layered-metrics", action="append", default=[],
+                        help="with --target xds, without Prometheus: a layered /metrics URL to scrape (repeat for "
+                             "every endpoint of the side)")
+    parser.add_argument("--spine-metrics", action="append", default=[],
+                        help="with --target xds, without Prometheus: a spine /metrics URL to scrape (repeatable)")
+    parser.add_argument("--scrape-interval-s", type=float, default=0.5,
+                        help="with --layered-metrics/--spine-metrics: seconds between scrapes")
     parser.add_argument("--recording-file", help="with --target recording: append every apply to this JSON-lines file")
     parser.add_argument("--tick-s", type=float, default=0.1, help="seconds between reconcile ticks")
     return parser.parse_args(argv)

@@ -62,7 +62,8 @@ def test_container_command_parses_with_the_real_cli(where: str, container: dict[
     elif command[:3] == ["python", "-m", "migration.runner"]:
         args = runner_args(command[3:])
         if args.target == "xds":
-            assert args.xds_listen and args.layered and args.spine and args.layered_metrics and args.spine_metrics
+            assert args.xds_listen and args.layered and args.spine
+            assert args.prometheus_url or (args.layered_metrics and args.spine_metrics), f"{where}: no metrics source"
         if not args.listen.startswith(("127.", "unix:", "localhost")):
             assert args.allow_external, f"{where}: a pod address needs --allow-external"
     elif command[0] == "spine":

@@ -75,10 +75,10 @@ def test_render_is_prometheus_client_text_and_its_parser_reads_back_what_was_rec
     assert summary["spine_request_duration_seconds_count"] == 4
     assert summary["spine_request_duration_seconds_sum"] == pytest.approx(12.0082)
     # The migration gates read the same text.
-    from migration.prometheus_window import parse_totals
+    from migration.metrics.scrape import count, parse_series
 
-    totals = parse_totals(text)
-    assert totals.requests == 4 and totals.buckets[float("inf")] == 4
+    totals = count(parse_series(text))
+    assert totals.requests == 4 and totals.ok_buckets[float("inf")] == 4
 
 
 def test_http_endpoint_serves_openmetrics_when_asked(metrics: MetricsService) -> None:
@@ -97,9 +97,9 @@ def test_http_endpoint_serves_openmetrics_when_asked(metrics: MetricsService) ->
     assert buckets["0.0025"] == 0 and buckets["0.005"] == 1 and buckets["0.05"] == 2 and buckets["+Inf"] == 2
     assert {s.name: s.value for s in histogram.samples if s.labels == who}[
         "spine_request_duration_seconds_count"] == 2
-    from migration.prometheus_window import parse_totals
+    from migration.metrics.scrape import count, parse_series
 
-    assert parse_totals(body).requests == 2
+    assert count(parse_series(body)).requests == 2
 
 
 def test_http_endpoint_filters_by_name(metrics: MetricsService) -> None:

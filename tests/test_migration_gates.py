@@ -40,6 +40,55 @@ def test_too_few_requests_on_either_side_is_inconclusive(layered, spine):
     assert "need 10 on each side" in error_rate_gate(layered, spine, 0.01, min_requests=10).message
 
 
+def test_a_sub_millisecond_ratio_under_the_floor_passes():
+    """The demo's old rollback: 0.25 ms against 0.1 ms is a ratio of 2.5, and 0.15 ms."""
+    layered, spine = WindowStats(500, 0, 0.1), WindowStats(500, 0, 0.25)
+    result = latency_p99_ratio_gate(layered, spine, max_ratio=2.0, min_requests=10)
+    assert result.verdict is Verdict.PASS and result.value == pytest.approx(2.5)
+    assert "> max_ratio 2" in result.message and "<= min_delta_ms 5" in result.message
+
+
+def test_a_real_regression_fails_above_both_the_ratio_and_the_floor():
+    layered = WindowStats(500, 0, 4.0)
+    assert latency_p99_ratio_gate(layered, WindowStats(500, 0, 12.0), 2.0, 10).verdict is Verdict.FAIL
+    assert latency_p99_ratio_gate(layered, WindowStats(500, 0, 8.9), 2.0, 10).verdict is Verdict.PASS  # 4.9 ms apart
+    # The floor is the plan's to set: 1 ms apart fails a gate whose floor is 0.5 ms.
+    tight = latency_p99_ratio_gate(WindowStats(500, 0, 0.1), WindowStats(500, 0, 1.1), 2.0, 10, min_delta_ms=0.5)
+    assert tight.verdict is Verdict.FAIL and "> min_delta_ms 0.5" in tight.message
+
+
+def test_latency_is_judged_on_enough_successful_requests_on_each_side():
+    """1000 requests, 995 of them refused in microseconds: 5 answers are no p99."""
+    mostly_refused = WindowStats(1000, 0, 50.0, ok_requests=5)
+    result = latency_p99_ratio_gate(LAYERED, mostly_refused, 1.2, min_requests=10)
+    assert result.verdict is Verdict.INCONCLUSIVE and "too few successful requests" in result.message
+    assert error_rate_gate(LAYERED, mostly_refused, 0.01, min_requests=10).verdict is Verdict.PASS
+
+
+def test_no_data_is_never_a_pass_even_without_a_minimum():
+    nothing = WindowStats(0, 0, None, 0)
+    for gate in (error_rate_gate(LAYERED, nothing, 0.5, min_requests=0),
+                 latency_p99_ratio_gate(LAYERED, nothing, 100.0, min_requests=0),
+                 parity_gate(nothing, 0, 0, min_requests=0)):
+        assert gate.verdict is Verdict.INCONCLUSIVE, gate
+
+
+def test_a_side_the_source_could_not_read_holds_every_gate():
+    unread = WindowStats(1000, 0, 10.0, missing="cannot query Prometheus at http://prometheus:9090: timed out")
+    results = evaluate([GateSpec("error_rate", 0.5), GateSpec("latency_p99_ratio", 100.0), GateSpec("parity", 0)],
+                       LAYERED, unread, 0, 10)
+    assert [r.verdict for r in results] == [Verdict.INCONCLUSIVE] * 3
+    assert all("cannot query Prometheus" in r.message for r in results)
+    assert parity_gate(unread, 3, 0, 10).verdict is Verdict.FAIL  # mismatches over the limit still fail
+
+
+def test_a_gate_may_ask_for_more_requests_than_the_plan():
+    spine = WindowStats(50, 0, 100.0)
+    default, strict = evaluate([GateSpec("latency_p99_ratio", 1.2), GateSpec("latency_p99_ratio", 1.2, min_requests=100)],
+                               LAYERED, spine, 0, min_requests=10)
+    assert default.verdict is Verdict.PASS and strict.verdict is Verdict.INCONCLUSIVE
+
+
 def test_latency_without_a_layered_baseline_is_inconclusive():
     result = latency_p99_ratio_gate(WindowStats(100, 0, 0.0), WindowStats(100, 0, 5.0), 1.2, 10)
     assert result.verdict is Verdict.INCONCLUSIVE and result.value is None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from migration.plan import MIDDLEWARES, PlanError, load_plan
+from migration.plan import DEFAULT_MIN_DELTA_MS, MIDDLEWARES, PlanError, load_plan
 
 PLANS = Path(__file__).resolve().parent.parent / "deploy" / "plans"
 
@@ -52,6 +52,15 @@ def test_a_valid_plan_loads_with_defaults_and_inherited_placements():
     assert plan.source == VALID
 
 
+def test_a_latency_gate_has_a_floor_and_may_ask_for_more_requests_than_the_plan():
+    default = load_plan(VALID).stages[0].gates[1]
+    assert (default.min_delta_ms, default.min_requests) == (DEFAULT_MIN_DELTA_MS, None) == (5.0, None)
+    text = VALID.replace("max_ratio: 1.2", "max_ratio: 1.2, min_delta_ms: 20, min_requests: 200")
+    gate = load_plan(text).stages[0].gates[1]
+    assert (gate.min_delta_ms, gate.min_requests) == (20.0, 200)
+    assert gate.describe() == "latency_p99_ratio max_ratio=1.2 min_delta_ms=20 min_requests=200 (dry run)"
+
+
 @pytest.mark.parametrize("name", ["demo.yaml", "production.yaml"])
 def test_the_shipped_plans_are_valid(name):
     plan = load_plan((PLANS / name).read_text())
@@ -80,6 +89,9 @@ def test_an_out_of_range_weight_names_field_line_and_value():
     ("type: parity", "type: vibes", "stages[1].gates[0].type (line 20): unknown gate type 'vibes'"),
     ("max_delta: 0.01", "max_delta: lots", "stages[0].gates[0].max_delta (line 10): must be a number"),
     ("max_mismatches: 0", "max_mismatches: 0, max_delta: 1", "stages[1].gates[0].max_delta (line 20): unknown field"),
+    ("max_delta: 0.01", "max_delta: 0.01, min_delta_ms: 5", "stages[0].gates[0].min_delta_ms (line 10): unknown field"),
+    ("max_ratio: 1.2", "max_ratio: 1.2, min_delta_ms: -1", "stages[0].gates[1].min_delta_ms (line 11): must be at least 0"),
+    ("max_ratio: 1.2", "max_ratio: 1.2, min_requests: 0", "stages[0].gates[1].min_requests (line 11): must be at least 1"),
     ("failure_limit: 3", "failure_limit: 0", "stages[1].failure_limit (line 17): must be at least 1"),
     ("manual_approval: true", "manual_approval: yes please", "stages[1].manual_approval (line 18): must be true"),
     ("window_s: 2", "window_s: 0", "window_s (line 2): must be greater than 0"),

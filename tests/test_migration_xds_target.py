@@ -1,8 +1,9 @@
-"""The standalone controller (`--target xds`): weights over ADS, gates on Prometheus metrics.
+"""The standalone controller (`--target xds`): weights over ADS, gates on each side's metrics.
 
 Two real spine stacks stand in for the two sides; this test sends their traffic itself (as
-Envoy would, by the weights) and the controller reads each side's /metrics to judge the
-stage — the way it runs in a cluster, where it never sees a request.
+Envoy would, by the weights) and the controller judges the stage on what the sides' own
+metrics say — scraped directly, or queried from a real Prometheus server scraping them —
+the way it runs in a cluster, where it never sees a request.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from migration.prometheus_window import p99_ms, parse_totals
-from monolith.device import DeviceContext
-from services.metrics import MetricsConfig, MetricsService
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.config import placements_for
 from spine.runtime.server import wait_serving
 from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2, metrics_pb2, migration_pb2, migration_pb2_grpc
+from spine.v1 import generation_pb2, migration_pb2, migration_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
+from tests.prometheus_server import run_prometheus
 
 TOKEN = "test-admin-token-0123456789"
 PLAN = """
@@ -43,19 +42,8 @@ stages:
     spine_weight: 100
     hold_s: 0.5
 """
-
-
-def test_totals_and_p99_come_from_the_metrics_text() -> None:
-    service = MetricsService(MetricsConfig.from_dict({}), DeviceContext())
-    for latency, status in [(0.001, "OK")] * 98 + [(0.2, "UNAVAILABLE"), (0.0004, "INVALID_ARGUMENT")]:
-        service.Record(metrics_pb2.RequestRecord(layout="layered", model="m", tenant="t", status=status,
-                                                 latency_s=latency), None)
-    service.Record(metrics_pb2.RequestRecord(layout="layered", model="m", tenant="t", status="UNAVAILABLE",
-                                             latency_s=5.0, shadow=True), None)
-    totals = parse_totals(service.render())
-    assert totals.requests == 100  # the shadow request is left out
-    assert totals.errors == 1      # INVALID_ARGUMENT is the client's doing, not the layout's
-    assert 1.0 <= p99_ms(totals.buckets) <= 5.0
+# PromQL's increase() needs two scrapes of a series inside a window: 2 s windows over 0.5 s scrapes.
+PROMQL_PLAN = PLAN.replace("window_s: 0.5", "window_s: 2").replace("hold_s: 1", "hold_s: 2")
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +62,31 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]
 
 
 def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, Stack], tmp_path: Path) -> None:
+    metrics = ["--layered-metrics", f"http://{sides['layered'].metrics_address()}/metrics",
+               "--spine-metrics", f"http://{sides['spine'].metrics_address()}/metrics"]
+    walk_plan(sides, tmp_path, metrics, PLAN)
+
+
+def test_the_controller_walks_a_plan_on_promql_from_a_real_prometheus(sides: dict[str, Stack], tmp_path: Path) -> None:
+    """Both stacks run the collapsed layout, so their series carry the same `layout` label:
+    the sides are told apart by the job Prometheus scrapes them under."""
+    jobs = {side: [stack.metrics_address()] for side, stack in sides.items()}
+    with run_prometheus(tmp_path / "prometheus", jobs) as prometheus:
+        metrics = ["--prometheus-url", prometheus.url,
+                   "--layered-selector", 'job="layered"', "--spine-selector", 'job="spine"']
+        walk_plan(sides, tmp_path, metrics, PROMQL_PLAN)
+
+
+def walk_plan(sides: dict[str, Stack], tmp_path: Path, metrics: list[str], plan: str) -> None:
+    """Run the controller on `metrics`, send both sides traffic, expect `plan` promoted on
+    an error-rate gate that passed at least once."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     listen = f"unix:{tmp_path / 'controller.sock'}"
     argv = [sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "rollout.db"), "--listen", listen,
             "--admin-token-file", str(token_file), "--target", "xds", "--xds-listen", "127.0.0.1:0",
-            "--layered", sides["layered"].address, "--spine", sides["spine"].address,
-            "--layered-metrics", f"http://{sides['layered'].metrics_address()}/metrics",
-            "--spine-metrics", f"http://{sides['spine'].metrics_address()}/metrics"]
+            "--layered", sides["layered"].address, "--spine", sides["spine"].address, *metrics]
     controller = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stop = threading.Event()
 
@@ -103,7 +107,7 @@ def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, Stac
         with grpc.insecure_channel(listen) as channel:
             stub = migration_pb2_grpc.MigrationControlStub(channel)
             md = [("authorization", f"Bearer {TOKEN}")]
-            stub.Start(migration_pb2.StartRequest(plan_yaml=PLAN, actor="test"), metadata=md, timeout=10)
+            stub.Start(migration_pb2.StartRequest(plan_yaml=plan, actor="test"), metadata=md, timeout=10)
             deadline = time.monotonic() + 40
             status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
             gates_seen = []
@@ -114,7 +118,7 @@ def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, Stac
         assert status.state == "promoted", status
         assert status.spine_weight == 100 and status.applied
         passed = [g for g in gates_seen if g.gate == "error_rate" and g.verdict == "pass"]
-        assert passed, "the error-rate gate never judged a window of scraped metrics"
+        assert passed, f"the error-rate gate never passed a window: {[g.message for g in gates_seen]}"
     finally:
         stop.set()
         if sender.is_alive():

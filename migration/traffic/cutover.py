@@ -73,8 +73,8 @@ class FrontTarget:
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
         window = self.front.window(since)
         layered, spine = window["layered"], window["spine"]
-        return (WindowStats(layered.requests, layered.errors, layered.p99_ms),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms),
+        return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests),
+                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests),
                 self.front.parity_mismatches(since))  # shadow mismatches not explained by noise
 
     def data_planes(self) -> list[dict[str, Any]]:

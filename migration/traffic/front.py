@@ -45,13 +45,15 @@ class Outcome:
     side: str
     failed: bool
     latency_ms: float
+    ok: bool = False  # answered OK: only these are timed for the latency gate
 
 
 @dataclass(frozen=True)
 class SideWindow:
     requests: int
     errors: int
-    p99_ms: float
+    p99_ms: float  # over the requests answered OK (like for like), 0 when none
+    ok_requests: int
 
 
 class Front(gateway_pb2_grpc.GatewayServicer):
@@ -186,20 +188,21 @@ class Front(gateway_pb2_grpc.GatewayServicer):
 
     # -- what the gates read -----------------------------------------------------------
     def _record(self, side: str, started: float, code: grpc.StatusCode) -> None:
-        outcome = Outcome(time.time(), side, code in LAYOUT_ERRORS, (time.perf_counter() - started) * 1000.0)
+        outcome = Outcome(time.time(), side, code in LAYOUT_ERRORS, (time.perf_counter() - started) * 1000.0,
+                          code == grpc.StatusCode.OK)
         with self._lock:
             self.outcomes.append(outcome)
 
     def window(self, since: float) -> dict[str, SideWindow]:
-        """Requests, layout errors and p99 latency per side for requests ended since `since`."""
+        """Requests, layout errors and the OK requests' p99 latency per side, for requests ended since `since`."""
         with self._lock:
             recent = [o for o in self.outcomes if o.ended_at >= since]
         result = {}
         for side in SIDES:
             mine = [o for o in recent if o.side == side]
-            latencies = [o.latency_ms for o in mine]
+            latencies = [o.latency_ms for o in mine if o.ok]
             result[side] = SideWindow(len(mine), sum(o.failed for o in mine),
-                                      percentile(latencies, 99) if latencies else 0.0)
+                                      percentile(latencies, 99) if latencies else 0.0, len(latencies))
         return result
 
     def close(self) -> None:

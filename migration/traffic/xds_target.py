@@ -1,21 +1,21 @@
 """The controller's target when real data planes carry the traffic (Envoy, proxyless gRPC).
 
 Weights go out over xDS; a stage counts as applied once every connected data plane has
-ACKed its version; the gates read each side's own Prometheus metrics. Each gateway's health
-(`EndpointHealth`) marks its endpoint UNHEALTHY while it is not SERVING, so data planes
-stop picking it. Placements are the
-spine's own configuration in this mode (a spine Deployment runs with its middlewares
-collapsed); the controller records them with each stage but has no process to move them
-in — the built-in front (`migration.traffic.cutover`) is the mode that moves placements live.
+ACKed its version; the gates read each side's own metrics through a `MetricsSource` — a
+Prometheus server's PromQL in production, a direct scrape of every endpoint of each side
+locally. Each gateway's health (`EndpointHealth`) marks its endpoint UNHEALTHY while it is
+not SERVING, so data planes stop picking it. Placements are the spine's own configuration
+in this mode (a spine Deployment runs with its middlewares collapsed); the controller
+records them with each stage but has no process to move them in — the built-in front
+(`migration.traffic.cutover`) is the mode that moves placements live.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 from migration.gates import WindowStats
-from migration.prometheus_window import PrometheusWindow
+from migration.metrics.source import MetricsSource
 from migration.traffic.endpoint_health import EndpointHealth
 from migration.xds import XdsControlPlane
 
@@ -24,16 +24,11 @@ STABLE_VERSION = "stable"
 
 
 class XdsTarget:
-    def __init__(self, plane: XdsControlPlane, layered: PrometheusWindow, spine: PrometheusWindow,
-                 scrape_interval_s: float = 0.5, endpoint_health: EndpointHealth | None = None) -> None:
+    def __init__(self, plane: XdsControlPlane, metrics: MetricsSource,
+                 endpoint_health: EndpointHealth | None = None) -> None:
         self.plane = plane
+        self.metrics = metrics
         self.endpoint_health = endpoint_health
-        self.layered = layered
-        self.spine = spine
-        self._stop = threading.Event()
-        self._scraper = threading.Thread(target=self._scrape_loop, args=(scrape_interval_s,),
-                                         name="prometheus-scrape", daemon=True)
-        self._scraper.start()
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
         self.plane.set_spine_percent(spine_weight, version)
@@ -49,7 +44,7 @@ class XdsTarget:
             log.info("published %s: 100%% layered (no rollout has started)", STABLE_VERSION)
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
-        return self.layered.window(since), self.spine.window(since), 0
+        return self.metrics.window("layered", since), self.metrics.window("spine", since), 0
 
     def applied(self, version: str) -> bool:
         return self.plane.stage_acked(version)
@@ -57,17 +52,8 @@ class XdsTarget:
     def data_planes(self) -> list[dict[str, object]]:
         return self.plane.status()
 
-    def _scrape_loop(self, interval_s: float) -> None:
-        """Keep snapshots coming, so every window has a baseline near its start."""
-        while not self._stop.wait(interval_s):
-            for side in (self.layered, self.spine):
-                try:
-                    side.scrape()
-                except OSError as error:
-                    log.warning("cannot scrape %s: %s", side.url, error)
-
     def close(self) -> None:
-        self._stop.set()
+        self.metrics.close()
         if self.endpoint_health is not None:
             self.endpoint_health.stop()
         self.plane.stop()

@@ -1,0 +1,1 @@
+"""Where the gates' window stats come from: a Prometheus server (PromQL) or a direct scrape."""

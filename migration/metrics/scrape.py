@@ -1,0 +1,207 @@
+"""The local demo's metrics source: scrape every endpoint of each side, sum, diff.
+
+Without a Prometheus server the controller does what one would, on a smaller scale: it
+scrapes every `/metrics` endpoint of a side (each process or pod that serves part of it),
+parses the exposition with prometheus_client's parser, and keeps, per side, running totals
+of what every endpoint counted since the source first saw it. A window is the newest
+totals minus the last totals kept at or before the window's start.
+
+Counters are per process. An endpoint whose counters went down (or whose series vanished)
+was restarted: everything it exposes now is counted from zero, as Prometheus' `increase()`
+does. An endpoint's first scrape is only a baseline (its counts happened at unknown times);
+a series that appears later on a known endpoint counts from zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from migration.gates import WindowStats
+from migration.metrics.source import (
+    DURATION_BUCKETS,
+    LAYOUT_ERRORS,
+    OK,
+    REQUESTS,
+    SIDES,
+    check_side,
+    histogram_quantile,
+)
+
+log = logging.getLogger("spine.migration.scrape")
+
+SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Request counts and the OK requests' cumulative latency buckets (le seconds -> count)."""
+
+    requests: float = 0.0
+    errors: float = 0.0
+    ok: float = 0.0
+    ok_buckets: Mapping[float, float] = field(default_factory=dict)
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(self.requests + other.requests, self.errors + other.errors, self.ok + other.ok,
+                      _combine(self.ok_buckets, other.ok_buckets, 1.0))
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(self.requests - other.requests, self.errors - other.errors, self.ok - other.ok,
+                      _combine(self.ok_buckets, other.ok_buckets, -1.0))
+
+    def stats(self) -> WindowStats:
+        p99_s = histogram_quantile(0.99, self.ok_buckets) if self.ok else None
+        return WindowStats(round(self.requests), round(self.errors), None if p99_s is None else p99_s * 1000.0,
+                           round(self.ok))
+
+
+def _combine(a: Mapping[float, float], b: Mapping[float, float], sign: float) -> dict[float, float]:
+    return {le: a.get(le, 0.0) + sign * b.get(le, 0.0) for le in a.keys() | b.keys()}
+
+
+def parse_series(text: str) -> dict[SeriesKey, float]:
+    """The samples the gates read, by series: request counters and the latency buckets."""
+    series = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (REQUESTS, DURATION_BUCKETS):
+                series[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return series
+
+
+def count(series: Mapping[SeriesKey, float]) -> Counts:
+    """Sum series into Counts: shadow requests left out, latency of OK requests only."""
+    requests = errors = ok = 0.0
+    buckets: dict[float, float] = {}
+    for (name, pairs), value in series.items():
+        labels = dict(pairs)
+        if name == REQUESTS:
+            if labels.get("shadow") == "true":
+                continue
+            requests += value
+            status = labels.get("status", "")
+            errors += value if status in LAYOUT_ERRORS else 0.0
+            ok += value if status == OK else 0.0
+        elif name == DURATION_BUCKETS and labels.get("status") == OK and "le" in labels:
+            le = float(labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + value
+    return Counts(requests, errors, ok, buckets)
+
+
+def increments(previous: Mapping[SeriesKey, float] | None,
+               current: Mapping[SeriesKey, float]) -> dict[SeriesKey, float]:
+    """What an endpoint counted between two scrapes (None before: a baseline, nothing counted).
+
+    A series that went down or vanished means the process restarted: every series then
+    counts from zero, so the increment is its whole current value."""
+    if previous is None:
+        return {}
+    restarted = any(key not in current or current[key] < value for key, value in previous.items())
+    if restarted:
+        return dict(current)
+    return {key: value - previous.get(key, 0.0) for key, value in current.items()}
+
+
+class _Side:
+    def __init__(self, urls: Sequence[str], keep: int) -> None:
+        self.urls = list(urls)
+        self.last: dict[str, dict[SeriesKey, float] | None] = dict.fromkeys(self.urls)
+        self.total = Counts()
+        self.snapshots: deque[tuple[float, Counts]] = deque(maxlen=keep)
+        self.lock = threading.Lock()  # one scrape of a side at a time: snapshots stay in order
+
+
+class ScrapeSource:
+    """Scrapes every endpoint of both sides, every `interval_s` in the background.
+
+    `interval_s=None`: no background thread; `scrape(side)` (and every `window`) scrapes."""
+
+    def __init__(self, endpoints: Mapping[str, Sequence[str]], interval_s: float | None = 0.5,
+                 timeout_s: float = 2.0, keep: int = 4096) -> None:
+        for side in SIDES:
+            if not endpoints.get(side):
+                raise ValueError(f"ScrapeSource: no /metrics URL for the {side} side")
+            for url in endpoints[side]:
+                if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+                    raise ValueError(f"{side} metrics URL {url!r}: expected http://HOST:PORT/metrics")
+        self.timeout_s = timeout_s
+        self._sides = {side: _Side(endpoints[side], keep) for side in SIDES}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for side in SIDES:
+            failures = self.scrape(side)  # the baseline
+            if failures:
+                log.warning("cannot scrape %s yet: %s", side, "; ".join(failures))
+        if interval_s is not None:
+            self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="metrics-scrape",
+                                            daemon=True)
+            self._thread.start()
+
+    def endpoints(self, side: str) -> list[str]:
+        check_side(side)
+        return list(self._sides[side].urls)
+
+    def scrape(self, side: str) -> list[str]:
+        """Scrape every endpoint of `side` once and keep the new totals; the failures, one line each."""
+        check_side(side)
+        state = self._sides[side]
+        failures = []
+        with state.lock:
+            added = Counts()
+            reached = 0
+            for url in state.urls:
+                try:
+                    with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:  # noqa: S310 - operator's URL
+                        current = parse_series(reply.read().decode())
+                except (OSError, ValueError) as error:  # unreachable, HTTP error, unparsable text
+                    failures.append(f"{url}: {error}")
+                    continue
+                reached += 1
+                added = added + count(increments(state.last[url], current))
+                state.last[url] = current
+            if reached:
+                state.total = state.total + added
+                state.snapshots.append((time.time(), state.total))
+        return failures
+
+    def window(self, side: str, since: float) -> WindowStats:
+        """Requests, layout errors and the OK requests' p99 since `since` (a fresh scrape ends it)."""
+        failures = self.scrape(side)
+        state = self._sides[side]
+        if len(failures) == len(state.urls):
+            return WindowStats(0, 0, None, 0, missing=f"no {side} endpoint answered: {'; '.join(failures)}")
+        if failures:
+            log.warning("window of %s without %d of %d endpoints: %s", side, len(failures), len(state.urls),
+                        "; ".join(failures))
+        with state.lock:
+            latest = state.snapshots[-1][1]
+            # The last totals kept at or before the window's start; failing that the oldest
+            # (a shorter window, never one that reaches back before the source started).
+            base = state.snapshots[0][1]
+            for ts, totals in state.snapshots:
+                if ts > since:
+                    break
+                base = totals
+        return (latest - base).stats()
+
+    def _loop(self, interval_s: float) -> None:
+        """Keep totals coming, so every window has a baseline near its start."""
+        while not self._stop.wait(interval_s):
+            for side in SIDES:
+                failures = self.scrape(side)
+                if failures:
+                    log.warning("cannot scrape %s: %s", side, "; ".join(failures))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

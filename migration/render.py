@@ -71,8 +71,10 @@ def status_renderable(status: pb.RolloutStatus) -> Group:
             value = f"{gate.value:.4g}" if gate.HasField("value") else "-"
             gates.add_row(gate.gate, verdict, value, f"{gate.threshold:g}", gate.message)
         parts.append(gates)
-    if status.data_planes:
-        planes = Table(title="xDS data planes", title_justify="left")
+    if status.data_planes or status.min_data_planes:
+        acked = len({p.node_id for p in status.data_planes if p.acked_version == status.version})
+        planes = Table(title=f"xDS data planes: {acked} ACKed {status.version or '-'}; a stage is applied "
+                             f"once at least {status.min_data_planes} have", title_justify="left")
         for column in ("node", "type", "acked", "sent", "NACK"):
             planes.add_column(column)
         for plane in status.data_planes:

@@ -67,7 +67,9 @@ def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
     log.info("xDS (ADS) serving on %s", plane.address)
     # A gateway that is not SERVING is sent UNHEALTHY, so data planes stop picking it.
     health = EndpointHealth({"layered": args.layered, "spine": args.spine}, xds=plane).start()
-    return XdsTarget(plane, metrics, endpoint_health=health)
+    if args.min_data_planes < 0:
+        raise ConfigError(f"--min-data-planes: must be >= 0, got {args.min_data_planes}")
+    return XdsTarget(plane, metrics, endpoint_health=health, min_data_planes=args.min_data_planes)
 
 
 def build_metrics_source(args: argparse.Namespace) -> MetricsSource:
@@ -106,9 +108,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--db", required=True, help="sqlite file holding the rollout state")
     parser.add_argument("--listen", required=True, help="unix:PATH or a loopback HOST:PORT")
     parser.add_argument("--admin-token-file", help=f"file holding the admin token (else ${'SPINE_ADMIN_TOKEN'})")
-    parser.add_argument("--target", choices=["recording", "xds"], default="recording",
-                        help="the data path to drive (recording: a test double with healthy stats; "
-                             "xds: Envoy/proxyless data planes over ADS, gates on each side's metrics)")
+    parser.add_argument("--target", choices=["recording", "xds"], required=True,
+                        help="the data path to drive (xds: Envoy/proxyless data planes over ADS, gates on each "
+                             "side's metrics; recording: a test double with healthy stats, for trials only)")
+    parser.add_argument("--min-data-planes", type=int, default=1,
+                        help="with --target xds: a stage counts as applied only once at least this many data "
+                             "planes have ACKed it (default 1: an ACK means someone listened)")
     parser.add_argument("--allow-external", action="store_true",
                         help="allow non-loopback listen addresses (in a cluster; the admin token guards the API)")
     parser.add_argument("--xds-listen", help="with --target xds: where ADS listens, HOST:PORT")

@@ -160,6 +160,7 @@ def status_message(view: StatusView) -> pb.RolloutStatus:
                                   sent_version=row["sent_version"] or "", nacked_version=row["nacked_version"] or "",
                                   nack_error=row["nack_error"] or "", last_seen=row["last_seen"] or 0.0)
                      for row in view.data_planes],
+        min_data_planes=view.min_data_planes,
     )
     if stage is not None and stage.hold_s is not None:
         message.hold_s = stage.hold_s

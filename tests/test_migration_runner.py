@@ -123,6 +123,12 @@ def test_sigterm_stops_the_controller_cleanly(runner):
 def test_the_runner_refuses_to_start_without_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "SPINE_ADMIN_TOKEN"}
     done = subprocess.run([sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "m.db"),
-                           "--listen", "unix:/tmp/never-bound.sock"], cwd=ROOT, env=env,
+                           "--listen", "unix:/tmp/never-bound.sock", "--target", "recording"], cwd=ROOT, env=env,
                           capture_output=True, timeout=60)
     assert done.returncode == 2 and b"no admin token" in done.stderr
+
+
+def test_the_runner_without_a_target_exits_2_naming_the_choices(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "m.db"),
+                           "--listen", "unix:/tmp/never-bound.sock"], cwd=ROOT, capture_output=True, timeout=60)
+    assert done.returncode == 2 and b"--target" in done.stderr and b"recording" in done.stderr

@@ -8,24 +8,27 @@ the way it runs in a cluster, where it never sees a request.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from spine.client.gateway_client import GatewayClient
 from spine.runtime.config import placements_for
 from spine.runtime.server import wait_serving
 from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2, migration_pb2, migration_pb2_grpc
+from spine.v1 import migration_pb2, migration_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.prometheus_server import run_prometheus
 
+ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-admin-token-0123456789"
 PLAN = """
 name: xds-quick
@@ -77,38 +80,85 @@ def test_the_controller_walks_a_plan_on_promql_from_a_real_prometheus(sides: dic
         walk_plan(sides, tmp_path, metrics, PROMQL_PLAN)
 
 
+# The data plane: a stock gRPC client on `xds:///spine-gateway`, nothing but grpcio and the
+# bootstrap from the environment, sending Generate calls until told to stop.
+DATA_PLANE = r"""
+import json, sys, threading, grpc
+from spine.v1 import gateway_pb2_grpc, generation_pb2
+channel = grpc.insecure_channel("xds:///spine-gateway")
+stub = gateway_pb2_grpc.GatewayStub(channel)
+counts, stop = {}, threading.Event()
+def loop():
+    i = 0
+    while not stop.is_set():
+        try:
+            stub.Generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"xds {i}", max_tokens=2),
+                          metadata=[("authorization", "Bearer %s")], timeout=5)
+            code = "OK"
+        except grpc.RpcError as error:
+            code = error.code().name
+        counts[code] = counts.get(code, 0) + 1
+        i += 1
+thread = threading.Thread(target=loop)
+thread.start()
+for line in sys.stdin:
+    if line.strip() == "counts":
+        print(json.dumps(counts), flush=True)
+    else:
+        break
+stop.set()
+thread.join()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def served_requests(stack: Stack) -> float:
+    stack.drain()
+    text = stack.local_servicers["metrics"].render()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "spine_requests_total")
+
+
 def walk_plan(sides: dict[str, Stack], tmp_path: Path, metrics: list[str], plan: str) -> None:
-    """Run the controller on `metrics`, send both sides traffic, expect `plan` promoted on
-    an error-rate gate that passed at least once."""
+    """Run the controller on `metrics` with a proxyless gRPC client as the data plane: the
+    client reaches the layered side before any plan (the stable state), the controller counts
+    a stage applied only once that client ACKed it, and `plan` is promoted on an error-rate
+    gate that passed at least once."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     listen = f"unix:{tmp_path / 'controller.sock'}"
+    ads = f"127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "rollout.db"), "--listen", listen,
-            "--admin-token-file", str(token_file), "--target", "xds", "--xds-listen", "127.0.0.1:0",
+            "--admin-token-file", str(token_file), "--target", "xds", "--xds-listen", ads,
             "--layered", sides["layered"].address, "--spine", sides["spine"].address, *metrics]
     controller = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stop = threading.Event()
-
-    def traffic() -> None:  # what the data planes would send, to both sides
-        clients = {side: GatewayClient(stack.address, DEV_KEY) for side, stack in sides.items()}
-        i = 0
-        while not stop.is_set():
-            for client in clients.values():
-                client.generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"xds {i}", max_tokens=2))
-            i += 1
-        for client in clients.values():
-            client.close()
-
-    sender = threading.Thread(target=traffic)
+    bootstrap = {"xds_servers": [{"server_uri": ads, "channel_creds": [{"type": "insecure"}],
+                                  "server_features": ["xds_v3"]}],
+                 "node": {"id": "proxyless-data-plane", "cluster": "spine-test"}}
+    env = dict(os.environ, GRPC_XDS_BOOTSTRAP_CONFIG=json.dumps(bootstrap))
+    client: subprocess.Popen[str] | None = None
     try:
         assert wait_serving(listen, timeout=30), controller.stderr.read() if controller.poll() is not None else ""
-        sender.start()
+        layered_before = served_requests(sides["layered"])
+        client = subprocess.Popen([sys.executable, "-c", DATA_PLANE % DEV_KEY], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         with grpc.insecure_channel(listen) as channel:
             stub = migration_pb2_grpc.MigrationControlStub(channel)
             md = [("authorization", f"Bearer {TOKEN}")]
+            status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
+            assert status.state == "pending" and status.min_data_planes == 1
+            deadline = time.monotonic() + 30
+            while served_requests(sides["layered"]) < layered_before + 5:  # the stable state is served
+                assert time.monotonic() < deadline, "the data plane never reached the layered side before a plan"
+                time.sleep(0.2)
             stub.Start(migration_pb2.StartRequest(plan_yaml=plan, actor="test"), metadata=md, timeout=10)
-            deadline = time.monotonic() + 40
+            deadline = time.monotonic() + 60
             status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
             gates_seen = []
             while status.state != "promoted" and time.monotonic() < deadline:
@@ -117,12 +167,23 @@ def walk_plan(sides: dict[str, Stack], tmp_path: Path, metrics: list[str], plan:
                 gates_seen.extend(status.last_gates)
         assert status.state == "promoted", status
         assert status.spine_weight == 100 and status.applied
+        assert any(p.node_id == "proxyless-data-plane" and p.acked_version == status.version
+                   for p in status.data_planes), status.data_planes
         passed = [g for g in gates_seen if g.gate == "error_rate" and g.verdict == "pass"]
         assert passed, f"the error-rate gate never passed a window: {[g.message for g in gates_seen]}"
+        assert client.stdin is not None and client.stdout is not None
+        client.stdin.write("counts\n")
+        client.stdin.flush()
+        counts = json.loads(client.stdout.readline())
+        assert counts.get("OK", 0) > 20 and set(counts) == {"OK"}, counts
     finally:
-        stop.set()
-        if sender.is_alive():
-            sender.join(timeout=30)
+        if client is not None:
+            if client.stdin is not None:
+                client.stdin.close()
+            try:
+                client.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                client.kill()
         controller.terminate()
         controller.wait(timeout=15)
     assert controller.returncode == 0

@@ -25,10 +25,13 @@ STABLE_VERSION = "stable"
 
 class XdsTarget:
     def __init__(self, plane: XdsControlPlane, metrics: MetricsSource,
-                 endpoint_health: EndpointHealth | None = None) -> None:
+                 endpoint_health: EndpointHealth | None = None, min_data_planes: int = 1) -> None:
         self.plane = plane
         self.metrics = metrics
         self.endpoint_health = endpoint_health
+        # A stage is applied once every connected data plane ACKed it AND at least this many
+        # did: with nobody connected, "everyone ACKed" is vacuously true and means nothing.
+        self.min_data_planes = min_data_planes
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
         self.plane.set_spine_percent(spine_weight, version)
@@ -47,7 +50,7 @@ class XdsTarget:
         return self.metrics.window("layered", since), self.metrics.window("spine", since), 0
 
     def applied(self, version: str) -> bool:
-        return self.plane.stage_acked(version)
+        return self.plane.stage_acked(version, self.min_data_planes)
 
     def data_planes(self) -> list[dict[str, object]]:
         return self.plane.status()

@@ -33,7 +33,7 @@ from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import layout_name
 from spine.runtime.config_model import check_config
-from spine.runtime.server import RunningServer, start_server
+from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.supervisor import Supervisor
 
 log = logging.getLogger("spine.runtime")
@@ -129,7 +129,7 @@ class Stack:
                                                                self.run_dir)
             self.server = start_server([(GATEWAY, self.gateway)], self.listen,
                                        max_message_bytes=limits.max_message_bytes,
-                                       allow_external=self.allow_external)
+                                       allow_external=self.allow_external, **request_pool(self.config))
             if "inference" in self.local_servicers:
                 # The spine is SERVING only while its model can run a tiny forward on its
                 # device: the supervisor, the front and xDS endpoints all read this.

@@ -149,3 +149,17 @@ def test_a_waiting_request_that_is_cancelled_leaves_the_queue_at_once() -> None:
     finally:
         model.open()
         service.close()
+
+
+def test_a_stream_its_reader_closes_frees_its_slot_without_a_cancel() -> None:
+    service, _ = make_service(kv_cache_max_entries=2, max_batch=2)
+    try:
+        stream = service.GenerateStream(request("closed early", 200), LocalContext())
+        next(stream)
+        assert service.engine.active_count == 1
+        stream.close()  # what the gateway's generator does when its client goes away
+        eventually(lambda: service.engine.free_slots == 2, timeout=2.0, what="the closed stream's slot came back")
+        job = service.scheduler.recent_admissions[-1]
+        assert job.tokens < 200 and job.cancelled
+    finally:
+        service.close()

@@ -34,6 +34,7 @@ def parity_sequence() -> list[tuple[generation_pb2.GenerateRequest, str | None]]
     seq: list[tuple[generation_pb2.GenerateRequest, str | None]] = [
         (gen("parity greedy one"), DEV_KEY),
         (gen("parity greedy one"), DEV_KEY),                 # cache hit
+        (gen("parity greedy one", inference_timeout_ms=120_001), DEV_KEY),  # over the cap, even cached
         (gen("parity sampled", temperature=0.9, seed=11), DEV_KEY),
         (gen("parity sampled", temperature=0.9, seed=11), DEV_KEY),  # seeded: cacheable
         (gen("parity sampled", temperature=0.9, seed=12), DEV_KEY),

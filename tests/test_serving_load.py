@@ -101,7 +101,7 @@ def test_concurrent_full_speed_streams_all_finish(collapsed: tuple[Stack, Any]) 
     def read(index: int) -> None:
         chunks = 0
         try:
-            for chunk in stub.GenerateStream(gen(f"full speed stream {index:04d}", 80), metadata=METADATA,
+            for _chunk in stub.GenerateStream(gen(f"full speed stream {index:04d}", 80), metadata=METADATA,
                                              timeout=120):
                 chunks += 1
             outcome = "OK"

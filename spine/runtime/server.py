@@ -12,7 +12,7 @@ overtakes the throughput class, and not in the thread pool's FIFO in front of it
 it could not; a full queue answers RESOURCE_EXHAUSTED with `retry-after` at once. A
 sync server's thread is a waiting request's whole cost: it blocks on its job's queue
 and wakes only for its own answer, and the pool makes threads only as load needs them
-(measured with `python -m bench.admission`; see that module).
+(measured with `python -m bench.overload priority`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import grpc
 import psutil
 import yaml
 
-from bench.targets import launch
+from bench.targets import Target, launch
 from services.inference_load import LOAD_HEADER, parse_load
 from spine.runtime.config import load_config, merge
 from spine.runtime.process import die_with_parent
@@ -63,10 +63,8 @@ def _request(prompt: str, max_tokens: int, priority: int = 0) -> generation_pb2.
 
 
 @contextmanager
-def served(layout: str, extra: dict[str, Any]) -> Iterator[tuple[Any, Callable[[], float]]]:
-    """A Gateway stub to `layout` running in its own process(es), and a reader of the CPU
-    seconds its processes have used (user + system): the cost of the work, whatever share
-    of the machine the other processes left it."""
+def served(layout: str, extra: dict[str, Any]) -> Iterator[tuple[Any, Target]]:
+    """A Gateway stub to `layout` running in its own process(es), and the target."""
     with tempfile.TemporaryDirectory(prefix="spine-overload-") as tmp:
         config_path = Path(tmp) / "config.yaml"
         config_path.write_text(yaml.safe_dump(load_config(overrides=merge(UNLIMITED, extra))))
@@ -76,7 +74,7 @@ def served(layout: str, extra: dict[str, Any]) -> Iterator[tuple[Any, Callable[[
             with grpc.insecure_channel(address) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
                 stub.Generate(_request("warm up", 4), metadata=METADATA, timeout=60)
-                yield stub, lambda: _cpu_seconds(target.tree())
+                yield stub, target
         finally:
             target.stop()
 
@@ -103,9 +101,11 @@ def burning(count: int) -> Iterator[Callable[[], float]]:
             burner.wait()
 
 
-def _cpu_seconds(processes: list[psutil.Process]) -> float:
+def _cpu_seconds(target: Target) -> float:
+    """CPU seconds (user + system) the target's processes have used: the cost of the work,
+    whatever share of the machine the other processes left it."""
     total = 0.0
-    for process in processes:
+    for process in target.tree():
         try:
             times = process.cpu_times()
         except psutil.Error:
@@ -114,15 +114,29 @@ def _cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
+def _footprint(target: Target) -> dict[str, float]:
+    """Threads and resident memory of the target's processes, now."""
+    threads, rss = 0, 0
+    for process in target.tree():
+        try:
+            threads += process.num_threads()
+            rss += process.memory_info().rss
+        except psutil.Error:
+            continue
+    return {"threads": threads, "rss_mb": round(rss / (1 << 20), 1)}
+
+
 def _error(error: grpc.RpcError) -> tuple[str, str, dict[str, str]]:
     call: Any = error  # a grpc.Call too
     return call.code().name, str(call.details()), {str(k): str(v) for k, v in call.trailing_metadata() or ()}
 
 
-def priority(stub: Any, queued: int, max_tokens: int, flood: int, settle_s: float) -> dict[str, Any]:
+def priority(stub: Any, target: Target, queued: int, max_tokens: int, flood: int,
+             settle_s: float) -> dict[str, Any]:
     background = [stub.Generate.future(_request(f"queued {i:05d} {_long(i)}", max_tokens, -1), metadata=METADATA,
                                        timeout=600) for i in range(queued)]
     time.sleep(settle_s)  # every one of them has reached the server and waits
+    footprint = _footprint(target)
     started = time.perf_counter()
     response, call = stub.Generate.with_call(_request("urgent", 8, 1), metadata=METADATA, timeout=120)
     urgent_ms = (time.perf_counter() - started) * 1000.0
@@ -138,7 +152,7 @@ def priority(stub: Any, queued: int, max_tokens: int, flood: int, settle_s: floa
     for future in background:
         future.cancel()
     return {"queued": queued, "urgent_ms": round(urgent_ms, 1), "urgent_tokens": response.completion_tokens,
-            "load_header_on_urgent": load, "flood": flood, "refused": len(refusals),
+            "load_header_on_urgent": load, "server_while_queued": footprint, "flood": flood, "refused": len(refusals),
             "refusal_codes": dict(collections.Counter(code for code, _, _ in refusals)),
             "refusals_with_retry_after": sum("retry-after" in trailing for _, _, trailing in refusals),
             "refusal_sample": [{"details": d, "retry-after": t.get("retry-after")} for _, d, t in refusals[:1]]}
@@ -219,18 +233,19 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
     args = parser.parse_args()
-    with served(args.layout, {}) as (stub, cpu_seconds), burning(args.burn) as load_average:
-        started, cpu_before = time.perf_counter(), cpu_seconds()
+    with served(args.layout, {}) as (stub, target), burning(args.burn) as load_average:
+        idle = _footprint(target)
+        started, cpu_before = time.perf_counter(), _cpu_seconds(target)
         if args.scenario == "priority":
-            result = priority(stub, args.queued, args.max_tokens or 256, args.flood, args.settle_s)
+            result = priority(stub, target, args.queued, args.max_tokens or 256, args.flood, args.settle_s)
         elif args.scenario == "streams":
             result = streams(stub, args.total or 1000, args.concurrency or 128, args.max_tokens or 128)
         else:
             result = budget(stub, args.total or 400, args.concurrency or 64, args.max_tokens or 256)
-        server_cpu_s = cpu_seconds() - cpu_before
+        server_cpu_s = _cpu_seconds(target) - cpu_before
         result.update(scenario=args.scenario, layout=args.layout, burners=args.burn,
                       peak_load_average=load_average(), elapsed_s=round(time.perf_counter() - started, 1),
-                      server_cpu_s=round(server_cpu_s, 1))
+                      server_cpu_s=round(server_cpu_s, 1), server_idle=idle)
         if result.get("tokens"):
             result["server_cpu_ms_per_token"] = round(1000.0 * server_cpu_s / result["tokens"], 3)
     print(json.dumps(result, indent=1))

@@ -155,7 +155,8 @@ def priority(stub: Any, target: Target, queued: int, max_tokens: int, flood: int
             "load_header_on_urgent": load, "server_while_queued": footprint, "flood": flood, "refused": len(refusals),
             "refusal_codes": dict(collections.Counter(code for code, _, _ in refusals)),
             "refusals_with_retry_after": sum("retry-after" in trailing for _, _, trailing in refusals),
-            "refusal_sample": [{"details": d, "retry-after": t.get("retry-after")} for _, d, t in refusals[:1]]}
+            "refusal_samples": {code: {"details": d, "retry-after": t.get("retry-after")}
+                                for code, d, t in reversed(refusals)}}
 
 
 def _pool(total: int, concurrency: int, one: Callable[[int], tuple[str, int]]) -> dict[str, Any]:

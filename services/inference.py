@@ -7,17 +7,21 @@ their stream too slowly — so concurrent requests share each forward pass, in t
 inference process and in the spine alike.
 
 The serving controls live here, once, for both layouts: priority classes, a compute
-budget per request (default: max_tokens × the ms/token measured at start × a slowdown
-factor + a margin, capped), a KV pool sized from free memory, load hints on every answer
+budget per request (default: max_tokens × the ms/token measured on the engine's real
+steps × a slowdown factor + a margin, capped; see `inference_cost`), a KV pool sized from
+free memory, a bounded queue that refuses with `retry-after`, load hints on every answer
 (`x-spine-load`), a health probe (one tiny forward) and a deterministic mode.
+
+A caller that goes away stops its generation wherever it waits: a context callback
+cancels the job (the gRPC server fires it on cancel and deadline, an in-process
+`LocalContext` on cancel, its parent's cancel included), and a stream that is closed
+early cancels it in its `finally`; the slot is free before the next decode step.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import queue
 import random
 import time
 from collections.abc import Iterator, Mapping
@@ -29,6 +33,7 @@ import torch
 
 from services.common import ConfigError, DeviceState, section
 from services.inference_config import InferenceConfig
+from services.inference_cost import BudgetRule, StepCost
 from services.inference_load import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference_scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
 from services.model.backend import ModelBackend, load_backend, make_engine
@@ -36,12 +41,17 @@ from services.model.engine import GenerationRequest, StepOutput
 from services.model.interface import Segment, torch_device
 from services.model.kv_budget import KVPlan, free_device_bytes, kv_bytes_per_slot, plan_kv_slots, weight_bytes
 from services.pipeline.stage import Phase, Stage
+from services.pipeline.verdicts import inference_timeout_error
 from services.priority import priority_error
 from spine.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
 
 __all__ = ["InferenceConfig", "InferenceService", "InferenceStage"]
 
 log = logging.getLogger("spine.inference")
+
+# How long a waiting consumer sleeps between checks of its context when no callback wakes
+# it (an in-process deadline): cancels and ends wake it at once through the job's queue.
+POLL_S = 1.0
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -62,19 +72,22 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.backend = backend if backend is not None else load_backend(spec, device=device)
         self.kv_plan = self._plan_kv()
         self.engine = make_engine(self.backend, device, self.kv_plan.slots)
-        self.ms_per_token = self._measure_ms_per_token()
-        self.scheduler = Scheduler(self.engine, config.max_queue, aging_ms=config.aging_ms, clock=clock,
+        self.cost = StepCost(self.engine.max_slots, self._warm_up_ms_per_token())
+        self.budget = BudgetRule(config.timeout_slowdown, config.timeout_margin_ms, config.max_timeout_ms)
+        self.scheduler = Scheduler(self.engine, config.max_queue, cost=self.cost, budget=self.budget,
+                                   aging_ms=config.aging_ms, stream_idle_s=config.stream_idle_timeout_s,
+                                   stream_max_bytes=config.stream_buffer_max_bytes, clock=clock,
                                    streams=getattr(device, "stream", None))
         self._gauge = DeviceGauge(device)
         log.info("%s", self.kv_plan.describe())
-        log.info("inference %s on %s: %.3f ms per token measured at start; default compute budget "
-                 "= max_tokens × %.3f ms × %.1f + %.0f ms, at most %d ms", config.model_id,
-                 torch_device(device), self.ms_per_token, self.ms_per_token, config.timeout_slowdown,
+        log.info("inference %s on %s: %.3f ms per token at the warm-up, then measured on every step; "
+                 "default compute budget = max_tokens × measured ms/token × %.1f + %.0f ms, at most %d ms",
+                 config.model_id, torch_device(device), self.ms_per_token, config.timeout_slowdown,
                  config.timeout_margin_ms, config.max_timeout_ms)
 
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        job, prompt_ids = self._start(request, context, buffer=0)
+        job, prompt_ids = self._start(request, context, stream=False)
         tokens: list[int] = []
         finish = ""
         for output in self._outputs(job, context):
@@ -88,18 +101,21 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
-        job, _ = self._start(request, context, buffer=self.config.stream_buffer_chunks)
+        job, _ = self._start(request, context, stream=True)
         tokens: list[int] = []
         sent = ""
-        for index, output in enumerate(self._outputs(job, context)):
-            new = [] if output.finish_reason == "stop" else [output.token_id]
-            tokens.extend(new)
-            text = self.backend.decode(tokens)
-            piece, sent = text[len(sent):], text
-            if output.finished:
-                context.set_trailing_metadata(self._load_metadata())
-            yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
-                                               finish_reason=output.finish_reason or "", model=request.model)
+        try:
+            for index, output in enumerate(self._outputs(job, context)):
+                new = [] if output.finish_reason == "stop" else [output.token_id]
+                tokens.extend(new)
+                text = self.backend.decode(tokens)
+                piece, sent = text[len(sent):], text
+                if output.finished:
+                    context.set_trailing_metadata(self._load_metadata())
+                yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
+                                                   finish_reason=output.finish_reason or "", model=request.model)
+        finally:  # closed early (the reader went away) or failed: the slot is freed before the next step
+            self.scheduler.cancel(job)
 
     def Models(self, request: inference_pb2.ModelInfoRequest, context: Any) -> inference_pb2.ModelInfoResponse:
         context.set_trailing_metadata(self._load_metadata())
@@ -107,11 +123,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             id=self.config.model_id, max_context=self.backend.max_context, device=str(torch_device(self.device)))])
 
     # -- serving controls ------------------------------------------------------------
-    def default_timeout_ms(self, max_tokens: int) -> int:
-        """max_tokens × measured ms/token × slowdown + margin, at most `max_timeout_ms`."""
-        cfg = self.config
-        budget = math.ceil(max_tokens * self.ms_per_token * cfg.timeout_slowdown + cfg.timeout_margin_ms)
-        return min(cfg.max_timeout_ms, budget)
+    @property
+    def ms_per_token(self) -> float:
+        """What a token costs now, at the running batch's size (measured, see `inference_cost`)."""
+        return self.cost.ms_per_token(max(1, self.engine.active_count))
+
+    def default_timeout_ms(self, max_tokens: int, batch: int | None = None) -> int:
+        """max_tokens × measured ms/token (at `batch`, default the running batch) × slowdown
+        + margin, at most `max_timeout_ms`. A running job's default budget is re-derived
+        from the cost on every step and only ever grows (`Scheduler._expire`)."""
+        ms = self.ms_per_token if batch is None else self.cost.ms_per_token(batch)
+        return self.budget.default_ms(max_tokens, ms)
 
     def load_report(self) -> LoadReport:
         mem_free_mb, util = self._gauge.read()
@@ -137,7 +159,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise RuntimeError(f"health forward gave unusable logits (shape {tuple(logits.shape)})")
 
     # -- plumbing ------------------------------------------------------------------
-    def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, buffer: int) -> tuple[Job, list[int]]:
+    def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, stream: bool) -> tuple[Job, list[int]]:
         context.set_trailing_metadata(self._load_metadata())
         if request.model != self.config.model_id:
             self._abort(context, grpc.StatusCode.NOT_FOUND,
@@ -149,7 +171,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         problem = priority_error(request.priority)
         if problem is not None:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-        budget_ms = self._budget_ms(request, context)
+        problem = inference_timeout_error(request.inference_timeout_ms, self.config.max_timeout_ms)
+        if problem is not None:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         prompt_ids = self.backend.encode(request.prompt)
         total = len(prompt_ids) + 1 + request.max_tokens  # + BOS
         if total > self.engine.max_context:
@@ -161,28 +185,24 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too
         job = Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                                     temperature=float(request.temperature), seed=seed),
-                  priority=request.priority, budget_ms=budget_ms, buffer=buffer)
+                  priority=request.priority, budget_ms=float(request.inference_timeout_ms),
+                  default_budget=request.inference_timeout_ms == 0, stream=stream)
         try:
             self.scheduler.submit(job)
         except QueueFull as error:
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
+                        (("retry-after", f"{error.retry_after_s:.3f}"),))
         except ShuttingDown as error:
             self._abort(context, grpc.StatusCode.UNAVAILABLE, str(error))
-        context.add_callback(lambda: self.scheduler.cancel(job))
+        if not context.add_callback(lambda: self.scheduler.cancel(job)):
+            self.scheduler.cancel(job)  # the call had already ended
         return job, prompt_ids
 
-    def _budget_ms(self, request: generation_pb2.GenerateRequest, context: Any) -> float:
-        asked, cap = request.inference_timeout_ms, self.config.max_timeout_ms
-        if asked < 0:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"inference_timeout_ms: must be >= 0 (0 = the server default), got {asked}")
-        if asked > cap:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"inference_timeout_ms: {asked} is above the cap of {cap} ms (inference.max_timeout_ms)")
-        return float(asked or self.default_timeout_ms(request.max_tokens))
-
     def _outputs(self, job: Job, context: Any) -> Iterator[StepOutput]:
-        """Yield the job's step outputs until it finishes; stop it when the caller goes away."""
+        """Yield the job's step outputs until it finishes; stop it when the caller goes away.
+
+        The wait is woken by the job's queue — a token, the end, or the failure a cancel
+        callback causes — so a consumer costs nothing while it waits, however many wait."""
         while True:
             if not context.is_active():
                 self.scheduler.cancel(job)  # frees the batch slot and KV cache before the next step
@@ -190,17 +210,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if remaining is not None and remaining <= 0:
                     self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
                 self._abort(context, grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
-            if job.failure is not None:
-                try:  # what was delivered before the failure still reaches the caller
-                    item = job.out.get_nowait()
-                except queue.Empty:
+            remaining = context.time_remaining()
+            wait = POLL_S if remaining is None else min(POLL_S, max(0.001, remaining))
+            item = self.scheduler.next_output(job, wait)
+            if item is None or item is WAKE:
+                if job.failure is not None and job.out.empty():  # what came before it was delivered
                     self._abort_for(job.failure, context)
-            else:
-                try:
-                    item = job.out.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-            if item is WAKE:
                 continue
             if isinstance(item, list):  # a unary job's whole answer, handed over once
                 yield from item
@@ -216,8 +231,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(failure))
         self._abort(context, grpc.StatusCode.INTERNAL, f"model failed: {failure}")
 
-    def _abort(self, context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
-        context.set_trailing_metadata(self._load_metadata())
+    def _abort(self, context: Any, code: grpc.StatusCode, details: str,
+               trailing: tuple[tuple[str, str], ...] = ()) -> NoReturn:
+        context.set_trailing_metadata(self._load_metadata() + trailing)
         context.abort(code, details)
         raise AssertionError("context.abort returned")  # abort always raises
 
@@ -237,8 +253,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except ValueError as error:
             raise ConfigError(f"inference.kv_cache_max_entries: {error}") from error
 
-    def _measure_ms_per_token(self) -> float:
-        """Decode cost from a tiny warm-up: one run to warm the kernels, one measured."""
+    def _warm_up_ms_per_token(self) -> float:
+        """Decode cost from a tiny warm-up (one run to warm the kernels, one measured): the
+        seed of the measured cost, for the first requests."""
         prompt = self.backend.encode("warm up")[: max(1, self.engine.max_context // 4)]
         tokens = max(1, min(self.config.warmup_tokens, self.engine.max_context - len(prompt) - 1))
         request = GenerationRequest(prompt_ids=prompt, max_tokens=tokens)

@@ -50,7 +50,8 @@ class InferenceConfig(Section):
     timeout_margin_ms: Annotated[Float, Field(ge=0)] = 5_000.0
     timeout_slowdown: Annotated[Float, Field(ge=1)] = 4.0
     warmup_tokens: Count = 8
-    stream_buffer_chunks: Count = 64
+    stream_idle_timeout_s: Annotated[Float, Field(gt=0)] = 10.0
+    stream_buffer_max_bytes: Annotated[StrictInt, Field(ge=1024)] = 1 << 20
     deterministic: StrictBool = False
     health_interval_s: Annotated[Float, Field(ge=0.01)] = 1.0
     health_timeout_s: Annotated[Float, Field(ge=0.01)] = 2.0

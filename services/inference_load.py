@@ -5,12 +5,14 @@ off or fall back before the server has to refuse:
 
     queue=3;running=16;slots=16;kv_free=0;mem_free_mb=5120.0;ms_per_token=0.9[;util=71]
 
-* ``queue``        requests waiting for a KV slot;
+* ``queue``        requests waiting for a KV slot: the whole backlog (the servers give every
+                   request the queue can hold a handler thread, so none wait in front of it);
 * ``running``      sequences in the running batch (batch occupancy = running / slots);
 * ``slots``        KV cache slots in the pool (`kv_cache_max_entries`);
 * ``kv_free``      slots free right now;
 * ``mem_free_mb``  free memory of the device (host memory on the CPU);
-* ``ms_per_token`` the decode cost measured at start;
+* ``ms_per_token`` what a token costs now: the wall time of a decode step at the running
+                   batch's size, measured on every step (`inference_cost`);
 * ``util``         device utilisation in percent (CUDA with NVML only).
 
 Memory and utilisation are read at most every `REFRESH_S`: an answer must not pay for a

@@ -1,14 +1,18 @@
 """The inference scheduler: one thread owns the engine; jobs join and leave between decode steps.
 
-Between two steps the scheduler, in this order: stops cancelled jobs, stops jobs past
-their compute budget, and admits waiting jobs into free KV slots — highest priority class
-first, with aging so the lowest class never starves (see `services.priority`). Then it
-runs one batched step and hands each job its token.
+Between two steps the scheduler, in this order: stops cancelled jobs, stops streams whose
+reader has stopped reading, stops jobs past their compute budget, and admits waiting jobs
+into free KV slots — highest priority class first, with aging so the lowest class never
+starves (see `services.priority`). Then it runs one batched step, measures it (the
+`StepCost` every default budget and load hint is computed from) and hands each job its
+token.
 
-It never blocks on a consumer: a job's output queue is bounded (for streams), and a job
-whose consumer has let it fill is stopped — slot and KV cache freed at once — and told
-why; the other jobs in the batch go on at full speed. Every stop frees the slot before
-the next step, so a cancel, a timeout or a slow consumer costs the batch at most one step.
+It never blocks on a consumer. A stream's reader is judged by time and memory, never by a
+count of chunks a normal reader can reach on a busy host: it is stopped when outputs have
+waited unread for `stream_idle_s`, or when what it leaves unread passes `stream_max_bytes`
+— slot and KV cache freed at once — and told why; the other jobs in the batch go on at full
+speed. Every stop frees the slot before the next step, so a cancel, a timeout or a slow
+reader costs the batch at most one step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import grpc
 
 from services.common import Clock
+from services.inference_cost import BudgetRule, StepCost
 from services.model.engine import (
     GenerationEngine,
     GenerationRequest,
@@ -38,6 +43,11 @@ from services.priority import AgingPriorityQueue
 log = logging.getLogger("spine.inference")
 
 WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
+
+# What one unread step output of a stream holds in memory: the StepOutput, its place in
+# the queue and the int it carries (tracemalloc over 10,000 of them: ~145 bytes each),
+# with room for the chunk the servicer makes of it.
+OUTPUT_BYTES = 256
 
 
 class JobFailure(Exception):
@@ -63,24 +73,30 @@ class ShuttingDown(JobFailure):
 
 
 class QueueFull(OverflowError):
-    """Every KV slot is busy and `max_queue` requests already wait."""
+    """Every KV slot is busy and `max_queue` requests already wait; `retry_after_s` is when
+    the first place in the queue is expected to free up."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False)
 class Job:
     """One request's place in the scheduler; its step outputs arrive on `out`.
 
-    `buffer` bounds the outputs not yet taken by the consumer (0 = unbounded, for unary
-    calls, whose consumer is the servicer itself: it gets all its outputs as one list on
-    `out` when the job finishes); `budget_ms` is the compute budget, counted from
-    admission into a slot (0 = none).
+    A `stream` job gets each output as it comes; a unary one (the servicer itself is its
+    consumer) gets all of them as one list on `out` when it finishes. `budget_ms` is the
+    compute budget, counted from admission into a slot; with `default_budget` the
+    scheduler sets it (and only ever raises it) from the measured step cost.
     """
 
     request: GenerationRequest
     priority: int = 0
     budget_ms: float = 0.0
-    buffer: int = 0
-    out: queue.Queue[Any] = field(init=False)
+    default_budget: bool = False
+    stream: bool = False
+    out: queue.Queue[Any] = field(default_factory=queue.Queue)
     handle: SequenceHandle | None = None
     cancelled: bool = False
     failure: BaseException | None = None
@@ -90,21 +106,25 @@ class Job:
     tokens: int = 0
     done: bool = False  # its last output is on `out`
     held: list[StepOutput] = field(default_factory=list)  # a unary job's outputs until it finishes
-
-    def __post_init__(self) -> None:
-        self.out = queue.Queue(maxsize=self.buffer)
+    last_read: float = 0.0  # when the consumer last took an output (scheduler clock)
+    unread_since: float = 0.0  # when an output last went into an empty `out`
 
 
 class Scheduler:
     """Owns the engine; admits waiting jobs by priority between steps; delivers tokens per job."""
 
-    def __init__(self, engine: GenerationEngine, max_queue: int, *, aging_ms: float = 500.0,
+    def __init__(self, engine: GenerationEngine, max_queue: int, *, cost: StepCost, budget: BudgetRule,
+                 aging_ms: float = 500.0, stream_idle_s: float = 10.0, stream_max_bytes: int = 1 << 20,
                  clock: Clock = time.monotonic, streams: Callable[[int], Any] | None = None) -> None:
         self.engine = engine
         # On CUDA a step runs on the stream of the highest class in the batch (the device
         # context hands out a high-priority stream for the latency class); None on the CPU.
         self._streams = streams
         self.max_queue = max_queue
+        self.cost = cost
+        self.budget = budget
+        self.stream_idle_s = stream_idle_s
+        self.stream_max_bytes = stream_max_bytes
         self.clock = clock
         self._waiting: AgingPriorityQueue[Job] = AgingPriorityQueue(aging_ms)
         self._running: dict[int, Job] = {}  # by handle id
@@ -122,18 +142,29 @@ class Scheduler:
             if self._closed:
                 raise ShuttingDown("inference is shutting down")
             if len(self._waiting) >= self.max_queue:
+                retry = self.retry_after_s()
                 raise QueueFull(
                     f"inference is at capacity: all {self.engine.max_slots} KV cache slots are busy and "
                     f"{len(self._waiting)} requests already wait (inference.max_queue = {self.max_queue}); "
-                    "retry with backoff")
+                    f"retry after {retry:.3f}s", retry)
             job.enqueued_at = self.clock()
             self._waiting.push(job, job.priority, job.enqueued_at)
             self._wake.notify()
 
+    def next_output(self, job: Job, timeout: float) -> Any:
+        """The job's next item (a StepOutput, a unary job's list, or WAKE), or None after
+        `timeout` seconds; taking one counts as reading (see the slow-reader rule)."""
+        try:
+            item = job.out.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        job.last_read = self.clock()
+        return item
+
     def cancel(self, job: Job) -> None:
         """Stop `job`: a waiting one leaves the queue now, a running one before the next step."""
         with self._wake:
-            if job.cancelled:
+            if job.cancelled or job.done or job.failure is not None:
                 return
             job.cancelled = True
             if job.handle is None and self._waiting.remove_if(lambda waiting: waiting is job):
@@ -141,6 +172,14 @@ class Scheduler:
                 return
             self._cancels.append(job)
             self._wake.notify()
+
+    def retry_after_s(self) -> float:
+        """When a queue place should free up: the first running sequence to finish, at the
+        measured cost per token; one step when nothing runs yet."""
+        running = tuple(self._running.values())  # a C-level copy: safe beside the loop thread
+        ms = self.cost.ms_per_token(max(1, len(running)))
+        left = min((job.request.max_tokens - job.tokens for job in running), default=1)
+        return max(0.001, left * ms / 1000.0)
 
     @property
     def queue_depth(self) -> int:
@@ -161,14 +200,17 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            started = time.perf_counter()
             with self._wake:
                 while not self._closed and not self._waiting and not self._running and not self._cancels:
                     self._wake.wait()
+                    started = time.perf_counter()  # time spent idle is no step's cost
                 if self._closed and not self._running and not self._waiting:
                     return
                 cancels, self._cancels = self._cancels, []
             for job in cancels:
                 self._stop(job, JobCancelled("generation cancelled"))
+            self._check_readers()
             self._expire()
             self._admit()
             if not self._running:
@@ -181,43 +223,68 @@ class Scheduler:
                 for job in list(self._running.values()):
                     self._stop(job, error)
                 continue
+            now = self.clock()
             for output in outputs:
                 owner = self._running.get(output.handle.id)
                 if owner is not None:
-                    self._deliver(owner, output)
+                    self._deliver(owner, output, now)
+            self.cost.observe(len(outputs), time.perf_counter() - started)
 
-    def _deliver(self, job: Job, output: StepOutput) -> None:
+    def _deliver(self, job: Job, output: StepOutput, now: float) -> None:
         """Hand `output` to its job without ever waiting for the consumer.
 
-        A unary job (no buffer bound) gets its outputs in one hand-off when it finishes:
-        waking its consumer's thread for every token cost more CPU than the token itself
-        on a busy host, and a unary caller cannot use a token before the last one anyway.
+        A unary job gets its outputs in one hand-off when it finishes: waking its
+        consumer's thread for every token cost more CPU than the token itself on a busy
+        host, and a unary caller cannot use a token before the last one anyway.
         """
         job.tokens += 1
         item: StepOutput | list[StepOutput] = output
-        if not job.buffer:
+        if not job.stream:
             job.held.append(output)
             if not output.finished:
                 return
             item, job.held = job.held, []
-        try:
-            job.out.put_nowait(item)
-        except queue.Full:
-            self._stop(job, ConsumerTooSlow(
-                f"stream consumer too slow: {job.buffer} chunks were waiting unread "
-                f"(inference.stream_buffer_chunks = {job.buffer}); generation stopped after "
-                f"{job.tokens - 1} tokens to free its slot; read faster or use the unary call"))
-            return
+        elif job.out.empty():
+            job.unread_since = now
+        job.out.put_nowait(item)
         if output.finished:
             job.done = True
             del self._running[output.handle.id]
+        elif job.stream and (job.out.qsize() + 1) * OUTPUT_BYTES > self.stream_max_bytes:
+            self._stop(job, self._too_slow(job, f"more than {self.stream_max_bytes} bytes of output were "
+                                                f"waiting unread (inference.stream_buffer_max_bytes)"))
 
-    def _expire(self) -> None:
+    def _check_readers(self) -> None:
+        """Stop every stream whose outputs have waited unread for `stream_idle_s`."""
         now = self.clock()
         for job in list(self._running.values()):
+            if job.stream and not job.out.empty():
+                idle = now - max(job.last_read, job.unread_since)
+                if idle >= self.stream_idle_s:
+                    self._stop(job, self._too_slow(
+                        job, f"nothing was read for {idle:.1f} s while output waited "
+                             f"(inference.stream_idle_timeout_s = {self.stream_idle_s:g})"))
+
+    def _too_slow(self, job: Job, why: str) -> ConsumerTooSlow:
+        return ConsumerTooSlow(
+            f"stream consumer too slow: {why}; generation stopped after {job.tokens} tokens to free "
+            f"its slot ({job.out.qsize()} unread); read faster or use the unary call")
+
+    def _expire(self) -> None:
+        if not self._running:
+            return
+        now = self.clock()
+        # A default budget follows the measured cost up (a busier host, a bigger batch) and
+        # never down, so a job admitted on a quiet host is not cut short when load arrives.
+        default_ms = self.budget.for_cost(self.cost.ms_per_token(len(self._running)))
+        for job in list(self._running.values()):
+            if job.default_budget:
+                job.budget_ms = max(job.budget_ms, default_ms(job.request.max_tokens))
             if job.budget_ms and job.started_at is not None and (now - job.started_at) * 1000.0 >= job.budget_ms:
+                kind = "the default, from the measured cost per token" if job.default_budget else \
+                    "inference_timeout_ms"
                 self._stop(job, ComputeTimeout(
-                    f"compute budget of {job.budget_ms:.0f} ms (inference_timeout_ms) exceeded after "
+                    f"compute budget of {job.budget_ms:.0f} ms ({kind}) exceeded after "
                     f"{job.tokens} of {job.request.max_tokens} tokens; raise inference_timeout_ms "
                     "or lower max_tokens"))
 
@@ -247,7 +314,7 @@ class Scheduler:
                 except ValueError as error:
                     _fail(job, error)
                     continue
-                job.started_at = self.clock()
+                job.started_at = job.last_read = self.clock()
                 job.admitted_seq = self._admissions
                 self._admissions += 1
                 self.recent_admissions.append(job)
@@ -263,7 +330,4 @@ class Scheduler:
 
 def _fail(job: Job, error: BaseException) -> None:
     job.failure = error
-    try:
-        job.out.put_nowait(WAKE)
-    except queue.Full:
-        pass  # the consumer has unread outputs; it sees the failure when it has read them
+    job.out.put_nowait(WAKE)  # after what was delivered: the consumer reads that first

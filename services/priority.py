@@ -7,11 +7,18 @@ Classes (the `priority` field of GenerateRequest):
 * ``-1`` throughput — admitted when nothing more urgent waits.
 
 **Aging rule.** A waiting job's *effective* class is its own class plus one for every
-`aging_ms` it has waited, capped at the top class (1). The next job admitted is the one
-with the highest effective class; ties go to the job that arrived first. So a throughput
-job is treated as latency-sensitive after 2 × `aging_ms` of waiting, and from then on
-only jobs that arrived before it can go first: its wait is bounded by 2 × `aging_ms`
-plus the time to admit what was already queued ahead of it — it never starves.
+`aging_ms` it has waited, capped at the top class (1). Below the top class, jobs are
+admitted by effective class, ties to the job that arrived first: a throughput job that
+has waited `aging_ms` ranks with the default class.
+
+A job promoted all the way to the top class (a throughput job after 2 × `aging_ms`, a
+default one after `aging_ms`) is *due*. Due jobs do not jump ahead of the latency class
+— with a backlog of hundreds of due throughput jobs, a latency request behind all of
+them would wait seconds — they take every other admission instead: while any job is
+due, admissions alternate between the oldest due job and the job the class order picks.
+So a latency request waits for at most one due job per admission it needs, and a due
+job is admitted within twice the number of due jobs ahead of it: the throughput class
+never starves, however many latency requests keep coming.
 
 Within one class arrival order is kept, so the oldest job of each class is at the head
 of its deque and has that class's highest effective class: picking among three heads is
@@ -56,6 +63,7 @@ class AgingPriorityQueue(Generic[T]):
         self.aging_ms = aging_ms
         self._lanes: dict[int, deque[tuple[float, int, T]]] = {c: deque() for c in CLASSES}
         self._seq = 0
+        self._due_served = False  # whether the last admission went to a due job
 
     def push(self, item: T, priority: int, now: float) -> None:
         if priority not in self._lanes:
@@ -65,18 +73,25 @@ class AgingPriorityQueue(Generic[T]):
 
     def pop(self, now: float) -> T | None:
         """The next item to admit, or None when nothing waits."""
-        best: tuple[int, float, int, int] | None = None  # (-effective, arrived, seq, lane)
+        ordered: tuple[int, float, int, int] | None = None  # (-rank, arrived, seq, lane)
+        due: tuple[float, int, int] | None = None  # (arrived, seq, lane) of the oldest due head
         for lane, items in self._lanes.items():
             if not items:
                 continue
             arrived, seq, _ = items[0]
             effective = effective_class(lane, (now - arrived) * 1000.0, self.aging_ms)
-            key = (-effective, arrived, seq, lane)
-            if best is None or key < best:
-                best = key
-        if best is None:
+            rank = lane if lane == HIGHEST else min(effective, HIGHEST - 1)
+            key = (-rank, arrived, seq, lane)
+            if ordered is None or key < ordered:
+                ordered = key
+            if lane < HIGHEST and effective == HIGHEST and (due is None or (arrived, seq) < due[:2]):
+                due = (arrived, seq, lane)
+        if ordered is None:
             return None
-        return self._lanes[best[3]].popleft()[2]
+        its_turn = due is not None and due[2] != ordered[3] and not self._due_served
+        lane = due[2] if its_turn and due is not None else ordered[3]
+        self._due_served = due is not None and lane == due[2]
+        return self._lanes[lane].popleft()[2]
 
     def remove_if(self, predicate: Callable[[T], bool]) -> list[T]:
         """Drop and return every waiting item for which `predicate(item)` is true."""

@@ -184,3 +184,37 @@ def test_stream_deadline(bound: Any) -> None:
         for _ in binding.GenerateStream(req("slow", max_tokens=200), timeout=0.1):
             pass
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_stream_hears_its_parent_end_while_nobody_reads_it(bound: Any) -> None:
+    binding, servicer, _ = bound
+    parent = LocalContext()
+    stream = binding.GenerateStream(req("slow", max_tokens=200), timeout=10, parent=parent)
+    next(stream)  # then nobody reads: only the parent's end can reach the servicer
+    parent.cancel()
+    assert servicer.callback_ran.wait(2.0), "the servicer's callbacks did not run on the parent's cancel"
+
+
+def test_a_local_stream_can_be_cancelled_from_another_thread_while_it_is_being_read() -> None:
+    servicer = ScriptedInference()
+    binding = LocalBinding("inference", DEFAULT["inference"].descriptor(), servicer)
+    stream = binding.GenerateStream(req("slow", max_tokens=500), timeout=10)
+    got: list[int] = []
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for chunk in stream:
+                got.append(chunk.index)
+        except grpc.RpcError as error:
+            outcome.append(error)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while not got:
+        time.sleep(0.005)
+    assert stream.cancel()  # the reader's thread may be inside the generator right now
+    reader.join(5.0)
+    assert not reader.is_alive()
+    assert servicer.stopped.wait(2.0)
+    assert len(got) < 500

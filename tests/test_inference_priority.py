@@ -40,6 +40,20 @@ def test_the_throughput_class_never_starves_under_a_stream_of_latency_jobs() -> 
     assert admitted.index("throughput") == 4
 
 
+def test_a_latency_request_waits_for_at_most_one_due_job_however_many_are_due() -> None:
+    waiting: AgingPriorityQueue[str] = AgingPriorityQueue(aging_ms=500)
+    for i in range(200):
+        waiting.push(f"t{i}", -1, now=0.0)
+    waiting.push("latency", 1, now=5.0)  # every throughput job has waited 10 × aging_ms: all due
+    first_two = [waiting.pop(now=5.0), waiting.pop(now=5.0)]
+    assert "latency" in first_two
+    # ...and the due keep every other admission while latency requests keep coming
+    for tick in range(6):
+        waiting.push(f"latency{tick}", 1, now=5.0)
+        pair = {waiting.pop(now=5.0), waiting.pop(now=5.0)}
+        assert pair == {f"latency{tick}", f"t{tick + 1}"}  # one each, the due in arrival order
+
+
 def test_priority_outside_the_three_classes_is_refused_with_the_allowed_values() -> None:
     assert priority_error(1) is None and priority_error(-1) is None
     problem = priority_error(2)

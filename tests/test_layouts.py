@@ -50,6 +50,7 @@ def parity_sequence() -> list[tuple[generation_pb2.GenerateRequest, str | None]]
         (gen("parity big", max_tokens=100000), DEV_KEY),
         (gen("", max_tokens=3), DEV_KEY),
         (gen("parity hot", temperature=9.0), DEV_KEY),
+        (gen("parity greedy one", inference_timeout_ms=120_001), DEV_KEY),  # over the cap, though cached
         (gen("parity prio", priority=1), TIGHT_KEY),         # above the tight tenant's allowance
     ]
     # The tight tenant's burst is 4 requests: the 5th and 6th are refused.
@@ -79,9 +80,9 @@ def test_layouts_decide_identically(layouts: dict[str, Stack]) -> None:
     assert decisions["collapsed"][4][3] != decisions["collapsed"][2][3], "another seed gives other tokens"
     assert codes[6:10] == ["UNAUTHENTICATED"] * 4
     assert codes[10] == "OK" and codes[11] == "NOT_FOUND"
-    assert codes[12:16] == ["INVALID_ARGUMENT"] * 4
-    assert codes[16] == "PERMISSION_DENIED"
-    assert codes[17:] == ["OK"] * 4 + ["RESOURCE_EXHAUSTED"] * 2
+    assert codes[12:17] == ["INVALID_ARGUMENT"] * 5
+    assert codes[17] == "PERMISSION_DENIED"
+    assert codes[18:] == ["OK"] * 4 + ["RESOURCE_EXHAUSTED"] * 2
 
 
 def test_every_answer_names_its_layout_and_request_id(layouts: dict[str, Stack]) -> None:

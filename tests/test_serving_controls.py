@@ -104,8 +104,10 @@ def test_a_full_kv_pool_queues_up_to_max_queue_then_refuses_naming_the_limit() -
             generate(service, request(max_tokens=4))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_queue = 1" in refused.value.details() and "1 KV cache slots" in refused.value.details()
-        load = parse_load(dict(refused.value.trailing_metadata())[LOAD_HEADER])
+        trailing = dict(refused.value.trailing_metadata())
+        load = parse_load(trailing[LOAD_HEADER])
         assert load["queue"] == 1 and load["kv_free"] == 0
+        assert float(trailing["retry-after"]) > 0  # when the running sequence should be done
         model.open()
         assert running.wait().response is not None and queued.wait().response is not None
     finally:
@@ -146,8 +148,9 @@ def test_bad_serving_fields_are_refused_naming_field_and_limit(fields: dict[str,
 def test_a_timeout_of_zero_means_the_default_budget_from_measured_ms_per_token() -> None:
     service, _ = make_service(timeout_margin_ms=700, timeout_slowdown=3, max_timeout_ms=90_000)
     try:
-        assert service.ms_per_token > 0
-        assert service.default_timeout_ms(10) == math.ceil(10 * service.ms_per_token * 3 + 700)
+        ms = service.cost.ms_per_token(1)
+        assert ms > 0
+        assert service.default_timeout_ms(10, batch=1) == math.ceil(10 * ms * 3 + 700)
         assert service.default_timeout_ms(10**9) == 90_000  # capped
         response, _ = generate(service, request(max_tokens=4, inference_timeout_ms=0))
         assert response.completion_tokens == 4

@@ -1,5 +1,6 @@
-"""Streaming end to end: cancellation frees the slot in both layouts; a model failure
-mid-stream ends the stream with a status naming it, keeps the chunks sent, and is logged once."""
+"""Streaming end to end: a client's cancel frees the slot in both layouts, within a bound;
+a model failure mid-stream ends the stream with a status naming it, keeps the chunks sent,
+and is logged once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from services.inference_load import parse_load
+from services.inference_scheduler import JobCancelled
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.config import placements_for
 from spine.runtime.stack import Stack, remote_channel
@@ -35,25 +37,44 @@ def inference_load(stack: Stack) -> dict[str, float]:
         return parse_load(dict(call.trailing_metadata())["x-spine-load"])
 
 
-def test_cancelling_a_layered_stream_frees_its_slot_in_the_inference_process(tmp_path: Path) -> None:
+# A cancelled stream's slot must be free within 50 ms of the cancel (issue 14); on a busy
+# shared CI host the test allows 2 s and reports what it measured (`-s` shows it).
+CANCEL_BOUND_S = 2.0
+
+
+def _collapsed_load(stack: Stack) -> dict[str, float]:
+    engine = stack.local_servicers["inference"].engine
+    return {"running": engine.active_count, "kv_free": engine.free_slots}
+
+
+@pytest.mark.parametrize("layout", ["collapsed", "layered"])
+def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_path: Path, layout: str) -> None:
     config = config_for_tests()
-    stack = Stack(config, placements_for("layered", config), run_dir=tmp_path / "layered")
+    stack = Stack(config, placements_for(layout, config), run_dir=tmp_path / layout)
     stack.start()
+    load = _collapsed_load if layout == "collapsed" else inference_load
     try:
-        idle = inference_load(stack)
+        idle = load(stack)
         with GatewayClient(stack.address, DEV_KEY) as client:
             call = client.stub.GenerateStream(gen(LONG, 250), metadata=client.metadata(), timeout=60)
             first = next(iter(call))
             assert first.token_ids
-            busy = inference_load(stack)
+            busy = load(stack)
             assert busy["running"] >= 1, busy
+            job = stack.local_servicers["inference"].scheduler.recent_admissions[-1] if layout == "collapsed" \
+                else None
+            cancelled_at = time.monotonic()
             call.cancel()
-            deadline = time.monotonic() + 10
-            load = inference_load(stack)
-            while load["running"] > 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-                load = inference_load(stack)
-        assert load["running"] == 0 and load["kv_free"] == idle["kv_free"], load
+            state = load(stack)
+            while state["running"] > 0 and time.monotonic() - cancelled_at < CANCEL_BOUND_S:
+                time.sleep(0.005)
+                state = load(stack)
+            freed_ms = (time.monotonic() - cancelled_at) * 1000.0
+        print(f"\n{layout}: slot free {freed_ms:.0f} ms after the client's cancel")
+        assert state["running"] == 0 and state["kv_free"] == idle["kv_free"], (state, f"{freed_ms:.0f} ms")
+        if job is not None:  # the model was told: cancelled, not stopped later as a stalled reader
+            assert isinstance(job.failure, JobCancelled), job.failure
+            assert job.tokens < 250
     finally:
         stack.stop()
 

@@ -26,7 +26,7 @@ from services.pipeline.verdicts import RequestLimits
 from services.registry import COMPONENTS, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook
-from spine.runtime.server import RunningServer, start_server
+from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.stack import Stack, write_private
 from spine.v1 import ratelimit_pb2
 
@@ -122,8 +122,10 @@ class Cutover:
             self.front = Front({"layered": self.layered.address, "spine": self.spine.address},
                                shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config))
             limits = RequestLimits.from_config(self.config)
+            # Sized like the gateways behind it: requests wait in the model's priority queue.
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
-                                             max_message_bytes=limits.max_message_bytes)
+                                             max_message_bytes=limits.max_message_bytes,
+                                             **request_pool(self.config))
             if self.xds_listen is not None:
                 self.xds = XdsControlPlane("spine-gateway", {
                     "layered": [endpoint(self.layered.address)], "spine": [endpoint(self.spine.address)]})

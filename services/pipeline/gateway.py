@@ -132,15 +132,20 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             finish = ""
             started = time.perf_counter()
             stream = self._model_call(state, "GenerateStream", context)
+            ended = False
             try:
                 for chunk in stream:
                     tokens.extend(chunk.token_ids)
                     texts.append(chunk.text)
                     finish = chunk.finish_reason or finish
                     yield chunk
+                ended = True
             except grpc.RpcError as error:
+                ended = True
                 raise self._model_stop(error) from None
             finally:
+                if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
+                    stream.cancel()
                 state.add_time(self.pipeline.model.component, time.perf_counter() - started)
             state.completion_tokens = len(tokens)
             context.set_trailing_metadata(self._trailing(state) + _forwarded(stream.trailing_metadata() or ()))

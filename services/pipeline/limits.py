@@ -1,13 +1,16 @@
-"""Request validation limits (the `limits` config section): what the gateway accepts."""
+"""Request validation limits (the `limits` config section, plus the model's timeout cap)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import Field, StrictInt
+from pydantic import Field, PrivateAttr, StrictInt
 
 from services.config_model import Float, Section
+from services.inference_config import InferenceConfig
+
+_MAX_TIMEOUT_MS: int = InferenceConfig.model_fields["max_timeout_ms"].default
 
 
 class RequestLimits(Section):
@@ -19,8 +22,17 @@ class RequestLimits(Section):
     max_message_bytes: Annotated[StrictInt, Field(ge=1024)] = 1 << 20
     # A client that sends no deadline gets this one: nothing waits forever.
     default_deadline_s: Annotated[Float, Field(ge=0.001)] = 30.0
+    # Read from `inference.max_timeout_ms`, not from `limits`: one key, so the gateway's check
+    # (before the cache) and the model's own can never disagree.
+    _max_inference_timeout_ms: int = PrivateAttr(default=_MAX_TIMEOUT_MS)
+
+    @property
+    def max_inference_timeout_ms(self) -> int:
+        return self._max_inference_timeout_ms
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> RequestLimits:
-        """The `limits` section of a whole config mapping."""
-        return cls.parse(config.get("limits"), "limits")
+        """The `limits` section of a whole config mapping, with the model's timeout cap."""
+        limits = cls.parse(config.get("limits"), "limits")
+        limits._max_inference_timeout_ms = InferenceConfig.parse(config.get("inference"), "inference").max_timeout_ms
+        return limits

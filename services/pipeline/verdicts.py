@@ -47,8 +47,18 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
         return f"temperature: must be between 0 and {limits.max_temperature}, got {request.temperature}"
     if request.priority not in PRIORITIES:
         return f"priority: must be one of {PRIORITIES}, got {request.priority}"
-    if request.inference_timeout_ms < 0:
-        return f"inference_timeout_ms: must be >= 0, got {request.inference_timeout_ms}"
+    return inference_timeout_error(request.inference_timeout_ms, limits.max_inference_timeout_ms)
+
+
+def inference_timeout_error(asked: int, cap: int) -> str | None:
+    """What is wrong with a compute budget asked for (0 = the server's default); None if fine.
+
+    The gateway checks it before the cache (a cached answer must not accept what the model
+    would refuse) and the model checks it again; both with `inference.max_timeout_ms`."""
+    if asked < 0:
+        return f"inference_timeout_ms: must be >= 0 (0 = the server default), got {asked}"
+    if asked > cap:
+        return f"inference_timeout_ms: {asked} is above the cap of {cap} ms (inference.max_timeout_ms)"
     return None
 
 

@@ -52,7 +52,9 @@ class LocalContext:
     """A `grpc.ServicerContext` stand-in for in-process calls.
 
     Cancellation and deadlines flow from a parent context (the caller's own RPC), so a
-    client that goes away stops in-process work just as it would stop a remote call.
+    client that goes away stops in-process work just as it would stop a remote call: the
+    binding registers `cancel` as a callback of the parent, so the servicer's own callbacks
+    run the moment the caller's RPC ends, even while the servicer waits on something.
     """
 
     def __init__(
@@ -297,7 +299,10 @@ def _call_local(handler: Callable[[Any, Any], Any], request: Any, context: Local
 
 def _context(metadata: Metadata, timeout: float | None, parent: Any | None) -> LocalContext:
     deadline = None if timeout is None else time.monotonic() + timeout
-    return LocalContext(metadata, deadline, parent)
+    context = LocalContext(metadata, deadline, parent)
+    if parent is not None and not parent.add_callback(context.cancel):
+        context.cancel()  # the caller's RPC has already ended
+    return context
 
 
 class LocalStream:
@@ -340,11 +345,17 @@ class LocalStream:
             raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {error}") from error
 
     def cancel(self) -> bool:
-        """Stop the stream: the servicer sees `is_active()` turn False and its callbacks run."""
+        """Stop the stream, from any thread, as `grpc.Call.cancel` does: the servicer's
+        callbacks run and it sees `is_active()` turn False; its generator is closed (its
+        `finally` runs) unless another thread is inside it right now, in which case that
+        thread sees the cancel at its next check."""
         if self._ended:
             return False
         self._context.cancel()
-        self._generator.close()
+        try:
+            self._generator.close()
+        except ValueError:  # "generator already executing" in the reading thread
+            pass
         self._end(grpc.StatusCode.CANCELLED)
         return True
 

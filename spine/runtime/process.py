@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.pipeline.verdicts import RequestLimits
     from spine.runtime.config import load_config
     from spine.runtime.health import start_deep_health
-    from spine.runtime.server import start_server
+    from spine.runtime.server import PoolSize, request_pool, start_server
     from spine.runtime.signals import Termination
     from spine.runtime.tracing import install_from_config
 
@@ -68,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     spec = DEFAULT[args.component]
     servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
+    # The model's requests wait in its priority queue, not in front of the thread pool.
+    pool = request_pool(config) if args.component == "inference" else PoolSize()
     server = start_server([(spec, servicer)], args.listen,
                           max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
-                          allow_external=args.allow_external)
+                          allow_external=args.allow_external, **pool)
     # Deep health: SERVING only while the component can do its work (for inference: a tiny
     # forward on its device within a bound), so the supervisor, the gates and xDS
     # endpoints see a broken device, not just a live process.

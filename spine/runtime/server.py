@@ -3,6 +3,16 @@
 Health checking and server reflection are registered on every server, so stock tools
 (grpc_health_probe, grpcurl) work against any process of either layout. Internal links
 bind to unix sockets or loopback; a public address elsewhere must be asked for.
+
+A server whose requests wait for the model (the Gateway, the inference process) gets a
+handler thread for every request the model can hold — `request_threads`: the inference
+priority queue (`max_queue`), every KV slot, and headroom for requests that never reach
+the model. Requests then wait in the priority queue, where a latency-class request
+overtakes the throughput class, and not in the thread pool's FIFO in front of it, where
+it could not; a full queue answers RESOURCE_EXHAUSTED with `retry-after` at once. A
+sync server's thread is a waiting request's whole cost: it blocks on its job's queue
+and wakes only for its own answer, and the pool makes threads only as load needs them
+(measured with `python -m bench.overload priority`).
 """
 
 from __future__ import annotations
@@ -11,13 +21,19 @@ import ipaddress
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import section
+from services.inference_config import InferenceConfig
 from services.registry import ComponentSpec
+
+# Handler threads beyond what the model holds: cache hits, refusals, health and admission
+# in progress never wait for a slot, and must not wait behind those who do.
+HEADROOM_THREADS = 32
 
 # Interceptors every server in this process gets unless it is given its own list: tracing
 # installs its trace-context interceptor here once per process (see spine.runtime.tracing.install),
@@ -72,24 +88,51 @@ class RunningServer:
         self.server.stop(grace).wait()
 
 
+def request_threads(config: Any) -> int:
+    """Handler threads for a server whose requests may wait for the model: the inference
+    queue (`inference.max_queue`) + every KV slot (at most `inference.max_batch`) + headroom."""
+    inference = InferenceConfig.from_dict(section(config, "inference"))
+    return inference.max_queue + inference.max_batch + HEADROOM_THREADS
+
+
+class PoolSize(TypedDict, total=False):
+    """`start_server` keywords that size its thread pool."""
+
+    max_workers: int
+    max_concurrent_rpcs: int | None
+
+
+def request_pool(config: Any) -> PoolSize:
+    """`start_server` keywords for a server whose requests may wait for the model.
+
+    Calls past the threads wait in gRPC's FIFO only while a thread answers a quick
+    refusal (the queue is full), so twice the threads bounds that FIFO's memory; past it
+    gRPC itself refuses with RESOURCE_EXHAUSTED."""
+    threads = request_threads(config)
+    return PoolSize(max_workers=threads, max_concurrent_rpcs=2 * threads)
+
+
 def start_server(
     services: Sequence[tuple[ComponentSpec, Any]],
     listen: str,
     *,
     max_message_bytes: int = 1 << 20,
     max_workers: int = 32,
+    max_concurrent_rpcs: int | None = None,
     allow_external: bool = False,
     interceptors: Sequence[grpc.ServerInterceptor] | None = None,
 ) -> RunningServer:
     """Start a server hosting `services` on `listen` (port 0 picks a free port).
 
-    `interceptors` default to the process's (`set_default_interceptors`): none unless
-    tracing is installed.
+    `max_concurrent_rpcs` bounds the calls accepted (running or waiting for a thread);
+    past it gRPC refuses at once with RESOURCE_EXHAUSTED. `interceptors` default to the
+    process's (`set_default_interceptors`): none unless tracing is installed.
     """
     check_listen(listen, allow_external)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=list(_default_interceptors if interceptors is None else interceptors),
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

@@ -36,7 +36,7 @@ from spine.runtime.config import internal_key, layout_name
 from spine.runtime.config_model import check_config
 from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
-from spine.runtime.server import RunningServer, start_server
+from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.supervisor import Supervisor
 
 log = logging.getLogger("spine.runtime")
@@ -160,7 +160,7 @@ class Stack:
                                                                self.run_dir)
             self.server = start_server([(GATEWAY, self.gateway)], self.listen,
                                        max_message_bytes=limits.max_message_bytes,
-                                       allow_external=self.allow_external)
+                                       allow_external=self.allow_external, **request_pool(self.config))
             self._start_deep_health()
             # The gateway is SERVING only while every fail-closed component is: the front,
             # xDS endpoints, the A/B tool and load balancers all read this.

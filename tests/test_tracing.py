@@ -15,8 +15,8 @@ from monolith.device import DeviceContext
 from services.common import ConfigError
 from services.registry import DEFAULT
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.bindings import RemoteBinding
 from spine.runtime.config import placements_for
+from spine.runtime.remote_binding import RemoteBinding
 from spine.runtime.server import start_server
 from spine.runtime.stack import Stack
 from spine.runtime.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing

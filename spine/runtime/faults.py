@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from spine.runtime.bindings import LocalRpcError
+from spine.runtime.local_context import LocalRpcError
 
 
 @dataclass

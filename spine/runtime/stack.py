@@ -31,11 +31,12 @@ from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gatewa
 from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline
 from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
-from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
+from spine.runtime.bindings import BindingHook, LocalBinding
 from spine.runtime.config import internal_key, layout_name
 from spine.runtime.config_model import check_config
 from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
+from spine.runtime.remote_binding import RemoteBinding
 from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.supervisor import Supervisor
 
@@ -191,6 +192,11 @@ class Stack:
         detector = self._detectors.get(name)
         if detector is not None:
             detector.set_health(state.serving, state.reason)
+        binding = self.bindings.get(name)
+        if not state.serving and isinstance(binding, RemoteBinding):
+            abandoned = binding.abandon(state.reason)
+            if abandoned:
+                log.warning("%s stopped answering: %d call(s) waiting on it end UNAVAILABLE", name, abandoned)
 
     def _local_health_changed(self) -> None:
         if self.health is not None:

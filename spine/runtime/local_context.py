@@ -1,0 +1,152 @@
+"""The in-process twin of a gRPC call: its context and its error.
+
+gRPC Python has no in-process channel. A local binding calls a servicer directly with a
+`LocalContext` that honours the wire's rules — status codes, deadlines, cancellation,
+metadata, callbacks — so a servicer cannot tell the two layouts apart, and raises a
+`LocalRpcError` where a real stub would raise its `grpc.RpcError`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+Metadata = Sequence[tuple[str, str]]
+
+
+class LocalRpcError(grpc.RpcError):
+    """The in-process twin of the error a real stub raises."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self._trailing = tuple(trailing)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Any:
+        return self._trailing
+
+    def initial_metadata(self) -> Any:
+        return ()
+
+
+class LocalContext:
+    """A `grpc.ServicerContext` stand-in for in-process calls.
+
+    Cancellation and deadlines flow from a parent context (the caller's own RPC), so a
+    client that goes away stops in-process work just as it would stop a remote call: the
+    binding registers `cancel` as a callback of the parent, so the servicer's own callbacks
+    run the moment the caller's RPC ends, even while the servicer waits on something.
+    """
+
+    def __init__(
+        self,
+        metadata: Metadata = (),
+        deadline: float | None = None,
+        parent: Any | None = None,
+    ) -> None:
+        self._metadata = tuple(metadata)
+        self._deadline = deadline  # time.monotonic() seconds
+        self._parent = parent
+        self._cancelled = False
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._trailing: tuple[tuple[str, str], ...] = ()
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._done = False
+
+    # -- what servicers use -------------------------------------------------------
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return "local"
+
+    def time_remaining(self) -> float | None:
+        own = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        parent = self._parent.time_remaining() if self._parent is not None else None
+        if own is None:
+            return parent
+        return own if parent is None else min(own, parent)
+
+    def is_active(self) -> bool:
+        if self._cancelled or self._done:
+            return False
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            return False
+        return self._parent is None or bool(self._parent.is_active())
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._done:
+                return False
+            self._callbacks.append(callback)
+        return True
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        if code == grpc.StatusCode.OK:
+            raise ValueError("abort() needs a non-OK status code")
+        self._code, self._details = code, details
+        raise LocalRpcError(code, details, self._trailing)
+
+    def abort_with_status(self, status: Any) -> None:
+        self.abort(status.code, status.details)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def set_trailing_metadata(self, metadata: Metadata) -> None:
+        self._trailing = tuple(metadata)
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+    def send_initial_metadata(self, metadata: Metadata) -> None:
+        """Initial metadata has no separate frame in-process; nothing to send."""
+
+    def set_compression(self, compression: Any) -> None:
+        """Nothing is compressed in-process."""
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._finish()
+
+    # -- what the binding uses ----------------------------------------------------
+    def check_live(self) -> None:
+        """Raise the status the wire would give a caller whose call can no longer run."""
+        if self._cancelled or (self._parent is not None and not self._parent.is_active()):
+            raise LocalRpcError(grpc.StatusCode.CANCELLED, "Locally cancelled by the caller")
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def result_error(self) -> LocalRpcError | None:
+        """A non-OK code set with set_code() ends the call with that status."""
+        if self._code is not None and self._code != grpc.StatusCode.OK:
+            return LocalRpcError(self._code, self._details, self._trailing)
+        return None
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a callback must not break the caller, as on the wire
+                pass

@@ -53,6 +53,8 @@ class ComponentSpec:
     # Codes it answers with that reach the client as they are (a fail-closed component's
     # own verdicts); any other failure of a fail-closed component is UNAVAILABLE.
     passes: frozenset[grpc.StatusCode] = frozenset()
+    # "module:function" adding the servicer to a server, when the generated one will not do.
+    register: str = ""
 
     def descriptor(self) -> pb_descriptor.ServiceDescriptor:
         module = importlib.import_module(self.proto_module)
@@ -69,7 +71,10 @@ class ComponentSpec:
         return getattr(self._grpc_module(), f"{self.service}Stub")
 
     def add_to_server(self, servicer: Any, server: Any) -> None:
-        getattr(self._grpc_module(), f"add_{self.service}Servicer_to_server")(servicer, server)
+        if self.register:
+            _resolve(self.register)(servicer, server)
+        else:
+            getattr(self._grpc_module(), f"add_{self.service}Servicer_to_server")(servicer, server)
 
     def build(self, config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
         return _resolve(self.factory)(config, device, run_dir)
@@ -177,7 +182,8 @@ DEFAULT = Registry([
                   _CODE.NOT_FOUND),
           budget_ms=float("inf"), middleware=False),
 ])
-GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", "", ())
+GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", "", (),
+                        register="services.pipeline.gateway:add_gateway_to_server")
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares
 COMPONENTS: tuple[str, ...] = DEFAULT.names

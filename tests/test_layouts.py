@@ -208,3 +208,21 @@ def test_the_run_dir_and_the_config_copy_are_readable_by_this_user_only(tmp_path
     with Stack(config_for_tests(), placements_for("collapsed", config_for_tests()), run_dir=run_dir):
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         assert stat.S_IMODE((run_dir / "config.yaml").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("layout", ["collapsed", "layered"])
+def test_an_undecodable_body_is_invalid_argument_with_both_trailers(
+        layouts: dict[str, Stack], layout: str, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with grpc.insecure_channel(layouts[layout].address) as channel:
+        raw = channel.unary_unary("/spine.v1.Gateway/Generate")  # bytes in, bytes out
+        with caplog.at_level(logging.WARNING, logger="spine.gateway"), pytest.raises(grpc.RpcError) as raised:
+            raw(b"\xff\xff\xff\xff not a protobuf", timeout=10)
+    error: Any = raised.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid spine.v1.GenerateRequest" in error.details()
+    trailers = dict(error.trailing_metadata())
+    assert trailers["x-spine-layout"] == layout and trailers["x-request-id"]
+    lines = [r for r in caplog.records if "not a spine.v1.GenerateRequest" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None  # one line, no traceback

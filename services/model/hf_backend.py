@@ -169,7 +169,7 @@ def _load(info: ModelDir, dtype: str, attn: Any, device: DeviceLike | str | None
     if attn is not None:
         kwargs["attn_implementation"] = str(attn)
     try:
-        module = AutoModelForCausalLM.from_pretrained(info.path, **kwargs)
+        module: Any = AutoModelForCausalLM.from_pretrained(info.path, **kwargs)
     except Exception as error:
         raise ConfigError(f"{where}.options.path: {info.path}: cannot load the model: {_first_line(error)}") from None
     return tokenizer, module.to(target).eval()

@@ -136,8 +136,11 @@ def _read_config(root: Path, where: str) -> dict[str, Any]:
 def _causal_architecture(root: Path, config: dict[str, Any], model_type: str, where: str) -> str:
     """The config's causal-LM architecture; a ConfigError for anything else (an encoder, a
     classifier, an encoder-decoder) or for a model type this transformers does not know."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as error:
+        raise ConfigError(f"inference.backend.class: hf needs transformers (pip install 'spine[hf]'): "
+                          f"{error}") from None
     causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     names = [a for a in config.get("architectures") or [] if isinstance(a, str)]
     shown = ", ".join(names) or "none given"

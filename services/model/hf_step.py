@@ -10,7 +10,8 @@ per-request cache.
 
 Two ways to run a step:
 
-* **batched** (the default): one forward for every segment. New tokens are left-padded
+* **batched** (the default): one forward for every decoding sequence and one for every
+  new prompt (so a long prompt does not pad the decoding rows). New tokens are left-padded
   to a common length (so every row's last token is the last column: one row of logits
   each); an explicit 4-D mask lets a token see only its own sequence's keys up to its own
   position, and pad tokens see position 0 alone. Float kernels may sum in another order
@@ -187,9 +188,20 @@ class HFStepModel:
             if not seg.token_ids or seg.end > cache.max_context:
                 raise ValueError(f"segment for slot {seg.slot} spans {seg.start}..{seg.end}; "
                                  f"needs 1..{cache.max_context}")
-        if self.per_sequence and len(segments) > 1:
+        if len(segments) == 1:
+            return self._forward(segments, cache)
+        if self.per_sequence:
             return torch.cat([self._forward([seg], cache) for seg in segments])
-        return self._forward(segments, cache)
+        # Decoding sequences (one new token each) apart from prompts: a long prompt must not
+        # pad every decoding row to its length.
+        decoding = [i for i, seg in enumerate(segments) if len(seg.token_ids) == 1]
+        prompts = [i for i, seg in enumerate(segments) if len(seg.token_ids) > 1]
+        if not decoding or not prompts:
+            return self._forward(segments, cache)
+        logits = torch.empty((len(segments), self._vocab_size), dtype=torch.float32, device=self.device)
+        for group in (decoding, prompts):
+            logits[group] = self._forward([segments[i] for i in group], cache)
+        return logits
 
     # -- one forward ------------------------------------------------------------------
     def _forward(self, segments: Sequence[Segment], cache: SlotPool) -> torch.Tensor:

@@ -51,11 +51,9 @@ class HFTokenizer:
         if eos is None or bos is None:
             raise ValueError("the tokenizer has no EOS token (needed to end answers)")
         self.bos_id, self.eos_id = int(bos), int(eos)
-
-    @property
-    def size(self) -> int:
-        """Ids the tokenizer itself knows (added tokens included)."""
-        return len(self.hf)
+        if max(self.bos_id, self.eos_id) >= vocab_size:
+            raise ValueError(f"the tokenizer's BOS/EOS ids ({self.bos_id}, {self.eos_id}) are past the model's "
+                             f"vocabulary of {vocab_size}")
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -118,22 +116,18 @@ def load_hf_backend(options: Mapping[str, Any], *, model_id: str | None = None, 
     max_context = check_context(info, options.get("max_context"), f"{where}.options.max_context")
     _check_budget(info, device)
     tokenizer, module = _load(info, dtype, options.get("attn_implementation"), device, where)
-    vocab = int(getattr(module.config.get_text_config(), "vocab_size", 0) or module.get_output_embeddings().weight.shape[0])
-    try:
-        hf_tokenizer = HFTokenizer(tokenizer, vocab)
-    except ValueError as error:
-        raise ConfigError(f"{where}.options.path: {info.path}: {error}") from None
-    if hf_tokenizer.size > vocab and max(hf_tokenizer.bos_id, hf_tokenizer.eos_id) >= vocab:
-        raise ConfigError(f"{where}.options.path: {info.path}: the tokenizer's special ids are past the model's "
-                          f"vocabulary of {vocab}")
     from services.model.hf_step import HFStepModel
 
     try:
-        step_model = HFStepModel(module, vocab_size=vocab, usable_vocab=min(vocab, hf_tokenizer.size),
-                                 max_context=max_context, batch_invariant=invariant)
+        step_model = HFStepModel(module, tokenizer_size=len(tokenizer), max_context=max_context,
+                                 batch_invariant=invariant)
     except (ValueError, RuntimeError, TypeError) as error:
         raise ConfigError(f"{where}.options.path: {info.path}: {info.architecture} cannot run as a step "
                           f"model: {_first_line(error)}") from None
+    try:
+        hf_tokenizer = HFTokenizer(tokenizer, step_model.vocab_size)
+    except ValueError as error:
+        raise ConfigError(f"{where}.options.path: {info.path}: {error}") from None
     served = model_id or info.path.name
     log.info("inference %s: %s from %s on %s, %s, %.1f MiB of weights, context %d (model allows %d, %s), "
              "%d cached layers", served, info.architecture, info.path, step_model.device, step_model.kv_dtype,

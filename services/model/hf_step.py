@@ -121,13 +121,15 @@ class _StepPlan:
 class HFStepModel:
     """The engine-facing side of a transformers `*ForCausalLM` (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, *, vocab_size: int, usable_vocab: int, max_context: int,
+    def __init__(self, module: torch.nn.Module, *, tokenizer_size: int, max_context: int,
                  batch_invariant: bool | None = None) -> None:
         self.module = module.eval()
-        self._vocab_size, self._usable_vocab, self._max_context = vocab_size, usable_vocab, max_context
+        self._max_context = max_context
         self.batch_invariant = batch_invariant
         self._keep_last = "logits_to_keep" in inspect.signature(module.forward).parameters
-        self.layers, self.kv_dtype = self._probe()
+        self.layers, self.kv_dtype, self._vocab_size = self._probe()
+        # Logits past the tokenizer's ids (an embedding padded to a round size) are never chosen.
+        self._usable_vocab = min(self._vocab_size, tokenizer_size)
 
     @property
     def vocab_size(self) -> int:
@@ -235,19 +237,20 @@ class HFStepModel:
                           attention_mask=mask.unsqueeze(1).to(dev), past_key_values=SlotPoolCache(cache, plan),
                           use_cache=True, cache_position=torch.arange(width, device=dev), **extra)
         logits = out.logits[:, -1, :].float()
-        if self._usable_vocab < self._vocab_size:  # ids the tokenizer cannot decode are never chosen
+        if self._usable_vocab < self._vocab_size:
             logits[:, self._usable_vocab:] = -torch.inf
         return logits
 
-    def _probe(self) -> tuple[dict[int, LayerShape], torch.dtype]:
-        """Per layer, what the model caches (one forward of one token): heads, head size, dtype."""
+    def _probe(self) -> tuple[dict[int, LayerShape], torch.dtype, int]:
+        """Per layer, what the model caches (one forward of one token): heads, head size, dtype;
+        and the width of its logits (the vocabulary the engine samples from)."""
         probe = _ShapeProbe()
         with torch.inference_mode():
-            self.module(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
-                        past_key_values=probe, use_cache=True)
+            out = self.module(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                              past_key_values=probe, use_cache=True)
         if not probe.seen:
             raise ValueError("the model cached no keys or values in a forward: not a decoder with a KV cache")
         dtypes = {dtype for _, dtype in probe.seen.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the model caches keys in several dtypes ({sorted(map(str, dtypes))})")
-        return {layer: shape for layer, (shape, _) in probe.seen.items()}, dtypes.pop()
+        return {layer: shape for layer, (shape, _) in probe.seen.items()}, dtypes.pop(), int(out.logits.shape[-1])

@@ -136,16 +136,21 @@ def test_deterministic_mode_answers_the_same_alone_and_joining_a_running_batch(b
     try:
         requests = _requests(backend, temperature=0.9, seed=5)
         alone = [engine.generate([req])[0].token_ids for req in requests]
-        first = engine.submit(requests[0])
-        for _ in range(3):
-            engine.step()
-        late = [engine.submit(req) for req in requests[1:]]  # they join mid-way, while the first decodes
-        while engine.active_count:
-            engine.step()
-        assert [h.token_ids for h in (first, *late)] == alone
+        assert joining_midway(engine, requests, steps=3) == alone
     finally:
         torch.use_deterministic_algorithms(before)
         engine.close()
+
+
+def joining_midway(engine: GenerationEngine, requests: list[GenerationRequest], steps: int) -> list[list[int]]:
+    """Answers when the first request decodes `steps` steps alone and the others then join it."""
+    first = engine.submit(requests[0])
+    for _ in range(steps):
+        engine.step()
+    late = [engine.submit(req) for req in requests[1:]]
+    while engine.active_count:
+        engine.step()
+    return [h.token_ids for h in (first, *late)]
 
 
 def test_a_reused_slot_ignores_what_the_previous_sequence_left(backends: dict[str, HFBackend]) -> None:

@@ -21,6 +21,7 @@ def test_hf_backend_runs_on_cuda_and_is_batch_invariant_in_deterministic_mode(
     from services.model.hf_backend import load_hf_backend
     from services.model.interface import KV_CACHE_OWNER
     from spine.tools.make_tiny import make_tiny
+    from tests.test_hf_backend import joining_midway
 
     device = DeviceContext(device=torch.device("cuda"), budget_bytes=256 << 20)
     backend = load_hf_backend({"path": str(make_tiny(tmp_path / "tiny-llama"))}, device=device)
@@ -33,12 +34,7 @@ def test_hf_backend_runs_on_cuda_and_is_batch_invariant_in_deterministic_mode(
     torch.use_deterministic_algorithms(True)
     try:
         alone = [engine.generate([req])[0].token_ids for req in requests]
-        first = engine.submit(requests[0])
-        engine.step()
-        late = [engine.submit(req) for req in requests[1:]]
-        while engine.active_count:
-            engine.step()
-        assert [h.token_ids for h in (first, *late)] == alone
+        assert joining_midway(engine, requests, steps=1) == alone
     finally:
         torch.use_deterministic_algorithms(before)
         engine.close()

@@ -1,12 +1,16 @@
 """`make bench`: bare model service vs collapsed spine (batched and not) vs layered stack, in one run.
 
     python -m bench.run [--quick] [--concurrency 1,16,64] [--requests N] [--out bench/results.json]
+                        [--model DIR [--model-id ID]]      (or SPINE_BENCH_MODEL=DIR make bench)
 
 All three layouts are up at once, each in its own process(es), so the load generator
 (this process) never shares a GIL with a server. Each cell (mode × concurrency) is cut
 into rounds and the layouts take turns round by round, in a rotating order, so machine
 noise (other jobs, thermal, GC) lands on all of them alike. Requests are greedy with
 distinct prompts (no response-cache hits), so every call does the same model work.
+
+`--model DIR` (default: $SPINE_BENCH_MODEL) serves a transformers causal LM directory in
+every layout instead of the embedded tiny LM, as `spine up --model DIR` does.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from bench.targets import (
     TargetFailed,
     launch,
 )
+from services.common import ConfigError
 from spine.runtime.config import load_config, merge
+from spine.runtime.served_model import model_id_for, model_overrides, preflight
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
@@ -62,6 +68,8 @@ class Settings:
     quick: bool
     layouts: tuple[str, ...] = LAYOUTS
     scale_with_concurrency: bool = False  # True unless --requests was given (or --quick)
+    model: str | None = None  # a transformers model directory served instead of the embedded model
+    model_id: str = "tiny-lm"  # what the requests name
 
     def cell_requests(self, concurrency: int) -> int:
         """Requests in a unary cell: at 64 workers, 400 requests in 5 rounds would give each
@@ -91,6 +99,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                         help="seconds per cell and layout before it stops sending (default 20)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep server logs and sockets for inspection")
+    parser.add_argument("--model", metavar="DIR", default=os.environ.get("SPINE_BENCH_MODEL") or None,
+                        help="serve this transformers causal LM directory in every layout (default: "
+                             "$SPINE_BENCH_MODEL, else the embedded tiny LM)")
+    parser.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     args = parser.parse_args(argv)
     quick = bool(args.quick)
     spec = args.concurrency or ("1,16" if quick else "1,16,64")
@@ -116,22 +128,26 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                         rounds=min(rounds, requests), max_tokens=args.max_tokens,
                         cell_time_limit_s=args.cell_time_limit, warmup=2 if quick else 6,
                         ready_timeout_s=120.0, quick=quick, layouts=layouts,
-                        scale_with_concurrency=not quick and args.requests is None)
+                        scale_with_concurrency=not quick and args.requests is None, model=args.model,
+                        model_id=(args.model_id or model_id_for(args.model)) if args.model else "tiny-lm")
     return settings, args.out, bool(args.keep_run_dir)
 
 
-def write_configs(run_dir: Path) -> dict[str, Path]:
+def write_configs(run_dir: Path, model: str | None = None, model_id: str | None = None) -> dict[str, Path]:
     """The config file each layout is started with (an overlay for `spine --config`, merged for bare)."""
+    base = merge(RATE_LIMIT_OFF, model_overrides(model, model_id)) if model else RATE_LIMIT_OFF
     overlay = run_dir / "bench-overlay.yaml"
-    overlay.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
+    overlay.write_text(yaml.safe_dump(base))
     unbatched = run_dir / "bench-overlay-unbatched.yaml"
-    unbatched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, UNBATCHED_OVERLAY)))
+    unbatched.write_text(yaml.safe_dump(merge(base, UNBATCHED_OVERLAY)))
     middleware_unbatched = run_dir / "bench-overlay-middleware-unbatched.yaml"
-    middleware_unbatched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, MIDDLEWARE_UNBATCHED_OVERLAY)))
+    middleware_unbatched.write_text(yaml.safe_dump(merge(base, MIDDLEWARE_UNBATCHED_OVERLAY)))
     remote_batched = run_dir / "bench-overlay-remote-batched.yaml"
-    remote_batched.write_text(yaml.safe_dump(merge(RATE_LIMIT_OFF, REMOTE_BATCHED_OVERLAY)))
+    remote_batched.write_text(yaml.safe_dump(merge(base, REMOTE_BATCHED_OVERLAY)))
     merged = run_dir / "bench-config.yaml"
-    merged.write_text(yaml.safe_dump(load_config(overlay)))
+    config = load_config(overlay)
+    preflight(config)  # a model directory that cannot be served: one line, before any server starts
+    merged.write_text(yaml.safe_dump(config))
     return {"bare": merged, "collapsed": overlay, "collapsed-unbatched": unbatched,
             "collapsed-middleware-unbatched": middleware_unbatched, "layered": overlay,
             "layered-batched": remote_batched}
@@ -139,7 +155,7 @@ def write_configs(run_dir: Path) -> dict[str, Path]:
 
 def start_all(run_dir: Path, settings: Settings, console: Console) -> dict[str, Target]:
     """Launch every layout at once (they start in parallel), then wait for each to be ready."""
-    configs = write_configs(run_dir)
+    configs = write_configs(run_dir, settings.model, settings.model_id)
     targets: dict[str, Target] = {}
     try:
         for layout in settings.layouts:
@@ -171,7 +187,7 @@ def warm_up(endpoints: dict[str, Endpoint], settings: Settings) -> None:
     top = max(settings.concurrency)
     for layout, endpoint in endpoints.items():
         texts = prompts(f"warm-{layout}", settings.warmup + 2 + top)
-        reqs = requests_for(texts, settings.max_tokens)
+        reqs = requests_for(texts, settings.max_tokens, settings.model_id)
         run_batch(endpoint, reqs[:settings.warmup], concurrency=1, time_limit_s=60)
         run_batch(endpoint, reqs[settings.warmup:settings.warmup + 2], concurrency=1, stream=True, time_limit_s=60)
         run_batch(endpoint, reqs[settings.warmup + 2:], concurrency=top, time_limit_s=60)
@@ -196,7 +212,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
             for r, size in enumerate(per_round):
                 texts = prompts(f"{mode[0]}{concurrency}", size, start)  # same prompts for every layout
                 start += size
-                reqs = requests_for(texts, settings.max_tokens)
+                reqs = requests_for(texts, settings.max_tokens, settings.model_id)
                 order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]  # rotate who goes first
                 for layout in order:
                     sampler.measuring(layout, f"{layout}/{mode}/{concurrency}")
@@ -253,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
     serving: dict[str, Any] | None = None
-    if not settings.quick:
+    if not settings.quick and not settings.model:  # the serving-controls cell measures the embedded model
         from bench.serving import measure_serving
 
         with console.status("priority classes and the KV pool"):
@@ -284,4 +300,7 @@ if __name__ == "__main__":
         sys.exit(main())
     except TargetFailed as failure:
         print(f"bench: a server did not start: {failure}", file=sys.stderr)
+        sys.exit(2)
+    except ConfigError as error:
+        print(f"bench: {error}", file=sys.stderr)
         sys.exit(2)

@@ -22,9 +22,11 @@ class BackendSpec(Section):
     `services.model.backend.load_backend` reads these keys (and checks what only an import
     can tell, such as whether `class` exists); the model refuses any other key."""
 
-    class_: Annotated[str | None, Field(alias="class", pattern=r"^[^:]+:[^:]+$",
-                                        description="'package.module:Factory' returning a ModelBackend")] = None
-    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for `class`")
+    class_: Annotated[str | None, Field(alias="class", pattern=r"^(hf|[^:]+:[^:]+)$",
+                                        description="'hf' (a local transformers causal LM: options.path) or "
+                                                    "'package.module:Factory' returning a ModelBackend")] = None
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for `class` "
+                                    "(hf: path, max_context, dtype, batch_invariant, attn_implementation)")
     model_id: NonEmptyStr | None = None
     seed: StrictInt | None = None
     max_context: Annotated[StrictInt, Field(ge=2)] | None = None

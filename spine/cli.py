@@ -1,6 +1,7 @@
 """`spine`: bring up a layout, call it, run the demo, drive a migration.
 
-    spine up --layout layered|collapsed|mixed [--listen HOST:PORT]
+    spine up --layout layered|collapsed|mixed [--listen HOST:PORT] [--model DIR [--model-id ID]]
+    spine model make-tiny --arch llama|gpt2 --out DIR
     spine call --prompt "hello" [--stream]
     spine demo
     spine config schema|check
@@ -33,12 +34,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     from spine.runtime.tracing import install_from_config
 
     configure_threads()
-    config = load_config(args.config)
+    config = load_config(args.config, _served_model(args))
     install_from_config(config, service_name="spine")
     placements = placements_for(args.layout, config)
     listen = args.listen or str(config["listen"])
     check_listen(listen, args.allow_external)  # before any child process starts
     run_dir = Path(args.run_dir) if args.run_dir else None
+    from spine.runtime.served_model import preflight
+
+    preflight(config)  # a model directory that cannot be served: one line, before any child starts
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
                   remote_addresses=remote_addresses(config))
     termination = Termination()
@@ -62,6 +66,31 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         print("stopping: finishing in-flight requests, flushing logs and metrics", file=sys.stderr)
         stack.stop()
+    return 0
+
+
+def _served_model(args: argparse.Namespace) -> dict[str, object] | None:
+    """`--model DIR [--model-id ID]`: config overrides serving DIR as the default model."""
+    if not args.model:
+        if args.model_id:
+            raise ConfigError("--model-id: needs --model DIR")
+        return None
+    from spine.runtime.served_model import model_overrides
+
+    return model_overrides(args.model, args.model_id)
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    """`make-tiny`: a small random model directory (config, safetensors, tokenizer), made offline."""
+    from spine.tools.make_tiny import TinySpec, describe, make_tiny
+
+    try:
+        path = make_tiny(args.out, TinySpec(arch=args.arch, seed=args.seed))
+    except ImportError as error:
+        print(f"error: spine model make-tiny needs transformers and tokenizers (pip install 'spine[hf]'): "
+              f"{error}", file=sys.stderr)
+        return 2
+    print(describe(path))
     return 0
 
 
@@ -196,7 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
     up.add_argument("--run-dir", help="sockets, logs and state (default: a fresh temporary directory)")
     up.add_argument("--allow-external", action="store_true", help="allow a non-loopback --listen")
+    up.add_argument("--model", metavar="DIR", help="serve this transformers causal LM directory as the default "
+                                                 "model (alias `default`) instead of the config's")
+    up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     up.set_defaults(handler=cmd_up)
+
+    model = sub.add_parser("model", help="model directories: make-tiny writes a small random one (offline)")
+    model_sub = model.add_subparsers(dest="action", required=True)
+    tiny = model_sub.add_parser("make-tiny", help="a randomly initialised causal LM with its tokenizer, for trials")
+    tiny.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
+    tiny.add_argument("--out", required=True, metavar="DIR", help="the directory to write (created)")
+    tiny.add_argument("--seed", type=int, default=0, help="weights from this seed: the same seed, the same model")
+    tiny.set_defaults(handler=cmd_model)
 
     call = sub.add_parser("call", help="send one request and print the answer, status and latency")
     call.add_argument("--address", default=DEFAULT_ADDRESS)

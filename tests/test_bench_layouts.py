@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.report import batching_gain
 from bench.run import write_configs
 from bench.targets import LAYOUTS
@@ -34,3 +36,20 @@ def test_batching_gain_compares_the_batched_spine_with_the_named_unbatched_one()
     assert batching_gain(runs)[0]["batched_over_unbatched_rps"] == 4.0
     assert batching_gain(runs, "collapsed-middleware-unbatched")[0]["batched_over_unbatched_rps"] == 1.25
     assert batching_gain(runs[:1]) == []
+
+
+def test_bench_on_a_model_directory_serves_it_in_every_layout(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from bench.run import parse_args
+    from spine.tools.make_tiny import make_tiny
+
+    model = make_tiny(tmp_path / "tiny-llama")
+    settings, _, _ = parse_args(["--quick", "--model", str(model)])
+    assert settings.model == str(model) and settings.model_id == "tiny-llama"
+    configs = {layout: load_config(path)
+               for layout, path in write_configs(tmp_path, settings.model, settings.model_id).items()}
+    for layout, config in configs.items():
+        assert config["inference"]["model_id"] == "tiny-llama", layout
+        assert config["inference"]["backend"] == {"class": "hf", "options": {"path": str(model.resolve())}}, layout
+        assert config["router"]["models"] == [{"id": "tiny-llama", "backend": "inference", "aliases": ["default"]}]
+    assert configs["collapsed-unbatched"]["inference"]["max_batch"] == 1

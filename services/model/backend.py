@@ -22,6 +22,7 @@ from services.model.tiny_lm import TinyLM
 from services.model.tokenizer import ByteTokenizer
 
 TINY_LM_ID = "tiny-lm"
+HF_CLASS = "hf"  # `class: hf`: a local transformers causal LM directory (services.model.hf_backend)
 
 
 @runtime_checkable
@@ -123,9 +124,13 @@ def load_backend(
 
     `{"model_id": "tiny-lm", "seed": 1234}` builds the embedded model (optional
     `max_context`); `{"class": "pkg.module:Factory", "options": {...}}` calls
-    `Factory(**options)`, which must return a ModelBackend. Other keys belong to the
-    caller (e.g. `max_batch`) and are ignored here.
+    `Factory(**options)`, which must return a ModelBackend; `{"class": "hf", "options":
+    {"path": DIR}}` serves a transformers causal LM directory under `model_id` (transformers
+    is imported only then). Other keys belong to the caller (e.g. `max_batch`) and are
+    ignored here.
     """
+    if spec.get("class") == HF_CLASS:
+        return _load_hf_backend(spec, device, where)
     if "class" in spec:
         return _load_user_backend(spec, where)
     model_id = spec.get("model_id", TINY_LM_ID)
@@ -156,6 +161,19 @@ def make_engine(
     return GenerationEngine(
         backend.model, backend.tokenizer, device, max_slots, max_context or backend.max_context
     )
+
+
+def _load_hf_backend(spec: Mapping[str, Any], device: DeviceLike | str | None, where: str) -> ModelBackend:
+    options = spec.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{where}.backend.options: expected a mapping, got {type(options).__name__}")
+    if "max_context" in spec and "max_context" not in options:
+        options = {**options, "max_context": spec["max_context"]}
+    from services.model.hf_backend import load_hf_backend
+
+    model_id = spec.get("model_id")
+    return load_hf_backend(options, model_id=model_id if isinstance(model_id, str) else None, device=device,
+                           where=f"{where}.backend")
 
 
 def _load_user_backend(spec: Mapping[str, Any], where: str) -> ModelBackend:

@@ -5,6 +5,12 @@
 The process makes its own device context, serves the component behind a real gRPC
 server (with health and reflection), and on SIGTERM stops accepting, finishes what it
 accepted and flushes (logs, metrics) before it exits. It dies with its supervisor.
+
+A layered rate limiter can follow the migration controller (`--follow-controller
+HOST:PORT`, its xDS address): each stage sets its share of every limit (its side's share
+divided by the rate limiters of that side), so a tenant's total across both sides and all
+replicas stays within its limit. It waits up to `--initial-fetch-timeout-s` for its first
+share before it starts serving.
 """
 
 from __future__ import annotations
@@ -39,12 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--allow-external", action="store_true",
                         help="listen beyond loopback (a pod address in a cluster)")
+    parser.add_argument("--follow-controller", metavar="HOST:PORT",
+                        help="ratelimit only: take this limiter's share of every limit from the migration "
+                             "controller's xDS address, stage by stage")
+    parser.add_argument("--node-id", help="with --follow-controller: this replica's name (default: host name and pid)")
+    parser.add_argument("--initial-fetch-timeout-s", type=float, default=10.0,
+                        help="with --follow-controller: how long to wait for the first share before serving anyway")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.follow_controller and args.component != "ratelimit":
+        parser.error(f"--follow-controller: only ratelimit follows the controller's stages, not {args.component}")
 
     die_with_parent()
     if args.parent_pid and os.getppid() != args.parent_pid:
@@ -68,6 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     spec = DEFAULT[args.component]
     servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
+    follower = None
+    if args.follow_controller:  # its share first: a limiter never serves at a share it was not given
+        from spine.runtime.stage_follower import (
+            ROLE_LAYERED_RATELIMIT,
+            StageFollower,
+            default_node_id,
+            ratelimit_applier,
+        )
+
+        follower = StageFollower(args.follow_controller, args.node_id or default_node_id(), ROLE_LAYERED_RATELIMIT,
+                                 ratelimit_applier(servicer)).start()
+        if not follower.wait_applied(args.initial_fetch_timeout_s):
+            print(f"warning: no share from the controller at {args.follow_controller} within "
+                  f"{args.initial_fetch_timeout_s:g}s; serving the whole limit until one comes", file=sys.stderr)
     server = start_server([(spec, servicer)], args.listen,
                           max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
                           allow_external=args.allow_external)
@@ -85,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{args.component} serving on {server.address}", flush=True)
     termination.wait()
+    if follower is not None:
+        follower.stop()
     deep.stop()
     server.stop(grace=3.0)
     if extra is not None:

@@ -96,9 +96,9 @@ def followers_table(status: pb.RolloutStatus) -> Table:
                if f.acked_version == version or f.acked_version.startswith(f"{version}+m")]
     spines = sum(1 for f in status.followers if f.role == "spine")
     table = Table(title=f"stage followers: {len(current)} of {len(status.followers)} applied {version} "
-                        f"({spines} spine replicas; a stage is applied once all have, with at least "
+                        f"(spine replicas: {spines}; a stage is applied once all have, with at least "
                         f"{status.min_spine_replicas} spine replicas)", title_justify="left")
-    for column in ("node", "role", "share", "local", "acked", "sent", "NACK"):
+    for column in ("node", "role", "assigned share", "assigned local", "acked", "sent", "NACK"):
         table.add_column(column)
     for follower in status.followers:
         nack = f"[red]{follower.nacked_version}: {follower.nack_error}[/]" if follower.nack_error else "-"

@@ -27,6 +27,7 @@ import grpc
 import pytest
 import yaml
 
+from migration.cli import main as migrate
 from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
@@ -89,6 +90,7 @@ class Harness:
     stub: migration_pb2_grpc.MigrationControlStub
     ads: str
     plane: XdsControlPlane | None = None
+    listen: str = ""
 
     def status(self) -> migration_pb2.RolloutStatus:
         return self.stub.Status(migration_pb2.StatusRequest(), metadata=MD, timeout=10)
@@ -115,7 +117,7 @@ def controller(tmp: Path, metrics_url: str, *, min_spine: int) -> Iterator[Harne
     process.start()
     channel = grpc.insecure_channel(listen)
     try:
-        yield Harness(migration_pb2_grpc.MigrationControlStub(channel), ads, plane)
+        yield Harness(migration_pb2_grpc.MigrationControlStub(channel), ads, plane, listen)
     finally:
         channel.close()
         process.stop()
@@ -181,7 +183,8 @@ def test_rate_limiters_get_their_share_at_once_when_they_join_late_or_one_leaves
 
 # -- a spine that cannot apply a stage -------------------------------------------------------
 
-def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied(tmp_path: Path) -> None:
+def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     config = config_for_tests()
     with contextlib.ExitStack() as teardown:
         stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "spine")
@@ -210,6 +213,15 @@ def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied
         status = harness.status()
         assert not status.applied and status.state == "progressing" and status.stage_name == "auth-remote"
         assert harness.plane is not None and not harness.plane.followers_applied(started.version, 1)
+        # What an operator sees: `spine migrate status`, as JSON and as a table.
+        monkeypatch.setenv("SPINE_ADMIN_TOKEN", TOKEN)
+        capsys.readouterr()
+        assert migrate(["migrate", "status", "--controller", harness.listen, "--json"]) == 0
+        (shown,) = json.loads(capsys.readouterr().out)["followers"]
+        assert (shown["node_id"], shown["role"], shown["nacked_version"]) == ("spine-a", "spine", started.version)
+        assert migrate(["migrate", "status", "--controller", harness.listen]) == 0
+        table = capsys.readouterr().out
+        assert "stage followers: 0 of 1 applied" in table and "spine-a" in table and f"{started.version}:" in table
 
         harness.stub.Advance(migration_pb2.AdvanceRequest(stage="all-local", actor="test"), metadata=MD, timeout=10)
         status = wait_for(harness.applied, what="the next stage applied")

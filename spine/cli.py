@@ -17,15 +17,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from services.common import ConfigError
 from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
 from spine.runtime.server import UnsafeAddress
-
-if TYPE_CHECKING:
-    from spine.runtime.stack import Stack
-    from spine.runtime.stage_follower import StageFollower
+from spine.runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -48,9 +44,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                   remote_addresses=remote_addresses(config))
     termination = Termination()
     stack.start()
-    follower = None
-    if args.follow_controller:
-        follower = follow_controller(stack, args)
+    follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements")
     key = dev_api_key(config)
     ready = {
         "event": "ready", "layout": stack.layout, "address": stack.address, "pid": os.getpid(),
@@ -75,21 +69,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             follower.stop()
         stack.stop()
     return 0
-
-
-def follow_controller(stack: Stack, args: argparse.Namespace) -> StageFollower:
-    """Follow the migration controller's stages (placements, rate-limit share) over ADS; wait
-    up to --initial-fetch-timeout-s for the first assignment (as Envoy's initial_fetch_timeout),
-    then go on with what it has."""
-    from spine.runtime.stage_follower import ROLE_SPINE, StageFollower, default_node_id, spine_applier
-
-    follower = StageFollower(args.follow_controller, args.node_id or default_node_id(), ROLE_SPINE,
-                             spine_applier(stack)).start()
-    if not follower.wait_applied(args.initial_fetch_timeout_s):
-        print(f"warning: no stage assignment from the controller at {args.follow_controller} within "
-              f"{args.initial_fetch_timeout_s:g}s; serving on this config's placements until one comes",
-              file=sys.stderr)
-    return follower
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -223,12 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
     up.add_argument("--run-dir", help="sockets, logs and state (default: a fresh temporary directory)")
     up.add_argument("--allow-external", action="store_true", help="allow a non-loopback --listen")
-    up.add_argument("--follow-controller", metavar="HOST:PORT",
-                    help="follow the migration controller's stages over its xDS address: placements moved live, "
-                         "the rate limiter's share of every limit set, each stage ACKed once applied")
-    up.add_argument("--node-id", help="with --follow-controller: this replica's name (default: host name and pid)")
-    up.add_argument("--initial-fetch-timeout-s", type=float, default=10.0,
-                    help="with --follow-controller: how long to wait for the first stage before serving anyway")
+    add_follow_arguments(up, "each stage's placements (moved live) and this spine's share of every limit")
     up.set_defaults(handler=cmd_up)
 
     call = sub.add_parser("call", help="send one request and print the answer, status and latency")

@@ -23,6 +23,12 @@ import sys
 from pathlib import Path
 
 from services.registry import COMPONENTS, DEFAULT, close_servicer
+from spine.runtime.stage_follower import (
+    ROLE_LAYERED_RATELIMIT,
+    add_follow_arguments,
+    follow,
+    ratelimit_applier,
+)
 
 PR_SET_PDEATHSIG = 1
 
@@ -45,12 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--allow-external", action="store_true",
                         help="listen beyond loopback (a pod address in a cluster)")
-    parser.add_argument("--follow-controller", metavar="HOST:PORT",
-                        help="ratelimit only: take this limiter's share of every limit from the migration "
-                             "controller's xDS address, stage by stage")
-    parser.add_argument("--node-id", help="with --follow-controller: this replica's name (default: host name and pid)")
-    parser.add_argument("--initial-fetch-timeout-s", type=float, default=10.0,
-                        help="with --follow-controller: how long to wait for the first share before serving anyway")
+    add_follow_arguments(parser, "this rate limiter's share of every limit (ratelimit only)")
     return parser
 
 
@@ -82,20 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     spec = DEFAULT[args.component]
     servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
-    follower = None
-    if args.follow_controller:  # its share first: a limiter never serves at a share it was not given
-        from spine.runtime.stage_follower import (
-            ROLE_LAYERED_RATELIMIT,
-            StageFollower,
-            default_node_id,
-            ratelimit_applier,
-        )
-
-        follower = StageFollower(args.follow_controller, args.node_id or default_node_id(), ROLE_LAYERED_RATELIMIT,
-                                 ratelimit_applier(servicer)).start()
-        if not follower.wait_applied(args.initial_fetch_timeout_s):
-            print(f"warning: no share from the controller at {args.follow_controller} within "
-                  f"{args.initial_fetch_timeout_s:g}s; serving the whole limit until one comes", file=sys.stderr)
+    # Its share first: a limiter that follows does not serve before it has one (or has waited).
+    follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit")
     server = start_server([(spec, servicer)], args.listen,
                           max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
                           allow_external=args.allow_external)

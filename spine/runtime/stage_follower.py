@@ -17,10 +17,12 @@ callable that raises to refuse) does: `spine_applier` for a spine `Stack`,
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import queue
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -208,6 +210,31 @@ def unpack(response: discovery_pb2.DiscoveryResponse) -> stage_pb2.StageAssignme
     return assignment
 
 
+# -- what `spine up` and the rate-limit process share ------------------------------------------
+
+def add_follow_arguments(parser: argparse.ArgumentParser, follows: str) -> None:
+    """--follow-controller, --node-id and --initial-fetch-timeout-s; `follows`: what it takes."""
+    parser.add_argument("--follow-controller", metavar="HOST:PORT",
+                        help=f"take {follows} from the migration controller's xDS address, stage by stage "
+                             "(each ACKed once applied)")
+    parser.add_argument("--node-id", help="with --follow-controller: this replica's name (default: host name and pid)")
+    parser.add_argument("--initial-fetch-timeout-s", type=float, default=10.0,
+                        help="with --follow-controller: how long to wait for the first stage before serving anyway")
+
+
+def follow(args: argparse.Namespace, role: str, apply: Applier, meanwhile: str) -> StageFollower | None:
+    """Start following when --follow-controller is given, and wait up to
+    --initial-fetch-timeout-s for the first assignment (as Envoy's initial_fetch_timeout);
+    after that, go on with `meanwhile` (what this process does until one comes)."""
+    if not args.follow_controller:
+        return None
+    follower = StageFollower(args.follow_controller, args.node_id or default_node_id(), role, apply).start()
+    if not follower.wait_applied(args.initial_fetch_timeout_s):
+        print(f"warning: nothing from the controller at {args.follow_controller} within "
+              f"{args.initial_fetch_timeout_s:g}s; {meanwhile} until it answers", file=sys.stderr)
+    return follower
+
+
 # -- appliers: what a follower does with an assignment ---------------------------------------
 
 def spine_applier(stack: Stack) -> Applier:
@@ -244,4 +271,4 @@ def ratelimit_applier(servicer: Any) -> Applier:
 
 
 __all__ = ["ROLE_LAYERED_RATELIMIT", "ROLE_SPINE", "SIDES", "STAGE_ASSIGNMENT", "StageFollower",
-           "default_node_id", "ratelimit_applier", "spine_applier", "unpack"]
+           "add_follow_arguments", "default_node_id", "follow", "ratelimit_applier", "spine_applier", "unpack"]

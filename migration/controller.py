@@ -59,6 +59,8 @@ class StatusView:
     recent_audit: list[AuditEntry]
     data_planes: tuple[dict[str, Any], ...] = ()  # from targets that serve xDS
     min_data_planes: int = 0  # how many must ACK a stage before it counts as applied
+    followers: tuple[dict[str, Any], ...] = ()  # spine replicas and rate limiters following the stage
+    min_spine_replicas: int = 0  # how many spine replicas must ACK a stage before it counts as applied
 
 
 class Controller:
@@ -116,9 +118,12 @@ class Controller:
             history = self._store.gate_history(50)
             last = [r for r in history if history and r.window_end == history[-1].window_end]
             planes = getattr(self._target, "data_planes", None)
+            followers = getattr(self._target, "followers", None)
             return StatusView(status, self._plan, stage, awaiting, max(0.0, elapsed), last,
                               self._store.recent_audit(audit_rows), tuple(planes() if planes else ()),
-                              int(getattr(self._target, "min_data_planes", 0)))
+                              int(getattr(self._target, "min_data_planes", 0)),
+                              tuple(followers() if followers else ()),
+                              int(getattr(self._target, "min_spine_replicas", 0)))
 
     def wait_for_audit(self, after_id: int, timeout: float) -> list[AuditEntry]:
         """Audit rows after `after_id`, waiting up to `timeout` s for one to appear."""

@@ -81,9 +81,34 @@ def status_renderable(status: pb.RolloutStatus) -> Group:
             nack = f"[red]{plane.nacked_version}: {plane.nack_error}[/]" if plane.nack_error else "-"
             planes.add_row(plane.node_id, plane.type, plane.acked_version or "-", plane.sent_version or "-", nack)
         parts.append(planes)
+    if status.followers or status.min_spine_replicas:
+        parts.append(followers_table(status))
     if status.recent_audit:
         parts.append(audit_table(status.recent_audit))
     return Group(*parts)
+
+
+def followers_table(status: pb.RolloutStatus) -> Table:
+    """Spine replicas and layered rate limiters following the stage: what each was assigned
+    and whether it applied it ("+mN" versions: the stage republished as followers came and went)."""
+    version = status.version or "-"
+    current = [f for f in status.followers
+               if f.acked_version == version or f.acked_version.startswith(f"{version}+m")]
+    spines = sum(1 for f in status.followers if f.role == "spine")
+    table = Table(title=f"stage followers: {len(current)} of {len(status.followers)} applied {version} "
+                        f"(spine replicas: {spines}; a stage is applied once all have, with at least "
+                        f"{status.min_spine_replicas} spine replicas)", title_justify="left")
+    for column in ("node", "role", "assigned share", "assigned local", "acked", "sent", "NACK"):
+        table.add_column(column)
+    for follower in status.followers:
+        nack = f"[red]{follower.nacked_version}: {follower.nack_error}[/]" if follower.nack_error else "-"
+        share = (f"{follower.ratelimit_share:.4g} (1/{follower.replicas} of its side)"
+                 if follower.ratelimit_share else "-")
+        local = ", ".join(m for m in MIDDLEWARES if follower.placements.get(m) == "local")
+        placed = (local or "none") if follower.placements else "-"
+        table.add_row(follower.node_id, follower.role, share, placed, follower.acked_version or "-",
+                      follower.sent_version or "-", nack)
+    return table
 
 
 def audit_table(rows: Any) -> Table:

@@ -2,7 +2,9 @@
 
     python -m migration.runner --db PATH --listen unix:PATH --admin-token-file PATH
 
-With `--target xds` the gates read PromQL from `--prometheus-url`, or scrape every
+With `--target xds` each stage goes out over ADS (`--xds-listen`): weights to the data planes,
+placements and rate-limit shares to the spine replicas and layered rate limiters that follow
+the controller; the gates read PromQL from `--prometheus-url`, or scrape every
 `--layered-metrics` / `--spine-metrics` URL (each repeatable) directly.
 
 It binds only to a unix socket or loopback, re-applies the persisted stage on start (see
@@ -45,6 +47,9 @@ def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
                                         ("--spine", args.spine)) if not value]
     if missing:
         raise ConfigError(f"--target xds needs {', '.join(missing)}")
+    for flag, value in (("--min-data-planes", args.min_data_planes), ("--min-spine-replicas", args.min_spine_replicas)):
+        if value < 0:
+            raise ConfigError(f"{flag}: must be >= 0, got {value}")
     metrics = build_metrics_source(args)
 
     def endpoints(addresses: list[str], flag: str) -> list[Endpoint]:
@@ -67,9 +72,8 @@ def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
     log.info("xDS (ADS) serving on %s", plane.address)
     # A gateway that is not SERVING is sent UNHEALTHY, so data planes stop picking it.
     health = EndpointHealth({"layered": args.layered, "spine": args.spine}, xds=plane).start()
-    if args.min_data_planes < 0:
-        raise ConfigError(f"--min-data-planes: must be >= 0, got {args.min_data_planes}")
-    return XdsTarget(plane, metrics, endpoint_health=health, min_data_planes=args.min_data_planes)
+    return XdsTarget(plane, metrics, endpoint_health=health, min_data_planes=args.min_data_planes,
+                     min_spine_replicas=args.min_spine_replicas)
 
 
 def build_metrics_source(args: argparse.Namespace) -> MetricsSource:
@@ -114,6 +118,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-data-planes", type=int, default=1,
                         help="with --target xds: a stage counts as applied only once at least this many data "
                              "planes have ACKed it (default 1: an ACK means someone listened)")
+    parser.add_argument("--min-spine-replicas", type=int, default=1,
+                        help="with --target xds: a stage counts as applied only once at least this many spine "
+                             "replicas follow the controller (spine up --follow-controller) and every follower has "
+                             "applied the stage's placements and rate-limit shares (default 1; 0 where the spine's "
+                             "placements are its own config)")
     parser.add_argument("--allow-external", action="store_true",
                         help="allow non-loopback listen addresses (in a cluster; the admin token guards the API)")
     parser.add_argument("--xds-listen", help="with --target xds: where ADS listens, HOST:PORT")

@@ -161,6 +161,13 @@ def status_message(view: StatusView) -> pb.RolloutStatus:
                                   nack_error=row["nack_error"] or "", last_seen=row["last_seen"] or 0.0)
                      for row in view.data_planes],
         min_data_planes=view.min_data_planes,
+        followers=[pb.Follower(node_id=row["node_id"], role=row["role"], acked_version=row["acked_version"] or "",
+                               sent_version=row["sent_version"] or "", nacked_version=row["nacked_version"] or "",
+                               nack_error=row["nack_error"] or "", last_seen=row["last_seen"] or 0.0,
+                               ratelimit_share=row["ratelimit_share"] or 0.0, replicas=row["replicas"],
+                               placements=row["placements"])
+                   for row in view.followers],
+        min_spine_replicas=view.min_spine_replicas,
     )
     if stage is not None and stage.hold_s is not None:
         message.hold_s = stage.hold_s

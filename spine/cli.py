@@ -22,6 +22,7 @@ from pathlib import Path
 from services.common import ConfigError
 from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
 from spine.runtime.server import UnsafeAddress
+from spine.runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -47,15 +48,18 @@ def cmd_up(args: argparse.Namespace) -> int:
                   remote_addresses=remote_addresses(config))
     termination = Termination()
     stack.start()
+    follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements")
     key = dev_api_key(config)
     ready = {
         "event": "ready", "layout": stack.layout, "address": stack.address, "pid": os.getpid(),
-        "placements": dict(placements), "run_dir": str(stack.run_dir), "metrics": stack.metrics_address(),
+        "placements": dict(stack.placements), "run_dir": str(stack.run_dir), "metrics": stack.metrics_address(),
         "children": stack.supervisor.pids() if stack.supervisor else {},
         # The gateway's health and each component's; later flips, restarts and crash loops
         # are logged (one line each) on stderr.
         "health": stack.health_report(),
     }
+    if follower is not None:  # the controller's stage, as applied (placements above include it)
+        ready["follower"] = follower.state()
     print(json.dumps(ready), flush=True)
     print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)
     if key:
@@ -65,6 +69,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         termination.wait()
     finally:
         print("stopping: finishing in-flight requests, flushing logs and metrics", file=sys.stderr)
+        if follower is not None:
+            follower.stop()
         stack.stop()
     return 0
 
@@ -228,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", metavar="DIR", help="serve this transformers causal LM directory as the default "
                                                  "model (alias `default`) instead of the config's")
     up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
+    add_follow_arguments(up, "each stage's placements (moved live) and this spine's share of every limit")
     up.set_defaults(handler=cmd_up)
 
     model = sub.add_parser("model", help="model directories: make-tiny writes a small random one (offline)")

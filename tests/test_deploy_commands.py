@@ -86,3 +86,24 @@ def test_configmap_config_loads_and_every_section_parses(where: str, config: dic
     if not str(metrics.http_listen).startswith("127."):
         assert merged["metrics"].get("allow_external"), f"{where}: metrics on a pod address needs allow_external"
     LogsConfig.from_dict(merged.get("logs") or {}, Path("/tmp"))
+
+
+def test_spine_replicas_and_layered_rate_limiters_follow_the_controllers_xds_port() -> None:
+    """Each stage's placements and rate-limit shares reach every pod that holds them, at the
+    port the controller serves xDS on, under the pod's own name; and the controller waits for
+    as many spine replicas as the spine Deployment runs."""
+    deployments = {document["metadata"]["name"]: document for _, document in documents()
+                   if document.get("kind") == "Deployment"}
+
+    def command(name: str) -> list[str]:
+        (container,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        return list(container["command"]) + [str(arg) for arg in container.get("args", [])]
+
+    controller = runner_args(command("spine-controller")[3:])
+    port = controller.xds_listen.rsplit(":", 1)[1]
+    spine = cli_parser().parse_args(command("spine")[1:])
+    ratelimit = process_parser().parse_args(command("spine-ratelimit")[3:])
+    for args in (spine, ratelimit):
+        assert args.follow_controller == f"spine-controller.spine.svc.cluster.local:{port}"
+        assert args.node_id == "$(POD_NAME)"  # the pod's name, from the downward API
+    assert controller.min_spine_replicas == deployments["spine"]["spec"]["replicas"]

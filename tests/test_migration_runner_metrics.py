@@ -59,3 +59,13 @@ def test_metrics_urls_are_repeatable_and_every_one_is_scraped() -> None:
 def test_a_wrong_combination_is_a_config_error_naming_the_flags(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         source(*flags)
+
+
+def test_a_stage_waits_for_one_following_spine_replica_unless_told_otherwise() -> None:
+    from migration.runner import build_xds_target
+
+    assert parse_args(BASE).min_spine_replicas == 1
+    args = parse_args([*BASE, "--xds-listen", "127.0.0.1:0", "--layered", "127.0.0.1:1", "--spine", "127.0.0.1:2",
+                       "--prometheus-url", "http://127.0.0.1:9090", "--min-spine-replicas", "-1"])
+    with pytest.raises(ConfigError, match=re.escape("--min-spine-replicas: must be >= 0, got -1")):
+        build_xds_target(args)

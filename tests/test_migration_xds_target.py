@@ -136,7 +136,10 @@ def walk_plan(sides: dict[str, Stack], tmp_path: Path, metrics: list[str], plan:
     ads = f"127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "rollout.db"), "--listen", listen,
             "--admin-token-file", str(token_file), "--target", "xds", "--xds-listen", ads,
-            "--layered", sides["layered"].address, "--spine", sides["spine"].address, *metrics]
+            "--layered", sides["layered"].address, "--spine", sides["spine"].address, *metrics,
+            # Weights only: these spines keep their own placements (tests/test_stage_followers.py
+            # has spine replicas and rate limiters following the stage).
+            "--min-spine-replicas", "0"]
     controller = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     bootstrap = {"xds_servers": [{"server_uri": ads, "channel_creds": [{"type": "insecure"}],
                                   "server_features": ["xds_v3"]}],

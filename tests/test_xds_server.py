@@ -14,8 +14,9 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
 from migration.xds import Endpoint, XdsControlPlane
-from migration.xds.snapshot import CLUSTER, ENDPOINT, LISTENER, ROUTE
+from migration.xds.snapshot import CLUSTER, ENDPOINT, LISTENER, ROUTE, STAGE
 from services.common import ConfigError
+from spine.v1 import stage_pb2
 
 ENDPOINTS = {"layered": [Endpoint("127.0.0.1", 7001)], "spine": [Endpoint("127.0.0.1", 7002)]}
 _END = object()
@@ -24,8 +25,9 @@ _END = object()
 class FakeDataPlane:
     """A data plane driven by the test: sends DiscoveryRequests, receives responses."""
 
-    def __init__(self, address: str, node_id: str) -> None:
+    def __init__(self, address: str, node_id: str, role: str = "") -> None:
         self.node_id = node_id
+        self.role = role
         self.channel = grpc.insecure_channel(address)
         self._requests: queue.Queue[object] = queue.Queue()
         self._responses: queue.Queue[object] = queue.Queue()
@@ -58,6 +60,8 @@ class FakeDataPlane:
         )
         if self._first:
             request.node.id = self.node_id
+            if self.role:
+                request.node.metadata.update({"role": self.role})
             self._first = False
         if error is not None:
             request.error_detail.CopyFrom(status_pb2.Status(code=3, message=error))
@@ -335,3 +339,33 @@ def test_stopped_control_plane_cannot_be_restarted(plane: XdsControlPlane) -> No
     plane.stop(grace=0)
     with pytest.raises(RuntimeError, match="make a new XdsControlPlane"):
         plane.start()
+
+
+def test_a_follower_is_served_only_its_own_assignment_never_the_data_planes_default(plane: XdsControlPlane) -> None:
+    """A node with a role gets nothing from the default snapshot: an empty answer under a
+    stage's version is one it could ACK without having applied anything."""
+    assert plane.address is not None
+    plane.set_weights(100, 0, "v1")  # weights alone: no stage for followers
+    follower = FakeDataPlane(plane.address, "spine-1", role="spine")
+    follower.send(STAGE)
+    assert follower.nothing_within(0.3)
+    plane.set_stage(25, {"ratelimit": "local"}, "v2")
+    response = follower.recv()
+    assignment = stage_pb2.StageAssignment()
+    assert response.version_info == "v2" and response.resources[0].Unpack(assignment)
+    assert (assignment.side, assignment.ratelimit_share, assignment.placements["ratelimit"]) == ("spine", 0.25, "local")
+    follower.ack(response)
+    assert plane.ads.wait_for(lambda: plane.followers_applied("v2", 1), timeout=5)
+    assert plane.acked("v2")  # the data planes' side: none connected, the follower not counted there
+    assert [row["node_id"] for row in plane.followers_status()] == ["spine-1"] and plane.status() == []
+    follower.close()
+
+
+def test_a_node_naming_an_unknown_role_gets_no_assignment_and_holds_nothing(plane: XdsControlPlane) -> None:
+    assert plane.address is not None
+    plane.set_stage(50, {"ratelimit": "local"}, "v1")
+    odd = FakeDataPlane(plane.address, "odd-1", role="sidecar")
+    odd.send(STAGE)
+    assert odd.nothing_within(0.3)
+    assert plane.followers_applied("v1", 0)  # it is no follower of a role the stage waits for
+    odd.close()

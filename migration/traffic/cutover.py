@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from migration.gates import WindowStats
+from migration.limits import side_shares
 from migration.server import ControllerProcess
 from migration.traffic.endpoint_health import EndpointHealth, endpoint
 from migration.traffic.front import Front
@@ -29,10 +30,6 @@ from spine.runtime.faults import FaultHook
 from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.stack import Stack, write_private
 from spine.v1 import ratelimit_pb2
-
-# A side that gets no traffic still keeps a sliver of budget: a share must be > 0, and
-# requests forced to that side (x-spine-route) or still in flight are few.
-MIN_SHARE = 0.01
 
 
 class FrontTarget:
@@ -61,13 +58,12 @@ class FrontTarget:
                 self.xds.set_spine_percent(spine_weight, version)
 
     def _split_limits(self, spine_weight: float) -> None:
-        spine_share = spine_weight / 100.0
         own = self.spine.placements.get("ratelimit") == "local"
+        spine_share, layered_share = side_shares(spine_weight, own)
         if own:  # through the spine's own binding, as to any rate limiter
-            self.spine.bindings["ratelimit"].SetShare(
-                ratelimit_pb2.SetShareRequest(fraction=max(spine_share, MIN_SHARE)), timeout=1.0)
+            self.spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=spine_share),
+                                                      timeout=1.0)
         if self.layered_ratelimit is not None:
-            layered_share = max(1.0 - spine_share, MIN_SHARE) if own else 1.0
             self.layered_ratelimit.SetShare(ratelimit_pb2.SetShareRequest(fraction=layered_share), timeout=1.0)
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:

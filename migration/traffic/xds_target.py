@@ -1,13 +1,14 @@
 """The controller's target when real data planes carry the traffic (Envoy, proxyless gRPC).
 
-Weights go out over xDS; a stage counts as applied once every connected data plane has
-ACKed its version; the gates read each side's own metrics through a `MetricsSource` — a
-Prometheus server's PromQL in production, a direct scrape of every endpoint of each side
-locally. Each gateway's health (`EndpointHealth`) marks its endpoint UNHEALTHY while it is
-not SERVING, so data planes stop picking it. Placements are the spine's own configuration
-in this mode (a spine Deployment runs with its middlewares collapsed); the controller
-records them with each stage but has no process to move them in — the built-in front
-(`migration.traffic.cutover`) is the mode that moves placements live.
+A stage goes out over xDS as one version: its weights to every data plane, its placements
+and rate-limit shares to every follower of the controller (each spine replica, each layered
+rate limiter; `migration.xds.followers`). The stage counts as applied once every connected
+data plane has ACKed its weights (at least `min_data_planes` of them) AND every connected
+follower has applied and ACKed its assignment (at least `min_spine_replicas` spine
+replicas). The gates read each side's own metrics through a `MetricsSource` — a Prometheus
+server's PromQL in production, a direct scrape of every endpoint of each side locally.
+Each gateway's health (`EndpointHealth`) marks its endpoint UNHEALTHY while it is not
+SERVING, so data planes stop picking it.
 """
 
 from __future__ import annotations
@@ -25,35 +26,44 @@ STABLE_VERSION = "stable"
 
 class XdsTarget:
     def __init__(self, plane: XdsControlPlane, metrics: MetricsSource,
-                 endpoint_health: EndpointHealth | None = None, min_data_planes: int = 1) -> None:
+                 endpoint_health: EndpointHealth | None = None, min_data_planes: int = 1,
+                 min_spine_replicas: int = 1) -> None:
         self.plane = plane
         self.metrics = metrics
         self.endpoint_health = endpoint_health
         # A stage is applied once every connected data plane ACKed it AND at least this many
         # did: with nobody connected, "everyone ACKed" is vacuously true and means nothing.
         self.min_data_planes = min_data_planes
+        # Likewise for the spine replicas that must hold the stage's placements.
+        self.min_spine_replicas = min_spine_replicas
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
-        self.plane.set_spine_percent(spine_weight, version)
-        log.info("published %s: spine %.2f%% (placements %s are the spine's own config in xds mode)",
-                 version, spine_weight, placements)
+        self.plane.set_stage(spine_weight, placements, version)
+        local = [name for name, where in sorted(placements.items()) if where == "local"]
+        log.info("published %s: spine %.2f%%, spine placements local: %s", version, spine_weight,
+                 ", ".join(local) or "none")
 
     def serve_stable(self) -> None:
         """Before any rollout has moved traffic (nothing published once the controller has
         re-applied what it recorded): serve the stable state, 100% layered, so a data plane
-        that connects before any plan reaches a backend."""
+        that connects before any plan reaches a backend. Spine replicas keep their own
+        placements; layered rate limiters hold the whole limit between them."""
         if self.plane.version is None:
-            self.plane.set_spine_percent(0.0, STABLE_VERSION)
+            self.plane.set_stage(0.0, None, STABLE_VERSION)
             log.info("published %s: 100%% layered (no rollout has started)", STABLE_VERSION)
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
         return self.metrics.window("layered", since), self.metrics.window("spine", since), 0
 
     def applied(self, version: str) -> bool:
-        return self.plane.stage_acked(version, self.min_data_planes)
+        return (self.plane.stage_acked(version, self.min_data_planes)
+                and self.plane.followers_applied(version, self.min_spine_replicas))
 
     def data_planes(self) -> list[dict[str, object]]:
         return self.plane.status()
+
+    def followers(self) -> list[dict[str, object]]:
+        return self.plane.followers_status()
 
     def close(self) -> None:
         self.metrics.close()

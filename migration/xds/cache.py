@@ -48,10 +48,11 @@ class SnapshotCache:
             for watcher in watchers:
                 watcher(node_id)
 
-    def get(self, node_id: str) -> Snapshot | None:
-        """The node's own snapshot, else the default, else None."""
+    def get(self, node_id: str, default: bool = True) -> Snapshot | None:
+        """The node's own snapshot, else (unless `default` is False) the default, else None."""
         with self._lock:
-            return self._snapshots.get(node_id) or self._snapshots.get(ANY_NODE)
+            own = self._snapshots.get(node_id)
+            return own if own is not None or not default else self._snapshots.get(ANY_NODE)
 
     def nodes(self) -> list[str]:
         with self._lock:

@@ -1,8 +1,12 @@
-"""What the migration controller drives: weights and endpoints in, ACK state out.
+"""What the migration controller drives: weights, placements and endpoints in, ACK state out.
 
 `XdsControlPlane` owns a SnapshotCache, the ADS servicer and a gRPC server on loopback (by
-default). Each `set_weights` publishes one versioned snapshot for every node; the controller's
-gate then waits on `acked(version)` before it counts a stage as reached.
+default). Each `set_stage` publishes one versioned snapshot for every data plane (the weights)
+and one for every follower of the controller (`StageFollowers`: a spine replica's placements,
+each rate limiter's share of the limits); the controller's gate then waits until the data
+planes (`stage_acked`) and the followers (`followers_applied`) have ACKed it before it counts
+a stage as reached. `set_spine_percent` publishes weights alone (the built-in front moves
+placements itself).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from migration.xds.cache import ANY_NODE, SnapshotCache
+from migration.xds.followers import StageFollowers
 from migration.xds.server import AdsServer
 from migration.xds.snapshot import LAYERED, SPINE, Endpoint, Snapshot, build_snapshot
 from services.common import ConfigError
+from spine.runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE
 
 
 class XdsControlPlane:
@@ -44,7 +50,8 @@ class XdsControlPlane:
         self.node_id = node_id
         self.max_streams = max_streams
         self.cache = SnapshotCache()
-        self.ads = AdsServer(self.cache, wall_clock=wall_clock)
+        self.followers = StageFollowers(self.cache)
+        self.ads = AdsServer(self.cache, wall_clock=wall_clock, callbacks=self.followers)
         self._lock = threading.Lock()
         self._endpoints: dict[str, list[Endpoint]] = {LAYERED: [], SPINE: []}
         self._endpoints.update({name: list(eps) for name, eps in (endpoints or {}).items()})
@@ -93,15 +100,29 @@ class XdsControlPlane:
         return snapshot
 
     def set_spine_percent(self, spine_weight: float, version: str) -> Snapshot:
-        """Publish a stage given as the spine's share in percent (0-100, fractions allowed).
+        """Publish weights given as the spine's share in percent (0-100, fractions allowed).
 
-        Weights are sent in hundredths of a percent so a 0.5 % canary is exact; this is the
-        call behind the controller's `TrafficTarget.apply(spine_weight, ...)`.
+        Weights are sent in hundredths of a percent so a 0.5 % canary is exact.
         """
-        if isinstance(spine_weight, bool) or not 0 <= spine_weight <= 100:
-            raise ConfigError(f"spine_weight: expected a percentage between 0 and 100, got {spine_weight!r}")
-        spine = round(spine_weight * 100)
-        return self.set_weights(10_000 - spine, spine, version)
+        return self.set_weights(*_weights(spine_weight), version)
+
+    def set_stage(self, spine_weight: float, placements: Mapping[str, str] | None, version: str) -> Snapshot:
+        """Publish a whole stage as `version`: its weights to every data plane, its placements
+        and rate-limit shares to every follower (`placements` None: the stable state, in which a
+        spine keeps its own). The call behind the controller's `TrafficTarget.apply`.
+
+        Checked before anything is published (a stage that cannot be served changes nothing);
+        followers get theirs first, so a spine has its placements by the time data planes that
+        ACK quickly send it the new weight.
+        """
+        layered, spine = _weights(spine_weight)
+        with self._lock:
+            snapshot = build_snapshot(self.service, {LAYERED: layered, SPINE: spine}, self._endpoints, version)
+            self.followers.set_stage(spine_weight, placements, version)
+            self.cache.set_snapshot(self.node_id, snapshot)
+            self._weights = {LAYERED: layered, SPINE: spine}
+            self._version = version
+        return snapshot
 
     def set_endpoints(
         self, endpoints: Mapping[str, Sequence[Endpoint]], version: str | None = None
@@ -144,9 +165,33 @@ class XdsControlPlane:
     def wait_acked(self, version: str, timeout: float, min_nodes: int = 0) -> bool:
         return self.ads.wait_acked(version, timeout, min_nodes)
 
+    def followers_applied(self, version: str, min_spine: int = 0) -> bool:
+        """Stage `version` is in force on every follower: at least `min_spine` spine replicas
+        are connected, and every connected follower (spine replicas, layered rate limiters)
+        has applied and ACKed its current assignment for that stage."""
+        current = self.followers.current_version(version)
+        if current is None:
+            return False
+        return (self.ads.acked(current, min_spine, role=ROLE_SPINE)
+                and self.ads.acked(current, 0, role=ROLE_LAYERED_RATELIMIT))
+
     def status(self) -> list[dict[str, Any]]:
-        """Per node and type: acked_version, nack_error, last_seen (for `spine migrate status`)."""
-        return self.ads.status()
+        """Per data plane and type: acked_version, nack_error, last_seen (for `spine migrate status`)."""
+        return [row for row in self.ads.status() if not row["role"]]
+
+    def followers_status(self) -> list[dict[str, Any]]:
+        """Per follower: its role, what it was assigned (share, placements), what it ACKed or
+        NACKed and when it was last heard from."""
+        assigned = self.followers.assigned()
+        rows = []
+        for row in self.ads.status():
+            if not row["role"]:
+                continue
+            assignment = assigned.get(row["node_id"])
+            rows.append({**row, "ratelimit_share": assignment.ratelimit_share if assignment else None,
+                         "replicas": assignment.replicas if assignment else 0,
+                         "placements": dict(assignment.placements) if assignment else {}})
+        return rows
 
     def stop(self, grace: float = 1.0) -> None:
         """End every stream and stop listening; data planes keep their last config. Final."""
@@ -155,3 +200,11 @@ class XdsControlPlane:
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None
+
+
+def _weights(spine_weight: float) -> tuple[int, int]:
+    """(layered, spine) in hundredths of a percent, so a 0.5 % canary is exact."""
+    if isinstance(spine_weight, bool) or not 0 <= spine_weight <= 100:
+        raise ConfigError(f"spine_weight: expected a percentage between 0 and 100, got {spine_weight!r}")
+    spine = round(spine_weight * 100)
+    return 10_000 - spine, spine

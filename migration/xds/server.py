@@ -13,6 +13,14 @@ Protocol rules followed (xDS REST/gRPC protocol, SotW):
 - LDS and CDS with no names (or "*") are wildcard; RDS and EDS are by name;
 - names that the snapshot lacks get an answer without them and one log line per change.
 
+Nodes come in two kinds, told apart by a `role` string in the Node's metadata: data planes
+(no role: Envoy, proxyless gRPC clients), served their own snapshot or else the default one;
+and followers of the controller (a role such as "spine"), served only the snapshot set for
+their own node id — never the data planes' default. `acked` is asked per role. The
+application hears of every node that connects (before its first answer is made, so it can
+set that node's snapshot first) and of every one that leaves, through `StreamCallbacks`
+(go-control-plane's server callbacks, reduced to the two spine needs).
+
 Each stream uses two threads (a grpc worker yielding responses and a reader feeding it), so the
 server's thread pool bounds the number of data planes; see `XdsControlPlane(max_streams=...)`.
 """
@@ -26,17 +34,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from migration.xds.cache import ANY_NODE, SnapshotCache
-from migration.xds.snapshot import CLUSTER, LISTENER, TYPE_NAMES, TYPE_URLS, Snapshot
+from migration.xds.snapshot import CLUSTER, LISTENER, STAGE, TYPE_NAMES, TYPE_URLS, Snapshot
 
 log = logging.getLogger("spine.xds")
 
-WILDCARD_TYPES = frozenset({LISTENER, CLUSTER})
+WILDCARD_TYPES = frozenset({LISTENER, CLUSTER, STAGE})
 _CLOSED = object()
 _CHANGED = object()
 
@@ -65,15 +73,28 @@ class StreamState:
     peer: str
     events: queue.Queue[Any] = field(default_factory=queue.Queue)
     node_id: str | None = None
+    role: str = ""  # the Node metadata's `role`; empty for a data plane
     types: dict[str, TypeState] = field(default_factory=dict)
+
+
+class StreamCallbacks(Protocol):
+    """What the application hears about nodes (called outside the server's lock)."""
+
+    def node_connected(self, stream_id: int, node_id: str, role: str) -> None:
+        """A stream named its node: called before its first request is answered."""
+
+    def node_disconnected(self, stream_id: int, node_id: str, role: str) -> None:
+        """That stream ended."""
 
 
 class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     """AggregatedDiscoveryService over a SnapshotCache; one instance serves many streams."""
 
-    def __init__(self, cache: SnapshotCache, *, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, cache: SnapshotCache, *, wall_clock: Callable[[], float] = time.time,
+                 callbacks: StreamCallbacks | None = None) -> None:
         self._cache = cache
         self._wall_clock = wall_clock
+        self._callbacks = callbacks
         self._lock = threading.RLock()  # re-entrant: wait_for predicates may call acked()
         self._changed = threading.Condition(self._lock)
         self._streams: dict[int, StreamState] = {}
@@ -108,6 +129,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 event = events.get()
                 if event is _CLOSED:
                     return
+                if event is not _CHANGED and stream.node_id is None:
+                    self._identify(stream, event)
                 responses = self._on_change(stream) if event is _CHANGED else self._on_request(stream, event)
                 yield from responses
         finally:
@@ -115,24 +138,26 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     # -- what the controller reads ------------------------------------------------------------
 
-    def connected(self) -> list[str]:
-        """Node ids of the open streams that have identified themselves."""
+    def connected(self, role: str | None = None) -> list[str]:
+        """Node ids of the open streams that have identified themselves (of `role`, if given)."""
         with self._lock:
-            return sorted(s.node_id for s in self._streams.values() if s.node_id is not None)
+            return sorted(s.node_id for s in self._streams.values()
+                          if s.node_id is not None and (role is None or s.role == role))
 
-    def acked(self, version: str, min_nodes: int = 0) -> bool:
-        """True when every connected node has ACKed `version` for every type it subscribes to.
+    def acked(self, version: str, min_nodes: int = 0, role: str = "") -> bool:
+        """True when every connected node of `role` (default: the data planes) has ACKed
+        `version` for every type it subscribes to.
 
-        With no data plane connected this is vacuously true unless `min_nodes` says how many
+        With no such node connected this is vacuously true unless `min_nodes` says how many
         must be there. A stream that has not subscribed to anything yet counts as not acked.
         """
         with self._lock:
-            return self._acked_locked(version, min_nodes)
+            return self._acked_locked(version, min_nodes, role)
 
-    def wait_acked(self, version: str, timeout: float, min_nodes: int = 0) -> bool:
-        """Block until `acked(version, min_nodes)` or `timeout` seconds; returns the outcome."""
+    def wait_acked(self, version: str, timeout: float, min_nodes: int = 0, role: str = "") -> bool:
+        """Block until `acked(version, min_nodes, role)` or `timeout` seconds; returns the outcome."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._acked_locked(version, min_nodes), timeout)
+            return self._changed.wait_for(lambda: self._acked_locked(version, min_nodes, role), timeout)
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Block until `predicate()` (called after each request handled) or `timeout`."""
@@ -149,6 +174,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 for type_url, ts in sorted(stream.types.items(), key=lambda kv: _type_order(kv[0])):
                     rows.append({
                         "node_id": stream.node_id,
+                        "role": stream.role,
                         "peer": stream.peer,
                         "type_url": type_url,
                         "type": TYPE_NAMES.get(type_url, type_url),
@@ -162,8 +188,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _acked_locked(self, version: str, min_nodes: int) -> bool:
-        streams = [s for s in self._streams.values() if s.node_id is not None]
+    def _acked_locked(self, version: str, min_nodes: int, role: str = "") -> bool:
+        streams = [s for s in self._streams.values() if s.node_id is not None and s.role == role]
         if len(streams) < min_nodes:
             return False
         for stream in streams:
@@ -179,6 +205,24 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             if node_id == ANY_NODE or stream.node_id == node_id:
                 stream.events.put(_CHANGED)
 
+    def _identify(self, stream: StreamState, request: discovery_pb2.DiscoveryRequest) -> None:
+        """Note the node of a stream's first request, then tell the application (outside the
+        lock, before the request is answered: it may set this node's snapshot first)."""
+        role = request.node.metadata.fields.get("role")
+        with self._changed:
+            stream.node_id = request.node.id
+            stream.role = role.string_value if role is not None else ""
+            if not stream.node_id:
+                log.warning("xds: stream %d from %s sent no node id; serving it the default snapshot",
+                            stream.stream_id, stream.peer)
+            log.info("xds: node %r%s connected from %s", stream.node_id,
+                     f" (role {stream.role})" if stream.role else "", stream.peer)
+        if self._callbacks is not None:
+            try:
+                self._callbacks.node_connected(stream.stream_id, stream.node_id, stream.role)
+            except Exception:  # the stream is served whatever the application made of it
+                log.exception("xds: node_connected(%r) failed", stream.node_id)
+
     def _on_request(
         self, stream: StreamState, request: discovery_pb2.DiscoveryRequest
     ) -> list[discovery_pb2.DiscoveryResponse]:
@@ -191,12 +235,6 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def _handle_request_locked(
         self, stream: StreamState, request: discovery_pb2.DiscoveryRequest
     ) -> list[discovery_pb2.DiscoveryResponse]:
-        if stream.node_id is None:
-            stream.node_id = request.node.id
-            if not stream.node_id:
-                log.warning("xds: stream %d from %s sent no node id; serving it the default snapshot",
-                            stream.stream_id, stream.peer)
-            log.info("xds: node %r connected from %s", stream.node_id, stream.peer)
         type_url = request.type_url
         if type_url not in TYPE_URLS and type_url not in stream.types:
             log.warning("xds: node %r asked for unknown type %r; it will get empty answers",
@@ -238,7 +276,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         """The response this stream needs for `type_url`, or None when it is up to date."""
         if not ts.subscribed or stream.node_id is None:
             return None
-        snapshot = self._cache.get(stream.node_id)
+        # A follower is served only what is set for it: the data planes' default would answer
+        # it with an empty assignment under a stage's version, which it could ACK unapplied.
+        snapshot = self._cache.get(stream.node_id, default=not stream.role)
         if snapshot is None:
             return None
         if ts.sent_version == snapshot.version and ts.sent_names == ts.names:
@@ -255,6 +295,11 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             self._streams.pop(stream.stream_id, None)
             self._changed.notify_all()
         log.info("xds: node %r (%s) disconnected", stream.node_id, stream.peer)
+        if self._callbacks is not None and stream.node_id is not None:
+            try:
+                self._callbacks.node_disconnected(stream.stream_id, stream.node_id, stream.role)
+            except Exception:
+                log.exception("xds: node_disconnected(%r) failed", stream.node_id)
 
 
 def _select(snapshot: Snapshot, type_url: str, ts: TypeState, node_id: str) -> list[Any]:

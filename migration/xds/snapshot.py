@@ -26,15 +26,19 @@ from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf import message as pb_message
 
 from services.common import ConfigError
+from spine.runtime.stage_follower import STAGE_ASSIGNMENT
+from spine.v1 import stage_pb2
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# Our own type: what a stage assigns a follower (a spine replica, a layered rate limiter).
+STAGE = STAGE_ASSIGNMENT
 # The order a data plane needs them in; also the order responses are pushed in, so a client
-# never sees a route before the clusters it names.
-TYPE_URLS: tuple[str, ...] = (CLUSTER, ENDPOINT, LISTENER, ROUTE)
-TYPE_NAMES = {LISTENER: "LDS", ROUTE: "RDS", CLUSTER: "CDS", ENDPOINT: "EDS"}
+# never sees a route before the clusters it names. Followers read only STAGE.
+TYPE_URLS: tuple[str, ...] = (CLUSTER, ENDPOINT, LISTENER, ROUTE, STAGE)
+TYPE_NAMES = {LISTENER: "LDS", ROUTE: "RDS", CLUSTER: "CDS", ENDPOINT: "EDS", STAGE: "STAGE"}
 
 LAYERED = "layered"
 SPINE = "spine"
@@ -110,6 +114,15 @@ class Snapshot:
                 raise ConfigError(
                     f"snapshot {self.version}: cluster {name!r} has no load assignment "
                     f"{service!r} (load assignments: {sorted(assignments)})"
+                )
+        for name, stage in self.of_type(STAGE).items():
+            assert isinstance(stage, stage_pb2.StageAssignment)
+            bad = {k: v for k, v in stage.placements.items() if v not in ("local", "remote")}
+            if bad or not 0.0 <= stage.ratelimit_share <= 1.0:
+                raise ConfigError(
+                    f"snapshot {self.version}: stage assignment {name!r} needs placements local|remote "
+                    f"and a ratelimit_share in [0, 1], got placements {bad or 'ok'}, "
+                    f"share {stage.ratelimit_share:g}"
                 )
 
 
@@ -255,6 +268,7 @@ __all__ = [
     "LISTENER",
     "ROUTE",
     "SPINE",
+    "STAGE",
     "TYPE_NAMES",
     "TYPE_URLS",
     "Endpoint",

@@ -5,6 +5,12 @@
 The process makes its own device context, serves the component behind a real gRPC
 server (with health and reflection), and on SIGTERM stops accepting, finishes what it
 accepted and flushes (logs, metrics) before it exits. It dies with its supervisor.
+
+A layered rate limiter can follow the migration controller (`--follow-controller
+HOST:PORT`, its xDS address): each stage sets its share of every limit (its side's share
+divided by the rate limiters of that side), so a tenant's total across both sides and all
+replicas stays within its limit. It waits up to `--initial-fetch-timeout-s` for its first
+share before it starts serving.
 """
 
 from __future__ import annotations
@@ -17,6 +23,12 @@ import sys
 from pathlib import Path
 
 from services.registry import COMPONENTS, DEFAULT, close_servicer
+from spine.runtime.stage_follower import (
+    ROLE_LAYERED_RATELIMIT,
+    add_follow_arguments,
+    follow,
+    ratelimit_applier,
+)
 
 PR_SET_PDEATHSIG = 1
 
@@ -39,12 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--allow-external", action="store_true",
                         help="listen beyond loopback (a pod address in a cluster)")
+    add_follow_arguments(parser, "this rate limiter's share of every limit (ratelimit only)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.follow_controller and args.component != "ratelimit":
+        parser.error(f"--follow-controller: only ratelimit follows the controller's stages, not {args.component}")
 
     die_with_parent()
     if args.parent_pid and os.getppid() != args.parent_pid:
@@ -70,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
     # The model's requests wait in its priority queue, not in front of the thread pool.
     pool = request_pool(config) if args.component == "inference" else PoolSize()
+    # Its share first: a limiter that follows does not serve before it has one (or has waited).
+    follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit")
     server = start_server([(spec, servicer)], args.listen,
                           max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
                           allow_external=args.allow_external, **pool)
@@ -87,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{args.component} serving on {server.address}", flush=True)
     termination.wait()
+    if follower is not None:
+        follower.stop()
     deep.stop()
     server.stop(grace=3.0)
     if extra is not None:

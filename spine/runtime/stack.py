@@ -25,7 +25,7 @@ import yaml
 
 from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
-from services.common import section
+from services.common import ConfigError, section
 from services.inference_config import InferenceConfig
 from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
 from services.pipeline.limits import RequestLimits
@@ -232,15 +232,20 @@ class Stack:
             report["children"] = self.supervisor.status()
         return report
 
+    def local_servicer(self, name: str) -> Any:
+        """The servicer `name` runs on when placed here: built once on the stack's device
+        (also before it is moved here, so it can be set up first), then kept across moves."""
+        assert self.run_dir is not None and self.device is not None, "stack not started"
+        servicer = self.local_servicers.get(name)
+        if servicer is None:
+            servicer = self.registry[name].build(self.config, self.device, self.run_dir)
+            self.local_servicers[name] = servicer
+        return servicer
+
     def _bind(self, name: str, max_message_bytes: int, placement: str | None = None) -> Any:
         spec = self.registry[name]
         if (placement or self.placements[name]) == "local":
-            assert self.run_dir is not None and self.device is not None, "stack not started"
-            servicer = self.local_servicers.get(name)
-            if servicer is None:
-                servicer = spec.build(self.config, self.device, self.run_dir)
-                self.local_servicers[name] = servicer
-            return LocalBinding(name, spec.descriptor(), servicer, self.hooks)
+            return LocalBinding(name, spec.descriptor(), self.local_servicer(name), self.hooks)
         if name in self.remote_addresses:
             address = self.remote_addresses[name]
         else:
@@ -263,7 +268,7 @@ class Stack:
         """
         assert self.gateway is not None, "stack not started"
         limits = RequestLimits.from_config(self.config)
-        merged = {**self.placements, **placements}
+        merged = self.check_placements(placements)
         if self.completions is not None and merged != dict(self.placements):
             self.completions.drain()
         for name in self.registry.names:
@@ -276,6 +281,25 @@ class Stack:
         self.gateway.layout = self.layout
         self._attach_batching()
         self._start_deep_health()  # the model moved here: the gateway's health reads its probe
+
+    def check_placements(self, placements: Mapping[str, str]) -> dict[str, str]:
+        """The placements after `placements` would be applied, or ConfigError naming the first
+        one this stack cannot take (an unknown component, a value other than local|remote, a
+        remote one it has no address for); nothing is changed either way."""
+        merged = dict(self.placements)
+        for name, placement in placements.items():
+            if name not in self.registry.names:
+                raise ConfigError(f"placements.{name}: unknown component; this spine has "
+                                  f"{', '.join(self.registry.names)}")
+            if placement not in ("local", "remote"):
+                raise ConfigError(f"placements.{name}: must be local or remote, got {placement!r}")
+            reachable = name in self.remote_addresses or (
+                self.supervisor is not None and name in self.supervisor.children)
+            if placement == "remote" and self.placements[name] != "remote" and not reachable:
+                raise ConfigError(f"placements.{name}: remote, but this spine has no {name} process to call "
+                                  f"(give it remote_addresses.{name} in its config)")
+            merged[name] = placement
+        return merged
 
     def _attach_batching(self) -> None:
         """Batch the stages whose components are local now (or all, with batching.remote);

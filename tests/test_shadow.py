@@ -13,13 +13,13 @@ import grpc
 import pytest
 
 from migration.traffic.cutover import FrontTarget
-from migration.traffic.decisions import Decision, decide
 from migration.traffic.front import Front
-from migration.traffic.shadow import ShadowConfig, ShadowMirror
 from services.common import ConfigError
 from services.registry import GATEWAY
 from spine.client.gateway_client import GatewayClient
+from spine.runtime.decisions import Decision, decide
 from spine.runtime.server import RunningServer, start_server
+from spine.runtime.shadow import ShadowConfig, ShadowMirror
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack

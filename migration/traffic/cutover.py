@@ -20,13 +20,13 @@ from migration.gates import WindowStats
 from migration.server import ControllerProcess
 from migration.traffic.endpoint_health import EndpointHealth, endpoint
 from migration.traffic.front import Front
-from migration.traffic.shadow import ShadowConfig
 from migration.xds import XdsControlPlane
 from services.pipeline.verdicts import RequestLimits
 from services.registry import COMPONENTS, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook
 from spine.runtime.server import RunningServer, start_server
+from spine.runtime.shadow import ShadowConfig
 from spine.runtime.stack import Stack, write_private
 from spine.v1 import ratelimit_pb2
 

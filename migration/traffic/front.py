@@ -8,7 +8,7 @@ rollback never moves a request already in flight.
 
 The front also keeps what the controller's gates read: per side, when each request
 ended, whether the layout failed it, and how long it took — and, in shadow mode
-(`migration.traffic.shadow`), how many mirrored answers disagreed with the primary's.
+(`spine.runtime.shadow`), how many mirrored answers disagreed with the primary's.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 
-from migration.traffic.decisions import Decision, decide
-from migration.traffic.shadow import Metadata, ShadowConfig, ShadowMirror
+from spine.runtime.decisions import Decision, decide
+from spine.runtime.shadow import Metadata, ShadowConfig, ShadowMirror
 from spine.runtime.stats import percentile
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
@@ -215,7 +215,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
 def _forward(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
     """Pass the caller's metadata on, less the front's own and anything internal: no
     `x-spine-*` key a client sends reaches a side (the marks the front itself puts on its
-    shadow copies are signed; see `migration.traffic.shadow`)."""
+    shadow copies are signed; see `spine.runtime.shadow`)."""
     return tuple((k, v) for k, v in metadata if not k.startswith(("x-spine-", "grpc-")))
 
 

@@ -5,7 +5,7 @@ they are built from it (`placements_model`, `remote_addresses_model`).
 
 Light on purpose (pydantic only): the root model imports them, and loading a config must
 not load OpenTelemetry or the migration code. `spine.runtime.tracing.TracingConfig` and
-`migration.traffic.shadow.ShadowConfig` are these classes, re-exported where they are used.
+`spine.runtime.shadow.ShadowConfig` are these classes, re-exported where they are used.
 """
 
 from __future__ import annotations
@@ -114,13 +114,13 @@ class TracingConfig(Section):
         return cls.parse(config.get("tracing"), "tracing")
 
 
-# What two layouts' answers are compared on (`migration.traffic.decisions.Decision`'s fields);
+# What two layouts' answers are compared on (`spine.runtime.decisions.Decision`'s fields);
 # listed here so the shadow section's schema can name them.
 DecisionField = Literal["status", "details", "auth", "ratelimit", "route", "cached", "tokens"]
 
 
 class ShadowConfig(Section):
-    """The `shadow:` section (see `migration.traffic.shadow`)."""
+    """The `shadow:` section (see `spine.runtime.shadow`)."""
 
     share: Share = 0.0
     compare: StrictBool = True

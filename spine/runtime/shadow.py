@@ -7,7 +7,7 @@ Mirrors carry `x-spine-shadow`, signed with the deployment's internal secret
 (`services.pipeline.internal_marks`), so the gateway only dry-runs the rate limit, never
 writes the cache, and counts them apart in metrics and logs; a client cannot forge it.
 
-Each mirrored answer is compared with the primary's (`migration.traffic.decisions`). A mismatch
+Each mirrored answer is compared with the primary's (`spine.runtime.decisions`). A mismatch
 is published with both sides: a log line, a counter, and the recent list. A share of the
 mirrors goes to the primary's own side instead — comparing a layout with itself — and a
 field that differs there is noise (timing, state a shadow cannot share), not a verdict
@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from migration.traffic.decisions import Decision, differing
 from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
+from spine.runtime.decisions import Decision, differing
 from spine.runtime.sections import ShadowConfig
 from spine.v1 import generation_pb2
 

@@ -120,9 +120,15 @@ DecisionField = Literal["status", "details", "auth", "ratelimit", "route", "cach
 
 
 class ShadowConfig(Section):
-    """The `shadow:` section (see `spine.runtime.shadow`)."""
+    """The `shadow:` section (see `spine.runtime.shadow`).
+
+    Read by the built-in front, and by a spine given `layered_address`: the spine then
+    mirrors `share` of its own answered requests to the layered gateway there and exports
+    the comparisons on its /metrics (`spine.runtime.gateway_mirror`), for the parity gate
+    where Envoy, not the front, splits traffic."""
 
     share: Share = 0.0
+    layered_address: NonEmptyStr | None = None  # the layered gateway, e.g. dns:///spine-gateway-layered:50051
     compare: StrictBool = True
     calibration_share: Share = 0.1
     max_in_flight: Annotated[StrictInt, Field(ge=1, le=1024)] = 8

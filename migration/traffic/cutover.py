@@ -130,6 +130,7 @@ class Cutover:
     target: FrontTarget | None = None
     endpoint_health: EndpointHealth | None = None
     front_metrics: PrometheusHTTPServer | None = None  # the front's shadow counters, with shadow on
+    parity: ScrapeSource | None = None  # what the parity gate reads them with
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
     def start(self) -> str:
@@ -153,11 +154,11 @@ class Cutover:
             shadow = ShadowConfig.from_config(self.config)
             self.front = Front({"layered": self.layered.address, "spine": self.spine.address},
                                shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config))
-            parity = None
             if self.front.shadow is not None:
                 self.front_metrics = PrometheusHTTPServer(self.front.shadow.counters.registry)
                 self.front_metrics.start()
-                parity = ScrapeSource({"front": [f"http://{self.front_metrics.address}/metrics"]}, interval_s=0.25)
+                self.parity = ScrapeSource({"front": [f"http://{self.front_metrics.address}/metrics"]},
+                                           interval_s=0.25)
             limits = RequestLimits.from_config(self.config)
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
                                              max_message_bytes=limits.max_message_bytes)
@@ -173,7 +174,7 @@ class Cutover:
             layered_ratelimit = self.layered.bindings.get("ratelimit")
             token_file = write_private(self.run_dir, "admin-token", self.admin_token)
             token_file.chmod(0o600)
-            self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds, parity)
+            self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds, self.parity)
             self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"),
                                                 f"unix:{self.run_dir / 'controller.sock'}", self.admin_token,
                                                 self.target, tick_s=0.1)
@@ -201,9 +202,9 @@ class Cutover:
         if self.controller is not None:
             self.controller.stop()
             self.controller = None
-        if self.target is not None:
-            self.target.close()
-            self.target = None
+        if self.parity is not None:
+            self.parity.close()
+            self.parity = None
         if self.endpoint_health is not None:
             self.endpoint_health.stop()
             self.endpoint_health = None

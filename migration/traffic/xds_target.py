@@ -4,8 +4,9 @@ Weights go out over xDS; a stage counts as applied once every connected data pla
 ACKed its version; the gates read each side's own metrics through a `MetricsSource` — a
 Prometheus server's PromQL in production, a direct scrape of every endpoint of each side
 locally — and the parity gate the shadow comparisons the spine exports (it mirrors a share
-of its own answers to the layered side: `spine.runtime.gateway_mirror`). Each gateway's health (`EndpointHealth`) marks its endpoint UNHEALTHY while it is
-not SERVING, so data planes stop picking it. Placements are the spine's own configuration
+of its own answers to the layered side: `spine.runtime.gateway_mirror`). Each gateway's
+health (`EndpointHealth`) marks its endpoint UNHEALTHY while it is not SERVING, so data
+planes stop picking it. Placements are the spine's own configuration
 in this mode (a spine Deployment runs with its middlewares collapsed); the controller
 records them with each stage but has no process to move them in — the built-in front
 (`migration.traffic.cutover`) is the mode that moves placements live.

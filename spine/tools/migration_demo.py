@@ -76,6 +76,7 @@ class TrafficDriver:
         self.stop = threading.Event()
         self.sent = 0
         self.failed = 0
+        self.batches = 0  # counts are added a batch at a time, when a batch has finished
         self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
 
     def start(self) -> None:
@@ -94,6 +95,15 @@ class TrafficDriver:
             self.sent += len(done)
             self.failed += sum(1 for r in done if r.code.name in ("UNAVAILABLE", "INTERNAL", "UNKNOWN"))
             batch += 1
+            self.batches = batch
+
+    def settle(self, timeout_s: float = 5.0) -> None:
+        """Wait until the batch in flight now has been counted, so what it met is counted
+        with the run it was sent in, not the next one."""
+        seen = self.batches
+        deadline = time.monotonic() + timeout_s
+        while self.batches == seen and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.stop.set()
@@ -193,6 +203,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                     inject(cutover, run)
                 reports[run] = walk_plan(cutover, plan_text, console, title)
                 cutover.fault.clear()
+                traffic.settle()
                 reports[run].failed = traffic.failed - failed_before
                 console.print(stage_table(f"Run {number}: {table}", reports[run]))
             assert cutover.controller is not None

@@ -80,6 +80,11 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine
         assert 0 < admitted <= 20, f"{admitted} admitted across both layouts; the limit is 20"
     finally:
         cutover.target.apply(0, {name: "remote" for name in placements}, f"split-{spine_ratelimit}-back")
+        # Copies of these requests find the other side's share of the bucket spent: rate-limit
+        # mismatches by design. Let them land here, and the parity source take its totals
+        # after them, not in the next test's first window.
+        assert cutover.front.shadow is not None and cutover.front.shadow.wait_idle()
+        assert cutover.parity is not None and not cutover.parity.scrape("front")
 
 
 def test_demo_plan_walks_to_full_spine_without_a_failed_request(cutover: Cutover) -> None:

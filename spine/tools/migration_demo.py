@@ -7,7 +7,11 @@ gate. The same plan runs three times:
 1. a healthy spine: walked to 100%, promoted;
 2. a failing spine (half its model calls fail): rolled back by the error-rate gate;
 3. a spine answering differently (the parity fault: greedy requests sampled, every call
-   succeeds): the error gate sees nothing; rolled back by the parity gate.
+   succeeds): the error gate sees nothing; rolled back by the parity gate. Not in the first
+   stage, where the spine still shares the layered cache process: a copy is answered from
+   the answer its primary stored there, so both sides agree (and layered clients may get
+   the spine's wrong answers from it); the mismatches show once the spine has its own
+   cache, in the second stage.
 
 Each run prints a table of its stages' weights, placements, gate results and both sides'
 p99; a summary names the three outcomes.

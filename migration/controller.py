@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
-from migration.plan import Plan, Stage, load_plan
+from migration.plan import Plan, Stage, load_plan, refuse_parity_without_shadow
 from migration.status import AuditEntry, GateRecord, RolloutStatus, State, all_remote
 from migration.store import Store
 from migration.target import TrafficTarget
@@ -138,10 +138,19 @@ class Controller:
     # Each command asks the table (`_step`/`_perform`) what its action does in the current
     # state; the only checks left here are about its ARGUMENTS (see migration/transitions.py).
 
+    def check_plan(self, plan: Plan) -> None:
+        """Refuse (PlanError) what this data path cannot judge: a parity gate where nothing
+        mirrors traffic (the target says, `TrafficTarget.shadow`)."""
+        if plan.parity_gates():
+            shadow = self._target.shadow()
+            if not shadow.enabled:
+                refuse_parity_without_shadow(plan, shadow.detail)
+
     def load(self, plan: Plan, actor: str, reason: str = "") -> RolloutStatus:
         """Make `plan` the pending plan (only while nothing is in flight)."""
         with self._cond:
             self._step(Action.LOAD)
+            self.check_plan(plan)
             s = self._status
             if s.state is State.PENDING and s.plan_yaml == plan.source:
                 return self.status  # that plan is already the pending one
@@ -164,6 +173,7 @@ class Controller:
                         f"cannot start plan {chosen.name!r}: plan {s.plan_name!r} is {s.state} at stage "
                         f"{s.stage_index + 1}; abort it (or wait for it to finish) first")
                 return self.status
+            self.check_plan(chosen)
             return self._with_plan(chosen, lambda: self._perform(
                 Action.START, actor, reason or f"start plan {chosen.name!r}", index=0,
                 plan_name=chosen.name, plan_yaml=chosen.source))
@@ -255,8 +265,8 @@ class Controller:
                 s = self._save(acked=True, stage_started_at=started, window_started_at=now, updated_at=now)
             start = s.window_started_at if s.window_started_at is not None else now
             if now - start >= plan.window_s:
-                layered, spine, mismatches = self._target.window_stats(since=start)
-                results = evaluate(stage.gates, layered, spine, mismatches, plan.min_window_requests)
+                layered, spine, parity = self._target.window_stats(since=start)
+                results = evaluate(stage.gates, layered, spine, parity, plan.min_window_requests)
                 verdict = window_verdict(results)
                 failures = {Verdict.FAIL: s.consecutive_failures + 1, Verdict.PASS: 0}.get(
                     verdict, s.consecutive_failures)

@@ -8,8 +8,8 @@ stage holds) rather than a pass or a fail: no data is never a pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from migration.plan import DEFAULT_MIN_DELTA_MS, GateSpec
@@ -45,6 +45,24 @@ class WindowStats:
     @property
     def successes(self) -> int:
         return self.ok_requests if self.ok_requests is not None else self.requests - self.errors
+
+
+@dataclass(frozen=True)
+class ParityStats:
+    """Shadow comparisons in one window, as the parity gate reads them (`migration.metrics`).
+
+    `compared`: pairs of answers compared across layouts (calibration pairs, a layout
+    compared with itself, left out). `mismatches`: field mismatches among them that noise
+    does not explain — one count per differing field, in every field on which no layout
+    disagreed with itself lately (`noisy_fields`). `missing` says why the source could
+    not read them; the gate then holds.
+    """
+
+    compared: int
+    mismatches: int
+    by_field: Mapping[str, int] = field(default_factory=dict)  # every cross-layout field mismatch, noisy or not
+    noisy_fields: tuple[str, ...] = ()
+    missing: str = ""
 
 
 @dataclass(frozen=True)
@@ -122,27 +140,42 @@ def _ms(value: float | None) -> str:
     return "none" if value is None else f"{value:.3f} ms"
 
 
-def parity_gate(spine: WindowStats, mismatches: int, max_mismatches: float, min_requests: int,
+def parity_gate(spine: WindowStats, parity: ParityStats, max_mismatches: float, min_requests: int,
                 dry_run: bool = False) -> GateResult:
     """Fail once mismatches exceed the limit, however little traffic there was.
 
     A mismatch count only grows with traffic, so a count already over the limit is a
-    definite fail; a count under it means something only with enough spine requests.
+    definite fail; a count under it means something only with enough spine requests and
+    at least one comparison: a window without shadow comparisons is no evidence of parity.
     """
+    mismatches = parity.mismatches
     if mismatches > max_mismatches:
+        noisy = f" (not counted, noisy: {', '.join(parity.noisy_fields)})" if parity.noisy_fields else ""
+        fields = ", ".join(f"{name} {count}" for name, count in sorted(parity.by_field.items())
+                           if name not in parity.noisy_fields)
         return GateResult("parity", Verdict.FAIL, float(mismatches), max_mismatches, dry_run,
-                          f"{mismatches} decision mismatches > max_mismatches {max_mismatches:g}")
+                          f"{mismatches} decision mismatches in {parity.compared} shadow comparisons ({fields})"
+                          f"{noisy} > max_mismatches {max_mismatches:g}")
+    if parity.missing:
+        return GateResult("parity", Verdict.INCONCLUSIVE, None, max_mismatches, dry_run,
+                          f"no shadow comparisons to judge parity: {parity.missing}")
     if spine.missing:
         return GateResult("parity", Verdict.INCONCLUSIVE, float(mismatches), max_mismatches, dry_run,
                           f"no spine data to judge parity: {spine.missing}")
     if spine.requests < max(min_requests, 1):
         return GateResult("parity", Verdict.INCONCLUSIVE, float(mismatches), max_mismatches, dry_run,
                           f"too few spine requests to judge parity: {spine.requests}, need {max(min_requests, 1)}")
+    if parity.compared < 1:
+        return GateResult("parity", Verdict.INCONCLUSIVE, None, max_mismatches, dry_run,
+                          "no shadow comparisons across layouts in the window: nothing was mirrored, so "
+                          "nothing says the answers agree (is shadow traffic on?)")
+    noisy = f"; noisy, not counted: {', '.join(parity.noisy_fields)}" if parity.noisy_fields else ""
     return GateResult("parity", Verdict.PASS, float(mismatches), max_mismatches, dry_run,
-                      f"{mismatches} decision mismatches <= max_mismatches {max_mismatches:g}")
+                      f"{mismatches} decision mismatches in {parity.compared} shadow comparisons <= "
+                      f"max_mismatches {max_mismatches:g}{noisy}")
 
 
-def evaluate(gates: Iterable[GateSpec], layered: WindowStats, spine: WindowStats, mismatches: int,
+def evaluate(gates: Iterable[GateSpec], layered: WindowStats, spine: WindowStats, parity: ParityStats,
              min_requests: int) -> list[GateResult]:
     """Every gate of a stage on one window, in plan order.
 
@@ -156,7 +189,7 @@ def evaluate(gates: Iterable[GateSpec], layered: WindowStats, spine: WindowStats
             results.append(latency_p99_ratio_gate(layered, spine, gate.threshold, need, gate.dry_run,
                                                   gate.min_delta_ms))
         elif gate.type == "parity":
-            results.append(parity_gate(spine, mismatches, gate.threshold, need, gate.dry_run))
+            results.append(parity_gate(spine, parity, gate.threshold, need, gate.dry_run))
         else:  # the plan validator admits only the types above
             raise ValueError(f"unknown gate type {gate.type!r}")
     return results

@@ -102,6 +102,28 @@ class Plan:
                 return index
         return None
 
+    def parity_gates(self) -> list[str]:
+        """The field path of every parity gate (dry run or not), e.g. `stages[1].gates[2]`."""
+        return [f"stages[{i}].gates[{j}]" for i, stage in enumerate(self.stages)
+                for j, gate in enumerate(stage.gates) if gate.type == "parity"]
+
+
+def refuse_parity_without_shadow(plan: Plan, why: str) -> None:
+    """PlanError naming every parity gate of `plan` (field and line), when shadow is off.
+
+    A parity gate reads shadow comparisons; with nothing mirrored it could never fail, so
+    a plan that has one is refused where the data path has no shadow traffic (`why`: what
+    the data path said). Checked by the controller against its target (`Controller.check_plan`);
+    `spine migrate plan --offline` has no target and cannot tell."""
+    paths = plan.parity_gates()
+    if not paths:
+        return
+    located = load_located(plan.source)
+    raise PlanError([f"a parity gate compares shadow traffic, and none is configured for this data path: {why}; "
+                     f"turn shadow on, or remove the parity gates:",
+                     *(f"{path} (line {located.line(path)}): parity gate with no shadow comparisons to read"
+                       for path in paths)])
+
 
 def load_plan(text: str, middlewares: Sequence[str] = MIDDLEWARES) -> Plan:
     """Parse and validate a plan; raise PlanError listing every problem with its line.

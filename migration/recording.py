@@ -13,9 +13,11 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from migration.gates import WindowStats
+from migration.gates import ParityStats, WindowStats
+from migration.target import ShadowCapability
 
 HEALTHY = WindowStats(requests=1000, errors=0, p99_ms=10.0)
+AGREEING = ParityStats(compared=100, mismatches=0)
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,12 @@ class RecordingTarget:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *,
                  layered: WindowStats = HEALTHY, spine: WindowStats = HEALTHY,
-                 mismatches: int = 0, auto_ack: bool = True) -> None:
+                 parity: ParityStats = AGREEING, shadow_enabled: bool = True, auto_ack: bool = True) -> None:
         self.path = Path(path) if path is not None else None
         self.layered = layered
         self.spine = spine
-        self.mismatches = mismatches
+        self.parity = parity
+        self.shadow_enabled = shadow_enabled
         self.auto_ack = auto_ack
         self.applies: list[Applied] = []
         self.stats_calls: list[float] = []
@@ -47,10 +50,15 @@ class RecordingTarget:
             if self.path is not None:
                 self._append(self.path, self.applies[-1])
 
-    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
+    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
         with self._lock:
             self.stats_calls.append(since)
-            return self.layered, self.spine, self.mismatches
+            return self.layered, self.spine, self.parity
+
+    def shadow(self) -> ShadowCapability:
+        if self.shadow_enabled:
+            return ShadowCapability(True, "a recording target reports the parity it is given")
+        return ShadowCapability(False, "this recording target was told shadow is off")
 
     def applied(self, version: str) -> bool:
         with self._lock:

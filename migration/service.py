@@ -1,7 +1,8 @@
 """MigrationControl: the operator API over gRPC, a thin skin on the Controller.
 
 The service only authenticates, translates messages and maps errors to status codes:
-InvalidTransition → FAILED_PRECONDITION, PlanError → INVALID_ARGUMENT (with field and line),
+InvalidTransition → FAILED_PRECONDITION, PlanError → INVALID_ARGUMENT (with field and line;
+also a parity gate where the data path has no shadow traffic, `Controller.check_plan`),
 a missing or wrong admin token → UNAUTHENTICATED. The token is compared in constant time
 and never logged or echoed.
 """
@@ -77,7 +78,9 @@ class MigrationService(pb_grpc.MigrationControlServicer):
     @_command
     def Plan(self, request: pb.PlanRequest, context: grpc.ServicerContext) -> pb.PlanResponse:
         plan = load_plan(request.plan_yaml)
-        if not request.validate_only:
+        if request.validate_only:
+            self._controller.check_plan(plan)
+        else:
             self._controller.load(plan, _actor(request, context))
         return plan_message(plan, loaded=not request.validate_only)
 

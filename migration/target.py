@@ -7,9 +7,22 @@ a recording double and lets the lead wire in the real front without touching it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
-from migration.gates import WindowStats
+from migration.gates import ParityStats, WindowStats
+
+
+@dataclass(frozen=True)
+class ShadowCapability:
+    """Whether shadow comparisons reach the parity gate on this data path, and how one knows.
+
+    `detail` says what was checked when `enabled`, else why not and what turns it on: the
+    controller refuses a plan with a parity gate when shadow is off, with this reason.
+    """
+
+    enabled: bool
+    detail: str
 
 
 class TrafficTarget(Protocol):
@@ -21,10 +34,15 @@ class TrafficTarget(Protocol):
         """
         ...
 
-    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
-        """Layered stats, spine stats and parity mismatches for requests since `since`."""
+    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
+        """Layered stats, spine stats and the shadow comparisons for requests since `since`."""
         ...
 
     def applied(self, version: str) -> bool:
         """True once every data plane has ACKed `version` (xDS); the front is immediate."""
+        ...
+
+    def shadow(self) -> ShadowCapability:
+        """Whether anything mirrors traffic and exports its comparisons where the gates read
+        them: without it a parity gate could never judge, so a plan with one is refused."""
         ...

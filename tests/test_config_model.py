@@ -10,7 +10,6 @@ from typing import Any, get_args
 import pytest
 import torch
 
-from migration.traffic.decisions import Decision
 from monolith.device import DeviceContext
 from monolith.device_config import DeviceConfig
 from services.cache import CacheConfig
@@ -23,6 +22,7 @@ from services.registry import COMPONENTS
 from spine import cli
 from spine.runtime.config import SECTIONS, load_config, placements_for
 from spine.runtime.config_model import SpineConfig, check_config
+from spine.runtime.decisions import Decision
 from spine.runtime.sections import DecisionField, ShadowConfig, TracingConfig
 from spine.runtime.stack import Stack
 

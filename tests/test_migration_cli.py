@@ -111,6 +111,26 @@ def test_an_invalid_plan_exits_2_naming_field_and_line(cli, capsys):
     assert run(base, "plan", str(files / "bad.yaml"), "--offline") == 2
 
 
+def test_a_parity_gate_without_shadow_traffic_exits_2_with_the_reason(tmp_path, capsys, monkeypatch):
+    sockets = tempfile.mkdtemp(prefix="mig", dir="/tmp")
+    target = RecordingTarget(layered=HEALTHY, spine=HEALTHY, shadow_enabled=False)
+    process = ControllerProcess(str(tmp_path / "m.db"), f"unix:{sockets}/c.sock", ADMIN_TOKEN, target, tick_s=0.02)
+    process.start()
+    monkeypatch.setenv("SPINE_ADMIN_TOKEN", ADMIN_TOKEN)
+    (tmp_path / "three.yaml").write_text(THREE_STAGES)
+    base = ["migrate", "--controller", process.listen]
+    try:
+        for args in (("plan",), ("plan", "--validate-only"), ("run",)):
+            assert run(base, args[0], str(tmp_path / "three.yaml"), *args[1:]) == 2, args
+            err = capsys.readouterr().err
+            assert "error (invalid_argument)" in err and "this recording target was told shadow is off" in err
+            assert "stages[0].gates[2] (line 12): parity gate with no shadow comparisons to read" in err
+        assert target.applies == []
+    finally:
+        process.stop(grace=0.2)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
 def test_plan_loads_and_run_follows_to_promotion(cli, capsys):
     base, files = cli
     assert run(base, "plan", str(files / "fast.yaml")) == 0

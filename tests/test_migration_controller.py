@@ -10,10 +10,10 @@ import pytest
 
 from migration.controller import Controller, InvalidTransition
 from migration.gates import WindowStats
-from migration.plan import load_plan
+from migration.plan import PlanError, load_plan
 from migration.recording import RecordingTarget
 from migration.status import State
-from migration.testing import HEALTHY, FakeClock, make_controller, run_windows, three_stages
+from migration.testing import HEALTHY, THREE_STAGES, FakeClock, make_controller, run_windows, three_stages
 
 OP = "alice@ops"
 FAILING = WindowStats(requests=100, errors=50, p99_ms=10.0)
@@ -289,6 +289,21 @@ def test_a_loaded_plan_is_started_by_start_without_a_plan(rig):
     controller.load(three_stages(), OP)
     assert controller.status.state is State.PENDING and target.applies == []
     assert controller.start(None, OP).state is State.PROGRESSING
+
+
+def test_a_plan_with_a_parity_gate_is_refused_where_nothing_mirrors_traffic(tmp_path):
+    controller, target, _ = make_controller(str(tmp_path / "m.db"),
+                                            target=RecordingTarget(layered=HEALTHY, spine=HEALTHY,
+                                                                   shadow_enabled=False))
+    for command in (lambda: controller.load(three_stages(), OP), lambda: controller.start(three_stages(), OP)):
+        with pytest.raises(PlanError) as refused:
+            command()
+        assert "none is configured for this data path: this recording target was told shadow is off" in str(refused.value)
+        assert "stages[0].gates[2] (line 12): parity gate with no shadow comparisons to read" in refused.value.problems
+    assert controller.status.state is State.PENDING and target.applies == [] and controller.store.audit() == []
+    # The same plan without its parity gate is fine: only a gate that could never fail is refused.
+    without = load_plan("".join(line for line in THREE_STAGES.splitlines(keepends=True) if "parity" not in line))
+    assert controller.start(without, OP).state is State.PROGRESSING
 
 
 def test_starting_a_different_plan_while_one_runs_is_refused(rig):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from migration.gates import (
+    ParityStats,
     Verdict,
     WindowStats,
     error_rate_gate,
@@ -16,6 +17,11 @@ from migration.gates import (
 from migration.plan import GateSpec
 
 LAYERED = WindowStats(requests=1000, errors=10, p99_ms=100.0)  # 1% errors
+AGREEING = ParityStats(compared=50, mismatches=0)
+
+
+def differing(mismatches: int, compared: int = 50) -> ParityStats:
+    return ParityStats(compared, mismatches, {"tokens": mismatches})
 
 
 @pytest.mark.parametrize("spine_errors, verdict", [(20, Verdict.PASS), (21, Verdict.FAIL), (0, Verdict.PASS)])
@@ -69,23 +75,23 @@ def test_no_data_is_never_a_pass_even_without_a_minimum():
     nothing = WindowStats(0, 0, None, 0)
     for gate in (error_rate_gate(LAYERED, nothing, 0.5, min_requests=0),
                  latency_p99_ratio_gate(LAYERED, nothing, 100.0, min_requests=0),
-                 parity_gate(nothing, 0, 0, min_requests=0)):
+                 parity_gate(nothing, ParityStats(0, 0), 0, min_requests=0)):
         assert gate.verdict is Verdict.INCONCLUSIVE, gate
 
 
 def test_a_side_the_source_could_not_read_holds_every_gate():
     unread = WindowStats(1000, 0, 10.0, missing="cannot query Prometheus at http://prometheus:9090: timed out")
     results = evaluate([GateSpec("error_rate", 0.5), GateSpec("latency_p99_ratio", 100.0), GateSpec("parity", 0)],
-                       LAYERED, unread, 0, 10)
+                       LAYERED, unread, AGREEING, 10)
     assert [r.verdict for r in results] == [Verdict.INCONCLUSIVE] * 3
     assert all("cannot query Prometheus" in r.message for r in results)
-    assert parity_gate(unread, 3, 0, 10).verdict is Verdict.FAIL  # mismatches over the limit still fail
+    assert parity_gate(unread, differing(3), 0, 10).verdict is Verdict.FAIL  # mismatches over the limit still fail
 
 
 def test_a_gate_may_ask_for_more_requests_than_the_plan():
     spine = WindowStats(50, 0, 100.0)
     default, strict = evaluate([GateSpec("latency_p99_ratio", 1.2), GateSpec("latency_p99_ratio", 1.2, min_requests=100)],
-                               LAYERED, spine, 0, min_requests=10)
+                               LAYERED, spine, AGREEING, min_requests=10)
     assert default.verdict is Verdict.PASS and strict.verdict is Verdict.INCONCLUSIVE
 
 
@@ -95,15 +101,29 @@ def test_latency_without_a_layered_baseline_is_inconclusive():
 
 
 def test_parity_fails_on_mismatches_over_the_limit_even_with_little_traffic():
-    assert parity_gate(WindowStats(3, 0, 1.0), mismatches=1, max_mismatches=0, min_requests=10).verdict is Verdict.FAIL
-    assert parity_gate(WindowStats(3, 0, 1.0), 0, 0, 10).verdict is Verdict.INCONCLUSIVE
-    assert parity_gate(WindowStats(30, 0, 1.0), 2, 2, 10).verdict is Verdict.PASS
+    failed = parity_gate(WindowStats(3, 0, 1.0), differing(1), max_mismatches=0, min_requests=10)
+    assert failed.verdict is Verdict.FAIL and "1 decision mismatches in 50 shadow comparisons (tokens 1)" in failed.message
+    assert parity_gate(WindowStats(3, 0, 1.0), AGREEING, 0, 10).verdict is Verdict.INCONCLUSIVE
+    assert parity_gate(WindowStats(30, 0, 1.0), differing(2), 2, 10).verdict is Verdict.PASS
+
+
+def test_a_window_without_shadow_comparisons_is_inconclusive_not_a_pass():
+    none_compared = parity_gate(WindowStats(30, 0, 1.0), ParityStats(0, 0), 0, 10)
+    assert none_compared.verdict is Verdict.INCONCLUSIVE and "no shadow comparisons" in none_compared.message
+    unread = parity_gate(WindowStats(30, 0, 1.0), ParityStats(0, 0, missing="no endpoint answered"), 0, 10)
+    assert unread.verdict is Verdict.INCONCLUSIVE and "no endpoint answered" in unread.message
+
+
+def test_mismatches_in_noisy_fields_are_named_but_not_counted():
+    noisy = ParityStats(40, 0, {"cached": 7}, noisy_fields=("cached",))
+    result = parity_gate(WindowStats(30, 0, 1.0), noisy, 0, 10)
+    assert result.verdict is Verdict.PASS and "noisy, not counted: cached" in result.message
 
 
 def test_a_dry_run_failure_is_recorded_but_does_not_fail_the_window():
     spine = WindowStats(1000, 500, 500.0)
     results = evaluate([GateSpec("error_rate", 0.01, dry_run=True), GateSpec("parity", 0)], LAYERED, spine,
-                       mismatches=0, min_requests=10)
+                       parity=AGREEING, min_requests=10)
     assert [r.verdict for r in results] == [Verdict.FAIL, Verdict.PASS] and results[0].dry_run
     assert window_verdict(results) is Verdict.PASS
 
@@ -121,5 +141,5 @@ def test_window_verdict_fail_beats_inconclusive_beats_pass():
 
 def test_evaluate_keeps_plan_order_and_names_each_gate():
     specs = [GateSpec("parity", 0), GateSpec("latency_p99_ratio", 1.2), GateSpec("error_rate", 0.01)]
-    results = evaluate(specs, LAYERED, LAYERED, 0, 10)
+    results = evaluate(specs, LAYERED, LAYERED, AGREEING, 10)
     assert [r.gate for r in results] == ["parity", "latency_p99_ratio", "error_rate"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from migration.gates import Verdict, WindowStats, evaluate, window_verdict
+from migration.gates import ParityStats, Verdict, WindowStats, evaluate, window_verdict
 from migration.metrics.promql import PrometheusSource, check_selector, p99_query, requests_query
 from migration.plan import GateSpec
 from tests.metrics_endpoints import MetricsEndpoint
@@ -26,6 +26,8 @@ from tests.prometheus_server import SCRAPE_INTERVAL_S, PrometheusServer, free_po
 JOBS = {"layered": ("layered-a", "layered-b"), "spine": ("spine-a", "spine-b")}
 TARGETS = 4
 BY_JOB = {"layered": 'job="layered"', "spine": 'job="spine"'}
+
+NO_SHADOW = ParityStats(0, 0, missing="no shadow traffic in this test")
 
 
 @dataclass
@@ -105,18 +107,18 @@ def test_the_p99_is_over_successful_requests_only(scene: Scene) -> None:
 def test_sub_millisecond_latencies_pass_the_ratio_gate_under_the_floor(scene: Scene) -> None:
     """Spine p99 ~1 ms against layered ~0.25 ms is a ratio of 4, and less than a millisecond."""
     [result] = evaluate([GateSpec("latency_p99_ratio", 2.0)], scene.windows["layered"], scene.windows["spine"],
-                        0, min_requests=20)
+                        NO_SHADOW, min_requests=20)
     assert result.value is not None and result.value > 2.0
     assert result.verdict is Verdict.PASS, result.message
     assert "min_delta_ms 5" in result.message
     [strict] = evaluate([GateSpec("latency_p99_ratio", 2.0, min_delta_ms=0.5)], scene.windows["layered"],
-                        scene.windows["spine"], 0, min_requests=20)
+                        scene.windows["spine"], NO_SHADOW, min_requests=20)
     assert strict.verdict is Verdict.FAIL, strict.message
 
 
 def test_the_error_rate_gate_judges_the_prometheus_window(scene: Scene) -> None:
     gates = [GateSpec("error_rate", 0.02), GateSpec("error_rate", 0.1)]
-    tight, loose = evaluate(gates, scene.windows["layered"], scene.windows["spine"], 0, min_requests=20)
+    tight, loose = evaluate(gates, scene.windows["layered"], scene.windows["spine"], NO_SHADOW, min_requests=20)
     assert tight.verdict is Verdict.FAIL and loose.verdict is Verdict.PASS  # delta 0.046
 
 
@@ -125,7 +127,9 @@ def test_a_side_without_series_is_no_data_and_every_gate_holds(scene: Scene) -> 
     spine = source.window("spine", scene.since, scene.until)
     assert spine.requests == 0 and 'job="nobody"' in spine.missing
     gates = [GateSpec("error_rate", 0.5), GateSpec("latency_p99_ratio", 100.0), GateSpec("parity", 0)]
-    results = evaluate(gates, scene.windows["layered"], spine, 0, min_requests=0)
+    parity = source.parity(scene.since, scene.until)  # these endpoints mirror nothing
+    assert parity.compared == 0 and "no spine_shadow_compared_total series" in parity.missing
+    results = evaluate(gates, scene.windows["layered"], spine, parity, min_requests=0)
     assert [r.verdict for r in results] == [Verdict.INCONCLUSIVE] * 3
     assert window_verdict(results) is Verdict.INCONCLUSIVE
 
@@ -134,7 +138,7 @@ def test_an_unreachable_prometheus_is_no_data_not_a_pass(scene: Scene) -> None:
     source = PrometheusSource(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     stats = source.window("layered", scene.since, scene.until)
     assert stats.requests == 0 and "cannot query Prometheus" in stats.missing
-    [result] = evaluate([GateSpec("error_rate", 0.5)], stats, scene.windows["spine"], 0, min_requests=0)
+    [result] = evaluate([GateSpec("error_rate", 0.5)], stats, scene.windows["spine"], NO_SHADOW, min_requests=0)
     assert result.verdict is Verdict.INCONCLUSIVE and "cannot query Prometheus" in result.message
 
 

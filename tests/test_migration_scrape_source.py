@@ -11,11 +11,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from migration.gates import Verdict, evaluate
+from migration.gates import ParityStats, Verdict, evaluate
 from migration.metrics.scrape import ScrapeSource, count, increments, parse_series
 from migration.metrics.source import histogram_quantile
 from migration.plan import GateSpec
+from services.prometheus_http import PrometheusHTTPServer
+from spine.runtime.shadow_metrics import ShadowCounters
 from tests.metrics_endpoints import MetricsEndpoint
+
+NO_SHADOW = ParityStats(0, 0, missing="no shadow traffic in this test")
 
 
 @pytest.fixture
@@ -102,7 +106,7 @@ def test_a_side_with_no_endpoint_answering_is_no_data(endpoints: dict[str, Metri
     spine = source.window("spine", since)
     assert spine.requests == 0 and "no spine endpoint answered" in spine.missing
     results = evaluate([GateSpec("error_rate", 1.0), GateSpec("latency_p99_ratio", 100.0)],
-                       source.window("layered", since), spine, 0, min_requests=0)
+                       source.window("layered", since), spine, NO_SHADOW, min_requests=0)
     assert [r.verdict for r in results] == [Verdict.INCONCLUSIVE, Verdict.INCONCLUSIVE]
 
 
@@ -158,3 +162,45 @@ def test_metrics_urls_must_be_http() -> None:
         ScrapeSource({"layered": ["http://127.0.0.1:1/metrics"], "spine": []}, interval_s=None)
     with pytest.raises(ValueError, match="expected http://HOST:PORT/metrics"):
         ScrapeSource({"layered": ["file:///etc/passwd"], "spine": ["http://127.0.0.1:1/metrics"]}, interval_s=None)
+
+
+def test_shadow_comparisons_are_read_by_field_with_calibrated_noise_left_out() -> None:
+    """A mirror's counters (here served alone, as the built-in front serves them)."""
+    counters = ShadowCounters()
+    counters.expect([("spine", "layered")])
+    with PrometheusHTTPServer(counters.registry) as http:
+        source = ScrapeSource({"front": [f"http://{http.address}/metrics"]}, interval_s=None)
+        assert source.shadow_exported().enabled
+        since = time.time()
+        counters.compared("spine", "layered", False, ["tokens"])
+        counters.compared("spine", "layered", False, ["cached", "tokens"])
+        counters.compared("layered", "spine", False, [])
+        parity = source.parity(since)
+        assert (parity.compared, parity.mismatches, dict(parity.by_field)) == (3, 3, {"tokens": 2, "cached": 1})
+        # The spine disagrees with itself on `cached`: noise, no longer counted against it.
+        counters.compared("spine", "spine", True, ["cached"])
+        parity = source.parity(since)
+        assert (parity.compared, parity.mismatches, parity.noisy_fields) == (3, 2, ("cached",))
+
+
+def test_noise_older_than_ten_windows_no_longer_excuses_a_field() -> None:
+    counters = ShadowCounters()
+    with PrometheusHTTPServer(counters.registry) as http:
+        source = ScrapeSource({"front": [f"http://{http.address}/metrics"]}, interval_s=None)
+        counters.compared("layered", "layered", True, ["cached"])
+        source.scrape("front")
+        time.sleep(1.2)
+        since = time.time()
+        counters.compared("spine", "layered", False, ["cached"])
+        time.sleep(0.05)
+        parity = source.parity(since)  # a ~0.05 s window: noise over the last ~0.5 s
+        assert (parity.mismatches, parity.noisy_fields) == (1, ())
+        assert source.parity(since - 1.5).noisy_fields == ("cached",)  # a longer window reaches the noise
+
+
+def test_without_a_mirror_there_are_no_comparisons_to_read(endpoints: dict[str, MetricsEndpoint]) -> None:
+    source = source_for(endpoints)
+    capability = source.shadow_exported()
+    assert not capability.enabled and "exports spine_shadow_compared_total" in capability.detail
+    parity = source.parity(time.time() - 1)
+    assert parity.compared == 0 and "nothing mirrors traffic" in parity.missing

@@ -1,25 +1,33 @@
 """Shadow mode: mirrors never change the answer, never spend budget or fill the cache,
-are dropped when saturated, and mismatches (less calibrated noise) feed the parity gate."""
+are dropped when saturated, and mismatches (less calibrated noise) feed the parity gate
+through the counters the mirror exports."""
 
 from __future__ import annotations
 
 import logging
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from migration.gates import Verdict, evaluate
+from migration.metrics.scrape import ScrapeSource
+from migration.plan import GateSpec
+from migration.recording import HEALTHY
 from migration.traffic.cutover import FrontTarget
-from migration.traffic.decisions import Decision, decide
 from migration.traffic.front import Front
-from migration.traffic.shadow import ShadowConfig, ShadowMirror
 from services.common import ConfigError
+from services.prometheus_http import PrometheusHTTPServer
 from services.registry import GATEWAY
 from spine.client.gateway_client import GatewayClient
+from spine.runtime.decisions import Decision, decide
 from spine.runtime.server import RunningServer, start_server
+from spine.runtime.shadow import ShadowConfig, ShadowMirror
+from spine.runtime.shadow_metrics import COMPARED, MISMATCHED, SKIPPED
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
@@ -36,25 +44,39 @@ def _never_called(*args: object) -> Decision:
     raise AssertionError("no mirror expected")
 
 
-def test_a_mismatch_is_published_with_both_sides_and_noise_is_not_counted(caplog: pytest.LogCaptureFixture) -> None:
-    now = [1000.0]
-    mirror = ShadowMirror(ShadowConfig(share=1.0, ignore_fields=()), _never_called, key=b"k" * 16,
-                          clock=lambda: now[0])
+def test_a_mismatch_is_published_with_both_sides_and_counted_by_field(caplog: pytest.LogCaptureFixture) -> None:
+    mirror = ShadowMirror(ShadowConfig(share=1.0, ignore_fields=()), _never_called, key=b"k" * 16)
     with caplog.at_level(logging.WARNING, logger="spine.shadow"):
         found = mirror.compare("layered", "spine", _decision(tokens=(1, 2)), _decision(tokens=(1, 3)),
                                request_id="req-7")
     assert found is not None and found.fields == ("tokens",)
     assert "req-7" in caplog.text and "(1, 2)" in caplog.text and "(1, 3)" in caplog.text
-    now[0] = 1010.0
-    mirror.compare("layered", "spine", _decision(cached=False), _decision(cached=True))
-    assert mirror.mismatches_since(0.0) == 2
-    assert mirror.mismatches_since(1005.0) == 1  # counted per time window
-    # Comparing a layout with itself shows `cached` is noise: no longer held against the spine.
+    mirror.compare("spine", "layered", _decision(tokens=(1,), cached=False), _decision(tokens=(2,), cached=True))
+    mirror.compare("layered", "spine", _decision(), _decision())
+    # Comparing a layout with itself: counted apart, as calibration.
     mirror.compare("spine", "spine", _decision(cached=False), _decision(cached=True), calibration=True)
+    counters = mirror.counters
+    assert counters.value(COMPARED, calibration="false") == 3
+    assert counters.value(COMPARED, primary="spine", shadow="layered") == 1
+    assert counters.value(MISMATCHED, field="tokens", calibration="false") == 2  # one per pair that differed in it
+    assert counters.value(MISMATCHED, field="cached", calibration="false") == 1
+    assert counters.value(MISMATCHED, field="cached", calibration="true") == 1
+    assert counters.value(COMPARED, calibration="true") == 1
     assert mirror.noisy_fields() == {"cached"}
-    assert mirror.mismatches_since(0.0) == 1
     stats = mirror.stats()
     assert stats["counts"]["mismatched"] == 2 and stats["baseline_mismatch_rate"] == 1.0
+    mirror.close()
+
+
+def test_a_layout_failure_is_not_compared_but_counted_as_skipped() -> None:
+    mirror = ShadowMirror(ShadowConfig(share=1.0), _never_called, key=b"k" * 16)
+    assert mirror.compare("spine", "layered", _decision(status="UNAVAILABLE", tokens=None), _decision()) is None
+    assert mirror.compare("spine", "spine", _decision(), _decision(status="DEADLINE_EXCEEDED", tokens=None),
+                          calibration=True) is None
+    # A refusal is an answer: compared like any other.
+    assert mirror.compare("spine", "layered", _decision(status="NOT_FOUND", tokens=None), _decision()) is not None
+    assert mirror.counters.value(SKIPPED, reason="layout_error") == 2
+    assert mirror.counters.value(COMPARED) == 1 and mirror.noisy_fields() == frozenset()
     mirror.close()
 
 
@@ -74,6 +96,7 @@ def test_a_saturated_mirror_drops_instead_of_queueing() -> None:
         assert started.wait(5)
         assert not mirror.offer("layered", GREEDY, (), _decision())
         assert mirror.counts["dropped"] == 1 and mirror.counts["mirrored"] == 1
+        assert mirror.counters.value(SKIPPED, reason="saturated") == 1
     finally:
         release.set()
         assert mirror.wait_idle()
@@ -155,18 +178,42 @@ def test_shadows_spend_no_rate_limit_budget_and_write_no_cache(front: tuple[Fron
     # primaries only) — published as rate-limit mismatches; every other answer agreed
     # (the cache-hit difference on the last request is ignored by the default config).
     mismatches = list(the_front.shadow.mismatches)
-    assert the_front.parity_mismatches(0.0) == len(mismatches) == 4
+    assert len(mismatches) == 4
+    assert the_front.shadow.counters.value(MISMATCHED, field="ratelimit", primary="spine", shadow="layered") == 4
     assert all(m.primary_side == "spine" and "ratelimit" in m.fields and m.shadow.ratelimit == "limited"
                for m in mismatches)
 
 
-def test_shadow_mismatches_feed_the_parity_gate(front: tuple[Front, RunningServer], sides: dict[str, Stack]) -> None:
+def test_the_front_exports_its_comparisons_and_the_parity_gate_reads_them_there(
+        front: tuple[Front, RunningServer], sides: dict[str, Stack]) -> None:
     the_front, _ = front
     assert the_front.shadow is not None
-    target = FrontTarget(the_front, sides["spine"])
-    assert target.window_stats(0.0)[2] == 0
-    the_front.shadow.compare("layered", "spine", _decision(tokens=(1,)), _decision(tokens=(2,)))
-    assert target.window_stats(0.0)[2] == 1
+    endpoint = PrometheusHTTPServer(the_front.shadow.counters.registry)
+    endpoint.start()
+    source = ScrapeSource({"front": [f"http://{endpoint.address}/metrics"]}, interval_s=None)
+    target = FrontTarget(the_front, sides["spine"], parity=source)
+    try:
+        assert target.shadow().enabled
+        start = time.time()
+        time.sleep(0.01)
+        assert target.window_stats(start)[2].compared == 0  # nothing compared in this window yet
+        the_front.shadow.compare("layered", "spine", _decision(tokens=(1,)), _decision(tokens=(2,)))
+        the_front.shadow.compare("spine", "layered", _decision(), _decision())
+        parity = target.window_stats(start)[2]
+        assert (parity.compared, parity.mismatches, dict(parity.by_field)) == (2, 1, {"tokens": 1})
+        assert evaluate([GateSpec("parity", 0)], HEALTHY, HEALTHY, parity, 1)[0].verdict is Verdict.FAIL
+    finally:
+        target.close()
+        endpoint.stop()
+
+
+def test_a_front_without_shadow_says_so() -> None:
+    front = Front({"layered": "127.0.0.1:1", "spine": "127.0.0.1:1"})
+    try:
+        capability = FrontTarget(front, Stack({}, {})).shadow()
+        assert not capability.enabled and "shadow.share" in capability.detail
+    finally:
+        front.close()
 
 
 def test_calibration_compares_a_layout_with_itself_and_learns_its_noise(sides: dict[str, Stack]) -> None:
@@ -187,4 +234,6 @@ def test_calibration_compares_a_layout_with_itself_and_learns_its_noise(sides: d
     # the same layout answers from cache the second time, so `cached` is noise.
     assert front.shadow.counts["calibration_compared"] == 1 and front.shadow.counts.get("compared", 0) == 0
     assert front.shadow.noisy_fields() == {"cached"}
-    assert front.parity_mismatches(0.0) == 0
+    counters = front.shadow.counters
+    assert counters.value(MISMATCHED, field="cached", calibration="true", primary="spine", shadow="spine") == 1
+    assert counters.value(MISMATCHED, calibration="false") == 0

@@ -19,6 +19,16 @@ apart by how Prometheus scrapes them.
 No series at all for a side, or a query that fails, is no data: the stats say why in
 `missing` and every gate holds. `increase()` needs two samples of a series inside the
 window, so a window should span at least two (better four) scrape intervals.
+
+The parity gate's shadow comparisons come from whoever mirrors (the spines, each pod its
+own series), whichever side Prometheus scrapes them under:
+
+    sum by (calibration) (W(spine_shadow_compared_total))
+    sum by (field) (W(spine_shadow_mismatched_total{calibration="false"}))
+    sum by (field) (W'(spine_shadow_mismatched_total{calibration="true"}))
+
+W' is W over `NOISE_WINDOWS` windows: the fields a layout disagreed with itself on lately
+(`migration.metrics.parity`). No `spine_shadow_compared_total` series is no data.
 """
 
 from __future__ import annotations
@@ -34,8 +44,11 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from migration.gates import WindowStats
+from migration.gates import ParityStats, WindowStats
+from migration.metrics.parity import NOISE_WINDOWS, ShadowCounts, parity_stats
 from migration.metrics.source import DURATION_BUCKETS, OK, REQUESTS, SIDES, check_side, stats_by_status
+from migration.target import ShadowCapability
+from spine.runtime.shadow_metrics import COMPARED, MISMATCHED
 
 log = logging.getLogger("spine.migration.promql")
 
@@ -71,10 +84,33 @@ def p99_query(side_selector: str, range_: str) -> str:
     return f"histogram_quantile(0.99, sum by (le) ({window_increase(series, range_)}))"
 
 
-class PrometheusSource:
-    """Window stats from a Prometheus server at `url` (e.g. http://prometheus:9090)."""
+def series(name: str, *matchers: str) -> str:
+    """`name{m1,m2}` from the non-empty matchers, or just `name`."""
+    given = ",".join(m for m in matchers if m)
+    return f"{name}{{{given}}}" if given else name
 
-    def __init__(self, url: str, selectors: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> None:
+
+def compared_query(selector: str, range_: str) -> str:
+    return f"sum by (calibration) ({window_increase(series(COMPARED, selector), range_)})"
+
+
+def mismatched_query(selector: str, range_: str, calibration: bool) -> str:
+    flag = 'calibration="true"' if calibration else 'calibration="false"'
+    return f"sum by (field) ({window_increase(series(MISMATCHED, selector, flag), range_)})"
+
+
+def _range(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+class PrometheusSource:
+    """Window stats from a Prometheus server at `url` (e.g. http://prometheus:9090).
+
+    `shadow_selector`: label matchers picking the shadow comparison series (default: all
+    of them — only mirrors export them)."""
+
+    def __init__(self, url: str, selectors: Mapping[str, str] | None = None, timeout_s: float = 5.0,
+                 shadow_selector: str = "") -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"Prometheus URL {url!r}: expected http://HOST:PORT")
@@ -86,12 +122,13 @@ class PrometheusSource:
             raise ValueError(f"selectors: unknown side(s) {', '.join(sorted(unknown))}; expected {', '.join(SIDES)}")
         self.selectors = {side: check_selector(given.get(side) or DEFAULT_SELECTORS[side], f"{side} selector")
                           for side in SIDES}
+        self.shadow_selector = check_selector(shadow_selector, "shadow selector") if shadow_selector else ""
 
     def window(self, side: str, since: float, until: float | None = None) -> WindowStats:
         """`side`'s requests in (since, until], until defaulting to now."""
         check_side(side)
         until = time.time() if until is None else until
-        range_ = f"{max(1, round((until - since) * 1000))}ms"
+        range_ = _range(until - since)
         selector = self.selectors[side]
         try:
             counts = self.query(requests_query(selector, range_), until)
@@ -106,6 +143,41 @@ class PrometheusSource:
         by_status = {sample["metric"].get("status", ""): _value(sample) for sample in counts}
         p99_s = _value(p99[0]) if p99 else None
         return stats_by_status(by_status, p99_s)
+
+    def parity(self, since: float, until: float | None = None) -> ParityStats:
+        """The shadow comparisons in (since, until]; noise over `NOISE_WINDOWS` windows."""
+        until = time.time() if until is None else until
+        length = until - since
+        range_, noise_range = _range(length), _range(length * NOISE_WINDOWS)
+        try:
+            compared = self.query(compared_query(self.shadow_selector, range_), until)
+            mismatched = self.query(mismatched_query(self.shadow_selector, range_, calibration=False), until)
+            noise = self.query(mismatched_query(self.shadow_selector, noise_range, calibration=True), until)
+        except PrometheusError as error:
+            log.warning("shadow comparisons: %s", error)
+            return ParityStats(0, 0, missing=str(error))
+        if not compared:
+            return ParityStats(0, 0, missing=(
+                f"Prometheus has no {series(COMPARED, self.shadow_selector)} series with two samples in the last "
+                f"{range_} (nothing mirrors traffic, or a window shorter than two scrape intervals)"))
+        by_calibration = {sample["metric"].get("calibration", ""): _value(sample) for sample in compared}
+        window = ShadowCounts(compared=_finite(by_calibration.get("false", 0.0)),
+                              calibration_compared=_finite(by_calibration.get("true", 0.0)),
+                              mismatched={s["metric"].get("field", ""): _finite(_value(s)) for s in mismatched})
+        return parity_stats(window, {s["metric"].get("field", ""): _finite(_value(s)) for s in noise})
+
+    def shadow_exported(self) -> ShadowCapability:
+        wanted = series(COMPARED, self.shadow_selector)
+        try:
+            found = self.query(f"count({wanted})", time.time())
+        except PrometheusError as error:
+            return ShadowCapability(False, f"cannot ask for shadow comparisons: {error}")
+        if not found:
+            return ShadowCapability(False, (
+                f"Prometheus at {self.url} has no {wanted} series: nothing it scrapes mirrors traffic (give the "
+                f"spine's config shadow.share > 0 and shadow.layered_address, and both sides the internal secret, "
+                f"and have Prometheus scrape the spine's /metrics)"))
+        return ShadowCapability(True, f"Prometheus at {self.url} has {_value(found[0]):.0f} {wanted} series")
 
     def query(self, promql: str, at: float) -> list[dict[str, Any]]:
         """An instant query's vector at time `at`; PrometheusError when there is none."""
@@ -135,6 +207,10 @@ class PrometheusSource:
 def _value(sample: Mapping[str, Any]) -> float:
     value = float(sample["value"][1])
     return value if math.isfinite(value) else math.nan
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
 
 
 def _json_or_none(error: urllib.error.HTTPError) -> dict[str, Any] | None:

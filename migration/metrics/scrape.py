@@ -10,6 +10,10 @@ Counters are per process. An endpoint whose counters went down (or whose series 
 was restarted: everything it exposes now is counted from zero, as Prometheus' `increase()`
 does. An endpoint's first scrape is only a baseline (its counts happened at unknown times);
 a series that appears later on a known endpoint counts from zero.
+
+The shadow comparisons (`spine_shadow_*`, for the parity gate) are read from every
+endpoint of every group, whichever exports them: a spine that mirrors, or a group of its
+own such as the built-in front's /metrics (`ScrapeSource({"front": [URL]})`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from migration.gates import WindowStats
+from migration.gates import ParityStats, WindowStats
+from migration.metrics.parity import NOISE_WINDOWS, SHADOW_FAMILIES, ShadowCounts, add_sample, parity_stats
 from migration.metrics.source import (
     DURATION_BUCKETS,
     LAYOUT_ERRORS,
@@ -35,6 +40,8 @@ from migration.metrics.source import (
     check_side,
     histogram_quantile,
 )
+from migration.target import ShadowCapability
+from spine.runtime.shadow_metrics import COMPARED
 
 log = logging.getLogger("spine.migration.scrape")
 
@@ -43,20 +50,22 @@ SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
 
 @dataclass(frozen=True)
 class Counts:
-    """Request counts and the OK requests' cumulative latency buckets (le seconds -> count)."""
+    """Request counts, the OK requests' cumulative latency buckets (le seconds -> count) and
+    the shadow comparisons."""
 
     requests: float = 0.0
     errors: float = 0.0
     ok: float = 0.0
     ok_buckets: Mapping[float, float] = field(default_factory=dict)
+    shadow: ShadowCounts = field(default_factory=ShadowCounts)
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(self.requests + other.requests, self.errors + other.errors, self.ok + other.ok,
-                      _combine(self.ok_buckets, other.ok_buckets, 1.0))
+                      _combine(self.ok_buckets, other.ok_buckets, 1.0), self.shadow + other.shadow)
 
     def __sub__(self, other: Counts) -> Counts:
         return Counts(self.requests - other.requests, self.errors - other.errors, self.ok - other.ok,
-                      _combine(self.ok_buckets, other.ok_buckets, -1.0))
+                      _combine(self.ok_buckets, other.ok_buckets, -1.0), self.shadow - other.shadow)
 
     def stats(self) -> WindowStats:
         p99_s = histogram_quantile(0.99, self.ok_buckets) if self.ok else None
@@ -69,11 +78,12 @@ def _combine(a: Mapping[float, float], b: Mapping[float, float], sign: float) ->
 
 
 def parse_series(text: str) -> dict[SeriesKey, float]:
-    """The samples the gates read, by series: request counters and the latency buckets."""
+    """The samples the gates read, by series: request counters, the latency buckets and the
+    shadow comparisons."""
     series = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (REQUESTS, DURATION_BUCKETS):
+            if sample.name in (REQUESTS, DURATION_BUCKETS, *SHADOW_FAMILIES):
                 series[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
     return series
 
@@ -82,6 +92,7 @@ def count(series: Mapping[SeriesKey, float]) -> Counts:
     """Sum series into Counts: shadow requests left out, latency of OK requests only."""
     requests = errors = ok = 0.0
     buckets: dict[float, float] = {}
+    shadow = ShadowCounts()
     for (name, pairs), value in series.items():
         labels = dict(pairs)
         if name == REQUESTS:
@@ -94,7 +105,9 @@ def count(series: Mapping[SeriesKey, float]) -> Counts:
         elif name == DURATION_BUCKETS and labels.get("status") == OK and "le" in labels:
             le = float(labels["le"])
             buckets[le] = buckets.get(le, 0.0) + value
-    return Counts(requests, errors, ok, buckets)
+        else:
+            shadow = add_sample(shadow, name, labels, value)
+    return Counts(requests, errors, ok, buckets, shadow)
 
 
 def increments(previous: Mapping[SeriesKey, float] | None,
@@ -111,33 +124,62 @@ def increments(previous: Mapping[SeriesKey, float] | None,
     return {key: value - previous.get(key, 0.0) for key, value in current.items()}
 
 
-class _Side:
+class _Group:
+    """The endpoints of one side (or of a group such as the front's): totals and their history."""
+
     def __init__(self, urls: Sequence[str], keep: int) -> None:
         self.urls = list(urls)
         self.last: dict[str, dict[SeriesKey, float] | None] = dict.fromkeys(self.urls)
         self.total = Counts()
         self.snapshots: deque[tuple[float, Counts]] = deque(maxlen=keep)
-        self.lock = threading.Lock()  # one scrape of a side at a time: snapshots stay in order
+        self.lock = threading.Lock()  # one scrape of a group at a time: snapshots stay in order
+
+    def since(self, since: float) -> Counts:
+        """What was counted since `since`: the newest totals less the last ones kept at or
+        before it; failing that the oldest (a shorter window, never one that reaches back
+        before the source started)."""
+        with self.lock:
+            if not self.snapshots:
+                return Counts()
+            latest = self.snapshots[-1][1]
+            base = self.snapshots[0][1]
+            for ts, totals in self.snapshots:
+                if ts > since:
+                    break
+                base = totals
+        return latest - base
+
+    def exporting_shadow(self) -> list[str]:
+        """The endpoints whose last scrape held shadow comparison counters."""
+        with self.lock:
+            return [url for url, series in self.last.items()
+                    if series is not None and any(name == COMPARED for name, _ in series)]
 
 
 class ScrapeSource:
     """Scrapes every endpoint of both sides, every `interval_s` in the background.
 
-    `interval_s=None`: no background thread; `scrape(side)` (and every `window`) scrapes."""
+    `endpoints` maps each side to its URLs; a source that only reads shadow comparisons
+    (the built-in front's) has one group of another name instead, e.g. {"front": [URL]}:
+    any group given must list at least one URL. `interval_s=None`: no background thread;
+    `scrape(group)` (and every `window` and `parity`) scrapes."""
 
     def __init__(self, endpoints: Mapping[str, Sequence[str]], interval_s: float | None = 0.5,
                  timeout_s: float = 2.0, keep: int = 4096) -> None:
-        for side in SIDES:
-            if not endpoints.get(side):
-                raise ValueError(f"ScrapeSource: no /metrics URL for the {side} side")
-            for url in endpoints[side]:
+        if not endpoints:
+            raise ValueError("ScrapeSource: no endpoints to scrape")
+        for side, urls in endpoints.items():
+            if not urls:
+                what = f"the {side} side" if side in SIDES else f"group {side!r}"
+                raise ValueError(f"ScrapeSource: no /metrics URL for {what}")
+            for url in urls:
                 if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
                     raise ValueError(f"{side} metrics URL {url!r}: expected http://HOST:PORT/metrics")
         self.timeout_s = timeout_s
-        self._sides = {side: _Side(endpoints[side], keep) for side in SIDES}
+        self._sides = {side: _Group(urls, keep) for side, urls in endpoints.items()}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        for side in SIDES:
+        for side in self._sides:
             failures = self.scrape(side)  # the baseline
             if failures:
                 log.warning("cannot scrape %s yet: %s", side, "; ".join(failures))
@@ -147,12 +189,10 @@ class ScrapeSource:
             self._thread.start()
 
     def endpoints(self, side: str) -> list[str]:
-        check_side(side)
-        return list(self._sides[side].urls)
+        return list(self._sides[side].urls) if side in self._sides else []
 
     def scrape(self, side: str) -> list[str]:
-        """Scrape every endpoint of `side` once and keep the new totals; the failures, one line each."""
-        check_side(side)
+        """Scrape every endpoint of `side` (a group) once and keep the new totals; the failures, one line each."""
         state = self._sides[side]
         failures = []
         with state.lock:
@@ -175,6 +215,9 @@ class ScrapeSource:
 
     def window(self, side: str, since: float) -> WindowStats:
         """Requests, layout errors and the OK requests' p99 since `since` (a fresh scrape ends it)."""
+        check_side(side)
+        if side not in self._sides:
+            return WindowStats(0, 0, None, 0, missing=f"no {side} endpoint to scrape was given")
         failures = self.scrape(side)
         state = self._sides[side]
         if len(failures) == len(state.urls):
@@ -182,21 +225,41 @@ class ScrapeSource:
         if failures:
             log.warning("window of %s without %d of %d endpoints: %s", side, len(failures), len(state.urls),
                         "; ".join(failures))
-        with state.lock:
-            latest = state.snapshots[-1][1]
-            # The last totals kept at or before the window's start; failing that the oldest
-            # (a shorter window, never one that reaches back before the source started).
-            base = state.snapshots[0][1]
-            for ts, totals in state.snapshots:
-                if ts > since:
-                    break
-                base = totals
-        return (latest - base).stats()
+        return state.since(since).stats()
+
+    def parity(self, since: float) -> ParityStats:
+        """The shadow comparisons since `since` from every endpoint that exports them (a
+        fresh scrape ends the window); noise over `NOISE_WINDOWS` windows."""
+        now = time.time()
+        reached = False
+        for name, state in self._sides.items():
+            failures = self.scrape(name)
+            reached = reached or len(failures) < len(state.urls)
+        if not reached:
+            return ParityStats(0, 0, missing="no endpoint answered")
+        if not any(state.exporting_shadow() for state in self._sides.values()):
+            return ParityStats(0, 0, missing=f"no endpoint exports {COMPARED} (nothing mirrors traffic)")
+        noise_since = now - NOISE_WINDOWS * max(now - since, 0.0)
+        window = sum((state.since(since).shadow for state in self._sides.values()), ShadowCounts())
+        noise = sum((state.since(noise_since).shadow for state in self._sides.values()), ShadowCounts())
+        return parity_stats(window, noise.noise)
+
+    def shadow_exported(self) -> ShadowCapability:
+        """Scrapes every endpoint now: enabled when one of them exports the shadow counters."""
+        failures = [failure for name in self._sides for failure in self.scrape(name)]
+        exporting = [url for state in self._sides.values() for url in state.exporting_shadow()]
+        if exporting:
+            return ShadowCapability(True, f"{', '.join(exporting)} export {COMPARED}")
+        urls = [url for state in self._sides.values() for url in state.urls]
+        unreachable = f" ({'; '.join(failures)})" if failures else ""
+        return ShadowCapability(False, (
+            f"none of {', '.join(urls)} exports {COMPARED}{unreachable}: no spine mirrors traffic (give the "
+            f"spine's config shadow.share > 0 and shadow.layered_address, and both sides the internal secret)"))
 
     def _loop(self, interval_s: float) -> None:
         """Keep totals coming, so every window has a baseline near its start."""
         while not self._stop.wait(interval_s):
-            for side in SIDES:
+            for side in self._sides:
                 failures = self.scrape(side)
                 if failures:
                     log.warning("cannot scrape %s: %s", side, "; ".join(failures))

@@ -5,6 +5,9 @@ layout failed, and the p99 latency of the successful ones. Both sources read the
 families exported by `services.metrics` — `spine_requests_total` (shadow traffic labelled
 `shadow="true"` and left out) and the `spine_request_duration_seconds` histogram (shadow
 traffic is timed in its own family, so it is never in this one).
+
+The parity gate needs the shadow comparisons of the window, from the counters whoever
+mirrors exports (`spine.runtime.shadow_metrics`; reduced alike by `migration.metrics.parity`).
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import math
 from collections.abc import Mapping
 from typing import Protocol
 
-from migration.gates import WindowStats
+from migration.gates import ParityStats, WindowStats
+from migration.target import ShadowCapability
+from spine.runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERRORS
 
 SIDES = ("layered", "spine")
 REQUESTS = "spine_requests_total"
 DURATION_BUCKETS = "spine_request_duration_seconds_bucket"
 OK = "OK"
-# Codes that say the layout failed (as opposed to a request that was rightly refused).
-LAYOUT_ERRORS = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED", "DATA_LOSS"})
 
 
 class MetricsSource(Protocol):
@@ -29,6 +32,17 @@ class MetricsSource(Protocol):
 
         Never raises for a metrics system that cannot be read: the stats then say why in
         `missing`, and the gates hold."""
+        ...
+
+    def parity(self, since: float) -> ParityStats:
+        """The shadow comparisons since `since`, noise over the `NOISE_WINDOWS` windows
+        before now (`migration.metrics.parity`); like `window`, never raises: `missing` says
+        why they could not be read."""
+        ...
+
+    def shadow_exported(self) -> ShadowCapability:
+        """Whether anything this source reads exports shadow comparisons now (the mirror
+        exports `spine_shadow_compared_total` from its start, before any comparison)."""
         ...
 
     def close(self) -> None:

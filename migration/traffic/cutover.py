@@ -5,6 +5,12 @@ processes for whatever it has not collapsed yet (so a remote placement in the sp
 the very process the layered side uses), and builds local copies for what it has. The
 front splits traffic by the controller's weight; the controller reads the front's
 windows and moves placements in the spine without a restart.
+
+With `shadow.share` > 0 the front mirrors that share of answered requests to the other
+side and serves its comparison counters on its own /metrics (`front_metrics_address`);
+the parity gate reads them there through a `ScrapeSource`, the same code and arithmetic
+as a direct scrape of spines behind Envoy. Without shadow, a plan with a parity gate is
+refused (`FrontTarget.shadow`).
 """
 
 from __future__ import annotations
@@ -16,18 +22,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from migration.gates import WindowStats
+from migration.gates import ParityStats, WindowStats
 from migration.limits import side_shares
+from migration.metrics.scrape import ScrapeSource
+from migration.metrics.source import MetricsSource
 from migration.server import ControllerProcess
+from migration.target import ShadowCapability
 from migration.traffic.endpoint_health import EndpointHealth, endpoint
 from migration.traffic.front import Front
-from migration.traffic.shadow import ShadowConfig
 from migration.xds import XdsControlPlane
+from monolith.device import DeviceContext
 from services.pipeline.verdicts import RequestLimits
-from services.registry import COMPONENTS, GATEWAY, MIDDLEWARES
+from services.prometheus_http import PrometheusHTTPServer
+from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
-from spine.runtime.faults import FaultHook
+from spine.runtime.faults import FaultHook, WrongAnswers
 from spine.runtime.server import RunningServer, request_pool, start_server
+from spine.runtime.shadow import ShadowConfig
 from spine.runtime.stack import Stack, write_private
 from spine.v1 import ratelimit_pb2
 
@@ -42,11 +53,12 @@ class FrontTarget:
     """
 
     def __init__(self, front: Front, spine: Stack, layered_ratelimit: Any | None = None,
-                 xds: XdsControlPlane | None = None) -> None:
+                 xds: XdsControlPlane | None = None, parity: MetricsSource | None = None) -> None:
         self.front = front
         self.spine = spine
         self.layered_ratelimit = layered_ratelimit
         self.xds = xds
+        self.parity = parity  # reads the front's shadow counters (its /metrics)
         self._lock = threading.Lock()
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
@@ -66,12 +78,28 @@ class FrontTarget:
         if self.layered_ratelimit is not None:
             self.layered_ratelimit.SetShare(ratelimit_pb2.SetShareRequest(fraction=layered_share), timeout=1.0)
 
-    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
+    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
         window = self.front.window(since)
         layered, spine = window["layered"], window["spine"]
+        parity = (self.parity.parity(since) if self.parity is not None
+                  else ParityStats(0, 0, missing="the front's shadow comparisons are not read"))
         return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests),
-                self.front.parity_mismatches(since))  # shadow mismatches not explained by noise
+                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests), parity)
+
+    def shadow(self) -> ShadowCapability:
+        mirror = self.front.shadow
+        if mirror is None or mirror.share <= 0:
+            return ShadowCapability(False, "the front mirrors nothing (shadow.share is 0): set shadow.share > 0 "
+                                           "in the config (the internal secret signs the copies)")
+        if self.parity is None:
+            return ShadowCapability(False, "the front mirrors, but nothing reads its comparisons "
+                                           "(FrontTarget was given no parity source)")
+        return ShadowCapability(True, f"the front mirrors {mirror.share:.0%} of answered requests and "
+                                      f"exports the comparisons it reads")
+
+    def close(self) -> None:
+        if self.parity is not None:
+            self.parity.close()
 
     def data_planes(self) -> list[dict[str, Any]]:
         """What each xDS data plane ACKed or NACKed (shown by `spine migrate status`)."""
@@ -97,6 +125,8 @@ class Cutover:
     xds: XdsControlPlane | None = None
     target: FrontTarget | None = None
     endpoint_health: EndpointHealth | None = None
+    front_metrics: PrometheusHTTPServer | None = None  # the front's shadow counters, with shadow on
+    parity: ScrapeSource | None = None  # what the parity gate reads them with
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
     def start(self) -> str:
@@ -111,12 +141,20 @@ class Cutover:
             shared = {name: child.address for name, child in self.layered.supervisor.children.items()
                       if name != "inference"}
             placements = {name: "remote" for name in MIDDLEWARES} | {"inference": "local"}
+            # The spine's model behind the parity fault's switch (`fault.wrong_answers`).
+            device = DeviceContext.from_config(self.config)
+            model = WrongAnswers(DEFAULT["inference"].build(self.config, device, self.run_dir), self.fault)
             self.spine = Stack(self.config, placements, run_dir=self.run_dir / "spine", hooks=[self.fault],
-                               remote_addresses=shared)
+                               remote_addresses=shared, device=device, local_servicers={"inference": model})
             self.spine.start()
             shadow = ShadowConfig.from_config(self.config)
             self.front = Front({"layered": self.layered.address, "spine": self.spine.address},
                                shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config))
+            if self.front.shadow is not None:
+                self.front_metrics = PrometheusHTTPServer(self.front.shadow.counters.registry)
+                self.front_metrics.start()
+                self.parity = ScrapeSource({"front": [f"http://{self.front_metrics.address}/metrics"]},
+                                           interval_s=0.25)
             limits = RequestLimits.from_config(self.config)
             # Sized like the gateways behind it: requests wait in the model's priority queue.
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
@@ -134,7 +172,7 @@ class Cutover:
             layered_ratelimit = self.layered.bindings.get("ratelimit")
             token_file = write_private(self.run_dir, "admin-token", self.admin_token)
             token_file.chmod(0o600)
-            self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds)
+            self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds, self.parity)
             self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"),
                                                 f"unix:{self.run_dir / 'controller.sock'}", self.admin_token,
                                                 self.target, tick_s=0.1)
@@ -150,6 +188,11 @@ class Cutover:
         return self.front_server.address
 
     @property
+    def front_metrics_address(self) -> str | None:
+        """Where the front serves its shadow comparison counters (None with shadow off)."""
+        return self.front_metrics.address if self.front_metrics is not None else None
+
+    @property
     def controller_address(self) -> str:
         return f"unix:{self.run_dir / 'controller.sock'}"
 
@@ -157,6 +200,9 @@ class Cutover:
         if self.controller is not None:
             self.controller.stop()
             self.controller = None
+        if self.parity is not None:
+            self.parity.close()
+            self.parity = None
         if self.endpoint_health is not None:
             self.endpoint_health.stop()
             self.endpoint_health = None
@@ -169,6 +215,9 @@ class Cutover:
         if self.front is not None:
             self.front.close()
             self.front = None
+        if self.front_metrics is not None:
+            self.front_metrics.stop()
+            self.front_metrics = None
         for stack in (self.spine, self.layered):
             if stack is not None:
                 stack.stop()

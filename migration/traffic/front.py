@@ -7,8 +7,11 @@ one layout while the weight holds or grows. `x-spine-route: layered|spine` force
 rollback never moves a request already in flight.
 
 The front also keeps what the controller's gates read: per side, when each request
-ended, whether the layout failed it, and how long it took — and, in shadow mode
-(`migration.traffic.shadow`), how many mirrored answers disagreed with the primary's.
+ended, whether the layout failed it, and how long it took. In shadow mode
+(`spine.runtime.shadow`) it mirrors a share of answered requests to the other side and
+counts the comparisons in its mirror's counters (`spine.runtime.shadow_metrics`), which
+the local migration serves on the front's own /metrics for the parity gate
+(`migration.traffic.cutover`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Any
 
 import grpc
 
-from migration.traffic.decisions import Decision, decide
-from migration.traffic.shadow import Metadata, ShadowConfig, ShadowMirror
+from spine.runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
+from spine.runtime.decisions import Decision, decide
+from spine.runtime.shadow import Metadata, ShadowConfig, ShadowMirror, forward_metadata, gateway_call
 from spine.runtime.stats import percentile
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
@@ -35,8 +39,7 @@ SESSION_HEADER = "x-session-id"
 SIDE_HEADER = "x-spine-side"
 
 # Codes that say the layout failed, as opposed to the client asking for something refused.
-LAYOUT_ERRORS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                           grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS})
+LAYOUT_ERRORS = frozenset(grpc.StatusCode[name] for name in LAYOUT_ERROR_NAMES)
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         if shadow is not None and internal_key is None:
             raise ValueError("shadow traffic needs the deployment's internal secret (internal.secret): "
                              "without it a shadow copy cannot be told from a client's request")
-        self.shadow = (ShadowMirror(shadow, self._shadow_call, SIDES, key=internal_key, rng=rng)
+        self.shadow = (ShadowMirror(shadow, gateway_call(self.stubs), SIDES, key=internal_key, rng=rng)
                        if shadow is not None and internal_key is not None else None)
 
     def set_weight(self, spine_weight: float) -> None:
@@ -111,7 +114,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         started = time.perf_counter()
         try:
             response, call = self.stubs[side].Generate.with_call(
-                request, timeout=_remaining(context), metadata=_forward(metadata))
+                request, timeout=_remaining(context), metadata=forward_metadata(metadata))
         except grpc.RpcError as error:
             self._record(side, started, error.code())
             trailing = tuple(error.trailing_metadata() or ())  # type: ignore[attr-defined]
@@ -130,7 +133,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         metadata = tuple(context.invocation_metadata())
         side = self.route(dict(metadata))
         started = time.perf_counter()
-        call = self.stubs[side].GenerateStream(request, timeout=_remaining(context), metadata=_forward(metadata))
+        call = self.stubs[side].GenerateStream(request, timeout=_remaining(context), metadata=forward_metadata(metadata))
         context.add_callback(call.cancel)
         chunks: list[generation_pb2.GenerateChunk] = []
         try:
@@ -158,21 +161,10 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         if self.shadow is None:
             return
         request_id = dict(trailing).get("x-request-id", "")
-        forwarded = _forward(metadata)
+        forwarded = forward_metadata(metadata)
         if request_id and "x-request-id" not in dict(forwarded):
             forwarded += (("x-request-id", request_id),)  # the shadow's log line joins the primary's
         self.shadow.offer(side, request, forwarded, decision, stream=stream, request_id=request_id)
-
-    def _shadow_call(self, target: str, request: generation_pb2.GenerateRequest, metadata: Metadata,
-                     timeout_s: float, stream: bool) -> Decision:
-        try:
-            if stream:
-                chunks = list(self.stubs[target].GenerateStream(request, timeout=timeout_s, metadata=metadata))
-                return decide(request, grpc.StatusCode.OK, chunks=chunks)
-            response = self.stubs[target].Generate(request, timeout=timeout_s, metadata=metadata)
-            return decide(request, grpc.StatusCode.OK, response=response)
-        except grpc.RpcError as error:
-            return decide(request, error.code(), error.details() or "")  # type: ignore[attr-defined]
 
     def set_shadow_share(self, share: float) -> None:
         """Change the mirrored share at run time (a ramp, as in Scientist)."""
@@ -181,10 +173,6 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"shadow share: must be between 0 and 1, got {share}")
         self.shadow.share = share
-
-    def parity_mismatches(self, since: float) -> int:
-        """Shadow mismatches (not explained by noise) since `since`; 0 without shadow mode."""
-        return 0 if self.shadow is None else self.shadow.mismatches_since(since)
 
     # -- what the gates read -----------------------------------------------------------
     def _record(self, side: str, started: float, code: grpc.StatusCode) -> None:
@@ -210,13 +198,6 @@ class Front(gateway_pb2_grpc.GatewayServicer):
             self.shadow.close()
         for channel in self.channels.values():
             channel.close()
-
-
-def _forward(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-    """Pass the caller's metadata on, less the front's own and anything internal: no
-    `x-spine-*` key a client sends reaches a side (the marks the front itself puts on its
-    shadow copies are signed; see `migration.traffic.shadow`)."""
-    return tuple((k, v) for k, v in metadata if not k.startswith(("x-spine-", "grpc-")))
 
 
 def _remaining(context: Any) -> float | None:

@@ -9,14 +9,17 @@ replicas). The gates read each side's own metrics through a `MetricsSource` — 
 server's PromQL in production, a direct scrape of every endpoint of each side locally.
 Each gateway's health (`EndpointHealth`) marks its endpoint UNHEALTHY while it is not
 SERVING, so data planes stop picking it.
+The parity gate reads the shadow comparisons the spine exports (it mirrors a share of
+its own answers to the layered side: `spine.runtime.gateway_mirror`).
 """
 
 from __future__ import annotations
 
 import logging
 
-from migration.gates import WindowStats
+from migration.gates import ParityStats, WindowStats
 from migration.metrics.source import MetricsSource
+from migration.target import ShadowCapability
 from migration.traffic.endpoint_health import EndpointHealth
 from migration.xds import XdsControlPlane
 
@@ -52,8 +55,12 @@ class XdsTarget:
             self.plane.set_stage(0.0, None, STABLE_VERSION)
             log.info("published %s: 100%% layered (no rollout has started)", STABLE_VERSION)
 
-    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, int]:
-        return self.metrics.window("layered", since), self.metrics.window("spine", since), 0
+    def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
+        return self.metrics.window("layered", since), self.metrics.window("spine", since), self.metrics.parity(since)
+
+    def shadow(self) -> ShadowCapability:
+        """Shadow is on when the metrics source finds the spine's comparison counters."""
+        return self.metrics.shadow_exported()
 
     def applied(self, version: str) -> bool:
         return (self.plane.stage_acked(version, self.min_data_planes)

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -89,6 +89,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.admission: Admission = DirectAdmission(pipeline)
         self.completions: Completions = DirectCompletions(pipeline)
         self.in_flight = 0  # requests begun and not finished: how many more a batch may expect
+        # Offered every finished request after its completions (the spine's shadow mirror,
+        # `spine.runtime.gateway_mirror`); must be cheap and never raise.
+        self.answered: Callable[[RequestState], None] | None = None
         pipeline.on_fail_open = self.count_fail_open
 
     # -- public API ---------------------------------------------------------------
@@ -212,7 +215,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
         """End the call with the pipeline's verdict; its trailers name layout and request id."""
-        state.status = stop.code.name
+        state.status, state.details = stop.code.name, stop.details
         context.set_trailing_metadata(self._trailing(state) + stop.trailing)
         context.abort(stop.code, stop.details)
 
@@ -224,6 +227,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         if state.status != "OK":
             state.response = None  # only a good answer is worth keeping
         self.completions.complete(state)
+        if self.answered is not None:
+            self.answered(state)
 
     def count_fail_open(self, name: str, reason: str, request_id: str) -> None:
         """Count a fail-open middleware's failure; the request goes on."""

@@ -38,6 +38,7 @@ class RequestState:
     hit: generation_pb2.GenerateResponse | None = None
     response: generation_pb2.GenerateResponse | None = None  # a fresh answer, for the cache
     status: str = "OK"
+    details: str = ""  # the status's message when a stage or the model stopped the request
     cached: bool = False
     completion_tokens: int = 0
     latency_s: float = 0.0  # arrival to answer; set when the answer goes out

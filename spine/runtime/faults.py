@@ -2,6 +2,10 @@
 
 A binding hook, so the fault sits exactly where a real one would — on the call into a
 component — and is seen by the front's gates like any other failure.
+
+A parity fault is a different kind: every call succeeds and the answers differ. It sits
+in the model servicer itself (`WrongAnswers`, wrapped around the spine's model when the
+stack is built) and is switched by the same `FaultHook` (`wrong_answers`).
 """
 
 from __future__ import annotations
@@ -9,12 +13,14 @@ from __future__ import annotations
 import random
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from spine.runtime.local_context import LocalRpcError
+from spine.v1 import generation_pb2
 
 
 @dataclass
@@ -25,6 +31,7 @@ class FaultHook:
     error_rate: float = 0.0
     added_latency_s: float = 0.0
     seed: int = 0
+    wrong_answers: bool = False  # read by `WrongAnswers` around the model
     _rng: random.Random = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -48,3 +55,37 @@ class FaultHook:
     def clear(self) -> None:
         self.error_rate = 0.0
         self.added_latency_s = 0.0
+        self.wrong_answers = False
+
+
+class WrongAnswers:
+    """A model servicer that answers differently while `fault.wrong_answers` is set.
+
+    The bug it plays: greedy requests (temperature 0) are sampled at temperature 1, with a
+    seed taken from the prompt. Every call succeeds and the same prompt always gets the
+    same (wrong) answer, so the error-rate gate sees nothing and a layout compared with
+    itself agrees: only the parity gate, comparing with the other side, can tell.
+    Everything else is the wrapped servicer's.
+    """
+
+    def __init__(self, servicer: Any, fault: FaultHook) -> None:
+        self._servicer = servicer
+        self._fault = fault
+
+    def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> Any:
+        return self._servicer.Generate(self._altered(request), context)
+
+    def GenerateStream(self, request: generation_pb2.GenerateRequest, context: Any) -> Any:
+        return self._servicer.GenerateStream(self._altered(request), context)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._servicer, name)
+
+    def _altered(self, request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+        if not self._fault.wrong_answers or request.temperature > 0:
+            return request
+        altered = generation_pb2.GenerateRequest()
+        altered.CopyFrom(request)
+        altered.temperature = 1.0
+        altered.seed = zlib.crc32(request.prompt.encode())
+        return altered

@@ -5,7 +5,7 @@ they are built from it (`placements_model`, `remote_addresses_model`).
 
 Light on purpose (pydantic only): the root model imports them, and loading a config must
 not load OpenTelemetry or the migration code. `spine.runtime.tracing.TracingConfig` and
-`migration.traffic.shadow.ShadowConfig` are these classes, re-exported where they are used.
+`spine.runtime.shadow.ShadowConfig` are these classes, re-exported where they are used.
 """
 
 from __future__ import annotations
@@ -114,15 +114,21 @@ class TracingConfig(Section):
         return cls.parse(config.get("tracing"), "tracing")
 
 
-# What two layouts' answers are compared on (`migration.traffic.decisions.Decision`'s fields);
+# What two layouts' answers are compared on (`spine.runtime.decisions.Decision`'s fields);
 # listed here so the shadow section's schema can name them.
 DecisionField = Literal["status", "details", "auth", "ratelimit", "route", "cached", "tokens"]
 
 
 class ShadowConfig(Section):
-    """The `shadow:` section (see `migration.traffic.shadow`)."""
+    """The `shadow:` section (see `spine.runtime.shadow`).
+
+    Read by the built-in front, and by a spine given `layered_address`: the spine then
+    mirrors `share` of its own answered requests to the layered gateway there and exports
+    the comparisons on its /metrics (`spine.runtime.gateway_mirror`), for the parity gate
+    where Envoy, not the front, splits traffic."""
 
     share: Share = 0.0
+    layered_address: NonEmptyStr | None = None  # the layered gateway, e.g. dns:///spine-gateway-layered:50051
     compare: StrictBool = True
     calibration_share: Share = 0.1
     max_in_flight: Annotated[StrictInt, Field(ge=1, le=1024)] = 8

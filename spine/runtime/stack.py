@@ -105,6 +105,7 @@ class Stack:
     health_timeout_s: float = 0.5
     admission: BatchedAdmission | None = None
     completions: DeferredCompletions | None = None
+    shadow: Any = None  # the spine's own mirror, with shadow.layered_address (spine.runtime.gateway_mirror)
     _retired: list[Any] = field(default_factory=list)
     _tmp: Any = None
     _batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -162,6 +163,10 @@ class Stack:
             self.server = start_server([(GATEWAY, self.gateway)], self.listen,
                                        max_message_bytes=limits.max_message_bytes,
                                        allow_external=self.allow_external, **request_pool(self.config))
+            from spine.runtime.gateway_mirror import start_gateway_mirror
+
+            self.shadow = start_gateway_mirror(self.config, self.gateway, self.server.address,
+                                               self.local_servicers.get("metrics"))
             self._start_deep_health()
             # The gateway is SERVING only while every fail-closed component is: the front,
             # xDS endpoints, the A/B tool and load balancers all read this.
@@ -354,6 +359,9 @@ class Stack:
 
     def stop(self, grace: float = 3.0) -> None:
         """Finish in-flight requests, flush local logs and metrics, stop every child."""
+        if self.shadow is not None:  # no more copies; those in flight finish first
+            self.shadow.close()
+            self.shadow = None
         if self.health is not None:
             self.health.stop()
             self.health = None

@@ -1,9 +1,20 @@
 """The main job (`make run`): a staged migration from the layered stack to the spine.
 
-Both layouts start locally; synthetic traffic flows through the front; the controller
-walks the demo plan to 100% spine, one stage at a time, printing each stage's weights,
-placements, gate results and both sides' p99. Then the same plan runs again with a fault
-injected into the spine, and the gates roll it back on their own.
+Both layouts start locally; synthetic traffic flows through the front, which mirrors a
+share of it to the other side (shadow traffic) and exports the comparisons for the parity
+gate. The same plan runs three times:
+
+1. a healthy spine: walked to 100%, promoted;
+2. a failing spine (half its model calls fail): rolled back by the error-rate gate;
+3. a spine answering differently (the parity fault: greedy requests sampled, every call
+   succeeds): the error gate sees nothing; rolled back by the parity gate. Not in the first
+   stage, where the spine still shares the layered cache process: a copy is answered from
+   the answer its primary stored there, so both sides agree (and layered clients may get
+   the spine's wrong answers from it); the mismatches show once the spine has its own
+   cache, in the second stage.
+
+Each run prints a table of its stages' weights, placements, gate results and both sides'
+p99; a summary names the three outcomes.
 """
 
 from __future__ import annotations
@@ -22,9 +33,14 @@ from rich.table import Table
 from migration.plan import load_plan
 from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
+from spine.runtime.config import merge
+from spine.runtime.sections import ShadowConfig
 from spine.tools.workload import Item, mixed_workload, run_workload
 
 DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yaml"
+# The share of answered requests the front mirrors when the config leaves shadow off: the
+# plan's parity gates need comparisons in every 1 s window (~20 at the demo's traffic).
+DEMO_SHADOW_SHARE = 0.25
 
 
 @dataclass
@@ -45,12 +61,18 @@ class RunReport:
     seconds: float = 0.0
     requests: int = 0
     failed: int = 0
+    failed_gates: list[str] = field(default_factory=list)  # the counting gates that failed the last window
+
+    def outcome(self) -> str:
+        if self.final_state == "rolled_back" and self.failed_gates:
+            return f"rolled back by the {' and '.join(self.failed_gates)} gate"
+        return self.final_state.replace("_", " ")
 
 
 class TrafficDriver:
     """Synthetic traffic through the front until stopped (bounded in time regardless)."""
 
-    def __init__(self, address: str, api_key: str, concurrency: int = 4, time_limit_s: float = 90.0) -> None:
+    def __init__(self, address: str, api_key: str, concurrency: int = 4, time_limit_s: float = 110.0) -> None:
         self.address = address
         self.api_key = api_key
         self.concurrency = concurrency
@@ -58,6 +80,7 @@ class TrafficDriver:
         self.stop = threading.Event()
         self.sent = 0
         self.failed = 0
+        self.batches = 0  # counts are added a batch at a time, when a batch has finished
         self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
 
     def start(self) -> None:
@@ -76,6 +99,15 @@ class TrafficDriver:
             self.sent += len(done)
             self.failed += sum(1 for r in done if r.code.name in ("UNAVAILABLE", "INTERNAL", "UNKNOWN"))
             batch += 1
+            self.batches = batch
+
+    def settle(self, timeout_s: float = 5.0) -> None:
+        """Wait until the batch in flight now has been counted, so what it met is counted
+        with the run it was sent in, not the next one."""
+        seen = self.batches
+        deadline = time.monotonic() + timeout_s
+        while self.batches == seen and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.stop.set()
@@ -122,7 +154,10 @@ def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, ti
         close_row(seen_stage)
     report.final_state = status.state.value
     report.seconds = time.time() - started
-    console.print(f"  [{title}] finished: {status.state.value} with spine weight {status.spine_weight:g}% "
+    if status.state is State.ROLLED_BACK:
+        report.failed_gates = sorted({g.gate for g in controller.view().last_gates
+                                      if g.verdict == "fail" and not g.dry_run})
+    console.print(f"  [{title}] finished: {report.outcome()} with spine weight {status.spine_weight:g}% "
                   f"after {report.seconds:.1f}s")
     return report
 
@@ -139,41 +174,73 @@ def stage_table(title: str, report: RunReport) -> Table:
 
 
 def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
-                       console: Console | None = None) -> int:
+                       console: Console | None = None, runs: tuple[str, ...] = ("healthy", "failing", "parity")) -> int:
+    """Start everything, walk the plan once per run in `runs` (in that order), print the summary.
+
+    0 when every run ended as it should: healthy promoted, failing rolled back by the
+    error-rate gate, parity rolled back by the parity gate (and no other)."""
     from spine.runtime.config import dev_api_key
 
     console = console or Console(width=None if Console().is_terminal else 140)
     plan_text = plan_path.read_text()
+    if ShadowConfig.from_config(config).share <= 0:  # the parity gates read shadow comparisons
+        config = merge(config, {"shadow": {"share": DEMO_SHADOW_SHARE}})
+    reports: dict[str, RunReport] = {}
     with tempfile.TemporaryDirectory(prefix="spine-demo-") as tmp:
         cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0")
         with console.status("starting the layered stack (8 processes), the spine, the front and the controller"):
             began = time.monotonic()
             cutover.start()
-        console.print(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address}; "
-                      f"controller on {cutover.controller_address}; xDS (ADS) for Envoy and proxyless "
-                      f"clients on {cutover.xds.address if cutover.xds else '-'}")
+        assert cutover.front is not None and cutover.front.shadow is not None
+        console.print(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address} "
+                      f"(mirrors {cutover.front.shadow.share:.0%} of answers to the other side, comparisons on "
+                      f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
+                      f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
         traffic = TrafficDriver(cutover.address, dev_api_key(config) or "")
         traffic.start()
         try:
-            healthy = walk_plan(cutover, plan_text, console, "healthy spine")
-            console.print(stage_table("Run 1: a healthy spine, walked to 100%", healthy))
-            failed_healthy = traffic.failed
-            cutover.fault.error_rate = 0.5
-            console.print("injecting a fault into the spine: half of its model calls fail with UNAVAILABLE")
-            faulty = walk_plan(cutover, plan_text, console, "faulty spine")
-            cutover.fault.clear()
-            console.print(stage_table("Run 2: a faulty spine, rolled back by the gates", faulty))
+            for number, run in enumerate(runs, 1):
+                title, table, fault = RUNS[run]
+                failed_before = traffic.failed
+                if fault:
+                    console.print(f"injecting a fault into the spine: {fault}")
+                    inject(cutover, run)
+                reports[run] = walk_plan(cutover, plan_text, console, title)
+                cutover.fault.clear()
+                traffic.settle()
+                reports[run].failed = traffic.failed - failed_before
+                console.print(stage_table(f"Run {number}: {table}", reports[run]))
             assert cutover.controller is not None
-            audit = cutover.controller.controller.view(audit_rows=6).recent_audit
-            for entry in audit:
+            for entry in cutover.controller.controller.view(audit_rows=4).recent_audit:
                 console.print(f"  audit: {entry.action} {entry.from_state}->{entry.to_state} "
                               f"stage={entry.stage} by {entry.actor}: {entry.reason}")
+            shadow = cutover.front.shadow.stats()["counts"]
         finally:
             traffic.close()
             cutover.stop()
-    ok = healthy.final_state == "promoted" and faulty.final_state == "rolled_back"
-    console.print(
-        f"summary: healthy run {healthy.final_state} in {healthy.seconds:.1f}s; faulty run {faulty.final_state} "
-        f"in {faulty.seconds:.1f}s; {traffic.sent} requests through the front; failed by a layout: "
-        f"{failed_healthy} during the healthy run, {traffic.failed - failed_healthy} after the fault was injected")
+    expected = {"healthy": ("promoted", []), "failing": ("rolled_back", ["error_rate"]),
+                "parity": ("rolled_back", ["parity"])}
+    ok = all((report.final_state, report.failed_gates) == expected[run] for run, report in reports.items())
+    outcomes = "; ".join(f"{RUNS[run][0]} → {report.outcome()} in {report.seconds:.1f}s "
+                         f"({report.failed} failed by a layout)" for run, report in reports.items())
+    console.print(f"summary: {outcomes}; {traffic.sent} requests through the front, "
+                  f"{shadow.get('compared', 0)} mirrored answers compared across layouts")
     return 0 if ok else 1
+
+
+# run -> (its name in progress lines and the summary, its table's title, the fault it injects)
+RUNS: dict[str, tuple[str, str, str]] = {
+    "healthy": ("healthy spine", "a healthy spine, walked to 100%", ""),
+    "failing": ("failing spine", "a failing spine, rolled back by the error-rate gate",
+                "half of its model calls fail with UNAVAILABLE"),
+    "parity": ("spine answering differently", "a spine answering differently, rolled back by the parity gate",
+               "it samples greedy requests (a parity fault: every call succeeds, the answers differ)"),
+}
+
+
+def inject(cutover: Cutover, run: str) -> None:
+    """The fault of `run`, through the spine's fault hook (`spine.runtime.faults`)."""
+    if run == "failing":
+        cutover.fault.error_rate = 0.5
+    elif run == "parity":
+        cutover.fault.wrong_answers = True

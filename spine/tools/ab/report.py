@@ -18,8 +18,8 @@ from typing import Any
 
 from rich.table import Table
 
-from migration.traffic.decisions import FIELDS, decide, differing
 from spine.client.gateway_client import CallResult
+from spine.runtime.decisions import FIELDS, decide, differing
 from spine.runtime.stats import percentile
 from spine.runtime.tracing import ROOT_SPAN
 from spine.tools.ab.runner import ABRun, LayoutRun

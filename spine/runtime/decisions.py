@@ -1,7 +1,8 @@
 """What two layouts must agree on for one request, and how to compare it.
 
-Shared by `spine ab` (every request through every layout) and the front's shadow mode
-(a share of live requests mirrored), so both count a mismatch the same way.
+Shared by `spine ab` (every request through every layout) and shadow mode (a share of
+live requests mirrored by the front or by the spine itself), so all count a mismatch the
+same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from spine.v1 import generation_pb2
 # The shadow section's `ignore_fields` names these; its schema lists them (a test keeps both
 # equal to Decision's fields).
 FIELDS: tuple[str, ...] = get_args(DecisionField)
+# Codes that say the layout failed, as opposed to a request that was rightly refused: what
+# the error-rate gate counts, and answers the shadow mirror does not compare.
+LAYOUT_ERRORS = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DEADLINE_EXCEEDED", "DATA_LOSS"})
 _TIMING = re.compile(r"\d+(\.\d+)?s\b")
 _AUTH_DENIED = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 

@@ -7,11 +7,18 @@ Mirrors carry `x-spine-shadow`, signed with the deployment's internal secret
 (`services.pipeline.internal_marks`), so the gateway only dry-runs the rate limit, never
 writes the cache, and counts them apart in metrics and logs; a client cannot forge it.
 
-Each mirrored answer is compared with the primary's (`migration.traffic.decisions`). A mismatch
-is published with both sides: a log line, a counter, and the recent list. A share of the
-mirrors goes to the primary's own side instead — comparing a layout with itself — and a
-field that differs there is noise (timing, state a shadow cannot share), not a verdict
-on the spine: mismatches only in noisy fields are reported but not counted against it.
+Two parts mirror with this class: the built-in front (`migration.traffic.front`, both
+directions) and, where Envoy is the data plane, the spine's own gateway
+(`spine.runtime.gateway_mirror`: the spine's answers against the layered side's).
+
+Each mirrored answer is compared with the primary's (`spine.runtime.decisions`) and
+counted in `counters` (`spine.runtime.shadow_metrics`: the families the parity gate
+reads). A mismatch is also published with both sides: a log line and the recent list. A
+share of the mirrors goes to the primary's own side instead — comparing a layout with
+itself — and a field that differs there is noise (timing, state a shadow cannot share),
+not a verdict on the spine: the gate does not count mismatches in noisy fields. A pair
+in which either answer is a layout failure (UNAVAILABLE, ...) is not compared: the
+error-rate gate judges failures, and a copy that timed out says nothing about answers.
 """
 
 from __future__ import annotations
@@ -22,14 +29,17 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from migration.traffic.decisions import Decision, differing
+import grpc
+
 from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
+from spine.runtime.decisions import LAYOUT_ERRORS, Decision, decide, differing
 from spine.runtime.sections import ShadowConfig
+from spine.runtime.shadow_metrics import ShadowCounters
 from spine.v1 import generation_pb2
 
 log = logging.getLogger("spine.shadow")
@@ -57,12 +67,39 @@ def other_side(side: str, sides: Sequence[str]) -> str:
     return next(s for s in sides if s != side)
 
 
+def forward_metadata(metadata: Metadata) -> Metadata:
+    """The caller's metadata as a copy may carry it: nothing internal. No `x-spine-*` key a
+    client sends reaches a side (the mirror's own mark is signed), nor gRPC's reserved keys."""
+    return tuple((k, v) for k, v in metadata if not k.startswith(("x-spine-", "grpc-")))
+
+
+def gateway_call(stubs: Mapping[str, Any]) -> ShadowCall:
+    """A `ShadowCall` over Gateway stubs, one per side; a failed call is the decision it got."""
+
+    def call(target: str, request: generation_pb2.GenerateRequest, metadata: Metadata, timeout_s: float,
+             stream: bool) -> Decision:
+        try:
+            if stream:
+                chunks = list(stubs[target].GenerateStream(request, timeout=timeout_s, metadata=metadata))
+                return decide(request, grpc.StatusCode.OK, chunks=chunks)
+            response = stubs[target].Generate(request, timeout=timeout_s, metadata=metadata)
+            return decide(request, grpc.StatusCode.OK, response=response)
+        except grpc.RpcError as error:
+            return decide(request, error.code(), error.details() or "")  # type: ignore[attr-defined]
+
+    return call
+
+
 class ShadowMirror:
-    """Mirrors, compares and counts; the front offers it every answered request."""
+    """Mirrors, compares and counts; the front or the spine's gateway offers it every answered request.
+
+    `primaries`: the sides whose answers are offered (the front: both; the spine: itself),
+    so the counters show the mirror is on before its first comparison.
+    """
 
     def __init__(self, config: ShadowConfig, call: ShadowCall, sides: Sequence[str] = ("layered", "spine"), *,
                  key: bytes, clock: Callable[[], float] = time.time, rng: random.Random | None = None,
-                 history: int = 10_000) -> None:
+                 history: int = 10_000, primaries: Sequence[str] | None = None) -> None:
         self.config = config
         self.key = key  # the deployment's internal secret: signs each copy's shadow mark
         self.sides = tuple(sides)
@@ -75,13 +112,18 @@ class ShadowMirror:
         self.counts: Counter[str] = Counter()
         self.noise: Counter[str] = Counter()      # field -> mismatches of a layout with itself
         self.mismatches: deque[Mismatch] = deque(maxlen=history)
+        self.counters = ShadowCounters()
+        self.counters.expect((primary, other_side(primary, self.sides)) for primary in (primaries or self.sides))
         self.share = config.share
         self._closed = False
 
     # -- the request path: must stay cheap ------------------------------------------
     def offer(self, primary_side: str, request: generation_pb2.GenerateRequest, metadata: Metadata,
-              primary: Decision, *, stream: bool = False, request_id: str = "") -> bool:
-        """Maybe mirror this answered request; True when a mirror was started."""
+              primary: Decision | Callable[[], Decision], *, stream: bool = False, request_id: str = "") -> bool:
+        """Maybe mirror this answered request; True when a mirror was started.
+
+        `primary` may be a callable that makes the decision: only called for a request
+        that is mirrored."""
         if self._closed or self.share <= 0.0 or self._rng.random() >= self.share:
             return False
         calibration = self._rng.random() < self.config.calibration_share
@@ -89,14 +131,16 @@ class ShadowMirror:
         if not self._slots.acquire(blocking=False):
             with self._lock:
                 self.counts["dropped"] += 1
+            self.counters.skipped(primary_side, target, calibration, "saturated")
             return False
         with self._lock:
             self.counts["mirrored"] += 1
+        decision = primary() if callable(primary) else primary
         request_id = request_id or f"shadow-{secrets.token_hex(8)}"
         shadow_md = tuple((k, v) for k, v in metadata if k not in (SHADOW_HEADER, "x-request-id")) + (
             ("x-request-id", request_id), (SHADOW_HEADER, shadow_mark(self.key, request_id)))
         try:
-            self._pool.submit(self._mirror, primary_side, target, calibration, request, shadow_md, primary,
+            self._pool.submit(self._mirror, primary_side, target, calibration, request, shadow_md, decision,
                               stream, request_id)
         except RuntimeError:  # closed meanwhile
             self._slots.release()
@@ -111,6 +155,7 @@ class ShadowMirror:
         except Exception as error:  # a broken shadow must never reach a client
             with self._lock:
                 self.counts["errors"] += 1
+            self.counters.skipped(primary_side, target, calibration, "call_failed")
             log.warning("shadow call to %s failed: %s", target, error)
             return
         finally:
@@ -120,8 +165,14 @@ class ShadowMirror:
 
     def compare(self, primary_side: str, shadow_side: str, primary: Decision, shadow: Decision, *,
                 calibration: bool = False, request_id: str = "") -> Mismatch | None:
-        """Compare one pair of answers, publish and count a mismatch."""
+        """Compare one pair of answers, count it, publish a mismatch."""
+        if primary.status in LAYOUT_ERRORS or shadow.status in LAYOUT_ERRORS:
+            with self._lock:
+                self.counts["layout_errors"] += 1
+            self.counters.skipped(primary_side, shadow_side, calibration, "layout_error")
+            return None
         fields = differing(primary, shadow, self.config.ignore_fields)
+        self.counters.compared(primary_side, shadow_side, calibration, fields)
         with self._lock:
             self.counts["calibration_compared" if calibration else "compared"] += 1
             if calibration:
@@ -137,18 +188,11 @@ class ShadowMirror:
                     primary_side, _brief(primary, fields), shadow_side, _brief(shadow, fields))
         return mismatch
 
-    # -- what the gates and reports read ------------------------------------------------
+    # -- what reports read (the gates read `counters`, through a metrics source) --------
     def noisy_fields(self) -> frozenset[str]:
         """Fields on which a layout has disagreed with itself."""
         with self._lock:
             return frozenset(name for name, count in self.noise.items() if count)
-
-    def mismatches_since(self, since: float) -> int:
-        """Cross-layout mismatches since `since` that are not explained by noise."""
-        noisy = self.noisy_fields()
-        with self._lock:
-            return sum(1 for m in self.mismatches
-                       if m.at >= since and not m.calibration and set(m.fields) - noisy)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -160,7 +204,6 @@ class ShadowMirror:
             "share": self.share, "counts": counts, "noise_fields": noise,
             "mismatch_rate": counts.get("mismatched", 0) / compared if compared else 0.0,
             "baseline_mismatch_rate": counts.get("calibration_mismatched", 0) / calibrated if calibrated else 0.0,
-            "counted_mismatches": self.mismatches_since(0.0),
         }
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:

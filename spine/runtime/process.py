@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     spec = DEFAULT[args.component]
     servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
-    server = start_server([(spec, servicer)], args.listen,
+    from spine.runtime.foreign import envoy_apis_of
+
+    server = start_server([(spec, servicer), *envoy_apis_of(spec, servicer, config)], args.listen,
                           max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
                           allow_external=args.allow_external)
     # Deep health: SERVING only while the component can do its work (for inference: a tiny

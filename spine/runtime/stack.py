@@ -34,6 +34,7 @@ from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import internal_key, layout_name
 from spine.runtime.config_model import check_config
+from spine.runtime.foreign import ForeignBinding, envoy_apis, foreign_endpoints
 from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
 from spine.runtime.server import RunningServer, start_server
@@ -110,6 +111,10 @@ class Stack:
     _budgets_ms: dict[str, float] = field(default_factory=dict)
     _outlier: OutlierPolicy = field(default_factory=OutlierPolicy)
     _detectors: dict[str, OutlierDetector] = field(default_factory=dict)
+    # Envoy's APIs (ext_authz, rate limit service) on a second listener (`envoy_api.listen`).
+    envoy_server: RunningServer | None = None
+    # Components `placements:` binds to services the team already runs (their protocol, not ours).
+    _foreign: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layout(self) -> str:
@@ -123,6 +128,7 @@ class Stack:
     def start(self) -> str:
         """Start everything and return the Gateway's address once all is SERVING."""
         checked: Any = check_config(self.config, self.registry)  # every section, before anything starts
+        self._foreign = foreign_endpoints(checked)
         calls = checked.calls
         self._budgets_ms = {name: ms for name, ms in calls.budgets_ms.model_dump().items() if ms is not None}
         self._outlier = OutlierPolicy(calls.eject_after_failures, calls.ejection_ms / 1000.0,
@@ -132,6 +138,7 @@ class Stack:
             self.run_dir = Path(self._tmp.name)
         config_path = write_private(self.run_dir, "config.yaml", yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
+        envoy_listen = checked.envoy_api.listen
         self._batching = BatchingConfig.from_config(self.config)
         if self.device is None:
             self.device = DeviceContext.from_config(self.config)
@@ -142,7 +149,8 @@ class Stack:
             self.hooks = [*self.hooks, tracing.hook(self.layout)]
         try:
             remote = [name for name in self.registry.names
-                      if self.placements[name] == "remote" and name not in self.remote_addresses]
+                      if self.placements[name] == "remote" and name not in self.remote_addresses
+                      and name not in self._foreign]
             if remote:
                 self.supervisor = Supervisor(self.run_dir)
                 for name in remote:
@@ -158,9 +166,13 @@ class Stack:
 
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
                                                                self.run_dir)
-            self.server = start_server([(GATEWAY, self.gateway)], self.listen,
-                                       max_message_bytes=limits.max_message_bytes,
+            envoy = self._envoy_apis()
+            self.server = start_server([(GATEWAY, self.gateway), *(envoy if envoy_listen is None else [])],
+                                       self.listen, max_message_bytes=limits.max_message_bytes,
                                        allow_external=self.allow_external)
+            if envoy and envoy_listen is not None:
+                self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=limits.max_message_bytes,
+                                                 allow_external=self.allow_external)
             self._start_deep_health()
             # The gateway is SERVING only while every fail-closed component is: the front,
             # xDS endpoints, the A/B tool and load balancers all read this.
@@ -172,6 +184,12 @@ class Stack:
             raise
         log.info("%s layout serving on %s", self.layout, self.server.address)
         return self.server.address
+
+    def _envoy_apis(self) -> list[tuple[Any, Any]]:
+        """Envoy's APIs for the components that have one, answered by each one's binding as placed
+        at the time of each call (see `spine.runtime.foreign`)."""
+        budgets_s = {name: ms / 1000.0 for name, ms in self._budgets_ms.items()}
+        return envoy_apis(self.registry, self.config, lambda name: self.bindings[name], budgets_s)
 
     def _start_deep_health(self) -> None:
         """The local model's deep health: it can run a tiny forward on its device in time.
@@ -203,7 +221,9 @@ class Stack:
             binding = self.bindings.get(name)
             if binding is None:
                 continue
-            if isinstance(binding, RemoteBinding):
+            if isinstance(binding, ForeignBinding):  # the team's own service: its own health
+                targets[name] = binding.health
+            elif isinstance(binding, RemoteBinding):
                 supervisor = self.supervisor
                 down = supervisor.down_reason(name) if supervisor is not None and name in supervisor.children else None
                 targets[name] = binding.channel if down is None else _down(down)
@@ -235,6 +255,8 @@ class Stack:
                 servicer = spec.build(self.config, self.device, self.run_dir)
                 self.local_servicers[name] = servicer
             return LocalBinding(name, spec.descriptor(), servicer, self.hooks)
+        if name in self._foreign:
+            return self._bind_foreign(name, max_message_bytes)
         if name in self.remote_addresses:
             address = self.remote_addresses[name]
         else:
@@ -246,6 +268,16 @@ class Stack:
             budget_s = self._budgets_ms.get(name, spec.budget_ms) / 1000.0
             detector = self._detectors[name] = OutlierDetector(name, self._outlier, budget_s)
         return RemoteBinding(name, spec.descriptor(), spec.stub_class(), channel, self.hooks, outlier=detector)
+
+    def _bind_foreign(self, name: str, max_message_bytes: int) -> ForeignBinding:
+        """A service the team already runs, spoken to in its protocol (`placements: {remote, protocol}`)."""
+        spec, endpoint = self.registry[name], self._foreign[name]
+        detector = self._detectors.get(name)
+        if detector is None:
+            budget_s = self._budgets_ms.get(name, spec.budget_ms) / 1000.0
+            detector = self._detectors[name] = OutlierDetector(name, self._outlier, budget_s)
+        return ForeignBinding(spec, endpoint, self.config, remote_channel(endpoint.remote, max_message_bytes),
+                              self.hooks, outlier=detector, health_timeout_s=self.health_timeout_s)
 
     def set_placements(self, placements: Mapping[str, str]) -> None:
         """Move components between local and remote without a restart.
@@ -333,6 +365,9 @@ class Stack:
         if self.server is not None:
             self.server.stop(grace)
             self.server = None
+        if self.envoy_server is not None:
+            self.envoy_server.stop(grace)
+            self.envoy_server = None
         if self.admission is not None:
             self.admission.close()
             self.admission = None

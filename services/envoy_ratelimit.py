@@ -294,11 +294,14 @@ class EnvoyRlsClient:
 
     def _should_rate_limit(self, request: ratelimit_pb2.RateLimitRequest, timeout: float | None,
                            metadata: Metadata) -> ratelimit_pb2.RateLimitResponse:
-        """The descriptor form, translated both ways (in the foreign service's domain)."""
+        """The descriptor form, translated both ways (in the foreign service's domain). The
+        requests bucket is the foreign service's `tenant, model` descriptor, as `AdmitBatch` asks
+        it: `resource=requests` is left out."""
         envoy = rls_pb2.RateLimitRequest(domain=self.domain)
         for descriptor in request.descriptors:
             out = envoy.descriptors.add(entries=[descriptor_pb2.RateLimitDescriptor.Entry(key=e.key, value=e.value)
-                                                 for e in descriptor.entries])
+                                                 for e in descriptor.entries
+                                                 if (e.key, e.value) != ("resource", "requests")])
             if descriptor.hits_addend:
                 out.hits_addend.CopyFrom(wrappers_pb2.UInt64Value(value=descriptor.hits_addend))
         answer = self._ask(envoy, None if timeout is None else time.monotonic() + timeout, metadata)

@@ -21,7 +21,7 @@ from spine.runtime.foreign import ForeignBinding
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2, ratelimit_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
-from tests.envoy_calls import OVER_LIMIT, bearer, check, legacy_services, ok_headers, tenant_limit
+from tests.envoy_calls import AUTHZ, OVER_LIMIT, RLS, bearer, check, legacy_services, ok_headers, tenant_limit
 
 LEGACY_KEY, BOUNDED_KEY, FORBIDDEN_KEY = "legacy-key-1", "legacy-key-2", "legacy-forbidden"
 LEGACY_ARGS = ("--key", f"{LEGACY_KEY}=acme", "--key", f"{BOUNDED_KEY}=bounded", "--key", f"{FORBIDDEN_KEY}=acme",
@@ -130,17 +130,30 @@ def test_a_layered_stack_with_legacy_services_spawns_none_of_its_own(tmp_path: P
     """The layered layout: the legacy services are its auth and ratelimit; one without a health
     service is up while it answers, and when it goes away the gateway says NOT_SERVING."""
     with legacy_services(*LEGACY_ARGS, "--no-health") as (address, process):
-        stack = start_stack("layered", tmp_path, legacy_config(address))
+        stack = start_stack("layered", tmp_path, legacy_config(address, envoy_api={"listen": "127.0.0.1:0"}))
         try:
-            assert stack.supervisor is not None
+            assert stack.supervisor is not None and stack.envoy_server is not None
             assert set(stack.supervisor.children) == {"router", "cache", "metrics", "logs", "inference"}
             assert generate(stack, LEGACY_KEY).ok
             assert "no health service" in stack.health_report()["components"]["ratelimit"]["reason"]
+            envoy_listener = stack.envoy_server.address
+            assert [health(envoy_listener, service) for service in ("", AUTHZ, RLS)] == ["SERVING"] * 3
             process.terminate()
             process.wait(timeout=10)
             assert eventually(lambda: stack.health_report()["serving"] is False)
             assert "auth" in stack.health_report()["reason"]
             result = generate(stack, LEGACY_KEY)
             assert result.code == grpc.StatusCode.UNAVAILABLE and "auth unavailable" in result.details
+            # What Envoy's active health check of the spine's Envoy listener sees.
+            assert eventually(lambda: health(envoy_listener, "") == "NOT_SERVING")
+            assert [health(envoy_listener, service) for service in (AUTHZ, RLS)] == ["NOT_SERVING"] * 2
         finally:
             stack.stop()
+
+
+def health(address: str, service: str) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

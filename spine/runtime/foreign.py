@@ -26,6 +26,7 @@ from services.registry import ComponentSpec, ForeignApi, Registry
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.outlier import OutlierDetector
 from spine.runtime.sections import EnvoyApiConfig, ForeignPlacement
+from spine.runtime.server import RunningServer
 
 
 class ForeignBinding(RemoteBinding):
@@ -88,6 +89,32 @@ def envoy_apis_of(spec: ComponentSpec, servicer: Any, config: Mapping[str, Any])
     """What a layered child answers beside its own service: its foreign APIs on its own servicer."""
     binding = LocalBinding(spec.name, spec.descriptor(), servicer)
     return envoy_apis(Registry([spec]), config, lambda _name: binding)
+
+
+class EnvoyApiHealth:
+    """The health a server reports for the foreign APIs it answers: each one SERVING while its
+    component is (as the gateway's health sees it); on a listener of their own, the overall
+    status (`""`, what Envoy's active health check asks) too, while every one of them is."""
+
+    def __init__(self, registry: Registry, running: RunningServer, own_listener: bool) -> None:
+        self.running = running
+        self.own_listener = own_listener
+        self._services = {spec.name: [api.served().full_name for api in spec.foreign] for spec in registry
+                          if spec.foreign}
+        self._down: set[str] = set()
+
+    def flip(self, component: str, serving: bool) -> None:
+        services = self._services.get(component)
+        if not services:
+            return
+        if serving:
+            self._down.discard(component)
+        else:
+            self._down.add(component)
+        for service in services:
+            self.running.set_serving(serving, service)
+        if self.own_listener:
+            self.running.set_serving(not self._down, "")
 
 
 def _caller(component: str, client_for: Callable[[str], Any], budget_s: float) -> Callable[[str, Any], Any]:

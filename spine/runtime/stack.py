@@ -34,7 +34,7 @@ from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding, RemoteBinding
 from spine.runtime.config import internal_key, layout_name
 from spine.runtime.config_model import check_config
-from spine.runtime.foreign import ForeignBinding, envoy_apis, foreign_endpoints
+from spine.runtime.foreign import EnvoyApiHealth, ForeignBinding, envoy_apis, foreign_endpoints
 from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
 from spine.runtime.server import RunningServer, start_server
@@ -113,6 +113,7 @@ class Stack:
     _detectors: dict[str, OutlierDetector] = field(default_factory=dict)
     # Envoy's APIs (ext_authz, rate limit service) on a second listener (`envoy_api.listen`).
     envoy_server: RunningServer | None = None
+    _envoy_health: EnvoyApiHealth | None = None
     # Components `placements:` binds to services the team already runs (their protocol, not ours).
     _foreign: dict[str, Any] = field(default_factory=dict)
 
@@ -173,6 +174,9 @@ class Stack:
             if envoy and envoy_listen is not None:
                 self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=limits.max_message_bytes,
                                                  allow_external=self.allow_external)
+            if envoy:  # each Envoy API is as healthy as its component (below, on every flip)
+                self._envoy_health = EnvoyApiHealth(self.registry, self.envoy_server or self.server,
+                                                    own_listener=self.envoy_server is not None)
             self._start_deep_health()
             # The gateway is SERVING only while every fail-closed component is: the front,
             # xDS endpoints, the A/B tool and load balancers all read this.
@@ -209,6 +213,8 @@ class Stack:
         detector = self._detectors.get(name)
         if detector is not None:
             detector.set_health(state.serving, state.reason)
+        if self._envoy_health is not None:
+            self._envoy_health.flip(name, state.serving)
 
     def _local_health_changed(self) -> None:
         if self.health is not None:

@@ -318,7 +318,7 @@ class EnvoyRlsClient:
 
     def _set_share(self, request: ratelimit_pb2.SetShareRequest, timeout: float | None,
                    metadata: Metadata) -> ratelimit_pb2.SetShareResponse:
-        if not self._share_warned:
+        if request.fraction < 1.0 and not self._share_warned:
             self._share_warned = True
             log.warning("the rate limiter is a foreign service (envoy-rls): its limits cannot be scaled to a "
                         "share of %.2f; it keeps enforcing all of them", request.fraction)

@@ -36,10 +36,10 @@ from google.rpc import status_pb2
 from services.common import set_status, status_code
 from services.foreign_calls import (
     Caller,
-    ForeignCallError,
     Metadata,
     Unary,
     header_safe,
+    one_answer,
     printable,
     rpc_status,
 )
@@ -228,7 +228,4 @@ class EnvoyAuthzClient:
 
     def _check(self, request: auth_pb2.CheckRequest, timeout: float | None,
                metadata: Metadata) -> auth_pb2.CheckResponse:
-        result = self._check_batch(auth_pb2.CheckBatchRequest(items=[request]), timeout, metadata).results[0]
-        if result.status.code:
-            raise ForeignCallError(status_code(result.status.code), result.status.message)
-        return result.response
+        return one_answer(self._check_batch(auth_pb2.CheckBatchRequest(items=[request]), timeout, metadata).results[0])

@@ -52,8 +52,8 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2 as descriptor_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
-from services.common import section, set_status, status_code
-from services.foreign_calls import Caller, ForeignCallError, Metadata, Unary, printable, rpc_status
+from services.common import section, set_status
+from services.foreign_calls import Caller, Metadata, Unary, one_answer, printable, rpc_status
 from services.pipeline.verdicts import internal_addresses_hidden
 from services.ratelimit import MAX_HITS_ADDEND, RESOURCES
 from services.sections import RateLimitConfig, RouterConfig
@@ -287,10 +287,7 @@ class EnvoyRlsClient:
 
     def _admit(self, request: ratelimit_pb2.AdmitRequest, timeout: float | None,
                metadata: Metadata) -> ratelimit_pb2.AdmitResponse:
-        result = self._admit_batch(ratelimit_pb2.AdmitBatchRequest(items=[request]), timeout, metadata).results[0]
-        if result.status.code:
-            raise ForeignCallError(status_code(result.status.code), result.status.message)
-        return result.response
+        return one_answer(self._admit_batch(ratelimit_pb2.AdmitBatchRequest(items=[request]), timeout, metadata).results[0])
 
     def _should_rate_limit(self, request: ratelimit_pb2.RateLimitRequest, timeout: float | None,
                            metadata: Metadata) -> ratelimit_pb2.RateLimitResponse:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import grpc
 
+from services.common import status_code
+
 
 class Caller(Protocol):
     """One of the component's rpcs by name; raises grpc.RpcError like a stub."""
@@ -88,6 +90,13 @@ class Unary:
             return _Done(self._translated(request, timeout, metadata))
         except grpc.RpcError as error:
             return _Done(error=error)
+
+
+def one_answer(result: Any) -> Any:
+    """The response of a batch-of-one's result, or its item status raised as the call's."""
+    if result.status.code:
+        raise ForeignCallError(status_code(result.status.code), result.status.message)
+    return result.response
 
 
 def rpc_status(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

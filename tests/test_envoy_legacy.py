@@ -157,3 +157,29 @@ def health(address: str, service: str) -> str:
     with grpc.insecure_channel(address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_the_per_request_rpcs_through_a_foreign_binding_answer_like_the_components_own(spine: Stack) -> None:
+    """Check / Admit (batches of one) and the descriptor form, over the legacy protocol."""
+    from spine.v1 import auth_pb2
+
+    auth, ratelimit = spine.bindings["auth"], spine.bindings["ratelimit"]
+    assert auth.Check(auth_pb2.CheckRequest(credential=LEGACY_KEY), timeout=5).principal.tenant == "acme"
+    with pytest.raises(grpc.RpcError) as denied:
+        auth.Check(auth_pb2.CheckRequest(credential="no-such-key"), timeout=5)
+    assert (denied.value.code(), denied.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, "legacy: unknown key")
+    with pytest.raises(grpc.RpcError) as invalid:
+        ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="", model="tiny-lm", tokens=1), timeout=5)
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in invalid.value.details()
+    # A shadow copy is admitted without asking: the legacy counter of a spent tenant does not refuse it.
+    for _ in range(4):
+        ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm", tokens=1), timeout=5)
+    assert not ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm"), timeout=5).admitted
+    assert ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm", dry_run=True),
+                           timeout=5).admitted
+    Entry = ratelimit_pb2.RateLimitDescriptor.Entry
+    answer = ratelimit.ShouldRateLimit(ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=[
+        ratelimit_pb2.RateLimitDescriptor(entries=[Entry(key="tenant", value="spent"), Entry(key="model", value="tiny-lm"),
+                                                   Entry(key="resource", value="requests")])]), timeout=5)
+    assert answer.overall_code == ratelimit_pb2.RateLimitResponse.OVER_LIMIT  # the same legacy counter
+    assert answer.statuses[0].limit_name == "legacy_per_tenant" and answer.retry_after_s > 0

@@ -8,23 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from services.config_model import ConfigProblems
 from spine.runtime.config import load_config, placements_for
 from spine.runtime.config_model import check_config
 from spine.runtime.foreign import foreign_endpoints
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "spine.yaml"
-    path.write_text(text)
-    return path
-
-
-def problems(path: Path) -> list[str]:
-    with pytest.raises(ConfigProblems) as info:
-        load_config(path)
-    return info.value.problems
-
+from tests.test_config_model import problems, write
 
 LEGACY = """placements:
   auth: {remote: "authz.legacy:9001", protocol: envoy-ext-authz, tenant_header: x-org-id}

@@ -139,13 +139,17 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         rows, row_request, decision = self._decide(asks, now)
         responses = [ratelimit_pb2.RateLimitResponse() for _ in requests]
         waits: list[list[float]] = [[] for _ in requests]
+        share = self._table.share
         for i, row in enumerate(rows):
             retry = decision.retry_after_s[i]
+            rate, capacity = row.bucket.limits
             responses[row_request[i]].statuses.add(
                 code=_OK if decision.fits[i] else _OVER_LIMIT,
                 limit_name=row.bucket.name,
                 limit_remaining=decision.remaining[i],
                 retry_after_s=retry,
+                capacity=capacity * share,
+                refill_per_s=rate * share,
             )
             waits[row_request[i]].append(retry)
         for response, admitted, wait in zip(responses, decision.admitted, waits, strict=True):

@@ -55,6 +55,8 @@ class ComponentSpec:
     passes: frozenset[grpc.StatusCode] = frozenset()
     # "module:function" adding the servicer to a server, when the generated one will not do.
     register: str = ""
+    # Other services' APIs it also answers and can be reached through (Envoy's).
+    foreign: tuple[ForeignApi, ...] = ()
 
     def descriptor(self) -> pb_descriptor.ServiceDescriptor:
         module = importlib.import_module(self.proto_module)
@@ -88,6 +90,33 @@ class ComponentSpec:
 
     def stage_classes(self) -> list[type[Stage]]:
         return [_resolve(path) for path in self.stages]
+
+
+@dataclass(frozen=True)
+class ForeignApi:
+    """Another service's API for the same decision (Envoy's ext_authz, its rate limit service).
+
+    Both ways: every process that holds or reaches the component answers it (`server`: a
+    servicer built on the component's own rpcs, wherever the component is placed), and a
+    placement `{remote: HOST:PORT, protocol: <protocol>}` binds the component to a service
+    the team already runs that speaks it (`client`: a stub with the component's call shape).
+    """
+
+    protocol: str  # its name in placements, e.g. "envoy-rls"
+    proto_module: str  # e.g. "envoy.service.ratelimit.v3.rls_pb2"
+    service: str  # the service's name in that proto, e.g. "RateLimitService"
+    server: str  # "module:function" (config, call) -> servicer; call(method, request) runs the component's rpc
+    client: str  # "module:Class" (channel, placement options, config) -> stub with the component's call shape
+
+    def served(self) -> ComponentSpec:
+        """What a server registers (the service, its health and reflection names)."""
+        return ComponentSpec(self.protocol, self.proto_module, self.service, "", "", ())
+
+    def build_server(self, config: Mapping[str, Any], call: Any) -> Any:
+        return _resolve(self.server)(config, call)
+
+    def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: Mapping[str, Any]) -> Any:
+        return _resolve(self.client)(channel, options, config)
 
 
 class Registry:
@@ -124,6 +153,11 @@ class Registry:
         """What a migration plan moves between the layered stack and the spine."""
         return tuple(spec.name for spec in self if spec.middleware)
 
+    @property
+    def foreign_protocols(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(component, the foreign protocols a placement may name for it), for those that have any."""
+        return tuple((spec.name, tuple(api.protocol for api in spec.foreign)) for spec in self if spec.foreign)
+
     def with_component(self, spec: ComponentSpec) -> Registry:
         """This table plus one more component (its stages join the path by their order)."""
         return Registry([*self, spec])
@@ -153,18 +187,24 @@ class Registry:
 
 def _spec(name: str, service: str, config: str, stages: tuple[str, ...], batch_methods: Mapping[str, str], *,
           passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
-          budget_ms: float = 250.0, middleware: bool = True) -> ComponentSpec:
+          budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = ()) -> ComponentSpec:
     return ComponentSpec(name, f"spine.v1.{name}_pb2", service, f"services.{name}:build", config, stages,
-                         fail_mode, budget_ms, middleware, batch_methods, frozenset(passes))
+                         fail_mode, budget_ms, middleware, batch_methods, frozenset(passes), foreign=foreign)
+
+
+ENVOY_EXT_AUTHZ = ForeignApi("envoy-ext-authz", "envoy.service.auth.v3.external_auth_pb2", "Authorization",
+                             "services.envoy_authz:serve", "services.envoy_authz:EnvoyAuthzClient")
+ENVOY_RLS = ForeignApi("envoy-rls", "envoy.service.ratelimit.v3.rls_pb2", "RateLimitService",
+                       "services.envoy_ratelimit:serve", "services.envoy_ratelimit:EnvoyRlsClient")
 
 
 _CODE = grpc.StatusCode
 DEFAULT = Registry([
     _spec("auth", "Auth", "services.auth:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"},
-          passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED)),
+          passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,)),
     _spec("ratelimit", "RateLimit", "services.sections:RateLimitConfig", ("services.ratelimit:RateLimitStage",),
           {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit"},
-          passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED)),
+          passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED), foreign=(ENVOY_RLS,)),
     _spec("router", "Router", "services.sections:RouterConfig", ("services.router:RouterStage",),
           {"ResolveBatch": "Resolve"}, passes=(_CODE.NOT_FOUND,)),
     _spec("cache", "Cache", "services.sections:CacheConfig",

@@ -8,7 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import envoy.extensions.access_loggers.stream.v3.stream_pb2  # noqa: F401  (Any types in the config)
+import envoy.extensions.filters.http.ext_authz.v3.ext_authz_pb2  # noqa: F401  (Any types in the config)
+import envoy.extensions.filters.http.header_mutation.v3.header_mutation_pb2  # noqa: F401  (Any types)
+import envoy.extensions.filters.http.ratelimit.v3.rate_limit_pb2  # noqa: F401  (Any types in the config)
 import envoy.extensions.filters.http.router.v3.router_pb2  # noqa: F401  (Any types in the config)
+import envoy.extensions.transport_sockets.tls.v3.tls_pb2  # noqa: F401  (Any types in the config)
 import pytest
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
@@ -46,7 +50,7 @@ def by_kind(kind: str) -> dict[str, dict[str, Any]]:
 
 
 def test_there_are_configs_to_check() -> None:
-    assert [p.name for p in ENVOY_FILES] == ["front-proxy.yaml"]
+    assert [p.name for p in ENVOY_FILES] == ["edge-decisions.yaml", "edge-tls.yaml", "front-proxy.yaml"]
     assert len(K8S_FILES) >= 10
 
 
@@ -90,9 +94,10 @@ def test_envoy_listener_uses_the_router_filter_rds_over_ads_and_logs_to_stdout()
     assert [a.typed_config.type_url.rsplit(".", 1)[-1] for a in hcm.access_log] == ["StdoutAccessLog"]
 
 
-def test_envoy_names_match_what_the_control_plane_serves() -> None:
+@pytest.mark.parametrize("name", ["front-proxy.yaml", "edge-tls.yaml"])
+def test_envoy_names_match_what_the_control_plane_serves(name: str) -> None:
     """The route and the EDS clusters Envoy asks for are the ones build_snapshot publishes."""
-    bootstrap = load_bootstrap(DEPLOY / "envoy" / "front-proxy.yaml")
+    bootstrap = load_bootstrap(DEPLOY / "envoy" / name)
     snapshot = build_snapshot(
         "spine-gateway", {"layered": 1, "spine": 1},
         {"layered": [Endpoint("127.0.0.1", 1)], "spine": [Endpoint("127.0.0.1", 2)]}, "v1",

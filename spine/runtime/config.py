@@ -20,7 +20,7 @@ from services.config_model import ConfigProblems, Problem
 from services.registry import COMPONENTS, DEFAULT, MIDDLEWARES
 from spine.runtime.config_model import SECTIONS as SECTIONS
 from spine.runtime.config_model import config_problems
-from spine.runtime.sections import InternalConfig, placements_model, remote_addresses_model
+from spine.runtime.sections import InternalConfig, placement_name, placements_model, remote_addresses_model
 from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located, parent_path
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "default_config.yaml"
@@ -123,8 +123,10 @@ def placements_for(layout: str, config: Mapping[str, Any]) -> dict[str, str]:
 
 
 def check_placements(placements: Mapping[str, Any] | None) -> dict[str, str]:
-    """Validate a placement map; components left out default to remote (inference: local)."""
-    return placements_model(COMPONENTS, DEFAULT.models).parse(placements, "placements").model_dump()
+    """Validate a placement map; components left out default to remote (inference: local).
+    A foreign endpoint (`{remote: HOST:PORT, protocol: ...}`, see `spine.runtime.foreign`) is `remote`."""
+    model = placements_model(COMPONENTS, DEFAULT.models, DEFAULT.foreign_protocols)
+    return {name: placement_name(placement) for name, placement in model.parse(placements, "placements")}
 
 
 def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:

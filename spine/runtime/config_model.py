@@ -25,6 +25,7 @@ from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section,
 from services.pipeline.limits import RequestLimits
 from services.registry import DEFAULT, Registry
 from spine.runtime.sections import (
+    EnvoyApiConfig,
     InternalConfig,
     ShadowConfig,
     TracingConfig,
@@ -45,7 +46,8 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
     checked like every other one."""
     fields: dict[str, Any] = {
         "listen": (NonEmptyStr, Field(default="127.0.0.1:50051", description="where the public Gateway API listens")),
-        "placements": (placements_model(registry.names, registry.models), Field(default_factory=dict)),
+        "placements": (placements_model(registry.names, registry.models, registry.foreign_protocols),
+                       Field(default_factory=dict)),
         "limits": (RequestLimits, RequestLimits()),
         "batching": (BatchingConfig, BatchingConfig()),
         "calls": (calls_model(registry.names), Field(default_factory=dict)),
@@ -58,6 +60,7 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
         "tracing": (TracingConfig, TracingConfig()),
         "shadow": (ShadowConfig, ShadowConfig()),
         "remote_addresses": (remote_addresses_model(registry.names), Field(default_factory=dict)),
+        "envoy_api": (EnvoyApiConfig, EnvoyApiConfig()),
         "device": (DeviceConfig, DeviceConfig()),
     })
     return create_model("SpineConfig", __base__=_Root, **fields)

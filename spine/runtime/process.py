@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     pool = request_pool(config) if args.component == "inference" else PoolSize()
     # Its share first: a limiter that follows does not serve before it has one (or has waited).
     follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit")
-    server = start_server([(spec, servicer)], args.listen,
+    from spine.runtime.foreign import envoy_apis_of
+
+    server = start_server([(spec, servicer), *envoy_apis_of(spec, servicer, config)], args.listen,
                           max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
                           allow_external=args.allow_external, **pool)
     # Deep health: SERVING only while the component can do its work (for inference: a tiny

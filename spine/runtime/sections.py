@@ -15,11 +15,23 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, SecretStr, StrictBool, StrictInt, create_model, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    WrapValidator,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from services.config_model import Float, Items, NonEmptyStr, Section, problem
+from services.prometheus_http import parse_listen
 
 Placement = Literal["local", "remote"]
+PLACEMENT_NAMES: tuple[str, ...] = ("local", "remote")
 Share = Annotated[Float, Field(ge=0, le=1)]
 
 
@@ -31,13 +43,107 @@ class RemoteAddressesBase(Section):
         return {name: target for name, target in self.model_dump().items() if target is not None}
 
 
+class ForeignPlacement(Section):
+    """`{remote: HOST:PORT, protocol: envoy-rls}`: the component is a service the team already
+    runs, spoken to in its own protocol. It is what `remote` means for that component in every
+    layout and migration stage; `local` is the spine's own (see `spine.runtime.foreign`)."""
+
+    remote: NonEmptyStr  # a gRPC target: HOST:PORT, dns:///NAME:PORT, unix:PATH
+    protocol: NonEmptyStr
+    tenant_header: NonEmptyStr | None = None  # envoy-ext-authz: the header it names the tenant in (x-spine-tenant)
+    domain: NonEmptyStr | None = None  # envoy-rls: its domain (default: ratelimit.domain)
+
+    @model_validator(mode="after")
+    def _options_fit_the_protocol(self) -> ForeignPlacement:
+        if self.tenant_header is not None and self.protocol != "envoy-ext-authz":
+            raise problem(f"only for protocol envoy-ext-authz, not {self.protocol}", "tenant_header")
+        if self.domain is not None and self.protocol != "envoy-rls":
+            raise problem(f"only for protocol envoy-rls, not {self.protocol}", "domain")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """What the protocol's client reads (`ForeignApi.build_client`)."""
+        return {key: value for key, value in self.model_dump().items() if value is not None}
+
+
+def _placement_or_foreign(protocols: tuple[str, ...]) -> WrapValidator:
+    """`local`, `remote`, or a foreign endpoint speaking one of `protocols`: one clear problem,
+    not one per member of the union."""
+    choices = ", ".join(protocols)
+
+    def validate(value: Any, handler: Any) -> Any:
+        if isinstance(value, str):
+            if value not in PLACEMENT_NAMES:
+                raise problem(f"expected local, remote or {{remote: HOST:PORT, protocol: {choices}}}",
+                              show_input=True)
+            return value
+        if isinstance(value, ForeignPlacement):
+            value = value.model_dump()
+        if not isinstance(value, Mapping):
+            raise problem(f"expected local, remote or {{remote: HOST:PORT, protocol: {choices}}}, "
+                          f"got {type(value).__name__}")
+        if "protocol" in value and value["protocol"] not in protocols:
+            raise problem(f"expected one of {choices}, got {str(value['protocol'])[:64]!r}", "protocol")
+        try:
+            return ForeignPlacement.model_validate(value)
+        except ValidationError as error:  # the first problem, at its key below this placement
+            first = error.errors()[0]
+            at = tuple(first["loc"]) + tuple((first.get("ctx") or {}).get("at", ()))
+            messages = {"missing": "required",
+                        "extra_forbidden": f"unknown key; known: {', '.join(ForeignPlacement.model_fields)}"}
+            message = first["ctx"]["message"] if first["type"] == "config" else first["msg"]
+            raise problem(messages.get(first["type"], message), *at) from None
+
+    return WrapValidator(validate)
+
+
 @functools.cache
-def placements_model(components: tuple[str, ...], models: tuple[str, ...]) -> type[Section]:
+def placements_model(components: tuple[str, ...], models: tuple[str, ...],
+                     protocols: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> type[Section]:
     """`placements` for `spine up --layout mixed`, one field per component. A component left
     out is remote, except the model, which is local: the spine exists to put the model next
-    to the middlewares."""
-    fields: dict[str, Any] = {name: (Placement, "local" if name in models else "remote") for name in components}
+    to the middlewares. A component with foreign `protocols` may also name a service that
+    speaks one of them: `{remote: HOST:PORT, protocol: envoy-rls}` (a `ForeignPlacement`)."""
+    foreign = dict(protocols)
+    fields: dict[str, Any] = {}
+    for name in components:
+        default = "local" if name in models else "remote"
+        if name in foreign:
+            fields[name] = (Annotated[Placement | ForeignPlacement, _placement_or_foreign(foreign[name])], default)
+        else:
+            fields[name] = (Placement, default)
     return create_model("Placements", __base__=Section, __doc__=placements_model.__doc__, **fields)
+
+
+def placement_name(placement: Any) -> str:
+    """`local` or `remote` for a placement as configured (a foreign endpoint is remote)."""
+    return placement if isinstance(placement, str) else "remote"
+
+
+class EnvoyApiConfig(Section):
+    """`envoy_api`: Envoy's own APIs (ext_authz `Authorization.Check`, the rate limit service's
+    `ShouldRateLimit`), answered with the auth and ratelimit components' decisions: in the
+    layered layout by their own processes, and by every spine or gateway process for wherever
+    the component is placed now."""
+
+    enabled: StrictBool = True
+    # None: on the Gateway's listener. HOST:PORT: a second listener for them alone (loopback
+    # unless --allow-external), e.g. for an Envoy that must not reach the Gateway API.
+    listen: NonEmptyStr | None = None
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_parses(cls, listen: str | None) -> str | None:
+        if listen is not None:
+            try:
+                parse_listen(listen)
+            except ValueError as exc:
+                raise problem(str(exc)) from None
+        return listen
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> EnvoyApiConfig:
+        return cls.parse(config.get("envoy_api"), "envoy_api")
 
 
 @functools.cache

@@ -34,6 +34,7 @@ from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding
 from spine.runtime.config import internal_key, layout_name
 from spine.runtime.config_model import check_config
+from spine.runtime.foreign import EnvoyApiHealth, ForeignBinding, envoy_apis, foreign_endpoints
 from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
 from spine.runtime.remote_binding import RemoteBinding
@@ -112,6 +113,11 @@ class Stack:
     _budgets_ms: dict[str, float] = field(default_factory=dict)
     _outlier: OutlierPolicy = field(default_factory=OutlierPolicy)
     _detectors: dict[str, OutlierDetector] = field(default_factory=dict)
+    # Envoy's APIs (ext_authz, rate limit service) on a second listener (`envoy_api.listen`).
+    envoy_server: RunningServer | None = None
+    _envoy_health: EnvoyApiHealth | None = None
+    # Components `placements:` binds to services the team already runs (their protocol, not ours).
+    _foreign: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layout(self) -> str:
@@ -125,6 +131,7 @@ class Stack:
     def start(self) -> str:
         """Start everything and return the Gateway's address once all is SERVING."""
         checked: Any = check_config(self.config, self.registry)  # every section, before anything starts
+        self._foreign = foreign_endpoints(checked)
         calls = checked.calls
         self._budgets_ms = {name: ms for name, ms in calls.budgets_ms.model_dump().items() if ms is not None}
         self._outlier = OutlierPolicy(calls.eject_after_failures, calls.ejection_ms / 1000.0,
@@ -134,6 +141,7 @@ class Stack:
             self.run_dir = Path(self._tmp.name)
         config_path = write_private(self.run_dir, "config.yaml", yaml.safe_dump(dict(self.config)))
         limits = RequestLimits.from_config(self.config)
+        envoy_listen = checked.envoy_api.listen
         self._batching = BatchingConfig.from_config(self.config)
         if self.device is None:
             self.device = DeviceContext.from_config(self.config)
@@ -144,7 +152,8 @@ class Stack:
             self.hooks = [*self.hooks, tracing.hook(self.layout)]
         try:
             remote = [name for name in self.registry.names
-                      if self.placements[name] == "remote" and name not in self.remote_addresses]
+                      if self.placements[name] == "remote" and name not in self.remote_addresses
+                      and name not in self._foreign]
             if remote:
                 self.supervisor = Supervisor(self.run_dir)
                 for name in remote:
@@ -160,9 +169,16 @@ class Stack:
 
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
                                                                self.run_dir)
-            self.server = start_server([(GATEWAY, self.gateway)], self.listen,
-                                       max_message_bytes=limits.max_message_bytes,
+            envoy = self._envoy_apis()
+            self.server = start_server([(GATEWAY, self.gateway), *(envoy if envoy_listen is None else [])],
+                                       self.listen, max_message_bytes=limits.max_message_bytes,
                                        allow_external=self.allow_external, **request_pool(self.config))
+            if envoy and envoy_listen is not None:
+                self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=limits.max_message_bytes,
+                                                 allow_external=self.allow_external)
+            if envoy:  # each Envoy API is as healthy as its component (below, on every flip)
+                self._envoy_health = EnvoyApiHealth(self.registry, self.envoy_server or self.server,
+                                                    own_listener=self.envoy_server is not None)
             from spine.runtime.gateway_mirror import start_gateway_mirror
 
             self.shadow = start_gateway_mirror(self.config, self.gateway, self.server.address,
@@ -178,6 +194,12 @@ class Stack:
             raise
         log.info("%s layout serving on %s", self.layout, self.server.address)
         return self.server.address
+
+    def _envoy_apis(self) -> list[tuple[Any, Any]]:
+        """Envoy's APIs for the components that have one, answered by each one's binding as placed
+        at the time of each call (see `spine.runtime.foreign`)."""
+        budgets_s = {name: ms / 1000.0 for name, ms in self._budgets_ms.items()}
+        return envoy_apis(self.registry, self.config, lambda name: self.bindings[name], budgets_s)
 
     def _start_deep_health(self) -> None:
         """The local model's deep health: it can run a tiny forward on its device in time.
@@ -202,6 +224,8 @@ class Stack:
             abandoned = binding.abandon(state.reason)
             if abandoned:
                 log.warning("%s stopped answering: %d call(s) waiting on it end UNAVAILABLE", name, abandoned)
+        if self._envoy_health is not None:
+            self._envoy_health.flip(name, state.serving)
 
     def _local_health_changed(self) -> None:
         if self.health is not None:
@@ -214,7 +238,9 @@ class Stack:
             binding = self.bindings.get(name)
             if binding is None:
                 continue
-            if isinstance(binding, RemoteBinding):
+            if isinstance(binding, ForeignBinding):  # the team's own service: its own health
+                targets[name] = binding.health
+            elif isinstance(binding, RemoteBinding):
                 supervisor = self.supervisor
                 down = supervisor.down_reason(name) if supervisor is not None and name in supervisor.children else None
                 targets[name] = binding.channel if down is None else _down(down)
@@ -251,6 +277,8 @@ class Stack:
         spec = self.registry[name]
         if (placement or self.placements[name]) == "local":
             return LocalBinding(name, spec.descriptor(), self.local_servicer(name), self.hooks)
+        if name in self._foreign:
+            return self._bind_foreign(name, max_message_bytes)
         if name in self.remote_addresses:
             address = self.remote_addresses[name]
         else:
@@ -262,6 +290,16 @@ class Stack:
             budget_s = self._budgets_ms.get(name, spec.budget_ms) / 1000.0
             detector = self._detectors[name] = OutlierDetector(name, self._outlier, budget_s)
         return RemoteBinding(name, spec.descriptor(), spec.stub_class(), channel, self.hooks, outlier=detector)
+
+    def _bind_foreign(self, name: str, max_message_bytes: int) -> ForeignBinding:
+        """A service the team already runs, spoken to in its protocol (`placements: {remote, protocol}`)."""
+        spec, endpoint = self.registry[name], self._foreign[name]
+        detector = self._detectors.get(name)
+        if detector is None:
+            budget_s = self._budgets_ms.get(name, spec.budget_ms) / 1000.0
+            detector = self._detectors[name] = OutlierDetector(name, self._outlier, budget_s)
+        return ForeignBinding(spec, endpoint, self.config, remote_channel(endpoint.remote, max_message_bytes),
+                              self.hooks, outlier=detector, health_timeout_s=self.health_timeout_s)
 
     def set_placements(self, placements: Mapping[str, str]) -> None:
         """Move components between local and remote without a restart.
@@ -298,7 +336,7 @@ class Stack:
                                   f"{', '.join(self.registry.names)}")
             if placement not in ("local", "remote"):
                 raise ConfigError(f"placements.{name}: must be local or remote, got {placement!r}")
-            reachable = name in self.remote_addresses or (
+            reachable = name in self.remote_addresses or name in self._foreign or (
                 self.supervisor is not None and name in self.supervisor.children)
             if placement == "remote" and self.placements[name] != "remote" and not reachable:
                 raise ConfigError(f"placements.{name}: remote, but this spine has no {name} process to call "
@@ -371,6 +409,9 @@ class Stack:
         if self.server is not None:
             self.server.stop(grace)
             self.server = None
+        if self.envoy_server is not None:
+            self.envoy_server.stop(grace)
+            self.envoy_server = None
         if self.admission is not None:
             self.admission.close()
             self.admission = None

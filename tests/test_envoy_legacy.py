@@ -1,0 +1,185 @@
+"""A team's existing ext_authz and rate limit services as the layered side's auth and ratelimit.
+
+The legacy services run in their own process (`tests/legacy_envoy_services.py`: Envoy's
+protocols only, nothing of spine). A placement `{remote: HOST:PORT, protocol: ...}` binds the
+component to them; the pipeline still calls its own batch rpcs, translated into `Check` and
+`ShouldRateLimit`. Placing the component local moves the decision into the spine, live.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from spine.client.gateway_client import CallResult, GatewayClient
+from spine.runtime.foreign import ForeignBinding
+from spine.runtime.stack import Stack
+from spine.v1 import generation_pb2, ratelimit_pb2
+from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.envoy_calls import AUTHZ, OVER_LIMIT, RLS, bearer, check, legacy_services, ok_headers, tenant_limit
+
+LEGACY_KEY, BOUNDED_KEY, FORBIDDEN_KEY = "legacy-key-1", "legacy-key-2", "legacy-forbidden"
+LEGACY_ARGS = ("--key", f"{LEGACY_KEY}=acme", "--key", f"{BOUNDED_KEY}=bounded", "--key", f"{FORBIDDEN_KEY}=acme",
+               "--forbid", FORBIDDEN_KEY, "--limit", "3", "--window-s", "600", "--domain", "legacy",
+               "--tenant-header", "x-legacy-tenant")
+
+
+def legacy_config(address: str, **extra: Any) -> dict[str, Any]:
+    return config_for_tests(placements={
+        "auth": {"remote": address, "protocol": "envoy-ext-authz", "tenant_header": "x-legacy-tenant"},
+        "ratelimit": {"remote": address, "protocol": "envoy-rls", "domain": "legacy"},
+    }, **extra)
+
+
+@pytest.fixture(scope="module")
+def legacy() -> Iterator[str]:
+    with legacy_services(*LEGACY_ARGS) as (address, _):
+        yield address
+
+
+@pytest.fixture(scope="module")
+def spine(legacy: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack("mixed", tmp_path_factory.mktemp("envoy-legacy"), legacy_config(legacy))
+    yield stack
+    stack.stop()
+
+
+def generate(stack: Stack, token: str, prompt: str = "hello legacy") -> CallResult:
+    with GatewayClient(stack.address) as client:
+        return client.generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=1),
+                               token=token)
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_the_placement_binds_the_components_to_the_legacy_services(spine: Stack, legacy: str) -> None:
+    assert spine.placements["auth"] == spine.placements["ratelimit"] == "remote"
+    for name, protocol in (("auth", "envoy-ext-authz"), ("ratelimit", "envoy-rls")):
+        binding = spine.bindings[name]
+        assert isinstance(binding, ForeignBinding) and binding.api.protocol == protocol
+        assert binding.endpoint.remote == legacy
+    assert spine.supervisor is None  # nothing of spine's own was spawned for them
+
+
+def test_a_legacy_key_is_served_with_the_tenant_the_legacy_service_names(spine: Stack) -> None:
+    result = generate(spine, LEGACY_KEY)
+    assert result.ok, result.details
+    with grpc.insecure_channel(spine.address) as channel:  # Envoy asking the spine gets the legacy answer
+        assert ok_headers(check(channel, bearer(LEGACY_KEY)))["x-spine-tenant"].header.value == "acme"
+
+
+@pytest.mark.parametrize(("token", "code", "details"), [
+    ("no-such-key", grpc.StatusCode.UNAUTHENTICATED, "legacy: unknown key"),
+    (DEV_KEY, grpc.StatusCode.UNAUTHENTICATED, "legacy: unknown key"),  # the spine's own key: not yet
+    (FORBIDDEN_KEY, grpc.StatusCode.PERMISSION_DENIED, "legacy: this key may not call the model"),
+], ids=["unknown", "spine-dev-key", "forbidden"])
+def test_the_legacy_service_denies_with_its_own_reason(spine: Stack, token: str, code: grpc.StatusCode,
+                                                       details: str) -> None:
+    result = generate(spine, token)
+    assert (result.code, result.details) == (code, details)
+
+
+def test_the_legacy_rate_limit_refuses_past_its_limit_with_a_retry_after(spine: Stack) -> None:
+    results = [generate(spine, BOUNDED_KEY, f"bounded {i}") for i in range(4)]
+    assert [r.code for r in results] == [grpc.StatusCode.OK] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert "legacy_per_tenant" in results[3].details
+    assert 0 < float(results[3].trailing["retry-after"]) <= 600
+    with grpc.insecure_channel(spine.address) as channel:  # the same legacy counter, through the spine's Envoy API
+        assert tenant_limit(channel, "bounded").overall_code == OVER_LIMIT
+
+
+def test_a_foreign_rate_limiter_cannot_take_a_share_and_says_so(spine: Stack) -> None:
+    answer = spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=0.25), timeout=1)
+    assert answer.fraction == 1.0
+
+
+def test_the_gateway_health_reads_the_legacy_services_own_health(spine: Stack) -> None:
+    report = spine.health_report()
+    assert report["serving"] is True
+    reason = report["components"]["auth"]["reason"]
+    assert "envoy-ext-authz service at" in reason and reason.endswith("SERVING")
+
+
+def test_placing_them_local_moves_the_decision_into_the_spine_live(spine: Stack) -> None:
+    try:
+        spine.set_placements({"auth": "local", "ratelimit": "local"})
+        assert (generate(spine, LEGACY_KEY).code, generate(spine, DEV_KEY).code) == (
+            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK)
+        with grpc.insecure_channel(spine.address) as channel:
+            assert ok_headers(check(channel, bearer(DEV_KEY)))["x-spine-tenant"].header.value == "dev"
+            assert check(channel, bearer(LEGACY_KEY)).status.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    finally:
+        spine.set_placements({"auth": "remote", "ratelimit": "remote"})
+    assert generate(spine, LEGACY_KEY).ok  # and back to the legacy services, without a restart
+    assert isinstance(spine.bindings["auth"], ForeignBinding)
+
+
+def test_a_layered_stack_with_legacy_services_spawns_none_of_its_own(tmp_path: Path) -> None:
+    """The layered layout: the legacy services are its auth and ratelimit; one without a health
+    service is up while it answers, and when it goes away the gateway says NOT_SERVING."""
+    with legacy_services(*LEGACY_ARGS, "--no-health") as (address, process):
+        stack = start_stack("layered", tmp_path, legacy_config(address, envoy_api={"listen": "127.0.0.1:0"}))
+        try:
+            assert stack.supervisor is not None and stack.envoy_server is not None
+            assert set(stack.supervisor.children) == {"router", "cache", "metrics", "logs", "inference"}
+            assert generate(stack, LEGACY_KEY).ok
+            assert "no health service" in stack.health_report()["components"]["ratelimit"]["reason"]
+            envoy_listener = stack.envoy_server.address
+            assert [health(envoy_listener, service) for service in ("", AUTHZ, RLS)] == ["SERVING"] * 3
+            process.terminate()
+            process.wait(timeout=10)
+            assert eventually(lambda: stack.health_report()["serving"] is False)
+            assert "auth" in stack.health_report()["reason"]
+            result = generate(stack, LEGACY_KEY)
+            assert result.code == grpc.StatusCode.UNAVAILABLE and "auth unavailable" in result.details
+            # What Envoy's active health check of the spine's Envoy listener sees.
+            assert eventually(lambda: health(envoy_listener, "") == "NOT_SERVING")
+            assert [health(envoy_listener, service) for service in (AUTHZ, RLS)] == ["NOT_SERVING"] * 2
+        finally:
+            stack.stop()
+
+
+def health(address: str, service: str) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_the_per_request_rpcs_through_a_foreign_binding_answer_like_the_components_own(spine: Stack) -> None:
+    """Check / Admit (batches of one) and the descriptor form, over the legacy protocol."""
+    from spine.v1 import auth_pb2
+
+    auth, ratelimit = spine.bindings["auth"], spine.bindings["ratelimit"]
+    assert auth.Check(auth_pb2.CheckRequest(credential=LEGACY_KEY), timeout=5).principal.tenant == "acme"
+    with pytest.raises(grpc.RpcError) as denied:
+        auth.Check(auth_pb2.CheckRequest(credential="no-such-key"), timeout=5)
+    assert (denied.value.code(), denied.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, "legacy: unknown key")
+    with pytest.raises(grpc.RpcError) as invalid:
+        ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="", model="tiny-lm", tokens=1), timeout=5)
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in invalid.value.details()
+    # A shadow copy is admitted without asking: the legacy counter of a spent tenant does not refuse it.
+    for _ in range(4):
+        ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm", tokens=1), timeout=5)
+    assert not ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm"), timeout=5).admitted
+    assert ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm", dry_run=True),
+                           timeout=5).admitted
+    Entry = ratelimit_pb2.RateLimitDescriptor.Entry
+    answer = ratelimit.ShouldRateLimit(ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=[
+        ratelimit_pb2.RateLimitDescriptor(entries=[Entry(key="tenant", value="spent"), Entry(key="model", value="tiny-lm"),
+                                                   Entry(key="resource", value="requests")])]), timeout=5)
+    assert answer.overall_code == ratelimit_pb2.RateLimitResponse.OVER_LIMIT  # the same legacy counter
+    assert answer.statuses[0].limit_name == "legacy_per_tenant" and answer.retry_after_s > 0

@@ -16,9 +16,8 @@ import pytest
 
 from services.registry import DEFAULT
 from spine.runtime.bindings import LocalBinding, LocalContext
-from spine.runtime.remote_binding import RemoteBinding
+from spine.runtime.remote_binding import RemoteBinding, remote_channel
 from spine.runtime.server import start_server
-from spine.runtime.stack import remote_channel
 from spine.v1 import generation_pb2, inference_pb2_grpc
 
 

@@ -16,7 +16,8 @@ from services.inference_load import parse_load
 from services.inference_scheduler import JobCancelled
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.config import placements_for
-from spine.runtime.stack import Stack, remote_channel
+from spine.runtime.remote_binding import remote_channel
+from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2, inference_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
 

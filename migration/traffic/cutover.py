@@ -37,9 +37,10 @@ from services.prometheus_http import PrometheusHTTPServer
 from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook, WrongAnswers
+from spine.runtime.run_dir import write_private
 from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.shadow import ShadowConfig
-from spine.runtime.stack import Stack, write_private
+from spine.runtime.stack import Stack
 from spine.v1 import ratelimit_pb2
 
 

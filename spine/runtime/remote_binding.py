@@ -200,3 +200,17 @@ class _RemoteStream:
             return None
         self._ended = True
         return self._on_end(code)
+
+
+def remote_channel(address: str, max_message_bytes: int) -> grpc.Channel:
+    """A channel to an internal link (unix socket or loopback)."""
+    return grpc.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),
+        # A restarted child is back within a second; the default backoff (1 s, growing to
+        # 120 s) would keep the link down long after the supervisor has brought it back.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ])

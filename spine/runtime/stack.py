@@ -13,14 +13,12 @@ micro-batch (`monolith.batched`) instead of one call per request.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
 
 from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
@@ -37,7 +35,8 @@ from spine.runtime.config_model import check_config
 from spine.runtime.foreign import EnvoyApiHealth, ForeignBinding, envoy_apis, foreign_endpoints
 from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target, always_serving
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
-from spine.runtime.remote_binding import RemoteBinding
+from spine.runtime.remote_binding import RemoteBinding, remote_channel
+from spine.runtime.run_dir import write_private
 from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.supervisor import Supervisor
 
@@ -46,33 +45,6 @@ log = logging.getLogger("spine.runtime")
 
 def _down(reason: str) -> Callable[[], tuple[bool, str]]:
     return lambda: (False, reason)
-
-
-def remote_channel(address: str, max_message_bytes: int) -> grpc.Channel:
-    """A channel to an internal link (unix socket or loopback)."""
-    return grpc.insecure_channel(address, options=[
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.enable_retries", 0),
-        # A restarted child is back within a second; the default backoff (1 s, growing to
-        # 120 s) would keep the link down long after the supervisor has brought it back.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ])
-
-
-def write_private(run_dir: Path, name: str, text: str) -> Path:
-    """Write `name` in `run_dir`, both readable by this user only: the run dir holds the unix
-    sockets of the internal links and the config copy holds secrets (API keys, JWT secret)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir.chmod(0o700)
-    path = run_dir / name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as file:
-        os.fchmod(file.fileno(), 0o600)  # also when it existed with wider permissions
-        file.write(text)
-    return path
 
 
 @dataclass

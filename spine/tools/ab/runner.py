@@ -39,8 +39,8 @@ import yaml
 
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.runtime.health_watch import HealthWatch
+from spine.runtime.run_dir import write_private
 from spine.runtime.server import wait_serving
-from spine.runtime.stack import write_private
 from spine.tools.ab.process_tree import TreeMonitor, gone, tree, tree_cpu_seconds
 from spine.tools.ab.serve import RESULT_FILE
 from spine.tools.ab.workload import Entry

@@ -24,6 +24,7 @@ from google.protobuf import json_format
 from migration.xds import Endpoint, build_snapshot
 from migration.xds.snapshot import CLUSTER, ROUTE
 from services.registry import COMPONENTS
+from spine.runtime.yamlsource import load_located
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 ENVOY_FILES = sorted((DEPLOY / "envoy").glob("*.yaml"))
@@ -38,7 +39,13 @@ def load_bootstrap(path: Path) -> bootstrap_pb2.Bootstrap:
 
 
 def k8s_docs(path: Path) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    """Every document of a manifest, strictly: a repeated key (which Kubernetes refuses) fails."""
+    docs = []
+    for text in path.read_text().split("\n---\n"):
+        located = load_located(text)  # raises naming the line of a duplicate key
+        if located.data is not None:
+            docs.append(located.data)
+    return docs
 
 
 def all_k8s_docs() -> list[tuple[Path, dict[str, Any]]]:

@@ -35,6 +35,9 @@ test: install
 bench: install
 	$(PY) -m bench.run
 
+profile: install
+	$(PY) -m bench.profile
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

@@ -1,0 +1,120 @@
+"""`make profile`: where the collapsed spine spends its CPU under load, as a flame graph.
+
+    python -m bench.profile [--concurrency 64] [--seconds 15] [--layout collapsed] [--out bench/]
+
+Starts the layout in its own process (the bench's config: rate limits out of the way),
+drives closed-loop load from this process (its own GIL, as in `make bench`), and samples
+the server with py-spy: every thread, native frames left out. Writes a flame graph
+(`profile.svg`) and a table of the 20 functions with the most self time among samples that
+were doing work (threads waiting on a lock, a condition or a socket are idle, not cost),
+and the share of the busy samples in each part of the code: the model, the middlewares'
+services, the pipeline, gRPC, the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.load import Endpoint, prompts, requests_for, run_batch
+from bench.run import RATE_LIMIT_OFF
+from bench.targets import SPINE_LAYOUT, launch
+
+# Leaf frames that are a thread waiting, not working.
+IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
+        "_worker", "readline", "accept")
+PARTS = (("model", ("services/model/",)), ("pipeline", ("services/pipeline/", "monolith/")),
+         ("middleware services", ("services/",)), ("runtime", ("spine/runtime/",)),
+         ("grpc", ("grpc/",)), ("torch", ("torch/",)), ("threading", ("threading.py", "queue.py")))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", default="collapsed", choices=sorted(SPINE_LAYOUT))
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        print("py-spy is not installed: `make install` (it is a dev dependency)", file=sys.stderr)
+        return 2
+    run_dir = Path(tempfile.mkdtemp(prefix="spine-profile-"))
+    config = run_dir / "config.yaml"
+    config.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
+    target = launch(args.layout, run_dir, config)
+    try:
+        address = target.wait_ready(120)
+        endpoint = Endpoint(address, gateway=True, token="spine-dev-key-0000")
+        requests = requests_for(prompts("profile", 200_000), args.max_tokens)
+        run_batch(endpoint, requests[:200], concurrency=args.concurrency, time_limit_s=10)  # warm up
+        raw = run_dir / "profile.raw"
+        svg = args.out / "profile.svg"
+        common = ["record", "--pid", str(target.pid), "--duration", str(int(args.seconds)), "--rate", "250",
+                  "--subprocesses", "--nonblocking"]
+        flame = subprocess.Popen([py_spy, *common, "--format", "flamegraph", "--output", str(svg)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        collapsed = subprocess.Popen([py_spy, *common, "--format", "raw", "--output", str(raw)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # both samplers attached
+        batch = run_batch(endpoint, requests[200:], concurrency=args.concurrency, time_limit_s=args.seconds)
+        for sampler in (flame, collapsed):
+            _, err = sampler.communicate(timeout=args.seconds + 60)
+            if sampler.returncode != 0:
+                print(f"py-spy failed: {err.decode(errors='replace')[-400:]}", file=sys.stderr)
+                return 1
+        rps = len(batch.calls) / batch.wall_s if batch.wall_s else 0.0
+        report = summarize(raw, rps, args)
+        (args.out / "profile.txt").write_text(report)
+        print(report)
+        print(f"flame graph: {svg}")
+        endpoint.close()
+    finally:
+        target.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+def summarize(raw: Path, rps: float, args: argparse.Namespace) -> str:
+    """The top-20 self-time table and the share of busy samples per part of the code."""
+    self_time: collections.Counter[str] = collections.Counter()
+    parts: collections.Counter[str] = collections.Counter()
+    busy = total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        leaf = stack.split(";")[-1]
+        name = leaf.split(" (")[0].rsplit(".", 1)[-1]
+        if " (" not in leaf or any(name == idle or name.endswith(idle) for idle in IDLE):
+            continue  # a thread in native code with no Python frame, or waiting
+        busy += n
+        self_time[leaf] += n
+        where = leaf.split(" (")[-1] if " (" in leaf else ""
+        parts[next((part for part, paths in PARTS if any(p in where for p in paths)), "other")] += n
+    lines = [f"{args.layout} at c={args.concurrency}: {rps:.1f} rps over {args.seconds:g} s; "
+             f"{busy} of {total} samples busy",
+             "", "share of busy samples by part of the code:"]
+    lines += [f"  {part:22s} {100 * n / max(busy, 1):5.1f}%" for part, n in parts.most_common()]
+    lines += ["", "top 20 functions by self time (busy samples):"]
+    lines += [f"  {100 * n / max(busy, 1):5.1f}%  {leaf}" for leaf, n in self_time.most_common(20)]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

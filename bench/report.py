@@ -24,8 +24,9 @@ def _ms(values_s: Sequence[float], q: float) -> float:
 
 
 def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], wall_s: float, unsent: int,
-               peak_rss_bytes: int) -> dict[str, Any]:
-    """One row of results.json: latency percentiles over successful calls, throughput, errors."""
+               peak_rss_bytes: int, cpu_s: float = 0.0) -> dict[str, Any]:
+    """One row of results.json: latency percentiles over successful calls, throughput, errors,
+    and the server's CPU per request (its whole process tree)."""
     ok = [call for call in calls if call.ok]
     record: dict[str, Any] = {
         "layout": layout, "mode": mode, "concurrency": concurrency,
@@ -33,6 +34,7 @@ def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], 
         "rps": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
         "requests": len(calls), "errors": len(calls) - len(ok), "unsent": unsent,
         "wall_s": round(wall_s, 3), "peak_rss_mb": round(peak_rss_bytes / MB, 1),
+        "cpu_ms_per_request": round(1000.0 * cpu_s / len(ok), 4) if ok else None,
     }
     codes = sorted({c.code for c in calls if not c.ok})
     if codes:
@@ -62,6 +64,13 @@ def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 run["p50_vs_bare"] = _ratio(run["p50_ms"], bare["p50_ms"])
                 run["p99_vs_bare"] = _ratio(run["p99_ms"], bare["p99_ms"])
                 run["rps_vs_bare"] = _ratio(run["rps"], bare["rps"])
+                # What the middleware layer costs per request, in the issue's terms: the time
+                # per request at this concurrency beyond the bare model's (and its CPU).
+                if run["rps"] and bare["rps"]:
+                    run["middleware_us_per_request"] = round(1e6 * (1 / run["rps"] - 1 / bare["rps"]), 1)
+                if run.get("cpu_ms_per_request") is not None and bare.get("cpu_ms_per_request") is not None:
+                    run["middleware_cpu_us_per_request"] = round(
+                        1000 * (run["cpu_ms_per_request"] - bare["cpu_ms_per_request"]), 1)
         layered, collapsed = cell.get("layered"), cell.get("collapsed")
         if layered is not None and collapsed is not None:
             comparisons.append({
@@ -137,12 +146,14 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
     unary = [r for r in runs if r["mode"] == "unary"]
     table = Table(title=f"unary Generate, max_tokens={results['settings']['max_tokens']} (ratios: layout / bare)")
     for column in ("conc", "layout", "reqs", "err", "p50 ms", "p99 ms", "rps", "p50 ×bare", "p99 ×bare",
-                   "rps ×bare", "peak RSS MB"):
+                   "rps ×bare", "µs/req over bare", "CPU µs/req over bare", "peak RSS MB"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for run in unary:
         table.add_row(str(run["concurrency"]), run["layout"], str(run["requests"]), str(run["errors"]),
                       _fmt(run["p50_ms"]), _fmt(run["p99_ms"]), _fmt(run["rps"], 1), _fmt(run.get("p50_vs_bare")),
-                      _fmt(run.get("p99_vs_bare")), _fmt(run.get("rps_vs_bare")), _fmt(run["peak_rss_mb"], 0))
+                      _fmt(run.get("p99_vs_bare")), _fmt(run.get("rps_vs_bare")),
+                      _fmt(run.get("middleware_us_per_request"), 0), _fmt(run.get("middleware_cpu_us_per_request"), 0),
+                      _fmt(run["peak_rss_mb"], 0))
     console.print(table)
     stream = [r for r in runs if r["mode"] == "stream"]
     if stream:

@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few requests per cell (smoke test)")
-    parser.add_argument("--concurrency", help="comma-separated worker counts (default 1,16,64; quick 1,16)")
+    parser.add_argument("--concurrency", help="comma-separated worker counts (default 1,16,64,256; quick 1,16)")
     parser.add_argument("--layouts", help=f"comma-separated layouts (default {','.join(LAYOUTS)}; "
                                           f"quick {','.join(QUICK_LAYOUTS)})")
     parser.add_argument("--requests", type=int,
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     args = parser.parse_args(argv)
     quick = bool(args.quick)
-    spec = args.concurrency or ("1,16" if quick else "1,16,64")
+    spec = args.concurrency or ("1,16" if quick else "1,16,64,256")
     try:
         concurrency = tuple(sorted({int(part) for part in spec.split(",") if part.strip()}))
     except ValueError:
@@ -205,6 +205,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
         per_round = [count // rounds + (1 if r < count % rounds else 0) for r in range(rounds)]
         calls: dict[str, list[Call]] = {layout: [] for layout in layouts}
         wall = dict.fromkeys(layouts, 0.0)
+        cpu = dict.fromkeys(layouts, 0.0)
         unsent = dict.fromkeys(layouts, 0)
         round_limit = settings.cell_time_limit_s / rounds
         start = 0
@@ -216,15 +217,18 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
                 order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]  # rotate who goes first
                 for layout in order:
                     sampler.measuring(layout, f"{layout}/{mode}/{concurrency}")
+                    cpu_before = sampler.targets[layout].tree_cpu_s()
                     batch: Batch = run_batch(endpoints[layout], reqs, concurrency=concurrency,
                                              stream=mode == "stream", time_limit_s=round_limit)
+                    cpu[layout] += sampler.targets[layout].tree_cpu_s() - cpu_before
                     sampler.measuring(layout, None)
                     calls[layout].extend(batch.calls)
                     wall[layout] += batch.wall_s
                     unsent[layout] += batch.unsent
         for layout in layouts:
             peak = sampler.peak_by_label.get(f"{layout}/{mode}/{concurrency}", 0)
-            record = run_record(layout, mode, concurrency, calls[layout], wall[layout], unsent[layout], peak)
+            record = run_record(layout, mode, concurrency, calls[layout], wall[layout], unsent[layout], peak,
+                                cpu_s=cpu[layout])
             runs.append(record)
             console.print(f"  {mode:6} c={concurrency:<3} {layout:9} p50 {record['p50_ms']:8.2f} ms  "
                           f"p99 {record['p99_ms']:8.2f} ms  {record['rps']:7.1f} rps  errors {record['errors']}")
@@ -284,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                "processes_left_running": left}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
+    from bench.plot import plot_scaling
+
+    plot = plot_scaling(results, out.with_suffix(".png"))
     print_tables(results, console)
     if serving is not None:
         console.print(
@@ -291,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             f"p50 latency class {serving['latency_class_p50_ms']} ms vs throughput class "
             f"{serving['throughput_class_p50_ms']} ms (single class {serving['single_class_p50_ms']} ms); "
             f"throughput {serving['throughput_change_pct']:+.1f}% vs single class; KV: {serving['kv']['formula']}")
-    console.print(f"wrote {out} in {results['duration_s']} s")
+    console.print(f"wrote {out}{f' and {plot}' if plot else ''} in {results['duration_s']} s")
     return 1 if left else 0
 
 

@@ -113,6 +113,18 @@ class Target:
             self._known.setdefault(proc.pid, proc)
         return procs
 
+    def tree_cpu_s(self) -> float:
+        """User + system CPU seconds of the process tree so far (children that exited are lost:
+        read it around a measured round, while the tree is up)."""
+        total = 0.0
+        for proc in self.tree():
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return total
+
     def tree_rss_bytes(self) -> int:
         """Resident memory summed over the process tree (shared pages count once per process)."""
         total = 0

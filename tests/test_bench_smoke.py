@@ -83,3 +83,14 @@ def test_ratios_to_bare_and_machine_details_are_recorded(quick_results: dict) ->
     assert machine["cpu_count"] >= 1 and machine["torch"]
     assert quick_results["started_at"]
     assert quick_results["processes_left_running"] == []
+
+
+def test_each_run_reports_cpu_and_middleware_cost_per_request_and_the_plot_is_written(
+        quick_results: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    for run in quick_results["runs"]:
+        assert _positive(run["cpu_ms_per_request"]), run
+        if run["layout"] != "bare" and run["mode"] == "unary":
+            assert isinstance(run["middleware_us_per_request"], float)
+            assert isinstance(run["middleware_cpu_us_per_request"], float)
+    png = next(Path(tmp_path_factory.getbasetemp()).glob("bench*/tmp/results.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -220,3 +220,31 @@ def test_sighup_re_reads_the_files_even_when_they_look_unchanged(certs: Certs) -
         assert certificates.fetch() is None
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_process_reaches_its_own_wildcard_listener_by_its_certificates_name(certs: Certs, tmp_path: Path) -> None:
+    """The spine's calibration copies go to its own listener, 0.0.0.0 in a pod: a name in no
+    certificate, so the channel checks the server against the process's own certificate."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from spine.runtime.tls import link_channel, self_channel
+
+    config = config_for_tests(tls=certs.tls_config())
+    stack = Stack(config, placements_for("collapsed", config), listen="0.0.0.0:0", allow_external=True,
+                  run_dir=tmp_path / "wildcard")
+    stack.start()
+    tls = TlsConfig(**certs.tls_config())
+    try:
+        assert stack.address.startswith("0.0.0.0:")
+        answers = []
+        for make in (self_channel, link_channel):
+            with make(stack.address, tls) as ch:
+                try:
+                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                    answers.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                except grpc.RpcError as error:
+                    answers.append(error.code().name)  # type: ignore[attr-defined]
+        assert answers == ["SERVING", "UNAVAILABLE"]
+    finally:
+        stack.stop()

@@ -33,7 +33,7 @@ from spine.runtime.decisions import Decision, decide
 from spine.runtime.sections import ShadowConfig, TlsConfig
 from spine.runtime.shadow import ShadowMirror, forward_metadata, gateway_call
 from spine.runtime.shadow_metrics import ShadowCounters
-from spine.runtime.tls import link_channel
+from spine.runtime.tls import link_channel, self_channel
 from spine.v1 import gateway_pb2_grpc
 
 SIDES = ("layered", "spine")
@@ -44,7 +44,7 @@ class GatewayMirror:
 
     def __init__(self, config: ShadowConfig, key: bytes, own_address: str, layered_address: str,
                  registry: Any | None = None, tls: TlsConfig | None = None) -> None:
-        self.channels: dict[str, grpc.Channel] = {"spine": link_channel(own_address, tls),
+        self.channels: dict[str, grpc.Channel] = {"spine": self_channel(own_address, tls),
                                                   "layered": link_channel(layered_address, tls)}
         stubs = {side: gateway_pb2_grpc.GatewayStub(channel) for side, channel in self.channels.items()}
         self.mirror = ShadowMirror(config, gateway_call(stubs), SIDES, key=key, primaries=("spine",))

@@ -258,6 +258,31 @@ def link_channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[st
     return open_channel(address, link_credentials(tls, address), options)
 
 
+def certificate_name(cert_file: str) -> str | None:
+    """The first name (DNS, else IP) a certificate is valid for, None if it has none."""
+    from cryptography import x509
+
+    leaf = x509.load_pem_x509_certificates(read_pem(cert_file, "tls.cert_file"))[0]
+    try:
+        names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    found = [*names.get_values_for_type(x509.DNSName), *map(str, names.get_values_for_type(x509.IPAddress))]
+    return found[0] if found else None
+
+
+def self_channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A channel from this process to its own listener (the spine's calibration copies): the
+    address it listens on (0.0.0.0 in a pod) is in no certificate, so the server is verified
+    against the first name of this process's own certificate, which it serves."""
+    credentials = link_credentials(tls, address)
+    if credentials is None or tls is None:
+        return open_channel(address, None, options)
+    name = certificate_name(tls.cert_file)
+    extra = [("grpc.ssl_target_name_override", name)] if name else []
+    return open_channel(address, credentials, [*options, *extra])
+
+
 # -- clients outside the deployment: `spine call`, `spine migrate` --------------------------------
 
 def add_tls_client_arguments(parser: argparse.ArgumentParser) -> None:

@@ -99,6 +99,9 @@ def test_the_probe_listener_answers_health_alone_in_plaintext(certs: Certs, tmp_
             stub = health_pb2_grpc.HealthStub(ch)
             assert stub.Check(health_pb2.HealthCheckRequest(service="spine.v1.Gateway"), timeout=5).status == \
                 health_pb2.HealthCheckResponse.SERVING  # the gateway's health, as the probe must see it
+            with pytest.raises(grpc.RpcError) as watch:  # no stream can hold the probe's threads
+                next(stub.Watch(health_pb2.HealthCheckRequest(), timeout=5))
+            assert watch.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
         assert generate(probe, None)[0] == "UNIMPLEMENTED"
         assert health(stack.address, None, timeout=3) == "UNAVAILABLE"  # the real listener stays mTLS
     finally:

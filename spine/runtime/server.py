@@ -98,11 +98,22 @@ class RunningServer:
             self.probe.stop()
 
 
+class _CheckOnly(health_pb2_grpc.HealthServicer):
+    """`Health/Check` from another server's health servicer; `Watch` stays UNIMPLEMENTED, so
+    nobody can hold the probe listener's few threads with streams that never end."""
+
+    def __init__(self, health_servicer: health.HealthServicer) -> None:
+        self._health = health_servicer
+
+    def Check(self, request: Any, context: Any) -> Any:
+        return self._health.Check(request, context)
+
+
 @dataclass
 class ProbeServer:
-    """A plaintext listener serving only `grpc.health.v1` from another server's health servicer:
-    for Kubernetes' `grpc:` probes, which cannot speak TLS. It tells no more than a TCP probe
-    would (SERVING or not), so it needs no credentials."""
+    """A plaintext listener serving only `grpc.health.v1/Check` from another server's health
+    servicer: for Kubernetes' `grpc:` probes, which cannot speak TLS. It tells no more than
+    whether the server (or one of its services) is SERVING, so it needs no credentials."""
 
     server: grpc.Server
     address: str
@@ -117,7 +128,7 @@ def start_probe_server(health_servicer: health.HealthServicer, listen: str,
     check_listen(listen, allow_external)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe"),
                          options=[("grpc.so_reuseport", 0)])
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(_CheckOnly(health_servicer), server)
     port = server.add_insecure_port(listen)
     if port == 0 and not listen.startswith("unix:"):
         raise OSError(f"could not bind the probe listener {listen}")

@@ -168,6 +168,8 @@ def cmd_call(args: argparse.Namespace) -> int:
     if result.first_chunk_s is not None:
         out["first_chunk_ms"] = round(result.first_chunk_s * 1000, 3)
     hint = refusal_hint(result.code, result.details, credentials is not None)
+    if hint:
+        out["hint"] = hint
     if args.json:
         print(json.dumps(out))
     else:

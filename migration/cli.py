@@ -7,7 +7,8 @@
 
 Every command takes --controller ADDR (default $SPINE_CONTROLLER, else the local socket)
 and the admin token from --admin-token-file or $SPINE_ADMIN_TOKEN (never from argv: a
-command line is visible to every user of the machine). Every command takes --json.
+command line is visible to every user of the machine); `--ca FILE [--cert FILE --key FILE]`
+for a controller that serves TLS (mTLS). Every command takes --json.
 Exit codes: 0 ok, 1 refused in this state / rollout failed, 2 bad plan or usage,
 3 token not accepted, 4 controller unreachable.
 """
@@ -33,6 +34,7 @@ from migration.plan import PlanError, load_plan
 from migration.render import RunProgress, audit_line, plan_table, status_renderable, to_json
 from migration.service import plan_message
 from services.common import ConfigError
+from spine.runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
 from spine.v1 import migration_pb2 as pb
 from spine.v1 import migration_pb2_grpc as pb_grpc
 
@@ -51,8 +53,9 @@ _EXIT_CODES = {
 class ControlClient:
     """A MigrationControl stub that sends the admin token with every call."""
 
-    def __init__(self, address: str, token: str, timeout: float = 10.0) -> None:
-        self._channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, token: str, timeout: float = 10.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._channel = open_channel(address, credentials)
         self.stub = pb_grpc.MigrationControlStub(self._channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.timeout = timeout
@@ -76,6 +79,7 @@ def add_migrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     common.add_argument("--admin-token-file", help="file holding the admin token (else $SPINE_ADMIN_TOKEN)")
     common.add_argument("--json", action="store_true", help="print JSON instead of tables")
     common.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    add_tls_client_arguments(common)
     command = argparse.ArgumentParser(add_help=False, parents=[common])
     command.add_argument("--reason", default="", help="why, for the audit trail")
 
@@ -128,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextmanager
 def _client(args: argparse.Namespace) -> Iterator[ControlClient]:
-    client = ControlClient(args.controller, read_admin_token(args.admin_token_file), args.timeout)
+    client = ControlClient(args.controller, read_admin_token(args.admin_token_file), args.timeout,
+                           credentials=client_credentials(args))
     try:
         yield client
     finally:
@@ -144,9 +149,12 @@ def _rpc(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            hint = refusal_hint(code, details, getattr(args, "ca", None) is not None)
             if code is grpc.StatusCode.UNAVAILABLE:
                 details = f"cannot reach the controller at {args.controller}: {details}"
             print(f"error ({code.name.lower()}): {details}", file=sys.stderr)
+            if hint:
+                print(f"hint: {hint}", file=sys.stderr)
             return _EXIT_CODES.get(code, 1)
 
     return wrapper

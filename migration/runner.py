@@ -7,7 +7,11 @@ placements and rate-limit shares to the spine replicas and layered rate limiters
 the controller; the gates read PromQL from `--prometheus-url`, or scrape every
 `--layered-metrics` / `--spine-metrics` URL (each repeatable) directly.
 
-It binds only to a unix socket or loopback, re-applies the persisted stage on start (see
+With `--tls-cert-file --tls-key-file [--tls-client-ca-file]` both listeners (MigrationControl
+and xDS) speak TLS (mTLS with the client CA), and the gateways' health is asked over mTLS
+with the same certificate. It binds only to a unix socket or loopback unless
+`--allow-external`, and a listener beyond loopback without TLS is refused (exit 2): the admin
+token would cross the network in plaintext. It re-applies the persisted stage on start (see
 `Controller.open`), ticks every ~100 ms (so a failing gate's rollback reaches the data path
 well within a second) and exits cleanly on SIGTERM or SIGINT.
 """
@@ -24,6 +28,7 @@ from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
 from services.common import ConfigError
+from spine.runtime.sections import TlsConfig
 from spine.runtime.signals import Termination
 
 log = logging.getLogger("spine.migration")
@@ -61,17 +66,18 @@ def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
             result.append(Endpoint(host, int(port)))
         return result
 
+    tls = tls_of(args)
     try:
-        check_listen(args.xds_listen, args.allow_external)
+        check_listen(args.xds_listen, args.allow_external, tls, "--xds-listen")
         plane = XdsControlPlane("spine-gateway", {"layered": endpoints(args.layered, "--layered"),
                                                   "spine": endpoints(args.spine, "--spine")})
+        plane.start(args.xds_listen, tls)
     except ConfigError:
         metrics.close()
         raise
-    plane.start(args.xds_listen)
-    log.info("xDS (ADS) serving on %s", plane.address)
+    log.info("xDS (ADS) serving on %s%s", plane.address, " over TLS" if tls is not None else "")
     # A gateway that is not SERVING is sent UNHEALTHY, so data planes stop picking it.
-    health = EndpointHealth({"layered": args.layered, "spine": args.spine}, xds=plane).start()
+    health = EndpointHealth({"layered": args.layered, "spine": args.spine}, xds=plane, tls=tls).start()
     return XdsTarget(plane, metrics, endpoint_health=health, min_data_planes=args.min_data_planes,
                      min_spine_replicas=args.min_spine_replicas)
 
@@ -107,6 +113,17 @@ def build_metrics_source(args: argparse.Namespace) -> MetricsSource:
         raise ConfigError(str(error)) from None
 
 
+def tls_of(args: argparse.Namespace) -> TlsConfig | None:
+    """--tls-*: the controller's certificate for both listeners and the gateways' health, or None."""
+    given = {key: getattr(args, f"tls_{key}") for key in ("cert_file", "key_file", "client_ca_file", "ca_file")}
+    if not any(given.values()):
+        return None
+    if not (given["cert_file"] and given["key_file"]):
+        raise ConfigError("--tls-cert-file and --tls-key-file: TLS needs both (--tls-client-ca-file and "
+                          "--tls-ca-file are optional)")
+    return TlsConfig(**{key: value for key, value in given.items() if value})
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m migration.runner", description=__doc__.splitlines()[0])
     parser.add_argument("--db", required=True, help="sqlite file holding the rollout state")
@@ -124,7 +141,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "applied the stage's placements and rate-limit shares (default 1; 0 where the spine's "
                              "placements are its own config)")
     parser.add_argument("--allow-external", action="store_true",
-                        help="allow non-loopback listen addresses (in a cluster; the admin token guards the API)")
+                        help="allow non-loopback listen addresses (in a cluster; they need TLS, and the admin token "
+                             "guards the API)")
+    parser.add_argument("--tls-cert-file", help="PEM certificate of both listeners (MigrationControl, xDS); with "
+                                                "--tls-key-file they speak TLS")
+    parser.add_argument("--tls-key-file", help="its private key (PEM)")
+    parser.add_argument("--tls-client-ca-file",
+                        help="require client certificates signed by this CA (mTLS: operators, Envoy, followers)")
+    parser.add_argument("--tls-ca-file", help="the CA the gateways' certificates are verified against "
+                                              "(default: --tls-client-ca-file)")
+    parser.add_argument("--probe-listen", metavar="HOST:PORT",
+                        help="also answer grpc.health.v1 alone, in plaintext, here (Kubernetes' grpc probes cannot "
+                             "speak TLS)")
     parser.add_argument("--xds-listen", help="with --target xds: where ADS listens, HOST:PORT")
     parser.add_argument("--layered", action="append", default=[], help="with --target xds: a layered gateway HOST:PORT")
     parser.add_argument("--spine", action="append", default=[], help="with --target xds: a spine HOST:PORT")
@@ -151,9 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         token = read_admin_token(args.admin_token_file)
+        tls = tls_of(args)
+        check_listen(args.listen, args.allow_external, tls)  # before the target starts anything
+        if tls is not None:
+            from spine.runtime.core_log import log_tls_refusals
+            from spine.runtime.tls import load_certificates, reload_on_sighup
+
+            load_certificates(tls, where="--tls")
+            log_tls_refusals()
+            reload_on_sighup()
         target = build_target(args)
         process = ControllerProcess(args.db, args.listen, token, target, tick_s=args.tick_s,
-                                    allow_external=args.allow_external)
+                                    allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen)
         serve_stable = getattr(target, "serve_stable", None)
         if serve_stable is not None:  # after the controller re-applied whatever it recorded
             serve_stable()

@@ -1,7 +1,8 @@
 """The controller served: the controller, its MigrationControl API, health and the tick loop.
 
-`ControllerProcess` binds only to a unix socket or loopback (unless told otherwise), serves
-the operator API behind the admin token, and ticks the controller every ~100 ms so a failing
+`ControllerProcess` binds only to a unix socket or loopback (unless told otherwise; and
+beyond loopback only with TLS: the admin token must not cross a network in plaintext),
+serves the operator API behind the admin token, and ticks the controller every ~100 ms so a failing
 gate's rollback reaches the data path well within a second. `migration.runner` runs one as
 a process; the local migration (`migration.traffic.cutover`) runs one in-process.
 """
@@ -24,14 +25,21 @@ from migration.controller import Controller
 from migration.service import SERVICE_NAME, MigrationService
 from migration.target import TrafficTarget
 from services.common import Clock, ConfigError
+from spine.runtime.sections import TlsConfig
+from spine.runtime.server import ProbeServer, start_probe_server
+from spine.runtime.tls import add_port
 from spine.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
 
 
-def check_listen(listen: str, allow_external: bool = False) -> str:
+def check_listen(listen: str, allow_external: bool = False, tls: TlsConfig | None = None,
+                 flag: str = "--listen") -> str:
     """`unix:PATH` or a loopback `host:port`; anything that could face a network is refused
-    unless `allow_external` (a pod address in a cluster, where the admin token guards it)."""
+    unless `allow_external` (a pod address in a cluster, where the admin token guards it),
+    and even then unless the listener speaks TLS (`tls`): the admin token — and for xDS, the
+    stages every data plane and follower obeys — would otherwise cross the network in
+    plaintext."""
     if listen.startswith("unix:"):
         if not listen[len("unix:"):]:
             raise ConfigError("--listen: unix: needs a socket path, e.g. unix:/run/spine/migration.sock")
@@ -39,14 +47,20 @@ def check_listen(listen: str, allow_external: bool = False) -> str:
     host, sep, port = listen.rpartition(":")
     host = host.strip("[]")
     if not sep or not port.isdigit():
-        raise ConfigError(f"--listen: expected unix:PATH or HOST:PORT, got {listen!r}")
-    if host != "localhost" and not allow_external:
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise ConfigError(f"--listen: the controller binds to loopback or a unix socket only, got {listen!r}")
+        raise ConfigError(f"{flag}: expected unix:PATH or HOST:PORT, got {listen!r}")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return listen
+    if not allow_external:
+        raise ConfigError(f"{flag}: the controller binds to loopback or a unix socket only, got {listen!r} "
+                          "(--allow-external, with TLS, to listen beyond this machine)")
+    if tls is None:
+        raise ConfigError(f"{flag} {listen}: a controller listener beyond loopback needs TLS "
+                          "(--tls-cert-file, --tls-key-file, and --tls-client-ca-file for mTLS): without it the "
+                          "admin token and the stages would cross the network in plaintext")
     return listen
 
 
@@ -54,8 +68,13 @@ class ControllerProcess:
     """Controller + gRPC server + tick thread, started and stopped together."""
 
     def __init__(self, db_path: str, listen: str, admin_token: str, target: TrafficTarget, *,
-                 tick_s: float = 0.1, clock: Clock = time.time, allow_external: bool = False) -> None:
-        self.listen = check_listen(listen, allow_external)
+                 tick_s: float = 0.1, clock: Clock = time.time, allow_external: bool = False,
+                 tls: TlsConfig | None = None, probe_listen: str | None = None) -> None:
+        self.listen = check_listen(listen, allow_external, tls)
+        self.tls = tls
+        self.probe_listen = probe_listen
+        self.allow_external = allow_external
+        self.probe: ProbeServer | None = None
         self.controller = Controller.open(db_path, target, clock=clock)
         self.service = MigrationService(self.controller, admin_token)
         self._tick_s = tick_s
@@ -72,9 +91,11 @@ class ControllerProcess:
 
     def start(self) -> None:
         _remove_stale_socket(self.listen)
-        self.port = self.server.add_insecure_port(self.listen)
+        self.port = add_port(self.server, self.listen, self.tls, "--tls")
         if not self.listen.startswith("unix:") and self.port == 0:
             raise ConfigError(f"--listen: could not bind {self.listen}")
+        if self.probe_listen is not None:  # health alone, in plaintext, for Kubernetes' grpc probes
+            self.probe = start_probe_server(self.health, self.probe_listen, self.allow_external)
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -86,6 +107,8 @@ class ControllerProcess:
         self.health.enter_graceful_shutdown()
         self.service.close()
         self.server.stop(grace).wait()
+        if self.probe is not None:
+            self.probe.stop()
         if self._ticker.is_alive():
             self._ticker.join()
         self.controller.close()

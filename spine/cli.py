@@ -2,7 +2,8 @@
 
     spine up --layout layered|collapsed|mixed [--listen HOST:PORT] [--model DIR [--model-id ID]]
     spine model make-tiny --arch llama|gpt2 --out DIR
-    spine call --prompt "hello" [--stream]
+    spine call --prompt "hello" [--stream] [--ca FILE [--cert FILE --key FILE]]
+    spine certs dev --out DIR
     spine demo
     spine config schema|check
     spine migrate ...
@@ -18,11 +19,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from services.common import ConfigError
 from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
 from spine.runtime.server import UnsafeAddress
 from spine.runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
+from spine.runtime.tls import add_tls_client_arguments, client_credentials, refusal_hint
+
+if TYPE_CHECKING:
+    from spine.runtime.sections import TlsConfig
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -44,11 +50,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     from spine.runtime.served_model import preflight
 
     preflight(config)  # a model directory that cannot be served: one line, before any child starts
+    tls = _serve_tls(config)
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
-                  remote_addresses=remote_addresses(config))
+                  remote_addresses=remote_addresses(config), probe_listen=args.probe_listen)
     termination = Termination()
     stack.start()
-    follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements")
+    follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements", tls)
     key = dev_api_key(config)
     ready = {
         "event": "ready", "layout": stack.layout, "address": stack.address, "pid": os.getpid(),
@@ -73,6 +80,23 @@ def cmd_up(args: argparse.Namespace) -> int:
             follower.stop()
         stack.stop()
     return 0
+
+
+def _serve_tls(config: dict[str, Any]) -> TlsConfig | None:
+    """The config's `tls:` section, its files checked before anything starts (ConfigError: one
+    line, exit 2); refused handshakes logged as one line each and SIGHUP re-reading the files."""
+    from spine.runtime.sections import TlsConfig
+    from spine.runtime.tls import load_certificates, reload_on_sighup
+
+    tls = TlsConfig.from_config(config)
+    if tls is None:
+        return None
+    load_certificates(tls)
+    from spine.runtime.core_log import log_tls_refusals
+
+    log_tls_refusals()
+    reload_on_sighup()
+    return tls
 
 
 def _served_model(args: argparse.Namespace) -> dict[str, object] | None:
@@ -129,7 +153,8 @@ def cmd_call(args: argparse.Namespace) -> int:
     if args.fallback_model:
         fallback = Fallback(args.fallback_model, after=args.fallback_after, recover_after=args.fallback_recover)
         fallback.validate(router_models(config))
-    with GatewayClient(args.address, token) as client:
+    credentials = client_credentials(args)
+    with GatewayClient(args.address, token, credentials=credentials) as client:
         helper = LoadAwareClient(client, backoff, fallback)
         if args.stream:
             result = helper.stream(request, timeout=args.timeout)
@@ -142,10 +167,15 @@ def cmd_call(args: argparse.Namespace) -> int:
     }
     if result.first_chunk_s is not None:
         out["first_chunk_ms"] = round(result.first_chunk_s * 1000, 3)
+    hint = refusal_hint(result.code, result.details, credentials is not None)
+    if hint:
+        out["hint"] = hint
     if args.json:
         print(json.dumps(out))
     else:
         print(f"status:  {out['status']}" + (f" ({result.details})" if result.details else ""))
+        if hint:
+            print(f"hint:    {hint}")
         print(f"latency: {out['latency_ms']} ms   layout: {result.layout}   "
               f"request id: {result.trailing.get('x-request-id', '')}   attempts: {result.attempts}")
         if result.load:
@@ -153,6 +183,21 @@ def cmd_call(args: argparse.Namespace) -> int:
         if result.ok:
             print(f"answer:  {result.text!r}")
     return 0 if result.ok else 1
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """`dev`: a throwaway CA, a server and a client certificate, for local trials and tests."""
+    from spine.tools.dev_certs import Exists, summary, write_dev_certs
+
+    if args.days < 1:
+        raise ConfigError(f"--days: must be at least 1, got {args.days}")
+    try:
+        paths = write_dev_certs(Path(args.out), days=args.days, force=args.force)
+    except (Exists, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(summary(paths, args.days))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -231,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
     up.add_argument("--run-dir", help="sockets, logs and state (default: a fresh temporary directory)")
     up.add_argument("--allow-external", action="store_true", help="allow a non-loopback --listen")
+    up.add_argument("--probe-listen", metavar="HOST:PORT",
+                    help="also answer grpc.health.v1 alone, in plaintext, here (Kubernetes' grpc probes cannot "
+                         "speak TLS)")
     up.add_argument("--model", metavar="DIR", help="serve this transformers causal LM directory as the default "
                                                  "model (alias `default`) instead of the config's")
     up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
@@ -263,7 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--stream", action="store_true")
     call.add_argument("--timeout", type=float, default=30.0)
     call.add_argument("--json", action="store_true")
+    add_tls_client_arguments(call)
     call.set_defaults(handler=cmd_call)
+
+    certs = sub.add_parser("certs", help="certificates: `dev` writes a throwaway CA and certificates (never production)")
+    certs_sub = certs.add_subparsers(dest="action", required=True)
+    dev = certs_sub.add_parser("dev", help="a dev CA, a server certificate for localhost and 127.0.0.1 and a client "
+                                           "certificate, for local trials and tests only")
+    dev.add_argument("--out", required=True, metavar="DIR", help="the directory to write (created)")
+    dev.add_argument("--days", type=int, default=30, help="how long they are valid (default: %(default)s)")
+    dev.add_argument("--force", action="store_true", help="replace the files if DIR already holds them")
+    dev.set_defaults(handler=cmd_certs)
 
     ab = sub.add_parser("ab", help="one workload through several layouts, interleaved, with a report")
     ab.add_argument("--layouts", default="layered,collapsed",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import envoy.extensions.access_loggers.stream.v3.stream_pb2  # noqa: F401  (Any types in the config)
+import envoy.extensions.filters.http.basic_auth.v3.basic_auth_pb2  # noqa: F401  (Any types in the config)
 import envoy.extensions.filters.http.ext_authz.v3.ext_authz_pb2  # noqa: F401  (Any types in the config)
 import envoy.extensions.filters.http.header_mutation.v3.header_mutation_pb2  # noqa: F401  (Any types)
 import envoy.extensions.filters.http.ratelimit.v3.rate_limit_pb2  # noqa: F401  (Any types in the config)

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.config.core.v3 import health_check_pb2
+from envoy.extensions.filters.http.basic_auth.v3 import basic_auth_pb2
 from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.ratelimit.v3 import rate_limit_pb2
@@ -35,6 +36,7 @@ from tests.test_deploy_configs import DEPLOY, load_bootstrap
 EDGE_DECISIONS = DEPLOY / "envoy" / "edge-decisions.yaml"
 EDGE_TLS = DEPLOY / "envoy" / "edge-tls.yaml"
 ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+BASIC_AUTH = "type.googleapis.com/envoy.extensions.filters.http.basic_auth.v3.BasicAuth"
 
 
 def connection_manager(bootstrap: bootstrap_pb2.Bootstrap) -> http_connection_manager_pb2.HttpConnectionManager:
@@ -128,9 +130,13 @@ def test_what_envoy_would_send_is_decided_by_a_real_spine(decisions: bootstrap_p
     assert entries == [("tenant", "dev")] and answer.overall_code == OK
 
 
-def test_at_the_end_envoy_only_terminates_tls() -> None:
+def test_at_the_end_envoy_only_terminates_tls_and_keeps_basic_auth() -> None:
+    """The seed's thin Envoy: TLS and basic auth, no decision, cache or retry of its own; basic
+    auth on a header of its own, so the Gateway's `authorization: Bearer` passes untouched."""
     hcm = connection_manager(load_bootstrap(EDGE_TLS))
-    assert [f.typed_config.type_url for f in hcm.http_filters] == [ROUTER]
+    assert [f.typed_config.type_url for f in hcm.http_filters] == [BASIC_AUTH, ROUTER]
+    basic = filter_config(hcm, "envoy.filters.http.basic_auth", basic_auth_pb2.BasicAuth())
+    assert basic.users.filename and basic.authentication_header not in ("", "authorization")
 
 
 def test_the_edge_plan_walks_from_the_legacy_services_to_the_spine() -> None:

@@ -38,6 +38,7 @@ from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook, WrongAnswers
 from spine.runtime.run_dir import write_private
+from spine.runtime.sections import TlsConfig
 from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.shadow import ShadowConfig
 from spine.runtime.stack import Stack
@@ -149,8 +150,10 @@ class Cutover:
                                remote_addresses=shared, device=device, local_servicers={"inference": model})
             self.spine.start()
             shadow = ShadowConfig.from_config(self.config)
+            tls = TlsConfig.from_config(self.config)  # every TCP listener and link of the run speaks it
             self.front = Front({"layered": self.layered.address, "spine": self.spine.address},
-                               shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config))
+                               shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config),
+                               tls=tls)
             if self.front.shadow is not None:
                 self.front_metrics = PrometheusHTTPServer(self.front.shadow.counters.registry)
                 self.front_metrics.start()
@@ -159,17 +162,17 @@ class Cutover:
             limits = RequestLimits.from_config(self.config)
             # Sized like the gateways behind it: requests wait in the model's priority queue.
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
-                                             max_message_bytes=limits.max_message_bytes,
+                                             max_message_bytes=limits.max_message_bytes, tls=tls,
                                              **request_pool(self.config))
             if self.xds_listen is not None:
                 self.xds = XdsControlPlane("spine-gateway", {
                     "layered": [endpoint(self.layered.address)], "spine": [endpoint(self.spine.address)]})
-                self.xds.start(self.xds_listen)
+                self.xds.start(self.xds_listen, tls)
             # Each side's gateway health (SERVING only while its fail-closed components are)
             # steers the front and the xDS endpoints.
             self.endpoint_health = EndpointHealth(
                 {"layered": [self.layered.address], "spine": [self.spine.address]},
-                front=self.front, xds=self.xds).start()
+                front=self.front, xds=self.xds, tls=tls).start()
             layered_ratelimit = self.layered.bindings.get("ratelimit")
             token_file = write_private(self.run_dir, "admin-token", self.admin_token)
             token_file.chmod(0o600)

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from migration.xds import Endpoint, XdsControlPlane
 from spine.runtime.health_watch import HealthWatch
+from spine.runtime.sections import TlsConfig
 
 
 class Steerable(Protocol):
@@ -32,7 +33,8 @@ class EndpointHealth:
     """Watches `endpoints` (side -> gateway addresses, HOST:PORT) and steers the front and xDS."""
 
     def __init__(self, endpoints: Mapping[str, Sequence[str]], *, front: Steerable | None = None,
-                 xds: XdsControlPlane | None = None, interval_s: float = 0.5, timeout_s: float = 0.5) -> None:
+                 xds: XdsControlPlane | None = None, interval_s: float = 0.5, timeout_s: float = 0.5,
+                 tls: TlsConfig | None = None) -> None:
         self.front = front
         self.xds = xds
         self.endpoints = {side: list(addresses) for side, addresses in endpoints.items()}
@@ -40,7 +42,7 @@ class EndpointHealth:
                       for side, addresses in self.endpoints.items() for address in addresses}
         self.watch = HealthWatch({key: address for key, (_, address) in self._keys.items()},
                                  interval_s=interval_s, timeout_s=timeout_s, on_change=self._steer,
-                                 what="gateway")
+                                 what="gateway", tls=tls)
 
     @property
     def healthy(self) -> dict[str, bool]:

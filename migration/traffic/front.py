@@ -29,8 +29,10 @@ import grpc
 
 from spine.runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
 from spine.runtime.decisions import Decision, decide
+from spine.runtime.sections import TlsConfig
 from spine.runtime.shadow import Metadata, ShadowConfig, ShadowMirror, forward_metadata, gateway_call
 from spine.runtime.stats import percentile
+from spine.runtime.tls import link_channel
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
 SIDES = ("layered", "spine")
@@ -64,8 +66,10 @@ class Front(gateway_pb2_grpc.GatewayServicer):
 
     def __init__(self, addresses: dict[str, str], spine_weight: float = 0.0, history: int = 100_000,
                  shadow: ShadowConfig | None = None, rng: random.Random | None = None,
-                 internal_key: bytes | None = None, route_header: bool = True) -> None:
-        self.channels = {side: grpc.insecure_channel(addresses[side]) for side in SIDES}
+                 internal_key: bytes | None = None, route_header: bool = True,
+                 tls: TlsConfig | None = None) -> None:
+        # With `tls` (the deployment's), each side's gateway is dialed over mTLS on TCP.
+        self.channels = {side: link_channel(addresses[side], tls) for side in SIDES}
         self.stubs = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
         # Each side's gateway health (kept by migration.traffic.endpoint_health.EndpointHealth;

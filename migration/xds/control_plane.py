@@ -25,7 +25,9 @@ from migration.xds.followers import StageFollowers
 from migration.xds.server import AdsServer
 from migration.xds.snapshot import LAYERED, SPINE, Endpoint, Snapshot, build_snapshot
 from services.common import ConfigError
+from spine.runtime.sections import TlsConfig
 from spine.runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE
+from spine.runtime.tls import add_port
 
 
 class XdsControlPlane:
@@ -67,8 +69,10 @@ class XdsControlPlane:
         """The version last published (None before the first `set_weights`)."""
         return self._version
 
-    def start(self, listen: str = "127.0.0.1:0") -> str:
-        """Serve ADS on `listen` (host:port, port 0 = any free one); returns host:port."""
+    def start(self, listen: str = "127.0.0.1:0", tls: TlsConfig | None = None) -> str:
+        """Serve ADS on `listen` (host:port, port 0 = any free one); returns host:port. With
+        `tls`, over TLS (mTLS with `tls.client_ca_file`: every data plane and follower then
+        presents a certificate from that CA)."""
         if self._server is not None:
             raise RuntimeError(f"xds control plane already listening on {self.address}")
         if self._stopped:
@@ -80,7 +84,7 @@ class XdsControlPlane:
             maximum_concurrent_rpcs=self.max_streams,
         )
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self.ads, server)
-        port = server.add_insecure_port(listen)
+        port = add_port(server, listen, tls, "--tls")
         if port == 0:
             raise ConfigError(f"xds.listen: cannot bind {listen!r}")
         server.start()

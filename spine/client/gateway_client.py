@@ -60,15 +60,19 @@ class CallResult:
 
 
 class GatewayClient:
-    """Calls one Gateway address; reuses its channel."""
+    """Calls one Gateway address; reuses its channel. With `credentials` (e.g.
+    `grpc.ssl_channel_credentials`) the channel speaks TLS, else plaintext."""
 
-    def __init__(self, address: str, token: str | None = None, max_message_bytes: int = 4 << 20) -> None:
+    def __init__(self, address: str, token: str | None = None, max_message_bytes: int = 4 << 20,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
         self.token = token
-        self.channel = grpc.insecure_channel(address, options=[
+        options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-        ])
+        ]
+        self.channel = (grpc.secure_channel(address, credentials, options=options) if credentials is not None
+                        else grpc.insecure_channel(address, options=options))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def metadata(self, token: str | None = None, extra: dict[str, str] | None = None) -> list[tuple[str, str]]:

@@ -28,6 +28,7 @@ from spine.runtime.sections import (
     EnvoyApiConfig,
     InternalConfig,
     ShadowConfig,
+    TlsConfig,
     TracingConfig,
     calls_model,
     placements_model,
@@ -61,6 +62,7 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
         "shadow": (ShadowConfig, ShadowConfig()),
         "remote_addresses": (remote_addresses_model(registry.names), Field(default_factory=dict)),
         "envoy_api": (EnvoyApiConfig, EnvoyApiConfig()),
+        "tls": (TlsConfig | None, Field(default=None, description="TLS and mTLS on every TCP listener and link")),
         "device": (DeviceConfig, DeviceConfig()),
     })
     return create_model("SpineConfig", __base__=_Root, **fields)

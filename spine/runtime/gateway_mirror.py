@@ -30,9 +30,10 @@ from services.pipeline.gateway import Gateway
 from services.pipeline.state import RequestState
 from spine.runtime.config import internal_key
 from spine.runtime.decisions import Decision, decide
-from spine.runtime.sections import ShadowConfig
+from spine.runtime.sections import ShadowConfig, TlsConfig
 from spine.runtime.shadow import ShadowMirror, forward_metadata, gateway_call
 from spine.runtime.shadow_metrics import ShadowCounters
+from spine.runtime.tls import link_channel, self_channel
 from spine.v1 import gateway_pb2_grpc
 
 SIDES = ("layered", "spine")
@@ -42,8 +43,9 @@ class GatewayMirror:
     """The spine's mirror: offered every answered request, compares with the layered side."""
 
     def __init__(self, config: ShadowConfig, key: bytes, own_address: str, layered_address: str,
-                 registry: Any | None = None) -> None:
-        self.channels = {"spine": grpc.insecure_channel(own_address), "layered": grpc.insecure_channel(layered_address)}
+                 registry: Any | None = None, tls: TlsConfig | None = None) -> None:
+        self.channels: dict[str, grpc.Channel] = {"spine": self_channel(own_address, tls),
+                                                  "layered": link_channel(layered_address, tls)}
         stubs = {side: gateway_pb2_grpc.GatewayStub(channel) for side, channel in self.channels.items()}
         self.mirror = ShadowMirror(config, gateway_call(stubs), SIDES, key=key, primaries=("spine",))
         self.layered_address = layered_address
@@ -98,6 +100,7 @@ def start_gateway_mirror(config: Mapping[str, Any], gateway: Gateway, own_addres
     if metrics is None:
         raise ConfigError("shadow.layered_address: the spine exports its shadow comparisons on its own /metrics, "
                           "which needs the metrics component placed local (placements.metrics: local)")
-    mirror = GatewayMirror(shadow, key, own_address, shadow.layered_address, metrics.registry)
+    mirror = GatewayMirror(shadow, key, own_address, shadow.layered_address, metrics.registry,
+                           tls=TlsConfig.from_config(config))
     gateway.answered = mirror.offer
     return mirror

@@ -17,15 +17,19 @@ from collections.abc import Callable, Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from spine.runtime.sections import TlsConfig
+from spine.runtime.tls import link_channel
+
 log = logging.getLogger("spine.health")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def health_channel(address: str) -> grpc.Channel:
+def health_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
     """A channel for health checks: a peer that comes back is seen within a second (the
-    default reconnect backoff grows to minutes)."""
-    return grpc.insecure_channel(address, options=[
+    default reconnect backoff grows to minutes). Over TLS with this process's certificate
+    when it has `tls` and `address` is TCP (`spine.runtime.tls.link_channel`)."""
+    return link_channel(address, tls, options=[
         ("grpc.enable_retries", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
@@ -106,7 +110,7 @@ class HealthWatch:
 
     def __init__(self, addresses: Mapping[str, str], *, interval_s: float = 0.5, timeout_s: float = 0.5,
                  service: str = "", on_change: Callable[[dict[str, bool]], None] | None = None,
-                 what: str = "endpoint") -> None:
+                 what: str = "endpoint", tls: TlsConfig | None = None) -> None:
         self.addresses = dict(addresses)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -114,7 +118,7 @@ class HealthWatch:
         self.on_change = on_change
         self.what = what
         self.serving: dict[str, bool] = dict.fromkeys(self.addresses, True)
-        self._channels = {name: health_channel(address) for name, address in self.addresses.items()}
+        self._channels = {name: health_channel(address, tls) for name, address in self.addresses.items()}
         self._lock = threading.Lock()
         self._rounds = Rounds(self.check_once, interval_s, f"{what}-health", join_s=interval_s + 2 * timeout_s + 2.0)
 

@@ -11,6 +11,10 @@ HOST:PORT`, its xDS address): each stage sets its share of every limit (its side
 divided by the rate limiters of that side), so a tenant's total across both sides and all
 replicas stays within its limit. It waits up to `--initial-fetch-timeout-s` for its first
 share before it starts serving.
+
+With a `tls:` section in its config and a TCP `--listen` (a pod address in Kubernetes) it
+serves mTLS; on a unix socket (the local supervisor's children) it stays plaintext.
+`--probe-listen` answers health alone in plaintext, for Kubernetes' grpc probes.
 """
 
 from __future__ import annotations
@@ -51,11 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--allow-external", action="store_true",
                         help="listen beyond loopback (a pod address in a cluster)")
+    parser.add_argument("--probe-listen", metavar="HOST:PORT",
+                        help="also answer grpc.health.v1 alone, in plaintext, here (Kubernetes' grpc probes "
+                             "cannot speak TLS)")
     add_follow_arguments(parser, "this rate limiter's share of every limit (ratelimit only)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.common import ConfigError
+
+    try:
+        return serve(argv)
+    except ConfigError as error:  # a config or certificate file that cannot be used: one line
+        for line in getattr(error, "problems", None) or str(error).splitlines():
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
+
+
+def serve(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.follow_controller and args.component != "ratelimit":
@@ -72,26 +90,34 @@ def main(argv: list[str] | None = None) -> int:
     from services.pipeline.verdicts import RequestLimits
     from spine.runtime.config import load_config
     from spine.runtime.health import start_deep_health
+    from spine.runtime.sections import TlsConfig
     from spine.runtime.server import PoolSize, request_pool, start_server
     from spine.runtime.signals import Termination
+    from spine.runtime.tls import is_unix, reload_on_sighup
     from spine.runtime.tracing import install_from_config
 
     termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
     configure_threads()
     config = load_config(args.config)
     install_from_config(config, service_name=args.component)  # continue traces from the gateway
+    tls = TlsConfig.from_config(config)
+    if tls is not None and not is_unix(args.listen):
+        from spine.runtime.core_log import log_tls_refusals
+
+        log_tls_refusals()  # a refused handshake: one spine.tls line in this child's log
+        reload_on_sighup()
     run_dir = Path(args.run_dir)
     spec = DEFAULT[args.component]
     servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
     # The model's requests wait in its priority queue, not in front of the thread pool.
     pool = request_pool(config) if args.component == "inference" else PoolSize()
     # Its share first: a limiter that follows does not serve before it has one (or has waited).
-    follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit")
+    follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit", tls)
     from spine.runtime.foreign import envoy_apis_of
 
     server = start_server([(spec, servicer), *envoy_apis_of(spec, servicer, config)], args.listen,
                           max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
-                          allow_external=args.allow_external, **pool)
+                          allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen, **pool)
     # Deep health: SERVING only while the component can do its work (for inference: a tiny
     # forward on its device within a bound), so the supervisor, the gates and xDS
     # endpoints see a broken device, not just a live process.

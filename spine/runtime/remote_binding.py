@@ -18,6 +18,8 @@ from google.protobuf import descriptor as pb_descriptor
 from spine.runtime.bindings import BaseBinding, BindingHook, Metadata, status_of
 from spine.runtime.local_context import LocalRpcError
 from spine.runtime.outlier import Ejected, OutlierDetector
+from spine.runtime.sections import TlsConfig
+from spine.runtime.tls import link_channel
 
 
 class RemoteBinding(BaseBinding):
@@ -202,9 +204,10 @@ class _RemoteStream:
         return self._on_end(code)
 
 
-def remote_channel(address: str, max_message_bytes: int) -> grpc.Channel:
-    """A channel to an internal link (unix socket or loopback)."""
-    return grpc.insecure_channel(address, options=[
+def remote_channel(address: str, max_message_bytes: int, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A channel to an internal link: a unix socket (plaintext), or TCP — mTLS with this
+    process's certificate when it has `tls` (a layered child behind a Kubernetes Service)."""
+    return link_channel(address, tls, options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.enable_retries", 0),

@@ -1,4 +1,4 @@
-"""The config sections the runtime owns: placements, remote addresses, tracing, shadow traffic.
+"""The config sections the runtime owns: placements, remote addresses, tracing, shadow traffic, TLS.
 
 Placements and remote addresses have one field per component of the component table, so
 they are built from it (`placements_model`, `remote_addresses_model`).
@@ -244,3 +244,38 @@ class ShadowConfig(Section):
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ShadowConfig:
         return cls.parse(config.get("shadow"), "shadow")
+
+
+class TlsConfig(Section):
+    """The `tls:` section: this process's certificate, and whom it trusts (see `spine.runtime.tls`).
+
+    With it every TCP listener of the process (the public Gateway, a layered child reached
+    over TCP, the Envoy API listener, the front) speaks TLS, and with `client_ca_file` it
+    requires a client certificate signed by that CA (mTLS). The same certificate is the
+    process's identity when it calls another part of the deployment over TCP (a layered
+    child, the controller's xDS, the layered gateway it mirrors to), so it needs both the
+    serverAuth and clientAuth usages; it verifies those servers against `ca_file` (default
+    `client_ca_file`, else the system's roots). Unix sockets, in 0700 run directories, stay
+    plaintext. The files are re-read when they change (or on SIGHUP), without a restart.
+    Absent (the default): plaintext everywhere.
+    """
+
+    cert_file: NonEmptyStr  # PEM: this process's certificate (chain), leaf first
+    key_file: NonEmptyStr  # PEM: its private key
+    client_ca_file: NonEmptyStr | None = None  # PEM CA bundle: clients must present a certificate it signed
+    ca_file: NonEmptyStr | None = None  # PEM CA bundle: verifies the servers this process calls over TCP
+
+    @property
+    def server_ca_file(self) -> str | None:
+        """What this process verifies the servers it calls against."""
+        return self.ca_file or self.client_ca_file
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> TlsConfig | None:
+        """The section, or None when the config has none (plaintext)."""
+        data = config.get("tls")
+        if data is None:
+            return None
+        if isinstance(data, TlsConfig):
+            return data
+        return cls.parse(data, "tls")

@@ -13,6 +13,11 @@ it could not; a full queue answers RESOURCE_EXHAUSTED with `retry-after` at once
 sync server's thread is a waiting request's whole cost: it blocks on its job's queue
 and wakes only for its own answer, and the pool makes threads only as load needs them
 (measured with `python -m bench.overload priority`).
+
+With a `tls:` section (`spine.runtime.tls`) a TCP listener speaks TLS, mTLS with
+`client_ca_file`; a unix socket stays plaintext. Kubernetes' `grpc:` probes cannot speak TLS,
+so such a server can also answer its health alone in plaintext on a second address
+(`probe_listen`): the same health servicer, nothing else on it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from grpc_reflection.v1alpha import reflection
 from services.common import section
 from services.inference_config import InferenceConfig
 from services.registry import ComponentSpec
+from spine.runtime.sections import TlsConfig
+from spine.runtime.tls import add_port, link_channel
 
 # Handler threads beyond what the model holds: cache hits, refusals, health and admission
 # in progress never wait for a slot, and must not wait behind those who do.
@@ -78,6 +85,7 @@ class RunningServer:
     server: grpc.Server
     address: str  # what a client dials: "unix:/path" or "127.0.0.1:PORT"
     health: health.HealthServicer
+    probe: ProbeServer | None = None  # the health service alone, in plaintext (`probe_listen`)
 
     def set_serving(self, serving: bool, service: str = "") -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -86,6 +94,47 @@ class RunningServer:
     def stop(self, grace: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        if self.probe is not None:
+            self.probe.stop()
+
+
+class _CheckOnly(health_pb2_grpc.HealthServicer):
+    """`Health/Check` from another server's health servicer; `Watch` stays UNIMPLEMENTED, so
+    nobody can hold the probe listener's few threads with streams that never end."""
+
+    def __init__(self, health_servicer: health.HealthServicer) -> None:
+        self._health = health_servicer
+
+    def Check(self, request: Any, context: Any) -> Any:
+        return self._health.Check(request, context)
+
+
+@dataclass
+class ProbeServer:
+    """A plaintext listener serving only `grpc.health.v1/Check` from another server's health
+    servicer: for Kubernetes' `grpc:` probes, which cannot speak TLS. It tells no more than
+    whether the server (or one of its services) is SERVING, so it needs no credentials."""
+
+    server: grpc.Server
+    address: str
+
+    def stop(self) -> None:
+        self.server.stop(0).wait()
+
+
+def start_probe_server(health_servicer: health.HealthServicer, listen: str,
+                       allow_external: bool = False) -> ProbeServer:
+    """Serve `health_servicer` alone, in plaintext, on `listen` (loopback unless `allow_external`)."""
+    check_listen(listen, allow_external)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe"),
+                         options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(_CheckOnly(health_servicer), server)
+    port = server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"could not bind the probe listener {listen}")
+    server.start()
+    address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
+    return ProbeServer(server, address)
 
 
 def request_threads(config: Any) -> int:
@@ -121,14 +170,22 @@ def start_server(
     max_concurrent_rpcs: int | None = None,
     allow_external: bool = False,
     interceptors: Sequence[grpc.ServerInterceptor] | None = None,
+    tls: TlsConfig | None = None,
+    probe_listen: str | None = None,
 ) -> RunningServer:
     """Start a server hosting `services` on `listen` (port 0 picks a free port).
+
+    With `tls`, a TCP `listen` speaks TLS (mTLS with `tls.client_ca_file`), its certificate
+    files re-read when they change; ConfigError names a file that cannot be used.
+    `probe_listen`: also answer health alone, in plaintext, there (`start_probe_server`).
 
     `max_concurrent_rpcs` bounds the calls accepted (running or waiting for a thread);
     past it gRPC refuses at once with RESOURCE_EXHAUSTED. `interceptors` default to the
     process's (`set_default_interceptors`): none unless tracing is installed.
     """
     check_listen(listen, allow_external)
+    if probe_listen is not None:
+        check_listen(probe_listen, allow_external)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=list(_default_interceptors if interceptors is None else interceptors),
@@ -146,28 +203,35 @@ def start_server(
         spec.add_to_server(servicer, server)
         names.append(spec.full_name)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(listen)
+    port = add_port(server, listen, tls)
     if port == 0 and not listen.startswith("unix:"):
         raise OSError(f"could not bind {listen}")
     server.start()
     address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
     running = RunningServer(server, address, health_servicer)
+    if probe_listen is not None:
+        try:
+            running.probe = start_probe_server(health_servicer, probe_listen, allow_external)
+        except BaseException:
+            server.stop(0)
+            raise
     running.set_serving(True)
     for spec, _ in services:
         running.set_serving(True, spec.full_name)
     return running
 
 
-def wait_serving(address: str, timeout: float, service: str = "") -> bool:
-    """True once the health service at `address` says SERVING, False after `timeout`."""
+def wait_serving(address: str, timeout: float, service: str = "", tls: TlsConfig | None = None) -> bool:
+    """True once the health service at `address` says SERVING, False after `timeout` (over TLS
+    with this process's certificate when it has `tls` and `address` is TCP)."""
     import time
 
     deadline = time.monotonic() + timeout
     # A fresh subchannel with a short backoff: while a child restarts, a shared subchannel's
     # growing reconnect backoff would hide it for seconds after it is back.
-    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1),
-                                                 ("grpc.initial_reconnect_backoff_ms", 100),
-                                                 ("grpc.max_reconnect_backoff_ms", 500)]) as channel:
+    with link_channel(address, tls, options=[("grpc.use_local_subchannel_pool", 1),
+                                             ("grpc.initial_reconnect_backoff_ms", 100),
+                                             ("grpc.max_reconnect_backoff_ms", 500)]) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -37,6 +37,7 @@ from spine.runtime.gateway_health import ComponentHealth, GatewayHealth, Target,
 from spine.runtime.outlier import OutlierDetector, OutlierPolicy
 from spine.runtime.remote_binding import RemoteBinding, remote_channel
 from spine.runtime.run_dir import write_private
+from spine.runtime.sections import TlsConfig
 from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.supervisor import Supervisor
 
@@ -57,6 +58,9 @@ class Stack:
     run_dir: Path | None = None
     allow_external: bool = False
     hooks: Sequence[BindingHook] = ()
+    # A plaintext listener answering health alone, for Kubernetes' grpc probes (they cannot
+    # speak TLS): `spine up --probe-listen`.
+    probe_listen: str | None = None
     # Components already served elsewhere (e.g. the layered stack's children, which a spine
     # in mid-migration shares): bound remotely to these addresses instead of spawned.
     remote_addresses: Mapping[str, str] = field(default_factory=dict)
@@ -90,6 +94,8 @@ class Stack:
     _envoy_health: EnvoyApiHealth | None = None
     # Components `placements:` binds to services the team already runs (their protocol, not ours).
     _foreign: dict[str, Any] = field(default_factory=dict)
+    # `tls:`: every TCP listener here speaks TLS and every TCP link to a component is mTLS.
+    tls: TlsConfig | None = None
 
     @property
     def layout(self) -> str:
@@ -104,6 +110,7 @@ class Stack:
         """Start everything and return the Gateway's address once all is SERVING."""
         checked: Any = check_config(self.config, self.registry)  # every section, before anything starts
         self._foreign = foreign_endpoints(checked)
+        self.tls = checked.tls
         calls = checked.calls
         self._budgets_ms = {name: ms for name, ms in calls.budgets_ms.model_dump().items() if ms is not None}
         self._outlier = OutlierPolicy(calls.eject_after_failures, calls.ejection_ms / 1000.0,
@@ -144,10 +151,11 @@ class Stack:
             envoy = self._envoy_apis()
             self.server = start_server([(GATEWAY, self.gateway), *(envoy if envoy_listen is None else [])],
                                        self.listen, max_message_bytes=limits.max_message_bytes,
-                                       allow_external=self.allow_external, **request_pool(self.config))
+                                       allow_external=self.allow_external, tls=self.tls,
+                                       probe_listen=self.probe_listen, **request_pool(self.config))
             if envoy and envoy_listen is not None:
                 self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=limits.max_message_bytes,
-                                                 allow_external=self.allow_external)
+                                                 allow_external=self.allow_external, tls=self.tls)
             if envoy:  # each Envoy API is as healthy as its component (below, on every flip)
                 self._envoy_health = EnvoyApiHealth(self.registry, self.envoy_server or self.server,
                                                     own_listener=self.envoy_server is not None)
@@ -256,7 +264,7 @@ class Stack:
         else:
             assert self.supervisor is not None, f"{name} has no process to reach"
             address = self.supervisor.children[name].address
-        channel = remote_channel(address, max_message_bytes)
+        channel = remote_channel(address, max_message_bytes, self.tls)
         detector = self._detectors.get(name)
         if detector is None:  # one per component, kept across moves: its record is the component's
             budget_s = self._budgets_ms.get(name, spec.budget_ms) / 1000.0

@@ -32,6 +32,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
+from spine.runtime.sections import TlsConfig
+from spine.runtime.tls import link_channel
 from spine.v1 import stage_pb2
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ class StageFollower:
     """
 
     def __init__(self, controller: str, node_id: str, role: str, apply: Applier, *,
-                 retry_max_s: float = 5.0) -> None:
+                 retry_max_s: float = 5.0, tls: TlsConfig | None = None) -> None:
         if role not in SIDES:
             raise ValueError(f"role: expected one of {', '.join(SIDES)}, got {role!r}")
         if not node_id:
@@ -71,6 +73,7 @@ class StageFollower:
         self.role = role
         self._apply = apply
         self._retry_max_s = retry_max_s
+        self._tls = tls  # this process's `tls:`: the controller's xDS is dialed with its certificate
         self._stop = threading.Event()
         self._applied = threading.Event()
         self._lock = threading.Lock()
@@ -129,7 +132,7 @@ class StageFollower:
         first.node.CopyFrom(self._node())
         requests.put(first)
         answered = False
-        channel = grpc.insecure_channel(self.controller, options=[
+        channel = link_channel(self.controller, self._tls, options=[
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)])
         try:
             call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(_drain(requests))
@@ -222,13 +225,16 @@ def add_follow_arguments(parser: argparse.ArgumentParser, follows: str) -> None:
                         help="with --follow-controller: how long to wait for the first stage before serving anyway")
 
 
-def follow(args: argparse.Namespace, role: str, apply: Applier, meanwhile: str) -> StageFollower | None:
+def follow(args: argparse.Namespace, role: str, apply: Applier, meanwhile: str,
+           tls: TlsConfig | None = None) -> StageFollower | None:
     """Start following when --follow-controller is given, and wait up to
     --initial-fetch-timeout-s for the first assignment (as Envoy's initial_fetch_timeout);
-    after that, go on with `meanwhile` (what this process does until one comes)."""
+    after that, go on with `meanwhile` (what this process does until one comes). With `tls`
+    (this process's section) the controller's xDS is dialed over mTLS."""
     if not args.follow_controller:
         return None
-    follower = StageFollower(args.follow_controller, args.node_id or default_node_id(), role, apply).start()
+    follower = StageFollower(args.follow_controller, args.node_id or default_node_id(), role, apply,
+                             tls=tls).start()
     if not follower.wait_applied(args.initial_fetch_timeout_s):
         print(f"warning: nothing from the controller at {args.follow_controller} within "
               f"{args.initial_fetch_timeout_s:g}s; {meanwhile} until it answers", file=sys.stderr)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from rich.console import Console
 from rich.table import Table
 
@@ -34,7 +35,8 @@ from migration.plan import load_plan
 from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
 from spine.runtime.config import merge
-from spine.runtime.sections import ShadowConfig
+from spine.runtime.sections import ShadowConfig, TlsConfig
+from spine.runtime.tls import link_credentials
 from spine.tools.workload import Item, mixed_workload, run_workload
 
 DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yaml"
@@ -72,8 +74,10 @@ class RunReport:
 class TrafficDriver:
     """Synthetic traffic through the front until stopped (bounded in time regardless)."""
 
-    def __init__(self, address: str, api_key: str, concurrency: int = 4, time_limit_s: float = 110.0) -> None:
+    def __init__(self, address: str, api_key: str, concurrency: int = 4, time_limit_s: float = 110.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
+        self.credentials = credentials  # the front speaks TLS when the config has `tls:`
         self.api_key = api_key
         self.concurrency = concurrency
         self.time_limit_s = time_limit_s
@@ -94,7 +98,8 @@ class TrafficDriver:
                      for n, i in enumerate(mixed_workload(40, self.api_key, seed=batch, max_tokens=(2, 6),
                                                           invalid_share=0.0, unauthenticated_share=0.02))]
             results = run_workload(self.address, items, concurrency=self.concurrency,
-                                   time_limit_s=max(0.1, deadline - time.monotonic()))
+                                   time_limit_s=max(0.1, deadline - time.monotonic()),
+                                   credentials=self.credentials)
             done = [r for r in results if r is not None]
             self.sent += len(done)
             self.failed += sum(1 for r in done if r.code.name in ("UNAVAILABLE", "INTERNAL", "UNKNOWN"))
@@ -196,7 +201,8 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                       f"(mirrors {cutover.front.shadow.share:.0%} of answers to the other side, comparisons on "
                       f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
                       f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
-        traffic = TrafficDriver(cutover.address, dev_api_key(config) or "")
+        traffic = TrafficDriver(cutover.address, dev_api_key(config) or "",
+                                credentials=link_credentials(TlsConfig.from_config(config), cutover.address))
         traffic.start()
         try:
             for number, run in enumerate(runs, 1):

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import grpc
+
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.v1 import generation_pb2
 
@@ -84,13 +86,15 @@ def closed_loop(count: int, workers: Sequence[W], send: Callable[[W, int], None]
 
 
 def run_workload(address: str, items: Sequence[Item], *, concurrency: int = 1, time_limit_s: float = 60.0,
-                 on_result: Callable[[int, CallResult], None] | None = None) -> list[CallResult | None]:
-    """Send `items` with `concurrency` workers; stops by itself after `time_limit_s`.
+                 on_result: Callable[[int, CallResult], None] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> list[CallResult | None]:
+    """Send `items` with `concurrency` workers (over TLS with `credentials`); stops by itself
+    after `time_limit_s`.
 
     Results keep the workload's order; a request not sent before the time limit is None.
     """
     results: list[CallResult | None] = [None] * len(items)
-    clients = [GatewayClient(address) for _ in range(concurrency)]
+    clients = [GatewayClient(address, credentials=credentials) for _ in range(concurrency)]
 
     def send(client: GatewayClient, index: int) -> None:
         item = items[index]

@@ -40,7 +40,9 @@ import yaml
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.runtime.health_watch import HealthWatch
 from spine.runtime.run_dir import write_private
+from spine.runtime.sections import TlsConfig
 from spine.runtime.server import wait_serving
+from spine.runtime.tls import link_credentials
 from spine.tools.ab.process_tree import TreeMonitor, gone, tree, tree_cpu_seconds
 from spine.tools.ab.serve import RESULT_FILE
 from spine.tools.ab.workload import Entry
@@ -90,6 +92,11 @@ class LayoutRun:
     peak_rss_bytes: int | None = None
     device_bytes: int | None = None
     spans: dict[str, dict[str, float]] = field(default_factory=dict)
+    tls: TlsConfig | None = None    # the config's `tls:`: the layout is called over mTLS with its certificate
+
+    def client(self) -> GatewayClient:
+        address = str(self.address)
+        return GatewayClient(address, credentials=link_credentials(self.tls, address))
 
 
 # -- a layout in its own process tree ------------------------------------------------
@@ -222,7 +229,7 @@ def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: R
 
     def worker() -> None:
         nonlocal next_index
-        clients = [GatewayClient(str(run.address)) for run in live]
+        clients = [run.client() for run in live]
         try:
             while time.monotonic() < deadline:
                 with lock:
@@ -251,7 +258,7 @@ def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: R
 
 def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions, started: float,
                deadline: float, on_result: ResultCallback | None, sendable: Callable[[LayoutRun], bool]) -> None:
-    clients = {run.name: GatewayClient(str(run.address)) for run in live}
+    clients = {run.name: run.client() for run in live}
 
     def send(run: LayoutRun, index: int, scheduled: float) -> None:
         if not sendable(run):
@@ -286,7 +293,7 @@ def warm_up(runs: Sequence[LayoutRun], token: str | None, count: int, timeout_s:
     for run in runs:
         if run.status != "up" or not run.address or count <= 0:
             continue
-        with GatewayClient(run.address) as client:
+        with run.client() as client:
             for index in range(count):
                 request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"warm up {index}", max_tokens=2)
                 client.generate(request, token=token or "", timeout=timeout_s)
@@ -332,8 +339,10 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
             list(pool.map(start, list(runs)))  # side by side: the slowest start bounds the wait
         for name, address in (targets or {}).items():
             runs.append(LayoutRun(name, address))
+        tls = TlsConfig.from_config(config)
         for run in runs:
-            if run.status == "up" and not wait_serving(str(run.address), options.health_timeout_s):
+            run.tls = tls
+            if run.status == "up" and not wait_serving(str(run.address), options.health_timeout_s, tls=tls):
                 run.status = "down"
                 run.error = f"{run.name} at {run.address} is not SERVING (no healthy answer in " \
                             f"{options.health_timeout_s:g}s)"
@@ -348,7 +357,7 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
         if on_total is not None:
             on_total(len(entries) * live)
         health = HealthWatch({run.name: str(run.address) for run in runs if run.status == "up" and run.address},
-                             what="layout").start()
+                             what="layout", tls=tls).start()
         try:
             wall = run_interleaved(runs, entries, options, on_result,
                                    serving=lambda name: health.serving.get(name, True))

@@ -3,7 +3,7 @@
 A compact `key=value;...` string, so that clients (spine/load_hints.py) and proxies can back
 off or fall back before the server has to refuse:
 
-    queue=3;running=16;slots=16;kv_free=0;mem_free_mb=5120.0;ms_per_token=0.9[;util=71]
+    queue=3;running=16;slots=16;kv_free=0;mem_free_mb=5120.0;ms_per_token=0.9;busy=0.97[;util=71]
 
 * ``queue``        requests waiting for a KV slot: the whole backlog (the servers give every
                    request the queue can hold a handler thread, so none wait in front of it);
@@ -13,7 +13,15 @@ off or fall back before the server has to refuse:
 * ``mem_free_mb``  free memory of the device (host memory on the CPU);
 * ``ms_per_token`` what a token costs now: the wall time of a decode step at the running
                    batch's size, measured on every step (`inference_cost`);
-* ``util``         device utilisation in percent (CUDA with NVML only).
+* ``busy``         the busy fraction of the model's decode loop (0..1): the share of the
+                   last second or so its scheduler spent stepping, not waiting for work
+                   (`BusyMeter`); each model has its own loop, KV pool and hint;
+* ``util``         device utilisation in percent (CUDA with NVML only): the GPU's own busy
+                   figure, device-wide.
+
+Every Gateway answer carries the hint of the model it was routed to: the model's own when
+it was called, else (a cache hit, a refusal before the model) the latest the gateway has
+(`services.pipeline.model_load`).
 
 Memory and utilisation are read at most every `REFRESH_S`: an answer must not pay for a
 /proc or NVML read. Clients import this module to parse the header, so it imports torch
@@ -22,6 +30,7 @@ only when a gauge is made.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -40,11 +49,45 @@ class LoadReport:
     mem_free_mb: float
     ms_per_token: float
     util: float | None = None
+    busy: float = 0.0
 
     def header(self) -> str:
         text = (f"queue={self.queue};running={self.running};slots={self.slots};kv_free={self.kv_free};"
-                f"mem_free_mb={self.mem_free_mb:.1f};ms_per_token={self.ms_per_token:.3f}")
+                f"mem_free_mb={self.mem_free_mb:.1f};ms_per_token={self.ms_per_token:.3f};busy={self.busy:.3f}")
         return text if self.util is None else f"{text};util={self.util:.0f}"
+
+
+def busy_figure(load: dict[str, float]) -> float | None:
+    """How busy a parsed hint says the device is (0..1): the GPU's own utilisation where the
+    hint has one, else the decode loop's busy fraction; None when the hint has neither."""
+    if "util" in load:
+        return max(0.0, min(1.0, load["util"] / 100.0))
+    if "busy" in load:
+        return max(0.0, min(1.0, load["busy"]))
+    return None
+
+
+class BusyMeter:
+    """The busy fraction of a loop: time spent working over the last `window_s`, decayed
+    exponentially (a step of `s` seconds adds `s`; the sum decays by e per window), so a loop
+    that steps back to back reads 1 and an idle one falls to 0 within a few windows.
+
+    `add` comes from the loop's own thread; `fraction` from any (a float read)."""
+
+    def __init__(self, window_s: float = 1.0, clock: Any = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._sum = 0.0
+        self._at = clock()
+
+    def add(self, seconds: float) -> None:
+        now = self._clock()
+        self._sum = self._sum * math.exp(-(now - self._at) / self.window_s) + max(0.0, seconds)
+        self._at = now
+
+    def fraction(self) -> float:
+        decayed = self._sum * math.exp(-max(0.0, self._clock() - self._at) / self.window_s)
+        return max(0.0, min(1.0, decayed / self.window_s))
 
 
 def parse_load(text: str | None) -> dict[str, float]:

@@ -1,0 +1,51 @@
+"""A backend for tests whose requests take a while: TinyLM with a pause in every decode step.
+
+Loaded by dotted path from a config (`inference.backend: {class: "tests.paced_backend:paced",
+options: {step_ms: 30}}`), so the layered inference process builds it too: a request of
+`max_tokens` tokens then runs for about `max_tokens × step_ms` in every layout. No tests here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from services.model.backend import TINY_LM_ID, TokenizedBackend
+from services.model.interface import Segment
+from services.model.tiny_lm import TinyLM
+from services.model.tokenizer import ByteTokenizer
+
+
+class PacedModel:
+    """TinyLM whose every step takes at least `step_s`."""
+
+    def __init__(self, inner: TinyLM, step_s: float) -> None:
+        self.inner = inner
+        self.step_s = step_s
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.inner.max_context
+
+    def kv_bytes_per_slot(self, max_context: int) -> int:
+        return self.inner.kv_bytes_per_slot(max_context)
+
+    def new_cache(self, slots: int, max_context: int, device: Any) -> Any:
+        return self.inner.new_cache(slots, max_context, device)
+
+    def release_cache(self, cache: Any, device: Any) -> None:
+        self.inner.release_cache(cache, device)
+
+    def step(self, segments: Sequence[Segment], cache: Any) -> Any:
+        time.sleep(self.step_s)
+        return self.inner.step(segments, cache)
+
+
+def paced(step_ms: float = 30.0, model_id: str = TINY_LM_ID, seed: int = 1234, max_context: int = 256) -> TokenizedBackend:
+    return TokenizedBackend(model_id, PacedModel(TinyLM.from_seed(seed, max_context=max_context), step_ms / 1000.0),
+                            ByteTokenizer())  # type: ignore[arg-type]

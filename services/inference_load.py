@@ -14,7 +14,7 @@ off or fall back before the server has to refuse:
 * ``ms_per_token`` what a token costs now: the wall time of a decode step at the running
                    batch's size, measured on every step (`inference_cost`);
 * ``busy``         the busy fraction of the model's decode loop (0..1): the share of the
-                   last second or so its scheduler spent stepping, not waiting for work
+                   last second its scheduler spent stepping, not waiting for work
                    (`BusyMeter`); each model has its own loop, KV pool and hint;
 * ``util``         device utilisation in percent (CUDA with NVML only): the GPU's own busy
                    figure, device-wide.
@@ -30,7 +30,6 @@ only when a gauge is made.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -68,26 +67,34 @@ def busy_figure(load: dict[str, float]) -> float | None:
 
 
 class BusyMeter:
-    """The busy fraction of a loop: time spent working over the last `window_s`, decayed
-    exponentially (a step of `s` seconds adds `s`; the sum decays by e per window), so a loop
-    that steps back to back reads 1 and an idle one falls to 0 within a few windows.
+    """The busy fraction of a loop: the share of the last `window_s` it spent working.
 
-    `add` comes from the loop's own thread; `fraction` from any (a float read)."""
+    Work is summed into `buckets` slots of the window (a step counts in the slot where it
+    ended), so a loop that steps back to back reads 1 after one window and an idle one 0
+    after one window. `add` comes from the loop's own thread; `fraction` from any thread and
+    changes nothing."""
 
-    def __init__(self, window_s: float = 1.0, clock: Any = time.monotonic) -> None:
-        self.window_s = window_s
+    def __init__(self, window_s: float = 1.0, buckets: int = 10, clock: Any = time.monotonic) -> None:
+        self._width = window_s / buckets
+        self._sums = [0.0] * buckets
         self._clock = clock
-        self._sum = 0.0
-        self._at = clock()
+        self._last = int(clock() / self._width)  # the slot written last
 
     def add(self, seconds: float) -> None:
-        now = self._clock()
-        self._sum = self._sum * math.exp(-(now - self._at) / self.window_s) + max(0.0, seconds)
-        self._at = now
+        """A step that just ended took `seconds`."""
+        slot = int(self._clock() / self._width)
+        n = len(self._sums)
+        for stale in range(max(self._last + 1, slot - n + 1), slot + 1):
+            self._sums[stale % n] = 0.0
+        self._last = max(self._last, slot)
+        self._sums[slot % n] += max(0.0, seconds)
 
     def fraction(self) -> float:
-        decayed = self._sum * math.exp(-max(0.0, self._clock() - self._at) / self.window_s)
-        return max(0.0, min(1.0, decayed / self.window_s))
+        now = self._clock()
+        slot, n = int(now / self._width), len(self._sums)
+        worked = sum(self._sums[k % n] for k in range(max(slot - n + 1, 0), self._last + 1) if k <= slot)
+        window = (n - 1) * self._width + (now - slot * self._width)
+        return max(0.0, min(1.0, worked / window))
 
 
 def parse_load(text: str | None) -> dict[str, float]:

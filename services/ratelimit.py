@@ -32,8 +32,8 @@ import grpc
 
 from services.common import Clock, DeviceState, answer_one, section, set_status
 from services.concurrency import ConcurrencyLeases
-from services.pipeline.stage import FailMode, Phase, Stage, StageCall, StagePolicy
 from services.pipeline.limits import RequestLimits
+from services.pipeline.stage import FailMode, Phase, Stage, StageCall, StagePolicy
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
 from services.sections import BucketLimits as BucketLimits

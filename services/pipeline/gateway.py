@@ -48,7 +48,7 @@ REQUEST_ID_HEADER = "x-request-id"
 LAYOUT_HEADER = "x-spine-layout"
 FALLBACK_HEADER = "x-spine-fallback"  # the routed model's fallback (router `fallback:`)
 PRIMARY_LOAD_HEADER = "x-spine-primary-load"  # on a fallback's answer: "<model>:<hint>[,...]" of its primaries
-MODELS_TIMEOUT_S = 1.0  # the background refresh of the models' hints
+MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
 
 
 class Admission(Protocol):

@@ -6,11 +6,12 @@ failed without one — get the latest hint the gateway has for the model the req
 so a client always sees one (and a missing hint never reads as "calm"). The same hints
 give the device's busy figure the rate-limit stage sends with its ask (`busy`).
 
-Hints come from the model's answers (`note`) and, when one has gone stale (nothing
-answered for `refresh_s`: all traffic hit the cache, or only long streams are running), from
-the inference component's `Models` rpc, which lists every model with its hint. That call is
-made by a background thread, never in a request's path, except once when the gateway has
-no hint at all (just started).
+Hints come from the model's answers (`note`) and, once they have gone stale (nothing
+answered for `refresh_s`: all traffic hit the cache, or only long streams are running),
+from the inference component's `Models` rpc, which lists every model with its hint. That
+call is made by the first request that finds them stale (others go on with what is there),
+at most once per `refresh_s`: in the spine a method call, in the layered stack one small
+rpc per half second at most, and none while answers keep the hints fresh.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from services.inference_load import LOAD_HEADER, busy_figure, parse_load
 
 log = logging.getLogger("spine.gateway")
 
-REFRESH_S = 0.5  # the oldest hint that is not refreshed
-STALE_S = 5.0  # a hint older than this says nothing about the busy figure any more
-IDLE_EXIT_S = 10.0  # the refresher thread ends when nobody asked for this long
+REFRESH_S = 0.5  # a hint older than this is refreshed when asked for
+STALE_S = 1.0  # a hint older than this says nothing about the busy figure any more
 
 Fetch = Callable[[], Iterable[tuple[str, str]]]  # every model's (id, hint), from the inference component
 
 
 class ModelLoads:
-    """The latest hint of every model, refreshed in the background while they are asked for."""
+    """The latest hint of every model, refreshed while they are asked for."""
 
     def __init__(self, fetch: Fetch | None = None, *, refresh_s: float = REFRESH_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -43,11 +43,8 @@ class ModelLoads:
         self._hints: dict[str, tuple[str, float, float | None]] = {}  # id -> (hint, seen at, busy figure)
         self._first = ""  # the model the inference component lists first (its default)
         self._names: dict[str, str] = {}  # a requested name (an alias) -> the model id it routed to
-        self._lock = threading.Lock()
-        self._wanted = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._fetching = threading.Lock()
         self._fetched_at = -1e18
-        self._checked_at = -1e18
 
     # -- what answers teach ---------------------------------------------------------------
     def note(self, model: str, hint: str) -> None:
@@ -87,29 +84,22 @@ class ModelLoads:
     # -- refreshing -----------------------------------------------------------------------
     def _keep_fresh(self) -> None:
         now = self._clock()
-        if self._fetch is None or now - self._checked_at < self.refresh_s:
+        if self._fetch is None or now - self._fetched_at < self.refresh_s:
             return
-        self._checked_at = now
         if self._hints and all(now - seen < self.refresh_s for _, seen, _ in list(self._hints.values())):
             return
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._refresh, name="spine-model-load", daemon=True)
-                self._thread.start()
-        self._wanted.set()
-
-    def _refresh(self) -> None:
-        while True:
-            woken = self._wanted.wait(IDLE_EXIT_S)
-            with self._lock:
-                if not woken:
-                    self._thread = None
-                    return
-                self._wanted.clear()
-            self._fetch_now()
-            time.sleep(self.refresh_s)
+        if self._fetching.acquire(blocking=False):  # one request refreshes; the others do not wait
+            try:
+                self._fetch_locked()
+            finally:
+                self._fetching.release()
 
     def _fetch_now(self) -> None:
+        """Ask now (waiting for a fetch under way): when there is no hint at all."""
+        with self._fetching:
+            self._fetch_locked()
+
+    def _fetch_locked(self) -> None:
         now = self._clock()
         if self._fetch is None or now - self._fetched_at < self.refresh_s:
             return

@@ -36,6 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 LOAD_HEADER = "x-spine-load"
+# Beside it on a Gateway answer: the routed model's fallback (the router's `fallback:`), and
+# on a fallback's answer the hints of the models it stands in for, `model:hint[,model:hint]`.
+FALLBACK_HEADER = "x-spine-fallback"
+PRIMARY_LOAD_HEADER = "x-spine-primary-load"
 REFRESH_S = 0.5
 
 

@@ -24,7 +24,7 @@ from services.model.tokenizer import ByteTokenizer
 TINY_LM_ID = "tiny-lm"
 TINY_LM_MINI_ID = "tiny-lm-mini"
 # The embedded models by id: TinyLM's dimensions. The mini is the default config's cheaper
-# fallback: one layer of half the width, so a step costs less and a KV slot takes an eighth.
+# fallback: one layer of half the width, so a step costs less and a KV slot takes a quarter.
 BUILT_IN: dict[str, dict[str, int]] = {
     TINY_LM_ID: {},
     TINY_LM_MINI_ID: {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},

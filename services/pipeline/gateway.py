@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from services.inference_load import LOAD_HEADER
+from services.inference_load import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import RequestLimits
 from services.pipeline.model_load import ModelLoads
@@ -46,8 +46,6 @@ log = logging.getLogger("spine.gateway")
 
 REQUEST_ID_HEADER = "x-request-id"
 LAYOUT_HEADER = "x-spine-layout"
-FALLBACK_HEADER = "x-spine-fallback"  # the routed model's fallback (router `fallback:`)
-PRIMARY_LOAD_HEADER = "x-spine-primary-load"  # on a fallback's answer: "<model>:<hint>[,...]" of its primaries
 MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from services.config_model import AutoOrCount, Float, Items, NonEmptyStr, Section, problem
 
@@ -67,6 +67,10 @@ class InferenceConfig(Section):
     @classmethod
     def _models_inherit_serving_controls(cls, data: Any) -> Any:
         if not isinstance(data, Mapping) or not isinstance(data.get("models"), list | tuple):
+            return data
+        try:  # a bad key of the section is reported once, there, not again under every model
+            InferenceConfig.model_validate({key: value for key, value in data.items() if key != "models"})
+        except ValidationError:
             return data
         inherited = {key: value for key, value in data.items() if key not in _OWN_KEYS}
         models = [{**inherited, **block} if isinstance(block, Mapping) else block for block in data["models"]]

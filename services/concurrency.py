@@ -16,14 +16,21 @@ only refuses new requests until enough have finished.
 
 The table is a few Python dicts on the host, under the rate limiter's lock: a decision
 needs one tenant's count, and a lease is an id with an expiry — nothing a tensor helps with.
+`SlotAdmission` decides a batch's slots together with its token buckets, exactly as one by one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import secrets
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from spine.v1 import ratelimit_pb2
 
 # A lease asked for without a deadline (an asker that sent no `lease_ttl_s`).
 DEFAULT_LEASE_S = 300.0
@@ -123,3 +130,67 @@ class ConcurrencyLeases:
     def _sweep(self, now: float) -> None:
         for tenant in list(self._tenants):
             self.held(tenant, now)
+
+
+def concurrency_limit_name(tenant: str) -> str:
+    """How a refusal names a tenant's concurrency limit."""
+    return f"tenant={tenant},resource=concurrent_requests"
+
+
+Asking = list[tuple[int, Any]]  # (index in the batch, the item's bucket ask: a `RateLimitAsk`)
+DecideBuckets = Callable[[list[ratelimit_pb2.AdmitResult], Asking, float], None]
+
+
+class SlotAdmission:
+    """`AdmitBatch`'s decision with slots: buckets and concurrency slots together, all or
+    nothing per item, exactly as deciding the items one by one in list order would.
+
+    A tenant with at least as many free slots as items in the batch cannot run out within
+    it: its items are decided with everyone else's in one bucket-table decision, and each
+    admitted one takes a slot. A tenant with fewer (it is at its limit) has its items decided
+    one by one, each only while a slot is free; tenants never share a bucket or a slot, so
+    deciding them apart gives exactly the sequential answers. The caller holds its lock."""
+
+    def __init__(self, leases: ConcurrencyLeases, limit_of: Callable[[str], int | None],
+                 decide_buckets: DecideBuckets) -> None:
+        self.leases = leases
+        self._limit_of = limit_of
+        self._decide_buckets = decide_buckets
+
+    def admit(self, results: list[ratelimit_pb2.AdmitResult], asking: Asking,
+              items: Sequence[ratelimit_pb2.AdmitRequest], now: float) -> None:
+        limits = {items[index].tenant: self._limit_of(items[index].tenant) for index, _ in asking}
+        wanted = Counter(items[index].tenant for index, _ in asking)
+        crowded = {tenant for tenant, limit in limits.items()
+                   if limit is not None and wanted[tenant] > self.leases.free(tenant, limit, now)}
+        together = [(index, ask) for index, ask in asking if items[index].tenant not in crowded]
+        self._decide_buckets(results, together, now)
+        for index, _ in together:
+            self._lease(results[index], items[index], limits[items[index].tenant], now)
+        for index, ask in asking:
+            limit = limits[items[index].tenant]
+            if items[index].tenant in crowded and limit is not None:
+                self._admit_crowded(results, index, ask, items[index], limit, now)
+
+    def _admit_crowded(self, results: list[ratelimit_pb2.AdmitResult], index: int, ask: Any,
+                       item: ratelimit_pb2.AdmitRequest, limit: int, now: float) -> None:
+        if self.leases.free(item.tenant, limit, now) > 0:
+            self._decide_buckets(results, [(index, ask)], now)
+            self._lease(results[index], item, limit, now)
+            return
+        # No slot: refused. The buckets are asked without charging, for their own verdict.
+        self._decide_buckets(results, [(index, dataclasses.replace(ask, dry_run=True))], now)
+        if results[index].status.code:
+            return
+        response = results[index].response
+        wait = self.leases.retry_after(item.tenant, now)
+        response.admitted = False
+        response.over.add(limit_name=concurrency_limit_name(item.tenant), retry_after_s=wait)
+        if response.retry_after_s >= 0:  # -1: the cost can never fit, which says more
+            response.retry_after_s = max(response.retry_after_s, wait)
+
+    def _lease(self, result: ratelimit_pb2.AdmitResult, item: ratelimit_pb2.AdmitRequest, limit: int | None,
+               now: float) -> None:
+        """An admitted item of a tenant with a concurrency limit takes its slot (not a dry run)."""
+        if limit is not None and not item.dry_run and not result.status.code and result.response.admitted:
+            result.response.lease_id = self.leases.take(item.tenant, now, item.lease_ttl_s)

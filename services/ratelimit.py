@@ -22,8 +22,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -31,7 +30,7 @@ from typing import Any, cast
 import grpc
 
 from services.common import Clock, DeviceState, answer_one, section, set_status
-from services.concurrency import ConcurrencyLeases
+from services.concurrency import ConcurrencyLeases, SlotAdmission
 from services.pipeline.limits import RequestLimits
 from services.pipeline.stage import FailMode, Phase, Stage, StageCall, StagePolicy
 from services.pipeline.state import RequestState
@@ -109,11 +108,6 @@ def limit_name(key: Key) -> str:
     return ",".join(f"{k}={v}" for k, v in key)
 
 
-def concurrency_limit_name(tenant: str) -> str:
-    """How a refusal names a tenant's concurrency limit."""
-    return f"tenant={tenant},resource=concurrent_requests"
-
-
 @dataclass(frozen=True)
 class _Bucket:
     """What a descriptor's entries resolve to: checked once per distinct key, then cached."""
@@ -140,6 +134,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         self._buckets: dict[Key, _Bucket] = {}
         busy = config.concurrency_when_busy
         self._leases = ConcurrencyLeases(busy.above, busy.below, busy.halve)
+        self._slots = SlotAdmission(self._leases, lambda tenant: config.limits_for(tenant).max_concurrent_requests,
+                                    self._admit_into)
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
     def admit_batch(
@@ -248,7 +244,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             now = self._clock()
             if asking:
                 self._leases.observe_busy(max(request.items[index].busy for index, _ in asking))
-            self._admit_with_slots(results, asking, request.items, now)
+            self._slots.admit(results, asking, request.items, now)
         return answer
 
     def Admit(self, request: ratelimit_pb2.AdmitRequest, context: Any) -> ratelimit_pb2.AdmitResponse:
@@ -269,52 +265,6 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
     def Release(self, request: ratelimit_pb2.ReleaseRequest, context: Any) -> ratelimit_pb2.ReleaseResponse:
         """The batch of one."""
         return answer_one(self.ReleaseBatch(ratelimit_pb2.ReleaseBatchRequest(items=[request])).results[0], context)
-
-    def _admit_with_slots(self, results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]],
-                          items: Sequence[ratelimit_pb2.AdmitRequest], now: float) -> None:
-        """Decide buckets and concurrency slots as if one by one in list order (lock held).
-
-        A tenant with at least as many free slots as items in the batch cannot run out
-        within it: its items are decided with everyone else's in one table decision, and
-        each admitted one takes a slot. A tenant with fewer (it is at its limit) has its
-        items decided one by one, each only while a slot is free; tenants never share a
-        bucket or a slot, so deciding them apart gives exactly the sequential answers."""
-        limits = {items[index].tenant: self.config.limits_for(items[index].tenant).max_concurrent_requests
-                  for index, _ in asking}
-        wanted = Counter(items[index].tenant for index, _ in asking)
-        crowded = {tenant for tenant, limit in limits.items()
-                   if limit is not None and wanted[tenant] > self._leases.free(tenant, limit, now)}
-        together = [(index, ask) for index, ask in asking if items[index].tenant not in crowded]
-        self._admit_into(results, together, now)
-        for index, _ in together:
-            self._lease(results[index], items[index], limits[items[index].tenant], now)
-        for index, ask in asking:
-            if items[index].tenant in crowded:
-                self._admit_crowded(results, index, ask, items[index], limits[items[index].tenant], now)
-
-    def _admit_crowded(self, results: list[ratelimit_pb2.AdmitResult], index: int, ask: RateLimitAsk,
-                       item: ratelimit_pb2.AdmitRequest, limit: int | None, now: float) -> None:
-        assert limit is not None
-        if self._leases.free(item.tenant, limit, now) > 0:
-            self._admit_into(results, [(index, ask)], now)
-            self._lease(results[index], item, limit, now)
-            return
-        # No slot: refused. The buckets are asked without charging, for their own verdict.
-        self._admit_into(results, [(index, replace(ask, dry_run=True))], now)
-        if results[index].status.code:
-            return
-        response = results[index].response
-        wait = self._leases.retry_after(item.tenant, now)
-        response.admitted = False
-        response.over.add(limit_name=concurrency_limit_name(item.tenant), retry_after_s=wait)
-        if response.retry_after_s >= 0:
-            response.retry_after_s = max(response.retry_after_s, wait)
-
-    def _lease(self, result: ratelimit_pb2.AdmitResult, item: ratelimit_pb2.AdmitRequest, limit: int | None,
-               now: float) -> None:
-        """An admitted item of a tenant with a concurrency limit takes its slot (not a dry run)."""
-        if limit is not None and not item.dry_run and not result.status.code and result.response.admitted:
-            result.response.lease_id = self._leases.take(item.tenant, now, item.lease_ttl_s)
 
     def _admit_into(self, results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]],
                     now: float) -> None:

@@ -15,35 +15,19 @@ from services.model.backend import TINY_LM_ID, TokenizedBackend
 from services.model.interface import Segment
 from services.model.tiny_lm import TinyLM
 from services.model.tokenizer import ByteTokenizer
+from tests.test_serving_support import GatedModel
 
 
-class PacedModel:
-    """TinyLM whose every step takes at least `step_s`."""
+class PacedModel(GatedModel):
+    """TinyLM whose every step takes at least `step_s` (the gate stays open)."""
 
     def __init__(self, inner: TinyLM, step_s: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.step_s = step_s
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inner.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.inner.max_context
-
-    def kv_bytes_per_slot(self, max_context: int) -> int:
-        return self.inner.kv_bytes_per_slot(max_context)
-
-    def new_cache(self, slots: int, max_context: int, device: Any) -> Any:
-        return self.inner.new_cache(slots, max_context, device)
-
-    def release_cache(self, cache: Any, device: Any) -> None:
-        self.inner.release_cache(cache, device)
 
     def step(self, segments: Sequence[Segment], cache: Any) -> Any:
         time.sleep(self.step_s)
-        return self.inner.step(segments, cache)
+        return super().step(segments, cache)
 
 
 def paced(step_ms: float = 30.0, model_id: str = TINY_LM_ID, seed: int = 1234, max_context: int = 256) -> TokenizedBackend:

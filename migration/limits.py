@@ -11,7 +11,11 @@ land:
 - a side's share is divided evenly over that side's replicas (traffic is spread over them).
 
 The built-in front (`migration.traffic.cutover`) and the xDS followers
-(`migration.xds.followers`) both split by these rules.
+(`migration.xds.followers`) both split by these rules. A limiter applies its share to every
+limit it holds: the token buckets' rates and bursts, and each tenant's
+`max_concurrent_requests`, rounded down but never below one request in flight
+(`services.concurrency`), so a small concurrency limit may be a request over in total at
+extreme splits rather than shut a side out.
 """
 
 from __future__ import annotations

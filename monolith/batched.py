@@ -113,8 +113,10 @@ class DeferredCompletions:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         self.pipeline = pipeline
-        self.deferred: list[Stage] = [s for s in pipeline.completion if s.name in deferred]
-        self.direct: list[Stage] = [s for s in pipeline.completion if s.name not in deferred]
+        # A stage that is not `deferrable` (a concurrency slot's release) runs at once even
+        # when its component is local.
+        self.deferred: list[Stage] = [s for s in pipeline.completion if s.name in deferred and s.deferrable]
+        self.direct: list[Stage] = [s for s in pipeline.completion if s not in self.deferred]
         self._store = next((s for s in self.deferred if s.name == STORE_STAGE), None)
         self._writes = [s for s in self.deferred if s is not self._store]
         self.max_batch = max_batch

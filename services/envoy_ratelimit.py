@@ -36,7 +36,9 @@ list order; OVER_LIMIT is not admitted, with `duration_until_reset` as its retry
 OK and UNKNOWN admit (what Envoy's filter does). The legacy service never saw token counts
 and is not asked about them; a shadow copy (dry run) is admitted without asking, because
 the protocol cannot decide without charging; `SetShare` cannot scale a foreign service's
-limits and answers the fraction it enforces: 1.
+limits and answers the fraction it enforces: 1. The protocol has no concurrency slots
+(nothing to release), so `max_concurrent_requests` is not enforced by a foreign limiter:
+it grants no lease, and `ReleaseBatch` has nothing to give back.
 """
 
 from __future__ import annotations
@@ -248,6 +250,8 @@ class EnvoyRlsClient:
         self.Admit = Unary(self._admit)
         self.ShouldRateLimit = Unary(self._should_rate_limit)
         self.SetShare = Unary(self._set_share)
+        self.ReleaseBatch = Unary(self._release_batch)
+        self.Release = Unary(self._release)
 
     def _ask(self, request: rls_pb2.RateLimitRequest, deadline: float | None,
              metadata: Metadata) -> rls_pb2.RateLimitResponse:
@@ -312,6 +316,18 @@ class EnvoyRlsClient:
         if response.overall_code == _SPINE.OVER_LIMIT:
             response.retry_after_s = max((s.retry_after_s for s in response.statuses), default=0.0)
         return response
+
+    def _release_batch(self, request: ratelimit_pb2.ReleaseBatchRequest, timeout: float | None,
+                       metadata: Metadata) -> ratelimit_pb2.ReleaseBatchResponse:
+        """Nothing to give back: the protocol has no concurrency slots, so no lease was granted."""
+        answer = ratelimit_pb2.ReleaseBatchResponse()
+        for _ in request.items:
+            answer.results.add().response.released = False
+        return answer
+
+    def _release(self, request: ratelimit_pb2.ReleaseRequest, timeout: float | None,
+                 metadata: Metadata) -> ratelimit_pb2.ReleaseResponse:
+        return ratelimit_pb2.ReleaseResponse(released=False)
 
     def _set_share(self, request: ratelimit_pb2.SetShareRequest, timeout: float | None,
                    metadata: Metadata) -> ratelimit_pb2.SetShareResponse:

@@ -140,7 +140,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         free = self.engine.free_slots
         return LoadReport(queue=self.scheduler.queue_depth, running=self.engine.active_count,
                           slots=self.engine.max_slots, kv_free=free, mem_free_mb=mem_free_mb,
-                          ms_per_token=self.ms_per_token, util=util)
+                          ms_per_token=self.ms_per_token, util=util, busy=self.cost.busy.fraction())
 
     def health_probe(self) -> None:
         """One tiny forward (BOS alone) on the model's device; raises when the model cannot run.

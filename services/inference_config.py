@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictInt, ValidationError, model_validator
 
-from services.config_model import AutoOrCount, Float, NonEmptyStr, Section
+from services.config_model import AutoOrCount, Float, Items, NonEmptyStr, Section, problem
 
 Count = Annotated[StrictInt, Field(ge=1)]
 
@@ -57,6 +57,40 @@ class InferenceConfig(Section):
     deterministic: StrictBool = False
     health_interval_s: Annotated[Float, Field(ge=0.01)] = 1.0
     health_timeout_s: Annotated[Float, Field(ge=0.01)] = 2.0
+    # More models served beside this one, each with its own weights, KV pool, scheduler and
+    # load hint (`services.inference_models`). A block names its `model_id` and may set any
+    # key above; the serving controls it leaves out are this section's, but never the model
+    # itself (`backend` and `seed` are the block's own, default the embedded model).
+    models: Items[InferenceConfig] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _models_inherit_serving_controls(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not isinstance(data.get("models"), list | tuple):
+            return data
+        try:  # a bad key of the section is reported once, there, not again under every model
+            InferenceConfig.model_validate({key: value for key, value in data.items() if key != "models"})
+        except ValidationError:
+            return data
+        inherited = {key: value for key, value in data.items() if key not in _OWN_KEYS}
+        models = [{**inherited, **block} if isinstance(block, Mapping) else block for block in data["models"]]
+        return {**data, "models": models}
+
+    @model_validator(mode="after")
+    def _model_ids_are_unique(self) -> InferenceConfig:
+        seen = {self.model_id: "model_id"}
+        for i, model in enumerate(self.models):
+            if model.models:
+                raise problem("a served model cannot serve more models", "models", i, "models")
+            if model.model_id in seen:
+                raise problem(f"{model.model_id!r} is already served (inference.{seen[model.model_id]})",
+                              "models", i, "model_id")
+            seen[model.model_id] = f"models[{i}].model_id"
+        return self
+
+    def served(self) -> tuple[InferenceConfig, ...]:
+        """This model's section and every other model's, in order."""
+        return (self, *self.models)
 
     @property
     def kv_slots(self) -> int | None:
@@ -66,3 +100,7 @@ class InferenceConfig(Section):
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any] | None) -> InferenceConfig:
         return cls.parse(cfg, "inference")
+
+
+# What a model block of `inference.models` never inherits from the section: which model it is.
+_OWN_KEYS = frozenset({"model_id", "backend", "seed", "models"})

@@ -23,6 +23,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.inference_load import BusyMeter
+
 # Weight of the newest step: ~10 steps of memory, so a change of load shows within a few
 # tens of milliseconds of decoding, and one slow step (a GC pause) moves it by a fifth.
 ALPHA = 0.2
@@ -41,6 +43,7 @@ class StepCost:
         self._ms: list[float | None] = [None] * (max_batch + 1)  # index = batch size
         self._ms[1] = max(float(seed_ms), 1e-6)
         self.steps = 0
+        self.busy = BusyMeter()  # the loop's busy fraction, from the same step times (load hints)
 
     def observe(self, batch: int, seconds: float) -> None:
         """One step of `batch` sequences took `seconds` of wall time."""
@@ -51,6 +54,7 @@ class StepCost:
         previous = self._ms[size]
         self._ms[size] = ms if previous is None else previous + self.alpha * (ms - previous)
         self.steps += 1
+        self.busy.add(seconds)
 
     def ms_per_token(self, batch: int = 1) -> float:
         """The current estimate for a batch of `batch` sequences."""

@@ -7,6 +7,11 @@ is all-or-nothing: admitted only when both fit, and then both are charged.
 `ShouldRateLimit` is the general descriptor form (Envoy's shape), decided by the same
 code on the same buckets.
 
+A tenant with `max_concurrent_requests` also takes one of its concurrency slots with an
+admitted item (the same all-or-nothing decision): the answer names the lease, which the
+pipeline's `ReleaseStage` gives back at the request's last byte (`ReleaseBatch`), or which
+expires at the request's deadline (`services/concurrency.py`).
+
 A batch is decided with one table decision and gives exactly the answers (and leaves
 exactly the bucket levels) of deciding the same requests one by one in list order. See
 `services/token_buckets.py` for how.
@@ -18,14 +23,16 @@ import functools
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 import grpc
 
 from services.common import Clock, DeviceState, answer_one, section, set_status
-from services.pipeline.stage import Stage, StageCall
+from services.concurrency import ConcurrencyLeases, SlotAdmission
+from services.pipeline.limits import RequestLimits
+from services.pipeline.stage import FailMode, Phase, Stage, StageCall, StagePolicy
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
 from services.sections import BucketLimits as BucketLimits
@@ -125,6 +132,10 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         self._table = TokenBucketTable(device)
         self._lock = threading.Lock()
         self._buckets: dict[Key, _Bucket] = {}
+        busy = config.concurrency_when_busy
+        self._leases = ConcurrencyLeases(busy.above, busy.below, busy.halve)
+        self._slots = SlotAdmission(self._leases, lambda tenant: config.limits_for(tenant).max_concurrent_requests,
+                                    self._admit_into)
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
     def admit_batch(
@@ -159,17 +170,18 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
     def _decide(self, asks: list[RateLimitAsk], now: float | None) -> tuple[list[_Row], list[int], BatchDecision]:
         """Parse every ask (all or none), then ONE table decision in list order."""
+        with self._lock:
+            return self._decide_locked(asks, self._clock() if now is None else now)
+
+    def _decide_locked(self, asks: list[RateLimitAsk], now: float) -> tuple[list[_Row], list[int], BatchDecision]:
         parsed = [self._parse(ask, index) for index, ask in enumerate(asks)]
         rows = [row for request_rows in parsed for row in request_rows]
         row_request = [index for index, request_rows in enumerate(parsed) for _ in request_rows]
         if not asks:
             return rows, row_request, _NO_DECISION
-        with self._lock:
-            at = self._clock() if now is None else now
-            slots = self._table.slots([r.bucket.key for r in rows], [r.bucket.limits for r in rows], at)
-            decision = self._table.decide(
-                slots, [r.cost for r in rows], row_request, [not ask.dry_run for ask in asks], at
-            )
+        slots = self._table.slots([r.bucket.key for r in rows], [r.bucket.limits for r in rows], now)
+        decision = self._table.decide(slots, [r.cost for r in rows], row_request, [not ask.dry_run for ask in asks],
+                                      now)
         return rows, row_request, decision
 
     def validate(self, request: ratelimit_pb2.RateLimitRequest) -> None:
@@ -184,6 +196,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """
         with self._lock:
             self._table.set_share(fraction)
+            self._leases.share = float(fraction)
 
     def bucket(self, key: Key) -> BucketState | None:
         """A bucket's state by its descriptor entries (for tests and `spine status`)."""
@@ -194,6 +207,20 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """Every bucket by limit name."""
         with self._lock:
             return {limit_name(cast(Key, k)): v for k, v in self._table.snapshot().items()}
+
+    def in_flight(self) -> dict[str, int]:
+        """Concurrency slots held now, by tenant (expired leases dropped)."""
+        with self._lock:
+            now = self._clock()
+            for tenant in list(self._leases.in_flight()):
+                self._leases.held(tenant, now)
+            return self._leases.in_flight()
+
+    def concurrency_limit(self, tenant: str) -> int | None:
+        """The concurrency limit enforced for `tenant` now (share and busy halving applied)."""
+        configured = self.config.limits_for(tenant).max_concurrent_requests
+        with self._lock:
+            return None if configured is None else self._leases.limit(configured)
 
     # -- gRPC --------------------------------------------------------------------------
     def AdmitBatch(self, request: ratelimit_pb2.AdmitBatchRequest,
@@ -213,17 +240,38 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                 set_status(results[index].status, grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must not be empty")
                 continue
             asking.append((index, ask_for(item.tenant, item.model, item.tokens, item.dry_run, domain)))
-        self._admit_into(results, asking)
+        with self._lock:
+            now = self._clock()
+            if asking:
+                self._leases.observe_busy(max(request.items[index].busy for index, _ in asking))
+            self._slots.admit(results, asking, request.items, now)
         return answer
 
     def Admit(self, request: ratelimit_pb2.AdmitRequest, context: Any) -> ratelimit_pb2.AdmitResponse:
         """The batch of one."""
         return answer_one(self.AdmitBatch(ratelimit_pb2.AdmitBatchRequest(items=[request])).results[0], context)
 
-    def _admit_into(self, results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]]) -> None:
+    def ReleaseBatch(self, request: ratelimit_pb2.ReleaseBatchRequest,
+                     context: Any = None) -> ratelimit_pb2.ReleaseBatchResponse:
+        """Give concurrency slots back; a lease not held here (released, expired, another
+        limiter's) is answered `released: false`, not refused."""
+        answer = ratelimit_pb2.ReleaseBatchResponse()
+        with self._lock:
+            now = self._clock()
+            for item in request.items:
+                answer.results.add().response.released = self._leases.release(item.lease_id, now)
+        return answer
+
+    def Release(self, request: ratelimit_pb2.ReleaseRequest, context: Any) -> ratelimit_pb2.ReleaseResponse:
+        """The batch of one."""
+        return answer_one(self.ReleaseBatch(ratelimit_pb2.ReleaseBatchRequest(items=[request])).results[0], context)
+
+    def _admit_into(self, results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]],
+                    now: float) -> None:
+        asking = list(asking)
         while asking:
             try:
-                self._fill(results, asking, self._decide([ask for _, ask in asking], None))
+                self._fill(results, asking, self._decide_locked([ask for _, ask in asking], now))
                 return
             except InvalidRateLimitRequest as error:  # raised before any bucket changed
                 index, _ = asking.pop(error.index)
@@ -232,7 +280,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                 break
         for index, ask in asking:  # no room for a new bucket: only the one that needs it fails
             try:
-                self._fill(results, [(index, ask)], self._decide([ask], None))
+                self._fill(results, [(index, ask)], self._decide_locked([ask], now))
             except MemoryError as error:
                 set_status(results[index].status, grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"ratelimit: no room for a new bucket: {error}")
@@ -310,7 +358,10 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 class RateLimitStage(Stage):
     """The pipeline asks RateLimit to admit a request against its tenant's limits (fail closed).
 
-    Shadow copies are decided without consuming budget (dry run)."""
+    Shadow copies are decided without consuming budget (dry run). A request of a tenant with
+    a concurrency limit comes back holding a lease, valid until its deadline; the limiter
+    that granted it (the binding of this call: a placement may change before the request
+    ends) is where `ReleaseStage` gives it back."""
 
     method = "Admit"
     order = 30
@@ -320,10 +371,42 @@ class RateLimitStage(Stage):
         for state in batch:
             assert state.resolved is not None
             request.items.add(tenant=state.tenant, model=state.resolved.model, tokens=rate_limit_cost(state.resolved),
-                              dry_run=state.shadow)
+                              dry_run=state.shadow, lease_ttl_s=state.remaining(), busy=state.device_busy)
         answer = call("AdmitBatch", request)
         for state, result in self.answered(call, batch, answer.results):
+            if result.response.lease_id:
+                state.lease_id, state.lease_holder = result.response.lease_id, call.client
             state.outcome = rate_limit_stop(result.response, rate_limit_cost(state.resolved))
+
+
+class ReleaseStage(Stage):
+    """Gives a request's concurrency slot back at its last byte, whatever its outcome.
+
+    Not deferrable: the spine writes other completions a window later, but a slot held that
+    long would refuse the tenant's next request. It fails open: a lease the call could not
+    give back expires at the request's deadline."""
+
+    method = "Release"
+    phase = Phase.COMPLETE
+    order = 55  # before the cache store, logs and metrics
+    deferrable = False
+
+    def __init__(self, policy: StagePolicy, limits: RequestLimits) -> None:
+        super().__init__(replace(policy, fail_mode=FailMode.OPEN), limits)
+
+    def wants(self, state: RequestState) -> bool:
+        return state.lease_id != 0
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        holders: dict[int, tuple[Any, list[RequestState]]] = {}
+        for state in batch:
+            holders.setdefault(id(state.lease_holder), (state.lease_holder, []))[1].append(state)
+        for holder, states in holders.values():
+            request = ratelimit_pb2.ReleaseBatchRequest(
+                items=[ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id) for state in states])
+            answer = call("ReleaseBatch", request, via=holder)
+            for state, _ in self.answered(call, states, answer.results):
+                state.lease_id = 0
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

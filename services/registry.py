@@ -187,8 +187,9 @@ class Registry:
 
 def _spec(name: str, service: str, config: str, stages: tuple[str, ...], batch_methods: Mapping[str, str], *,
           passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
-          budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = ()) -> ComponentSpec:
-    return ComponentSpec(name, f"spine.v1.{name}_pb2", service, f"services.{name}:build", config, stages,
+          budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = (),
+          factory: str = "") -> ComponentSpec:
+    return ComponentSpec(name, f"spine.v1.{name}_pb2", service, factory or f"services.{name}:build", config, stages,
                          fail_mode, budget_ms, middleware, batch_methods, frozenset(passes), foreign=foreign)
 
 
@@ -202,8 +203,9 @@ _CODE = grpc.StatusCode
 DEFAULT = Registry([
     _spec("auth", "Auth", "services.auth:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"},
           passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,)),
-    _spec("ratelimit", "RateLimit", "services.sections:RateLimitConfig", ("services.ratelimit:RateLimitStage",),
-          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit"},
+    _spec("ratelimit", "RateLimit", "services.sections:RateLimitConfig",
+          ("services.ratelimit:RateLimitStage", "services.ratelimit:ReleaseStage"),
+          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit", "ReleaseBatch": "Release"},
           passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED), foreign=(ENVOY_RLS,)),
     _spec("router", "Router", "services.sections:RouterConfig", ("services.router:RouterStage",),
           {"ResolveBatch": "Resolve"}, passes=(_CODE.NOT_FOUND,)),
@@ -215,12 +217,13 @@ DEFAULT = Registry([
     _spec("logs", "Logs", "services.sections:LogsConfig", ("services.logs:LogsStage",), {"AppendBatch": "Append"},
           fail_mode=FailMode.OPEN, budget_ms=1000.0),
     # The model: its budget is the compute budget it enforces itself; the call is bounded
-    # by the request's deadline.
+    # by the request's deadline. One component serves every configured model
+    # (`inference.models`), each with its own engine, KV pool and scheduler.
     _spec("inference", "Inference", "services.inference_config:InferenceConfig",
           ("services.inference:InferenceStage",), {"GenerateStream": "Generate"},
           passes=(_CODE.INVALID_ARGUMENT, _CODE.DEADLINE_EXCEEDED, _CODE.RESOURCE_EXHAUSTED, _CODE.CANCELLED,
                   _CODE.NOT_FOUND),
-          budget_ms=float("inf"), middleware=False),
+          budget_ms=float("inf"), middleware=False, factory="services.inference_models:build"),
 ])
 GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", "", (),
                         register="services.pipeline.gateway:add_gateway_to_server")

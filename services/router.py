@@ -1,5 +1,9 @@
 """The Router service: a model id or alias becomes (canonical model id, backend).
 
+A model may name a `fallback` (a smaller model a client may use while this one is
+overloaded); the answer says which, and which models a fallback stands in for, so the
+gateway can tell the client (`x-spine-fallback`, `x-spine-primary-load`).
+
 Names are checked at load so that every name resolves to exactly one model: a duplicate id
 or alias, or an alias that shadows another model's id, is a ConfigError, never a silent
 "last one wins". `ResolveBatch` routes many requests at once (the pipeline's router stage
@@ -43,6 +47,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._known = "; ".join(
             f"{m.id} (aliases: {', '.join(m.aliases)})" if m.aliases else m.id for m in config.models
         )
+        # Which model stands in for which while it is overloaded (`fallback:`), both ways.
+        self._fallback = config.fallback_ids()
+        self._fallback_of: dict[str, list[str]] = {}
+        for primary, fallback in self._fallback.items():
+            self._fallback_of.setdefault(fallback, []).append(primary)
 
     def resolve(self, name: str) -> router_pb2.ResolveResponse:
         """The model `name` (an id or alias) routes to; UnknownModel (a LookupError) if none."""
@@ -52,12 +61,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 raise UnknownModel(f"no model requested; known: {self._known}")
             shown = name if len(name) <= _MAX_ECHO else name[:_MAX_ECHO] + "..."
             raise UnknownModel(f"unknown model {shown!r}; known: {self._known}")
-        return router_pb2.ResolveResponse(model_id=model.id, backend=model.backend, requested=name)
+        return router_pb2.ResolveResponse(model_id=model.id, backend=model.backend, requested=name,
+                                          fallback=self._fallback.get(model.id, ""),
+                                          fallback_of=self._fallback_of.get(model.id, ()))
 
     def list_models(self) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(
             model_ids=[m.id for m in self.config.models],
             aliases={alias: m.id for m in self.config.models for alias in m.aliases},
+            fallbacks=self._fallback,
         )
 
     def ResolveBatch(self, request: router_pb2.ResolveBatchRequest,
@@ -96,6 +108,7 @@ class RouterStage(Stage):
         for state, result in self.answered(call, batch, answer.results):
             state.model = result.response.model_id
             state.resolved = resolved_request(state.request, state.model)
+            state.fallback, state.fallback_of = result.response.fallback, tuple(result.response.fallback_of)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

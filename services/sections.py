@@ -35,12 +35,17 @@ Burst = Annotated[Float, Field(ge=1)]
 
 
 class BucketLimits(Section):
-    """One tenant's token buckets: requests per second and tokens per minute, each with a burst."""
+    """One tenant's limits: token buckets for requests per second and tokens per minute, each
+    with a burst, and how many of its requests may be in flight at once (None: unlimited)."""
 
     requests_per_second: Rate = 200.0
     burst: Burst = 400.0
     tokens_per_minute: Rate = 6_000_000.0
     token_burst: Burst = 1_000_000.0
+    # Counted from admission to the answer's last byte (streams included); past it
+    # RESOURCE_EXHAUSTED with retry-after. Under a traffic split each rate limiter holds its
+    # share of it (at least 1), like the buckets.
+    max_concurrent_requests: Annotated[StrictInt, Field(ge=1)] | None = None
 
     @classmethod
     def from_dict(cls, cfg: Any, where: str, base: BucketLimits | None = None) -> BucketLimits:
@@ -56,12 +61,29 @@ class BucketLimits(Section):
         return self.tokens_per_minute / 60.0, self.token_burst
 
 
+class ConcurrencyWhenBusy(Section):
+    """`ratelimit.concurrency_when_busy`: halve every `max_concurrent_requests` while the
+    device is busy (the busy fraction the gateway last saw in the model's load hints), with
+    hysteresis: halved once the figure is above `above`, whole again once it is below `below`."""
+
+    halve: StrictBool = False
+    above: Annotated[Float, Field(gt=0, le=1)] = 0.9
+    below: Annotated[Float, Field(ge=0, lt=1)] = 0.8
+
+    @model_validator(mode="after")
+    def _below_is_below_above(self) -> ConcurrencyWhenBusy:
+        if self.below >= self.above:
+            raise problem(f"must be below `above` ({self.above:g}) for hysteresis, got {self.below:g}", "below")
+        return self
+
+
 class RateLimitConfig(Section):
     """The `ratelimit` section; a tenant's block inherits every key it leaves out from `default`."""
 
     domain: NonEmptyStr = "spine"
     default: BucketLimits = BucketLimits()
     tenants: Table[BucketLimits] = Field(default_factory=dict)
+    concurrency_when_busy: ConcurrencyWhenBusy = ConcurrencyWhenBusy()
 
     @model_validator(mode="before")
     @classmethod
@@ -89,11 +111,13 @@ class RateLimitConfig(Section):
 
 
 class ModelRoute(Section):
-    """A model the router knows: its id, the backend serving it, and other names for it."""
+    """A model the router knows: its id, the backend serving it, other names for it, and the
+    smaller model (an id or alias) a client may use while this one is overloaded."""
 
     id: NonEmptyStr
     backend: NonEmptyStr
     aliases: Items[NonEmptyStr] = ()
+    fallback: NonEmptyStr | None = None
 
 
 class RouterConfig(Section):
@@ -118,7 +142,22 @@ class RouterConfig(Section):
                 if alias in owner:
                     raise problem(f"{alias!r} is already used by {owner[alias]}", i, "aliases", j)
                 owner[alias] = f"router.models[{i}].aliases[{j}]"
+        index = {name: i for i, model in enumerate(models) for name in (model.id, *model.aliases)}
+        for i, model in enumerate(models):
+            if model.fallback is None:
+                continue
+            if model.fallback not in index:
+                raise problem(f"{model.fallback!r} is not a model id or alias; known: {', '.join(owner)}",
+                              i, "fallback")
+            if index[model.fallback] == i:
+                raise problem(f"{model.fallback!r} names this model itself", i, "fallback")
         return models
+
+    def fallback_ids(self) -> dict[str, str]:
+        """Each model id with a fallback -> the id of that fallback (its alias resolved)."""
+        names = {model.id: model.id for model in self.models}
+        names.update({alias: model.id for model in self.models for alias in model.aliases})
+        return {model.id: names[model.fallback] for model in self.models if model.fallback is not None}
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> RouterConfig:

@@ -139,6 +139,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_call(args: argparse.Namespace) -> int:
     from spine.client.gateway_client import GatewayClient
     from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_models
+    from spine.tools.call_report import print_call
     from spine.v1 import generation_pb2
 
     config = load_config(args.config)
@@ -150,39 +151,21 @@ def cmd_call(args: argparse.Namespace) -> int:
         request.seed = args.seed
     backoff = Backoff(attempts=args.retries + 1, base_s=args.backoff_s)
     fallback = None
-    if args.fallback_model:
-        fallback = Fallback(args.fallback_model, after=args.fallback_after, recover_after=args.fallback_recover)
+    if args.fallback is not None or args.fallback_model:
+        fallback = Fallback(args.fallback_model or args.fallback or None, after=args.fallback_after,
+                            timeouts=args.fallback_after, recover_after=args.fallback_recover)
         fallback.validate(router_models(config))
     credentials = client_credentials(args)
+    code = 0
     with GatewayClient(args.address, token, credentials=credentials) as client:
         helper = LoadAwareClient(client, backoff, fallback)
-        if args.stream:
-            result = helper.stream(request, timeout=args.timeout)
-        else:
-            result = helper.generate(request, timeout=args.timeout)
-    out = {
-        "status": result.code.name, "details": result.details, "latency_ms": round(result.latency_s * 1000, 3),
-        "text": result.text, "token_ids": result.token_ids, "trailing": result.trailing,
-        "attempts": result.attempts, "model": result.model, "load": result.load,
-    }
-    if result.first_chunk_s is not None:
-        out["first_chunk_ms"] = round(result.first_chunk_s * 1000, 3)
-    hint = refusal_hint(result.code, result.details, credentials is not None)
-    if hint:
-        out["hint"] = hint
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"status:  {out['status']}" + (f" ({result.details})" if result.details else ""))
-        if hint:
-            print(f"hint:    {hint}")
-        print(f"latency: {out['latency_ms']} ms   layout: {result.layout}   "
-              f"request id: {result.trailing.get('x-request-id', '')}   attempts: {result.attempts}")
-        if result.load:
-            print(f"load:    {result.trailing.get('x-spine-load', '')}")
-        if result.ok:
-            print(f"answer:  {result.text!r}")
-    return 0 if result.ok else 1
+        for call in range(args.count):
+            result = helper.stream(request, timeout=args.timeout) if args.stream else \
+                helper.generate(request, timeout=args.timeout)
+            hint = refusal_hint(result.code, result.details, credentials is not None)
+            print_call(result, helper, as_json=args.json, call=call if args.count > 1 else None, hint=hint)
+            code = 0 if result.ok else 1
+    return code
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
@@ -305,9 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--inference-timeout-ms", type=int, default=0, help="compute budget (0: server default)")
     call.add_argument("--retries", type=int, default=3, help="retries on overload (RESOURCE_EXHAUSTED/UNAVAILABLE)")
     call.add_argument("--backoff-s", type=float, default=0.05, help="first backoff; doubles per retry, jittered")
-    call.add_argument("--fallback-model", help="smaller model alias to use while the requested one is overloaded")
-    call.add_argument("--fallback-after", type=int, default=3, help="overloads in a row before falling back")
-    call.add_argument("--fallback-recover", type=int, default=5, help="calm answers before returning")
+    call.add_argument("--fallback", nargs="?", const="", metavar="MODEL",
+                      help="fall back to a cheaper model while the requested one is overloaded (MODEL, default: the "
+                           "one the server names for it, x-spine-fallback): after --fallback-after refusals in a row, "
+                           "or as many timeouts while its load hint says it is over 95%% busy; back after "
+                           "--fallback-recover calm hints of the requested model")
+    call.add_argument("--fallback-model", help="the same as --fallback MODEL")
+    call.add_argument("--fallback-after", type=int, default=3, help="overloads (or timeouts) in a row before falling back")
+    call.add_argument("--fallback-recover", type=int, default=5, help="calm hints before returning")
+    call.add_argument("--count", type=int, default=1,
+                      help="send the request this many times through one helper (its fallback state carries over)")
     call.add_argument("--stream", action="store_true")
     call.add_argument("--timeout", type=float, default=30.0)
     call.add_argument("--json", action="store_true")

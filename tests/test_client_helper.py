@@ -23,25 +23,38 @@ from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_m
 from spine.runtime.server import start_server
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
-BUSY = "queue=9;running=4;slots=4;kv_free=0;mem_free_mb=100.0;ms_per_token=1.000"
-CALM = "queue=0;running=1;slots=4;kv_free=3;mem_free_mb=100.0;ms_per_token=1.000"
+BUSY = "queue=9;running=4;slots=4;kv_free=0;mem_free_mb=100.0;ms_per_token=1.000;busy=0.990"
+CALM = "queue=0;running=1;slots=4;kv_free=3;mem_free_mb=100.0;ms_per_token=1.000;busy=0.300"
+# Busy decoding, but nothing waits: timeouts here are the client's deadline, not overload.
+WARM = "queue=0;running=2;slots=4;kv_free=2;mem_free_mb=100.0;ms_per_token=1.000;busy=0.600"
+SMALL = "queue=0;running=0;slots=8;kv_free=8;mem_free_mb=100.0;ms_per_token=0.200;busy=0.100"
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+TIMEOUT = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class ScriptedGateway(gateway_pb2_grpc.GatewayServicer):
-    """Answers each call with the next (status, load) of its script; records the models asked."""
+    """Answers each call with the next (status, load of "big") of its script; records the models
+    asked. As the spine's gateway does, "big" names its fallback "small", and "small"'s answers
+    carry "big"'s load (`without_primary_load`: they do not)."""
 
     def __init__(self) -> None:
         self.script: list[tuple[grpc.StatusCode | None, str]] = []
         self.models: list[str] = []
         self.known = {"big", "small"}
+        self.without_primary_load = False
         self._lock = threading.Lock()
 
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
         with self._lock:
             self.models.append(request.model)
             code, load = self.script.pop(0) if self.script else (None, CALM)
-        context.set_trailing_metadata((("x-spine-load", load),))
+        if request.model == "small":
+            trailing = [("x-spine-load", SMALL)]
+            if not self.without_primary_load:
+                trailing.append(("x-spine-primary-load", f"big:{load}"))
+        else:
+            trailing = [("x-spine-load", load), ("x-spine-fallback", "small")]
+        context.set_trailing_metadata(tuple(trailing))
         if request.model not in self.known:
             context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} not found")
         if code is not None:
@@ -66,6 +79,7 @@ def scripted(gateway: tuple[ScriptedGateway, str]) -> Iterator[tuple[ScriptedGat
     servicer, address = gateway
     servicer.script.clear()
     servicer.models.clear()
+    servicer.without_primary_load = False
     with GatewayClient(address) as client:
         yield servicer, client
 
@@ -124,6 +138,47 @@ def test_fallback_after_n_overloads_and_return_only_after_m_calm_answers(scripte
     assert helper.generate(_request()).model == "big"
 
 
+def test_three_timeouts_in_a_row_while_the_model_is_over_95_percent_busy_fall_back(scripted: tuple) -> None:
+    """The seed's policy: both signals together, then the cheaper model the server names."""
+    servicer, client = scripted
+    helper = LoadAwareClient(client, Backoff(attempts=1), Fallback(), sleep=lambda _: None)
+    servicer.script = [(TIMEOUT, BUSY), (TIMEOUT, BUSY), (None, BUSY), (TIMEOUT, BUSY), (TIMEOUT, BUSY)]
+    for _ in range(5):  # two timeouts, an answer (the streak starts over), two timeouts
+        helper.generate(_request())
+    assert not helper.using_fallback
+    servicer.script = [(TIMEOUT, BUSY), (None, BUSY)]
+    helper.generate(_request())
+    assert helper.using_fallback and helper.fallback_model == "small"  # learnt from x-spine-fallback
+    assert "3 timeouts in a row, the model 99% busy" in helper.why
+    assert helper.generate(_request()).model == "small"
+
+
+def test_timeouts_while_the_model_is_not_that_busy_do_not_fall_back(scripted: tuple) -> None:
+    servicer, client = scripted
+    helper = LoadAwareClient(client, Backoff(attempts=1), Fallback(), sleep=lambda _: None)
+    servicer.script = [(TIMEOUT, WARM)] * 5
+    for _ in range(5):
+        helper.generate(_request())
+    assert not helper.using_fallback and servicer.models == ["big"] * 5
+
+
+def test_a_fallback_answer_without_the_requested_models_load_is_not_calm(scripted: tuple) -> None:
+    servicer, client = scripted
+    now = [0.0]
+    helper = LoadAwareClient(client, Backoff(attempts=1), Fallback(after=1, recover_after=2, blind_s=30),
+                             sleep=lambda _: None, clock=lambda: now[0])
+    servicer.script = [(EXHAUSTED, BUSY)]
+    helper.generate(_request())
+    assert helper.using_fallback
+    servicer.without_primary_load = True
+    for _ in range(5):  # the fallback itself is calm, but that says nothing of "big"
+        helper.generate(_request())
+    assert helper.using_fallback and helper.calm_streak == 0
+    now[0] = 31.0  # no word of "big" for longer than blind_s: try it again
+    helper.generate(_request())
+    assert not helper.using_fallback and helper.generate(_request()).model == "big"
+
+
 def test_an_overloaded_attempt_can_switch_to_the_fallback_within_one_request(scripted: tuple) -> None:
     servicer, client = scripted
     servicer.script = [(EXHAUSTED, BUSY), (EXHAUSTED, BUSY)]
@@ -162,6 +217,20 @@ def test_spine_call_retries_overload_through_the_helper(gateway: tuple, capsys: 
                  "--token", "t"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["attempts"] == 2 and out["load"]["kv_free"] == 3
+
+
+def test_spine_call_fallback_shows_the_switch_and_the_way_back(gateway: tuple,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    servicer, address = gateway
+    servicer.script = [(EXHAUSTED, BUSY)] * 3 + [(None, CALM)] * 5
+    servicer.models.clear()
+    code = main(["call", "--address", address, "--model", "big", "--json", "--retries", "0", "--token", "t",
+                 "--fallback", "--count", "9", "--fallback-recover", "5"])
+    calls = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and [c["call"] for c in calls] == list(range(1, 10))
+    assert [c["model"] for c in calls] == ["big"] * 3 + ["small"] * 5 + ["big"]
+    assert [c["fallback"]["active"] for c in calls] == [False, False, True, True, True, True, True, False, False]
+    assert calls[2]["fallback"] == {"active": True, "model": "small", "why": "3 overload answers in a row"}
 
 
 def test_spine_call_refuses_an_unknown_fallback_alias(capsys: pytest.CaptureFixture[str]) -> None:

@@ -110,7 +110,10 @@ def test_defaults_are_unchanged() -> None:
     assert (config["cache"]["max_entries"], config["cache"]["ttl_s"]) == (4096, 300)
     assert config["inference"]["health_interval_s"] == 1.0 and config["inference"]["max_batch"] == 16
     # The documented default file and the models' own defaults agree, section by section.
-    assert InferenceConfig.from_dict(section(config, "inference")) == InferenceConfig()
+    # ... but for the second model the default file serves beside the first (a fallback).
+    inference = InferenceConfig.from_dict(section(config, "inference"))
+    assert inference.model_copy(update={"models": ()}) == InferenceConfig()
+    assert [(m.model_id, m.max_batch) for m in inference.models] == [("tiny-lm-mini", 8)]
     assert CacheConfig.from_dict(section(config, "cache")) == CacheConfig()
     assert MetricsConfig.from_dict(section(config, "metrics")) == MetricsConfig()
     assert RateLimitConfig.from_dict(section(config, "ratelimit")) == RateLimitConfig()

@@ -22,6 +22,13 @@ from services.model.tiny_lm import TinyLM
 from services.model.tokenizer import ByteTokenizer
 
 TINY_LM_ID = "tiny-lm"
+TINY_LM_MINI_ID = "tiny-lm-mini"
+# The embedded models by id: TinyLM's dimensions. The mini is the default config's cheaper
+# fallback: one layer of half the width, so a step costs less and a KV slot takes a quarter.
+BUILT_IN: dict[str, dict[str, int]] = {
+    TINY_LM_ID: {},
+    TINY_LM_MINI_ID: {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
+}
 HF_CLASS = "hf"  # `class: hf`: a local transformers causal LM directory (services.model.hf_backend)
 
 
@@ -134,15 +141,15 @@ def load_backend(
     if "class" in spec:
         return _load_user_backend(spec, where)
     model_id = spec.get("model_id", TINY_LM_ID)
-    if model_id != TINY_LM_ID:
+    if model_id not in BUILT_IN:
         raise ConfigError(
-            f"{where}.model_id: unknown model {model_id!r}; built in: {TINY_LM_ID!r} "
+            f"{where}.model_id: unknown model {model_id!r}; built in: {', '.join(map(repr, BUILT_IN))} "
             f"(give {where}.class to load your own)"
         )
     seed = spec.get("seed", 1234)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"{where}.seed: expected an integer, got {seed!r}")
-    dims: dict[str, int] = {}
+    dims: dict[str, int] = dict(BUILT_IN[model_id])
     if "max_context" in spec:
         value = spec["max_context"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 2:

@@ -12,6 +12,12 @@ completion are scheduled is the runtime's choice, never this module's:
 
 Either way the verdicts come from the same stages, so codes, messages and trailers do not
 depend on the layout or the batch size.
+
+Every answer carries the load hint of the model it was routed to (`x-spine-load`: the
+model's own, or the latest the gateway has when the model was not called, see
+`model_load`), and, where the router names one, the model's fallback (`x-spine-fallback`)
+or, on a fallback's answers, the load of the models it stands in for
+(`x-spine-primary-load`), which a client needs to know when to go back.
 """
 
 from __future__ import annotations
@@ -27,17 +33,20 @@ from typing import Any, Protocol
 
 import grpc
 
+from services.inference_load import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import RequestLimits
+from services.pipeline.model_load import ModelLoads
 from services.pipeline.runner import Pipeline, code_details
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import FORWARDED_TRAILERS, Stop, downstream_stop
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from spine.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
 
 log = logging.getLogger("spine.gateway")
 
 REQUEST_ID_HEADER = "x-request-id"
 LAYOUT_HEADER = "x-spine-layout"
+MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
 
 
 class Admission(Protocol):
@@ -92,6 +101,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         # Offered every finished request after its completions (the spine's shadow mirror,
         # `spine.runtime.gateway_mirror`); must be cheap and never raise.
         self.answered: Callable[[RequestState], None] | None = None
+        self.model_load = ModelLoads(self._models_load)
         pipeline.on_fail_open = self.count_fail_open
 
     # -- public API ---------------------------------------------------------------
@@ -100,13 +110,15 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         try:
             self.admission.admit(state)
             if state.hit is not None:
+                context.set_trailing_metadata(self._answer_trailing(state))
                 return state.hit
             assert state.resolved is not None
             trailers: list[tuple[str, str]] = []
             response = self._model_call(state, "Generate", context, trailing_out=trailers)
+            self.model_load.note_trailers(state.model, trailers)
             state.completion_tokens = response.completion_tokens
             state.response = response
-            context.set_trailing_metadata(self._trailing(state) + _forwarded(trailers))
+            context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
             return response
         except Stop as stop:
             self._abort(state, context, stop)
@@ -125,6 +137,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.admission.admit(state)
             hit = state.hit
             if hit is not None:
+                context.set_trailing_metadata(self._answer_trailing(state))
                 yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
                                                    finish_reason=hit.finish_reason, cached=True, model=hit.model)
                 return
@@ -145,13 +158,15 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 ended = True
             except grpc.RpcError as error:
                 ended = True
-                raise self._model_stop(error) from None
+                raise self._model_stop(error, state) from None
             finally:
                 if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
                     stream.cancel()
                 state.add_time(self.pipeline.model.component, time.perf_counter() - started)
             state.completion_tokens = len(tokens)
-            context.set_trailing_metadata(self._trailing(state) + _forwarded(stream.trailing_metadata() or ()))
+            model_trailers = _forwarded(stream.trailing_metadata() or ())
+            self.model_load.note_trailers(state.model, model_trailers)
+            context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
             state.response = generation_pb2.GenerateResponse(
                 text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
                 prompt_tokens=len(resolved.prompt.encode()), completion_tokens=len(tokens))
@@ -185,6 +200,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             shadow=SHADOW_HEADER in md and is_shadow(self.internal_key, md[SHADOW_HEADER], request_id),
             metadata=metadata,
             model=request.model,
+            device_busy=self.model_load.busy(),
         )
         context.set_trailing_metadata(self._trailing(state))
         with self._lock:
@@ -203,20 +219,27 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         except grpc.RpcError as error:
             if getattr(error, "ejected", False):
                 state.ejected.append(stage.component)
-            raise self._model_stop(error) from None
+            raise self._model_stop(error, state) from None
         finally:
             if method == "Generate":
                 state.add_time(stage.component, time.perf_counter() - started)
 
-    def _model_stop(self, error: grpc.RpcError) -> Stop:
+    def _model_stop(self, error: grpc.RpcError, state: RequestState) -> Stop:
         code, details, trailing = code_details(error)
+        self.model_load.note_trailers(state.model, trailing)
         model = self.pipeline.model
         return downstream_stop(model.component, code, details, trailing, model.policy.passes)
+
+    def _models_load(self) -> list[tuple[str, str]]:
+        """Every model's hint now, from the inference component (`ModelLoads`' refresh)."""
+        client = self.pipeline.clients[self.pipeline.model.component]
+        answer = client.invoke("Models", inference_pb2.ModelInfoRequest(), timeout=MODELS_TIMEOUT_S)
+        return [(model.id, model.load) for model in answer.models if model.load]
 
     def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
         """End the call with the pipeline's verdict; its trailers name layout and request id."""
         state.status, state.details = stop.code.name, stop.details
-        context.set_trailing_metadata(self._trailing(state) + stop.trailing)
+        context.set_trailing_metadata(self._answer_trailing(state, stop.trailing))
         context.abort(stop.code, stop.details)
 
     def _finish(self, state: RequestState) -> None:
@@ -238,6 +261,25 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _trailing(self, state: RequestState) -> tuple[tuple[str, str], ...]:
         return ((LAYOUT_HEADER, self.layout), (REQUEST_ID_HEADER, state.request_id))
+
+    def _answer_trailing(self, state: RequestState,
+                         downstream: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+        """An answer's trailers: layout and request id, what came from downstream, the routed
+        model's load hint (the latest one when the model did not send it) and its fallbacks."""
+        loads = self.model_load
+        if state.resolved is not None:
+            loads.learn(state.request.model, state.model)
+        out = [*self._trailing(state), *downstream]
+        if all(key != LOAD_HEADER for key, _ in downstream):
+            hint = loads.hint(state.model)
+            if hint:
+                out.append((LOAD_HEADER, hint))
+        if state.fallback:
+            out.append((FALLBACK_HEADER, state.fallback))
+        primaries = [f"{primary}:{hint}" for primary in state.fallback_of if (hint := loads.hint(primary))]
+        if primaries:
+            out.append((PRIMARY_LOAD_HEADER, ",".join(primaries)))
+        return tuple(out)
 
 
 def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:

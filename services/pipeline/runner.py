@@ -215,9 +215,13 @@ class _Call:
         self._codes: dict[RequestState, grpc.StatusCode] = {}
         self.bounded_by_budget = False  # the call's timeout was the stage's budget, not a deadline
 
-    def __call__(self, method: str, request: Any) -> Any:
+    @property
+    def client(self) -> Any:
+        return self._pipeline.clients[self._stage.component]
+
+    def __call__(self, method: str, request: Any, *, via: Any = None) -> Any:
         stage = self._stage
-        client = self._pipeline.clients[stage.component]
+        client = self.client if via is None else via
         timeout = stage.budget_s
         if not self._final:
             timeout = min(timeout, max(state.remaining() for state in self._states))

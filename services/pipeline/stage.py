@@ -50,9 +50,15 @@ class StagePolicy:
 
 
 class StageCall(Protocol):
-    """What a stage's `decide` uses: its component's rpc, and a per-request failure."""
+    """What a stage's `decide` uses: its component's rpc, and a per-request failure.
 
-    def __call__(self, method: str, request: Any) -> Any: ...
+    `client` is the binding the call goes to now; `via` sends one call to another (the
+    binding a request's earlier stage used, when the component has moved since)."""
+
+    @property
+    def client(self) -> Any: ...
+
+    def __call__(self, method: str, request: Any, *, via: Any = None) -> Any: ...
 
     def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
              trailing: Sequence[tuple[str, str]] = ()) -> None: ...
@@ -68,6 +74,9 @@ class Stage:
     method: ClassVar[str] = ""  # the per-request rpc, as hooks and spans name the call
     phase: ClassVar[Phase] = Phase.ADMIT
     order: ClassVar[int] = 0  # position in the path; the table sorts stages by it
+    # A completion stage the spine may write a window later, off the request path
+    # (`monolith.batched.DeferredCompletions`); False: always at the request's last byte.
+    deferrable: ClassVar[bool] = True
 
     def __init__(self, policy: StagePolicy, limits: RequestLimits) -> None:
         self.policy = policy

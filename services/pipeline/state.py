@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.pipeline.verdicts import Stop
 from spine.v1 import auth_pb2, generation_pb2
@@ -46,6 +47,15 @@ class RequestState:
     failures: list[str] = field(default_factory=list)  # fail-open components that failed for it
     ejected: list[str] = field(default_factory=list)  # components that were failing fast when it came
     skip: frozenset[str] = frozenset()  # stages a hook already failed (written later, off the request path)
+    # The device's busy fraction (0..1, 0 unknown) as the gateway last saw it in the model's
+    # load hints; sent with the rate-limit ask (concurrency limits may halve while busy).
+    device_busy: float = 0.0
+    # The concurrency slot the rate limiter granted (0: none), and the binding that granted
+    # it: the release goes there even if the component has moved since.
+    lease_id: int = 0
+    lease_holder: Any = None
+    fallback: str = ""  # the router's fallback for the routed model ("" if none)
+    fallback_of: tuple[str, ...] = ()  # the models the routed one is the fallback of
 
     @property
     def open(self) -> bool:

@@ -35,7 +35,8 @@ def model_overrides(path: str | Path, model_id: str | None = None, *,
         raise ConfigError(f"--model-id: {served!r} is an alias of the served model; choose another id")
     return {
         "inference": {"model_id": served,
-                      "backend": {"class": HF_CLASS, "options": {"path": str(Path(path).expanduser().resolve())}}},
+                      "backend": {"class": HF_CLASS, "options": {"path": str(Path(path).expanduser().resolve())}},
+                      "models": []},  # the directory alone: the default config's other models are not routed
         "router": {"models": [{"id": served, "backend": "inference", "aliases": list(aliases)}]},
     }
 

@@ -139,9 +139,10 @@ def start_probe_server(health_servicer: health.HealthServicer, listen: str,
 
 def request_threads(config: Any) -> int:
     """Handler threads for a server whose requests may wait for the model: the inference
-    queue (`inference.max_queue`) + every KV slot (at most `inference.max_batch`) + headroom."""
+    queue (`inference.max_queue`) + every KV slot (at most `inference.max_batch`), for every
+    model served (`inference.models`), + headroom."""
     inference = InferenceConfig.from_dict(section(config, "inference"))
-    return inference.max_queue + inference.max_batch + HEADROOM_THREADS
+    return sum(model.max_queue + model.max_batch for model in inference.served()) + HEADROOM_THREADS
 
 
 class PoolSize(TypedDict, total=False):

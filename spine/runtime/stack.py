@@ -342,7 +342,7 @@ class Stack:
                 self.admission = None
             gateway.admission = DirectAdmission(pipeline)
         deferred = frozenset(stage.name for stage in pipeline.completion
-                             if batching.batches(self.placements[stage.component]))
+                             if stage.deferrable and batching.batches(self.placements[stage.component]))
         if self.completions is not None and {s.name for s in self.completions.deferred} != deferred:
             self._close_completions()  # what it holds is written where it was meant to go
         if deferred and self.completions is None:

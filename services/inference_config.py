@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from services.config_model import AutoOrCount, Float, NonEmptyStr, Section
+from services.config_model import AutoOrCount, Float, NonEmptyStr, Section, problem
+from services.prometheus_http import parse_listen
 
 Count = Annotated[StrictInt, Field(ge=1)]
 
@@ -57,6 +58,17 @@ class InferenceConfig(Section):
     deterministic: StrictBool = False
     health_interval_s: Annotated[Float, Field(ge=0.01)] = 1.0
     health_timeout_s: Annotated[Float, Field(ge=0.01)] = 2.0
+    prefix_cache: StrictBool = True  # keep a shared system prompt's KV once (paged caches)
+    metrics_listen: StrictStr = "127.0.0.1:0"  # its own /metrics where the metrics component is elsewhere
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _listen_parses(cls, listen: str) -> str:
+        try:
+            parse_listen(listen)
+        except ValueError as exc:
+            raise problem(str(exc)) from None
+        return listen
 
     @property
     def kv_slots(self) -> int | None:

@@ -38,9 +38,9 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from services.common import ConfigError, DeviceState, section
+from services.gpu_metrics import GpuGoldenMetrics
 from services.inference_config import InferenceConfig
 from services.inference_cost import BudgetRule, StepCost
-from services.gpu_metrics import GpuGoldenMetrics
 from services.inference_load import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference_metrics import ModelGauges, ServingCollector, ServingStats
 from services.inference_scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown

@@ -115,6 +115,7 @@ class PrefixCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._idle_blocks = 0  # blocks of entries no running sequence uses
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,15 +130,30 @@ class PrefixCache:
         return entry
 
     def add(self, tokens: tuple[int, ...], blocks: Sequence[int]) -> PrefixEntry:
-        """A new entry for `tokens` in `blocks` (not ready: nothing is computed yet)."""
+        """A new entry for `tokens` in `blocks` (not ready: nothing is computed yet), used by
+        the sequence that brought them."""
         self.pool.share(blocks)
-        entry = self._entries[tokens] = PrefixEntry(tokens, list(blocks))
+        entry = self._entries[tokens] = PrefixEntry(tokens, list(blocks), users=1)
         return entry
+
+    def enter(self, entry: PrefixEntry) -> None:
+        """One more running sequence reads `entry`."""
+        if entry.users == 0:
+            self._idle_blocks -= len(entry.blocks)
+        entry.users += 1
+
+    def leave(self, entry: PrefixEntry) -> None:
+        """One running sequence fewer reads `entry`."""
+        entry.users -= 1
+        if entry.users == 0:
+            self._idle_blocks += len(entry.blocks)
 
     def remove(self, entry: PrefixEntry) -> None:
         if self._entries.get(entry.tokens) is entry:
             del self._entries[entry.tokens]
             self.pool.drop(entry.blocks)
+            if entry.users == 0:
+                self._idle_blocks -= len(entry.blocks)
 
     def make_room(self, needed: int) -> None:
         """Drop unused entries, least recently used first, until `needed` blocks are free."""
@@ -150,7 +166,7 @@ class PrefixCache:
 
     def cached_blocks(self) -> int:
         """Blocks held only by the cache (entries no running sequence uses): free on demand."""
-        return sum(len(e.blocks) for e in self._entries.values() if e.users == 0)
+        return self._idle_blocks
 
 
 @dataclass
@@ -172,6 +188,7 @@ class PagedKV:
         self.pool = BlockPool(cache.num_blocks)
         self.prefixes = PrefixCache(self.pool)
         self.prefix_caching = prefix_caching
+        self.peak_used = 0  # most blocks running sequences held at once (cached prefixes aside)
 
     def admit(self, slot: int, tokens: Sequence[int], shared: int, positions: int) -> Grant:
         """Blocks for a sequence fed `tokens` (BOS first) whose first `shared` tokens may be
@@ -183,7 +200,7 @@ class PagedKV:
         reused = len(entry.blocks) if entry is not None else 0
         own = -(-positions // size) - reused
         if entry is not None:
-            entry.users += 1  # before making room: the entry it reads must stay
+            self.prefixes.enter(entry)  # before making room: the entry it reads must stay
         if self.pool.free < own:
             self.prefixes.make_room(own)
         try:
@@ -197,8 +214,8 @@ class PagedKV:
             blocks = [*entry.blocks, *blocks]
         elif aligned:  # the first with this prefix: its blocks become the entry's
             entry = self.prefixes.add(key, blocks[: aligned // size])
-            entry.users = 1
         self.cache.tables[slot] = blocks
+        self.peak_used = max(self.peak_used, self.used_blocks)
         cached = reused * size if entry is not None and entry.ready else 0
         return Grant(blocks, cached, entry)
 
@@ -216,9 +233,14 @@ class PagedKV:
         grant.entry = None
 
     def _leave(self, entry: PrefixEntry) -> None:
-        entry.users -= 1
+        self.prefixes.leave(entry)
         if entry.users == 0 and not entry.ready:  # never computed (its sequences all failed)
             self.prefixes.remove(entry)
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks running sequences hold (a prefix they share counted once)."""
+        return self.pool.in_use - self.prefixes.cached_blocks()
 
     def usage(self) -> dict[str, int]:
         """Blocks by state: used (by running sequences), cached (unused prefixes), free."""

@@ -9,13 +9,16 @@ block table. The engine then hands out blocks instead of whole slots:
   so it never runs out mid-answer and nothing is ever preempted. Each holder of a block
   (a running sequence, a prefix entry) holds one reference; a block is free at zero.
 * **Prefix entries.** The whole blocks at the start of a request's shared part (BOS and
-  its system prompt, `GenerationRequest.prefix_ids`) are published once the sequence that
-  computed them has been prefilled; the entry, keyed by exactly those tokens, holds one
-  reference on its blocks. A later request whose shared part starts with the same tokens
-  maps those blocks into its own table and is prefilled from the first position after
-  them: the system prompt is computed and stored once, however many sequences read it.
-  Only whole blocks are shared, so no sequence ever writes into a shared block (the rest
-  of a system prompt, under one block, is computed again by each sequence).
+  its system prompt, `GenerationRequest.prefix_ids`) become a prefix entry when the first
+  request with it is admitted; the entry, keyed by exactly those tokens, holds one
+  reference on its blocks. Every later request whose shared part starts with the same
+  tokens maps those blocks into its own table: the system prompt's KV is held once,
+  however many sequences read it. Once a sequence has been prefilled into them the entry
+  is ready, and later requests are prefilled from the first position after it; a request
+  admitted before then (the same step) computes the prefix too, writing bit-identical
+  values into the same blocks. Only whole blocks are shared, so no sequence ever writes a
+  shared block past its prefix (the rest of a system prompt, under one block, is computed
+  again by each sequence).
 * **Eviction, LRU, under the pool's budget.** The pool never grows. An entry no running
   sequence uses stays cached in blocks that would otherwise be free; when a sequence needs
   more free blocks than there are, the least recently used of those entries are dropped.

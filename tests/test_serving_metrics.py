@@ -206,3 +206,23 @@ def test_the_layered_inference_process_serves_its_own_metrics(stacks: dict[str, 
     names = {family.name for family in text_string_to_metric_families(text)}
     assert set(FAMILIES) <= names and "spine_requests" not in names  # only the model's own families
     assert not (Path(stacks["collapsed"].run_dir or "") / ADDRESS_FILE).exists()  # one /metrics there
+
+
+def test_a_stage_with_the_model_in_the_spine_and_metrics_still_remote_forwards_the_spines_model(
+        tmp_path: Path) -> None:
+    from tests.conftest import config_for_tests
+
+    config = config_for_tests()
+    placements = {name: "local" for name in ("auth", "ratelimit", "router", "cache", "logs", "inference")}
+    stack = Stack(config, {**placements, "metrics": "remote"}, run_dir=tmp_path / "stage")
+    stack.start()
+    try:
+        _traffic(stack, 3)
+        assert stack.inference_metrics is not None  # the spine serves its model's own /metrics ...
+        address = stack.metrics_address()  # ... and the metrics process's /metrics forwards it
+        assert address is not None
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    finally:
+        stack.stop()
+    assert value(text, "spine_ttft_seconds_count", model="tiny-lm") >= 3
+    assert set(FAMILIES) <= {family.name for family in text_string_to_metric_families(text)}

@@ -11,6 +11,9 @@ distinct prompts (no response-cache hits), so every call does the same model wor
 
 `--model DIR` (default: $SPINE_BENCH_MODEL) serves a transformers causal LM directory in
 every layout instead of the embedded tiny LM, as `spine up --model DIR` does.
+
+With the embedded model (and without --quick), `system_prompt` reports 100 requests sharing one system prompt,
+with and without the prefix cache (`bench.serving.measure_system_prompt`).
 """
 
 from __future__ import annotations
@@ -278,8 +281,14 @@ def main(argv: list[str] | None = None) -> int:
 
         with console.status("priority classes and the KV pool"):
             serving = measure_serving()
+    system_prompt: dict[str, Any] | None = None
+    if not settings.quick and not settings.model:  # the prefix cache is the embedded model's (a paged KV cache)
+        from bench.serving import measure_system_prompt
+
+        with console.status("100 requests sharing one system prompt, with and without reuse"):
+            system_prompt = measure_system_prompt()
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results = {"runs": runs, "serving": serving, "layered_vs_collapsed": comparisons,
+    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt, "layered_vs_collapsed": comparisons,
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
                "layered_batched_vs_layered": batching_gain(runs, "layered", batched_layout="layered-batched"),
@@ -298,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
             f"p50 latency class {serving['latency_class_p50_ms']} ms vs throughput class "
             f"{serving['throughput_class_p50_ms']} ms (single class {serving['single_class_p50_ms']} ms); "
             f"throughput {serving['throughput_change_pct']:+.1f}% vs single class; KV: {serving['kv']['formula']}")
+    if system_prompt is not None:
+        sp = system_prompt
+        console.print(
+            f"shared system prompt ({sp['requests']} requests, {sp['system_prompt_tokens']} tokens): KV bytes "
+            f"{sp['kv_bytes_with_reuse']} with reuse vs {sp['kv_bytes_without_reuse']} without "
+            f"(ratio {sp['kv_ratio']}); TTFT p50 {sp['ttft_p50_ms_with_reuse']} ms vs "
+            f"{sp['ttft_p50_ms_without_reuse']} ms")
     console.print(f"wrote {out}{f' and {plot}' if plot else ''} in {results['duration_s']} s")
     return 1 if left else 0
 

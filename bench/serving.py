@@ -1,9 +1,15 @@
-"""Serving controls in numbers: priority classes under a mixed load, and the KV pool.
+"""Serving controls in numbers: priority classes under a mixed load, the KV pool, shared system prompts.
 
 One inference service in this process, a fixed pool of 4 KV slots so requests queue and
 the scheduler's admission order matters. Single-class and mixed-class rounds alternate, so
 machine noise falls on both. Reported: p50 per class, tokens/s of each kind of round and
 the change, and the KV pool's sizing figures.
+
+`measure_system_prompt`: 100 requests sent at once, sharing one system prompt, to a
+service with the prefix cache and to one without (16 KV slots each; rounds alternate, each
+round with a system prompt of its own, so every round starts cold). Reported: the peak of
+KV bytes held (blocks in use × bytes per block) and the p50 time to the first streamed
+chunk, with and without reuse.
 """
 
 from __future__ import annotations
@@ -76,3 +82,65 @@ def measure_serving(requests: int = 48, max_tokens: int = 24, rounds: int = 2) -
         }
     finally:
         service.close()
+
+
+SYSTEM_PROMPT = ("You are the support assistant of a small bookshop. Answer the customer's question in one or two "
+                 "short sentences, politely, in plain English. If you do not know the answer, say so and suggest "
+                 "asking at the counter. Never invent prices, opening hours or stock levels. Do not use lists, "
+                 "markdown or emoji. Keep a friendly tone. Here are the shop's rules: books can be returned within "
+                 "thirty days with a receipt; orders arrive within a week; gift cards never expire; members get "
+                 "ten percent off every book and an invitation to the readings on the first Friday of the month.")
+
+
+def _first_chunks(service: InferenceService, system: str, requests: int, max_tokens: int) -> list[float]:
+    """`requests` streams at once, all with `system`; milliseconds to each one's first chunk."""
+    ttft: list[float] = [0.0] * requests
+
+    def one(i: int) -> None:
+        request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"Customer {i}: do you have book {i}?",
+                                                 max_tokens=max_tokens, system=system)
+        started = time.perf_counter()
+        stream = service.GenerateStream(request, LocalContext())
+        next(stream)
+        ttft[i] = (time.perf_counter() - started) * 1000.0
+        for _ in stream:
+            pass
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return ttft
+
+
+def measure_system_prompt(requests: int = 100, max_tokens: int = 8, rounds: int = 2, slots: int = 16) -> dict[str, Any]:
+    config = {"kv_cache_max_entries": slots, "max_batch": slots, "max_queue": requests}
+    services = {reuse: InferenceService(InferenceConfig.from_dict({**config, "prefix_cache": reuse}), DeviceContext())
+                for reuse in (True, False)}
+    ttft: dict[bool, list[float]] = {True: [], False: []}
+    peak: dict[bool, int] = {True: 0, False: 0}
+    try:
+        for service in services.values():
+            _first_chunks(service, "warm up " * 40, slots, 2)
+        for r in range(rounds):
+            order = [True, False] if r % 2 == 0 else [False, True]
+            for reuse in order:  # a new system prompt each round: every round starts cold
+                service = services[reuse]
+                kv = service.engine.kv
+                assert kv is not None, "the embedded model's KV cache is paged"
+                kv.peak_used = kv.used_blocks
+                ttft[reuse] += _first_chunks(service, f"[{r}] {SYSTEM_PROMPT}", requests, max_tokens)
+                peak[reuse] = max(peak[reuse], kv.peak_used * kv.cache.block_bytes)
+        system_tokens = len(services[True].backend.encode(SYSTEM_PROMPT)) + 6
+        return {
+            "requests": requests, "rounds": rounds, "kv_slots": slots, "max_tokens": max_tokens,
+            "system_prompt_tokens": system_tokens,
+            "kv_bytes_with_reuse": peak[True], "kv_bytes_without_reuse": peak[False],
+            "kv_ratio": round(peak[True] / peak[False], 3),
+            "ttft_p50_ms_with_reuse": round(statistics.median(ttft[True]), 1),
+            "ttft_p50_ms_without_reuse": round(statistics.median(ttft[False]), 1),
+        }
+    finally:
+        for service in services.values():
+            service.close()

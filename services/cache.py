@@ -2,8 +2,8 @@
 
 Only a request whose answer is fixed by its inputs is cacheable: greedy decoding
 (temperature 0) or a set seed. The key is sha256 over (tenant, resolved model, prompt,
-max_tokens, temperature, seed), so tenants never see each other's entries and a different
-parameter is a different entry. Priority and timeouts change when an answer comes, not
+max_tokens, temperature, seed[, system prompt]), so tenants never see each other's entries
+and a different parameter — a different system prompt included — is a different entry. Priority and timeouts change when an answer comes, not
 what it is, so they are not part of the key.
 
 `LookupBatch` probes a whole micro-batch in one tensor op (see `services/cache_index.py`)
@@ -58,7 +58,10 @@ def cache_key(tenant: str, request: generation_pb2.GenerateRequest) -> bytes | N
     if not cacheable(request):
         return None
     seed = str(request.seed) if request.HasField("seed") else "-"
-    fields = (tenant, request.model, request.prompt, str(request.max_tokens), repr(request.temperature), seed)
+    fields: tuple[str, ...] = (tenant, request.model, request.prompt, str(request.max_tokens),
+                               repr(request.temperature), seed)
+    if request.system:  # keys of requests without one stay what they were
+        fields += (request.system,)
     digest = hashlib.sha256()
     for text in fields:  # length-prefixed: ("ab", "c") and ("a", "bc") differ
         data = text.encode()

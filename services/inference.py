@@ -10,7 +10,12 @@ The serving controls live here, once, for both layouts: priority classes, a comp
 budget per request (default: max_tokens × the ms/token measured on the engine's real
 steps × a slowdown factor + a margin, capped; see `inference_cost`), a KV pool sized from
 free memory, a bounded queue that refuses with `retry-after`, load hints on every answer
-(`x-spine-load`), a health probe (one tiny forward) and a deterministic mode.
+(`x-spine-load`), a health probe (one tiny forward) and a deterministic mode. Its serving
+metrics (`inference_metrics`) are on `metrics_registry`.
+
+A request's `system` prompt is read before its prompt: through the chat template where
+the backend has one, else as the engine's shared prefix (`services.system_prompt`), whose
+KV the engine keeps once for every request that shares it (`inference.prefix_cache`).
 
 A caller that goes away stops its generation wherever it waits: a context callback
 cancels the job (the gRPC server fires it on cancel and deadline, an in-process
@@ -30,11 +35,14 @@ from typing import Any, NoReturn
 
 import grpc
 import torch
+from prometheus_client.registry import CollectorRegistry
 
 from services.common import ConfigError, DeviceState, section
+from services.gpu_metrics import GpuGoldenMetrics
 from services.inference_config import InferenceConfig
 from services.inference_cost import BudgetRule, StepCost
 from services.inference_load import LOAD_HEADER, DeviceGauge, LoadReport
+from services.inference_metrics import ModelGauges, ServingCollector, ServingStats
 from services.inference_scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
 from services.model.backend import ModelBackend, load_backend, make_engine
 from services.model.engine import GenerationRequest, StepOutput
@@ -43,6 +51,7 @@ from services.model.kv_budget import KVPlan, free_device_bytes, kv_bytes_per_slo
 from services.pipeline.stage import Phase, Stage
 from services.pipeline.verdicts import inference_timeout_error
 from services.priority import priority_error
+from services.system_prompt import SEPARATOR, system_digest
 from spine.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
 
 __all__ = ["InferenceConfig", "InferenceService", "InferenceStage"]
@@ -71,13 +80,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         spec = {"model_id": config.model_id, "seed": config.seed, **config.backend.spec()}
         self.backend = backend if backend is not None else load_backend(spec, device=device)
         self.kv_plan = self._plan_kv()
-        self.engine = make_engine(self.backend, device, self.kv_plan.slots)
+        self.engine = make_engine(self.backend, device, self.kv_plan.slots, prefix_caching=config.prefix_cache)
+        self.stats = ServingStats()
         self.cost = StepCost(self.engine.max_slots, self._warm_up_ms_per_token())
         self.budget = BudgetRule(config.timeout_slowdown, config.timeout_margin_ms, config.max_timeout_ms)
         self.scheduler = Scheduler(self.engine, config.max_queue, cost=self.cost, budget=self.budget,
                                    aging_ms=config.aging_ms, stream_idle_s=config.stream_idle_timeout_s,
                                    stream_max_bytes=config.stream_buffer_max_bytes, clock=clock,
-                                   streams=getattr(device, "stream", None))
+                                   streams=getattr(device, "stream", None), observer=self.stats)
+        self.serving_collector = ServingCollector(self.serving_state, device, GpuGoldenMetrics(device))
+        self.metrics_registry = CollectorRegistry()
+        self.metrics_registry.register(self.serving_collector)
         self._gauge = DeviceGauge(device)
         log.info("%s", self.kv_plan.describe())
         log.info("inference %s on %s: %.3f ms per token at the warm-up, then measured on every step; "
@@ -87,7 +100,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        job, prompt_ids = self._start(request, context, stream=False)
+        job, prompt_tokens = self._start(request, context, stream=False)
         tokens: list[int] = []
         finish = ""
         for output in self._outputs(job, context):
@@ -97,13 +110,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         context.set_trailing_metadata(self._load_metadata())
         return generation_pb2.GenerateResponse(
             text=self.backend.decode(tokens), token_ids=tokens, model=request.model, finish_reason=finish,
-            prompt_tokens=len(prompt_ids), completion_tokens=len(tokens))
+            prompt_tokens=prompt_tokens, completion_tokens=len(tokens), system_digest=system_digest(request.system))
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
         job, _ = self._start(request, context, stream=True)
         tokens: list[int] = []
         sent = ""
+        digest = system_digest(request.system)
         try:
             for index, output in enumerate(self._outputs(job, context)):
                 new = [] if output.finish_reason == "stop" else [output.token_id]
@@ -113,7 +127,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if output.finished:
                     context.set_trailing_metadata(self._load_metadata())
                 yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
-                                                   finish_reason=output.finish_reason or "", model=request.model)
+                                                   finish_reason=output.finish_reason or "", model=request.model,
+                                                   system_digest=digest)
         finally:  # closed early (the reader went away) or failed: the slot is freed before the next step
             self.scheduler.cancel(job)
 
@@ -142,6 +157,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                           slots=self.engine.max_slots, kv_free=free, mem_free_mb=mem_free_mb,
                           ms_per_token=self.ms_per_token, util=util, busy=self.cost.busy.fraction())
 
+    def serving_state(self) -> list[tuple[ModelGauges, ServingStats]]:
+        """What /metrics reads of this model at a scrape (`inference_metrics`)."""
+        engine, kv = self.engine, self.engine.kv
+        gauges = ModelGauges(
+            model=self.config.model_id, slots_used=engine.active_count, slots_free=engine.free_slots,
+            queue=self.scheduler.queue_by_class(), blocks=kv.usage() if kv is not None else None,
+            prefix_hits=kv.prefixes.hits if kv is not None else 0,
+            prefix_misses=kv.prefixes.misses if kv is not None else 0)
+        return [(gauges, self.stats)]
+
     def health_probe(self) -> None:
         """One tiny forward (BOS alone) on the model's device; raises when the model cannot run.
 
@@ -159,7 +184,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise RuntimeError(f"health forward gave unusable logits (shape {tuple(logits.shape)})")
 
     # -- plumbing ------------------------------------------------------------------
-    def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, stream: bool) -> tuple[Job, list[int]]:
+    def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, stream: bool) -> tuple[Job, int]:
         context.set_trailing_metadata(self._load_metadata())
         if request.model != self.config.model_id:
             self._abort(context, grpc.StatusCode.NOT_FOUND,
@@ -174,17 +199,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         problem = inference_timeout_error(request.inference_timeout_ms, self.config.max_timeout_ms)
         if problem is not None:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-        prompt_ids = self.backend.encode(request.prompt)
-        total = len(prompt_ids) + 1 + request.max_tokens  # + BOS
+        prefix_ids, prompt_ids = self._encode(request)
+        total = len(prefix_ids) + len(prompt_ids) + 1 + request.max_tokens  # + BOS
         if total > self.engine.max_context:
+            system = f"system ({len(prefix_ids)} tokens) + " if prefix_ids else ""
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = {total} "
-                        f"exceeds the model's context of {self.engine.max_context}")
+                        f"{system}prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = "
+                        f"{total} exceeds the model's context of {self.engine.max_context}")
         seed = request.seed if request.HasField("seed") else None
         if seed is None and self.config.deterministic and request.temperature > 0:
             seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too
         job = Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
-                                    temperature=float(request.temperature), seed=seed),
+                                    temperature=float(request.temperature), seed=seed, prefix_ids=prefix_ids),
                   priority=request.priority, budget_ms=float(request.inference_timeout_ms),
                   default_budget=request.inference_timeout_ms == 0, stream=stream)
         try:
@@ -196,7 +222,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self._abort(context, grpc.StatusCode.UNAVAILABLE, str(error))
         if not context.add_callback(lambda: self.scheduler.cancel(job)):
             self.scheduler.cancel(job)  # the call had already ended
-        return job, prompt_ids
+        return job, len(prefix_ids) + len(prompt_ids)
+
+    def _encode(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], list[int]]:
+        """(shared prefix, prompt) ids: with a system prompt, the chat template's where the
+        backend has one (all of it the prompt), else the system prompt and a blank line as
+        the prefix the engine may share (`services.system_prompt`)."""
+        if not request.system:
+            return [], self.backend.encode(request.prompt)
+        encode_chat = getattr(self.backend, "encode_chat", None)
+        if callable(encode_chat):
+            return [], list(encode_chat(request.prompt, request.system))
+        return self.backend.encode(request.system + SEPARATOR), self.backend.encode(request.prompt)
 
     def _outputs(self, job: Job, context: Any) -> Iterator[StepOutput]:
         """Yield the job's step outputs until it finishes; stop it when the caller goes away.

@@ -26,6 +26,7 @@ import grpc
 from services.common import DeviceState, section
 from services.inference import InferenceService
 from services.inference_config import InferenceConfig
+from services.inference_metrics import ModelGauges, ServingStats
 from services.model.backend import ModelBackend
 from services.model.interface import torch_device
 from spine.v1 import generation_pb2, inference_pb2
@@ -49,6 +50,10 @@ class MultiModelInference(InferenceService):
     def served(self) -> dict[str, InferenceService]:
         """Every model served here, by id, the first one first."""
         return {self.config.model_id: self, **self.others}
+
+    def serving_state(self) -> list[tuple[ModelGauges, ServingStats]]:
+        """Every served model's gauges and stats: one /metrics, a `model` label each."""
+        return [state for service in self.served.values() for state in InferenceService.serving_state(service)]
 
     def _service(self, model: str, context: Any) -> InferenceService:
         service = self.served.get(model)

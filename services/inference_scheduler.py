@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -48,6 +48,12 @@ WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
 # the queue and the int it carries (tracemalloc over 10,000 of them: ~145 bytes each),
 # with room for the chunk the servicer makes of it.
 OUTPUT_BYTES = 256
+
+
+class StepObserver(Protocol):
+    """Told about every step (the serving metrics: `services.inference_metrics.ServingStats`)."""
+
+    def step(self, batch: int, ttfts: list[float], itls: list[float]) -> None: ...
 
 
 class JobFailure(Exception):
@@ -108,6 +114,8 @@ class Job:
     held: list[StepOutput] = field(default_factory=list)  # a unary job's outputs until it finishes
     last_read: float = 0.0  # when the consumer last took an output (scheduler clock)
     unread_since: float = 0.0  # when an output last went into an empty `out`
+    submitted_pc: float = 0.0  # perf_counter at submit and at its last token: TTFT and ITL
+    last_token_pc: float = 0.0
 
 
 class Scheduler:
@@ -115,8 +123,10 @@ class Scheduler:
 
     def __init__(self, engine: GenerationEngine, max_queue: int, *, cost: StepCost, budget: BudgetRule,
                  aging_ms: float = 500.0, stream_idle_s: float = 10.0, stream_max_bytes: int = 1 << 20,
-                 clock: Clock = time.monotonic, streams: Callable[[int], Any] | None = None) -> None:
+                 clock: Clock = time.monotonic, streams: Callable[[int], Any] | None = None,
+                 observer: StepObserver | None = None) -> None:
         self.engine = engine
+        self.observer = observer
         # On CUDA a step runs on the stream of the highest class in the batch (the device
         # context hands out a high-priority stream for the latency class); None on the CPU.
         self._streams = streams
@@ -148,6 +158,7 @@ class Scheduler:
                     f"{len(self._waiting)} requests already wait (inference.max_queue = {self.max_queue}); "
                     f"retry after {retry:.3f}s", retry)
             job.enqueued_at = self.clock()
+            job.submitted_pc = time.perf_counter()
             self._waiting.push(job, job.priority, job.enqueued_at)
             self._wake.notify()
 
@@ -184,6 +195,11 @@ class Scheduler:
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
+
+    def queue_by_class(self) -> dict[int, int]:
+        """Waiting requests per priority class (for /metrics)."""
+        with self._wake:
+            return self._waiting.depth_by_class()
 
     @property
     def running_count(self) -> int:
@@ -223,12 +239,21 @@ class Scheduler:
                 for job in list(self._running.values()):
                     self._stop(job, error)
                 continue
-            now = self.clock()
+            now, produced = self.clock(), time.perf_counter()
+            ttfts: list[float] = []
+            itls: list[float] = []
             for output in outputs:
                 owner = self._running.get(output.handle.id)
                 if owner is not None:
+                    if owner.tokens == 0:
+                        ttfts.append(produced - owner.submitted_pc)
+                    else:
+                        itls.append(produced - owner.last_token_pc)
+                    owner.last_token_pc = produced
                     self._deliver(owner, output, now)
             self.cost.observe(len(outputs), time.perf_counter() - started)
+            if self.observer is not None:
+                self.observer.step(len(outputs), ttfts, itls)
 
     def _deliver(self, job: Job, output: StepOutput, now: float) -> None:
         """Hand `output` to its job without ever waiting for the consumer.

@@ -146,7 +146,7 @@ def cmd_call(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("SPINE_TOKEN") or dev_api_key(config)
     request = generation_pb2.GenerateRequest(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
                                              temperature=args.temperature, priority=args.priority,
-                                             inference_timeout_ms=args.inference_timeout_ms)
+                                             inference_timeout_ms=args.inference_timeout_ms, system=args.system)
     if args.seed is not None:
         request.seed = args.seed
     backoff = Backoff(attempts=args.retries + 1, base_s=args.backoff_s)
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--token", help="API key or JWT (default: $SPINE_TOKEN, else the dev key)")
     call.add_argument("--model", default="tiny-lm")
     call.add_argument("--prompt", default="Hello, spine!")
+    call.add_argument("--system", default="", help="a system prompt, read before the prompt (GenerateRequest.system)")
     call.add_argument("--max-tokens", type=int, default=16)
     call.add_argument("--temperature", type=float, default=0.0)
     call.add_argument("--seed", type=int)

@@ -12,3 +12,13 @@ def test_serving_bench_reports_priority_and_kv_figures() -> None:
         assert result[key] > 0, key
     assert result["kv_slots"] == 4
     assert result["kv"]["per_slot_bytes"] > 0 and "slots" in result["kv"]["formula"]
+
+
+def test_system_prompt_bench_reports_kv_bytes_and_ttft_with_and_without_reuse() -> None:
+    from bench.serving import measure_system_prompt
+
+    result = measure_system_prompt(requests=12, max_tokens=3, rounds=1, slots=4)
+    assert result["requests"] == 12 and result["system_prompt_tokens"] > 100
+    assert 0 < result["kv_bytes_with_reuse"] < result["kv_bytes_without_reuse"]
+    assert result["kv_ratio"] == round(result["kv_bytes_with_reuse"] / result["kv_bytes_without_reuse"], 3)
+    assert result["ttft_p50_ms_with_reuse"] > 0 and result["ttft_p50_ms_without_reuse"] > 0

@@ -28,6 +28,7 @@ from services.model.engine import GenerationEngine, GenerationRequest  # noqa: E
 from services.model.hf_backend import HFBackend, load_hf_backend  # noqa: E402
 from services.model.interface import KV_CACHE_OWNER, Segment  # noqa: E402
 from services.registry import DEFAULT  # noqa: E402
+from services.system_prompt import system_digest  # noqa: E402
 from spine.runtime.bindings import LocalContext, LocalRpcError  # noqa: E402
 from spine.runtime.server import start_server  # noqa: E402
 from spine.tools.make_tiny import TinySpec, make_tiny  # noqa: E402
@@ -245,6 +246,20 @@ def test_deterministic_service_answers_the_same_in_process_and_over_the_layered_
                 assert list(stub.Generate(req, timeout=60).token_ids) == local
     finally:
         server.stop(grace=None)
+        service.close()
+
+
+def test_a_system_prompt_goes_through_the_chat_template(model_dirs: dict[str, Path]) -> None:
+    service = _service(model_dirs["llama"], deterministic=True)
+    try:
+        answer = _generate(service, "How are you?", 6, system="Be brief.")
+        ids = service.backend.encode_chat("How are you?", "Be brief.")  # type: ignore[attr-defined]
+        assert answer.prompt_tokens == len(ids) and answer.system_digest == system_digest("Be brief.")
+        expected = service.engine.generate([GenerationRequest(ids, 6)])[0].token_ids
+        assert list(answer.token_ids) == expected
+        plain = _generate(service, "How are you?", 6)
+        assert plain.prompt_tokens == len(service.backend.encode("How are you?")) and plain.system_digest == ""
+    finally:
         service.close()
 
 

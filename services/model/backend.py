@@ -162,11 +162,13 @@ def load_backend(
 
 
 def make_engine(
-    backend: ModelBackend, device: DeviceLike | str, max_slots: int, max_context: int | None = None
+    backend: ModelBackend, device: DeviceLike | str, max_slots: int, max_context: int | None = None,
+    *, prefix_caching: bool = True,
 ) -> GenerationEngine:
     """An engine for `backend` on `device` (a DeviceState charges the KV cache to its budget)."""
     return GenerationEngine(
-        backend.model, backend.tokenizer, device, max_slots, max_context or backend.max_context
+        backend.model, backend.tokenizer, device, max_slots, max_context or backend.max_context,
+        prefix_caching=prefix_caching,
     )
 
 

@@ -15,6 +15,13 @@ step — rests on two choices:
   Nothing a batch mate does touches those logits or that generator, and the choice is
   made on the CPU wherever the model runs, so CUDA and CPU agree too.
 
+A request may name a shared prefix (`prefix_ids`: a system prompt's tokens). Where the
+model's cache is paged (the embedded TinyLM's), the engine hands out KV blocks and keeps
+such prefixes once, reference-counted, evicted LRU under the pool's size (`kv_pool`): a
+sequence whose prefix is cached is prefilled from the end of it. Elsewhere the prefix is
+just the start of the prompt. Either way the model reads the same tokens at the same
+positions, so the answer is the same.
+
 The engine is thread-safe: a scheduler thread may call `step()` while request threads
 `submit()` and `cancel()`.
 """
@@ -32,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 from services.model.interface import DeviceLike, Segment, StepModel, Tokenizer, torch_device
+from services.model.kv_pool import Grant, PagedCache, PagedKV
 
 FinishReason = Literal["length", "stop"]
 
@@ -42,12 +50,16 @@ class SlotsExhausted(RuntimeError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """Prompt token ids (no BOS: the engine adds it) and how to continue them."""
+    """Prompt token ids (no BOS: the engine adds it) and how to continue them.
+
+    `prefix_ids` come before the prompt (BOS, prefix, prompt): a part many requests share,
+    such as a system prompt, whose KV the engine keeps once where the cache allows it."""
 
     prompt_ids: list[int]
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    prefix_ids: Sequence[int] = ()
 
 
 @dataclass(eq=False)
@@ -56,7 +68,8 @@ class SequenceHandle:
 
     `token_ids` are the generated tokens so far (EOS excluded); `finish_reason` is
     "length", "stop" or "cancelled" once it is done; `seed` is the one actually used
-    (drawn at random when the request had none and samples).
+    (drawn at random when the request had none and samples); `prompt_tokens` counts the
+    prefix and the prompt; `reused_tokens` the positions read from a cached prefix.
     """
 
     id: int
@@ -66,10 +79,12 @@ class SequenceHandle:
     prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    reused_tokens: int = 0
     _pending: tuple[int, ...] = ()
     _cached: int = 0
     _temperature: float = 0.0
     _generator: torch.Generator | None = None
+    _grant: Grant | None = None  # its KV blocks, where the cache is paged
 
     @property
     def finished(self) -> bool:
@@ -102,6 +117,8 @@ class GenerationEngine:
         device: DeviceLike | str,
         max_slots: int,
         max_context: int,
+        *,
+        prefix_caching: bool = True,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -120,6 +137,10 @@ class GenerationEngine:
         if callable(move):
             move(torch_device(self._device))
         self._cache: Any = model.new_cache(max_slots, max_context, self._device)
+        # A paged cache: blocks per sequence and shared prefixes (else one region per slot).
+        self.kv: PagedKV | None = None
+        if isinstance(self._cache, PagedCache):
+            self.kv = PagedKV(self._cache, prefix_caching)
         self._free = list(range(max_slots))
         self._active: dict[int, SequenceHandle] = {}
         self._ids = itertools.count()
@@ -146,21 +167,34 @@ class GenerationEngine:
         generator = None
         if req.temperature > 0:
             generator = torch.Generator(device="cpu").manual_seed(int(seed))  # type: ignore[arg-type]
+        tokens = (self.tokenizer.bos_id, *req.prefix_ids, *req.prompt_ids)
         with self._lock:
             if not self._free:
                 raise SlotsExhausted(
                     f"all {self.max_slots} generation slots are busy; retry when a sequence finishes"
                 )
             self._free.sort()
+            slot = self._free[0]
+            grant = None
+            if self.kv is not None:
+                try:  # every position it may write: BOS, prefix, prompt and max_tokens - 1
+                    grant = self.kv.admit(slot, tokens, 1 + len(req.prefix_ids), len(tokens) - 1 + req.max_tokens)
+                except MemoryError as error:  # not expected: see kv_pool (why it always fits)
+                    raise SlotsExhausted(f"no room in the KV pool: {error}") from None
+            self._free.pop(0)
+            cached = grant.cached if grant is not None else 0
             handle = SequenceHandle(
                 id=next(self._ids),
-                slot=self._free.pop(0),
+                slot=slot,
                 seed=seed,
                 max_tokens=req.max_tokens,
-                prompt_tokens=len(req.prompt_ids),
-                _pending=(self.tokenizer.bos_id, *req.prompt_ids),
+                prompt_tokens=len(req.prefix_ids) + len(req.prompt_ids),
+                reused_tokens=cached,
+                _pending=tokens[cached:],
+                _cached=cached,
                 _temperature=float(req.temperature),
                 _generator=generator,
+                _grant=grant,
             )
             self._active[handle.id] = handle
         return handle
@@ -170,7 +204,7 @@ class GenerationEngine:
         with self._lock:
             if self._active.pop(handle.id, None) is not None:
                 handle.finish_reason = "cancelled"
-                self._free.append(handle.slot)
+                self._release(handle)
 
     def step(self) -> list[StepOutput]:
         """Advance every active sequence by one token in one batched forward."""
@@ -211,6 +245,8 @@ class GenerationEngine:
             self._free = []
 
     def _advance(self, handle: SequenceHandle, token: int) -> StepOutput:
+        if handle._cached == handle.reused_tokens and self.kv is not None and handle._grant is not None:
+            self.kv.prefilled(handle._grant)  # its first step ran: the prefix in its blocks is computed
         handle._cached += len(handle._pending)
         reason: FinishReason | None = None
         if token == self.tokenizer.eos_id:
@@ -223,8 +259,14 @@ class GenerationEngine:
         if reason is not None:
             handle.finish_reason = reason
             del self._active[handle.id]
-            self._free.append(handle.slot)
+            self._release(handle)
         return StepOutput(handle, token, reason is not None, reason)
+
+    def _release(self, handle: SequenceHandle) -> None:
+        self._free.append(handle.slot)
+        if self.kv is not None and handle._grant is not None:
+            self.kv.release(handle._grant)
+            handle._grant = None
 
     def _validate(self, req: GenerationRequest) -> None:
         """Refuse what could never run: errors name the field, the value and the limit."""
@@ -239,14 +281,16 @@ class GenerationEngine:
         if req.seed is not None and (isinstance(req.seed, bool) or not isinstance(req.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {req.seed!r}")
         vocab = self.tokenizer.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_ids must be in 0..{vocab - 1}, got {bad[0]!r}")
-        # BOS + prompt + every generated token but the last must fit in the context.
-        needed = len(req.prompt_ids) + req.max_tokens
+        for name, ids in (("prefix_ids", req.prefix_ids), ("prompt_ids", req.prompt_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} must be in 0..{vocab - 1}, got {bad[0]!r}")
+        # BOS + prefix + prompt + every generated token but the last must fit in the context.
+        needed = len(req.prefix_ids) + len(req.prompt_ids) + req.max_tokens
         if needed > self.max_context:
+            prefix = f"prefix ({len(req.prefix_ids)} tokens) + " if req.prefix_ids else ""
             raise ValueError(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {needed} "
+                f"{prefix}prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {needed} "
                 f"exceeds max_context {self.max_context}"
             )
 

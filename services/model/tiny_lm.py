@@ -53,6 +53,7 @@ MAX_D_MODEL = 1 << 9  # RMSNorm: x² <= 2**44 grid units, 2**9 of them
 MAX_D_FF = 1 << 16  # matmul: 2**22 * 2**14 per product, 2**16 of them, plus the residual
 MAX_CONTEXT_LIMIT = 1 << 16  # attention sum: 21 + 16 + 16 bits = 53
 PREFILL_QUERY_CHUNK = 128  # bounds a long prompt's score matrix to chunk x context
+KV_BLOCK_TOKENS = 16  # positions per KV block: the unit a shared prefix is kept in
 
 PRINTABLE = [*range(32, 127), ord("\n")]
 
@@ -72,7 +73,14 @@ def _grid_uniform(gen: torch.Generator, shape: tuple[int, ...], bound: float) ->
 
 @dataclass
 class KVCache:
-    """Keys and values per slot: [layers, slots, max_context, heads, head_dim].
+    """Keys and values in blocks of positions: [layers, blocks, block_size, heads, head_dim].
+
+    `tables[slot]` lists the blocks holding that slot's positions 0, 1, …: position p is at
+    block `tables[slot][p // block_size]`, row `p % block_size`. A new cache gives each slot
+    blocks of its own (slot s: blocks s×n … s×n+n−1), which behaves as one region per slot;
+    the engine may rewrite a slot's table, so that sequences with the same prefix read the
+    same blocks (`services.model.kv_pool`). Positions past a sequence's end may map to any
+    block: attention masks them to an exact 0.
 
     Stored as float32: the values sit on a grid of at most 16 significant bits, so the
     narrower type holds them exactly at half the memory.
@@ -80,14 +88,35 @@ class KVCache:
 
     keys: torch.Tensor
     values: torch.Tensor
+    tables: list[list[int]]
+    max_context: int
 
     @property
     def slots(self) -> int:
+        return len(self.tables)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def num_blocks(self) -> int:
         return int(self.keys.shape[1])
 
     @property
-    def max_context(self) -> int:
-        return int(self.keys.shape[2])
+    def block_bytes(self) -> int:
+        """Keys and values of one block, all layers."""
+        per_block = self.keys[:, 0].numel() * self.keys.element_size()
+        return 2 * per_block
+
+
+def block_size_for(max_context: int) -> int:
+    """Positions per KV block: KV_BLOCK_TOKENS, or the whole context when it is shorter."""
+    return max(1, min(KV_BLOCK_TOKENS, max_context))
+
+
+def blocks_per_slot(max_context: int) -> int:
+    return -(-max_context // block_size_for(max_context))
 
 
 class TinyLM(torch.nn.Module):
@@ -182,12 +211,17 @@ class TinyLM(torch.nn.Module):
     def new_cache(self, slots: int, max_context: int, device: DeviceLike) -> KVCache:
         if max_context > self._max_context:
             raise ValueError(f"max_context {max_context} exceeds the model's {self._max_context}")
-        shape = (self.n_layers, slots, max_context, self.n_heads, self.head_dim)
-        return KVCache(allocate(device, shape, torch.float32), allocate(device, shape, torch.float32))
+        size, per_slot = block_size_for(max_context), blocks_per_slot(max_context)
+        shape = (self.n_layers, slots * per_slot, size, self.n_heads, self.head_dim)
+        tables = [list(range(slot * per_slot, (slot + 1) * per_slot)) for slot in range(slots)]
+        keys = allocate(device, shape, torch.float32)
+        return KVCache(keys, allocate(device, shape, torch.float32), tables, max_context)
 
     def kv_bytes_per_slot(self, max_context: int) -> int:
-        """Bytes one slot of `new_cache` takes: 2 × layers × heads × head_dim × max_len × 4 (float32)."""
-        return 2 * self.n_layers * self.n_heads * self.head_dim * max_context * 4
+        """Bytes one slot of `new_cache` takes: 2 × layers × heads × head_dim × max_len × 4 (float32),
+        max_len rounded up to whole blocks."""
+        positions = blocks_per_slot(max_context) * block_size_for(max_context)
+        return 2 * self.n_layers * self.n_heads * self.head_dim * positions * 4
 
     def release_cache(self, cache: KVCache, device: DeviceLike) -> None:
         release(device, cache.keys)
@@ -223,12 +257,10 @@ class TinyLM(torch.nn.Module):
         positions = torch.tensor(
             [p for s in segments for p in range(s.start, s.end)], dtype=torch.long, device=dev
         )
-        slot_of_token = torch.tensor(
-            [s.slot for s in segments for _ in s.token_ids], dtype=torch.long, device=dev
-        )
+        paging = _Paging.of(segments, cache, dev) if cache is not None else None
         x = self.embed[tokens] + self.pos[positions]
         for layer in range(self.n_layers):
-            x = self._block(layer, x, segments, positions, slot_of_token, cache)
+            x = self._block(layer, x, segments, positions, paging, cache)
         if not all_logits:
             last = torch.tensor(_last_indices(segments), dtype=torch.long, device=dev)
             x = x[last]
@@ -241,7 +273,7 @@ class TinyLM(torch.nn.Module):
         x: torch.Tensor,
         segments: Sequence[Segment],
         positions: torch.Tensor,
-        slot_of_token: torch.Tensor,
+        paging: _Paging | None,
         cache: KVCache | None,
     ) -> torch.Tensor:
         n, d, heads, hd = x.shape[0], self.d_model, self.n_heads, self.head_dim
@@ -250,12 +282,13 @@ class TinyLM(torch.nn.Module):
         q = _fix(qkv[:, :d], QK_BITS, QK_LIMIT).view(n, heads, hd)
         k = _fix(qkv[:, d : 2 * d], QK_BITS, QK_LIMIT).view(n, heads, hd)
         v = _fix(qkv[:, 2 * d :], V_BITS, V_LIMIT).view(n, heads, hd)
-        if cache is None:
+        if cache is None or paging is None:
             out = self._attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), positions.unsqueeze(0))[0]
         else:
-            cache.keys[layer].index_put_((slot_of_token, positions), k.to(torch.float32))
-            cache.values[layer].index_put_((slot_of_token, positions), v.to(torch.float32))
-            out = self._attend_cached(layer, q, positions, segments, cache)
+            where = (paging.write_blocks, paging.write_rows)
+            cache.keys[layer].index_put_(where, k.to(torch.float32))
+            cache.values[layer].index_put_(where, v.to(torch.float32))
+            out = self._attend_cached(layer, q, positions, segments, cache, paging)
         o = _fix(out.reshape(n, d), ACT_BITS, OUT_LIMIT)
         x = _fix(x + o @ getattr(self, f"wo{layer}"), ACT_BITS, ACT_LIMIT)
         h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
@@ -269,31 +302,32 @@ class TinyLM(torch.nn.Module):
         positions: torch.Tensor,
         segments: Sequence[Segment],
         cache: KVCache,
+        paging: _Paging,
     ) -> torch.Tensor:
-        """Attention of every new token over its slot: single-token segments together, prompts alone.
+        """Attention of every new token over its slot's blocks: single-token segments together,
+        prompts alone.
 
         Grouping is free to change (the sums are exact); it only bounds memory: a long
-        prompt must not pad every decoding sequence's score matrix to its length.
+        prompt must not pad every decoding sequence's score matrix to its length. Where a
+        key sits (which block, shared or not) cannot change a sum either.
         """
         out = torch.empty_like(q)
         keys, values = cache.keys[layer], cache.values[layer]
-        singles = [i for i, s in enumerate(segments) if len(s.token_ids) == 1]
+        heads, hd = self.n_heads, self.head_dim
         offsets = _offsets(segments)
-        if singles:
-            rows = torch.tensor([offsets[i] for i in singles], dtype=torch.long, device=q.device)
-            slots = torch.tensor([segments[i].slot for i in singles], dtype=torch.long, device=q.device)
-            span = max(segments[i].end for i in singles)
+        if paging.single_rows is not None and paging.single_tables is not None:
+            rows, tables, span = paging.single_rows, paging.single_tables, paging.single_span
+            group = tables.shape[0]
             out[rows] = self._attend(
                 q[rows].unsqueeze(1),
-                keys[:, :span].index_select(0, slots).to(torch.float64),
-                values[:, :span].index_select(0, slots).to(torch.float64),
+                keys[tables].reshape(group, -1, heads, hd)[:, :span].to(torch.float64),
+                values[tables].reshape(group, -1, heads, hd)[:, :span].to(torch.float64),
                 positions[rows].unsqueeze(1),
             ).squeeze(1)
-        for i, seg in enumerate(segments):
-            if len(seg.token_ids) == 1:
-                continue
-            k = keys[seg.slot, : seg.end].to(torch.float64).unsqueeze(0)
-            v = values[seg.slot, : seg.end].to(torch.float64).unsqueeze(0)
+        for i, blocks in paging.prompt_tables.items():
+            seg = segments[i]
+            k = keys[blocks].reshape(-1, heads, hd)[: seg.end].to(torch.float64).unsqueeze(0)
+            v = values[blocks].reshape(-1, heads, hd)[: seg.end].to(torch.float64).unsqueeze(0)
             for lo in range(0, len(seg.token_ids), PREFILL_QUERY_CHUNK):
                 a = offsets[i] + lo
                 b = offsets[i] + min(len(seg.token_ids), lo + PREFILL_QUERY_CHUNK)
@@ -373,3 +407,43 @@ def _offsets(segments: Sequence[Segment]) -> list[int]:
 
 def _last_indices(segments: Sequence[Segment]) -> list[int]:
     return [o + len(s.token_ids) - 1 for o, s in zip(_offsets(segments), segments, strict=True)]
+
+
+@dataclass(frozen=True)
+class _Paging:
+    """Where one forward's keys go and which blocks each segment reads: worked out once per
+    forward from the slots' block tables, used by every layer."""
+
+    write_blocks: torch.Tensor  # [N] block of each new token ...
+    write_rows: torch.Tensor  # ... and its row in the block
+    single_rows: torch.Tensor | None  # rows of the one-token segments in the packed batch
+    single_tables: torch.Tensor | None  # [G, blocks] what each of them reads (padded: masked anyway)
+    single_span: int
+    prompt_tables: dict[int, torch.Tensor]  # segment index -> the blocks a longer segment reads
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], cache: KVCache, device: torch.device) -> _Paging:
+        size, tables = cache.block_size, cache.tables
+        blocks, rows = [], []
+        for seg in segments:
+            table = tables[seg.slot]
+            for p in range(seg.start, seg.end):
+                blocks.append(table[p // size])
+                rows.append(p % size)
+        singles = [i for i, s in enumerate(segments) if len(s.token_ids) == 1]
+        single_rows = single_tables = None
+        span = 0
+        if singles:
+            span = max(segments[i].end for i in singles)
+            width = -(-span // size)
+            padded = [(tables[segments[i].slot][:width] + [0] * width)[:width] for i in singles]
+            offsets = _offsets(segments)
+            single_rows = torch.tensor([offsets[i] for i in singles], dtype=torch.long, device=device)
+            single_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        prompts = {
+            i: torch.tensor(tables[s.slot][: -(-s.end // size)], dtype=torch.long, device=device)
+            for i, s in enumerate(segments) if len(s.token_ids) > 1
+        }
+        return cls(torch.tensor(blocks, dtype=torch.long, device=device),
+                   torch.tensor(rows, dtype=torch.long, device=device),
+                   single_rows, single_tables, span, prompts)

@@ -139,13 +139,14 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             if hit is not None:
                 context.set_trailing_metadata(self._answer_trailing(state))
                 yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
-                                                   finish_reason=hit.finish_reason, cached=True, model=hit.model)
+                                                   finish_reason=hit.finish_reason, cached=True, model=hit.model,
+                                                   system_digest=hit.system_digest)
                 return
             resolved = state.resolved
             assert resolved is not None
             tokens: list[int] = []
             texts: list[str] = []
-            finish = ""
+            finish = digest = ""
             started = time.perf_counter()
             stream = self._model_call(state, "GenerateStream", context)
             ended = False
@@ -154,6 +155,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     tokens.extend(chunk.token_ids)
                     texts.append(chunk.text)
                     finish = chunk.finish_reason or finish
+                    digest = chunk.system_digest or digest
                     yield chunk
                 ended = True
             except grpc.RpcError as error:
@@ -169,7 +171,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
             state.response = generation_pb2.GenerateResponse(
                 text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
-                prompt_tokens=len(resolved.prompt.encode()), completion_tokens=len(tokens))
+                prompt_tokens=len(resolved.prompt.encode()) + len(resolved.system.encode()),
+                completion_tokens=len(tokens), system_digest=digest)
         except Stop as stop:
             self._abort(state, context, stop)
         except GeneratorExit:

@@ -17,6 +17,7 @@ class RequestLimits(Section):
     """The `limits` section. Checked by the gateway's validation stage, in every layout."""
 
     max_prompt_chars: Annotated[StrictInt, Field(ge=1)] = 2048
+    max_system_chars: Annotated[StrictInt, Field(ge=0)] = 8192
     max_tokens: Annotated[StrictInt, Field(ge=1)] = 256
     max_temperature: Annotated[Float, Field(ge=0)] = 2.0
     max_message_bytes: Annotated[StrictInt, Field(ge=1024)] = 1 << 20

@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 import grpc
 
 from services.pipeline.limits import RequestLimits
+from services.system_prompt import system_error
 from spine.v1 import auth_pb2, generation_pb2, ratelimit_pb2
 
 PRIORITIES = (-1, 0, 1)
@@ -39,6 +40,9 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
         return "prompt: must not be empty"
     if len(request.prompt) > limits.max_prompt_chars:
         return f"prompt: {len(request.prompt)} characters is over the limit of {limits.max_prompt_chars}"
+    problem = system_error(request.system, limits.max_system_chars)
+    if problem is not None:
+        return problem
     if request.max_tokens <= 0:
         return f"max_tokens: must be > 0, got {request.max_tokens}"
     if request.max_tokens > limits.max_tokens:
@@ -94,8 +98,8 @@ def resolved_request(request: generation_pb2.GenerateRequest, model_id: str) -> 
 
 
 def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
-    """Tokens charged for a request: its prompt bytes plus the most it may generate."""
-    return len(request.prompt.encode()) + request.max_tokens
+    """Tokens charged for a request: its prompt and system prompt bytes plus the most it may generate."""
+    return len(request.prompt.encode()) + len(request.system.encode()) + request.max_tokens
 
 
 def rate_limit_stop(verdict: ratelimit_pb2.AdmitResponse, cost: int) -> Stop | None:

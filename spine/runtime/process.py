@@ -129,6 +129,10 @@ def serve(argv: list[str] | None = None) -> int:
         from spine.runtime.metrics_endpoint import start_metrics_endpoint
 
         extra = start_metrics_endpoint(servicer, config, run_dir)
+    elif args.component == "inference":  # its serving metrics, on its own /metrics
+        from spine.runtime.serving_metrics import serve_inference_metrics
+
+        extra = serve_inference_metrics(servicer, config, run_dir)
 
     print(f"{args.component} serving on {server.address}", flush=True)
     termination.wait()

@@ -73,6 +73,7 @@ class Stack:
     local_servicers: dict[str, Any] = field(default_factory=dict)
     bindings: dict[str, Any] = field(default_factory=dict)
     metrics_endpoint: Any = None
+    inference_metrics: Any = None  # the model's own /metrics, when the metrics component is remote
     deep_health: Any = None  # the local model's (spine.runtime.health.DeepHealth)
     health: GatewayHealth | None = None  # the gateway's, from every component's
     # How often the gateway asks each remote component's health, and how long it waits: a
@@ -147,7 +148,12 @@ class Stack:
                 from spine.runtime.metrics_endpoint import start_metrics_endpoint
 
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
-                                                               self.run_dir)
+                                                               self.run_dir, self._local_inference)
+            elif "inference" in self.local_servicers:  # the metrics component is elsewhere
+                from spine.runtime.serving_metrics import serve_inference_metrics
+
+                self.inference_metrics = serve_inference_metrics(self.local_servicers["inference"], self.config,
+                                                                 self.run_dir)
             envoy = self._envoy_apis()
             self.server = start_server([(GATEWAY, self.gateway), *(envoy if envoy_listen is None else [])],
                                        self.listen, max_message_bytes=limits.max_message_bytes,
@@ -368,6 +374,10 @@ class Stack:
         if self.completions is not None:
             self.completions.drain()
 
+    def _local_inference(self) -> Any:
+        """The model's servicer while it runs in this process (what /metrics reads it from)."""
+        return self.local_servicers.get("inference") if self.placements.get("inference") == "local" else None
+
     def metrics_address(self) -> str | None:
         """Where the Prometheus text is served (by this process or the metrics child)."""
         if self.run_dir is None:
@@ -397,9 +407,10 @@ class Stack:
             self.admission = None
         self._close_completions()
         self._write_final_metrics()
-        if self.metrics_endpoint is not None:
-            self.metrics_endpoint.stop()
-            self.metrics_endpoint = None
+        for endpoint in (self.metrics_endpoint, self.inference_metrics):
+            if endpoint is not None:
+                endpoint.stop()
+        self.metrics_endpoint = self.inference_metrics = None
         for servicer in self.local_servicers.values():
             close_servicer(servicer)
         self.local_servicers.clear()

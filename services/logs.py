@@ -147,11 +147,26 @@ class LogsStage(Stage):
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
         request = logs_pb2.AppendBatchRequest()
         for state in batch:
+            model = state.model if state.resolved is not None else clipped(state.model)
             request.records.add(
-                request_id=state.request_id, tenant=state.tenant, model=state.model, status=state.status,
+                request_id=state.request_id, tenant=state.tenant, model=model, status=state.status,
                 latency_ms=state.latency_s * 1000.0, layout=state.layout, cached=state.cached, shadow=state.shadow)
         answer = call("AppendBatch", request)
         self.answered(call, batch, answer.results)
+
+
+# A model name a client sent that the router did not resolve is logged cut to this many
+# characters: any longer, and one name could push the line past `max_line_bytes`, so the
+# request would leave no line at all.
+MAX_UNROUTED_MODEL_CHARS = 200
+
+
+def clipped(name: str) -> str:
+    """`name` as logged for a request that was not routed: at most MAX_UNROUTED_MODEL_CHARS
+    characters, and a mark with the full length where it was cut."""
+    if len(name) <= MAX_UNROUTED_MODEL_CHARS:
+        return name
+    return f"{name[:MAX_UNROUTED_MODEL_CHARS]}...({len(name)} characters)"
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

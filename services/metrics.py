@@ -306,12 +306,20 @@ class MetricsStage(Stage):
         request = metrics_pb2.RecordBatchRequest()
         for state in batch:
             request.records.add(
-                layout=state.layout, model=state.model, tenant=state.tenant, status=state.status,
+                layout=state.layout, model=model_label(state), tenant=state.tenant, status=state.status,
                 latency_s=state.latency_s, middleware_s=state.middleware_s, cached=state.cached,
                 shadow=state.shadow, completion_tokens=state.completion_tokens,
                 failed_middlewares=state.failures, ejected_middlewares=state.ejected)
         answer = call("RecordBatch", request)
         self.answered(call, batch, answer.results)
+
+
+def model_label(state: RequestState) -> str:
+    """The routed model's id; "" for a request stopped before routing (no credential, bad input,
+    an unknown model). What such a client named is not a label: every name it made up would
+    be a series of its own, kept for the life of the process (a client could fill the device
+    budget with them), and a name may be as long as the message."""
+    return state.model if state.resolved is not None else ""
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

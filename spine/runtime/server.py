@@ -42,6 +42,12 @@ from spine.runtime.tls import add_port, link_channel
 # in progress never wait for a slot, and must not wait behind those who do.
 HEADROOM_THREADS = 32
 
+# Metadata (all headers of a call) a server accepts. gRPC's default refuses what lies
+# between its soft limit (8 KiB) and its hard one (16 KiB) at random, more often the longer it
+# is: the same call would pass or fail by chance. One limit for both makes it decided by the
+# call alone: up to here always accepted, past it always RESOURCE_EXHAUSTED (from gRPC itself).
+MAX_METADATA_BYTES = 16 << 10
+
 # Interceptors every server in this process gets unless it is given its own list: tracing
 # installs its trace-context interceptor here once per process (see spine.runtime.tracing.install),
 # so servers started by code that knows nothing of tracing still continue traces.
@@ -195,6 +201,8 @@ def start_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+            ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
         ],
     )
     health_servicer = health.HealthServicer()

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from services.common import ConfigError
 from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
@@ -44,8 +45,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from spine.runtime.served_model import preflight
 
     preflight(config)  # a model directory that cannot be served: one line, before any child starts
+    fault = _injected_fault(args, config, run_dir)
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
-                  remote_addresses=remote_addresses(config))
+                  remote_addresses=remote_addresses(config), **fault)
     termination = Termination()
     stack.start()
     follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements")
@@ -60,6 +62,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     }
     if follower is not None:  # the controller's stage, as applied (placements above include it)
         ready["follower"] = follower.state()
+    if args.inject_fault:
+        ready["injected_fault"] = args.inject_fault
     print(json.dumps(ready), flush=True)
     print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)
     if key:
@@ -73,6 +77,19 @@ def cmd_up(args: argparse.Namespace) -> int:
             follower.stop()
         stack.stop()
     return 0
+
+
+def _injected_fault(args: argparse.Namespace, config: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
+    """`--inject-fault NAME` (rehearsals and tests only): the Stack arguments that switch it on."""
+    if not args.inject_fault:
+        return {}
+    if args.allow_external:
+        raise ConfigError("--inject-fault: for local rehearsals and tests only; refused with --allow-external")
+    from spine.runtime.faults import injected_fault
+
+    print(f"warning: --inject-fault {args.inject_fault}: this spine misbehaves on purpose (rehearsals and tests "
+          f"only)", file=sys.stderr)
+    return injected_fault(args.inject_fault, config, run_dir)
 
 
 def _served_model(args: argparse.Namespace) -> dict[str, object] | None:
@@ -235,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "model (alias `default`) instead of the config's")
     up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     add_follow_arguments(up, "each stage's placements (moved live) and this spine's share of every limit")
+    from spine.runtime.faults import INJECTABLE
+
+    up.add_argument("--inject-fault", choices=INJECTABLE,
+                    help="REHEARSALS AND TESTS ONLY (refused with --allow-external): run with a fault on purpose; "
+                         "wrong-answers: the parity fault, greedy requests are sampled and every call succeeds "
+                         "(python -m spine.tools.rehearsal)")
     up.set_defaults(handler=cmd_up)
 
     model = sub.add_parser("model", help="model directories: make-tiny writes a small random one (offline)")

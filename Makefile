@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/spine/v1/*.proto)
 
-.PHONY: install prometheus protos run test bench lint clean
+.PHONY: install prometheus protos run rehearse test bench lint clean
 
 install: $(VENV)/.installed spine/v1/.generated prometheus
 
@@ -28,6 +28,11 @@ spine/v1/.generated: $(PROTOS) $(VENV)/.installed
 
 run: install
 	$(PY) -m spine demo
+
+# The production path on this machine: two spine replicas, the layered stack, the controller
+# in xds mode, a real Prometheus, proxyless gRPC clients (deploy/README.md, "Rehearse ...").
+rehearse: install
+	$(PY) -m spine.tools.rehearsal
 
 test: install
 	$(PY) -m pytest -q

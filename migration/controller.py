@@ -246,14 +246,21 @@ class Controller:
         """One reconcile step: ACKs, window evaluation, automatic advance or rollback.
 
         What a tick may do is the table's (state, tick) entry: judge and advance while
-        progressing, judge only while awaiting approval, finish a rollback once ACKed, and
-        nothing at all in any other state (paused included: no window, no gate row).
+        progressing, judge only while awaiting approval, finish a rollback once ACKed, once
+        finished only note when what was published last is ACKed (an abort, a re-apply after
+        a restart: the status stops saying "waiting for ACK"), and nothing at all in any other
+        state (paused included: no window, no gate row).
         """
         with self._cond:
             now = self._clock() if now is None else now
             step = self._step(Action.TICK)
             if step.effect is Effect.SETTLE:
                 return self._settle_rollback()
+            if step.effect is Effect.NOTE_ACK:
+                s = self._status
+                if s.version and not s.acked and self._target.applied(s.version):
+                    self._save(acked=True, updated_at=now)
+                return self.status
             stage, plan = self._stage(), self._plan
             if step.effect not in (Effect.WATCH, Effect.PROGRESS) or stage is None or plan is None:
                 return self.status

@@ -56,9 +56,9 @@ COMMANDS: tuple[Action, ...] = (Action.LOAD, Action.START, Action.ADVANCE, Actio
 class Effect(StrEnum):
     """What the controller does besides setting the next state.
 
-    Every effect but NONE, WATCH, PROGRESS and SETTLE is a transition: the data path is told
+    Every effect but NONE, WATCH, PROGRESS, SETTLE and NOTE_ACK is a transition: the data path is told
     first (for ENTER, ROLL_BACK, REAPPLY), then the status and ONE audit row are committed in
-    one sqlite transaction. WATCH/PROGRESS/SETTLE are tick's reconciling work: they persist
+    one sqlite transaction. WATCH/PROGRESS/SETTLE/NOTE_ACK are tick's reconciling work: they persist
     bookkeeping (ACKs, gate windows) without an audit row, and any transition they decide on
     (advance, promote, await_approval, rollback, rolled_back) goes through the table again.
     """
@@ -74,6 +74,8 @@ class Effect(StrEnum):
     WATCH = "watch"          # tick: note the ACK, judge windows, roll back on failure_limit
     PROGRESS = "progress"    # tick: WATCH, then advance / await_approval / promote when the stage is done
     SETTLE = "settle"        # tick: once the rollback version is ACKed, take `rolled_back`
+    NOTE_ACK = "note_ack"    # tick, once finished: note when the version published last (an abort,
+    #                          a re-apply after a restart) is ACKed; nothing judged, no audit row
 
 
 class Transition(NamedTuple):
@@ -130,7 +132,7 @@ TRANSITIONS: dict[tuple[State, Action], Transition] = {
     (_PR, A.START): Transition(_G, E.ENTER),
     (_PR, A.ROLLBACK): Transition(_RB, E.ROLL_BACK),
     (_PR, A.ABORT): Transition(_AB, E.ROLL_BACK),
-    (_PR, A.TICK): Transition(_PR, E.NONE),
+    (_PR, A.TICK): Transition(_PR, E.NOTE_ACK),
     (_PR, A.RECOVER): Transition(_PR, E.REAPPLY),
     # rolling_back: the layered weights are applied, waiting for the data planes' ACK.
     (_RB, A.ROLLBACK): Transition(_RB, E.NONE),
@@ -144,14 +146,14 @@ TRANSITIONS: dict[tuple[State, Action], Transition] = {
     (_RD, A.RESUME): Transition(_G, E.ENTER, record_as="retry"),
     (_RD, A.ROLLBACK): Transition(_RD, E.NONE),
     (_RD, A.ABORT): Transition(_AB, E.RECORD),
-    (_RD, A.TICK): Transition(_RD, E.NONE),
+    (_RD, A.TICK): Transition(_RD, E.NOTE_ACK),
     (_RD, A.RECOVER): Transition(_RD, E.REAPPLY),
     # aborted: terminal until a new load or start.
     (_AB, A.LOAD): Transition(_P, E.RECORD),
     (_AB, A.START): Transition(_G, E.ENTER),
     (_AB, A.ROLLBACK): Transition(_AB, E.NONE),
     (_AB, A.ABORT): Transition(_AB, E.NONE),
-    (_AB, A.TICK): Transition(_AB, E.NONE),
+    (_AB, A.TICK): Transition(_AB, E.NOTE_ACK),
     (_AB, A.RECOVER): Transition(_AB, E.REAPPLY),
 }
 del A, E

@@ -51,8 +51,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     preflight(config)  # a model directory that cannot be served: one line, before any child starts
     tls = _serve_tls(config)
+    fault = _injected_fault(args, config, run_dir)
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
-                  remote_addresses=remote_addresses(config), probe_listen=args.probe_listen)
+                  remote_addresses=remote_addresses(config), probe_listen=args.probe_listen, **fault)
     termination = Termination()
     stack.start()
     follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements", tls)
@@ -67,6 +68,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     }
     if follower is not None:  # the controller's stage, as applied (placements above include it)
         ready["follower"] = follower.state()
+    if args.inject_fault:
+        ready["injected_fault"] = args.inject_fault
     print(json.dumps(ready), flush=True)
     print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)
     if key:
@@ -97,6 +100,19 @@ def _serve_tls(config: dict[str, Any]) -> TlsConfig | None:
     log_tls_refusals()
     reload_on_sighup()
     return tls
+
+
+def _injected_fault(args: argparse.Namespace, config: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
+    """`--inject-fault NAME` (rehearsals and tests only): the Stack arguments that switch it on."""
+    if not args.inject_fault:
+        return {}
+    if args.allow_external:
+        raise ConfigError("--inject-fault: for local rehearsals and tests only; refused with --allow-external")
+    from spine.runtime.faults import injected_fault
+
+    print(f"warning: --inject-fault {args.inject_fault}: this spine misbehaves on purpose (rehearsals and tests "
+          f"only)", file=sys.stderr)
+    return injected_fault(args.inject_fault, config, run_dir)
 
 
 def _served_model(args: argparse.Namespace) -> dict[str, object] | None:
@@ -266,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "model (alias `default`) instead of the config's")
     up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     add_follow_arguments(up, "each stage's placements (moved live) and this spine's share of every limit")
+    from spine.runtime.faults import INJECTABLE
+
+    up.add_argument("--inject-fault", choices=INJECTABLE,
+                    help="REHEARSALS AND TESTS ONLY (refused with --allow-external): run with a fault on purpose; "
+                         "wrong-answers: the parity fault, greedy requests are sampled and every call succeeds "
+                         "(python -m spine.tools.rehearsal)")
     up.set_defaults(handler=cmd_up)
 
     model = sub.add_parser("model", help="model directories: make-tiny writes a small random one (offline)")

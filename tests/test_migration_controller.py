@@ -199,6 +199,25 @@ def test_advance_past_the_last_stage_promotes(rig):
     assert controller.advance(None, OP).state is State.PROMOTED
 
 
+def test_once_finished_a_tick_only_notes_the_ack_of_what_was_published_last(tmp_path):
+    """An abort after promotion publishes 100% layered; the status says "applied" once the
+    data path ACKed it, without a window judged or an audit row written."""
+    target = RecordingTarget(layered=HEALTHY, spine=HEALTHY, auto_ack=False)
+    controller, _, clock = make_controller(str(tmp_path / "m.db"), target=target)
+    controller.start(three_stages(), OP)
+    controller.advance("all", OP)
+    controller.advance(None, OP)
+    aborted = controller.abort(OP, "new spine build")
+    assert aborted.state is State.ABORTED and aborted.spine_weight == 0 and not aborted.acked
+    rows = len(controller.store.audit())
+    run_windows(controller, clock, 2)
+    assert not controller.status.acked
+    target.ack(aborted.version)
+    run_windows(controller, clock, 2)
+    assert controller.status.acked and controller.status.state is State.ABORTED
+    assert len(controller.store.audit()) == rows and target.stats_calls == [] and controller.store.gate_history() == []
+
+
 @pytest.mark.parametrize("stage, message", [("nope", "unknown stage 'nope'"),
                                             ("logs", "use rollback to go back")])
 def test_advance_to_an_unknown_or_earlier_stage_is_refused(rig, stage, message):

@@ -61,7 +61,7 @@ def test_a_latency_gate_has_a_floor_and_may_ask_for_more_requests_than_the_plan(
     assert gate.describe() == "latency_p99_ratio max_ratio=1.2 min_delta_ms=20 min_requests=200 (dry run)"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "production.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "production.yaml", "rehearsal.yaml"])
 def test_the_shipped_plans_are_valid(name):
     plan = load_plan((PLANS / name).read_text())
     assert plan.stages[-1].spine_weight == 100

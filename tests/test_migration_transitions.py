@@ -24,7 +24,7 @@ from migration.transitions import COMMANDS, TRANSITIONS, Action, Effect, accepte
 
 OP = "walker@ops"
 APPLYING = {Effect.ENTER, Effect.ROLL_BACK, Effect.REAPPLY}  # effects that tell the data path
-TICK_WORK = {Effect.WATCH, Effect.PROGRESS, Effect.SETTLE}  # reconciling, no audit row of its own
+TICK_WORK = {Effect.WATCH, Effect.PROGRESS, Effect.SETTLE, Effect.NOTE_ACK}  # reconciling, no audit row of its own
 
 
 class Target(RecordingTarget):

@@ -11,10 +11,12 @@ stack is built) and is switched by the same `FaultHook` (`wrong_answers`).
 from __future__ import annotations
 
 import random
+import tempfile
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -89,3 +91,26 @@ class WrongAnswers:
         altered.temperature = 1.0
         altered.seed = zlib.crc32(request.prompt.encode())
         return altered
+
+
+# Faults `spine up --inject-fault NAME` can switch on: rehearsals and tests only.
+INJECTABLE = ("wrong-answers",)
+
+
+def injected_fault(name: str, config: Any, run_dir: Path | None) -> dict[str, Any]:
+    """`Stack` keyword arguments for a spine that runs with fault `name` switched on from its
+    start, for rehearsing the production path (`python -m spine.tools.rehearsal`) and tests:
+
+    - `wrong-answers`: the parity fault. The stack's model is the configured one wrapped in
+      `WrongAnswers`, switched on: greedy requests are sampled, every call succeeds, so only
+      the parity gate can tell. It applies wherever the model is placed local in the stack.
+    """
+    if name not in INJECTABLE:
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(INJECTABLE)}")
+    from monolith.device import DeviceContext
+    from services.registry import DEFAULT
+
+    device = DeviceContext.from_config(config)
+    # The model's factory takes a run directory but keeps nothing there.
+    model = DEFAULT["inference"].build(config, device, run_dir or Path(tempfile.gettempdir()))
+    return {"device": device, "local_servicers": {"inference": WrongAnswers(model, FaultHook(wrong_answers=True))}}

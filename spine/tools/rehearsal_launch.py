@@ -1,0 +1,182 @@
+"""The rehearsal's processes (`python -m spine.tools.rehearsal`): one config per role, the
+command line each runs (what `deploy/k8s/` runs), started in order on loopback and unix sockets."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from migration.plan import MIDDLEWARES
+from spine.runtime.config import dev_api_key, load_config, merge
+from spine.runtime.server import wait_serving
+from spine.tools.local_prometheus import LocalPrometheus
+from spine.tools.rehearsal_processes import (
+    Child,
+    Processes,
+    RehearsalError,
+    base_env,
+    command_line,
+    free_ports,
+)
+from spine.tools.rehearsal_report import SPINES
+from spine.v1 import migration_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+REHEARSAL_PLAN = ROOT / "deploy" / "plans" / "rehearsal.yaml"
+SECRET_ENV = "SPINE_INTERNAL_SECRET"
+
+
+@dataclass
+class Options:
+    plan_text: str = field(default_factory=REHEARSAL_PLAN.read_text)
+    config: Mapping[str, Any] | None = None  # laid under every process's config (e.g. a model)
+    clients: int = 2
+    rate: float = 8.0  # requests per second, per client
+    # Of its answers each spine mirrors to the layered side: all of them at a rehearsal's few
+    # requests per second, so every window of the parity gate has comparisons to judge.
+    shadow_share: float = 1.0
+    scrape_interval_s: float = 0.5
+    parity_run: bool = True
+    workdir: Path | None = None  # default: a fresh directory under /tmp, removed afterwards
+    keep: bool = False
+    start_timeout_s: float = 150.0  # for bringing everything up, and again for restarting the replicas
+    run_timeout_s: float = 150.0  # for each walk of the plan
+    echo: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
+
+
+class Launcher:
+    """Every process of the rehearsal: their configs, command lines and addresses, started in order."""
+
+    def __init__(self, options: Options, workdir: Path) -> None:
+        self.options = options
+        self.work = workdir
+        self._began = time.monotonic()
+        self.processes = Processes(workdir / "logs", env={SECRET_ENV: secrets.token_hex(24)} | base_env())
+        (self.ads_port, self.layered_port, self.layered_metrics_port, *spine_ports) = free_ports(3 + 2 * len(SPINES))
+        self.spine_ports = dict(zip(SPINES, spine_ports[:len(SPINES)], strict=True))
+        self.spine_metrics_ports = dict(zip(SPINES, spine_ports[len(SPINES):], strict=True))
+        self.ads = f"127.0.0.1:{self.ads_port}"
+        self.layered = f"127.0.0.1:{self.layered_port}"
+        self.controller_address = f"unix:{workdir / 'controller.sock'}"
+        self.admin_token = secrets.token_urlsafe(24)
+        self.prometheus: LocalPrometheus | None = None
+        self.controller: Child | None = None
+        self.spines: dict[str, Child] = {}
+        self.clients: list[Child] = []
+        self.base = load_config(overrides=options.config or {})
+        self.api_key = dev_api_key(self.base) or ""
+        self._channel: grpc.Channel | None = None
+        self._stub: migration_pb2_grpc.MigrationControlStub | None = None
+        self._phase = ("", 0.0, time.monotonic())  # (what, its budget in s, when it ends)
+
+    def begin_phase(self, what: str, budget_s: float) -> None:
+        """Every wait until the next phase shares one deadline: `budget_s` from now."""
+        self._phase = (what, budget_s, time.monotonic() + budget_s)
+
+    def left(self) -> float:
+        """Seconds left in the current phase (a little at least, so a last check still runs)."""
+        return max(0.1, self._phase[2] - time.monotonic())
+
+    def echo(self, text: str) -> None:
+        """Lines of the rehearsal's log, each with the seconds since it began (a leading newline:
+        a blank line first)."""
+        if text.startswith("\n"):
+            self.options.echo("")
+        for part in text.lstrip("\n").splitlines() or [""]:
+            self.options.echo(f"[{time.monotonic() - self._began:6.1f}s] {part}")
+
+    # -- configs -------------------------------------------------------------------------------
+
+    def write_configs(self) -> None:
+        """One config per role; each names only what differs from the default."""
+        layered_dir = self.work / "layered"
+        internal = {"secret_env": SECRET_ENV}
+        common = dict(self.options.config or {})
+        self.ratelimit_address = f"unix:{self.work / 'layered-ratelimit.sock'}"
+        layered = merge(common, {"internal": internal,
+                                 "metrics": {"http_listen": f"127.0.0.1:{self.layered_metrics_port}"},
+                                 # the layered stack's rate limiter is the one that follows the controller
+                                 "remote_addresses": {"ratelimit": self.ratelimit_address}})
+        (self.work / "layered.yaml").write_text(yaml.safe_dump(layered))
+        remote = {name: f"unix:{layered_dir / (name + '.sock')}" for name in MIDDLEWARES} | {
+            "ratelimit": self.ratelimit_address}
+        for name in SPINES:
+            spine = merge(common, {"internal": internal, "remote_addresses": remote,
+                                   "metrics": {"http_listen": f"127.0.0.1:{self.spine_metrics_ports[name]}"},
+                                   "shadow": {"share": self.options.shadow_share, "layered_address": self.layered}})
+            (self.work / f"{name}.yaml").write_text(yaml.safe_dump(spine))
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def start(self, name: str, argv: list[str], **kwargs: Any) -> Child:
+        self.echo(f"  $ {command_line(argv, self.work)}")
+        return self.processes.start(name, argv, **kwargs)
+
+    def start_prometheus(self) -> None:
+        jobs = {"layered": [f"127.0.0.1:{self.layered_metrics_port}"],
+                "spine": [f"127.0.0.1:{port}" for port in self.spine_metrics_ports.values()]}
+        # assigned before it starts, so that an interruption while it starts still stops it
+        self.prometheus = LocalPrometheus(self.work / "prometheus", jobs, self.options.scrape_interval_s)
+        self.prometheus.start(min(30.0, self.left()))
+        assert self.prometheus.process is not None
+        self.echo(f"  prometheus on {self.prometheus.url} (pid {self.prometheus.process.pid}), scraping every "
+                  f"{self.options.scrape_interval_s:g}s: job layered {jobs['layered']}, job spine {jobs['spine']}")
+
+    def start_controller(self) -> None:
+        token_file = self.work / "admin-token"
+        token_file.write_text(self.admin_token)
+        token_file.chmod(0o600)
+        assert self.prometheus is not None
+        argv = [sys.executable, "-m", "migration.runner", "--db", str(self.work / "rollout.db"),
+                "--listen", self.controller_address, "--admin-token-file", str(token_file), "--target", "xds",
+                "--xds-listen", self.ads, "--layered", self.layered,
+                *(arg for port in self.spine_ports.values() for arg in ("--spine", f"127.0.0.1:{port}")),
+                "--prometheus-url", self.prometheus.url,
+                "--min-spine-replicas", str(len(SPINES)), "--min-data-planes", str(self.options.clients)]
+        self.controller = self.start("controller", argv)
+        if not wait_serving(self.controller_address, timeout=self.left()):
+            raise self.controller.died() if not self.controller.alive() else RehearsalError(
+                "the controller did not serve in time")
+        self._channel = grpc.insecure_channel(self.controller_address)
+        self._stub = migration_pb2_grpc.MigrationControlStub(self._channel)
+
+    def start_layered(self) -> tuple[Child, Child]:
+        config = str(self.work / "layered.yaml")
+        limiter = self.start("layered-ratelimit", [
+            sys.executable, "-m", "spine.runtime.process", "ratelimit", "--listen", self.ratelimit_address,
+            "--config", config, "--run-dir", str(self.work / "layered-ratelimit"),
+            "--follow-controller", self.ads, "--node-id", "layered-ratelimit-1"])
+        stack = self.start("layered", [sys.executable, "-m", "spine", "--config", config, "up", "--layout", "layered",
+                                       "--listen", self.layered, "--run-dir", str(self.work / "layered")])
+        return limiter, stack
+
+    def start_spine(self, name: str, fault: str | None = None, generation: int = 1) -> Child:
+        argv = [sys.executable, "-m", "spine", "--config", str(self.work / f"{name}.yaml"), "up",
+                "--layout", "collapsed", "--listen", f"127.0.0.1:{self.spine_ports[name]}",
+                "--run-dir", str(self.work / f"{name}-{generation}"), "--follow-controller", self.ads,
+                "--node-id", name, *(("--inject-fault", fault) if fault else ())]
+        self.spines[name] = self.start(f"{name}-{generation}", argv)
+        return self.spines[name]
+
+    def start_clients(self) -> None:
+        for number in range(1, self.options.clients + 1):
+            node = f"proxyless-client-{number}"
+            bootstrap = {"xds_servers": [{"server_uri": self.ads, "channel_creds": [{"type": "insecure"}],
+                                          "server_features": ["xds_v3"]}],
+                         "node": {"id": node, "cluster": "rehearsal"}}
+            argv = [sys.executable, "-m", "spine.tools.rehearsal_client", "--token", self.api_key,
+                    "--rate", f"{self.options.rate:g}", "--prefix", node,
+                    "--duration-s", f"{2 * (self.options.start_timeout_s + self.options.run_timeout_s):g}"]
+            self.echo(f"  $ GRPC_XDS_BOOTSTRAP_CONFIG='{json.dumps(bootstrap)}' "
+                      f"{command_line(argv, self.work).replace(self.api_key, '$KEY')}")
+            self.clients.append(self.processes.start(node, argv, env={"GRPC_XDS_BOOTSTRAP_CONFIG":
+                                                                      json.dumps(bootstrap)}, pipes=True))

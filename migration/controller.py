@@ -394,7 +394,9 @@ class Controller:
             weight, placements = apply
             generation = before.generation + 1
             version = f"{new.plan_name}#{generation}"
-            self._target.apply(weight, dict(placements), version)
+            # Every apply carries the plan's route_header: rollback and abort keep the running
+            # plan's (the plan stays loaded), and a restart re-reads it from the persisted plan.
+            self._target.apply(weight, dict(placements), version, route_header=self._loaded().route_header)
             new = replace(new, generation=generation, version=version, spine_weight=weight,
                           placements=dict(placements), acked=False)
         stage = self._plan.stages[new.stage_index].name if self._plan else ""

@@ -30,7 +30,7 @@ GATE_OPTIONS: dict[str, tuple[str, ...]] = {
     "parity": ("min_requests",),
 }
 
-_PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "stages"}
+_PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "route_header", "stages"}
 _STAGE_KEYS = {
     "name", "spine_weight", "placements", "hold_s", "min_requests",
     "gates", "failure_limit", "manual_approval",
@@ -40,6 +40,9 @@ DEFAULT_MIN_WINDOW_REQUESTS = 20
 # A latency ratio fails only when the p99s are also this many ms apart: 0.25 ms against
 # 0.1 ms is a ratio of 2.5 and means nothing.
 DEFAULT_MIN_DELTA_MS = 5.0
+# `x-spine-route: layered|spine` forces a side while the plan runs: an operator's tool, on by
+# default (the local demo plans use it); a plan for clients that are not trusted turns it off.
+DEFAULT_ROUTE_HEADER = True
 
 
 class PlanError(ConfigError):
@@ -95,6 +98,8 @@ class Plan:
     min_window_requests: int
     source: str  # the YAML text as given: persisted, so a restart re-reads the same plan
     description: str = ""
+    # Whether the data path honours `x-spine-route` (forcing a side) while this plan runs.
+    route_header: bool = DEFAULT_ROUTE_HEADER
 
     def stage_index(self, name: str) -> int | None:
         for index, stage in enumerate(self.stages):
@@ -161,6 +166,7 @@ class _Checker:
         description = self.text(data, "description", "", required=False)
         window_s = self.number(data, "window_s", "", DEFAULT_WINDOW_S, minimum=0.0, exclusive=True)
         min_window = self.integer(data, "min_window_requests", "", DEFAULT_MIN_WINDOW_REQUESTS, minimum=0)
+        route_header = self.flag(data, "route_header", "", DEFAULT_ROUTE_HEADER)
         raw_stages = data.get("stages")
         stages: list[Stage] = []
         if not isinstance(raw_stages, list) or not raw_stages:
@@ -180,7 +186,7 @@ class _Checker:
                 stages.append(stage)
         if self.problems:
             return None
-        return Plan(name, tuple(stages), window_s, min_window, text, description)
+        return Plan(name, tuple(stages), window_s, min_window, text, description, route_header)
 
     def stage(self, raw: Any, path: str, index: int, previous: dict[str, str]) -> Stage | None:
         if not isinstance(raw, Mapping):
@@ -318,11 +324,11 @@ class _Checker:
             self.fail(where, f"must be at least {minimum}, got {value!r}")
         return value
 
-    def flag(self, raw: Mapping[str, Any], key: str, path: str) -> bool:
-        value = raw.get(key, False)
+    def flag(self, raw: Mapping[str, Any], key: str, path: str, default: bool = False) -> bool:
+        value = raw.get(key, default)
         if not isinstance(value, bool):
-            self.fail(f"{path}.{key}", f"must be true or false, got {value!r}")
-            return False
+            self.fail(f"{path}.{key}" if path else key, f"must be true or false, got {value!r}")
+            return default
         return value
 
 

@@ -25,6 +25,7 @@ class Applied:
     spine_weight: float
     placements: dict[str, str]
     version: str
+    route_header: bool = True  # what the plan said about `x-spine-route` (absent in older files)
 
 
 class RecordingTarget:
@@ -44,9 +45,10 @@ class RecordingTarget:
         self._acked: set[str] = set()
         self._lock = threading.Lock()
 
-    def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
+    def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
+              route_header: bool) -> None:
         with self._lock:
-            self.applies.append(Applied(spine_weight, dict(placements), version))
+            self.applies.append(Applied(spine_weight, dict(placements), version, route_header))
             if self.path is not None:
                 self._append(self.path, self.applies[-1])
 

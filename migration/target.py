@@ -26,8 +26,13 @@ class ShadowCapability:
 
 
 class TrafficTarget(Protocol):
-    def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
+    def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
+              route_header: bool) -> None:
         """Send `spine_weight`% of traffic to the spine, with the spine's middlewares placed so.
+
+        `route_header`: whether `x-spine-route: layered|spine` forces a side from now on (the
+        running plan's `route_header`); the controller passes it with every apply, a stage, a
+        rollback, an abort or the re-apply after a restart alike.
 
         Must return quickly (a rollback is applied within a second); data planes catch up
         asynchronously and report through `applied`.

@@ -63,13 +63,16 @@ class FrontTarget:
         self.parity = parity  # reads the front's shadow counters (its /metrics)
         self._lock = threading.Lock()
 
-    def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
+    def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
+              route_header: bool) -> None:
         with self._lock:
             self.spine.set_placements({name: placements[name] for name in MIDDLEWARES if name in placements})
             self._split_limits(spine_weight)
+            # The front and the xDS data planes honour `x-spine-route` as the plan says.
+            self.front.route_header = route_header
             self.front.set_weight(spine_weight)
             if self.xds is not None:
-                self.xds.set_spine_percent(spine_weight, version)
+                self.xds.set_spine_percent(spine_weight, version, route_header=route_header)
 
     def _split_limits(self, spine_weight: float) -> None:
         own = self.spine.placements.get("ratelimit") == "local"

@@ -40,20 +40,23 @@ class XdsTarget:
         # Likewise for the spine replicas that must hold the stage's placements.
         self.min_spine_replicas = min_spine_replicas
 
-    def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
-        self.plane.set_stage(spine_weight, placements, version)
+    def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
+              route_header: bool) -> None:
+        self.plane.set_stage(spine_weight, placements, version, route_header=route_header)
         local = [name for name, where in sorted(placements.items()) if where == "local"]
-        log.info("published %s: spine %.2f%%, spine placements local: %s", version, spine_weight,
-                 ", ".join(local) or "none")
+        log.info("published %s: spine %.2f%%, spine placements local: %s, x-spine-route %s", version,
+                 spine_weight, ", ".join(local) or "none", "honoured" if route_header else "ignored")
 
     def serve_stable(self) -> None:
         """Before any rollout has moved traffic (nothing published once the controller has
         re-applied what it recorded): serve the stable state, 100% layered, so a data plane
         that connects before any plan reaches a backend. Spine replicas keep their own
-        placements; layered rate limiters hold the whole limit between them."""
+        placements; layered rate limiters hold the whole limit between them. No plan says
+        otherwise, so `x-spine-route` forces nothing: every request goes to the layered side."""
         if self.plane.version is None:
-            self.plane.set_stage(0.0, None, STABLE_VERSION)
-            log.info("published %s: 100%% layered (no rollout has started)", STABLE_VERSION)
+            self.plane.set_stage(0.0, None, STABLE_VERSION, route_header=False)
+            log.info("published %s: 100%% layered, x-spine-route ignored (no rollout has started)",
+                     STABLE_VERSION)
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
         return self.metrics.window("layered", since), self.metrics.window("spine", since), self.metrics.parity(since)

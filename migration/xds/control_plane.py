@@ -58,6 +58,7 @@ class XdsControlPlane:
         self._endpoints: dict[str, list[Endpoint]] = {LAYERED: [], SPINE: []}
         self._endpoints.update({name: list(eps) for name, eps in (endpoints or {}).items()})
         self._weights: dict[str, int] | None = None
+        self._route_header = False  # what the last stage said about `x-spine-route`
         self._version: str | None = None
         self._endpoint_updates = 0
         self._server: grpc.Server | None = None
@@ -92,28 +93,35 @@ class XdsControlPlane:
         self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
         return self.address
 
-    def set_weights(self, layered: int, spine: int, version: str) -> Snapshot:
-        """Publish the split `layered`:`spine` as `version` (ConfigError if it cannot be served)."""
+    def set_weights(self, layered: int, spine: int, version: str, *, route_header: bool = False) -> Snapshot:
+        """Publish the split `layered`:`spine` as `version` (ConfigError if it cannot be served).
+
+        `route_header`: whether `x-spine-route: layered|spine` forces a side (header-matched
+        routes before the weighted one); off unless a plan turns it on."""
         with self._lock:
             snapshot = build_snapshot(
-                self.service, {LAYERED: layered, SPINE: spine}, self._endpoints, version
+                self.service, {LAYERED: layered, SPINE: spine}, self._endpoints, version,
+                route_header=route_header,
             )
             self.cache.set_snapshot(self.node_id, snapshot)
             self._weights = {LAYERED: layered, SPINE: spine}
+            self._route_header = route_header
             self._version = version
         return snapshot
 
-    def set_spine_percent(self, spine_weight: float, version: str) -> Snapshot:
+    def set_spine_percent(self, spine_weight: float, version: str, *, route_header: bool = False) -> Snapshot:
         """Publish weights given as the spine's share in percent (0-100, fractions allowed).
 
         Weights are sent in hundredths of a percent so a 0.5 % canary is exact.
         """
-        return self.set_weights(*_weights(spine_weight), version)
+        return self.set_weights(*_weights(spine_weight), version, route_header=route_header)
 
-    def set_stage(self, spine_weight: float, placements: Mapping[str, str] | None, version: str) -> Snapshot:
+    def set_stage(self, spine_weight: float, placements: Mapping[str, str] | None, version: str, *,
+                  route_header: bool = False) -> Snapshot:
         """Publish a whole stage as `version`: its weights to every data plane, its placements
         and rate-limit shares to every follower (`placements` None: the stable state, in which a
-        spine keeps its own). The call behind the controller's `TrafficTarget.apply`.
+        spine keeps its own). The call behind the controller's `TrafficTarget.apply`;
+        `route_header` is the running plan's (whether `x-spine-route` routes are published).
 
         Checked before anything is published (a stage that cannot be served changes nothing);
         followers get theirs first, so a spine has its placements by the time data planes that
@@ -121,10 +129,12 @@ class XdsControlPlane:
         """
         layered, spine = _weights(spine_weight)
         with self._lock:
-            snapshot = build_snapshot(self.service, {LAYERED: layered, SPINE: spine}, self._endpoints, version)
+            snapshot = build_snapshot(self.service, {LAYERED: layered, SPINE: spine}, self._endpoints, version,
+                                      route_header=route_header)
             self.followers.set_stage(spine_weight, placements, version)
             self.cache.set_snapshot(self.node_id, snapshot)
             self._weights = {LAYERED: layered, SPINE: spine}
+            self._route_header = route_header
             self._version = version
         return snapshot
 
@@ -143,7 +153,8 @@ class XdsControlPlane:
                 return None
             self._endpoint_updates += 1
             version = version or f"{self._version}+e{self._endpoint_updates}"
-            snapshot = build_snapshot(self.service, self._weights, self._endpoints, version)
+            snapshot = build_snapshot(self.service, self._weights, self._endpoints, version,
+                                      route_header=self._route_header)
             self.cache.set_snapshot(self.node_id, snapshot)
             self._version = version
             return snapshot

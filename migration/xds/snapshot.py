@@ -22,6 +22,7 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf import message as pb_message
 
@@ -42,6 +43,8 @@ TYPE_NAMES = {LISTENER: "LDS", ROUTE: "RDS", CLUSTER: "CDS", ENDPOINT: "EDS", ST
 
 LAYERED = "layered"
 SPINE = "spine"
+# The header that forces a side (`layered` or `spine`) where the plan lets it (`route_header`).
+ROUTE_HEADER = "x-spine-route"
 # gRPC refuses a weighted_clusters total above uint32; Envoy the same.
 MAX_TOTAL_WEIGHT = 2**32 - 1
 
@@ -172,12 +175,18 @@ def build_listener(service: str, route_name: str) -> listener_pb2.Listener:
     return listener
 
 
-def build_route(route_name: str, weights: Mapping[str, int]) -> route_pb2.RouteConfiguration:
+def build_route(route_name: str, weights: Mapping[str, int], *,
+                route_header: bool = False) -> route_pb2.RouteConfiguration:
     """One catch-all route splitting by weight. Weight-0 clusters stay in the list so that
-    shifting back to them is a weight change, not a new cluster (no reconnect)."""
+    shifting back to them is a weight change, not a new cluster (no reconnect).
+
+    With `route_header`, one route per cluster comes first, matching `x-spine-route: <cluster>`
+    exactly and sending the request there whatever the weights (the operator's tool for forcing
+    a side); without it a client's `x-spine-route` matches nothing and the weights decide."""
     action = route_components_pb2.RouteAction()
     for name, weight in weights.items():
         action.weighted_clusters.clusters.add(name=name, weight=wrappers_pb2.UInt32Value(value=weight))
+    forced = [_forced_route(name) for name in sorted(weights)] if route_header else []
     return route_pb2.RouteConfiguration(
         name=route_name,
         virtual_hosts=[
@@ -185,12 +194,24 @@ def build_route(route_name: str, weights: Mapping[str, int]) -> route_pb2.RouteC
                 name=route_name,
                 domains=["*"],
                 routes=[
+                    *forced,
                     route_components_pb2.Route(
                         match=route_components_pb2.RouteMatch(prefix=""), route=action
-                    )
+                    ),
                 ],
             )
         ],
+    )
+
+
+def _forced_route(cluster: str) -> route_components_pb2.Route:
+    """`x-spine-route: <cluster>` (exact) → `cluster`."""
+    header = route_components_pb2.HeaderMatcher(
+        name=ROUTE_HEADER, string_match=string_pb2.StringMatcher(exact=cluster))
+    return route_components_pb2.Route(
+        name=f"{ROUTE_HEADER}={cluster}",
+        match=route_components_pb2.RouteMatch(prefix="", headers=[header]),
+        route=route_components_pb2.RouteAction(cluster=cluster),
     )
 
 
@@ -244,15 +265,19 @@ def build_snapshot(
     weights: Mapping[str, int],
     endpoints: Mapping[str, Sequence[Endpoint]],
     version: str,
+    *,
+    route_header: bool = False,
 ) -> Snapshot:
-    """All resources for `xds:///<service>` at one stage, checked for consistency."""
+    """All resources for `xds:///<service>` at one stage, checked for consistency.
+
+    `route_header`: whether the route honours `x-spine-route` (see `build_route`)."""
     if not service:
         raise ConfigError("service: must be a non-empty listener name")
     check_weights(weights)
     route_name = f"{service}-route"
     resources: dict[str, dict[str, pb_message.Message]] = {
         LISTENER: {service: build_listener(service, route_name)},
-        ROUTE: {route_name: build_route(route_name, weights)},
+        ROUTE: {route_name: build_route(route_name, weights, route_header=route_header)},
         CLUSTER: {name: build_cluster(name) for name in endpoints},
         ENDPOINT: {name: build_load_assignment(name, eps) for name, eps in endpoints.items()},
     }
@@ -267,6 +292,7 @@ __all__ = [
     "LAYERED",
     "LISTENER",
     "ROUTE",
+    "ROUTE_HEADER",
     "SPINE",
     "STAGE",
     "TYPE_NAMES",

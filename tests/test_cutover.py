@@ -64,7 +64,7 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine
     assert cutover.target is not None and cutover.front is not None
     placements = {name: "local" for name in ("logs", "metrics", "cache", "router", "auth")}
     placements["ratelimit"] = spine_ratelimit
-    cutover.target.apply(50, placements, f"split-{spine_ratelimit}")
+    cutover.target.apply(50, placements, f"split-{spine_ratelimit}", route_header=True)
     try:
         sides: dict[str, int] = {"layered": 0, "spine": 0}
         admitted = 0
@@ -79,7 +79,8 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine
         assert sides["layered"] > 10 and sides["spine"] > 10, sides
         assert 0 < admitted <= 20, f"{admitted} admitted across both layouts; the limit is 20"
     finally:
-        cutover.target.apply(0, {name: "remote" for name in placements}, f"split-{spine_ratelimit}-back")
+        cutover.target.apply(0, {name: "remote" for name in placements}, f"split-{spine_ratelimit}-back",
+                             route_header=True)
         # Copies of these requests find the other side's share of the bucket spent: rate-limit
         # mismatches by design. Let them land here, and the parity source take its totals
         # after them, not in the next test's first window.

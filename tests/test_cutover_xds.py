@@ -59,7 +59,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cutover, sub
     client: subprocess.Popen[str] | None = None
     try:
         assert cutover.target is not None and cutover.xds is not None and cutover.xds.address
-        cutover.target.apply(0, ALL_REMOTE, "stage-0")
+        cutover.target.apply(0, ALL_REMOTE, "stage-0", route_header=True)
         bootstrap = {
             "xds_servers": [{"server_uri": cutover.xds.address, "channel_creds": [{"type": "insecure"}],
                              "server_features": ["xds_v3"]}],
@@ -91,7 +91,7 @@ def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
     assert cutover.target is not None and cutover.xds is not None
     assert calls(client, 10) == {"layered": 10}
 
-    cutover.target.apply(100, ALL_LOCAL, "stage-full")
+    cutover.target.apply(100, ALL_LOCAL, "stage-full", route_header=True)
     deadline = time.monotonic() + 10
     while not cutover.target.applied("stage-full") and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -105,7 +105,7 @@ def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
             break
     assert seen == {"collapsed": 5}, seen
 
-    cutover.target.apply(0, ALL_REMOTE, "stage-back")  # rollback
+    cutover.target.apply(0, ALL_REMOTE, "stage-back", route_header=True)  # rollback
     deadline = time.monotonic() + 10
     while not cutover.target.applied("stage-back") and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -124,7 +124,7 @@ def test_a_nack_is_shown_in_migrate_status_and_traffic_stays_on_the_last_good_ve
 
     cutover, client = rig
     assert cutover.target is not None and cutover.xds is not None and cutover.controller is not None
-    cutover.target.apply(0, ALL_REMOTE, "good")
+    cutover.target.apply(0, ALL_REMOTE, "good", route_header=True)
     deadline = time.monotonic() + 10
     while not cutover.target.applied("good") and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -172,7 +172,7 @@ def test_a_spine_that_cannot_run_its_model_is_failed_over_and_sent_unhealthy(
     assert cutover.spine.deep_health is not None
     # ratelimit stays shared: with the spine's own limiter at 100% the layered side keeps only
     # a sliver of every limit, and failed-over requests would be refused until the rollback.
-    cutover.target.apply(100, {**ALL_LOCAL, "ratelimit": "remote"}, "health-full")
+    cutover.target.apply(100, {**ALL_LOCAL, "ratelimit": "remote"}, "health-full", route_header=True)
     model = cutover.spine.local_servicers["inference"].backend.model
 
     def broken_device(*_: object) -> None:

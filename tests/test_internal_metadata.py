@@ -3,7 +3,8 @@
 - `x-spine-shadow` (shadow copies: rate limit dry run, no cache write) is honoured only when
   it is the front's signed mark for that request; a client's "1", a mark signed with another
   key, or an old one changes nothing, in either layout.
-- `x-spine-route` (forcing a side) is an operator's tool the front can turn off.
+- `x-spine-route` (forcing a side) is an operator's tool the front can turn off, and does
+  so when the running plan says `route_header: false`.
 - The front passes no `x-spine-*` key from a client on to a side.
 - A client's `traceparent` cannot switch tracing on (it is a link, not a parent).
 """
@@ -19,6 +20,9 @@ import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from migration.controller import Controller
+from migration.plan import load_plan
+from migration.traffic.cutover import FrontTarget
 from migration.traffic.front import Front
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow, shadow_mark
 from services.registry import GATEWAY
@@ -113,6 +117,38 @@ def test_the_route_header_is_ignored_when_the_front_turns_it_off(sides: dict[str
                                         headers={"x-spine-route": "spine"}).trailing["x-spine-side"]
                         for i in range(3)}
         assert seen == expected
+
+
+ALL_LOCAL_PLAN = """\
+name: all-spine
+route_header: {route_header}
+stages:
+  - name: all
+    spine_weight: 100
+    placements: {{logs: local, metrics: local, cache: local, router: local, ratelimit: local, auth: local}}
+    hold_s: 600
+"""
+
+
+@pytest.mark.parametrize("route_header", [False, True])
+def test_the_front_honours_the_route_header_as_the_running_plan_says(sides: dict[str, Stack], tmp_path: Path,
+                                                                     route_header: bool) -> None:
+    """A real controller starts a plan at 100% spine on the built-in front (constructed with the
+    opposite setting): `x-spine-route: layered` reaches the layered side only if the plan allows it."""
+    front = Front({side: stack.address for side, stack in sides.items()}, route_header=not route_header,
+                  rng=random.Random(1))
+    controller = Controller.open(str(tmp_path / "rollout.db"), FrontTarget(front, sides["spine"]))
+    try:
+        controller.start(load_plan(ALL_LOCAL_PLAN.format(route_header=str(route_header).lower())), "test")
+        assert front.route_header is route_header and front.spine_weight == 100
+        for address in serve_front(front):
+            with GatewayClient(address, DEV_KEY) as client:
+                seen = {client.generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"p{i}", max_tokens=1),
+                                        headers={"x-spine-route": "layered"}).trailing["x-spine-side"]
+                        for i in range(3)}
+        assert seen == ({"layered"} if route_header else {"spine"})
+    finally:
+        controller.close()
 
 
 def test_the_front_passes_no_internal_header_from_a_client_to_a_side(sides: dict[str, Stack]) -> None:

@@ -287,7 +287,8 @@ def test_resume_after_a_rollback_retries_the_stage_that_rolled_back(rig):
 
 def test_a_failed_apply_changes_nothing(tmp_path):
     class Broken(RecordingTarget):
-        def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
+        def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
+                  route_header: bool) -> None:
             raise ConnectionError("front unreachable")
 
     controller, _, _ = make_controller(str(tmp_path / "m.db"), target=Broken())
@@ -442,6 +443,28 @@ def test_reopening_reapplies_the_persisted_stage_and_continues_its_hold(tmp_path
     assert reopened.status.state is State.PROGRESSING
     reopened.tick(clock.advance(1))
     assert reopened.status.state is State.AWAITING_APPROVAL
+
+
+def test_every_apply_carries_the_plans_route_header_across_a_restart(tmp_path):
+    """Stage, rollback, resume, abort and the re-apply after a restart all hand the data path
+    the running plan's `route_header`; without the field it is on (the operator's tool)."""
+    closed = load_plan("route_header: false\n" + THREE_STAGES)
+    db = str(tmp_path / "m.db")
+    controller, target, clock = make_controller(db)
+    controller.start(closed, OP)
+    controller.advance("cache", OP)
+    controller.rollback(OP)
+    controller.resume(OP, "fixed")
+    controller.close()
+    reopened, after_restart, _ = make_controller(db, clock=clock)
+    reopened.abort(OP)
+    assert [a.route_header for a in target.applies] == [False] * 4
+    assert [(a.spine_weight, a.route_header) for a in after_restart.applies] == [(50, False), (0, False)]
+
+    controller, target, _ = make_controller(str(tmp_path / "open.db"))
+    controller.start(three_stages(), OP)
+    controller.abort(OP)
+    assert [a.route_header for a in target.applies] == [True, True]
 
 
 def test_reopening_a_paused_rollout_stays_paused(tmp_path):

@@ -77,6 +77,23 @@ def test_the_production_plan_collapses_observability_first_and_auth_last_with_ap
     assert all(s.hold_s and s.hold_s >= 60 for s in plan.stages)
 
 
+def test_route_header_is_on_unless_the_plan_turns_it_off():
+    assert load_plan(VALID).route_header is True
+    assert load_plan(VALID.replace("window_s: 2\n", "window_s: 2\nroute_header: true\n")).route_header is True
+    assert load_plan(VALID.replace("window_s: 2\n", "window_s: 2\nroute_header: false\n")).route_header is False
+
+
+@pytest.mark.parametrize("value", ["maybe", "1", "'false'", "[spine]"])
+def test_a_route_header_that_is_not_true_or_false_names_its_line(value):
+    [problem] = problems(VALID.replace("window_s: 2\n", f"window_s: 2\nroute_header: {value}\n"))
+    assert problem.startswith("route_header (line 3): must be true or false, got "), problem
+
+
+def test_production_does_not_let_clients_force_a_side():
+    assert load_plan((PLANS / "production.yaml").read_text()).route_header is False
+    assert load_plan((PLANS / "demo.yaml").read_text()).route_header is True  # the local operator's tool
+
+
 def test_an_out_of_range_weight_names_field_line_and_value():
     text = VALID.replace("spine_weight: 50", "spine_weight: 150")
     assert problems(text) == ["stages[1].spine_weight (line 13): must be between 0 and 100, got 150"]

@@ -34,10 +34,11 @@ class Target(RecordingTarget):
         super().__init__(layered=HEALTHY, spine=HEALTHY, auto_ack=False)
         self.broken = False
 
-    def apply(self, spine_weight: float, placements: dict[str, str], version: str) -> None:
+    def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
+              route_header: bool) -> None:
         if self.broken:
             raise ConnectionError("data path unreachable")
-        super().apply(spine_weight, placements, version)
+        super().apply(spine_weight, placements, version, route_header=route_header)
 
 
 class Rig:

@@ -19,8 +19,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.type.matcher.v3 import string_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from migration.controller import Controller
+from migration.gates import ParityStats, WindowStats
+from migration.plan import load_plan
+from migration.target import ShadowCapability
+from migration.traffic.xds_target import XdsTarget
+from migration.xds import Endpoint, XdsControlPlane
+from migration.xds.snapshot import ROUTE
 from spine.runtime.config import placements_for
 from spine.runtime.server import wait_serving
 from spine.runtime.stack import Stack
@@ -78,6 +87,68 @@ def test_the_controller_walks_a_plan_on_promql_from_a_real_prometheus(sides: dic
         metrics = ["--prometheus-url", prometheus.url,
                    "--layered-selector", 'job="layered"', "--spine-selector", 'job="spine"']
         walk_plan(sides, tmp_path, metrics, PROMQL_PLAN)
+
+
+class NoMetrics:
+    """A MetricsSource that reads nothing: these tests only look at what is published."""
+
+    def window(self, side: str, since: float) -> WindowStats:
+        return WindowStats(0, 0, 0.0, missing="not read")
+
+    def parity(self, since: float) -> ParityStats:
+        return ParityStats(0, 0, missing="not read")
+
+    def shadow_exported(self) -> ShadowCapability:
+        return ShadowCapability(True, "not read")
+
+    def close(self) -> None:
+        pass
+
+
+def forced_routes(plane: XdsControlPlane) -> dict[str, list[route_components_pb2.HeaderMatcher]]:
+    """Cluster → header matchers of every route that matches on a header, as published."""
+    snapshot = plane.cache.get("proxyless-client")
+    assert snapshot is not None
+    (route,) = snapshot.of_type(ROUTE).values()
+    assert isinstance(route, route_pb2.RouteConfiguration)
+    (vhost,) = route.virtual_hosts
+    assert vhost.routes[-1].route.HasField("weighted_clusters") and not vhost.routes[-1].match.headers
+    return {r.route.cluster: list(r.match.headers) for r in vhost.routes if r.match.headers}
+
+
+def header(side: str) -> route_components_pb2.HeaderMatcher:
+    return route_components_pb2.HeaderMatcher(name="x-spine-route", string_match=string_pb2.StringMatcher(exact=side))
+
+
+@pytest.mark.parametrize("route_header", [True, False])
+def test_the_xds_route_follows_the_plans_route_header_across_a_restart(tmp_path: Path, route_header: bool) -> None:
+    """A real controller on sqlite and a real control plane: the stable state forces nothing;
+    the plan's `route_header` decides whether `x-spine-route` routes are published, at its
+    stage and again when a restarted controller re-applies it; a rollback keeps it."""
+    endpoints = {"layered": [Endpoint("127.0.0.1", 7001)], "spine": [Endpoint("127.0.0.1", 7002)]}
+    plan = load_plan(f"route_header: {str(route_header).lower()}\n" + PLAN)
+    expected = {side: [header(side)] for side in ("layered", "spine")} if route_header else {}
+    db = str(tmp_path / "rollout.db")
+    for run in ("first", "restarted"):
+        plane = XdsControlPlane("spine-gateway", endpoints)
+        target = XdsTarget(plane, NoMetrics(), min_spine_replicas=0)
+        controller = Controller.open(db, target)
+        if run == "first":
+            target.serve_stable()
+            assert plane.version == "stable" and forced_routes(plane) == {}
+            controller.start(plan, "test")
+        else:
+            assert plane.version == controller.status.version  # re-applied on open
+        assert forced_routes(plane) == expected, run
+        controller.close()
+        target.close()
+    plane = XdsControlPlane("spine-gateway", endpoints)
+    target = XdsTarget(plane, NoMetrics())
+    controller = Controller.open(db, target)
+    controller.rollback("test")
+    assert controller.status.spine_weight == 0 and forced_routes(plane) == expected
+    controller.close()
+    target.close()
 
 
 # The data plane: a stock gRPC client on `xds:///spine-gateway`, nothing but grpcio and the

@@ -7,9 +7,10 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
-from envoy.config.route.v3 import route_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+from envoy.type.matcher.v3 import string_pb2
 
 from migration.xds import Endpoint, Snapshot, build_snapshot
 from migration.xds.snapshot import CLUSTER, ENDPOINT, LISTENER, ROUTE, build_cluster, build_route
@@ -46,6 +47,33 @@ def test_route_splits_by_weight_and_keeps_zero_weight_clusters() -> None:
     assert r.match.HasField("prefix") and r.match.prefix == ""
     weights = {c.name: c.weight.value for c in r.route.weighted_clusters.clusters}
     assert weights == {"layered": 0, "spine": 100}
+
+
+def test_with_the_route_header_on_an_exact_x_spine_route_match_comes_before_the_weights() -> None:
+    snap = build_snapshot("spine-gateway", {"layered": 10_000, "spine": 0}, ENDPOINTS, "v1", route_header=True)
+    snap.check()
+    route = snap.of_type(ROUTE)["spine-gateway-route"]
+    assert isinstance(route, route_pb2.RouteConfiguration)
+    (vhost,) = route.virtual_hosts
+    *forced, catch_all = vhost.routes
+    expected = {side: route_components_pb2.HeaderMatcher(
+        name="x-spine-route", string_match=string_pb2.StringMatcher(exact=side)) for side in ("layered", "spine")}
+    assert {r.route.cluster: list(r.match.headers) for r in forced} == {
+        side: [matcher] for side, matcher in expected.items()}
+    assert all(r.match.prefix == "" and not r.route.HasField("weighted_clusters") for r in forced)
+    assert not catch_all.match.headers
+    assert {c.name: c.weight.value for c in catch_all.route.weighted_clusters.clusters} == {
+        "layered": 10_000, "spine": 0}
+
+
+def test_with_the_route_header_off_only_the_weights_decide() -> None:
+    for snap in (snapshot(), build_snapshot("spine-gateway", {"layered": 1, "spine": 1}, ENDPOINTS, "v1",
+                                            route_header=False)):
+        route = snap.of_type(ROUTE)["spine-gateway-route"]
+        assert isinstance(route, route_pb2.RouteConfiguration)
+        (vhost,) = route.virtual_hosts
+        (only,) = vhost.routes
+        assert not only.match.headers and only.route.HasField("weighted_clusters")
 
 
 def test_clusters_are_eds_over_ads_round_robin() -> None:

@@ -1,4 +1,5 @@
-"""A stock gRPC client (`xds:///spine-gateway`) follows the control plane's weights.
+"""A stock gRPC client (`xds:///spine-gateway`) follows the control plane's weights, and
+`x-spine-route` only where the stage turns the route header on.
 
 The client runs in a subprocess: gRPC reads GRPC_XDS_BOOTSTRAP_CONFIG once per process, and the
 bootstrap must point at this test's control plane. The backends answer with their own name, so
@@ -38,9 +39,9 @@ who = channel.unary_unary("/spine.test.Echo/Who")
 grpc.channel_ready_future(channel).result(timeout=20)
 background = None
 
-def call(counts):
+def call(counts, metadata=None):
     try:
-        name = who(b"", timeout=5).decode()
+        name = who(b"", timeout=5, metadata=metadata).decode()
     except grpc.RpcError as err:
         counts.setdefault("errors", []).append(str(err.code()))
         return None
@@ -59,9 +60,9 @@ reply({"ready": True})
 for line in sys.stdin:
     cmd = json.loads(line)
     if cmd["cmd"] == "count":
-        counts = {}
+        counts, metadata = {}, [tuple(pair) for pair in cmd.get("metadata", [])]
         for _ in range(cmd["n"]):
-            call(counts)
+            call(counts, metadata)
         reply(counts)
     elif cmd["cmd"] == "until":
         # Calls until `window` consecutive ones land on `backend`; how long that took.
@@ -114,8 +115,8 @@ class Rig:
             time.sleep(0.005)
         return False
 
-    def shift(self, layered: int, spine: int, version: str) -> None:
-        self.plane.set_weights(layered, spine, version)
+    def shift(self, layered: int, spine: int, version: str, *, route_header: bool = False) -> None:
+        self.plane.set_weights(layered, spine, version, route_header=route_header)
         assert self.plane.wait_acked(version, timeout=10, min_nodes=1), self.plane.status()
 
 
@@ -203,6 +204,17 @@ def test_no_rpc_fails_during_ten_back_and_forth_shifts(rig: Rig) -> None:
             assert rig.wait_seen(side, before + 20), rig.ask(cmd="seen")
     counts = rig.ask(cmd="stop")
     assert counts.get("errors", []) == [], counts
+
+
+def test_x_spine_route_reaches_a_weight_0_spine_only_with_the_route_header_on(rig: Rig) -> None:
+    forced = [["x-spine-route", "spine"]]
+    rig.shift(100, 0, "route-header-on", route_header=True)
+    rig.ask(cmd="count", n=50, metadata=forced)  # the ACK precedes the channel applying it by a few calls
+    assert rig.ask(cmd="count", n=100, metadata=forced) == {"spine": 100}
+    assert rig.ask(cmd="count", n=100) == {"layered": 100}
+    rig.shift(100, 0, "route-header-off", route_header=False)
+    rig.ask(cmd="count", n=50, metadata=forced)
+    assert rig.ask(cmd="count", n=100, metadata=forced) == {"layered": 100}
 
 
 def test_rejected_route_is_nacked_and_traffic_stays_on_last_good_version(rig: Rig) -> None:

@@ -38,7 +38,8 @@ PARTS = (("model", ("services/model/",)), ("pipeline", ("services/pipeline/", "m
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
-    parser.add_argument("--layout", default="collapsed", choices=sorted(SPINE_LAYOUT))
+    parser.add_argument("--layout", default="collapsed", choices=["bare", *sorted(SPINE_LAYOUT)],
+                        help="bare: the model service alone, the baseline the others are compared with")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -58,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     target = launch(args.layout, run_dir, config)
     try:
         address = target.wait_ready(120)
-        endpoint = Endpoint(address, gateway=True, token="spine-dev-key-0000")
+        endpoint = Endpoint(address, gateway=args.layout != "bare", token="spine-dev-key-0000")
         requests = requests_for(prompts("profile", 200_000), args.max_tokens)
         run_batch(endpoint, requests[:200], concurrency=args.concurrency, time_limit_s=10)  # warm up
-        raw = run_dir / "profile.raw"
+        raw = args.out / "profile.raw"  # kept beside the flame graph: grep it for any function
         svg = args.out / "profile.svg"
         common = ["record", "--pid", str(target.pid), "--duration", str(int(args.seconds)), "--rate", "250",
                   "--subprocesses", "--nonblocking"]

@@ -13,14 +13,12 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
-    StrictStr,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
 from services.config_model import AutoOrCount, Float, Items, NonEmptyStr, Section, problem
-from services.prometheus_http import parse_listen
+from services.prometheus_http import ListenAddress
 
 Count = Annotated[StrictInt, Field(ge=1)]
 
@@ -67,21 +65,13 @@ class InferenceConfig(Section):
     health_interval_s: Annotated[Float, Field(ge=0.01)] = 1.0
     health_timeout_s: Annotated[Float, Field(ge=0.01)] = 2.0
     prefix_cache: StrictBool = True  # keep a shared system prompt's KV once (paged caches)
-    metrics_listen: StrictStr = "127.0.0.1:0"  # its own /metrics where the metrics component is elsewhere
+    metrics_listen: ListenAddress = "127.0.0.1:0"  # its own /metrics where the metrics component is elsewhere
     # More models served beside this one, each with its own weights, KV pool, scheduler and
     # load hint (`services.inference_models`). A block names its `model_id` and may set any
     # key above; the serving controls it leaves out are this section's, but never the model
     # itself (`backend` and `seed` are the block's own, default the embedded model).
     models: Items[InferenceConfig] = ()
 
-    @field_validator("metrics_listen")
-    @classmethod
-    def _listen_parses(cls, listen: str) -> str:
-        try:
-            parse_listen(listen)
-        except ValueError as exc:
-            raise problem(str(exc)) from None
-        return listen
 
     @model_validator(mode="before")
     @classmethod

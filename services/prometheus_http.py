@@ -16,11 +16,14 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Annotated, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
+from pydantic import AfterValidator
+
+from services.config_model import NonEmptyStr, problem
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -35,6 +38,19 @@ def parse_listen(listen: str) -> tuple[str, int]:
         host = host[1:-1]
     return host, port
 
+
+
+def _listen_checked(listen: str) -> str:
+    try:
+        parse_listen(listen)
+    except ValueError as exc:
+        raise problem(str(exc)) from None
+    return listen
+
+
+# A config key naming a HOST:PORT to listen on: checked when the config is read (a typo is
+# one line at start, exit 2, not a failed bind after children have started).
+ListenAddress = Annotated[NonEmptyStr, AfterValidator(_listen_checked)]
 
 def is_loopback(host: str) -> bool:
     """True for localhost and loopback IPs (127.0.0.0/8, ::1)."""

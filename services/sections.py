@@ -17,7 +17,6 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
-    StrictStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -25,7 +24,7 @@ from pydantic import (
 )
 
 from services.config_model import Float, Items, NonEmptyStr, Section, Table, problem
-from services.prometheus_http import is_loopback, parse_listen
+from services.prometheus_http import ListenAddress, is_loopback, parse_listen
 
 # --- ratelimit ----------------------------------------------------------------------------
 
@@ -190,20 +189,12 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
 class MetricsConfig(Section):
     """The `metrics` section. Loopback only unless `allow_external`: metrics name tenants."""
 
-    http_listen: StrictStr = "127.0.0.1:0"
+    http_listen: ListenAddress = "127.0.0.1:0"
     allow_external: StrictBool = False
     buckets: Annotated[tuple[Annotated[Float, Field(gt=0)], ...], Field(json_schema_extra={"minItems": 1})] = (
         DEFAULT_BUCKETS)
     initial_series: Annotated[StrictInt, Field(ge=1)] = 64
 
-    @field_validator("http_listen")
-    @classmethod
-    def _listen_parses(cls, listen: str) -> str:
-        try:
-            parse_listen(listen)
-        except ValueError as exc:
-            raise problem(str(exc)) from None
-        return listen
 
     @field_validator("buckets")
     @classmethod

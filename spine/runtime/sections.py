@@ -23,12 +23,11 @@ from pydantic import (
     ValidationError,
     WrapValidator,
     create_model,
-    field_validator,
     model_validator,
 )
 
 from services.config_model import Float, Items, NonEmptyStr, Section, problem
-from services.prometheus_http import parse_listen
+from services.prometheus_http import ListenAddress
 
 Placement = Literal["local", "remote"]
 PLACEMENT_NAMES: tuple[str, ...] = ("local", "remote")
@@ -129,17 +128,8 @@ class EnvoyApiConfig(Section):
     enabled: StrictBool = True
     # None: on the Gateway's listener. HOST:PORT: a second listener for them alone (loopback
     # unless --allow-external), e.g. for an Envoy that must not reach the Gateway API.
-    listen: NonEmptyStr | None = None
+    listen: ListenAddress | None = None
 
-    @field_validator("listen")
-    @classmethod
-    def _listen_parses(cls, listen: str | None) -> str | None:
-        if listen is not None:
-            try:
-                parse_listen(listen)
-            except ValueError as exc:
-                raise problem(str(exc)) from None
-        return listen
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> EnvoyApiConfig:

@@ -185,7 +185,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     # -- plumbing ------------------------------------------------------------------
     def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, stream: bool) -> tuple[Job, int]:
-        context.set_trailing_metadata(self._load_metadata())
+        # No load hint set here: every refusal goes through `_abort`, which sets it, and an
+        # answer sets it at its end (one load report per request, not two).
         if request.model != self.config.model_id:
             self._abort(context, grpc.StatusCode.NOT_FOUND,
                         f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")

@@ -7,7 +7,10 @@ one layout while the weight holds or grows. `x-spine-route: layered|spine` force
 rollback never moves a request already in flight.
 
 The front also keeps what the controller's gates read: per side, when each request
-ended, whether the layout failed it, and how long it took. In shadow mode
+ended, whether the layout failed it, and how long it took. For the demo's like-for-like
+comparison it also notes whether the model served the answer (OK and not `cached`: a
+cache hit says nothing about the model's speed) and how many requests were in flight on
+that side when it started, itself included (`SideWindow.p50_model_ms` and on). In shadow mode
 (`spine.runtime.shadow`) it mirrors a share of answered requests to the other side and
 counts the comparisons in its mirror's counters (`spine.runtime.shadow_metrics`), which
 the local migration serves on the front's own /metrics for the parity gate
@@ -51,6 +54,8 @@ class Outcome:
     failed: bool
     latency_ms: float
     ok: bool = False  # answered OK: only these are timed for the latency gate
+    model: bool = False  # answered OK by the model (not from the response cache)
+    in_flight: int = 0  # requests in flight on this side when it started, itself included (0: never sent)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,13 @@ class SideWindow:
     errors: int
     p99_ms: float  # over the requests answered OK (like for like), 0 when none
     ok_requests: int
+    # Like for like (the demo's table; the gates read the fields above): over the requests
+    # the model answered OK, their p50 and p99 (0 when none), how many, and the mean number
+    # of requests in flight on this side when each of them started.
+    p50_model_ms: float = 0.0
+    p99_model_ms: float = 0.0
+    model_requests: int = 0
+    mean_in_flight: float = 0.0
 
 
 class Front(gateway_pb2_grpc.GatewayServicer):
@@ -79,6 +91,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.healthy: dict[str, bool] = dict.fromkeys(SIDES, True)
         self.outcomes: deque[Outcome] = deque(maxlen=history)
         self._lock = threading.Lock()
+        self._in_flight: dict[str, int] = dict.fromkeys(SIDES, 0)
         # `x-spine-route` forces a side: an operator's tool, off where clients are not trusted.
         self.route_header = route_header
         if shadow is not None and internal_key is None:
@@ -116,17 +129,21 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         metadata = tuple(context.invocation_metadata())
         side = self.route(dict(metadata))
         started = time.perf_counter()
+        in_flight = self._enter(side)
         try:
-            response, call = self.stubs[side].Generate.with_call(
-                request, timeout=_remaining(context), metadata=forward_metadata(metadata))
-        except grpc.RpcError as error:
-            self._record(side, started, error.code())
-            trailing = tuple(error.trailing_metadata() or ())  # type: ignore[attr-defined]
-            context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
-            self._offer_shadow(side, request, metadata, trailing,
-                               decide(request, error.code(), error.details() or ""))  # type: ignore[attr-defined]
-            context.abort(error.code(), error.details())  # type: ignore[attr-defined]
-        self._record(side, started, grpc.StatusCode.OK)
+            try:
+                response, call = self.stubs[side].Generate.with_call(
+                    request, timeout=_remaining(context), metadata=forward_metadata(metadata))
+            except grpc.RpcError as error:
+                self._record(side, started, error.code(), in_flight)
+                trailing = tuple(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+                context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
+                self._offer_shadow(side, request, metadata, trailing,
+                                   decide(request, error.code(), error.details() or ""))  # type: ignore[attr-defined]
+                context.abort(error.code(), error.details())  # type: ignore[attr-defined]
+            self._record(side, started, grpc.StatusCode.OK, in_flight, cached=response.cached)
+        finally:
+            self._leave(side)
         trailing = tuple(call.trailing_metadata() or ())
         context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
         self._offer_shadow(side, request, metadata, trailing, decide(request, grpc.StatusCode.OK, response=response))
@@ -137,22 +154,30 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         metadata = tuple(context.invocation_metadata())
         side = self.route(dict(metadata))
         started = time.perf_counter()
-        call = self.stubs[side].GenerateStream(request, timeout=_remaining(context), metadata=forward_metadata(metadata))
-        context.add_callback(call.cancel)
-        chunks: list[generation_pb2.GenerateChunk] = []
+        in_flight = self._enter(side)
         try:
-            for chunk in call:
-                if self.shadow is not None:
-                    chunks.append(chunk)
-                yield chunk
-        except grpc.RpcError as error:
-            self._record(side, started, error.code())
-            trailing = tuple(call.trailing_metadata() or ())
-            context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
-            self._offer_shadow(side, request, metadata, trailing, decide(request, error.code(), error.details() or ""),
-                               stream=True)
-            context.abort(error.code(), error.details())
-        self._record(side, started, grpc.StatusCode.OK)
+            call = self.stubs[side].GenerateStream(request, timeout=_remaining(context),
+                                                   metadata=forward_metadata(metadata))
+            context.add_callback(call.cancel)
+            chunks: list[generation_pb2.GenerateChunk] = []
+            cached: bool | None = None  # the first chunk says
+            try:
+                for chunk in call:
+                    if cached is None:
+                        cached = chunk.cached
+                    if self.shadow is not None:
+                        chunks.append(chunk)
+                    yield chunk
+            except grpc.RpcError as error:
+                self._record(side, started, error.code(), in_flight)
+                trailing = tuple(call.trailing_metadata() or ())
+                context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
+                self._offer_shadow(side, request, metadata, trailing,
+                                   decide(request, error.code(), error.details() or ""), stream=True)
+                context.abort(error.code(), error.details())
+            self._record(side, started, grpc.StatusCode.OK, in_flight, cached=bool(cached))
+        finally:
+            self._leave(side)
         trailing = tuple(call.trailing_metadata() or ())
         context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
         self._offer_shadow(side, request, metadata, trailing, decide(request, grpc.StatusCode.OK, chunks=chunks),
@@ -179,22 +204,42 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.shadow.share = share
 
     # -- what the gates read -----------------------------------------------------------
-    def _record(self, side: str, started: float, code: grpc.StatusCode) -> None:
+    def _enter(self, side: str) -> int:
+        """Count a request in flight on `side`; how many are, itself included."""
+        with self._lock:
+            self._in_flight[side] += 1
+            return self._in_flight[side]
+
+    def _leave(self, side: str) -> None:
+        with self._lock:
+            self._in_flight[side] -= 1
+
+    def _record(self, side: str, started: float, code: grpc.StatusCode, in_flight: int = 0,
+                cached: bool = False) -> None:
+        ok = code == grpc.StatusCode.OK
         outcome = Outcome(time.time(), side, code in LAYOUT_ERRORS, (time.perf_counter() - started) * 1000.0,
-                          code == grpc.StatusCode.OK)
+                          ok, model=ok and not cached, in_flight=in_flight)
         with self._lock:
             self.outcomes.append(outcome)
 
     def window(self, since: float) -> dict[str, SideWindow]:
-        """Requests, layout errors and the OK requests' p99 latency per side, for requests ended since `since`."""
+        """Per side, for requests ended since `since`: requests, layout errors and the OK
+        requests' p99 latency (what the gates read); and over the requests the model answered
+        OK, their p50 and p99, count and mean in-flight concurrency (what the demo compares)."""
         with self._lock:
             recent = [o for o in self.outcomes if o.ended_at >= since]
         result = {}
         for side in SIDES:
             mine = [o for o in recent if o.side == side]
             latencies = [o.latency_ms for o in mine if o.ok]
+            served = [o for o in mine if o.model]
+            model_ms = [o.latency_ms for o in served]
             result[side] = SideWindow(len(mine), sum(o.failed for o in mine),
-                                      percentile(latencies, 99) if latencies else 0.0, len(latencies))
+                                      percentile(latencies, 99) if latencies else 0.0, len(latencies),
+                                      p50_model_ms=percentile(model_ms, 50) if served else 0.0,
+                                      p99_model_ms=percentile(model_ms, 99) if served else 0.0,
+                                      model_requests=len(served),
+                                      mean_in_flight=sum(o.in_flight for o in served) / len(served) if served else 0.0)
         return result
 
     def close(self) -> None:

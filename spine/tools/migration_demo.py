@@ -13,16 +13,35 @@ gate. The same plan runs three times:
    the spine's wrong answers from it); the mismatches show once the spine has its own
    cache, in the second stage.
 
-Each run prints a table of its stages' weights, placements, gate results and both sides'
-p99; a summary names the three outcomes.
+Each run prints a table of its stages' weights, placements and gate results, and compares
+the two sides like for like: over the requests each side's model answered OK in the stage's
+window (cache hits and refusals left out: they say nothing about a layout's speed), their
+p50 and p99, how many, and the mean number of requests in flight on that side when each
+started (`Front.window`). The last column, the verdict, is "spine faster" when the spine's
+p50 and p99 are both below the layered side's, else why not, decided from the numbers in
+this order:
+
+- "no layered requests ..." / "no spine requests ...": one side served none (the 100%
+  stage has no layered baseline);
+- "too few <side> requests for a p99 (n=N)": fewer than `MIN_P99_REQUESTS` (20) on a side;
+  below that a p99 is the slowest request or next to it, one scheduling hiccup;
+- "spine carried more concurrency (S vs L)": the spine's mean concurrency is more than
+  `CONCURRENCY_RATIO` (1.25x) the layered side's and at least `CONCURRENCY_MARGIN` (0.5)
+  more requests: its requests queued behind more of their own;
+- "spine slower at equal or lower concurrency (p50 S vs L ms, p99 S vs L ms): see `make
+  profile`": a real regression to look at.
+
+The summary says at how many stages of the healthy run the spine was faster.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import queue
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +62,37 @@ DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yam
 # The share of answered requests the front mirrors when the config leaves shadow off: the
 # plan's parity gates need comparisons in every 1 s window (~20 at the demo's traffic).
 DEMO_SHADOW_SHARE = 0.25
+# The stage table's verdict (module docstring).
+MIN_P99_REQUESTS = 20
+CONCURRENCY_RATIO = 1.25
+CONCURRENCY_MARGIN = 0.5
+SPINE_FASTER = "spine faster"
+
+
+@dataclass(frozen=True)
+class SideLoad:
+    """One side's like-for-like numbers in a stage: the requests its model answered OK."""
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    requests: int = 0
+    concurrency: float = 0.0  # mean requests in flight on the side when each started
+
+
+def verdict(layered: SideLoad, spine: SideLoad) -> str:
+    """'spine faster', or why not (the module docstring lists the reasons and thresholds)."""
+    for name, side in (("layered", layered), ("spine", spine)):
+        if side.requests == 0:
+            return f"no {name} requests to compare"
+    for name, side in (("spine", spine), ("layered", layered)):
+        if side.requests < MIN_P99_REQUESTS:
+            return f"too few {name} requests for a p99 (n={side.requests})"
+    if spine.p50_ms < layered.p50_ms and spine.p99_ms < layered.p99_ms:
+        return SPINE_FASTER
+    if (spine.concurrency > layered.concurrency * CONCURRENCY_RATIO
+            and spine.concurrency - layered.concurrency >= CONCURRENCY_MARGIN):
+        return f"spine carried more concurrency ({spine.concurrency:.1f} vs {layered.concurrency:.1f})"
+    return (f"spine slower at equal or lower concurrency (p50 {spine.p50_ms:.1f} vs {layered.p50_ms:.1f} ms, "
+            f"p99 {spine.p99_ms:.1f} vs {layered.p99_ms:.1f} ms): see `make profile`")
 
 
 @dataclass
@@ -51,9 +101,15 @@ class StageRow:
     weight: float
     local: list[str]
     gates: str
-    layered_p99: float
+    layered_p99: float  # over OK requests, cache hits included (what the latency gate reads)
     spine_p99: float
     requests: tuple[int, int]
+    layered: SideLoad = SideLoad()  # like for like: the requests the model answered OK
+    spine: SideLoad = SideLoad()
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.layered, self.spine)
 
 
 @dataclass
@@ -70,41 +126,100 @@ class RunReport:
             return f"rolled back by the {' and '.join(self.failed_gates)} gate"
         return self.final_state.replace("_", " ")
 
+    def faster(self) -> str:
+        """At how many stages the spine was faster, like for like."""
+        return f"spine faster at {sum(row.verdict == SPINE_FASTER for row in self.rows)}/{len(self.rows)} stages"
+
+
+def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: float,
+                    credentials: grpc.ChannelCredentials | None, stop: Any) -> Iterator[tuple[int, int]]:
+    """Send batches of the mixed workload until `stop` is set or the time is up; per batch,
+    (requests answered, requests a layout failed)."""
+    deadline = time.monotonic() + time_limit_s
+    batch = 0
+    while not stop.is_set() and time.monotonic() < deadline:
+        items = [Item(i.request, i.token, i.stream, (("x-session-id", f"session-{batch}-{n % 40}"),))
+                 for n, i in enumerate(mixed_workload(40, api_key, seed=batch, max_tokens=(2, 6),
+                                                      invalid_share=0.0, unauthenticated_share=0.02))]
+        results = run_workload(address, items, concurrency=concurrency,
+                               time_limit_s=max(0.1, deadline - time.monotonic()), credentials=credentials)
+        done = [r for r in results if r is not None]
+        yield len(done), sum(1 for r in done if r.code.name in ("UNAVAILABLE", "INTERNAL", "UNKNOWN"))
+        batch += 1
+
+
+def _drive_in_child(address: str, api_key: str, concurrency: int, time_limit_s: float, tls: TlsConfig | None,
+                    stop: Any, counts: Any) -> None:
+    """The traffic process's body: `traffic_batches`, each batch's counts put on `counts`."""
+    for sent, failed in traffic_batches(address, api_key, concurrency, time_limit_s,
+                                        link_credentials(tls, address), stop):
+        counts.put((sent, failed))
+    counts.put(None)
+
 
 class TrafficDriver:
-    """Synthetic traffic through the front until stopped (bounded in time regardless)."""
+    """Synthetic traffic through the front until stopped (bounded in time regardless).
+
+    With `own_process` the clients run in a process of their own (spawned): in this one they
+    would take the GIL from everything else here, the spine among them (its gateway, local
+    middlewares and model all run in this process, while the layered side's work is mostly
+    in its own 7 processes), and the stage tables would time the traffic generator as much as
+    the spine. The layered gateway and the front stay here either way: both sides' requests
+    pay for them alike."""
 
     def __init__(self, address: str, api_key: str, concurrency: int = 4, time_limit_s: float = 110.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, *, own_process: bool = False,
+                 tls: TlsConfig | None = None) -> None:
         self.address = address
         self.credentials = credentials  # the front speaks TLS when the config has `tls:`
+        self.tls = tls  # how the traffic process makes its credentials (`own_process`)
         self.api_key = api_key
         self.concurrency = concurrency
         self.time_limit_s = time_limit_s
-        self.stop = threading.Event()
+        self.own_process = own_process
         self.sent = 0
         self.failed = 0
         self.batches = 0  # counts are added a batch at a time, when a batch has finished
-        self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
+        self._child: Any = None
+        if own_process:
+            context = multiprocessing.get_context("spawn")  # no fork of this process's gRPC threads
+            self.stop: Any = context.Event()
+            self._counts: Any = context.Queue()
+            self._child = context.Process(target=_drive_in_child, name="traffic", daemon=True,
+                                          args=(address, api_key, concurrency, time_limit_s, tls, self.stop,
+                                                self._counts))
+            self._thread = threading.Thread(target=self._collect, name="traffic-counts", daemon=True)
+        else:
+            self.stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
 
     def start(self) -> None:
+        if self._child is not None:
+            self._child.start()
         self._thread.start()
 
     def _run(self) -> None:
-        deadline = time.monotonic() + self.time_limit_s
-        batch = 0
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            items = [Item(i.request, i.token, i.stream, (("x-session-id", f"session-{batch}-{n % 40}"),))
-                     for n, i in enumerate(mixed_workload(40, self.api_key, seed=batch, max_tokens=(2, 6),
-                                                          invalid_share=0.0, unauthenticated_share=0.02))]
-            results = run_workload(self.address, items, concurrency=self.concurrency,
-                                   time_limit_s=max(0.1, deadline - time.monotonic()),
-                                   credentials=self.credentials)
-            done = [r for r in results if r is not None]
-            self.sent += len(done)
-            self.failed += sum(1 for r in done if r.code.name in ("UNAVAILABLE", "INTERNAL", "UNKNOWN"))
-            batch += 1
-            self.batches = batch
+        for sent, failed in traffic_batches(self.address, self.api_key, self.concurrency, self.time_limit_s,
+                                            self.credentials, self.stop):
+            self._count(sent, failed)
+
+    def _collect(self) -> None:
+        """The traffic process's counts, batch by batch, until it ends."""
+        while True:
+            try:
+                counts = self._counts.get(timeout=0.5)
+            except queue.Empty:
+                if not self._child.is_alive():
+                    return
+                continue
+            if counts is None:
+                return
+            self._count(*counts)
+
+    def _count(self, sent: int, failed: int) -> None:
+        self.sent += sent
+        self.failed += failed
+        self.batches += 1
 
     def settle(self, timeout_s: float = 5.0) -> None:
         """Wait until the batch in flight now has been counted, so what it met is counted
@@ -117,6 +232,11 @@ class TrafficDriver:
     def close(self) -> None:
         self.stop.set()
         self._thread.join(timeout=30)
+        if self._child is not None:
+            self._child.join(timeout=5)
+            if self._child.is_alive():
+                self._child.kill()
+                self._child.join(timeout=5)
 
 
 def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, timeout_s: float = 60.0) -> RunReport:
@@ -138,10 +258,13 @@ def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, ti
         gates = ", ".join(f"{g.gate}:{g.verdict}" + ("(dry)" if g.dry_run else "")
                           for g in view.last_gates if g.stage == stage.name) or "-"
         local = sorted(name for name, where in stage.placements.items() if where == "local")
+        loads = {side: SideLoad(w.p50_model_ms, w.p99_model_ms, w.model_requests, w.mean_in_flight)
+                 for side, w in window.items()}
         report.rows.append(StageRow(stage.name, stage.spine_weight, local, gates,
                                     window["layered"].p99_ms if window else 0.0,
                                     window["spine"].p99_ms if window else 0.0,
-                                    (window["layered"].requests, window["spine"].requests) if window else (0, 0)))
+                                    (window["layered"].requests, window["spine"].requests) if window else (0, 0),
+                                    loads.get("layered", SideLoad()), loads.get("spine", SideLoad())))
 
     while time.monotonic() < deadline:
         status = controller.status
@@ -168,13 +291,18 @@ def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, ti
 
 
 def stage_table(title: str, report: RunReport) -> Table:
-    table = Table(title=title)
-    for column in ("stage", "spine %", "collapsed middlewares", "gates (last window)", "layered p99 ms",
-                   "spine p99 ms", "requests L/S"):
-        table.add_column(column)
+    """Latencies and counts over the requests each side's model answered OK in the stage."""
+    table = Table(title=title, caption="ms and requests: answered OK by the model (no cache hits); "
+                                       "concurrency: mean requests in flight on the side as each started")
+    for column in ("stage", "spine %", "collapsed middlewares", "gates (last window)", "layered p50/p99 ms",
+                   "spine p50/p99 ms", "requests L/S", "concurrency L/S"):
+        table.add_column(column, max_width=22 if "middlewares" in column or "gates" in column else None)
+    table.add_column("verdict", min_width=34)
     for row in report.rows:
         table.add_row(row.stage, f"{row.weight:g}", ", ".join(row.local) or "-", row.gates,
-                      f"{row.layered_p99:.1f}", f"{row.spine_p99:.1f}", f"{row.requests[0]}/{row.requests[1]}")
+                      f"{row.layered.p50_ms:.1f}/{row.layered.p99_ms:.1f}", f"{row.spine.p50_ms:.1f}/{row.spine.p99_ms:.1f}",
+                      f"{row.layered.requests}/{row.spine.requests}",
+                      f"{row.layered.concurrency:.1f}/{row.spine.concurrency:.1f}", row.verdict)
     return table
 
 
@@ -201,9 +329,15 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                       f"(mirrors {cutover.front.shadow.share:.0%} of answers to the other side, comparisons on "
                       f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
                       f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
-        traffic = TrafficDriver(cutover.address, dev_api_key(config) or "",
-                                credentials=link_credentials(TlsConfig.from_config(config), cutover.address))
+        # The clients in a process of their own, as they are in production (TrafficDriver).
+        tls = TlsConfig.from_config(config)
+        traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
+                                tls=tls if link_credentials(tls, cutover.address) is not None else None)
         traffic.start()
+        # The traffic process takes a moment to start: the first stage's window should not.
+        flowing = time.monotonic() + 15.0
+        while not cutover.front.outcomes and time.monotonic() < flowing:
+            time.sleep(0.05)
         try:
             for number, run in enumerate(runs, 1):
                 title, table, fault = RUNS[run]
@@ -228,7 +362,8 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                 "parity": ("rolled_back", ["parity"])}
     ok = all((report.final_state, report.failed_gates) == expected[run] for run, report in reports.items())
     outcomes = "; ".join(f"{RUNS[run][0]} → {report.outcome()} in {report.seconds:.1f}s "
-                         f"({report.failed} failed by a layout)" for run, report in reports.items())
+                         f"({report.failed} failed by a layout; {report.faster()})"
+                         for run, report in reports.items())
     console.print(f"summary: {outcomes}; {traffic.sent} requests through the front, "
                   f"{shadow.get('compared', 0)} mirrored answers compared across layouts")
     return 0 if ok else 1

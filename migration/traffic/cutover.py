@@ -30,6 +30,7 @@ from migration.server import ControllerProcess
 from migration.target import ShadowCapability
 from migration.traffic.endpoint_health import EndpointHealth, endpoint
 from migration.traffic.front import Front
+from migration.traffic.layered_process import LayeredProcess
 from migration.xds import XdsControlPlane
 from monolith.device import DeviceContext
 from services.pipeline.verdicts import RequestLimits
@@ -121,8 +122,14 @@ class Cutover:
     run_dir: Path
     listen: str = "127.0.0.1:0"
     xds_listen: str | None = None  # e.g. "127.0.0.1:0": serve ADS so Envoy/proxyless clients follow
+    # The layered stack as its own process tree (`spine up --layout layered`), as in
+    # production, rather than a Stack in this process (its gateway then shares this
+    # interpreter with the spine's model): what `make run` compares. In-process, tests can
+    # reach into it (`layered.supervisor`).
+    layered_process: bool = False
     fault: FaultHook = field(default_factory=FaultHook)
     layered: Stack | None = None
+    layered_tree: LayeredProcess | None = None  # with layered_process
     spine: Stack | None = None
     front: Front | None = None
     front_server: RunningServer | None = None
@@ -140,11 +147,7 @@ class Cutover:
         if internal_key(self.config) is None:  # the front and both sides share one, made for this run
             self.config = merge(self.config, {"internal": {"secret": secrets.token_urlsafe(32)}})
         try:
-            self.layered = Stack(self.config, placements_for("layered", self.config), run_dir=self.run_dir / "layered")
-            self.layered.start()
-            assert self.layered.supervisor is not None
-            shared = {name: child.address for name, child in self.layered.supervisor.children.items()
-                      if name != "inference"}
+            layered_address, shared, layered_ratelimit = self._start_layered()
             placements = {name: "remote" for name in MIDDLEWARES} | {"inference": "local"}
             # The spine's model behind the parity fault's switch (`fault.wrong_answers`).
             device = DeviceContext.from_config(self.config)
@@ -154,7 +157,7 @@ class Cutover:
             self.spine.start()
             shadow = ShadowConfig.from_config(self.config)
             tls = TlsConfig.from_config(self.config)  # every TCP listener and link of the run speaks it
-            self.front = Front({"layered": self.layered.address, "spine": self.spine.address},
+            self.front = Front({"layered": layered_address, "spine": self.spine.address},
                                shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config),
                                tls=tls)
             if self.front.shadow is not None:
@@ -169,14 +172,13 @@ class Cutover:
                                              **request_pool(self.config))
             if self.xds_listen is not None:
                 self.xds = XdsControlPlane("spine-gateway", {
-                    "layered": [endpoint(self.layered.address)], "spine": [endpoint(self.spine.address)]})
+                    "layered": [endpoint(layered_address)], "spine": [endpoint(self.spine.address)]})
                 self.xds.start(self.xds_listen, tls)
             # Each side's gateway health (SERVING only while its fail-closed components are)
             # steers the front and the xDS endpoints.
             self.endpoint_health = EndpointHealth(
-                {"layered": [self.layered.address], "spine": [self.spine.address]},
+                {"layered": [layered_address], "spine": [self.spine.address]},
                 front=self.front, xds=self.xds, tls=tls).start()
-            layered_ratelimit = self.layered.bindings.get("ratelimit")
             token_file = write_private(self.run_dir, "admin-token", self.admin_token)
             token_file.chmod(0o600)
             self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds, self.parity)
@@ -188,6 +190,20 @@ class Cutover:
             self.stop()
             raise
         return self.front_server.address
+
+    def _start_layered(self) -> tuple[str, dict[str, str], Any]:
+        """The layered stack, in this process or its own: its gateway's address, its
+        middlewares' addresses (the spine's remote placements) and its rate limiter."""
+        if self.layered_process:
+            self.layered_tree = LayeredProcess(self.config, self.run_dir / "layered")
+            address = self.layered_tree.start()
+            return address, self.layered_tree.component_addresses(), self.layered_tree.ratelimit()
+        self.layered = Stack(self.config, placements_for("layered", self.config), run_dir=self.run_dir / "layered")
+        self.layered.start()
+        assert self.layered.supervisor is not None
+        shared = {name: child.address for name, child in self.layered.supervisor.children.items()
+                  if name != "inference"}
+        return self.layered.address, shared, self.layered.bindings.get("ratelimit")
 
     @property
     def address(self) -> str:
@@ -229,6 +245,9 @@ class Cutover:
             if stack is not None:
                 stack.stop()
         self.spine = self.layered = None
+        if self.layered_tree is not None:
+            self.layered_tree.stop()
+            self.layered_tree = None
 
 
 __all__ = ["COMPONENTS", "Cutover", "FrontTarget"]

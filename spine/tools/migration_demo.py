@@ -320,7 +320,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
         config = merge(config, {"shadow": {"share": DEMO_SHADOW_SHARE}})
     reports: dict[str, RunReport] = {}
     with tempfile.TemporaryDirectory(prefix="spine-demo-") as tmp:
-        cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0")
+        cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0", layered_process=True)
         with console.status("starting the layered stack (8 processes), the spine, the front and the controller"):
             began = time.monotonic()
             cutover.start()

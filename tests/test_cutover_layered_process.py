@@ -1,0 +1,84 @@
+"""`make run`'s arrangement: the layered stack as its own process tree under the cutover.
+
+The spine still shares the layered middleware processes for what it has not collapsed, and
+the rate limiter's share is set through a stub on the layered one; stopping the cutover
+stops the tree (by PID)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from migration.traffic.cutover import Cutover
+from spine.client.gateway_client import GatewayClient
+from spine.v1 import generation_pb2
+from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
+
+
+@pytest.fixture(scope="module")
+def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
+    rig = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("cutover-tree")), layered_process=True)
+    rig.start()
+    try:
+        yield rig
+    finally:
+        rig.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_both_sides_answer_through_the_front_and_the_layered_side_is_its_own_process(cutover: Cutover) -> None:
+    assert cutover.layered is None and cutover.layered_tree is not None
+    assert cutover.layered_tree.process is not None and cutover.layered_tree.process.pid != os.getpid()
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="which process", max_tokens=2)
+    with GatewayClient(cutover.address, DEV_KEY) as client:
+        for side, layouts in (("layered", {"layered"}), ("spine", {"mixed", "collapsed"})):
+            result = client.generate(request, headers={"x-spine-route": side})
+            assert result.ok, result.details
+            # the spine shares the layered processes for all it has not collapsed: "mixed"
+            assert result.trailing["x-spine-side"] == side and result.layout in layouts
+
+
+@pytest.mark.parametrize("spine_ratelimit", ["remote", "local"])
+def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine_ratelimit: str) -> None:
+    """Remote: the spine asks the layered tree's own rate limiter; local: each side holds its
+    share, the layered one set through the stub. Either way at most the burst of 20."""
+    assert cutover.target is not None
+    placements = {name: "local" for name in ("logs", "metrics", "cache", "router", "auth")}
+    placements["ratelimit"] = spine_ratelimit
+    cutover.target.apply(50, placements, f"tree-split-{spine_ratelimit}", route_header=True)
+    try:
+        admitted, sides = 0, {"layered": 0, "spine": 0}
+        with GatewayClient(cutover.address, SPLIT_KEYS[spine_ratelimit]) as client:
+            for i in range(60):
+                request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"tree {spine_ratelimit} {i}",
+                                                         max_tokens=2)
+                result = client.generate(request, headers={"x-session-id": f"tree-{i}"})
+                assert result.code.name in ("OK", "RESOURCE_EXHAUSTED"), result.details
+                sides[result.trailing["x-spine-side"]] += 1
+                admitted += result.ok
+        assert sides["layered"] > 10 and sides["spine"] > 10, sides
+        assert 0 < admitted <= 20, f"{admitted} admitted across both layouts; the limit is 20"
+    finally:
+        cutover.target.apply(0, {name: "remote" for name in placements}, f"tree-split-{spine_ratelimit}-back",
+                             route_header=True)
+
+
+def test_stopping_the_cutover_stops_the_layered_tree(tmp_path: Path) -> None:
+    rig = Cutover(config_for_tests(), tmp_path, layered_process=True)
+    rig.start()
+    assert rig.layered_tree is not None and rig.layered_tree.process is not None
+    pid = rig.layered_tree.process.pid
+    children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    assert len(children) >= 6  # the layered components, each its own process
+    rig.stop()
+    assert not _alive(pid) and not any(_alive(child) for child in children)

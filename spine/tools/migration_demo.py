@@ -47,8 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from migration.plan import load_plan
 from migration.status import FINISHED, State
@@ -290,20 +291,21 @@ def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, ti
     return report
 
 
-def stage_table(title: str, report: RunReport) -> Table:
-    """Latencies and counts over the requests each side's model answered OK in the stage."""
+def stage_table(title: str, report: RunReport) -> Group:
+    """Latencies and counts over the requests each side's model answered OK in the stage,
+    then one line per stage with its verdict (a column of sentences would not fit)."""
     table = Table(title=title, caption="ms and requests: answered OK by the model (no cache hits); "
                                        "concurrency: mean requests in flight on the side as each started")
     for column in ("stage", "spine %", "collapsed middlewares", "gates (last window)", "layered p50/p99 ms",
                    "spine p50/p99 ms", "requests L/S", "concurrency L/S"):
         table.add_column(column, max_width=22 if "middlewares" in column or "gates" in column else None)
-    table.add_column("verdict", min_width=34)
     for row in report.rows:
         table.add_row(row.stage, f"{row.weight:g}", ", ".join(row.local) or "-", row.gates,
                       f"{row.layered.p50_ms:.1f}/{row.layered.p99_ms:.1f}", f"{row.spine.p50_ms:.1f}/{row.spine.p99_ms:.1f}",
                       f"{row.layered.requests}/{row.spine.requests}",
-                      f"{row.layered.concurrency:.1f}/{row.spine.concurrency:.1f}", row.verdict)
-    return table
+                      f"{row.layered.concurrency:.1f}/{row.spine.concurrency:.1f}")
+    verdicts = [Text(f"  {row.stage} ({row.weight:g}% spine): {row.verdict}") for row in report.rows]
+    return Group(table, *verdicts)
 
 
 def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,

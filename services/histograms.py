@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common import DeviceState
+from services.host_view import HostView
 
 SeriesKey = tuple[str, ...]
 
@@ -98,6 +99,7 @@ class HistogramTable:
         self._bounds_t = torch.tensor(values, dtype=torch.float64, device=device.device)
         self._counts = device.allocate(owner, (initial_rows, len(values) + 1), torch.int64)
         self._sums = device.allocate(owner, (initial_rows,), torch.float64)
+        self._counts_host, self._sums_host = HostView(), HostView()  # their numpy views on the CPU
         self.host_paths = True  # False forces the torch ops CUDA uses (tests compare the paths)
 
     def __len__(self) -> int:
@@ -115,11 +117,13 @@ class HistogramTable:
         except MemoryError:
             self._rows.forget(added)
             raise
-        if self.host_paths and self._counts.device.type == "cpu":
+        counts = self._counts_host.of(self._counts) if self.host_paths else None
+        if counts is not None:
             # Zero-copy numpy views of the same tensors: for the few observations a
             # micro-batch brings, per-element updates beat a torch op's dispatch cost ~10x.
             # `bisect_left` is bucketize's `le` rule; sums are added in the same order.
-            counts, sums, bounds = self._counts.numpy(), self._sums.numpy(), self.bounds
+            sums, bounds = self._sums_host.of(self._sums), self.bounds
+            assert sums is not None  # on the same device as the counts
             for row, value in zip(rows, values, strict=True):
                 # NaN (never from the metrics service, which refuses it) goes where bucketize puts it.
                 counts[row, bisect_left(bounds, value) if value == value else len(bounds)] += 1
@@ -168,6 +172,7 @@ class CounterTable:
         self._owner = owner
         self._rows = _Rows(initial_rows)
         self._values = device.allocate(owner, (initial_rows,), torch.int64)
+        self._values_host = HostView()  # its numpy view on the CPU
         self.host_paths = True  # False forces the torch ops CUDA uses (tests compare the paths)
 
     def __len__(self) -> int:
@@ -189,8 +194,8 @@ class CounterTable:
                 self._rows.forget(added)
                 raise
             self._rows.capacity = needed
-        if self.host_paths and self._values.device.type == "cpu":
-            values = self._values.numpy()  # a zero-copy view (see HistogramTable.observe)
+        values = self._values_host.of(self._values) if self.host_paths else None
+        if values is not None:  # a zero-copy view (see HistogramTable.observe)
             for row, amount in zip(rows, amounts, strict=True):
                 values[row] += amount
             return

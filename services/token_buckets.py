@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from services.common import DeviceState
+from services.host_view import HostView
 
 # Rows of the state tensor, one column per bucket.
 LEVEL, LAST_REFILL, RATE, CAPACITY, BASE_RATE, BASE_CAPACITY = range(6)
@@ -65,6 +66,7 @@ class TokenBucketTable:
         self._slots: dict[Hashable, int] = {}
         self._share = 1.0
         self._state = device.allocate(OWNER, (_ROWS, max(1, initial_slots)), torch.float64)
+        self._host = HostView()  # the numpy view of `_state` on the CPU (None elsewhere)
         # On the CPU, decide on Python floats (a micro-batch) or numpy views (a large batch)
         # of the same memory; False forces the torch ops CUDA uses (tests compare the paths).
         self.host_paths = True
@@ -153,7 +155,7 @@ class TokenBucketTable:
         is done on the host with numpy; the buckets are read and written once, on the device.
         """
         n = len(charge)
-        host = self._state.device.type == "cpu" and self.host_paths
+        host = self.host_paths and self._host.of(self._state) is not None
         if host and n <= self.sequential_max:
             return self._decide_sequential(row_slot, row_cost, row_request, charge, now)
         plan = _Plan(np.asarray(row_slot, np.int64), np.asarray(row_request, np.int64), np.asarray(row_cost, np.float64), n)
@@ -213,7 +215,8 @@ class TokenBucketTable:
         """`decide` on a zero-copy numpy view of the CPU table: the same float64 operations in
         the same order (torch's per-op dispatch costs more than these tiny arrays' maths)."""
         n = len(charge)
-        state = self._state.numpy()
+        state = self._host.of(self._state)
+        assert state is not None  # only called on the CPU
         cols = state[:, plan.slots]
         elapsed = np.maximum(now - cols[LAST_REFILL], 0.0)
         bucket_level = np.minimum(cols[CAPACITY], cols[LEVEL] + cols[RATE] * elapsed)
@@ -266,7 +269,8 @@ class TokenBucketTable:
         for slot, cost, request in zip(row_slot, row_cost, row_request, strict=True):
             costs = wants[request]
             costs[slot] = costs.get(slot, 0.0) + float(cost)
-        state = self._state.numpy()
+        state = self._host.of(self._state)
+        assert state is not None  # only called on the CPU
         item = state.item
         level: dict[int, float] = {}
         last: dict[int, float] = {}

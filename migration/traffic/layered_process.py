@@ -13,9 +13,7 @@ their addresses are fixed by the run directory (`<run dir>/<component>.sock`).
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -31,6 +29,7 @@ import yaml
 from services.common import ConfigError
 from services.registry import MIDDLEWARES
 from spine.runtime.process import die_with_parent
+from spine.runtime.ready_line import first_event
 from spine.runtime.run_dir import write_private
 from spine.v1 import ratelimit_pb2_grpc
 
@@ -102,29 +101,15 @@ class LayeredProcess:
             stdout.close()
 
     def _await_ready(self, timeout_s: float) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        buffer = b""
-        while time.monotonic() < deadline and self.process.poll() is None:
-            readable, _, _ = select.select([self.process.stdout], [], [], 0.2)
-            if not readable:
-                continue
-            chunk = os.read(self.process.stdout.fileno(), 65536)
-            if not chunk:
-                break
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(event, dict) and event.get("event") == "ready":
-                    self.address = str(event["address"])
-                    threading.Thread(target=self._drain, args=(self.process.stdout,), name="layered-stdout",
-                                     daemon=True).start()
-                    return
+        assert self.process is not None
+        event = first_event(self.process, time.monotonic() + timeout_s)
+        if event is not None and event["event"] == "ready":
+            self.address = str(event["address"])
+            threading.Thread(target=self._drain, args=(self.process.stdout,), name="layered-stdout",
+                             daemon=True).start()
+            return
+        why = "exited before serving" if self.process.poll() is not None else f"did not come up within {timeout_s:g}s"
         log = self.run_dir.parent / "layered.log"
         self.stop()
         tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
-        raise ConfigError(f"the layered stack did not come up within {timeout_s:g}s; its log ({log}):\n{tail}")
+        raise ConfigError(f"the layered stack {why}; its log ({log}):\n{tail}")

@@ -22,8 +22,6 @@ SERVING — a fail-closed component of it dead, hung or not serving — are not 
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import subprocess
 import sys
@@ -39,6 +37,7 @@ import yaml
 
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.runtime.health_watch import HealthWatch
+from spine.runtime.ready_line import first_event
 from spine.runtime.run_dir import write_private
 from spine.runtime.sections import TlsConfig
 from spine.runtime.server import wait_serving
@@ -130,25 +129,13 @@ class LayoutProcess:
         assert self.process is not None and self.process.stdout is not None, "spawn() first"
         log_path = self.run_dir / "serve.log"
         deadline = time.monotonic() + timeout_s
-        buffer = b""
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.process.stdout], [], [], 0.2)
-            if ready:
-                chunk = os.read(self.process.stdout.fileno(), 65536)
-                if not chunk:
-                    break  # exited
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    event = _json_line(line)
-                    if event.get("event") == "ready":
-                        self.address = str(event["address"])
-                        return self.address
-                    if event.get("event") == "failed":
-                        self.stop()
-                        raise LayoutDown(f"{self.layout} layout failed to start: {event.get('error')}")
-            elif self.process.poll() is not None:
-                break
+        event = first_event(self.process, deadline)
+        if event is not None and event["event"] == "ready":
+            self.address = str(event["address"])
+            return self.address
+        if event is not None:  # "failed"
+            self.stop()
+            raise LayoutDown(f"{self.layout} layout failed to start: {event.get('error')}")
         self.stop()
         tail = _tail(log_path)
         if time.monotonic() >= deadline:

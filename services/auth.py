@@ -15,7 +15,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -29,8 +29,9 @@ from services.auth_keys import (
     ApiKeyTable,
     check_unique,
 )
-from services.common import Clock, DeviceState, answer_one, section, set_status
+from services.common import Clock, DeviceState, answer_one, section, set_status, status_code
 from services.config_model import Float, Items, NonEmptyStr, Section
+from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import MISSING_CREDENTIAL, Stop, bearer
@@ -161,34 +162,43 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         self._clock = clock
         self._jwt = None if config.jwt is None else JwtVerifier(config.jwt, clock)
         self.cache = VerdictCache(config.cache.max_entries, clock)
+        # An API key's verdict never changes while the service runs (the key table is fixed
+        # at start): made once per key, shared read-only by every check of that key.
+        self._key_verdicts: dict[str, auth_pb2.CheckResponse | ItemError] = {}
 
-    def CheckBatch(self, request: auth_pb2.CheckBatchRequest, context: Any = None) -> auth_pb2.CheckBatchResponse:
-        """One result per credential, in order; a denial is that item's status, not the call's.
+    def check_items(self, credentials: Sequence[str]) -> list[auth_pb2.CheckResponse | ItemError]:
+        """One verdict per credential, in order: its principal, or the item's denial.
 
         A credential repeated in the batch (one client's requests arriving together, the
-        common case) is verified once and its result shared. The results are what one by
-        one would give; only the JWT verification cache's hit/miss counters differ."""
-        answer = auth_pb2.CheckBatchResponse()
-        seen: dict[str, auth_pb2.CheckResult] = {}
-        for item in request.items:
-            result = answer.results.add()
-            first = seen.get(item.credential)
-            if first is not None:
-                result.CopyFrom(first)
-                continue
-            try:
-                result.response.CopyFrom(self.verify(item.credential))
-            except AuthDenied as denied:
-                set_status(result.status, denied.code, denied.message)
-            seen[item.credential] = result
-        return answer
+        common case) is verified once and its verdict shared. The verdicts are what one by
+        one would give; only the JWT verification cache's hit/miss counters differ. They
+        are shared, read-only objects: copy one before changing it (`CheckBatch` does)."""
+        seen: dict[str, auth_pb2.CheckResponse | ItemError] = {}
+        verdicts = []
+        for credential in credentials:
+            verdict = seen.get(credential)
+            if verdict is None:
+                verdict = seen[credential] = self._verdict(credential)
+            verdicts.append(verdict)
+        return verdicts
+
+    def CheckBatch(self, request: auth_pb2.CheckBatchRequest, context: Any = None) -> auth_pb2.CheckBatchResponse:
+        """`check_items` over the wire: a denial is that item's status, not the call's."""
+        return CHECK_BATCH.serve(self, request)
 
     def Check(self, request: auth_pb2.CheckRequest, context: grpc.ServicerContext) -> auth_pb2.CheckResponse:
         """The batch of one: a denial ends the call with its status."""
         return answer_one(self.CheckBatch(auth_pb2.CheckBatchRequest(items=[request])).results[0], context)
 
     def verify(self, credential: str) -> auth_pb2.CheckResponse:
-        """The principal for `credential`, or AuthDenied (UNAUTHENTICATED / PERMISSION_DENIED)."""
+        """The principal for `credential` (a copy the caller may change), or AuthDenied
+        (UNAUTHENTICATED / PERMISSION_DENIED)."""
+        verdict = self._verdict(credential)
+        if isinstance(verdict, ItemError):
+            raise AuthDenied(verdict.code, verdict.message)
+        return _copy(verdict)
+
+    def _verdict(self, credential: str) -> auth_pb2.CheckResponse | ItemError:
         try:
             token = _bearer(credential)
             if not token:
@@ -196,20 +206,27 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             if looks_like_jwt(token):
                 return self._verify_jwt(token)
             return self._verify_api_key(token)
-        except AuthDenied:
-            raise
+        except AuthDenied as denied:
+            return ItemError(denied.code, denied.message)
         except Exception:  # fail closed; the exception text may quote the token, so drop it
-            raise AuthDenied(_UNAUTHENTICATED, "credential could not be verified") from None
+            return ItemError(_UNAUTHENTICATED, "credential could not be verified")
 
-    def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse:
+    def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse | ItemError:
         key = self.config.api_keys.lookup(token)
         if key is None:
             raise AuthDenied(_UNAUTHENTICATED, "unknown API key")
-        principal = auth_pb2.Principal(
-            tenant=key.tenant, scopes=key.scopes, subject=key.id, max_priority=key.max_priority
-        )
-        self._authorize(principal)
-        return auth_pb2.CheckResponse(principal=principal, method="api_key", expires_at=0.0)
+        verdict = self._key_verdicts.get(key.id)
+        if verdict is None:
+            principal = auth_pb2.Principal(
+                tenant=key.tenant, scopes=key.scopes, subject=key.id, max_priority=key.max_priority
+            )
+            try:
+                self._authorize(principal)
+                verdict = auth_pb2.CheckResponse(principal=principal, method="api_key", expires_at=0.0)
+            except AuthDenied as denied:
+                verdict = ItemError(denied.code, denied.message)
+            self._key_verdicts[key.id] = verdict
+        return verdict
 
     def _verify_jwt(self, token: str) -> auth_pb2.CheckResponse:
         if self._jwt is None:
@@ -252,6 +269,35 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             )
 
 
+def _encode_checks(credentials: Sequence[str]) -> auth_pb2.CheckBatchRequest:
+    request = auth_pb2.CheckBatchRequest()
+    for credential in credentials:
+        request.items.add(credential=credential)
+    return request
+
+
+def _encode_verdicts(verdicts: Sequence[auth_pb2.CheckResponse | ItemError]) -> auth_pb2.CheckBatchResponse:
+    answer = auth_pb2.CheckBatchResponse()
+    for verdict in verdicts:
+        result = answer.results.add()
+        if isinstance(verdict, ItemError):
+            set_status(result.status, verdict.code, verdict.message)
+        else:
+            result.response.CopyFrom(verdict)
+    return answer
+
+
+def _decode_verdicts(answer: auth_pb2.CheckBatchResponse) -> list[auth_pb2.CheckResponse | ItemError]:
+    return [ItemError(status_code(result.status.code), result.status.message) if result.status.code
+            else result.response for result in answer.results]
+
+
+CHECK_BATCH: BatchRpc[str, auth_pb2.CheckResponse] = BatchRpc(
+    rpc="CheckBatch", local="check_items", encode_items=_encode_checks,
+    decode_items=lambda request: [item.credential for item in request.items],
+    encode_results=_encode_verdicts, decode_results=_decode_verdicts)
+
+
 def _bearer(credential: str) -> str:
     """Accept the raw token or a whole `Authorization: Bearer <token>` value."""
     token = credential.strip()
@@ -272,12 +318,9 @@ class AuthStage(Stage):
         return None
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        request = auth_pb2.CheckBatchRequest()
-        for state in batch:
-            request.items.add(credential=bearer(state.metadata) or "")
-        answer = call("CheckBatch", request)
-        for state, result in self.answered(call, batch, answer.results):
-            state.principal = result.response.principal
+        verdicts = call.batch(CHECK_BATCH, [bearer(state.metadata) or "" for state in batch])
+        for state, verdict in self.answered(call, batch, verdicts):
+            state.principal = verdict.principal
             state.tenant = state.principal.tenant
 
 

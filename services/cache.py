@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,9 @@ from services.common import (
     answer_one,
     section,
     set_status,
+    status_code,
 )
+from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.sections import CacheConfig
@@ -97,40 +100,46 @@ class CacheService(cache_pb2_grpc.CacheServicer):
             )
 
     # -- gRPC --------------------------------------------------------------------------
-    def LookupBatch(self, request: cache_pb2.CacheLookupBatchRequest,
-                    context: Any = None) -> cache_pb2.CacheLookupBatchResponse:
+    def lookup_items(self, items: Sequence[LookupItem]) -> list[Probe | ItemError]:
         """Probe every cacheable item with one index probe; a malformed item is refused alone.
 
-        A hit is a copy of the stored answer marked `cached`; a cacheable item's answer
+        A hit is a copy of the stored answer marked `cached`; a cacheable item's probe
         carries its key, which a store may send back instead of the request."""
-        answer = cache_pb2.CacheLookupBatchResponse()
+        probes: list[Probe | ItemError] = []
         keys: list[bytes] = []
-        probing: list[cache_pb2.CacheLookupResponse] = []
-        for index, item in enumerate(request.items):
-            result = answer.results.add()
+        probing: list[int] = []
+        for index, (tenant, request) in enumerate(items):
             try:
-                self._check(item.tenant, item.request if item.HasField("request") else None, index)
+                self._check(tenant, request, index)
             except InvalidCacheRequest as error:
-                set_status(result.status, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                probes.append(ItemError(grpc.StatusCode.INVALID_ARGUMENT, str(error)))
                 continue
-            key = cache_key(item.tenant, item.request)
+            assert request is not None  # `_check` refuses a missing one
+            key = cache_key(tenant, request)
             if key is None:
-                continue  # not cacheable: neither a hit nor a miss
-            result.response.cacheable = True
-            result.response.key = key
+                probes.append(_NOT_CACHEABLE)  # neither a hit nor a miss
+                continue
+            probes.append(Probe(cacheable=True, key=key))
             keys.append(key)
-            probing.append(result.response)
+            probing.append(index)
         if keys:
             with self._lock:
-                for response, slot in zip(probing, self._index.lookup_batch(keys, self._clock()), strict=True):
+                found = self._index.lookup_batch(keys, self._clock())
+                for index, key, slot in zip(probing, keys, found, strict=True):
                     if slot < 0:
                         self._misses += 1
                         continue
                     self._hits += 1
-                    response.hit = True
-                    response.response.CopyFrom(self._index.value(slot))
-                    response.response.cached = True
-        return answer
+                    hit = generation_pb2.GenerateResponse()
+                    hit.CopyFrom(self._index.value(slot))
+                    hit.cached = True
+                    probes[index] = Probe(cacheable=True, key=key, hit=hit)
+        return probes
+
+    def LookupBatch(self, request: cache_pb2.CacheLookupBatchRequest,
+                    context: Any = None) -> cache_pb2.CacheLookupBatchResponse:
+        """`lookup_items` over the wire."""
+        return LOOKUP_BATCH.serve(self, request)
 
     def StoreBatch(self, request: cache_pb2.CacheStoreBatchRequest,
                    context: Any = None) -> cache_pb2.CacheStoreBatchResponse:
@@ -193,6 +202,65 @@ class CacheService(cache_pb2_grpc.CacheServicer):
             raise InvalidCacheRequest("request.model: must be the resolved model id, got ''", index)
 
 
+LookupItem = tuple[str, "generation_pb2.GenerateRequest | None"]  # (tenant, the routed request)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What the cache says about one request: whether it may be cached, its key, and the
+    stored answer (marked `cached`) when there is one."""
+
+    cacheable: bool
+    key: bytes = b""
+    hit: generation_pb2.GenerateResponse | None = None
+
+
+_NOT_CACHEABLE = Probe(cacheable=False)
+
+
+def _encode_lookups(items: Sequence[LookupItem]) -> cache_pb2.CacheLookupBatchRequest:
+    request = cache_pb2.CacheLookupBatchRequest()
+    for tenant, generate in items:
+        item = request.items.add(tenant=tenant)
+        if generate is not None:
+            item.request.CopyFrom(generate)
+    return request
+
+
+def _encode_probes(probes: Sequence[Probe | ItemError]) -> cache_pb2.CacheLookupBatchResponse:
+    answer = cache_pb2.CacheLookupBatchResponse()
+    for probe in probes:
+        result = answer.results.add()
+        if isinstance(probe, ItemError):
+            set_status(result.status, probe.code, probe.message)
+            continue
+        result.response.cacheable = probe.cacheable
+        result.response.key = probe.key
+        if probe.hit is not None:
+            result.response.hit = True
+            result.response.response.CopyFrom(probe.hit)
+    return answer
+
+
+def _decode_probes(answer: cache_pb2.CacheLookupBatchResponse) -> list[Probe | ItemError]:
+    probes: list[Probe | ItemError] = []
+    for result in answer.results:
+        found = result.response
+        if result.status.code:
+            probes.append(ItemError(status_code(result.status.code), result.status.message))
+        else:
+            probes.append(Probe(cacheable=found.cacheable, key=found.key,
+                                hit=found.response if found.hit else None))
+    return probes
+
+
+LOOKUP_BATCH: BatchRpc[LookupItem, Probe] = BatchRpc(
+    rpc="LookupBatch", local="lookup_items", encode_items=_encode_lookups,
+    decode_items=lambda request: [(item.tenant, item.request if item.HasField("request") else None)
+                                  for item in request.items],
+    encode_results=_encode_probes, decode_results=_decode_probes)
+
+
 class CacheLookupStage(Stage):
     """The pipeline probes the cache before the model (fail open: a failure is a counted miss)."""
 
@@ -200,18 +268,14 @@ class CacheLookupStage(Stage):
     order = 40
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        request = cache_pb2.CacheLookupBatchRequest()
-        for state in batch:
-            request.items.add(tenant=state.tenant, request=state.resolved)
-        answer = call("LookupBatch", request)
-        for state, result in self.answered(call, batch, answer.results):
-            found = result.response
-            state.cacheable = found.cacheable
-            state.cache_key = found.key
-            if found.hit:
-                state.hit = found.response
+        probes = call.batch(LOOKUP_BATCH, [(state.tenant, state.resolved) for state in batch])
+        for state, probe in self.answered(call, batch, probes):
+            state.cacheable = probe.cacheable
+            state.cache_key = probe.key
+            if probe.hit is not None:
+                state.hit = probe.hit
                 state.cached = True
-                state.completion_tokens = found.response.completion_tokens
+                state.completion_tokens = probe.hit.completion_tokens
 
 
 class CacheStoreStage(Stage):

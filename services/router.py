@@ -12,13 +12,14 @@ calls it in either layout); the per-request `Resolve` is its batch of one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import DeviceState, answer_one, section, set_status
+from services.common import DeviceState, answer_one, section, set_status, status_code
+from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import resolved_request
@@ -52,15 +53,33 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._fallback_of: dict[str, list[str]] = {}
         for primary, fallback in self._fallback.items():
             self._fallback_of.setdefault(fallback, []).append(primary)
+        # Every name's route, made once (the table is fixed at start) and shared read-only.
+        self._answers = {name: self._answer(name, model) for name, model in self._routes.items()}
 
     def resolve(self, name: str) -> router_pb2.ResolveResponse:
         """The model `name` (an id or alias) routes to; UnknownModel (a LookupError) if none."""
-        model = self._routes.get(name)
-        if model is None:
-            if not name:
-                raise UnknownModel(f"no model requested; known: {self._known}")
-            shown = name if len(name) <= _MAX_ECHO else name[:_MAX_ECHO] + "..."
-            raise UnknownModel(f"unknown model {shown!r}; known: {self._known}")
+        route = self._route(name)
+        if isinstance(route, ItemError):
+            raise UnknownModel(route.message)
+        answer = router_pb2.ResolveResponse()
+        answer.CopyFrom(route)
+        return answer
+
+    def resolve_items(self, names: Sequence[str]) -> list[router_pb2.ResolveResponse | ItemError]:
+        """One route per name, in order; an unknown name is that item's NOT_FOUND. The
+        routes are shared, read-only objects: copy one before changing it."""
+        return [self._route(name) for name in names]
+
+    def _route(self, name: str) -> router_pb2.ResolveResponse | ItemError:
+        answer = self._answers.get(name)
+        if answer is not None:
+            return answer
+        if not name:
+            return ItemError(grpc.StatusCode.NOT_FOUND, f"no model requested; known: {self._known}")
+        shown = name if len(name) <= _MAX_ECHO else name[:_MAX_ECHO] + "..."
+        return ItemError(grpc.StatusCode.NOT_FOUND, f"unknown model {shown!r}; known: {self._known}")
+
+    def _answer(self, name: str, model: ModelRoute) -> router_pb2.ResolveResponse:
         return router_pb2.ResolveResponse(model_id=model.id, backend=model.backend, requested=name,
                                           fallback=self._fallback.get(model.id, ""),
                                           fallback_of=self._fallback_of.get(model.id, ()))
@@ -74,15 +93,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def ResolveBatch(self, request: router_pb2.ResolveBatchRequest,
                      context: Any = None) -> router_pb2.ResolveBatchResponse:
-        """One route per item, in order; an unknown model is that item's NOT_FOUND."""
-        answer = router_pb2.ResolveBatchResponse()
-        for item in request.items:
-            result = answer.results.add()
-            try:
-                result.response.CopyFrom(self.resolve(item.model))
-            except LookupError as exc:
-                set_status(result.status, grpc.StatusCode.NOT_FOUND, str(exc))
-        return answer
+        """`resolve_items` over the wire: an unknown model is that item's NOT_FOUND."""
+        return RESOLVE_BATCH.serve(self, request)
 
     def Resolve(self, request: router_pb2.ResolveRequest, context: grpc.ServicerContext) -> router_pb2.ResolveResponse:
         """The batch of one."""
@@ -94,6 +106,32 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return self.list_models()
 
 
+def _encode_names(names: Sequence[str]) -> router_pb2.ResolveBatchRequest:
+    request = router_pb2.ResolveBatchRequest()
+    for name in names:
+        request.items.add(model=name)
+    return request
+
+
+def _encode_routes(routes: Sequence[router_pb2.ResolveResponse | ItemError]) -> router_pb2.ResolveBatchResponse:
+    answer = router_pb2.ResolveBatchResponse()
+    for route in routes:
+        result = answer.results.add()
+        if isinstance(route, ItemError):
+            set_status(result.status, route.code, route.message)
+        else:
+            result.response.CopyFrom(route)
+    return answer
+
+
+RESOLVE_BATCH: BatchRpc[str, router_pb2.ResolveResponse] = BatchRpc(
+    rpc="ResolveBatch", local="resolve_items", encode_items=_encode_names,
+    decode_items=lambda request: [item.model for item in request.items], encode_results=_encode_routes,
+    decode_results=lambda answer: [
+        ItemError(status_code(result.status.code), result.status.message) if result.status.code
+        else result.response for result in answer.results])
+
+
 class RouterStage(Stage):
     """The pipeline asks the Router which model a request's id or alias names (fail closed)."""
 
@@ -101,14 +139,11 @@ class RouterStage(Stage):
     order = 20
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        request = router_pb2.ResolveBatchRequest()
-        for state in batch:
-            request.items.add(model=state.request.model)
-        answer = call("ResolveBatch", request)
-        for state, result in self.answered(call, batch, answer.results):
-            state.model = result.response.model_id
+        routes = call.batch(RESOLVE_BATCH, [state.request.model for state in batch])
+        for state, route in self.answered(call, batch, routes):
+            state.model = route.model_id
             state.resolved = resolved_request(state.request, state.model)
-            state.fallback, state.fallback_of = result.response.fallback, tuple(result.response.fallback_of)
+            state.fallback, state.fallback_of = route.fallback, tuple(route.fallback_of)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

@@ -233,10 +233,10 @@ def test_a_hook_failure_fails_a_closed_stage_and_is_let_through_by_the_cache() -
 def test_a_cache_that_fails_fails_open_for_every_request_of_its_batch() -> None:
     rig = Rig()
 
-    def broken(request: Any, context: Any = None) -> Any:
+    def broken(items: Any) -> Any:
         raise RuntimeError("device lost")
 
-    rig.cache.LookupBatch = broken  # type: ignore[method-assign]
+    rig.cache.lookup_items = broken  # type: ignore[method-assign]
     rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
     batch = [new_state(DEV_KEY, index=i) for i in range(3)]
     rig.pipeline.admit(batch)
@@ -249,13 +249,13 @@ def test_a_malformed_cache_item_fails_open_for_that_request_alone() -> None:
     cached = generation_pb2.GenerateRequest(model="tiny-lm", prompt=CACHED_PROMPT, max_tokens=4)
     batch = [new_state(DEV_KEY, cached, index=i) for i in range(3)]
     rig.pipeline.admit(batch[:1])  # authenticated, then made malformed for the cache alone
-    lookup = rig.cache.LookupBatch
+    lookup = rig.cache.lookup_items
 
-    def tenantless(request: cache_pb2.CacheLookupBatchRequest, context: Any = None) -> Any:
-        request.items[1].tenant = ""
-        return lookup(request, context)
+    def tenantless(items: list[Any]) -> Any:
+        items[1] = ("", items[1][1])
+        return lookup(items)
 
-    rig.cache.LookupBatch = tenantless  # type: ignore[method-assign]
+    rig.cache.lookup_items = tenantless  # type: ignore[method-assign]
     rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
     rig.pipeline.admit(batch)
     assert [s.hit is not None for s in batch] == [True, False, True]

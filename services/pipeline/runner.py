@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from services.pipeline.batch_rpc import BatchRpc
 from services.pipeline.stage import Phase, Stage
 from services.pipeline.state import Metadata, RequestState
 from services.pipeline.verdicts import Stop, downstream_stop
@@ -220,19 +221,29 @@ class _Call:
         return self._pipeline.clients[self._stage.component]
 
     def __call__(self, method: str, request: Any, *, via: Any = None) -> Any:
-        stage = self._stage
+        timeout, metadata = self._limits()
+        return (self.client if via is None else via).invoke(method, request, timeout=timeout, metadata=metadata)
+
+    def batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, via: Any = None) -> list[Any]:
         client = self.client if via is None else via
+        timeout, metadata = self._limits()
+        call_batch = getattr(client, "call_batch", None)
+        if call_batch is None:  # a client with the stub's shape only
+            return rpc.over(client, items, timeout, metadata)
+        return call_batch(rpc, items, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+
+    def _limits(self) -> tuple[float, Sequence[tuple[str, str]]]:
+        """The call's timeout (the stage's budget, or less when every request's deadline is
+        nearer) and its metadata (one request's own id and trace context travel with it)."""
+        stage = self._stage
         timeout = stage.budget_s
         if not self._final:
             timeout = min(timeout, max(state.remaining() for state in self._states))
         self.bounded_by_budget = timeout == stage.budget_s
-        if len(self._states) == 1:  # the request's own id and trace context travel with it
-            state = self._states[0]
-            metadata: Sequence[tuple[str, str]] = (
-                self._begun[state][1] if self._begun else (("x-request-id", state.request_id),))
-        else:
-            metadata = ()
-        return client.invoke(method, request, timeout=timeout, metadata=metadata)
+        if len(self._states) != 1:
+            return timeout, ()
+        state = self._states[0]
+        return timeout, (self._begun[state][1] if self._begun else (("x-request-id", state.request_id),))
 
     def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
              trailing: Sequence[tuple[str, str]] = ()) -> None:

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol
 import grpc
 
 from services.common import status_code
+from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.pipeline.limits import RequestLimits
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import Stop
@@ -59,6 +60,10 @@ class StageCall(Protocol):
     def client(self) -> Any: ...
 
     def __call__(self, method: str, request: Any, *, via: Any = None) -> Any: ...
+
+    def batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, via: Any = None) -> list[Any]:
+        """The component's batch rpc on plain items: one result (or `ItemError`) per item."""
+        ...
 
     def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
              trailing: Sequence[tuple[str, str]] = ()) -> None: ...
@@ -108,11 +113,15 @@ class Stage:
     @classmethod
     def answered(cls, call: StageCall, batch: Sequence[RequestState], results: Sequence[Any]) -> list[Any]:
         """Each request with its result, but those whose item failed: they go to `call.fail`
-        with their item's status (a result's `status`, or the result itself when it is one)."""
+        with their item's status (an `ItemError`, a result's `status`, or the result itself
+        when it is a status)."""
         ok = []
         for state, result in cls.each(results, batch):
+            if isinstance(result, ItemError):
+                call.fail(state, result.code, result.message)
+                continue
             status = getattr(result, "status", result)
-            if status.code:
+            if getattr(status, "code", 0):  # a plain result (from `call.batch`) has no status
                 call.fail(state, status_code(status.code), status.message)
             else:
                 ok.append((state, result))

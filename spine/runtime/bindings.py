@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 
+from services.pipeline.batch_rpc import BatchRpc, ItemError
 from spine.runtime.local_context import LocalContext, LocalRpcError, Metadata
 
 
@@ -77,6 +78,11 @@ class BaseBinding:
         """A unary call without the hooks; raises `grpc.RpcError` as the wire would."""
         return self._plain[method](request, timeout, metadata)
 
+    def call_batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, timeout: float | None = None,
+                   metadata: Metadata | None = None) -> list[Any | ItemError]:
+        """A batch rpc on plain items, without the hooks: over the wire, its codec around `invoke`."""
+        return rpc.over(self, items, timeout, metadata or ())
+
     def _begin(self, method: str, metadata: Metadata | None) -> tuple[list[Any], list[tuple[str, str]]]:
         md = list(metadata or ())
         tokens = [hook.begin(self.component, method, md) for hook in self.hooks]
@@ -129,6 +135,21 @@ class LocalBinding(BaseBinding):
             finally:
                 self._end(tokens, code)
         return call_unary
+
+    def call_batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, timeout: float | None = None,
+                   metadata: Metadata | None = None) -> list[Any | ItemError]:
+        """The servicer's plain method on the items, in the caller's thread: no request
+        message, no context (see `services.pipeline.batch_rpc`). The wire's rules that
+        apply to a call that cannot block: no time left is DEADLINE_EXCEEDED before the
+        call, and an exception in the servicer is UNKNOWN, as grpc makes of a handler's."""
+        if timeout is not None and timeout <= 0:
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        try:
+            return getattr(self.servicer, rpc.local)(items)  # type: ignore[no-any-return]
+        except grpc.RpcError:
+            raise
+        except Exception as error:
+            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
 
     def _make_plain(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
         handler = getattr(self.servicer, method.name)

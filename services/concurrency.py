@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spine.v1 import ratelimit_pb2
+from services.pipeline.batch_rpc import ItemError
+from services.ratelimit_admission import AdmitItem, AdmitVerdict, OverLimit
 
 # A lease asked for without a deadline (an asker that sent no `lease_ttl_s`).
 DEFAULT_LEASE_S = 300.0
@@ -138,11 +139,12 @@ def concurrency_limit_name(tenant: str) -> str:
 
 
 Asking = list[tuple[int, Any]]  # (index in the batch, the item's bucket ask: a `RateLimitAsk`)
-DecideBuckets = Callable[[list[ratelimit_pb2.AdmitResult], Asking, float], None]
+# Fills `results[index]` of every asked item with its `AdmitVerdict` or `ItemError`.
+DecideBuckets = Callable[[list[Any], Asking, float], None]
 
 
 class SlotAdmission:
-    """`AdmitBatch`'s decision with slots: buckets and concurrency slots together, all or
+    """`admit_items`' decision with slots: buckets and concurrency slots together, all or
     nothing per item, exactly as deciding the items one by one in list order would.
 
     A tenant with at least as many free slots as items in the batch cannot run out within
@@ -157,9 +159,11 @@ class SlotAdmission:
         self._limit_of = limit_of
         self._decide_buckets = decide_buckets
 
-    def admit(self, results: list[ratelimit_pb2.AdmitResult], asking: Asking,
-              items: Sequence[ratelimit_pb2.AdmitRequest], now: float) -> None:
+    def admit(self, results: list[Any], asking: Asking, items: Sequence[AdmitItem], now: float) -> None:
         limits = {items[index].tenant: self._limit_of(items[index].tenant) for index, _ in asking}
+        if all(limit is None for limit in limits.values()):  # no slots to take: the buckets alone
+            self._decide_buckets(results, asking, now)
+            return
         wanted = Counter(items[index].tenant for index, _ in asking)
         crowded = {tenant for tenant, limit in limits.items()
                    if limit is not None and wanted[tenant] > self.leases.free(tenant, limit, now)}
@@ -172,25 +176,24 @@ class SlotAdmission:
             if items[index].tenant in crowded and limit is not None:
                 self._admit_crowded(results, index, ask, items[index], limit, now)
 
-    def _admit_crowded(self, results: list[ratelimit_pb2.AdmitResult], index: int, ask: Any,
-                       item: ratelimit_pb2.AdmitRequest, limit: int, now: float) -> None:
+    def _admit_crowded(self, results: list[Any], index: int, ask: Any, item: AdmitItem, limit: int,
+                       now: float) -> None:
         if self.leases.free(item.tenant, limit, now) > 0:
             self._decide_buckets(results, [(index, ask)], now)
             self._lease(results[index], item, limit, now)
             return
         # No slot: refused. The buckets are asked without charging, for their own verdict.
         self._decide_buckets(results, [(index, dataclasses.replace(ask, dry_run=True))], now)
-        if results[index].status.code:
+        verdict = results[index]
+        if isinstance(verdict, ItemError):
             return
-        response = results[index].response
         wait = self.leases.retry_after(item.tenant, now)
-        response.admitted = False
-        response.over.add(limit_name=concurrency_limit_name(item.tenant), retry_after_s=wait)
-        if response.retry_after_s >= 0:  # -1: the cost can never fit, which says more
-            response.retry_after_s = max(response.retry_after_s, wait)
+        verdict.admitted = False
+        verdict.over.append(OverLimit(concurrency_limit_name(item.tenant), wait))
+        if verdict.retry_after_s >= 0:  # -1: the cost can never fit, which says more
+            verdict.retry_after_s = max(verdict.retry_after_s, wait)
 
-    def _lease(self, result: ratelimit_pb2.AdmitResult, item: ratelimit_pb2.AdmitRequest, limit: int | None,
-               now: float) -> None:
+    def _lease(self, verdict: Any, item: AdmitItem, limit: int | None, now: float) -> None:
         """An admitted item of a tenant with a concurrency limit takes its slot (not a dry run)."""
-        if limit is not None and not item.dry_run and not result.status.code and result.response.admitted:
-            result.response.lease_id = self.leases.take(item.tenant, now, item.lease_ttl_s)
+        if limit is not None and not item.dry_run and isinstance(verdict, AdmitVerdict) and verdict.admitted:
+            verdict.lease_id = self.leases.take(item.tenant, now, item.lease_ttl_s)

@@ -22,19 +22,21 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 import grpc
 
-from services.common import Clock, DeviceState, answer_one, section, set_status
+from services.common import Clock, DeviceState, answer_one, section
 from services.concurrency import ConcurrencyLeases, SlotAdmission
+from services.pipeline.batch_rpc import ItemError
 from services.pipeline.limits import RequestLimits
 from services.pipeline.stage import FailMode, Phase, Stage, StageCall, StagePolicy
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
+from services.ratelimit_admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
 from services.sections import BucketLimits as BucketLimits
 from services.sections import RateLimitConfig
 from services.token_buckets import BatchDecision, BucketState, TokenBucketTable
@@ -223,29 +225,32 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             return None if configured is None else self._leases.limit(configured)
 
     # -- gRPC --------------------------------------------------------------------------
-    def AdmitBatch(self, request: ratelimit_pb2.AdmitBatchRequest,
-                   context: Any = None) -> ratelimit_pb2.AdmitBatchResponse:
+    def admit_items(self, items: Sequence[AdmitItem]) -> list[AdmitVerdict | ItemError]:
         """Decide every item as if one by one in list order, with one table decision.
 
         A malformed item is refused alone (INVALID_ARGUMENT naming the field) and the rest
         decided without it; when the bucket table has no room for a new bucket, the items
         are decided one by one so only those that needed room fail (RESOURCE_EXHAUSTED)."""
-        answer = ratelimit_pb2.AdmitBatchResponse()
-        results = [answer.results.add() for _ in request.items]
+        results: list[Any] = [None] * len(items)
         asking: list[tuple[int, RateLimitAsk]] = []
         domain = self.config.domain
-        for index, item in enumerate(request.items):
+        for index, item in enumerate(items):
             if not item.tenant or not item.model:
                 field_name = "tenant" if not item.tenant else "model"
-                set_status(results[index].status, grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must not be empty")
+                results[index] = ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must not be empty")
                 continue
             asking.append((index, ask_for(item.tenant, item.model, item.tokens, item.dry_run, domain)))
         with self._lock:
             now = self._clock()
             if asking:
-                self._leases.observe_busy(max(request.items[index].busy for index, _ in asking))
-            self._slots.admit(results, asking, request.items, now)
-        return answer
+                self._leases.observe_busy(max(items[index].busy for index, _ in asking))
+            self._slots.admit(results, asking, items, now)
+        return results
+
+    def AdmitBatch(self, request: ratelimit_pb2.AdmitBatchRequest,
+                   context: Any = None) -> ratelimit_pb2.AdmitBatchResponse:
+        """`admit_items` over the wire."""
+        return ADMIT_BATCH.serve(self, request)
 
     def Admit(self, request: ratelimit_pb2.AdmitRequest, context: Any) -> ratelimit_pb2.AdmitResponse:
         """The batch of one."""
@@ -266,8 +271,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """The batch of one."""
         return answer_one(self.ReleaseBatch(ratelimit_pb2.ReleaseBatchRequest(items=[request])).results[0], context)
 
-    def _admit_into(self, results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]],
-                    now: float) -> None:
+    def _admit_into(self, results: list[Any], asking: list[tuple[int, RateLimitAsk]], now: float) -> None:
         asking = list(asking)
         while asking:
             try:
@@ -275,30 +279,31 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                 return
             except InvalidRateLimitRequest as error:  # raised before any bucket changed
                 index, _ = asking.pop(error.index)
-                set_status(results[index].status, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                results[index] = ItemError(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except MemoryError:
                 break
         for index, ask in asking:  # no room for a new bucket: only the one that needs it fails
             try:
                 self._fill(results, [(index, ask)], self._decide_locked([ask], now))
             except MemoryError as error:
-                set_status(results[index].status, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"ratelimit: no room for a new bucket: {error}")
+                results[index] = ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                           f"ratelimit: no room for a new bucket: {error}")
 
     @staticmethod
-    def _fill(results: list[ratelimit_pb2.AdmitResult], asking: list[tuple[int, RateLimitAsk]],
+    def _fill(results: list[Any], asking: list[tuple[int, RateLimitAsk]],
               decided: tuple[list[_Row], list[int], BatchDecision]) -> None:
         rows, row_request, decision = decided
+        verdicts = [AdmitVerdict() for _ in asking]
         waits: list[list[float]] = [[] for _ in asking]
         for i, row in enumerate(rows):
             retry = decision.retry_after_s[i]
             if not decision.fits[i]:
-                results[asking[row_request[i]][0]].response.over.add(limit_name=row.bucket.name, retry_after_s=retry)
+                verdicts[row_request[i]].over.append(OverLimit(row.bucket.name, retry))
             waits[row_request[i]].append(retry)
-        for (index, _), admitted, wait in zip(asking, decision.admitted, waits, strict=True):
-            response = results[index].response
-            response.admitted = bool(admitted)
-            response.retry_after_s = _overall_retry(wait)
+        for (index, _), verdict, admitted, wait in zip(asking, verdicts, decision.admitted, waits, strict=True):
+            verdict.admitted = bool(admitted)
+            verdict.retry_after_s = _overall_retry(wait)
+            results[index] = verdict
 
     def SetShare(self, request: ratelimit_pb2.SetShareRequest, context: Any) -> ratelimit_pb2.SetShareResponse:
         try:
@@ -367,16 +372,16 @@ class RateLimitStage(Stage):
     order = 30
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        request = ratelimit_pb2.AdmitBatchRequest()
+        items = []
         for state in batch:
             assert state.resolved is not None
-            request.items.add(tenant=state.tenant, model=state.resolved.model, tokens=rate_limit_cost(state.resolved),
-                              dry_run=state.shadow, lease_ttl_s=state.remaining(), busy=state.device_busy)
-        answer = call("AdmitBatch", request)
-        for state, result in self.answered(call, batch, answer.results):
-            if result.response.lease_id:
-                state.lease_id, state.lease_holder = result.response.lease_id, call.client
-            state.outcome = rate_limit_stop(result.response, rate_limit_cost(state.resolved))
+            items.append(AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved),
+                                   state.shadow, state.remaining(), state.device_busy))
+        verdicts = call.batch(ADMIT_BATCH, items)
+        for state, verdict in self.answered(call, batch, verdicts):
+            if verdict.lease_id:
+                state.lease_id, state.lease_holder = verdict.lease_id, call.client
+            state.outcome = rate_limit_stop(verdict, rate_limit_cost(state.resolved))
 
 
 class ReleaseStage(Stage):

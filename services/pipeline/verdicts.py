@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import grpc
 
 from services.pipeline.limits import RequestLimits
 from services.system_prompt import system_error
-from spine.v1 import auth_pb2, generation_pb2, ratelimit_pb2
+from spine.v1 import auth_pb2, generation_pb2
 
 PRIORITIES = (-1, 0, 1)
 MISSING_CREDENTIAL = "missing credential: send 'authorization: Bearer <api key or JWT>' metadata"
@@ -102,8 +103,12 @@ def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
     return len(request.prompt.encode()) + len(request.system.encode()) + request.max_tokens
 
 
-def rate_limit_stop(verdict: ratelimit_pb2.AdmitResponse, cost: int) -> Stop | None:
-    """None when admitted; else the refusal (never-fits is bad input, over the limit is retryable)."""
+def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
+    """None when admitted; else the refusal (never-fits is bad input, over the limit is retryable).
+
+    `verdict`: the rate limiter's answer (`services.ratelimit_admission.AdmitVerdict`, or
+    the `AdmitResponse` it encodes to): `admitted`, `retry_after_s`, and `over`, the limits
+    not fitted, each with `limit_name` and `retry_after_s`."""
     if verdict.admitted:
         return None
     names = ", ".join(over.limit_name for over in verdict.over) or "rate limit"

@@ -115,6 +115,11 @@ class MicroBatcher(Generic[T, R]):
     def queued(self) -> int:
         return len(self._pending)
 
+    @property
+    def idle(self) -> bool:
+        """Open, nobody deciding and nobody waiting (read without the lock: a hint)."""
+        return not self._leading and not self._pending and not self._closed
+
     # -- leading ----------------------------------------------------------------------
     def _lead(self, own: _Slot[T]) -> None:
         try:

@@ -141,31 +141,37 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         """`lookup_items` over the wire."""
         return LOOKUP_BATCH.serve(self, request)
 
-    def StoreBatch(self, request: cache_pb2.CacheStoreBatchRequest,
-                   context: Any = None) -> cache_pb2.CacheStoreBatchResponse:
-        """Keep every storable answer, in order (the last one for a key wins); shadow traffic and
-        non-cacheable requests are not stored; a malformed item is refused alone."""
-        answer = cache_pb2.CacheStoreBatchResponse()
+    def store_items(self, items: Sequence[StoreItem]) -> list[bool | ItemError]:
+        """Keep every storable answer, in order (the last one for a key wins): whether each
+        was stored. Shadow traffic and non-cacheable requests are not stored; a malformed
+        item is refused alone."""
+        stored: list[bool | ItemError] = []
         entries: list[tuple[bytes, generation_pb2.GenerateResponse]] = []
-        for index, item in enumerate(request.items):
-            result = answer.results.add()
+        for index, item in enumerate(items):
             try:
                 key = self._store_key(item, index)
             except InvalidCacheRequest as error:
-                set_status(result.status, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                stored.append(ItemError(grpc.StatusCode.INVALID_ARGUMENT, str(error)))
                 continue
             if item.shadow or key is None:
+                stored.append(False)
                 continue
+            assert item.response is not None  # `_store_key` refuses a missing one
             value = generation_pb2.GenerateResponse()
             value.CopyFrom(item.response)
             entries.append((key, value))
-            result.response.stored = True
+            stored.append(True)
         if entries:
             with self._lock:
                 now = self._clock()
                 for key, value in entries:
                     self._evictions += self._index.put(key, value, now, self.config.ttl_s)
-        return answer
+        return stored
+
+    def StoreBatch(self, request: cache_pb2.CacheStoreBatchRequest,
+                   context: Any = None) -> cache_pb2.CacheStoreBatchResponse:
+        """`store_items` over the wire."""
+        return STORE_BATCH.serve(self, request, context)
 
     def Lookup(self, request: cache_pb2.CacheLookupRequest, context: Any) -> cache_pb2.CacheLookupResponse:
         """The batch of one."""
@@ -180,16 +186,17 @@ class CacheService(cache_pb2_grpc.CacheServicer):
 
     # -- checks ------------------------------------------------------------------------
     @classmethod
-    def _store_key(cls, item: cache_pb2.CacheStoreRequest, index: int) -> bytes | None:
+    def _store_key(cls, item: StoreItem, index: int) -> bytes | None:
         """The key an item is stored under: the lookup's (sent back), or keyed from the request."""
-        if not item.HasField("response"):
+        if item.response is None:
             raise InvalidCacheRequest("response: missing (nothing to store)", index)
         if item.key:
             if len(item.key) != KEY_BYTES:
                 raise InvalidCacheRequest(f"key: expected the {KEY_BYTES}-byte key a lookup returned, "
                                           f"got {len(item.key)} bytes", index)
             return item.key
-        cls._check(item.tenant, item.request if item.HasField("request") else None, index)
+        cls._check(item.tenant, item.request, index)
+        assert item.request is not None  # `_check` refuses a missing one
         return cache_key(item.tenant, item.request)
 
     @staticmethod
@@ -216,6 +223,52 @@ class Probe:
 
 
 _NOT_CACHEABLE = Probe(cacheable=False)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreItem:
+    """An answer to keep (the fields of `spine.v1.CacheStoreRequest`): under the lookup's
+    `key`, or, without one, under the key of `request`."""
+
+    tenant: str
+    response: generation_pb2.GenerateResponse | None
+    key: bytes = b""
+    request: generation_pb2.GenerateRequest | None = None
+    shadow: bool = False
+
+
+def _encode_stores(items: Sequence[StoreItem]) -> cache_pb2.CacheStoreBatchRequest:
+    request = cache_pb2.CacheStoreBatchRequest()
+    for store in items:
+        item = request.items.add(tenant=store.tenant, key=store.key, shadow=store.shadow)
+        if store.response is not None:
+            item.response.CopyFrom(store.response)
+        if store.request is not None:
+            item.request.CopyFrom(store.request)
+    return request
+
+
+def _decode_stores(request: cache_pb2.CacheStoreBatchRequest) -> list[StoreItem]:
+    return [StoreItem(item.tenant, item.response if item.HasField("response") else None, item.key,
+                      item.request if item.HasField("request") else None, item.shadow) for item in request.items]
+
+
+def _encode_stored(results: Sequence[bool | ItemError]) -> cache_pb2.CacheStoreBatchResponse:
+    answer = cache_pb2.CacheStoreBatchResponse()
+    for stored in results:
+        result = answer.results.add()
+        if isinstance(stored, ItemError):
+            set_status(result.status, stored.code, stored.message)
+        else:
+            result.response.stored = stored
+    return answer
+
+
+STORE_BATCH: BatchRpc[StoreItem, bool] = BatchRpc(
+    rpc="StoreBatch", local="store_items", encode_items=_encode_stores, decode_items=_decode_stores,
+    encode_results=_encode_stored, decode_results=lambda answer: [
+        ItemError(status_code(result.status.code), result.status.message) if result.status.code
+        else result.response.stored for result in answer.results])
 
 
 def _encode_lookups(items: Sequence[LookupItem]) -> cache_pb2.CacheLookupBatchRequest:
@@ -293,16 +346,10 @@ class CacheStoreStage(Stage):
                 and state.cacheable is not False)
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        request = cache_pb2.CacheStoreBatchRequest()
-        for state in batch:
-            item = request.items.add(tenant=state.tenant, response=state.response)
-            if state.cache_key:
-                item.key = state.cache_key
-            else:  # the lookup failed: the cache keys the request itself
-                assert state.resolved is not None  # `wants` saw it
-                item.request.CopyFrom(state.resolved)
-        answer = call("StoreBatch", request)
-        self.answered(call, batch, answer.results)
+        # With the lookup's key, or (the lookup failed) the request for the cache to key.
+        stored = call.batch(STORE_BATCH, [StoreItem(state.tenant, state.response, state.cache_key,
+                                                    None if state.cache_key else state.resolved) for state in batch])
+        self.answered(call, batch, stored)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

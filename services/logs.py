@@ -15,14 +15,16 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import Clock, DeviceState, section, set_status
+from services.common import Clock, DeviceState, section
 from services.log_ring import BatchedLineWriter, LogsClosedError
+from services.pipeline.batch_rpc import BatchCallError, BatchRpc, ItemError, item_errors, item_status
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.redact import redact_mapping
@@ -97,27 +99,30 @@ class LogsService(logs_pb2_grpc.LogsServicer):
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def AppendBatch(self, request: logs_pb2.AppendBatchRequest, context: Any = None) -> logs_pb2.AppendBatchResponse:
+    def append_items(self, records: Sequence[Any]) -> list[ItemError | None]:
         """Encode every record and accept the good ones in one ring append; a record that cannot
         be a line is refused alone (INVALID_ARGUMENT naming its field). A closed or unwritable
-        log fails the whole call (UNAVAILABLE): nothing of it was accepted."""
-        answer = logs_pb2.AppendBatchResponse()
+        log fails the whole call (UNAVAILABLE): nothing of it was accepted. A record is a
+        `LogEntry` or the `LogRecord` it encodes to (the same fields)."""
+        results: list[ItemError | None] = []
         lines: list[bytes] = []
-        for record in request.records:
-            status = answer.results.add()
+        for record in records:
             try:
                 lines.append(self.encode(record))
+                results.append(None)
             except ValueError as exc:
-                set_status(status, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                results.append(ItemError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
         try:
             self._writer.append(lines)
         except (LogsClosedError, OSError) as exc:
-            if context is None:  # an in-process caller without a context sees the error itself
-                raise
             reason = ("the service is shutting down" if isinstance(exc, LogsClosedError)
                       else f"cannot write request log {self.config.path}")
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{reason}: {exc}")
-        return answer
+            raise BatchCallError(grpc.StatusCode.UNAVAILABLE, f"{reason}: {exc}") from exc
+        return results
+
+    def AppendBatch(self, request: logs_pb2.AppendBatchRequest, context: Any = None) -> logs_pb2.AppendBatchResponse:
+        """`append_items` over the wire."""
+        return APPEND_BATCH.serve(self, request, context)
 
     def Append(self, request: logs_pb2.LogRecord, context: grpc.ServicerContext) -> logs_pb2.AppendResponse:
         """The batch of one."""
@@ -134,6 +139,35 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         return logs_pb2.FlushResponse()  # not reached: abort raises
 
 
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One finished request as the log writes it (the fields of `spine.v1.LogRecord`)."""
+
+    request_id: str
+    tenant: str
+    model: str
+    status: str
+    latency_ms: float
+    layout: str
+    cached: bool = False
+    shadow: bool = False
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+
+def _encode_entries(entries: Sequence[LogEntry]) -> logs_pb2.AppendBatchRequest:
+    return logs_pb2.AppendBatchRequest(records=[
+        logs_pb2.LogRecord(request_id=e.request_id, tenant=e.tenant, model=e.model, status=e.status,
+                           latency_ms=e.latency_ms, layout=e.layout, cached=e.cached, shadow=e.shadow, fields=e.fields)
+        for e in entries])
+
+
+APPEND_BATCH: BatchRpc[Any, None] = BatchRpc(
+    rpc="AppendBatch", local="append_items", encode_items=_encode_entries,
+    decode_items=lambda request: list(request.records),  # encoded as they are: the same fields
+    encode_results=lambda results: logs_pb2.AppendBatchResponse(results=[item_status(r) for r in results]),
+    decode_results=item_errors)
+
+
 class LogsStage(Stage):
     """The pipeline writes one log line per request, whatever its outcome (fail open)."""
 
@@ -145,14 +179,10 @@ class LogsStage(Stage):
         return True
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        request = logs_pb2.AppendBatchRequest()
-        for state in batch:
-            model = state.model if state.resolved is not None else clipped(state.model)
-            request.records.add(
-                request_id=state.request_id, tenant=state.tenant, model=model, status=state.status,
-                latency_ms=state.latency_s * 1000.0, layout=state.layout, cached=state.cached, shadow=state.shadow)
-        answer = call("AppendBatch", request)
-        self.answered(call, batch, answer.results)
+        entries = [LogEntry(state.request_id, state.tenant,
+                            state.model if state.resolved is not None else clipped(state.model), state.status,
+                            state.latency_s * 1000.0, state.layout, state.cached, state.shadow) for state in batch]
+        self.answered(call, batch, call.batch(APPEND_BATCH, entries))
 
 
 # A model name a client sent that the router did not resolve is logged cut to this many

@@ -34,14 +34,14 @@ from services.common import (
     ReadHooks,
     abort_on_item,
     section,
-    set_status,
 )
 from services.histograms import CounterTable, HistogramSeries, HistogramTable, SeriesKey
+from services.pipeline.batch_rpc import BatchRpc, ItemError, item_errors, item_status
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.sections import DEFAULT_BUCKETS as DEFAULT_BUCKETS
 from services.sections import MetricsConfig
-from spine.v1 import batch_pb2, metrics_pb2, metrics_pb2_grpc
+from spine.v1 import metrics_pb2, metrics_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -217,28 +217,33 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def RecordBatch(self, request: metrics_pb2.RecordBatchRequest,
-                    context: Any = None) -> metrics_pb2.RecordBatchResponse:
+    def record_items(self, records: Sequence[Any]) -> list[ItemError | None]:
         """Count every good record with one update; a bad record is refused alone (INVALID_ARGUMENT
-        naming its field), so one corrupt record never costs the others their count."""
-        answer = metrics_pb2.RecordBatchResponse()
-        good: list[tuple[metrics_pb2.RequestRecord, batch_pb2.ItemStatus]] = []
-        for record in request.records:
-            status = answer.results.add()
+        naming its field), so one corrupt record never costs the others their count. A record
+        is a `MetricsRecord` or the `RequestRecord` it encodes to (the same fields)."""
+        results: list[ItemError | None] = [None] * len(records)
+        good: list[tuple[int, Any]] = []
+        for index, record in enumerate(records):
             problem = check_record(record)
             if problem:
-                set_status(status, grpc.StatusCode.INVALID_ARGUMENT, problem)
+                results[index] = ItemError(grpc.StatusCode.INVALID_ARGUMENT, problem)
             else:
-                good.append((record, status))
+                good.append((index, record))
         try:
-            self._count([record for record, _ in good])
+            self._count([record for _, record in good])
         except MemoryError:  # the table is full: count one by one, so only new series fail
-            for record, status in good:
+            for index, record in good:
                 try:
                     self._count([record])
                 except MemoryError as exc:
-                    set_status(status, grpc.StatusCode.RESOURCE_EXHAUSTED, f"metrics: no room for a new series: {exc}")
-        return answer
+                    results[index] = ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                               f"metrics: no room for a new series: {exc}")
+        return results
+
+    def RecordBatch(self, request: metrics_pb2.RecordBatchRequest,
+                    context: Any = None) -> metrics_pb2.RecordBatchResponse:
+        """`record_items` over the wire."""
+        return RECORD_BATCH.serve(self, request, context)
 
     def Record(
         self, request: metrics_pb2.RequestRecord, context: grpc.ServicerContext
@@ -292,6 +297,40 @@ class TableCollector(Collector):
         return {f.name: kinds[f.kind](f.name, f.help, labels=f.labels) for f in FAMILIES.values()}
 
 
+@dataclass(frozen=True, slots=True)
+class MetricsRecord:
+    """One finished request as the metrics count it (the fields of `spine.v1.RequestRecord`)."""
+
+    layout: str
+    model: str
+    tenant: str
+    status: str
+    latency_s: float
+    middleware_s: Mapping[str, float]
+    cached: bool = False
+    shadow: bool = False
+    completion_tokens: int = 0
+    failed_middlewares: Sequence[str] = ()
+    ejected_middlewares: Sequence[str] = ()
+
+
+def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatchRequest:
+    request = metrics_pb2.RecordBatchRequest()
+    for r in records:
+        request.records.add(layout=r.layout, model=r.model, tenant=r.tenant, status=r.status, latency_s=r.latency_s,
+                            middleware_s=r.middleware_s, cached=r.cached, shadow=r.shadow,
+                            completion_tokens=r.completion_tokens, failed_middlewares=r.failed_middlewares,
+                            ejected_middlewares=r.ejected_middlewares)
+    return request
+
+
+RECORD_BATCH: BatchRpc[Any, None] = BatchRpc(
+    rpc="RecordBatch", local="record_items", encode_items=_encode_records,
+    decode_items=lambda request: list(request.records),  # counted as they are: the same fields
+    encode_results=lambda results: metrics_pb2.RecordBatchResponse(results=[item_status(r) for r in results]),
+    decode_results=item_errors)
+
+
 class MetricsStage(Stage):
     """The pipeline counts and times every request, whatever its outcome (fail open)."""
 
@@ -303,15 +342,10 @@ class MetricsStage(Stage):
         return True
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        request = metrics_pb2.RecordBatchRequest()
-        for state in batch:
-            request.records.add(
-                layout=state.layout, model=model_label(state), tenant=state.tenant, status=state.status,
-                latency_s=state.latency_s, middleware_s=state.middleware_s, cached=state.cached,
-                shadow=state.shadow, completion_tokens=state.completion_tokens,
-                failed_middlewares=state.failures, ejected_middlewares=state.ejected)
-        answer = call("RecordBatch", request)
-        self.answered(call, batch, answer.results)
+        records = [MetricsRecord(state.layout, model_label(state), state.tenant, state.status, state.latency_s,
+                                 state.middleware_s, state.cached, state.shadow, state.completion_tokens,
+                                 state.failures, state.ejected) for state in batch]
+        self.answered(call, batch, call.batch(RECORD_BATCH, records))
 
 
 def model_label(state: RequestState) -> str:

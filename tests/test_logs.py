@@ -17,6 +17,7 @@ import pytest
 from services.common import ConfigError
 from services.log_ring import LogRing, LogsClosedError
 from services.logs import LogsConfig, LogsService
+from services.pipeline.batch_rpc import BatchCallError
 from services.redact import REDACTED, is_secret_key, redact_mapping, redact_text
 from spine.v1 import logs_pb2, logs_pb2_grpc
 
@@ -190,8 +191,10 @@ def test_a_failing_disk_pushes_back_instead_of_losing_or_hoarding_lines(tmp_path
         with pytest.raises(OSError):
             svc.flush()
         append(svc, [rec(4 + i) for i in range(4)])  # the ring has room again
-        with pytest.raises(OSError):
-            append(svc, [rec(8)])  # ring full and the disk still fails: refused
+        with pytest.raises(BatchCallError) as refused:
+            append(svc, [rec(8)])  # ring full and the disk still fails: refused, as the wire would
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "cannot write request log /dev/full" in refused.value.details()
         assert svc.pending == 8  # the failed batch is kept for retry, nothing more is taken
         assert svc.lines_on_disk == 0
     finally:
@@ -263,8 +266,9 @@ def test_append_after_close_is_refused_and_line_count_survives_restart(tmp_path:
     svc = LogsService(config(tmp_path))
     append(svc, [rec(0), rec(1)])
     svc.close()
-    with pytest.raises(LogsClosedError):
+    with pytest.raises(BatchCallError, match="shutting down") as refused:
         append(svc, [rec(2)])
+    assert isinstance(refused.value.__cause__, LogsClosedError)
     again = LogsService(config(tmp_path))
     try:
         append(again, [rec(2)])

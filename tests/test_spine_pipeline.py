@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from monolith.batched import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
 from services.auth import AuthConfig, AuthService
-from services.cache import CacheConfig, CacheService
+from services.cache import CacheConfig, CacheService, StoreItem
 from services.common import ConfigError
 from services.logs import LogsConfig, LogsService
 from services.metrics import MetricsConfig, MetricsService
@@ -270,12 +270,12 @@ def test_the_store_sends_back_the_key_the_lookup_made(tmp_path: Path) -> None:
     state = new_state(DEV_KEY, generation_pb2.GenerateRequest(model="tiny-lm", prompt="keyed once", max_tokens=4))
     rig.pipeline.admit([state])
     assert state.outcome is None and state.hit is None and len(state.cache_key) == 32
-    sent: list[cache_pb2.CacheStoreBatchRequest] = []
-    store = rig.cache.StoreBatch
-    rig.cache.StoreBatch = lambda request, context=None: (sent.append(request), store(request, context))[1]  # type: ignore[method-assign]
+    sent: list[list[StoreItem]] = []
+    store = rig.cache.store_items
+    rig.cache.store_items = lambda items: (sent.append(list(items)), store(items))[1]  # type: ignore[method-assign]
     rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
     rig.pipeline.complete([answered(state, "once")])
-    assert [(item.key, item.HasField("request")) for item in sent[0].items] == [(state.cache_key, False)]
+    assert [(item.key, item.request) for item in sent[0]] == [(state.cache_key, None)]
     again = new_state(DEV_KEY, state.request, index=1)
     rig.pipeline.admit([again])
     assert again.hit is not None and again.hit.text == "once" and again.hit.cached
@@ -316,9 +316,8 @@ def deferred(rig: Rig, **kwargs: Any) -> DeferredCompletions:
 def counting_writes(rig: Rig) -> list[int]:
     writes: list[int] = []
     metrics = rig.servicers["metrics"]
-    record = metrics.RecordBatch
-    metrics.RecordBatch = lambda request, context=None: (writes.append(len(request.records)),  # type: ignore[method-assign]
-                                                          record(request, context))[1]
+    record = metrics.record_items
+    metrics.record_items = lambda records: (writes.append(len(records)), record(records))[1]  # type: ignore[method-assign]
     rig.clients["metrics"] = LocalBinding("metrics", DEFAULT["metrics"].descriptor(), metrics)
     return writes
 
@@ -369,15 +368,15 @@ def test_a_lookup_waits_for_a_store_another_thread_is_writing(tmp_path: Path) ->
     for it arrives: the lookup must wait for that store, not find the queue empty and miss."""
     rig = Rig(tmp_path)
     completions = deferred(rig)
-    store = rig.cache.StoreBatch
+    store = rig.cache.store_items
     storing = threading.Event()
 
-    def slow_store(request: Any, context: Any = None) -> Any:
+    def slow_store(items: Any) -> Any:
         storing.set()
         time.sleep(0.2)
-        return store(request, context)
+        return store(items)
 
-    rig.cache.StoreBatch = slow_store  # type: ignore[method-assign]
+    rig.cache.store_items = slow_store  # type: ignore[method-assign]
     rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="slow to store", max_tokens=4)
     state = new_state(DEV_KEY, request)

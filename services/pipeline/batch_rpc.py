@@ -28,6 +28,8 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
+from spine.v1 import batch_pb2
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -38,6 +40,26 @@ class ItemError:
 
     code: grpc.StatusCode
     message: str
+
+
+class BatchCallError(grpc.RpcError):
+    """The whole call failed (say, a log that is shutting down): raised by a servicer's plain
+    method, it ends the rpc with its code, and reaches an in-process caller as it is, the
+    way the wire's error would."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Any:
+        return ()
 
 
 @dataclass(frozen=True)
@@ -51,12 +73,34 @@ class BatchRpc(Generic[Item, Result]):
     encode_results: Callable[[Sequence[Result | ItemError]], Any]  # servicer: results -> the rpc's answer
     decode_results: Callable[[Any], list[Result | ItemError]]  # caller: the rpc's answer -> results
 
-    def serve(self, servicer: Any, request: Any) -> Any:
-        """The rpc's answer to `request`, decided by `servicer`'s plain method."""
-        return self.encode_results(getattr(servicer, self.local)(self.decode_items(request)))
+    def serve(self, servicer: Any, request: Any, context: Any = None) -> Any:
+        """The rpc's answer to `request`, decided by `servicer`'s plain method; a
+        `BatchCallError` ends the call with its code (raised as is without a context)."""
+        try:
+            return self.encode_results(getattr(servicer, self.local)(self.decode_items(request)))
+        except BatchCallError as error:
+            if context is None:
+                raise
+            context.abort(error.code(), error.details())
+            raise  # not reached: abort raises
 
     def over(self, client: Any, items: Sequence[Item], timeout: float | None,
              metadata: Sequence[tuple[str, str]]) -> list[Result | ItemError]:
         """The call through any client with `invoke` (a stub-shaped binding)."""
         return self.decode_results(client.invoke(self.rpc, self.encode_items(items), timeout=timeout,
                                                  metadata=metadata))
+
+
+def item_status(result: ItemError | None) -> batch_pb2.ItemStatus:
+    """A result that is only a status (a log line, a metrics record) as its batch answer's item."""
+    if result is None:
+        return batch_pb2.ItemStatus()
+    return batch_pb2.ItemStatus(code=result.code.value[0], message=result.message)
+
+
+def item_errors(answer: Any) -> list[ItemError | None]:
+    """The results of a batch answer whose items are bare statuses (`results`): None for OK."""
+    return [ItemError(_CODES[status.code], status.message) if status.code else None for status in answer.results]
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -156,10 +156,11 @@ class Pipeline:
     def _entering(self, stage: Stage, batch: list[RequestState], final: bool) -> list[RequestState]:
         now = time.monotonic()
         states: list[RequestState] = []
+        screens = stage.screens
         for state in batch:
             if not stage.wants(state) or stage.name in state.skip:
                 continue
-            stop = stage.screen(state)
+            stop = stage.screen(state) if screens else None
             if stop is not None:
                 state.outcome = stop
                 continue
@@ -235,14 +236,16 @@ class _Call:
     def _limits(self) -> tuple[float, Sequence[tuple[str, str]]]:
         """The call's timeout (the stage's budget, or less when every request's deadline is
         nearer) and its metadata (one request's own id and trace context travel with it)."""
-        stage = self._stage
-        timeout = stage.budget_s
+        budget = self._stage.budget_s
+        states = self._states
+        timeout = budget
         if not self._final:
-            timeout = min(timeout, max(state.remaining() for state in self._states))
-        self.bounded_by_budget = timeout == stage.budget_s
-        if len(self._states) != 1:
+            latest = states[0].deadline if len(states) == 1 else max(state.deadline for state in states)
+            timeout = min(budget, max(0.001, latest - time.monotonic()))  # as `RequestState.remaining`
+        self.bounded_by_budget = timeout == budget
+        if len(states) != 1:
             return timeout, ()
-        state = self._states[0]
+        state = states[0]
         return timeout, (self._begun[state][1] if self._begun else (("x-request-id", state.request_id),))
 
     def fail(self, state: RequestState, code: grpc.StatusCode, message: str,

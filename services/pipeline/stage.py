@@ -90,6 +90,8 @@ class Stage:
         self.fail_open = policy.fail_mode == FailMode.OPEN
         self.budget_s = policy.budget_s
         self.name = f"{self.component or 'gateway'}.{self.method.lower()}"  # also the span name
+        # Whether `screen` can say anything (the runner skips the call on the request path when not).
+        self.screens = type(self).screen is not Stage.screen
 
     def wants(self, state: RequestState) -> bool:
         """Whether this stage acts on `state` (admission stages: while it is still open)."""

@@ -1,0 +1,197 @@
+"""A stage's batch call reads the same in-process and over the wire.
+
+In the spine a stage's items go straight to the servicer's plain method; in the layered
+stack they are encoded into the batch rpc, served (decoded, decided by that same method,
+encoded) and the answer decoded. For random batches (good and bad credentials, known and
+unknown models, malformed and over-limit rate-limit asks, cache hits, misses and bad
+items) both paths give equal results on two servicers that start equal, and the wire
+path's messages are the proto contract (`serve` answers what the rpc answers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from monolith.device import DeviceContext
+from services.auth import CHECK_BATCH, AuthConfig, AuthService
+from services.cache import LOOKUP_BATCH, STORE_BATCH, CacheConfig, CacheService, StoreItem
+from services.logs import APPEND_BATCH, LogEntry, LogsConfig, LogsService
+from services.metrics import RECORD_BATCH, MetricsConfig, MetricsRecord, MetricsService
+from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.ratelimit import RateLimitConfig, RateLimitService
+from services.ratelimit_admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
+from services.registry import DEFAULT
+from services.router import RESOLVE_BATCH, RouterConfig, RouterService
+from spine.runtime.bindings import LocalBinding
+from spine.v1 import cache_pb2, generation_pb2
+from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
+
+CONFIG = config_for_tests(ratelimit={"tenants": {
+    "tight": {"requests_per_second": 0.5, "burst": 2, "tokens_per_minute": 600, "token_burst": 60,
+              "max_concurrent_requests": 1},
+}})
+CACHED = generation_pb2.GenerateRequest(model="tiny-lm", prompt="cached", max_tokens=4)
+
+
+def _pair(make: Any) -> tuple[Any, Any]:
+    """Two servicers that start equal: one called in-process, one through the codec."""
+    return make(), make()
+
+
+def _same(local: list[Any], wire: list[Any]) -> None:
+    assert len(local) == len(wire)
+    for mine, theirs in zip(local, wire, strict=True):
+        if isinstance(mine, ItemError) or isinstance(theirs, ItemError):
+            assert mine == theirs
+        elif isinstance(mine, AdmitVerdict):
+            assert (mine.admitted, mine.retry_after_s, mine.over, bool(mine.lease_id)) == \
+                (theirs.admitted, theirs.retry_after_s, theirs.over, bool(theirs.lease_id))
+        elif hasattr(mine, "SerializeToString"):
+            assert mine.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
+        else:
+            assert mine == theirs
+
+
+def _both(rpc: BatchRpc[Any, Any], local: Any, remote: Any, items: list[Any]) -> None:
+    in_process = LocalBinding("x", DEFAULT[_component(rpc)].descriptor(), local).call_batch(rpc, list(items))
+    over_wire = rpc.decode_results(getattr(remote, rpc.rpc)(rpc.encode_items(list(items)), None))
+    _same(in_process, over_wire)
+
+
+def _component(rpc: BatchRpc[Any, Any]) -> str:
+    return {"CheckBatch": "auth", "ResolveBatch": "router", "AdmitBatch": "ratelimit", "LookupBatch": "cache",
+            "StoreBatch": "cache", "RecordBatch": "metrics", "AppendBatch": "logs"}[rpc.rpc]
+
+
+CREDENTIALS = st.sampled_from([f"Bearer {DEV_KEY}", f"Bearer {OTHER_KEY}", TIGHT_KEY, "Bearer nope", "", "Bearer ",
+                               make_jwt("other", expires_in=3600), make_jwt("dev", expires_in=-3600), "Bearer a.b.c"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(CREDENTIALS, max_size=8))
+def test_auth_reads_the_same_in_process_and_over_the_wire(credentials: list[str]) -> None:
+    local, remote = _pair(lambda: AuthService(AuthConfig.from_dict(CONFIG["auth"]), DeviceContext()))
+    _both(CHECK_BATCH, local, remote, credentials)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(["tiny-lm", "", "nope", "x" * 200, "tiny-lm-mini", "default"]), max_size=6))
+def test_router_reads_the_same_in_process_and_over_the_wire(names: list[str]) -> None:
+    local, remote = _pair(lambda: RouterService(RouterConfig.from_dict(CONFIG["router"]), DeviceContext()))
+    _both(RESOLVE_BATCH, local, remote, names)
+
+
+ASKS = st.builds(AdmitItem, tenant=st.sampled_from(["dev", "tight", ""]), model=st.sampled_from(["tiny-lm", ""]),
+                 tokens=st.sampled_from([1, 20, 59, 61, 5000]), dry_run=st.booleans(),
+                 lease_ttl_s=st.sampled_from([0.0, 30.0]), busy=st.sampled_from([0.0, 0.95]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.lists(ASKS, max_size=6), min_size=1, max_size=4))
+def test_rate_limit_reads_the_same_in_process_and_over_the_wire(batches: list[list[AdmitItem]]) -> None:
+    now = [1000.0]
+
+    def make() -> RateLimitService:
+        return RateLimitService(RateLimitConfig.from_dict(CONFIG["ratelimit"]), DeviceContext(), clock=lambda: now[0])
+
+    local, remote = _pair(make)
+    for batch in batches:  # the buckets and slots carry over from batch to batch
+        _both(ADMIT_BATCH, local, remote, batch)
+        now[0] += 0.5
+    assert local.snapshot() == remote.snapshot()
+
+
+def _cache() -> CacheService:
+    service = CacheService(CacheConfig.from_dict(CONFIG["cache"]), DeviceContext())
+    answer = generation_pb2.GenerateResponse(text="abcd", token_ids=[1, 2, 3, 4], model="tiny-lm", completion_tokens=4)
+    service.Store(cache_pb2.CacheStoreRequest(tenant="dev", request=CACHED, response=answer), None)
+    return service
+
+
+LOOKUPS = st.tuples(st.sampled_from(["dev", "other", ""]), st.sampled_from([
+    CACHED, None, generation_pb2.GenerateRequest(model="tiny-lm", prompt="other", max_tokens=4),
+    generation_pb2.GenerateRequest(model="", prompt="no model"),
+    generation_pb2.GenerateRequest(model="tiny-lm", prompt="warm", temperature=0.7)]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(LOOKUPS, max_size=6))
+def test_cache_lookup_reads_the_same_in_process_and_over_the_wire(items: list[Any]) -> None:
+    local, remote = _pair(_cache)
+    _both(LOOKUP_BATCH, local, remote, items)
+
+
+def test_an_in_process_batch_call_keeps_the_wires_rules() -> None:
+    """No time left is DEADLINE_EXCEEDED before the servicer runs; its exception is UNKNOWN."""
+    service = AuthService(AuthConfig.from_dict(CONFIG["auth"]), DeviceContext())
+    binding = LocalBinding("auth", DEFAULT["auth"].descriptor(), service)
+    with pytest.raises(grpc.RpcError) as late:
+        binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=0.0)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def broken(credentials: Any) -> Any:
+        raise RuntimeError("table gone")
+
+    service.check_items = broken  # type: ignore[method-assign]
+    with pytest.raises(grpc.RpcError) as failed:
+        binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=1.0)
+    assert failed.value.code() == grpc.StatusCode.UNKNOWN and "table gone" in failed.value.details()
+
+
+STORES = st.builds(StoreItem, tenant=st.sampled_from(["dev", ""]),
+                   response=st.sampled_from([None, generation_pb2.GenerateResponse(text="x", completion_tokens=1)]),
+                   key=st.sampled_from([b"", b"k" * 32, b"short"]),
+                   request=st.sampled_from([None, CACHED, generation_pb2.GenerateRequest(model="", prompt="p")]),
+                   shadow=st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(STORES, max_size=6))
+def test_cache_store_reads_the_same_in_process_and_over_the_wire(items: list[StoreItem]) -> None:
+    local, remote = _pair(_cache)
+    _both(STORE_BATCH, local, remote, items)
+    assert local.stats() == remote.stats()
+
+
+RECORDS = st.builds(MetricsRecord, layout=st.just("collapsed"), model=st.sampled_from(["tiny-lm", ""]),
+                    tenant=st.sampled_from(["dev", "other"]), status=st.sampled_from(["OK", "UNAVAILABLE"]),
+                    latency_s=st.sampled_from([0.004, 0.2, float("nan"), -1.0]),
+                    middleware_s=st.sampled_from([{}, {"auth": 0.0001, "cache": 0.0002}, {"": 0.1}]),
+                    cached=st.booleans(), shadow=st.booleans(), completion_tokens=st.integers(0, 9),
+                    failed_middlewares=st.sampled_from([(), ("cache",)]), ejected_middlewares=st.just(()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(RECORDS, max_size=6))
+def test_metrics_count_the_same_in_process_and_over_the_wire(records: list[MetricsRecord]) -> None:
+    local, remote = _pair(lambda: MetricsService(MetricsConfig(), DeviceContext()))
+    _both(RECORD_BATCH, local, remote, records)
+    assert local.render() == remote.render()
+
+
+ENTRIES = st.builds(LogEntry, request_id=st.sampled_from(["r1", "r2"]), tenant=st.just("dev"),
+                    model=st.just("tiny-lm"), status=st.just("OK"),
+                    latency_ms=st.sampled_from([3.5, float("inf")]), layout=st.just("collapsed"),
+                    cached=st.booleans(), shadow=st.booleans(), fields=st.sampled_from([{}, {"big": "x" * 70_000}]))
+
+
+def test_log_lines_are_the_same_in_process_and_over_the_wire(tmp_path: Path) -> None:
+    services = [LogsService(LogsConfig.from_dict({"path": f"{name}.jsonl", "fsync": False}, tmp_path),
+                            clock=lambda: 1700000000.5) for name in ("local", "remote")]
+
+    @settings(max_examples=30, deadline=None)
+    @given(st.lists(ENTRIES, max_size=5))
+    def check(entries: list[LogEntry]) -> None:
+        _both(APPEND_BATCH, services[0], services[1], entries)
+
+    check()
+    for service in services:
+        service.close()
+    assert (tmp_path / "local.jsonl").read_bytes() == (tmp_path / "remote.jsonl").read_bytes()
+    assert (tmp_path / "local.jsonl").read_bytes().count(b"\n") > 0

@@ -71,6 +71,11 @@ class CacheIndex(Generic[V]):
             self._meta_np = self._meta.numpy()
             self._expiry_np = self._expiry.numpy()
             self._offsets_np = self._offsets.numpy()
+            # The same columns as memoryviews, for the few cells a lone request's probe reads
+            # (plain CPython element access: see `services.host_view`).
+            self._ticks_cells = memoryview(self._meta_np[_TICK])
+            self._hash_cells = memoryview(self._meta_np[_HASH])
+            self._expiry_cells = memoryview(self._expiry_np)
 
     def __len__(self) -> int:
         """Entries held, expired ones included until `remove_expired` runs."""
@@ -158,7 +163,7 @@ class CacheIndex(Generic[V]):
         """`_candidates` on the numpy views: the same gather-and-compare, in the same order."""
         mask = self._size - 1
         if len(keys) * (self._probe_limit + 1) <= self.loop_max:  # few positions: element reads beat array ops
-            ticks, stored, expiry = self._meta_np[_TICK], self._meta_np[_HASH], self._expiry_np
+            ticks, stored, expiry = self._ticks_cells, self._hash_cells, self._expiry_cells
             found: list[tuple[int, int]] = []
             for query, key in enumerate(keys):
                 key_hash = self._key_hash(key)
@@ -209,9 +214,9 @@ class CacheIndex(Generic[V]):
         ticks = {slot: self._tick + 1 + i for i, slot in enumerate(slots)}  # the last touch wins
         self._tick += len(slots)
         if self._host:
-            ticks_np = self._meta_np[_TICK]
+            cells = self._ticks_cells
             for slot, tick in ticks.items():
-                ticks_np[slot] = tick
+                cells[slot] = tick
             for slot in slots:  # by last touch, like the ticks
                 self._recency.pop(slot, None)
                 self._recency[slot] = None

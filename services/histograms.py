@@ -99,7 +99,7 @@ class HistogramTable:
         self._bounds_t = torch.tensor(values, dtype=torch.float64, device=device.device)
         self._counts = device.allocate(owner, (initial_rows, len(values) + 1), torch.int64)
         self._sums = device.allocate(owner, (initial_rows,), torch.float64)
-        self._counts_host, self._sums_host = HostView(), HostView()  # their numpy views on the CPU
+        self._counts_host, self._sums_host = HostView(), HostView()  # their host views on the CPU
         self.host_paths = True  # False forces the torch ops CUDA uses (tests compare the paths)
 
     def __len__(self) -> int:
@@ -117,12 +117,12 @@ class HistogramTable:
         except MemoryError:
             self._rows.forget(added)
             raise
-        counts = self._counts_host.of(self._counts) if self.host_paths else None
+        counts = self._counts_host.cells(self._counts) if self.host_paths else None
         if counts is not None:
-            # Zero-copy numpy views of the same tensors: for the few observations a
+            # Zero-copy memoryviews of the same tensors: for the few observations a
             # micro-batch brings, per-element updates beat a torch op's dispatch cost ~10x.
             # `bisect_left` is bucketize's `le` rule; sums are added in the same order.
-            sums, bounds = self._sums_host.of(self._sums), self.bounds
+            sums, bounds = self._sums_host.cells(self._sums), self.bounds
             assert sums is not None  # on the same device as the counts
             for row, value in zip(rows, values, strict=True):
                 # NaN (never from the metrics service, which refuses it) goes where bucketize puts it.
@@ -194,7 +194,7 @@ class CounterTable:
                 self._rows.forget(added)
                 raise
             self._rows.capacity = needed
-        values = self._values_host.of(self._values) if self.host_paths else None
+        values = self._values_host.cells(self._values) if self.host_paths else None
         if values is not None:  # a zero-copy view (see HistogramTable.observe)
             for row, amount in zip(rows, amounts, strict=True):
                 values[row] += amount

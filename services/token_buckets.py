@@ -257,7 +257,7 @@ class TokenBucketTable:
     def _decide_sequential(self, row_slot: Sequence[int], row_cost: Sequence[float], row_request: Sequence[int],
                            charge: Sequence[bool], now: float) -> BatchDecision:
         """A small batch on a CPU table: literally one request after another, on Python floats
-        read from (and written back to) a zero-copy numpy view of the table.
+        read from (and written back to) a zero-copy memoryview of the table.
 
         The same float64 operations as `decide`'s cumulative sums (see the module
         docstring: every subtraction of a whole cost is exact), so the answers and levels
@@ -269,16 +269,15 @@ class TokenBucketTable:
         for slot, cost, request in zip(row_slot, row_cost, row_request, strict=True):
             costs = wants[request]
             costs[slot] = costs.get(slot, 0.0) + float(cost)
-        state = self._host.of(self._state)
+        state = self._host.cells(self._state)
         assert state is not None  # only called on the CPU
-        item = state.item
         level: dict[int, float] = {}
         last: dict[int, float] = {}
         rate: dict[int, float] = {}
         cap: dict[int, float] = {}
         for slot in dict.fromkeys(row_slot):
-            last[slot], rate[slot], cap[slot] = item(LAST_REFILL, slot), item(RATE, slot), item(CAPACITY, slot)
-            level[slot] = min(cap[slot], item(LEVEL, slot) + rate[slot] * max(now - last[slot], 0.0))
+            last[slot], rate[slot], cap[slot] = state[LAST_REFILL, slot], state[RATE, slot], state[CAPACITY, slot]
+            level[slot] = min(cap[slot], state[LEVEL, slot] + rate[slot] * max(now - last[slot], 0.0))
         admitted: list[bool] = []
         outcome: list[dict[int, tuple[bool, float, float]]] = []  # per request: bucket -> (fits, left, retry)
         for request, costs in enumerate(wants):

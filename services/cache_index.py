@@ -75,7 +75,7 @@ class CacheIndex(Generic[V]):
             # (plain CPython element access: see `services.host_view`).
             self._ticks_cells = memoryview(self._meta_np[_TICK])
             self._hash_cells = memoryview(self._meta_np[_HASH])
-            self._expiry_cells = memoryview(self._expiry_np)
+            self._expiry_cells = memoryview(self._expiry_np)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         """Entries held, expired ones included until `remove_expired` runs."""

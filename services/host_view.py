@@ -30,7 +30,7 @@ class HostView:
     def __init__(self) -> None:
         self._tensor: Any = None
         self._view: np.ndarray | None = None
-        self._cells: memoryview | None = None
+        self._cells: Any = None  # a memoryview (typeshed's knows only int cells)
 
     def of(self, tensor: Any) -> np.ndarray | None:
         if tensor is not self._tensor:
@@ -39,11 +39,11 @@ class HostView:
             self._tensor = tensor
         return self._view
 
-    def cells(self, tensor: Any) -> memoryview | None:
+    def cells(self, tensor: Any) -> Any:
         """`of(tensor)` as a memoryview indexed like it (`cells[row, column]`), or None off the CPU."""
         view = self.of(tensor)
         if view is None:
             return None
         if self._cells is None:
-            self._cells = memoryview(view)
+            self._cells = memoryview(view)  # type: ignore[arg-type]
         return self._cells

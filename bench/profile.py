@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(py_spy).exists():
         print("py-spy is not installed: `make install` (it is a dev dependency)", file=sys.stderr)
         return 2
+    args.out.mkdir(parents=True, exist_ok=True)  # py-spy writes into it, and fails if it is missing
     run_dir = Path(tempfile.mkdtemp(prefix="spine-profile-"))
     config = run_dir / "config.yaml"
     config.write_text(yaml.safe_dump(RATE_LIMIT_OFF))

@@ -17,7 +17,7 @@ from spine.v1 import auth_pb2, generation_pb2
 Metadata = tuple[tuple[str, str], ...]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     request: generation_pb2.GenerateRequest  # as the client sent it
     request_id: str

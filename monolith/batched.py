@@ -72,30 +72,18 @@ class BatchedAdmission:
     def __init__(self, pipeline: Pipeline, config: BatchingConfig, *,
                  expected: Callable[[], int] | None = None) -> None:
         self.pipeline = pipeline
-        self._expected = expected
         self.batcher: MicroBatcher[RequestState, None] = MicroBatcher(
             self._decide, max_batch=config.max_batch, max_wait_s=config.max_wait_us / 1e6, expected=expected)
 
     def admit(self, state: RequestState) -> None:
-        if self._alone():
-            # Nothing to batch with: the stages with a batch of one, here, without the
-            # batcher's hand-offs (two lone requests racing here are decided side by side,
-            # as the layered gateway decides every request; each component keeps its order).
-            self.pipeline.admit([state])
-        else:
-            if self.pipeline.hooks:  # the batch may be decided on another request's thread
-                state.trace = self.pipeline.capture()
-            try:
-                self.batcher.submit(state)
-            except BatcherClosed:
-                raise Stop(grpc.StatusCode.UNAVAILABLE,
-                           "the spine is shutting down; retry on another replica") from None
+        if self.pipeline.hooks:  # the batch may be decided on another request's thread
+            state.trace = self.pipeline.capture()
+        try:
+            self.batcher.submit(state)
+        except BatcherClosed:
+            raise Stop(grpc.StatusCode.UNAVAILABLE, "the spine is shutting down; retry on another replica") from None
         if state.outcome is not None:
             raise state.outcome
-
-    def _alone(self) -> bool:
-        """The only request in flight, and the batcher has nothing queued or deciding."""
-        return self._expected is not None and self._expected() <= 1 and self.batcher.idle
 
     def _decide(self, batch: list[RequestState]) -> list[None]:
         self.pipeline.admit(batch)

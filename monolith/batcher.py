@@ -91,6 +91,13 @@ class MicroBatcher(Generic[T, R]):
         with self._lock:
             if self._closed:
                 raise BatcherClosed("the batcher is closed (shutting down)")
+            alone = not self._leading and not self._pending and not (
+                self.max_wait_s > 0 and self._expected is not None and self._expected() > 1)
+            if alone:
+                self._leading = True
+        if alone:
+            return self._decide_alone(item)
+        with self._lock:
             slot: _Slot[T] = _Slot(item, self._clock())
             self._pending.append(slot)
             lead = not self._leading
@@ -115,12 +122,30 @@ class MicroBatcher(Generic[T, R]):
     def queued(self) -> int:
         return len(self._pending)
 
-    @property
-    def idle(self) -> bool:
-        """Open, nobody deciding and nobody waiting (read without the lock: a hint)."""
-        return not self._leading and not self._pending and not self._closed
 
     # -- leading ----------------------------------------------------------------------
+    def _decide_alone(self, item: T) -> R:
+        """Nothing queued and nothing more expected: a batch of one, decided here without a
+        slot or a hand-off (the common case at low load). Leading all the same: items that
+        arrive meanwhile queue up, and the oldest of them decides them as the next batch."""
+        try:
+            result = self._decide([item])
+            if len(result) != 1:
+                raise RuntimeError(f"decide returned {len(result)} results for 1 item")
+        finally:
+            with self._lock:
+                self.stats.batches += 1
+                self.stats.items += 1
+                self.stats.largest = max(self.stats.largest, 1)
+                if self._pending:
+                    self._pending[0].wake.release()
+                else:
+                    self._leading = False
+        value = result[0]
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
     def _lead(self, own: _Slot[T]) -> None:
         try:
             while not own.done:

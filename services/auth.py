@@ -184,7 +184,7 @@ class AuthService(auth_pb2_grpc.AuthServicer):
 
     def CheckBatch(self, request: auth_pb2.CheckBatchRequest, context: Any = None) -> auth_pb2.CheckBatchResponse:
         """`check_items` over the wire: a denial is that item's status, not the call's."""
-        return CHECK_BATCH.serve(self, request)
+        return CHECK_BATCH.serve(self, request, context)
 
     def Check(self, request: auth_pb2.CheckRequest, context: grpc.ServicerContext) -> auth_pb2.CheckResponse:
         """The batch of one: a denial ends the call with its status."""

@@ -139,7 +139,7 @@ class CacheService(cache_pb2_grpc.CacheServicer):
     def LookupBatch(self, request: cache_pb2.CacheLookupBatchRequest,
                     context: Any = None) -> cache_pb2.CacheLookupBatchResponse:
         """`lookup_items` over the wire."""
-        return LOOKUP_BATCH.serve(self, request)
+        return LOOKUP_BATCH.serve(self, request, context)
 
     def store_items(self, items: Sequence[StoreItem]) -> list[bool | ItemError]:
         """Keep every storable answer, in order (the last one for a key wins): whether each

@@ -250,7 +250,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
     def AdmitBatch(self, request: ratelimit_pb2.AdmitBatchRequest,
                    context: Any = None) -> ratelimit_pb2.AdmitBatchResponse:
         """`admit_items` over the wire."""
-        return ADMIT_BATCH.serve(self, request)
+        return ADMIT_BATCH.serve(self, request, context)
 
     def Admit(self, request: ratelimit_pb2.AdmitRequest, context: Any) -> ratelimit_pb2.AdmitResponse:
         """The batch of one."""

@@ -94,7 +94,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def ResolveBatch(self, request: router_pb2.ResolveBatchRequest,
                      context: Any = None) -> router_pb2.ResolveBatchResponse:
         """`resolve_items` over the wire: an unknown model is that item's NOT_FOUND."""
-        return RESOLVE_BATCH.serve(self, request)
+        return RESOLVE_BATCH.serve(self, request, context)
 
     def Resolve(self, request: router_pb2.ResolveRequest, context: grpc.ServicerContext) -> router_pb2.ResolveResponse:
         """The batch of one."""

@@ -10,6 +10,7 @@ path's messages are the proto contract (`serve` answers what the rpc answers).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from services.ratelimit_admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
 from services.registry import DEFAULT
 from services.router import RESOLVE_BATCH, RouterConfig, RouterService
 from spine.runtime.bindings import LocalBinding
-from spine.v1 import cache_pb2, generation_pb2
+from spine.v1 import batch_pb2, cache_pb2, generation_pb2, metrics_pb2
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
 
 CONFIG = config_for_tests(ratelimit={"tenants": {
@@ -195,3 +196,27 @@ def test_log_lines_are_the_same_in_process_and_over_the_wire(tmp_path: Path) -> 
         service.close()
     assert (tmp_path / "local.jsonl").read_bytes() == (tmp_path / "remote.jsonl").read_bytes()
     assert (tmp_path / "local.jsonl").read_bytes().count(b"\n") > 0
+
+
+def test_an_in_process_answer_after_the_deadline_is_deadline_exceeded() -> None:
+    """As on the wire: a component that answers too late has not answered (the runner then
+    stops a fail-closed stage's requests with UNAVAILABLE, naming the budget)."""
+    service = AuthService(AuthConfig.from_dict(CONFIG["auth"]), DeviceContext())
+    binding = LocalBinding("auth", DEFAULT["auth"].descriptor(), service)
+    check = service.check_items
+
+    def slow(credentials: Any) -> Any:
+        time.sleep(0.05)
+        return check(credentials)
+
+    service.check_items = slow  # type: ignore[method-assign]
+    with pytest.raises(grpc.RpcError) as late:
+        binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=0.01)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=5.0)[0].principal.tenant == "dev"
+
+
+def test_a_status_code_grpc_does_not_define_fails_that_item_alone() -> None:
+    answer = metrics_pb2.RecordBatchResponse(results=[batch_pb2.ItemStatus(code=99, message="odd peer"),
+                                                      batch_pb2.ItemStatus()])
+    assert RECORD_BATCH.decode_results(answer) == [ItemError(grpc.StatusCode.UNKNOWN, "odd peer"), None]

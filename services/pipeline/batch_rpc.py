@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
+from services.common import status_code
 from spine.v1 import batch_pb2
 
 Item = TypeVar("Item")
@@ -100,7 +101,5 @@ def item_status(result: ItemError | None) -> batch_pb2.ItemStatus:
 
 def item_errors(answer: Any) -> list[ItemError | None]:
     """The results of a batch answer whose items are bare statuses (`results`): None for OK."""
-    return [ItemError(_CODES[status.code], status.message) if status.code else None for status in answer.results]
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+    return [ItemError(status_code(status.code), status.message) if status.code else None
+            for status in answer.results]

@@ -30,6 +30,7 @@ class RequestState:
     # may be decided, and its completions written, on another thread.
     trace: Metadata = ()
     outcome: Stop | None = None
+    # Auth's verdict for the credential, shared read-only with every request of the same API key.
     principal: auth_pb2.Principal | None = None
     tenant: str = ""
     model: str = ""

@@ -141,15 +141,21 @@ class LocalBinding(BaseBinding):
         """The servicer's plain method on the items, in the caller's thread: no request
         message, no context (see `services.pipeline.batch_rpc`). The wire's rules that
         apply to a call that cannot block: no time left is DEADLINE_EXCEEDED before the
-        call, and an exception in the servicer is UNKNOWN, as grpc makes of a handler's."""
+        call, and an exception in the servicer is UNKNOWN, as grpc makes of a handler's;
+        an answer that comes after the deadline is DEADLINE_EXCEEDED all the same (the
+        caller would have given up), so a stage's budget holds in-process too."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if timeout is not None and timeout <= 0:
             raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         try:
-            return getattr(self.servicer, rpc.local)(items)  # type: ignore[no-any-return]
+            results = getattr(self.servicer, rpc.local)(items)
         except grpc.RpcError:
             raise
         except Exception as error:
             raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
+        if deadline is not None and time.monotonic() >= deadline:
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return results  # type: ignore[no-any-return]
 
     def _make_plain(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
         handler = getattr(self.servicer, method.name)

@@ -29,9 +29,9 @@ from services.auth_keys import (
     ApiKeyTable,
     check_unique,
 )
-from services.common import Clock, DeviceState, answer_one, section, set_status, status_code
+from services.common import Clock, DeviceState, answer_one, section
 from services.config_model import Float, Items, NonEmptyStr, Section
-from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.pipeline.batch_rpc import BatchRpc, ItemError, field_items, message_answer
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import MISSING_CREDENTIAL, Stop, bearer
@@ -269,33 +269,11 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             )
 
 
-def _encode_checks(credentials: Sequence[str]) -> auth_pb2.CheckBatchRequest:
-    request = auth_pb2.CheckBatchRequest()
-    for credential in credentials:
-        request.items.add(credential=credential)
-    return request
-
-
-def _encode_verdicts(verdicts: Sequence[auth_pb2.CheckResponse | ItemError]) -> auth_pb2.CheckBatchResponse:
-    answer = auth_pb2.CheckBatchResponse()
-    for verdict in verdicts:
-        result = answer.results.add()
-        if isinstance(verdict, ItemError):
-            set_status(result.status, verdict.code, verdict.message)
-        else:
-            result.response.CopyFrom(verdict)
-    return answer
-
-
-def _decode_verdicts(answer: auth_pb2.CheckBatchResponse) -> list[auth_pb2.CheckResponse | ItemError]:
-    return [ItemError(status_code(result.status.code), result.status.message) if result.status.code
-            else result.response for result in answer.results]
-
-
+_encode_checks, _decode_checks = field_items(auth_pb2.CheckBatchRequest, "credential")
+_encode_verdicts, _decode_verdicts = message_answer(auth_pb2.CheckBatchResponse)
 CHECK_BATCH: BatchRpc[str, auth_pb2.CheckResponse] = BatchRpc(
     rpc="CheckBatch", local="check_items", encode_items=_encode_checks,
-    decode_items=lambda request: [item.credential for item in request.items],
-    encode_results=_encode_verdicts, decode_results=_decode_verdicts)
+    decode_items=_decode_checks, encode_results=_encode_verdicts, decode_results=_decode_verdicts)
 
 
 def _bearer(credential: str) -> str:

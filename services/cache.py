@@ -31,10 +31,8 @@ from services.common import (
     DeviceState,
     answer_one,
     section,
-    set_status,
-    status_code,
 )
-from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.pipeline.batch_rpc import BatchRpc, ItemError, decode_answer, encode_answer
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.sections import CacheConfig
@@ -253,22 +251,14 @@ def _decode_stores(request: cache_pb2.CacheStoreBatchRequest) -> list[StoreItem]
                       item.request if item.HasField("request") else None, item.shadow) for item in request.items]
 
 
-def _encode_stored(results: Sequence[bool | ItemError]) -> cache_pb2.CacheStoreBatchResponse:
-    answer = cache_pb2.CacheStoreBatchResponse()
-    for stored in results:
-        result = answer.results.add()
-        if isinstance(stored, ItemError):
-            set_status(result.status, stored.code, stored.message)
-        else:
-            result.response.stored = stored
-    return answer
+def _fill_stored(response: cache_pb2.CacheStoreResponse, stored: bool) -> None:
+    response.stored = stored
 
 
 STORE_BATCH: BatchRpc[StoreItem, bool] = BatchRpc(
     rpc="StoreBatch", local="store_items", encode_items=_encode_stores, decode_items=_decode_stores,
-    encode_results=_encode_stored, decode_results=lambda answer: [
-        ItemError(status_code(result.status.code), result.status.message) if result.status.code
-        else result.response.stored for result in answer.results])
+    encode_results=lambda results: encode_answer(cache_pb2.CacheStoreBatchResponse(), results, _fill_stored),
+    decode_results=lambda answer: decode_answer(answer, lambda response: response.stored))
 
 
 def _encode_lookups(items: Sequence[LookupItem]) -> cache_pb2.CacheLookupBatchRequest:
@@ -280,38 +270,24 @@ def _encode_lookups(items: Sequence[LookupItem]) -> cache_pb2.CacheLookupBatchRe
     return request
 
 
-def _encode_probes(probes: Sequence[Probe | ItemError]) -> cache_pb2.CacheLookupBatchResponse:
-    answer = cache_pb2.CacheLookupBatchResponse()
-    for probe in probes:
-        result = answer.results.add()
-        if isinstance(probe, ItemError):
-            set_status(result.status, probe.code, probe.message)
-            continue
-        result.response.cacheable = probe.cacheable
-        result.response.key = probe.key
-        if probe.hit is not None:
-            result.response.hit = True
-            result.response.response.CopyFrom(probe.hit)
-    return answer
+def _fill_probe(response: cache_pb2.CacheLookupResponse, probe: Probe) -> None:
+    response.cacheable = probe.cacheable
+    response.key = probe.key
+    if probe.hit is not None:
+        response.hit = True
+        response.response.CopyFrom(probe.hit)
 
 
-def _decode_probes(answer: cache_pb2.CacheLookupBatchResponse) -> list[Probe | ItemError]:
-    probes: list[Probe | ItemError] = []
-    for result in answer.results:
-        found = result.response
-        if result.status.code:
-            probes.append(ItemError(status_code(result.status.code), result.status.message))
-        else:
-            probes.append(Probe(cacheable=found.cacheable, key=found.key,
-                                hit=found.response if found.hit else None))
-    return probes
+def _read_probe(found: cache_pb2.CacheLookupResponse) -> Probe:
+    return Probe(cacheable=found.cacheable, key=found.key, hit=found.response if found.hit else None)
 
 
 LOOKUP_BATCH: BatchRpc[LookupItem, Probe] = BatchRpc(
     rpc="LookupBatch", local="lookup_items", encode_items=_encode_lookups,
     decode_items=lambda request: [(item.tenant, item.request if item.HasField("request") else None)
                                   for item in request.items],
-    encode_results=_encode_probes, decode_results=_decode_probes)
+    encode_results=lambda probes: encode_answer(cache_pb2.CacheLookupBatchResponse(), probes, _fill_probe),
+    decode_results=lambda answer: decode_answer(answer, _read_probe))
 
 
 class CacheLookupStage(Stage):

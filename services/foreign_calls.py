@@ -7,7 +7,7 @@ the component is placed now, and raises `grpc.RpcError` as the wire would.
 Speaking Envoy's protocol to a service the team already runs, an adapter is a stub with the
 component's own call shape: each rpc is a `Unary` (`rpc(request, timeout=, metadata=)` and
 `rpc.future(...)`) that translates the call, so the runtime's remote binding (hooks,
-outlier ejection) wraps it like any stub. A verdict it has to raise is a `ForeignCallError`.
+outlier ejection) wraps it like any stub. A verdict it has to raise is a `StatusError`.
 """
 
 from __future__ import annotations
@@ -18,33 +18,13 @@ from typing import Any, Protocol
 import grpc
 
 from services.common import status_code
+from services.pipeline.batch_rpc import StatusError
 
 
 class Caller(Protocol):
     """One of the component's rpcs by name; raises grpc.RpcError like a stub."""
 
     def __call__(self, method: str, request: Any) -> Any: ...
-
-
-class ForeignCallError(grpc.RpcError):
-    """A status a translated call ends with (the shape of the error a real stub raises)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> Any:
-        return ()
-
-    def initial_metadata(self) -> Any:
-        return ()
 
 
 Metadata = Sequence[tuple[str, str]] | None
@@ -95,7 +75,7 @@ class Unary:
 def one_answer(result: Any) -> Any:
     """The response of a batch-of-one's result, or its item status raised as the call's."""
     if result.status.code:
-        raise ForeignCallError(status_code(result.status.code), result.status.message)
+        raise StatusError(status_code(result.status.code), result.status.message)
     return result.response
 
 

@@ -24,7 +24,7 @@ import grpc
 
 from services.common import Clock, DeviceState, section
 from services.log_ring import BatchedLineWriter, LogsClosedError
-from services.pipeline.batch_rpc import BatchCallError, BatchRpc, ItemError, item_errors, item_status
+from services.pipeline.batch_rpc import BatchRpc, ItemError, StatusError, item_errors, item_status
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.redact import redact_mapping
@@ -117,7 +117,7 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         except (LogsClosedError, OSError) as exc:
             reason = ("the service is shutting down" if isinstance(exc, LogsClosedError)
                       else f"cannot write request log {self.config.path}")
-            raise BatchCallError(grpc.StatusCode.UNAVAILABLE, f"{reason}: {exc}") from exc
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{reason}: {exc}") from exc
         return results
 
     def AppendBatch(self, request: logs_pb2.AppendBatchRequest, context: Any = None) -> logs_pb2.AppendBatchResponse:

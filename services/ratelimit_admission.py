@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common import set_status, status_code
-from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.pipeline.batch_rpc import BatchRpc, decode_answer, encode_answer
 from spine.v1 import ratelimit_pb2
 
 
@@ -59,35 +58,20 @@ def _decode_items(request: ratelimit_pb2.AdmitBatchRequest) -> list[AdmitItem]:
             for item in request.items]
 
 
-def _encode_verdicts(verdicts: Sequence[AdmitVerdict | ItemError]) -> ratelimit_pb2.AdmitBatchResponse:
-    answer = ratelimit_pb2.AdmitBatchResponse()
-    for verdict in verdicts:
-        result = answer.results.add()
-        if isinstance(verdict, ItemError):
-            set_status(result.status, verdict.code, verdict.message)
-            continue
-        response = result.response
-        response.admitted = verdict.admitted
-        response.retry_after_s = verdict.retry_after_s
-        response.lease_id = verdict.lease_id
-        for over in verdict.over:
-            response.over.add(limit_name=over.limit_name, retry_after_s=over.retry_after_s)
-    return answer
+def _fill_verdict(response: ratelimit_pb2.AdmitResponse, verdict: AdmitVerdict) -> None:
+    response.admitted = verdict.admitted
+    response.retry_after_s = verdict.retry_after_s
+    response.lease_id = verdict.lease_id
+    for over in verdict.over:
+        response.over.add(limit_name=over.limit_name, retry_after_s=over.retry_after_s)
 
 
-def _decode_verdicts(answer: ratelimit_pb2.AdmitBatchResponse) -> list[AdmitVerdict | ItemError]:
-    verdicts: list[AdmitVerdict | ItemError] = []
-    for result in answer.results:
-        if result.status.code:
-            verdicts.append(ItemError(status_code(result.status.code), result.status.message))
-            continue
-        response = result.response
-        verdicts.append(AdmitVerdict(
-            admitted=response.admitted, retry_after_s=response.retry_after_s, lease_id=response.lease_id,
-            over=[OverLimit(over.limit_name, over.retry_after_s) for over in response.over]))
-    return verdicts
+def _read_verdict(response: ratelimit_pb2.AdmitResponse) -> AdmitVerdict:
+    return AdmitVerdict(admitted=response.admitted, retry_after_s=response.retry_after_s, lease_id=response.lease_id,
+                        over=[OverLimit(over.limit_name, over.retry_after_s) for over in response.over])
 
 
 ADMIT_BATCH: BatchRpc[AdmitItem, AdmitVerdict] = BatchRpc(
     rpc="AdmitBatch", local="admit_items", encode_items=_encode_items, decode_items=_decode_items,
-    encode_results=_encode_verdicts, decode_results=_decode_verdicts)
+    encode_results=lambda verdicts: encode_answer(ratelimit_pb2.AdmitBatchResponse(), verdicts, _fill_verdict),
+    decode_results=lambda answer: decode_answer(answer, _read_verdict))

@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from services.common import DeviceState, answer_one, section, set_status, status_code
-from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.common import DeviceState, answer_one, section
+from services.pipeline.batch_rpc import BatchRpc, ItemError, field_items, message_answer
 from services.pipeline.stage import Stage, StageCall
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import resolved_request
@@ -106,30 +106,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return self.list_models()
 
 
-def _encode_names(names: Sequence[str]) -> router_pb2.ResolveBatchRequest:
-    request = router_pb2.ResolveBatchRequest()
-    for name in names:
-        request.items.add(model=name)
-    return request
-
-
-def _encode_routes(routes: Sequence[router_pb2.ResolveResponse | ItemError]) -> router_pb2.ResolveBatchResponse:
-    answer = router_pb2.ResolveBatchResponse()
-    for route in routes:
-        result = answer.results.add()
-        if isinstance(route, ItemError):
-            set_status(result.status, route.code, route.message)
-        else:
-            result.response.CopyFrom(route)
-    return answer
-
-
+_encode_names, _decode_names = field_items(router_pb2.ResolveBatchRequest, "model")
+_encode_routes, _decode_routes = message_answer(router_pb2.ResolveBatchResponse)
 RESOLVE_BATCH: BatchRpc[str, router_pb2.ResolveResponse] = BatchRpc(
     rpc="ResolveBatch", local="resolve_items", encode_items=_encode_names,
-    decode_items=lambda request: [item.model for item in request.items], encode_results=_encode_routes,
-    decode_results=lambda answer: [
-        ItemError(status_code(result.status.code), result.status.message) if result.status.code
-        else result.response for result in answer.results])
+    decode_items=_decode_names, encode_results=_encode_routes,
+    decode_results=_decode_routes)
 
 
 class RouterStage(Stage):

@@ -17,7 +17,7 @@ import pytest
 from services.common import ConfigError
 from services.log_ring import LogRing, LogsClosedError
 from services.logs import LogsConfig, LogsService
-from services.pipeline.batch_rpc import BatchCallError
+from services.pipeline.batch_rpc import StatusError
 from services.redact import REDACTED, is_secret_key, redact_mapping, redact_text
 from spine.v1 import logs_pb2, logs_pb2_grpc
 
@@ -191,7 +191,7 @@ def test_a_failing_disk_pushes_back_instead_of_losing_or_hoarding_lines(tmp_path
         with pytest.raises(OSError):
             svc.flush()
         append(svc, [rec(4 + i) for i in range(4)])  # the ring has room again
-        with pytest.raises(BatchCallError) as refused:
+        with pytest.raises(StatusError) as refused:
             append(svc, [rec(8)])  # ring full and the disk still fails: refused, as the wire would
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "cannot write request log /dev/full" in refused.value.details()
@@ -266,7 +266,7 @@ def test_append_after_close_is_refused_and_line_count_survives_restart(tmp_path:
     svc = LogsService(config(tmp_path))
     append(svc, [rec(0), rec(1)])
     svc.close()
-    with pytest.raises(BatchCallError, match="shutting down") as refused:
+    with pytest.raises(StatusError, match="shutting down") as refused:
         append(svc, [rec(2)])
     assert isinstance(refused.value.__cause__, LogsClosedError)
     again = LogsService(config(tmp_path))

@@ -43,10 +43,11 @@ class ItemError:
     message: str
 
 
-class BatchCallError(grpc.RpcError):
-    """The whole call failed (say, a log that is shutting down): raised by a servicer's plain
-    method, it ends the rpc with its code, and reaches an in-process caller as it is, the
-    way the wire's error would."""
+class StatusError(grpc.RpcError):
+    """A call that ends with a status, raised where no real stub is (the shape of the error
+    one raises): a servicer's plain method whose whole call failed (say, a log shutting
+    down) — `serve` ends the rpc with its code, and an in-process caller sees it as it is —
+    and a call translated to another protocol (`services.foreign_calls`)."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
@@ -60,6 +61,9 @@ class BatchCallError(grpc.RpcError):
         return self._details
 
     def trailing_metadata(self) -> Any:
+        return ()
+
+    def initial_metadata(self) -> Any:
         return ()
 
 
@@ -76,10 +80,10 @@ class BatchRpc(Generic[Item, Result]):
 
     def serve(self, servicer: Any, request: Any, context: Any = None) -> Any:
         """The rpc's answer to `request`, decided by `servicer`'s plain method; a
-        `BatchCallError` ends the call with its code (raised as is without a context)."""
+        `StatusError` ends the call with its code (raised as is without a context)."""
         try:
             return self.encode_results(getattr(servicer, self.local)(self.decode_items(request)))
-        except BatchCallError as error:
+        except StatusError as error:
             if context is None:
                 raise
             context.abort(error.code(), error.details())
@@ -90,6 +94,50 @@ class BatchRpc(Generic[Item, Result]):
         """The call through any client with `invoke` (a stub-shaped binding)."""
         return self.decode_results(client.invoke(self.rpc, self.encode_items(items), timeout=timeout,
                                                  metadata=metadata))
+
+
+def encode_answer(answer: Any, results: Sequence[Any], fill: Callable[[Any, Any], None]) -> Any:
+    """`answer` (a batch answer message) with one item per result: an `ItemError` as the
+    item's status, anything else written into the item's response by `fill(response, result)`."""
+    for result in results:
+        item = answer.results.add()
+        if isinstance(result, ItemError):
+            item.status.code = result.code.value[0]
+            item.status.message = result.message
+        else:
+            fill(item.response, result)
+    return answer
+
+
+def decode_answer(answer: Any, read: Callable[[Any], Any]) -> list[Any]:
+    """A batch answer's results: an item's status as an `ItemError`, else `read(response)`."""
+    return [ItemError(status_code(item.status.code), item.status.message) if item.status.code
+            else read(item.response) for item in answer.results]
+
+
+def _same(response: Any) -> Any:
+    return response
+
+
+def _copy_into(response: Any, result: Any) -> None:
+    response.CopyFrom(result)
+
+
+def message_answer(answer_type: Callable[[], Any]) -> tuple[Callable[[Sequence[Any]], Any], Callable[[Any], list[Any]]]:
+    """(encode_results, decode_results) for results that are the response messages themselves."""
+    return (lambda results: encode_answer(answer_type(), results, _copy_into),
+            lambda answer: decode_answer(answer, _same))
+
+
+def field_items(request_type: Callable[[], Any], field: str) -> tuple[Callable[[Sequence[Any]], Any],
+                                                                     Callable[[Any], list[Any]]]:
+    """(encode_items, decode_items) for items that are one field of the rpc's request item."""
+    def encode(items: Sequence[Any]) -> Any:
+        request = request_type()
+        for value in items:
+            request.items.add(**{field: value})
+        return request
+    return encode, lambda request: [getattr(item, field) for item in request.items]
 
 
 def item_status(result: ItemError | None) -> batch_pb2.ItemStatus:

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second (fewer: it keeps up "
+                        "with many threads)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     return parser.parse_args(argv)
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         run_batch(endpoint, requests[:200], concurrency=args.concurrency, time_limit_s=10)  # warm up
         raw = args.out / "profile.raw"  # kept beside the flame graph: grep it for any function
         svg = args.out / "profile.svg"
-        common = ["record", "--pid", str(target.pid), "--duration", str(int(args.seconds)), "--rate", "250",
+        common = ["record", "--pid", str(target.pid), "--duration", str(int(args.seconds)), "--rate", str(args.rate),
                   "--subprocesses", "--nonblocking"]
         flame = subprocess.Popen([py_spy, *common, "--format", "flamegraph", "--output", str(svg)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -94,3 +94,14 @@ def test_each_run_reports_cpu_and_middleware_cost_per_request_and_the_plot_is_wr
             assert isinstance(run["middleware_cpu_us_per_request"], float)
     png = next(Path(tmp_path_factory.getbasetemp()).glob("bench*/tmp/results.png"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_cold_path_tool_reports_every_phase_and_the_gap_to_the_servicer() -> None:
+    """`python -m bench.cold_path` (the in-process c=1 measure) runs and prints each phase."""
+    done = subprocess.run([sys.executable, "-m", "bench.cold_path", "--requests", "3", "--inline"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    for phase in ("begin", "admission", "model call", "answer trailers", "finish"):
+        assert any(line.startswith(phase) and line.endswith("µs") for line in lines), done.stdout
+    assert "inference servicer alone" in lines[-1]

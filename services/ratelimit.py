@@ -136,6 +136,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         self._buckets: dict[Key, _Bucket] = {}
         busy = config.concurrency_when_busy
         self._leases = ConcurrencyLeases(busy.above, busy.below, busy.halve)
+        self.alone_fast_path = True  # False: a lone item takes the general path (tests compare the two)
         self._slots = SlotAdmission(self._leases, lambda tenant: config.limits_for(tenant).max_concurrent_requests,
                                     self._admit_into)
 
@@ -231,6 +232,10 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         A malformed item is refused alone (INVALID_ARGUMENT naming the field) and the rest
         decided without it; when the bucket table has no room for a new bucket, the items
         are decided one by one so only those that needed room fail (RESOURCE_EXHAUSTED)."""
+        if len(items) == 1 and self.alone_fast_path:
+            verdict = self._admit_alone(items[0])
+            if verdict is not None:
+                return [verdict]
         results: list[Any] = [None] * len(items)
         asking: list[tuple[int, RateLimitAsk]] = []
         domain = self.config.domain
@@ -246,6 +251,28 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                 self._leases.observe_busy(max(items[index].busy for index, _ in asking))
             self._slots.admit(results, asking, items, now)
         return results
+
+    def _admit_alone(self, item: AdmitItem) -> AdmitVerdict | None:
+        """A lone item whose buckets exist and whose tenant has no concurrency limit, decided
+        straight on its two buckets (`TokenBucketTable.decide_alone`: the general path's
+        answer, without its asks, rows and per-request dicts — the rate limiter was the
+        dearest stage of a lone request); None: the general path decides it."""
+        if (not item.tenant or not item.model or not 0 <= item.tokens <= MAX_HITS_ADDEND
+                or self.config.limits_for(item.tenant).max_concurrent_requests is not None):
+            return None
+        buckets = [self._buckets.get(key) for key in _bucket_keys(item.tenant, item.model)]
+        with self._lock:
+            slots = [slot for bucket in buckets if bucket is not None and (slot := self._table.slot_of(bucket.key)) is not None]
+            if len(slots) != len(buckets):
+                return None
+            decision = self._table.decide_alone(slots, (1.0, float(item.tokens or 1)), not item.dry_run, self._clock())
+            if decision is None:
+                return None
+            self._leases.observe_busy(item.busy)
+        verdict = AdmitVerdict(admitted=decision.admitted[0], retry_after_s=_overall_retry(decision.retry_after_s))
+        verdict.over = [OverLimit(bucket.name, retry) for bucket, fits, retry
+                        in zip(buckets, decision.fits, decision.retry_after_s, strict=True) if bucket and not fits]
+        return verdict
 
     def AdmitBatch(self, request: ratelimit_pb2.AdmitBatchRequest,
                    context: Any = None) -> ratelimit_pb2.AdmitBatchResponse:

@@ -36,6 +36,7 @@ from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make
 CONFIG = config_for_tests(ratelimit={"tenants": {
     "tight": {"requests_per_second": 0.5, "burst": 2, "tokens_per_minute": 600, "token_burst": 60,
               "max_concurrent_requests": 1},
+    "small": {"requests_per_second": 1, "burst": 2, "tokens_per_minute": 120, "token_burst": 40},
 }})
 CACHED = generation_pb2.GenerateRequest(model="tiny-lm", prompt="cached", max_tokens=4)
 
@@ -220,3 +221,32 @@ def test_a_status_code_grpc_does_not_define_fails_that_item_alone() -> None:
     answer = metrics_pb2.RecordBatchResponse(results=[batch_pb2.ItemStatus(code=99, message="odd peer"),
                                                       batch_pb2.ItemStatus()])
     assert RECORD_BATCH.decode_results(answer) == [ItemError(grpc.StatusCode.UNKNOWN, "odd peer"), None]
+
+
+LONE = st.builds(AdmitItem, tenant=st.sampled_from(["dev", "small", "tight", ""]),
+                 model=st.sampled_from(["tiny-lm", "tiny-lm-mini"]), tokens=st.sampled_from([0, 1, 20, 39, 41, 5000]),
+                 dry_run=st.booleans(), lease_ttl_s=st.just(30.0), busy=st.just(0.0))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(LONE, st.sampled_from([0.0, 0.05, 0.5, 3.0]), st.sampled_from([None, 0.5, 1.0])),
+                min_size=1, max_size=25))
+def test_a_lone_items_short_path_answers_as_the_general_path(steps: list[tuple[AdmitItem, float, Any]]) -> None:
+    """`admit_items` with one item decides it straight on its buckets when it can; the
+    answers and the bucket levels are the general path's, step by step, shares changing."""
+    now = [1000.0]
+
+    def make(short: bool) -> RateLimitService:
+        service = RateLimitService(RateLimitConfig.from_dict(CONFIG["ratelimit"]), DeviceContext(),
+                                   clock=lambda: now[0])
+        service.alone_fast_path = short
+        return service
+
+    short, general = make(True), make(False)
+    for item, wait, share in steps:
+        if share is not None:
+            short.set_share(share)
+            general.set_share(share)
+        _same(short.admit_items([item]), general.admit_items([item]))
+        assert short.snapshot() == general.snapshot()
+        now[0] += wait

@@ -63,12 +63,12 @@ def cache_key(tenant: str, request: generation_pb2.GenerateRequest) -> bytes | N
                                repr(request.temperature), seed)
     if request.system:  # keys of requests without one stay what they were
         fields += (request.system,)
-    digest = hashlib.sha256()
+    parts: list[bytes] = []
     for text in fields:  # length-prefixed: ("ab", "c") and ("a", "bc") differ
         data = text.encode()
-        digest.update(len(data).to_bytes(8, "little"))
-        digest.update(data)
-    return digest.digest()
+        parts.append(len(data).to_bytes(8, "little"))
+        parts.append(data)
+    return hashlib.sha256(b"".join(parts)).digest()  # one update: the same digest as one per part
 
 
 class CacheService(cache_pb2_grpc.CacheServicer):

@@ -122,7 +122,6 @@ class MicroBatcher(Generic[T, R]):
     def queued(self) -> int:
         return len(self._pending)
 
-
     # -- leading ----------------------------------------------------------------------
     def _decide_alone(self, item: T) -> R:
         """Nothing queued and nothing more expected: a batch of one, decided here without a
@@ -134,13 +133,8 @@ class MicroBatcher(Generic[T, R]):
                 raise RuntimeError(f"decide returned {len(result)} results for 1 item")
         finally:
             with self._lock:
-                self.stats.batches += 1
-                self.stats.items += 1
-                self.stats.largest = max(self.stats.largest, 1)
-                if self._pending:
-                    self._pending[0].wake.release()
-                else:
-                    self._leading = False
+                self._count(1, waited=False)
+                self._hand_over()
         value = result[0]
         if isinstance(value, BaseException):
             raise value
@@ -156,10 +150,7 @@ class MicroBatcher(Generic[T, R]):
                     # Leading failed before deciding its own item (say `expected()` raised):
                     # nobody may be handed leadership for a caller that has already left.
                     self._pending.remove(own)
-                if self._pending:  # hand over to the oldest waiter: it decides the next batch
-                    self._pending[0].wake.release()
-                else:
-                    self._leading = False
+                self._hand_over()
 
     def _take(self) -> list[_Slot[T]]:
         with self._lock:
@@ -174,11 +165,23 @@ class MicroBatcher(Generic[T, R]):
                     self._arrival.wait(left)
             count = min(self.max_batch, len(self._pending))
             batch = [self._pending.popleft() for _ in range(count)]
-            self.stats.batches += 1
-            self.stats.items += count
-            self.stats.largest = max(self.stats.largest, count)
-            self.stats.waited += waited
+            self._count(count, waited)
         return batch
+
+    def _count(self, items: int, waited: bool) -> None:
+        """A batch of `items` decided (the caller holds the lock)."""
+        self.stats.batches += 1
+        self.stats.items += items
+        self.stats.largest = max(self.stats.largest, items)
+        self.stats.waited += waited
+
+    def _hand_over(self) -> None:
+        """Leading ends (the caller holds the lock): the oldest waiter, if any, decides the
+        next batch; else the next arrival leads."""
+        if self._pending:
+            self._pending[0].wake.release()
+        else:
+            self._leading = False
 
     def _more_expected(self) -> bool:
         return self._expected is not None and self._expected() > len(self._pending)

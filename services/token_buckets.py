@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -270,31 +271,18 @@ class TokenBucketTable:
         state = self._host.cells(self._state) if self.host_paths else None
         if state is None or len(set(row_slot)) != len(row_slot):
             return None
-        rows = []
-        ok = True
-        for slot, cost in zip(row_slot, row_cost, strict=True):
-            cost = 0.0 + float(cost)
-            last, rate, cap = state[LAST_REFILL, slot], state[RATE, slot], state[CAPACITY, slot]
-            level = min(cap, state[LEVEL, slot] + rate * max(now - last, 0.0))
-            rows.append((slot, cost, level, last, rate, cap))
-            ok = ok and cost <= level
+        rows = [(slot, 0.0 + float(cost), *_refilled(state, slot, now))
+                for slot, cost in zip(row_slot, row_cost, strict=True)]
+        ok = all(cost <= level for _, cost, level, _, _, _ in rows)
         take = ok and charge
         fits_out, left_out, retry_out = [], [], []
         for slot, cost, level, last, rate, cap in rows:
-            fits = cost <= level
-            if fits:
-                retry = 0.0
-            elif cost > cap:
-                retry = -1.0
-            else:
-                retry = (cost - level) / rate if rate > 0 else math.inf
+            fits_out.append(cost <= level)
+            retry_out.append(_retry_after(cost, level, rate, cap))
             if take:
                 level = level - cost
-            state[LEVEL, slot] = level
-            state[LAST_REFILL, slot] = max(last, now)
-            fits_out.append(fits)
+            _store(state, slot, level, last, now)
             left_out.append(level)
-            retry_out.append(retry)
         return BatchDecision(admitted=[ok], fits=fits_out, remaining=left_out, retry_after_s=retry_out, rounds=1)
 
     def _decide_sequential(self, row_slot: Sequence[int], row_cost: Sequence[float], row_request: Sequence[int],
@@ -319,8 +307,7 @@ class TokenBucketTable:
         rate: dict[int, float] = {}
         cap: dict[int, float] = {}
         for slot in dict.fromkeys(row_slot):
-            last[slot], rate[slot], cap[slot] = state[LAST_REFILL, slot], state[RATE, slot], state[CAPACITY, slot]
-            level[slot] = min(cap[slot], state[LEVEL, slot] + rate[slot] * max(now - last[slot], 0.0))
+            level[slot], last[slot], rate[slot], cap[slot] = _refilled(state, slot, now)
         admitted: list[bool] = []
         outcome: list[dict[int, tuple[bool, float, float]]] = []  # per request: bucket -> (fits, left, retry)
         for request, costs in enumerate(wants):
@@ -329,21 +316,14 @@ class TokenBucketTable:
             out: dict[int, tuple[bool, float, float]] = {}
             for slot, cost in costs.items():
                 current = level[slot]
-                fits = cost <= current
-                if fits:
-                    retry = 0.0
-                elif cost > cap[slot]:
-                    retry = -1.0
-                else:
-                    retry = (cost - current) / rate[slot] if rate[slot] > 0 else math.inf
+                retry = _retry_after(cost, current, rate[slot], cap[slot])
                 if take:
                     level[slot] = current - cost
-                out[slot] = (fits, level[slot], retry)
+                out[slot] = (cost <= current, level[slot], retry)
             admitted.append(ok)
             outcome.append(out)
         for slot, value in level.items():
-            state[LEVEL, slot] = value
-            state[LAST_REFILL, slot] = max(last[slot], now)
+            _store(state, slot, value, last[slot], now)
         rows = [outcome[request][slot] for slot, request in zip(row_slot, row_request, strict=True)]
         return BatchDecision(
             admitted=admitted,
@@ -352,6 +332,28 @@ class TokenBucketTable:
             retry_after_s=[retry for _, _, retry in rows],
             rounds=1,
         )
+
+
+def _refilled(state: Any, slot: int, now: float) -> tuple[float, float, float, float]:
+    """A bucket's (level now, last refill, rate, capacity), read from the table's host cells:
+    refilled on use, and time that runs backwards earns nothing."""
+    last, rate, cap = state[LAST_REFILL, slot], state[RATE, slot], state[CAPACITY, slot]
+    return min(cap, state[LEVEL, slot] + rate * max(now - last, 0.0)), last, rate, cap
+
+
+def _retry_after(cost: float, level: float, rate: float, cap: float) -> float:
+    """0 when `cost` fits `level`; -1 when it never can (over the capacity); else the wait."""
+    if cost <= level:
+        return 0.0
+    if cost > cap:
+        return -1.0
+    return (cost - level) / rate if rate > 0 else math.inf
+
+
+def _store(state: Any, slot: int, level: float, last: float, now: float) -> None:
+    """Write a decided bucket back: its level, refilled up to `now`."""
+    state[LEVEL, slot] = level
+    state[LAST_REFILL, slot] = max(last, now)
 
 
 class _Plan:

@@ -143,10 +143,12 @@ class VerdictCache:
 
 
 def _fresh(verdict: Verdict) -> Verdict:
-    """A copy, so a caller that mutates its response (or re-raises) cannot touch the cache."""
+    """A denial as a new exception, so raising it never chains a traceback onto the cached
+    one; an accepted verdict as it is: verdicts are shared read-only (`check_items`), and
+    `verify` hands its callers a copy."""
     if isinstance(verdict, AuthDenied):
         return AuthDenied(verdict.code, verdict.message)
-    return _copy(verdict)
+    return verdict
 
 
 def _copy(response: auth_pb2.CheckResponse) -> auth_pb2.CheckResponse:
@@ -243,7 +245,7 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         except AuthDenied as denied:
             self.cache.put(digest, denied, now + self.config.cache.denial_ttl_s)
             raise
-        self.cache.put(digest, _copy(response), min(response.expires_at, now + self.config.cache.max_ttl_s))
+        self.cache.put(digest, response, min(response.expires_at, now + self.config.cache.max_ttl_s))
         return response
 
     def _check_token(self, token: str) -> auth_pb2.CheckResponse:

@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from services.common import status_code
+from services.common import set_status, status_code
 from spine.v1 import batch_pb2
 
 Item = TypeVar("Item")
@@ -102,8 +102,7 @@ def encode_answer(answer: Any, results: Sequence[Any], fill: Callable[[Any, Any]
     for result in results:
         item = answer.results.add()
         if isinstance(result, ItemError):
-            item.status.code = result.code.value[0]
-            item.status.message = result.message
+            set_status(item.status, result.code, result.message)
         else:
             fill(item.response, result)
     return answer
@@ -142,9 +141,10 @@ def field_items(request_type: Callable[[], Any], field: str) -> tuple[Callable[[
 
 def item_status(result: ItemError | None) -> batch_pb2.ItemStatus:
     """A result that is only a status (a log line, a metrics record) as its batch answer's item."""
-    if result is None:
-        return batch_pb2.ItemStatus()
-    return batch_pb2.ItemStatus(code=result.code.value[0], message=result.message)
+    status = batch_pb2.ItemStatus()
+    if result is not None:
+        set_status(status, result.code, result.message)
+    return status
 
 
 def item_errors(answer: Any) -> list[ItemError | None]:

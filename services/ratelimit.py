@@ -399,16 +399,16 @@ class RateLimitStage(Stage):
     order = 30
 
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        items = []
+        items: dict[RequestState, AdmitItem] = {}
         for state in batch:
             assert state.resolved is not None
-            items.append(AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved),
-                                   state.shadow, state.remaining(), state.device_busy))
-        verdicts = call.batch(ADMIT_BATCH, items)
+            items[state] = AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved),
+                                     state.shadow, state.remaining(), state.device_busy)
+        verdicts = call.batch(ADMIT_BATCH, list(items.values()))
         for state, verdict in self.answered(call, batch, verdicts):
             if verdict.lease_id:
                 state.lease_id, state.lease_holder = verdict.lease_id, call.client
-            state.outcome = rate_limit_stop(verdict, rate_limit_cost(state.resolved))
+            state.outcome = rate_limit_stop(verdict, items[state].tokens)
 
 
 class ReleaseStage(Stage):

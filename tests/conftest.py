@@ -7,6 +7,7 @@ sockets; the Gateway listens on loopback.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -46,6 +47,18 @@ TEST_OVERRIDES: dict[str, Any] = {
                                           "token_burst": 100000} for where in SPLIT_KEYS}},
     },
 }
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie, exited but not reaped, is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def config_for_tests(**extra: Any) -> dict[str, Any]:

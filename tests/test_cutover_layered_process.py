@@ -15,7 +15,7 @@ import pytest
 from migration.traffic.cutover import Cutover
 from spine.client.gateway_client import GatewayClient
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
+from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +26,6 @@ def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
         yield rig
     finally:
         rig.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
 def test_both_sides_answer_through_the_front_and_the_layered_side_is_its_own_process(cutover: Cutover) -> None:
@@ -81,4 +73,4 @@ def test_stopping_the_cutover_stops_the_layered_tree(tmp_path: Path) -> None:
     children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     assert len(children) >= 6  # the layered components, each its own process
     rig.stop()
-    assert not _alive(pid) and not any(_alive(child) for child in children)
+    assert not pid_alive(pid) and not any(pid_alive(child) for child in children)

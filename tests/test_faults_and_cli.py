@@ -17,7 +17,7 @@ import pytest
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, start_stack
+from tests.conftest import DEV_KEY, pid_alive, start_stack
 
 
 def gen(prompt: str, max_tokens: int = 4) -> generation_pb2.GenerateRequest:
@@ -125,17 +125,6 @@ def spine_up(layout: str, run_dir: Path) -> tuple[subprocess.Popen[str], dict[st
         process.wait(timeout=10)
         raise AssertionError(f"spine up exited: {process.stderr.read() if process.stderr else ''}")
     return process, json.loads(line)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: Path) -> None:

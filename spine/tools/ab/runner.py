@@ -369,14 +369,6 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
     return ABRun(runs, wall, options)
 
 
-def _json_line(line: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(line.decode(errors="replace"))
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _tail(path: Path, lines: int = 8) -> str:
     try:
         return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:]) or "(empty)"

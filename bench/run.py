@@ -53,6 +53,13 @@ from spine.runtime.served_model import model_id_for, model_overrides, preflight
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
 REQUESTS_PER_WORKER = 25  # per unary cell, so each of the rounds keeps every worker busy
+# One client sends one request at a time: its cell gets at least this many requests, cut into
+# rounds of about `SEQUENTIAL_ROUND` (a third of a second per layout). A slow spell of the
+# host lasts seconds; with five long rounds it landed on one layout more than another, and
+# two identical spines in one run differed by 9% (1.26 vs 1.16 ×bare at c=1); in rounds of
+# 40 they agree within 1% (1.09/1.08, 1.09/1.08 in two runs).
+SEQUENTIAL_REQUESTS = 1000
+SEQUENTIAL_ROUND = 40
 # The bench measures overhead, not admission: the default buckets must never refuse it.
 RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
     "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
@@ -71,6 +78,7 @@ class Settings:
     quick: bool
     layouts: tuple[str, ...] = LAYOUTS
     scale_with_concurrency: bool = False  # True unless --requests was given (or --quick)
+    fixed_rounds: bool = False  # --rounds was given: every cell has that many
     model: str | None = None  # a transformers model directory served instead of the embedded model
     model_id: str = "tiny-lm"  # what the requests name
 
@@ -79,7 +87,17 @@ class Settings:
         worker one or two calls a round — mostly ramp-up and drain, not steady load."""
         if not self.scale_with_concurrency:
             return self.requests
+        if concurrency == 1:
+            return max(self.requests, SEQUENTIAL_REQUESTS)
         return max(self.requests, REQUESTS_PER_WORKER * concurrency)
+
+    def cell_rounds(self, concurrency: int, count: int) -> int:
+        """Rounds in a cell: `rounds`, and more, short ones, where one client sends one request
+        at a time (`SEQUENTIAL_ROUND`), unless --rounds was given."""
+        rounds = self.rounds
+        if concurrency == 1 and not self.fixed_rounds:
+            rounds = max(rounds, count // SEQUENTIAL_ROUND)
+        return max(1, min(rounds, count))
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "concurrency": list(self.concurrency), "layouts": list(self.layouts)}
@@ -94,10 +112,11 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                                           f"quick {','.join(QUICK_LAYOUTS)})")
     parser.add_argument("--requests", type=int,
                         help="unary requests per cell and layout (default: 400, or 25 per worker where that is "
-                             "more, so every round keeps all workers busy; quick 12)")
+                             "more, so every round keeps all workers busy, and 1000 at concurrency 1; quick 12)")
     parser.add_argument("--stream-requests", type=int, help="stream requests per layout (default 200; quick 6)")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--rounds", type=int, help="interleaved turns per cell (default 5; quick 2)")
+    parser.add_argument("--rounds", type=int, help="interleaved turns per cell (default 5, and one per 40 "
+                                                   "requests at concurrency 1; quick 2)")
     parser.add_argument("--cell-time-limit", type=float, default=20.0,
                         help="seconds per cell and layout before it stops sending (default 20)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})")
@@ -131,7 +150,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                         rounds=min(rounds, requests), max_tokens=args.max_tokens,
                         cell_time_limit_s=args.cell_time_limit, warmup=2 if quick else 6,
                         ready_timeout_s=120.0, quick=quick, layouts=layouts,
-                        scale_with_concurrency=not quick and args.requests is None, model=args.model,
+                        scale_with_concurrency=not quick and args.requests is None,
+                        fixed_rounds=quick or args.rounds is not None, model=args.model,
                         model_id=(args.model_id or model_id_for(args.model)) if args.model else "tiny-lm")
     return settings, args.out, bool(args.keep_run_dir)
 
@@ -204,7 +224,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
     runs: list[dict[str, Any]] = []
     layouts = list(endpoints)
     for mode, concurrency, count in cells:
-        rounds = max(1, min(settings.rounds, count))
+        rounds = settings.cell_rounds(concurrency, count)
         per_round = [count // rounds + (1 if r < count % rounds else 0) for r in range(rounds)]
         calls: dict[str, list[Call]] = {layout: [] for layout in layouts}
         wall = dict.fromkeys(layouts, 0.0)

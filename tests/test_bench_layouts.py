@@ -53,3 +53,19 @@ def test_bench_on_a_model_directory_serves_it_in_every_layout(tmp_path: Path) ->
         assert config["inference"]["backend"] == {"class": "hf", "options": {"path": str(model.resolve())}}, layout
         assert config["router"]["models"] == [{"id": "tiny-llama", "backend": "inference", "aliases": ["default"]}]
     assert configs["collapsed-unbatched"]["inference"]["max_batch"] == 1
+
+
+def test_a_one_client_cell_is_cut_into_short_rounds_unless_rounds_are_given() -> None:
+    """At concurrency 1 a layout's turn lasts ~40 requests, so a slow spell of the host lands
+    on every layout alike; cells with many clients keep their few long rounds."""
+    from bench.run import SEQUENTIAL_REQUESTS, SEQUENTIAL_ROUND, parse_args
+
+    settings, _, _ = parse_args([])
+    one = settings.cell_requests(1)
+    assert one == SEQUENTIAL_REQUESTS
+    assert settings.cell_rounds(1, one) == one // SEQUENTIAL_ROUND
+    assert settings.cell_rounds(64, settings.cell_requests(64)) == settings.rounds
+    given, _, _ = parse_args(["--rounds", "3", "--requests", "900"])
+    assert given.cell_requests(1) == 900 and given.cell_rounds(1, 900) == 3
+    quick, _, _ = parse_args(["--quick"])
+    assert quick.cell_rounds(1, quick.cell_requests(1)) == quick.rounds

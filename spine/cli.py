@@ -71,6 +71,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.inject_fault:
         ready["injected_fault"] = args.inject_fault
     print(json.dumps(ready), flush=True)
+    if fault.get("hooks"):  # `switchable`: the parent switches the fault through our stdin
+        from spine.runtime.faults import FaultSwitch
+
+        FaultSwitch(fault["hooks"][0], lambda line: print(line, flush=True)).follow(sys.stdin)
     print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)
     if key:
         print(f"dev tenant API key: {key}   (try: spine call --address {stack.address} --prompt hello)",
@@ -287,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--inject-fault", choices=INJECTABLE,
                     help="REHEARSALS AND TESTS ONLY (refused with --allow-external): run with a fault on purpose; "
                          "wrong-answers: the parity fault, greedy requests are sampled and every call succeeds "
-                         "(python -m spine.tools.rehearsal)")
+                         "(python -m spine.tools.rehearsal); switchable: no fault until the parent process "
+                         "switches one with a line on stdin (`error-rate R`, `wrong-answers on|off`, `clear`; "
+                         "make run)")
     up.set_defaults(handler=cmd_up)
 
     model = sub.add_parser("model", help="model directories: make-tiny writes a small random one (offline)")

@@ -4,7 +4,9 @@ The layered stack runs every component in its own process. The spine shares thos
 processes for whatever it has not collapsed yet (so a remote placement in the spine is
 the very process the layered side uses), and builds local copies for what it has. The
 front splits traffic by the controller's weight; the controller reads the front's
-windows and moves placements in the spine without a restart.
+windows and moves placements in the spine without a restart: directly when the spine is a
+`Stack` in this process (tests reach into it), over ADS when it is a process of its own
+(`spine_process`, what `make run` does: `SpineProcess` follows the stages like any replica).
 
 With `shadow.share` > 0 the front mirrors that share of answered requests to the other
 side and serves its comparison counters on its own /metrics (`front_metrics_address`);
@@ -31,13 +33,14 @@ from migration.target import ShadowCapability
 from migration.traffic.endpoint_health import EndpointHealth, endpoint
 from migration.traffic.front import Front
 from migration.traffic.layered_process import LayeredProcess
+from migration.traffic.spine_process import SpineProcess
 from migration.xds import XdsControlPlane
 from monolith.device import DeviceContext
 from services.pipeline.verdicts import RequestLimits
 from services.prometheus_http import PrometheusHTTPServer
 from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
-from spine.runtime.faults import FaultHook, WrongAnswers
+from spine.runtime.faults import FaultHook, FaultSwitch, WrongAnswers
 from spine.runtime.run_dir import write_private
 from spine.runtime.sections import TlsConfig
 from spine.runtime.server import RunningServer, request_pool, start_server
@@ -53,10 +56,16 @@ class FrontTarget:
     (ratelimit placed remote) that one process decides for both sides; once the spine has
     its own, each side enforces its weight's share of every limit, so a tenant's total
     never exceeds its configured limit wherever its sessions land.
+
+    `spine`: a `Stack` in this process, moved directly; None when the spine is a process of
+    its own that follows `xds` (its placements and share go out with each stage, and a
+    stage is applied once it has ACKed them).
     """
 
-    def __init__(self, front: Front, spine: Stack, layered_ratelimit: Any | None = None,
+    def __init__(self, front: Front, spine: Stack | None, layered_ratelimit: Any | None = None,
                  xds: XdsControlPlane | None = None, parity: MetricsSource | None = None) -> None:
+        if spine is None and xds is None:
+            raise ValueError("a spine in its own process follows the xDS control plane: give `xds`")
         self.front = front
         self.spine = spine
         self.layered_ratelimit = layered_ratelimit
@@ -66,19 +75,24 @@ class FrontTarget:
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
               route_header: bool) -> None:
+        moved = {name: placements[name] for name in MIDDLEWARES if name in placements}
         with self._lock:
-            self.spine.set_placements({name: placements[name] for name in MIDDLEWARES if name in placements})
-            self._split_limits(spine_weight)
+            if self.spine is not None:
+                self.spine.set_placements(moved)
+            self._split_limits(spine_weight, self.spine.placements if self.spine is not None else moved)
             # The front and the xDS data planes honour `x-spine-route` as the plan says.
             self.front.route_header = route_header
             self.front.set_weight(spine_weight)
-            if self.xds is not None:
+            if self.spine is None:  # placements and the spine's share go out with the weights
+                assert self.xds is not None
+                self.xds.set_stage(spine_weight, moved, version, route_header=route_header)
+            elif self.xds is not None:
                 self.xds.set_spine_percent(spine_weight, version, route_header=route_header)
 
-    def _split_limits(self, spine_weight: float) -> None:
-        own = self.spine.placements.get("ratelimit") == "local"
+    def _split_limits(self, spine_weight: float, spine_placements: Mapping[str, str]) -> None:
+        own = spine_placements.get("ratelimit") == "local"
         spine_share, layered_share = side_shares(spine_weight, own)
-        if own:  # through the spine's own binding, as to any rate limiter
+        if own and self.spine is not None:  # through the spine's own binding, as to any rate limiter
             self.spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=spine_share),
                                                       timeout=1.0)
         if self.layered_ratelimit is not None:
@@ -112,8 +126,11 @@ class FrontTarget:
         return self.xds.status() if self.xds is not None else []
 
     def applied(self, version: str) -> bool:
-        """The front applies a weight at once; xDS data planes once they have ACKed it."""
-        return self.xds is None or self.xds.stage_acked(version)
+        """The front applies a weight at once; xDS data planes once they have ACKed it, a
+        spine in its own process once it has applied and ACKed its placements."""
+        if self.xds is None:
+            return True
+        return self.xds.stage_acked(version) and (self.spine is not None or self.xds.followers_applied(version, 1))
 
 
 @dataclass
@@ -127,10 +144,15 @@ class Cutover:
     # interpreter with the spine's model): what `make run` compares. In-process, tests can
     # reach into it (`layered.supervisor`).
     layered_process: bool = False
-    fault: FaultHook = field(default_factory=FaultHook)
+    # The spine as its own process (`SpineProcess`), following the stages over ADS (an xDS
+    # control plane is started for it, on `xds_listen` or any free loopback port), rather
+    # than a Stack in this process: what `make run` compares. Faults: `switch_fault`.
+    spine_process: bool = False
+    fault: FaultHook = field(default_factory=FaultHook)  # the in-process spine's
     layered: Stack | None = None
     layered_tree: LayeredProcess | None = None  # with layered_process
-    spine: Stack | None = None
+    spine: Stack | None = None  # without spine_process
+    spine_tree: SpineProcess | None = None  # with spine_process
     front: Front | None = None
     front_server: RunningServer | None = None
     controller: ControllerProcess | None = None
@@ -147,17 +169,11 @@ class Cutover:
         if internal_key(self.config) is None:  # the front and both sides share one, made for this run
             self.config = merge(self.config, {"internal": {"secret": secrets.token_urlsafe(32)}})
         try:
-            layered_address, shared, layered_ratelimit = self._start_layered()
-            placements = {name: "remote" for name in MIDDLEWARES} | {"inference": "local"}
-            # The spine's model behind the parity fault's switch (`fault.wrong_answers`).
-            device = DeviceContext.from_config(self.config)
-            model = WrongAnswers(DEFAULT["inference"].build(self.config, device, self.run_dir), self.fault)
-            self.spine = Stack(self.config, placements, run_dir=self.run_dir / "spine", hooks=[self.fault],
-                               remote_addresses=shared, device=device, local_servicers={"inference": model})
-            self.spine.start()
-            shadow = ShadowConfig.from_config(self.config)
             tls = TlsConfig.from_config(self.config)  # every TCP listener and link of the run speaks it
-            self.front = Front({"layered": layered_address, "spine": self.spine.address},
+            layered_address, shared, layered_ratelimit = self._start_layered()
+            spine_address = self._start_spine(layered_address, shared, tls)
+            shadow = ShadowConfig.from_config(self.config)
+            self.front = Front({"layered": layered_address, "spine": spine_address},
                                shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config),
                                tls=tls)
             if self.front.shadow is not None:
@@ -170,14 +186,14 @@ class Cutover:
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
                                              max_message_bytes=limits.max_message_bytes, tls=tls,
                                              **request_pool(self.config))
-            if self.xds_listen is not None:
+            if self.xds is None and self.xds_listen is not None:
                 self.xds = XdsControlPlane("spine-gateway", {
-                    "layered": [endpoint(layered_address)], "spine": [endpoint(self.spine.address)]})
+                    "layered": [endpoint(layered_address)], "spine": [endpoint(spine_address)]})
                 self.xds.start(self.xds_listen, tls)
             # Each side's gateway health (SERVING only while its fail-closed components are)
             # steers the front and the xDS endpoints.
             self.endpoint_health = EndpointHealth(
-                {"layered": [layered_address], "spine": [self.spine.address]},
+                {"layered": [layered_address], "spine": [spine_address]},
                 front=self.front, xds=self.xds, tls=tls).start()
             token_file = write_private(self.run_dir, "admin-token", self.admin_token)
             token_file.chmod(0o600)
@@ -190,6 +206,38 @@ class Cutover:
             self.stop()
             raise
         return self.front_server.address
+
+    def _start_spine(self, layered_address: str, shared: dict[str, str], tls: TlsConfig | None) -> str:
+        """The spine, on the layered stack's middlewares and its own model: its address."""
+        if self.spine_process:
+            # It follows the stages over ADS, so the control plane comes first; the spine's
+            # endpoint joins it once the spine has said where it serves.
+            self.xds = XdsControlPlane("spine-gateway", {"layered": [endpoint(layered_address)]})
+            self.xds.start(self.xds_listen or "127.0.0.1:0", tls)
+            assert self.xds.address is not None
+            self.spine_tree = SpineProcess(self.config, self.run_dir / "spine", controller=self.xds.address,
+                                           remote=shared)
+            address = self.spine_tree.start()
+            self.xds.set_endpoints({"spine": [endpoint(address)]})
+            return address
+        placements = {name: "remote" for name in MIDDLEWARES} | {"inference": "local"}
+        # The spine's model behind the parity fault's switch (`fault.wrong_answers`).
+        device = DeviceContext.from_config(self.config)
+        model = WrongAnswers(DEFAULT["inference"].build(self.config, device, self.run_dir), self.fault)
+        self.spine = Stack(self.config, placements, run_dir=self.run_dir / "spine", hooks=[self.fault],
+                           remote_addresses=shared, device=device, local_servicers={"inference": model})
+        self.spine.start()
+        return self.spine.address
+
+    def switch_fault(self, command: str) -> dict[str, Any]:
+        """Switch the spine's fault (`FaultSwitch`'s commands: `error-rate R`, `wrong-answers
+        on|off`, `clear`) wherever it runs; the fault now, or FaultNotSwitched / ValueError."""
+        if self.spine_tree is not None:
+            return self.spine_tree.switch_fault(command)
+        answer = FaultSwitch(self.fault, lambda _: None).apply(command)
+        if answer["event"] != "fault":
+            raise ValueError(f"{command!r}: {answer['why']}")
+        return answer
 
     def _start_layered(self) -> tuple[str, dict[str, str], Any]:
         """The layered stack, in this process or its own: its gateway's address, its
@@ -241,6 +289,9 @@ class Cutover:
         if self.front_metrics is not None:
             self.front_metrics.stop()
             self.front_metrics = None
+        if self.spine_tree is not None:
+            self.spine_tree.stop()
+            self.spine_tree = None
         for stack in (self.spine, self.layered):
             if stack is not None:
                 stack.stop()

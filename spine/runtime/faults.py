@@ -10,11 +10,13 @@ stack is built) and is switched by the same `FaultHook` (`wrong_answers`).
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +96,8 @@ class WrongAnswers:
 
 
 # Faults `spine up --inject-fault NAME` can switch on: rehearsals and tests only.
-INJECTABLE = ("wrong-answers",)
+SWITCHABLE = "switchable"
+INJECTABLE = ("wrong-answers", SWITCHABLE)
 
 
 def injected_fault(name: str, config: Any, run_dir: Path | None) -> dict[str, Any]:
@@ -104,6 +107,11 @@ def injected_fault(name: str, config: Any, run_dir: Path | None) -> dict[str, An
     - `wrong-answers`: the parity fault. The stack's model is the configured one wrapped in
       `WrongAnswers`, switched on: greedy requests are sampled, every call succeeds, so only
       the parity gate can tell. It applies wherever the model is placed local in the stack.
+    - `switchable`: no fault yet; the model's calls go through a `FaultHook` (failures) and
+      `WrongAnswers` (parity) that the process's parent switches with lines on its stdin
+      (`FaultSwitch`): what `make run` does to a spine in a process of its own.
+
+    The hook, when there is one, is the first of the returned `hooks`.
     """
     if name not in INJECTABLE:
         raise ValueError(f"unknown fault {name!r}; known: {', '.join(INJECTABLE)}")
@@ -113,4 +121,68 @@ def injected_fault(name: str, config: Any, run_dir: Path | None) -> dict[str, An
     device = DeviceContext.from_config(config)
     # The model's factory takes a run directory but keeps nothing there.
     model = DEFAULT["inference"].build(config, device, run_dir or Path(tempfile.gettempdir()))
-    return {"device": device, "local_servicers": {"inference": WrongAnswers(model, FaultHook(wrong_answers=True))}}
+    hook = FaultHook(wrong_answers=name == "wrong-answers")
+    switched: dict[str, Any] = {"device": device, "local_servicers": {"inference": WrongAnswers(model, hook)}}
+    if name == SWITCHABLE:
+        switched["hooks"] = [hook]
+    return switched
+
+
+class FaultSwitch:
+    """Switches a `FaultHook` from command lines, each answered with one JSON line.
+
+    The channel is the process's stdin, which only its parent holds: nothing a client sends
+    over the network can reach it. Commands:
+
+    - `error-rate R`: that share (0..1) of the model's calls fail with UNAVAILABLE;
+    - `wrong-answers on|off`: the parity fault;
+    - `clear`: no fault.
+
+    Each applied command is answered `{"event": "fault", "error_rate": R, "wrong_answers": B}`
+    (the state now), a line that is not one of them `{"event": "fault-refused", "why": ...}`;
+    the parent waits for the answer before it counts the fault as switched.
+    """
+
+    def __init__(self, hook: FaultHook, answer: Callable[[str], None]) -> None:
+        self.hook = hook
+        self._answer = answer
+
+    def apply(self, line: str) -> dict[str, Any]:
+        """One command line; the answer it gets (also written out)."""
+        words = line.split()
+        try:
+            self._switch(words)
+            answer: dict[str, Any] = {"event": "fault", "error_rate": self.hook.error_rate,
+                                      "wrong_answers": self.hook.wrong_answers}
+        except ValueError as error:
+            answer = {"event": "fault-refused", "line": line.strip()[:200], "why": str(error)}
+        self._answer(json.dumps(answer))
+        return answer
+
+    def follow(self, lines: Iterable[str]) -> threading.Thread:
+        """Apply every line of `lines` (the parent's pipe) on a daemon thread, until it ends."""
+        def run() -> None:
+            for line in lines:
+                if line.strip():
+                    self.apply(line)
+        thread = threading.Thread(target=run, name="fault-switch", daemon=True)
+        thread.start()
+        return thread
+
+    def _switch(self, words: list[str]) -> None:
+        if words == ["clear"]:
+            self.hook.clear()
+            return
+        if len(words) == 2 and words[0] == "error-rate":
+            try:
+                rate = float(words[1])
+            except ValueError:
+                raise ValueError(f"error-rate: expected a number in [0, 1], got {words[1]!r}") from None
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"error-rate: expected a number in [0, 1], got {rate:g}")
+            self.hook.error_rate = rate
+            return
+        if len(words) == 2 and words[0] == "wrong-answers" and words[1] in ("on", "off"):
+            self.hook.wrong_answers = words[1] == "on"
+            return
+        raise ValueError("expected `error-rate R`, `wrong-answers on|off` or `clear`")

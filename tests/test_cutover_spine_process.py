@@ -1,0 +1,138 @@
+"""`make run`'s arrangement: the spine as a process of its own, following the stages over ADS.
+
+The demo's spine used to run inside the demo's process, sharing one interpreter with the
+front and the controller, so its tables compared a slowed spine with a layered stack that
+had processes of its own. Here the spine is `spine up` in its own process: each stage's
+placements and rate-limit share reach it over ADS (a stage counts as applied once it has
+ACKed them), and its faults are switched through a pipe only the cutover holds."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from migration.traffic.cutover import Cutover
+from migration.traffic.spine_process import FaultNotSwitched
+from services.registry import MIDDLEWARES
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.faults import FaultHook, FaultSwitch
+from spine.v1 import generation_pb2
+from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive
+
+
+@pytest.fixture(scope="module")
+def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
+    rig = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("cutover-spine")), layered_process=True,
+                  spine_process=True)
+    rig.start()
+    try:
+        yield rig
+    finally:
+        rig.stop()
+
+
+def _greedy(prompt: str) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=6)
+
+
+def _apply(cutover: Cutover, weight: float, placements: dict[str, str], version: str) -> None:
+    """Apply a stage as the controller does and wait until the target says it is in force."""
+    assert cutover.target is not None
+    cutover.target.apply(weight, placements, version, route_header=True)
+    deadline = time.monotonic() + 10
+    while not cutover.target.applied(version):
+        assert time.monotonic() < deadline, f"{version} was not ACKed by the spine process"
+        time.sleep(0.05)
+
+
+def test_the_spine_is_its_own_process_and_starts_on_the_layered_middlewares(cutover: Cutover) -> None:
+    assert cutover.spine is None and cutover.spine_tree is not None and cutover.spine_tree.process is not None
+    assert cutover.spine_tree.process.pid != os.getpid()
+    with GatewayClient(cutover.address, DEV_KEY) as client:
+        result = client.generate(_greedy("whose process"), headers={"x-spine-route": "spine"})
+    assert result.ok, result.details
+    assert result.trailing["x-spine-side"] == "spine" and result.layout == "mixed"
+
+
+def test_a_stage_reaches_the_spine_process_over_ads_before_it_counts_as_applied(cutover: Cutover) -> None:
+    assert cutover.target is not None and cutover.xds is not None
+    everything_local = dict.fromkeys(MIDDLEWARES, "local")
+    _apply(cutover, 100, everything_local, "all-local")
+    assert not cutover.target.applied("a-version-never-published")
+    try:
+        followers = cutover.xds.followers_status()
+        assert [row["role"] for row in followers] == ["spine"], followers
+        with GatewayClient(cutover.address, DEV_KEY) as client:
+            result = client.generate(_greedy("all of it here"))
+        assert result.ok and result.layout == "collapsed", (result.details, result.layout)
+    finally:
+        _apply(cutover, 0, dict.fromkeys(MIDDLEWARES, "remote"), "all-remote")
+    with GatewayClient(cutover.address, DEV_KEY) as client:
+        result = client.generate(_greedy("back on the layered middlewares"), headers={"x-spine-route": "spine"})
+    assert result.ok and result.layout == "mixed"
+
+
+def test_a_split_tenant_never_exceeds_its_limit_in_total_with_the_spine_s_share_over_ads(cutover: Cutover) -> None:
+    placements = dict.fromkeys(MIDDLEWARES, "local")
+    _apply(cutover, 50, placements, "spine-split")
+    try:
+        admitted, sides = 0, {"layered": 0, "spine": 0}
+        with GatewayClient(cutover.address, SPLIT_KEYS["local"]) as client:
+            for i in range(60):
+                result = client.generate(_greedy(f"split over ads {i}"), headers={"x-session-id": f"ads-{i}"})
+                assert result.code.name in ("OK", "RESOURCE_EXHAUSTED"), result.details
+                sides[result.trailing["x-spine-side"]] += 1
+                admitted += result.ok
+        assert sides["layered"] > 10 and sides["spine"] > 10, sides
+        assert 0 < admitted <= 20, f"{admitted} admitted across both layouts; the limit is 20"
+    finally:
+        _apply(cutover, 0, dict.fromkeys(MIDDLEWARES, "remote"), "spine-split-back")
+
+
+def test_faults_are_switched_in_the_spine_process_and_answered(cutover: Cutover) -> None:
+    spine = {"x-spine-route": "spine"}
+    with GatewayClient(cutover.address, DEV_KEY) as client:
+        layered = client.generate(_greedy("a fault to compare"), headers={"x-spine-route": "layered"})
+        assert cutover.switch_fault("error-rate 1") == {"event": "fault", "error_rate": 1.0, "wrong_answers": False}
+        try:
+            failed = client.generate(_greedy("fails in the spine"), headers=spine)
+            assert failed.code.name == "UNAVAILABLE" and "injected fault" in failed.details
+            assert cutover.switch_fault("error-rate 0")["error_rate"] == 0.0
+            assert cutover.switch_fault("wrong-answers on")["wrong_answers"] is True
+            # One token fewer: another cache entry (the spine shares the layered cache), and
+            # greedy decoding makes the right answer the layered one's first five tokens.
+            shorter = _greedy("a fault to compare")
+            shorter.max_tokens = 5
+            wrong = client.generate(shorter, headers=spine)
+        finally:
+            cutover.switch_fault("clear")
+        assert layered.ok and wrong.ok and not wrong.response.cached
+        assert list(wrong.response.token_ids) != list(layered.response.token_ids)[:5]
+        with pytest.raises(FaultNotSwitched, match="refused by the spine process"):
+            cutover.switch_fault("error-rate 2")
+        assert client.generate(_greedy("healthy again"), headers=spine).ok
+
+
+def test_fault_commands_are_parsed_strictly() -> None:
+    answers: list[str] = []
+    switch = FaultSwitch(FaultHook(), answers.append)
+    assert switch.apply("error-rate 0.25")["error_rate"] == 0.25
+    assert switch.apply("wrong-answers on")["wrong_answers"] is True
+    for bad in ("error-rate x", "error-rate -0.1", "wrong-answers maybe", "reboot", "clear now"):
+        assert switch.apply(bad)["event"] == "fault-refused", bad
+    assert switch.hook.error_rate == 0.25 and switch.hook.wrong_answers  # refusals changed nothing
+    assert switch.apply("clear") == {"event": "fault", "error_rate": 0.0, "wrong_answers": False}
+    assert len(answers) == 8 and all(line.startswith('{"event": "fault') for line in answers)
+
+
+def test_stopping_the_cutover_stops_the_spine_process(tmp_path: Path) -> None:
+    rig = Cutover(config_for_tests(), tmp_path, layered_process=True, spine_process=True)
+    rig.start()
+    assert rig.spine_tree is not None and rig.spine_tree.process is not None
+    pid = rig.spine_tree.process.pid
+    rig.stop()
+    assert not pid_alive(pid)

@@ -38,8 +38,8 @@ this order:
 - "spine slower at equal or lower concurrency (p50 S vs L ms, p99 S vs L ms): see `make
   profile`": a real regression to look at.
 
-The summary says at how many stages of the healthy run, of those where both sides served
-requests, the spine was faster.
+The summary says at how many stages of the healthy run, of those with enough requests on
+both sides for a p99, the spine was faster.
 """
 
 from __future__ import annotations
@@ -136,11 +136,12 @@ class RunReport:
         return self.final_state.replace("_", " ")
 
     def faster(self) -> str:
-        """At how many stages the spine was faster, like for like, of those where both sides
-        served requests (the 100% stage has no layered baseline)."""
-        compared = [row for row in self.rows if row.layered.requests and row.spine.requests]
+        """At how many stages the spine was faster, like for like, of those with enough
+        requests on both sides for a p99 (the 100% stage has no layered baseline)."""
+        compared = [row for row in self.rows
+                    if min(row.layered.requests, row.spine.requests) >= MIN_P99_REQUESTS]
         faster = sum(row.verdict == SPINE_FASTER for row in compared)
-        return f"spine faster at {faster}/{len(compared)} stages with both sides serving"
+        return f"spine faster at {faster}/{len(compared)} stages with enough requests on both sides"
 
 
 def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: float,

@@ -112,7 +112,10 @@ class CacheIndex(Generic[V]):
                 evicted = True
             slot = self._claim(key)
         self._values[slot] = value
-        (self._expiry_np if self._host else self._expiry)[slot] = now + ttl_s
+        if self._host:
+            self._expiry_cells[slot] = now + ttl_s
+        else:
+            self._expiry[slot] = now + ttl_s
         self._next_expiry = min(self._next_expiry, now + ttl_s)
         self._touch([slot])
         return evicted
@@ -183,27 +186,29 @@ class CacheIndex(Generic[V]):
     def _claim(self, key: bytes) -> int:
         """The first free slot at or after the key's home; records it as the key's slot."""
         key_hash = self._key_hash(key)
-        home = key_hash & (self._size - 1)
-        width = min(self._size, max(8, self._probe_limit + 1))
-        while True:
-            if self._host:
-                window_np = (home + self._offsets_np[:width]) & (self._size - 1)
-                free_np = np.flatnonzero(self._meta_np[_TICK][window_np] == 0)
-                if free_np.size:
-                    distance = int(free_np[0])
-                    break
-            else:
-                window = (home + self._offsets[:width]) & (self._size - 1)
+        mask = self._size - 1
+        home = key_hash & mask
+        if self._host:  # the table is at most half full: the home slot or one of the next few is free
+            ticks = self._ticks_cells
+            distance = next((d for d in range(self._size) if ticks[(home + d) & mask] == 0), -1)
+            if distance < 0:
+                raise AssertionError("cache index is full")
+            slot = (home + distance) & mask
+            self._hash_cells[slot] = key_hash
+        else:
+            width = min(self._size, max(8, self._probe_limit + 1))
+            while True:
+                window = (home + self._offsets[:width]) & mask
                 free = torch.nonzero(self._meta[_TICK][window] == 0)
                 if free.numel():
                     distance = int(free[0, 0])
                     break
-            if width == self._size:  # cannot happen: the table is at most half full
-                raise AssertionError("cache index is full")
-            width = min(self._size, width * 2)
-        slot = (home + distance) & (self._size - 1)
+                if width == self._size:  # cannot happen: the table is at most half full
+                    raise AssertionError("cache index is full")
+                width = min(self._size, width * 2)
+            slot = (home + distance) & mask
+            self._meta[_HASH, slot] = key_hash
         self._probe_limit = max(self._probe_limit, distance)
-        (self._meta_np if self._host else self._meta)[_HASH, slot] = key_hash
         self._keys[slot] = key
         self._count += 1
         return slot

@@ -113,7 +113,7 @@ class CacheIndex(Generic[V]):
             slot = self._claim(key)
         self._values[slot] = value
         if self._host:
-            self._expiry_cells[slot] = now + ttl_s
+            self._expiry_cells[slot] = now + ttl_s  # type: ignore[call-overload]  # a float64 column
         else:
             self._expiry[slot] = now + ttl_s
         self._next_expiry = min(self._next_expiry, now + ttl_s)

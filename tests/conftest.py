@@ -61,6 +61,24 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def split_tenant_through(address: str, key: str, label: str, count: int = 60) -> tuple[int, dict[str, int]]:
+    """`count` requests of one split tenant (`SPLIT_KEYS`) through a front, each its own
+    session so both sides get some: how many were admitted in total, and how many each side
+    served. Every answer must be OK or RESOURCE_EXHAUSTED."""
+    from spine.client.gateway_client import GatewayClient
+    from spine.v1 import generation_pb2
+
+    admitted, sides = 0, {"layered": 0, "spine": 0}
+    with GatewayClient(address, key) as client:
+        for i in range(count):
+            request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"{label} {i}", max_tokens=2)
+            result = client.generate(request, headers={"x-session-id": f"{label}-{i}"})
+            assert result.code.name in ("OK", "RESOURCE_EXHAUSTED"), result.details
+            sides[result.trailing["x-spine-side"]] += 1
+            admitted += result.ok
+    return admitted, sides
+
+
 def config_for_tests(**extra: Any) -> dict[str, Any]:
     from spine.runtime.config import merge
 

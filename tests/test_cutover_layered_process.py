@@ -15,7 +15,7 @@ import pytest
 from migration.traffic.cutover import Cutover
 from spine.client.gateway_client import GatewayClient
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive
+from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive, split_tenant_through
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +49,7 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine
     placements["ratelimit"] = spine_ratelimit
     cutover.target.apply(50, placements, f"tree-split-{spine_ratelimit}", route_header=True)
     try:
-        admitted, sides = 0, {"layered": 0, "spine": 0}
-        with GatewayClient(cutover.address, SPLIT_KEYS[spine_ratelimit]) as client:
-            for i in range(60):
-                request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"tree {spine_ratelimit} {i}",
-                                                         max_tokens=2)
-                result = client.generate(request, headers={"x-session-id": f"tree-{i}"})
-                assert result.code.name in ("OK", "RESOURCE_EXHAUSTED"), result.details
-                sides[result.trailing["x-spine-side"]] += 1
-                admitted += result.ok
+        admitted, sides = split_tenant_through(cutover.address, SPLIT_KEYS[spine_ratelimit], f"tree {spine_ratelimit}")
         assert sides["layered"] > 10 and sides["spine"] > 10, sides
         assert 0 < admitted <= 20, f"{admitted} admitted across both layouts; the limit is 20"
     finally:

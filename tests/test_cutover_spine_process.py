@@ -9,6 +9,7 @@ ACKed them), and its faults are switched through a pipe only the cutover holds."
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from services.registry import MIDDLEWARES
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.faults import FaultHook, FaultSwitch
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive
+from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive, split_tenant_through
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +81,7 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total_with_the_spine_s_share_
     placements = dict.fromkeys(MIDDLEWARES, "local")
     _apply(cutover, 50, placements, "spine-split")
     try:
-        admitted, sides = 0, {"layered": 0, "spine": 0}
-        with GatewayClient(cutover.address, SPLIT_KEYS["local"]) as client:
-            for i in range(60):
-                result = client.generate(_greedy(f"split over ads {i}"), headers={"x-session-id": f"ads-{i}"})
-                assert result.code.name in ("OK", "RESOURCE_EXHAUSTED"), result.details
-                sides[result.trailing["x-spine-side"]] += 1
-                admitted += result.ok
+        admitted, sides = split_tenant_through(cutover.address, SPLIT_KEYS["local"], "split over ads")
         assert sides["layered"] > 10 and sides["spine"] > 10, sides
         assert 0 < admitted <= 20, f"{admitted} admitted across both layouts; the limit is 20"
     finally:
@@ -136,3 +131,20 @@ def test_stopping_the_cutover_stops_the_spine_process(tmp_path: Path) -> None:
     pid = rig.spine_tree.process.pid
     rig.stop()
     assert not pid_alive(pid)
+
+
+def test_a_killed_spine_process_refuses_fault_switches_and_the_cutover_still_stops(tmp_path: Path) -> None:
+    rig = Cutover(config_for_tests(), tmp_path, layered_process=True, spine_process=True)
+    rig.start()
+    try:
+        assert rig.spine_tree is not None and rig.spine_tree.process is not None
+        process = rig.spine_tree.process
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        with pytest.raises(FaultNotSwitched, match="not running"):
+            rig.switch_fault("error-rate 0.5")
+        with GatewayClient(rig.address, DEV_KEY) as client:  # weight 0: the layered side answers
+            assert client.generate(_greedy("the spine is gone")).ok
+    finally:
+        rig.stop()
+    assert rig.spine_tree is None and rig.layered_tree is None

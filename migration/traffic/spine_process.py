@@ -62,8 +62,12 @@ class SpineProcess(LayoutProcess):
             raise FaultNotSwitched(f"{command!r}: the spine process is not running")
         while not self._answers.empty():  # an answer nobody waited for (a timed-out switch)
             self._answers.get_nowait()
-        process.stdin.write(command.encode() + b"\n")
-        process.stdin.flush()
+        try:
+            process.stdin.write(command.encode() + b"\n")
+            process.stdin.flush()
+        except OSError as error:  # it exited between the check and the write (a broken pipe)
+            raise FaultNotSwitched(f"{command!r}: the spine process is not reading ({error}); "
+                                   f"see {self.log_path}") from None
         try:
             answer = self._answers.get(timeout=SWITCH_TIMEOUT_S)
         except queue.Empty:

@@ -126,7 +126,11 @@ class DeferredCompletions:
         # `interval_s` so a window holds many requests.
         self._busy = busy or (lambda: True)
         self._pending: deque[RequestState] = deque()
-        self._stores: deque[tuple[tuple[Any, ...], RequestState]] = deque()
+        # Answers handed over for the cache and not yet stored, by what makes them the same
+        # entry (`_identity`), each key's in arrival order: a lookup takes the ones it needs
+        # by key, whatever else is waiting (it used to rebuild a queue of every one of them).
+        self._stores: dict[tuple[Any, ...], list[RequestState]] = {}
+        self._stores_lock = threading.Lock()  # the dict; `_store_lock` serializes the writes
         # Past this many waiting, a finishing request writes them itself: memory stays
         # bounded and a stalled writer slows the callers down again instead of piling up.
         self._backlog_limit = 8 * max_batch
@@ -146,7 +150,9 @@ class DeferredCompletions:
         for stage in self.deferred:  # spans and faults in the request's own thread
             self.pipeline.mark(stage, state)
         if self._store is not None and self._store.wants(state) and self._store.name not in state.skip:
-            self._stores.append((_identity(state), state))
+            identity = _identity(state)
+            with self._stores_lock:
+                self._stores.setdefault(identity, []).append(state)
         self._pending.append(state)
         if self._closed:  # a straggler after shutdown began: written now
             self.drain()
@@ -194,13 +200,14 @@ class DeferredCompletions:
     def _store_all(self, wanted: set[tuple[Any, ...]] | None = None) -> None:
         if self._store is None:
             return
-        with self._store_lock:  # also when the deque is empty: another thread may be storing them
-            taken = [self._stores.popleft() for _ in range(len(self._stores))]
-            if wanted is not None:  # the others keep their order, ahead of later arrivals
-                self._stores.extendleft(reversed([item for item in taken if item[0] not in wanted]))
-                taken = [item for item in taken if item[0] in wanted]
-            if taken:
-                states = [state for _, state in taken]
+        with self._store_lock:  # also when nothing waits: another thread may be storing them
+            with self._stores_lock:
+                if wanted is None:
+                    states = [state for waiting in self._stores.values() for state in waiting]
+                    self._stores.clear()
+                else:  # the others stay where they are
+                    states = [state for key in wanted for state in self._stores.pop(key, ())]
+            if states:
                 self.pipeline.run(self._store, states, hooks=False, timed=False)
                 for state in states:
                     state.skip = state.skip | {STORE_STAGE}

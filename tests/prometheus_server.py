@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from spine.tools.local_prometheus import LocalPrometheus, free_port
+from spine.runtime.server import free_port
+from spine.tools.local_prometheus import LocalPrometheus
 
 SCRAPE_INTERVAL_S = 0.5
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from migration.xds.snapshot import ROUTE
 from spine.runtime.config import placements_for
-from spine.runtime.server import wait_serving
+from spine.runtime.server import free_port, wait_serving
 from spine.runtime.stack import Stack
 from spine.v1 import migration_pb2, migration_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
@@ -180,12 +179,6 @@ for line in sys.stdin:
 stop.set()
 thread.join()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def served_requests(stack: Stack) -> float:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import queue
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
 from services import ratelimit
 from spine.runtime.config import placements_for
-from spine.runtime.server import wait_serving
+from spine.runtime.server import free_port, wait_serving
 from spine.runtime.stack import Stack
 from spine.runtime.stage_follower import (
     ROLE_LAYERED_RATELIMIT,
@@ -60,12 +59,6 @@ MD = [("authorization", f"Bearer {TOKEN}")]
 LIMIT = 20  # the split-* tenants' request burst (tests/conftest.py); refill 0.001/s: counts are exact
 LOCAL = {"auth": "local", "ratelimit": "local", "router": "local", "cache": "local", "metrics": "local",
          "logs": "local"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from migration.testing import ADMIN_TOKEN
 from spine.cli import main as spine_main
 from spine.runtime.core_log import translate
 from spine.runtime.sections import TlsConfig
+from spine.runtime.server import free_port
 from spine.tools.dev_certs import FILES, write_file
 from spine.v1 import migration_pb2 as pb
 from tests.tls_helpers import Certs, make_certs
@@ -43,12 +43,6 @@ SPINE = [sys.executable, "-m", "spine"]
 def run(argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SPINE_ADMIN_TOKEN", "GRPC_VERBOSITY")}
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

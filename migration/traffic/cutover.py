@@ -43,7 +43,7 @@ from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook, FaultSwitch, WrongAnswers
 from spine.runtime.run_dir import write_private
 from spine.runtime.sections import TlsConfig
-from spine.runtime.server import RunningServer, request_pool, start_server
+from spine.runtime.server import RunningServer, free_port, request_pool, start_server
 from spine.runtime.shadow import ShadowConfig
 from spine.runtime.stack import Stack
 from spine.v1 import ratelimit_pb2
@@ -210,15 +210,18 @@ class Cutover:
     def _start_spine(self, layered_address: str, shared: dict[str, str], tls: TlsConfig | None) -> str:
         """The spine, on the layered stack's middlewares and its own model: its address."""
         if self.spine_process:
-            # It follows the stages over ADS, so the control plane comes first; the spine's
-            # endpoint joins it once the spine has said where it serves.
-            self.xds = XdsControlPlane("spine-gateway", {"layered": [endpoint(layered_address)]})
-            self.xds.start(self.xds_listen or "127.0.0.1:0", tls)
-            assert self.xds.address is not None
-            self.spine_tree = SpineProcess(self.config, self.run_dir / "spine", controller=self.xds.address,
-                                           remote=shared)
+            # It follows the stages over ADS. It is started before the control plane: a child
+            # is forked, and no gRPC server thread of this process should be running then
+            # (gRPC's fork handlers complain, and a lock held by one would stay held in the
+            # child until its exec). So the control plane's port is chosen first; the spine
+            # connects once it listens, and its endpoint joins once it has said where it serves.
+            host, port = (self.xds_listen or "127.0.0.1:0").rsplit(":", 1)
+            listen = f"{host}:{free_port() if port == '0' else port}"
+            self.spine_tree = SpineProcess(self.config, self.run_dir / "spine", controller=listen, remote=shared)
             address = self.spine_tree.start()
-            self.xds.set_endpoints({"spine": [endpoint(address)]})
+            self.xds = XdsControlPlane("spine-gateway", {"layered": [endpoint(layered_address)],
+                                                         "spine": [endpoint(address)]})
+            self.xds.start(listen, tls)
             return address
         placements = {name: "remote" for name in MIDDLEWARES} | {"inference": "local"}
         # The spine's model behind the parity fault's switch (`fault.wrong_answers`).

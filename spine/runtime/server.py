@@ -23,6 +23,7 @@ so such a server can also answer its health alone in plaintext on a second addre
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -251,3 +252,21 @@ def wait_serving(address: str, timeout: float, service: str = "", tls: TlsConfig
                 pass
             time.sleep(0.05)
     return False
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free now, for processes that bind them later (a child
+    told its address before it starts). Another process could take one in between: whoever
+    binds it then fails loudly, it never shares it."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.add(int(probe.getsockname()[1]))
+    return sorted(ports)
+
+
+def free_port() -> int:
+    """One loopback port free now (`free_ports`)."""
+    return free_ports(1)[0]
+

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,15 +22,11 @@ from typing import Any
 
 import yaml
 
+from spine.runtime.server import free_port
+
 
 class PrometheusError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape_config(jobs: Mapping[str, Sequence[str]], interval_s: float) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import yaml
 
 from migration.plan import MIDDLEWARES
 from spine.runtime.config import dev_api_key, load_config, merge
-from spine.runtime.server import wait_serving
+from spine.runtime.server import free_ports, wait_serving
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.rehearsal_processes import (
     Child,
@@ -25,7 +25,6 @@ from spine.tools.rehearsal_processes import (
     RehearsalError,
     base_env,
     command_line,
-    free_ports,
 )
 from spine.tools.rehearsal_report import SPINES
 from spine.v1 import migration_pb2_grpc

@@ -12,7 +12,6 @@ import os
 import queue
 import shlex
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -184,16 +183,6 @@ def _pump(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
 def command_line(argv: Sequence[str], workdir: Path) -> str:
     """`argv` as a shell line, with the work directory shortened to $WORK."""
     return shlex.join(argv).replace(str(workdir), "$WORK")
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports free now (each process binds its own later)."""
-    ports: set[int] = set()
-    while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            ports.add(int(probe.getsockname()[1]))
-    return sorted(ports)
 
 
 def base_env() -> dict[str, str]:

@@ -60,6 +60,7 @@ REQUESTS_PER_WORKER = 25  # per unary cell, so each of the rounds keeps every wo
 # 40 they agree within 1% (1.09/1.08, 1.09/1.08 in two runs).
 SEQUENTIAL_REQUESTS = 1000
 SEQUENTIAL_ROUND = 40
+SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: the layered layout takes ~20 ms at concurrency 1
 # The bench measures overhead, not admission: the default buckets must never refuse it.
 RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
     "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
@@ -91,6 +92,16 @@ class Settings:
             return max(self.requests, SEQUENTIAL_REQUESTS)
         return max(self.requests, REQUESTS_PER_WORKER * concurrency)
 
+    def cell_limit_s(self, concurrency: int, count: int) -> float:
+        """Seconds a cell may take per layout: `cell_time_limit_s`, and where one client sends
+        one request at a time, `SEQUENTIAL_BUDGET_S` per request if that is more, so a slow
+        layout's rounds are not cut short (the rounds cut would be its slowest ones, and the
+        ratio would hide them). Cells with many clients keep the limit: there it bounds
+        the unbatched layouts, which are slow on purpose."""
+        if concurrency == 1:
+            return max(self.cell_time_limit_s, count * SEQUENTIAL_BUDGET_S)
+        return self.cell_time_limit_s
+
     def cell_rounds(self, concurrency: int, count: int) -> int:
         """Rounds in a cell: `rounds`, and more, short ones, where one client sends one request
         at a time (`SEQUENTIAL_ROUND`), unless --rounds was given."""
@@ -118,7 +129,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser.add_argument("--rounds", type=int, help="interleaved turns per cell (default 5, and one per 40 "
                                                    "requests at concurrency 1; quick 2)")
     parser.add_argument("--cell-time-limit", type=float, default=20.0,
-                        help="seconds per cell and layout before it stops sending (default 20)")
+                        help="seconds per cell and layout before it stops sending (default 20; at concurrency 1, "
+                             "40 ms per request where that is more)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results file (default {DEFAULT_OUT})")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep server logs and sockets for inspection")
     parser.add_argument("--model", metavar="DIR", default=os.environ.get("SPINE_BENCH_MODEL") or None,
@@ -230,7 +242,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
         wall = dict.fromkeys(layouts, 0.0)
         cpu = dict.fromkeys(layouts, 0.0)
         unsent = dict.fromkeys(layouts, 0)
-        round_limit = settings.cell_time_limit_s / rounds
+        round_limit = settings.cell_limit_s(concurrency, count) / rounds
         start = 0
         with console.status(f"{mode} at concurrency {concurrency}: {count} requests per layout in {rounds} rounds"):
             for r, size in enumerate(per_round):

@@ -327,7 +327,8 @@ class Controller:
                     placements = (self._plan.stages[s.stage_index - 1].placements
                                   if self._plan and s.stage_index > 0 else all_remote())
                     self._move(state, record, actor, reason, apply=(0.0, placements))
-                    # The built-in front ACKs at once: finish the rollback in the same call.
+                    # The built-in front applies weight 0 at once (it waits for no spine, not even a
+                    # spine process that is gone): finish the rollback in the same call.
                     return self._settle_rollback() if state is State.ROLLING_BACK else self.status
                 case Effect.REAPPLY:
                     return self._move(state, record, actor, reason, apply=(s.spine_weight, s.placements),

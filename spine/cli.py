@@ -74,7 +74,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if fault.get("hooks"):  # `switchable`: the parent switches the fault through our stdin
         from spine.runtime.faults import FaultSwitch
 
-        FaultSwitch(fault["hooks"][0], lambda line: print(line, flush=True)).follow(sys.stdin)
+        def answer(line: str) -> None:  # one write: a whole line, whatever else prints to stdout
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+        FaultSwitch(fault["hooks"][0], answer).follow(
+            sys.stdin.buffer, lambda: print("--inject-fault switchable: stdin closed; the fault stays as it is",
+                                            file=sys.stderr))
     print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)
     if key:
         print(f"dev tenant API key: {key}   (try: spine call --address {stack.address} --prompt hello)",
@@ -112,6 +118,12 @@ def _injected_fault(args: argparse.Namespace, config: dict[str, Any], run_dir: P
         return {}
     if args.allow_external:
         raise ConfigError("--inject-fault: for local rehearsals and tests only; refused with --allow-external")
+    from spine.runtime.faults import SWITCHABLE
+
+    if args.inject_fault == SWITCHABLE and sys.stdin.isatty():
+        raise ConfigError("--inject-fault switchable: its switches are read from stdin, a terminal here (every "
+                          "line typed would switch a fault); start it from a program that holds a pipe to it, "
+                          "as make run does")
     from spine.runtime.faults import injected_fault
 
     print(f"warning: --inject-fault {args.inject_fault}: this spine misbehaves on purpose (rehearsals and tests "

@@ -58,7 +58,7 @@ def test_bench_on_a_model_directory_serves_it_in_every_layout(tmp_path: Path) ->
 def test_a_one_client_cell_is_cut_into_short_rounds_unless_rounds_are_given() -> None:
     """At concurrency 1 a layout's turn lasts ~40 requests, so a slow spell of the host lands
     on every layout alike; cells with many clients keep their few long rounds."""
-    from bench.run import SEQUENTIAL_REQUESTS, SEQUENTIAL_ROUND, parse_args
+    from bench.run import SEQUENTIAL_BUDGET_S, SEQUENTIAL_REQUESTS, SEQUENTIAL_ROUND, parse_args
 
     settings, _, _ = parse_args([])
     one = settings.cell_requests(1)
@@ -69,3 +69,7 @@ def test_a_one_client_cell_is_cut_into_short_rounds_unless_rounds_are_given() ->
     assert given.cell_requests(1) == 900 and given.cell_rounds(1, 900) == 3
     quick, _, _ = parse_args(["--quick"])
     assert quick.cell_rounds(1, quick.cell_requests(1)) == quick.rounds
+    # The one-client cell's time limit grows with its requests (a slow layout is not cut
+    # short); cells with many clients keep the flat limit.
+    assert settings.cell_limit_s(1, one) == one * SEQUENTIAL_BUDGET_S > settings.cell_time_limit_s
+    assert settings.cell_limit_s(64, settings.cell_requests(64)) == settings.cell_time_limit_s

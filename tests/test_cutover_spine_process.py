@@ -8,17 +8,25 @@ ACKed them), and its faults are switched through a pipe only the cutover holds."
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
 from migration.traffic.cutover import Cutover
 from migration.traffic.spine_process import FaultNotSwitched
+from services.common import ConfigError
 from services.registry import MIDDLEWARES
+from spine.cli import _injected_fault
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.faults import FaultHook, FaultSwitch
 from spine.v1 import generation_pb2
@@ -92,7 +100,8 @@ def test_faults_are_switched_in_the_spine_process_and_answered(cutover: Cutover)
     spine = {"x-spine-route": "spine"}
     with GatewayClient(cutover.address, DEV_KEY) as client:
         layered = client.generate(_greedy("a fault to compare"), headers={"x-spine-route": "layered"})
-        assert cutover.switch_fault("error-rate 1") == {"event": "fault", "error_rate": 1.0, "wrong_answers": False}
+        assert cutover.switch_fault("error-rate 1") == {"event": "fault", "command": "error-rate 1",
+                                                        "error_rate": 1.0, "wrong_answers": False}
         try:
             failed = client.generate(_greedy("fails in the spine"), headers=spine)
             assert failed.code.name == "UNAVAILABLE" and "injected fault" in failed.details
@@ -118,10 +127,45 @@ def test_fault_commands_are_parsed_strictly() -> None:
     assert switch.apply("error-rate 0.25")["error_rate"] == 0.25
     assert switch.apply("wrong-answers on")["wrong_answers"] is True
     for bad in ("error-rate x", "error-rate -0.1", "wrong-answers maybe", "reboot", "clear now"):
-        assert switch.apply(bad)["event"] == "fault-refused", bad
+        assert switch.apply(bad) == {"event": "fault-refused", "command": bad, "why": ANY}, bad
     assert switch.hook.error_rate == 0.25 and switch.hook.wrong_answers  # refusals changed nothing
-    assert switch.apply("clear") == {"event": "fault", "error_rate": 0.0, "wrong_answers": False}
+    assert switch.apply("clear") == {"event": "fault", "command": "clear", "error_rate": 0.0, "wrong_answers": False}
     assert len(answers) == 8 and all(line.startswith('{"event": "fault') for line in answers)
+    ended = threading.Event()
+    switch.follow([b"error-rate 0.5\n", b"\xff\xfe\n", b"\n", b"wrong-answers on\n"], ended.set).join(5)
+    assert ended.is_set() and switch.hook.error_rate == 0.5 and switch.hook.wrong_answers
+    assert json.loads(answers[9])["event"] == "fault-refused"  # the line that is not UTF-8, refused alone
+
+
+def test_the_switchable_fault_is_refused_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    args = argparse.Namespace(inject_fault="switchable", allow_external=False)
+    with pytest.raises(ConfigError, match="a terminal here"):
+        _injected_fault(args, config_for_tests(), None)
+
+
+def test_a_stage_waits_for_the_spine_before_it_sends_it_more_and_a_rollback_does_not(cutover: Cutover) -> None:
+    """Raising the spine's weight waits for its ACK (the front stays where it was); a
+    rollback to weight 0 is in force at once, even while the spine process cannot answer."""
+    assert cutover.target is not None and cutover.front is not None and cutover.spine_tree is not None
+    process = cutover.spine_tree.process
+    assert process is not None
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        cutover.target.apply(50, dict.fromkeys(MIDDLEWARES, "remote"), "while-stopped", route_header=True)
+        time.sleep(0.5)
+        assert not cutover.target.applied("while-stopped") and cutover.front.spine_weight == 0
+        cutover.target.apply(0, dict.fromkeys(MIDDLEWARES, "remote"), "rolled-back", route_header=True)
+        assert cutover.target.applied("rolled-back") and cutover.front.spine_weight == 0
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    _apply(cutover, 30, dict.fromkeys(MIDDLEWARES, "remote"), "after-continue")
+    assert cutover.front.spine_weight == 30
+    _apply(cutover, 0, dict.fromkeys(MIDDLEWARES, "remote"), "after-continue-back")
 
 
 def test_stopping_the_cutover_stops_the_spine_process(tmp_path: Path) -> None:

@@ -58,8 +58,17 @@ class FrontTarget:
     never exceeds its configured limit wherever its sessions land.
 
     `spine`: a `Stack` in this process, moved directly; None when the spine is a process of
-    its own that follows `xds` (its placements and share go out with each stage, and a
-    stage is applied once it has ACKed them).
+    its own that follows `xds`. Then a stage reaches the spine as an assignment (placements
+    and its share) that it applies and ACKs a little later, and the front and the layered
+    rate limiter move around that moment so that nothing is ever over-admitted or sent to a
+    spine that does not hold the stage yet (`_Staged`):
+    - what lowers a limit or moves traffic away from the spine happens at once;
+    - what raises a limit or sends the spine more traffic waits for its ACK (`applied`);
+    - a stage at weight 0 (a rollback, the stable state) does not wait for the spine: it
+      serves nothing then, and a spine that died must not hold a rollback up.
+    A spine that never ACKs (it NACKs the stage, or cannot reach the control plane) leaves
+    the front where it was and the stage unapplied: the controller's window never opens,
+    and `spine migrate status` shows the follower's NACK.
     """
 
     def __init__(self, front: Front, spine: Stack | None, layered_ratelimit: Any | None = None,
@@ -72,31 +81,58 @@ class FrontTarget:
         self.xds = xds
         self.parity = parity  # reads the front's shadow counters (its /metrics)
         self._lock = threading.Lock()
+        self._layered_share = 1.0  # what the layered limiter holds now (it starts with the whole limit)
+        self._staged: _Staged | None = None  # a stage waiting for the spine process's ACK
+        self._committed: str | None = None  # the last stage whose every part is in force
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
               route_header: bool) -> None:
         moved = {name: placements[name] for name in MIDDLEWARES if name in placements}
         with self._lock:
-            if self.spine is not None:
-                self.spine.set_placements(moved)
-            self._split_limits(spine_weight, self.spine.placements if self.spine is not None else moved)
+            if self.spine is None:
+                self._stage_for_follower(spine_weight, moved, version, route_header)
+                return
+            self.spine.set_placements(moved)
+            spine_share, layered_share = side_shares(spine_weight, self.spine.placements.get("ratelimit") == "local")
+            if self.spine.placements.get("ratelimit") == "local":  # through its binding, as to any limiter
+                self.spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=spine_share),
+                                                          timeout=1.0)
+            self._set_layered_share(layered_share)
             # The front and the xDS data planes honour `x-spine-route` as the plan says.
             self.front.route_header = route_header
             self.front.set_weight(spine_weight)
-            if self.spine is None:  # placements and the spine's share go out with the weights
-                assert self.xds is not None
-                self.xds.set_stage(spine_weight, moved, version, route_header=route_header)
-            elif self.xds is not None:
+            if self.xds is not None:
                 self.xds.set_spine_percent(spine_weight, version, route_header=route_header)
 
-    def _split_limits(self, spine_weight: float, spine_placements: Mapping[str, str]) -> None:
-        own = spine_placements.get("ratelimit") == "local"
-        spine_share, layered_share = side_shares(spine_weight, own)
-        if own and self.spine is not None:  # through the spine's own binding, as to any rate limiter
-            self.spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=spine_share),
-                                                      timeout=1.0)
-        if self.layered_ratelimit is not None:
-            self.layered_ratelimit.SetShare(ratelimit_pb2.SetShareRequest(fraction=layered_share), timeout=1.0)
+    def _stage_for_follower(self, spine_weight: float, placements: dict[str, str], version: str,
+                            route_header: bool) -> None:
+        """Publish the stage (the spine's placements and share go out with the weights), do
+        at once what cannot over-admit, keep the rest for the spine's ACK."""
+        assert self.xds is not None
+        _, layered_share = side_shares(spine_weight, placements.get("ratelimit") == "local")
+        staged = _Staged(version, spine_weight, layered_share, route_header)
+        if layered_share < self._layered_share:
+            self._set_layered_share(layered_share)
+        self.xds.set_stage(spine_weight, placements, version, route_header=route_header)
+        self.front.route_header = route_header
+        if spine_weight <= self.front.spine_weight:
+            self.front.set_weight(spine_weight)
+        self._staged = staged
+        if spine_weight == 0:  # nothing for the spine to hold first
+            self._commit(staged)
+
+    def _commit(self, staged: _Staged) -> None:
+        """The rest of a stage, once the spine holds it: a raised share, a raised weight."""
+        self._set_layered_share(staged.layered_share)
+        self.front.set_weight(staged.spine_weight)
+        self._committed = staged.version
+        if self._staged is staged:
+            self._staged = None
+
+    def _set_layered_share(self, share: float) -> None:
+        if self.layered_ratelimit is not None and share != self._layered_share:
+            self.layered_ratelimit.SetShare(ratelimit_pb2.SetShareRequest(fraction=share), timeout=1.0)
+        self._layered_share = share
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
         window = self.front.window(since)
@@ -126,11 +162,33 @@ class FrontTarget:
         return self.xds.status() if self.xds is not None else []
 
     def applied(self, version: str) -> bool:
-        """The front applies a weight at once; xDS data planes once they have ACKed it, a
-        spine in its own process once it has applied and ACKed its placements."""
+        """The front applies a weight at once; xDS data planes once they have ACKed it; a
+        spine in its own process once it has applied and ACKed its assignment (then the
+        stage's raised share and weight go in: see the class docstring)."""
         if self.xds is None:
             return True
-        return self.xds.stage_acked(version) and (self.spine is not None or self.xds.followers_applied(version, 1))
+        if not self.xds.stage_acked(version):
+            return False
+        if self.spine is not None:
+            return True
+        with self._lock:
+            staged = self._staged
+            if staged is None or staged.version != version:
+                return self._committed == version and staged is None
+            if not self.xds.followers_applied(version, 1):
+                return False
+            self._commit(staged)
+            return True
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A stage published to the spine process and waiting for its ACK: what goes in then."""
+
+    version: str
+    spine_weight: float
+    layered_share: float
+    route_header: bool
 
 
 @dataclass

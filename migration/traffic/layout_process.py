@@ -1,9 +1,9 @@
 """`spine up` as a process tree of its own, started and stopped by the cutover (by PID).
 
 The base of `LayeredProcess` (the layered stack) and `SpineProcess` (a spine that follows
-the controller's stages over ADS): a config file in the run directory (it holds the
-internal secret: private to this user), the child's stderr in `<name>.log` beside it, its
-`ready` line awaited with a deadline, SIGTERM then SIGKILL to stop it.
+the controller's stages over ADS): its config file `<name>-config.yaml` beside its run
+directory (it holds the internal secret: private to this user), its stderr in `<name>.log`
+there too, its `ready` line awaited with a deadline, SIGTERM then SIGKILL to stop it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ class LayoutProcess:
     @property
     def log_path(self) -> Path:
         return self.run_dir.parent / f"{self.name}.log"
+
+    def log_tail(self, chars: int = 1500) -> str:
+        """The end of its log (what to show when it failed)."""
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
     def up_arguments(self) -> Sequence[str]:
         """What follows `spine --config F up` (the layout and whatever else this child needs)."""
@@ -101,5 +105,4 @@ class LayoutProcess:
             return
         why = "exited before serving" if self.process.poll() is not None else f"did not come up within {timeout_s:g}s"
         self.stop()
-        tail = self.log_path.read_text(errors="replace")[-1500:] if self.log_path.exists() else ""
-        raise ConfigError(f"the {self.name} process {why}; its log ({self.log_path}):\n{tail}")
+        raise ConfigError(f"the {self.name} process {why}; its log ({self.log_path}):\n{self.log_tail()}")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import queue
 import subprocess
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -49,6 +51,7 @@ class SpineProcess(LayoutProcess):
         self.controller = controller
         self.node_id = node_id
         self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._switching = threading.Lock()
 
     def up_arguments(self) -> Sequence[str]:
         # No wait for a first stage: until the controller publishes one, the config's placements.
@@ -56,23 +59,26 @@ class SpineProcess(LayoutProcess):
                 "--initial-fetch-timeout-s", "0", "--inject-fault", "switchable")
 
     def switch_fault(self, command: str) -> dict[str, Any]:
-        """Send one `FaultSwitch` command and return the child's answer (the fault now)."""
-        process = self.process
-        if process is None or process.stdin is None or process.poll() is not None:
-            raise FaultNotSwitched(f"{command!r}: the spine process is not running")
-        while not self._answers.empty():  # an answer nobody waited for (a timed-out switch)
-            self._answers.get_nowait()
-        try:
-            process.stdin.write(command.encode() + b"\n")
-            process.stdin.flush()
-        except OSError as error:  # it exited between the check and the write (a broken pipe)
-            raise FaultNotSwitched(f"{command!r}: the spine process is not reading ({error}); "
-                                   f"see {self.log_path}") from None
-        try:
-            answer = self._answers.get(timeout=SWITCH_TIMEOUT_S)
-        except queue.Empty:
-            raise FaultNotSwitched(f"{command!r}: no answer from the spine process within {SWITCH_TIMEOUT_S:g}s; "
-                                   f"see {self.log_path}") from None
+        """Send one `FaultSwitch` command and return the child's answer to it (the fault now)."""
+        with self._switching:  # one command in flight: its answer is the next one that names it
+            process = self.process
+            if process is None or process.stdin is None or process.poll() is not None:
+                raise FaultNotSwitched(f"{command!r}: the spine process is not running")
+            try:
+                process.stdin.write(command.encode() + b"\n")
+                process.stdin.flush()
+            except (OSError, ValueError) as error:  # it exited (a broken pipe), or is being stopped
+                raise FaultNotSwitched(f"{command!r}: the spine process is not reading ({error}); "
+                                       f"see {self.log_path}") from None
+            deadline = time.monotonic() + SWITCH_TIMEOUT_S
+            while True:
+                try:
+                    answer = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise FaultNotSwitched(f"{command!r}: no answer from the spine process within "
+                                           f"{SWITCH_TIMEOUT_S:g}s; see {self.log_path}") from None
+                if answer.get("command") == command.strip():
+                    break  # an earlier command's late answer is dropped
         if answer.get("event") != "fault":
             raise FaultNotSwitched(f"{command!r}: refused by the spine process: {answer.get('why', answer)}")
         return answer
@@ -81,14 +87,20 @@ class SpineProcess(LayoutProcess):
         return subprocess.PIPE
 
     def _read_after_ready(self, stdout: IO[bytes]) -> None:
-        """The answers to fault switches, one JSON line each."""
+        """The answers to fault switches, one JSON object each (found in its line even when
+        something else printed on it first)."""
+        decoder = json.JSONDecoder()
         try:
-            for line in stdout:
+            for raw in stdout:
+                line = raw.decode("utf-8", errors="replace")
+                at = line.find('{"event": "fault')
+                if at < 0:
+                    continue
                 try:
-                    event = json.loads(line)
+                    event, _ = decoder.raw_decode(line, at)
                 except ValueError:
                     continue
-                if isinstance(event, dict) and str(event.get("event", "")).startswith("fault"):
+                if isinstance(event, dict):
                     self._answers.put(event)
         except (OSError, ValueError):
             pass

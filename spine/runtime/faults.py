@@ -132,15 +132,17 @@ class FaultSwitch:
     """Switches a `FaultHook` from command lines, each answered with one JSON line.
 
     The channel is the process's stdin, which only its parent holds: nothing a client sends
-    over the network can reach it. Commands:
+    over the network can reach it (and `spine up` refuses `switchable` on a terminal or with
+    --allow-external). Commands:
 
     - `error-rate R`: that share (0..1) of the model's calls fail with UNAVAILABLE;
     - `wrong-answers on|off`: the parity fault;
     - `clear`: no fault.
 
-    Each applied command is answered `{"event": "fault", "error_rate": R, "wrong_answers": B}`
-    (the state now), a line that is not one of them `{"event": "fault-refused", "why": ...}`;
-    the parent waits for the answer before it counts the fault as switched.
+    Each applied command is answered `{"event": "fault", "command": ..., "error_rate": R,
+    "wrong_answers": B}` (the state now), a line that is not one of them `{"event":
+    "fault-refused", "command": ..., "why": ...}`; the parent matches the answer to its
+    command and waits for it before it counts the fault as switched.
     """
 
     def __init__(self, hook: FaultHook, answer: Callable[[str], None]) -> None:
@@ -149,22 +151,25 @@ class FaultSwitch:
 
     def apply(self, line: str) -> dict[str, Any]:
         """One command line; the answer it gets (also written out)."""
-        words = line.split()
+        command = line.strip()[:200]
         try:
-            self._switch(words)
-            answer: dict[str, Any] = {"event": "fault", "error_rate": self.hook.error_rate,
+            self._switch(command.split())
+            answer: dict[str, Any] = {"event": "fault", "command": command, "error_rate": self.hook.error_rate,
                                       "wrong_answers": self.hook.wrong_answers}
         except ValueError as error:
-            answer = {"event": "fault-refused", "line": line.strip()[:200], "why": str(error)}
+            answer = {"event": "fault-refused", "command": command, "why": str(error)}
         self._answer(json.dumps(answer))
         return answer
 
-    def follow(self, lines: Iterable[str]) -> threading.Thread:
-        """Apply every line of `lines` (the parent's pipe) on a daemon thread, until it ends."""
+    def follow(self, lines: Iterable[bytes], closed: Callable[[], None] = lambda: None) -> threading.Thread:
+        """Apply every line of `lines` (the parent's pipe, as bytes: a line that is not UTF-8
+        is refused like any other bad line) on a daemon thread; `closed` once it ends."""
         def run() -> None:
-            for line in lines:
+            for raw in lines:
+                line = raw.decode("utf-8", errors="replace")
                 if line.strip():
                     self.apply(line)
+            closed()
         thread = threading.Thread(target=run, name="fault-switch", daemon=True)
         thread.start()
         return thread

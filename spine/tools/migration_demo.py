@@ -62,6 +62,7 @@ from rich.text import Text
 from migration.plan import load_plan
 from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
+from migration.traffic.spine_process import FaultNotSwitched
 from spine.runtime.config import merge
 from spine.runtime.sections import ShadowConfig, TlsConfig
 from spine.runtime.tls import link_credentials
@@ -359,7 +360,8 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                     console.print(f"injecting a fault into the spine: {fault}")
                     inject(cutover, run)
                 reports[run] = walk_plan(cutover, plan_text, console, title)
-                cutover.switch_fault("clear")
+                if fault:
+                    cutover.switch_fault("clear")
                 traffic.settle()
                 reports[run].failed = traffic.failed - failed_before
                 console.print(stage_table(f"Run {number}: {table}", reports[run]))
@@ -368,6 +370,11 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                 console.print(f"  audit: {entry.action} {entry.from_state}->{entry.to_state} "
                               f"stage={entry.stage} by {entry.actor}: {entry.reason}")
             shadow = cutover.front.shadow.stats()["counts"]
+        except FaultNotSwitched as error:  # the spine process is gone or stuck: say so, with its log
+            console.print(f"[red]the demo cannot go on: {error}[/red]")
+            if cutover.spine_tree is not None:
+                console.print(f"the spine process's log ends:\n{cutover.spine_tree.log_tail()}")
+            return 1
         finally:
             traffic.close()
             cutover.stop()

@@ -61,6 +61,12 @@ REQUESTS_PER_WORKER = 25  # per unary cell, so each of the rounds keeps every wo
 SEQUENTIAL_REQUESTS = 1000
 SEQUENTIAL_ROUND = 40
 SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: the layered layout takes ~20 ms at concurrency 1
+# Unmeasured requests at the start of every turn. Taking turns evens out the host's slow
+# spells but adds a cost no server has in steady state: each turn starts on caches the five
+# other layouts' turns have just used, and the more memory a layout touches per request, the
+# more its first requests pay (with rounds of 40 and six layouts, collapsed/bare at c=1 read
+# 1.12-1.14 where three layouts read 1.08-1.10).
+TURN_WARMUP = 3
 # The bench measures overhead, not admission: the default buckets must never refuse it.
 RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
     "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
@@ -251,6 +257,11 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
                 reqs = requests_for(texts, settings.max_tokens, settings.model_id)
                 order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]  # rotate who goes first
                 for layout in order:
+                    # Its turn starts on caches the other layouts' turns have emptied: a few
+                    # requests first, not measured (see TURN_WARMUP).
+                    turn = requests_for(prompts(f"turn-{mode[0]}{concurrency}-{r}-{layout}", TURN_WARMUP),
+                                        settings.max_tokens, settings.model_id)
+                    run_batch(endpoints[layout], turn, concurrency=1, stream=mode == "stream", time_limit_s=5.0)
                     sampler.measuring(layout, f"{layout}/{mode}/{concurrency}")
                     cpu_before = sampler.targets[layout].tree_cpu_s()
                     batch: Batch = run_batch(endpoints[layout], reqs, concurrency=concurrency,

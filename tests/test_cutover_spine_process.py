@@ -192,3 +192,21 @@ def test_a_killed_spine_process_refuses_fault_switches_and_the_cutover_still_sto
     finally:
         rig.stop()
     assert rig.spine_tree is None and rig.layered_tree is None
+
+
+def test_moving_traffic_back_to_the_layered_side_gives_its_limiter_the_share_at_once(cutover: Cutover) -> None:
+    """After a stage with the rate limiter in the spine (layered share near 0), a stage that
+    sends the spine less traffic goes in at once, the layered limiter's share with it: the
+    layered side must not refuse its new traffic while the spine is still applying the stage
+    (it did, and `make run`'s failing-spine run was rolled back by the parity gate too)."""
+    assert cutover.target is not None and cutover.front is not None
+    _apply(cutover, 100, dict.fromkeys(MIDDLEWARES, "local"), "all-in-spine")
+    try:
+        cutover.target.apply(10, dict.fromkeys(MIDDLEWARES, "remote"), "back-to-layered", route_header=True)
+        assert cutover.front.spine_weight == 10  # at once, before the spine's ACK
+        with GatewayClient(cutover.address, DEV_KEY) as client:
+            answers = [client.generate(_greedy(f"layered again {i}"), headers={"x-spine-route": "layered"})
+                       for i in range(5)]
+        assert [a.code.name for a in answers] == ["OK"] * 5, [a.details for a in answers]
+    finally:
+        _apply(cutover, 0, dict.fromkeys(MIDDLEWARES, "remote"), "back-to-layered-done")

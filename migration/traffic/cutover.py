@@ -59,16 +59,18 @@ class FrontTarget:
 
     `spine`: a `Stack` in this process, moved directly; None when the spine is a process of
     its own that follows `xds`. Then a stage reaches the spine as an assignment (placements
-    and its share) that it applies and ACKs a little later, and the front and the layered
-    rate limiter move around that moment so that nothing is ever over-admitted or sent to a
-    spine that does not hold the stage yet (`_Staged`):
-    - what lowers a limit or moves traffic away from the spine happens at once;
-    - what raises a limit or sends the spine more traffic waits for its ACK (`applied`);
-    - a stage at weight 0 (a rollback, the stable state) does not wait for the spine: it
-      serves nothing then, and a spine that died must not hold a rollback up.
-    A spine that never ACKs (it NACKs the stage, or cannot reach the control plane) leaves
-    the front where it was and the stage unapplied: the controller's window never opens,
-    and `spine migrate status` shows the follower's NACK.
+    and its share) that it applies and ACKs a little later, and the front's weight and the
+    layered rate limiter's share (which governs the traffic the front sends that side) move
+    together, on one side of that moment (`_Staged`):
+    - a stage that sends the spine more traffic waits for its ACK (`applied`): a spine that
+      does not hold the stage's placements yet gets none of the new traffic;
+    - one that sends it less or the same goes in at once: a rollback (weight 0) waits for no
+      spine, dead or stuck, and the layered side never refuses what its new share allows.
+    While the spine applies the stage (milliseconds) a split tenant's total may exceed its
+    limit by the difference of the two sides' old and new shares; nothing is refused that
+    the limit allows. A spine that never ACKs leaves the front where it was and the stage
+    unapplied: the controller's window never opens, and `spine migrate status` shows the
+    follower's NACK.
     """
 
     def __init__(self, front: Front, spine: Stack | None, layered_ratelimit: Any | None = None,
@@ -106,23 +108,20 @@ class FrontTarget:
 
     def _stage_for_follower(self, spine_weight: float, placements: dict[str, str], version: str,
                             route_header: bool) -> None:
-        """Publish the stage (the spine's placements and share go out with the weights), do
-        at once what cannot over-admit, keep the rest for the spine's ACK."""
+        """Publish the stage (the spine's placements and share go out with the weights); the
+        front's weight and the layered share go in at once or, when the spine gets more
+        traffic, once it has ACKed (class docstring)."""
         assert self.xds is not None
         _, layered_share = side_shares(spine_weight, placements.get("ratelimit") == "local")
         staged = _Staged(version, spine_weight, layered_share, route_header)
-        if layered_share < self._layered_share:
-            self._set_layered_share(layered_share)
         self.xds.set_stage(spine_weight, placements, version, route_header=route_header)
         self.front.route_header = route_header
-        if spine_weight <= self.front.spine_weight:
-            self.front.set_weight(spine_weight)
         self._staged = staged
-        if spine_weight == 0:  # nothing for the spine to hold first
+        if spine_weight <= self.front.spine_weight:  # no more traffic for the spine: at once
             self._commit(staged)
 
     def _commit(self, staged: _Staged) -> None:
-        """The rest of a stage, once the spine holds it: a raised share, a raised weight."""
+        """The front's side of a stage: the layered limiter's share and the weight, together."""
         self._set_layered_share(staged.layered_share)
         self.front.set_weight(staged.spine_weight)
         self._committed = staged.version

@@ -95,8 +95,9 @@ class FrontTarget:
                 self._stage_for_follower(spine_weight, moved, version, route_header)
                 return
             self.spine.set_placements(moved)
-            spine_share, layered_share = side_shares(spine_weight, self.spine.placements.get("ratelimit") == "local")
-            if self.spine.placements.get("ratelimit") == "local":  # through its binding, as to any limiter
+            own = self.spine.placements.get("ratelimit") == "local"
+            spine_share, layered_share = side_shares(spine_weight, own)
+            if own:  # through its binding, as to any limiter
                 self.spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=spine_share),
                                                           timeout=1.0)
             self._set_layered_share(layered_share)
@@ -113,7 +114,7 @@ class FrontTarget:
         traffic, once it has ACKed (class docstring)."""
         assert self.xds is not None
         _, layered_share = side_shares(spine_weight, placements.get("ratelimit") == "local")
-        staged = _Staged(version, spine_weight, layered_share, route_header)
+        staged = _Staged(version, spine_weight, layered_share)
         self.xds.set_stage(spine_weight, placements, version, route_header=route_header)
         self.front.route_header = route_header
         self._staged = staged
@@ -187,7 +188,6 @@ class _Staged:
     version: str
     spine_weight: float
     layered_share: float
-    route_header: bool
 
 
 @dataclass

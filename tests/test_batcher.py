@@ -153,6 +153,36 @@ def test_the_leader_waits_for_more_while_more_are_in_flight() -> None:
     assert batcher.stats.waited == 1
 
 
+class CountingCondition(threading.Condition):
+    """A condition that counts its notifications (how often a waiting leader is woken)."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        super().notify(n)
+
+
+def test_a_waiting_leader_is_woken_only_when_its_batch_can_close() -> None:
+    decide = Recorder()
+    batcher = MicroBatcher(decide, max_batch=4, max_wait_s=30.0, expected=lambda: 100)
+    arrival = CountingCondition(batcher._lock)
+    batcher._arrival = arrival
+    threads, _ = submit_all(batcher, [1])
+    wait_until(lambda: batcher.queued == 1)
+    for item in (2, 3):
+        threads += submit_all(batcher, [item])[0]
+        wait_until(lambda item=item: batcher.queued == item)
+    assert arrival.notified == 0  # more are expected and the batch is not full: the leader sleeps on
+    threads += submit_all(batcher, [4])[0]
+    for thread in threads:
+        thread.join(10)
+    assert decide.batches == [[1, 2, 3, 4]]  # the fourth filled the batch: decided long before max_wait
+    assert arrival.notified == 1
+
+
 def test_a_closed_batcher_refuses_new_items() -> None:
     batcher = MicroBatcher(Recorder(), max_batch=2)
     batcher.close()

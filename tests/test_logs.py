@@ -324,3 +324,21 @@ def test_text_too_short_to_hold_a_secret_skips_the_regex_and_nothing_shorter_mat
     for length in range(1, _SHORTEST_SECRET):
         for chars in itertools.product("eyJbBr a.=-_", repeat=length):
             assert _SECRET_TEXT.search("".join(chars)) is None, chars
+
+
+def test_the_quick_screen_never_keeps_text_the_patterns_would_redact() -> None:
+    """`redact_text` skips the regex for text with neither a dot nor the word "bearer": it
+    must give what the regex gives on every text, secrets in any case and spacing included."""
+    import random
+
+    from services.redact import _SECRET_TEXT, redact_text
+
+    crafted = ["Bearer\ttok_123", "BEARER   abc", "x-bEaReR\nzzz", "eyJhbGci.eyJzdWIi.", "a" * 20 + "." + "b" * 20
+               + "." + "c" * 20, "3f2a9c0d1e2b3c4d5e6f7a8b000000000012", "tiny-lm", "collapsed", "ｂearer tok"]
+    rng = random.Random(7)
+    alphabet = "eyJbearBEAR .\t\n=-_aZ09"
+    crafted += ["".join(rng.choice(alphabet) for _ in range(rng.randint(6, 40))) for _ in range(20_000)]
+    crafted += [rng.choice(["bearer ", "Bearer\t", "eyJ", "."]) + "".join(rng.choice(alphabet) for _ in range(30))
+                for _ in range(2_000)]
+    for text in crafted:
+        assert redact_text(text) == _SECRET_TEXT.sub(REDACTED, text), text

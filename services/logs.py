@@ -27,7 +27,7 @@ from services.log_ring import BatchedLineWriter, LogsClosedError
 from services.pipeline.batch_rpc import BatchRpc, ItemError, StatusError, item_errors, item_status
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
-from services.redact import redact_mapping
+from services.redact import redact_mapping, redact_text
 from services.sections import LogsConfig
 from spine.v1 import logs_pb2, logs_pb2_grpc
 
@@ -56,20 +56,22 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         """The record's JSON line, redacted; ValueError naming the field if it cannot be one."""
         if not math.isfinite(record.latency_ms) or record.latency_ms < 0:
             raise ValueError(f"latency_ms: expected a finite number >= 0, got {record.latency_ms!r}")
+        # The keys are ours (none names a secret), so only the values are screened; the
+        # client's own `fields` go through the whole rule, keys included.
         entry = {
             "ts": round(self._clock(), 6),
-            "request_id": record.request_id,
-            "tenant": record.tenant,
-            "model": record.model,
-            "status": record.status,
+            "request_id": redact_text(record.request_id),
+            "tenant": redact_text(record.tenant),
+            "model": redact_text(record.model),
+            "status": redact_text(record.status),
             "latency_ms": record.latency_ms,
-            "layout": record.layout,
+            "layout": redact_text(record.layout),
             "cached": record.cached,
             "shadow": record.shadow,
-            "fields": dict(sorted(record.fields.items())),
+            "fields": redact_mapping(dict(sorted(record.fields.items()))) if record.fields else {},
         }
         # ensure_ascii: no byte of the line can be read as a line break by any reader.
-        line = (json.dumps(redact_mapping(entry), separators=(",", ":")) + "\n").encode("ascii")
+        line = (json.dumps(entry, separators=(",", ":")) + "\n").encode("ascii")
         if len(line) > self.config.max_line_bytes:
             raise ValueError(
                 f"record {record.request_id!r}: {len(line)} bytes as JSON, "

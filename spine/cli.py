@@ -216,9 +216,16 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from spine.runtime.signals import sigterm_as_interrupt
     from spine.tools.migration_demo import run_migration_demo
 
-    return run_migration_demo(load_config(args.config))
+    config = load_config(args.config)
+    try:
+        with sigterm_as_interrupt():
+            return run_migration_demo(config)
+    except KeyboardInterrupt:
+        print("interrupted: both layouts, the controller and the traffic were stopped", file=sys.stderr)
+        return 130
 
 
 def cmd_ab(args: argparse.Namespace) -> int:

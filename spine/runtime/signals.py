@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 
 class Termination:
@@ -27,3 +30,32 @@ class Termination:
         while not self.received:
             time.sleep(poll_s)  # interrupted by the signal itself; the loop then sees it
         return self.received[0]
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every child is stopped on the way out (Python's own
+    SIGTERM ends the process at once: `finally` blocks never run and children are orphaned)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored meanwhile (where signals can be set: the main thread), so a
+    second signal cannot cut a cleanup short."""
+    try:
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:
+        previous = {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -45,6 +45,7 @@ both sides for a p99, the spine was faster.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import tempfile
 import threading
@@ -64,7 +65,9 @@ from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
 from migration.traffic.spine_process import FaultNotSwitched
 from spine.runtime.config import merge
+from spine.runtime.process import die_with_parent
 from spine.runtime.sections import ShadowConfig, TlsConfig
+from spine.runtime.signals import uninterrupted
 from spine.runtime.tls import link_credentials
 from spine.tools.workload import Item, mixed_workload, run_workload
 
@@ -164,7 +167,11 @@ def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: 
 
 def _drive_in_child(address: str, api_key: str, concurrency: int, time_limit_s: float, tls: TlsConfig | None,
                     stop: Any, counts: Any) -> None:
-    """The traffic process's body: `traffic_batches`, each batch's counts put on `counts`."""
+    """The traffic process's body: `traffic_batches`, each batch's counts put on `counts`.
+    It ends with the demo, however the demo ends (SIGKILL included): no traffic from an orphan."""
+    die_with_parent()
+    if os.getppid() == 1:  # the demo died before the line above took effect
+        return
     for sent, failed in traffic_batches(address, api_key, concurrency, time_limit_s,
                                         link_credentials(tls, address), stop):
         counts.put((sent, failed))
@@ -335,24 +342,25 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
         # Each side in processes of its own, as in production (`SpineProcess`, `LayeredProcess`):
         # the tables compare the two layouts, not the harness's share of this interpreter.
         cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0", layered_process=True, spine_process=True)
-        with console.status("starting the layered stack (8 processes), the spine (1), the front and the controller"):
-            began = time.monotonic()
-            cutover.start()
-        assert cutover.front is not None and cutover.front.shadow is not None
-        console.print(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address} "
-                      f"(mirrors {cutover.front.shadow.share:.0%} of answers to the other side, comparisons on "
-                      f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
-                      f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
-        # The clients in a process of their own, as they are in production (TrafficDriver).
-        tls = TlsConfig.from_config(config)
-        traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
-                                tls=tls if link_credentials(tls, cutover.address) is not None else None)
-        traffic.start()
-        # The traffic process takes a moment to start: the first stage's window should not.
-        flowing = time.monotonic() + 15.0
-        while not cutover.front.outcomes and time.monotonic() < flowing:
-            time.sleep(0.05)
-        try:
+        traffic: TrafficDriver | None = None
+        try:  # whatever stops the demo (Ctrl-C, SIGTERM via `spine demo`, an error) stops all it started
+            with console.status("starting the layered stack (8 processes), the spine (1), the front and the controller"):
+                began = time.monotonic()
+                cutover.start()
+            assert cutover.front is not None and cutover.front.shadow is not None
+            console.print(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address} "
+                          f"(mirrors {cutover.front.shadow.share:.0%} of answers to the other side, comparisons on "
+                          f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
+                          f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
+            # The clients in a process of their own, as they are in production (TrafficDriver).
+            tls = TlsConfig.from_config(config)
+            traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
+                                    tls=tls if link_credentials(tls, cutover.address) is not None else None)
+            traffic.start()
+            # The traffic process takes a moment to start: the first stage's window should not.
+            flowing = time.monotonic() + 15.0
+            while not cutover.front.outcomes and time.monotonic() < flowing:
+                time.sleep(0.05)
             for number, run in enumerate(runs, 1):
                 title, table, fault = RUNS[run]
                 failed_before = traffic.failed
@@ -376,8 +384,10 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                 console.print(f"the spine process's log ends:\n{cutover.spine_tree.log_tail()}")
             return 1
         finally:
-            traffic.close()
-            cutover.stop()
+            with uninterrupted():  # a second Ctrl-C must not leave processes behind
+                if traffic is not None:
+                    traffic.close()
+                cutover.stop()
     expected = {"healthy": ("promoted", []), "failing": ("rolled_back", ["error_rate"]),
                 "parity": ("rolled_back", ["parity"])}
     ok = all((report.final_state, report.failed_gates) == expected[run] for run, report in reports.items())

@@ -37,9 +37,10 @@ from typing import Any
 from migration.plan import load_plan
 from migration.store import Store
 from spine.runtime.config import load_config
+from spine.runtime.signals import sigterm_as_interrupt, uninterrupted
 from spine.tools.local_prometheus import PrometheusError
 from spine.tools.rehearsal_launch import REHEARSAL_PLAN, Launcher, Options
-from spine.tools.rehearsal_processes import Child, RehearsalError, sigterm_as_interrupt, uninterrupted
+from spine.tools.rehearsal_processes import Child, RehearsalError
 from spine.tools.rehearsal_report import (
     SPINES,
     Report,

@@ -113,6 +113,7 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "cpu_count": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+        "spine_cpu": os.environ.get("SPINE_CPU", "auto"),
         "memory_gb": round(psutil.virtual_memory().total / (1024 ** 3), 1),
         "torch": version("torch"), "grpcio": version("grpcio"), "python": sys.version.split()[0],
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -185,4 +186,6 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
     machine = results["machine"]
     console.print(f"machine: {machine['cpu_count']} CPUs, torch {machine['torch']}, load average "
                   f"{machine['loadavg_start']} at start, {machine.get('loadavg_end')} at end "
-                  "(a busy machine makes every number noisy; compare ratios within one run)")
+                  "(a busy machine makes every number noisy; compare ratios within one run); "
+                  f"SPINE_CPU={machine.get('spine_cpu', 'auto')}: each model-serving process of bare and the "
+                  "collapsed layouts on a CPU of its own, the layered stack's processes placed by the OS")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from services.cpu_placement import ENV as CPU_PLACEMENT_ENV
 from spine.runtime.process import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -196,10 +197,17 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
     else:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     log_path = run_dir / f"{layout}.log"
+    env = dict(os.environ)
+    if SPINE_LAYOUT.get(layout) == "layered" and CPU_PLACEMENT_ENV not in env:
+        # The layered stack keeps its own best setting: the OS spreads its eight processes.
+        # With its model process on a CPU of its own (what the other layouts get,
+        # `services.cpu_placement`), the rest squeezed onto one core and missed their
+        # budgets at c=256 (291 UNAVAILABLE in one run).
+        env[CPU_PLACEMENT_ENV] = "off"
     with open(log_path, "w") as log_file:
         # PDEATHSIG in the child: if the bench dies (even by SIGKILL), its servers go too.
         process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                   env=dict(os.environ), preexec_fn=die_with_parent)
+                                   env=env, preexec_fn=die_with_parent)
     target = Target(layout, process, log_path)
     threading.Thread(target=target._read_stdout, name=f"stdout-{layout}", daemon=True).start()
     return target

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.common import Clock
+from services.cpu_placement import place_process
 from services.inference_cost import BudgetRule, StepCost
 from services.model.engine import (
     GenerationEngine,
@@ -215,6 +216,7 @@ class Scheduler:
 
     # -- the loop ------------------------------------------------------------------
     def _loop(self) -> None:
+        place_process()  # the whole process on a CPU of its own, when it asked (services.cpu_placement)
         while True:
             started = time.perf_counter()
             with self._wake:

@@ -113,7 +113,8 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "cpu_count": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-        "spine_cpu": os.environ.get("SPINE_CPU", "auto"),
+        "spine_cpu": os.environ.get("SPINE_CPU") or (max(os.sched_getaffinity(0)) if len(os.sched_getaffinity(0)) > 1
+                                                     else "not placed (one CPU)"),
         "memory_gb": round(psutil.virtual_memory().total / (1024 ** 3), 1),
         "torch": version("torch"), "grpcio": version("grpcio"), "python": sys.version.split()[0],
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -187,5 +188,5 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
     console.print(f"machine: {machine['cpu_count']} CPUs, torch {machine['torch']}, load average "
                   f"{machine['loadavg_start']} at start, {machine.get('loadavg_end')} at end "
                   "(a busy machine makes every number noisy; compare ratios within one run); "
-                  f"SPINE_CPU={machine.get('spine_cpu', 'auto')}: each model-serving process of bare and the "
-                  "collapsed layouts on a CPU of its own, the layered stack's processes placed by the OS")
+                  f"model processes of bare and the collapsed layouts on CPU {machine.get('spine_cpu')}, "
+                  "the load generator on the others, the layered stack's processes placed by the OS")

@@ -44,7 +44,9 @@ from bench.targets import (
     RssSampler,
     Target,
     TargetFailed,
+    keep_load_generator_off,
     launch,
+    server_cpu,
 )
 from services.common import ConfigError
 from spine.runtime.config import load_config, merge
@@ -295,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     try:
         targets = start_all(run_dir, settings, console)
+        keep_load_generator_off(server_cpu())
         processes = {layout: len(target.tree()) for layout, target in targets.items()}
         endpoints = {layout: Endpoint(t.address, t.is_gateway, DEV_KEY) for layout, t in targets.items()}
         sampler = RssSampler(targets)

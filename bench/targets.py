@@ -181,6 +181,22 @@ def _ready_address(layout: str, line: str) -> str:
     return ""
 
 
+def server_cpu() -> str | None:
+    """The CPU the model process of bare and of every collapsed layout runs on (`SPINE_CPU`):
+    the same one for all, so no ratio depends on which CPU a layout drew — the last this
+    process may use; the load generator keeps the others (`keep_load_generator_off`). None
+    on a single CPU."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return str(allowed[-1]) if len(allowed) >= 2 else None
+
+
+def keep_load_generator_off(cpu: str | None) -> None:
+    """Move this process (the load generator) off the servers' CPU. Call after the servers
+    have started: a child inherits its parent's CPUs, and theirs must include `cpu`."""
+    if cpu is not None and CPU_PLACEMENT_ENV not in os.environ:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {int(cpu)})
+
+
 def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
     """Start one layout's server process. Call from the main thread (see `die_with_parent`)."""
     layout_dir = run_dir / layout
@@ -198,12 +214,16 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     log_path = run_dir / f"{layout}.log"
     env = dict(os.environ)
-    if SPINE_LAYOUT.get(layout) == "layered" and CPU_PLACEMENT_ENV not in env:
-        # The layered stack keeps its own best setting: the OS spreads its eight processes.
-        # With its model process on a CPU of its own (what the other layouts get,
-        # `services.cpu_placement`), the rest squeezed onto one core and missed their
-        # budgets at c=256 (291 UNAVAILABLE in one run).
+    cpu = server_cpu()
+    if CPU_PLACEMENT_ENV in env or cpu is None:
+        pass  # the caller's own placement, or nothing to choose
+    elif SPINE_LAYOUT.get(layout) == "layered":
+        # The layered stack keeps the OS's placement: its eight processes are spread over
+        # every core (with its model process placed, one run had 291 UNAVAILABLE at c=256
+        # against 37 unplaced; the layered side is not to be slowed down).
         env[CPU_PLACEMENT_ENV] = "off"
+    else:
+        env[CPU_PLACEMENT_ENV] = cpu
     with open(log_path, "w") as log_file:
         # PDEATHSIG in the child: if the bench dies (even by SIGKILL), its servers go too.
         process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True,

@@ -177,8 +177,12 @@ def test_shadow_comparisons_are_read_by_field_with_calibrated_noise_left_out() -
         counters.compared("layered", "spine", False, [])
         parity = source.parity(since)
         assert (parity.compared, parity.mismatches, dict(parity.by_field)) == (3, 3, {"tokens": 2, "cached": 1})
-        # The spine disagrees with itself on `cached`: noise, no longer counted against it.
+        # The spine disagreeing with itself excuses nothing (it is the one being judged)...
         counters.compared("spine", "spine", True, ["cached"])
+        parity = source.parity(since)
+        assert (parity.compared, parity.mismatches, parity.noisy_fields) == (3, 3, ())
+        # ...the baseline disagreeing with itself on `cached` makes it noise, no longer counted.
+        counters.compared("layered", "layered", True, ["cached"])
         parity = source.parity(since)
         assert (parity.compared, parity.mismatches, parity.noisy_fields) == (3, 2, ("cached",))
 

@@ -7,8 +7,8 @@ The front (local) and the spine's gateway (behind Envoy) count every comparison 
 - how many answers were compared across layouts (`calibration="false"`): none at all is
   no evidence, and the gate holds;
 - how many fields differed across layouts, by field;
-- which fields are noise: those on which a layout disagreed with itself (`calibration=
-  "true"`) over the last `NOISE_WINDOWS` windows. Their mismatches are not counted; a
+- which fields are noise: those on which the baseline (layered) disagreed with itself
+  (`calibration="true"`, `primary="layered"`) over the last `NOISE_WINDOWS` windows. Their mismatches are not counted; a
   field that has been quiet that long counts again, so one odd answer does not switch a
   field's check off for the rest of a rollout.
 
@@ -27,6 +27,11 @@ from spine.runtime.shadow_metrics import COMPARED, MISMATCHED
 # Noise is what a layout disagreed with itself on over this many windows (the current one
 # and the ones before it): calibration copies are a small share of a small share.
 NOISE_WINDOWS = 10
+# Noise is what the baseline disagrees with itself on. The spine disagreeing with itself (a
+# sampling bug, say) must not excuse its answers differing from the baseline's: it did, once,
+# in `make run` — a calibration pair on a spine faulted to sample made `tokens` noise, and the
+# parity fault was promoted.
+BASELINE = "layered"
 SHADOW_FAMILIES = (COMPARED, MISMATCHED)
 
 
@@ -62,8 +67,11 @@ def add_sample(counts: ShadowCounts, name: str, labels: Mapping[str, str], value
         return counts + ShadowCounts(compared=value)
     if name == MISMATCHED and labels.get("field"):
         by_field = {labels["field"]: value}
-        return counts + (ShadowCounts(noise=by_field) if calibration else ShadowCounts(mismatched=by_field))
-    return counts
+        if not calibration:
+            return counts + ShadowCounts(mismatched=by_field)
+        if labels.get("primary", BASELINE) == BASELINE:
+            return counts + ShadowCounts(noise=by_field)
+    return counts  # a spine that disagrees with itself is a defect to catch, never an excuse
 
 
 def parity_stats(window: ShadowCounts, noise: Mapping[str, float]) -> ParityStats:

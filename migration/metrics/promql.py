@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from migration.gates import ParityStats, WindowStats
-from migration.metrics.parity import NOISE_WINDOWS, ShadowCounts, parity_stats
+from migration.metrics.parity import BASELINE, NOISE_WINDOWS, ShadowCounts, parity_stats
 from migration.metrics.source import DURATION_BUCKETS, OK, REQUESTS, SIDES, check_side, stats_by_status
 from migration.target import ShadowCapability
 from spine.runtime.shadow_metrics import COMPARED, MISMATCHED
@@ -95,7 +95,8 @@ def compared_query(selector: str, range_: str) -> str:
 
 
 def mismatched_query(selector: str, range_: str, calibration: bool) -> str:
-    flag = 'calibration="true"' if calibration else 'calibration="false"'
+    # Calibration: the baseline's own disagreements only (`parity.BASELINE`: why).
+    flag = f'calibration="true",primary="{BASELINE}"' if calibration else 'calibration="false"'
     return f"sum by (field) ({window_increase(series(MISMATCHED, selector, flag), range_)})"
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Call
+from bench.targets import CPU_PLACEMENT_ENV, server_cpu
 from spine.runtime.stats import percentile
 
 MB = 1024 * 1024
@@ -113,8 +114,7 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "cpu_count": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-        "spine_cpu": os.environ.get("SPINE_CPU") or (max(os.sched_getaffinity(0)) if len(os.sched_getaffinity(0)) > 1
-                                                     else "not placed (one CPU)"),
+        "spine_cpu": os.environ.get(CPU_PLACEMENT_ENV) or server_cpu() or "not placed (one CPU)",
         "memory_gb": round(psutil.virtual_memory().total / (1024 ** 3), 1),
         "torch": version("torch"), "grpcio": version("grpcio"), "python": sys.version.split()[0],
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),

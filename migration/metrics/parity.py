@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from migration.gates import ParityStats
 from spine.runtime.shadow_metrics import COMPARED, MISMATCHED
 
-# Noise is what a layout disagreed with itself on over this many windows (the current one
-# and the ones before it): calibration copies are a small share of a small share.
+# Noise is what the baseline disagreed with itself on over this many windows (the current
+# one and the ones before it): calibration copies are a small share of a small share.
 NOISE_WINDOWS = 10
 # Noise is what the baseline disagrees with itself on. The spine disagreeing with itself (a
 # sampling bug, say) must not excuse its answers differing from the baseline's: it did, once,

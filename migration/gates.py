@@ -53,9 +53,10 @@ class ParityStats:
 
     `compared`: pairs of answers compared across layouts (calibration pairs, a layout
     compared with itself, left out). `mismatches`: field mismatches among them that noise
-    does not explain — one count per differing field, in every field on which the baseline
-    (layered) did not disagree with itself lately (`noisy_fields`). `missing` says why the source could
-    not read them; the gate then holds.
+    does not explain — one count per field that differed as a cause (a rate-limited side's
+    status and tokens are consequences), in every field on which the baseline (layered) did
+    not disagree with itself lately (`noisy_fields`). `missing` says why the source could not
+    read them; the gate then holds.
     """
 
     compared: int

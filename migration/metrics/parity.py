@@ -1,8 +1,8 @@
 """What the parity gate reads: shadow comparisons, from the counters whoever mirrors exports.
 
 The front (local) and the spine's gateway (behind Envoy) count every comparison in
-`spine_shadow_compared_total` and every differing field in `spine_shadow_mismatched_total`
-(`spine.runtime.shadow_metrics`). Per window the gate needs:
+`spine_shadow_compared_total` and every field that differed as a cause in
+`spine_shadow_mismatched_total` (`spine.runtime.shadow_metrics`). Per window the gate needs:
 
 - how many answers were compared across layouts (`calibration="false"`): none at all is
   no evidence, and the gate holds;

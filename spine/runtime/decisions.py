@@ -70,7 +70,34 @@ def decide(request: generation_pb2.GenerateRequest, code: grpc.StatusCode | str,
     )
 
 
+# A request is authenticated, then rate limited, then answered or refused (its status): a side
+# that stopped it at one of these had nothing to say about anything after it.
+_STOPS = ("auth", "ratelimit", "status")
+# Another model answers with other tokens (and another cache entry).
+_ROUTE_CONSEQUENCES = ("tokens", "cached")
+
+
 def differing(a: Decision, b: Decision, ignore: Iterable[str] = ()) -> tuple[str, ...]:
     """The fields on which two decisions differ, in `FIELDS` order."""
     skip = set(ignore)
     return tuple(name for name in FIELDS if name not in skip and getattr(a, name) != getattr(b, name))
+
+
+def root_differences(a: Decision, b: Decision, ignore: Iterable[str] = ()) -> tuple[str, ...]:
+    """The fields two decisions differ on as causes, not as consequences of another difference.
+
+    One side rate limited and the other answered differ in status, details, route and tokens
+    too, but only because of the limiter. Counting those as well made the parity gate's noise
+    wrong: a tenant at its limit, where a copy is limited or not by timing alone, made
+    `tokens` noise, and a spine answering other tokens was excused. The first differing stop
+    (`_STOPS`) is the whole difference; a differing route explains the tokens. A pair
+    explained by an ignored field differs in nothing.
+    """
+    every = differing(a, b)
+    skip = set(ignore)
+    for stop in _STOPS:
+        if stop in every:
+            return () if stop in skip else (stop,)
+    if "route" in every:
+        every = tuple(name for name in every if name not in _ROUTE_CONSEQUENCES)
+    return tuple(name for name in every if name not in skip)

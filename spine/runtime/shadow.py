@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 
 from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
-from spine.runtime.decisions import LAYOUT_ERRORS, Decision, decide, differing
+from spine.runtime.decisions import LAYOUT_ERRORS, Decision, decide, differing, root_differences
 from spine.runtime.sections import ShadowConfig
 from spine.runtime.shadow_metrics import ShadowCounters
 from spine.v1 import generation_pb2
@@ -171,7 +171,7 @@ class ShadowMirror:
                 self.counts["layout_errors"] += 1
             self.counters.skipped(primary_side, shadow_side, calibration, "layout_error")
             return None
-        fields = differing(primary, shadow, self.config.ignore_fields)
+        fields = root_differences(primary, shadow, self.config.ignore_fields)
         self.counters.compared(primary_side, shadow_side, calibration, fields)
         with self._lock:
             self.counts["calibration_compared" if calibration else "compared"] += 1
@@ -183,9 +183,10 @@ class ShadowMirror:
             mismatch = Mismatch(self._clock(), request_id, primary_side, shadow_side, calibration, fields,
                                 primary, shadow)
             self.mismatches.append(mismatch)
+        shown = differing(primary, shadow, self.config.ignore_fields)  # the consequences too
         log.warning("shadow mismatch%s on %s: request %s, %s said %s; %s said %s",
                     " (calibration, same layout)" if calibration else "", ", ".join(fields), request_id or "-",
-                    primary_side, _brief(primary, fields), shadow_side, _brief(shadow, fields))
+                    primary_side, _brief(primary, shown), shadow_side, _brief(shadow, shown))
         return mismatch
 
     # -- what reports read (the gates read `counters`, through a metrics source) --------

@@ -11,8 +11,10 @@ local demo and behind Envoy:
   `calibration="true"` when the copy went back to the primary's own side (a layout
   compared with itself: what differs there is noise, not a verdict on the spine).
 - `spine_shadow_mismatched_total{field, primary, shadow, calibration}`: compared pairs that
-  differed, one count per differing field (`spine.runtime.decisions`' fields), so a
-  pair that differs in two fields counts once under each.
+  differed, one count per field that differed as a cause (`decisions.root_differences`:
+  a pair one side rate limited counts under `ratelimit` only, not under the status,
+  route and tokens that differ because of it), so a pair that differs in two unrelated
+  fields counts once under each.
 - `spine_shadow_skipped_total{primary, shadow, calibration, reason}`: copies that were not
   compared: `saturated` (the mirror's pool was full: dropped, never queued),
   `call_failed` (the shadow call raised), `layout_error` (one of the two answers was a
@@ -39,7 +41,7 @@ SKIP_REASONS = ("saturated", "call_failed", "layout_error")
 
 _FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     COMPARED: ("Mirrored answers compared with the primary's.", ("primary", "shadow", "calibration")),
-    MISMATCHED: ("Compared answers that differed, one count per differing field.",
+    MISMATCHED: ("Compared answers that differed, one count per field that differed as a cause.",
                  ("field", "primary", "shadow", "calibration")),
     SKIPPED: ("Mirrored requests not compared, by reason.", ("primary", "shadow", "calibration", "reason")),
 }

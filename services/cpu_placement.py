@@ -23,6 +23,7 @@ them (the middlewares' processes float); a library user's threads are never move
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
@@ -82,6 +83,15 @@ def least_claimed(allowed: set[int], count: int, claims: Path, pid: int) -> set[
     return chosen
 
 
+def release_claims(cpus: set[int], claims: Path, pid: int) -> None:
+    """Remove `pid`'s claims at its exit, so a listing of the claims shows the live ones
+    (a killed process leaves its own: the next claimer drops those of dead owners)."""
+    if os.getpid() != pid:
+        return  # a forked child exiting: the claims are its parent's
+    for cpu in cpus:
+        (claims / f"{cpu}-{pid}.claim").unlink(missing_ok=True)
+
+
 def claims_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"spine-cpu-claims-{os.getuid()}"
 
@@ -114,6 +124,7 @@ def place_process() -> set[int] | None:
         allowed = os.sched_getaffinity(0)
         if isinstance(_wanted, str):  # "auto"
             cpus = least_claimed(allowed, _count, claims_dir(), os.getpid())
+            atexit.register(release_claims, cpus, claims_dir(), os.getpid())
         else:
             cpus = set(_wanted)
         for task in os.listdir("/proc/self/task"):

@@ -66,8 +66,10 @@ def test_when_a_model_starts_every_thread_of_its_process_moves_to_one_cpu(settin
         late = threading.Thread(target=lambda: after.update(cpus=sorted(os.sched_getaffinity(0))))
         late.start(); late.join()
         tasks = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+        from services.cpu_placement import claims_dir
         print(json.dumps({"main": sorted(os.sched_getaffinity(0)), "before": tasks[before.native_id],
-                          "late": after["cpus"], "all": sorted({tuple(c) for c in tasks.values()})}))
+                          "late": after["cpus"], "all": sorted({tuple(c) for c in tasks.values()}),
+                          "claims": sorted(p.name for p in claims_dir().glob("*.claim")), "pid": os.getpid()}))
     """)
     env = {**os.environ, "SPINE_CPU": setting, "TMPDIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
@@ -80,4 +82,5 @@ def test_when_a_model_starts_every_thread_of_its_process_moves_to_one_cpu(settin
     assert len(seen["main"]) == 1 and seen["main"][0] in allowed
     assert seen["before"] == seen["late"] == seen["main"]
     assert seen["all"] == [seen["main"]]  # gRPC's and torch's threads too, whoever made them
-    assert list((tmp_path / f"spine-cpu-claims-{os.getuid()}").glob(f"{seen['main'][0]}-*.claim"))
+    assert seen["claims"] == [f"{seen['main'][0]}-{seen['pid']}.claim"]
+    assert not list((tmp_path / f"spine-cpu-claims-{os.getuid()}").glob("*.claim"))  # released at its exit

@@ -180,13 +180,17 @@ def test_in_a_spine_whose_auth_is_remote_the_answer_comes_from_the_auth_process(
                 os.kill(pid, signal.SIGCONT)
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "auth unavailable" in (failed.value.details() or "")
-            deadline = time.monotonic() + 10
+            # It answers again within 10 s (a hung child may also be restarted by its
+            # supervisor meanwhile: the answer that counts is the first good one).
+            deadline, recovered = time.monotonic() + 10, None
             while time.monotonic() < deadline:
                 try:
-                    if check(channel, bearer(DEV_KEY)).status.code == 0:
+                    recovered = check(channel, bearer(DEV_KEY))
+                    if recovered.status.code == 0:
                         break
                 except grpc.RpcError:  # ejected for a moment after the failure
-                    time.sleep(0.2)
-            assert check(channel, bearer(DEV_KEY)).status.code == 0
+                    pass
+                time.sleep(0.2)
+            assert recovered is not None and recovered.status.code == 0
     finally:
         stack.stop()

@@ -113,6 +113,18 @@ def enable_from_env(count: int = 1) -> None:
         _count = count
 
 
+def enabled() -> bool:
+    """Whether this process moves to its CPUs when a model starts (or has moved)."""
+    return _wanted is not None
+
+
+def disable() -> None:
+    """Never move this process (threads already moved stay where they are)."""
+    global _wanted
+    with _lock:
+        _wanted = None
+
+
 def place_process() -> set[int] | None:
     """Called by a model's step loop as it starts: every thread of the process (and those it
     makes later, which inherit their maker's CPUs) moves to the chosen CPUs, once. Does

@@ -40,9 +40,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from spine.runtime.stack import Stack
     from spine.runtime.tracing import install_from_config
 
-    configure_threads()
     config = load_config(args.config, _served_model(args))
-    install_from_config(config, service_name="spine")
     placements = placements_for(args.layout, config)
     listen = args.listen or str(config["listen"])
     check_listen(listen, args.allow_external)  # before any child process starts
@@ -52,6 +50,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     preflight(config)  # a model directory that cannot be served: one line, before any child starts
     tls = _serve_tls(config)
     fault = _injected_fault(args, config, run_dir)
+    # The process becomes a server only now, every check passed: its torch threads, CPU
+    # placement and tracing are set for the stack it is about to start. Set before the
+    # checks, a caller whose `up` was refused (a test calling `main` in its own interpreter)
+    # kept them, and its next in-process model pinned all of its threads to one CPU.
+    configure_threads()
+    install_from_config(config, service_name="spine")
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
                   remote_addresses=remote_addresses(config), probe_listen=args.probe_listen, **fault)
     termination = Termination()

@@ -49,6 +49,28 @@ TEST_OVERRIDES: dict[str, Any] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _runner_is_never_placed() -> Iterator[None]:
+    """The test runner is a library user: no test may leave it set to move to one CPU when
+    an in-process model starts (`services.cpu_placement`). Every child the runner starts
+    afterwards inherits its CPUs, so one such leak ran the rest of the suite, children
+    included, on a single core. Fails the test that turned it on."""
+    from services import cpu_placement
+
+    cpus = os.sched_getaffinity(0)
+    yield
+    leaked = cpu_placement.enabled()
+    cpu_placement.disable()
+    moved = os.sched_getaffinity(0) != cpus
+    if moved:
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task), cpus)
+    if leaked or moved:
+        pytest.fail("this test left the test runner placed on CPUs of its own (SPINE_CPU placement "
+                    "enabled in-process, e.g. by spine.cli's `up` or configure_threads)")
+
+
 def pid_alive(pid: int) -> bool:
     """Whether `pid` is a running process (a zombie, exited but not reaped, is not)."""
     try:

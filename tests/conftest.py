@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -69,6 +70,22 @@ def _runner_is_never_placed() -> Iterator[None]:
     if leaked or moved:
         pytest.fail("this test left the test runner placed on CPUs of its own (SPINE_CPU placement "
                     "enabled in-process, e.g. by spine.cli's `up` or configure_threads)")
+
+
+def stop_process(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOP our own child `pid` and return once the kernel reports it stopped (state T
+    in /proc), so a test's next call is made to a process that can no longer answer: the
+    stop is delivered to each of its threads when that thread next runs, not by `kill`."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + within_s
+    while True:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} not stopped {within_s:g}s after SIGSTOP (state {state})")
+        time.sleep(0.001)
 
 
 def pid_alive(pid: int) -> bool:

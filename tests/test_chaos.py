@@ -25,7 +25,7 @@ from services.registry import DEFAULT
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -106,7 +106,7 @@ def test_a_stopped_child_fails_fast_or_is_skipped_and_health_tells(layered: Stac
     try:
         time.sleep(0.5)
         stopped = time.monotonic()
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         saw_not_serving = False
         try:
             while time.monotonic() - stopped < STOPPED_S:

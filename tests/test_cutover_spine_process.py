@@ -30,7 +30,14 @@ from spine.cli import _injected_fault
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.faults import FaultHook, FaultSwitch
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive, split_tenant_through
+from tests.conftest import (
+    DEV_KEY,
+    SPLIT_KEYS,
+    config_for_tests,
+    pid_alive,
+    split_tenant_through,
+    stop_process,
+)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +161,7 @@ def test_a_stage_waits_for_the_spine_before_it_sends_it_more_and_a_rollback_does
     assert cutover.target is not None and cutover.front is not None and cutover.spine_tree is not None
     process = cutover.spine_tree.process
     assert process is not None
-    os.kill(process.pid, signal.SIGSTOP)
+    stop_process(process.pid)
     try:
         cutover.target.apply(50, dict.fromkeys(MIDDLEWARES, "remote"), "while-stopped", route_header=True)
         time.sleep(0.5)

@@ -18,7 +18,15 @@ from envoy.type.v3 import http_status_pb2
 from spine.client.gateway_client import GatewayClient
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, TEST_OVERRIDES, TIGHT_KEY, config_for_tests, make_jwt, start_stack
+from tests.conftest import (
+    DEV_KEY,
+    TEST_OVERRIDES,
+    TIGHT_KEY,
+    config_for_tests,
+    make_jwt,
+    start_stack,
+    stop_process,
+)
 from tests.envoy_calls import bearer, check, ok_headers
 
 NO_SCOPE_KEY = "no-scope-key-0000"
@@ -172,7 +180,7 @@ def test_in_a_spine_whose_auth_is_remote_the_answer_comes_from_the_auth_process(
         assert pid is not None
         with grpc.insecure_channel(stack.address) as channel:
             assert ok_headers(check(channel, bearer(DEV_KEY)))["x-spine-tenant"].header.value == "dev"
-            os.kill(pid, signal.SIGSTOP)  # our own child: it stops answering
+            stop_process(pid)  # our own child: it stops answering
             try:
                 with pytest.raises(grpc.RpcError) as failed:
                     check(channel, bearer(DEV_KEY))

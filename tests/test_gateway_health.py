@@ -28,7 +28,7 @@ from spine.runtime.stack import Stack
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from tests.test_supervisor import refused_config, seconds_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -76,7 +76,7 @@ def stopped(stack: Stack, name: str) -> Iterator[int]:
     assert stack.supervisor is not None
     pid = stack.supervisor.children[name].pid
     assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         yield pid
     finally:

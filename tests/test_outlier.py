@@ -16,7 +16,7 @@ from spine.client.gateway_client import GatewayClient
 from spine.runtime.outlier import Ejected, Ejection, OutlierDetector, OutlierPolicy
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 
 CODE = grpc.StatusCode
 
@@ -120,7 +120,7 @@ def test_a_hung_auth_answers_unavailable_within_its_budget_then_at_once_then_com
     assert pid is not None
     with GatewayClient(layered.address, DEV_KEY) as client:
         assert client.generate(request("before")).ok
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             timed = [client.generate(request(f"hung {i}"), timeout=5.0) for i in range(2)]
             assert all(r.code == CODE.UNAVAILABLE and "budget" in r.details for r in timed), timed

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,6 +105,61 @@ def test_open_loop_sends_every_request_to_every_layout_at_its_arrival(collapsed:
         assert all(r is not None and r.ok for r in run.results)
         assert all(s is not None and r is not None and s >= r.latency_s
                    for s, r in zip(run.scheduled_latency_s, run.results, strict=True))
+
+
+class _CountedRun(LayoutRun):
+    """A layout whose clients count the calls in flight at it and at any other layout."""
+
+    def __init__(self, name: str, address: str, counts: dict[str, int], seen: list[tuple[str, int, int]],
+                 lock: threading.Lock) -> None:
+        super().__init__(name, address)
+        self.counts, self.seen, self.lock = counts, seen, lock
+
+    def client(self) -> Any:
+        run, real = self, super().client()
+
+        class Counted:
+            def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+                with run.lock:
+                    run.counts[run.name] += 1
+                    others = sum(n for name, n in run.counts.items() if name != run.name)
+                    run.seen.append((run.name, run.counts[run.name], others))
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    with run.lock:
+                        run.counts[run.name] -= 1
+
+            def generate(self, *args: Any, **kwargs: Any) -> Any:
+                return self._call(real.generate, *args, **kwargs)
+
+            def stream(self, *args: Any, **kwargs: Any) -> Any:
+                return self._call(real.stream, *args, **kwargs)
+
+            def close(self) -> None:
+                real.close()
+
+        return Counted()
+
+
+def test_closed_loop_runs_each_layout_alone_at_the_whole_concurrency(collapsed: Stack) -> None:
+    """Workers sending each request to every layout in turn piled up at the slower layout
+    (more than the concurrency asked, and both layouts loaded at once): each layout now
+    gets rounds of its own at exactly the concurrency, and every request still reaches both."""
+    entries = synthetic(SyntheticSpec(count=48, unauthenticated_share=0.0, invalid_share=0.0),
+                        tenant_keys(config_for_tests()))
+    counts, lock = {"a": 0, "b": 0}, threading.Lock()
+    seen: list[tuple[str, int, int]] = []
+    runs = [_CountedRun(name, collapsed.address, counts, seen, lock) for name in ("a", "b")]
+    run_interleaved(runs, entries, RunOptions(mode="closed", concurrency=4, time_limit_s=60, timeout_s=10))
+    for run in runs:
+        assert all(r is not None for r in run.results)  # answered (the tight tenant's refusals included)
+    assert all(others == 0 for _, _, others in seen), "two layouts had calls in flight at once"
+    assert {name: max(n for who, n, _ in seen if who == name) for name in counts} == {"a": 4, "b": 4}
+    layouts_in_order = [name for name, _, _ in seen]
+    turns = [name for i, name in enumerate(layouts_in_order) if i == 0 or layouts_in_order[i - 1] != name]
+    # Three rounds of 16, the order rotating (a b | b a | a b): the layouts take turns.
+    assert turns == ["a", "b", "a", "b"]
 
 
 def test_a_run_stops_sending_at_its_time_limit(collapsed: Stack) -> None:

@@ -267,7 +267,9 @@ def write_markdown(report: Mapping[str, Any], out_dir: Path, plots: Sequence[Pat
                  + (f" at concurrency {options['concurrency']}" if options["mode"] == "closed"
                     else f", arrivals as scheduled (mean {workload.get('rate', '?')}/s)")
                  + f"; time limit {options['time_limit_s']:g}s, per-request timeout {options['timeout_s']:g}s; "
-                 f"ran {report['wall_s']:.1f}s. Requests alternate between the layouts.")
+                 f"ran {report['wall_s']:.1f}s. "
+                 + ("Each layout runs alone in turn, a round of requests at a time, the order rotating."
+                    if options["mode"] == "closed" else "Each request goes to every layout at once."))
     lines.append("")
     for line in down_lines(report):
         lines += [f"**{line}**", ""]

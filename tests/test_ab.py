@@ -14,6 +14,8 @@ from services.common import ConfigError
 from spine.cli import main
 from spine.runtime.stack import Stack
 from spine.tools.ab.command import run_command
+from spine.tools.ab.report import metric_rows
+from spine.tools.ab.report import up_layouts as report_layouts
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.workload import SyntheticSpec, TraceError, read_trace, synthetic, tenant_keys, write_trace
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
@@ -200,6 +202,14 @@ def test_ab_compares_layouts_side_by_side_and_reports_a_down_one(tmp_path: Path)
     assert mixed["cpu_ms_per_request"] > 0 and mixed["peak_rss_bytes"] > 0  # its process tree, child included
     assert {"auth.check", "ratelimit.admit", "inference.generate", "logs.append"} <= set(
         mixed["middleware_ms_per_request"])
+    # One worker: about one request at most in the model on average (its span can outlast
+    # the client's wait by a little: a stream's ends when the servicer's generator does).
+    # The warm-up's spans are dropped: with them (a fresh process's first calls) it was 1.8.
+    in_model = dict(metric_rows(report))["mean requests in the model"][report_layouts(report).index("mixed")]
+    assert 0.0 < float(in_model) <= 1.2
+    assert mixed["traced_requests"] == 10  # the workload's, not the warm-up's
+    # One span per request and middleware at most (the tracing hook was once added twice).
+    assert max(mixed["span_counts"].values()) == 10 and mixed["span_counts"]["auth.check"] <= 10
     parity = report["parity"]
     assert parity["base"] == "mixed"
     assert parity["vs"]["running"]["compared"] == 10

@@ -99,6 +99,12 @@ class SpanTimes(SpanProcessor):
             self.totals[key] = self.totals.get(key, 0.0) + seconds
             self.counts[key] = self.counts.get(key, 0) + 1
 
+    def reset(self) -> None:
+        """Forget every span so far (`spine ab` drops its warm-up's this way)."""
+        with self._lock:
+            self.totals.clear()
+            self.counts.clear()
+
     def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
         """{layout: {span name: {"count": n, "total_s": s, "mean_ms": m}}}."""
         with self._lock:

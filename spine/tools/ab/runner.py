@@ -22,6 +22,7 @@ SERVING — a fail-closed component of it dead, hung or not serving — are not 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -123,7 +124,8 @@ class LayoutProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "spine.tools.ab.serve", "--layout", self.layout, "--config", str(self.config_path),
                  "--run-dir", str(self.run_dir), "--trace-ratio", str(self.trace_ratio)],
-                stdout=subprocess.PIPE, stderr=log_file, cwd=Path(__file__).resolve().parents[3])
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                cwd=Path(__file__).resolve().parents[3])
 
     def await_ready(self, timeout_s: float) -> str:
         """The Gateway address once the layout says it is ready; `LayoutDown` otherwise."""
@@ -147,6 +149,19 @@ class LayoutProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
+    def forget_warm_up(self, timeout_s: float = 5.0) -> bool:
+        """Ask the layout to drop the spans measured so far; True once it says it has."""
+        process = self.process
+        if process is None or process.stdin is None or process.poll() is not None:
+            return False
+        try:
+            process.stdin.write(b"reset\n")
+            process.stdin.flush()
+        except OSError:
+            return False
+        event = first_event(process, time.monotonic() + timeout_s, events=("reset",))
+        return event is not None
+
     def stop(self, timeout_s: float = 20.0) -> dict[str, Any]:
         """SIGTERM the tree's root (it stops its children), wait, and read what it measured."""
         if self.process is None:
@@ -161,8 +176,10 @@ class LayoutProcess:
                         child.kill()
                 self.process.kill()
                 self.process.wait(5)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
         self.process = None
         path = self.run_dir / RESULT_FILE
         try:
@@ -361,6 +378,9 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
                             f"{options.health_timeout_s:g}s)"
         say("warming up")
         warm_up(runs, warmup_token, options.warmup, options.timeout_s)
+        for run in runs:  # the warm-up's spans are not the workload's
+            if run.status == "up" and run.name in processes and not processes[run.name].forget_warm_up():
+                say(f"{run.name}: its spans still include the warm-up (no answer to reset)")
         measured = {run.name: run.root_pid for run in runs if run.status == "up" and run.root_pid}
         monitor = TreeMonitor({name: pid for name, pid in measured.items() if pid is not None})
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in measured.items() if pid is not None}

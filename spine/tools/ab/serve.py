@@ -5,7 +5,7 @@
 Like `spine up`, plus what the A/B runner measures from inside: spans per middleware
 (summed in memory, no exporter on the request path) and the device's peak memory. It
 prints one JSON `ready` line, serves until SIGTERM, then writes `ab-serve.json` in the
-run directory. Running each layout in a process of its own is what makes CPU seconds
+run directory. A `reset` line on stdin drops the spans so far (sent after the warm-up). Running each layout in a process of its own is what makes CPU seconds
 and memory attributable to a layout (psutil on the process tree).
 """
 
@@ -15,8 +15,12 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spine.runtime.tracing import SpanTimes
 
 RESULT_FILE = "ab-serve.json"
 
@@ -45,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     tracing = Tracing(sample_ratio=args.trace_ratio, processors=[times]) if args.trace_ratio > 0 else None
     install(tracing)
     run_dir = Path(args.run_dir)
-    stack = Stack(config, placements_for(args.layout, config), run_dir=run_dir,
-                  hooks=[tracing.hook(args.layout)] if tracing is not None else [])
+    # No hooks of our own: a Stack adds the installed tracing's hook itself (passing it here
+    # too made two spans of every call, and every span time in `spine ab` twice the truth).
+    stack = Stack(config, placements_for(args.layout, config), run_dir=run_dir)
     try:
         stack.start()
     except Exception as error:
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     children = stack.supervisor.pids() if stack.supervisor is not None else {}
     print(json.dumps({"event": "ready", "address": stack.address, "pid": os.getpid(), "children": children}),
           flush=True)
+    threading.Thread(target=_answer_resets, args=(times,), name="ab-reset", daemon=True).start()
     try:
         termination.wait()
     finally:
@@ -69,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
                     merged["total_s"] += stat["total_s"]
         (run_dir / RESULT_FILE).write_text(json.dumps(result))
     return 0
+
+
+def _answer_resets(times: SpanTimes) -> None:
+    """The runner's lines on stdin: `reset` forgets the spans measured so far (the warm-up's:
+    a first call's imports and allocations would count in every middleware's mean),
+    answered with a `reset` event line once done."""
+    for line in sys.stdin:
+        if line.strip() == "reset":
+            times.reset()
+            print(json.dumps({"event": "reset"}), flush=True)
 
 
 def _device_peak() -> int | None:

@@ -119,10 +119,21 @@ def enabled() -> bool:
 
 
 def disable() -> None:
-    """Never move this process (threads already moved stay where they are)."""
-    global _wanted
+    """Never move this process, and forget a move already made (its threads stay where they
+    are: `move_threads` puts them back)."""
+    global _wanted, _placed
     with _lock:
         _wanted = None
+        _placed = None
+
+
+def move_threads(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (threads it makes later inherit them)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
 
 
 def place_process() -> set[int] | None:
@@ -139,11 +150,7 @@ def place_process() -> set[int] | None:
             atexit.register(release_claims, cpus, claims_dir(), os.getpid())
         else:
             cpus = set(_wanted)
-        for task in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(task), cpus)
-            except OSError:  # the thread ended meanwhile
-                pass
+        move_threads(cpus)
         _placed = cpus
     log.info("this process runs on CPU %s (%s=%s)", ",".join(map(str, sorted(cpus))), ENV,
              _wanted if isinstance(_wanted, str) else "named")

@@ -64,9 +64,7 @@ def _runner_is_never_placed() -> Iterator[None]:
     cpu_placement.disable()
     moved = os.sched_getaffinity(0) != cpus
     if moved:
-        for task in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(task), cpus)
+        cpu_placement.move_threads(cpus)
     if leaked or moved:
         pytest.fail("this test left the test runner placed on CPUs of its own (SPINE_CPU placement "
                     "enabled in-process, e.g. by spine.cli's `up` or configure_threads)")
@@ -79,13 +77,21 @@ def stop_process(pid: int, within_s: float = 5.0) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + within_s
     while True:
-        with open(f"/proc/{pid}/stat") as stat:
-            state = stat.read().rsplit(")", 1)[1].split()[0]
+        state = process_state(pid)
         if state in ("T", "t"):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {pid} not stopped {within_s:g}s after SIGSTOP (state {state})")
         time.sleep(0.001)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter /proc shows for `pid` (R, S, T, Z, ...); None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
 
 
 def pid_alive(pid: int) -> bool:
@@ -94,10 +100,7 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 def split_tenant_through(address: str, key: str, label: str, count: int = 60) -> tuple[int, dict[str, int]]:

@@ -5,8 +5,9 @@
 Like `spine up`, plus what the A/B runner measures from inside: spans per middleware
 (summed in memory, no exporter on the request path) and the device's peak memory. It
 prints one JSON `ready` line, serves until SIGTERM, then writes `ab-serve.json` in the
-run directory. A `reset` line on stdin drops the spans so far (sent after the warm-up). Running each layout in a process of its own is what makes CPU seconds
-and memory attributable to a layout (psutil on the process tree).
+run directory; a `reset` line on stdin drops the spans so far (the runner sends one after
+the warm-up). Running each layout in a process of its own is what makes CPU seconds and
+memory attributable to a layout (psutil on the process tree).
 """
 
 from __future__ import annotations

@@ -25,9 +25,11 @@ def _ms(values_s: Sequence[float], q: float) -> float:
 
 
 def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], wall_s: float, unsent: int,
-               peak_rss_bytes: int, cpu_s: float = 0.0) -> dict[str, Any]:
+               peak_rss_bytes: int, cpu_s: float = 0.0,
+               cpu_by_thread_s: Mapping[str, float] | None = None) -> dict[str, Any]:
     """One row of results.json: latency percentiles over successful calls, throughput, errors,
-    and the server's CPU per request (its whole process tree)."""
+    and the server's CPU per request (its whole process tree, and per group of threads:
+    `bench.targets.THREAD_GROUPS`)."""
     ok = [call for call in calls if call.ok]
     record: dict[str, Any] = {
         "layout": layout, "mode": mode, "concurrency": concurrency,
@@ -37,6 +39,9 @@ def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], 
         "wall_s": round(wall_s, 3), "peak_rss_mb": round(peak_rss_bytes / MB, 1),
         "cpu_ms_per_request": round(1000.0 * cpu_s / len(ok), 4) if ok else None,
     }
+    if cpu_by_thread_s and ok:
+        record["cpu_us_per_request_by_thread"] = {group: round(1e6 * seconds / len(ok), 1)
+                                                  for group, seconds in cpu_by_thread_s.items()}
     codes = sorted({c.code for c in calls if not c.ok})
     if codes:
         record["error_codes"] = {code: sum(1 for c in calls if c.code == code) for code in codes}
@@ -143,6 +148,41 @@ def _print_ratios(console: Console, rows: list[dict[str, Any]] | None, title: st
     console.print(table)
 
 
+THREAD_CPU_LAYOUTS = ("bare", "collapsed")
+
+
+def thread_cpu_rows(unary: Sequence[Mapping[str, Any]]) -> list[tuple[int, str, dict[str, float]]]:
+    """Per concurrency: bare's and the spine's server CPU per request by thread group, and
+    their difference (`collapsed − bare`): where the middleware layer's CPU goes."""
+    rows: list[tuple[int, str, dict[str, float]]] = []
+    for concurrency in sorted({run["concurrency"] for run in unary}):
+        cell: dict[str, Mapping[str, float]] = {
+            run["layout"]: run["cpu_us_per_request_by_thread"] for run in unary
+            if run["concurrency"] == concurrency and run.get("cpu_us_per_request_by_thread")}
+        found = [(layout, cell[layout]) for layout in THREAD_CPU_LAYOUTS if layout in cell]
+        rows += [(concurrency, layout, dict(groups)) for layout, groups in found]
+        if len(found) == 2:
+            (_, bare), (spine, spine_groups) = found
+            rows.append((concurrency, f"{spine} − bare",
+                         {group: round(spine_groups[group] - bare.get(group, 0.0), 1) for group in spine_groups}))
+    return rows
+
+
+def _print_thread_cpu(console: Console, unary: Sequence[Mapping[str, Any]]) -> None:
+    rows = thread_cpu_rows(unary)
+    if not rows:
+        return
+    groups = list(rows[0][2])
+    table = Table(title="server CPU µs per request by thread (unary; handlers: the gRPC pool, where "
+                        "the gateway and admission run; model: the decode loop)")
+    for column in ("conc", "layout", *groups, "total"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for concurrency, layout, spent in rows:
+        table.add_row(str(concurrency), layout, *(_fmt(spent.get(group), 0) for group in groups),
+                      _fmt(sum(spent.values()), 0))
+    console.print(table)
+
+
 def print_tables(results: Mapping[str, Any], console: Console) -> None:
     runs = results["runs"]
     unary = [r for r in runs if r["mode"] == "unary"]
@@ -157,6 +197,7 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
                       _fmt(run.get("middleware_us_per_request"), 0), _fmt(run.get("middleware_cpu_us_per_request"), 0),
                       _fmt(run["peak_rss_mb"], 0))
     console.print(table)
+    _print_thread_cpu(console, unary)
     stream = [r for r in runs if r["mode"] == "stream"]
     if stream:
         table = Table(title="GenerateStream: time to first token and inter-token latency (ratios: layout / bare)")

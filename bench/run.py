@@ -26,6 +26,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from bench.targets import (
     keep_load_generator_off,
     launch,
     server_cpu,
+    thread_cpu_by_group,
 )
 from services.common import ConfigError
 from spine.runtime.config import load_config, merge
@@ -249,6 +251,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
         calls: dict[str, list[Call]] = {layout: [] for layout in layouts}
         wall = dict.fromkeys(layouts, 0.0)
         cpu = dict.fromkeys(layouts, 0.0)
+        by_thread: dict[str, Counter[str]] = {layout: Counter() for layout in layouts}
         unsent = dict.fromkeys(layouts, 0)
         round_limit = settings.cell_limit_s(concurrency, count) / rounds
         start = 0
@@ -266,9 +269,12 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
                     run_batch(endpoints[layout], turn, concurrency=1, stream=mode == "stream", time_limit_s=5.0)
                     sampler.measuring(layout, f"{layout}/{mode}/{concurrency}")
                     cpu_before = sampler.targets[layout].tree_cpu_s()
+                    threads_before = sampler.targets[layout].tree_thread_cpu_s()
                     batch: Batch = run_batch(endpoints[layout], reqs, concurrency=concurrency,
                                              stream=mode == "stream", time_limit_s=round_limit)
                     cpu[layout] += sampler.targets[layout].tree_cpu_s() - cpu_before
+                    by_thread[layout].update(thread_cpu_by_group(threads_before,
+                                                                 sampler.targets[layout].tree_thread_cpu_s()))
                     sampler.measuring(layout, None)
                     calls[layout].extend(batch.calls)
                     wall[layout] += batch.wall_s
@@ -276,7 +282,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
         for layout in layouts:
             peak = sampler.peak_by_label.get(f"{layout}/{mode}/{concurrency}", 0)
             record = run_record(layout, mode, concurrency, calls[layout], wall[layout], unsent[layout], peak,
-                                cpu_s=cpu[layout])
+                                cpu_s=cpu[layout], cpu_by_thread_s=dict(by_thread[layout]))
             runs.append(record)
             console.print(f"  {mode:6} c={concurrency:<3} {layout:9} p50 {record['p50_ms']:8.2f} ms  "
                           f"p99 {record['p99_ms']:8.2f} ms  {record['rps']:7.1f} rps  errors {record['errors']}")

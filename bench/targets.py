@@ -126,6 +126,24 @@ class Target:
                 pass
         return total
 
+    def tree_thread_cpu_s(self) -> dict[tuple[int, int], tuple[str, float]]:
+        """Each thread of the process tree alive now: (pid, thread id) -> (its group, user +
+        system CPU seconds so far). Subtract two readings around a round (`thread_cpu_by_group`)."""
+        out: dict[tuple[int, int], tuple[str, float]] = {}
+        for proc in self.tree():
+            try:
+                threads = proc.threads()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            for thread in threads:
+                try:
+                    with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as comm:
+                        name = comm.read().strip()
+                except OSError:
+                    continue  # it ended meanwhile
+                out[(proc.pid, thread.id)] = (thread_group(name), thread.user_time + thread.system_time)
+        return out
+
     def tree_rss_bytes(self) -> int:
         """Resident memory summed over the process tree (shared pages count once per process)."""
         total = 0
@@ -276,3 +294,30 @@ class RssSampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+
+# The server threads the bench tells apart, by the name they give the kernel
+# (`services.thread_names`): what a layout spends per request beyond bare, and where.
+THREAD_GROUPS: tuple[tuple[str, str], ...] = (
+    ("handlers", "grpc_"),  # the gRPC handler pool: the gateway, admission and the model call
+    ("model", "inference-sched"),  # the decode loop
+    ("completions", "spine-completio"),  # the spine's deferred cache/log/metrics writes
+    ("logs", "log-flusher"),  # the request log's file writer
+)
+OTHER_THREADS = "other"  # gRPC's own threads, the main thread, health and the rest
+
+
+def thread_group(name: str) -> str:
+    """The group a thread with kernel name `name` counts under."""
+    return next((group for group, prefix in THREAD_GROUPS if name.startswith(prefix)), OTHER_THREADS)
+
+
+def thread_cpu_by_group(before: dict[tuple[int, int], tuple[str, float]],
+                        after: dict[tuple[int, int], tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per group between two `tree_thread_cpu_s` readings (a thread started
+    between them counts from zero; one that ended is lost)."""
+    spent = dict.fromkeys([group for group, _ in THREAD_GROUPS] + [OTHER_THREADS], 0.0)
+    for key, (group, seconds) in after.items():
+        spent[group] += seconds - before.get(key, (group, 0.0))[1]
+    return spent

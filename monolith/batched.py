@@ -35,6 +35,7 @@ from services.pipeline.runner import Pipeline
 from services.pipeline.stage import Stage
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import Stop
+from services.thread_names import name_os_thread
 
 log = logging.getLogger("spine.pipeline")
 
@@ -218,6 +219,7 @@ class DeferredCompletions:
                     state.skip = state.skip | {STORE_STAGE}
 
     def _fold(self) -> None:
+        name_os_thread()
         while not self._closed:
             self._wake.wait(self.interval_s)
             self._wake.clear()

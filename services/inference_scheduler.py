@@ -40,6 +40,7 @@ from services.model.engine import (
     StepOutput,
 )
 from services.priority import AgingPriorityQueue
+from services.thread_names import name_os_thread
 
 log = logging.getLogger("spine.inference")
 
@@ -216,6 +217,7 @@ class Scheduler:
 
     # -- the loop ------------------------------------------------------------------
     def _loop(self) -> None:
+        name_os_thread()  # `top -H` and the bench tell the decode loop from the handlers
         place_process()  # the whole process on a CPU of its own, when it asked (services.cpu_placement)
         while True:
             started = time.perf_counter()

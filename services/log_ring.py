@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.thread_names import name_os_thread
+
 
 class LogsClosedError(RuntimeError):
     """An append after `close()`: the writer has flushed everything and released its file."""
@@ -178,6 +180,7 @@ class BatchedLineWriter:
             os.fsync(self._fd)
 
     def _run(self) -> None:
+        name_os_thread()
         backoff = False
         while True:
             with self._lock:

@@ -105,3 +105,39 @@ def test_the_cold_path_tool_reports_every_phase_and_the_gap_to_the_servicer() ->
     for phase in ("begin", "admission", "model call", "answer trailers", "finish"):
         assert any(line.startswith(phase) and line.endswith("µs") for line in lines), done.stdout
     assert "inference servicer alone" in lines[-1]
+
+
+def test_server_cpu_is_split_by_thread_and_the_decode_loop_is_told_apart(quick_results: dict) -> None:
+    """Each run splits its server CPU by thread group; the model's decode loop names itself
+    (`services.thread_names`), so its CPU does not land in `other` — which it would if the
+    name were not given to the kernel. (The handlers' share of a quick run can be under the
+    kernel's 10 ms tick: `tests/test_thread_names.py` checks their names.)"""
+    spent: dict[str, dict[str, float]] = {}
+    for run in quick_results["runs"]:
+        groups = run["cpu_us_per_request_by_thread"]
+        assert set(groups) == {"handlers", "model", "completions", "logs", "other"}, run
+        for group, value in groups.items():
+            spent.setdefault(run["layout"], {}).setdefault(group, 0.0)
+            spent[run["layout"]][group] += value
+    for layout in ("bare", "collapsed", "layered"):
+        assert spent[layout]["model"] > 0, (layout, spent[layout])
+
+
+def test_thread_groups_and_the_split_table() -> None:
+    from bench.report import thread_cpu_rows
+    from bench.targets import thread_cpu_by_group, thread_group
+
+    assert [thread_group(n) for n in ("grpc_12", "inference-sched", "spine-completio", "log-flusher:req",
+                                      "event_engine", "python")] == [
+        "handlers", "model", "completions", "logs", "other", "other"]
+    before = {(1, 10): ("handlers", 1.0), (1, 11): ("model", 5.0)}
+    after = {(1, 10): ("handlers", 1.5), (1, 11): ("model", 7.0), (1, 12): ("handlers", 0.25)}  # 12: a new thread
+    assert thread_cpu_by_group(before, after) == {"handlers": 0.75, "model": 2.0, "completions": 0.0, "logs": 0.0,
+                                                  "other": 0.0}
+    unary = [{"layout": "bare", "concurrency": 64, "cpu_us_per_request_by_thread": {"handlers": 100.0, "model": 900.0}},
+             {"layout": "collapsed", "concurrency": 64,
+              "cpu_us_per_request_by_thread": {"handlers": 260.0, "model": 910.0}},
+             {"layout": "layered", "concurrency": 64, "cpu_us_per_request_by_thread": {"handlers": 1.0, "model": 1.0}}]
+    assert thread_cpu_rows(unary) == [(64, "bare", {"handlers": 100.0, "model": 900.0}),
+                                      (64, "collapsed", {"handlers": 260.0, "model": 910.0}),
+                                      (64, "collapsed − bare", {"handlers": 160.0, "model": 10.0})]

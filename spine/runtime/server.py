@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common import section
 from services.inference_config import InferenceConfig
 from services.registry import ComponentSpec
+from services.thread_names import name_os_thread
 from spine.runtime.sections import TlsConfig
 from spine.runtime.tls import add_port, link_channel
 
@@ -195,7 +196,7 @@ def start_server(
     if probe_listen is not None:
         check_listen(probe_listen, allow_external)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc", initializer=name_os_thread),
         interceptors=list(_default_interceptors if interceptors is None else interceptors),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[

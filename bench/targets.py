@@ -127,21 +127,27 @@ class Target:
         return total
 
     def tree_thread_cpu_s(self) -> dict[tuple[int, int], tuple[str, float]]:
-        """Each thread of the process tree alive now: (pid, thread id) -> (its group, user +
-        system CPU seconds so far). Subtract two readings around a round (`thread_cpu_by_group`)."""
+        """Each thread of the process tree alive now: (pid, thread id) -> (its group, CPU
+        seconds so far). Subtract two readings around a round (`thread_cpu_by_group`).
+
+        From /proc/PID/task/TID/schedstat (nanoseconds on a CPU), not the per-thread
+        utime/stime: those come in 10 ms ticks, and a round spreads a few ms over each of
+        dozens of handler threads."""
         out: dict[tuple[int, int], tuple[str, float]] = {}
         for proc in self.tree():
             try:
-                threads = proc.threads()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            for thread in threads:
+                tids = os.listdir(f"/proc/{proc.pid}/task")
+            except OSError:
+                continue  # it ended meanwhile
+            for tid in tids:
                 try:
-                    with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as comm:
+                    with open(f"/proc/{proc.pid}/task/{tid}/comm") as comm:
                         name = comm.read().strip()
-                except OSError:
+                    with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as schedstat:
+                        on_cpu_ns = int(schedstat.read().split()[0])
+                except (OSError, ValueError, IndexError):
                     continue  # it ended meanwhile
-                out[(proc.pid, thread.id)] = (thread_group(name), thread.user_time + thread.system_time)
+                out[(proc.pid, int(tid))] = (thread_group(name), on_cpu_ns / 1e9)
         return out
 
     def tree_rss_bytes(self) -> int:

@@ -8,7 +8,10 @@ the server with py-spy: every thread, native frames left out. Writes a flame gra
 (`profile.svg`) and a table of the 20 functions with the most self time among samples that
 were doing work (threads waiting on a lock, a condition or a socket are idle, not cost),
 and the share of the busy samples in each part of the code: the model, the middlewares'
-services, the pipeline, gRPC, the rest.
+services, the pipeline, gRPC, the rest. Last, the server's CPU per request over the same
+window by thread (`bench.targets.THREAD_GROUPS`): the samples say which code, this says
+which thread, and counts what py-spy's samples call idle (a thread's wake-ups, its cold
+start on a core the model's step has just used).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import yaml
 
 from bench.load import Endpoint, prompts, requests_for, run_batch
 from bench.run import RATE_LIMIT_OFF
-from bench.targets import SPINE_LAYOUT, launch
+from bench.targets import SPINE_LAYOUT, launch, thread_cpu_by_group
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
@@ -74,14 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         collapsed = subprocess.Popen([py_spy, *common, "--format", "raw", "--output", str(raw)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)  # both samplers attached
+        threads_before = target.tree_thread_cpu_s()
         batch = run_batch(endpoint, requests[200:], concurrency=args.concurrency, time_limit_s=args.seconds)
+        by_thread = thread_cpu_by_group(threads_before, target.tree_thread_cpu_s())
         for sampler in (flame, collapsed):
             _, err = sampler.communicate(timeout=args.seconds + 60)
             if sampler.returncode != 0:
                 print(f"py-spy failed: {err.decode(errors='replace')[-400:]}", file=sys.stderr)
                 return 1
         rps = len(batch.calls) / batch.wall_s if batch.wall_s else 0.0
-        report = summarize(raw, rps, args)
+        report = summarize(raw, rps, args) + thread_table(by_thread, len(batch.calls))
         (args.out / "profile.txt").write_text(report)
         print(report)
         print(f"flame graph: {svg}")
@@ -117,6 +122,17 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace) -> str:
     lines += [f"  {part:22s} {100 * n / max(busy, 1):5.1f}%" for part, n in parts.most_common()]
     lines += ["", "top 20 functions by self time (busy samples):"]
     lines += [f"  {100 * n / max(busy, 1):5.1f}%  {leaf}" for leaf, n in self_time.most_common(20)]
+    return "\n".join(lines) + "\n"
+
+
+def thread_table(by_thread: dict[str, float], requests: int) -> str:
+    """The server's CPU per request by thread group over the sampled window (the samples say
+    which code; this says which thread, and it counts the time py-spy calls idle too)."""
+    if not requests:
+        return ""
+    lines = ["", f"server CPU per request by thread over the same window ({requests} requests):"]
+    lines += [f"  {group:12s} {1e6 * seconds / requests:8.0f} µs" for group, seconds in by_thread.items()]
+    lines.append(f"  {'total':12s} {1e6 * sum(by_thread.values()) / requests:8.0f} µs")
     return "\n".join(lines) + "\n"
 
 

@@ -141,3 +141,12 @@ def test_thread_groups_and_the_split_table() -> None:
     assert thread_cpu_rows(unary) == [(64, "bare", {"handlers": 100.0, "model": 900.0}),
                                       (64, "collapsed", {"handlers": 260.0, "model": 910.0}),
                                       (64, "collapsed − bare", {"handlers": 160.0, "model": 10.0})]
+
+
+def test_the_profile_report_ends_with_cpu_per_request_by_thread() -> None:
+    from bench.profile import thread_table
+
+    table = thread_table({"handlers": 0.5, "model": 1.5, "other": 0.0}, 1000)
+    assert "  handlers          500 µs" in table and "  model            1500 µs" in table
+    assert table.rstrip().endswith("total            2000 µs")
+    assert thread_table({"handlers": 1.0}, 0) == ""  # nothing answered: no per-request figure

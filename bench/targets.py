@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -302,21 +303,21 @@ class RssSampler:
             self._thread.join(timeout=5)
 
 
-
 # The server threads the bench tells apart, by the name they give the kernel
-# (`services.thread_names`): what a layout spends per request beyond bare, and where.
-THREAD_GROUPS: tuple[tuple[str, str], ...] = (
-    ("handlers", "grpc_"),  # the gRPC handler pool: the gateway, admission and the model call
-    ("model", "inference-sched"),  # the decode loop
-    ("completions", "spine-completio"),  # the spine's deferred cache/log/metrics writes
-    ("logs", "log-flusher"),  # the request log's file writer
+# (`services.thread_names`): what a layout spends per request beyond bare, and where. Each
+# pattern matches the start of the name (the kernel keeps 15 bytes of it).
+THREAD_GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("handlers", re.compile(r"grpc_\d+$")),  # the gRPC handler pool (not gRPC core's grpc_global_timer)
+    ("model", re.compile(r"inference-sched")),  # the decode loop
+    ("completions", re.compile(r"spine-completio")),  # the spine's deferred cache/log/metrics writes
+    ("logs", re.compile(r"log-flusher")),  # the request log's file writer
 )
 OTHER_THREADS = "other"  # gRPC's own threads, the main thread, health and the rest
 
 
 def thread_group(name: str) -> str:
     """The group a thread with kernel name `name` counts under."""
-    return next((group for group, prefix in THREAD_GROUPS if name.startswith(prefix)), OTHER_THREADS)
+    return next((group for group, pattern in THREAD_GROUPS if pattern.match(name)), OTHER_THREADS)
 
 
 def thread_cpu_by_group(before: dict[tuple[int, int], tuple[str, float]],

@@ -128,8 +128,8 @@ def test_thread_groups_and_the_split_table() -> None:
     from bench.targets import thread_cpu_by_group, thread_group
 
     assert [thread_group(n) for n in ("grpc_12", "inference-sched", "spine-completio", "log-flusher:req",
-                                      "event_engine", "python")] == [
-        "handlers", "model", "completions", "logs", "other", "other"]
+                                      "event_engine", "python", "grpc_global_tim")] == [
+        "handlers", "model", "completions", "logs", "other", "other", "other"]
     before = {(1, 10): ("handlers", 1.0), (1, 11): ("model", 5.0)}
     after = {(1, 10): ("handlers", 1.5), (1, 11): ("model", 7.0), (1, 12): ("handlers", 0.25)}  # 12: a new thread
     assert thread_cpu_by_group(before, after) == {"handlers": 0.75, "model": 2.0, "completions": 0.0, "logs": 0.0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,11 +108,26 @@ def test_the_cold_path_tool_reports_every_phase_and_the_gap_to_the_servicer() ->
     assert "inference servicer alone" in lines[-1]
 
 
+def test_the_warm_path_tool_measures_the_spines_own_work_per_request() -> None:
+    """`python -m bench.warm_path` (the spine's work with the model taken out) runs and
+    prints the request path and the completions per request; bad sizes are refused."""
+    done = subprocess.run([sys.executable, "-m", "bench.warm_path", "--windows", "3", "--window", "2"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"request path ([\d.]+) µs, completions ([\d.]+) µs \(windows of (\d+)\), total ([\d.]+) µs",
+                      done.stdout)
+    assert found, done.stdout
+    path_us, writes_us, window, total_us = map(float, found.groups())
+    assert path_us > 0 and writes_us > 0 and window == 2 and abs(total_us - path_us - writes_us) < 0.2, done.stdout
+    refused = subprocess.run([sys.executable, "-m", "bench.warm_path", "--window", "0"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--window" in refused.stderr
+
+
 def test_server_cpu_is_split_by_thread_and_the_decode_loop_is_told_apart(quick_results: dict) -> None:
-    """Each run splits its server CPU by thread group; the model's decode loop names itself
-    (`services.thread_names`), so its CPU does not land in `other` — which it would if the
-    name were not given to the kernel. (The handlers' share of a quick run can be under the
-    kernel's 10 ms tick: `tests/test_thread_names.py` checks their names.)"""
+    """Each run splits its server CPU by thread group; the model's decode loop and the gRPC
+    handlers name themselves (`services.thread_names`), so their CPU does not land in
+    `other` — which it would if the names were not given to the kernel."""
     spent: dict[str, dict[str, float]] = {}
     for run in quick_results["runs"]:
         groups = run["cpu_us_per_request_by_thread"]
@@ -121,6 +137,7 @@ def test_server_cpu_is_split_by_thread_and_the_decode_loop_is_told_apart(quick_r
             spent[run["layout"]][group] += value
     for layout in ("bare", "collapsed", "layered"):
         assert spent[layout]["model"] > 0, (layout, spent[layout])
+        assert spent[layout]["handlers"] > 0, (layout, spent[layout])
 
 
 def test_thread_groups_and_the_split_table() -> None:

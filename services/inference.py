@@ -29,7 +29,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -156,6 +156,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return LoadReport(queue=self.scheduler.queue_depth, running=self.engine.active_count,
                           slots=self.engine.max_slots, kv_free=free, mem_free_mb=mem_free_mb,
                           ms_per_token=self.ms_per_token, util=util, busy=self.cost.busy.fraction())
+
+    def backlogged(self, models: Collection[str]) -> bool:
+        """Whether every one of `models` is served here with a full batch of requests already
+        waiting for its KV slots: work admitted a few ms later still finds it busy, so the
+        spine's admission may wait to decide more requests at once (`monolith.batcher`)."""
+        return (all(model == self.config.model_id for model in models)
+                and self.scheduler.queue_depth >= self.engine.max_slots)
 
     def serving_state(self) -> list[tuple[ModelGauges, ServingStats]]:
         """What /metrics reads of this model at a scrape (`inference_metrics`)."""

@@ -17,7 +17,7 @@ first model's) that also serves the others; `served` names them all.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,12 @@ class MultiModelInference(InferenceService):
     def served(self) -> dict[str, InferenceService]:
         """Every model served here, by id, the first one first."""
         return {self.config.model_id: self, **self.others}
+
+    def backlogged(self, models: Collection[str]) -> bool:
+        """Each of `models` is served here and has a full batch waiting (a request for an idle
+        model, or one not served here, must not wait)."""
+        served = self.served
+        return all(model in served and InferenceService.backlogged(served[model], (model,)) for model in models)
 
     def serving_state(self) -> list[tuple[ModelGauges, ServingStats]]:
         """Every served model's gauges and stats: one /metrics, a `model` label each."""

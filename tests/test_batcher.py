@@ -204,3 +204,36 @@ def test_many_threads_each_get_their_own_answer() -> None:
         thread.join(20)
     assert results == {i: i * i for i in range(200)}
     assert batcher.stats.items == 200
+
+
+def test_the_leader_waits_only_while_patient_says_the_wait_is_free() -> None:
+    decide = Recorder()
+    free = [False]
+    batcher = MicroBatcher(decide, max_batch=8, max_wait_s=30.0, expected=lambda: 2,
+                           patient=lambda items: free[0])
+    assert batcher.submit(1) == 10  # more are in flight, but a wait is not free: decided at once
+    assert batcher.stats.waited == 0
+    free[0] = True
+    threads, results = submit_all(batcher, [2])
+    wait_until(lambda: batcher.queued == 1)  # the leader waits for the second one in flight
+    threads += submit_all(batcher, [3])[0]
+    for thread in threads:
+        thread.join(10)
+    assert decide.batches == [[1], [2, 3]]
+    assert batcher.stats.waited == 1
+
+
+def test_an_item_that_may_not_wait_ends_the_leaders_wait() -> None:
+    decide = Recorder()
+    batcher = MicroBatcher(decide, max_batch=8, max_wait_s=30.0, expected=lambda: 100,
+                           patient=lambda items: all(item < 10 for item in items))
+    started = time.monotonic()
+    threads, results = submit_all(batcher, [1])
+    wait_until(lambda: batcher.queued == 1)
+    threads += submit_all(batcher, [99])[0]  # say, of the latency class
+    for thread in threads:
+        thread.join(10)
+    assert decide.batches == [[1, 99]]
+    assert time.monotonic() - started < 10  # long before max_wait
+    assert batcher.submit(98) == 980  # alone, it does not wait for the 100 in flight either
+    assert decide.batches[-1] == [98]

@@ -443,4 +443,4 @@ def test_bad_batching_config_names_the_field(section: dict, message: str) -> Non
 
 def test_default_batching_config_is_the_documented_one() -> None:
     assert BatchingConfig.from_config(CONFIG) == BatchingConfig(enabled=True, remote=False, max_batch=32,
-                                                                max_wait_us=0.0, completion_interval_ms=50.0)
+                                                                max_wait_us=10_000.0, completion_interval_ms=50.0)

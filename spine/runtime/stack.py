@@ -28,6 +28,8 @@ from services.inference_config import InferenceConfig
 from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
 from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline
+from services.pipeline.state import RequestState
+from services.priority import DEFAULT as DEFAULT_PRIORITY
 from services.registry import DEFAULT, GATEWAY, Registry, close_servicer
 from spine.runtime.bindings import BindingHook, LocalBinding
 from spine.runtime.config import internal_key, layout_name
@@ -340,7 +342,8 @@ class Stack:
                                 for stage in pipeline.admission if stage.component)
         if batched_admission:
             if self.admission is None:
-                self.admission = BatchedAdmission(pipeline, batching, expected=lambda: gateway.in_flight)
+                self.admission = BatchedAdmission(pipeline, batching, expected=lambda: gateway.in_flight,
+                                                  patient=self._model_backlogged)
             gateway.admission = self.admission
         else:
             if self.admission is not None:
@@ -373,6 +376,16 @@ class Stack:
         """Write what finished requests handed over (before reading metrics, logs or the cache)."""
         if self.completions is not None:
             self.completions.drain()
+
+    def _model_backlogged(self, states: Sequence[RequestState]) -> bool:
+        """Whether admission may wait to batch more requests: only while the models these
+        requests name run here with a full batch queued, so admitted a few ms later they
+        lose no model time — and never for the latency class, which the model's queue lets
+        ahead of that backlog."""
+        if any(state.request.priority > DEFAULT_PRIORITY for state in states):
+            return False
+        inference = self._local_inference()
+        return inference is not None and bool(inference.backlogged({state.request.model for state in states}))
 
     def _local_inference(self) -> Any:
         """The model's servicer while it runs in this process (what /metrics reads it from)."""

@@ -12,21 +12,11 @@ than on Linux it does nothing.
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
-from functools import cache
-from typing import Any
 
-PR_SET_NAME = 15  # <linux/prctl.h>
+from services.prctl import PR_SET_NAME, prctl
+
 MAX_NAME_BYTES = 15  # the kernel's TASK_COMM_LEN (16) less the terminating NUL
-
-
-@cache
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already has
-    except OSError:
-        return None
 
 
 def name_os_thread(name: str | None = None) -> None:
@@ -34,10 +24,5 @@ def name_os_thread(name: str | None = None) -> None:
 
     Takes no arguments beyond the name, so it can be a `ThreadPoolExecutor` initializer
     (whose threads are then listed as `grpc_0`, `grpc_1`, ...)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = _libc()
-    if libc is None:
-        return
     raw = (name or threading.current_thread().name).encode("ascii", "replace")[:MAX_NAME_BYTES]
-    libc.prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)  # failure leaves the old name: harmless
+    prctl(PR_SET_NAME, ctypes.c_char_p(raw))  # failure leaves the old name: harmless

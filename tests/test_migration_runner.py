@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ import pytest
 
 from migration.recording import RecordingTarget
 from migration.testing import ADMIN_TOKEN
+from spine.runtime.process import die_with_parent
 from spine.v1 import migration_pb2 as pb
 from spine.v1 import migration_pb2_grpc as pb_grpc
 
@@ -31,11 +31,6 @@ LONG_PLAN = textwrap.dedent("""\
       - {name: quarter, spine_weight: 25, placements: {cache: local, metrics: local}, hold_s: 3600}
       - {name: full, spine_weight: 100, placements: {auth: local}, hold_s: 3600}
     """)
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if pytest dies, so no controller outlives the test run."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Runner:
@@ -53,7 +48,7 @@ class Runner:
 
     def start(self) -> pb_grpc.MigrationControlStub:
         env = {k: v for k, v in os.environ.items() if k != "SPINE_ADMIN_TOKEN"}
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, preexec_fn=_die_with_parent,
+        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, preexec_fn=die_with_parent,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # Its own subchannel pool and a short backoff: a channel to the killed controller's
         # socket must not hand its growing reconnect backoff to this one (seen in CI).

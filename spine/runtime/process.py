@@ -20,12 +20,12 @@ serves mTLS; on a unix socket (the local supervisor's children) it stays plainte
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
 from pathlib import Path
 
+from services.prctl import PR_SET_PDEATHSIG, prctl
 from services.registry import COMPONENTS, DEFAULT, close_servicer
 from spine.runtime.stage_follower import (
     ROLE_LAYERED_RATELIMIT,
@@ -34,16 +34,10 @@ from spine.runtime.stage_follower import (
     ratelimit_applier,
 )
 
-PR_SET_PDEATHSIG = 1
-
 
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies: no orphans, ever."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def build_parser() -> argparse.ArgumentParser:

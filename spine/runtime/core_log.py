@@ -38,6 +38,8 @@ import re
 import sys
 import threading
 
+from services.thread_names import name_os_thread
+
 log = logging.getLogger("spine.tls")
 
 _HANDSHAKE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ ssl_transport_security\.cc:\d+\] "
@@ -116,6 +118,7 @@ class CoreLogBridge:
         return self
 
     def _pump(self) -> None:
+        name_os_thread()
         assert self._read_fd is not None and self._real_fd is not None
         with os.fdopen(self._read_fd, "rb", buffering=0) as pipe:
             pending = b""

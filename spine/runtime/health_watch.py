@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.thread_names import name_os_thread
 from spine.runtime.sections import TlsConfig
 from spine.runtime.tls import link_channel
 
@@ -94,6 +95,7 @@ class Rounds:
             self._thread.join(timeout=self.join_s)
 
     def _run(self) -> None:
+        name_os_thread()
         while not self._stop.wait(self.interval_s):
             try:
                 self.one_round()

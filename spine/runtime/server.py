@@ -134,7 +134,7 @@ def start_probe_server(health_servicer: health.HealthServicer, listen: str,
                        allow_external: bool = False) -> ProbeServer:
     """Serve `health_servicer` alone, in plaintext, on `listen` (loopback unless `allow_external`)."""
     check_listen(listen, allow_external)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe"),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe", initializer=name_os_thread),
                          options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(_CheckOnly(health_servicer), server)
     port = server.add_insecure_port(listen)

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
+from services.thread_names import name_os_thread
 from spine.runtime.decisions import LAYOUT_ERRORS, Decision, decide, differing, root_differences
 from spine.runtime.sections import ShadowConfig
 from spine.runtime.shadow_metrics import ShadowCounters
@@ -107,7 +108,8 @@ class ShadowMirror:
         self._clock = clock
         self._rng = rng or random.Random()
         self._slots = threading.BoundedSemaphore(config.max_in_flight)
-        self._pool = ThreadPoolExecutor(max_workers=config.max_in_flight, thread_name_prefix="shadow")
+        self._pool = ThreadPoolExecutor(max_workers=config.max_in_flight, thread_name_prefix="shadow",
+                                        initializer=name_os_thread)
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.noise: Counter[str] = Counter()      # field -> mismatches of a layout with itself

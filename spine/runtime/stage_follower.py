@@ -32,6 +32,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
+from services.thread_names import name_os_thread
 from spine.runtime.sections import TlsConfig
 from spine.runtime.tls import link_channel
 from spine.v1 import stage_pb2
@@ -117,6 +118,7 @@ class StageFollower:
     # -- the protocol loop ----------------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread()
         backoff = 0.1
         while not self._stop.is_set():
             if self._follow_once():

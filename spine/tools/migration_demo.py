@@ -148,10 +148,15 @@ class RunReport:
         return f"spine faster at {faster}/{len(compared)} stages with enough requests on both sides"
 
 
+FAILURE_CODES = ("UNAVAILABLE", "INTERNAL", "UNKNOWN")  # a layout failed (not the client's own fault)
+FAILURES_KEPT = 5
+
+
 def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: float,
-                    credentials: grpc.ChannelCredentials | None, stop: Any) -> Iterator[tuple[int, int]]:
+                    credentials: grpc.ChannelCredentials | None,
+                    stop: Any) -> Iterator[tuple[int, int, list[str]]]:
     """Send batches of the mixed workload until `stop` is set or the time is up; per batch,
-    (requests answered, requests a layout failed)."""
+    (requests answered, requests a layout failed, the first few failures as "CODE: details")."""
     deadline = time.monotonic() + time_limit_s
     batch = 0
     while not stop.is_set() and time.monotonic() < deadline:
@@ -161,7 +166,8 @@ def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: 
         results = run_workload(address, items, concurrency=concurrency,
                                time_limit_s=max(0.1, deadline - time.monotonic()), credentials=credentials)
         done = [r for r in results if r is not None]
-        yield len(done), sum(1 for r in done if r.code.name in ("UNAVAILABLE", "INTERNAL", "UNKNOWN"))
+        failures = [r for r in done if r.code.name in FAILURE_CODES]
+        yield len(done), len(failures), [f"{r.code.name}: {r.details}" for r in failures[:FAILURES_KEPT]]
         batch += 1
 
 
@@ -172,9 +178,9 @@ def _drive_in_child(address: str, api_key: str, concurrency: int, time_limit_s: 
     die_with_parent()
     if os.getppid() == 1:  # the demo died before the line above took effect
         return
-    for sent, failed in traffic_batches(address, api_key, concurrency, time_limit_s,
-                                        link_credentials(tls, address), stop):
-        counts.put((sent, failed))
+    for counts_of_batch in traffic_batches(address, api_key, concurrency, time_limit_s,
+                                           link_credentials(tls, address), stop):
+        counts.put(counts_of_batch)
     counts.put(None)
 
 
@@ -197,6 +203,7 @@ class TrafficDriver:
         self.own_process = own_process
         self.sent = 0
         self.failed = 0
+        self.failures: list[str] = []  # the first few failures, "CODE: details" (what a test reports)
         self.batches = 0  # counts are added a batch at a time, when a batch has finished
         self._child: Any = None
         if own_process:
@@ -217,9 +224,9 @@ class TrafficDriver:
         self._thread.start()
 
     def _run(self) -> None:
-        for sent, failed in traffic_batches(self.address, self.api_key, self.concurrency, self.time_limit_s,
-                                            self.credentials, self.stop):
-            self._count(sent, failed)
+        for sent, failed, failures in traffic_batches(self.address, self.api_key, self.concurrency,
+                                                      self.time_limit_s, self.credentials, self.stop):
+            self._count(sent, failed, failures)
 
     def _collect(self) -> None:
         """The traffic process's counts, batch by batch, until it ends."""
@@ -234,9 +241,10 @@ class TrafficDriver:
                 return
             self._count(*counts)
 
-    def _count(self, sent: int, failed: int) -> None:
+    def _count(self, sent: int, failed: int, failures: list[str]) -> None:
         self.sent += sent
         self.failed += failed
+        self.failures.extend(failures[:FAILURES_KEPT - len(self.failures)])
         self.batches += 1
 
     def settle(self, timeout_s: float = 5.0) -> None:

@@ -239,10 +239,11 @@ def warm_up(endpoints: dict[str, Endpoint], settings: Settings) -> None:
 
 
 def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Settings,
-            console: Console) -> list[dict[str, Any]]:
+            console: Console, *, stream: bool = True) -> list[dict[str, Any]]:
     """Every cell, its rounds interleaved across layouts; one run record per (cell, layout)."""
     cells = [("unary", c, settings.cell_requests(c)) for c in settings.concurrency]
-    cells.append(("stream", 1, settings.stream_requests))
+    if stream:
+        cells.append(("stream", 1, settings.stream_requests))
     runs: list[dict[str, Any]] = []
     layouts = list(endpoints)
     for mode, concurrency, count in cells:

@@ -1,0 +1,148 @@
+"""`python -m bench.variants`: the collapsed spine under several values of one setting, side by side.
+
+    python -m bench.variants --vary batching.max_wait_us=0,10000 [--concurrency 64] [--requests 1200]
+                             [--rounds 6] [--stream]
+
+Why: a change to the request path is judged against bare in one run, but a full `make bench`
+takes minutes and its ratios move ±8% between runs on a shared host, more than most single
+changes. This starts bare and one collapsed spine per value of the setting (the bench's
+config plus that one setting), all at once, and measures them the way `make bench` does —
+cells cut into rounds, the servers taking turns in a rotating order — so every value meets
+the same host noise. It prints, per cell, each variant's p50, p99 and throughput against
+bare and its server CPU per request by thread (handlers, model, completions: what a change
+to the request path moves even when the host hides it in throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from bench.load import Endpoint
+from bench.run import DEV_KEY, Settings, measure, warm_up, write_configs
+from bench.targets import RssSampler, Target, keep_load_generator_off, launch, server_cpu
+from services.common import ConfigError
+from spine.runtime.config import load_config, merge
+
+
+def parse_vary(spec: str) -> tuple[str, list[Any]]:
+    """`section.key=v1,v2,...` → (dotted key, values as YAML scalars)."""
+    key, sep, values = spec.partition("=")
+    parts = [part.strip() for part in values.split(",") if part.strip()]
+    if not sep or not key.strip() or "." not in key or len(parts) < 1:
+        raise ValueError(f"--vary: expected section.key=value1,value2 (e.g. batching.max_wait_us=0,10000), "
+                         f"got {spec!r}")
+    return key.strip(), [yaml.safe_load(part) for part in parts]
+
+
+def overlay_for(key: str, value: Any) -> dict[str, Any]:
+    """The config overlay that sets dotted `key` to `value`."""
+    overlay: dict[str, Any] = {}
+    node = overlay
+    *sections, last = key.split(".")
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[last] = value
+    return overlay
+
+
+def variant_configs(run_dir: Path, base: Path, key: str, values: list[Any]) -> dict[str, Path]:
+    """One config file per value (the bench's overlay plus the setting), each checked first:
+    a key or value the config refuses is one line, before any server starts."""
+    base_config = yaml.safe_load(base.read_text()) or {}
+    configs: dict[str, Path] = {}
+    for value in values:
+        name = f"{key}={value}"
+        path = run_dir / f"variant-{len(configs)}.yaml"
+        path.write_text(yaml.safe_dump(merge(base_config, overlay_for(key, value))))
+        load_config(path)  # ConfigError names the field
+        configs[name] = path
+    return configs
+
+
+def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
+    bare = {(run["mode"], run["concurrency"]): run for run in runs if run["layout"] == "bare"}
+    table = Table(title="variants of the collapsed spine (ratios: variant / bare, same cell)")
+    for column in ("mode", "conc", "variant", "p50 ×bare", "p99 ×bare", "rps ×bare", "TTFT ×bare",
+                   "handlers µs", "model µs", "completions µs"):
+        table.add_column(column, justify="left" if column in ("mode", "variant") else "right")
+    for run in runs:
+        base = bare[(run["mode"], run["concurrency"])]
+        threads = run.get("cpu_us_per_request_by_thread") or {}
+        ttft = (f"{run['ttft_p50_ms'] / base['ttft_p50_ms']:.3f}"
+                if run["mode"] == "stream" and run.get("ttft_p50_ms") and base.get("ttft_p50_ms") else "")
+        table.add_row(run["mode"], str(run["concurrency"]), run["layout"],
+                      f"{run['p50_ms'] / base['p50_ms']:.3f}", f"{run['p99_ms'] / base['p99_ms']:.3f}",
+                      f"{run['rps'] / base['rps']:.3f}", ttft,
+                      *(f"{threads.get(group, 0):.0f}" for group in ("handlers", "model", "completions")))
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__.splitlines()[0])
+    parser.add_argument("--vary", required=True, help="section.key=value1,value2,... (YAML scalars)")
+    parser.add_argument("--concurrency", default="64", help="comma-separated worker counts (default 64)")
+    parser.add_argument("--requests", type=int, default=1200, help="unary requests per cell and server")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved turns per cell")
+    parser.add_argument("--stream", action="store_true", help="also a GenerateStream cell at concurrency 1")
+    parser.add_argument("--stream-requests", type=int, default=200)
+    args = parser.parse_args(argv)
+    try:
+        key, values = parse_vary(args.vary)
+        concurrency = tuple(sorted({int(part) for part in args.concurrency.split(",") if part.strip()}))
+    except ValueError as error:
+        parser.error(str(error))
+    if not concurrency or min(concurrency) < 1 or args.requests < 1 or args.rounds < 1:
+        parser.error("--concurrency, --requests and --rounds must be positive")
+    settings = Settings(concurrency=concurrency, requests=args.requests, stream_requests=args.stream_requests,
+                        rounds=min(args.rounds, args.requests), max_tokens=8, cell_time_limit_s=60.0, warmup=6,
+                        ready_timeout_s=120.0, quick=False, fixed_rounds=True)
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    run_dir = Path(tempfile.mkdtemp(prefix="spv-"))  # short: unix socket paths are limited to ~107 bytes
+    targets: dict[str, Target] = {}
+    endpoints: dict[str, Endpoint] = {}
+    sampler: RssSampler | None = None
+    try:
+        configs = write_configs(run_dir)
+        try:
+            variants = variant_configs(run_dir, configs["collapsed"], key, values)
+        except ConfigError as error:
+            console.print(f"[red]{error}[/red]")
+            return 2
+        targets["bare"] = launch("bare", run_dir, configs["bare"])
+        for i, (name, path) in enumerate(variants.items()):
+            where = run_dir / f"v{i}"
+            where.mkdir()
+            targets[name] = launch("collapsed", where, path)
+        for target in targets.values():
+            target.wait_ready(settings.ready_timeout_s)
+        keep_load_generator_off(server_cpu())
+        endpoints = {name: Endpoint(t.address, t.is_gateway, DEV_KEY) for name, t in targets.items()}
+        sampler = RssSampler(targets)
+        sampler.start()
+        warm_up(endpoints, settings)
+        runs = measure(endpoints, sampler, settings, console, stream=args.stream)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        for endpoint in endpoints.values():
+            endpoint.close()
+        for target in targets.values():
+            target.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print_variants(runs, console)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

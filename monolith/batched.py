@@ -58,10 +58,13 @@ class BatchingConfig(Section):
     # lose no model time). Without a backlog the leader decides at once: a lone request, or
     # 16 clients on 16 KV slots, never waits. With one (64 clients on one core), admission
     # on the core the model's steps share went in batches of one, each stage starting on
-    # caches the step had just used; batched, the handlers' CPU per request fell from 592 to
-    # 445 µs (bare: 258) and collapsed/bare throughput rose from 0.91 to 1.02 in one focused
-    # A/B (5 ms: 483 µs, 0.92; 20 ms: 463 µs, 0.97). Waits without the backlog rule (300 µs
-    # to 3 ms, every batch) never paid: a sleeping leader is one more hand-off per batch.
+    # caches the step had just used; with the wait (batches of 3-5), the handlers' CPU per
+    # request fell in all six focused A/Bs at c=64 (`python -m bench.variants --vary
+    # batching.max_wait_us=0,10000`): 592 -> 445, 622 -> 480, 697 -> 616, 588 -> 500,
+    # 901 -> 679, 705 -> 613 µs (bare ~300); throughput mostly rose (0.91 -> 1.02, 0.76 ->
+    # 0.94) but within this host's noise. 30 and 60 ms waits gave no larger batches' worth.
+    # Waits without the backlog rule (300 µs to 3 ms, every batch) never paid: a sleeping
+    # leader is one more hand-off per batch.
     max_wait_us: Annotated[Float, Field(ge=0, le=100_000)] = 10_000.0
     # How often finished requests' completions are written, a window at a time, off the
     # request path; readers and shutdown never wait for it.

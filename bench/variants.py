@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Endpoint
-from bench.run import DEV_KEY, Settings, measure, warm_up, write_configs
+from bench.report import _fmt, add_ratios
+from bench.run import DEV_KEY, Settings, measure, stop_all, warm_up, write_configs
 from bench.targets import RssSampler, Target, keep_load_generator_off, launch, server_cpu
 from services.common import ConfigError
 from spine.runtime.config import load_config, merge
@@ -70,6 +71,8 @@ def variant_configs(run_dir: Path, base: Path, key: str, values: list[Any]) -> d
 
 
 def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
+    """Each run against bare (`add_ratios`' ratios; TTFT's here) and its CPU by thread."""
+    add_ratios(runs)
     bare = {(run["mode"], run["concurrency"]): run for run in runs if run["layout"] == "bare"}
     table = Table(title="variants of the collapsed spine (ratios: variant / bare, same cell)")
     for column in ("mode", "conc", "variant", "p50 ×bare", "p99 ×bare", "rps ×bare", "TTFT ×bare",
@@ -81,8 +84,7 @@ def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
         ttft = (f"{run['ttft_p50_ms'] / base['ttft_p50_ms']:.3f}"
                 if run["mode"] == "stream" and run.get("ttft_p50_ms") and base.get("ttft_p50_ms") else "")
         table.add_row(run["mode"], str(run["concurrency"]), run["layout"],
-                      f"{run['p50_ms'] / base['p50_ms']:.3f}", f"{run['p99_ms'] / base['p99_ms']:.3f}",
-                      f"{run['rps'] / base['rps']:.3f}", ttft,
+                      *(_fmt(run[ratio], 3) for ratio in ("p50_vs_bare", "p99_vs_bare", "rps_vs_bare")), ttft,
                       *(f"{threads.get(group, 0):.0f}" for group in ("handlers", "model", "completions")))
     console.print(table)
 
@@ -137,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             sampler.stop()
         for endpoint in endpoints.values():
             endpoint.close()
-        for target in targets.values():
-            target.stop()
+        left = stop_all(targets, console)
+        if left:
+            console.print(f"[red]processes still running after stop: {left}[/red]")
         shutil.rmtree(run_dir, ignore_errors=True)
     print_variants(runs, console)
     return 0

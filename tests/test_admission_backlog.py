@@ -15,6 +15,7 @@ from services.pipeline.state import RequestState
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.test_serving_support import eventually
 
 SLOTS = 2
 STEP_MS = 20
@@ -24,13 +25,6 @@ def state(model: str = "tiny-lm", priority: int = 0) -> RequestState:
     request = generation_pb2.GenerateRequest(model=model, prompt="hello", max_tokens=4, priority=priority)
     return RequestState(request=request, request_id="r", layout="collapsed", started=time.perf_counter(),
                         deadline=time.monotonic() + 30, shadow=False, metadata=(), model=model)
-
-
-def wait_until(condition: object, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
 
 
 def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_path: Path) -> None:
@@ -56,7 +50,8 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
             long = [threading.Thread(target=call, args=(f"long {i}", 30)) for i in range(2 * SLOTS + 2)]
             for thread in long:
                 thread.start()
-            wait_until(lambda: inference.scheduler.queue_depth == len(long) - SLOTS)  # every long one admitted
+            eventually(lambda: inference.scheduler.queue_depth == len(long) - SLOTS,
+                       what="every long request queued in the model")
             assert stack._model_backlogged([state()])
             assert not stack._model_backlogged([state(priority=1)])  # the latency class goes ahead of the queue
             assert not stack._model_backlogged([state(model="no-such-model")])

@@ -227,6 +227,19 @@ def stop_all(targets: dict[str, Target], console: Console) -> list[int]:
     return left
 
 
+def tear_down(sampler: RssSampler | None, endpoints: dict[str, Endpoint], targets: dict[str, Target],
+              console: Console) -> list[int]:
+    """Stop sampling, close the clients, stop every server; the PIDs (ours) still alive, said aloud."""
+    if sampler is not None:
+        sampler.stop()
+    for endpoint in endpoints.values():
+        endpoint.close()
+    left = stop_all(targets, console)
+    if left:
+        console.print(f"[red]processes still running after stop: {left}[/red]")
+    return left
+
+
 def warm_up(endpoints: dict[str, Endpoint], settings: Settings) -> None:
     """First calls pay for connection set-up, lazy imports and first-shape kernels: not measured."""
     top = max(settings.concurrency)
@@ -317,13 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             run["layout_peak_rss_mb"] = round(sampler.peak_by_layout.get(run["layout"], 0) / (1024 * 1024), 1)
             run["processes"] = processes[run["layout"]]
     finally:
-        if sampler is not None:
-            sampler.stop()
-        for endpoint in endpoints.values():
-            endpoint.close()
-        left = stop_all(targets, console)
-        if left:
-            console.print(f"[red]processes still running after stop: {left}[/red]")
+        left = tear_down(sampler, endpoints, targets, console)
         if keep:
             console.print(f"run directory kept: {run_dir}")
         else:

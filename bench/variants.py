@@ -29,7 +29,7 @@ from rich.table import Table
 
 from bench.load import Endpoint
 from bench.report import _fmt, add_ratios
-from bench.run import DEV_KEY, Settings, measure, stop_all, warm_up, write_configs
+from bench.run import DEV_KEY, Settings, measure, tear_down, warm_up, write_configs
 from bench.targets import RssSampler, Target, keep_load_generator_off, launch, server_cpu
 from services.common import ConfigError
 from spine.runtime.config import load_config, merge
@@ -135,13 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(endpoints, settings)
         runs = measure(endpoints, sampler, settings, console, stream=args.stream)
     finally:
-        if sampler is not None:
-            sampler.stop()
-        for endpoint in endpoints.values():
-            endpoint.close()
-        left = stop_all(targets, console)
-        if left:
-            console.print(f"[red]processes still running after stop: {left}[/red]")
+        tear_down(sampler, endpoints, targets, console)
         shutil.rmtree(run_dir, ignore_errors=True)
     print_variants(runs, console)
     return 0

@@ -104,7 +104,7 @@ class Pipeline:
     def run(self, stage: Stage, batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
         final = stage.phase == Phase.COMPLETE  # after the answer: the budget alone bounds it
         states = self._entering(stage, batch, final)
-        if not states:
+        if not states or not stage.decides:  # a screen-only stage has decided in `_entering`
             return
         begun = self._begin(stage, states) if hooks and self.hooks and stage.component else None
         if begun is not None:
@@ -206,6 +206,8 @@ def _fail(pipeline: Pipeline, stage: Stage, state: RequestState, code: grpc.Stat
 
 class _Call:
     """A stage's view of its component for one batch (the `StageCall` protocol)."""
+
+    __slots__ = ("_pipeline", "_stage", "_states", "_begun", "_final", "_codes", "bounded_by_budget")
 
     def __init__(self, pipeline: Pipeline, stage: Stage, states: list[RequestState],
                  begun: dict[RequestState, tuple[list[Any], list[Any]]] | None, final: bool) -> None:

@@ -13,6 +13,7 @@ class ValidationStage(Stage):
 
     method = "Validate"
     order = 15
+    decides = False
 
     def screen(self, state: RequestState) -> Stop | None:
         assert state.principal is not None  # after the auth stage

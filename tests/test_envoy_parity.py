@@ -32,7 +32,12 @@ from tests.conftest import DEV_KEY, TEST_OVERRIDES, TIGHT_KEY, config_for_tests,
 from tests.envoy_calls import OVER_LIMIT, check, descriptor, ok_headers, should_rate_limit
 
 NO_SCOPE_KEY = "parity-no-scope-0000"
+# Parity of decisions, not latency: a hop that misses the default 250 ms budget because the
+# host runs the rest of the suite too (a fresh clone's full run failed once with "ratelimit
+# unavailable (DEADLINE_EXCEEDED)" on the Envoy side, not reproduced on the retry) is the
+# host's doing, so the hops get 2 s here.
 CONFIG = config_for_tests(
+    calls={"budgets_ms": dict.fromkeys(("auth", "ratelimit", "router", "cache"), 2000)},
     auth={"api_keys": [*TEST_OVERRIDES["auth"]["api_keys"],
                        {"id": "reader", "tenant": "reader", "key": NO_SCOPE_KEY, "scopes": ["read"]}]},
     ratelimit={"default": {"requests_per_second": 0.000001, "burst": 3, "tokens_per_minute": 6.0e9,

@@ -8,16 +8,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from services.common import ConfigError
 from spine.cli import main
+from spine.client.gateway_client import CallResult
 from spine.runtime.stack import Stack
 from spine.tools.ab.command import run_command
-from spine.tools.ab.report import metric_rows
+from spine.tools.ab.report import metric_rows, stream_timing
 from spine.tools.ab.report import up_layouts as report_layouts
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.workload import SyntheticSpec, TraceError, read_trace, synthetic, tenant_keys, write_trace
+from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
 
 KEYS = {"dev": DEV_KEY, "other": OTHER_KEY}
@@ -219,3 +222,19 @@ def test_ab_compares_layouts_side_by_side_and_reports_a_down_one(tmp_path: Path)
     assert "ghost is DOWN" in markdown and "![latency_cdf](latency_cdf.png)" in markdown
     assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "middleware_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_stream_timing_reads_the_decode_speed_from_the_chunks_and_leaves_cache_hits_out() -> None:
+    def streamed(first_s: float, chunks: int, per_chunk_s: float, cached: bool = False) -> CallResult:
+        result = CallResult(grpc.StatusCode.OK, "", first_s + (chunks - 1) * per_chunk_s, first_chunk_s=first_s)
+        result.chunks = [generation_pb2.GenerateChunk(index=i, cached=cached) for i in range(chunks)]
+        return result
+
+    unary = CallResult(grpc.StatusCode.OK, "", 0.05, response=generation_pb2.GenerateResponse(text="x"))
+    failed = CallResult(grpc.StatusCode.UNAVAILABLE, "down", 0.001)
+    timing = stream_timing([streamed(0.010, 9, 0.002), streamed(0.030, 5, 0.004), streamed(0.020, 3, 0.003),
+                            streamed(0.001, 1, 0.0, cached=True), unary, failed])
+    assert timing is not None and timing["count"] == 3
+    assert timing["ttft_ms_p50"] == pytest.approx(20.0)
+    assert timing["ms_per_chunk_p50"] == pytest.approx(3.0)
+    assert stream_timing([unary, failed]) is None

@@ -86,8 +86,29 @@ def _layout_report(run: LayoutRun, ab: ABRun) -> dict[str, Any]:
         "traced_requests": roots,
         "middleware_ms_per_request": middleware_ms,
         "span_counts": {name: int(stat.get("count", 0)) for name, stat in run.spans.items()},
+        "stream": stream_timing(done),
         "latencies_ms": latencies_ms,
     }
+
+
+def stream_timing(results: Sequence[CallResult]) -> dict[str, Any] | None:
+    """Streams as their client saw them: time to the first chunk, and the time per chunk
+    after it (median over streams of (last - first) / (chunks - 1)); None without a stream.
+
+    Why the second: it is the decode loop's speed (one chunk a step) and nothing else. The
+    model's span (`inference.generate`) also counts the time a request waited for a KV slot,
+    which in a closed loop is longer on the side that keeps more requests in the model (the
+    spine, whose middleware hops hold none), so it cannot say on its own whether the model
+    kept its speed inside the spine; this can."""
+    streams = [r for r in results  # answered by the model: a cache hit is one chunk, no step
+               if r.ok and r.first_chunk_s is not None and r.chunks and not r.chunks[0].cached]
+    if not streams:
+        return None
+    first_ms = [r.first_chunk_s * 1000.0 for r in streams if r.first_chunk_s is not None]
+    per_chunk_ms = [(r.latency_s - r.first_chunk_s) * 1000.0 / (len(r.chunks) - 1)
+                    for r in streams if r.first_chunk_s is not None and len(r.chunks) >= 2]
+    return {"count": len(streams), "ttft_ms_p50": percentile(first_ms, 50),
+            "ms_per_chunk_p50": percentile(per_chunk_ms, 50) if per_chunk_ms else None}
 
 
 def _parity(base: LayoutRun, other: LayoutRun, entries: Sequence[Entry]) -> dict[str, Any]:
@@ -177,6 +198,11 @@ def metric_rows(report: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
         # requests wait in middleware hops (at c=64 on 2 cores the layered stack held ~41 of
         # its 64 in its hops, the spine ~6): read the span beside this count.
         rows.append(("mean requests in the model", [_fmt(_in_model(d), 1) for d in data]))
+    if any(d.get("stream") for d in data):
+        # The decode loop's own speed, queue left out (see `stream_timing`).
+        rows.append(("stream TTFT p50 ms", [_fmt((d.get("stream") or {}).get("ttft_ms_p50")) for d in data]))
+        rows.append(("stream ms per chunk after the first p50",
+                     [_fmt((d.get("stream") or {}).get("ms_per_chunk_p50"), 3) for d in data]))
     return rows
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 from services.cpu_placement import PlacementError, enable_from_env
+
+_threads: int | None = None  # what `configure_threads` asked for, for a torch imported later
 
 
 def configure_threads() -> int:
@@ -20,10 +20,28 @@ def configure_threads() -> int:
     layout slower in a way that says nothing about the layouts themselves.
     """
     threads = int(os.environ.get("SPINE_TORCH_THREADS", "1"))
-    torch.set_num_threads(threads)
+    global _threads
+    _threads = threads
+    if "torch" in sys.modules:
+        apply_torch_threads()
+    else:
+        # Torch is imported later, or never: a process whose components keep no tensors
+        # (auth, the router, the layered gateway) skips its import, most of its start
+        # (`monolith.device_on_use`). Torch sizes its pool from this when it is imported;
+        # the device context applies the setting itself when it is made.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         enable_from_env(count=threads)
     except PlacementError as error:  # before anything starts: one line, as for a bad config
         print(f"spine: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     return threads
+
+
+def apply_torch_threads() -> None:
+    """Give torch the thread count `configure_threads` asked for (nothing if it was not
+    called: a library user's process keeps torch's own setting)."""
+    if _threads is not None:
+        import torch
+
+        torch.set_num_threads(_threads)

@@ -20,6 +20,11 @@ from pydantic import (
 from services.config_model import AutoOrCount, Float, Items, NonEmptyStr, Section, problem
 from services.prometheus_http import ListenAddress
 
+# `inference.backend.class: hf`: a local transformers causal LM directory
+# (services.model.hf_backend). Here, not beside the backends, so that a process that only
+# checks a config (the layered gateway's preflight) does not import torch with them.
+HF_CLASS = "hf"
+
 Count = Annotated[StrictInt, Field(ge=1)]
 
 

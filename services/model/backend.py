@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from services.common import ConfigError
+from services.inference_config import HF_CLASS
 from services.model.engine import GenerationEngine
 from services.model.interface import DeviceLike, Segment, StepModel, Tokenizer, torch_device
 from services.model.tiny_lm import TinyLM
@@ -29,7 +30,6 @@ BUILT_IN: dict[str, dict[str, int]] = {
     TINY_LM_ID: {},
     TINY_LM_MINI_ID: {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
 }
-HF_CLASS = "hf"  # `class: hf`: a local transformers causal LM directory (services.model.hf_backend)
 
 
 @runtime_checkable

@@ -77,7 +77,7 @@ def serve(argv: list[str] | None = None) -> int:
     if args.parent_pid and os.getppid() != args.parent_pid:
         return 1  # the supervisor died before we could ask to die with it
 
-    from monolith.device import DeviceContext
+    from monolith.device_on_use import DeviceOnFirstUse
     from monolith.runtime_env import configure_threads
     from services.common import section
     from services.inference_config import InferenceConfig
@@ -102,7 +102,14 @@ def serve(argv: list[str] | None = None) -> int:
         reload_on_sighup()
     run_dir = Path(args.run_dir)
     spec = DEFAULT[args.component]
-    servicer = spec.build(config, DeviceContext.from_config(config), run_dir)
+    # Auth, the router and logs keep no tensors: their process never makes a device
+    # context nor imports torch (most of their start, and of their memory). A component
+    # whose code imported torch gets its context now, at start, not on its first request
+    # (on CUDA, making one is the device's initialisation).
+    device = DeviceOnFirstUse(config)
+    servicer = spec.build(config, device, run_dir)
+    if "torch" in sys.modules:
+        device.make_now()
     # The model's requests wait in its priority queue, not in front of the thread pool.
     pool = request_pool(config) if args.component == "inference" else PoolSize()
     # Its share first: a limiter that follows does not serve before it has one (or has waited).

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common import ConfigError
-from services.model.backend import HF_CLASS
+from services.inference_config import HF_CLASS
 
 DEFAULT_ALIAS = "default"
 

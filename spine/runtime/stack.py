@@ -17,12 +17,12 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
-from monolith.device import DeviceContext
+from monolith.device_on_use import DeviceOnFirstUse
 from services.common import ConfigError, section
 from services.inference_config import InferenceConfig
 from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
@@ -42,6 +42,9 @@ from spine.runtime.run_dir import write_private
 from spine.runtime.sections import TlsConfig
 from spine.runtime.server import RunningServer, request_pool, start_server
 from spine.runtime.supervisor import Supervisor
+
+if TYPE_CHECKING:  # torch is imported only where a component allocates a tensor
+    from monolith.device import DeviceContext
 
 log = logging.getLogger("spine.runtime")
 
@@ -67,7 +70,9 @@ class Stack:
     # in mid-migration shares): bound remotely to these addresses instead of spawned.
     remote_addresses: Mapping[str, str] = field(default_factory=dict)
     registry: Registry = DEFAULT
-    device: DeviceContext | None = None  # made at start from the config's `device` section
+    # Made at start from the config's `device` section, the real context (and torch) on
+    # first use: a stack with every component remote (the layered gateway) never needs it.
+    device: DeviceContext | DeviceOnFirstUse | None = None  # or one the caller shares
     supervisor: Supervisor | None = None
     server: RunningServer | None = None
     gateway: Gateway | None = None
@@ -126,7 +131,7 @@ class Stack:
         envoy_listen = checked.envoy_api.listen
         self._batching = BatchingConfig.from_config(self.config)
         if self.device is None:
-            self.device = DeviceContext.from_config(self.config)
+            self.device = DeviceOnFirstUse(self.config)
         from spine.runtime.tracing import installed
 
         tracing = installed()

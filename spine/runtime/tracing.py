@@ -18,6 +18,7 @@ exports through a `BatchSpanProcessor` off the request path.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,7 +47,14 @@ from spine.runtime.sections import otlp_available as otlp_available
 
 ROOT_SPAN = "gateway.generate"
 # (component, rpc) -> span name, identical in every layout: from the component table.
-SPAN_NAMES: dict[tuple[str, str], str] = DEFAULT.span_names()
+
+
+@functools.cache
+def span_names() -> dict[tuple[str, str], str]:
+    """(component, rpc) -> span name, read from the registry's stage classes on first use:
+    at import it imported every service module, torch with the tensor-keeping ones, in
+    processes (auth, the router) that never need it (`monolith.device_on_use`)."""
+    return DEFAULT.span_names()
 # Server spans named by the public methods they serve; anything else keeps its gRPC name.
 SERVER_SPAN_NAMES: dict[str, str] = {
     "/spine.v1.Gateway/Generate": ROOT_SPAN,
@@ -64,7 +72,7 @@ def current_traceparent() -> tuple[tuple[str, str], ...]:
 
 
 def span_name(component: str, method: str) -> str:
-    return SPAN_NAMES.get((component, method), f"{component}.{method.lower()}")
+    return span_names().get((component, method), f"{component}.{method.lower()}")
 
 
 def make_exporter(name: str) -> SpanExporter | None:
@@ -285,5 +293,5 @@ def installed_tracing(tracing: Tracing) -> Iterator[Tracing]:
         tracing.flush()
 
 
-__all__ = ["ROOT_SPAN", "SPAN_NAMES", "SpanTimes", "Tracing", "TracingConfig", "TracingHook",
+__all__ = ["ROOT_SPAN", "SpanTimes", "Tracing", "TracingConfig", "TracingHook",
            "TraceContextInterceptor", "install", "install_from_config", "installed", "installed_tracing"]

@@ -46,15 +46,17 @@ from spine.runtime.sections import TracingConfig
 from spine.runtime.sections import otlp_available as otlp_available
 
 ROOT_SPAN = "gateway.generate"
-# (component, rpc) -> span name, identical in every layout: from the component table.
 
 
 @functools.cache
 def span_names() -> dict[tuple[str, str], str]:
-    """(component, rpc) -> span name, read from the registry's stage classes on first use:
-    at import it imported every service module, torch with the tensor-keeping ones, in
-    processes (auth, the router) that never need it (`monolith.device_on_use`)."""
+    """(component, rpc) -> span name, identical in every layout: from the component table,
+    read on first use. At import it imported every service module, torch with the
+    tensor-keeping ones, into processes that never need it (auth, the router, logs:
+    `monolith.device_on_use`)."""
     return DEFAULT.span_names()
+
+
 # Server spans named by the public methods they serve; anything else keeps its gRPC name.
 SERVER_SPAN_NAMES: dict[str, str] = {
     "/spine.v1.Gateway/Generate": ROOT_SPAN,

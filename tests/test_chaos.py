@@ -143,6 +143,14 @@ def test_a_killed_child_gives_only_ok_or_unavailable_and_comes_back(layered: Sta
         time.sleep(0.3)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
+        # Restarted under a new pid. Waiting for that first: a health probe made in the
+        # instant before the kill lands can still find every child SERVING (a fresh clone's
+        # full run did, once, for metrics).
+        assert layered.supervisor is not None
+        deadline = time.monotonic() + 30
+        while layered.supervisor.children[name].pid in (pid, None):
+            assert time.monotonic() < deadline, f"{name} was not restarted: {layered.health_report()}"
+            time.sleep(0.05)
         wait_all_serving(layered)
         time.sleep(0.3)
     finally:

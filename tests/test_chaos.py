@@ -26,6 +26,7 @@ from spine.client.gateway_client import CallResult, GatewayClient
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
+from tests.test_serving_support import eventually
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -146,11 +147,9 @@ def test_a_killed_child_gives_only_ok_or_unavailable_and_comes_back(layered: Sta
         # Restarted under a new pid. Waiting for that first: a health probe made in the
         # instant before the kill lands can still find every child SERVING (a fresh clone's
         # full run did, once, for metrics).
-        assert layered.supervisor is not None
-        deadline = time.monotonic() + 30
-        while layered.supervisor.children[name].pid in (pid, None):
-            assert time.monotonic() < deadline, f"{name} was not restarted: {layered.health_report()}"
-            time.sleep(0.05)
+        supervisor = layered.supervisor
+        assert supervisor is not None
+        eventually(lambda: supervisor.children[name].pid not in (pid, None), what=f"{name} restarted under a new pid")
         wait_all_serving(layered)
         time.sleep(0.3)
     finally:

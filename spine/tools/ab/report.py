@@ -93,7 +93,8 @@ def _layout_report(run: LayoutRun, ab: ABRun) -> dict[str, Any]:
 
 def stream_timing(results: Sequence[CallResult]) -> dict[str, Any] | None:
     """Streams as their client saw them: time to the first chunk, and the time per chunk
-    after it (median over streams of (last - first) / (chunks - 1)); None without a stream.
+    after it (median over streams of (end of the call - first chunk) / (chunks - 1)); None
+    without a stream.
 
     Why the second: it is the decode loop's speed (one chunk a step) and nothing else. The
     model's span (`inference.generate`) also counts the time a request waited for a KV slot,

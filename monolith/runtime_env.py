@@ -26,7 +26,7 @@ def configure_threads() -> int:
         apply_torch_threads()
     else:
         # Torch is imported later, or never: a process whose components keep no tensors
-        # (auth, the router, logs) skips its import, most of its start
+        # (auth, the router, logs, the layered gateway) skips its import, most of its start
         # (`monolith.device_on_use`). Torch sizes its pool from this when it is imported;
         # the device context applies the setting itself when it is made.
         os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -57,7 +57,7 @@ from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 from services.common import section, set_status
 from services.foreign_calls import Caller, Metadata, Unary, one_answer, printable, rpc_status
 from services.pipeline.verdicts import internal_addresses_hidden
-from services.ratelimit import MAX_HITS_ADDEND, RESOURCES
+from services.ratelimit_admission import MAX_HITS_ADDEND, RESOURCES
 from services.sections import RateLimitConfig, RouterConfig
 from spine.v1 import ratelimit_pb2
 

@@ -48,13 +48,12 @@ from services.model.backend import ModelBackend, load_backend, make_engine
 from services.model.engine import GenerationRequest, StepOutput
 from services.model.interface import Segment, torch_device
 from services.model.kv_budget import KVPlan, free_device_bytes, kv_bytes_per_slot, plan_kv_slots, weight_bytes
-from services.pipeline.stage import Phase, Stage
 from services.pipeline.verdicts import inference_timeout_error
 from services.priority import priority_error
 from services.system_prompt import SEPARATOR, system_digest
 from spine.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
 
-__all__ = ["InferenceConfig", "InferenceService", "InferenceStage"]
+__all__ = ["InferenceConfig", "InferenceService"]
 
 log = logging.getLogger("spine.inference")
 
@@ -325,15 +324,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if self._deterministic_before is not None:
             torch.use_deterministic_algorithms(self._deterministic_before)
             self._deterministic_before = None
-
-
-class InferenceStage(Stage):
-    """The model's place in the path: fail closed, its budget the compute budget. The gateway
-    calls it per request (unary or streaming); the engine batches decode steps itself."""
-
-    method = "Generate"
-    phase = Phase.MODEL
-    order = 50
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

@@ -23,7 +23,7 @@ import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,20 +32,15 @@ import grpc
 from services.common import Clock, DeviceState, answer_one, section
 from services.concurrency import ConcurrencyLeases, SlotAdmission
 from services.pipeline.batch_rpc import ItemError
-from services.pipeline.limits import RequestLimits
-from services.pipeline.stage import FailMode, Phase, Stage, StageCall, StagePolicy
-from services.pipeline.state import RequestState
-from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
 from services.ratelimit_admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
+from services.ratelimit_admission import MAX_HITS_ADDEND as MAX_HITS_ADDEND
+from services.ratelimit_admission import RESOURCES as RESOURCES
 from services.sections import BucketLimits as BucketLimits
 from services.sections import RateLimitConfig
 from services.token_buckets import BatchDecision, BucketState, TokenBucketTable
 from spine.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
 Key = tuple[tuple[str, str], ...]
-RESOURCES = ("requests", "tokens")
-# Costs are summed exactly in float64; this bound keeps any batch's sums below 2**53.
-MAX_HITS_ADDEND = 2**40
 _OK = ratelimit_pb2.RateLimitResponse.OK
 _OVER_LIMIT = ratelimit_pb2.RateLimitResponse.OVER_LIMIT
 _NO_DECISION = BatchDecision(admitted=[], fits=[], remaining=[], retry_after_s=[], rounds=0)
@@ -385,60 +380,6 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         bucket = _Bucket(key, limit_name(key), self.config.limits_for(fields.get("tenant", "")).bucket(resource))
         self._buckets[key] = bucket
         return bucket
-
-
-class RateLimitStage(Stage):
-    """The pipeline asks RateLimit to admit a request against its tenant's limits (fail closed).
-
-    Shadow copies are decided without consuming budget (dry run). A request of a tenant with
-    a concurrency limit comes back holding a lease, valid until its deadline; the limiter
-    that granted it (the binding of this call: a placement may change before the request
-    ends) is where `ReleaseStage` gives it back."""
-
-    method = "Admit"
-    order = 30
-
-    def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        items: dict[RequestState, AdmitItem] = {}
-        for state in batch:
-            assert state.resolved is not None
-            items[state] = AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved),
-                                     state.shadow, state.remaining(), state.device_busy)
-        verdicts = call.batch(ADMIT_BATCH, list(items.values()))
-        for state, verdict in self.answered(call, batch, verdicts):
-            if verdict.lease_id:
-                state.lease_id, state.lease_holder = verdict.lease_id, call.client
-            state.outcome = rate_limit_stop(verdict, items[state].tokens)
-
-
-class ReleaseStage(Stage):
-    """Gives a request's concurrency slot back at its last byte, whatever its outcome.
-
-    Not deferrable: the spine writes other completions a window later, but a slot held that
-    long would refuse the tenant's next request. It fails open: a lease the call could not
-    give back expires at the request's deadline."""
-
-    method = "Release"
-    phase = Phase.COMPLETE
-    order = 55  # before the cache store, logs and metrics
-    deferrable = False
-
-    def __init__(self, policy: StagePolicy, limits: RequestLimits) -> None:
-        super().__init__(replace(policy, fail_mode=FailMode.OPEN), limits)
-
-    def wants(self, state: RequestState) -> bool:
-        return state.lease_id != 0
-
-    def decide(self, batch: list[RequestState], call: StageCall) -> None:
-        holders: dict[int, tuple[Any, list[RequestState]]] = {}
-        for state in batch:
-            holders.setdefault(id(state.lease_holder), (state.lease_holder, []))[1].append(state)
-        for holder, states in holders.values():
-            request = ratelimit_pb2.ReleaseBatchRequest(
-                items=[ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id) for state in states])
-            answer = call("ReleaseBatch", request, via=holder)
-            for state, _ in self.answered(call, states, answer.results):
-                state.lease_id = 0
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from services.pipeline.batch_rpc import BatchRpc, decode_answer, encode_answer
 from spine.v1 import ratelimit_pb2
 
+# What a bucket counts, one bucket per resource for each (tenant, model).
+RESOURCES = ("requests", "tokens")
+# Costs are summed exactly in float64; this bound keeps any batch's sums below 2**53.
+MAX_HITS_ADDEND = 2**40
+
 
 @dataclass(frozen=True, slots=True)
 class AdmitItem:

@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
 from services.auth import CHECK_BATCH, AuthConfig, AuthService
-from services.cache import LOOKUP_BATCH, STORE_BATCH, CacheConfig, CacheService, StoreItem
+from services.cache import CacheConfig, CacheService
+from services.cache_stages import LOOKUP_BATCH, STORE_BATCH, StoreItem
 from services.logs import APPEND_BATCH, LogEntry, LogsConfig, LogsService
-from services.metrics import RECORD_BATCH, MetricsConfig, MetricsRecord, MetricsService
+from services.metrics import MetricsConfig, MetricsService
+from services.metrics_stage import RECORD_BATCH, MetricsRecord
 from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.ratelimit import RateLimitConfig, RateLimitService
 from services.ratelimit_admission import ADMIT_BATCH, AdmitItem, AdmitVerdict

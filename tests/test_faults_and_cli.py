@@ -143,6 +143,10 @@ def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: P
         answer = json.loads(call.stdout)
         assert call.returncode == 0 and answer["status"] == "OK"
         assert answer["trailing"]["x-spine-layout"] == "layered"
+        # The gateway keeps no tensors when every component is remote: it never loads torch
+        # (the stage classes live apart from the servicers that keep tables); the model does.
+        assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
+        assert "libtorch" in Path(f"/proc/{children['inference']}/maps").read_text()
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)

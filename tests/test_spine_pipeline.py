@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from monolith.batched import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
 from services.auth import AuthConfig, AuthService
-from services.cache import CacheConfig, CacheService, StoreItem
+from services.cache import CacheConfig, CacheService
+from services.cache_stages import StoreItem
 from services.common import ConfigError
 from services.logs import LogsConfig, LogsService
 from services.metrics import MetricsConfig, MetricsService

@@ -70,8 +70,9 @@ class Stack:
     # in mid-migration shares): bound remotely to these addresses instead of spawned.
     remote_addresses: Mapping[str, str] = field(default_factory=dict)
     registry: Registry = DEFAULT
-    # Made at start from the config's `device` section, the real context on first use: a
-    # stack with every component remote (the layered gateway) never makes one.
+    # Made at start from the config's `device` section, the real context (and torch) on
+    # first use: a stack with every component remote (the layered gateway) never makes one,
+    # and never imports torch (its stages live apart from the servicers that keep tensors).
     device: DeviceContext | DeviceOnFirstUse | None = None  # or one the caller shares
     supervisor: Supervisor | None = None
     server: RunningServer | None = None

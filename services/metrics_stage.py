@@ -1,0 +1,76 @@
+"""What the pipeline tells the metrics of every finished request: the record, its batch rpc
+(`RecordBatch`, shared with `services.metrics`) and the stage that sends it.
+
+Apart from the servicer (whose tables keep tensors): a gateway whose metrics run in another
+process imports these and not torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.pipeline.batch_rpc import BatchRpc, item_errors, item_status
+from services.pipeline.stage import Phase, Stage, StageCall
+from services.pipeline.state import RequestState
+from spine.v1 import metrics_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsRecord:
+    """One finished request as the metrics count it (the fields of `spine.v1.RequestRecord`)."""
+
+    layout: str
+    model: str
+    tenant: str
+    status: str
+    latency_s: float
+    middleware_s: Mapping[str, float]
+    cached: bool = False
+    shadow: bool = False
+    completion_tokens: int = 0
+    failed_middlewares: Sequence[str] = ()
+    ejected_middlewares: Sequence[str] = ()
+
+
+def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatchRequest:
+    request = metrics_pb2.RecordBatchRequest()
+    for r in records:
+        request.records.add(layout=r.layout, model=r.model, tenant=r.tenant, status=r.status, latency_s=r.latency_s,
+                            middleware_s=r.middleware_s, cached=r.cached, shadow=r.shadow,
+                            completion_tokens=r.completion_tokens, failed_middlewares=r.failed_middlewares,
+                            ejected_middlewares=r.ejected_middlewares)
+    return request
+
+
+RECORD_BATCH: BatchRpc[Any, None] = BatchRpc(
+    rpc="RecordBatch", local="record_items", encode_items=_encode_records,
+    decode_items=lambda request: list(request.records),  # counted as they are: the same fields
+    encode_results=lambda results: metrics_pb2.RecordBatchResponse(results=[item_status(r) for r in results]),
+    decode_results=item_errors)
+
+
+class MetricsStage(Stage):
+    """The pipeline counts and times every request, whatever its outcome (fail open)."""
+
+    method = "Record"
+    phase = Phase.COMPLETE
+    order = 80
+
+    def wants(self, state: RequestState) -> bool:
+        return True
+
+    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+        records = [MetricsRecord(state.layout, model_label(state), state.tenant, state.status, state.latency_s,
+                                 state.middleware_s, state.cached, state.shadow, state.completion_tokens,
+                                 state.failures, state.ejected) for state in batch]
+        self.answered(call, batch, call.batch(RECORD_BATCH, records))
+
+
+def model_label(state: RequestState) -> str:
+    """The routed model's id; "" for a request stopped before routing (no credential, bad input,
+    an unknown model). What such a client named is not a label: every name it made up would
+    be a series of its own, kept for the life of the process (a client could fill the device
+    budget with them), and a name may be as long as the message."""
+    return state.model if state.resolved is not None else ""

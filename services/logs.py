@@ -24,7 +24,7 @@ import grpc
 
 from services.common import Clock, DeviceState, section
 from services.log_ring import BatchedLineWriter, LogsClosedError
-from services.pipeline.batch_rpc import BatchRpc, ItemError, StatusError, item_errors, item_status
+from services.pipeline.batch_rpc import BatchRpc, ItemError, StatusError, status_only
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from services.redact import redact_mapping, redact_text
@@ -163,11 +163,8 @@ def _encode_entries(entries: Sequence[LogEntry]) -> logs_pb2.AppendBatchRequest:
         for e in entries])
 
 
-APPEND_BATCH: BatchRpc[Any, None] = BatchRpc(
-    rpc="AppendBatch", local="append_items", encode_items=_encode_entries,
-    decode_items=lambda request: list(request.records),  # encoded as they are: the same fields
-    encode_results=lambda results: logs_pb2.AppendBatchResponse(results=[item_status(r) for r in results]),
-    decode_results=item_errors)
+APPEND_BATCH: BatchRpc[Any, None] = status_only("AppendBatch", "append_items", _encode_entries,
+                                                logs_pb2.AppendBatchResponse)
 
 
 class LogsStage(Stage):

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.pipeline.batch_rpc import BatchRpc, item_errors, item_status
+from services.pipeline.batch_rpc import BatchRpc, status_only
 from services.pipeline.stage import Phase, Stage, StageCall
 from services.pipeline.state import RequestState
 from spine.v1 import metrics_pb2
@@ -44,11 +44,8 @@ def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatch
     return request
 
 
-RECORD_BATCH: BatchRpc[Any, None] = BatchRpc(
-    rpc="RecordBatch", local="record_items", encode_items=_encode_records,
-    decode_items=lambda request: list(request.records),  # counted as they are: the same fields
-    encode_results=lambda results: metrics_pb2.RecordBatchResponse(results=[item_status(r) for r in results]),
-    decode_results=item_errors)
+RECORD_BATCH: BatchRpc[Any, None] = status_only("RecordBatch", "record_items", _encode_records,
+                                                metrics_pb2.RecordBatchResponse)
 
 
 class MetricsStage(Stage):

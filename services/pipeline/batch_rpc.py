@@ -151,3 +151,13 @@ def item_errors(answer: Any) -> list[ItemError | None]:
     """The results of a batch answer whose items are bare statuses (`results`): None for OK."""
     return [ItemError(status_code(status.code), status.message) if status.code else None
             for status in answer.results]
+
+
+def status_only(rpc: str, local: str, encode_items: Callable[[Sequence[Any]], Any],
+                answer_type: Callable[..., Any]) -> BatchRpc[Any, None]:
+    """A write's batch rpc (log lines, metrics records): the servicer reads the request's
+    `records` as they are (the same fields as the items) and answers each with its status."""
+    return BatchRpc(rpc=rpc, local=local, encode_items=encode_items,
+                    decode_items=lambda request: list(request.records),
+                    encode_results=lambda results: answer_type(results=[item_status(r) for r in results]),
+                    decode_results=item_errors)

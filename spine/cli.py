@@ -34,7 +34,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from monolith.runtime_env import configure_threads
+    from monolith.runtime_env import configure_threads, freeze_startup_heap
     from spine.runtime.server import check_listen
     from spine.runtime.signals import Termination
     from spine.runtime.stack import Stack
@@ -74,6 +74,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         ready["follower"] = follower.state()
     if args.inject_fault:
         ready["injected_fault"] = args.inject_fault
+    freeze_startup_heap()  # see its docstring: no full collection walks the startup heap again
     print(json.dumps(ready), flush=True)
     if fault.get("hooks"):  # `switchable`: the parent switches the fault through our stdin
         from spine.runtime.faults import FaultSwitch

@@ -78,7 +78,7 @@ def serve(argv: list[str] | None = None) -> int:
         return 1  # the supervisor died before we could ask to die with it
 
     from monolith.device_on_use import DeviceOnFirstUse
-    from monolith.runtime_env import configure_threads
+    from monolith.runtime_env import configure_threads, freeze_startup_heap
     from services.common import section
     from services.inference_config import InferenceConfig
     from services.pipeline.verdicts import RequestLimits
@@ -135,6 +135,7 @@ def serve(argv: list[str] | None = None) -> int:
 
         extra = serve_inference_metrics(servicer, config, run_dir)
 
+    freeze_startup_heap()  # see its docstring: no full collection walks the startup heap again
     print(f"{args.component} serving on {server.address}", flush=True)
     termination.wait()
     if follower is not None:

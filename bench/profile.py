@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import linecache
+import re
 import shutil
 import subprocess
 import sys
@@ -29,11 +31,17 @@ import yaml
 
 from bench.load import Endpoint, prompts, requests_for, run_batch
 from bench.run import RATE_LIMIT_OFF
-from bench.targets import SPINE_LAYOUT, launch, thread_cpu_by_group
+from bench.targets import REPO_ROOT, SPINE_LAYOUT, launch, thread_cpu_by_group
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
         "_worker", "readline", "accept")
+# A leaf whose current line is one of these is a thread blocked on it, whatever the function:
+# without native frames py-spy shows a C call's caller as the leaf (`slot.wake.acquire()`
+# inside `MicroBatcher.submit`), and on the one CPU the servers share a thread that has
+# been woken but not yet run still counts as active. Those samples were the top "self time"
+# entry (10% of busy samples) before they were read as what they are.
+BLOCKING_LINE = re.compile(r"\.(acquire|wait|wait_for|join|result)\(|\bsleep\(|^with\s+[\w.]*lock\b")
 PARTS = (("model", ("services/model/",)), ("pipeline", ("services/pipeline/", "monolith/")),
          ("middleware services", ("services/",)), ("runtime", ("spine/runtime/",)),
          ("grpc", ("grpc/",)), ("torch", ("torch/",)), ("threading", ("threading.py", "queue.py")))
@@ -110,7 +118,7 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace) -> str:
         total += n
         leaf = stack.split(";")[-1]
         name = leaf.split(" (")[0].rsplit(".", 1)[-1]
-        if " (" not in leaf or any(name == idle or name.endswith(idle) for idle in IDLE):
+        if " (" not in leaf or any(name == idle or name.endswith(idle) for idle in IDLE) or blocked_at(leaf):
             continue  # a thread in native code with no Python frame, or waiting
         busy += n
         self_time[leaf] += n
@@ -123,6 +131,17 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace) -> str:
     lines += ["", "top 20 functions by self time (busy samples):"]
     lines += [f"  {100 * n / max(busy, 1):5.1f}%  {leaf}" for leaf, n in self_time.most_common(20)]
     return "\n".join(lines) + "\n"
+
+
+def blocked_at(leaf: str) -> bool:
+    """Whether a leaf frame, `function (path:line)`, stands on a line that blocks (a lock's
+    acquire, a wait, a join, a sleep); its path is relative to the repository or absolute."""
+    where = leaf.rpartition(" (")[2].rstrip(")")
+    path, _, line = where.rpartition(":")
+    if not path or not line.isdigit():
+        return False
+    source = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
+    return bool(BLOCKING_LINE.search(linecache.getline(str(source), int(line)).strip()))
 
 
 def thread_table(by_thread: dict[str, float], requests: int) -> str:

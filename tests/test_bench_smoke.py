@@ -167,3 +167,22 @@ def test_the_profile_report_ends_with_cpu_per_request_by_thread() -> None:
     assert "  handlers          500 µs" in table and "  model            1500 µs" in table
     assert table.rstrip().endswith("total            2000 µs")
     assert thread_table({"handlers": 1.0}, 0) == ""  # nothing answered: no per-request figure
+
+
+def test_the_profile_counts_a_thread_blocked_on_a_line_as_idle(tmp_path: Path) -> None:
+    """A leaf frame standing on a lock's acquire (py-spy shows a C call's caller as the leaf)
+    is a waiting thread, not self time; a leaf on a plain line is work."""
+    from argparse import Namespace
+
+    from bench.profile import summarize
+
+    code = tmp_path / "worker.py"
+    code.write_text("total = 0\ntotal += step()\nslot.wake.acquire()\nwith self._lock:\ntime.sleep(0.1)\n")
+    stacks = [("work", 2, 30), ("submit", 3, 50), ("lead", 4, 5), ("rest", 5, 15)]
+    raw = tmp_path / "profile.raw"
+    raw.write_text("".join(f"process 1:\"python\";main (x.py:1);{name} ({code}:{line}) {count}\n"
+                           for name, line, count in stacks))
+    report = summarize(raw, 100.0, Namespace(layout="collapsed", concurrency=8, seconds=1.0))
+    assert "30 of 100 samples busy" in report
+    assert f"100.0%  work ({code}:2)" in report
+    assert "submit" not in report and "lead" not in report

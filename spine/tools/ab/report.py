@@ -101,13 +101,12 @@ def stream_timing(results: Sequence[CallResult]) -> dict[str, Any] | None:
     which in a closed loop is longer on the side that keeps more requests in the model (the
     spine, whose middleware hops hold none), so it cannot say on its own whether the model
     kept its speed inside the spine; this can."""
-    streams = [r for r in results  # answered by the model: a cache hit is one chunk, no step
-               if r.ok and r.first_chunk_s is not None and r.chunks and not r.chunks[0].cached]
+    streams = [(r, first) for r in results  # answered by the model: a cache hit is one chunk, no step
+               if r.ok and (first := r.first_chunk_s) is not None and r.chunks and not r.chunks[0].cached]
     if not streams:
         return None
-    first_ms = [r.first_chunk_s * 1000.0 for r in streams if r.first_chunk_s is not None]
-    per_chunk_ms = [(r.latency_s - r.first_chunk_s) * 1000.0 / (len(r.chunks) - 1)
-                    for r in streams if r.first_chunk_s is not None and len(r.chunks) >= 2]
+    first_ms = [first * 1000.0 for _, first in streams]
+    per_chunk_ms = [(r.latency_s - first) * 1000.0 / (len(r.chunks) - 1) for r, first in streams if len(r.chunks) >= 2]
     return {"count": len(streams), "ttft_ms_p50": percentile(first_ms, 50),
             "ms_per_chunk_p50": percentile(per_chunk_ms, 50) if per_chunk_ms else None}
 

@@ -152,6 +152,48 @@ def test_parent_cancellation_stops_the_call(bound: Any) -> None:
     assert servicer.stopped.wait(2.0)
 
 
+def test_a_local_context_keeps_its_parents_deadline_and_end() -> None:
+    """The parent's deadline is folded in at the start and its end arrives by callback
+    (the context does not ask the parent on every check)."""
+    parent = LocalContext(deadline=time.monotonic() + 0.05)
+    child = LocalContext(deadline=time.monotonic() + 10, parent=parent)
+    remaining = child.time_remaining()
+    assert remaining is not None and remaining <= 0.05
+    time.sleep(0.06)
+    assert not child.is_active()
+    with pytest.raises(grpc.RpcError) as caught:
+        child.check_live()
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    open_parent = LocalContext()
+    child = LocalContext(parent=open_parent)
+    assert child.time_remaining() is None and child.is_active()
+    open_parent.cancel()
+    assert not child.is_active()
+    with pytest.raises(grpc.RpcError) as caught:
+        child.check_live()
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+
+    late = LocalContext(parent=open_parent)  # the caller's RPC had already ended
+    assert not late.is_active()
+
+
+class _NoDeadlineParent:
+    """What a gRPC server context without a deadline reports: a time far in the future."""
+
+    def time_remaining(self) -> float:
+        return 1.0e12
+
+    def add_callback(self, callback: Any) -> bool:
+        return True
+
+
+def test_a_parent_without_a_deadline_leaves_the_childs_own() -> None:
+    assert LocalContext(parent=_NoDeadlineParent()).time_remaining() is None
+    remaining = LocalContext(deadline=time.monotonic() + 2, parent=_NoDeadlineParent()).time_remaining()
+    assert remaining is not None and 1 < remaining <= 2
+
+
 def test_stream_yields_every_chunk_in_order(bound: Any) -> None:
     binding, _, recorder = bound
     chunks = list(binding.GenerateStream(req("go", max_tokens=5), timeout=5))

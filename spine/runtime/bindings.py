@@ -189,10 +189,7 @@ def _call_local(handler: Callable[[Any, Any], Any], request: Any, context: Local
 
 def _context(metadata: Metadata, timeout: float | None, parent: Any | None) -> LocalContext:
     deadline = None if timeout is None else time.monotonic() + timeout
-    context = LocalContext(metadata, deadline, parent)
-    if parent is not None and not parent.add_callback(context.cancel):
-        context.cancel()  # the caller's RPC has already ended
-    return context
+    return LocalContext(metadata, deadline, parent)
 
 
 class LocalStream:

@@ -231,7 +231,12 @@ class CacheIndex(Generic[V]):
 
     def _free(self, slots: list[int]) -> None:
         if self._host:
-            self._meta_np[_TICK, slots] = 0
+            if len(slots) <= 8:  # an eviction frees one: cell writes (0.3 µs each), not a fancy index (3 µs)
+                cells = self._ticks_cells
+                for slot in slots:
+                    cells[slot] = 0
+            else:
+                self._meta_np[_TICK, slots] = 0
         else:
             self._meta[_TICK, torch.tensor(slots, dtype=torch.int64, device=self._meta.device)] = 0
         for slot in slots:

@@ -26,10 +26,11 @@ def _ms(values_s: Sequence[float], q: float) -> float:
 
 def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], wall_s: float, unsent: int,
                peak_rss_bytes: int, cpu_s: float = 0.0,
-               cpu_by_thread_s: Mapping[str, float] | None = None) -> dict[str, Any]:
+               cpu_by_thread_s: Mapping[str, float] | None = None,
+               round_rps: Sequence[float] = ()) -> dict[str, Any]:
     """One row of results.json: latency percentiles over successful calls, throughput, errors,
-    and the server's CPU per request (its whole process tree, and per group of threads:
-    `bench.targets.THREAD_GROUPS`)."""
+    the server's CPU per request (its whole process tree, and per group of threads:
+    `bench.targets.THREAD_GROUPS`), and the throughput of each of the cell's rounds."""
     ok = [call for call in calls if call.ok]
     record: dict[str, Any] = {
         "layout": layout, "mode": mode, "concurrency": concurrency,
@@ -39,6 +40,8 @@ def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], 
         "wall_s": round(wall_s, 3), "peak_rss_mb": round(peak_rss_bytes / MB, 1),
         "cpu_ms_per_request": round(1000.0 * cpu_s / len(ok), 4) if ok else None,
     }
+    if round_rps:
+        record["round_rps"] = [round(value, 3) for value in round_rps]
     if cpu_by_thread_s and ok:
         record["cpu_us_per_request_by_thread"] = {group: round(1e6 * seconds / len(ok), 1)
                                                   for group, seconds in cpu_by_thread_s.items()}
@@ -57,6 +60,22 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b and a == a and b == b else None  # NaN-safe: x == x is False for NaN
 
 
+def round_ratios(layout_rps: Sequence[float], bare_rps: Sequence[float]) -> list[float]:
+    """Each round's throughput over bare's in the same round (same prompts, turns next to each
+    other). Why: the host's speed drifts over minutes, so one cell's ratio can move by ±10%
+    between runs; the spread of its rounds says how far a single ratio can be trusted."""
+    if len(layout_rps) != len(bare_rps):
+        return []
+    return [ratio for a, b in zip(layout_rps, bare_rps, strict=True) if (ratio := _ratio(a, b)) is not None]
+
+
+def _spread(values: Sequence[float] | None) -> str:
+    """min–max of a cell's per-round ratios (\"\" when it has fewer than two)."""
+    if not values or len(values) < 2:
+        return ""
+    return f"{min(values):.2f}–{max(values):.2f}"
+
+
 def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Annotate each run with its ratio to bare; return layered-vs-collapsed per cell."""
     by_cell: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
@@ -70,6 +89,9 @@ def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 run["p50_vs_bare"] = _ratio(run["p50_ms"], bare["p50_ms"])
                 run["p99_vs_bare"] = _ratio(run["p99_ms"], bare["p99_ms"])
                 run["rps_vs_bare"] = _ratio(run["rps"], bare["rps"])
+                by_round = round_ratios(run.get("round_rps", ()), bare.get("round_rps", ()))
+                if by_round:
+                    run["rps_vs_bare_by_round"] = by_round
                 # What the middleware layer costs per request, in the issue's terms: the time
                 # per request at this concurrency beyond the bare model's (and its CPU).
                 if run["rps"] and bare["rps"]:
@@ -188,12 +210,13 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
     unary = [r for r in runs if r["mode"] == "unary"]
     table = Table(title=f"unary Generate, max_tokens={results['settings']['max_tokens']} (ratios: layout / bare)")
     for column in ("conc", "layout", "reqs", "err", "p50 ms", "p99 ms", "rps", "p50 ×bare", "p99 ×bare",
-                   "rps ×bare", "µs/req over bare", "CPU µs/req over bare", "peak RSS MB"):
+                   "rps ×bare", "rounds' rps ×bare", "µs/req over bare", "CPU µs/req over bare", "peak RSS MB"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for run in unary:
         table.add_row(str(run["concurrency"]), run["layout"], str(run["requests"]), str(run["errors"]),
                       _fmt(run["p50_ms"]), _fmt(run["p99_ms"]), _fmt(run["rps"], 1), _fmt(run.get("p50_vs_bare")),
                       _fmt(run.get("p99_vs_bare")), _fmt(run.get("rps_vs_bare")),
+                      _spread(run.get("rps_vs_bare_by_round")) if run["layout"] != "bare" else "",
                       _fmt(run.get("middleware_us_per_request"), 0), _fmt(run.get("middleware_cpu_us_per_request"), 0),
                       _fmt(run["peak_rss_mb"], 0))
     console.print(table)

@@ -267,6 +267,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
         cpu = dict.fromkeys(layouts, 0.0)
         by_thread: dict[str, Counter[str]] = {layout: Counter() for layout in layouts}
         unsent = dict.fromkeys(layouts, 0)
+        round_rps: dict[str, list[float]] = {layout: [] for layout in layouts}
         round_limit = settings.cell_limit_s(concurrency, count) / rounds
         start = 0
         with console.status(f"{mode} at concurrency {concurrency}: {count} requests per layout in {rounds} rounds"):
@@ -291,12 +292,14 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
                                                                  sampler.targets[layout].tree_thread_cpu_s()))
                     sampler.measuring(layout, None)
                     calls[layout].extend(batch.calls)
+                    round_rps[layout].append(sum(call.ok for call in batch.calls) / batch.wall_s if batch.wall_s > 0 else 0.0)
                     wall[layout] += batch.wall_s
                     unsent[layout] += batch.unsent
         for layout in layouts:
             peak = sampler.peak_by_label.get(f"{layout}/{mode}/{concurrency}", 0)
             record = run_record(layout, mode, concurrency, calls[layout], wall[layout], unsent[layout], peak,
-                                cpu_s=cpu[layout], cpu_by_thread_s=dict(by_thread[layout]))
+                                cpu_s=cpu[layout], cpu_by_thread_s=dict(by_thread[layout]),
+                                round_rps=round_rps[layout])
             runs.append(record)
             console.print(f"  {mode:6} c={concurrency:<3} {layout:9} p50 {record['p50_ms']:8.2f} ms  "
                           f"p99 {record['p99_ms']:8.2f} ms  {record['rps']:7.1f} rps  errors {record['errors']}")

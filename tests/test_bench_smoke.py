@@ -86,6 +86,25 @@ def test_ratios_to_bare_and_machine_details_are_recorded(quick_results: dict) ->
     assert quick_results["processes_left_running"] == []
 
 
+def test_each_cell_reports_every_rounds_throughput_ratio_to_bare(quick_results: dict) -> None:
+    """The spread of a cell's rounds is what tells a reader how far its one ratio can be trusted."""
+    rounds = quick_results["settings"]["rounds"]
+    for run in quick_results["runs"]:
+        where = f"{run['layout']} c={run['concurrency']} {run['mode']}"
+        assert len(run["round_rps"]) == rounds and all(_positive(v) for v in run["round_rps"]), where
+        ratios = run["rps_vs_bare_by_round"]
+        assert len(ratios) == rounds and all(_positive(v) for v in ratios), where
+        if run["layout"] == "bare":
+            assert ratios == [1.0] * rounds
+
+
+def test_round_ratios_pair_rounds_and_refuse_cells_that_do_not_match() -> None:
+    from bench.report import round_ratios
+    assert round_ratios([90.0, 120.0], [100.0, 100.0]) == [0.9, 1.2]
+    assert round_ratios([90.0], [100.0, 100.0]) == []
+    assert round_ratios([90.0, 50.0], [0.0, 100.0]) == [0.5]  # a round bare did not serve says nothing
+
+
 def test_each_run_reports_cpu_and_middleware_cost_per_request_and_the_plot_is_written(
         quick_results: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     for run in quick_results["runs"]:

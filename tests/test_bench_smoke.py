@@ -105,6 +105,12 @@ def test_round_ratios_pair_rounds_and_refuse_cells_that_do_not_match() -> None:
     assert round_ratios([90.0, 50.0], [0.0, 100.0]) == [0.5]  # a round bare did not serve says nothing
 
 
+def test_a_cells_spread_is_the_middle_half_of_its_rounds_not_their_extremes() -> None:
+    from bench.report import spread
+    assert spread([0.5, 0.9, 1.0, 1.1, 2.0]) == "0.90–1.10"
+    assert spread([1.0]) == "" and spread(None) == ""
+
+
 def test_each_run_reports_cpu_and_middleware_cost_per_request_and_the_plot_is_written(
         quick_results: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     for run in quick_results["runs"]:

@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_startup_heap_is_frozen_and_later_garbage_is_still_collected() -> None:
-    # A fresh interpreter: the test process's own heap (pytest's) is not to be frozen.
+    # A fresh interpreter: a server's start, measured from its beginning (the runner's own heap
+    # is frozen once collection ends: tests/conftest.py).
     script = textwrap.dedent("""
         import gc, json, weakref
         import spine.runtime.stack  # a server's imports: grpc, protobuf, pydantic, the registry

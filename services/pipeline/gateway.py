@@ -35,7 +35,7 @@ import grpc
 
 from services.inference_load import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
-from services.pipeline.limits import RequestLimits
+from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.model_load import ModelLoads
 from services.pipeline.runner import Pipeline, code_details
 from services.pipeline.state import RequestState
@@ -190,7 +190,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         metadata = tuple(context.invocation_metadata() or ())
         md = dict(metadata)
         remaining = context.time_remaining()
-        if remaining is None or remaining > 1e6:
+        if remaining is None or remaining > NO_DEADLINE_S:
             remaining = self.limits.default_deadline_s
         request_id = _safe_request_id(md.get(REQUEST_ID_HEADER))
         state = RequestState(

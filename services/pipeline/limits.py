@@ -12,6 +12,9 @@ from services.config_model import Float, Section
 from services.inference_config import InferenceConfig
 
 _MAX_TIMEOUT_MS: int = InferenceConfig.model_fields["max_timeout_ms"].default
+# A gRPC call sent without a deadline reports a time remaining far in the future (its
+# deadline is "infinite"): past this many seconds, the caller set none.
+NO_DEADLINE_S = 1e6
 
 
 class RequestLimits(Section):

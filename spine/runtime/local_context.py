@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from services.pipeline.limits import NO_DEADLINE_S
+
 Metadata = Sequence[tuple[str, str]]
 
 
@@ -155,16 +157,12 @@ class LocalContext:
                 pass
 
 
-# A gRPC call without a deadline reports one far in the future (its deadline is "infinite").
-_NO_DEADLINE_S = 1e9
-
-
 def _deadline_of(parent: Any | None) -> float | None:
     """The parent's deadline on the monotonic clock (None: it has none, or there is no parent)."""
     if parent is None:
         return None
     left = parent.time_remaining()
-    if left is None or left > _NO_DEADLINE_S:
+    if left is None or left > NO_DEADLINE_S:
         return None
     return time.monotonic() + max(0.0, left)
 

@@ -5,13 +5,19 @@
 Starts the layout in its own process (the bench's config: rate limits out of the way),
 drives closed-loop load from this process (its own GIL, as in `make bench`), and samples
 the server with py-spy: every thread, native frames left out. Writes a flame graph
-(`profile.svg`) and a table of the 20 functions with the most self time among samples that
-were doing work (threads waiting on a lock, a condition or a socket are idle, not cost),
-and the share of the busy samples in each part of the code: the model, the middlewares'
-services, the pipeline, gRPC, the rest. Last, the server's CPU per request over the same
-window by thread (`bench.targets.THREAD_GROUPS`): the samples say which code, this says
-which thread, and counts what py-spy's samples call idle (a thread's wake-ups, its cold
-start on a core the model's step has just used).
+(`profile.svg`), the server's CPU per request over the same window by thread
+(`bench.targets.THREAD_GROUPS`, read from the kernel), and that CPU split by part of the
+code (the model, the middlewares' services, the pipeline, gRPC, the rest) and by function.
+
+Why the split weighs each thread's samples by the thread's own CPU instead of counting
+samples: py-spy samples without stopping the process (`--nonblocking`), and then it can
+only guess from the stack whether a thread is running (py-spy issue #480). On the one CPU
+a model-serving process is kept on, its samples overstate the decode loop: one run at c=16
+read the model at 89% of the busy samples and the middlewares, the pipeline and gRPC at 7%,
+while the kernel's per-thread CPU over the same window put the handler threads (which run
+the middlewares) at 18% of the process's CPU and the decode loop at 73%. The kernel's CPU
+per thread is exact; the samples say which code a thread ran. Samples on a line that waits
+(a lock's acquire, a condition's wait: py-spy shows a C call's caller as the leaf) are idle.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import yaml
 
 from bench.load import Endpoint, prompts, requests_for, run_batch
 from bench.run import RATE_LIMIT_OFF
-from bench.targets import REPO_ROOT, SPINE_LAYOUT, launch, thread_cpu_by_group
+from bench.targets import REPO_ROOT, SPINE_LAYOUT, launch, thread_cpu_by_group, thread_group
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
@@ -42,7 +48,9 @@ IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_statu
 # been woken but not yet run still counts as active. Those samples were the top "self time"
 # entry (10% of busy samples) before they were read as what they are.
 BLOCKING_LINE = re.compile(r"\.(acquire|wait|wait_for|join|result)\(|\bsleep\(|^with\s+[\w.]*lock\b")
-PARTS = (("model", ("services/model/",)), ("pipeline", ("services/pipeline/", "monolith/")),
+# The model service's own code (its servicer and scheduler too: bare runs them as well) is
+# "model"; every other service is a middleware's.
+PARTS = (("model", ("services/model/", "services/inference")), ("pipeline", ("services/pipeline/", "monolith/")),
          ("middleware services", ("services/",)), ("runtime", ("spine/runtime/",)),
          ("grpc", ("grpc/",)), ("torch", ("torch/",)), ("threading", ("threading.py", "queue.py")))
 
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--subprocesses", "--nonblocking"]
         flame = subprocess.Popen([py_spy, *common, "--format", "flamegraph", "--output", str(svg)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        collapsed = subprocess.Popen([py_spy, *common, "--format", "raw", "--output", str(raw)],
+        collapsed = subprocess.Popen([py_spy, *common, "--gil", "--threads", "--format", "raw", "--output", str(raw)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)  # both samplers attached
         threads_before = target.tree_thread_cpu_s()
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"py-spy failed: {err.decode(errors='replace')[-400:]}", file=sys.stderr)
                 return 1
         rps = len(batch.calls) / batch.wall_s if batch.wall_s else 0.0
-        report = summarize(raw, rps, args) + thread_table(by_thread, len(batch.calls))
+        report = summarize(raw, rps, args, by_thread, len(batch.calls)) + thread_table(by_thread, len(batch.calls))
         (args.out / "profile.txt").write_text(report)
         print(report)
         print(f"flame graph: {svg}")
@@ -105,10 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarize(raw: Path, rps: float, args: argparse.Namespace) -> str:
-    """The top-20 self-time table and the share of busy samples per part of the code."""
-    self_time: collections.Counter[str] = collections.Counter()
-    parts: collections.Counter[str] = collections.Counter()
+def summarize(raw: Path, rps: float, args: argparse.Namespace, cpu_by_group: dict[str, float] | None = None,
+              requests: int = 0) -> str:
+    """CPU per request by part of the code and the 20 functions with the most self CPU: each
+    thread group's CPU (`cpu_by_group`, seconds over the window of `requests`) split by the
+    share of its busy samples. Without them (or without thread names in the samples), the
+    shares of all busy samples."""
+    by_group: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     busy = total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -116,21 +128,63 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace) -> str:
             continue
         n = int(count)
         total += n
-        leaf = stack.split(";")[-1]
+        frames = stack.split(";")
+        leaf = frames[-1]
         name = leaf.split(" (")[0].rsplit(".", 1)[-1]
         if " (" not in leaf or any(name == idle or name.endswith(idle) for idle in IDLE) or blocked_at(leaf):
             continue  # a thread in native code with no Python frame, or waiting
         busy += n
-        self_time[leaf] += n
-        where = leaf.split(" (")[-1] if " (" in leaf else ""
-        parts[next((part for part, paths in PARTS if any(p in where for p in paths)), "other")] += n
-    lines = [f"{args.layout} at c={args.concurrency}: {rps:.1f} rps over {args.seconds:g} s; "
-             f"{busy} of {total} samples busy",
-             "", "share of busy samples by part of the code:"]
-    lines += [f"  {part:22s} {100 * n / max(busy, 1):5.1f}%" for part, n in parts.most_common()]
-    lines += ["", "top 20 functions by self time (busy samples):"]
-    lines += [f"  {100 * n / max(busy, 1):5.1f}%  {leaf}" for leaf, n in self_time.most_common(20)]
+        group = _sampled_thread_group(frames)
+        where = leaf.split(" (")[-1]
+        by_group[group][next((part for part, paths in PARTS if any(p in where for p in paths)), "other")] += n
+        leaves[group][leaf] += n
+    weighted = bool(cpu_by_group and requests and set(by_group) - {""})
+    head = (f"{args.layout} at c={args.concurrency}: {rps:.1f} rps over {args.seconds:g} s; "
+            f"{busy} of {total} samples busy")
+    if not weighted:
+        parts = sum(by_group.values(), collections.Counter())
+        self_time = sum(leaves.values(), collections.Counter())
+        lines = [head, "", "share of busy samples by part of the code:"]
+        lines += [f"  {part:22s} {100 * n / max(busy, 1):5.1f}%" for part, n in parts.most_common()]
+        lines += ["", "top 20 functions by self time (busy samples):"]
+        lines += [f"  {100 * n / max(busy, 1):5.1f}%  {leaf}" for leaf, n in self_time.most_common(20)]
+        return "\n".join(lines) + "\n"
+    assert cpu_by_group is not None
+    parts_us = _weighted(by_group, cpu_by_group, requests)
+    leaves_us = _weighted(leaves, cpu_by_group, requests)
+    unsampled = {group: seconds for group, seconds in cpu_by_group.items() if seconds > 0 and not by_group.get(group)}
+    lines = [head, "", "CPU per request by part of the code (each thread group's CPU split by its busy samples):"]
+    lines += [f"  {part:26s} {us:8.0f} µs" for part, us in sorted(parts_us.items(), key=lambda kv: -kv[1])]
+    lines += [f"  {'(unsampled: ' + group + ')':26s} {1e6 * seconds / requests:8.0f} µs"
+              for group, seconds in unsampled.items()]
+    lines += ["", "the same by thread group (a group's split is as fine as its samples are many):"]
+    for group, parts in sorted(by_group.items(), key=lambda kv: -cpu_by_group.get(kv[0], 0.0)):
+        split = _weighted({group: parts}, cpu_by_group, requests)
+        cells = ", ".join(f"{part} {us:.0f}" for part, us in sorted(split.items(), key=lambda kv: -kv[1]) if us >= 0.5)
+        lines.append(f"  {group or '(unnamed)':12s} {1e6 * cpu_by_group.get(group, 0.0) / requests:6.0f} µs "
+                     f"({sum(parts.values())} samples): {cells}")
+    lines += ["", "top 20 functions by self CPU per request (µs, weighted the same way):"]
+    lines += [f"  {us:7.1f}  {leaf}" for leaf, us in sorted(leaves_us.items(), key=lambda kv: -kv[1])[:20]]
     return "\n".join(lines) + "\n"
+
+
+def _sampled_thread_group(frames: list[str]) -> str:
+    """The thread group of a sample whose stack names its thread, `thread (ID): NAME` (py-spy
+    `--threads`; after the process's own frame with `--subprocesses`), "" when it names none."""
+    named = next((frame for frame in frames[:2] if frame.startswith("thread (")), None)
+    return "" if named is None else thread_group(named.partition("): ")[2])
+
+
+def _weighted(counts: dict[str, collections.Counter[str]], cpu_by_group: dict[str, float],
+              requests: int) -> dict[str, float]:
+    """µs per request per key: each group's CPU shared out by its keys' sample counts."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for group, keys in counts.items():
+        samples = sum(keys.values())
+        seconds = cpu_by_group.get(group, 0.0)
+        for key, n in keys.items():
+            out[key] += 1e6 * seconds / requests * n / samples
+    return dict(out)
 
 
 def blocked_at(leaf: str) -> bool:

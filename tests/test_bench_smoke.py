@@ -211,3 +211,35 @@ def test_the_profile_counts_a_thread_blocked_on_a_line_as_idle(tmp_path: Path) -
     assert "30 of 100 samples busy" in report
     assert f"100.0%  work ({code}:2)" in report
     assert "submit" not in report and "lead" not in report
+
+
+def test_the_profile_splits_each_threads_cpu_by_its_own_samples(tmp_path: Path) -> None:
+    """py-spy's samples overstate the decode loop on a shared core (it only guesses which
+    thread runs); the kernel's CPU per thread is exact. So the report shares each thread
+    group's CPU out by that group's busy samples, not by the count of all samples."""
+    from argparse import Namespace
+
+    from bench.profile import summarize
+
+    code = tmp_path / "work.py"
+    code.write_text("total = 0\n")
+    process = 'process 1:"python -m spine up"'
+    stacks = [  # the model's thread has nine times the samples; the handlers half of its CPU
+        ("inference-scheduler", f"TinyLM.forward ({tmp_path}/services/model/tiny_lm.py:1)", 90),
+        ("grpc_3", f"InferenceService._start ({tmp_path}/services/inference.py:1)", 2),  # the model's own service
+        ("grpc_3", f"Pipeline.run ({tmp_path}/services/pipeline/runner.py:1)", 4),
+        ("grpc_7", f"AuthStage.decide ({tmp_path}/services/auth.py:1)", 4),
+    ]
+    raw = tmp_path / "profile.raw"
+    raw.write_text("".join(f"{process};thread ({i}): {thread};run (x.py:1);{leaf} {n}\n"
+                           for i, (thread, leaf, n) in enumerate(stacks)))
+    args = Namespace(layout="collapsed", concurrency=16, seconds=1.0)
+    report = summarize(raw, 100.0, args, {"handlers": 0.5, "model": 1.0, "completions": 0.1, "other": 0.0}, 1000)
+    assert "  model                          1100 µs" in report  # 1000 from the decode loop + 100 of the handlers'
+    assert "  pipeline                        200 µs" in report
+    assert "  middleware services             200 µs" in report
+    assert "  (unsampled: completions)        100 µs" in report  # CPU without samples is still shown
+    assert "  handlers        500 µs (10 samples): pipeline 200, middleware services 200, model 100" in report
+    # The same samples without the threads' CPU: shares of all busy samples, as before.
+    unweighted = summarize(raw, 100.0, args)
+    assert "share of busy samples by part of the code:" in unweighted and "   92.0%" in unweighted

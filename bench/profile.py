@@ -4,20 +4,23 @@
 
 Starts the layout in its own process (the bench's config: rate limits out of the way),
 drives closed-loop load from this process (its own GIL, as in `make bench`), and samples
-the server with py-spy: every thread, native frames left out. Writes a flame graph
-(`profile.svg`), the server's CPU per request over the same window by thread
-(`bench.targets.THREAD_GROUPS`, read from the kernel), and that CPU split by part of the
-code (the model, the middlewares' services, the pipeline, gRPC, the rest) and by function.
+the server with py-spy, native frames left out: a flame graph of every thread
+(`profile.svg`), and the thread holding the interpreter lock (`--gil`) for the tables: the
+server's CPU per request over the same window by thread (`bench.targets.THREAD_GROUPS`,
+read from the kernel), and that CPU split by part of the code (the model, the middlewares'
+services, the pipeline, gRPC, the rest) and by function.
 
-Why the split weighs each thread's samples by the thread's own CPU instead of counting
-samples: py-spy samples without stopping the process (`--nonblocking`), and then it can
-only guess from the stack whether a thread is running (py-spy issue #480). On the one CPU
-a model-serving process is kept on, its samples overstate the decode loop: one run at c=16
-read the model at 89% of the busy samples and the middlewares, the pipeline and gRPC at 7%,
-while the kernel's per-thread CPU over the same window put the handler threads (which run
-the middlewares) at 18% of the process's CPU and the decode loop at 73%. The kernel's CPU
-per thread is exact; the samples say which code a thread ran. Samples on a line that waits
-(a lock's acquire, a condition's wait: py-spy shows a C call's caller as the leaf) are idle.
+Why each thread's CPU is split by its own samples instead of counting samples: py-spy
+samples without stopping the process (`--nonblocking`; stopping it cut the spine's
+throughput to a quarter), and then it can only guess whether a thread is running (py-spy
+issue #480). On the one CPU a model-serving process is kept on, the guess overstates the
+decode loop: one run at c=16 read the model at 89% of the busy samples and the
+middlewares, the pipeline and gRPC at 7%, while the kernel put the handler threads (which
+run the middlewares) at 18% of the process's CPU; at c=64 the handlers got 9 samples in
+15 s. The lock's holder is known for sure (221 handler samples in the same run), the
+kernel's CPU per thread is exact, and the samples say which code a thread ran. Samples on
+a line that waits (a lock's acquire, a condition's wait: py-spy shows a C call's caller as
+the leaf) are idle.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ bench: install
 	$(PY) -m bench.run
 
 profile: install
-	$(PY) -m bench.profile
+	$(PY) -m bench.profile --against bare
 
 lint: install
 	$(VENV)/bin/ruff check .

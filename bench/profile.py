@@ -1,6 +1,6 @@
 """`make profile`: where the collapsed spine spends its CPU under load, as a flame graph.
 
-    python -m bench.profile [--concurrency 64] [--seconds 15] [--layout collapsed] [--out bench/]
+    python -m bench.profile [--concurrency 64] [--seconds 15] [--layout collapsed] [--against bare] [--out bench/]
 
 Starts the layout in its own process (the bench's config: rate limits out of the way),
 drives closed-loop load from this process (its own GIL, as in `make bench`), and samples
@@ -8,7 +8,9 @@ the server with py-spy, native frames left out: a flame graph of every thread
 (`profile.svg`), and the thread holding the interpreter lock (`--gil`) for the tables: the
 server's CPU per request over the same window by thread (`bench.targets.THREAD_GROUPS`,
 read from the kernel), and that CPU split by part of the code (the model, the middlewares'
-services, the pipeline, gRPC, the rest) and by function.
+services, the pipeline, gRPC, the rest) and by function. With `--against bare` (what
+`make profile` runs) it then profiles bare the same way and prints what the layout adds
+per request, part by part: the question a change to the request path has to answer.
 
 Why each thread's CPU is split by its own samples instead of counting samples: py-spy
 samples without stopping the process (`--nonblocking`; stopping it cut the spine's
@@ -34,13 +36,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from bench.load import Endpoint, prompts, requests_for, run_batch
 from bench.run import RATE_LIMIT_OFF
-from bench.targets import REPO_ROOT, SPINE_LAYOUT, launch, thread_cpu_by_group, thread_group
+from bench.targets import (
+    REPO_ROOT,
+    SPINE_LAYOUT,
+    keep_load_generator_off,
+    launch,
+    server_cpu,
+    thread_cpu_by_group,
+    thread_group,
+)
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
@@ -51,6 +62,10 @@ IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_statu
 # been woken but not yet run still counts as active. Those samples were the top "self time"
 # entry (10% of busy samples) before they were read as what they are.
 BLOCKING_LINE = re.compile(r"\.(acquire|wait|wait_for|join|result)\(|\bsleep\(|^with\s+[\w.]*lock\b")
+# Load goes to each layout in turns this long (the last turn's requests still finish):
+# the host's speed drifts over minutes, and a layout profiled after another read 10% slower.
+ROUND_S = 1.0
+ROUND_REQUESTS = 2000  # more than a turn sends at any concurrency here
 # The model service's own code (its servicer and scheduler too: bare runs them as well) is
 # "model"; every other service is a middleware's.
 PARTS = (("model", ("services/model/", "services/inference")), ("pipeline", ("services/pipeline/", "monolith/")),
@@ -68,7 +83,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second (fewer: it keeps up "
                         "with many threads)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--against", choices=["bare"], help="also profile bare the same way, after the layout, and "
+                        "print what the layout adds to it by part of the code (files profile-bare.*)")
     return parser.parse_args(argv)
+
+
+@dataclass
+class Profiled:
+    """One layout's profile: its report and the CPU per request by part of the code."""
+
+    report: str
+    parts_us: dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,42 +103,104 @@ def main(argv: list[str] | None = None) -> int:
         print("py-spy is not installed: `make install` (it is a dev dependency)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)  # py-spy writes into it, and fails if it is missing
+    layouts = [args.layout] + ([args.against] if args.against and args.against != args.layout else [])
+    profiled = profile(layouts, args, py_spy)
+    if profiled is None:
+        return 1
+    report = profiled[args.layout].report
+    if len(layouts) == 2:
+        table = difference_table(args.layout, profiled[args.layout].parts_us, args.against,
+                                 profiled[args.against].parts_us)
+        print(table)
+        report += "\n" + table
+    (args.out / "profile.txt").write_text(report)
+    return 0
+
+
+def profile(layouts: list[str], args: argparse.Namespace, py_spy: str) -> dict[str, Profiled] | None:
+    """Start every layout, load them in turns of `ROUND_S` (so the host's drift over the
+    minutes reaches each alike) while py-spy samples them all; write each one's
+    .raw/.svg/.txt under `args.out` (`profile.*` for the first, `profile-<layout>.*` after)."""
     run_dir = Path(tempfile.mkdtemp(prefix="spine-profile-"))
     config = run_dir / "config.yaml"
     config.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
-    target = launch(args.layout, run_dir, config)
+    targets = {layout: launch(layout, run_dir, config) for layout in layouts}
+    samplers: list[subprocess.Popen[bytes]] = []
     try:
-        address = target.wait_ready(120)
-        endpoint = Endpoint(address, gateway=args.layout != "bare", token="spine-dev-key-0000")
+        endpoints = {layout: Endpoint(target.wait_ready(120), gateway=layout != "bare", token="spine-dev-key-0000")
+                     for layout, target in targets.items()}
+        keep_load_generator_off(server_cpu())  # before py-spy starts: it runs beside the load generator
         requests = requests_for(prompts("profile", 200_000), args.max_tokens)
-        run_batch(endpoint, requests[:200], concurrency=args.concurrency, time_limit_s=10)  # warm up
-        raw = args.out / "profile.raw"  # kept beside the flame graph: grep it for any function
-        svg = args.out / "profile.svg"
-        common = ["record", "--pid", str(target.pid), "--duration", str(int(args.seconds)), "--rate", str(args.rate),
-                  "--subprocesses", "--nonblocking"]
-        flame = subprocess.Popen([py_spy, *common, "--format", "flamegraph", "--output", str(svg)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        collapsed = subprocess.Popen([py_spy, *common, "--gil", "--threads", "--format", "raw", "--output", str(raw)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(1.0)  # both samplers attached
-        threads_before = target.tree_thread_cpu_s()
-        batch = run_batch(endpoint, requests[200:], concurrency=args.concurrency, time_limit_s=args.seconds)
-        by_thread = thread_cpu_by_group(threads_before, target.tree_thread_cpu_s())
-        for sampler in (flame, collapsed):
-            _, err = sampler.communicate(timeout=args.seconds + 60)
+        for endpoint in endpoints.values():
+            run_batch(endpoint, requests[:200], concurrency=args.concurrency, time_limit_s=10)  # warm up
+        names = {layout: "profile" if i == 0 else f"profile-{layout}" for i, layout in enumerate(layouts)}
+        duration = str(int(args.seconds * len(layouts) + 5))
+        for layout, target in targets.items():
+            common = ["record", "--pid", str(target.pid), "--duration", duration, "--rate", str(args.rate),
+                      "--subprocesses", "--nonblocking"]
+            samplers.append(subprocess.Popen(
+                [py_spy, *common, "--format", "flamegraph", "--output", str(args.out / f"{names[layout]}.svg")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            samplers.append(subprocess.Popen(
+                [py_spy, *common, "--gil", "--threads", "--format", "raw", "--output", str(args.out / f"{names[layout]}.raw")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        time.sleep(1.0)  # the samplers attached
+        before = {layout: target.tree_thread_cpu_s() for layout, target in targets.items()}
+        calls = dict.fromkeys(layouts, 0)
+        wall = dict.fromkeys(layouts, 0.0)
+        sent = 200
+        while min(wall.values()) < args.seconds:
+            for layout in layouts:
+                if sent + ROUND_REQUESTS > len(requests):
+                    sent = 200  # a long profile sends the prompts again
+                batch = run_batch(endpoints[layout], requests[sent:sent + ROUND_REQUESTS], concurrency=args.concurrency,
+                                  time_limit_s=ROUND_S)
+                if not batch.calls:
+                    print(f"{layout} answered nothing in a turn of {ROUND_S:g} s: see its log", file=sys.stderr)
+                    return None
+                sent += len(batch.calls)
+                calls[layout] += len(batch.calls)
+                wall[layout] += batch.wall_s
+        by_thread = {layout: thread_cpu_by_group(before[layout], target.tree_thread_cpu_s())
+                     for layout, target in targets.items()}
+        for sampler in samplers:
+            _, err = sampler.communicate(timeout=args.seconds * len(layouts) + 90)
             if sampler.returncode != 0:
                 print(f"py-spy failed: {err.decode(errors='replace')[-400:]}", file=sys.stderr)
-                return 1
-        rps = len(batch.calls) / batch.wall_s if batch.wall_s else 0.0
-        report = summarize(raw, rps, args, by_thread, len(batch.calls)) + thread_table(by_thread, len(batch.calls))
-        (args.out / "profile.txt").write_text(report)
-        print(report)
-        print(f"flame graph: {svg}")
-        endpoint.close()
+                return None
+        out: dict[str, Profiled] = {}
+        for layout in layouts:
+            raw, rps = args.out / f"{names[layout]}.raw", calls[layout] / wall[layout] if wall[layout] else 0.0
+            layout_args = argparse.Namespace(**{**vars(args), "layout": layout, "seconds": wall[layout]})
+            report = (summarize(raw, rps, layout_args, by_thread[layout], calls[layout])
+                      + thread_table(by_thread[layout], calls[layout]))
+            (args.out / f"{names[layout]}.txt").write_text(report)
+            print(report)
+            print(f"flame graph: {args.out / (names[layout] + '.svg')}\n")
+            out[layout] = Profiled(report, parts_per_request(raw, by_thread[layout], calls[layout]))
+        for endpoint in endpoints.values():
+            endpoint.close()
+        return out
     finally:
-        target.stop()
+        for sampler in samplers:
+            if sampler.poll() is None:
+                sampler.kill()
+                sampler.wait()
+        for target in targets.values():
+            target.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
-    return 0
+
+
+def difference_table(layout: str, parts: dict[str, float], baseline: str, base_parts: dict[str, float]) -> str:
+    """What `layout` spends per request beyond `baseline`, by part of the code (µs)."""
+    names = sorted(set(parts) | set(base_parts), key=lambda part: -(parts.get(part, 0.0) - base_parts.get(part, 0.0)))
+    lines = [f"CPU per request by part of the code, {layout} against {baseline} (µs; loaded in turns):",
+             f"  {'part':26s} {baseline:>8s} {layout:>10s} {'difference':>11s}"]
+    lines += [f"  {part:26s} {base_parts.get(part, 0.0):8.0f} {parts.get(part, 0.0):10.0f} "
+              f"{parts.get(part, 0.0) - base_parts.get(part, 0.0):+11.0f}" for part in names]
+    total, base_total = sum(parts.values()), sum(base_parts.values())
+    lines.append(f"  {'total':26s} {base_total:8.0f} {total:10.0f} {total - base_total:+11.0f}")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(raw: Path, rps: float, args: argparse.Namespace, cpu_by_group: dict[str, float] | None = None,
@@ -122,27 +209,9 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace, cpu_by_group: dic
     thread group's CPU (`cpu_by_group`, seconds over the window of `requests`) split by the
     share of its busy samples. Without them (or without thread names in the samples), the
     shares of all busy samples."""
-    by_group: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    busy = total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
-        total += n
-        frames = stack.split(";")
-        leaf = frames[-1]
-        name = leaf.split(" (")[0].rsplit(".", 1)[-1]
-        if " (" not in leaf or any(name == idle or name.endswith(idle) for idle in IDLE) or blocked_at(leaf):
-            continue  # a thread in native code with no Python frame, or waiting
-        busy += n
-        group = _sampled_thread_group(frames)
-        where = leaf.split(" (")[-1]
-        by_group[group][next((part for part, paths in PARTS if any(p in where for p in paths)), "other")] += n
-        leaves[group][leaf] += n
+    busy, total, by_group, leaves = _read_samples(raw)
     weighted = bool(cpu_by_group and requests and set(by_group) - {""})
-    head = (f"{args.layout} at c={args.concurrency}: {rps:.1f} rps over {args.seconds:g} s; "
+    head = (f"{args.layout} at c={args.concurrency}: {rps:.1f} rps over {args.seconds:.3g} s of load; "
             f"{busy} of {total} samples busy")
     if not weighted:
         parts = sum(by_group.values(), collections.Counter())
@@ -171,6 +240,40 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace, cpu_by_group: dic
     return "\n".join(lines) + "\n"
 
 
+def parts_per_request(raw: Path, cpu_by_group: dict[str, float], requests: int) -> dict[str, float]:
+    """CPU per request (µs) by part of the code: each thread group's CPU split by its samples."""
+    _, _, by_group, _ = _read_samples(raw)
+    return _weighted(by_group, cpu_by_group, requests) if requests else {}
+
+
+Counts = dict[str, collections.Counter[str]]
+
+
+def _read_samples(raw: Path) -> tuple[int, int, Counts, Counts]:
+    """Busy and all samples, and the busy ones by thread group: per part of the code and
+    per leaf function."""
+    by_group: Counts = collections.defaultdict(collections.Counter)
+    leaves: Counts = collections.defaultdict(collections.Counter)
+    busy = total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        leaf = frames[-1]
+        name = leaf.split(" (")[0].rsplit(".", 1)[-1]
+        if " (" not in leaf or any(name == idle or name.endswith(idle) for idle in IDLE) or blocked_at(leaf):
+            continue  # a thread in native code with no Python frame, or waiting
+        busy += n
+        group = _sampled_thread_group(frames)
+        where = leaf.split(" (")[-1]
+        by_group[group][next((part for part, paths in PARTS if any(p in where for p in paths)), "other")] += n
+        leaves[group][leaf] += n
+    return busy, total, by_group, leaves
+
+
 def _sampled_thread_group(frames: list[str]) -> str:
     """The thread group of a sample whose stack names its thread, `thread (ID): NAME` (py-spy
     `--threads`; after the process's own frame with `--subprocesses`), "" when it names none."""
@@ -178,7 +281,7 @@ def _sampled_thread_group(frames: list[str]) -> str:
     return "" if named is None else thread_group(named.partition("): ")[2])
 
 
-def _weighted(counts: dict[str, collections.Counter[str]], cpu_by_group: dict[str, float],
+def _weighted(counts: Counts, cpu_by_group: dict[str, float],
               requests: int) -> dict[str, float]:
     """µs per request per key: each group's CPU shared out by its keys' sample counts."""
     out: dict[str, float] = collections.defaultdict(float)

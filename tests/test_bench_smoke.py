@@ -243,3 +243,15 @@ def test_the_profile_splits_each_threads_cpu_by_its_own_samples(tmp_path: Path) 
     # The same samples without the threads' CPU: shares of all busy samples, as before.
     unweighted = summarize(raw, 100.0, args)
     assert "share of busy samples by part of the code:" in unweighted and "   92.0%" in unweighted
+
+
+def test_the_profile_against_bare_prints_what_the_layout_adds_part_by_part() -> None:
+    from bench.profile import difference_table
+
+    table = difference_table("collapsed", {"model": 2500.0, "pipeline": 190.0, "grpc": 170.0},
+                             "bare", {"model": 2480.0, "grpc": 200.0, "other": 10.0})
+    rows = table.splitlines()
+    assert rows[0].startswith("CPU per request by part of the code, collapsed against bare")
+    assert rows[2].split() == ["pipeline", "0", "190", "+190"]  # the largest addition first
+    assert rows[-2].split() == ["grpc", "200", "170", "-30"]
+    assert rows[-1].split() == ["total", "2690", "2860", "+170"]

@@ -9,8 +9,9 @@ the server with py-spy, native frames left out: a flame graph of every thread
 server's CPU per request over the same window by thread (`bench.targets.THREAD_GROUPS`,
 read from the kernel), and that CPU split by part of the code (the model, the middlewares'
 services, the pipeline, gRPC, the rest) and by function. With `--against bare` (what
-`make profile` runs) it then profiles bare the same way and prints what the layout adds
-per request, part by part: the question a change to the request path has to answer.
+`make profile` runs) it starts bare too, loads the two in turns of a second, samples both,
+and prints what the layout adds per request, part by part: the question a change to the
+request path has to answer.
 
 Why each thread's CPU is split by its own samples instead of counting samples: py-spy
 samples without stopping the process (`--nonblocking`; stopping it cut the spine's

@@ -131,7 +131,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         self._buckets: dict[Key, _Bucket] = {}
         busy = config.concurrency_when_busy
         self._leases = ConcurrencyLeases(busy.above, busy.below, busy.halve)
-        self.alone_fast_path = True  # False: a lone item takes the general path (tests compare the two)
+        self.alone_fast_path = True  # False: every item takes the general path (tests compare the two)
         self._slots = SlotAdmission(self._leases, lambda tenant: config.limits_for(tenant).max_concurrent_requests,
                                     self._admit_into)
 
@@ -222,15 +222,29 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
     # -- gRPC --------------------------------------------------------------------------
     def admit_items(self, items: Sequence[AdmitItem]) -> list[AdmitVerdict | ItemError]:
-        """Decide every item as if one by one in list order, with one table decision.
+        """Decide every item as if one by one in list order.
 
         A malformed item is refused alone (INVALID_ARGUMENT naming the field) and the rest
         decided without it; when the bucket table has no room for a new bucket, the items
         are decided one by one so only those that needed room fail (RESOURCE_EXHAUSTED)."""
-        if len(items) == 1 and self.alone_fast_path:
-            verdict = self._admit_alone(items[0])
-            if verdict is not None:
-                return [verdict]
+        if not self.alone_fast_path:
+            return self._admit_together(items)
+        # Item by item on their buckets while they can be (`_admit_alone`): in list order,
+        # which is what the answers must equal, and cheaper than the general path below for
+        # the few items a micro-batch brings (timeit, best of 7, the bench's config: 15.3 µs
+        # an item against 19.4 through the general path in batches of 4, 15.3 against 16.7 in
+        # batches of 8). From the first item that cannot be, the rest go through the general
+        # path, after those decided.
+        decided: list[AdmitVerdict | ItemError] = []
+        for index, item in enumerate(items):
+            verdict = self._admit_alone(item)
+            if verdict is None:
+                return decided + self._admit_together(items[index:])
+            decided.append(verdict)
+        return decided
+
+    def _admit_together(self, items: Sequence[AdmitItem]) -> list[AdmitVerdict | ItemError]:
+        """The general path: every item with one table decision (slots, new buckets, bad items)."""
         results: list[Any] = [None] * len(items)
         asking: list[tuple[int, RateLimitAsk]] = []
         domain = self.config.domain
@@ -248,7 +262,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         return results
 
     def _admit_alone(self, item: AdmitItem) -> AdmitVerdict | None:
-        """A lone item whose buckets exist and whose tenant has no concurrency limit, decided
+        """An item whose buckets exist and whose tenant has no concurrency limit, decided
         straight on its two buckets (`TokenBucketTable.decide_alone`: the general path's
         answer, without its asks, rows and per-request dicts — the rate limiter was the
         dearest stage of a lone request); None: the general path decides it."""

@@ -231,11 +231,12 @@ LONE = st.builds(AdmitItem, tenant=st.sampled_from(["dev", "small", "tight", ""]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(LONE, st.sampled_from([0.0, 0.05, 0.5, 3.0]), st.sampled_from([None, 0.5, 1.0])),
-                min_size=1, max_size=25))
-def test_a_lone_items_short_path_answers_as_the_general_path(steps: list[tuple[AdmitItem, float, Any]]) -> None:
-    """`admit_items` with one item decides it straight on its buckets when it can; the
-    answers and the bucket levels are the general path's, step by step, shares changing."""
+@given(st.lists(st.tuples(st.lists(LONE, min_size=1, max_size=6), st.sampled_from([0.0, 0.05, 0.5, 3.0]),
+                          st.sampled_from([None, 0.5, 1.0])), min_size=1, max_size=25))
+def test_the_item_by_item_short_path_answers_as_the_general_path(steps: list[tuple[list[AdmitItem], float, Any]]) -> None:
+    """`admit_items` decides items straight on their buckets, one by one, while it can (and
+    the rest through the general path); the answers and the bucket levels are the general
+    path's, batch by batch, shares changing."""
     now = [1000.0]
 
     def make(short: bool) -> RateLimitService:
@@ -245,10 +246,10 @@ def test_a_lone_items_short_path_answers_as_the_general_path(steps: list[tuple[A
         return service
 
     short, general = make(True), make(False)
-    for item, wait, share in steps:
+    for items, wait, share in steps:
         if share is not None:
             short.set_share(share)
             general.set_share(share)
-        _same(short.admit_items([item]), general.admit_items([item]))
+        _same(short.admit_items(items), general.admit_items(items))
         assert short.snapshot() == general.snapshot()
         now[0] += wait

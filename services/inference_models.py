@@ -54,8 +54,11 @@ class MultiModelInference(InferenceService):
     def backlogged(self, models: Collection[str]) -> bool:
         """Each of `models` is served here and has a full batch waiting (a request for an idle
         model, or one not served here, must not wait)."""
-        served = self.served
-        return all(model in served and InferenceService.backlogged(served[model], (model,)) for model in models)
+        for model in models:  # without building `served`: the batcher asks this often
+            service = self if model == self.config.model_id else self.others.get(model)
+            if service is None or not InferenceService.backlogged(service, (model,)):
+                return False
+        return True
 
     def serving_state(self) -> list[tuple[ModelGauges, ServingStats]]:
         """Every served model's gauges and stats: one /metrics, a `model` label each."""

@@ -110,7 +110,7 @@ class AgingPriorityQueue(Generic[T]):
         return {lane: len(items) for lane, items in self._lanes.items()}
 
     def __len__(self) -> int:
-        return sum(len(items) for items in self._lanes.values())
+        return sum(map(len, self._lanes.values()))
 
     def __iter__(self) -> Iterator[T]:
         for items in self._lanes.values():

@@ -388,10 +388,16 @@ class Stack:
         requests name run here with a full batch queued, so admitted a few ms later they
         lose no model time — and never for the latency class, which the model's queue lets
         ahead of that backlog."""
-        if any(state.request.priority > DEFAULT_PRIORITY for state in states):
-            return False
         inference = self._local_inference()
-        return inference is not None and bool(inference.backlogged({state.request.model for state in states}))
+        if inference is None:
+            return False
+        models = set()  # one pass: the batcher asks this several times per request under load
+        for state in states:
+            request = state.request
+            if request.priority > DEFAULT_PRIORITY:
+                return False
+            models.add(request.model)
+        return bool(inference.backlogged(models))
 
     def _local_inference(self) -> Any:
         """The model's servicer while it runs in this process (what /metrics reads it from)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import secrets
 import threading
 import time
@@ -292,9 +293,16 @@ def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:
 
 def _safe_request_id(value: str | None) -> str:
     """Keep a caller's request id when it is short and plain; otherwise make one."""
-    if value and len(value) <= 64 and all(c.isalnum() or c in "-_." for c in value):
+    if value and _PLAIN_ID.fullmatch(value):
         return value
     return f"{_ID_PREFIX}{next(_ID_SEQUENCE):012x}"
+
+
+# A plain id: ASCII letters, digits, '-', '_' and '.', at most 64 of them. One regex match
+# (0.4 µs) where a per-character check took 3.3 µs for a uuid; every request the migration's
+# front forwards carries one. (gRPC metadata values are printable ASCII, so the per-character
+# check's other letters never reached it.)
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 # Request ids: a random per-process prefix (80 bits) and a counter — unique across

@@ -26,7 +26,6 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +42,7 @@ import yaml
 from bench.targets import Target, launch
 from services.inference_load import LOAD_HEADER, parse_load
 from spine.runtime.config import load_config, merge
-from spine.runtime.process import die_with_parent
+from spine.runtime.parent import spawn
 from spine.v1 import gateway_pb2_grpc, generation_pb2
 
 KEY = "spine-dev-key-0000"
@@ -79,11 +78,14 @@ def served(layout: str, extra: dict[str, Any]) -> Iterator[tuple[Any, Target]]:
             target.stop()
 
 
+# A busy loop that ends with this process (`spine.runtime.parent`: no fork hook).
+BURN = "from spine.runtime.parent import follow_parent\nif follow_parent():\n    while True: pass"
+
+
 @contextmanager
 def burning(count: int) -> Iterator[Callable[[], float]]:
     """`count` busy-looping processes; yields a reader of the highest load average seen."""
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent)
-               for _ in range(count)]
+    burners = [spawn([sys.executable, "-c", BURN]) for _ in range(count)]
     peak = [os.getloadavg()[0]]
     done = threading.Event()
 

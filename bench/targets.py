@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from services.cpu_placement import ENV as CPU_PLACEMENT_ENV
-from spine.runtime.process import die_with_parent
+from spine.runtime.parent import spawn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Which `spine up --layout` each bench layout but bare runs (bare is the model service alone).
@@ -223,7 +223,7 @@ def keep_load_generator_off(cpu: str | None) -> None:
 
 
 def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
-    """Start one layout's server process. Call from the main thread (see `die_with_parent`)."""
+    """Start one layout's server process. Call from the main thread (see `spine.runtime.parent`)."""
     layout_dir = run_dir / layout
     layout_dir.mkdir(parents=True, exist_ok=True)
     # Every layout listens on a unix socket, so the ratios to bare measure the middleware
@@ -251,8 +251,7 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
         env[CPU_PLACEMENT_ENV] = cpu
     with open(log_path, "w") as log_file:
         # PDEATHSIG in the child: if the bench dies (even by SIGKILL), its servers go too.
-        process = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                   env=env, preexec_fn=die_with_parent)
+        process = spawn(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
     target = Target(layout, process, log_path)
     threading.Thread(target=target._read_stdout, name=f"stdout-{layout}", daemon=True).start()
     return target

@@ -28,6 +28,7 @@ from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
 from services.common import ConfigError
+from spine.runtime.parent import follow_parent
 from spine.runtime.sections import TlsConfig
 from spine.runtime.signals import Termination
 
@@ -175,6 +176,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not follow_parent():
+        return 1  # started by `spawn`, whose process died before we could ask to die with it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:

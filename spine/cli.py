@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common import ConfigError
 from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
+from spine.runtime.parent import follow_parent
 from spine.runtime.server import UnsafeAddress
 from spine.runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
 from spine.runtime.tls import add_tls_client_arguments, client_credentials, refusal_hint
@@ -411,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not follow_parent():
+        return 1  # started by `spawn`, whose process died before we could ask to die with it
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -17,7 +17,7 @@ import pytest
 
 from migration.recording import RecordingTarget
 from migration.testing import ADMIN_TOKEN
-from spine.runtime.process import die_with_parent
+from spine.runtime.parent import spawn
 from spine.v1 import migration_pb2 as pb
 from spine.v1 import migration_pb2_grpc as pb_grpc
 
@@ -48,8 +48,7 @@ class Runner:
 
     def start(self) -> pb_grpc.MigrationControlStub:
         env = {k: v for k, v in os.environ.items() if k != "SPINE_ADMIN_TOKEN"}
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, preexec_fn=die_with_parent,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = spawn(self.args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # Its own subchannel pool and a short backoff: a channel to the killed controller's
         # socket must not hand its growing reconnect backoff to this one (seen in CI).
         channel = grpc.insecure_channel(self.listen, options=[

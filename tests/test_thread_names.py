@@ -4,10 +4,7 @@ the completions writer apart (before, every thread was `python`)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -61,28 +58,3 @@ def test_a_running_spine_names_its_decode_loop_handlers_and_writers(tmp_path: Pa
         assert flushers and all(kernel.startswith("log-flusher:") for kernel in flushers), names
     finally:
         stack.stop()
-
-
-def test_a_child_started_with_die_with_parent_goes_when_its_parent_is_killed(tmp_path: Path) -> None:
-    """PR_SET_PDEATHSIG through `services.prctl`: the parent (a shell) is SIGKILLed, and its
-    child, started with `die_with_parent`, gets SIGTERM instead of living on as an orphan."""
-    script = tmp_path / "parent.py"
-    script.write_text(
-        "import subprocess, sys, time\n"
-        "from spine.runtime.process import die_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent)\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n")
-    parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert parent.stdout is not None
-        child = int(parent.stdout.readline())
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
-    finally:
-        if parent.poll() is None:
-            parent.kill()

@@ -21,7 +21,7 @@ from typing import IO, Any
 import yaml
 
 from services.common import ConfigError
-from spine.runtime.process import die_with_parent
+from spine.runtime.parent import spawn
 from spine.runtime.ready_line import first_event
 from spine.runtime.run_dir import write_private
 
@@ -58,11 +58,10 @@ class LayoutProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         config_file = write_private(self.run_dir.parent, f"{self.name}-config.yaml", yaml.safe_dump(dict(self.config)))
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
+            self.process = spawn(
                 [sys.executable, "-m", "spine", "--config", str(config_file), "up", *self.up_arguments(),
                  "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir)],
-                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, stdin=self._stdin(),
-                preexec_fn=die_with_parent)
+                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, stdin=self._stdin())
         self._await_ready(timeout_s)
         return self.address
 

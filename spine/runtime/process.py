@@ -21,23 +21,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
-from services.prctl import PR_SET_PDEATHSIG, prctl
 from services.registry import COMPONENTS, DEFAULT, close_servicer
+from spine.runtime.parent import die_with_parent, follow_parent
 from spine.runtime.stage_follower import (
     ROLE_LAYERED_RATELIMIT,
     add_follow_arguments,
     follow,
     ratelimit_applier,
 )
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies: no orphans, ever."""
-    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +67,8 @@ def serve(argv: list[str] | None = None) -> int:
     if args.follow_controller and args.component != "ratelimit":
         parser.error(f"--follow-controller: only ratelimit follows the controller's stages, not {args.component}")
 
+    if not follow_parent():
+        return 1  # started by `spawn`, whose process died before we could ask to die with it
     die_with_parent()
     if args.parent_pid and os.getppid() != args.parent_pid:
         return 1  # the supervisor died before we could ask to die with it

@@ -65,7 +65,7 @@ from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
 from migration.traffic.spine_process import FaultNotSwitched
 from spine.runtime.config import merge
-from spine.runtime.process import die_with_parent
+from spine.runtime.parent import die_with_parent
 from spine.runtime.sections import ShadowConfig, TlsConfig
 from spine.runtime.signals import uninterrupted
 from spine.runtime.tls import link_credentials

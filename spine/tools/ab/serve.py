@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-ratio", type=float, default=1.0, help="share of requests traced (0 = none)")
     args = parser.parse_args(argv)
 
-    from spine.runtime.process import die_with_parent
+    from spine.runtime.parent import die_with_parent
 
     die_with_parent()
     from monolith.runtime_env import configure_threads

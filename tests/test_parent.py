@@ -19,6 +19,7 @@ from spine.runtime.parent import PARENT_PID_ENV, spawn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FOLLOW = "from spine.runtime.parent import follow_parent\n"
+CHILD = FOLLOW + "import time\nif follow_parent():\n    time.sleep(60)\n"  # gone with its parent, either way
 
 
 def test_a_spawned_child_goes_when_its_parent_is_killed(tmp_path: Path) -> None:
@@ -28,14 +29,14 @@ def test_a_spawned_child_goes_when_its_parent_is_killed(tmp_path: Path) -> None:
     script.write_text(
         "import sys, time\n"
         "from spine.runtime.parent import spawn\n"
-        f"child = spawn([sys.executable, '-c', {FOLLOW + 'import time; follow_parent(); time.sleep(60)'!r}])\n"
+        f"child = spawn([sys.executable, '-c', {CHILD!r}])\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        time.sleep(0.5)  # the child has asked by now (it only imports one small module first)
+        time.sleep(0.5)  # the child has asked by now (a slower one finds its parent gone and stops)
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 10

@@ -13,7 +13,8 @@ spine process to it once.
 
 So the parent names itself in the child's environment (`spawn`), and the child asks for the
 signal first thing (`follow_parent`) — then checks that its parent is still the one that
-started it, since a parent that died in between would have sent nothing.
+started it, since a parent that died in between would have sent nothing. The supervisor's
+children did this already with a `--parent-pid` flag of their own; they now use this too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def die_with_parent() -> None:
 
 def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, **popen: Any) -> subprocess.Popen[Any]:
     """`subprocess.Popen(argv, ...)` for a child that follows this process out (the child
-    calls `follow_parent`: every `spine` and `migration.runner` entry point does)."""
+    calls `follow_parent`: the `spine`, `spine.runtime.process` and `migration.runner` entry
+    points do)."""
     if "preexec_fn" in popen:
         raise TypeError("spawn: no preexec_fn (a fork hook is what this module avoids; see its docstring)")
     child_env = dict(os.environ if env is None else env)

@@ -20,7 +20,6 @@ serves mTLS; on a unix socket (the local supervisor's children) it stays plainte
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -40,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", required=True, help="unix:/path or 127.0.0.1:PORT")
     parser.add_argument("--config", required=True, help="the run's merged config YAML")
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--parent-pid", type=int, default=0)
     parser.add_argument("--allow-external", action="store_true",
                         help="listen beyond loopback (a pod address in a cluster)")
     parser.add_argument("--probe-listen", metavar="HOST:PORT",
@@ -67,11 +65,9 @@ def serve(argv: list[str] | None = None) -> int:
     if args.follow_controller and args.component != "ratelimit":
         parser.error(f"--follow-controller: only ratelimit follows the controller's stages, not {args.component}")
 
+    die_with_parent()  # started by hand too: it goes with whatever started it
     if not follow_parent():
-        return 1  # started by `spawn`, whose process died before we could ask to die with it
-    die_with_parent()
-    if args.parent_pid and os.getppid() != args.parent_pid:
-        return 1  # the supervisor died before we could ask to die with it
+        return 1  # started by `spawn` (the supervisor), whose process died before we could ask
 
     from monolith.device_on_use import DeviceOnFirstUse
     from monolith.runtime_env import configure_threads, freeze_startup_heap

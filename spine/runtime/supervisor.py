@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from spine.runtime.health_watch import Rounds, check_many, health_channel
+from spine.runtime.parent import spawn
 from spine.runtime.server import wait_serving
 
 log = logging.getLogger("spine.supervisor")
@@ -108,7 +109,7 @@ class Supervisor:
         """A `spine.runtime.process` child serving `component` on a unix socket in the run dir."""
         address = f"unix:{self.run_dir / (component + '.sock')}"
         argv = [sys.executable, "-m", "spine.runtime.process", component, "--listen", address,
-                "--config", str(config_path), "--run-dir", str(self.run_dir), "--parent-pid", str(os.getpid())]
+                "--config", str(config_path), "--run-dir", str(self.run_dir)]
         child = Child(component, argv, address, self.run_dir / "logs" / f"{component}.log")
         self.children[component] = child
         return child
@@ -241,8 +242,7 @@ class Supervisor:
             os.unlink(sock)  # a stale socket from the crashed instance
         out = open(child.log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         try:
-            return subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=os.getcwd())
+            return spawn(child.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd())
         finally:
             out.close()
 

@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second (fewer: it keeps up "
                         "with many threads)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
-    parser.add_argument("--against", choices=["bare"], help="also profile bare the same way, after the layout, and "
-                        "print what the layout adds to it by part of the code (files profile-bare.*)")
+    parser.add_argument("--against", choices=["bare"], help="also profile bare the same way, loaded in turns with "
+                        "the layout, and print what the layout adds to it by part of the code (files profile-bare.*)")
     return parser.parse_args(argv)
 
 
@@ -173,12 +173,14 @@ def profile(layouts: list[str], args: argparse.Namespace, py_spy: str) -> dict[s
         for layout in layouts:
             raw, rps = args.out / f"{names[layout]}.raw", calls[layout] / wall[layout] if wall[layout] else 0.0
             layout_args = argparse.Namespace(**{**vars(args), "layout": layout, "seconds": wall[layout]})
-            report = (summarize(raw, rps, layout_args, by_thread[layout], calls[layout])
+            samples = _read_samples(raw)
+            report = (_summary(samples, rps, layout_args, by_thread[layout], calls[layout])
                       + thread_table(by_thread[layout], calls[layout]))
             (args.out / f"{names[layout]}.txt").write_text(report)
             print(report)
             print(f"flame graph: {args.out / (names[layout] + '.svg')}\n")
-            out[layout] = Profiled(report, parts_per_request(raw, by_thread[layout], calls[layout]))
+            by_part = samples[2]
+            out[layout] = Profiled(report, _weighted(by_part, by_thread[layout], calls[layout]))
         for endpoint in endpoints.values():
             endpoint.close()
         return out
@@ -210,7 +212,12 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace, cpu_by_group: dic
     thread group's CPU (`cpu_by_group`, seconds over the window of `requests`) split by the
     share of its busy samples. Without them (or without thread names in the samples), the
     shares of all busy samples."""
-    busy, total, by_group, leaves = _read_samples(raw)
+    return _summary(_read_samples(raw), rps, args, cpu_by_group, requests)
+
+
+def _summary(samples: Samples, rps: float, args: argparse.Namespace, cpu_by_group: dict[str, float] | None,
+             requests: int) -> str:
+    busy, total, by_group, leaves = samples
     weighted = bool(cpu_by_group and requests and set(by_group) - {""})
     head = (f"{args.layout} at c={args.concurrency}: {rps:.1f} rps over {args.seconds:.3g} s of load; "
             f"{busy} of {total} samples busy")
@@ -241,16 +248,11 @@ def summarize(raw: Path, rps: float, args: argparse.Namespace, cpu_by_group: dic
     return "\n".join(lines) + "\n"
 
 
-def parts_per_request(raw: Path, cpu_by_group: dict[str, float], requests: int) -> dict[str, float]:
-    """CPU per request (µs) by part of the code: each thread group's CPU split by its samples."""
-    _, _, by_group, _ = _read_samples(raw)
-    return _weighted(by_group, cpu_by_group, requests) if requests else {}
-
-
 Counts = dict[str, collections.Counter[str]]
+Samples = tuple[int, int, Counts, Counts]  # busy, all, and the busy ones by group: per part, per leaf
 
 
-def _read_samples(raw: Path) -> tuple[int, int, Counts, Counts]:
+def _read_samples(raw: Path) -> Samples:
     """Busy and all samples, and the busy ones by thread group: per part of the code and
     per leaf function."""
     by_group: Counts = collections.defaultdict(collections.Counter)

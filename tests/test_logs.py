@@ -342,3 +342,38 @@ def test_the_quick_screen_never_keeps_text_the_patterns_would_redact() -> None:
                 for _ in range(2_000)]
     for text in crafted:
         assert redact_text(text) == _SECRET_TEXT.sub(REDACTED, text), text
+
+
+def test_a_line_is_byte_for_byte_what_json_dumps_makes_of_the_record(tmp_path: Path) -> None:
+    """`encode` assembles the line itself (every request pays for it); it must be exactly the
+    bytes json.dumps writes for the same entry — escapes, non-ASCII, line separators, quotes,
+    secrets, floats and a clock in whole seconds included."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    texts = st.one_of(st.text(max_size=40), st.sampled_from(["", "tiny-lm", JWT, "Bearer abc.def", 'a"b\\c',
+                                                             "line\u2028break\n", "snowman \u2603 \U0001F600"]))
+    clocks = st.one_of(st.floats(min_value=0, max_value=4e9, allow_nan=False), st.integers(0, 4_000_000_000))
+
+    now_is = [0.0]
+    service = LogsService(config(tmp_path, max_line_bytes=1 << 20), clock=lambda: now_is[0])
+
+    @settings(max_examples=300, deadline=None)
+    @given(texts, texts, texts, texts, texts, st.floats(min_value=0, max_value=1e12, allow_nan=False,
+                                                       allow_infinity=False),
+           st.booleans(), st.booleans(), st.dictionaries(texts, texts, max_size=3), clocks)
+    def check(request_id: str, tenant: str, model: str, status: str, layout: str, latency_ms: float,
+              cached: bool, shadow: bool, fields: dict[str, str], now: float) -> None:
+        now_is[0] = now
+        record = logs_pb2.LogRecord(request_id=request_id, tenant=tenant, model=model, status=status,
+                                    latency_ms=latency_ms, layout=layout, cached=cached, shadow=shadow, fields=fields)
+        entry = {"ts": round(now, 6), "request_id": redact_text(request_id), "tenant": redact_text(tenant),
+                 "model": redact_text(model), "status": redact_text(status), "latency_ms": record.latency_ms,
+                 "layout": redact_text(layout), "cached": cached, "shadow": shadow,
+                 "fields": redact_mapping(dict(sorted(record.fields.items())))}
+        assert service.encode(record) == (json.dumps(entry, separators=(",", ":")) + "\n").encode("ascii")
+
+    try:
+        check()
+    finally:
+        service.close()

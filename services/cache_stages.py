@@ -31,7 +31,7 @@ class Probe:
 NOT_CACHEABLE = Probe(cacheable=False)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: see services.pipeline.batch_rpc
 class StoreItem:
     """An answer to keep (the fields of `spine.v1.CacheStoreRequest`): under the lookup's
     `key`, or, without one, under the key of `request`."""

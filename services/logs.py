@@ -150,7 +150,7 @@ def _number(value: float) -> str:
     return float.__repr__(value) if type(value) is float else json.dumps(value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: see services.pipeline.batch_rpc
 class LogEntry:
     """One finished request as the log writes it (the fields of `spine.v1.LogRecord`)."""
 

@@ -17,7 +17,7 @@ from services.pipeline.state import RequestState
 from spine.v1 import metrics_pb2
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: see services.pipeline.batch_rpc
 class MetricsRecord:
     """One finished request as the metrics count it (the fields of `spine.v1.RequestRecord`)."""
 

@@ -20,7 +20,7 @@ RESOURCES = ("requests", "tokens")
 MAX_HITS_ADDEND = 2**40
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: see services.pipeline.batch_rpc
 class AdmitItem:
     """One request to admit (the fields of `spine.v1.AdmitRequest`)."""
 

@@ -44,7 +44,7 @@ class BucketState:
     capacity: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per decision (see services.pipeline.batch_rpc)
 class BatchDecision:
     """Per request: admitted. Per row (descriptor): fits, remaining after, retry-after."""
 

@@ -54,3 +54,32 @@ def test_sigterm_to_the_demo_alone_stops_every_process_it_started(tmp_path: Path
             demo.wait(timeout=10)
         for process in _alive(psutil.Process().children(recursive=True)):
             process.kill()
+
+
+def test_an_interrupt_reaches_a_command_started_with_sigint_ignored() -> None:
+    """A script's `spine demo &` starts it with SIGINT ignored (POSIX), which Python keeps:
+    `kill -INT` did nothing. `sigterm_as_interrupt` takes SIGINT back then, and both signals
+    unwind the command (its `finally` runs), one process each."""
+    child = ("import signal, sys, time\n"
+             "from spine.runtime.signals import sigterm_as_interrupt\n"
+             "assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
+             "try:\n"
+             "    with sigterm_as_interrupt():\n"
+             "        print('ready', flush=True)\n"
+             "        time.sleep(30)\n"
+             "except KeyboardInterrupt:\n"
+             "    print('unwound', flush=True)\n"
+             "    sys.exit(130)\n")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        # Started as a background job is: SIGINT ignored from the start (inherited over exec).
+        starter = f"import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.executable, [sys.executable, '-c', {child!r}])"
+        process = subprocess.Popen([sys.executable, "-c", starter], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            assert process.stdout is not None and process.stdout.readline() == "ready\n"
+            process.send_signal(signum)
+            assert process.wait(timeout=20) == 130, signum
+            assert process.stdout.read() == "unwound\n"
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)

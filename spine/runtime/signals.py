@@ -35,15 +35,23 @@ class Termination:
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C, so every child is stopped on the way out (Python's own
-    SIGTERM ends the process at once: `finally` blocks never run and children are orphaned)."""
+    SIGTERM ends the process at once: `finally` blocks never run and children are orphaned).
+
+    SIGINT too, when the process was started with it ignored: a shell script's `cmd &` starts
+    its job so (POSIX), and Python keeps an ignored SIGINT ignored, so `kill -INT` of a demo
+    started that way did nothing at all. A command that asks for these signals takes them
+    back, as Go's `signal.Notify` does."""
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt)}
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextmanager

@@ -4,7 +4,8 @@ Why: the spine's own work per request is ~1000 small interpreter steps spread ev
 the gateway, the pipeline's runner and the middlewares' decisions (no single piece above a
 tenth of it: `make profile`); on one core that CPU is what the spine costs next to the bare
 model. The same modules compiled by Cython, unchanged, run that work without the bytecode
-loop: the warm request path measured 105.8 → 76.3 µs (best of six, side by side). The .py
+loop: the warm request path (`python -m bench.warm_path`, eight runs each way, taking turns)
+143 → 98 µs at best, 198 → 166 µs in the median, on a noisy host. The .py
 files stay the source and the reference: a module runs compiled only when the build
 holds a binary made from exactly its current text, and otherwise as Python.
 

@@ -4,14 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/spine/v1/*.proto)
 
-.PHONY: install prometheus protos compiled run rehearse test bench lint clean
+.PHONY: install prometheus protos run rehearse test bench lint clean
 
-install: $(VENV)/.installed spine/v1/.generated prometheus compiled
-
-# The request path's modules compiled with Cython (services/compiled.py), those whose source
-# changed since the last build only (a no-op otherwise); one line and on where it cannot be.
-compiled: $(VENV)/.installed spine/v1/.generated
-	@$(PY) -m spine.tools.build_compiled
+install: $(VENV)/.installed spine/v1/.generated prometheus
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
@@ -54,4 +49,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) spine/v1 bench/results.json build
+	rm -rf $(VENV) spine/v1 bench/results.json

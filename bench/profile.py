@@ -24,9 +24,6 @@ run the middlewares) at 18% of the process's CPU; at c=64 the handlers got 9 sam
 kernel's CPU per thread is exact, and the samples say which code a thread ran. Samples on
 a line that waits (a lock's acquire, a condition's wait: py-spy shows a C call's caller as
 the leaf) are idle.
-
-The servers run the request path as Python source (`SPINE_COMPILED=0`): py-spy has no view
-inside the compiled build (`services.compiled`); `make bench` measures that one.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from __future__ import annotations
 import argparse
 import collections
 import linecache
-import os
 import re
 import shutil
 import subprocess
@@ -57,7 +53,6 @@ from bench.targets import (
     thread_cpu_by_group,
     thread_group,
 )
-from services.compiled import ENV as COMPILED_ENV
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
@@ -130,9 +125,6 @@ def profile(layouts: list[str], args: argparse.Namespace, py_spy: str) -> dict[s
     run_dir = Path(tempfile.mkdtemp(prefix="spine-profile-"))
     config = run_dir / "config.yaml"
     config.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
-    # The source, not the compiled build: py-spy sees no Python frames inside compiled code,
-    # so it would put that CPU on whatever Python frame called in.
-    os.environ[COMPILED_ENV] = "0"
     targets = {layout: launch(layout, run_dir, config) for layout in layouts}
     samplers: list[subprocess.Popen[bytes]] = []
     try:

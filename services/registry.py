@@ -201,7 +201,7 @@ ENVOY_RLS = ForeignApi("envoy-rls", "envoy.service.ratelimit.v3.rls_pb2", "RateL
 
 _CODE = grpc.StatusCode
 DEFAULT = Registry([
-    _spec("auth", "Auth", "services.auth_config:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"},
+    _spec("auth", "Auth", "services.auth:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"},
           passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,)),
     _spec("ratelimit", "RateLimit", "services.sections:RateLimitConfig",
           ("services.ratelimit_stages:RateLimitStage", "services.ratelimit_stages:ReleaseStage"),

@@ -14,7 +14,3 @@ every `python -m spine…` entry point. An operator's own `THP_MEM_ALLOC_ENABLE`
 import os
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-# The finder of the compiled request path (`services.compiled`), before any module of this
-# package that it covers is imported.
-import services  # noqa: E402, F401

@@ -21,8 +21,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from monolith.batched import DeferredCompletions
-from monolith.batching_config import BatchingConfig
+from monolith.batched import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
 from services.auth import AuthConfig, AuthService
 from services.cache import CacheConfig, CacheService

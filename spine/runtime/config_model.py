@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, create_model
 
-from monolith.batching_config import BatchingConfig
+from monolith.batched import BatchingConfig
 from monolith.device_config import DeviceConfig
 from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section, describe
 from services.pipeline.limits import RequestLimits

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from monolith.batched import BatchedAdmission, DeferredCompletions
-from monolith.batching_config import BatchingConfig
+from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
 from monolith.device_on_use import DeviceOnFirstUse
 from services.common import ConfigError, section
 from services.inference_config import InferenceConfig

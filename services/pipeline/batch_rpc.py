@@ -18,6 +18,7 @@ So both layouts run one decision path and the proto stays the contract: the remo
 is `decode_results ∘ rpc ∘ encode_items`, and the rpc is `encode_results ∘ local ∘
 decode_items`. A failed item is an `ItemError` (its status in the batch answer), never an
 exception: the other items of the batch are still answered.
+
 The items a stage builds (`AdmitItem`, `StoreItem`, `LogEntry`, `MetricsRecord`) are
 slotted dataclasses but not frozen ones: one is made per request per stage, read once and
 dropped, and a frozen dataclass's generated `__init__` costs four times a plain one's

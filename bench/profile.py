@@ -179,8 +179,9 @@ def profile(layouts: list[str], args: argparse.Namespace, py_spy: str) -> dict[s
             (args.out / f"{names[layout]}.txt").write_text(report)
             print(report)
             print(f"flame graph: {args.out / (names[layout] + '.svg')}\n")
-            by_part = samples[2]
-            out[layout] = Profiled(report, _weighted(by_part, by_thread[layout], calls[layout]))
+            _, _, by_part, _ = samples
+            parts_us = _weighted(by_part, by_thread[layout], calls[layout]) if calls[layout] else {}
+            out[layout] = Profiled(report, parts_us)
         for endpoint in endpoints.values():
             endpoint.close()
         return out

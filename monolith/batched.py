@@ -71,10 +71,6 @@ class BatchingConfig(Section):
     # 10-154 µs in four A/Bs (c=64: -53 to +113), but the decode loop's mostly rose by as
     # much (it stepped with fewer requests admitted); throughput did not move past the noise.
     max_wait_us: Annotated[Float, Field(ge=0, le=100_000)] = 10_000.0
-    # While the model runs here and steps, admit requests between its steps on its own
-    # thread, a step's arrivals as one batch (`monolith.step_admission`: why, and what it
-    # measured); the micro-batcher above decides the rest. Off: the micro-batcher decides all.
-    between_steps: StrictBool = True
     # How often finished requests' completions are written, a window at a time, off the
     # request path; readers and shutdown never wait for it. 250 ms instead of 50 cut the
     # writer's CPU per request (c=16: 130 -> 53 µs, c=64: 81 -> 62) in one A/B, lost in the

@@ -1,9 +1,8 @@
 """The inference scheduler: one thread owns the engine; jobs join and leave between decode steps.
 
 Between two steps the scheduler, in this order: stops cancelled jobs, stops streams whose
-reader has stopped reading, stops jobs past their compute budget, runs the work its owner
-asked to run there (`between_steps`: the spine admits the requests that arrived during
-the step, see `monolith.step_admission`), and admits waiting jobs into free KV slots — highest priority class first, with aging so the lowest class never
+reader has stopped reading, stops jobs past their compute budget, and admits waiting jobs
+into free KV slots — highest priority class first, with aging so the lowest class never
 starves (see `services.priority`). Then it runs one batched step, measures it (the
 `StepCost` every default budget and load hint is computed from) and hands each job its
 token.
@@ -121,19 +120,6 @@ class Job:
     last_token_pc: float = 0.0
 
 
-class BetweenSteps(Protocol):
-    """Work run on the model's thread before each admission into KV slots.
-
-    `pending` says whether there is any (the loop wakes for it even when the model is idle,
-    after `Scheduler.nudge`). `run` does it; before it lets callers go that will submit a
-    job at once, it calls `Scheduler.hold_for` with their number: the loop then holds the
-    step (at most `join_wait_s`) until they have, so they join this step, not the next."""
-
-    def pending(self) -> bool: ...
-
-    def run(self) -> None: ...
-
-
 class Scheduler:
     """Owns the engine; admits waiting jobs by priority between steps; delivers tokens per job."""
 
@@ -158,9 +144,6 @@ class Scheduler:
         self._wake = threading.Condition()
         self._closed = False
         self._admissions = 0
-        self._between: BetweenSteps | None = None
-        self._join_wait_s = 0.0
-        self._joining = 0  # submissions the step is held for (`BetweenSteps.run`)
         self.recent_admissions: deque[Job] = deque(maxlen=64)  # admission order, for tests and the bench
         self._thread = threading.Thread(target=self._loop, name="inference-scheduler", daemon=True)
         self._thread.start()
@@ -179,37 +162,7 @@ class Scheduler:
             job.enqueued_at = self.clock()
             job.submitted_pc = time.perf_counter()
             self._waiting.push(job, job.priority, job.enqueued_at)
-            if self._joining > 0:  # the loop holds the step for this one: wake it for the last only
-                self._joining -= 1
-                if self._joining:
-                    return
             self._wake.notify()
-
-    def run_between_steps(self, work: BetweenSteps | None, join_wait_s: float = 0.0) -> None:
-        """Run `work` on the model's thread between steps (None: stop running it)."""
-        with self._wake:
-            self._between = work
-            self._join_wait_s = join_wait_s
-
-    def hold_for(self, submissions: int) -> None:
-        """Called by `BetweenSteps.run` before it lets go callers that will submit a job:
-        the step waits for that many submissions (any caller's count), at most `join_wait_s`
-        — only for as many as could get a KV slot now: with every slot taken or promised to
-        jobs already queued, a wait would cost the model time and gain no one a place."""
-        with self._wake:
-            room = self.engine.free_slots - len(self._waiting)
-            self._joining = max(0, min(submissions, room))
-
-    def nudge(self) -> None:
-        """Wake the loop for its `between_steps` work, also when the model is idle."""
-        with self._wake:
-            self._wake.notify()
-
-    @property
-    def stepping(self) -> bool:
-        """Whether the loop is busy: jobs run or wait for a slot, so it comes back between
-        steps within one step's time."""
-        return bool(self._running or self._waiting)
 
     def next_output(self, job: Job, timeout: float) -> Any:
         """The job's next item (a StepOutput, a unary job's list, or WAKE), or None after
@@ -269,8 +222,7 @@ class Scheduler:
         while True:
             started = time.perf_counter()
             with self._wake:
-                while (not self._closed and not self._waiting and not self._running and not self._cancels
-                       and not (self._between is not None and self._between.pending())):
+                while not self._closed and not self._waiting and not self._running and not self._cancels:
                     self._wake.wait()
                     started = time.perf_counter()  # time spent idle is no step's cost
                 if self._closed and not self._running and not self._waiting:
@@ -280,7 +232,6 @@ class Scheduler:
                 self._stop(job, JobCancelled("generation cancelled"))
             self._check_readers()
             self._expire()
-            self._run_between_steps()
             self._admit()
             if not self._running:
                 continue
@@ -307,24 +258,6 @@ class Scheduler:
             self.cost.observe(len(outputs), time.perf_counter() - started)
             if self.observer is not None:
                 self.observer.step(len(outputs), ttfts, itls)
-
-    def _run_between_steps(self) -> None:
-        """The owner's work (`run_between_steps`), then a wait of at most `join_wait_s` for
-        the submissions it announced (`hold_for`), so they are queued when slots go out."""
-        work = self._between
-        if work is None or not work.pending():
-            return
-        try:
-            work.run()
-        except Exception:  # the owner's bug; it answers its own callers, the model goes on
-            log.exception("work between decode steps failed")
-        with self._wake:
-            until = time.monotonic() + self._join_wait_s
-            while self._joining > 0 and not self._closed:
-                left = until - time.monotonic()
-                if left <= 0 or not self._wake.wait(left):
-                    break
-            self._joining = 0
 
     def _deliver(self, job: Job, output: StepOutput, now: float) -> None:
         """Hand `output` to its job without ever waiting for the consumer.

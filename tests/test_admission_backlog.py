@@ -31,9 +31,7 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
     config = config_for_tests(
         inference={"backend": {"class": "tests.paced_backend:paced", "options": {"step_ms": STEP_MS}},
                    "warmup_tokens": 2, "max_batch": SLOTS},
-        # The micro-batcher's own rule: with admission between the model's steps on, a
-        # request that comes while the model steps is decided there instead.
-        batching={"max_wait_us": 50_000, "between_steps": False})
+        batching={"max_wait_us": 50_000})
     stack = start_stack("collapsed", tmp_path, config)
     try:
         inference = stack._local_inference()

@@ -28,8 +28,7 @@ class BindingHook(Protocol):
     """Runs around every call of every binding (timings, spans).
 
     `before` may return extra metadata to send (trace context); its return value of
-    `begin` is handed back to `end`. A hook whose `begin` may sleep says so with a true
-    `may_block` attribute: the spine then never runs it on the model's thread.
+    `begin` is handed back to `end`.
     """
 
     def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> Any: ...

@@ -38,9 +38,6 @@ class FaultHook:
     wrong_answers: bool = False  # read by `WrongAnswers` around the model
     _rng: random.Random = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    # It sleeps in `begin` when asked to add latency: the spine then never decides admission
-    # on the model's thread (`monolith.step_admission`), where the sleep would stall the model.
-    may_block = True
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)

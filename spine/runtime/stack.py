@@ -23,7 +23,6 @@ import yaml
 
 from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
 from monolith.device_on_use import DeviceOnFirstUse
-from monolith.step_admission import StepAdmission
 from services.common import ConfigError, section
 from services.inference_config import InferenceConfig
 from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
@@ -91,7 +90,6 @@ class Stack:
     health_interval_s: float = 0.5
     health_timeout_s: float = 0.5
     admission: BatchedAdmission | None = None
-    step_admission: StepAdmission | None = None  # over `admission`, while the model steps here
     completions: DeferredCompletions | None = None
     shadow: Any = None  # the spine's own mirror, with shadow.layered_address (spine.runtime.gateway_mirror)
     _retired: list[Any] = field(default_factory=list)
@@ -358,7 +356,6 @@ class Stack:
                 self.admission.close()  # requests already inside finish there
                 self.admission = None
             gateway.admission = DirectAdmission(pipeline)
-        self._attach_step_admission()
         deferred = frozenset(stage.name for stage in pipeline.completion
                              if stage.deferrable and batching.batches(self.placements[stage.component]))
         if self.completions is not None and {s.name for s in self.completions.deferred} != deferred:
@@ -371,27 +368,6 @@ class Stack:
             if metrics is not None:  # a scrape counts what was handed over first
                 metrics.read_hooks.add(self.completions.drain)
         gateway.completions = self.completions if self.completions is not None else DirectCompletions(pipeline)
-
-    def _attach_step_admission(self) -> None:
-        """Admission between the model's steps (`monolith.step_admission`) where deciding
-        can never hold the model up: batching.between_steps, the model and every admission
-        component in this process, and no hook that may sleep (fault injection)."""
-        gateway, pipeline = self.gateway, self.pipeline
-        assert gateway is not None and pipeline is not None
-        inference = self._local_inference()
-        loop = getattr(inference, "scheduler", None)
-        wanted = (self._batching.between_steps and self.admission is not None and loop is not None
-                  and all(self.placements[stage.component] == "local" for stage in pipeline.admission
-                          if stage.component)
-                  and not any(getattr(hook, "may_block", False) for hook in self.hooks))
-        if self.step_admission is not None and (not wanted or self.step_admission.loop is not loop):
-            self.step_admission.close()  # what it holds is decided by the micro-batcher
-            self.step_admission = None
-        if wanted and self.step_admission is None:
-            assert self.admission is not None
-            self.step_admission = StepAdmission(pipeline, loop, self.admission, max_batch=self._batching.max_batch)
-        if self.step_admission is not None:
-            gateway.admission = self.step_admission
 
     def _close_completions(self) -> None:
         if self.completions is None:
@@ -451,9 +427,6 @@ class Stack:
         if self.envoy_server is not None:
             self.envoy_server.stop(grace)
             self.envoy_server = None
-        if self.step_admission is not None:
-            self.step_admission.close()
-            self.step_admission = None
         if self.admission is not None:
             self.admission.close()
             self.admission = None

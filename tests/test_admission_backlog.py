@@ -50,8 +50,10 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
             long = [threading.Thread(target=call, args=(f"long {i}", 30)) for i in range(2 * SLOTS + 2)]
             for thread in long:
                 thread.start()
-            eventually(lambda: inference.scheduler.queue_depth == len(long) - SLOTS,
-                       what="every long request queued in the model")
+            # Both counts: right after the first submissions the loop may not have taken any
+            # job yet, and four waiting would then not mean every long one was admitted.
+            eventually(lambda: (inference.scheduler.running_count, inference.scheduler.queue_depth)
+                       == (SLOTS, len(long) - SLOTS), what="every long request in the model")
             assert stack._model_backlogged([state()])
             assert not stack._model_backlogged([state(priority=1)])  # the latency class goes ahead of the queue
             assert not stack._model_backlogged([state(model="no-such-model")])

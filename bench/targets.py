@@ -222,8 +222,10 @@ def keep_load_generator_off(cpu: str | None) -> None:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {int(cpu)})
 
 
-def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
-    """Start one layout's server process. Call from the main thread (see `spine.runtime.parent`)."""
+def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_ROOT) -> Target:
+    """Start one layout's server process, running the code of the checkout `code` (this one
+    unless `bench.variants --tree` names another). Call from the main thread (see
+    `spine.runtime.parent`)."""
     layout_dir = run_dir / layout
     layout_dir.mkdir(parents=True, exist_ok=True)
     # Every layout listens on a unix socket, so the ratios to bare measure the middleware
@@ -251,7 +253,9 @@ def launch(layout: str, run_dir: Path, config_path: Path) -> Target:
         env[CPU_PLACEMENT_ENV] = cpu
     with open(log_path, "w") as log_file:
         # PDEATHSIG in the child: if the bench dies (even by SIGKILL), its servers go too.
-        process = spawn(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
+        # `python -m` puts its working directory first on sys.path: the checkout's packages
+        # are imported ahead of the installed (editable) ones.
+        process = spawn(argv, cwd=code, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
     target = Target(layout, process, log_path)
     threading.Thread(target=target._read_stdout, name=f"stdout-{layout}", daemon=True).start()
     return target

@@ -1,7 +1,9 @@
-"""`python -m bench.variants`: the collapsed spine under several values of one setting, side by side.
+"""`python -m bench.variants`: the collapsed spine under several values of one setting, or built from
+several checkouts of the code, side by side.
 
     python -m bench.variants --vary batching.max_wait_us=0,10000 [--concurrency 64] [--requests 1200]
                              [--rounds 6] [--stream]
+    python -m bench.variants --tree ../spine-change [--tree ...] [--concurrency 16,64]
 
 Why: a change to the request path is judged against bare in one run, but a full `make bench`
 takes minutes and its ratios move ±8% between runs on a shared host, more than most single
@@ -11,6 +13,12 @@ cells cut into rounds, the servers taking turns in a rotating order — so every
 the same host noise. It prints, per cell, each variant's p50, p99 and throughput against
 bare and its server CPU per request by thread (handlers, model, completions: what a change
 to the request path moves even when the host hides it in throughput).
+
+`--tree PATH` adds a collapsed spine run from another checkout (a `git worktree` of a change,
+say) with the bench's config, next to this checkout's: a change to the code judged against
+the code it changes in the same run, which is how a change worth a few percent has to be
+judged on this host (separate runs of the same build read up to ±5% apart). Its generated
+protobuf modules are made first if it has none, as `make protos` would.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +39,15 @@ from rich.table import Table
 from bench.load import Endpoint
 from bench.report import _fmt, add_ratios
 from bench.run import DEV_KEY, Settings, measure, tear_down, warm_up, write_configs
-from bench.targets import RssSampler, Target, keep_load_generator_off, launch, server_cpu
+from bench.targets import (
+    REPO_ROOT,
+    RssSampler,
+    Target,
+    TargetFailed,
+    keep_load_generator_off,
+    launch,
+    server_cpu,
+)
 from services.common import ConfigError
 from spine.runtime.config import load_config, merge
 
@@ -70,6 +87,36 @@ def variant_configs(run_dir: Path, base: Path, key: str, values: list[Any]) -> d
     return configs
 
 
+def tree_variants(paths: list[str]) -> dict[str, Path]:
+    """`tree:<folder name>` → each checkout's root, checked first (ValueError: one line)."""
+    trees: dict[str, Path] = {}
+    for given in paths:
+        root = Path(given).expanduser().resolve()
+        if not (root / "spine" / "__main__.py").is_file() or not (root / "protos").is_dir():
+            raise ValueError(f"--tree {given}: not a checkout of spine (no spine/__main__.py and protos/ there)")
+        name = f"tree:{root.name}"
+        if name in trees or root == REPO_ROOT:
+            raise ValueError(f"--tree {given}: named twice, or this checkout itself (always measured)")
+        trees[name] = root
+    return trees
+
+
+def generate_protos(root: Path) -> None:
+    """The checkout's protobuf modules from its own protos, as `make protos` makes them
+    (a fresh worktree has none: they are build outputs, not in git)."""
+    out = root / "spine" / "v1"
+    if (out / ".generated").exists():
+        return
+    protos = sorted(str(path.relative_to(root)) for path in (root / "protos").rglob("*.proto"))
+    if not protos:
+        raise ValueError(f"--tree {root}: no .proto files under protos/")
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "protos", "--python_out=.", "--pyi_out=.",
+                    "--grpc_python_out=.", *protos], cwd=root, check=True, capture_output=True, text=True)
+    (out / "__init__.py").touch()
+    (out / ".generated").touch()
+
+
 def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
     """Each run against bare (`add_ratios`' ratios; TTFT's here) and its CPU by thread."""
     add_ratios(runs)
@@ -91,15 +138,20 @@ def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__.splitlines()[0])
-    parser.add_argument("--vary", required=True, help="section.key=value1,value2,... (YAML scalars)")
+    parser.add_argument("--vary", help="section.key=value1,value2,... (YAML scalars)")
+    parser.add_argument("--tree", action="append", default=[], metavar="PATH",
+                        help="also a collapsed spine run from this checkout (repeatable)")
     parser.add_argument("--concurrency", default="64", help="comma-separated worker counts (default 64)")
     parser.add_argument("--requests", type=int, default=1200, help="unary requests per cell and server")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved turns per cell")
     parser.add_argument("--stream", action="store_true", help="also a GenerateStream cell at concurrency 1")
     parser.add_argument("--stream-requests", type=int, default=200)
     args = parser.parse_args(argv)
+    if not args.vary and not args.tree:
+        parser.error("give --vary section.key=value1,value2 or --tree PATH (or both)")
     try:
-        key, values = parse_vary(args.vary)
+        key, values = parse_vary(args.vary) if args.vary else ("", [])
+        trees = tree_variants(args.tree)
         concurrency = tuple(sorted({int(part) for part in args.concurrency.split(",") if part.strip()}))
     except ValueError as error:
         parser.error(str(error))
@@ -117,17 +169,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = write_configs(run_dir)
         try:
-            variants = variant_configs(run_dir, configs["collapsed"], key, values)
+            variants = {name: (path, REPO_ROOT)
+                        for name, path in variant_configs(run_dir, configs["collapsed"], key, values).items()}
         except ConfigError as error:
             console.print(f"[red]{error}[/red]")
             return 2
+        if trees and not values:
+            variants["collapsed"] = (configs["collapsed"], REPO_ROOT)
+        for name, root in trees.items():
+            try:
+                generate_protos(root)
+            except ValueError as error:
+                console.print(str(error), style="red", markup=False, highlight=False)
+                return 2
+            except subprocess.CalledProcessError as error:
+                console.print(f"{name}: its protos do not compile: {error.stderr.strip()[-500:]}", style="red",
+                              markup=False, highlight=False)
+                return 2
+            variants[name] = (configs["collapsed"], root)
         targets["bare"] = launch("bare", run_dir, configs["bare"])
-        for i, (name, path) in enumerate(variants.items()):
+        for i, (name, (path, code)) in enumerate(variants.items()):
             where = run_dir / f"v{i}"
             where.mkdir()
-            targets[name] = launch("collapsed", where, path)
-        for target in targets.values():
-            target.wait_ready(settings.ready_timeout_s)
+            targets[name] = launch("collapsed", where, path, code=code)
+        for name, target in targets.items():
+            try:
+                target.wait_ready(settings.ready_timeout_s)
+            except TargetFailed as error:  # a checkout that does not start: say which
+                console.print(f"{name}: {error}", style="red", markup=False, highlight=False)
+                return 1
         keep_load_generator_off(server_cpu())
         endpoints = {name: Endpoint(t.address, t.is_gateway, DEV_KEY) for name, t in targets.items()}
         sampler = RssSampler(targets)

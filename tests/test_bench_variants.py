@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.variants import main, overlay_for, parse_vary, variant_configs
+from bench.variants import main, overlay_for, parse_vary, tree_variants, variant_configs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,3 +51,36 @@ def test_a_short_run_prints_each_variant_against_bare() -> None:
     assert len(rows) == 3, completed.stdout
     assert any("batching.max_wait_us=5000" in row for row in rows)
     assert "1.000" in rows[0]  # bare against itself
+
+
+def _checkout_copy(where: Path) -> Path:
+    """The packages a spine server imports, copied as a checkout without build outputs."""
+    for package in ("spine", "services", "monolith", "protos"):
+        shutil.copytree(REPO_ROOT / package, where / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.rmtree(where / "spine" / "v1")  # generated, not in git
+    return where
+
+
+def test_a_tree_that_is_not_a_checkout_or_is_this_one_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a checkout of spine"):
+        tree_variants([str(tmp_path)])
+    with pytest.raises(ValueError, match="this checkout itself"):
+        tree_variants([str(REPO_ROOT)])
+
+
+def test_a_tree_runs_its_own_code_beside_this_checkout(tmp_path: Path) -> None:
+    tree = _checkout_copy(tmp_path / "change")
+    command = [sys.executable, "-m", "bench.variants", "--tree", str(tree), "--concurrency", "2",
+               "--requests", "6", "--rounds", "1"]
+    completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    rows = [line.split("│")[3].strip() for line in completed.stdout.splitlines() if line.startswith("│ unary")]
+    assert rows == ["bare", "collapsed", "tree:change"], completed.stdout
+    assert (tree / "spine" / "v1" / "generation_pb2.py").is_file()  # made from the tree's own protos
+
+    # Its code, not this checkout's: a tree that cannot import its router does not start.
+    with (tree / "services" / "router.py").open("a") as router:
+        router.write("\nthis is not python(\n")
+    broken = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert broken.returncode == 1
+    assert "tree:change" in broken.stdout and f"{tree}/services/router.py" in broken.stdout, broken.stdout

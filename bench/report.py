@@ -28,10 +28,12 @@ def _ms(values_s: Sequence[float], q: float) -> float:
 def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], wall_s: float, unsent: int,
                peak_rss_bytes: int, cpu_s: float = 0.0,
                cpu_by_thread_s: Mapping[str, float] | None = None,
-               round_rps: Sequence[float] = ()) -> dict[str, Any]:
+               round_rps: Sequence[float] = (), model_stepped: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
     """One row of results.json: latency percentiles over successful calls, throughput, errors,
     the server's CPU per request (its whole process tree, and per group of threads:
-    `bench.targets.THREAD_GROUPS`), and the throughput of each of the cell's rounds."""
+    `bench.targets.THREAD_GROUPS`), the throughput of each of the cell's rounds, and how full
+    the model's batches were (`model_stepped`: sequences and steps over the cell's rounds,
+    `Target.model_steps`)."""
     ok = [call for call in calls if call.ok]
     record: dict[str, Any] = {
         "layout": layout, "mode": mode, "concurrency": concurrency,
@@ -46,6 +48,10 @@ def run_record(layout: str, mode: str, concurrency: int, calls: Sequence[Call], 
     if cpu_by_thread_s and ok:
         record["cpu_us_per_request_by_thread"] = {group: round(1e6 * seconds / len(ok), 1)
                                                   for group, seconds in cpu_by_thread_s.items()}
+    sequences, steps = model_stepped
+    if steps > 0 and ok:
+        record["model_steps_per_request"] = round(steps / len(ok), 3)
+        record["model_batch_mean"] = round(sequences / steps, 2)
     codes = sorted({c.code for c in calls if not c.ok})
     if codes:
         record["error_codes"] = {code: sum(1 for c in calls if c.code == code) for code in codes}
@@ -201,12 +207,18 @@ def _print_thread_cpu(console: Console, unary: Sequence[Mapping[str, Any]]) -> N
     groups = list(rows[0][2])
     table = Table(title="server CPU µs per request by thread (unary; handlers: the gRPC pool, where "
                         "the gateway and admission run; model: the decode loop)")
-    for column in ("conc", "layout", *groups, "total"):
+    for column in ("conc", "layout", *groups, "total", "model steps/req", "seqs/step"):
         table.add_column(column, justify="left" if column == "layout" else "right")
+    runs = {(run["concurrency"], run["layout"]): run for run in unary}
     for concurrency, layout, spent in rows:
+        run = runs.get((concurrency, layout), {})
         table.add_row(str(concurrency), layout, *(_fmt(spent.get(group), 0) for group in groups),
-                      _fmt(sum(spent.values()), 0))
+                      _fmt(sum(spent.values()), 0), _fmt(run.get("model_steps_per_request"), 3),
+                      _fmt(run.get("model_batch_mean"), 1))
     console.print(table)
+    console.print("  seqs/step: sequences per model step (`spine_batch_size`); with as many clients as KV slots, "
+                  "a layout that is slower to hand requests over leaves slots empty, and each step's fixed "
+                  "cost falls on fewer requests")
 
 
 def print_tables(results: Mapping[str, Any], console: Console) -> None:

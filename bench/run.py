@@ -57,6 +57,11 @@ from spine.runtime.served_model import model_id_for, model_overrides, preflight
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
 REQUESTS_PER_WORKER = 25  # per unary cell, so each of the rounds keeps every worker busy
+# And at least this many in a cell with many clients. At 16 clients 25 a worker made 400
+# requests, rounds of 80: a quarter of a second of load per layout and turn, where a slow
+# spell of the host lasts seconds. One `make bench` read the spine at 0.75 of bare at c=16
+# (its rounds 0.65-0.81), the run before 0.90, focused runs of 3600 requests 0.80-0.93.
+CONCURRENT_REQUESTS = 1600
 # One client sends one request at a time: its cell gets at least this many requests, cut into
 # rounds of about `SEQUENTIAL_ROUND` (a third of a second per layout). A slow spell of the
 # host lasts seconds; with five long rounds it landed on one layout more than another, and
@@ -100,7 +105,7 @@ class Settings:
             return self.requests
         if concurrency == 1:
             return max(self.requests, SEQUENTIAL_REQUESTS)
-        return max(self.requests, REQUESTS_PER_WORKER * concurrency)
+        return max(self.requests, REQUESTS_PER_WORKER * concurrency, CONCURRENT_REQUESTS)
 
     def cell_limit_s(self, concurrency: int, count: int) -> float:
         """Seconds a cell may take per layout: `cell_time_limit_s`, and where one client sends
@@ -132,7 +137,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser.add_argument("--layouts", help=f"comma-separated layouts (default {','.join(LAYOUTS)}; "
                                           f"quick {','.join(QUICK_LAYOUTS)})")
     parser.add_argument("--requests", type=int,
-                        help="unary requests per cell and layout (default: 400, or 25 per worker where that is "
+                        help="unary requests per cell and layout (default: 1600, or 25 per worker where that is "
                              "more, so every round keeps all workers busy, and 1000 at concurrency 1; quick 12)")
     parser.add_argument("--stream-requests", type=int, help="stream requests per layout (default 200; quick 6)")
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -268,6 +273,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
         by_thread: dict[str, Counter[str]] = {layout: Counter() for layout in layouts}
         unsent = dict.fromkeys(layouts, 0)
         round_rps: dict[str, list[float]] = {layout: [] for layout in layouts}
+        stepped: dict[str, list[float]] = {layout: [0.0, 0.0] for layout in layouts}  # sequences, steps
         round_limit = settings.cell_limit_s(concurrency, count) / rounds
         start = 0
         with console.status(f"{mode} at concurrency {concurrency}: {count} requests per layout in {rounds} rounds"):
@@ -282,6 +288,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
                     turn = requests_for(prompts(f"turn-{mode[0]}{concurrency}-{r}-{layout}", TURN_WARMUP),
                                         settings.max_tokens, settings.model_id)
                     run_batch(endpoints[layout], turn, concurrency=1, stream=mode == "stream", time_limit_s=5.0)
+                    steps_before = sampler.targets[layout].model_steps()  # outside the CPU reading
                     sampler.measuring(layout, f"{layout}/{mode}/{concurrency}")
                     cpu_before = sampler.targets[layout].tree_cpu_s()
                     threads_before = sampler.targets[layout].tree_thread_cpu_s()
@@ -291,6 +298,9 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
                     by_thread[layout].update(thread_cpu_by_group(threads_before,
                                                                  sampler.targets[layout].tree_thread_cpu_s()))
                     sampler.measuring(layout, None)
+                    steps_after = sampler.targets[layout].model_steps()
+                    for i in (0, 1):
+                        stepped[layout][i] += steps_after[i] - steps_before[i]
                     calls[layout].extend(batch.calls)
                     round_rps[layout].append(sum(call.ok for call in batch.calls) / batch.wall_s if batch.wall_s > 0 else 0.0)
                     wall[layout] += batch.wall_s
@@ -299,7 +309,7 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
             peak = sampler.peak_by_label.get(f"{layout}/{mode}/{concurrency}", 0)
             record = run_record(layout, mode, concurrency, calls[layout], wall[layout], unsent[layout], peak,
                                 cpu_s=cpu[layout], cpu_by_thread_s=dict(by_thread[layout]),
-                                round_rps=round_rps[layout])
+                                round_rps=round_rps[layout], model_stepped=(stepped[layout][0], stepped[layout][1]))
             runs.append(record)
             console.print(f"  {mode:6} c={concurrency:<3} {layout:9} p50 {record['p50_ms']:8.2f} ms  "
                           f"p99 {record['p99_ms']:8.2f} ms  {record['rps']:7.1f} rps  errors {record['errors']}")

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import psutil
 
 from services.cpu_placement import ENV as CPU_PLACEMENT_ENV
 from spine.runtime.parent import spawn
+from spine.runtime.serving_metrics import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Which `spine up --layout` each bench layout but bare runs (bare is the model service alone).
@@ -53,6 +55,10 @@ class TargetFailed(RuntimeError):
     """A server did not come up; the message carries the tail of its log."""
 
 
+_LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only: no proxy from the env
+_BATCH_SIZE = re.compile(r"spine_batch_size_(sum|count)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
+
+
 @dataclass
 class Target:
     """One running layout: its root process, the address to call, and how to reach it."""
@@ -61,6 +67,7 @@ class Target:
     process: subprocess.Popen[str]
     log_path: Path
     address: str = ""
+    run_dir: Path | None = None  # where its processes write their metrics addresses
     _lines: queue.Queue[str] = field(default_factory=queue.Queue)
     _known: dict[int, psutil.Process] = field(default_factory=dict)
 
@@ -126,6 +133,34 @@ class Target:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
         return total
+
+    def model_steps(self) -> tuple[float, float]:
+        """(sequences, steps) the model processes of this layout have stepped so far: the sum
+        and count of `spine_batch_size` on every /metrics its processes serve (the address
+        files under its run directory). Subtract two readings around a round: steps per
+        request and sequences per step say whether a layout kept the model's batches full —
+        a layout that takes longer to hand requests over, with as many clients as KV slots,
+        leaves slots empty and pays each step's fixed cost over fewer requests."""
+        sequences = steps = 0.0
+        found = sorted(self.run_dir.rglob("*.addr")) if self.run_dir else []
+        # A model process of its own serves its figures on its own endpoint, and the metrics
+        # endpoint forwards them too: read them once, at the model's.
+        models = [path for path in found if path.name == INFERENCE_METRICS_ADDRESS]
+        for path in models or found:
+            try:
+                address = path.read_text().strip()
+                with _LOCAL.open(f"http://{address}/metrics", timeout=2.0) as answer:
+                    text = answer.read().decode()
+            except (OSError, ValueError):
+                continue  # not up (yet), or gone: the reading says nothing for it
+            for line in text.splitlines():
+                match = _BATCH_SIZE.match(line)
+                if match:
+                    if match.group(1) == "sum":
+                        sequences += float(match.group(2))
+                    else:
+                        steps += float(match.group(2))
+        return sequences, steps
 
     def tree_thread_cpu_s(self) -> dict[tuple[int, int], tuple[str, float]]:
         """Each thread of the process tree alive now: (pid, thread id) -> (its group, CPU
@@ -256,7 +291,7 @@ def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_R
         # `python -m` puts its working directory first on sys.path: the checkout's packages
         # are imported ahead of the installed (editable) ones.
         process = spawn(argv, cwd=code, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
-    target = Target(layout, process, log_path)
+    target = Target(layout, process, log_path, run_dir=layout_dir)
     threading.Thread(target=target._read_stdout, name=f"stdout-{layout}", daemon=True).start()
     return target
 

@@ -73,3 +73,16 @@ def test_a_one_client_cell_is_cut_into_short_rounds_unless_rounds_are_given() ->
     # short); cells with many clients keep the flat limit.
     assert settings.cell_limit_s(1, one) == one * SEQUENTIAL_BUDGET_S > settings.cell_time_limit_s
     assert settings.cell_limit_s(64, settings.cell_requests(64)) == settings.cell_time_limit_s
+
+
+def test_a_cell_with_many_clients_has_enough_requests_for_seconds_of_load() -> None:
+    """16 clients at 25 requests each were a quarter second a turn: too short against the
+    host's slow spells. Every concurrent cell gets at least CONCURRENT_REQUESTS, more where
+    25 a worker is more; --requests still sets the count."""
+    from bench.run import CONCURRENT_REQUESTS, REQUESTS_PER_WORKER, parse_args
+
+    settings, _, _ = parse_args([])
+    assert settings.cell_requests(16) == CONCURRENT_REQUESTS > REQUESTS_PER_WORKER * 16
+    assert settings.cell_requests(256) == REQUESTS_PER_WORKER * 256 > CONCURRENT_REQUESTS
+    given, _, _ = parse_args(["--requests", "300"])
+    assert given.cell_requests(16) == 300

@@ -216,9 +216,9 @@ def _print_thread_cpu(console: Console, unary: Sequence[Mapping[str, Any]]) -> N
                       _fmt(sum(spent.values()), 0), _fmt(run.get("model_steps_per_request"), 3),
                       _fmt(run.get("model_batch_mean"), 1))
     console.print(table)
-    console.print("  seqs/step: sequences per model step (`spine_batch_size`); with as many clients as KV slots, "
-                  "a layout that is slower to hand requests over leaves slots empty, and each step's fixed "
-                  "cost falls on fewer requests")
+    console.print("  seqs/step: sequences per model step (`spine_batch_size`). Fewer than bare's: the layout "
+                  "leaves KV slots empty (slower to hand requests over) and each step's fixed cost falls on "
+                  "fewer requests; the same with more model CPU per request: the same steps cost more")
 
 
 def print_tables(results: Mapping[str, Any], console: Console) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cpu_placement import ENV as CPU_PLACEMENT_ENV
 from spine.runtime.parent import spawn
@@ -56,7 +57,6 @@ class TargetFailed(RuntimeError):
 
 
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only: no proxy from the env
-_BATCH_SIZE = re.compile(r"spine_batch_size_(sum|count)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
 @dataclass
@@ -153,13 +153,13 @@ class Target:
                     text = answer.read().decode()
             except (OSError, ValueError):
                 continue  # not up (yet), or gone: the reading says nothing for it
-            for line in text.splitlines():
-                match = _BATCH_SIZE.match(line)
-                if match:
-                    if match.group(1) == "sum":
-                        sequences += float(match.group(2))
-                    else:
-                        steps += float(match.group(2))
+            for family in text_string_to_metric_families(text):
+                if family.name == "spine_batch_size":
+                    for sample in family.samples:  # every model's
+                        if sample.name.endswith("_sum"):
+                            sequences += sample.value
+                        elif sample.name.endswith("_count"):
+                            steps += sample.value
         return sequences, steps
 
     def tree_thread_cpu_s(self) -> dict[tuple[int, int], tuple[str, float]]:

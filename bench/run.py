@@ -68,6 +68,10 @@ CONCURRENT_REQUESTS = 1600
 # two identical spines in one run differed by 9% (1.26 vs 1.16 ×bare at c=1); in rounds of
 # 40 they agree within 1% (1.09/1.08, 1.09/1.08 in two runs).
 SEQUENTIAL_REQUESTS = 1000
+# Streamed requests per layout (one client): time to first token is a few ms with a long tail
+# (p99 three times p50), and its median from 200 moved with the host: one run read the spine's
+# TTFT at 1.28x bare where two focused runs of 1000 in the same hour read 1.127 and 1.122.
+STREAM_REQUESTS = 600
 SEQUENTIAL_ROUND = 40
 SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: the layered layout takes ~20 ms at concurrency 1
 # Unmeasured requests at the start of every turn. Taking turns evens out the host's slow
@@ -139,7 +143,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     parser.add_argument("--requests", type=int,
                         help="unary requests per cell and layout (default: 1600, or 25 per worker where that is "
                              "more, so every round keeps all workers busy, and 1000 at concurrency 1; quick 12)")
-    parser.add_argument("--stream-requests", type=int, help="stream requests per layout (default 200; quick 6)")
+    parser.add_argument("--stream-requests", type=int, help=f"stream requests per layout (default {STREAM_REQUESTS}; quick 6)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--rounds", type=int, help="interleaved turns per cell (default 5, and one per 40 "
                                                    "requests at concurrency 1; quick 2)")
@@ -167,7 +171,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
     if unknown or not layouts:
         parser.error(f"--layouts: expected some of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     requests = args.requests or (12 if quick else 400)
-    stream_requests = args.stream_requests or (6 if quick else 200)
+    stream_requests = args.stream_requests or (6 if quick else STREAM_REQUESTS)
     rounds = args.rounds or (2 if quick else 5)
     for name, value in (("--requests", requests), ("--stream-requests", stream_requests), ("--rounds", rounds),
                         ("--max-tokens", args.max_tokens)):

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from bench.load import Endpoint
 from bench.report import _fmt, add_ratios
-from bench.run import DEV_KEY, Settings, measure, tear_down, warm_up, write_configs
+from bench.run import DEV_KEY, STREAM_REQUESTS, Settings, measure, tear_down, warm_up, write_configs
 from bench.targets import (
     REPO_ROOT,
     RssSampler,
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1200, help="unary requests per cell and server")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved turns per cell")
     parser.add_argument("--stream", action="store_true", help="also a GenerateStream cell at concurrency 1")
-    parser.add_argument("--stream-requests", type=int, default=200)
+    parser.add_argument("--stream-requests", type=int, default=STREAM_REQUESTS)
     args = parser.parse_args(argv)
     if not args.vary and not args.tree:
         parser.error("give --vary section.key=value1,value2 or --tree PATH (or both)")

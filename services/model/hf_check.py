@@ -93,6 +93,31 @@ def model_context(config: dict[str, Any]) -> tuple[int | None, str]:
     return context, key
 
 
+def kv_bytes_per_token(info: ModelDir) -> int | None:
+    """What the KV cache holds per token, from config.json alone (layers × KV heads × head size ×
+    2 for keys and values × the dtype's size); None when the config does not say. An estimate
+    for sizing memory before the model loads: the engine's pool uses the shapes it measures."""
+    config = {**(info.config.get("text_config") or {}), **info.config}
+    layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first_int(config, "num_attention_heads", "n_head")
+    kv_heads = _first_int(config, "num_key_value_heads") or heads
+    head_dim = _first_int(config, "head_dim")
+    hidden = _first_int(config, "hidden_size", "n_embd")
+    if head_dim is None and hidden and heads:
+        head_dim = hidden // heads
+    if not (layers and kv_heads and head_dim):
+        return None
+    return 2 * layers * kv_heads * head_dim * FLOAT_BYTES.get(info.dtype or "float32", 4)
+
+
+def _first_int(config: dict[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def check_context(info: ModelDir, requested: int | None, where: str = "inference.backend.options.max_context",
                   default_cap: int = 4096) -> int:
     """The context to serve: `requested`, or the model's own capped at `default_cap`."""

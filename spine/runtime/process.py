@@ -85,6 +85,12 @@ def serve(argv: list[str] | None = None) -> int:
     termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
     configure_threads()
     config = load_config(args.config)
+    if args.component == "inference":  # alone (bare): sized for its model as `spine up` sizes it
+        from spine.runtime.model_fit import fit_to_model
+
+        fitted = fit_to_model(config)
+        if fitted:
+            print(fitted, file=sys.stderr, flush=True)
     install_from_config(config, service_name=args.component)  # continue traces from the gateway
     tls = TlsConfig.from_config(config)
     if tls is not None and not is_unix(args.listen):

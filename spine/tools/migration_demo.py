@@ -154,14 +154,14 @@ FAILURES_KEPT = 5
 
 def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: float,
                     credentials: grpc.ChannelCredentials | None,
-                    stop: Any) -> Iterator[tuple[int, int, list[str]]]:
+                    stop: Any, model: str = "tiny-lm") -> Iterator[tuple[int, int, list[str]]]:
     """Send batches of the mixed workload until `stop` is set or the time is up; per batch,
     (requests answered, requests a layout failed, the first few failures as "CODE: details")."""
     deadline = time.monotonic() + time_limit_s
     batch = 0
     while not stop.is_set() and time.monotonic() < deadline:
         items = [Item(i.request, i.token, i.stream, (("x-session-id", f"session-{batch}-{n % 40}"),))
-                 for n, i in enumerate(mixed_workload(40, api_key, seed=batch, max_tokens=(2, 6),
+                 for n, i in enumerate(mixed_workload(40, api_key, seed=batch, max_tokens=(2, 6), model=model,
                                                       invalid_share=0.0, unauthenticated_share=0.02))]
         results = run_workload(address, items, concurrency=concurrency,
                                time_limit_s=max(0.1, deadline - time.monotonic()), credentials=credentials)
@@ -172,14 +172,14 @@ def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: 
 
 
 def _drive_in_child(address: str, api_key: str, concurrency: int, time_limit_s: float, tls: TlsConfig | None,
-                    stop: Any, counts: Any) -> None:
+                    stop: Any, counts: Any, model: str = "tiny-lm") -> None:
     """The traffic process's body: `traffic_batches`, each batch's counts put on `counts`.
     It ends with the demo, however the demo ends (SIGKILL included): no traffic from an orphan."""
     die_with_parent()
     if os.getppid() == 1:  # the demo died before the line above took effect
         return
     for counts_of_batch in traffic_batches(address, api_key, concurrency, time_limit_s,
-                                           link_credentials(tls, address), stop):
+                                           link_credentials(tls, address), stop, model):
         counts.put(counts_of_batch)
     counts.put(None)
 
@@ -193,8 +193,9 @@ class TrafficDriver:
 
     def __init__(self, address: str, api_key: str, concurrency: int = 4, time_limit_s: float = 110.0,
                  credentials: grpc.ChannelCredentials | None = None, *, own_process: bool = False,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, model: str = "tiny-lm") -> None:
         self.address = address
+        self.model = model  # what the requests ask for: the config's served model
         self.credentials = credentials  # the front speaks TLS when the config has `tls:`
         self.tls = tls  # how the traffic process makes its credentials (`own_process`)
         self.api_key = api_key
@@ -212,7 +213,7 @@ class TrafficDriver:
             self._counts: Any = context.Queue()
             self._child = context.Process(target=_drive_in_child, name="traffic", daemon=True,
                                           args=(address, api_key, concurrency, time_limit_s, tls, self.stop,
-                                                self._counts))
+                                                self._counts, model))
             self._thread = threading.Thread(target=self._collect, name="traffic-counts", daemon=True)
         else:
             self.stop = threading.Event()
@@ -225,7 +226,8 @@ class TrafficDriver:
 
     def _run(self) -> None:
         for sent, failed, failures in traffic_batches(self.address, self.api_key, self.concurrency,
-                                                      self.time_limit_s, self.credentials, self.stop):
+                                                      self.time_limit_s, self.credentials, self.stop,
+                                                      self.model):
             self._count(sent, failed, failures)
 
     def _collect(self) -> None:
@@ -363,7 +365,8 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
             # The clients in a process of their own, as they are in production (TrafficDriver).
             tls = TlsConfig.from_config(config)
             traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
-                                    tls=tls if link_credentials(tls, cutover.address) is not None else None)
+                                    tls=tls if link_credentials(tls, cutover.address) is not None else None,
+                                    model=str((config.get("inference") or {}).get("model_id") or "tiny-lm"))
             traffic.start()
             # The traffic process takes a moment to start: the first stage's window should not.
             flowing = time.monotonic() + 15.0

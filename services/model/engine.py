@@ -131,6 +131,9 @@ class GenerationEngine:
                 f"model vocab_size {model.vocab_size} != tokenizer vocab_size {tokenizer.vocab_size}"
             )
         self.model, self.tokenizer = model, tokenizer
+        # What ends an answer: EOS, and any other stop token the tokenizer names (an instruct
+        # model's end of turn); the token is not part of the answer.
+        self._stop_ids = frozenset({tokenizer.eos_id, *getattr(tokenizer, "stop_ids", ())})
         self.max_slots, self.max_context = max_slots, max_context
         self._device: DeviceLike = torch.device(device) if isinstance(device, str) else device
         move = getattr(model, "to", None)
@@ -249,7 +252,7 @@ class GenerationEngine:
             self.kv.prefilled(handle._grant)  # its first step ran: the prefix in its blocks is computed
         handle._cached += len(handle._pending)
         reason: FinishReason | None = None
-        if token == self.tokenizer.eos_id:
+        if token in self._stop_ids:
             reason = "stop"
         else:
             handle.token_ids.append(token)

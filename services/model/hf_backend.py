@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.common import ConfigError
+from services.model.chat import ChatMessage, check_messages, plain_parts
 from services.model.hf_check import ModelDir, check_context, check_weights_fit, inspect_model_dir
 from services.model.interface import DeviceLike, torch_device
+from services.system_prompt import SEPARATOR
 
 log = logging.getLogger("spine.inference")
 
@@ -40,10 +42,12 @@ class HFTokenizer:
 
     `vocab_size` is the model's (its logits' width), which may exceed the tokenizer's
     own ids; the step model never picks those. The engine puts `bos_id` before every
-    prompt: the tokenizer's BOS, or its EOS where it has none (as GPT-2 does).
+    prompt: the tokenizer's BOS, or its EOS where it has none (as GPT-2 does). An answer
+    ends (finish_reason "stop") at any of `stop_ids`: the tokenizer's EOS and the
+    generation config's `eos_token_id`s (an instruct model's end of turn, `<|im_end|>`).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, extra_stop_ids: Sequence[int] = ()) -> None:
         self.hf = tokenizer
         self.vocab_size = vocab_size
         eos = tokenizer.eos_token_id
@@ -54,6 +58,11 @@ class HFTokenizer:
         if max(self.bos_id, self.eos_id) >= vocab_size:
             raise ValueError(f"the tokenizer's BOS/EOS ids ({self.bos_id}, {self.eos_id}) are past the model's "
                              f"vocabulary of {vocab_size}")
+        self.stop_ids = frozenset({self.eos_id, *(int(i) for i in extra_stop_ids if 0 <= int(i) < vocab_size)})
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -64,12 +73,23 @@ class HFTokenizer:
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
         """The prompt through the model's chat template (a system message first when given),
         ready for the assistant's answer; without a template, the plain prompt."""
-        if not getattr(self.hf, "chat_template", None):
-            return self.encode(prompt if not system else f"{system}\n\n{prompt}")
-        messages = [{"role": "user", "content": prompt}]
+        if not self.has_chat_template:
+            return self.encode(prompt if not system else f"{system}{SEPARATOR}{prompt}")
+        messages = [ChatMessage("user", prompt)]
         if system:
-            messages.insert(0, {"role": "system", "content": system})
-        ids = [int(i) for i in self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)]
+            messages.insert(0, ChatMessage("system", system))
+        return self.encode_messages(messages)
+
+    def encode_messages(self, messages: Iterable[Mapping[str, Any] | ChatMessage]) -> list[int]:
+        """A conversation (role: system | user | assistant, content) through the model's own chat
+        template, ready for the assistant's turn, without the BOS the engine adds; without a
+        template, read plainly (`services.model.chat.plain_parts`). ValueError for a bad message."""
+        checked = check_messages(messages)
+        if not self.has_chat_template:
+            system, prompt = plain_parts(checked)
+            return self.encode(f"{system}{SEPARATOR}{prompt}" if system else prompt)
+        rendered = [{"role": m.role, "content": m.content} for m in checked]
+        ids = [int(i) for i in self.hf.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)]
         return ids[1:] if ids and ids[0] == self.bos_id else ids  # the engine adds BOS itself
 
 
@@ -94,6 +114,15 @@ class HFBackend:
 
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
         return self.tokenizer.encode_chat(prompt, system)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer.has_chat_template
+
+    def encode_messages(self, messages: Iterable[Mapping[str, Any] | ChatMessage]) -> list[int]:
+        """See `HFTokenizer.encode_messages`; `services.model.chat.encode_messages` picks this or
+        the plain form for any backend."""
+        return self.tokenizer.encode_messages(messages)
 
 
 def load_hf_backend(options: Mapping[str, Any], *, model_id: str | None = None, device: DeviceLike | str | None = None,
@@ -125,7 +154,7 @@ def load_hf_backend(options: Mapping[str, Any], *, model_id: str | None = None, 
         raise ConfigError(f"{where}.options.path: {info.path}: {info.architecture} cannot run as a step "
                           f"model: {_first_line(error)}") from None
     try:
-        hf_tokenizer = HFTokenizer(tokenizer, step_model.vocab_size)
+        hf_tokenizer = HFTokenizer(tokenizer, step_model.vocab_size, _generation_stop_ids(module))
     except ValueError as error:
         raise ConfigError(f"{where}.options.path: {info.path}: {error}") from None
     served = model_id or info.path.name
@@ -133,6 +162,14 @@ def load_hf_backend(options: Mapping[str, Any], *, model_id: str | None = None, 
              "%d cached layers", served, info.architecture, info.path, step_model.device, step_model.kv_dtype,
              info.weight_bytes / (1 << 20), max_context, info.context, info.context_key, len(step_model.layers))
     return HFBackend(served, step_model, hf_tokenizer, info)
+
+
+def _generation_stop_ids(module: Any) -> list[int]:
+    """The generation config's `eos_token_id` (one id or several), where the model has one."""
+    ids = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list | tuple) else [ids])]
 
 
 def _check_budget(info: ModelDir, device: DeviceLike | str | None) -> None:

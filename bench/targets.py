@@ -271,7 +271,7 @@ def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_R
     elif layout in SPINE_LAYOUT:
         argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",
                 "--layout", SPINE_LAYOUT[layout], "--listen", f"unix:{layout_dir}/gateway.sock",
-                "--run-dir", str(layout_dir)]
+                "--http-listen", "127.0.0.1:0", "--run-dir", str(layout_dir)]
     else:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     log_path = run_dir / f"{layout}.log"

@@ -60,7 +60,7 @@ class LayoutProcess:
         with self.log_path.open("wb") as log:
             self.process = spawn(
                 [sys.executable, "-m", "spine", "--config", str(config_file), "up", *self.up_arguments(),
-                 "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir)],
+                 "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--run-dir", str(self.run_dir)],
                 cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, stdin=self._stdin())
         self._await_ready(timeout_s)
         return self.address

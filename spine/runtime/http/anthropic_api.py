@@ -88,7 +88,7 @@ class Stream:
         self.id = f"msg_{request_id}"
 
     def start(self, model: str, prompt_tokens: int) -> bytes:
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": model or self.parsed.request.model,
+        message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": model or self.parsed.request.model,
                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}
         return (_event("message_start", {"type": "message_start", "message": message})
                 + _event("content_block_start", {"type": "content_block_start", "index": 0,

@@ -171,10 +171,11 @@ class HttpApi:
     async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        context.add_callback(lambda: loop.call_soon_threadsafe(queue.put_nowait, _GONE))
 
         def hand_over(item: Any) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        context.add_callback(lambda: hand_over(_GONE))
 
         loop.run_in_executor(self.pool, _pump_stream, self.target, parsed.request, context, hand_over)
         first = await queue.get()

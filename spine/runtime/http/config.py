@@ -24,5 +24,5 @@ class HttpConfig(Section):
     max_connections: Annotated[StrictInt, Field(ge=1)] = 1024
     # A request's headers and its body must each arrive within this long.
     read_timeout_s: Annotated[Float, Field(gt=0)] = 10.0
-    # An idle keep-alive connection is closed after this long.
-    keepalive_s: Annotated[Float, Field(gt=0)] = 5.0
+    # An idle keep-alive connection is closed after this long (whole seconds: uvicorn's unit).
+    keepalive_s: Annotated[StrictInt, Field(ge=1)] = 5

@@ -40,6 +40,7 @@ class LayoutProcess:
         # Loopback TCP, not a unix socket: xDS data planes (Envoy, proxyless clients) are
         # sent its address as an endpoint. Port 0: `spine up` says which in its ready line.
         self.address = ""
+        self.http_address: str | None = None  # its HTTP API (`http_address` in the ready line)
 
     @property
     def log_path(self) -> Path:
@@ -99,6 +100,7 @@ class LayoutProcess:
         event = first_event(self.process, time.monotonic() + timeout_s)
         if event is not None and event["event"] == "ready":
             self.address = str(event["address"])
+            self.http_address = event.get("http_address")
             threading.Thread(target=self._read_after_ready, args=(self.process.stdout,), name=f"{self.name}-stdout",
                              daemon=True).start()
             return

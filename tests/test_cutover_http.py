@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.route.v3 import route_pb2
+
 from migration.traffic.cutover import Cutover
 from migration.xds.snapshot import ENDPOINT, ROUTE
 from tests.conftest import DEV_KEY, config_for_tests

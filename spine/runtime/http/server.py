@@ -15,7 +15,9 @@ such a connection after `read_timeout_s` (the app bounds the body the same way, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -24,6 +26,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from services.thread_names import name_os_thread
 from spine.runtime.http.config import HttpConfig
 from spine.runtime.sections import TlsConfig
 from spine.runtime.server import check_listen
@@ -77,18 +80,9 @@ class HttpServer:
     def __init__(self, app: Any, config: HttpConfig, listen: str, *, tls: TlsConfig | None = None,
                  allow_external: bool = False) -> None:
         check_listen(listen, allow_external)
-        host, _, port = listen.rpartition(":")
-        host = host.strip("[]") or "127.0.0.1"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._socket.bind((host, int(port)))
-        except OSError as error:
-            self._socket.close()
-            raise OSError(f"could not bind the HTTP listener {listen}: {error.strerror}") from None
-        bound_port = self._socket.getsockname()[1]
-        self.address = f"[{host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
+        self._socket, self.address = _bind(listen)
+        if self.address.startswith("unix:"):
+            tls = None  # a unix socket stays plaintext, as every gRPC one does
         self.scheme = "https" if tls is not None else "http"
         protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": config.read_timeout_s})
         options: dict[str, Any] = {}
@@ -108,6 +102,7 @@ class HttpServer:
         failed: list[BaseException] = []
 
         def serve() -> None:
+            name_os_thread()  # "http-server" in the kernel too: the bench reads CPU by thread name
             try:
                 self._server.run(sockets=[self._socket])
             except BaseException as error:  # a bad certificate file, say: told to start()
@@ -137,6 +132,40 @@ class HttpServer:
             self._thread.join(grace + 2.0)
             self._thread = None
         self._socket.close()
+        if self.address.startswith("unix:"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.address[len("unix:"):])
+
+
+def _bind(listen: str) -> tuple[socket.socket, str]:
+    """A bound socket for `listen` (HOST:PORT, [V6]:PORT or unix:PATH) and the address it has
+    (the port a `:0` was given). A unix socket file is made readable by its owner only: the
+    run directory's permissions are the access control there, as for the gRPC sockets."""
+    if listen.startswith("unix:"):
+        path = listen[len("unix:"):]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale socket file from a process that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o600)
+        except OSError as error:
+            sock.close()
+            raise OSError(f"could not bind the HTTP listener {listen}: {error.strerror}") from None
+        return sock, listen
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except (OSError, ValueError) as error:
+        sock.close()
+        raise OSError(f"could not bind the HTTP listener {listen}: {getattr(error, 'strerror', None) or error}") \
+            from None
+    bound = sock.getsockname()[1]
+    return sock, (f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}")
 
 
 def start_http(target: Any, config: Any, listen: str, *, layout: Any, serving: Any,

@@ -217,11 +217,14 @@ class HttpApi:
 
 
 def _parse(path: str, body: Any, default_max_tokens: int) -> Any:
-    if path == "/v1/chat/completions":
-        return openai_api.parse_chat(body, default_max_tokens)
-    if path == "/v1/completions":
-        return openai_api.parse_completion(body, default_max_tokens)
-    return anthropic_api.parse(body)
+    try:
+        if path == "/v1/chat/completions":
+            return openai_api.parse_chat(body, default_max_tokens)
+        if path == "/v1/completions":
+            return openai_api.parse_completion(body, default_max_tokens)
+        return anthropic_api.parse(body)
+    except (ValueError, TypeError) as error:  # what the message types refuse (text that is not UTF-8, say)
+        raise bad_request(f"the request cannot be read: {error}") from None
 
 
 # -- on a handler thread ------------------------------------------------------------------

@@ -135,12 +135,17 @@ class FrontTarget:
         self._layered_share = share
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
-        window = self.front.window(since)
-        layered, spine = window["layered"], window["spine"]
         parity = (self.parity.parity(since) if self.parity is not None
                   else ParityStats(0, 0, missing="the front's shadow comparisons are not read"))
-        return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests), parity)
+        return (*self.layout_stats(since), parity)
+
+    def layout_stats(self, since: float) -> tuple[WindowStats, WindowStats]:
+        """Each side's requests since `since`, without the parity (what the dashboard shows)."""
+        window = self.front.window(since)
+        layered, spine = window["layered"], window["spine"]
+        return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests,
+                            p50_ms=layered.p50_ms),
+                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests, p50_ms=spine.p50_ms))
 
     def shadow(self) -> ShadowCapability:
         mirror = self.front.shadow

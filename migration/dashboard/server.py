@@ -80,7 +80,8 @@ class DashboardServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        shown = f"[{host}]" if ":" in str(host) else str(host)
+        name = host.decode() if isinstance(host, bytes) else str(host)
+        shown = f"[{name}]" if ":" in name else name
         return f"{'https' if self._ssl else 'http'}://{shown}:{port}/"
 
     def start(self) -> None:

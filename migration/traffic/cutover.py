@@ -224,6 +224,8 @@ class Cutover:
     front_metrics: PrometheusHTTPServer | None = None  # the front's shadow counters, with shadow on
     parity: ScrapeSource | None = None  # what the parity gate reads them with
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # The controller's dashboard (`migration.dashboard`), e.g. "127.0.0.1:0"; None: none.
+    dashboard_listen: str | None = None
 
     def start(self) -> str:
         """Start both layouts, the front and the controller; the front's address."""
@@ -262,7 +264,8 @@ class Cutover:
             self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds, self.parity)
             self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"),
                                                 f"unix:{self.run_dir / 'controller.sock'}", self.admin_token,
-                                                self.target, tick_s=0.1)
+                                                self.target, tick_s=0.1, dashboard_listen=self.dashboard_listen,
+                                                view_without_token=True)
             self.controller.start()
         except BaseException:
             self.stop()

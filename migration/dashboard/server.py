@@ -24,6 +24,7 @@ whose Host is a loopback name, so a page on another site cannot reach it by DNS 
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import re
@@ -146,7 +147,9 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._host_allowed():
             return
         path = self.path.split("?", 1)[0]
-        if path in FILES:
+        if path == "/":
+            self._send(200, self._page(), FILES[path][1])
+        elif path in FILES:
             name, content_type = FILES[path]
             self._send(200, (STATIC / name).read_bytes(), content_type)
         elif path in ("/api/state", "/api/events", "/metrics"):
@@ -193,6 +196,18 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"ok": True, "command": command, "actor": actor, "state": self.app.state()})
 
     # --- helpers -------------------------------------------------------------------------
+
+    def _page(self) -> bytes:
+        """The page, with the plan's stages already in it where viewing needs no token (so it
+        says something before its script has connected, and without JavaScript)."""
+        page = (STATIC / "index.html").read_text(encoding="utf-8")
+        plan = self.app.controller.plan if self.app.view_without_token else None
+        if plan is not None:
+            items = "".join(f'<li data-stage="{html.escape(stage.name)}"><div class="name">{number}. '
+                            f'{html.escape(stage.name)}</div><div class="detail">spine {stage.spine_weight:g}%</div></li>'
+                            for number, stage in enumerate(plan.stages, start=1))
+            page = page.replace("<!--STAGES-->", items)
+        return page.encode()
 
     def _host_allowed(self) -> bool:
         if not self.app.loopback:

@@ -143,6 +143,11 @@ class Controller:
                 rows = self._store.audit(after_id)
             return rows
 
+    def wake_watchers(self) -> None:
+        """Wake every `wait_for_audit` now (a server that stops ends its streams at once)."""
+        with self._cond:
+            self._cond.notify_all()
+
     # --- commands ------------------------------------------------------------------------
     # Each command asks the table (`_step`/`_perform`) what its action does in the current
     # state; the only checks left here are about its ARGUMENTS (see migration/transitions.py).

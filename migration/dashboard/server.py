@@ -72,6 +72,8 @@ class DashboardServer:
         for collector in collectors:
             self.registry.register(collector)
         self.stopping = threading.Event()
+        self._streams = 0  # event streams open now: `stop` waits for them before the store closes
+        self._streams_done = threading.Condition()
         host, port = parse_listen(listen)
         self.loopback = is_loopback(host)
         self._ssl = _server_context(tls) if tls is not None else None
@@ -92,6 +94,9 @@ class DashboardServer:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.controller.wake_watchers()
+        with self._streams_done:
+            self._streams_done.wait_for(lambda: self._streams == 0, timeout=2 * HEARTBEAT_S + 1)
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
@@ -242,18 +247,27 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         controller, after = self.app.controller, -1
+        app = self.app
+        with app._streams_done:
+            app._streams += 1
         try:
-            while not self.app.stopping.is_set():
+            while not app.stopping.is_set():
                 if after >= 0:
                     rows = controller.wait_for_audit(after, timeout=HEARTBEAT_S)
                     after = rows[-1].id if rows else after
-                state = self.app.state()
+                if app.stopping.is_set():
+                    return
+                state = app.state()
                 audit = state["status"]["recent_audit"]
                 after = max(after, int(audit[-1]["id"]) if audit else 0)
                 self.wfile.write(b"event: state\ndata: " + json.dumps(state).encode() + b"\n\n")
                 self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
             return  # the page went away
+        finally:
+            with app._streams_done:
+                app._streams -= 1
+                app._streams_done.notify_all()
 
     def _json(self, code: int, payload: dict[str, Any]) -> None:
         self._send(code, json.dumps(payload).encode(), "application/json")

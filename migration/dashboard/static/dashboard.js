@@ -125,7 +125,7 @@ function chart(title, lines, marks) {
   if (!points.length) { const t = svg("text", { x: P, y: H / 2 }); t.textContent = "no data yet"; plot.append(t); return box; }
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const y0 = Math.min(0, ...ys), y1 = Math.max(...ys, y0 + 1e-9) * 1.1 || 1;
+  const y0 = Math.min(0, ...ys), highest = Math.max(...ys), y1 = highest > y0 ? y0 + (highest - y0) * 1.1 : y0 + 1;
   const X = (x) => P + (W - P - 6) * (x - x0) / (x1 - x0);
   const Y = (y) => H - 16 - (H - 26) * (y - y0) / (y1 - y0);
   for (const line of lines) {

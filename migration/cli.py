@@ -33,7 +33,7 @@ from migration.admin_token import read_admin_token
 from migration.plan import PlanError, load_plan
 from migration.render import RunProgress, audit_line, plan_table, status_renderable, to_json
 from migration.service import plan_message
-from migration.watch import FINAL_STATES, watch
+from migration.watch import follow, print_json, watch
 from services.common import ConfigError
 from spine.runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
 from spine.v1 import migration_pb2 as pb
@@ -227,30 +227,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, client: ControlClient, after_id: int) -> int:
     """Follow WatchEvents until the rollout finishes; Ctrl-C detaches, the rollout goes on."""
     stream = client.watch(after_id)
-    state = ""
-    try:
-        if args.json:
-            for event in stream:
-                print(json.dumps(to_json(event)), flush=True)
-                state = event.status.state
-                if state in FINAL_STATES:
-                    break
-        else:
-            with RunProgress(Console()) as progress:
-                for event in stream:
-                    if event.HasField("audit"):
-                        progress.print(audit_line(event.audit))
-                    progress.update(event.status)
-                    state = event.status.state
-                    if state in FINAL_STATES:
-                        break
-    except KeyboardInterrupt:
-        print("detached; the rollout goes on (spine migrate status)", file=sys.stderr)
-        return 0
-    finally:
-        if isinstance(stream, grpc.Future):
-            stream.cancel()
-    return 0 if state == "promoted" else 1
+    if args.json:
+        return follow(stream, print_json, args.controller)
+    with RunProgress(Console()) as progress:
+        def show(event: pb.MigrationEvent) -> None:
+            if event.HasField("audit"):
+                progress.print(audit_line(event.audit))
+            progress.update(event.status)
+
+        return follow(stream, show, args.controller)
 
 
 @_rpc

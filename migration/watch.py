@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rich.console import Console, Group
@@ -41,23 +41,16 @@ def watch_renderable(status: pb.RolloutStatus, address: str) -> Group:
     return Group(Text(f"{stamp}  {line}", style="bold" if final else "dim"), status_renderable(status))
 
 
-def watch(events: Iterable[pb.MigrationEvent], console: Console, address: str, *, as_json: bool = False) -> int:
-    """Draw each event's status until a final state; that state's exit code (or 0 detached)."""
+def follow(events: Iterable[pb.MigrationEvent], show: Callable[[pb.MigrationEvent], None], address: str) -> int:
+    """`show` each event until the rollout finishes: the final state's exit code; 0 when
+    Ctrl-C detaches; STREAM_ENDED when the controller ends the stream first (it stops)."""
     state = ""
     try:
-        if as_json:
-            for event in events:
-                print(json.dumps(to_json(event)), flush=True)
-                state = event.status.state
-                if state in FINAL_STATES:
-                    break
-        else:
-            with Live(console=console, auto_refresh=False, redirect_stdout=False) as live:
-                for event in events:
-                    state = event.status.state
-                    live.update(watch_renderable(event.status, address), refresh=True)
-                    if state in FINAL_STATES:
-                        break
+        for event in events:
+            show(event)
+            state = event.status.state
+            if state in FINAL_STATES:
+                break
     except KeyboardInterrupt:
         print("detached; the rollout goes on (spine migrate status)", file=sys.stderr)
         return 0
@@ -65,8 +58,21 @@ def watch(events: Iterable[pb.MigrationEvent], console: Console, address: str, *
         cancel: Any = getattr(events, "cancel", None)
         if cancel is not None:
             cancel()
-    if state not in FINAL_STATES:  # the controller ended the stream (it is stopping)
+    if state not in FINAL_STATES:
         print(f"the controller at {address} ended the stream while the rollout was {state or 'unknown'}",
               file=sys.stderr)
         return STREAM_ENDED
     return exit_code(state)
+
+
+def print_json(event: pb.MigrationEvent) -> None:
+    print(json.dumps(to_json(event)), flush=True)
+
+
+def watch(events: Iterable[pb.MigrationEvent], console: Console, address: str, *, as_json: bool = False) -> int:
+    """Draw each event's status until a final state (`follow`)."""
+    if as_json:
+        return follow(events, print_json, address)
+    with Live(console=console, auto_refresh=False, redirect_stdout=False) as live:
+        return follow(events, lambda event: live.update(watch_renderable(event.status, address), refresh=True),
+                      address)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -169,3 +173,40 @@ def test_a_rollback_turns_the_page_red(browser, controller):
     assert "(fail)" in read(browser, chart) and read(browser, chart, "className") == "verdict-fail"
     assert browser.execute_script("return window.spineLoaded") == "once"
     assert screenshot(browser, "dashboard-rolled-back.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_dashboard_during_the_demo(browser):
+    """`make run`'s demo (`spine demo`): the printed URL's page follows the stages live and
+    turns red when the failing spine's run is rolled back (`pytest -m slow`: the demo starts
+    ten processes and takes a minute)."""
+    demo = subprocess.Popen([sys.executable, "-m", "spine", "demo"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert demo.stdout is not None
+        url = ""
+        for line in demo.stdout:
+            found = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/)", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url, "the demo printed no dashboard URL"
+        threading.Thread(target=demo.stdout.read, daemon=True).start()  # keep its pipe drained
+        browser.get(url)
+        wait(browser, lambda: current_stage(browser) != "", "the page shows a current stage", timeout=60)
+        first = current_stage(browser)
+        browser.execute_script("window.spineLoaded = 'once'")
+        wait(browser, lambda: current_stage(browser) not in ("", first), "the page shows the next stage", timeout=60)
+        body = browser.find_element(By.TAG_NAME, "body")
+        wait(browser, lambda: body.get_attribute("data-state") == "rolled_back", "the page shows a rollback",
+             timeout=120)
+        assert rgb(browser.find_element(By.ID, "banner").value_of_css_property("background-color")) == RED
+        assert browser.execute_script("return window.spineLoaded") == "once"
+        screenshot(browser, "dashboard-demo-rolled-back.png")
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        try:
+            demo.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            demo.wait()

@@ -166,6 +166,10 @@ class FrontTarget:
         """What each xDS data plane ACKed or NACKed (shown by `spine migrate status`)."""
         return self.xds.status() if self.xds is not None else []
 
+    def followers(self) -> list[dict[str, Any]]:
+        """What each follower of the stages (the spine process) applied (status, dashboard)."""
+        return self.xds.followers_status() if self.xds is not None else []
+
     def applied(self, version: str) -> bool:
         """The front applies a weight at once; xDS data planes once they have ACKed it; a
         spine in its own process once it has applied and ACKed its assignment (then the

@@ -103,3 +103,15 @@ def test_the_grafana_dashboard_names_only_families_the_project_exports_or_record
                    "layout:spine_ttft_seconds:p99_5m", "spine_kv_slots", "spine_queue_depth",
                    "DCGM_FI_DEV_GPU_UTIL", "spine_migration_gate_value"):
         assert family in named
+
+
+def test_the_controllers_manifest_serves_the_dashboard_over_tls_behind_the_token():
+    from migration.runner import parse_args
+
+    documents = yaml.safe_load_all((DEPLOY / "k8s" / "controller" / "controller.yaml").read_text())
+    deployment = next(d for d in documents if d and d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = parse_args(container["args"])
+    assert args.dashboard_listen == "0.0.0.0:8470" and args.tls_cert_file and args.tls_client_ca_file
+    assert not args.dashboard_view_without_token
+    assert {"name": "https-dashboard", "containerPort": 8470} in container["ports"]

@@ -216,3 +216,23 @@ def test_metrics_count_transitions_from_the_audit_trail(make_dashboard):
     assert 'spine_migration_transitions_total{to_state="rolled_back"} 1.0' in text
     assert 'spine_migration_transitions_total{to_state="promoted"} 0.0' in text
     assert 'spine_migration_state{plan="dash",state="rolled_back"} 1.0' in text
+
+
+def test_layouts_come_from_the_targets_reading_and_say_why_when_it_fails():
+    from migration.dashboard.snapshot import LayoutSampler
+    from migration.gates import ParityStats
+
+    class GatesOnly:  # a target with only the gates' reading
+        def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
+            return (WindowStats(50, 5, 20.0), WindowStats(30, 0, 10.0, p50_ms=3.0), ParityStats(0, 0))
+
+    class Broken:
+        def layout_stats(self, since: float) -> tuple[WindowStats, WindowStats]:
+            raise TimeoutError("prometheus did not answer")
+
+    sides = LayoutSampler(GatesOnly()).latest().sides
+    assert (sides["layered"]["error_rate"], sides["layered"]["rps"]) == (0.1, 5.0)
+    assert (sides["spine"]["p50_ms"], sides["spine"]["p99_ms"]) == (3.0, 10.0)
+    broken = LayoutSampler(Broken()).latest().sides
+    assert broken["spine"]["missing"] == "TimeoutError: prometheus did not answer"
+    assert broken["spine"]["p99_ms"] is None and broken["spine"]["error_rate"] is None

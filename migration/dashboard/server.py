@@ -179,8 +179,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self._authorized("run a command"):
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self._json(400, {"error": "Content-Length: not a number"})
+            return
+        if length < 0 or length > MAX_BODY:
             self._json(413, {"error": f"body of {length} bytes; at most {MAX_BODY}"})
             return
         try:

@@ -53,17 +53,13 @@ class LayoutSampler:
         self._lock = threading.Lock()
         self.samples: collections.deque[LayoutSample] = collections.deque(maxlen=HISTORY)
 
-    def latest(self) -> LayoutSample | None:
+    def latest(self) -> LayoutSample:
         now = self._clock()
         with self._lock:
             if self.samples and now - self.samples[-1].ts < SAMPLE_EVERY_S:
                 return self.samples[-1]
-            read = getattr(self._target, "layout_stats", None)
-            if read is None:  # a target without a cheap reading: the gates' own (with parity)
-                def read(since: float) -> tuple[WindowStats, WindowStats]:
-                    return self._target.window_stats(since)[:2]  # type: ignore[no-any-return]
             try:
-                layered, spine = read(now - LAYOUT_WINDOW_S)
+                layered, spine = self._read(now - LAYOUT_WINDOW_S)
             except Exception as error:  # a metric source that cannot be read now: say so, try again
                 missing = WindowStats(0, 0, None, 0, missing=f"{type(error).__name__}: {error}")
                 layered = spine = missing
@@ -71,6 +67,15 @@ class LayoutSampler:
                                         "spine": side_numbers(spine, LAYOUT_WINDOW_S)})
             self.samples.append(sample)
             return sample
+
+    def _read(self, since: float) -> tuple[WindowStats, WindowStats]:
+        """Each side's stats: the target's `layout_stats` where it has one (no parity read),
+        else the gates' own reading."""
+        layout_stats = getattr(self._target, "layout_stats", None)
+        if layout_stats is not None:
+            return layout_stats(since)  # type: ignore[no-any-return]
+        layered, spine, _ = self._target.window_stats(since)
+        return layered, spine
 
 
 def gate_point(record: GateRecord) -> dict[str, Any]:
@@ -92,7 +97,7 @@ def snapshot(controller: Controller, sampler: LayoutSampler, *, view_without_tok
         "status": status,
         "plan": to_json(plan_message(view.plan, loaded=True)) if view.plan else None,
         "gate_history": [gate_point(r) for r in controller.store.gate_history(GATE_ROWS)],
-        "layouts": {"window_s": LAYOUT_WINDOW_S, "latest": latest.sides if latest else None,
+        "layouts": {"window_s": LAYOUT_WINDOW_S, "latest": latest.sides,
                     "history": [{"ts": s.ts, **{side: {k: s.sides[side][k] for k in ("p99_ms", "error_rate", "rps")}
                                                for side in s.sides}} for s in history]},
         "view_without_token": view_without_token,

@@ -120,6 +120,17 @@ def test_the_event_stream_carries_the_new_stage_soon_after_a_transition(make_das
     assert state["status"]["recent_audit"][-1]["action"] == "advance"
 
 
+def test_a_transition_is_pushed_at_once_not_at_the_next_heartbeat(make_dashboard):
+    dashboard = make_dashboard(view_without_token=True)
+    assert dashboard.process.dashboard is not None
+    dashboard.process.dashboard.heartbeat_s = 3600.0  # no heartbeat during this test
+    dashboard.controller.start(load_plan(PLAN.replace("hold_s: 0.2", "hold_s: 60")), "test")
+    stream = events(dashboard.url)
+    assert next(stream)["status"]["stage_name"] == "first-stage"
+    dashboard.controller.advance("second-stage", "test")
+    assert next(stream)["status"]["stage_name"] == "second-stage"
+
+
 def test_state_holds_gate_history_layouts_and_audit(make_dashboard):
     dashboard = make_dashboard(view_without_token=True)
     dashboard.target.spine = WindowStats(requests=100, errors=0, p99_ms=12.0, p50_ms=4.0)

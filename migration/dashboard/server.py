@@ -72,6 +72,7 @@ class DashboardServer:
         for collector in collectors:
             self.registry.register(collector)
         self.stopping = threading.Event()
+        self.heartbeat_s = HEARTBEAT_S  # an event at least this often, and at once on every transition
         self._streams = 0  # event streams open now: `stop` waits for them before the store closes
         self._streams_done = threading.Condition()
         host, port = parse_listen(listen)
@@ -96,7 +97,7 @@ class DashboardServer:
         self.stopping.set()
         self.controller.wake_watchers()
         with self._streams_done:
-            self._streams_done.wait_for(lambda: self._streams == 0, timeout=2 * HEARTBEAT_S + 1)
+            self._streams_done.wait_for(lambda: self._streams == 0, timeout=2.0)
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
@@ -257,7 +258,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             while not app.stopping.is_set():
                 if after >= 0:
-                    rows = controller.wait_for_audit(after, timeout=HEARTBEAT_S)
+                    rows = controller.wait_for_audit(after, timeout=app.heartbeat_s)
                     after = rows[-1].id if rows else after
                 if app.stopping.is_set():
                     return

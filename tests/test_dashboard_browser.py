@@ -80,11 +80,12 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def controller(tmp_path) -> Iterator[tuple[ControllerProcess, RecordingTarget]]:
+def controller(tmp_path, request) -> Iterator[tuple[ControllerProcess, RecordingTarget]]:
     sockets = tempfile.mkdtemp(prefix="browse", dir="/tmp")
     target = RecordingTarget(layered=HEALTHY, spine=HEALTHY)
+    closed = request.node.get_closest_marker("viewing_needs_the_token") is not None
     process = ControllerProcess(str(tmp_path / "m.db"), f"unix:{sockets}/c.sock", ADMIN_TOKEN, target,
-                                tick_s=0.02, dashboard_listen="127.0.0.1:0", view_without_token=True)
+                                tick_s=0.02, dashboard_listen="127.0.0.1:0", view_without_token=not closed)
     process.start()
     process.controller.start(load_plan(PLAN), "test")
     try:
@@ -156,6 +157,17 @@ def test_a_button_without_the_token_is_refused_on_the_page(browser, controller):
     assert "refused (401)" in result.text and "admin token" in result.text
     assert process.controller.status.state == "progressing"
     assert [row.action for row in process.controller.store.audit()] == ["start"]
+
+
+@pytest.mark.viewing_needs_the_token
+def test_where_viewing_needs_the_token_the_page_asks_for_it_then_shows_the_rollout(browser, controller):
+    process, _ = controller
+    browser.get(process.dashboard_url)
+    browser.execute_script("sessionStorage.clear()")
+    wait(browser, lambda: "needs the admin token" in read(browser, "#freshness"), "the page asks for the token")
+    assert current_stage(browser) == ""  # nothing of the rollout without it
+    browser.find_element(By.ID, "token").send_keys(ADMIN_TOKEN)
+    wait(browser, lambda: current_stage(browser) == "canary-logs", "the page shows the rollout once given the token")
 
 
 def test_a_rollback_turns_the_page_red(browser, controller):

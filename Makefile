@@ -4,14 +4,20 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/spine/v1/*.proto)
 
-.PHONY: install prometheus protos run rehearse test bench lint clean model
+.PHONY: install prometheus chromium protos run rehearse test bench lint clean model
 
-install: $(VENV)/.installed spine/v1/.generated prometheus
+install: $(VENV)/.installed spine/v1/.generated prometheus chromium
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || .ci/install-prometheus
+
+# The dashboard's browser test drives a real headless Chromium through chromedriver (selenium):
+# where either is missing, the Debian packages (apt-get, quiet; one line and on if they cannot be had).
+chromium:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
+		.ci/apt-install "the dashboard's browser test" chromium chromium-driver
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

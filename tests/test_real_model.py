@@ -107,6 +107,25 @@ def test_messages_render_with_the_models_own_template_and_end_at_im_end(smollm2:
         tokenizer.encode_messages([{"role": "tool", "content": "x"}])
 
 
+def test_a_chat_question_rendered_with_its_template_is_answered_paris_and_stops(smollm2: Path) -> None:
+    """What the HTTP chat endpoints get from `encode_messages`: the issue's question, greedy."""
+    import torch
+
+    from services.model.backend import make_engine
+    from services.model.engine import GenerationRequest
+    from services.model.hf_backend import load_hf_backend
+
+    backend = load_hf_backend({"path": str(smollm2), "max_context": 256})
+    engine = make_engine(backend, torch.device("cpu"), 1)
+    try:
+        prefix, prompt = encode_messages(backend, [{"role": "user", "content": "What is the capital of France?"}])
+        result = engine.generate([GenerationRequest(prompt, 48, prefix_ids=prefix)])[0]
+    finally:
+        engine.close()
+    assert prefix == [] and "Paris" in backend.decode(result.token_ids)
+    assert result.finish_reason == "stop" and len(result.token_ids) < 48  # ended at <|im_end|>
+
+
 def test_a_model_without_a_template_reads_messages_as_the_system_field_is_read() -> None:
     from services.model.backend import load_backend
 

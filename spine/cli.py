@@ -169,7 +169,9 @@ def cmd_model(args: argparse.Namespace) -> int:
     from spine.tools.make_tiny import TinySpec, describe, make_tiny
 
     if args.action == "get":
-        return _get_model(args, describe)
+        from spine.tools.model_get import run_get
+
+        return run_get(args.name, args.out, args.cache)
 
     try:
         path = make_tiny(args.out, TinySpec(arch=args.arch, seed=args.seed))
@@ -178,25 +180,6 @@ def cmd_model(args: argparse.Namespace) -> int:
               f"{error}", file=sys.stderr)
         return 2
     print(describe(path))
-    return 0
-
-
-def _get_model(args: argparse.Namespace, describe: Any) -> int:
-    from spine.tools.model_get import FetchError, get_model
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    try:
-        path, converted = get_model(args.name, args.out, cache=args.cache, say=say)
-    except ImportError as error:
-        print(f"error: spine model get needs transformers, gguf and accelerate (pip install 'spine[models]'): "
-              f"{error}", file=sys.stderr)
-        return 2
-    except (FetchError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(("wrote " if converted else "already there, reused: ") + describe(path))
     return 0
 
 
@@ -265,12 +248,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, _served_model(args))  # --model DIR: both sides serve it
     pace: dict[str, Any] = {}
-    if args.model:  # bit-identical answers in both layouts, for the parity gate; longer windows
-        from spine.runtime.config import merge
-        from spine.tools.migration_demo import REAL_MODEL_PACE, REAL_MODEL_PLAN
+    if args.model:
+        from spine.tools.migration_demo import for_real_model
 
-        config = merge(config, {"inference": {"deterministic": True}})
-        pace = {"plan_path": REAL_MODEL_PLAN, **REAL_MODEL_PACE}
+        config, pace = for_real_model(config)
     try:
         with sigterm_as_interrupt():
             return run_migration_demo(config, **pace)

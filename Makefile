@@ -4,14 +4,19 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/spine/v1/*.proto)
 
-.PHONY: install prometheus protos run rehearse test bench lint clean
+.PHONY: install prometheus redis protos run rehearse test bench lint clean
 
-install: $(VENV)/.installed spine/v1/.generated prometheus
+install: $(VENV)/.installed spine/v1/.generated prometheus redis
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || .ci/install-prometheus
+
+# The shared rate-limit store's tests run a real Redis server: where `redis-server` is not on
+# PATH, the Debian package, the same way.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || .ci/install-redis
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

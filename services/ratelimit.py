@@ -138,7 +138,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         # With `store`: limits held across replicas by leases (`services.ratelimit_leases`).
         self.store = None if config.store is None else StoreLeases(
             config.store, self._table, self._leases, self._lock, lambda key: self._buckets[cast(Key, key)].limits,
-            concurrency_of, clock).start()
+            concurrency_of, tuple(t for t, limits in config.tenants.items() if limits.max_concurrent_requests),
+            clock).start()
         self.store_collector = None if self.store is None else self.store.collector()
 
     def close(self) -> None:

@@ -36,7 +36,10 @@ Faults (`fail_mode`):
 Concurrency slots: per tenant the store holds which replica holds how many, until when. A
 replica asks for the slots it holds plus its refusals since the last renewal (at most the
 limit less what the other live replicas hold); a tenant it holds none for may take one
-slot until its next renewal where the store had room for one at the last.
+slot until its next renewal where the store had room for one at the last, or where it has not
+asked for that tenant yet (the configured tenants are asked for from the start; one known
+only through `default` at its first request): at most one slot per replica over the limit,
+for one renewal.
 """
 
 from __future__ import annotations
@@ -81,11 +84,12 @@ class StoreLeases:
 
     def __init__(self, config: RateLimitStore, table: TokenBucketTable, slots: ConcurrencyLeases,
                  lock: threading.Lock, limits_of: LimitsOf, concurrency_of: ConcurrencyOf,
-                 clock: Callable[[], float] = time.monotonic, store: RedisLeaseStore | None = None) -> None:
+                 tenants: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic, store: RedisLeaseStore | None = None) -> None:
         self.config = config
         self.store = store or RedisLeaseStore(config.redis, replica_ttl_s=config.slot_ttl_s)
         self._table, self._slots, self._lock = table, slots, lock
         self._limits_of, self._concurrency_of, self._clock = limits_of, concurrency_of, clock
+        self._tenants = tenants  # renewed from the start: what the others hold is known before a request
         self.leasing = True  # False while the store cannot be reached (the fail mode applies)
         self.controller_share = table.share
         self.replicas = 1  # live replicas the store last counted
@@ -199,7 +203,7 @@ class StoreLeases:
 
     def _slot_asks(self, now: float) -> list[SlotAsk]:
         granted = self._slots.granted if self._slots.granted is not None else {}
-        tenants = {*self._slots.in_flight(), *self._slots.refused, *granted}
+        tenants = {*self._tenants, *self._slots.in_flight(), *self._slots.refused, *granted}
         asks = []
         for tenant in sorted(tenants):
             configured = self._concurrency_of(tenant)

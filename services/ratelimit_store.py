@@ -142,10 +142,12 @@ class RedisLeaseStore:
 
     def __init__(self, config: RedisStore, replica_ttl_s: float) -> None:
         import redis  # lazily: a limiter without a store never needs it
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         password = config.password_file.read_text().strip() if config.password_file else None
         common: dict[str, Any] = {"socket_timeout": config.timeout_s, "socket_connect_timeout": config.timeout_s,
-                                  "password": password, "retry_on_timeout": False}
+                                  "password": password, "retry": Retry(NoBackoff(), 0)}  # the next renewal retries
         if config.address.startswith("unix:"):
             self._redis = redis.Redis(unix_socket_path=config.address[len("unix:"):], **common)
         else:

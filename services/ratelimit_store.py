@@ -10,8 +10,8 @@ Why a script and not WATCH/MULTI: a grant reads, refills and writes several keys
 script does that in one round trip with no retries under contention.
 
 Keys (all under `key_prefix`): `epoch` (a random id written when the store was found
-empty: a replica that knew another one learns the store was restarted, and buckets made in
-that call start empty, not full), `replicas` (replica id -> expiry, the live replicas the
+empty: a replica that knew another one learns the store was restarted, and buckets made
+within the replica ttl after that, while `epoch:fresh` lives, start empty, not full), `replicas` (replica id -> expiry, the live replicas the
 fallback share divides by), `b:<bucket>` (level, last refill), `s:<tenant>` (replica id ->
 "slots:expiry"). Every key expires once it would read the same as a missing one.
 """
@@ -40,6 +40,10 @@ if not epoch then
 elseif ARGV[1] ~= '' and ARGV[1] ~= epoch then
   restarted = 1
 end
+if restarted == 1 then
+  redis.call('SET', KEYS[1] .. ':fresh', '1', 'PX', math.ceil(tonumber(ARGV[4]) * 1000))
+end
+local fresh = restarted == 1 or redis.call('EXISTS', KEYS[1] .. ':fresh') == 1
 redis.call('HSET', KEYS[2], ARGV[3], tostring(now + tonumber(ARGV[4])))
 local live = 0
 local members = redis.call('HGETALL', KEYS[2])
@@ -55,7 +59,7 @@ for i = 3, #KEYS do
   local v = redis.call('HMGET', KEYS[i], 'level', 'last')
   local level, last = tonumber(v[1]), tonumber(v[2])
   if level == nil then
-    if restarted == 1 then level = 0 else level = burst end
+    if fresh then level = 0 else level = burst end
     last = now
   end
   level = math.min(burst, level + rate * math.max(0, now - last))
@@ -158,13 +162,12 @@ class RedisLeaseStore:
         self._slots = self._redis.register_script(_SLOTS)
         self._replica_ttl_s = replica_ttl_s
         self.replica = secrets.token_hex(8)  # never reused: a restarted replica is a new holder
-        self._candidate_epoch = secrets.token_hex(8)
         self.calls = 0  # round trips made (for the bench and /metrics)
 
     def exchange(self, epoch: str, tokens: list[TokenAsk], slots: list[SlotAsk], slot_ttl_s: float) -> StoreAnswer:
         """Grant tokens and slots in one round trip."""
         p = self._prefix
-        token_args: list[Any] = [epoch, self._candidate_epoch, self.replica, self._replica_ttl_s]
+        token_args: list[Any] = [epoch, secrets.token_hex(8), self.replica, self._replica_ttl_s]
         for ask in tokens:
             token_args += [ask.rate, ask.burst, ask.want, ask.debt, ask.give_back]
         pipe = self._redis.pipeline(transaction=False)

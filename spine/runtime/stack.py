@@ -157,6 +157,9 @@ class Stack:
 
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
                                                                self.run_dir, self._local_inference)
+                store = getattr(self.local_servicers.get("ratelimit"), "store_collector", None)
+                if store is not None:  # the rate limiter's shared store (`ratelimit.store`)
+                    self.local_servicers["metrics"].registry.register(store)
             elif "inference" in self.local_servicers:  # the metrics component is elsewhere
                 from spine.runtime.serving_metrics import serve_inference_metrics
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from monolith.device import DeviceContext
 from services.ratelimit import RateLimitConfig, RateLimitService
-from services.ratelimit_admission import AdmitItem
+from services.ratelimit_admission import AdmitItem, AdmitVerdict
 from spine.tools.local_redis import LocalRedis
 
 ROOMY = {"requests_per_second": 1e9, "burst": 1e9, "tokens_per_minute": 1e12, "token_burst": 1e12}
@@ -81,7 +81,8 @@ def traffic(address: str, rate: float, seconds: float, skewed: bool, prefix: str
         while (elapsed := time.monotonic() - start) < seconds:
             while sent < int(elapsed * 10 * rate):
                 i = 0 if skewed else sent % 3
-                admitted[i] += replicas[i].admit_items([AdmitItem("t", "m", 10)])[0].admitted
+                verdict = replicas[i].admit_items([AdmitItem("t", "m", 10)])[0]
+                admitted[i] += isinstance(verdict, AdmitVerdict) and verdict.admitted
                 sent += 1
             time.sleep(0.001)
         elapsed = time.monotonic() - start

@@ -56,9 +56,9 @@ def decision_cost(address: str, rounds: int, per_round: int) -> dict[str, Any]:
         assert store is not None
         calls_before, started = store.store.calls, time.monotonic()
         off, on = [], []
-        for _ in range(rounds):
-            off.append(decisions_per_s(plain, per_round))
-            on.append(decisions_per_s(leased, per_round))
+        for turn in range(rounds):  # the order alternates: going first or second is worth a few %
+            for service in (plain, leased) if turn % 2 else (leased, plain):
+                (off if service is plain else on).append(decisions_per_s(service, per_round))
         calls_per_s = (store.store.calls - calls_before) / (time.monotonic() - started)
     finally:
         plain.close()

@@ -27,7 +27,7 @@ from monolith.device import DeviceContext
 from services.common import ConfigError
 from services.ratelimit import RateLimitConfig, RateLimitService
 from services.ratelimit_admission import AdmitItem
-from spine.tools.local_redis import LocalRedis
+from spine.tools.local_redis import CuttableLink, LocalRedis
 
 RATE, BURST = 50.0, 50.0
 RESERVE = 0.05
@@ -183,6 +183,33 @@ def test_store_that_stops_answering_is_a_fallback_too(redis_server: LocalRedis, 
     finally:
         redis_server.resume()
     wait_for(lambda: all(s.store and s.store.leasing for s in services))
+
+
+def test_one_replica_cut_off_over_admits_at_most_its_share(redis_server: LocalRedis) -> None:
+    """A partition: one of three replicas loses the store (its link cut), the other two keep
+    leasing the whole limit; the cut-off one decides on its third: at most a third of the
+    limit over, for as long as the partition lasts."""
+    link = CuttableLink(redis_server.port)
+    prefix = f"p{uuid.uuid4().hex[:8]}:"
+    direct = RateLimitConfig.from_dict(section(redis_server.address, prefix))
+    services = [RateLimitService(direct, DeviceContext()) for _ in range(2)]
+    services.append(RateLimitService(RateLimitConfig.from_dict(section(link.address, prefix)), DeviceContext()))
+    try:
+        drive(services, 0.5)
+        wait_for(lambda: all(s.store and s.store.replicas == 3 for s in services))
+        link.cut()
+        wait_for(lambda: services[2].store is not None and not services[2].store.leasing)
+        assert all(s.store and s.store.leasing for s in services[:2])
+        seconds = 1.5
+        admitted = drive(services, seconds)
+        assert admitted[2] <= limit(seconds) / 3 + BURST / 3 + 1
+        assert sum(admitted) <= limit(seconds) * (1 + 1 / 3) + BURST / 3 + 3 * RESERVE * BURST + 1
+        link.mend()
+        wait_for(lambda: services[2].store is not None and services[2].store.leasing)
+    finally:
+        for service in services:
+            service.close()
+        link.close()
 
 
 _HOLDER = """

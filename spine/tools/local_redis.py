@@ -4,7 +4,8 @@ The rate limiter's shared lease store (`ratelimit.store.redis`, `services.rateli
 is Redis; a test or bench starts its own `redis-server` (the Debian package, `make
 install`) on a free loopback port, nothing persisted, and stops it by its PID. `stop` and
 `start` again on the same port is a store restarted empty; `pause` (SIGSTOP) is a store that
-still accepts connections but does not answer: a slow or partitioned store.
+still accepts connections but does not answer: a slow or partitioned store. `CuttableLink`
+cuts one replica off the store while the others still reach it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -89,3 +92,70 @@ class LocalRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class CuttableLink:
+    """A TCP forwarder on loopback in front of the store, for one replica: `cut()` drops its
+    connections and refuses new ones (that replica is partitioned from the store, the others
+    are not); `mend()` lets it through again."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = ("127.0.0.1", target_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._open = True
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="link-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._open:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self._target, timeout=1.0)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(a, b), name="link-pump", daemon=True).start()
+
+    def cut(self) -> None:
+        self._open = False
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
+
+    def mend(self) -> None:
+        self._open = True
+
+    def close(self) -> None:
+        self.cut()
+        self._listener.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, sink):
+            try:
+                sock.close()
+            except OSError:
+                pass

@@ -141,6 +141,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             concurrency_of, tuple(t for t, limits in config.tenants.items() if limits.max_concurrent_requests),
             clock).start()
         self.store_collector = None if self.store is None else self.store.collector()
+        self.local_health = None if self.store is None else self.store.health
 
     def close(self) -> None:
         """Give the store's leases back (no store: nothing to do)."""

@@ -193,8 +193,9 @@ class StoreLeases:
                     target = burst  # more than it was given, so it asks for all the store holds
                 want = max(0.0, min(target, burst) - level)
             held.want, held.level = want, level
-            self._keys[_store_key(key)] = key
-            asks.append(TokenAsk(_store_key(key), rate, burst, want, debt, give_back))
+            if want or debt or give_back:  # an idle bucket with nothing to settle is not sent
+                self._keys[_store_key(key)] = key
+                asks.append(TokenAsk(_store_key(key), rate, burst, want, debt, give_back))
         return asks
 
     def _probe(self) -> list[TokenAsk]:
@@ -292,6 +293,13 @@ class StoreLeases:
         except Exception as error:
             log.info("ratelimit store: leases not given back on shutdown (%s); they lapse", error)
         self.store.close()
+
+    def health(self) -> tuple[bool, str]:
+        """The gateway's view of this limiter: serving either way (a fallback still decides,
+        within its share), and the reason says which."""
+        if self.leasing:
+            return True, f"local: leasing from the shared store ({self.replicas} replicas)"
+        return True, f"local: shared store unreachable, deciding on fail_mode {self.config.fail_mode}"
 
     def collector(self) -> Collector:
         return _StoreCollector(self)

@@ -153,6 +153,8 @@ def test_store_stopped_falls_back_to_shares_logged_once_and_counted(
     collected = {m.name: m for m in services[0].store_collector.collect()}  # type: ignore[union-attr]
     assert collected["spine_ratelimit_store_leasing"].samples[0].value == 0.0
     assert collected["spine_ratelimit_store_fallbacks"].samples[0].value == 1.0
+    serving, reason = services[0].local_health()  # type: ignore[misc]
+    assert serving and "unreachable" in reason and "shares" in reason  # still deciding, and says how
 
 
 def test_store_restarted_empty_over_admits_at_most_what_was_leased(

@@ -50,6 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRed
             for process in processes:
                 assert process.stdout is not None
                 ready = json.loads(process.stdout.readline())
+                assert "leasing from the shared store" in ready["health"]["components"]["ratelimit"]["reason"]
                 clients.append(GatewayClient(str(ready["address"]), token=KEY))
             yield redis_server, clients
         finally:

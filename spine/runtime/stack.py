@@ -243,6 +243,8 @@ class Stack:
                 targets[name] = binding.channel if down is None else _down(down)
             elif name == "inference" and self.deep_health is not None:
                 targets[name] = self._model_health
+            elif (check := getattr(self.local_servicers.get(name), "local_health", None)) is not None:
+                targets[name] = check  # e.g. the rate limiter's shared store: leasing or falling back
             else:
                 targets[name] = always_serving
         return targets

@@ -54,4 +54,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) spine/v1 bench/results.json
+	rm -rf $(VENV) spine/v1 bench/results.json bench/leases.json

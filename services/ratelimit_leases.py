@@ -75,7 +75,6 @@ class _Held:
     last_used: float
     backed: float = 0.0  # of those, tokens the store granted
     demand: float = 0.0  # tokens a second spent, smoothed
-    want: float = 0.0
     owed_back: float = 0.0  # granted tokens that did not fit: given back at the next renewal
 
 
@@ -84,7 +83,8 @@ class StoreLeases:
 
     def __init__(self, config: RateLimitStore, table: TokenBucketTable, slots: ConcurrencyLeases,
                  lock: threading.Lock, limits_of: LimitsOf, concurrency_of: ConcurrencyOf,
-                 tenants: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic, store: RedisLeaseStore | None = None) -> None:
+                 tenants: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic,
+                 store: RedisLeaseStore | None = None) -> None:
         self.config = config
         self.store = store or RedisLeaseStore(config.redis, replica_ttl_s=config.slot_ttl_s)
         self._table, self._slots, self._lock = table, slots, lock
@@ -145,7 +145,8 @@ class StoreLeases:
         """One exchange with the store: leases renewed, tokens given back, reserve paid for."""
         with self._lock:
             now = self._clock()
-            tokens = self._token_asks(now) if self.leasing else self._probe()
+            # While falling back, an exchange that takes nothing: to learn that the store is back.
+            tokens = self._token_asks(now) if self.leasing else []
             slots = self._slot_asks(now)
         try:
             answer = self.store.exchange(self._epoch, tokens, slots, self.config.slot_ttl_s)
@@ -192,15 +193,11 @@ class StoreLeases:
                 if fresh or level < target / 4:  # new, or ran (nearly) dry: its demand is not known or
                     target = burst  # more than it was given, so it asks for all the store holds
                 want = max(0.0, min(target, burst) - level)
-            held.want, held.level = want, level
+            held.level = level
             if want or debt or give_back:  # an idle bucket with nothing to settle is not sent
                 self._keys[_store_key(key)] = key
                 asks.append(TokenAsk(_store_key(key), rate, burst, want, debt, give_back))
         return asks
-
-    def _probe(self) -> list[TokenAsk]:
-        """While falling back: an exchange that takes nothing, to learn that the store is back."""
-        return []
 
     def _slot_asks(self, now: float) -> list[SlotAsk]:
         granted = self._slots.granted if self._slots.granted is not None else {}

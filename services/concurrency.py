@@ -194,7 +194,8 @@ class SlotAdmission:
         if isinstance(verdict, ItemError):
             return
         wait = self.leases.retry_after(item.tenant, now)
-        self.leases.refused[item.tenant] += 1
+        if self.leases.granted is not None:  # a shared store asks for more slots at its next renewal
+            self.leases.refused[item.tenant] += 1
         verdict.admitted = False
         verdict.over.append(OverLimit(concurrency_limit_name(item.tenant), wait))
         if verdict.retry_after_s >= 0:  # -1: the cost can never fit, which says more

@@ -55,7 +55,8 @@ def decision_cost(address: str, rounds: int, per_round: int) -> dict[str, Any]:
         store = leased.store
         assert store is not None
         calls_before, started = store.store.calls, time.monotonic()
-        off, on = [], []
+        off: list[float] = []
+        on: list[float] = []
         for turn in range(rounds):  # the order alternates: going first or second is worth a few %
             for service in (plain, leased) if turn % 2 else (leased, plain):
                 (off if service is plain else on).append(decisions_per_s(service, per_round))

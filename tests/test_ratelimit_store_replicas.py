@@ -14,12 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
@@ -31,7 +33,7 @@ KEY = "spine-dev-key-0000"  # the default config's dev tenant
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRedis, list[GatewayClient]]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRedis, list[GatewayClient], list[str]]]:
     workdir = tmp_path_factory.mktemp("replicas")
     with LocalRedis(workdir / "redis") as redis_server:
         config = workdir / "spine.yaml"
@@ -41,6 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRed
                       "renew_interval_s": RENEW_S, "lease_s": 0.5}}}))
         processes = []
         clients = []
+        metrics: list[str] = []
         try:
             for i in range(3):
                 processes.append(subprocess.Popen(
@@ -52,7 +55,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRed
                 ready = json.loads(process.stdout.readline())
                 assert "leasing from the shared store" in ready["health"]["components"]["ratelimit"]["reason"]
                 clients.append(GatewayClient(str(ready["address"]), token=KEY))
-            yield redis_server, clients
+                metrics.append(str(ready["metrics"]))
+            yield redis_server, clients, metrics
         finally:
             for client in clients:
                 client.close()
@@ -91,8 +95,8 @@ def send(clients: list[GatewayClient], seconds: float, route: str) -> list[int]:
 
 @pytest.mark.parametrize("route", ["one", "spread"])
 def test_three_collapsed_replicas_admit_the_tenants_limit_in_total(
-        cluster: tuple[LocalRedis, list[GatewayClient]], route: str) -> None:
-    _, clients = cluster
+        cluster: tuple[LocalRedis, list[GatewayClient], list[str]], route: str) -> None:
+    _, clients, _ = cluster
     time.sleep(1.0 + BURST / RATE)  # the previous case's tokens are back and the store's bucket is full
     admitted = send(clients, SECONDS, route)
     limit = BURST + RATE * SECONDS
@@ -102,9 +106,21 @@ def test_three_collapsed_replicas_admit_the_tenants_limit_in_total(
         assert admitted[1:] == [0, 0]
 
 
+def test_every_replicas_metrics_show_its_store(cluster: tuple[LocalRedis, list[GatewayClient], list[str]]) -> None:
+    _, _, metrics = cluster
+    for address in metrics:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as answer:
+            families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
+        assert families["spine_ratelimit_store_leasing"].samples[0].value == 1.0
+        assert families["spine_ratelimit_store_replicas"].samples[0].value == 3.0
+        calls = {s.labels["result"]: s.value for s in families["spine_ratelimit_store_calls"].samples
+                 if s.name.endswith("_total")}
+        assert calls["ok"] > 0
+
+
 def test_with_the_store_stopped_the_replicas_keep_answering_within_their_shares(
-        cluster: tuple[LocalRedis, list[GatewayClient]]) -> None:
-    redis_server, clients = cluster
+        cluster: tuple[LocalRedis, list[GatewayClient], list[str]]) -> None:
+    redis_server, clients, _ = cluster
     time.sleep(1.0 + BURST / RATE)
     redis_server.stop()
     try:
@@ -114,3 +130,4 @@ def test_with_the_store_stopped_the_replicas_keep_answering_within_their_shares(
         assert all(0 < a <= (BURST + RATE * SECONDS) / 3 + BURST / 3 + 1 for a in admitted), admitted
     finally:
         redis_server.start()
+

@@ -120,6 +120,36 @@ def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return comparisons
 
 
+def http_vs_grpc(runs: Sequence[Mapping[str, Any]], http_layouts: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Per cell and layout: its HTTP API against its gRPC API (same server process, same
+    prompts, turns next to each other): p50, p99 and throughput ratios, and what the HTTP
+    path costs the server per request — its whole CPU beyond the gRPC path's, and the HTTP
+    event loop's own share (parsing, JSON, SSE)."""
+    cells: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
+    for run in runs:
+        cells.setdefault((run["mode"], run["concurrency"]), {})[run["layout"]] = run
+    out = []
+    for (mode, concurrency), cell in cells.items():
+        for http_layout, layout in http_layouts.items():
+            http, grpc = cell.get(http_layout), cell.get(layout)
+            if http is None or grpc is None:
+                continue
+            row: dict[str, Any] = {
+                "mode": mode, "concurrency": concurrency, "layout": layout,
+                "http_over_grpc_p50": _ratio(http["p50_ms"], grpc["p50_ms"]),
+                "http_over_grpc_p99": _ratio(http["p99_ms"], grpc["p99_ms"]),
+                "http_over_grpc_rps": _ratio(http["rps"], grpc["rps"]),
+            }
+            if mode == "stream":
+                row["http_over_grpc_ttft_p50"] = _ratio(http["ttft_p50_ms"], grpc["ttft_p50_ms"])
+            if http.get("cpu_ms_per_request") is not None and grpc.get("cpu_ms_per_request") is not None:
+                row["http_extra_cpu_us_per_request"] = round(
+                    1000 * (http["cpu_ms_per_request"] - grpc["cpu_ms_per_request"]), 1)
+            row["http_loop_cpu_us_per_request"] = http.get("cpu_us_per_request_by_thread", {}).get("http-loop")
+            out.append(row)
+    return out
+
+
 def batching_gain(runs: Sequence[Mapping[str, Any]], unbatched_layout: str = "collapsed-unbatched", *,
                   batched_layout: str = "collapsed") -> list[dict[str, Any]]:
     """Per cell: a batched layout against the same layout with a batcher off — the spine
@@ -176,7 +206,7 @@ def _print_ratios(console: Console, rows: list[dict[str, Any]] | None, title: st
     for column in ("mode", "conc", *ratios):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(row["mode"], str(row["concurrency"]), *(_fmt(row[key]) for key in ratios.values()))
+        table.add_row(row["mode"], str(row["concurrency"]), *(_fmt(row.get(key)) for key in ratios.values()))
     console.print(table)
 
 
@@ -252,6 +282,13 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
     _print_ratios(console, results.get("layered_vs_collapsed"), "layered vs collapsed (same cell)", {
         "p50 layered/collapsed": "layered_over_collapsed_p50", "p99 layered/collapsed": "layered_over_collapsed_p99",
         "rps collapsed/layered": "collapsed_over_layered_rps"})
+    _print_ratios(console, results.get("http_vs_grpc"), "HTTP API vs gRPC, same layout and server "
+                  "(http extra CPU: the server's CPU µs per request beyond the gRPC path's; loop: the HTTP event "
+                  "loop's own)", {
+                      "layout": "layout", "p50 http/grpc": "http_over_grpc_p50", "p99 http/grpc": "http_over_grpc_p99",
+                      "rps http/grpc": "http_over_grpc_rps", "TTFT http/grpc": "http_over_grpc_ttft_p50",
+                      "http extra CPU µs/req": "http_extra_cpu_us_per_request",
+                      "loop CPU µs/req": "http_loop_cpu_us_per_request"})
     gain_columns = {"rps batched/unbatched": "batched_over_unbatched_rps",
                     "p50 batched/unbatched": "batched_over_unbatched_p50",
                     "p99 batched/unbatched": "batched_over_unbatched_p99"}

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,9 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from bench.http_load import HttpEndpoint
 from bench.load import Batch, Call, Endpoint, prompts, requests_for, run_batch
-from bench.report import add_ratios, batching_gain, machine_info, print_tables, run_record
+from bench.report import add_ratios, batching_gain, http_vs_grpc, machine_info, print_tables, run_record
 from bench.targets import (
     LAYOUTS,
     MIDDLEWARE_UNBATCHED_OVERLAY,
@@ -80,6 +82,19 @@ SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: the layered layout takes ~2
 # more its first requests pay (with rounds of 40 and six layouts, collapsed/bare at c=1 read
 # 1.12-1.14 where three layouts read 1.08-1.10).
 TURN_WARMUP = 3
+# The HTTP API (`spine.runtime.http`), measured beside the gRPC path of the same server process:
+# each pseudo-layout calls its layout's HTTP listener (a unix socket, as the gRPC one is) with
+# the same prompts. Only in the cells its targets are stated for (p50 at c=1, throughput at
+# c=64) and the stream cell (TTFT), to keep `make bench` within its time.
+HTTP_LAYOUTS: dict[str, str] = {"collapsed-http": "collapsed", "layered-http": "layered"}
+HTTP_CONCURRENCY = (1, 64)
+
+
+def in_cell(layout: str, mode: str, concurrency: int) -> bool:
+    """Whether `layout` takes part in a cell (the HTTP pseudo-layouts only in theirs)."""
+    return layout not in HTTP_LAYOUTS or mode == "stream" or concurrency in HTTP_CONCURRENCY
+
+
 # The bench measures overhead, not admission: the default buckets must never refuse it.
 RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
     "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
@@ -236,7 +251,7 @@ def stop_all(targets: dict[str, Target], console: Console) -> list[int]:
     return left
 
 
-def tear_down(sampler: RssSampler | None, endpoints: dict[str, Endpoint], targets: dict[str, Target],
+def tear_down(sampler: RssSampler | None, endpoints: Mapping[str, Any], targets: dict[str, Target],
               console: Console) -> list[int]:
     """Stop sampling, close the clients, stop every server; the PIDs (ours) still alive, said aloud."""
     if sampler is not None:
@@ -249,7 +264,7 @@ def tear_down(sampler: RssSampler | None, endpoints: dict[str, Endpoint], target
     return left
 
 
-def warm_up(endpoints: dict[str, Endpoint], settings: Settings) -> None:
+def warm_up(endpoints: Mapping[str, Any], settings: Settings) -> None:
     """First calls pay for connection set-up, lazy imports and first-shape kernels: not measured."""
     top = max(settings.concurrency)
     for layout, endpoint in endpoints.items():
@@ -260,15 +275,15 @@ def warm_up(endpoints: dict[str, Endpoint], settings: Settings) -> None:
         run_batch(endpoint, reqs[settings.warmup + 2:], concurrency=top, time_limit_s=60)
 
 
-def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Settings,
+def measure(endpoints: Mapping[str, Any], sampler: RssSampler, settings: Settings,
             console: Console, *, stream: bool = True) -> list[dict[str, Any]]:
     """Every cell, its rounds interleaved across layouts; one run record per (cell, layout)."""
     cells = [("unary", c, settings.cell_requests(c)) for c in settings.concurrency]
     if stream:
         cells.append(("stream", 1, settings.stream_requests))
     runs: list[dict[str, Any]] = []
-    layouts = list(endpoints)
     for mode, concurrency, count in cells:
+        layouts = [layout for layout in endpoints if in_cell(layout, mode, concurrency)]
         rounds = settings.cell_rounds(concurrency, count)
         per_round = [count // rounds + (1 if r < count % rounds else 0) for r in range(rounds)]
         calls: dict[str, list[Call]] = {layout: [] for layout in layouts}
@@ -282,11 +297,15 @@ def measure(endpoints: dict[str, Endpoint], sampler: RssSampler, settings: Setti
         start = 0
         with console.status(f"{mode} at concurrency {concurrency}: {count} requests per layout in {rounds} rounds"):
             for r, size in enumerate(per_round):
-                texts = prompts(f"{mode[0]}{concurrency}", size, start)  # same prompts for every layout
+                # The same prompts for every layout; the HTTP pseudo-layouts get prompts of their
+                # own, of the same length (their server answered the gRPC ones: cache hits).
+                texts = {side: prompts(f"{side}{mode[0]}{concurrency}", size, start) for side in "gh"}
                 start += size
-                reqs = requests_for(texts, settings.max_tokens, settings.model_id)
+                reqs_by_side = {side: requests_for(texts[side], settings.max_tokens, settings.model_id)
+                                for side in "gh"}
                 order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]  # rotate who goes first
                 for layout in order:
+                    reqs = reqs_by_side["h" if layout in HTTP_LAYOUTS else "g"]
                     # Its turn starts on caches the other layouts' turns have emptied: a few
                     # requests first, not measured (see TURN_WARMUP).
                     turn = requests_for(prompts(f"turn-{mode[0]}{concurrency}-{r}-{layout}", TURN_WARMUP),
@@ -329,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     run_dir = Path(tempfile.mkdtemp(prefix="spb-"))  # short: unix socket paths are limited to ~107 bytes
     targets: dict[str, Target] = {}
-    endpoints: dict[str, Endpoint] = {}
+    endpoints: dict[str, Any] = {}
     sampler: RssSampler | None = None
     began = time.perf_counter()
     try:
@@ -337,7 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         keep_load_generator_off(server_cpu())
         processes = {layout: len(target.tree()) for layout, target in targets.items()}
         endpoints = {layout: Endpoint(t.address, t.is_gateway, DEV_KEY) for layout, t in targets.items()}
-        sampler = RssSampler(targets)
+        for http_layout, layout in HTTP_LAYOUTS.items():  # the same server, called over HTTP
+            address = targets[layout].http_address if layout in targets else None
+            if address:
+                endpoints[http_layout] = HttpEndpoint(address, DEV_KEY)
+                processes[http_layout] = processes[layout]
+        sampler = RssSampler({**targets, **{http_layout: targets[layout] for http_layout, layout in HTTP_LAYOUTS.items()
+                                            if http_layout in endpoints}})
         sampler.start()
         with console.status("warming up"):
             warm_up(endpoints, settings)
@@ -366,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             system_prompt = measure_system_prompt()
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results = {"runs": runs, "serving": serving, "system_prompt": system_prompt, "layered_vs_collapsed": comparisons,
+               "http_vs_grpc": http_vs_grpc(runs, HTTP_LAYOUTS),
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
                "layered_batched_vs_layered": batching_gain(runs, "layered", batched_layout="layered-batched"),

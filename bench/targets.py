@@ -67,6 +67,7 @@ class Target:
     process: subprocess.Popen[str]
     log_path: Path
     address: str = ""
+    http_address: str | None = None  # its HTTP API (spine layouts), from the ready line
     run_dir: Path | None = None  # where its processes write their metrics addresses
     _lines: queue.Queue[str] = field(default_factory=queue.Queue)
     _known: dict[int, psutil.Process] = field(default_factory=dict)
@@ -102,6 +103,7 @@ class Target:
             address = _ready_address(self.layout, line)
             if address:
                 self.address = address
+                self.http_address = _ready_http_address(line)
                 self.tree()  # remember every child now, so stop() can reap them by PID
                 return address
 
@@ -241,6 +243,14 @@ def _ready_address(layout: str, line: str) -> str:
     return ""
 
 
+def _ready_http_address(line: str) -> str | None:
+    try:
+        ready = json.loads(line)
+    except ValueError:
+        return None
+    return ready.get("http_address") if isinstance(ready, dict) else None
+
+
 def server_cpu() -> str | None:
     """The CPU the model process of bare and of every collapsed layout runs on (`SPINE_CPU`):
     the same one for all, so no ratio depends on which CPU a layout drew — the last this
@@ -271,7 +281,7 @@ def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_R
     elif layout in SPINE_LAYOUT:
         argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",
                 "--layout", SPINE_LAYOUT[layout], "--listen", f"unix:{layout_dir}/gateway.sock",
-                "--run-dir", str(layout_dir)]
+                "--http-listen", f"unix:{layout_dir}/http.sock", "--run-dir", str(layout_dir)]
     else:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     log_path = run_dir / f"{layout}.log"
@@ -349,6 +359,8 @@ THREAD_GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("model", re.compile(r"inference-sched")),  # the decode loop
     ("completions", re.compile(r"spine-completio")),  # the spine's deferred cache/log/metrics writes
     ("logs", re.compile(r"log-flusher")),  # the request log's file writer
+    ("http-loop", re.compile(r"http-server")),  # the HTTP API's event loop: parsing, JSON, SSE writes
+    ("http-handlers", re.compile(r"http_\d+$")),  # its handler pool, where the gateway runs for HTTP
 )
 OTHER_THREADS = "other"  # gRPC's own threads, the main thread, health and the rest
 

@@ -1,6 +1,6 @@
 """`spine`: bring up a layout, call it, run the demo, drive a migration.
 
-    spine up --layout layered|collapsed|mixed [--listen HOST:PORT] [--model DIR [--model-id ID]]
+    spine up --layout layered|collapsed|mixed [--listen HOST:PORT] [--http-listen HOST:PORT] [--model DIR [--model-id ID]]
     spine model make-tiny --arch llama|gpt2 --out DIR
     spine call --prompt "hello" [--stream] [--ca FILE [--cert FILE --key FILE]]
     spine certs dev --out DIR
@@ -45,6 +45,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     placements = placements_for(args.layout, config)
     listen = args.listen or str(config["listen"])
     check_listen(listen, args.allow_external)  # before any child process starts
+    http_listen = args.http_listen or (config.get("http") or {}).get("listen")
+    if http_listen is not None and args.http_listen != "off":
+        check_listen(http_listen, args.allow_external)
+    else:
+        http_listen = None
     run_dir = Path(args.run_dir) if args.run_dir else None
     from spine.runtime.served_model import preflight
 
@@ -58,13 +63,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     configure_threads()
     install_from_config(config, service_name="spine")
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
-                  remote_addresses=remote_addresses(config), probe_listen=args.probe_listen, **fault)
+                  remote_addresses=remote_addresses(config), probe_listen=args.probe_listen,
+                  http_listen=http_listen, **fault)
     termination = Termination()
     stack.start()
     follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements", tls)
     key = dev_api_key(config)
     ready = {
-        "event": "ready", "layout": stack.layout, "address": stack.address, "pid": os.getpid(),
+        "event": "ready", "layout": stack.layout, "address": stack.address, "http_address": stack.http_address,
+        "pid": os.getpid(),
         "placements": dict(stack.placements), "run_dir": str(stack.run_dir), "metrics": stack.metrics_address(),
         "children": stack.supervisor.pids() if stack.supervisor else {},
         # The gateway's health and each component's; later flips, restarts and crash loops
@@ -88,6 +95,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             sys.stdin.buffer, lambda: print("--inject-fault switchable: stdin closed; the fault stays as it is",
                                             file=sys.stderr))
     print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)
+    if stack.http_address:
+        scheme = "https" if tls is not None else "http"
+        print(f"HTTP API (OpenAI/Anthropic-compatible) on {scheme}://{stack.http_address}/v1", file=sys.stderr)
     if key:
         print(f"dev tenant API key: {key}   (try: spine call --address {stack.address} --prompt hello)",
               file=sys.stderr)
@@ -302,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a layout in the foreground until SIGTERM or Ctrl-C")
     up.add_argument("--layout", choices=LAYOUTS, default="collapsed")
     up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
+    up.add_argument("--http-listen", metavar="HOST:PORT",
+                    help="the OpenAI/Anthropic-compatible HTTP API's address (default: config `http.listen`, "
+                         "127.0.0.1:8000); 'off': none")
     up.add_argument("--run-dir", help="sockets, logs and state (default: a fresh temporary directory)")
     up.add_argument("--allow-external", action="store_true", help="allow a non-loopback --listen")
     up.add_argument("--probe-listen", metavar="HOST:PORT",

@@ -17,6 +17,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"bare", "collapsed", "layered"}
+HTTP_LAYOUTS = {"collapsed-http", "layered-http"}  # the same servers, called over their HTTP API
 
 
 def _positive(value: object) -> bool:
@@ -48,7 +49,16 @@ def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_quick_bench_measures_every_layout_at_both_concurrencies(quick_results: dict) -> None:
     unary = {(r["layout"], r["concurrency"]) for r in quick_results["runs"] if r.get("mode", "unary") == "unary"}
-    assert unary == {(layout, c) for layout in LAYOUTS for c in (1, 16)}
+    http = {(layout, 1) for layout in HTTP_LAYOUTS}  # the HTTP API only at c=1 and c=64
+    assert unary == {(layout, c) for layout in LAYOUTS for c in (1, 16)} | http
+
+
+def test_the_http_api_is_compared_with_grpc_on_the_same_server(quick_results: dict) -> None:
+    rows = {(row["mode"], row["layout"]): row for row in quick_results["http_vs_grpc"]}
+    assert set(rows) == {(mode, layout) for mode in ("unary", "stream") for layout in ("collapsed", "layered")}
+    for row in rows.values():
+        assert _positive(row["http_over_grpc_p50"]) and _positive(row["http_over_grpc_rps"])
+        assert row["http_loop_cpu_us_per_request"] > 0, "the HTTP event loop's CPU is read by thread"
 
 
 def test_every_run_has_positive_latency_throughput_and_memory(quick_results: dict) -> None:
@@ -63,7 +73,7 @@ def test_every_run_has_positive_latency_throughput_and_memory(quick_results: dic
 
 def test_stream_runs_report_time_to_first_token_and_inter_token_latency(quick_results: dict) -> None:
     stream = [r for r in quick_results["runs"] if r.get("mode") == "stream"]
-    assert {r["layout"] for r in stream} == LAYOUTS
+    assert {r["layout"] for r in stream} == LAYOUTS | set(HTTP_LAYOUTS)
     for run in stream:
         assert run["concurrency"] == 1
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
@@ -156,13 +166,16 @@ def test_server_cpu_is_split_by_thread_and_the_decode_loop_is_told_apart(quick_r
     spent: dict[str, dict[str, float]] = {}
     for run in quick_results["runs"]:
         groups = run["cpu_us_per_request_by_thread"]
-        assert set(groups) == {"handlers", "model", "completions", "logs", "other"}, run
+        assert set(groups) == {"handlers", "model", "completions", "logs", "http-loop", "http-handlers",
+                               "other"}, run
         for group, value in groups.items():
             spent.setdefault(run["layout"], {}).setdefault(group, 0.0)
             spent[run["layout"]][group] += value
     for layout in ("bare", "collapsed", "layered"):
         assert spent[layout]["model"] > 0, (layout, spent[layout])
         assert spent[layout]["handlers"] > 0, (layout, spent[layout])
+    for layout in HTTP_LAYOUTS:  # called over HTTP: the HTTP threads, not the gRPC pool, do the work
+        assert spent[layout]["http-loop"] > 0 and spent[layout]["http-handlers"] > 0, (layout, spent[layout])
 
 
 def test_thread_groups_and_the_split_table() -> None:
@@ -170,12 +183,12 @@ def test_thread_groups_and_the_split_table() -> None:
     from bench.targets import thread_cpu_by_group, thread_group
 
     assert [thread_group(n) for n in ("grpc_12", "inference-sched", "spine-completio", "log-flusher:req",
-                                      "event_engine", "python", "grpc_global_tim")] == [
-        "handlers", "model", "completions", "logs", "other", "other", "other"]
+                                      "event_engine", "python", "grpc_global_tim", "http-server", "http_3")] == [
+        "handlers", "model", "completions", "logs", "other", "other", "other", "http-loop", "http-handlers"]
     before = {(1, 10): ("handlers", 1.0), (1, 11): ("model", 5.0)}
     after = {(1, 10): ("handlers", 1.5), (1, 11): ("model", 7.0), (1, 12): ("handlers", 0.25)}  # 12: a new thread
     assert thread_cpu_by_group(before, after) == {"handlers": 0.75, "model": 2.0, "completions": 0.0, "logs": 0.0,
-                                                  "other": 0.0}
+                                                  "http-loop": 0.0, "http-handlers": 0.0, "other": 0.0}
     unary = [{"layout": "bare", "concurrency": 64, "cpu_us_per_request_by_thread": {"handlers": 100.0, "model": 900.0}},
              {"layout": "collapsed", "concurrency": 64,
               "cpu_us_per_request_by_thread": {"handlers": 260.0, "model": 910.0}},

@@ -173,7 +173,8 @@ def test_up_with_a_bad_config_exits_2_before_any_child_starts(
     spawned: list[Any] = []
     monkeypatch.setattr("spine.runtime.stack.Supervisor", lambda *args: spawned.append(args))
     path, run_dir = write(tmp_path, text), tmp_path / "run"
-    rc = cli.main(["--config", str(path), "up", "--layout", "layered", "--run-dir", str(run_dir)])
+    rc = cli.main(["--config", str(path), "up", "--layout", "layered", "--http-listen", "off",
+                   "--run-dir", str(run_dir)])
     assert rc == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"config error: {path}:")

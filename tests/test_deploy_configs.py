@@ -93,7 +93,9 @@ def test_envoy_gets_rds_and_eds_over_ads_from_an_http2_controller_cluster() -> N
 
 def test_envoy_listener_uses_the_router_filter_rds_over_ads_and_logs_to_stdout() -> None:
     bootstrap = load_bootstrap(DEPLOY / "envoy" / "front-proxy.yaml")
-    (listener,) = bootstrap.static_resources.listeners
+    listeners = {listener.name: listener for listener in bootstrap.static_resources.listeners}
+    assert sorted(listeners) == ["grpc_ingress", "http_ingress"]  # the Gateway API, and the HTTP API
+    listener = listeners["grpc_ingress"]
     hcm = http_connection_manager_pb2.HttpConnectionManager()
     assert listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
     assert hcm.http_filters[-1].typed_config.type_url.endswith("envoy.extensions.filters.http.router.v3.Router")
@@ -106,20 +108,21 @@ def test_envoy_listener_uses_the_router_filter_rds_over_ads_and_logs_to_stdout()
 def test_envoy_names_match_what_the_control_plane_serves(name: str) -> None:
     """The route and the EDS clusters Envoy asks for are the ones build_snapshot publishes."""
     bootstrap = load_bootstrap(DEPLOY / "envoy" / name)
-    snapshot = build_snapshot(
-        "spine-gateway", {"layered": 1, "spine": 1},
-        {"layered": [Endpoint("127.0.0.1", 1)], "spine": [Endpoint("127.0.0.1", 2)]}, "v1",
-    )
-    hcm = http_connection_manager_pb2.HttpConnectionManager()
-    bootstrap.static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
-    assert hcm.rds.route_config_name in snapshot.of_type(ROUTE)
+    endpoints = {"layered": [Endpoint("127.0.0.1", 1)], "spine": [Endpoint("127.0.0.1", 2)]}
+    if len(bootstrap.static_resources.listeners) > 1:  # the HTTP API's listener and clusters too
+        endpoints.update({"layered-http": [Endpoint("127.0.0.1", 3)], "spine-http": [Endpoint("127.0.0.1", 4)]})
+    snapshot = build_snapshot("spine-gateway", {"layered": 1, "spine": 1}, endpoints, "v1")
+    for listener in bootstrap.static_resources.listeners:
+        hcm = http_connection_manager_pb2.HttpConnectionManager()
+        listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+        assert hcm.rds.route_config_name in snapshot.of_type(ROUTE)
     eds = {c.name: c for c in bootstrap.static_resources.clusters if c.type == c.EDS}
     assert sorted(eds) == sorted(snapshot.of_type(CLUSTER))
     for name, cluster in eds.items():
         assert cluster.eds_cluster_config.service_name == name
         assert cluster.eds_cluster_config.eds_config.HasField("ads")
         (check,) = cluster.health_checks
-        assert check.HasField("grpc_health_check")
+        assert check.HasField("http_health_check" if name.endswith("-http") else "grpc_health_check")
 
 
 @pytest.mark.parametrize("path", K8S_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))

@@ -117,7 +117,7 @@ def test_children_carry_health_and_reflection(layered: Stack) -> None:
 def spine_up(layout: str, run_dir: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "spine", "up", "--layout", layout, "--listen", "127.0.0.1:0",
-         "--run-dir", str(run_dir)],
+         "--http-listen", "127.0.0.1:0", "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     line = process.stdout.readline()

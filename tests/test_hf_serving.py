@@ -41,7 +41,7 @@ def test_spine_up_model_serves_the_directory_as_default_in_every_layout(
         tiny_llama: Path, tmp_path: Path, layout: str) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "spine", "up", "--layout", layout, "--listen", "127.0.0.1:0",
-         "--run-dir", str(tmp_path / "run"), "--model", str(tiny_llama)],
+         "--http-listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "run"), "--model", str(tiny_llama)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -71,7 +71,7 @@ def test_spine_up_model_serves_the_directory_as_default_in_every_layout(
 def test_spine_up_model_refuses_a_missing_directory_in_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-model"
     run = subprocess.run([sys.executable, "-m", "spine", "up", "--layout", "layered", "--listen", "127.0.0.1:0",
-                          "--run-dir", str(tmp_path / "run"), "--model", str(missing)],
+                          "--http-listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "run"), "--model", str(missing)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.splitlines() == [f"config error: inference.backend.options.path: {missing}: no such directory"]

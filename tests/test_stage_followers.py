@@ -286,7 +286,7 @@ def test_spine_up_follows_the_stages_placements_and_a_rollback_returns_them_with
         assert wait_serving(listen, timeout=60) and wait_serving(logs_address, timeout=60)
         up = subprocess.Popen(
             [sys.executable, "-m", "spine", "--config", str(config_file), "up", "--layout", "collapsed",
-             "--listen", spine, "--run-dir", str(tmp_path / "spine"), "--follow-controller", ads,
+             "--listen", spine, "--http-listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "spine"), "--follow-controller", ads,
              "--node-id", "spine-a"], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=log_file)
         processes.append(up)
         ready = read_json_line(up, timeout=90)

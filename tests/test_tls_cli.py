@@ -133,7 +133,7 @@ def tls_spine(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     config.write_text(yaml.safe_dump({"tls": certs.tls_config()}))
     env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
     process = subprocess.Popen([*SPINE, "--config", str(config), "up", "--layout", "collapsed", "--listen",
-                                "127.0.0.1:0", "--run-dir", str(tmp / "run")], cwd=ROOT, env=env, text=True,
+                                "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--run-dir", str(tmp / "run")], cwd=ROOT, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert process.stdout is not None
@@ -180,7 +180,8 @@ def test_spine_up_refuses_a_certificate_it_cannot_use_with_one_line(certs: Certs
     config = tmp_path / "tls.yaml"
     config.write_text(yaml.safe_dump({"tls": certs.tls_config(cert_file=str(certs.expired_client),
                                                                key_file=str(certs.expired_client_key))}))
-    result = run([*SPINE, "--config", str(config), "up", "--layout", "collapsed", "--listen", "127.0.0.1:0"])
+    result = run([*SPINE, "--config", str(config), "up", "--layout", "collapsed", "--listen", "127.0.0.1:0",
+                  "--http-listen", "127.0.0.1:0"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"config error: tls.cert_file {certs.expired_client}: the certificate (CN=expired-client,O=spine dev) "

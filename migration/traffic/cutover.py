@@ -35,12 +35,14 @@ from migration.traffic.front import Front
 from migration.traffic.layered_process import LayeredProcess
 from migration.traffic.spine_process import SpineProcess
 from migration.xds import XdsControlPlane
+from migration.xds.snapshot import HTTP_SUFFIX, Endpoint
 from monolith.device import DeviceContext
 from services.pipeline.verdicts import RequestLimits
 from services.prometheus_http import PrometheusHTTPServer
 from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 from spine.runtime.config import internal_key, merge, placements_for
 from spine.runtime.faults import FaultHook, FaultSwitch, WrongAnswers
+from spine.runtime.http.server import start_http
 from spine.runtime.run_dir import write_private
 from spine.runtime.sections import TlsConfig
 from spine.runtime.server import RunningServer, free_port, request_pool, start_server
@@ -135,12 +137,17 @@ class FrontTarget:
         self._layered_share = share
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
-        window = self.front.window(since)
-        layered, spine = window["layered"], window["spine"]
         parity = (self.parity.parity(since) if self.parity is not None
                   else ParityStats(0, 0, missing="the front's shadow comparisons are not read"))
-        return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests), parity)
+        return (*self.layout_stats(since), parity)
+
+    def layout_stats(self, since: float) -> tuple[WindowStats, WindowStats]:
+        """Each side's requests since `since`, without the parity (what the dashboard shows)."""
+        window = self.front.window(since)
+        layered, spine = window["layered"], window["spine"]
+        return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests,
+                            p50_ms=layered.p50_ms),
+                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests, p50_ms=spine.p50_ms))
 
     def shadow(self) -> ShadowCapability:
         mirror = self.front.shadow
@@ -160,6 +167,10 @@ class FrontTarget:
     def data_planes(self) -> list[dict[str, Any]]:
         """What each xDS data plane ACKed or NACKed (shown by `spine migrate status`)."""
         return self.xds.status() if self.xds is not None else []
+
+    def followers(self) -> list[dict[str, Any]]:
+        """What each follower of the stages (the spine process) applied (status, dashboard)."""
+        return self.xds.followers_status() if self.xds is not None else []
 
     def applied(self, version: str) -> bool:
         """The front applies a weight at once; xDS data planes once they have ACKed it; a
@@ -196,6 +207,12 @@ class Cutover:
     run_dir: Path
     listen: str = "127.0.0.1:0"
     xds_listen: str | None = None  # e.g. "127.0.0.1:0": serve ADS so Envoy/proxyless clients follow
+    # The front's HTTP API (OpenAI/Anthropic-compatible, `spine.runtime.http`), split like its
+    # gRPC traffic; None: gRPC only. Both sides then serve HTTP too, and the xDS snapshot
+    # routes an HTTP listener between them (`layered-http`, `spine-http`) by the same weights.
+    http_listen: str | None = None
+    front_http: Any = None
+    _front_http_app: Any = None
     # The layered stack as its own process tree (`spine up --layout layered`), as in
     # production, rather than a Stack in this process (its gateway then shares this
     # interpreter with the spine's model): what `make run` compares. In-process, tests can
@@ -219,6 +236,8 @@ class Cutover:
     front_metrics: PrometheusHTTPServer | None = None  # the front's shadow counters, with shadow on
     parity: ScrapeSource | None = None  # what the parity gate reads them with
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # The controller's dashboard (`migration.dashboard`), e.g. "127.0.0.1:0"; None: none.
+    dashboard_listen: str | None = None
 
     def start(self) -> str:
         """Start both layouts, the front and the controller; the front's address."""
@@ -243,10 +262,17 @@ class Cutover:
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
                                              max_message_bytes=limits.max_message_bytes, tls=tls,
                                              **request_pool(self.config))
+            if self.http_listen is not None:
+                front = self.front
+                self.front_http, self._front_http_app = start_http(
+                    front, self.config, self.http_listen, layout=lambda: "front",
+                    serving=lambda: any(front.healthy.values()), tls=tls)
             if self.xds is None and self.xds_listen is not None:
                 self.xds = XdsControlPlane("spine-gateway", {
                     "layered": [endpoint(layered_address)], "spine": [endpoint(spine_address)]})
                 self.xds.start(self.xds_listen, tls)
+            if self.xds is not None:
+                self.xds.set_endpoints(self._http_endpoints())
             # Each side's gateway health (SERVING only while its fail-closed components are)
             # steers the front and the xDS endpoints.
             self.endpoint_health = EndpointHealth(
@@ -257,12 +283,23 @@ class Cutover:
             self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds, self.parity)
             self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"),
                                                 f"unix:{self.run_dir / 'controller.sock'}", self.admin_token,
-                                                self.target, tick_s=0.1)
+                                                self.target, tick_s=0.1, dashboard_listen=self.dashboard_listen,
+                                                view_without_token=True)
             self.controller.start()
         except BaseException:
             self.stop()
             raise
         return self.front_server.address
+
+    def _http_endpoints(self) -> dict[str, list[Endpoint]]:
+        """Each side's HTTP API as the xDS cluster `<side>-http` (none where a side serves none)."""
+        addresses = {
+            "layered": self.layered.http_address if self.layered is not None else (
+                self.layered_tree.http_address if self.layered_tree is not None else None),
+            "spine": self.spine.http_address if self.spine is not None else (
+                self.spine_tree.http_address if self.spine_tree is not None else None),
+        }
+        return {f"{side}{HTTP_SUFFIX}": [endpoint(address)] for side, address in addresses.items() if address}
 
     def _start_spine(self, layered_address: str, shared: dict[str, str], tls: TlsConfig | None) -> str:
         """The spine, on the layered stack's middlewares and its own model: its address."""
@@ -285,7 +322,8 @@ class Cutover:
         device = DeviceContext.from_config(self.config)
         model = WrongAnswers(DEFAULT["inference"].build(self.config, device, self.run_dir), self.fault)
         self.spine = Stack(self.config, placements, run_dir=self.run_dir / "spine", hooks=[self.fault],
-                           remote_addresses=shared, device=device, local_servicers={"inference": model})
+                           remote_addresses=shared, device=device, local_servicers={"inference": model},
+                           http_listen=self._side_http())
         self.spine.start()
         return self.spine.address
 
@@ -306,17 +344,27 @@ class Cutover:
             self.layered_tree = LayeredProcess(self.config, self.run_dir / "layered")
             address = self.layered_tree.start()
             return address, self.layered_tree.component_addresses(), self.layered_tree.ratelimit()
-        self.layered = Stack(self.config, placements_for("layered", self.config), run_dir=self.run_dir / "layered")
+        self.layered = Stack(self.config, placements_for("layered", self.config), run_dir=self.run_dir / "layered",
+                             http_listen=self._side_http())
         self.layered.start()
         assert self.layered.supervisor is not None
         shared = {name: child.address for name, child in self.layered.supervisor.children.items()
                   if name != "inference"}
         return self.layered.address, shared, self.layered.bindings.get("ratelimit")
 
+    def _side_http(self) -> str | None:
+        """Where an in-process side serves HTTP: anywhere on loopback when the run serves HTTP."""
+        return "127.0.0.1:0" if self.http_listen is not None else None
+
     @property
     def address(self) -> str:
         assert self.front_server is not None
         return self.front_server.address
+
+    @property
+    def http_address(self) -> str | None:
+        """The front's HTTP API (None without `http_listen`)."""
+        return self.front_http.address if self.front_http is not None else None
 
     @property
     def front_metrics_address(self) -> str | None:
@@ -340,6 +388,12 @@ class Cutover:
         if self.xds is not None:
             self.xds.stop()
             self.xds = None
+        if self.front_http is not None:
+            self.front_http.stop(2.0)
+            self.front_http = None
+        if self._front_http_app is not None:
+            self._front_http_app.close()
+            self._front_http_app = None
         if self.front_server is not None:
             self.front_server.stop(2.0)
             self.front_server = None

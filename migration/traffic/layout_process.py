@@ -40,6 +40,7 @@ class LayoutProcess:
         # Loopback TCP, not a unix socket: xDS data planes (Envoy, proxyless clients) are
         # sent its address as an endpoint. Port 0: `spine up` says which in its ready line.
         self.address = ""
+        self.http_address: str | None = None  # its HTTP API (`http_address` in the ready line)
 
     @property
     def log_path(self) -> Path:
@@ -60,7 +61,7 @@ class LayoutProcess:
         with self.log_path.open("wb") as log:
             self.process = spawn(
                 [sys.executable, "-m", "spine", "--config", str(config_file), "up", *self.up_arguments(),
-                 "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir)],
+                 "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--run-dir", str(self.run_dir)],
                 cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, stdin=self._stdin())
         self._await_ready(timeout_s)
         return self.address
@@ -99,6 +100,7 @@ class LayoutProcess:
         event = first_event(self.process, time.monotonic() + timeout_s)
         if event is not None and event["event"] == "ready":
             self.address = str(event["address"])
+            self.http_address = event.get("http_address")
             threading.Thread(target=self._read_after_ready, args=(self.process.stdout,), name=f"{self.name}-stdout",
                              daemon=True).start()
             return

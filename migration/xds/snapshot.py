@@ -45,6 +45,9 @@ LAYERED = "layered"
 SPINE = "spine"
 # The header that forces a side (`layered` or `spine`) where the plan lets it (`route_header`).
 ROUTE_HEADER = "x-spine-route"
+# Each side's HTTP API (`spine.runtime.http`) is a cluster of its own, `<side>-http`, and the
+# HTTP listener's route (`<service>-http-route`) splits between them by the same weights.
+HTTP_SUFFIX = "-http"
 # gRPC refuses a weighted_clusters total above uint32; Envoy the same.
 MAX_TOTAL_WEIGHT = 2**32 - 1
 
@@ -175,18 +178,21 @@ def build_listener(service: str, route_name: str) -> listener_pb2.Listener:
     return listener
 
 
-def build_route(route_name: str, weights: Mapping[str, int], *,
-                route_header: bool = False) -> route_pb2.RouteConfiguration:
+def build_route(route_name: str, weights: Mapping[str, int], *, route_header: bool = False,
+                sides: Mapping[str, str] | None = None) -> route_pb2.RouteConfiguration:
     """One catch-all route splitting by weight. Weight-0 clusters stay in the list so that
     shifting back to them is a weight change, not a new cluster (no reconnect).
 
-    With `route_header`, one route per cluster comes first, matching `x-spine-route: <cluster>`
+    With `route_header`, one route per cluster comes first, matching `x-spine-route: <side>`
     exactly and sending the request there whatever the weights (the operator's tool for forcing
-    a side); without it a client's `x-spine-route` matches nothing and the weights decide."""
+    a side); without it a client's `x-spine-route` matches nothing and the weights decide.
+    `sides`: the side each cluster serves, where the two differ (the HTTP route's
+    `layered-http` serves `layered`); a cluster is its own side otherwise."""
     action = route_components_pb2.RouteAction()
     for name, weight in weights.items():
         action.weighted_clusters.clusters.add(name=name, weight=wrappers_pb2.UInt32Value(value=weight))
-    forced = [_forced_route(name) for name in sorted(weights)] if route_header else []
+    sides = sides or {}
+    forced = [_forced_route(name, sides.get(name, name)) for name in sorted(weights)] if route_header else []
     return route_pb2.RouteConfiguration(
         name=route_name,
         virtual_hosts=[
@@ -204,12 +210,12 @@ def build_route(route_name: str, weights: Mapping[str, int], *,
     )
 
 
-def _forced_route(cluster: str) -> route_components_pb2.Route:
-    """`x-spine-route: <cluster>` (exact) → `cluster`."""
+def _forced_route(cluster: str, side: str) -> route_components_pb2.Route:
+    """`x-spine-route: <side>` (exact) → `cluster`."""
     header = route_components_pb2.HeaderMatcher(
-        name=ROUTE_HEADER, string_match=string_pb2.StringMatcher(exact=cluster))
+        name=ROUTE_HEADER, string_match=string_pb2.StringMatcher(exact=side))
     return route_components_pb2.Route(
-        name=f"{ROUTE_HEADER}={cluster}",
+        name=f"{ROUTE_HEADER}={side}",
         match=route_components_pb2.RouteMatch(prefix="", headers=[header]),
         route=route_components_pb2.RouteAction(cluster=cluster),
     )
@@ -270,7 +276,10 @@ def build_snapshot(
 ) -> Snapshot:
     """All resources for `xds:///<service>` at one stage, checked for consistency.
 
-    `route_header`: whether the route honours `x-spine-route` (see `build_route`)."""
+    `route_header`: whether the route honours `x-spine-route` (see `build_route`). Where
+    `endpoints` names the sides' HTTP APIs too (`layered-http`, `spine-http`), a second route,
+    `<service>-http-route`, splits HTTP traffic between them by the same weights (the route
+    Envoy's HTTP listener reads)."""
     if not service:
         raise ConfigError("service: must be a non-empty listener name")
     check_weights(weights)
@@ -281,6 +290,12 @@ def build_snapshot(
         CLUSTER: {name: build_cluster(name) for name in endpoints},
         ENDPOINT: {name: build_load_assignment(name, eps) for name, eps in endpoints.items()},
     }
+    http = {f"{side}{HTTP_SUFFIX}": weight for side, weight in weights.items() if f"{side}{HTTP_SUFFIX}" in endpoints}
+    if http:
+        http_route = f"{service}{HTTP_SUFFIX}-route"
+        resources[ROUTE][http_route] = build_route(
+            http_route, http, route_header=route_header,
+            sides={cluster: cluster.removesuffix(HTTP_SUFFIX) for cluster in http})
     snapshot = Snapshot(version=version, resources=resources)
     snapshot.check()
     return snapshot
@@ -289,6 +304,7 @@ def build_snapshot(
 __all__ = [
     "CLUSTER",
     "ENDPOINT",
+    "HTTP_SUFFIX",
     "LAYERED",
     "LISTENER",
     "ROUTE",

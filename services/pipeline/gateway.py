@@ -145,6 +145,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 return
             resolved = state.resolved
             assert resolved is not None
+            # Until the stream ends: what an HTTP client's headers carry (the load hint known now).
+            context.set_trailing_metadata(self._answer_trailing(state))
             tokens: list[int] = []
             texts: list[str] = []
             finish = digest = ""
@@ -193,7 +195,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         if remaining is None or remaining > NO_DEADLINE_S:
             remaining = self.limits.default_deadline_s
-        request_id = _safe_request_id(md.get(REQUEST_ID_HEADER))
+        request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
         state = RequestState(
             request=request,
             request_id=request_id,
@@ -291,7 +293,7 @@ def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:
     return tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
 
 
-def _safe_request_id(value: str | None) -> str:
+def safe_request_id(value: str | None) -> str:
     """Keep a caller's request id when it is short and plain; otherwise make one."""
     if value and _PLAIN_ID.fullmatch(value):
         return value
@@ -333,7 +335,7 @@ def _refusing(servicer: Any, behaviour: Any, streaming: bool) -> Any:
     """`behaviour`, but an undecodable body is INVALID_ARGUMENT with the usual trailers."""
     def refuse(request: Undecodable, context: Any) -> None:
         md = dict(context.invocation_metadata() or ())
-        request_id = _safe_request_id(md.get(REQUEST_ID_HEADER))
+        request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
         log.warning("request %s: a %d-byte body that is not a spine.v1.GenerateRequest, refused",
                     request_id, request.size)
         context.set_trailing_metadata(((LAYOUT_HEADER, str(getattr(servicer, "layout", "front"))),

@@ -24,6 +24,7 @@ from monolith.device_config import DeviceConfig
 from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section, describe
 from services.pipeline.limits import RequestLimits
 from services.registry import DEFAULT, Registry
+from spine.runtime.http.config import HttpConfig
 from spine.runtime.sections import (
     EnvoyApiConfig,
     InternalConfig,
@@ -62,6 +63,7 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
         "shadow": (ShadowConfig, ShadowConfig()),
         "remote_addresses": (remote_addresses_model(registry.names), Field(default_factory=dict)),
         "envoy_api": (EnvoyApiConfig, EnvoyApiConfig()),
+        "http": (HttpConfig, HttpConfig()),
         "tls": (TlsConfig | None, Field(default=None, description="TLS and mTLS on every TCP listener and link")),
         "device": (DeviceConfig, DeviceConfig()),
     })

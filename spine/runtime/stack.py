@@ -105,6 +105,11 @@ class Stack:
     _foreign: dict[str, Any] = field(default_factory=dict)
     # `tls:`: every TCP listener here speaks TLS and every TCP link to a component is mTLS.
     tls: TlsConfig | None = None
+    # The OpenAI/Anthropic-compatible HTTP API (`spine.runtime.http`) in front of the same
+    # gateway, on this address (None: none). `spine up` passes `--http-listen` or `http.listen`.
+    http_listen: str | None = None
+    http_server: Any = None
+    _http_app: Any = None
 
     @property
     def layout(self) -> str:
@@ -176,6 +181,7 @@ class Stack:
             if envoy:  # each Envoy API is as healthy as its component (below, on every flip)
                 self._envoy_health = EnvoyApiHealth(self.registry, self.envoy_server or self.server,
                                                     own_listener=self.envoy_server is not None)
+            self._start_http()
             from spine.runtime.gateway_mirror import start_gateway_mirror
 
             self.shadow = start_gateway_mirror(self.config, self.gateway, self.server.address,
@@ -191,6 +197,22 @@ class Stack:
             raise
         log.info("%s layout serving on %s", self.layout, self.server.address)
         return self.server.address
+
+    def _start_http(self) -> None:
+        if self.http_listen is None:
+            return
+        from spine.runtime.http.server import start_http
+
+        gateway = self.gateway
+        assert gateway is not None
+        self.http_server, self._http_app = start_http(
+            gateway, self.config, self.http_listen, layout=lambda: gateway.layout,
+            serving=lambda: self.health is None or self.health.serving is not False,
+            tls=self.tls, allow_external=self.allow_external)
+
+    @property
+    def http_address(self) -> str | None:
+        return None if self.http_server is None else self.http_server.address
 
     def _envoy_apis(self) -> list[tuple[Any, Any]]:
         """Envoy's APIs for the components that have one, answered by each one's binding as placed
@@ -426,6 +448,12 @@ class Stack:
         if self.deep_health is not None:
             self.deep_health.stop()
             self.deep_health = None
+        if self.http_server is not None:  # its in-flight requests finish on the gateway below
+            self.http_server.stop(grace)
+            self.http_server = None
+        if self._http_app is not None:
+            self._http_app.close()
+            self._http_app = None
         if self.server is not None:
             self.server.stop(grace)
             self.server = None

@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ from spine.runtime.parent import die_with_parent
 from spine.runtime.sections import ShadowConfig, TlsConfig
 from spine.runtime.signals import uninterrupted
 from spine.runtime.tls import link_credentials
+from spine.tools.http_workload import FAILED, run_http_workload
 from spine.tools.workload import Item, mixed_workload, run_workload
 
 DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yaml"
@@ -80,6 +82,8 @@ MIN_P99_REQUESTS = 20
 CONCURRENCY_RATIO = 1.25
 CONCURRENCY_MARGIN = 0.5
 SPINE_FASTER = "spine faster"
+# Where the controller's dashboard listens (loopback; default any free port, printed at start).
+DASHBOARD_ENV = "SPINE_DASHBOARD_LISTEN"
 
 
 @dataclass(frozen=True)
@@ -152,34 +156,53 @@ FAILURE_CODES = ("UNAVAILABLE", "INTERNAL", "UNKNOWN")  # a layout failed (not t
 FAILURES_KEPT = 5
 
 
+HTTP_SHARE = 4  # every 4th request of a batch goes over the HTTP API (when the front serves one)
+
+
 def traffic_batches(address: str, api_key: str, concurrency: int, time_limit_s: float,
                     credentials: grpc.ChannelCredentials | None,
-                    stop: Any) -> Iterator[tuple[int, int, list[str]]]:
+                    stop: Any, http_address: str | None = None,
+                    tls: TlsConfig | None = None) -> Iterator[tuple[int, int, list[str]]]:
     """Send batches of the mixed workload until `stop` is set or the time is up; per batch,
-    (requests answered, requests a layout failed, the first few failures as "CODE: details")."""
+    (requests answered, requests a layout failed, the first few failures as "CODE: details").
+    With `http_address`, a quarter of each batch goes there as OpenAI and Anthropic HTTP calls
+    (a layout failed it: a 5xx, or no answer)."""
     deadline = time.monotonic() + time_limit_s
     batch = 0
+    http_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-traffic")
     while not stop.is_set() and time.monotonic() < deadline:
         items = [Item(i.request, i.token, i.stream, (("x-session-id", f"session-{batch}-{n % 40}"),))
                  for n, i in enumerate(mixed_workload(40, api_key, seed=batch, max_tokens=(2, 6),
                                                       invalid_share=0.0, unauthenticated_share=0.02))]
-        results = run_workload(address, items, concurrency=concurrency,
+        # Over HTTP, every other one streamed (server-sent events), as chat clients do.
+        over_http = [Item(i.request, i.token, n % 2 == 1, i.headers)
+                     for n, i in enumerate(items[::HTTP_SHARE])] if http_address else []
+        over_grpc = [item for n, item in enumerate(items) if not (http_address and n % HTTP_SHARE == 0)]
+        http_call = None
+        if over_http and http_address:  # beside the gRPC part, on a thread of its own
+            http_call = http_pool.submit(run_http_workload, http_address, over_http, concurrency=1, tls=tls,
+                                         time_limit_s=max(0.1, deadline - time.monotonic()))
+        results = run_workload(address, over_grpc, concurrency=concurrency,
                                time_limit_s=max(0.1, deadline - time.monotonic()), credentials=credentials)
+        http_statuses = http_call.result() if http_call is not None else []
         done = [r for r in results if r is not None]
-        failures = [r for r in done if r.code.name in FAILURE_CODES]
-        yield len(done), len(failures), [f"{r.code.name}: {r.details}" for r in failures[:FAILURES_KEPT]]
+        failures = [f"{r.code.name}: {r.details}" for r in done if r.code.name in FAILURE_CODES]
+        answered = [status for status in http_statuses if status is not None]
+        failures += [f"HTTP {status}" for status in answered if status >= 500 or status == FAILED]
+        yield len(done) + len(answered), len(failures), failures[:FAILURES_KEPT]
         batch += 1
+    http_pool.shutdown(wait=False)
 
 
 def _drive_in_child(address: str, api_key: str, concurrency: int, time_limit_s: float, tls: TlsConfig | None,
-                    stop: Any, counts: Any) -> None:
+                    stop: Any, counts: Any, http_address: str | None = None) -> None:
     """The traffic process's body: `traffic_batches`, each batch's counts put on `counts`.
     It ends with the demo, however the demo ends (SIGKILL included): no traffic from an orphan."""
     die_with_parent()
     if os.getppid() == 1:  # the demo died before the line above took effect
         return
     for counts_of_batch in traffic_batches(address, api_key, concurrency, time_limit_s,
-                                           link_credentials(tls, address), stop):
+                                           link_credentials(tls, address), stop, http_address, tls):
         counts.put(counts_of_batch)
     counts.put(None)
 
@@ -193,8 +216,9 @@ class TrafficDriver:
 
     def __init__(self, address: str, api_key: str, concurrency: int = 4, time_limit_s: float = 110.0,
                  credentials: grpc.ChannelCredentials | None = None, *, own_process: bool = False,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, http_address: str | None = None) -> None:
         self.address = address
+        self.http_address = http_address  # a quarter of the traffic goes there over HTTP
         self.credentials = credentials  # the front speaks TLS when the config has `tls:`
         self.tls = tls  # how the traffic process makes its credentials (`own_process`)
         self.api_key = api_key
@@ -212,7 +236,7 @@ class TrafficDriver:
             self._counts: Any = context.Queue()
             self._child = context.Process(target=_drive_in_child, name="traffic", daemon=True,
                                           args=(address, api_key, concurrency, time_limit_s, tls, self.stop,
-                                                self._counts))
+                                                self._counts, http_address))
             self._thread = threading.Thread(target=self._collect, name="traffic-counts", daemon=True)
         else:
             self.stop = threading.Event()
@@ -225,7 +249,8 @@ class TrafficDriver:
 
     def _run(self) -> None:
         for sent, failed, failures in traffic_batches(self.address, self.api_key, self.concurrency,
-                                                      self.time_limit_s, self.credentials, self.stop):
+                                                      self.time_limit_s, self.credentials, self.stop,
+                                                      self.http_address, self.tls):
             self._count(sent, failed, failures)
 
     def _collect(self) -> None:
@@ -349,7 +374,8 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
     with tempfile.TemporaryDirectory(prefix="spine-demo-") as tmp:
         # Each side in processes of its own, as in production (`SpineProcess`, `LayeredProcess`):
         # the tables compare the two layouts, not the harness's share of this interpreter.
-        cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0", layered_process=True, spine_process=True)
+        cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0", layered_process=True, spine_process=True,
+                          http_listen="127.0.0.1:0", dashboard_listen=os.environ.get(DASHBOARD_ENV, "127.0.0.1:0"))
         traffic: TrafficDriver | None = None
         try:  # whatever stops the demo (Ctrl-C, SIGTERM via `spine demo`, an error) stops all it started
             with console.status("starting the layered stack (8 processes), the spine (1), the front and the controller"):
@@ -359,11 +385,18 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
             console.print(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address} "
                           f"(mirrors {cutover.front.shadow.share:.0%} of answers to the other side, comparisons on "
                           f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
-                          f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
+                          f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}; "
+                          f"HTTP API (OpenAI/Anthropic) on http://{cutover.http_address}/v1, a quarter of the traffic")
+            assert cutover.controller is not None
+            console.print(f"[bold]dashboard: {cutover.controller.dashboard_url}[/bold] (open it while the demo runs; "
+                          f"its buttons take the admin token in {Path(tmp) / 'admin-token'}; "
+                          f"`spine migrate status --watch --controller {cutover.controller_address} "
+                          f"--admin-token-file {Path(tmp) / 'admin-token'}` in a terminal)", soft_wrap=True)
             # The clients in a process of their own, as they are in production (TrafficDriver).
             tls = TlsConfig.from_config(config)
             traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
-                                    tls=tls if link_credentials(tls, cutover.address) is not None else None)
+                                    tls=tls if link_credentials(tls, cutover.address) is not None else None,
+                                    http_address=cutover.http_address)
             traffic.start()
             # The traffic process takes a moment to start: the first stage's window should not.
             flowing = time.monotonic() + 15.0

@@ -155,12 +155,12 @@ class Launcher:
             "--config", config, "--run-dir", str(self.work / "layered-ratelimit"),
             "--follow-controller", self.ads, "--node-id", "layered-ratelimit-1"])
         stack = self.start("layered", [sys.executable, "-m", "spine", "--config", config, "up", "--layout", "layered",
-                                       "--listen", self.layered, "--run-dir", str(self.work / "layered")])
+                                       "--listen", self.layered, "--http-listen", "127.0.0.1:0", "--run-dir", str(self.work / "layered")])
         return limiter, stack
 
     def start_spine(self, name: str, fault: str | None = None, generation: int = 1) -> Child:
         argv = [sys.executable, "-m", "spine", "--config", str(self.work / f"{name}.yaml"), "up",
-                "--layout", "collapsed", "--listen", f"127.0.0.1:{self.spine_ports[name]}",
+                "--layout", "collapsed", "--listen", f"127.0.0.1:{self.spine_ports[name]}", "--http-listen", "127.0.0.1:0",
                 "--run-dir", str(self.work / f"{name}-{generation}"), "--follow-controller", self.ads,
                 "--node-id", name, *(("--inject-fault", fault) if fault else ())]
         self.spines[name] = self.start(f"{name}-{generation}", argv)

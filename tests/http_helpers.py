@@ -1,0 +1,89 @@
+"""Shared set-up for the HTTP API's tests: both layouts with their HTTP listener, and clients."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+
+from spine.runtime.config import placements_for
+from spine.runtime.stack import Stack
+from tests.conftest import DEV_KEY, config_for_tests
+
+# A tenant that may hold one request at a time: the 429 path, and what a disconnect gives back.
+SOLO_KEY = "solo-tenant-key-0000"
+HTTP_LIMITS = {"max_body_bytes": 4096, "read_timeout_s": 1.0, "max_connections": 12}
+
+
+def http_config() -> dict[str, Any]:
+    from tests.conftest import TEST_OVERRIDES
+
+    keys = [*TEST_OVERRIDES["auth"]["api_keys"],
+            {"id": "solo-key", "tenant": "solo", "key": SOLO_KEY, "scopes": ["generate"]}]
+    return config_for_tests(auth={"api_keys": keys},
+                            ratelimit={"tenants": {**TEST_OVERRIDES["ratelimit"]["tenants"],
+                                                   "solo": {"max_concurrent_requests": 1}}},
+                            http=HTTP_LIMITS)
+
+
+def start_http_stack(layout: str, tmp: Path) -> Stack:
+    config = http_config()
+    stack = Stack(config, placements_for(layout, config), run_dir=tmp / layout, http_listen="127.0.0.1:0")
+    stack.start()
+    return stack
+
+
+@contextlib.contextmanager
+def http_layouts(tmp: Path) -> Iterator[dict[str, Stack]]:
+    stacks: dict[str, Stack] = {}
+    try:
+        for layout in ("collapsed", "layered"):
+            stacks[layout] = start_http_stack(layout, tmp)
+        yield stacks
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+
+
+def base_url(stack: Stack) -> str:
+    return f"http://{stack.http_address}"
+
+
+def openai_client(stack: Stack, key: str = DEV_KEY, **options: Any) -> openai.OpenAI:
+    options.setdefault("max_retries", 0)
+    return openai.OpenAI(base_url=f"{base_url(stack)}/v1", api_key=key, **options)
+
+
+def anthropic_client(stack: Stack, key: str = DEV_KEY, **options: Any) -> anthropic.Anthropic:
+    options.setdefault("max_retries", 0)
+    return anthropic.Anthropic(base_url=base_url(stack), api_key=key, **options)
+
+
+def raw(stack: Stack) -> httpx.Client:
+    return httpx.Client(base_url=base_url(stack), timeout=10.0)
+
+
+def connect(stack: Stack) -> socket.socket:
+    host, port = str(stack.http_address).rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5.0)
+
+
+def sse_events(body: str) -> list[tuple[str, str]]:
+    """(event, data) for each server-sent event ('' for an event without a name)."""
+    events = []
+    for block in body.split("\n\n"):
+        name, data = "", []
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                data.append(line[len("data: "):])
+        if data:
+            events.append((name, "\n".join(data)))
+    return events

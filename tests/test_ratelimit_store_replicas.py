@@ -48,7 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRed
             for i in range(3):
                 processes.append(subprocess.Popen(
                     [sys.executable, "-m", "spine", "--config", str(config), "up", "--layout", "collapsed",
-                     "--listen", "127.0.0.1:0", "--run-dir", str(workdir / f"run{i}")],
+                     "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--run-dir", str(workdir / f"run{i}")],
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
             for process in processes:
                 assert process.stdout is not None

@@ -26,8 +26,9 @@ Faults (`fail_mode`):
   transition and counted (`spine_ratelimit_store_*` on /metrics); the renewals go on, and the
   first that answers puts the buckets back on leases, what they hold then charged as spent
   reserve (so a fallback's tokens are paid for too);
-- the store restarted empty -> the first renewal after it sees a new epoch: buckets it makes
-  then start empty, not full, so the over-admission is the leases outstanding (<= one lease);
+- the store restarted empty -> the first renewal after it sees a new epoch, and buckets made
+  within `slot_ttl_s` of that start empty, not full, so the over-admission is the leases
+  outstanding (<= one lease) plus what a fallback meanwhile admitted (charged as it is spent);
 - a replica SIGKILLed -> its tokens are spent or lost (the global bucket refills anyway), its
   concurrency slots expire `slot_ttl_s` after its last renewal;
 - one replica cut off -> it falls back to its share: at most share x (burst + rate x time

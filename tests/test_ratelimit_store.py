@@ -124,8 +124,11 @@ def test_store_calls_are_per_renewal_not_per_request(replicas: Any) -> None:
 
 def test_the_tokens_an_idle_replica_holds_come_back_within_a_lease(replicas: Any) -> None:
     first, second = replicas(2)
-    drive([first, second], 0.5, route=lambda n: 0)
-    time.sleep(LEASE_S + 3 * RENEW_S)  # the first replica goes idle: it gives its lease back
+    key = (("tenant", "t"), ("model", "m"), ("resource", "requests"))
+    drive([first, second], 1.0, rate=0.6 * RATE, route=lambda n: 0)  # below the limit: it holds a lease
+    assert first.bucket(key).level > 2 * RESERVE * BURST  # type: ignore[union-attr]
+    time.sleep(LEASE_S + 3 * RENEW_S)  # idle for a lease: it gives it back, keeping the reserve
+    assert first.bucket(key).level <= RESERVE * BURST + 1e-9  # type: ignore[union-attr]
     admitted = drive([first, second], 1.0, route=lambda n: 1)
     assert admitted[1] >= 0.8 * RATE * 1.0  # the refill of the whole limit, not a share of it
 

@@ -78,11 +78,25 @@ def read_prompts(path: Path, router: RouterConfig) -> list[PromptLine]:
     return lines
 
 
+def answer_prompts(servicer: Any, model: str,
+                   lines: list[PromptLine]) -> list[tuple[bytes, generation_pb2.GenerateResponse]]:
+    """Each line's greedy answer from `servicer` (an inference servicer), under its table key."""
+    from spine.runtime.bindings import LocalContext
+
+    answers = []
+    for line in lines:
+        request = generation_pb2.GenerateRequest(model=model, system=line.system, prompt=line.prompt,
+                                                 max_tokens=line.max_tokens, temperature=0.0)
+        answer = servicer.Generate(request, LocalContext())
+        answer.cached = False
+        answers.append((table_key(model, line.system, line.prompt, line.max_tokens), answer))
+    return answers
+
+
 def build_table(config: dict[str, Any], prompts: Path, out: Path) -> dict[str, Any]:
     """Answer every prompt with the model (deterministic, greedy) and write the table."""
     from monolith.device_on_use import DeviceOnFirstUse
     from services.inference_models import build
-    from spine.runtime.bindings import LocalContext
 
     config = merge(config, {"inference": {"deterministic": True}})
     lines = read_prompts(prompts, RouterConfig.from_dict(section(config, "router")))
@@ -95,13 +109,7 @@ def build_table(config: dict[str, Any], prompts: Path, out: Path) -> dict[str, A
     with tempfile.TemporaryDirectory(prefix="spine-cache-build-") as run_dir:
         servicer = build(config, DeviceOnFirstUse(config), Path(run_dir))
         try:
-            answers = []
-            for line in lines:
-                request = generation_pb2.GenerateRequest(model=model, system=line.system, prompt=line.prompt,
-                                                         max_tokens=line.max_tokens, temperature=0.0)
-                answer = servicer.Generate(request, LocalContext())
-                answer.cached = False
-                answers.append((table_key(model, line.system, line.prompt, line.max_tokens), answer))
+            answers = answer_prompts(servicer, model, lines)
         finally:
             servicer.close()
     entries = write_table(out, model, digests[model], answers)

@@ -117,14 +117,14 @@ def test_a_greedy_request_in_the_table_is_answered_without_a_model_step(
 
 
 def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layouts(
-        stacks: dict[str, Stack], built: dict[str, Any]) -> None:
+        stacks: dict[str, Stack], built: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=built["probe"], max_tokens=24)
     verdicts = {}
     for layout in LAYOUTS:
         stack = stacks[layout]
         address = stack.metrics_address()
         assert address is not None
-        with GatewayClient(stack.address, DEV_KEY) as client:
+        with GatewayClient(stack.address, DEV_KEY) as client, caplog.at_level(logging.WARNING, "spine.gateway"):
             unary = client.generate(request)
             streamed = client.stream(request)
         for result in (unary, streamed):
@@ -136,6 +136,8 @@ def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layo
         assert metric(address, "spine_output_policy_violations_total", layout=layout, tenant="dev") == 2
         verdicts[layout] = [(r.code, r.details) for r in (unary, streamed)]
     assert verdicts["collapsed"] == verdicts["layered"]
+    logged = [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage()]
+    assert len(logged) == 4 and all("probe-phrase" in line and built["phrase"] not in line for line in logged)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -5,6 +5,7 @@ and a configured phrase ends the answer with content_policy_violation, the same 
 from __future__ import annotations
 
 import logging
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +25,14 @@ from spine.runtime.config import merge
 from spine.runtime.stack import Stack
 from spine.tools.cache_build import PromptLine, answer_prompts
 from spine.v1 import generation_pb2
-from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
+from tests.test_serving_support import eventually
 
 LAYOUTS = ("collapsed", "layered")
 TABLE = [PromptLine("tiny-lm", "", "a common question", 6),
          PromptLine("tiny-lm", "Be brief.", "where is my order?", 8)]
 PROBES = [f"policy probe {i}" for i in range(20)]
+LATER = PromptLine("tiny-lm", "", "a question added later", 5)  # only in the replacement table
 
 
 def metric(address: str, name: str, **labels: str) -> float:
@@ -62,7 +65,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = build(config, DeviceContext.from_config(config), tmp)
     try:
         answers = answer_prompts(model, "tiny-lm", TABLE)
-        texts = [a.text for _, a in answers]
+        later = answer_prompts(model, "tiny-lm", [LATER])
+        texts = [a.text for _, a in answers + later]
         for prompt in PROBES:
             probe = answer_prompts(model, "tiny-lm", [PromptLine("tiny-lm", "", prompt, 24)])[0][1]
             phrase = _phrase(probe.text, texts)
@@ -74,7 +78,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         model.close()
     digests = served_digests(InferenceConfig.from_dict(section(config, "inference")))
     write_table(tmp / "table.bin", "tiny-lm", digests["tiny-lm"], answers)
-    return {"table": tmp / "table.bin", "answers": [a for _, a in answers], "probe": prompt, "phrase": phrase}
+    return {"table": tmp / "table.bin", "answers": [a for _, a in answers], "probe": prompt, "phrase": phrase,
+            "replacement": (digests["tiny-lm"], answers + later)}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +143,43 @@ def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layo
     assert verdicts["collapsed"] == verdicts["layered"]
     logged = [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage()]
     assert len(logged) == 4 and all("probe-phrase" in line and built["phrase"] not in line for line in logged)
+
+
+def test_a_replaced_table_is_swapped_in_by_every_layout_without_dropping_a_request(
+        stacks: dict[str, Stack], built: dict[str, Any]) -> None:
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def traffic(stack: Stack) -> None:  # table hits all through the swap, under the dev tenant's rate
+        with GatewayClient(stack.address, DEV_KEY) as client:
+            for _ in range(3000):
+                if stop.wait(0.01):
+                    break
+                result = client.generate(greedy(TABLE[0]))
+                if not result.ok:  # (a cached answer is likely, not owed: the cache fails open past its budget)
+                    failures.append(f"{stack.layout}: {result.code.name} {result.details}")
+
+    threads = [threading.Thread(target=traffic, args=(stacks[layout],)) for layout in LAYOUTS]
+    for thread in threads:
+        thread.start()
+    try:
+        digest, answers = built["replacement"]
+        write_table(built["table"], "tiny-lm", digest, answers)  # a temporary file renamed over the old one
+        for layout in LAYOUTS:
+            address = stacks[layout].metrics_address()
+            assert address is not None
+            with GatewayClient(stacks[layout].address, DEV_KEY) as client:
+                def swapped(client: GatewayClient = client, address: str = address, layout: str = layout) -> bool:
+                    before = metric(address, "spine_cache_pregenerated_hits_total", layout=layout, tenant="other")
+                    client.generate(greedy(LATER), token=OTHER_KEY)
+                    return metric(address, "spine_cache_pregenerated_hits_total", layout=layout,
+                                  tenant="other") > before
+                eventually(swapped, timeout=60, what=f"the {layout} cache mapping the new table")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert failures == []
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -177,15 +177,17 @@ class StreamCheck:
         self._window = window_chars
         self._text = ""
         self._tokens: list[int] = []
+        self._keeps_tokens = any(rule.classifier is not None for rule in rules)  # only a classifier reads them
 
     def check(self, text: str, token_ids: Sequence[int]) -> Violation | None:
         """Whether the next chunk may be released: the window with it, checked by every rule."""
         window = self._text + text
-        tokens = [*self._tokens, *token_ids]
+        tokens = [*self._tokens, *token_ids] if self._keeps_tokens else self._tokens
         for rule in self._rules:
             found = rule.check(window, tokens)
             if found is not None:
                 return found
         self._text = window[-self._window:]
-        self._tokens = tokens[-self._window:]
+        if self._keeps_tokens:
+            self._tokens = tokens[-self._window:]
         return None

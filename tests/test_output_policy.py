@@ -88,3 +88,13 @@ def test_a_bad_regular_expression_is_refused_with_its_path() -> None:
 
 def test_the_default_config_has_no_policy() -> None:
     assert OutputPolicy.from_config(load_config()) is None
+
+
+def test_a_streams_classifier_sees_the_windows_token_ids() -> None:
+    CLASSIFIED.clear()
+    stream = policy({"name": "clf", "classifier": f"{__name__}:flags_token_seven"}).stream("dev", "m")
+    assert stream is not None
+    assert stream.check("a", [1]) is None
+    found = stream.check("b", [7])
+    assert found is not None and found.kind == "classifier"
+    assert CLASSIFIED == [("a", (1,)), ("ab", (1, 7))]

@@ -170,7 +170,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]
         server.close()
 
 
-texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24)
+texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=24)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -187,3 +187,21 @@ def test_a_tables_answer_is_the_models_own(models: tuple[Any, Any], tmp_path: Pa
         stored = table.lookup(request)
         assert stored is not None
         assert stored == server.Generate(request, LocalContext())
+
+
+def test_the_model_digest_changes_with_the_models_seed_and_a_directorys_config_or_weights(tmp_path: Path) -> None:
+    from services.pregenerated import model_digest
+
+    def hf() -> bytes:
+        return model_digest(InferenceConfig.from_dict({"model_id": "m", "backend": {"class": "hf",
+                                                                                     "options": {"path": str(tmp_path)}}}))
+
+    assert model_digest(InferenceConfig.from_dict({"seed": 1})) != model_digest(InferenceConfig.from_dict({"seed": 2}))
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = hf()
+    assert hf() == first  # the same directory, the same digest
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 11)
+    second = hf()
+    (tmp_path / "config.json").write_text('{"hidden_size": 16}')
+    assert len({first, second, hf()}) == 3

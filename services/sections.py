@@ -213,10 +213,13 @@ class RouterConfig(Section):
 
 
 class CacheConfig(Section):
-    """The `cache` section: how many answers are kept, and for how long."""
+    """The `cache` section: how many answers are kept, and for how long; and the table of
+    pre-generated answers every cache process maps (`spine cache build`)."""
 
     max_entries: Annotated[StrictInt, Field(ge=1)] = 4096
     ttl_s: Annotated[Float, Field(gt=0)] = 300.0
+    pregenerated: NonEmptyStr | None = None  # a table file's path (services.pregenerated)
+    pregenerated_check_s: Annotated[Float, Field(gt=0)] = 1.0  # how often a lookup checks the file was replaced
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> CacheConfig:

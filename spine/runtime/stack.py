@@ -25,6 +25,7 @@ from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletio
 from monolith.device_on_use import DeviceOnFirstUse
 from services.common import ConfigError, section
 from services.inference_config import InferenceConfig
+from services.output_policy import OutputPolicy
 from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
 from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline
@@ -155,7 +156,8 @@ class Stack:
             for name in self.registry.names:
                 self.bindings[name] = self._bind(name, limits.max_message_bytes)
             self.pipeline = Pipeline(self.registry.stages(limits, self._budgets_ms), self.bindings, hooks=self.hooks)
-            self.gateway = Gateway(self.pipeline, limits, self.layout, internal_key=internal_key(self.config))
+            self.gateway = Gateway(self.pipeline, limits, self.layout, internal_key=internal_key(self.config),
+                                   policy=OutputPolicy.from_config(self.config))
             self._attach_batching()
             if "metrics" in self.local_servicers:
                 from spine.runtime.metrics_endpoint import start_metrics_endpoint

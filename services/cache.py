@@ -8,7 +8,11 @@ what it is, so they are not part of the key.
 
 `LookupBatch` probes a whole micro-batch in one tensor op (see `services/cache_index.py`)
 and `StoreBatch` keeps many answers under one lock; the per-request `Lookup` and `Store`
-are their batches of one. A lookup returns each cacheable request's key, and a store may
+are their batches of one.
+
+Before the TTL index, a greedy request is looked up in the pre-generated table
+(`cache.pregenerated`, `services.pregenerated_answers`), shared by every tenant: its answer
+is the model's own, written by `spine cache build`, and comes back marked `cached`. A lookup returns each cacheable request's key, and a store may
 send it back instead of the request, so an answer is keyed once. Shadow stores are
 refused so that shadow traffic can never change what clients are served.
 """
@@ -32,7 +36,10 @@ from services.common import (
     answer_one,
     section,
 )
+from services.inference_config import InferenceConfig
 from services.pipeline.batch_rpc import ItemError
+from services.pregenerated import served_digests
+from services.pregenerated_answers import PregeneratedAnswers
 from services.sections import CacheConfig
 from spine.v1 import cache_pb2, cache_pb2_grpc, generation_pb2
 
@@ -78,6 +85,7 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         device: DeviceState,
         clock: Clock = time.monotonic,
         key_hash: KeyHash = default_key_hash,  # a test hook: force hash collisions
+        pregenerated: PregeneratedAnswers | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -86,6 +94,8 @@ class CacheService(cache_pb2_grpc.CacheServicer):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self.pregenerated = pregenerated
+        self.pregenerated_hits = 0
 
     def stats(self) -> cache_pb2.CacheStatsResponse:
         """Counters; expired entries are dropped first so `entries` counts what can still hit."""
@@ -114,6 +124,13 @@ class CacheService(cache_pb2_grpc.CacheServicer):
             key = cache_key(tenant, request)
             if key is None:
                 probes.append(NOT_CACHEABLE)  # neither a hit nor a miss
+                continue
+            answer = self.pregenerated.lookup(request) if self.pregenerated is not None else None
+            if answer is not None:
+                answer.cached = True
+                probes.append(Probe(cacheable=True, key=key, hit=answer, pregenerated=True))
+                with self._lock:
+                    self.pregenerated_hits += 1
                 continue
             probes.append(Probe(cacheable=True, key=key))
             keys.append(key)
@@ -207,4 +224,9 @@ class CacheService(cache_pb2_grpc.CacheServicer):
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
     """The servicer from its section of a whole config (the component table's factory)."""
-    return CacheService(CacheConfig.from_dict(section(config, "cache")), device)
+    cache = CacheConfig.from_dict(section(config, "cache"))
+    pregenerated = None
+    if cache.pregenerated:
+        digests = served_digests(InferenceConfig.from_dict(section(config, "inference")))
+        pregenerated = PregeneratedAnswers(cache.pregenerated, digests, cache.pregenerated_check_s)
+    return CacheService(cache, device, pregenerated=pregenerated)

@@ -26,6 +26,7 @@ class Probe:
     cacheable: bool
     key: bytes = b""
     hit: generation_pb2.GenerateResponse | None = None
+    pregenerated: bool = False  # the hit came from the pre-generated table
 
 
 NOT_CACHEABLE = Probe(cacheable=False)
@@ -84,10 +85,12 @@ def _fill_probe(response: cache_pb2.CacheLookupResponse, probe: Probe) -> None:
     if probe.hit is not None:
         response.hit = True
         response.response.CopyFrom(probe.hit)
+        response.pregenerated = probe.pregenerated
 
 
 def _read_probe(found: cache_pb2.CacheLookupResponse) -> Probe:
-    return Probe(cacheable=found.cacheable, key=found.key, hit=found.response if found.hit else None)
+    return Probe(cacheable=found.cacheable, key=found.key, hit=found.response if found.hit else None,
+                 pregenerated=found.pregenerated)
 
 
 LOOKUP_BATCH: BatchRpc[LookupItem, Probe] = BatchRpc(
@@ -112,6 +115,7 @@ class CacheLookupStage(Stage):
             if probe.hit is not None:
                 state.hit = probe.hit
                 state.cached = True
+                state.pregenerated = probe.pregenerated
                 state.completion_tokens = probe.hit.completion_tokens
 
 

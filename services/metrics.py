@@ -59,6 +59,15 @@ CACHE_HITS = Family(
     "spine_cache_hits_total", "counter", "Requests answered from the response cache.",
     ("layout", "model", "tenant", "shadow"),
 )  # fmt: skip
+PREGENERATED_HITS = Family(
+    "spine_cache_pregenerated_hits_total", "counter",
+    "Requests answered from the pre-generated table (cache.pregenerated); also in spine_cache_hits_total.",
+    ("layout", "model", "tenant", "shadow"),
+)  # fmt: skip
+POLICY_VIOLATIONS = Family(
+    "spine_output_policy_violations_total", "counter",
+    "Answers ended by the output policy (content_policy_violation).", ("layout", "model", "tenant", "shadow"),
+)  # fmt: skip
 TOKENS = Family(
     "spine_tokens_generated_total", "counter", "Completion tokens generated.",
     ("layout", "model", "tenant", "shadow"),
@@ -86,7 +95,7 @@ MIDDLEWARE_DURATION = Family(
 
 FAMILIES: dict[str, Family] = {
     f.name: f
-    for f in (REQUESTS, CACHE_HITS, TOKENS, FAILURES, EJECTED, DURATION, SHADOW_DURATION, MIDDLEWARE_DURATION)
+    for f in (REQUESTS, CACHE_HITS, PREGENERATED_HITS, POLICY_VIOLATIONS, TOKENS, FAILURES, EJECTED, DURATION, SHADOW_DURATION, MIDDLEWARE_DURATION)
 }
 
 def check_record(record: metrics_pb2.RequestRecord) -> str | None:
@@ -113,6 +122,8 @@ class _RequestKeys:
 
     requests: SeriesKey
     cache_hits: SeriesKey
+    pregenerated_hits: SeriesKey
+    policy_violations: SeriesKey
     tokens: SeriesKey
     duration: SeriesKey
 
@@ -156,6 +167,12 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
             if r.cached:
                 counter_keys.append(keys.cache_hits)
                 amounts.append(1)
+            if r.pregenerated:
+                counter_keys.append(keys.pregenerated_hits)
+                amounts.append(1)
+            if r.policy_violation:
+                counter_keys.append(keys.policy_violations)
+                amounts.append(1)
             if r.completion_tokens:
                 counter_keys.append(keys.tokens)
                 amounts.append(r.completion_tokens)
@@ -187,6 +204,8 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
             keys = _RequestKeys(
                 requests=(REQUESTS.name, *who, status, flag),
                 cache_hits=(CACHE_HITS.name, *who, flag),
+                pregenerated_hits=(PREGENERATED_HITS.name, *who, flag),
+                policy_violations=(POLICY_VIOLATIONS.name, *who, flag),
                 tokens=(TOKENS.name, *who, flag),
                 duration=((SHADOW_DURATION if shadow else DURATION).name, *who, status),
             )

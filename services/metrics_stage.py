@@ -32,6 +32,8 @@ class MetricsRecord:
     completion_tokens: int = 0
     failed_middlewares: Sequence[str] = ()
     ejected_middlewares: Sequence[str] = ()
+    pregenerated: bool = False
+    policy_violation: bool = False
 
 
 def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatchRequest:
@@ -40,7 +42,8 @@ def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatch
         request.records.add(layout=r.layout, model=r.model, tenant=r.tenant, status=r.status, latency_s=r.latency_s,
                             middleware_s=r.middleware_s, cached=r.cached, shadow=r.shadow,
                             completion_tokens=r.completion_tokens, failed_middlewares=r.failed_middlewares,
-                            ejected_middlewares=r.ejected_middlewares)
+                            ejected_middlewares=r.ejected_middlewares, pregenerated=r.pregenerated,
+                            policy_violation=r.policy_violation)
     return request
 
 
@@ -61,7 +64,8 @@ class MetricsStage(Stage):
     def decide(self, batch: list[RequestState], call: StageCall) -> None:
         records = [MetricsRecord(state.layout, model_label(state), state.tenant, state.status, state.latency_s,
                                  state.middleware_s, state.cached, state.shadow, state.completion_tokens,
-                                 state.failures, state.ejected) for state in batch]
+                                 state.failures, state.ejected, state.pregenerated, state.policy_violation)
+                   for state in batch]
         self.answered(call, batch, call.batch(RECORD_BATCH, records))
 
 

@@ -1,9 +1,11 @@
 """`spine`: bring up a layout, call it, run the demo, drive a migration.
 
     spine up --layout layered|collapsed|mixed [--listen HOST:PORT] [--http-listen HOST:PORT] [--model DIR [--model-id ID]]
+             [--deterministic]
     spine model make-tiny --arch llama|gpt2 --out DIR
     spine model get smollm2-135m-instruct --out DIR
-    spine call --prompt "hello" [--stream] [--ca FILE [--cert FILE --key FILE]]
+    spine call --prompt "hello" [--stream] [--deterministic] [--ca FILE [--cert FILE --key FILE]]
+    spine cache build --prompts FILE --out PATH
     spine certs dev --out DIR
     spine demo [--model DIR]
     spine config schema|check
@@ -42,7 +44,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from spine.runtime.stack import Stack
     from spine.runtime.tracing import install_from_config
 
-    config = load_config(args.config, _served_model(args))
+    config = load_config(args.config, _up_overrides(args))
     placements = placements_for(args.layout, config)
     listen = args.listen or str(config["listen"])
     check_listen(listen, args.allow_external)  # before any child process starts
@@ -152,7 +154,17 @@ def _injected_fault(args: argparse.Namespace, config: dict[str, Any], run_dir: P
     return injected_fault(args.inject_fault, config, run_dir)
 
 
-def _served_model(args: argparse.Namespace) -> dict[str, object] | None:
+def _up_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--model DIR [--model-id ID]` and `--deterministic`, as config overrides."""
+    overrides = _served_model(args) or {}
+    if args.deterministic:  # the same as `inference.deterministic: true` in the config
+        from spine.runtime.config import merge
+
+        overrides = merge(overrides, {"inference": {"deterministic": True}})
+    return overrides or None
+
+
+def _served_model(args: argparse.Namespace) -> dict[str, Any] | None:
     """`--model DIR [--model-id ID]`: config overrides serving DIR as the default model."""
     if not args.model:
         if args.model_id:
@@ -208,6 +220,8 @@ def cmd_call(args: argparse.Namespace) -> int:
                                              inference_timeout_ms=args.inference_timeout_ms, system=args.system)
     if args.seed is not None:
         request.seed = args.seed
+    elif args.deterministic:  # as the server's deterministic mode: a sampled request without a seed uses this
+        request.seed = int(config["inference"]["seed"])
     backoff = Backoff(attempts=args.retries + 1, base_s=args.backoff_s)
     fallback = None
     if args.fallback is not None or args.fallback_model:
@@ -339,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", metavar="DIR", help="serve this transformers causal LM directory as the default "
                                                  "model (alias `default`) instead of the config's")
     up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
+    up.add_argument("--deterministic", action="store_true",
+                    help="deterministic mode, as `inference.deterministic: true`: deterministic kernels, and a sampled "
+                         "request without a seed uses inference.seed, so answers are bit-identical across runs, "
+                         "batches and layouts")
     add_follow_arguments(up, "each stage's placements (moved live) and this spine's share of every limit")
     from spine.runtime.faults import INJECTABLE
 
@@ -376,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--max-tokens", type=int, default=16)
     call.add_argument("--temperature", type=float, default=0.0)
     call.add_argument("--seed", type=int)
+    call.add_argument("--deterministic", action="store_true",
+                      help="a reproducible answer, as the server's deterministic mode: without --seed, the config's "
+                           "inference.seed is sent (greedy unless --temperature is given)")
     call.add_argument("--priority", type=int, default=0, help="-1 throughput, 0 default, 1 latency-sensitive")
     call.add_argument("--inference-timeout-ms", type=int, default=0, help="compute budget (0: server default)")
     call.add_argument("--retries", type=int, default=3, help="retries on overload (RESOURCE_EXHAUSTED/UNAVAILABLE)")
@@ -438,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "MODEL=DIR`) instead of the built-in tiny LM")
     demo.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     demo.set_defaults(handler=cmd_demo)
+
+    from spine.tools.cache_build import add_cache_parser
+
+    add_cache_parser(sub)
 
     config = sub.add_parser("config", help="the config file: its JSON schema, or check one (--config)")
     config.add_argument("action", choices=("schema", "check"))

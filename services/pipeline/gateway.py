@@ -18,6 +18,10 @@ model's own, or the latest the gateway has when the model was not called, see
 `model_load`), and, where the router names one, the model's fallback (`x-spine-fallback`)
 or, on a fallback's answers, the load of the models it stands in for
 (`x-spine-primary-load`), which a client needs to know when to go back.
+
+The output policy (`services.output_policy`) runs here, where every answer passes in every
+layout: a whole answer (the model's or the cache's) before it is returned, a stream's chunk
+before it is released; a violation ends the call with `content_policy_violation`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.inference_load import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
+from services.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.model_load import ModelLoads
@@ -88,8 +93,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     """Serves `spine.v1.Gateway` through the pipeline."""
 
     def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str, *,
-                 internal_key: bytes | None = None) -> None:
+                 internal_key: bytes | None = None, policy: OutputPolicy | None = None) -> None:
         self.pipeline = pipeline
+        self.policy = policy  # None: no output policy (nothing is checked)
         self.limits = limits
         self.layout = layout
         # Verifies the front's shadow marks (`internal_marks`); None: no request is shadow.
@@ -111,6 +117,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         try:
             self.admission.admit(state)
             if state.hit is not None:
+                self._police(state, state.hit.text, state.hit.token_ids)
                 context.set_trailing_metadata(self._answer_trailing(state))
                 return state.hit
             assert state.resolved is not None
@@ -118,6 +125,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             response = self._model_call(state, "Generate", context, trailing_out=trailers)
             self.model_load.note_trailers(state.model, trailers)
             state.completion_tokens = response.completion_tokens
+            self._police(state, response.text, response.token_ids)
             state.response = response
             context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
             return response
@@ -138,6 +146,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.admission.admit(state)
             hit = state.hit
             if hit is not None:
+                self._police(state, hit.text, hit.token_ids)
                 context.set_trailing_metadata(self._answer_trailing(state))
                 yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
                                                    finish_reason=hit.finish_reason, cached=True, model=hit.model,
@@ -151,10 +160,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             texts: list[str] = []
             finish = digest = ""
             started = time.perf_counter()
+            check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
             stream = self._model_call(state, "GenerateStream", context)
             ended = False
             try:
                 for chunk in stream:
+                    if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
+                        raise self._violation(state, found)  # the chunk is never released; the model stops
                     tokens.extend(chunk.token_ids)
                     texts.append(chunk.text)
                     finish = chunk.finish_reason or finish
@@ -235,6 +247,18 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.model_load.note_trailers(state.model, trailing)
         model = self.pipeline.model
         return downstream_stop(model.component, code, details, trailing, model.policy.passes)
+
+    def _police(self, state: RequestState, text: str, token_ids: Any) -> None:
+        """A whole answer against the output policy (Stop on a violation)."""
+        if self.policy is not None and (found := self.policy.check(state.tenant, state.model, text,
+                                                                    token_ids)) is not None:
+            raise self._violation(state, found)
+
+    def _violation(self, state: RequestState, found: Violation) -> Stop:
+        state.policy_violation = True
+        log.warning("request %s: %s: rule %r (%s), tenant %s, model %s; the answer was ended", state.request_id,
+                    VIOLATION, found.rule, found.kind, state.tenant, state.model)  # never the text
+        return Stop(VIOLATION_CODE, found.details)
 
     def _models_load(self) -> list[tuple[str, str]]:
         """Every model's hint now, from the inference component (`ModelLoads`' refresh)."""

@@ -42,6 +42,8 @@ class RequestState:
     status: str = "OK"
     details: str = ""  # the status's message when a stage or the model stopped the request
     cached: bool = False
+    pregenerated: bool = False  # the hit came from the pre-generated table
+    policy_violation: bool = False  # the output policy ended the answer
     completion_tokens: int = 0
     latency_s: float = 0.0  # arrival to answer; set when the answer goes out
     middleware_s: dict[str, float] = field(default_factory=dict)

@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, create_model
 from monolith.batched import BatchingConfig
 from monolith.device_config import DeviceConfig
 from services.config_model import ConfigProblems, NonEmptyStr, Problem, Section, describe
+from services.output_policy import OutputPolicyConfig
 from services.pipeline.limits import RequestLimits
 from services.registry import DEFAULT, Registry
 from spine.runtime.http.config import HttpConfig
@@ -51,6 +52,7 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
         "placements": (placements_model(registry.names, registry.models, registry.foreign_protocols),
                        Field(default_factory=dict)),
         "limits": (RequestLimits, RequestLimits()),
+        "output_policy": (OutputPolicyConfig, OutputPolicyConfig()),
         "batching": (BatchingConfig, BatchingConfig()),
         "calls": (calls_model(registry.names), Field(default_factory=dict)),
         "internal": (InternalConfig, InternalConfig()),

@@ -25,6 +25,7 @@ from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletio
 from monolith.device_on_use import DeviceOnFirstUse
 from services.common import ConfigError, section
 from services.inference_config import InferenceConfig
+from services.output_policy import OutputPolicy
 from services.pipeline.gateway import DirectAdmission, DirectCompletions, Gateway
 from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline
@@ -155,13 +156,17 @@ class Stack:
             for name in self.registry.names:
                 self.bindings[name] = self._bind(name, limits.max_message_bytes)
             self.pipeline = Pipeline(self.registry.stages(limits, self._budgets_ms), self.bindings, hooks=self.hooks)
-            self.gateway = Gateway(self.pipeline, limits, self.layout, internal_key=internal_key(self.config))
+            self.gateway = Gateway(self.pipeline, limits, self.layout, internal_key=internal_key(self.config),
+                                   policy=OutputPolicy.from_config(self.config))
             self._attach_batching()
             if "metrics" in self.local_servicers:
                 from spine.runtime.metrics_endpoint import start_metrics_endpoint
 
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
                                                                self.run_dir, self._local_inference)
+                store = getattr(self.local_servicers.get("ratelimit"), "store_collector", None)
+                if store is not None:  # the rate limiter's shared store (`ratelimit.store`)
+                    self.local_servicers["metrics"].registry.register(store)
             elif "inference" in self.local_servicers:  # the metrics component is elsewhere
                 from spine.runtime.serving_metrics import serve_inference_metrics
 
@@ -262,6 +267,8 @@ class Stack:
                 targets[name] = binding.channel if down is None else _down(down)
             elif name == "inference" and self.deep_health is not None:
                 targets[name] = self._model_health
+            elif (check := getattr(self.local_servicers.get(name), "local_health", None)) is not None:
+                targets[name] = check  # e.g. the rate limiter's shared store: leasing or falling back
             else:
                 targets[name] = always_serving
         return targets

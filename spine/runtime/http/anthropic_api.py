@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from spine.runtime.http import chat, fields
-from spine.runtime.http.wire import HttpError, bad_request
+from spine.runtime.http.wire import POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
 from spine.v1 import generation_pb2
 
 NAME = "anthropic"
@@ -110,6 +110,8 @@ class Stream:
                 + _event("message_stop", {"type": "message_stop"}))
 
     def error(self, error: HttpError, request_id: str) -> bytes:
+        if error.kind == POLICY_VIOLATION:
+            return _event("error", {"type": "error", **policy_violation_body(error, request_id)})
         return _event("error", {"type": "error", "error": {"type": _kind(error), "message": error.message}})
 
 
@@ -118,5 +120,7 @@ def _kind(error: HttpError) -> str:
 
 
 def error_body(error: HttpError, request_id: str) -> bytes:
+    if error.kind == POLICY_VIOLATION:
+        return orjson.dumps(policy_violation_body(error, request_id))
     return orjson.dumps({"type": "error", "error": {"type": _kind(error), "message": error.message},
                          "request_id": request_id})

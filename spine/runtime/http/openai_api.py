@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from spine.runtime.http import chat, fields
-from spine.runtime.http.wire import HttpError, bad_request
+from spine.runtime.http.wire import POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
 from spine.v1 import generation_pb2
 
 NAME = "openai"
@@ -155,7 +155,7 @@ class Stream:
         return out + b"data: [DONE]\n\n"
 
     def error(self, error: HttpError, request_id: str) -> bytes:
-        return b"data: " + error_body(error, request_id) + b"\n\n"
+        return b"data: " + error_body(error, request_id) + b"\n\n"  # the stream ends here, without [DONE]
 
 
 _CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded", 503: "overloaded",
@@ -163,6 +163,8 @@ _CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_excee
 
 
 def error_body(error: HttpError, request_id: str) -> bytes:
+    if error.kind == POLICY_VIOLATION:
+        return orjson.dumps(policy_violation_body(error, request_id))
     kind = {"authentication_error": "invalid_request_error", "overloaded_error": "server_error",
             "api_error": "server_error", "not_found_error": "invalid_request_error"}.get(error.kind, error.kind)
     return orjson.dumps({"error": {"message": error.message, "type": kind, "param": None,

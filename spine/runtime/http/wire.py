@@ -13,6 +13,7 @@ gets the code its SDK maps to the right exception class:
 | RESOURCE_EXHAUSTED from the rate limiter | 429 + Retry-After | RateLimitError |
 | RESOURCE_EXHAUSTED elsewhere (the model's queue is full), UNAVAILABLE | 503 (OpenAI) / 529 (Anthropic) + Retry-After where known | InternalServerError / OverloadedError |
 | DEADLINE_EXCEEDED | 504 | InternalServerError |
+| FAILED_PRECONDITION `content_policy_violation…` (the output policy) | 400, the seed's `{"error": "content_policy_violation", "suggestion": "rephrase"}` | BadRequestError |
 | anything else | 500 | InternalServerError |
 
 `Retry-After` is whole seconds (rounded up, as HTTP requires) and `retry-after-ms` the exact
@@ -29,6 +30,7 @@ import grpc
 import orjson
 
 from services.inference_load import FALLBACK_HEADER, LOAD_HEADER, parse_load
+from services.output_policy import VIOLATION, VIOLATION_CODE
 
 REQUEST_ID = "x-request-id"
 LAYOUT = "x-spine-layout"
@@ -55,6 +57,15 @@ class HttpError(Exception):
         return f"{self.status} {self.kind}: {self.message}"
 
 
+# The output policy's verdict (`services.output_policy`): answered in the seed's own shape,
+# `{"error": "content_policy_violation", "suggestion": "rephrase"}`, in both APIs.
+POLICY_VIOLATION = "content_policy_violation"
+
+
+def policy_violation_body(error: HttpError, request_id: str) -> dict[str, str]:
+    return {"error": POLICY_VIOLATION, "suggestion": "rephrase", "message": error.message, "request_id": request_id}
+
+
 def bad_request(message: str) -> HttpError:
     return HttpError(400, "invalid_request_error", message)
 
@@ -74,6 +85,8 @@ _STATUS = {
 def status_for(code: grpc.StatusCode, details: str, overloaded_status: int) -> tuple[int, str]:
     """The HTTP status and error type for a pipeline verdict (`overloaded_status`: the API's
     own code for "try again soon": 503 for OpenAI, 529 for Anthropic)."""
+    if code == VIOLATION_CODE and details.startswith(VIOLATION):
+        return 400, POLICY_VIOLATION
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if details.startswith(RATE_LIMITED_PREFIX):
             return 429, "rate_limit_error"

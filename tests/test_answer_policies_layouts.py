@@ -1,0 +1,206 @@
+"""The pre-generated table and the output policy, through real stacks in both layouts: a table
+hit takes no model step, a bad table is refused with one log line while the server answers,
+and a configured phrase ends the answer with content_policy_violation, the same in both."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from monolith.device import DeviceContext
+from services.common import section
+from services.inference_config import InferenceConfig
+from services.output_policy import VIOLATION
+from services.pregenerated import served_digests, write_table
+from spine.client.gateway_client import GatewayClient
+from spine.runtime.config import merge
+from spine.runtime.stack import Stack
+from spine.tools.cache_build import PromptLine, answer_prompts
+from spine.v1 import generation_pb2
+from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
+from tests.test_serving_support import eventually
+
+LAYOUTS = ("collapsed", "layered")
+TABLE = [PromptLine("tiny-lm", "", "a common question", 6),
+         PromptLine("tiny-lm", "Be brief.", "where is my order?", 8)]
+PROBES = [f"policy probe {i}" for i in range(20)]
+LATER = PromptLine("tiny-lm", "", "a question added later", 5)  # only in the replacement table
+
+
+def metric(address: str, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def greedy(line: PromptLine) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(model=line.model, system=line.system, prompt=line.prompt,
+                                          max_tokens=line.max_tokens)
+
+
+def _phrase(text: str, avoid: list[str]) -> str | None:
+    """Five printable characters of `text`, not all blank, found in none of `avoid`."""
+    for start in range(len(text) - 4):
+        piece = text[start:start + 5]
+        if piece.isprintable() and piece.strip() and "\ufffd" not in piece and not any(piece in a for a in avoid):
+            return piece
+    return None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A table of TABLE's answers, and a probe prompt with a phrase only its answer holds."""
+    from services.inference_models import build
+
+    tmp = tmp_path_factory.mktemp("answers")
+    config = merge(config_for_tests(), {"inference": {"deterministic": True}})
+    model = build(config, DeviceContext.from_config(config), tmp)
+    try:
+        answers = answer_prompts(model, "tiny-lm", TABLE)
+        later = answer_prompts(model, "tiny-lm", [LATER])
+        texts = [a.text for _, a in answers + later]
+        for prompt in PROBES:
+            probe = answer_prompts(model, "tiny-lm", [PromptLine("tiny-lm", "", prompt, 24)])[0][1]
+            phrase = _phrase(probe.text, texts)
+            if phrase is not None:
+                break
+        else:
+            raise AssertionError("no probe answer holds a phrase of its own")
+    finally:
+        model.close()
+    digests = served_digests(InferenceConfig.from_dict(section(config, "inference")))
+    write_table(tmp / "table.bin", "tiny-lm", digests["tiny-lm"], answers)
+    return {"table": tmp / "table.bin", "answers": [a for _, a in answers], "probe": prompt, "phrase": phrase,
+            "replacement": (digests["tiny-lm"], answers + later)}
+
+
+@pytest.fixture(scope="module")
+def stacks(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+    config = config_for_tests(cache={"pregenerated": str(built["table"])},
+                              output_policy={"rules": [{"name": "probe-phrase", "phrases": [built["phrase"]]}]})
+    tmp = tmp_path_factory.mktemp("stacks")
+    running: dict[str, Stack] = {}
+    try:
+        for layout in LAYOUTS:
+            running[layout] = start_stack(layout, tmp, config)
+        yield running
+    finally:
+        for stack in running.values():
+            stack.stop()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_greedy_request_in_the_table_is_answered_without_a_model_step(
+        stacks: dict[str, Stack], built: dict[str, Any], layout: str) -> None:
+    stack = stacks[layout]
+    address = stack.metrics_address()
+    assert address is not None
+    steps = metric(address, "spine_batch_size_count", model="tiny-lm")
+    with GatewayClient(stack.address, DEV_KEY) as client:
+        results = [client.generate(greedy(line)) for line in TABLE]
+        for result, stored in zip(results, built["answers"], strict=True):
+            assert result.ok, result.details
+            assert result.response is not None and result.response.cached
+            expected = generation_pb2.GenerateResponse()
+            expected.CopyFrom(stored)
+            expected.cached = True
+            assert result.response == expected
+        assert metric(address, "spine_batch_size_count", model="tiny-lm") == steps
+        assert metric(address, "spine_cache_pregenerated_hits_total", layout=layout, tenant="dev") >= len(TABLE)
+        fresh = client.generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"not in the table {layout}",
+                                                               max_tokens=3))
+    assert fresh.ok and not fresh.response.cached  # type: ignore[union-attr]
+    assert metric(address, "spine_batch_size_count", model="tiny-lm") > steps  # the counter is live
+
+
+def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layouts(
+        stacks: dict[str, Stack], built: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=built["probe"], max_tokens=24)
+    verdicts = {}
+    for layout in LAYOUTS:
+        stack = stacks[layout]
+        address = stack.metrics_address()
+        assert address is not None
+        with GatewayClient(stack.address, DEV_KEY) as client, caplog.at_level(logging.WARNING, "spine.gateway"):
+            unary = client.generate(request)
+            streamed = client.stream(request)
+        for result in (unary, streamed):
+            assert result.code == grpc.StatusCode.FAILED_PRECONDITION, (layout, result.code, result.details)
+            assert result.details.startswith(VIOLATION)
+            assert built["phrase"] not in result.details
+        released = "".join(chunk.text for chunk in streamed.chunks)
+        assert built["phrase"] not in released  # the chunk completing it was never sent
+        assert metric(address, "spine_output_policy_violations_total", layout=layout, tenant="dev") == 2
+        verdicts[layout] = [(r.code, r.details) for r in (unary, streamed)]
+    assert verdicts["collapsed"] == verdicts["layered"]
+    logged = [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage()]
+    assert len(logged) == 4 and all("probe-phrase" in line and built["phrase"] not in line for line in logged)
+
+
+def test_a_replaced_table_is_swapped_in_by_every_layout_without_dropping_a_request(
+        stacks: dict[str, Stack], built: dict[str, Any]) -> None:
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def traffic(stack: Stack) -> None:  # table hits all through the swap, under the dev tenant's rate
+        with GatewayClient(stack.address, DEV_KEY) as client:
+            for _ in range(3000):
+                if stop.wait(0.01):
+                    break
+                result = client.generate(greedy(TABLE[0]))
+                if not result.ok:  # (a cached answer is likely, not owed: the cache fails open past its budget)
+                    failures.append(f"{stack.layout}: {result.code.name} {result.details}")
+
+    threads = [threading.Thread(target=traffic, args=(stacks[layout],)) for layout in LAYOUTS]
+    for thread in threads:
+        thread.start()
+    try:
+        digest, answers = built["replacement"]
+        write_table(built["table"], "tiny-lm", digest, answers)  # a temporary file renamed over the old one
+        for layout in LAYOUTS:
+            address = stacks[layout].metrics_address()
+            assert address is not None
+            with GatewayClient(stacks[layout].address, DEV_KEY) as client:
+                def swapped(client: GatewayClient = client, address: str = address, layout: str = layout) -> bool:
+                    before = metric(address, "spine_cache_pregenerated_hits_total", layout=layout, tenant="other")
+                    client.generate(greedy(LATER), token=OTHER_KEY)
+                    return metric(address, "spine_cache_pregenerated_hits_total", layout=layout,
+                                  tenant="other") > before
+                eventually(swapped, timeout=60, what=f"the {layout} cache mapping the new table")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert failures == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_corrupt_table_is_refused_with_one_log_line_and_the_server_still_answers(
+        built: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture, layout: str) -> None:
+    corrupt = tmp_path / "corrupt.bin"
+    data = bytearray(Path(built["table"]).read_bytes())
+    data[-1] ^= 0xFF
+    corrupt.write_bytes(data)
+    with caplog.at_level(logging.INFO, logger="spine.cache"):
+        stack = start_stack(layout, tmp_path, config_for_tests(cache={"pregenerated": str(corrupt)}))
+        try:
+            with GatewayClient(stack.address, DEV_KEY) as client:
+                result = client.generate(greedy(TABLE[0]))
+        finally:
+            stack.stop()
+    assert result.ok and result.response is not None and not result.response.cached  # from the model
+    if layout == "collapsed":
+        lines = [r.getMessage() for r in caplog.records if "cache.pregenerated" in r.getMessage()]
+    else:
+        assert stack.run_dir is not None
+        lines = [line for line in (Path(stack.run_dir) / "logs" / "cache.log").read_text().splitlines()
+                 if "cache.pregenerated" in line]
+    assert len(lines) == 1 and "refused (corrupt" in lines[0] and str(corrupt) in lines[0]

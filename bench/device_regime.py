@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from services.model.sim_backend import profile_from
+from spine.runtime.served_model import model_id_for
 
 DEVICE_LAYOUTS = ("bare", "collapsed", "layered")
 DEVICE_SEQUENTIAL_REQUESTS = 300
@@ -45,16 +46,21 @@ class Regime:
     comparisons: list[dict[str, Any]]
     left: list[int]
     capacity: dict[str, Any] | None = None
+    profile: str = ""
 
 
-def profile_name() -> str:
+def profile_name(settings: Any) -> str:
+    """The sim profile's name, or what the device regime serves instead (`--device-model DIR`)."""
+    if settings.device_model:
+        return f"hf:{settings.device_model}"
     return profile_from(SIM_OPTIONS).name
 
 
 def device_settings(settings: Any) -> Any:
     """The cpu regime's settings turned to the device regime's (a `bench.run.Settings`)."""
     scaled = settings.scale_with_concurrency  # no --requests given: the device regime's own sizes
-    return replace(settings, layouts=DEVICE_LAYOUTS, model="sim", model_id="sim",
+    model = settings.device_model or "sim"
+    return replace(settings, layouts=DEVICE_LAYOUTS, model=model, model_id=model_id_for(model),
                    sequential_requests=DEVICE_SEQUENTIAL_REQUESTS,
                    stream_requests=min(settings.stream_requests, DEVICE_STREAM_REQUESTS) if scaled
                    else settings.stream_requests)
@@ -75,7 +81,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def summarize(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | None) -> dict[str, Any]:
+def summarize(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | None,
+              profile: str = "") -> dict[str, Any]:
     """results.json's `device_regime`: collapsed over bare per concurrency, TTFT, CPU per request."""
     collapsed = {str(r["concurrency"]): {"p50": r.get("p50_vs_bare"), "p99": r.get("p99_vs_bare"),
                                          "rps": r.get("rps_vs_bare")}
@@ -85,7 +92,7 @@ def summarize(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | N
     if "collapsed" in stream and "bare" in stream:
         ttft = _ratio(stream["collapsed"].get("ttft_p50_ms"), stream["bare"].get("ttft_p50_ms"))
     cpu = {layout: _cpu_us(runs, layout) for layout in DEVICE_LAYOUTS}
-    return {"profile": profile_name(), "collapsed_vs_bare": collapsed, "ttft_collapsed_vs_bare": ttft,
+    return {"profile": profile or profile_from(SIM_OPTIONS).name, "collapsed_vs_bare": collapsed, "ttft_collapsed_vs_bare": ttft,
             "cpu_us_per_request": cpu, "targets": targets_met(collapsed, ttft, cpu, capacity)}
 
 
@@ -123,7 +130,7 @@ def device_results(device: Regime | None) -> dict[str, Any]:
     if device is None:
         return {}
     return {"device_runs": device.runs, "device_layered_vs_collapsed": device.comparisons,
-            "device_regime": summarize(device.runs, device.capacity),
+            "device_regime": summarize(device.runs, device.capacity, device.profile),
             "capacity": capacity_summary(device.capacity) if device.capacity is not None else None,
             "capacity_curve": device.capacity}
 

@@ -128,6 +128,7 @@ class Settings:
     regimes: tuple[str, ...] = ("cpu",)  # cpu: the built-in model here; device: the sim model
     capacity: bool = False  # the device regime's open-loop capacity curve
     capacity_step_s: float = 2.5  # seconds of arrivals per rate and layout
+    device_model: str | None = None  # the device regime serves this model directory instead of sim (a GPU)
 
     def cell_requests(self, concurrency: int) -> int:
         """Requests in a unary cell: at 64 workers, 400 requests in 5 rounds would give each
@@ -172,6 +173,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                                           "model; bare, collapsed, layered) (default cpu,device; quick cpu)")
     parser.add_argument("--no-capacity", action="store_true",
                         help="skip the device regime's open-loop capacity curve (it runs unless --quick)")
+    parser.add_argument("--device-model", metavar="DIR",
+                        help="the device regime serves this transformers model directory (on the GPU where there "
+                             "is one) instead of the sim model: tests/gpu/run.sh compares the two")
     parser.add_argument("--capacity-step", type=float, default=2.5,
                         help="seconds of Poisson arrivals per offered rate and layout (default 2.5; the lowest "
                              "rate, whose p99 is the reference, twice as long)")
@@ -225,7 +229,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                         fixed_rounds=quick or args.rounds is not None, model=args.model,
                         model_id=(args.model_id or model_id_for(args.model)) if args.model else "tiny-lm",
                         regimes=regimes, capacity="device" in regimes and not quick and not args.no_capacity,
-                        capacity_step_s=args.capacity_step)
+                        capacity_step_s=args.capacity_step, device_model=args.device_model)
     return settings, args.out, bool(args.keep_run_dir)
 
 
@@ -439,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     if "device" in settings.regimes:
         from bench.device_regime import device_settings, profile_name
 
-        console.print(f"[bold]device regime[/bold]: the sim model ({profile_name()}), steps off the CPU")
+        console.print(f"[bold]device regime[/bold]: {profile_name(settings)}, steps off the CPU")
         machine["loadavg_device_start"] = [round(x, 2) for x in os.getloadavg()]
         device = run_regime(device_settings(settings), console, keep, extra=DEVICE_OVERLAY, http=False,
                             capacity=settings.capacity)
+        device.profile = profile_name(settings)
     runs, comparisons, left = cpu.runs, cpu.comparisons, cpu.left + (device.left if device else [])
     serving: dict[str, Any] | None = None
     if not settings.quick and not settings.model and "cpu" in settings.regimes:  # the embedded model's

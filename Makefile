@@ -4,14 +4,25 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/spine/v1/*.proto)
 
-.PHONY: install prometheus protos run rehearse test bench lint clean
+.PHONY: install prometheus chromium redis protos run rehearse test bench lint clean
 
-install: $(VENV)/.installed spine/v1/.generated prometheus
+install: $(VENV)/.installed spine/v1/.generated prometheus chromium redis
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || .ci/install-prometheus
+
+# The dashboard's browser test drives a real headless Chromium through chromedriver (selenium):
+# where either is missing, the Debian packages (apt-get, quiet; one line and on if they cannot be had).
+chromium:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
+		.ci/apt-install "the dashboard's browser test" chromium chromium-driver
+
+# The rate limiter's shared lease store (ratelimit.store) is tested against a real Redis server:
+# where `redis-server` is not on PATH, the Debian package (apt-get, quiet; one line and on if not).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || .ci/apt-install "the shared rate-limit store's tests" redis-server
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,4 +60,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) spine/v1 bench/results.json
+	rm -rf $(VENV) spine/v1 bench/results.json bench/leases.json

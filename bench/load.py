@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -106,7 +106,15 @@ class Endpoint:
         self._stubs.clear()
 
 
-def run_batch(endpoint: Endpoint, requests: Sequence[generation_pb2.GenerateRequest], *, concurrency: int,
+class Caller(Protocol):
+    """What `run_batch` drives: `Endpoint` (gRPC) or `bench.http_load.HttpEndpoint` (HTTP)."""
+
+    def stubs(self, count: int) -> list[Any]: ...
+
+    def call(self, stub: Any, request: generation_pb2.GenerateRequest, stream: bool, timeout_s: float) -> Call: ...
+
+
+def run_batch(endpoint: Caller, requests: Sequence[generation_pb2.GenerateRequest], *, concurrency: int,
               stream: bool = False, time_limit_s: float = 20.0, call_timeout_s: float = 30.0) -> Batch:
     """Send `requests` with `concurrency` closed-loop workers; stop starting new ones at the time limit."""
     calls: list[Call] = []

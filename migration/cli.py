@@ -2,7 +2,7 @@
 
     spine migrate plan FILE [--validate-only | --offline]
     spine migrate run [FILE] [--no-follow]
-    spine migrate status
+    spine migrate status [--watch]
     spine migrate advance [--to STAGE] | pause | resume | approve [--stage S] | rollback | abort
 
 Every command takes --controller ADDR (default $SPINE_CONTROLLER, else the local socket)
@@ -33,6 +33,7 @@ from migration.admin_token import read_admin_token
 from migration.plan import PlanError, load_plan
 from migration.render import RunProgress, audit_line, plan_table, status_renderable, to_json
 from migration.service import plan_message
+from migration.watch import follow, print_json, watch
 from services.common import ConfigError
 from spine.runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
 from spine.v1 import migration_pb2 as pb
@@ -40,7 +41,6 @@ from spine.v1 import migration_pb2_grpc as pb_grpc
 
 ENV_CONTROLLER = "SPINE_CONTROLLER"
 DEFAULT_CONTROLLER = "unix:/tmp/spine-migration.sock"
-FINAL_STATES = ("promoted", "rolled_back", "aborted")
 _EXIT_CODES = {
     grpc.StatusCode.FAILED_PRECONDITION: 1,
     grpc.StatusCode.INVALID_ARGUMENT: 2,
@@ -99,6 +99,9 @@ def add_migrate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", parents=[common], help="state, stage, weights, gates and audit")
     status.add_argument("--audit-rows", type=int, default=10)
+    status.add_argument("--watch", action="store_true",
+                        help="redraw as the controller moves; exit when the rollout finishes (0 promoted, 1 rolled "
+                             "back or aborted)")
     status.set_defaults(handler=cmd_status)
 
     advance = sub.add_parser("advance", parents=[command], help="skip to the next stage (or --to STAGE) now")
@@ -200,6 +203,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 @_rpc
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch:
+        with _client(args) as client:
+            return watch(client.watch(), Console(), args.controller, as_json=args.json)
     with _client(args) as client:
         _show_status(args, client.call("Status", pb.StatusRequest(audit_rows=args.audit_rows)))
     return 0
@@ -221,30 +227,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, client: ControlClient, after_id: int) -> int:
     """Follow WatchEvents until the rollout finishes; Ctrl-C detaches, the rollout goes on."""
     stream = client.watch(after_id)
-    state = ""
-    try:
-        if args.json:
-            for event in stream:
-                print(json.dumps(to_json(event)), flush=True)
-                state = event.status.state
-                if state in FINAL_STATES:
-                    break
-        else:
-            with RunProgress(Console()) as progress:
-                for event in stream:
-                    if event.HasField("audit"):
-                        progress.print(audit_line(event.audit))
-                    progress.update(event.status)
-                    state = event.status.state
-                    if state in FINAL_STATES:
-                        break
-    except KeyboardInterrupt:
-        print("detached; the rollout goes on (spine migrate status)", file=sys.stderr)
-        return 0
-    finally:
-        if isinstance(stream, grpc.Future):
-            stream.cancel()
-    return 0 if state == "promoted" else 1
+    if args.json:
+        return follow(stream, print_json, args.controller)
+    with RunProgress(Console()) as progress:
+        def show(event: pb.MigrationEvent) -> None:
+            if event.HasField("audit"):
+                progress.print(audit_line(event.audit))
+            progress.update(event.status)
+
+        return follow(stream, show, args.controller)
 
 
 @_rpc

@@ -28,6 +28,7 @@ the data planes ACK the re-applied version before it can advance.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
 from migration.plan import Plan, Stage, load_plan, refuse_parity_without_shadow
-from migration.status import AuditEntry, GateRecord, RolloutStatus, State, all_remote
+from migration.status import AuditEntry, GateRecord, RolloutStatus, State, TransitionEvent, all_remote
 from migration.store import Store
 from migration.target import TrafficTarget
 from migration.transitions import HINTS, Action, Effect, InvalidTransition, Transition, transition
@@ -45,6 +46,7 @@ from services.common import Clock
 __all__ = ["SYSTEM_ACTOR", "Controller", "InvalidTransition", "StatusView"]
 
 SYSTEM_ACTOR = "controller"
+log = logging.getLogger("spine.migration")
 
 @dataclass(frozen=True)
 class StatusView:
@@ -78,6 +80,7 @@ class Controller:
         self._cond = threading.Condition(threading.RLock())
         self._status = store.load() or RolloutStatus(updated_at=clock())
         self._plan = load_plan(self._status.plan_yaml) if self._status.plan_yaml else None
+        self._listeners: list[Callable[[TransitionEvent], None]] = []
 
     @classmethod
     def open(cls, db_path: str, target: TrafficTarget, *, clock: Clock = time.time) -> Controller:
@@ -88,6 +91,12 @@ class Controller:
 
     def close(self) -> None:
         self._store.close()
+
+    def on_transition(self, listener: Callable[[TransitionEvent], None]) -> None:
+        """Call `listener` after every committed transition, under the controller's lock: it
+        must only hand the event on (a webhook queue), never wait on anything."""
+        with self._cond:
+            self._listeners.append(listener)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -133,6 +142,11 @@ class Controller:
                 self._cond.wait(timeout)
                 rows = self._store.audit(after_id)
             return rows
+
+    def wake_watchers(self) -> None:
+        """Wake every `wait_for_audit` now (a server that stops ends its streams at once)."""
+        with self._cond:
+            self._cond.notify_all()
 
     # --- commands ------------------------------------------------------------------------
     # Each command asks the table (`_step`/`_perform`) what its action does in the current
@@ -401,10 +415,26 @@ class Controller:
             new = replace(new, generation=generation, version=version, spine_weight=weight,
                           placements=dict(placements), acked=False)
         stage = self._plan.stages[new.stage_index].name if self._plan else ""
-        self._store.save(new, audit=(actor or "unknown", action, str(before.state), stage, reason))
+        audit_id = self._store.save(new, audit=(actor or "unknown", action, str(before.state), stage, reason))
         self._status = new
         self._cond.notify_all()
+        if self._listeners:
+            self._tell(TransitionEvent(audit_id or 0, now, new.plan_name, stage, action, actor or "unknown",
+                                       str(before.state), str(state), reason, new.spine_weight, new.version,
+                                       self._latest_gates(stage)))
         return self.status
+
+    def _tell(self, event: TransitionEvent) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not undo or stop a committed transition
+                log.exception("transition listener %r failed", listener)
+
+    def _latest_gates(self, stage: str) -> tuple[GateRecord, ...]:
+        """`stage`'s latest judged window's gate results (empty when none was judged)."""
+        history = [r for r in self._store.gate_history(50) if r.stage == stage]
+        return tuple(r for r in history if r.window_end == history[-1].window_end) if history else ()
 
     def _save(self, *, gates: list[tuple[GateResult, str, float, float]] | None = None,
               **changes: Any) -> RolloutStatus:

@@ -37,6 +37,7 @@ class WindowStats:
     p99_ms: float | None  # p99 latency of the successful requests; None or 0: none measured
     ok_requests: int | None = None  # None: not counted apart, taken as requests - errors
     missing: str = ""
+    p50_ms: float | None = None  # median of the same requests, where the source has it (the dashboard shows it)
 
     @property
     def error_rate(self) -> float:

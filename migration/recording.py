@@ -57,6 +57,11 @@ class RecordingTarget:
             self.stats_calls.append(since)
             return self.layered, self.spine, self.parity
 
+    def layout_stats(self, since: float) -> tuple[WindowStats, WindowStats]:
+        """The stats it is given, without recording a call (the dashboard's reading)."""
+        with self._lock:
+            return self.layered, self.spine
+
     def shadow(self) -> ShadowCapability:
         if self.shadow_enabled:
             return ShadowCapability(True, "a recording target reports the parity it is given")

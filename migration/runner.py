@@ -14,6 +14,12 @@ with the same certificate. It binds only to a unix socket or loopback unless
 token would cross the network in plaintext. It re-applies the persisted stage on start (see
 `Controller.open`), ticks every ~100 ms (so a failing gate's rollback reaches the data path
 well within a second) and exits cleanly on SIGTERM or SIGINT.
+
+`--dashboard-listen HOST:PORT` serves the operator's web view (`migration.dashboard`: the
+stages, gate charts, layouts, audit and buttons; /metrics for the alert rules in
+deploy/prometheus) with the same TLS; reading it needs the admin token unless
+`--dashboard-view-without-token`. `--webhook-url URL` (repeatable) POSTs every transition,
+signed with the secret in `--webhook-secret-file` (`migration.notify`).
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import argparse
 import logging
 import sys
 
-from migration.admin_token import read_admin_token
+from migration.admin_token import read_admin_token, read_secret_file
 from migration.metrics.source import MetricsSource
+from migration.notify import WebhookConfig
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
@@ -125,6 +132,21 @@ def tls_of(args: argparse.Namespace) -> TlsConfig | None:
     return TlsConfig(**{key: value for key, value in given.items() if value})
 
 
+def webhooks_of(args: argparse.Namespace) -> tuple[WebhookConfig, ...]:
+    """--webhook-url (each) with the secret from --webhook-secret-file."""
+    if not args.webhook_url:
+        if args.webhook_secret_file:
+            raise ConfigError("--webhook-secret-file: no --webhook-url to sign for")
+        return ()
+    if not args.webhook_secret_file:
+        raise ConfigError("--webhook-url needs --webhook-secret-file: every notification is signed")
+    secret = read_secret_file(args.webhook_secret_file, "--webhook-secret-file")
+    try:
+        return tuple(WebhookConfig(url, secret) for url in args.webhook_url)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m migration.runner", description=__doc__.splitlines()[0])
     parser.add_argument("--db", required=True, help="sqlite file holding the rollout state")
@@ -172,6 +194,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --layered-metrics/--spine-metrics: seconds between scrapes")
     parser.add_argument("--recording-file", help="with --target recording: append every apply to this JSON-lines file")
     parser.add_argument("--tick-s", type=float, default=0.1, help="seconds between reconcile ticks")
+    parser.add_argument("--dashboard-listen", metavar="HOST:PORT",
+                        help="serve the operator's dashboard (and the controller's /metrics) here; loopback unless "
+                             "--allow-external, and with the --tls-* files when given")
+    parser.add_argument("--dashboard-view-without-token", action="store_true",
+                        help="let anyone who reaches the dashboard read it (its buttons still need the admin token)")
+    parser.add_argument("--webhook-url", action="append", default=[],
+                        help="POST every transition here as signed JSON (repeatable; needs --webhook-secret-file)")
+    parser.add_argument("--webhook-secret-file", help="file (mode 600) holding the webhooks' HMAC secret")
     return parser.parse_args(argv)
 
 
@@ -191,13 +221,18 @@ def main(argv: list[str] | None = None) -> int:
             load_certificates(tls, where="--tls")
             log_tls_refusals()
             reload_on_sighup()
+        webhooks = webhooks_of(args)
         target = build_target(args)
         process = ControllerProcess(args.db, args.listen, token, target, tick_s=args.tick_s,
-                                    allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen)
+                                    allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen,
+                                    dashboard_listen=args.dashboard_listen,
+                                    view_without_token=args.dashboard_view_without_token, webhooks=webhooks)
         serve_stable = getattr(target, "serve_stable", None)
         if serve_stable is not None:  # after the controller re-applied whatever it recorded
             serve_stable()
         process.start()
+        if process.dashboard_url:
+            log.info("dashboard: %s", process.dashboard_url)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from migration.controller import Controller
+from migration.dashboard import DashboardServer
+from migration.dashboard.metrics import ControllerCollector
+from migration.notify import WebhookConfig, WebhookNotifier
 from migration.service import SERVICE_NAME, MigrationService
 from migration.target import TrafficTarget
 from services.common import Clock, ConfigError
@@ -69,14 +72,29 @@ class ControllerProcess:
 
     def __init__(self, db_path: str, listen: str, admin_token: str, target: TrafficTarget, *,
                  tick_s: float = 0.1, clock: Clock = time.time, allow_external: bool = False,
-                 tls: TlsConfig | None = None, probe_listen: str | None = None) -> None:
+                 tls: TlsConfig | None = None, probe_listen: str | None = None,
+                 dashboard_listen: str | None = None, view_without_token: bool = False,
+                 webhooks: tuple[WebhookConfig, ...] = ()) -> None:
         self.listen = check_listen(listen, allow_external, tls)
+        if dashboard_listen is not None:
+            check_listen(dashboard_listen, allow_external, tls, "--dashboard-listen")
+            if dashboard_listen.startswith("unix:"):
+                raise ConfigError("--dashboard-listen: a browser needs HOST:PORT, e.g. 127.0.0.1:8470")
         self.tls = tls
         self.probe_listen = probe_listen
         self.allow_external = allow_external
         self.probe: ProbeServer | None = None
         self.controller = Controller.open(db_path, target, clock=clock)
         self.service = MigrationService(self.controller, admin_token)
+        # Every transition to each webhook, from a thread of its own (never in the controller's way).
+        self.notifiers = [WebhookNotifier(config) for config in webhooks]
+        for notifier in self.notifiers:
+            self.controller.on_transition(notifier)
+        self.dashboard: DashboardServer | None = None
+        if dashboard_listen is not None:
+            collector = ControllerCollector(self.controller, self.webhook_counts)
+            self.dashboard = DashboardServer(self.controller, admin_token, target, dashboard_listen, tls=tls,
+                                             view_without_token=view_without_token, collectors=(collector,))
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="migration-tick", daemon=True)
@@ -100,10 +118,27 @@ class ControllerProcess:
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._ticker.start()
+        if self.dashboard is not None:
+            self.dashboard.start()
         log.info("migration controller listening on %s", self.listen)
+
+    @property
+    def dashboard_url(self) -> str | None:
+        return self.dashboard.url if self.dashboard is not None else None
+
+    def webhook_counts(self) -> dict[str, dict[str, int]]:
+        """Deliveries per webhook endpoint (scheme://host:port) and result."""
+        counts: dict[str, dict[str, int]] = {}
+        for notifier in self.notifiers:
+            mine = counts.setdefault(notifier.config.endpoint, {})
+            for result, count in notifier.counts.items():
+                mine[result] = mine.get(result, 0) + count
+        return counts
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
+        if self.dashboard is not None:
+            self.dashboard.stop()
         self.health.enter_graceful_shutdown()
         self.service.close()
         self.server.stop(grace).wait()
@@ -111,6 +146,8 @@ class ControllerProcess:
             self.probe.stop()
         if self._ticker.is_alive():
             self._ticker.join()
+        for notifier in self.notifiers:
+            notifier.close()
         self.controller.close()
         _remove_stale_socket(self.listen)
 

@@ -10,13 +10,13 @@ and never logged or echoed.
 from __future__ import annotations
 
 import functools
-import hmac
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
+from migration.admin_token import bearer, token_matches
 from migration.controller import Controller, InvalidTransition, StatusView
 from migration.plan import Plan, PlanError, load_plan
 from migration.status import AuditEntry
@@ -58,17 +58,14 @@ class MigrationService(pb_grpc.MigrationControlServicer):
         self._closing.set()
 
     def authorize(self, context: grpc.ServicerContext) -> None:
-        presented = b""
+        presented = ""
         for key, value in context.invocation_metadata():
             if key == "authorization":
-                text = value.decode() if isinstance(value, bytes) else value
-                scheme, _, credential = text.partition(" ")
-                if scheme.lower() == "bearer":
-                    presented = credential.strip().encode()
+                presented = bearer(value.decode() if isinstance(value, bytes) else value) or presented
         if not presented:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "missing admin token: send `authorization: Bearer <token>` metadata")
-        if not hmac.compare_digest(presented, self._token):
+        if not token_matches(presented, self._token):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token not accepted")
 
     @_command
@@ -92,32 +89,30 @@ class MigrationService(pb_grpc.MigrationControlServicer):
 
     @_command
     def Advance(self, request: pb.AdvanceRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
-        self._controller.advance(request.stage or None, _actor(request, context), request.reason)
-        return self._status()
+        return self._run("advance", request, context, request.stage)
 
     @_command
     def Pause(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
-        self._controller.pause(_actor(request, context), request.reason)
-        return self._status()
+        return self._run("pause", request, context)
 
     @_command
     def Resume(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
-        self._controller.resume(_actor(request, context), request.reason)
-        return self._status()
+        return self._run("resume", request, context)
 
     @_command
     def Approve(self, request: pb.ApproveRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
-        self._controller.approve(request.stage or None, _actor(request, context), request.reason)
-        return self._status()
+        return self._run("approve", request, context, request.stage)
 
     @_command
     def Rollback(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
-        self._controller.rollback(_actor(request, context), request.reason)
-        return self._status()
+        return self._run("rollback", request, context)
 
     @_command
     def Abort(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
-        self._controller.abort(_actor(request, context), request.reason)
+        return self._run("abort", request, context)
+
+    def _run(self, command: str, request: Any, context: grpc.ServicerContext, stage: str = "") -> pb.RolloutStatus:
+        run_command(self._controller, command, _actor(request, context), request.reason, stage)
         return self._status()
 
     def WatchEvents(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.MigrationEvent]:
@@ -136,6 +131,23 @@ class MigrationService(pb_grpc.MigrationControlServicer):
 
     def _status(self) -> pb.RolloutStatus:
         return status_message(self._controller.view())
+
+
+# The operator commands every front end runs the same way (this gRPC API, the dashboard's
+# buttons): name -> what it does to the controller, given (stage or None, actor, reason).
+COMMANDS: dict[str, Callable[[Controller, str | None, str, str], object]] = {
+    "advance": lambda c, stage, actor, reason: c.advance(stage, actor, reason),
+    "approve": lambda c, stage, actor, reason: c.approve(stage, actor, reason),
+    "pause": lambda c, _, actor, reason: c.pause(actor, reason),
+    "resume": lambda c, _, actor, reason: c.resume(actor, reason),
+    "rollback": lambda c, _, actor, reason: c.rollback(actor, reason),
+    "abort": lambda c, _, actor, reason: c.abort(actor, reason),
+}
+
+
+def run_command(controller: Controller, command: str, actor: str, reason: str, stage: str = "") -> None:
+    """Run operator `command` (a key of COMMANDS); InvalidTransition when the state refuses it."""
+    COMMANDS[command](controller, stage or None, actor, reason)
 
 
 def _actor(request: Any, context: grpc.ServicerContext) -> str:

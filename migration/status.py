@@ -87,3 +87,24 @@ class GateRecord:
     threshold: float
     dry_run: bool
     message: str
+
+
+@dataclass(frozen=True)
+class TransitionEvent:
+    """One transition as it was committed (status and audit row): what a notification says.
+
+    `gates` are the stage's latest window's results at that moment (empty before any window
+    was judged), so a receiver sees why a rollback happened without asking the controller."""
+
+    audit_id: int
+    ts: float
+    plan: str
+    stage: str
+    action: str
+    actor: str
+    from_state: str
+    to_state: str
+    reason: str
+    spine_weight: float
+    version: str
+    gates: tuple[GateRecord, ...] = ()

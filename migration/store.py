@@ -165,3 +165,10 @@ class Store:
             records.append(GateRecord(id_, ts, stage, version, start, end, gate, verdict, value, threshold,
                                       bool(dry_run), message))
         return records
+
+    def transition_counts(self) -> dict[str, int]:
+        """How many transitions ended in each state, over the whole audit trail (a counter
+        that survives restarts: what /metrics exports as spine_migration_transitions_total)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT to_state, COUNT(*) FROM audit GROUP BY to_state").fetchall()
+        return {state: count for state, count in rows}

@@ -65,6 +65,11 @@ class ConcurrencyLeases:
         # handed out is never mistaken for one of ours after a restart or a move.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
         self._takes = 0
+        # With a shared store (`services.ratelimit_leases`): the slots each tenant holds a
+        # lease on from the store, enforced instead of the share (None: no store, or it is down).
+        # A tenant not in it yet may take one slot until the next renewal.
+        self.granted: dict[str, int] | None = None
+        self.refused: Counter[str] = Counter()  # refusals since the store's last renewal
 
     # -- the limit -------------------------------------------------------------------------
     def limit(self, configured: int) -> int:
@@ -82,7 +87,8 @@ class ConcurrencyLeases:
     # -- slots -----------------------------------------------------------------------------
     def free(self, tenant: str, configured: int, now: float) -> int:
         """Slots `tenant` may still take now (its expired leases are dropped first)."""
-        return max(0, self.limit(configured) - self.held(tenant, now))
+        limit = self.limit(configured) if self.granted is None else self.granted.get(tenant, 1)
+        return max(0, limit - self.held(tenant, now))
 
     def held(self, tenant: str, now: float) -> int:
         state = self._tenants.get(tenant)
@@ -188,6 +194,8 @@ class SlotAdmission:
         if isinstance(verdict, ItemError):
             return
         wait = self.leases.retry_after(item.tenant, now)
+        if self.leases.granted is not None:  # a shared store asks for more slots at its next renewal
+            self.leases.refused[item.tenant] += 1
         verdict.admitted = False
         verdict.over.append(OverLimit(concurrency_limit_name(item.tenant), wait))
         if verdict.retry_after_s >= 0:  # -1: the cost can never fit, which says more

@@ -35,6 +35,7 @@ from services.pipeline.batch_rpc import ItemError
 from services.ratelimit_admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
 from services.ratelimit_admission import MAX_HITS_ADDEND as MAX_HITS_ADDEND
 from services.ratelimit_admission import RESOURCES as RESOURCES
+from services.ratelimit_leases import StoreLeases
 from services.sections import BucketLimits as BucketLimits
 from services.sections import RateLimitConfig
 from services.token_buckets import BatchDecision, BucketState, TokenBucketTable
@@ -132,8 +133,20 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         busy = config.concurrency_when_busy
         self._leases = ConcurrencyLeases(busy.above, busy.below, busy.halve)
         self.alone_fast_path = True  # False: every item takes the general path (tests compare the two)
-        self._slots = SlotAdmission(self._leases, lambda tenant: config.limits_for(tenant).max_concurrent_requests,
-                                    self._admit_into)
+        concurrency_of = lambda tenant: config.limits_for(tenant).max_concurrent_requests  # noqa: E731
+        self._slots = SlotAdmission(self._leases, concurrency_of, self._admit_into)
+        # With `store`: limits held across replicas by leases (`services.ratelimit_leases`).
+        self.store = None if config.store is None else StoreLeases(
+            config.store, self._table, self._leases, self._lock, lambda key: self._buckets[cast(Key, key)].limits,
+            concurrency_of, tuple(t for t, limits in config.tenants.items() if limits.max_concurrent_requests),
+            clock).start()
+        self.store_collector = None if self.store is None else self.store.collector()
+        self.local_health = None if self.store is None else self.store.health
+
+    def close(self) -> None:
+        """Give the store's leases back (no store: nothing to do)."""
+        if self.store is not None:
+            self.store.close()
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
     def admit_batch(
@@ -193,6 +206,9 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         tenant's total across both stays within its limit.
         """
         with self._lock:
+            if self.store is not None:  # the share is the store's fallback (leases decide)
+                self.store.set_share(float(fraction))
+                return
             self._table.set_share(fraction)
             self._leases.share = float(fraction)
 
@@ -393,6 +409,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             )
         bucket = _Bucket(key, limit_name(key), self.config.limits_for(fields.get("tenant", "")).bucket(resource))
         self._buckets[key] = bucket
+        if self.store is not None:
+            self.store.wake()
         return bucket
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -76,6 +76,50 @@ class ConcurrencyWhenBusy(Section):
         return self
 
 
+class RedisStore(Section):
+    """`ratelimit.store.redis`: where the shared lease store is. `address` is HOST:PORT or
+    unix:/PATH; every key starts with `key_prefix` (one Redis, or one hash slot: the lease
+    scripts touch several keys at once). The password, when there is one, is read from a file,
+    so it is never in a config or a log."""
+
+    address: NonEmptyStr
+    key_prefix: NonEmptyStr = "spine:ratelimit:"
+    password_file: Path | None = None
+    # A call slower than this counts as a failure: a slow store must not hold leases back.
+    timeout_s: Annotated[Float, Field(gt=0)] = 0.25
+
+
+class RateLimitStore(Section):
+    """`ratelimit.store`: limits that hold across replicas (`services.ratelimit_leases`).
+
+    Every replica keeps deciding on its own buckets; it leases tokens and concurrency slots
+    from the store every `renew_interval_s`, sized to `lease_s` of its recent demand."""
+
+    redis: RedisStore
+    lease_s: Annotated[Float, Field(gt=0)] = 1.0
+    renew_interval_s: Annotated[Float, Field(gt=0)] = 0.25
+    # The fraction of each burst an idle bucket may spend before its next renewal, charged to
+    # the store then (so a lone request is not refused for want of a lease).
+    reserve: Annotated[Float, Field(ge=0, le=1)] = 0.05
+    # How long a replica's concurrency slots outlive its last renewal (a SIGKILLed replica's
+    # slots come back after this).
+    slot_ttl_s: Annotated[Float, Field(gt=0)] = 3.0
+    # While the store cannot be reached: `shares` decides on the last shares (the
+    # controller's, at most 1/replicas last seen), `closed` on what is leased already, `open`
+    # on the whole configured limit.
+    fail_mode: Literal["shares", "closed", "open"] = "shares"
+
+    @model_validator(mode="after")
+    def _renewed_within_a_lease(self) -> RateLimitStore:
+        if self.renew_interval_s >= self.lease_s:
+            raise problem(f"must be below lease_s ({self.lease_s:g}): a lease is renewed before it runs out, "
+                          f"got {self.renew_interval_s:g}", "renew_interval_s")
+        if self.slot_ttl_s <= self.renew_interval_s:
+            raise problem(f"must be above renew_interval_s ({self.renew_interval_s:g}), got {self.slot_ttl_s:g}",
+                          "slot_ttl_s")
+        return self
+
+
 class RateLimitConfig(Section):
     """The `ratelimit` section; a tenant's block inherits every key it leaves out from `default`."""
 
@@ -83,6 +127,8 @@ class RateLimitConfig(Section):
     default: BucketLimits = BucketLimits()
     tenants: Table[BucketLimits] = Field(default_factory=dict)
     concurrency_when_busy: ConcurrencyWhenBusy = ConcurrencyWhenBusy()
+    # Without it, each limiter holds its fixed share (`migration.limits`).
+    store: RateLimitStore | None = None
 
     @model_validator(mode="before")
     @classmethod

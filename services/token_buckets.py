@@ -66,6 +66,7 @@ class TokenBucketTable:
         self._device = device
         self._slots: dict[Hashable, int] = {}
         self._share = 1.0
+        self._lease_reserve: float | None = None  # lease mode: see `lease`
         self._state = device.allocate(OWNER, (_ROWS, max(1, initial_slots)), torch.float64)
         self._host = HostView()  # the numpy view of `_state` on the CPU (None elsewhere)
         # On the CPU, decide on Python floats (a micro-batch) or numpy views (a large batch)
@@ -95,9 +96,10 @@ class TokenBucketTable:
     def _add(self, new: dict[Hashable, tuple[float, float]], now: float) -> None:
         first = len(self._slots)
         self._reserve(first + len(new))
-        share = self._share
+        share, reserve = self._share, self._lease_reserve
         columns = [
-            [cap * share, now, rate * share, cap * share, rate, cap] for rate, cap in new.values()
+            [cap * share, now, rate * share, cap * share, rate, cap] if reserve is None
+            else [cap * reserve, now, 0.0, cap, rate, cap] for rate, cap in new.values()
         ]
         block = torch.tensor(columns, dtype=torch.float64, device=self._state.device).T
         self._state[:, first : first + len(new)] = block
@@ -124,10 +126,36 @@ class TokenBucketTable:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"share: must be in (0, 1], got {fraction!r}")
         self._share = float(fraction)
+        if self._lease_reserve is not None:  # leasing: the share waits for `lease(None)`
+            return
         s = self._state
         s[RATE] = s[BASE_RATE] * self._share
         s[CAPACITY] = s[BASE_CAPACITY] * self._share
         s[LEVEL] = torch.minimum(s[LEVEL], s[CAPACITY])
+
+    def lease(self, reserve: float | None) -> None:
+        """Lease mode (`reserve` not None): buckets stop refilling and hold only the tokens
+        credited to them (`credit`: leases from a shared store, `services.ratelimit_leases`),
+        up to their whole configured burst; a new bucket starts with `reserve` of its burst.
+        None: back to refilling at the share of each limit, levels clamped to it.
+
+        Deciding is the same code either way: the hot path never knows which mode it is in."""
+        self._lease_reserve = reserve
+        if reserve is None:
+            self.set_share(self._share)
+            return
+        s = self._state
+        s[RATE] = 0.0
+        s[CAPACITY] = s[BASE_CAPACITY]
+
+    def credit(self, key: Hashable, tokens: float) -> float:
+        """Add `tokens` (negative: take them out) to a bucket's level, within [0, capacity];
+        returns what did not fit (for the store to have back)."""
+        slot = self._slots[key]
+        level = float(self._state[LEVEL, slot])
+        new = min(max(level + tokens, 0.0), float(self._state[CAPACITY, slot]))
+        self._state[LEVEL, slot] = new
+        return tokens - (new - level)
 
     def state(self, key: Hashable) -> BucketState | None:
         slot = self._slots.get(key)
@@ -193,7 +221,7 @@ class TokenBucketTable:
 
         # `taken` is what the final decisions charge.
         remaining = level - (earlier + taken)
-        wait = ((earlier + pair_cost) - level) / cols[RATE][pair_bucket]
+        wait = ((earlier + pair_cost) - level) / _retry_rate(cols)[pair_bucket]
         never = pair_cost > cols[CAPACITY][pair_bucket]
         retry = torch.where(fits, torch.zeros_like(wait), torch.where(never, torch.full_like(wait, -1.0), wait))
         cols[LEVEL] = bucket_level - torch.zeros_like(bucket_level).index_add_(0, pair_bucket, taken)
@@ -238,7 +266,7 @@ class TokenBucketTable:
             if rounds > n + 1:
                 raise AssertionError(f"batch admission did not converge in {rounds} rounds")
         remaining = level - (earlier + taken)
-        rate = cols[RATE][plan.pair_bucket]
+        rate = np.where(cols[RATE] > 0, cols[RATE], cols[BASE_RATE])[plan.pair_bucket]
         with np.errstate(divide="ignore", invalid="ignore"):
             wait = ((earlier + pair_cost) - level) / rate
         never = pair_cost > cols[CAPACITY][plan.pair_bucket]
@@ -338,7 +366,13 @@ def _refilled(state: Any, slot: int, now: float) -> tuple[float, float, float, f
     """A bucket's (level now, last refill, rate, capacity), read from the table's host cells:
     refilled on use, and time that runs backwards earns nothing."""
     last, rate, cap = state[LAST_REFILL, slot], state[RATE, slot], state[CAPACITY, slot]
-    return min(cap, state[LEVEL, slot] + rate * max(now - last, 0.0)), last, rate, cap
+    # A leased bucket (rate 0) reports its configured rate: retry-after is when the store refills.
+    return min(cap, state[LEVEL, slot] + rate * max(now - last, 0.0)), last, rate or state[BASE_RATE, slot], cap
+
+
+def _retry_rate(cols: torch.Tensor) -> torch.Tensor:
+    """The rate a wait is computed with: a leased bucket's (0) is its configured one."""
+    return torch.where(cols[RATE] > 0, cols[RATE], cols[BASE_RATE])
 
 
 def _retry_after(cost: float, level: float, rate: float, cap: float) -> float:

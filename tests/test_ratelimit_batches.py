@@ -156,14 +156,19 @@ def test_admit_batch_equals_deciding_one_by_one(scenario: tuple[dict, list]) -> 
 @given(st.lists(st.tuples(st.lists(st.tuples(st.sampled_from(["dev", "acme", "zed"]), st.integers(1, 60),
                                              st.booleans()), min_size=1, max_size=12),
                           st.floats(0.0, 3.0)), min_size=1, max_size=8))
-def test_the_cpu_fast_paths_and_the_torch_ops_decide_bit_for_bit_alike(batches: list) -> None:
+@pytest.mark.parametrize("leased", [False, True], ids=["refilling", "leased"])
+def test_the_cpu_fast_paths_and_the_torch_ops_decide_bit_for_bit_alike(leased: bool, batches: list) -> None:
     """On the CPU a table decides on Python floats (a micro-batch) or numpy views (a large
-    batch); on CUDA with torch ops. Same answers, same bucket levels, for any batches and times."""
+    batch); on CUDA with torch ops. Same answers, same bucket levels, for any batches and times;
+    also in lease mode (`ratelimit.store`: no refill, retry-after from the configured rate)."""
     host, _ = make({"requests_per_second": 2, "burst": 5, "tokens_per_minute": 120, "token_burst": 80})
     torch_ops, _ = make({"requests_per_second": 2, "burst": 5, "tokens_per_minute": 120, "token_burst": 80})
     numpy_ops, _ = make({"requests_per_second": 2, "burst": 5, "tokens_per_minute": 120, "token_burst": 80})
     torch_ops._table.host_paths = False  # the path CUDA takes
     numpy_ops._table.sequential_max = 0  # a large batch on the CPU: numpy's cumulative sums
+    if leased:
+        for service in (host, torch_ops, numpy_ops):
+            service._table.lease(0.6)
     now = 100.0
     for batch, advance in batches:
         now += advance

@@ -69,8 +69,9 @@ class Counts:
 
     def stats(self) -> WindowStats:
         p99_s = histogram_quantile(0.99, self.ok_buckets) if self.ok else None
+        p50_s = histogram_quantile(0.5, self.ok_buckets) if self.ok else None
         return WindowStats(round(self.requests), round(self.errors), None if p99_s is None else p99_s * 1000.0,
-                           round(self.ok))
+                           round(self.ok), p50_ms=None if p50_s is None else p50_s * 1000.0)
 
 
 def _combine(a: Mapping[float, float], b: Mapping[float, float], sign: float) -> dict[float, float]:

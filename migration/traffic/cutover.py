@@ -137,12 +137,17 @@ class FrontTarget:
         self._layered_share = share
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
-        window = self.front.window(since)
-        layered, spine = window["layered"], window["spine"]
         parity = (self.parity.parity(since) if self.parity is not None
                   else ParityStats(0, 0, missing="the front's shadow comparisons are not read"))
-        return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests), parity)
+        return (*self.layout_stats(since), parity)
+
+    def layout_stats(self, since: float) -> tuple[WindowStats, WindowStats]:
+        """Each side's requests since `since`, without the parity (what the dashboard shows)."""
+        window = self.front.window(since)
+        layered, spine = window["layered"], window["spine"]
+        return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests,
+                            p50_ms=layered.p50_ms),
+                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests, p50_ms=spine.p50_ms))
 
     def shadow(self) -> ShadowCapability:
         mirror = self.front.shadow
@@ -162,6 +167,10 @@ class FrontTarget:
     def data_planes(self) -> list[dict[str, Any]]:
         """What each xDS data plane ACKed or NACKed (shown by `spine migrate status`)."""
         return self.xds.status() if self.xds is not None else []
+
+    def followers(self) -> list[dict[str, Any]]:
+        """What each follower of the stages (the spine process) applied (status, dashboard)."""
+        return self.xds.followers_status() if self.xds is not None else []
 
     def applied(self, version: str) -> bool:
         """The front applies a weight at once; xDS data planes once they have ACKed it; a
@@ -227,6 +236,8 @@ class Cutover:
     front_metrics: PrometheusHTTPServer | None = None  # the front's shadow counters, with shadow on
     parity: ScrapeSource | None = None  # what the parity gate reads them with
     admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # The controller's dashboard (`migration.dashboard`), e.g. "127.0.0.1:0"; None: none.
+    dashboard_listen: str | None = None
 
     def start(self) -> str:
         """Start both layouts, the front and the controller; the front's address."""
@@ -272,7 +283,8 @@ class Cutover:
             self.target = FrontTarget(self.front, self.spine, layered_ratelimit, self.xds, self.parity)
             self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"),
                                                 f"unix:{self.run_dir / 'controller.sock'}", self.admin_token,
-                                                self.target, tick_s=0.1)
+                                                self.target, tick_s=0.1, dashboard_listen=self.dashboard_listen,
+                                                view_without_token=True)
             self.controller.start()
         except BaseException:
             self.stop()

@@ -71,6 +71,7 @@ class SideWindow:
     p99_model_ms: float = 0.0
     model_requests: int = 0
     mean_in_flight: float = 0.0
+    p50_ms: float = 0.0  # over the requests answered OK, like p99_ms (0 when none)
 
 
 class Front(gateway_pb2_grpc.GatewayServicer):
@@ -239,7 +240,8 @@ class Front(gateway_pb2_grpc.GatewayServicer):
                                       p50_model_ms=percentile(model_ms, 50) if served else 0.0,
                                       p99_model_ms=percentile(model_ms, 99) if served else 0.0,
                                       model_requests=len(served),
-                                      mean_in_flight=sum(o.in_flight for o in served) / len(served) if served else 0.0)
+                                      mean_in_flight=sum(o.in_flight for o in served) / len(served) if served else 0.0,
+                                      p50_ms=percentile(latencies, 50) if latencies else 0.0)
         return result
 
     def close(self) -> None:

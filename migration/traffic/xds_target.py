@@ -61,6 +61,10 @@ class XdsTarget:
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:
         return self.metrics.window("layered", since), self.metrics.window("spine", since), self.metrics.parity(since)
 
+    def layout_stats(self, since: float) -> tuple[WindowStats, WindowStats]:
+        """Each side's requests since `since`, without the parity (what the dashboard shows)."""
+        return self.metrics.window("layered", since), self.metrics.window("spine", since)
+
     def shadow(self) -> ShadowCapability:
         """Shadow is on when the metrics source finds the spine's comparison counters."""
         return self.metrics.shadow_exported()

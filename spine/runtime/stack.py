@@ -162,6 +162,9 @@ class Stack:
 
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
                                                                self.run_dir, self._local_inference)
+                store = getattr(self.local_servicers.get("ratelimit"), "store_collector", None)
+                if store is not None:  # the rate limiter's shared store (`ratelimit.store`)
+                    self.local_servicers["metrics"].registry.register(store)
             elif "inference" in self.local_servicers:  # the metrics component is elsewhere
                 from spine.runtime.serving_metrics import serve_inference_metrics
 
@@ -262,6 +265,8 @@ class Stack:
                 targets[name] = binding.channel if down is None else _down(down)
             elif name == "inference" and self.deep_health is not None:
                 targets[name] = self._model_health
+            elif (check := getattr(self.local_servicers.get(name), "local_health", None)) is not None:
+                targets[name] = check  # e.g. the rate limiter's shared store: leasing or falling back
             else:
                 targets[name] = always_serving
         return targets

@@ -82,6 +82,8 @@ MIN_P99_REQUESTS = 20
 CONCURRENCY_RATIO = 1.25
 CONCURRENCY_MARGIN = 0.5
 SPINE_FASTER = "spine faster"
+# Where the controller's dashboard listens (loopback; default any free port, printed at start).
+DASHBOARD_ENV = "SPINE_DASHBOARD_LISTEN"
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
         # Each side in processes of its own, as in production (`SpineProcess`, `LayeredProcess`):
         # the tables compare the two layouts, not the harness's share of this interpreter.
         cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0", layered_process=True, spine_process=True,
-                          http_listen="127.0.0.1:0")
+                          http_listen="127.0.0.1:0", dashboard_listen=os.environ.get(DASHBOARD_ENV, "127.0.0.1:0"))
         traffic: TrafficDriver | None = None
         try:  # whatever stops the demo (Ctrl-C, SIGTERM via `spine demo`, an error) stops all it started
             with console.status("starting the layered stack (8 processes), the spine (1), the front and the controller"):
@@ -385,6 +387,11 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                           f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
                           f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}; "
                           f"HTTP API (OpenAI/Anthropic) on http://{cutover.http_address}/v1, a quarter of the traffic")
+            assert cutover.controller is not None
+            console.print(f"[bold]dashboard: {cutover.controller.dashboard_url}[/bold] (open it while the demo runs; "
+                          f"its buttons take the admin token in {Path(tmp) / 'admin-token'}; "
+                          f"`spine migrate status --watch --controller {cutover.controller_address} "
+                          f"--admin-token-file {Path(tmp) / 'admin-token'}` in a terminal)", soft_wrap=True)
             # The clients in a process of their own, as they are in production (TrafficDriver).
             tls = TlsConfig.from_config(config)
             traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,

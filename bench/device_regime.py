@@ -27,6 +27,10 @@ from spine.runtime.served_model import model_id_for
 DEVICE_LAYOUTS = ("bare", "collapsed", "layered")
 DEVICE_SEQUENTIAL_REQUESTS = 300
 DEVICE_STREAM_REQUESTS = 200
+# Seconds per cell and layout (the cpu regime's 20): the layered stack answers ~90 requests a
+# second here at c=64 and c=256, so its turns set the cells' length; one full run of the
+# regime with 20 s took 6.4 minutes with the capacity curve, too much beside the cpu regime.
+DEVICE_CELL_LIMIT_S = 10.0
 # The sim's options in the device regime: the default profile (Llama-3-8B on an H100) with
 # a context of 1024 tokens, so its KV budget holds 419 sequences; and a batch of up to 256,
 # so that c=256 runs in one batch, as vLLM would run it, not in a queue.
@@ -61,6 +65,7 @@ def device_settings(settings: Any) -> Any:
     scaled = settings.scale_with_concurrency  # no --requests given: the device regime's own sizes
     model = settings.device_model or "sim"
     return replace(settings, layouts=DEVICE_LAYOUTS, model=model, model_id=model_id_for(model),
+                   cell_time_limit_s=min(settings.cell_time_limit_s, DEVICE_CELL_LIMIT_S),
                    sequential_requests=DEVICE_SEQUENTIAL_REQUESTS,
                    stream_requests=min(settings.stream_requests, DEVICE_STREAM_REQUESTS) if scaled
                    else settings.stream_requests)

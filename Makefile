@@ -58,8 +58,9 @@ test: install
 bench: install
 	$(PY) -m bench.run
 
+# `make profile MODEL=sim`: the device regime's simulated model (or MODEL=DIR, a model directory).
 profile: install
-	$(PY) -m bench.profile --against bare
+	$(PY) -m bench.profile --against bare $(if $(MODEL),--model $(MODEL))
 
 lint: install
 	$(VENV)/bin/ruff check .

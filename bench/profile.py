@@ -39,9 +39,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from bench.device_regime import DEVICE_OVERLAY, SIM_OPTIONS
 from bench.load import Endpoint, prompts, requests_for, run_batch
 from bench.run import RATE_LIMIT_OFF
 from bench.targets import (
@@ -53,6 +55,8 @@ from bench.targets import (
     thread_cpu_by_group,
     thread_group,
 )
+from spine.runtime.config import merge
+from spine.runtime.served_model import model_id_for, model_overrides
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
@@ -84,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second (fewer: it keeps up "
                         "with many threads)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--model", metavar="DIR", help="profile this model directory instead of the embedded "
+                        "model; `sim`: the device regime's simulated model (`make profile` on the device regime: "
+                        "python -m bench.profile --model sim --against bare)")
     parser.add_argument("--against", choices=["bare"], help="also profile bare the same way, loaded in turns with "
                         "the layout, and print what the layout adds to it by part of the code (files profile-bare.*)")
     return parser.parse_args(argv)
@@ -118,20 +125,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def config_for(model: str | None) -> dict[str, Any]:
+    """The servers' config: the bench's, serving `model` (`sim`: as the device regime serves it)."""
+    if not model:
+        return RATE_LIMIT_OFF
+    if model == "sim":
+        return merge(merge(RATE_LIMIT_OFF, model_overrides(model, sim_options=SIM_OPTIONS)), DEVICE_OVERLAY)
+    return merge(RATE_LIMIT_OFF, model_overrides(model))
+
+
 def profile(layouts: list[str], args: argparse.Namespace, py_spy: str) -> dict[str, Profiled] | None:
     """Start every layout, load them in turns of `ROUND_S` (so the host's drift over the
     minutes reaches each alike) while py-spy samples them all; write each one's
     .raw/.svg/.txt under `args.out` (`profile.*` for the first, `profile-<layout>.*` after)."""
     run_dir = Path(tempfile.mkdtemp(prefix="spine-profile-"))
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
+    config.write_text(yaml.safe_dump(config_for(args.model)))
     targets = {layout: launch(layout, run_dir, config) for layout in layouts}
     samplers: list[subprocess.Popen[bytes]] = []
     try:
         endpoints = {layout: Endpoint(target.wait_ready(120), gateway=layout != "bare", token="spine-dev-key-0000")
                      for layout, target in targets.items()}
         keep_load_generator_off(server_cpu())  # before py-spy starts: it runs beside the load generator
-        requests = requests_for(prompts("profile", 200_000), args.max_tokens)
+        requests = requests_for(prompts("profile", 200_000), args.max_tokens,
+                                model_id_for(args.model) if args.model else "tiny-lm")
         for endpoint in endpoints.values():
             run_batch(endpoint, requests[:200], concurrency=args.concurrency, time_limit_s=10)  # warm up
         names = {layout: "profile" if i == 0 else f"profile-{layout}" for i, layout in enumerate(layouts)}

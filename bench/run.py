@@ -1,7 +1,14 @@
-"""`make bench`: bare model service vs collapsed spine (batched and not) vs layered stack, in one run.
+"""`make bench`: bare model service vs collapsed spine vs layered stack, in two regimes, in one run.
 
     python -m bench.run [--quick] [--concurrency 1,16,64] [--requests N] [--out bench/results.json]
+                        [--regimes cpu,device] [--no-capacity]
                         [--model DIR [--model-id ID]]      (or SPINE_BENCH_MODEL=DIR make bench)
+
+Two regimes (`bench.device_regime`): `cpu`, the built-in model on this machine's CPU, on the
+core the middleware runs on (every µs of middleware is one the model loses), and `device`,
+the `sim` model whose steps wait a GPU's time off the CPU (does the middleware's CPU work
+hide behind the device's step?). The device regime ends with the open-loop capacity curve
+(`bench.capacity`): Poisson arrivals at rising rates until each layout's p99 breaks.
 
 All three layouts are up at once, each in its own process(es), so the load generator
 (this process) never shares a GIL with a server. Each cell (mode × concurrency) is cut
@@ -36,6 +43,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from bench.device_regime import DEVICE_OVERLAY, SIM_OPTIONS, Regime, device_results, print_device
 from bench.http_load import HttpEndpoint
 from bench.load import Batch, Call, Endpoint, prompts, requests_for, run_batch
 from bench.real_model import describe as describe_real_model
@@ -119,6 +127,11 @@ class Settings:
     fixed_rounds: bool = False  # --rounds was given: every cell has that many
     model: str | None = None  # a transformers model directory served instead of the embedded model
     model_id: str = "tiny-lm"  # what the requests name
+    sequential_requests: int = SEQUENTIAL_REQUESTS  # at least this many at concurrency 1 (scaled cells)
+    regimes: tuple[str, ...] = ("cpu",)  # cpu: the built-in model here; device: the sim model
+    capacity: bool = False  # the device regime's open-loop capacity curve
+    capacity_step_s: float = 2.5  # seconds of arrivals per rate and layout
+    device_model: str | None = None  # the device regime serves this model directory instead of sim (a GPU)
 
     def cell_requests(self, concurrency: int) -> int:
         """Requests in a unary cell: at 64 workers, 400 requests in 5 rounds would give each
@@ -126,7 +139,7 @@ class Settings:
         if not self.scale_with_concurrency:
             return self.requests
         if concurrency == 1:
-            return max(self.requests, SEQUENTIAL_REQUESTS)
+            return max(self.requests, self.sequential_requests)
         return max(self.requests, REQUESTS_PER_WORKER * concurrency, CONCURRENT_REQUESTS)
 
     def cell_limit_s(self, concurrency: int, count: int) -> float:
@@ -148,7 +161,8 @@ class Settings:
         return max(1, min(rounds, count))
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "concurrency": list(self.concurrency), "layouts": list(self.layouts)}
+        return {**self.__dict__, "concurrency": list(self.concurrency), "layouts": list(self.layouts),
+                "regimes": list(self.regimes)}
 
 
 def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
@@ -156,8 +170,18 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few requests per cell (smoke test)")
     parser.add_argument("--concurrency", help="comma-separated worker counts (default 1,16,64,256; quick 1,16)")
-    parser.add_argument("--layouts", help=f"comma-separated layouts (default {','.join(LAYOUTS)}; "
-                                          f"quick {','.join(QUICK_LAYOUTS)})")
+    parser.add_argument("--layouts", help=f"comma-separated layouts of the cpu regime (default "
+                                          f"{','.join(QUICK_LAYOUTS)}; any of {','.join(LAYOUTS)})")
+    parser.add_argument("--regimes", help="comma-separated: cpu (the built-in model on this CPU), device (the sim "
+                                          "model; bare, collapsed, layered) (default cpu,device; quick cpu)")
+    parser.add_argument("--no-capacity", action="store_true",
+                        help="skip the device regime's open-loop capacity curve (it runs unless --quick)")
+    parser.add_argument("--device-model", metavar="DIR",
+                        help="the device regime serves this transformers model directory (on the GPU where there "
+                             "is one) instead of the sim model: tests/gpu/run.sh compares the two")
+    parser.add_argument("--capacity-step", type=float, default=2.5,
+                        help="seconds of Poisson arrivals per offered rate and layout (default 2.5; the lowest "
+                             "rate, whose p99 is the reference, twice as long)")
     parser.add_argument("--requests", type=int,
                         help="unary requests per cell and layout (default: 1600, or 25 per worker where that is "
                              "more, so every round keeps all workers busy, and 1000 at concurrency 1; quick 12)")
@@ -183,11 +207,16 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
         parser.error(f"--concurrency: expected comma-separated integers like 1,16, got {spec!r}")
     if not concurrency or min(concurrency) < 1:
         parser.error(f"--concurrency: every value must be >= 1, got {spec!r}")
-    layouts = tuple(part.strip() for part in args.layouts.split(",")) if args.layouts else (
-        QUICK_LAYOUTS if quick else LAYOUTS)
+    # Not every layout by default: the batching variants (collapsed-unbatched, -middleware-
+    # unbatched, layered-batched) answer questions the project has settled, and make bench
+    # has the device regime and the capacity curve to fit in the same 15 minutes.
+    layouts = tuple(part.strip() for part in args.layouts.split(",")) if args.layouts else QUICK_LAYOUTS
     unknown = [layout for layout in layouts if layout not in LAYOUTS]
     if unknown or not layouts:
         parser.error(f"--layouts: expected some of {', '.join(LAYOUTS)}, got {args.layouts!r}")
+    regimes = tuple(part.strip() for part in (args.regimes or ("cpu" if quick else "cpu,device")).split(","))
+    if not regimes or set(regimes) - {"cpu", "device"}:
+        parser.error(f"--regimes: expected some of cpu, device, got {args.regimes!r}")
     requests = args.requests or (12 if quick else 400)
     stream_requests = args.stream_requests or (6 if quick else STREAM_REQUESTS)
     rounds = args.rounds or (2 if quick else 5)
@@ -201,13 +230,20 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                         ready_timeout_s=120.0, quick=quick, layouts=layouts,
                         scale_with_concurrency=not quick and args.requests is None,
                         fixed_rounds=quick or args.rounds is not None, model=args.model,
-                        model_id=(args.model_id or model_id_for(args.model)) if args.model else "tiny-lm")
+                        model_id=(args.model_id or model_id_for(args.model)) if args.model else "tiny-lm",
+                        regimes=regimes, capacity="device" in regimes and not quick and not args.no_capacity,
+                        capacity_step_s=args.capacity_step, device_model=args.device_model)
     return settings, args.out, bool(args.keep_run_dir)
 
 
-def write_configs(run_dir: Path, model: str | None = None, model_id: str | None = None) -> dict[str, Path]:
-    """The config file each layout is started with (an overlay for `spine --config`, merged for bare)."""
-    base = merge(RATE_LIMIT_OFF, model_overrides(model, model_id)) if model else RATE_LIMIT_OFF
+def write_configs(run_dir: Path, model: str | None = None, model_id: str | None = None,
+                  extra: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """The config file each layout is started with (an overlay for `spine --config`, merged for bare);
+    `extra` goes over it (the device regime's batch size), and `model` "sim" serves the simulator
+    with the device regime's options."""
+    sim_options = SIM_OPTIONS if model == "sim" else None
+    base = merge(RATE_LIMIT_OFF, model_overrides(model, model_id, sim_options=sim_options)) if model else RATE_LIMIT_OFF
+    base = merge(base, dict(extra)) if extra else base
     overlay = run_dir / "bench-overlay.yaml"
     overlay.write_text(yaml.safe_dump(base))
     unbatched = run_dir / "bench-overlay-unbatched.yaml"
@@ -225,9 +261,10 @@ def write_configs(run_dir: Path, model: str | None = None, model_id: str | None 
             "layered-batched": remote_batched}
 
 
-def start_all(run_dir: Path, settings: Settings, console: Console) -> dict[str, Target]:
+def start_all(run_dir: Path, settings: Settings, console: Console,
+              extra: Mapping[str, Any] | None = None) -> dict[str, Target]:
     """Launch every layout at once (they start in parallel), then wait for each to be ready."""
-    configs = write_configs(run_dir, settings.model, settings.model_id)
+    configs = write_configs(run_dir, settings.model, settings.model_id, extra)
     targets: dict[str, Target] = {}
     try:
         for layout in settings.layouts:
@@ -342,25 +379,22 @@ def measure(endpoints: Mapping[str, Any], sampler: RssSampler, settings: Setting
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings, out, keep = parse_args(argv)
-    console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and pipes get the whole table
-    # SIGTERM (e.g. from a test timeout) unwinds through the finally below, which stops the servers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    machine = machine_info()
+def run_regime(settings: Settings, console: Console, keep: bool, *, extra: Mapping[str, Any] | None = None,
+               http: bool = True, capacity: bool = False) -> Regime:
+    """Start `settings.layouts` (and their HTTP pseudo-layouts with `http`), measure every cell
+    and, with `capacity`, the open-loop capacity curve on the same servers; stop them all."""
     run_dir = Path(tempfile.mkdtemp(prefix="spb-"))  # short: unix socket paths are limited to ~107 bytes
     targets: dict[str, Target] = {}
     endpoints: dict[str, Any] = {}
     sampler: RssSampler | None = None
-    began = time.perf_counter()
+    curve: dict[str, Any] | None = None
     try:
-        targets = start_all(run_dir, settings, console)
+        targets = start_all(run_dir, settings, console, extra)
         keep_load_generator_off(server_cpu())
         processes = {layout: len(target.tree()) for layout, target in targets.items()}
         endpoints = {layout: Endpoint(t.address, t.is_gateway, DEV_KEY) for layout, t in targets.items()}
         for http_layout, layout in HTTP_LAYOUTS.items():  # the same server, called over HTTP
-            address = targets[layout].http_address if layout in targets else None
+            address = targets[layout].http_address if layout in targets and http else None
             if address:
                 endpoints[http_layout] = HttpEndpoint(address, DEV_KEY)
                 processes[http_layout] = processes[layout]
@@ -374,20 +408,58 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             run["layout_peak_rss_mb"] = round(sampler.peak_by_layout.get(run["layout"], 0) / (1024 * 1024), 1)
             run["processes"] = processes[run["layout"]]
+        if capacity:
+            from bench.capacity import measure_capacity
+
+            def said(layout: str, point: Any) -> None:
+                console.print(f"  capacity {layout:9} offered {point.offered_rps:7.1f} rps  p99 {point.p99_ms:8.2f} ms  "
+                              f"answered {point.answered_rps:7.1f} rps  errors {point.errors}  "
+                              f"server CPU {point.cpu_us_per_request} us/request")
+
+            with console.status("open-loop capacity curve"):
+                curve = measure_capacity({layout: endpoints[layout] for layout in targets},
+                                         {layout: target.tree_cpu_s for layout, target in targets.items()},
+                                         model_id=settings.model_id, step_s=settings.capacity_step_s,
+                                         base_step_s=2 * settings.capacity_step_s, report=said)
     finally:
         left = tear_down(sampler, endpoints, targets, console)
         if keep:
             console.print(f"run directory kept: {run_dir}")
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
+    return Regime(runs, comparisons, left, curve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, out, keep = parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and pipes get the whole table
+    # SIGTERM (e.g. from a test timeout) unwinds through the finally below, which stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    machine = machine_info()
+    began = time.perf_counter()
+    cpu = Regime([], [], [])
+    if "cpu" in settings.regimes:
+        console.print("[bold]cpu regime[/bold]: the built-in model on this CPU")
+        cpu = run_regime(settings, console, keep)
+    device: Regime | None = None
+    if "device" in settings.regimes:
+        from bench.device_regime import device_settings, profile_name
+
+        console.print(f"[bold]device regime[/bold]: {profile_name(settings)}, steps off the CPU")
+        machine["loadavg_device_start"] = [round(x, 2) for x in os.getloadavg()]
+        device = run_regime(device_settings(settings), console, keep, extra=DEVICE_OVERLAY, http=False,
+                            capacity=settings.capacity)
+        device.profile = profile_name(settings)
+    runs, comparisons, left = cpu.runs, cpu.comparisons, cpu.left + (device.left if device else [])
     serving: dict[str, Any] | None = None
-    if not settings.quick and not settings.model:  # the serving-controls cell measures the embedded model
+    if not settings.quick and not settings.model and "cpu" in settings.regimes:  # the embedded model's
         from bench.serving import measure_serving
 
         with console.status("priority classes and the KV pool"):
             serving = measure_serving()
     system_prompt: dict[str, Any] | None = None
-    if not settings.quick and not settings.model:  # the prefix cache is the embedded model's (a paged KV cache)
+    if not settings.quick and not settings.model and "cpu" in settings.regimes:  # the embedded model's prefix cache
         from bench.serving import measure_system_prompt
 
         with console.status("100 requests sharing one system prompt, with and without reuse"):
@@ -400,15 +472,18 @@ def main(argv: list[str] | None = None) -> int:
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
                "layered_batched_vs_layered": batching_gain(runs, "layered", batched_layout="layered-batched"),
-               "machine": machine, "started_at": started_at,
+               "machine": machine, "started_at": started_at, **device_results(device),
                "duration_s": round(time.perf_counter() - began, 1), "settings": settings.as_dict(),
                "processes_left_running": left}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     from bench.plot import plot_scaling
 
-    plot = plot_scaling(results, out.with_suffix(".png"))
-    print_tables(results, console)
+    plot = plot_scaling(results, out.with_suffix(".png")) if runs else None
+    if runs:
+        print_tables(results, console)
+    if device is not None:
+        print_device(results, console, out)
     if serving is not None:
         console.print(
             f"priority classes ({serving['kv_slots']} KV slots, {serving['requests_per_round']} requests a round): "

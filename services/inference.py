@@ -47,7 +47,14 @@ from services.inference_scheduler import WAKE, Job, JobFailure, QueueFull, Sched
 from services.model.backend import ModelBackend, load_backend, make_engine
 from services.model.engine import GenerationRequest, StepOutput
 from services.model.interface import Segment, torch_device
-from services.model.kv_budget import KVPlan, free_device_bytes, kv_bytes_per_slot, plan_kv_slots, weight_bytes
+from services.model.kv_budget import (
+    KVPlan,
+    free_device_bytes,
+    kv_bytes_per_slot,
+    kv_slot_limit,
+    plan_kv_slots,
+    weight_bytes,
+)
 from services.pipeline.verdicts import inference_timeout_error
 from services.priority import priority_error
 from services.system_prompt import SEPARATOR, system_digest
@@ -287,12 +294,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _plan_kv(self) -> KVPlan:
         cfg = self.config
         model = self.backend.model
+        limit = kv_slot_limit(model, self.backend.max_context)
         try:
             return plan_kv_slots(
                 per_slot_bytes=kv_bytes_per_slot(model, self.backend.max_context),
                 weight_bytes=weight_bytes(model),
                 free_bytes=free_device_bytes(self.device, int(cfg.kv_cpu_memory_cap_mb * (1 << 20))),
-                memory_fraction=cfg.kv_memory_fraction, max_batch=cfg.max_batch,
+                memory_fraction=cfg.kv_memory_fraction,
+                max_batch=cfg.max_batch if limit is None else min(cfg.max_batch, limit),
                 requested=cfg.kv_slots)
         except ValueError as error:
             raise ConfigError(f"inference.kv_cache_max_entries: {error}") from error

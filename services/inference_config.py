@@ -24,6 +24,9 @@ from services.prometheus_http import ListenAddress
 # (services.model.hf_backend). Here, not beside the backends, so that a process that only
 # checks a config (the layered gateway's preflight) does not import torch with them.
 HF_CLASS = "hf"
+# `inference.backend.class: sim`: no weights, each step a device's time off the CPU
+# (services.model.sim_backend: the cost model and its default profile).
+SIM_CLASS = "sim"
 
 Count = Annotated[StrictInt, Field(ge=1)]
 
@@ -34,11 +37,14 @@ class BackendSpec(Section):
     `services.model.backend.load_backend` reads these keys (and checks what only an import
     can tell, such as whether `class` exists); the model refuses any other key."""
 
-    class_: Annotated[str | None, Field(alias="class", pattern=r"^(hf|[^:]+:[^:]+)$",
-                                        description="'hf' (a local transformers causal LM: options.path) or "
-                                                    "'package.module:Factory' returning a ModelBackend")] = None
+    class_: Annotated[str | None, Field(alias="class", pattern=r"^(hf|sim|[^:]+:[^:]+)$",
+                                        description="'hf' (a local transformers causal LM: options.path), 'sim' "
+                                                    "(a device-time simulator: options.profile and its figures) "
+                                                    "or 'package.module:Factory' returning a ModelBackend")] = None
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for `class` "
-                                    "(hf: path, max_context, dtype, batch_invariant, attn_implementation)")
+                                    "(hf: path, max_context, dtype, batch_invariant, attn_implementation; sim: profile, "
+                                    "prefill_ms_per_token, decode_base_ms, decode_ms_per_seq, kv_budget_tokens, "
+                                    "kv_bytes_per_token, max_context)")
     model_id: NonEmptyStr | None = None
     seed: StrictInt | None = None
     max_context: Annotated[StrictInt, Field(ge=2)] | None = None

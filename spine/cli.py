@@ -351,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also answer grpc.health.v1 alone, in plaintext, here (Kubernetes' grpc probes cannot "
                          "speak TLS)")
     up.add_argument("--model", metavar="DIR", help="serve this transformers causal LM directory as the default "
-                                                 "model (alias `default`) instead of the config's")
+                                                 "model (alias `default`) instead of the config's; `sim`: the "
+                                                 "device-time simulator (a directory named sim: ./sim)")
     up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
     up.add_argument("--deterministic", action="store_true",
                     help="deterministic mode, as `inference.deterministic: true`: deterministic kernels, and a sampled "

@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from services.common import ConfigError
-from services.inference_config import HF_CLASS
+from services.inference_config import HF_CLASS, SIM_CLASS
 from services.model.engine import GenerationEngine
 from services.model.interface import DeviceLike, Segment, StepModel, Tokenizer, torch_device
 from services.model.tiny_lm import TinyLM
@@ -133,11 +133,14 @@ def load_backend(
     `max_context`); `{"class": "pkg.module:Factory", "options": {...}}` calls
     `Factory(**options)`, which must return a ModelBackend; `{"class": "hf", "options":
     {"path": DIR}}` serves a transformers causal LM directory under `model_id` (transformers
-    is imported only then). Other keys belong to the caller (e.g. `max_batch`) and are
+    is imported only then); `{"class": "sim", "options": {...}}` the device-time simulator
+    (`sim_backend`). Other keys belong to the caller (e.g. `max_batch`) and are
     ignored here.
     """
     if spec.get("class") == HF_CLASS:
         return _load_hf_backend(spec, device, where)
+    if spec.get("class") == SIM_CLASS:
+        return _load_sim_backend(spec, where)
     if "class" in spec:
         return _load_user_backend(spec, where)
     model_id = spec.get("model_id", TINY_LM_ID)
@@ -183,6 +186,17 @@ def _load_hf_backend(spec: Mapping[str, Any], device: DeviceLike | str | None, w
     model_id = spec.get("model_id")
     return load_hf_backend(options, model_id=model_id if isinstance(model_id, str) else None, device=device,
                            where=f"{where}.backend")
+
+
+def _load_sim_backend(spec: Mapping[str, Any], where: str) -> ModelBackend:
+    from services.model.sim_backend import load_sim_backend
+
+    options = spec.get("options") or {}
+    if "max_context" in spec and isinstance(options, Mapping) and "max_context" not in options:
+        options = {**options, "max_context": spec["max_context"]}
+    model_id = spec.get("model_id")
+    return load_sim_backend(options, model_id=model_id if isinstance(model_id, str) else None,
+                            where=f"{where}.backend")
 
 
 def _load_user_backend(spec: Mapping[str, Any], where: str) -> ModelBackend:

@@ -57,6 +57,13 @@ def kv_bytes_per_slot(model: Any, max_context: int) -> int | None:
     return int(report(max_context)) if callable(report) else None
 
 
+def kv_slot_limit(model: Any, max_context: int) -> int | None:
+    """Slots a model that keeps its KV budget in its own terms allows (the `sim` model's
+    tokens: it holds no memory of this process's); None when it says nothing."""
+    report = getattr(model, "kv_slot_limit", None)
+    return int(report(max_context)) if callable(report) else None
+
+
 def weight_bytes(model: Any) -> int:
     """Bytes of a torch module's parameters and buffers (0 for anything else)."""
     module = model if isinstance(model, torch.nn.Module) else getattr(model, "module", None)

@@ -1,4 +1,5 @@
-"""`spine up --model DIR`: serve a transformers model directory as the default model.
+"""`spine up --model DIR`: serve a transformers model directory as the default model
+(`--model sim`: the device-time simulator, `services.model.sim_backend`).
 
 `model_overrides` is the config that says so — the inference backend (`class: hf`), its
 model id, and the router's one route to it, under the alias `default` — so that every
@@ -16,26 +17,36 @@ from pathlib import Path
 from typing import Any
 
 from services.common import ConfigError
-from services.inference_config import HF_CLASS
+from services.inference_config import HF_CLASS, SIM_CLASS
 
 DEFAULT_ALIAS = "default"
 
 
 def model_id_for(path: str | Path) -> str:
-    """The id a directory is served under when none is given: its name (`/models/tiny-llama/` → `tiny-llama`)."""
+    """The id a directory is served under when none is given: its name (`/models/tiny-llama/` → `tiny-llama`);
+    `sim` (the device-time simulator) is served as `sim`."""
+    if str(path) == SIM_CLASS:
+        return SIM_CLASS
     name = Path(path).expanduser().resolve().name
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
 
 
 def model_overrides(path: str | Path, model_id: str | None = None, *,
-                    aliases: tuple[str, ...] = (DEFAULT_ALIAS,)) -> dict[str, Any]:
-    """Config overrides that serve `path` as `model_id` (default: the directory's name), alias `default`."""
+                    aliases: tuple[str, ...] = (DEFAULT_ALIAS,),
+                    sim_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Config overrides that serve `path` as `model_id` (default: the directory's name), alias `default`.
+
+    `path` "sim" serves the device-time simulator (`services.model.sim_backend`) with its
+    default profile and `sim_options` over it (a directory named sim: `./sim`)."""
     served = model_id or model_id_for(path)
     if served in aliases:
         raise ConfigError(f"--model-id: {served!r} is an alias of the served model; choose another id")
+    backend: dict[str, Any] = {"class": HF_CLASS, "options": {"path": str(Path(path).expanduser().resolve())}}
+    if str(path) == SIM_CLASS:
+        backend = {"class": SIM_CLASS, "options": dict(sim_options or {})}
     return {
         "inference": {"model_id": served,
-                      "backend": {"class": HF_CLASS, "options": {"path": str(Path(path).expanduser().resolve())}},
+                      "backend": backend,
                       "models": []},  # the directory alone: the default config's other models are not routed
         "router": {"models": [{"id": served, "backend": "inference", "aliases": list(aliases)}]},
     }

@@ -68,6 +68,8 @@ def cache_key(tenant: str, request: generation_pb2.GenerateRequest) -> bytes | N
                                repr(request.temperature), seed)
     if request.system:  # keys of requests without one stay what they were
         fields += (request.system,)
+    for message in request.messages:  # a chat's turns (a template model reads these, not the prompt)
+        fields += (message.role, message.content)
     parts: list[bytes] = []
     for text in fields:  # length-prefixed: ("ab", "c") and ("a", "bc") differ
         data = text.encode()

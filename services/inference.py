@@ -45,6 +45,7 @@ from services.inference_load import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference_metrics import ModelGauges, ServingCollector, ServingStats
 from services.inference_scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
 from services.model.backend import ModelBackend, load_backend, make_engine
+from services.model.chat import encode_messages
 from services.model.engine import GenerationRequest, StepOutput
 from services.model.interface import Segment, torch_device
 from services.model.kv_budget import (
@@ -213,7 +214,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         problem = inference_timeout_error(request.inference_timeout_ms, self.config.max_timeout_ms)
         if problem is not None:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-        prefix_ids, prompt_ids = self._encode(request)
+        try:
+            prefix_ids, prompt_ids = self._encode(request)
+        except ValueError as error:  # messages a chat template cannot render
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         total = len(prefix_ids) + len(prompt_ids) + 1 + request.max_tokens  # + BOS
         if total > self.engine.max_context:
             system = f"system ({len(prefix_ids)} tokens) + " if prefix_ids else ""
@@ -241,7 +245,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _encode(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], list[int]]:
         """(shared prefix, prompt) ids: with a system prompt, the chat template's where the
         backend has one (all of it the prompt), else the system prompt and a blank line as
-        the prefix the engine may share (`services.system_prompt`)."""
+        the prefix the engine may share (`services.system_prompt`). A chat's messages, where the
+        backend has a chat template, go through it whole (`services.model.chat`)."""
+        if request.messages and getattr(self.backend, "has_chat_template", False):
+            return encode_messages(self.backend, [{"role": m.role, "content": m.content} for m in request.messages])
         if not request.system:
             return [], self.backend.encode(request.prompt)
         encode_chat = getattr(self.backend, "encode_chat", None)

@@ -62,7 +62,9 @@ class PregeneratedAnswers:
         if self._clock() >= self._next_check:
             self._watch()
         table = self._table  # one reference for the whole lookup: a swap cannot change it midway
-        if table is None or request.temperature != 0.0 or request.model != table.model_id:
+        # A chat's messages (`GenerateRequest.messages`) may read otherwise than its prompt
+        # through a template: the table, built from prompts, answers only plain requests.
+        if table is None or request.temperature != 0.0 or request.model != table.model_id or request.messages:
             return None
         return table.lookup(table_key(request.model, request.system, request.prompt, request.max_tokens))
 

@@ -20,6 +20,7 @@ from services.system_prompt import system_error
 from spine.v1 import auth_pb2, generation_pb2
 
 PRIORITIES = (-1, 0, 1)
+CHAT_ROLES = ("system", "user", "assistant")
 MISSING_CREDENTIAL = "missing credential: send 'authorization: Bearer <api key or JWT>' metadata"
 
 
@@ -44,6 +45,9 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
     problem = system_error(request.system, limits.max_system_chars)
     if problem is not None:
         return problem
+    for index, message in enumerate(request.messages):
+        if message.role not in CHAT_ROLES:
+            return f"messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got {message.role[:32]!r}"
     if request.max_tokens <= 0:
         return f"max_tokens: must be > 0, got {request.max_tokens}"
     if request.max_tokens > limits.max_tokens:

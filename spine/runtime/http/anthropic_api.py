@@ -51,6 +51,7 @@ def parse(body: Any) -> Parsed:
                               "(the system prompt is the top-level `system` field)")
         turns.append((role, fields.text_content(message.get("content"), f"messages[{i}].content")))
     system_text, prompt = chat.render(system_parts, turns)
+    conversation = [("system", part) for part in system_parts] + turns
     tier = body.get("service_tier")
     if tier not in TIERS:
         raise bad_request(f"service_tier: must be auto or standard_only; got {tier!r}")
@@ -60,6 +61,7 @@ def parse(body: Any) -> Parsed:
     request = generation_pb2.GenerateRequest(
         model=fields.string(body, "model"), prompt=prompt, system=system_text,
         max_tokens=fields.max_tokens(body, "max_tokens"), temperature=fields.number(body, "temperature", 1.0))
+    chat.attach(request, conversation)
     return Parsed(request, fields.boolean(body, "stream"))
 
 

@@ -61,6 +61,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> Parsed:
         raise bad_request("messages: required, a non-empty array of {role, content}")
     system_parts: list[str] = []
     turns: list[tuple[str, str]] = []
+    conversation: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(f"messages[{i}]: must be an object with role and content")
@@ -70,8 +71,10 @@ def parse_chat(body: Any, default_max_tokens: int) -> Parsed:
         text = fields.text_content(message.get("content"), f"messages[{i}].content")
         if role in ("system", "developer"):
             system_parts.append(text)
+            conversation.append(("system", text))
         else:
             turns.append((role, text))
+            conversation.append((role, text))
     system, prompt = chat.render(system_parts, turns)
     tokens = fields.max_tokens(body, "max_completion_tokens", None)
     if tokens is None:
@@ -80,7 +83,9 @@ def parse_chat(body: Any, default_max_tokens: int) -> Parsed:
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options: must be an object")
     include_usage = fields.boolean(options or {}, "include_usage")
-    return Parsed(_common(body, tokens, system, prompt), fields.boolean(body, "stream"), include_usage, chat=True)
+    request = _common(body, tokens, system, prompt)
+    chat.attach(request, conversation)
+    return Parsed(request, fields.boolean(body, "stream"), include_usage, chat=True)
 
 
 def parse_completion(body: Any, default_max_tokens: int) -> Parsed:

@@ -218,3 +218,13 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stac
     finally:
         for stack in stacks.values():
             stack.stop()
+
+
+@pytest.fixture(scope="session")
+def http_stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+    """Both layouts with their HTTP API (`tests.http_helpers.http_config`), shared by the HTTP
+    tests: starting a layered stack costs seconds, and they only read what it answers."""
+    from tests.http_helpers import http_layouts
+
+    with http_layouts(tmp_path_factory.mktemp("http")) as running:
+        yield running

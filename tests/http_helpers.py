@@ -87,3 +87,16 @@ def sse_events(body: str) -> list[tuple[str, str]]:
         if data:
             events.append((name, "\n".join(data)))
     return events
+
+
+def sdk_round_trip(http_address: str) -> None:
+    """The official SDKs get an answer from a `spine up`'s HTTP API (its ready line's
+    `http_address`): one chat completion, one message."""
+    assert http_address.startswith("127.0.0.1:") and not http_address.endswith(":0"), http_address
+    chat = openai.OpenAI(base_url=f"http://{http_address}/v1", api_key=DEV_KEY, max_retries=0)
+    answer = chat.chat.completions.create(model="default", max_tokens=4,
+                                          messages=[{"role": "user", "content": "hello from the cli"}])
+    assert answer.choices[0].message.content and answer.usage is not None and answer.usage.completion_tokens == 4
+    message = anthropic.Anthropic(base_url=f"http://{http_address}", api_key=DEV_KEY, max_retries=0).messages.create(
+        model="default", max_tokens=3, messages=[{"role": "user", "content": "hello from the cli"}])
+    assert message.usage.output_tokens == 3

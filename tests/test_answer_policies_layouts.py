@@ -4,6 +4,7 @@ and a configured phrase ends the answer with content_policy_violation, the same 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import urllib.request
@@ -21,7 +22,7 @@ from services.inference_config import InferenceConfig
 from services.output_policy import VIOLATION
 from services.pregenerated import served_digests, write_table
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import merge
+from spine.runtime.config import merge, placements_for
 from spine.runtime.stack import Stack
 from spine.tools.cache_build import PromptLine, answer_prompts
 from spine.v1 import generation_pb2
@@ -89,8 +90,10 @@ def stacks(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
     tmp = tmp_path_factory.mktemp("stacks")
     running: dict[str, Stack] = {}
     try:
-        for layout in LAYOUTS:
-            running[layout] = start_stack(layout, tmp, config)
+        for layout in LAYOUTS:  # with the HTTP API too (the last test here)
+            running[layout] = Stack(config, placements_for(layout, config), run_dir=tmp / layout,
+                                    http_listen="127.0.0.1:0")
+            running[layout].start()
         yield running
     finally:
         for stack in running.values():
@@ -204,3 +207,31 @@ def test_a_corrupt_table_is_refused_with_one_log_line_and_the_server_still_answe
         lines = [line for line in (Path(stack.run_dir) / "logs" / "cache.log").read_text().splitlines()
                  if "cache.pregenerated" in line]
     assert len(lines) == 1 and "refused (corrupt" in lines[0] and str(corrupt) in lines[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_over_http_a_violation_is_the_seeds_error_in_both_apis(stacks: dict[str, Stack], built: dict[str, Any],
+                                                                layout: str) -> None:
+    """`{"error": "content_policy_violation", "suggestion": "rephrase"}` (400) for an answer, and
+    as the last event of a stream that had begun (a 400 where the first chunk already broke it)."""
+    import httpx
+
+    from tests.http_helpers import sse_events
+
+    chat = {"model": "tiny-lm", "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": built["probe"]}]}
+    with httpx.Client(base_url=f"http://{stacks[layout].http_address}", timeout=30) as client:
+        plain = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"}, json=chat)
+        message = client.post("/v1/messages", headers={"x-api-key": DEV_KEY}, json=chat)
+        streamed = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
+                               json={**chat, "stream": True})
+    for answer in (plain, message):
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"] == "content_policy_violation" and answer.json()["suggestion"] == "rephrase"
+        assert built["phrase"] not in answer.text
+    assert built["phrase"] not in streamed.text and "[DONE]" not in streamed.text
+    if streamed.status_code == 200:  # the stream had begun: it ends with the error
+        last = json.loads(sse_events(streamed.text)[-1][1])
+        assert last["error"] == "content_policy_violation" and last["suggestion"] == "rephrase"
+    else:
+        assert streamed.status_code == 400 and streamed.json()["error"] == "content_policy_violation"

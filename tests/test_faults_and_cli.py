@@ -18,6 +18,7 @@ from spine.client.gateway_client import GatewayClient
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, pid_alive, start_stack
+from tests.http_helpers import sdk_round_trip
 
 
 def gen(prompt: str, max_tokens: int = 4) -> generation_pb2.GenerateRequest:
@@ -143,6 +144,7 @@ def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: P
         answer = json.loads(call.stdout)
         assert call.returncode == 0 and answer["status"] == "OK"
         assert answer["trailing"]["x-spine-layout"] == "layered"
+        sdk_round_trip(str(ready["http_address"]))  # the HTTP API, from the same gateway process
         # The gateway keeps no tensors when every component is remote: it never loads torch
         # (the stage classes live apart from the servicers that keep tables); the model does.
         assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
@@ -170,11 +172,12 @@ def test_spine_up_collapsed_serves_and_call_reports_errors(tmp_path: Path) -> No
                                    "--stream", "--json", "--seed", "3", "--temperature", "0.7"],
                                   capture_output=True, text=True, timeout=60)
         assert json.loads(streamed.stdout)["status"] == "OK"
+        sdk_round_trip(str(ready["http_address"]))  # the HTTP API, from the same process
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
     assert process.returncode == 0
-    assert (tmp_path / "run" / "requests.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "run" / "requests.jsonl").read_text().count("\n") == 4  # 2 over gRPC, 2 over HTTP
 
 
 def test_supervisor_death_takes_its_children_along(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -18,17 +17,16 @@ from spine.client.gateway_client import GatewayClient
 from spine.runtime.stack import Stack
 from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY
-from tests.http_helpers import SOLO_KEY, anthropic_client, http_layouts, openai_client, raw, sse_events
+from tests.http_helpers import SOLO_KEY, anthropic_client, openai_client, raw, sse_events
 
 LAYOUTS = ("collapsed", "layered")
 # Its greedy answer runs all 250 tokens: a request that holds its slot for a while.
 LONG_PROMPT = "a long greedy answer for collapsed"
 
 
-@pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
-    with http_layouts(tmp_path_factory.mktemp("http")) as running:
-        yield running
+@pytest.fixture
+def stacks(http_stacks: dict[str, Stack]) -> dict[str, Stack]:
+    return http_stacks
 
 
 def chat(client: openai.OpenAI, prompt: str, **extra: Any) -> Any:

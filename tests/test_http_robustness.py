@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,16 +13,15 @@ from hypothesis import strategies as st
 
 from spine.runtime.stack import Stack
 from tests.conftest import DEV_KEY
-from tests.http_helpers import HTTP_LIMITS, connect, http_layouts, raw
+from tests.http_helpers import HTTP_LIMITS, connect, raw
 
 AUTH = {"authorization": f"Bearer {DEV_KEY}"}
 GOOD = {"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "fine"}]}
 
 
-@pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
-    with http_layouts(tmp_path_factory.mktemp("http-robust")) as running:
-        yield running
+@pytest.fixture
+def stacks(http_stacks: dict[str, Stack]) -> dict[str, Stack]:
+    return http_stacks
 
 
 def still_serving(stack: Stack) -> None:
@@ -175,7 +173,7 @@ def _decide(stack: Stack, path: str, body: Any, headers: dict[str, str]) -> tupl
     return answer.status_code, error["type"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/messages"]), body=_BODY,
        headers=_HEADERS)
 def test_fuzzed_requests_get_the_same_status_and_error_type_in_both_layouts(

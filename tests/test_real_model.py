@@ -19,7 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anthropic
 import grpc
+import openai
 import pytest
 import torch
 
@@ -37,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 WHEELS = REPO / ".cache" / "wheels"
 SPEC = MODELS["smollm2-135m-instruct"]
-ANSWERS: dict[str, tuple[str, str]] = {}
+ANSWERS: dict[str, tuple[str, ...]] = {}
 # The fit sizes the CPU's budget; on CUDA `auto` already reads the device's free memory.
 on_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the model fit is for the CPU's auto budget")
 
@@ -204,7 +206,7 @@ def test_spine_up_serves_it_with_no_config_and_answers_paris_in_both_layouts(
         smollm2: Path, tmp_path: Path, layout: str) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "spine", "up", "--layout", layout, "--listen", "127.0.0.1:0",
-         "--run-dir", str(tmp_path / "run"), "--model", str(smollm2)],
+         "--http-listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "run"), "--model", str(smollm2)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None and process.stderr is not None
@@ -221,6 +223,16 @@ def test_spine_up_serves_it_with_no_config_and_answers_paris_in_both_layouts(
             chat = stub.Generate(generation_pb2.GenerateRequest(
                 model="default", system="Answer in one short sentence.", prompt="What is the capital of France?",
                 max_tokens=48), metadata=metadata, timeout=120)
+        # Over HTTP, a chat's messages go through the model's own chat template (no system
+        # message needed), through the OpenAI and the Anthropic endpoints alike.
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        address = ready["http_address"]
+        http_chat = openai.OpenAI(base_url=f"http://{address}/v1", api_key=DEV_KEY, max_retries=0,
+                                  timeout=120).chat.completions.create(
+            model="default", messages=question, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+        http_message = anthropic.Anthropic(base_url=f"http://{address}", api_key=DEV_KEY, max_retries=0,
+                                           timeout=120).messages.create(
+            model="default", messages=question, max_tokens=16, extra_body={"temperature": 0})  # type: ignore[arg-type]
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
@@ -229,6 +241,9 @@ def test_spine_up_serves_it_with_no_config_and_answers_paris_in_both_layouts(
     assert plain.model == "smollm2-135m-instruct" and len(plain.token_ids) == 8 and plain.finish_reason == "length"
     assert "Paris" in plain.text
     assert "Paris" in chat.text and chat.finish_reason == "stop" and len(chat.token_ids) < 48
-    ANSWERS[layout] = (plain.text, chat.text)
+    http_text = http_chat.choices[0].message.content or ""
+    assert "Paris" in http_text and http_chat.choices[0].finish_reason == "stop"  # ended at <|im_end|>
+    assert http_message.content[0].text == http_text  # type: ignore[union-attr]
+    ANSWERS[layout] = (plain.text, chat.text, http_text)
     if len(ANSWERS) == 2:
         assert ANSWERS["collapsed"] == ANSWERS["layered"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from services.common import ConfigError
 from services.inference_config import HF_CLASS, SIM_CLASS
 from services.model.engine import GenerationEngine
-from services.model.interface import DeviceLike, Segment, StepModel, Tokenizer, torch_device
+from services.model.interface import DeviceLike, Segment, StepModel, TokenizedBackend, Tokenizer, torch_device
 from services.model.tiny_lm import TinyLM
 from services.model.tokenizer import ByteTokenizer
 
@@ -51,25 +50,6 @@ class ModelBackend(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclass
-class TokenizedBackend:
-    """A backend from parts: any StepModel with any tokenizer."""
-
-    id: str
-    model: StepModel
-    tokenizer: Tokenizer
-
-    @property
-    def max_context(self) -> int:
-        return self.model.max_context
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
 
 
 class TinyLMBackend(TokenizedBackend):

@@ -103,3 +103,22 @@ def release(device: DeviceLike, tensor: torch.Tensor) -> None:
     """Return a tensor allocated by `allocate` to the budget (no-op for a bare device)."""
     if not isinstance(device, torch.device):
         device.release(KV_CACHE_OWNER, tensor)
+
+
+@dataclass
+class TokenizedBackend:
+    """A backend from parts: any StepModel with any tokenizer."""
+
+    id: str
+    model: StepModel
+    tokenizer: Tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.model.max_context
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)

@@ -44,7 +44,7 @@ import torch
 
 from services.common import ConfigError
 from services.inference_config import SIM_CLASS
-from services.model.interface import DeviceLike, Segment
+from services.model.interface import DeviceLike, Segment, TokenizedBackend
 from services.model.tokenizer import ByteTokenizer
 
 BLOCK_TOKENS = 16  # positions per block, as the embedded model's KV pool
@@ -204,23 +204,8 @@ def _mix(state: int, token: int) -> int:
     return z ^ (z >> 31)
 
 
-@dataclass
-class SimBackend:
-    """A ModelBackend: the simulated model with the embedded byte tokenizer."""
-
-    id: str
-    model: SimModel
-    tokenizer: ByteTokenizer
-
-    @property
-    def max_context(self) -> int:
-        return self.model.max_context
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+class SimBackend(TokenizedBackend):
+    """A ModelBackend: the simulated model (`SimModel`) with the embedded byte tokenizer."""
 
 
 def load_sim_backend(options: Mapping[str, Any], *, model_id: str | None = None,

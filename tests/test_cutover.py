@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from migration.status import State
@@ -47,12 +49,76 @@ def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
     config = config_for_tests(shadow={"share": DEMO_SHADOW_SHARE},
                               calls={"budgets_ms": dict.fromkeys(("auth", "ratelimit", "router", "cache"), 2000)},
                               **UNLIMITED_DEV)
-    rig = Cutover(config, Path(tmp_path_factory.mktemp("cutover")))
+    rig = Cutover(config, Path(tmp_path_factory.mktemp("cutover")), http_listen="127.0.0.1:0")
     rig.start()
     try:
         yield rig
     finally:
         rig.stop()
+
+
+# -- HTTP through the front: split like gRPC, mirrored and compared, refusals not failures --------
+def post(cutover: Cutover, prompt: str, **headers: str) -> httpx.Response:
+    with httpx.Client(base_url=f"http://{cutover.http_address}", timeout=10) as client:
+        return client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}", **headers},
+                           json={"model": "tiny-lm", "max_tokens": 3, "temperature": 0,
+                                 "messages": [{"role": "user", "content": prompt}]})
+
+
+def test_http_through_the_front_follows_the_weight_the_header_and_the_session(cutover: Cutover) -> None:
+    assert cutover.front is not None
+    cutover.front.set_weight(0)
+    assert {post(cutover, f"w0 {i}").headers["x-spine-side"] for i in range(6)} == {"layered"}
+    cutover.front.set_weight(100)
+    assert {post(cutover, f"w100 {i}").headers["x-spine-side"] for i in range(6)} == {"spine"}
+    cutover.front.set_weight(50)
+    forced = post(cutover, "forced", **{"x-spine-route": "layered"})
+    assert forced.status_code == 200 and forced.headers["x-spine-side"] == "layered"
+    assert forced.headers["x-spine-layout"] == "layered"  # the side's own gateway answered
+    sides = {post(cutover, f"sticky {i}", **{"x-session-id": "one-conversation"}).headers["x-spine-side"]
+             for i in range(6)}
+    assert len(sides) == 1
+    spread = {post(cutover, f"spread {i}", **{"x-session-id": f"conversation-{i}"}).headers["x-spine-side"]
+              for i in range(24)}
+    assert spread == {"layered", "spine"}
+
+
+def test_the_sdk_through_the_front_and_its_answers_mirrored_and_compared(cutover: Cutover) -> None:
+    assert cutover.front is not None and cutover.front.shadow is not None
+    cutover.front.set_weight(50)
+    share = cutover.front.shadow.share
+    cutover.front.set_shadow_share(1.0)  # every answer mirrored, for the count below
+    before = dict(cutover.front.shadow.stats()["counts"])
+    client = openai.OpenAI(base_url=f"http://{cutover.http_address}/v1", api_key=DEV_KEY, max_retries=0)
+    for i in range(6):
+        plain = client.chat.completions.create(model="tiny-lm", max_tokens=3, temperature=0,
+                                               messages=[{"role": "user", "content": f"mirrored {i}"}])
+        assert plain.choices[0].message.content is not None
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="tiny-lm", max_tokens=3, temperature=0, stream=True,
+            messages=[{"role": "user", "content": f"mirrored stream {i}"}]) if chunk.choices)
+        assert streamed
+    assert cutover.front.shadow.wait_idle(10)
+    cutover.front.set_shadow_share(share)
+    after = cutover.front.shadow.stats()["counts"]
+    def compared(counts: dict[str, int]) -> int:  # against the other side, or (calibration) its own
+        return counts.get("compared", 0) + counts.get("calibration_compared", 0)
+
+    assert compared(after) - compared(before) >= 12
+    assert after.get("mismatched", 0) == before.get("mismatched", 0)
+
+
+def test_refusals_over_http_are_not_layout_failures(cutover: Cutover) -> None:
+    assert cutover.front is not None
+    since = time.time()
+    assert post(cutover, "fine").status_code == 200
+    with httpx.Client(base_url=f"http://{cutover.http_address}", timeout=10) as client:
+        denied = client.post("/v1/chat/completions", headers={"authorization": "Bearer nope"},
+                             json={"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    assert denied.status_code == 401
+    window = cutover.front.window(since)
+    assert sum(side.requests for side in window.values()) >= 2
+    assert sum(side.errors for side in window.values()) == 0
 
 
 def test_front_routes_by_header_and_sticks_to_a_session(cutover: Cutover) -> None:

@@ -179,7 +179,7 @@ def test_over_the_concurrency_limit_is_429_with_retry_after_and_the_sdk_retries(
     holder = _hold_a_slot(stack, started, done, "held again")
     try:
         seen: list[tuple[int, str | None]] = []
-        sdk = openai_client(stack, key=SOLO_KEY, max_retries=8, http_client=httpx.Client(event_hooks={
+        sdk = openai_client(stack, key=SOLO_KEY, max_retries=100, http_client=httpx.Client(event_hooks={
             "response": [lambda response: seen.append((response.status_code,
                                                        response.headers.get("retry-after-ms")))]}))
         answer = chat(sdk, "after the retry", max_tokens=2)

@@ -145,3 +145,24 @@ def test_packed_resources_are_serialized_once_per_snapshot() -> None:
     assert snap.packed(CLUSTER) is first
     assert sorted(first) == ["layered", "spine"]
     assert first["spine"].type_url == CLUSTER
+
+
+def test_the_sides_http_apis_get_a_route_of_their_own_with_the_same_weights() -> None:
+    """`<side>-http` endpoints: `<service>-http-route` splits between them as the gRPC route
+    does, and `x-spine-route: <side>` forces the side's HTTP cluster."""
+    snapshot = build_snapshot("spine-gateway", {"layered": 7500, "spine": 2500}, {
+        "layered": [Endpoint("127.0.0.1", 1)], "spine": [Endpoint("127.0.0.1", 2)],
+        "layered-http": [Endpoint("127.0.0.1", 3)], "spine-http": [Endpoint("127.0.0.1", 4)]}, "v1",
+        route_header=True)
+    route = snapshot.of_type(ROUTE)["spine-gateway-http-route"]
+    assert isinstance(route, route_pb2.RouteConfiguration)
+    weighted = route.virtual_hosts[0].routes[-1].route.weighted_clusters.clusters
+    assert {c.name: c.weight.value for c in weighted} == {"layered-http": 7500, "spine-http": 2500}
+    forced = {r.match.headers[0].string_match.exact: r.route.cluster for r in route.virtual_hosts[0].routes[:-1]}
+    assert forced == {"layered": "layered-http", "spine": "spine-http"}
+    assignment = snapshot.of_type(ENDPOINT)["spine-http"]
+    assert isinstance(assignment, endpoint_pb2.ClusterLoadAssignment)
+    assert assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address.port_value == 4
+    without = build_snapshot("spine-gateway", {"layered": 1, "spine": 1}, {
+        "layered": [Endpoint("127.0.0.1", 1)], "spine": [Endpoint("127.0.0.1", 2)]}, "v1")
+    assert list(without.of_type(ROUTE)) == ["spine-gateway-route"]  # no HTTP endpoints, no HTTP route

@@ -25,6 +25,7 @@ import grpc
 import orjson
 
 from services.pipeline.gateway import REQUEST_ID_HEADER, safe_request_id
+from services.pipeline.runner import code_details
 from services.thread_names import name_os_thread
 from spine.runtime.http import anthropic_api, openai_api
 from spine.runtime.http.config import HttpConfig
@@ -38,7 +39,7 @@ from spine.runtime.http.wire import (
     retry_headers,
     status_for,
 )
-from spine.runtime.local_context import LocalContext, LocalRpcError
+from spine.runtime.local_context import LocalContext
 
 log = logging.getLogger("spine.http")
 
@@ -261,9 +262,8 @@ class _Verdict(HttpError):
 
 
 def _verdict(error: grpc.RpcError) -> _Verdict:
-    code = error.code() if isinstance(error, LocalRpcError) else getattr(error, "code", lambda: None)()
-    details = error.details() if hasattr(error, "details") else str(error)
-    return _Verdict(code or grpc.StatusCode.UNKNOWN, details or "")
+    code, details, _ = code_details(error)  # the pipeline's own reading of an RpcError
+    return _Verdict(code, details)
 
 
 def _with_status(error: HttpError, api: Any, trailing: Iterable[tuple[str, str]]) -> HttpError:

@@ -189,6 +189,10 @@ def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied
         teardown.callback(follower.stop)
         assert follower.wait_applied(15)  # the stable state: keep your own placements
         assert stack.layout == "collapsed"
+        # The controller records the ACK of the stable state (republished as "+m1" when the spine
+        # joined) before the stage starts: an ACK that crosses a newer version is stale and dropped.
+        wait_for(lambda: getattr(follower_row(harness.status(), "spine-a"), "acked_version", "") == "stable+m1",
+                 what="the stable state's ACK in the status")
         # This spine has no auth process to call: it cannot place auth remote.
         started = harness.start(plan_yaml(
             "nack", {"name": "auth-remote", "spine_weight": 10, "placements": {**LOCAL, "auth": "remote"}},

@@ -20,9 +20,9 @@ import time
 from typing import Any
 
 from monolith.device import DeviceContext
-from services.inference import InferenceConfig, InferenceService
-from spine.runtime.bindings import LocalContext
-from spine.v1 import generation_pb2
+from runtime.bindings import LocalContext
+from services.inference.service import InferenceConfig, InferenceService
+from wire.v1 import generation_pb2
 
 
 def _round(service: InferenceService, priorities: list[int], max_tokens: int, tag: str) -> tuple[dict[int, list[float]], float]:

@@ -48,8 +48,8 @@ from bench.targets import (
     launch,
     server_cpu,
 )
+from runtime.config import load_config, merge
 from services.common import ConfigError
-from spine.runtime.config import load_config, merge
 
 
 def parse_vary(spec: str) -> tuple[str, list[Any]]:

@@ -40,7 +40,7 @@ import psutil
 import yaml
 
 from bench.targets import Target, launch
-from runtime.config import load_config, merge
+from runtime.config_file import load_config, merge
 from runtime.parent import spawn
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from wire.v1 import gateway_pb2_grpc, generation_pb2

@@ -55,7 +55,7 @@ from bench.targets import (
     thread_cpu_by_group,
     thread_group,
 )
-from runtime.config import merge
+from runtime.config_file import merge
 from runtime.served_model import model_id_for, model_overrides
 
 # Leaf frames that are a thread waiting, not working.

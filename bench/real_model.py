@@ -32,7 +32,7 @@ import yaml
 
 from bench.load import Endpoint, prompts, requests_for
 from bench.targets import REPO_ROOT, Target, TargetFailed, launch
-from runtime.config import load_config, merge
+from runtime.config_file import load_config, merge
 from runtime.served_model import model_id_for, model_overrides
 from spine.tools.model_get import FetchError, get_model
 

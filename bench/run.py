@@ -63,7 +63,7 @@ from bench.targets import (
     server_cpu,
     thread_cpu_by_group,
 )
-from runtime.config import load_config, merge
+from runtime.config_file import load_config, merge
 from runtime.served_model import model_id_for, model_overrides, preflight
 from services.common import ConfigError
 

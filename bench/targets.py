@@ -36,7 +36,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.parent import spawn
-from runtime.serving_metrics import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
+from runtime.serving_metrics_export import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
 from services.inference.cpu_placement import ENV as CPU_PLACEMENT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -48,7 +48,7 @@ from bench.targets import (
     launch,
     server_cpu,
 )
-from runtime.config import load_config, merge
+from runtime.config_file import load_config, merge
 from services.common import ConfigError
 
 

@@ -32,7 +32,7 @@ from pydantic import Field, StrictBool, StrictInt
 from monolith.batcher import BatcherClosed, MicroBatcher
 from services.common.config_section import Float, Section
 from services.common.thread_names import name_os_thread
-from services.pipeline.runner import Pipeline
+from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
 from services.pipeline.step import Step
 from services.pipeline.verdicts import Stop

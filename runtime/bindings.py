@@ -15,25 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 
 from runtime.local_context import LocalContext, LocalRpcError, Metadata
 from services.pipeline.batch_rpc import BatchRpc, ItemError
-
-
-class BindingHook(Protocol):
-    """Runs around every call of every binding (timings, spans).
-
-    `before` may return extra metadata to send (trace context); its return value of
-    `begin` is handed back to `end`.
-    """
-
-    def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> Any: ...
-
-    def end(self, token: Any, code: grpc.StatusCode) -> None: ...
+from services.pipeline.calls import Hook
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:
@@ -51,21 +40,33 @@ def status_of(error: BaseException) -> grpc.StatusCode:
 class BaseBinding:
     """What both bindings share: the method table and the hooks.
 
-    Each rpc is an attribute with the stub's call shape that runs the hooks around the
-    call. `invoke` makes the same call without them: the pipeline runs the hooks itself,
-    once per request, around a batch call that serves many requests."""
+    `call` makes an rpc by name with the stub's call shape, the hooks around it; the
+    generated classes (`runtime.binding_classes`) write each rpc out as a method that
+    calls it (`bindings["auth"].Check(request)`). `invoke` makes the same call without the
+    hooks: the pipeline runs them itself, once per request, around a batch call that
+    serves many requests."""
 
     placement = "?"
 
-    def __init__(self, component: str, service: pb_descriptor.ServiceDescriptor, hooks: Sequence[BindingHook]):
+    def __init__(self, component: str, service: pb_descriptor.ServiceDescriptor, hooks: Sequence[Hook]):
         self.component = component
         self.service = service
         self.hooks = list(hooks)
+        self._methods: dict[str, Callable[..., Any]] = {}
         self._plain: dict[str, Callable[..., Any]] = {}
         for method in service.methods:
-            setattr(self, method.name, self._make_method(method))
+            self._methods[method.name] = self._make_method(method)
             if not method.server_streaming:
                 self._plain[method.name] = self._make_plain(method)
+
+    def call(self, method: str, request: Any, timeout: float | None = None, metadata: Metadata | None = None,
+             **options: Any) -> Any:
+        """The rpc `method` with the hooks: its response, or for a server-streaming rpc the
+        stream (iterate it, `cancel()` it, read its `trailing_metadata()`); raises
+        `grpc.RpcError` as the wire would. `options`: `parent` (the caller's context, whose
+        cancellation reaches the call) and, for a unary call, `trailing_out` (a list the
+        answer's trailing metadata is added to)."""
+        return self._methods[method](request, timeout, metadata, **options)
 
     def _make_method(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
         raise NotImplementedError
@@ -102,7 +103,7 @@ class LocalBinding(BaseBinding):
     placement = "local"
 
     def __init__(self, component: str, service: pb_descriptor.ServiceDescriptor, servicer: Any,
-                 hooks: Sequence[BindingHook] = ()) -> None:
+                 hooks: Sequence[Hook] = ()) -> None:
         self.servicer = servicer
         super().__init__(component, service, hooks)
 
@@ -256,4 +257,4 @@ class LocalStream:
             self._on_end(code)
 
 
-__all__ = ["BindingHook", "LocalBinding", "LocalContext", "LocalRpcError", "LocalStream", "Metadata"]
+__all__ = ["LocalBinding", "LocalContext", "LocalRpcError", "LocalStream", "Metadata"]

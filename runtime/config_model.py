@@ -1,6 +1,6 @@
 """The root config model: every top-level section of a spine config, each a pydantic model.
 
-`runtime.config.load_config` validates the merged YAML against `SpineConfig` before
+`runtime.config_file.load_config` validates the merged YAML against `SpineConfig` before
 anything starts, so a misspelled key anywhere, an unknown section or a bad value is refused
 with its path (and, from a file, its line) instead of being found by a child process or
 silently ignored. `spine config schema` prints its JSON schema.
@@ -58,8 +58,7 @@ def root_model(registry: Registry = DEFAULT) -> type[Section]:
         "internal": (InternalConfig, InternalConfig()),
     }
     for spec in registry:
-        model = spec.config_model()
-        fields[spec.name] = (model, Field(default_factory=dict, validate_default=True))
+        fields[spec.name] = (spec.config or Section, Field(default_factory=dict, validate_default=True))
     fields.update({
         "tracing": (TracingConfig, TracingConfig()),
         "shadow": (ShadowConfig, ShadowConfig()),

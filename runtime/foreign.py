@@ -16,17 +16,18 @@ turns them into the foreign protocol's calls. Its health is the service's own gR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.bindings import BindingHook, LocalBinding
+from runtime.bindings import LocalBinding
 from runtime.outlier import OutlierDetector
 from runtime.remote_binding import RemoteBinding
 from runtime.sections import EnvoyApiConfig, ForeignPlacement
 from runtime.server import RunningServer
+from services.pipeline.calls import Hook
 from services.registry import ComponentSpec, ForeignApi, Registry
 
 
@@ -34,7 +35,7 @@ class ForeignBinding(RemoteBinding):
     """A remote binding to a service that speaks another protocol (`ForeignApi.client`)."""
 
     def __init__(self, spec: ComponentSpec, endpoint: ForeignPlacement, config: Mapping[str, Any],
-                 channel: grpc.Channel, hooks: Sequence[BindingHook] = (), outlier: OutlierDetector | None = None,
+                 channel: grpc.Channel, hooks: Sequence[Hook] = (), outlier: OutlierDetector | None = None,
                  health_timeout_s: float = 0.5) -> None:
         self.api = foreign_api(spec, endpoint.protocol)
         self.endpoint = endpoint
@@ -72,7 +73,7 @@ def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
     raise ValueError(f"{spec.name} cannot be reached over {protocol!r} (its foreign protocols: {known})")
 
 
-def envoy_apis(registry: Registry, config: Mapping[str, Any], client_for: Callable[[str], Any],
+def envoy_apis(registry: Iterable[ComponentSpec], config: Mapping[str, Any], client_for: Callable[[str], Any],
                budgets_s: Mapping[str, float] | None = None) -> list[tuple[ComponentSpec, Any]]:
     """The foreign APIs this process answers (none when `envoy_api.enabled` is false), each built
     on `client_for(component)`: the component's binding, looked up on every call."""
@@ -89,7 +90,7 @@ def envoy_apis(registry: Registry, config: Mapping[str, Any], client_for: Callab
 def envoy_apis_of(spec: ComponentSpec, servicer: Any, config: Mapping[str, Any]) -> list[tuple[ComponentSpec, Any]]:
     """What a layered child answers beside its own service: its foreign APIs on its own servicer."""
     binding = LocalBinding(spec.name, spec.descriptor(), servicer)
-    return envoy_apis(Registry([spec]), config, lambda _name: binding)
+    return envoy_apis([spec], config, lambda _name: binding)
 
 
 class EnvoyApiHealth:
@@ -120,5 +121,5 @@ class EnvoyApiHealth:
 
 def _caller(component: str, client_for: Callable[[str], Any], budget_s: float) -> Callable[[str, Any], Any]:
     def call(method: str, request: Any) -> Any:
-        return getattr(client_for(component), method)(request, timeout=budget_s)
+        return client_for(component).call(method, request, timeout=budget_s)
     return call

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from runtime.config import internal_key
+from runtime.config_file import internal_key
 from runtime.decisions import Decision, decide
 from runtime.sections import ShadowConfig, TlsConfig
 from runtime.shadow import ShadowMirror, forward_metadata, gateway_call

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("runtime")
 
 
 def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Path,
@@ -12,8 +15,8 @@ def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Pa
     """Serve `servicer.registry` over HTTP (prometheus_client: text or OpenMetrics by the Accept
     header); write the address to run_dir/metrics.addr. The model's serving families come too:
     from `local_inference()` when the model runs in this process, else forwarded from its
-    own endpoint (`runtime.serving_metrics`)."""
-    from runtime.serving_metrics import attach_serving_metrics
+    own endpoint (`runtime.serving_metrics_export`)."""
+    from runtime.serving_metrics_export import attach_serving_metrics
     from services.common import section
     from services.common.prometheus_http import PrometheusHTTPServer
     from services.metrics.config import MetricsConfig
@@ -25,3 +28,44 @@ def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Pa
     endpoint.start()
     (run_dir / "metrics.addr").write_text(str(endpoint.address))
     return endpoint
+
+
+class MetricsExports:
+    """A layout's /metrics: the metrics component's endpoint when it runs here (with the
+    rate limiter's shared-store families), else the local model's own; and the last
+    Prometheus text, written at shutdown to run_dir/metrics.prom (nothing counted is lost)."""
+
+    def __init__(self, local_servicers: Mapping[str, Any], config: Mapping[str, Any], run_dir: Path,
+                 local_inference: Callable[[], Any]) -> None:
+        self.local_servicers = local_servicers
+        self.config = config
+        self.run_dir = run_dir
+        self.local_inference = local_inference
+        self.metrics_endpoint: Any = None
+        self.inference_metrics: Any = None  # the model's own /metrics, when the metrics component is remote
+
+    def start(self) -> None:
+        metrics = self.local_servicers.get("metrics")
+        if metrics is not None:
+            self.metrics_endpoint = start_metrics_endpoint(metrics, self.config, self.run_dir, self.local_inference)
+            store = getattr(self.local_servicers.get("ratelimit"), "store_collector", None)
+            if store is not None:  # the rate limiter's shared store (`services.ratelimit.lease_store`)
+                metrics.registry.register(store)
+        elif "inference" in self.local_servicers:  # the metrics component is elsewhere
+            from runtime.serving_metrics_export import serve_inference_metrics
+
+            self.inference_metrics = serve_inference_metrics(self.local_servicers["inference"], self.config,
+                                                             self.run_dir)
+
+    def stop(self) -> None:
+        """Write the final metrics, then stop serving them."""
+        metrics = self.local_servicers.get("metrics")
+        if metrics is not None:
+            try:
+                (self.run_dir / "metrics.prom").write_text(metrics.render())
+            except OSError as error:
+                log.warning("could not write the final metrics to %s: %s", self.run_dir / "metrics.prom", error)
+        for endpoint in (self.metrics_endpoint, self.inference_metrics):
+            if endpoint is not None:
+                endpoint.stop()
+        self.metrics_endpoint = self.inference_metrics = None

@@ -71,7 +71,7 @@ def serve(argv: list[str] | None = None) -> int:
 
     from monolith.device_on_use import DeviceOnFirstUse
     from monolith.runtime_env import configure_threads, freeze_startup_heap
-    from runtime.config import load_config
+    from runtime.config_file import load_config
     from runtime.health import start_deep_health
     from runtime.sections import TlsConfig
     from runtime.server import PoolSize, request_pool, start_server
@@ -129,7 +129,7 @@ def serve(argv: list[str] | None = None) -> int:
 
         extra = start_metrics_endpoint(servicer, config, run_dir)
     elif args.component == "inference":  # its serving metrics, on its own /metrics
-        from runtime.serving_metrics import serve_inference_metrics
+        from runtime.serving_metrics_export import serve_inference_metrics
 
         extra = serve_inference_metrics(servicer, config, run_dir)
 

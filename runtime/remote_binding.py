@@ -15,11 +15,12 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 
-from runtime.bindings import BaseBinding, BindingHook, Metadata, status_of
+from runtime.bindings import BaseBinding, Metadata, status_of
 from runtime.local_context import LocalRpcError
 from runtime.outlier import Ejected, OutlierDetector
 from runtime.sections import TlsConfig
 from runtime.tls import link_channel
+from services.pipeline.calls import Hook
 
 
 class RemoteBinding(BaseBinding):
@@ -31,7 +32,7 @@ class RemoteBinding(BaseBinding):
     placement = "remote"
 
     def __init__(self, component: str, service: pb_descriptor.ServiceDescriptor, stub_class: type,
-                 channel: grpc.Channel, hooks: Sequence[BindingHook] = (),
+                 channel: grpc.Channel, hooks: Sequence[Hook] = (),
                  outlier: OutlierDetector | None = None) -> None:
         self.channel = channel
         self.stub = stub_class(channel)

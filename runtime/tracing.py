@@ -2,7 +2,7 @@
 
 Two pieces make one trace per request, whatever the placement:
 
-- `TracingHook`, a `BindingHook`: a span per middleware call (`auth.check`,
+- `TracingHook`, a `services.pipeline.calls.Hook`: a span per middleware call (`auth.check`,
   `ratelimit.admit`, …), started by the binding in the gateway's process, so a local
   call and a remote one produce the same span under the same parent. It injects W3C
   trace context (`traceparent`) into the call's metadata.
@@ -164,7 +164,7 @@ class Tracing:
 
 
 class TracingHook:
-    """A `BindingHook`: one span per middleware call, trace context into the metadata."""
+    """A `Hook`: one span per middleware call, trace context into the metadata."""
 
     def __init__(self, tracer: trace.Tracer, layout: str = "") -> None:
         self.tracer = tracer

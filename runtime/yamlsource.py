@@ -7,7 +7,7 @@ keys (which PyYAML silently resolves to the last one) are reported instead of gu
 raised at the first one, or (`strict=False`) all collected so a config check can list
 every problem at once.
 
-Used by the migration plans and by `runtime.config`; it lives in the lowest layer that
+Used by the migration plans and by `runtime.config_file`; it lives in the lowest layer that
 needs it so neither has to import the other.
 """
 

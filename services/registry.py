@@ -1,20 +1,21 @@
 """The component table: every middleware and the model, declared once.
 
-Adding a middleware = its proto, its service module (the servicer and the stage that
-calls it) and one entry here. Everything else is derived from the table: the pipeline's
-stages and their order, the config sections, the span names, the list of middlewares a
-migration plan may move, the children of the layered layout and the names in the
-Kubernetes manifests.
+Adding a middleware = its proto, its package (the servicer in `service.py`, its steps in
+`steps.py`, its config section in `config.py`), one entry in `DEFAULT` and its steps in
+its `path`. Everything else is derived from the table: the pipeline's steps and their order, the
+config sections, the span names, the list of middlewares a migration plan may move, the
+children of the layered layout and the names in the Kubernetes manifests.
 
-An entry names modules and classes as "module:attribute" strings, resolved when used, so
-that reading the table imports no model or crypto library: a process imports only what
-it serves.
+An entry refers to its config section and its steps directly (light modules: pydantic and
+the wire types). What builds or serves a servicer (`factory`, `register`, a foreign API's
+server and client) is named as a "module:attribute" string, resolved when used: those modules
+import the model (torch) or crypto libraries, and a process imports only what it serves.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,29 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 
+from services.auth.config import AuthSection
+from services.auth.steps import AuthStep
+from services.cache.config import CacheConfig
+from services.cache.steps import CacheLookupStep, CacheStoreStep
 from services.common import DeviceState
+from services.common.config_section import Section
 from services.gateway.validation import ValidationStep
+from services.inference.config import InferenceConfig
+from services.inference.steps import InferenceStep
+from services.logs.config import LogsConfig
+from services.logs.steps import LogsStep
+from services.metrics.config import MetricsConfig
+from services.metrics.steps import MetricsStep
 from services.pipeline.limits import RequestLimits
 from services.pipeline.step import FailMode, Step, StepPolicy
+from services.ratelimit.config import RateLimitConfig
+from services.ratelimit.steps import RateLimitStep, ReleaseStep
+from services.router.config import RouterConfig
+from services.router.steps import RouterStep
 
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
+# The steps on the path that call no component: the gateway's own checks.
+GATEWAY_STEPS: tuple[type[Step], ...] = (ValidationStep,)
 
 
 def _resolve(path: str) -> Any:
@@ -43,8 +61,8 @@ class ComponentSpec:
     proto_module: str  # e.g. "wire.v1.auth_pb2"
     service: str  # the service's name in the proto, e.g. "Auth"
     factory: str  # "module:function" building the servicer from (config, device, run_dir)
-    config: str  # "module:Class" of its config section's model (a `services.common.config_section.Section`)
-    stages: tuple[str, ...]  # "module:Class" of the pipeline stages that call it
+    config: type[Section] | None  # its config section's model (None: no section of its own)
+    steps: tuple[type[Step], ...]  # the pipeline steps that call it (their order: the registry's path)
     fail_mode: FailMode = FailMode.CLOSED
     budget_ms: float = 250.0  # the default call budget of its stages
     middleware: bool = True  # False for the model: placed, but not migrated as a middleware
@@ -81,15 +99,9 @@ class ComponentSpec:
     def build(self, config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
         return _resolve(self.factory)(config, device, run_dir)
 
-    def config_model(self) -> type[Any]:
-        return _resolve(self.config)
-
     def policy(self, budget_ms: float | None = None) -> StepPolicy:
         budget_s = (self.budget_ms if budget_ms is None else budget_ms) / 1000.0
         return StepPolicy(self.name, self.fail_mode, budget_s, self.passes)
-
-    def stage_classes(self) -> list[type[Step]]:
-        return [_resolve(path) for path in self.stages]
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,7 @@ class ForeignApi:
 
     def served(self) -> ComponentSpec:
         """What a server registers (the service, its health and reflection names)."""
-        return ComponentSpec(self.protocol, self.proto_module, self.service, "", "", ())
+        return ComponentSpec(self.protocol, self.proto_module, self.service, "", None, ())
 
     def build_server(self, config: Mapping[str, Any], call: Any) -> Any:
         return _resolve(self.server)(config, call)
@@ -120,14 +132,23 @@ class ForeignApi:
 
 
 class Registry:
-    """An ordered set of components; the default one is `DEFAULT`, tests may extend it."""
+    """An ordered set of components and the request path through their steps; the default
+    one is `DEFAULT`, tests may extend it."""
 
-    def __init__(self, specs: Iterable[ComponentSpec]) -> None:
+    def __init__(self, specs: Iterable[ComponentSpec], path: Sequence[type[Step]]) -> None:
         self._specs: dict[str, ComponentSpec] = {}
         for spec in specs:
             if spec.name in self._specs:
                 raise ValueError(f"component {spec.name!r} is declared twice")
             self._specs[spec.name] = spec
+        self.path = tuple(path)
+        self._owner: dict[type[Step], ComponentSpec] = {cls: spec for spec in self for cls in spec.steps}
+        placed = set(self.path)
+        missing = [cls.__name__ for cls in self._owner if cls not in placed]
+        unknown = [cls.__name__ for cls in self.path if cls not in self._owner and cls not in GATEWAY_STEPS]
+        if missing or unknown or len(placed) != len(self.path):
+            raise ValueError(f"the path must hold every component's steps once: missing {missing}, "
+                             f"unknown {unknown}, path {[cls.__name__ for cls in self.path]}")
 
     def __iter__(self) -> Iterator[ComponentSpec]:
         return iter(self._specs.values())
@@ -158,25 +179,27 @@ class Registry:
         """(component, the foreign protocols a placement may name for it), for those that have any."""
         return tuple((spec.name, tuple(api.protocol for api in spec.foreign)) for spec in self if spec.foreign)
 
-    def with_component(self, spec: ComponentSpec) -> Registry:
-        """This table plus one more component (its stages join the path by their order)."""
-        return Registry([*self, spec])
+    def with_component(self, spec: ComponentSpec, *, after: type[Step]) -> Registry:
+        """This table plus one more component, its steps joining the path right after `after`."""
+        at = self.path.index(after) + 1
+        return Registry([*self, spec], [*self.path[:at], *spec.steps, *self.path[at:]])
 
-    def stages(self, limits: RequestLimits, budgets_ms: Mapping[str, float] | None = None) -> list[Step]:
-        """The request path: every component's stages plus the gateway's own, in order."""
+    def steps(self, limits: RequestLimits, budgets_ms: Mapping[str, float] | None = None) -> list[Step]:
+        """The request path: every component's steps plus the gateway's own, in `path` order."""
         budgets = budgets_ms or {}
-        stages: list[Step] = [ValidationStep(StepPolicy(""), limits)]
-        for spec in self:
-            policy = spec.policy(budgets.get(spec.name))
-            stages.extend(cls(policy, limits) for cls in spec.stage_classes())
-        return sorted(stages, key=lambda stage: stage.order)
+        steps: list[Step] = []
+        for cls in self.path:
+            spec = self._owner.get(cls)
+            policy = StepPolicy("") if spec is None else spec.policy(budgets.get(spec.name))
+            steps.append(cls(policy, limits))
+        return steps
 
     def span_names(self) -> dict[tuple[str, str], str]:
-        """(component, rpc) -> span name, the same in every layout: the stage's name for the
+        """(component, rpc) -> span name, the same in every layout: the step's name for the
         rpc it stands for and for the batch rpc it sends."""
         names: dict[tuple[str, str], str] = {}
         for spec in self:
-            for cls in spec.stage_classes():
+            for cls in spec.steps:
                 span = f"{spec.name}.{cls.method.lower()}"
                 names[(spec.name, cls.method)] = span
                 for batch, single in spec.batch_methods.items():
@@ -185,11 +208,12 @@ class Registry:
         return names
 
 
-def _spec(name: str, service: str, config: str, stages: tuple[str, ...], batch_methods: Mapping[str, str], *,
+def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step], ...],
+          batch_methods: Mapping[str, str], *,
           passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
           budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = (),
           factory: str = "") -> ComponentSpec:
-    return ComponentSpec(name, f"wire.v1.{name}_pb2", service, factory or f"services.{name}.service:build", config, stages,
+    return ComponentSpec(name, f"wire.v1.{name}_pb2", service, factory or f"services.{name}.service:build", config, steps,
                          fail_mode, budget_ms, middleware, batch_methods, frozenset(passes), foreign=foreign)
 
 
@@ -201,31 +225,38 @@ ENVOY_RLS = ForeignApi("envoy-rls", "envoy.service.ratelimit.v3.rls_pb2", "RateL
 
 _CODE = grpc.StatusCode
 DEFAULT = Registry([
-    _spec("auth", "Auth", "services.auth.service:AuthSection", ("services.auth.service:AuthStep",), {"CheckBatch": "Check"},
+    _spec("auth", "Auth", AuthSection, (AuthStep,), {"CheckBatch": "Check"},
           passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,)),
-    _spec("ratelimit", "RateLimit", "services.ratelimit.config:RateLimitConfig",
-          ("services.ratelimit.steps:RateLimitStep", "services.ratelimit.steps:ReleaseStep"),
+    _spec("ratelimit", "RateLimit", RateLimitConfig, (RateLimitStep, ReleaseStep),
           {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit", "ReleaseBatch": "Release"},
           passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED), foreign=(ENVOY_RLS,)),
-    _spec("router", "Router", "services.router.config:RouterConfig", ("services.router.service:RouterStep",),
-          {"ResolveBatch": "Resolve"}, passes=(_CODE.NOT_FOUND,)),
-    _spec("cache", "Cache", "services.cache.config:CacheConfig",
-          ("services.cache.steps:CacheLookupStep", "services.cache.steps:CacheStoreStep"),
-          {"LookupBatch": "Lookup", "StoreBatch": "Store"}, fail_mode=FailMode.OPEN),
-    _spec("metrics", "Metrics", "services.metrics.config:MetricsConfig", ("services.metrics.steps:MetricsStep",),
-          {"RecordBatch": "Record"}, fail_mode=FailMode.OPEN, budget_ms=1000.0),
-    _spec("logs", "Logs", "services.logs.config:LogsConfig", ("services.logs.service:LogsStep",), {"AppendBatch": "Append"},
-          fail_mode=FailMode.OPEN, budget_ms=1000.0),
+    _spec("router", "Router", RouterConfig, (RouterStep,), {"ResolveBatch": "Resolve"}, passes=(_CODE.NOT_FOUND,)),
+    _spec("cache", "Cache", CacheConfig, (CacheLookupStep, CacheStoreStep), {"LookupBatch": "Lookup", "StoreBatch": "Store"},
+          fail_mode=FailMode.OPEN),
+    _spec("metrics", "Metrics", MetricsConfig, (MetricsStep,), {"RecordBatch": "Record"}, fail_mode=FailMode.OPEN,
+          budget_ms=1000.0),
+    _spec("logs", "Logs", LogsConfig, (LogsStep,), {"AppendBatch": "Append"}, fail_mode=FailMode.OPEN, budget_ms=1000.0),
     # The model: its budget is the compute budget it enforces itself; the call is bounded
     # by the request's deadline. One component serves every configured model
     # (`inference.models`), each with its own engine, KV pool and scheduler.
-    _spec("inference", "Inference", "services.inference.config:InferenceConfig",
-          ("services.inference.steps:InferenceStep",), {"GenerateStream": "Generate"},
+    _spec("inference", "Inference", InferenceConfig, (InferenceStep,), {"GenerateStream": "Generate"},
           passes=(_CODE.INVALID_ARGUMENT, _CODE.DEADLINE_EXCEEDED, _CODE.RESOURCE_EXHAUSTED, _CODE.CANCELLED,
                   _CODE.NOT_FOUND),
           budget_ms=float("inf"), middleware=False, factory="services.inference.models:build"),
-])
-GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", "", "", (),
+], path=(
+    # The request path, in order: the one list that says which step runs when.
+    AuthStep,  # who is asking (fail closed)
+    ValidationStep,  # the gateway's own checks of the request, once its tenant is known
+    RouterStep,  # which model it names
+    RateLimitStep,  # admission: tokens and a concurrency slot
+    CacheLookupStep,  # a stored answer ends the request here
+    InferenceStep,  # the model
+    ReleaseStep,  # the concurrency slot back, before the slower completion steps
+    CacheStoreStep,
+    LogsStep,  # before metrics, so a failed append is counted in the request's record
+    MetricsStep,
+))
+GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", "", None, (),
                         register="services.gateway.service:add_gateway_to_server")
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
+from runtime.config_file import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
 from runtime.parent import follow_parent
 from runtime.server import UnsafeAddress
 from runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
@@ -158,7 +158,7 @@ def _up_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     """`--model DIR [--model-id ID]` and `--deterministic`, as config overrides."""
     overrides = _served_model(args) or {}
     if args.deterministic:  # the same as `inference.deterministic: true` in the config
-        from runtime.config import merge
+        from runtime.config_file import merge
 
         overrides = merge(overrides, {"inference": {"deterministic": True}})
     return overrides or None

@@ -20,7 +20,7 @@ import grpc
 import jwt
 import pytest
 
-from runtime.config import load_config, placements_for
+from runtime.config_file import load_config, placements_for
 from runtime.stack import Stack
 
 DEV_KEY = "spine-dev-key-0000"
@@ -139,7 +139,7 @@ def split_tenant_through(address: str, key: str, label: str, count: int = 60) ->
 
 
 def config_for_tests(**extra: Any) -> dict[str, Any]:
-    from runtime.config import merge
+    from runtime.config_file import merge
 
     return load_config(overrides=merge(TEST_OVERRIDES, extra))
 

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import openai
 
-from runtime.config import placements_for
+from runtime.config_file import placements_for
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY, config_for_tests
 

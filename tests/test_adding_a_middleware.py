@@ -21,7 +21,7 @@ import pytest
 from grpc_tools import protoc
 
 from migration.plan import load_plan
-from runtime.config import load_config
+from runtime.config_file import load_config
 from runtime.config_model import root_model
 from runtime.server import start_server
 from runtime.stack import Stack
@@ -29,7 +29,8 @@ from services.common import ConfigError, DeviceState, abort_on_item, set_status
 from services.common.config_section import Items, NonEmptyStr, Section
 from services.pipeline.state import RequestState
 from services.pipeline.step import FailMode, Step, StepCall
-from services.registry import DEFAULT, ComponentSpec
+from services.ratelimit.steps import RateLimitStep
+from services.registry import DEFAULT, ComponentSpec, Registry
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY
 from wire.v1 import generation_pb2
@@ -102,7 +103,6 @@ def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Audi
 
 class AuditStep(Step):
     method = "Seen"
-    order = 35  # after the rate limit, before the cache
 
     def decide(self, batch: list[RequestState], call: StepCall) -> None:
         request = audit_pb2.SeenBatchRequest()
@@ -114,10 +114,10 @@ class AuditStep(Step):
 # -- the one table entry -------------------------------------------------------------------------
 
 AUDIT = ComponentSpec(
-    "audit", "spinetest.v1.audit_pb2", "Audit", f"{__name__}:build", f"{__name__}:AuditSection",
-    (f"{__name__}:AuditStep",), FailMode.CLOSED, batch_methods={"SeenBatch": "Seen"},
+    "audit", "spinetest.v1.audit_pb2", "Audit", f"{__name__}:build", AuditSection,
+    (AuditStep,), FailMode.CLOSED, batch_methods={"SeenBatch": "Seen"},
     passes=frozenset({grpc.StatusCode.PERMISSION_DENIED}))
-REGISTRY = DEFAULT.with_component(AUDIT)
+REGISTRY = DEFAULT.with_component(AUDIT, after=RateLimitStep)  # after the rate limit, before the cache
 
 
 def config_with(audit: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +149,7 @@ def test_the_table_entry_is_enough_for_config_plans_spans_and_order() -> None:
     model = root_model(REGISTRY)
     assert "audit" in model.model_fields and "audit" in model.model_fields["placements"].annotation.model_fields
     assert REGISTRY.span_names()[("audit", "SeenBatch")] == "audit.seen"
-    names = [stage.name for stage in REGISTRY.stages(load_limits())]
+    names = [stage.name for stage in REGISTRY.steps(load_limits())]
     assert names.index("ratelimit.admit") < names.index("audit.seen") < names.index("cache.lookup")
     plan = load_plan("name: p\nstages:\n  - name: audit-local\n    spine_weight: 10\n    hold_s: 1\n"
                      "    placements: {audit: local}\n",
@@ -202,3 +202,8 @@ def test_its_config_section_is_checked_like_every_other(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"audit\.blokced: unknown key; known: blocked"):
         stack.start()
     assert not (tmp_path / "bad").exists()  # refused before anything was created
+
+
+def test_a_component_whose_steps_are_not_on_the_path_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"missing \['AuditStep'\]"):
+        Registry([*DEFAULT, AUDIT], DEFAULT.path)

@@ -2,7 +2,7 @@
 
 Waiting is free only then: a request admitted a few ms later still finds a full batch of
 work queued before it. Without a backlog, for the latency class, or for a model that is
-not served here, admission decides at once (`Stack._model_backlogged`).
+not served here, admission decides at once (`GatewayBatching.model_backlogged`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
         batching={"max_wait_us": 50_000})
     stack = start_stack("collapsed", tmp_path, config)
     try:
-        inference = stack._local_inference()
+        inference = stack.components.local_inference()
         assert inference.engine.max_slots == SLOTS
-        assert not stack._model_backlogged([state()])  # idle: a wait would cost the model time
+        assert not stack.batching.model_backlogged([state()])  # idle: a wait would cost the model time
         with GatewayClient(stack.address, DEV_KEY) as client:
             results: list[CallResult] = []
             lock = threading.Lock()
@@ -54,10 +54,10 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
             # job yet, and four waiting would then not mean every long one was admitted.
             eventually(lambda: (inference.scheduler.running_count, inference.scheduler.queue_depth)
                        == (SLOTS, len(long) - SLOTS), what="every long request in the model")
-            assert stack._model_backlogged([state()])
-            assert not stack._model_backlogged([state(priority=1)])  # the latency class goes ahead of the queue
-            assert not stack._model_backlogged([state(model="no-such-model")])
-            assert not stack._model_backlogged([state(), state(model="no-such-model")])
+            assert stack.batching.model_backlogged([state()])
+            assert not stack.batching.model_backlogged([state(priority=1)])  # the latency class goes ahead of the queue
+            assert not stack.batching.model_backlogged([state(model="no-such-model")])
+            assert not stack.batching.model_backlogged([state(), state(model="no-such-model")])
 
             batches = stack.admission.batcher.stats
             before = (batches.batches, batches.items, batches.waited)
@@ -72,6 +72,6 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
             (batches.batches, batches.items, batches.waited), before, strict=True))
         assert items == len(short)
         assert waited >= 1 and decided < items  # the backlog let the leader wait: fewer, larger batches
-        assert not stack._model_backlogged([state()])  # drained: nothing waits any more
+        assert not stack.batching.model_backlogged([state()])  # drained: nothing waits any more
     finally:
         stack.stop()

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
-from runtime.config import merge, placements_for
+from runtime.config_file import merge, placements_for
 from runtime.stack import Stack
 from services.cache.pregenerated import served_digests, write_table
 from services.common import section

@@ -16,7 +16,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from services.auth.service import AuthConfig, AuthDenied, AuthService
+from services.auth.config import AuthConfig
+from services.auth.service import AuthDenied, AuthService
 from tests.conftest import served
 from wire.v1 import auth_pb2, auth_pb2_grpc
 

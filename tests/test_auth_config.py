@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.auth.service import AuthConfig, AuthService
+from services.auth.config import AuthConfig
+from services.auth.service import AuthService
 from services.common import ConfigError
 from tests.test_auth import DEV_KEY, HS_SECRET, FakeClock, auth_section, hs256, public_pem
 

@@ -21,17 +21,23 @@ from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
 from runtime.bindings import LocalBinding
-from services.auth.service import CHECK_BATCH, AuthConfig, AuthService
+from services.auth.config import AuthConfig
+from services.auth.service import AuthService
+from services.auth.steps import CHECK_BATCH
 from services.cache.service import CacheConfig, CacheService
 from services.cache.steps import LOOKUP_BATCH, STORE_BATCH, StoreItem
-from services.logs.service import APPEND_BATCH, LogEntry, LogsConfig, LogsService
+from services.logs.config import LogsConfig
+from services.logs.service import LogsService
+from services.logs.steps import APPEND_BATCH, LogEntry
 from services.metrics.service import MetricsConfig, MetricsService
 from services.metrics.steps import RECORD_BATCH, MetricsRecord
 from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
 from services.ratelimit.service import RateLimitConfig, RateLimitService
 from services.registry import DEFAULT
-from services.router.service import RESOLVE_BATCH, RouterConfig, RouterService
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from services.router.steps import RESOLVE_BATCH
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
 from wire.v1 import batch_pb2, cache_pb2, generation_pb2, metrics_pb2
 

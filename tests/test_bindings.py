@@ -14,8 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.bindings import LocalBinding, LocalContext
-from runtime.remote_binding import RemoteBinding, remote_channel
+from runtime.binding_classes import LocalInferenceBinding, RemoteInferenceBinding
+from runtime.bindings import LocalContext
+from runtime.remote_binding import remote_channel
 from runtime.server import start_server
 from services.registry import DEFAULT
 from wire.v1 import generation_pb2, inference_pb2_grpc
@@ -84,10 +85,10 @@ def bound(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[tuple[Any, 
     servicer = ScriptedInference()
     recorder = Recorder()
     if request.param == "local":
-        yield LocalBinding("inference", spec.descriptor(), servicer, [recorder]), servicer, recorder
+        yield LocalInferenceBinding("inference", spec.descriptor(), servicer, [recorder]), servicer, recorder
         return
     server = start_server([(spec, servicer)], f"unix:{tmp_path}/inference.sock")
-    binding = RemoteBinding("inference", spec.descriptor(), spec.stub_class(),
+    binding = RemoteInferenceBinding("inference", spec.descriptor(), spec.stub_class(),
                             remote_channel(server.address, 1 << 20), [recorder])
     try:
         yield binding, servicer, recorder
@@ -239,7 +240,7 @@ def test_a_stream_hears_its_parent_end_while_nobody_reads_it(bound: Any) -> None
 
 def test_a_local_stream_can_be_cancelled_from_another_thread_while_it_is_being_read() -> None:
     servicer = ScriptedInference()
-    binding = LocalBinding("inference", DEFAULT["inference"].descriptor(), servicer)
+    binding = LocalInferenceBinding("inference", DEFAULT["inference"].descriptor(), servicer)
     stream = binding.GenerateStream(req("slow", max_tokens=500), timeout=10)
     got: list[int] = []
     outcome: list[BaseException] = []

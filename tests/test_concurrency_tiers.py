@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from migration.limits import side_shares
+from migration.limit_shares import side_shares
 from runtime.stack import Stack
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import TEST_OVERRIDES, config_for_tests, start_stack

@@ -12,7 +12,7 @@ import torch
 
 from monolith.device import DeviceContext
 from monolith.device_config import DeviceConfig
-from runtime.config import SECTIONS, load_config, placements_for
+from runtime.config_file import SECTIONS, load_config, placements_for
 from runtime.config_model import SpineConfig, check_config
 from runtime.decisions import Decision
 from runtime.sections import DecisionField, ShadowConfig, TracingConfig

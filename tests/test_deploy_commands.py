@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from migration.runner import parse_args as runner_args
-from runtime.config import load_config, remote_addresses
+from runtime.config_file import load_config, remote_addresses
 from runtime.process import build_parser as process_parser
 from services.registry import COMPONENTS
 from spine.cli import build_parser as cli_parser
@@ -77,7 +77,7 @@ def test_container_command_parses_with_the_real_cli(where: str, container: dict[
 
 @pytest.mark.parametrize(("where", "config"), configs(), ids=[name for name, _ in configs()])
 def test_configmap_config_loads_and_every_section_parses(where: str, config: dict[str, Any]) -> None:
-    from services.logs.service import LogsConfig
+    from services.logs.config import LogsConfig
     from services.metrics.service import MetricsConfig
 
     merged = load_config(overrides=config)

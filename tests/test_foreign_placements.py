@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import load_config, placements_for
+from runtime.config_file import load_config, placements_for
 from runtime.config_model import check_config
 from runtime.foreign import foreign_endpoints
 from tests.test_config_model import problems, write

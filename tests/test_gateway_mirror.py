@@ -28,7 +28,7 @@ from migration.plan import GateSpec, PlanError, load_plan
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
-from runtime.config import merge, placements_for
+from runtime.config_file import merge, placements_for
 from runtime.faults import FaultHook, WrongAnswers
 from runtime.shadow_metrics import COMPARED, MISMATCHED
 from runtime.stack import Stack
@@ -78,7 +78,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sides]:
         device = DeviceContext.from_config(config)
         model = WrongAnswers(DEFAULT["inference"].build(config, device, tmp), fault)
         spine = Stack(config, placements_for("collapsed", config), run_dir=tmp / "spine", device=device,
-                      local_servicers={"inference": model})
+                      servicers={"inference": model})
         spine.start()
         yield Sides(layered, spine, fault)
     finally:

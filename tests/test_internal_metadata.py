@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from migration.controller import Controller
 from migration.plan import load_plan
-from migration.traffic.cutover import FrontTarget
 from migration.traffic.front import Front
+from migration.traffic.front_target import FrontTarget
 from runtime.server import start_server
 from runtime.stack import Stack
 from runtime.tracing import Tracing, installed_tracing

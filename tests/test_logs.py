@@ -16,8 +16,9 @@ import pytest
 
 from services.common import ConfigError
 from services.common.redact import REDACTED, is_secret_key, redact_mapping, redact_text
+from services.logs.config import LogsConfig
 from services.logs.ring import LogRing, LogsClosedError
-from services.logs.service import LogsConfig, LogsService
+from services.logs.service import LogsService
 from services.pipeline.batch_rpc import StatusError
 from wire.v1 import logs_pb2, logs_pb2_grpc
 

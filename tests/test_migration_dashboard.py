@@ -234,7 +234,7 @@ def test_metrics_count_transitions_from_the_audit_trail(make_dashboard):
 
 
 def test_layouts_come_from_the_targets_reading_and_say_why_when_it_fails():
-    from migration.dashboard.snapshot import LayoutSampler
+    from migration.dashboard.document import LayoutSampler
     from migration.gates import ParityStats
 
     class GatesOnly:  # a target with only the gates' reading

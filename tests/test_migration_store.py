@@ -7,8 +7,8 @@ import sqlite3
 import pytest
 
 from migration.gates import GateResult, Verdict
+from migration.state_store import Store
 from migration.status import RolloutStatus, State
-from migration.store import Store
 
 
 def test_the_store_uses_wal_and_full_sync(tmp_path):

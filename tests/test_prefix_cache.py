@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from services.inference.model.engine import GenerationEngine, GenerationRequest
 from services.inference.model.kv_pool import BlockPool, PagedKV
-from services.inference.model.tiny_lm import KV_BLOCK_TOKENS, TinyLM
+from services.inference.model.tiny_kv import KV_BLOCK_TOKENS
+from services.inference.model.tiny_lm import TinyLM
 from services.inference.model.tokenizer import ByteTokenizer
 
 MODEL = TinyLM.from_seed(1234)

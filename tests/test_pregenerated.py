@@ -157,7 +157,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]
     """The table's builder (deterministic mode, as `spine cache build`) and a server's model
     (the test config as a server runs it)."""
     from monolith.device import DeviceContext
-    from runtime.config import merge
+    from runtime.config_file import merge
     from services.inference.models import build
 
     tmp = tmp_path_factory.mktemp("models")

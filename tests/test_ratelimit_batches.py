@@ -8,15 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from services.ratelimit.service import (
-    MAX_HITS_ADDEND,
-    InvalidRateLimitRequest,
-    RateLimitAsk,
-    RateLimitConfig,
-    RateLimitService,
-    ask_for,
-    descriptors_for,
-)
+from services.ratelimit.asks import InvalidRateLimitRequest, RateLimitAsk, ask_for, descriptors_for
+from services.ratelimit.service import MAX_HITS_ADDEND, RateLimitConfig, RateLimitService
 from tests.test_ratelimit import OK, OVER, REQUESTS, TOKENS, FakeClock, call, make, request
 from wire.v1 import ratelimit_pb2 as pb
 

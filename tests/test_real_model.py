@@ -162,7 +162,7 @@ def test_the_fit_gives_the_slots_asked_for_where_the_host_has_room_and_fewer_whe
 
 @on_cpu_only
 def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smollm2: Path) -> None:
-    from runtime.config import load_config
+    from runtime.config_file import load_config
     from runtime.served_model import model_overrides
 
     config = load_config(None, model_overrides(smollm2))
@@ -177,7 +177,7 @@ def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smoll
 
 @on_cpu_only
 def test_an_auto_budget_on_a_host_too_small_for_one_slot_is_refused_in_one_line(smollm2: Path) -> None:
-    from runtime.config import load_config
+    from runtime.config_file import load_config
     from runtime.served_model import model_overrides
     from services.common import ConfigError
 

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from services.common import ConfigError
-from services.router.service import RouterConfig, RouterService
+from services.router.config import RouterConfig
+from services.router.service import RouterService
 from tests.conftest import served
 from wire.v1 import router_pb2, router_pb2_grpc
 

@@ -18,8 +18,8 @@ from migration.gates import Verdict, evaluate
 from migration.metrics.scrape import ScrapeSource
 from migration.plan import GateSpec
 from migration.recording import HEALTHY
-from migration.traffic.cutover import FrontTarget
 from migration.traffic.front import Front
+from migration.traffic.front_target import FrontTarget
 from runtime.decisions import Decision, decide
 from runtime.server import RunningServer, start_server
 from runtime.shadow import ShadowConfig, ShadowMirror

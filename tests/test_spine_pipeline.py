@@ -25,18 +25,21 @@ from monolith.batched import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
 from runtime.bindings import LocalBinding
 from runtime.faults import FaultHook
-from services.auth.service import AuthConfig, AuthService
+from services.auth.config import AuthConfig
+from services.auth.service import AuthService
 from services.cache.service import CacheConfig, CacheService
 from services.cache.steps import StoreItem
 from services.common import ConfigError
-from services.logs.service import LogsConfig, LogsService
+from services.logs.config import LogsConfig
+from services.logs.service import LogsService
 from services.metrics.service import MetricsConfig, MetricsService
 from services.pipeline.limits import RequestLimits
-from services.pipeline.runner import Pipeline
+from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
 from services.ratelimit.service import RateLimitConfig, RateLimitService
 from services.registry import DEFAULT
-from services.router.service import RouterConfig, RouterService
+from services.router.config import RouterConfig
+from services.router.service import RouterService
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
 from wire.v1 import cache_pb2, generation_pb2
 
@@ -70,7 +73,7 @@ class Rig:
             self.servicers["logs"] = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
         self.clients = {name: LocalBinding(name, DEFAULT[name].descriptor(), servicer)
                         for name, servicer in self.servicers.items()}
-        self.pipeline = Pipeline(DEFAULT.stages(LIMITS), self.clients, hooks=hooks,
+        self.pipeline = Pipeline(DEFAULT.steps(LIMITS), self.clients, hooks=hooks,
                                  on_fail_open=lambda *failure: self.counted.append(failure))
         cached = generation_pb2.GenerateRequest(model="tiny-lm", prompt=CACHED_PROMPT, max_tokens=4)
         answer = generation_pb2.GenerateResponse(text="abcd", token_ids=[1, 2, 3, 4], model="tiny-lm",

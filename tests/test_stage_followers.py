@@ -32,7 +32,7 @@ from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
-from runtime.config import placements_for
+from runtime.config_file import placements_for
 from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from runtime.stage_follower import (

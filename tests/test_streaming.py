@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.config import placements_for
+from runtime.config_file import placements_for
 from runtime.remote_binding import remote_channel
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load

@@ -19,7 +19,7 @@ import yaml
 
 from migration.traffic.cutover import Cutover
 from migration.xds import Endpoint, XdsControlPlane
-from runtime.config import placements_for
+from runtime.config_file import placements_for
 from runtime.sections import TlsConfig
 from runtime.stack import Stack
 from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower

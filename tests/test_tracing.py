@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from monolith.device import DeviceContext
-from runtime.config import placements_for
-from runtime.remote_binding import RemoteBinding
+from runtime.binding_classes import RemoteRouterBinding
+from runtime.config_file import placements_for
 from runtime.server import start_server
 from runtime.stack import Stack
 from runtime.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
@@ -80,7 +80,7 @@ def test_trace_context_crosses_a_grpc_hop_into_the_servers_span(tmp_path: Path) 
     servicer = DEFAULT["router"].build(config_for_tests(), DeviceContext(), tmp_path)
     server = start_server([(DEFAULT["router"], servicer)], f"unix:{tmp_path / 'router.sock'}",
                           interceptors=[tracing.server_interceptor()])
-    binding = RemoteBinding("router", DEFAULT["router"].descriptor(), DEFAULT["router"].stub_class(),
+    binding = RemoteRouterBinding("router", DEFAULT["router"].descriptor(), DEFAULT["router"].stub_class(),
                             grpc.insecure_channel(server.address), [tracing.hook("layered")])
     try:
         with tracing.tracer.start_as_current_span("caller"):

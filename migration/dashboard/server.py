@@ -1,7 +1,7 @@
 """The dashboard's HTTP(S) server: the page, its live data, the operator's buttons, /metrics.
 
     GET  /                      the page (plain HTML, CSS and JavaScript, no build step)
-    GET  /api/state             the snapshot (`migration.dashboard.snapshot`) as JSON
+    GET  /api/state             the snapshot (`migration.dashboard.document`) as JSON
     GET  /api/events            the same, as server-sent events: at once, on every transition,
                                 and at least every second (the page is never 2 s behind)
     POST /api/commands/NAME     pause, resume, advance, approve, rollback (JSON body: actor,
@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 
 from migration.admin_token import bearer, token_matches
 from migration.controller import Controller
-from migration.dashboard.snapshot import LayoutSampler, snapshot
+from migration.dashboard.document import LayoutSampler, snapshot
 from migration.plan import PlanError
 from migration.service import run_command
 from migration.transitions import InvalidTransition

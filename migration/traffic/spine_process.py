@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from migration.traffic.layout_process import LayoutProcess
-from runtime.config import merge
+from runtime.config_file import merge
 from services.registry import MIDDLEWARES
 
 SWITCH_TIMEOUT_S = 5.0

@@ -11,7 +11,7 @@ registry answers by setting one snapshot per follower node, holding one
 - a layered rate limiter gets the layered side's share divided by the layered rate
   limiters connected (the whole limit while the spine still calls them).
 
-See `migration.limits` for the rule. Shares depend on how many followers of a role are
+See `migration.limit_shares` for the rule. Shares depend on how many followers of a role are
 connected, so when one joins or leaves, every follower is republished: the stage's version
 with a membership suffix ("plan#4+m1", "+m2", ...). A follower that joins late gets the
 current stage at once (its snapshot is set before its first request is answered); one that
@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from migration.limits import replica_share, side_shares
+from migration.limit_shares import replica_share, side_shares
 from migration.xds.cache import SnapshotCache
 from migration.xds.snapshot import STAGE, Snapshot
 from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE, SIDES

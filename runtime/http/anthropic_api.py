@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from runtime.http import chat, fields
+from runtime.http import fields, transcript
 from runtime.http.wire import POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
 from wire.v1 import generation_pb2
 
@@ -50,7 +50,7 @@ def parse(body: Any) -> Parsed:
             raise bad_request(f"messages[{i}].role: must be user or assistant; got {role!r} "
                               "(the system prompt is the top-level `system` field)")
         turns.append((role, fields.text_content(message.get("content"), f"messages[{i}].content")))
-    system_text, prompt = chat.render(system_parts, turns)
+    system_text, prompt = transcript.render(system_parts, turns)
     conversation = [("system", part) for part in system_parts] + turns
     tier = body.get("service_tier")
     if tier not in TIERS:
@@ -61,7 +61,7 @@ def parse(body: Any) -> Parsed:
     request = generation_pb2.GenerateRequest(
         model=fields.string(body, "model"), prompt=prompt, system=system_text,
         max_tokens=fields.max_tokens(body, "max_tokens"), temperature=fields.number(body, "temperature", 1.0))
-    chat.attach(request, conversation)
+    transcript.attach(request, conversation)
     return Parsed(request, fields.boolean(body, "stream"))
 
 

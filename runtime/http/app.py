@@ -39,7 +39,7 @@ from runtime.http.wire import (
 from runtime.local_context import LocalContext
 from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
-from services.pipeline.runner import code_details
+from services.pipeline.pipeline import code_details
 
 log = logging.getLogger("spine.http")
 

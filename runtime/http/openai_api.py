@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from runtime.http import chat, fields
+from runtime.http import fields, transcript
 from runtime.http.wire import POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
 from wire.v1 import generation_pb2
 
@@ -75,7 +75,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> Parsed:
         else:
             turns.append((role, text))
             conversation.append((role, text))
-    system, prompt = chat.render(system_parts, turns)
+    system, prompt = transcript.render(system_parts, turns)
     tokens = fields.max_tokens(body, "max_completion_tokens", None)
     if tokens is None:
         tokens = fields.max_tokens(body, "max_tokens", default_max_tokens)
@@ -84,7 +84,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> Parsed:
         raise bad_request("stream_options: must be an object")
     include_usage = fields.boolean(options or {}, "include_usage")
     request = _common(body, tokens, system, prompt)
-    chat.attach(request, conversation)
+    transcript.attach(request, conversation)
     return Parsed(request, fields.boolean(body, "stream"), include_usage, chat=True)
 
 

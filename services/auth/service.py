@@ -16,28 +16,18 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import grpc
-from pydantic import Field, StrictInt, field_validator
 
-from services.auth.api_keys import (
-    ApiKeyEntry,
-    ApiKeyTable,
-    check_unique,
-)
-from services.auth.jwt_verify import JwtSection, JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
+from services.auth.config import AuthConfig
+from services.auth.jwt_verify import JwtVerifier, TokenRejected, looks_like_jwt
+from services.auth.steps import CHECK_BATCH
 from services.common import Clock, DeviceState, answer_one, section
-from services.common.config_section import Float, Items, NonEmptyStr, Section
-from services.pipeline.batch_rpc import BatchRpc, ItemError, field_items, message_answer
-from services.pipeline.state import RequestState
-from services.pipeline.step import Step, StepCall
-from services.pipeline.verdicts import MISSING_CREDENTIAL, Stop, bearer
+from services.pipeline.batch_rpc import ItemError
 from wire.v1 import auth_pb2, auth_pb2_grpc
 
-MAX_DENIAL_TTL_S = 10.0
 _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -48,56 +38,6 @@ class AuthDenied(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-class CacheSettings(Section):
-    """`auth.cache`: the JWT verification cache."""
-
-    max_entries: Annotated[StrictInt, Field(ge=0)] = 4096  # 0 turns the cache off
-    max_ttl_s: Annotated[Float, Field(ge=0)] = 300.0  # cap on an accepted verdict, even for long-lived tokens
-    # A denial is kept only briefly, so a clock-skewed `nbf` heals quickly.
-    denial_ttl_s: Annotated[Float, Field(ge=0, le=MAX_DENIAL_TTL_S)] = 2.0
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None, where: str = "auth.cache") -> CacheSettings:
-        return cls.parse(cfg, where)
-
-
-class AuthSection(Section):
-    """The `auth` section as written (the root config model's `auth`)."""
-
-    api_keys: Items[ApiKeyEntry] = ()
-    jwt: JwtSection | None = None
-    required_scope: NonEmptyStr = "generate"
-    cache: CacheSettings = CacheSettings()
-
-    @field_validator("api_keys")
-    @classmethod
-    def _unique(cls, entries: tuple[ApiKeyEntry, ...]) -> tuple[ApiKeyEntry, ...]:
-        check_unique(entries)
-        return entries
-
-
-@dataclass(frozen=True)
-class AuthConfig:
-    """What the service runs with: keys as digests only, JWT keys loaded. Built from a validated
-    `AuthSection`, so the plaintext of a dev key never outlives loading."""
-
-    api_keys: ApiKeyTable = field(default_factory=lambda: ApiKeyTable([]))
-    jwt: JwtSettings | None = None
-    required_scope: str = "generate"
-    cache: CacheSettings = CacheSettings()
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> AuthConfig:
-        """Parse the `auth` section; `environ` (default os.environ) resolves `hs256_secret_env`."""
-        return cls.from_section(AuthSection.parse(section, "auth"), environ)
-
-    @classmethod
-    def from_section(cls, section: AuthSection, environ: Mapping[str, str] | None = None) -> AuthConfig:
-        jwt = None if section.jwt is None else JwtSettings.from_section(section.jwt, "auth.jwt", environ)
-        return cls(api_keys=ApiKeyTable.from_entries(section.api_keys), jwt=jwt,
-                   required_scope=section.required_scope, cache=section.cache)
 
 
 Verdict = auth_pb2.CheckResponse | AuthDenied
@@ -271,37 +211,12 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             )
 
 
-_encode_checks, _decode_checks = field_items(auth_pb2.CheckBatchRequest, "credential")
-_encode_verdicts, _decode_verdicts = message_answer(auth_pb2.CheckBatchResponse)
-CHECK_BATCH: BatchRpc[str, auth_pb2.CheckResponse] = BatchRpc(
-    rpc="CheckBatch", local="check_items", encode_items=_encode_checks,
-    decode_items=_decode_checks, encode_results=_encode_verdicts, decode_results=_decode_verdicts)
-
-
 def _bearer(credential: str) -> str:
     """Accept the raw token or a whole `Authorization: Bearer <token>` value."""
     token = credential.strip()
     if token[:7].lower() == "bearer ":
         token = token[7:].strip()
     return token
-
-
-class AuthStep(Step):
-    """The pipeline asks Auth whose bearer credential a request carries (fail closed)."""
-
-    method = "Check"
-    order = 10
-
-    def screen(self, state: RequestState) -> Stop | None:
-        if bearer(state.metadata) is None:
-            return Stop(grpc.StatusCode.UNAUTHENTICATED, MISSING_CREDENTIAL)
-        return None
-
-    def decide(self, batch: list[RequestState], call: StepCall) -> None:
-        verdicts = call.batch(CHECK_BATCH, [bearer(state.metadata) or "" for state in batch])
-        for state, verdict in self.answered(call, batch, verdicts):
-            state.principal = verdict.principal
-            state.tenant = state.principal.tenant
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

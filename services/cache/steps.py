@@ -105,7 +105,6 @@ class CacheLookupStep(Step):
     """The pipeline probes the cache before the model (fail open: a failure is a counted miss)."""
 
     method = "Lookup"
-    order = 40
 
     def decide(self, batch: list[RequestState], call: StepCall) -> None:
         probes = call.batch(LOOKUP_BATCH, [(state.tenant, state.resolved) for state in batch])
@@ -127,7 +126,6 @@ class CacheStoreStep(Step):
 
     method = "Store"
     phase = Phase.COMPLETE
-    order = 60
 
     def wants(self, state: RequestState) -> bool:
         return (state.response is not None and state.resolved is not None and not state.shadow

@@ -43,7 +43,7 @@ from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
-from services.pipeline.runner import Pipeline, code_details
+from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import FORWARDED_TRAILERS, Stop, downstream_stop
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
@@ -93,14 +93,16 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     """Serves `spine.v1.Gateway` through the pipeline."""
 
     def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str, *,
-                 internal_key: bytes | None = None, policy: OutputPolicy | None = None) -> None:
+                 fail_opens: FailOpenCount, internal_key: bytes | None = None,
+                 policy: OutputPolicy | None = None) -> None:
         self.pipeline = pipeline
         self.policy = policy  # None: no output policy (nothing is checked)
         self.limits = limits
         self.layout = layout
         # Verifies the front's shadow marks (`internal_marks`); None: no request is shadow.
         self.internal_key = internal_key
-        self.fail_open_failures: Counter[str] = Counter()
+        # Fail-open failures by component: the count the pipeline was built to call.
+        self.fail_open_failures: Counter[str] = fail_opens.by_component
         self._lock = threading.Lock()
         self.admission: Admission = DirectAdmission(pipeline)
         self.completions: Completions = DirectCompletions(pipeline)
@@ -109,7 +111,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         # `runtime.gateway_mirror`); must be cheap and never raise.
         self.answered: Callable[[RequestState], None] | None = None
         self.model_load = ModelLoads(self._models_load)
-        pipeline.on_fail_open = self.count_fail_open
 
     # -- public API ---------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
@@ -228,12 +229,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _model_call(self, state: RequestState, method: str, context: Any, **extra: Any) -> Any:
         """The model, through its binding (the engine batches decode steps itself)."""
         stage = self.pipeline.model
-        client = self.pipeline.clients[stage.component]
+        client: Any = self.pipeline.clients[stage.component]  # the model's binding: its rpcs by name
         started = time.perf_counter()
         try:
-            return getattr(client, method)(state.resolved, timeout=state.remaining(),
-                                           metadata=((REQUEST_ID_HEADER, state.request_id),),
-                                           parent=context, **extra)
+            call = client.Generate if method == "Generate" else client.GenerateStream
+            return call(state.resolved, timeout=state.remaining(), metadata=((REQUEST_ID_HEADER, state.request_id),),
+                        parent=context, **extra)
         except grpc.RpcError as error:
             if getattr(error, "ejected", False):
                 state.ejected.append(stage.component)
@@ -282,12 +283,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.completions.complete(state)
         if self.answered is not None:
             self.answered(state)
-
-    def count_fail_open(self, name: str, reason: str, request_id: str) -> None:
-        """Count a fail-open middleware's failure; the request goes on."""
-        with self._lock:
-            self.fail_open_failures[name] += 1
-        log.warning("fail-open middleware %s failed (%s); request %s goes on", name, reason, request_id)
 
     def _trailing(self, state: RequestState) -> tuple[tuple[str, str], ...]:
         return ((LAYOUT_HEADER, self.layout), (REQUEST_ID_HEADER, state.request_id))

@@ -12,7 +12,6 @@ class ValidationStep(Step):
     priority above the tenant's allowance (PERMISSION_DENIED)."""
 
     method = "Validate"
-    order = 15
     decides = False
 
     def screen(self, state: RequestState) -> Stop | None:

@@ -15,4 +15,3 @@ class InferenceStep(Step):
 
     method = "Generate"
     phase = Phase.MODEL
-    order = 50

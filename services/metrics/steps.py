@@ -56,7 +56,6 @@ class MetricsStep(Step):
 
     method = "Record"
     phase = Phase.COMPLETE
-    order = 80
 
     def wants(self, state: RequestState) -> bool:
         return True

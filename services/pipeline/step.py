@@ -6,7 +6,7 @@ its phase (admission before the model, completion after the answer), whether it 
 closed or open, and its call budget. It decides a batch of requests with one call of its
 component's batch rpc; the per-request path is the same stage with a batch of one.
 
-A stage only says what its component answered; the `Pipeline` (`runner.py`) times it,
+A stage only says what its component answered; the `Pipeline` (`pipeline.py`) times it,
 runs the hooks (spans, injected faults) around each request's part, enforces the budget
 and turns a failed call into each request's verdict, by the stage's fail mode.
 """
@@ -92,11 +92,10 @@ def _status_of(result: Any) -> Any:
 
 
 class Step:
-    """Base of every stage. Subclasses set `method`, `phase`, `order` and `decide`."""
+    """Base of every stage. Subclasses set `method`, `phase` and `decide`; their order is the registry's `path`."""
 
     method: ClassVar[str] = ""  # the per-request rpc, as hooks and spans name the call
     phase: ClassVar[Phase] = Phase.ADMIT
-    order: ClassVar[int] = 0  # position in the path; the table sorts stages by it
     # A completion stage the spine may write a window later, off the request path
     # (`monolith.batched.DeferredCompletions`); False: always at the request's last byte.
     deferrable: ClassVar[bool] = True

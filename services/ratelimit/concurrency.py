@@ -9,7 +9,7 @@ failed — expires at the request's deadline, so a slot is never lost for longer
 request could have run.
 
 The limit a limiter enforces is its share of the configured one (the traffic split's rule
-for every limit, `migration.limits`), rounded down but never below 1, and halved while the
+for every limit, `migration.limit_shares`), rounded down but never below 1, and halved while the
 device is busy when `concurrency_when_busy.halve` is set (hysteresis: halved above
 `above`, whole again below `below`). Slots already held are never revoked: a lower limit
 only refuses new requests until enough have finished.

@@ -119,7 +119,7 @@ class RateLimitConfig(Section):
     default: BucketLimits = BucketLimits()
     tenants: Table[BucketLimits] = Field(default_factory=dict)
     concurrency_when_busy: ConcurrencyWhenBusy = ConcurrencyWhenBusy()
-    # Without it, each limiter holds its fixed share (`migration.limits`).
+    # Without it, each limiter holds its fixed share (`migration.limit_shares`).
     store: RateLimitStore | None = None
 
     @model_validator(mode="before")

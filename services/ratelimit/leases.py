@@ -4,7 +4,7 @@ Every replica keeps deciding each request in-process, on its own device buckets,
 without a store (`TokenBucketTable.decide`: the hot path does not know). What changes is
 where a bucket's tokens come from: in lease mode (`TokenBucketTable.lease`) a bucket does
 not refill by itself; a thread of its own renews it every `renew_interval_s` from the store
-(`services.ratelimit.store`), which holds the one *global* bucket per limit (the configured
+(`services.ratelimit.lease_store`), which holds the one *global* bucket per limit (the configured
 rate and burst). Each renewal asks, per bucket, for `lease_s` of the replica's recent
 consumption (doubled while the bucket ran dry), gives back the tokens of a bucket unused for
 `lease_s`, and pays for the reserve it spent (below). One round trip per renewal, whatever
@@ -58,7 +58,7 @@ from prometheus_client.registry import Collector
 from services.common.thread_names import name_os_thread
 from services.ratelimit.concurrency import ConcurrencyLeases
 from services.ratelimit.config import RateLimitStore
-from services.ratelimit.store import RedisLeaseStore, SlotAsk, StoreAnswer, TokenAsk
+from services.ratelimit.lease_store import RedisLeaseStore, SlotAsk, StoreAnswer, TokenAsk
 from services.ratelimit.token_buckets import TokenBucketTable
 
 log = logging.getLogger("spine.ratelimit")

@@ -19,7 +19,6 @@ exactly the bucket levels) of deciding the same requests one by one in list orde
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +33,14 @@ from services.pipeline.batch_rpc import ItemError
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
 from services.ratelimit.admission import MAX_HITS_ADDEND as MAX_HITS_ADDEND
 from services.ratelimit.admission import RESOURCES as RESOURCES
+from services.ratelimit.asks import (
+    InvalidRateLimitRequest,
+    Key,
+    RateLimitAsk,
+    ask_for,
+    bucket_keys,
+    limit_name,
+)
 from services.ratelimit.concurrency import ConcurrencyLeases, SlotAdmission
 from services.ratelimit.config import BucketLimits as BucketLimits
 from services.ratelimit.config import RateLimitConfig
@@ -41,69 +48,14 @@ from services.ratelimit.leases import StoreLeases
 from services.ratelimit.token_buckets import BatchDecision, BucketState, TokenBucketTable
 from wire.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
-Key = tuple[tuple[str, str], ...]
 _OK = ratelimit_pb2.RateLimitResponse.OK
 _OVER_LIMIT = ratelimit_pb2.RateLimitResponse.OVER_LIMIT
 _NO_DECISION = BatchDecision(admitted=[], fits=[], remaining=[], retry_after_s=[], rounds=0)
 
 
-class InvalidRateLimitRequest(ValueError):
-    """A request the service cannot decide; the message names the field. `index` is its batch position."""
-
-    def __init__(self, message: str, index: int = 0) -> None:
-        super().__init__(message)
-        self.index = index
-
-
-@dataclass(frozen=True)
-class RateLimitAsk:
-    """What is decided, whichever rpc asked: a domain and descriptors as (entries, hits) pairs.
-
-    `AdmitBatch` items and `ShouldRateLimit` descriptors both become these first, so one
-    parse and one decision path serve both.
-    """
-
-    domain: str
-    descriptors: tuple[tuple[Key, int], ...]
-    dry_run: bool = False
-
-    @classmethod
-    def from_proto(cls, request: ratelimit_pb2.RateLimitRequest) -> RateLimitAsk:
-        return cls(request.domain, tuple([(tuple([(e.key, e.value) for e in d.entries]), d.hits_addend)
-                                          for d in request.descriptors]), request.dry_run)
-
-    def to_proto(self) -> ratelimit_pb2.RateLimitRequest:
-        Entry = ratelimit_pb2.RateLimitDescriptor.Entry
-        return ratelimit_pb2.RateLimitRequest(domain=self.domain, dry_run=self.dry_run, descriptors=[
-            ratelimit_pb2.RateLimitDescriptor(entries=[Entry(key=k, value=v) for k, v in key], hits_addend=hits)
-            for key, hits in self.descriptors])
-
-
-@functools.lru_cache(maxsize=4096)
-def _bucket_keys(tenant: str, model: str) -> tuple[Key, ...]:
-    """Each resource's descriptor entries for a (tenant, model): made once, not per request."""
-    return tuple((("tenant", tenant), ("model", model), ("resource", resource)) for resource in RESOURCES)
-
-
-def ask_for(tenant: str, model: str, tokens: int, dry_run: bool = False, domain: str = "spine") -> RateLimitAsk:
-    """What the gateway asks per request: one request, and `tokens` tokens."""
-    requests_key, tokens_key = _bucket_keys(tenant, model)
-    return RateLimitAsk(domain, ((requests_key, 1), (tokens_key, tokens)), dry_run)
-
-
-def descriptors_for(tenant: str, model: str, tokens: int) -> list[ratelimit_pb2.RateLimitDescriptor]:
-    """`ask_for`'s two descriptors as protos (what goes over the wire)."""
-    return list(ask_for(tenant, model, tokens).to_proto().descriptors)
-
-
 def _overall_retry(waits: list[float]) -> float:
     """A response's retry-after: -1 when some bucket can never fit it, else the longest wait."""
     return -1.0 if -1.0 in waits else max(waits)
-
-
-def limit_name(key: Key) -> str:
-    """`tenant=dev,model=tiny-lm,resource=tokens`: how a person names a bucket."""
-    return ",".join(f"{k}={v}" for k, v in key)
 
 
 @dataclass(frozen=True)
@@ -285,7 +237,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         if (not item.tenant or not item.model or not 0 <= item.tokens <= MAX_HITS_ADDEND
                 or self.config.limits_for(item.tenant).max_concurrent_requests is not None):
             return None
-        buckets = [self._buckets.get(key) for key in _bucket_keys(item.tenant, item.model)]
+        buckets = [self._buckets.get(key) for key in bucket_keys(item.tenant, item.model)]
         with self._lock:
             slots = [slot for bucket in buckets if bucket is not None and (slot := self._table.slot_of(bucket.key)) is not None]
             if len(slots) != len(buckets):

@@ -26,7 +26,6 @@ class RateLimitStep(Step):
     ends) is where `ReleaseStep` gives it back."""
 
     method = "Admit"
-    order = 30
 
     def decide(self, batch: list[RequestState], call: StepCall) -> None:
         items: dict[RequestState, AdmitItem] = {}
@@ -50,7 +49,6 @@ class ReleaseStep(Step):
 
     method = "Release"
     phase = Phase.COMPLETE
-    order = 55  # before the cache store, logs and metrics
     deferrable = False
 
     def __init__(self, policy: StepPolicy, limits: RequestLimits) -> None:

@@ -17,20 +17,28 @@ under uniform overload it ends in two or three.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from services.common import DeviceState
 from services.common.host_view import HostView
+from services.ratelimit.bucket_cells import (
+    BASE_CAPACITY,
+    BASE_RATE,
+    CAPACITY,
+    LAST_REFILL,
+    LEVEL,
+    RATE,
+    ROWS,
+    refilled,
+    retry_after,
+    retry_rate,
+    store,
+)
 
-# Rows of the state tensor, one column per bucket.
-LEVEL, LAST_REFILL, RATE, CAPACITY, BASE_RATE, BASE_CAPACITY = range(6)
-_ROWS = 6
 OWNER = "ratelimit"
 
 
@@ -67,7 +75,7 @@ class TokenBucketTable:
         self._slots: dict[Hashable, int] = {}
         self._share = 1.0
         self._lease_reserve: float | None = None  # lease mode: see `lease`
-        self._state = device.allocate(OWNER, (_ROWS, max(1, initial_slots)), torch.float64)
+        self._state = device.allocate(OWNER, (ROWS, max(1, initial_slots)), torch.float64)
         self._host = HostView()  # the numpy view of `_state` on the CPU (None elsewhere)
         # On the CPU, decide on Python floats (a micro-batch) or numpy views (a large batch)
         # of the same memory; False forces the torch ops CUDA uses (tests compare the paths).
@@ -112,7 +120,7 @@ class TokenBucketTable:
             return
         while size < needed:
             size *= 2
-        grown = self._device.allocate(OWNER, (_ROWS, size), torch.float64)
+        grown = self._device.allocate(OWNER, (ROWS, size), torch.float64)
         grown[:, : self._state.shape[1]] = self._state
         self._device.release(OWNER, self._state)
         self._state = grown
@@ -221,7 +229,7 @@ class TokenBucketTable:
 
         # `taken` is what the final decisions charge.
         remaining = level - (earlier + taken)
-        wait = ((earlier + pair_cost) - level) / _retry_rate(cols)[pair_bucket]
+        wait = ((earlier + pair_cost) - level) / retry_rate(cols)[pair_bucket]
         never = pair_cost > cols[CAPACITY][pair_bucket]
         retry = torch.where(fits, torch.zeros_like(wait), torch.where(never, torch.full_like(wait, -1.0), wait))
         cols[LEVEL] = bucket_level - torch.zeros_like(bucket_level).index_add_(0, pair_bucket, taken)
@@ -299,17 +307,17 @@ class TokenBucketTable:
         state = self._host.cells(self._state) if self.host_paths else None
         if state is None or len(set(row_slot)) != len(row_slot):
             return None
-        rows = [(slot, 0.0 + float(cost), *_refilled(state, slot, now))
+        rows = [(slot, 0.0 + float(cost), *refilled(state, slot, now))
                 for slot, cost in zip(row_slot, row_cost, strict=True)]
         ok = all(cost <= level for _, cost, level, _, _, _ in rows)
         take = ok and charge
         fits_out, left_out, retry_out = [], [], []
         for slot, cost, level, last, rate, cap in rows:
             fits_out.append(cost <= level)
-            retry_out.append(_retry_after(cost, level, rate, cap))
+            retry_out.append(retry_after(cost, level, rate, cap))
             if take:
                 level = level - cost
-            _store(state, slot, level, last, now)
+            store(state, slot, level, last, now)
             left_out.append(level)
         return BatchDecision(admitted=[ok], fits=fits_out, remaining=left_out, retry_after_s=retry_out, rounds=1)
 
@@ -335,7 +343,7 @@ class TokenBucketTable:
         rate: dict[int, float] = {}
         cap: dict[int, float] = {}
         for slot in dict.fromkeys(row_slot):
-            level[slot], last[slot], rate[slot], cap[slot] = _refilled(state, slot, now)
+            level[slot], last[slot], rate[slot], cap[slot] = refilled(state, slot, now)
         admitted: list[bool] = []
         outcome: list[dict[int, tuple[bool, float, float]]] = []  # per request: bucket -> (fits, left, retry)
         for request, costs in enumerate(wants):
@@ -344,14 +352,14 @@ class TokenBucketTable:
             out: dict[int, tuple[bool, float, float]] = {}
             for slot, cost in costs.items():
                 current = level[slot]
-                retry = _retry_after(cost, current, rate[slot], cap[slot])
+                retry = retry_after(cost, current, rate[slot], cap[slot])
                 if take:
                     level[slot] = current - cost
                 out[slot] = (cost <= current, level[slot], retry)
             admitted.append(ok)
             outcome.append(out)
         for slot, value in level.items():
-            _store(state, slot, value, last[slot], now)
+            store(state, slot, value, last[slot], now)
         rows = [outcome[request][slot] for slot, request in zip(row_slot, row_request, strict=True)]
         return BatchDecision(
             admitted=admitted,
@@ -360,34 +368,6 @@ class TokenBucketTable:
             retry_after_s=[retry for _, _, retry in rows],
             rounds=1,
         )
-
-
-def _refilled(state: Any, slot: int, now: float) -> tuple[float, float, float, float]:
-    """A bucket's (level now, last refill, rate, capacity), read from the table's host cells:
-    refilled on use, and time that runs backwards earns nothing."""
-    last, rate, cap = state[LAST_REFILL, slot], state[RATE, slot], state[CAPACITY, slot]
-    # A leased bucket (rate 0) reports its configured rate: retry-after is when the store refills.
-    return min(cap, state[LEVEL, slot] + rate * max(now - last, 0.0)), last, rate or state[BASE_RATE, slot], cap
-
-
-def _retry_rate(cols: torch.Tensor) -> torch.Tensor:
-    """The rate a wait is computed with: a leased bucket's (0) is its configured one."""
-    return torch.where(cols[RATE] > 0, cols[RATE], cols[BASE_RATE])
-
-
-def _retry_after(cost: float, level: float, rate: float, cap: float) -> float:
-    """0 when `cost` fits `level`; -1 when it never can (over the capacity); else the wait."""
-    if cost <= level:
-        return 0.0
-    if cost > cap:
-        return -1.0
-    return (cost - level) / rate if rate > 0 else math.inf
-
-
-def _store(state: Any, slot: int, level: float, last: float, now: float) -> None:
-    """Write a decided bucket back: its level, refilled up to `now`."""
-    state[LEVEL, slot] = level
-    state[LAST_REFILL, slot] = max(last, now)
 
 
 class _Plan:

@@ -19,11 +19,9 @@ from typing import Any
 import grpc
 
 from services.common import DeviceState, answer_one, section
-from services.pipeline.batch_rpc import BatchRpc, ItemError, field_items, message_answer
-from services.pipeline.state import RequestState
-from services.pipeline.step import Step, StepCall
-from services.pipeline.verdicts import resolved_request
+from services.pipeline.batch_rpc import ItemError
 from services.router.config import ModelRoute, RouterConfig
+from services.router.steps import RESOLVE_BATCH
 from wire.v1 import router_pb2, router_pb2_grpc
 
 _MAX_ECHO = 64  # an unknown name is quoted back, but not an arbitrarily long one
@@ -104,28 +102,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ListModelsRequest, context: grpc.ServicerContext
     ) -> router_pb2.ListModelsResponse:
         return self.list_models()
-
-
-_encode_names, _decode_names = field_items(router_pb2.ResolveBatchRequest, "model")
-_encode_routes, _decode_routes = message_answer(router_pb2.ResolveBatchResponse)
-RESOLVE_BATCH: BatchRpc[str, router_pb2.ResolveResponse] = BatchRpc(
-    rpc="ResolveBatch", local="resolve_items", encode_items=_encode_names,
-    decode_items=_decode_names, encode_results=_encode_routes,
-    decode_results=_decode_routes)
-
-
-class RouterStep(Step):
-    """The pipeline asks the Router which model a request's id or alias names (fail closed)."""
-
-    method = "Resolve"
-    order = 20
-
-    def decide(self, batch: list[RequestState], call: StepCall) -> None:
-        routes = call.batch(RESOLVE_BATCH, [state.request.model for state in batch])
-        for state, route in self.answered(call, batch, routes):
-            state.model = route.model_id
-            state.resolved = resolved_request(state.request, state.model)
-            state.fallback, state.fallback_of = route.fallback, tuple(route.fallback_of)
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.config import load_config, merge
+from runtime.config_file import load_config, merge
 from services.cache.pregenerated import PregeneratedTable, describe, served_digests, table_key, write_table
 from services.common import ConfigError, section
 from services.inference.config import InferenceConfig

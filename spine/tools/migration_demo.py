@@ -65,7 +65,7 @@ from migration.plan import load_plan
 from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
 from migration.traffic.spine_process import FaultNotSwitched
-from runtime.config import merge
+from runtime.config_file import merge
 from runtime.parent import die_with_parent
 from runtime.sections import ShadowConfig, TlsConfig
 from runtime.signals import uninterrupted
@@ -377,7 +377,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
 
     0 when every run ended as it should: healthy promoted, failing rolled back by the
     error-rate gate, parity rolled back by the parity gate (and no other)."""
-    from runtime.config import dev_api_key
+    from runtime.config_file import dev_api_key
 
     console = console or Console(width=None if Console().is_terminal else 140)
     plan_text = plan_path.read_text()

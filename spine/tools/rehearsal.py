@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from migration.plan import load_plan
-from migration.store import Store
-from runtime.config import load_config
+from migration.state_store import Store
+from runtime.config_file import load_config
 from runtime.signals import sigterm_as_interrupt, uninterrupted
 from spine.tools.local_prometheus import PrometheusError
 from spine.tools.rehearsal_launch import REHEARSAL_PLAN, Launcher, Options

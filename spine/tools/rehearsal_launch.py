@@ -16,7 +16,7 @@ import grpc
 import yaml
 
 from migration.plan import MIDDLEWARES
-from runtime.config import dev_api_key, load_config, merge
+from runtime.config_file import dev_api_key, load_config, merge
 from runtime.server import free_ports, wait_serving
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.rehearsal_processes import (

@@ -9,7 +9,8 @@ import torch
 
 from monolith import cupy_kernels
 from monolith.device import DeviceContext
-from services.ratelimit.service import RateLimitConfig, RateLimitService, descriptors_for
+from services.ratelimit.asks import descriptors_for
+from services.ratelimit.service import RateLimitConfig, RateLimitService
 from wire.v1 import ratelimit_pb2
 
 

@@ -33,11 +33,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from services.inference.model.interface import DeviceLike, Segment, allocate, release
+from services.inference.model.tiny_kv import (
+    KVCache,
+    Paging,
+    block_size_for,
+    blocks_per_slot,
+    last_indices,
+    segment_offsets,
+)
 from services.inference.model.tokenizer import EOS_ID, VOCAB_SIZE
 
 WEIGHT_BITS = 14
@@ -53,7 +60,6 @@ MAX_D_MODEL = 1 << 9  # RMSNorm: x² <= 2**44 grid units, 2**9 of them
 MAX_D_FF = 1 << 16  # matmul: 2**22 * 2**14 per product, 2**16 of them, plus the residual
 MAX_CONTEXT_LIMIT = 1 << 16  # attention sum: 21 + 16 + 16 bits = 53
 PREFILL_QUERY_CHUNK = 128  # bounds a long prompt's score matrix to chunk x context
-KV_BLOCK_TOKENS = 16  # positions per KV block: the unit a shared prefix is kept in
 
 PRINTABLE = [*range(32, 127), ord("\n")]
 
@@ -69,54 +75,6 @@ def _grid_uniform(gen: torch.Generator, shape: tuple[int, ...], bound: float) ->
     top = max(1, int(bound * (1 << WEIGHT_BITS)))
     ints = torch.randint(-top, top + 1, shape, generator=gen, dtype=torch.int64)
     return ints.to(torch.float64) / float(1 << WEIGHT_BITS)
-
-
-@dataclass
-class KVCache:
-    """Keys and values in blocks of positions: [layers, blocks, block_size, heads, head_dim].
-
-    `tables[slot]` lists the blocks holding that slot's positions 0, 1, …: position p is at
-    block `tables[slot][p // block_size]`, row `p % block_size`. A new cache gives each slot
-    blocks of its own (slot s: blocks s×n … s×n+n−1), which behaves as one region per slot;
-    the engine may rewrite a slot's table, so that sequences with the same prefix read the
-    same blocks (`services.inference.model.kv_pool`). Positions past a sequence's end may map to any
-    block: attention masks them to an exact 0.
-
-    Stored as float32: the values sit on a grid of at most 16 significant bits, so the
-    narrower type holds them exactly at half the memory.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    tables: list[list[int]]
-    max_context: int
-
-    @property
-    def slots(self) -> int:
-        return len(self.tables)
-
-    @property
-    def block_size(self) -> int:
-        return int(self.keys.shape[2])
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.keys.shape[1])
-
-    @property
-    def block_bytes(self) -> int:
-        """Keys and values of one block, all layers."""
-        per_block = self.keys[:, 0].numel() * self.keys.element_size()
-        return 2 * per_block
-
-
-def block_size_for(max_context: int) -> int:
-    """Positions per KV block: KV_BLOCK_TOKENS, or the whole context when it is shorter."""
-    return max(1, min(KV_BLOCK_TOKENS, max_context))
-
-
-def blocks_per_slot(max_context: int) -> int:
-    return -(-max_context // block_size_for(max_context))
 
 
 class TinyLM(torch.nn.Module):
@@ -257,12 +215,12 @@ class TinyLM(torch.nn.Module):
         positions = torch.tensor(
             [p for s in segments for p in range(s.start, s.end)], dtype=torch.long, device=dev
         )
-        paging = _Paging.of(segments, cache, dev) if cache is not None else None
+        paging = Paging.of(segments, cache, dev) if cache is not None else None
         x = self.embed[tokens] + self.pos[positions]
         for layer in range(self.n_layers):
             x = self._block(layer, x, segments, positions, paging, cache)
         if not all_logits:
-            last = torch.tensor(_last_indices(segments), dtype=torch.long, device=dev)
+            last = torch.tensor(last_indices(segments), dtype=torch.long, device=dev)
             x = x[last]
         h = _fix(_rms_norm(x), ACT_BITS, ACT_LIMIT)
         return (h @ self.head) * self._logit_scale + self.logit_bias
@@ -273,7 +231,7 @@ class TinyLM(torch.nn.Module):
         x: torch.Tensor,
         segments: Sequence[Segment],
         positions: torch.Tensor,
-        paging: _Paging | None,
+        paging: Paging | None,
         cache: KVCache | None,
     ) -> torch.Tensor:
         n, d, heads, hd = x.shape[0], self.d_model, self.n_heads, self.head_dim
@@ -302,7 +260,7 @@ class TinyLM(torch.nn.Module):
         positions: torch.Tensor,
         segments: Sequence[Segment],
         cache: KVCache,
-        paging: _Paging,
+        paging: Paging,
     ) -> torch.Tensor:
         """Attention of every new token over its slot's blocks: single-token segments together,
         prompts alone.
@@ -314,7 +272,7 @@ class TinyLM(torch.nn.Module):
         out = torch.empty_like(q)
         keys, values = cache.keys[layer], cache.values[layer]
         heads, hd = self.n_heads, self.head_dim
-        offsets = _offsets(segments)
+        offsets = segment_offsets(segments)
         if paging.single_rows is not None and paging.single_tables is not None:
             rows, tables, span = paging.single_rows, paging.single_tables, paging.single_span
             group = tables.shape[0]
@@ -395,55 +353,3 @@ _LETTER_FREQUENCY = {
     "k": 0.006, "j": 0.001, "x": 0.0015, "q": 0.001, "z": 0.0007,
 }  # fmt: skip
 _BYTE_FREQUENCY = {" ": 0.18, ".": 0.01, ",": 0.01, "\n": 0.004, "'": 0.002, "?": 0.001, "!": 0.001}
-
-
-def _offsets(segments: Sequence[Segment]) -> list[int]:
-    offsets, total = [], 0
-    for seg in segments:
-        offsets.append(total)
-        total += len(seg.token_ids)
-    return offsets
-
-
-def _last_indices(segments: Sequence[Segment]) -> list[int]:
-    return [o + len(s.token_ids) - 1 for o, s in zip(_offsets(segments), segments, strict=True)]
-
-
-@dataclass(frozen=True)
-class _Paging:
-    """Where one forward's keys go and which blocks each segment reads: worked out once per
-    forward from the slots' block tables, used by every layer."""
-
-    write_blocks: torch.Tensor  # [N] block of each new token ...
-    write_rows: torch.Tensor  # ... and its row in the block
-    single_rows: torch.Tensor | None  # rows of the one-token segments in the packed batch
-    single_tables: torch.Tensor | None  # [G, blocks] what each of them reads (padded: masked anyway)
-    single_span: int
-    prompt_tables: dict[int, torch.Tensor]  # segment index -> the blocks a longer segment reads
-
-    @classmethod
-    def of(cls, segments: Sequence[Segment], cache: KVCache, device: torch.device) -> _Paging:
-        size, tables = cache.block_size, cache.tables
-        blocks, rows = [], []
-        for seg in segments:
-            table = tables[seg.slot]
-            for p in range(seg.start, seg.end):
-                blocks.append(table[p // size])
-                rows.append(p % size)
-        singles = [i for i, s in enumerate(segments) if len(s.token_ids) == 1]
-        single_rows = single_tables = None
-        span = 0
-        if singles:
-            span = max(segments[i].end for i in singles)
-            width = -(-span // size)
-            padded = [(tables[segments[i].slot][:width] + [0] * width)[:width] for i in singles]
-            offsets = _offsets(segments)
-            single_rows = torch.tensor([offsets[i] for i in singles], dtype=torch.long, device=device)
-            single_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        prompts = {
-            i: torch.tensor(tables[s.slot][: -(-s.end // size)], dtype=torch.long, device=device)
-            for i, s in enumerate(segments) if len(s.token_ids) > 1
-        }
-        return cls(torch.tensor(blocks, dtype=torch.long, device=device),
-                   torch.tensor(rows, dtype=torch.long, device=device),
-                   single_rows, single_tables, span, prompts)

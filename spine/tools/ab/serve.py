@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent()
     from monolith.runtime_env import configure_threads
-    from runtime.config import load_config, placements_for
+    from runtime.config_file import load_config, placements_for
     from runtime.signals import Termination
     from runtime.stack import Stack
     from runtime.tracing import SpanTimes, Tracing, install

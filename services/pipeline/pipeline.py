@@ -17,13 +17,16 @@ The per-request path is `admit([state])`; the spine's micro-batcher calls `admit
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
 from services.pipeline.batch_rpc import BatchRpc
+from services.pipeline.calls import Client, Hook
 from services.pipeline.state import Metadata, RequestState
 from services.pipeline.step import Phase, Step
 from services.pipeline.verdicts import Stop, downstream_stop
@@ -34,19 +37,24 @@ FailOpen = Callable[[str, str, str], None]  # (component, reason, request id)
 Barrier = Callable[[list[RequestState]], None]
 
 
-class Hook(Protocol):
-    """Runs around each request's part of every stage that calls a component (spans, faults).
-
-    `begin` may add metadata (trace context) to the list it is given and may raise a
-    `grpc.RpcError` to fail the call before it is made (fault injection)."""
-
-    def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> Any: ...
-
-    def end(self, token: Any, code: grpc.StatusCode) -> None: ...
-
-
 def _ignore(component: str, reason: str, request_id: str) -> None:
     """A fail-open failure nobody asked to count."""
+
+
+class FailOpenCount:
+    """A `FailOpen` that counts fail-open failures by component and logs each; the request goes on.
+
+    The runtime hands the same one to the pipeline (which calls it) and to the gateway
+    (which shows the counts)."""
+
+    def __init__(self) -> None:
+        self.by_component: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, component: str, reason: str, request_id: str) -> None:
+        with self._lock:
+            self.by_component[component] += 1
+        log.warning("fail-open middleware %s failed (%s); request %s goes on", component, reason, request_id)
 
 
 def code_details(error: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
@@ -63,9 +71,9 @@ def code_details(error: BaseException) -> tuple[grpc.StatusCode, str, tuple[tupl
 class Pipeline:
     """The ordered stages and the clients (bindings) they call, by component name."""
 
-    def __init__(self, stages: Iterable[Step], clients: MutableMapping[str, Any], *,
+    def __init__(self, stages: Iterable[Step], clients: MutableMapping[str, Client], *,
                  hooks: Sequence[Hook] = (), on_fail_open: FailOpen | None = None) -> None:
-        ordered = sorted(stages, key=lambda stage: stage.order)
+        ordered = list(stages)  # in the registry's path order
         self.admission = [stage for stage in ordered if stage.phase == Phase.ADMIT]
         self.completion = [stage for stage in ordered if stage.phase == Phase.COMPLETE]
         self.model = next(stage for stage in ordered if stage.phase == Phase.MODEL)
@@ -220,7 +228,7 @@ class _Call:
         self.bounded_by_budget = False  # the call's timeout was the stage's budget, not a deadline
 
     @property
-    def client(self) -> Any:
+    def client(self) -> Client:
         return self._pipeline.clients[self._stage.component]
 
     def __call__(self, method: str, request: Any, *, via: Any = None) -> Any:
@@ -230,10 +238,7 @@ class _Call:
     def batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, via: Any = None) -> list[Any]:
         client = self.client if via is None else via
         timeout, metadata = self._limits()
-        call_batch = getattr(client, "call_batch", None)
-        if call_batch is None:  # a client with the stub's shape only
-            return rpc.over(client, items, timeout, metadata)
-        return call_batch(rpc, items, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+        return client.call_batch(rpc, items, timeout=timeout, metadata=metadata)
 
     def _limits(self) -> tuple[float, Sequence[tuple[str, str]]]:
         """The call's timeout (the stage's budget, or less when every request's deadline is

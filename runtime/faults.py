@@ -122,7 +122,7 @@ def injected_fault(name: str, config: Any, run_dir: Path | None) -> dict[str, An
     # The model's factory takes a run directory but keeps nothing there.
     model = DEFAULT["inference"].build(config, device, run_dir or Path(tempfile.gettempdir()))
     hook = FaultHook(wrong_answers=name == "wrong-answers")
-    switched: dict[str, Any] = {"device": device, "local_servicers": {"inference": WrongAnswers(model, hook)}}
+    switched: dict[str, Any] = {"device": device, "servicers": {"inference": WrongAnswers(model, hook)}}
     if name == SWITCHABLE:
         switched["hooks"] = [hook]
     return switched

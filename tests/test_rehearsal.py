@@ -137,7 +137,7 @@ def test_the_fault_switch_is_for_rehearsals_only() -> None:
         _injected_fault(args, config, None)
     assert _injected_fault(argparse.Namespace(inject_fault=None, allow_external=False), config, None) == {}
     switched = _injected_fault(argparse.Namespace(inject_fault="wrong-answers", allow_external=False), config, None)
-    model = switched["local_servicers"]["inference"]
+    model = switched["servicers"]["inference"]
     try:
         assert isinstance(model, WrongAnswers) and model._fault.wrong_answers
     finally:

@@ -55,7 +55,6 @@ from bench.targets import (
     QUICK_LAYOUTS,
     REMOTE_BATCHED_OVERLAY,
     UNBATCHED_OVERLAY,
-    RssSampler,
     Target,
     TargetFailed,
     keep_load_generator_off,
@@ -66,6 +65,7 @@ from bench.targets import (
 from runtime.config import load_config, merge
 from runtime.served_model import model_id_for, model_overrides, preflight
 from services.common import ConfigError
+from spine.tools.tree_sampler import TreeSampler
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
@@ -291,7 +291,7 @@ def stop_all(targets: dict[str, Target], console: Console) -> list[int]:
     return left
 
 
-def tear_down(sampler: RssSampler | None, endpoints: Mapping[str, Any], targets: dict[str, Target],
+def tear_down(sampler: TreeSampler | None, endpoints: Mapping[str, Any], targets: dict[str, Target],
               console: Console) -> list[int]:
     """Stop sampling, close the clients, stop every server; the PIDs (ours) still alive, said aloud."""
     if sampler is not None:
@@ -315,9 +315,10 @@ def warm_up(endpoints: Mapping[str, Any], settings: Settings) -> None:
         run_batch(endpoint, reqs[settings.warmup + 2:], concurrency=top, time_limit_s=60)
 
 
-def measure(endpoints: Mapping[str, Any], sampler: RssSampler, settings: Settings,
+def measure(endpoints: Mapping[str, Any], measured: Mapping[str, Target], sampler: TreeSampler, settings: Settings,
             console: Console, *, stream: bool = True) -> list[dict[str, Any]]:
-    """Every cell, its rounds interleaved across layouts; one run record per (cell, layout)."""
+    """Every cell, its rounds interleaved across layouts; one run record per (cell, layout):
+    `measured` is the server behind each endpoint, `sampler` samples their trees."""
     cells = [("unary", c, settings.cell_requests(c)) for c in settings.concurrency]
     if stream:
         cells.append(("stream", 1, settings.stream_requests))
@@ -351,17 +352,17 @@ def measure(endpoints: Mapping[str, Any], sampler: RssSampler, settings: Setting
                     turn = requests_for(prompts(f"turn-{mode[0]}{concurrency}-{r}-{layout}", TURN_WARMUP),
                                         settings.max_tokens, settings.model_id)
                     run_batch(endpoints[layout], turn, concurrency=1, stream=mode == "stream", time_limit_s=5.0)
-                    steps_before = sampler.targets[layout].model_steps()  # outside the CPU reading
+                    steps_before = measured[layout].model_steps()  # outside the CPU reading
                     sampler.measuring(layout, f"{layout}/{mode}/{concurrency}")
-                    cpu_before = sampler.targets[layout].tree_cpu_s()
-                    threads_before = sampler.targets[layout].tree_thread_cpu_s()
+                    cpu_before = measured[layout].tree_cpu_s()
+                    threads_before = measured[layout].tree_thread_cpu_s()
                     batch: Batch = run_batch(endpoints[layout], reqs, concurrency=concurrency,
                                              stream=mode == "stream", time_limit_s=round_limit)
-                    cpu[layout] += sampler.targets[layout].tree_cpu_s() - cpu_before
+                    cpu[layout] += measured[layout].tree_cpu_s() - cpu_before
                     by_thread[layout].update(thread_cpu_by_group(threads_before,
-                                                                 sampler.targets[layout].tree_thread_cpu_s()))
+                                                                 measured[layout].tree_thread_cpu_s()))
                     sampler.measuring(layout, None)
-                    steps_after = sampler.targets[layout].model_steps()
+                    steps_after = measured[layout].model_steps()
                     for i in (0, 1):
                         stepped[layout][i] += steps_after[i] - steps_before[i]
                     calls[layout].extend(batch.calls)
@@ -386,7 +387,7 @@ def run_regime(settings: Settings, console: Console, keep: bool, *, extra: Mappi
     run_dir = Path(tempfile.mkdtemp(prefix="spb-"))  # short: unix socket paths are limited to ~107 bytes
     targets: dict[str, Target] = {}
     endpoints: dict[str, Any] = {}
-    sampler: RssSampler | None = None
+    sampler: TreeSampler | None = None
     curve: dict[str, Any] | None = None
     try:
         targets = start_all(run_dir, settings, console, extra)
@@ -398,15 +399,15 @@ def run_regime(settings: Settings, console: Console, keep: bool, *, extra: Mappi
             if address:
                 endpoints[http_layout] = HttpEndpoint(address, DEV_KEY)
                 processes[http_layout] = processes[layout]
-        sampler = RssSampler({**targets, **{http_layout: targets[layout] for http_layout, layout in HTTP_LAYOUTS.items()
-                                            if http_layout in endpoints}})
-        sampler.start()
+        measured = {**targets, **{http_layout: targets[layout] for http_layout, layout in HTTP_LAYOUTS.items()
+                                  if http_layout in endpoints}}
+        sampler = TreeSampler({name: target.pid for name, target in measured.items()}, interval_s=0.25).start()
         with console.status("warming up"):
             warm_up(endpoints, settings)
-        runs = measure(endpoints, sampler, settings, console)
+        runs = measure(endpoints, measured, sampler, settings, console)
         comparisons = add_ratios(runs)
         for run in runs:
-            run["layout_peak_rss_mb"] = round(sampler.peak_by_layout.get(run["layout"], 0) / (1024 * 1024), 1)
+            run["layout_peak_rss_mb"] = round(sampler.peak_rss.get(run["layout"], 0) / (1024 * 1024), 1)
             run["processes"] = processes[run["layout"]]
         if capacity:
             from bench.capacity import measure_capacity

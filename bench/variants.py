@@ -41,7 +41,6 @@ from bench.report import _fmt, add_ratios
 from bench.run import DEV_KEY, STREAM_REQUESTS, Settings, measure, tear_down, warm_up, write_configs
 from bench.targets import (
     REPO_ROOT,
-    RssSampler,
     Target,
     TargetFailed,
     keep_load_generator_off,
@@ -50,6 +49,7 @@ from bench.targets import (
 )
 from runtime.config import load_config, merge
 from services.common import ConfigError
+from spine.tools.tree_sampler import TreeSampler
 
 
 def parse_vary(spec: str) -> tuple[str, list[Any]]:
@@ -104,7 +104,7 @@ def tree_variants(paths: list[str]) -> dict[str, Path]:
 def generate_protos(root: Path) -> None:
     """The checkout's protobuf modules from its own protos, as `make protos` makes them
     (a fresh worktree has none: they are build outputs, not in git)."""
-    out = root / "spine" / "v1"
+    out = root / "wire" / "v1"
     if (out / ".generated").exists():
         return
     protos = sorted(str(path.relative_to(root)) for path in (root / "protos").rglob("*.proto"))
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="spv-"))  # short: unix socket paths are limited to ~107 bytes
     targets: dict[str, Target] = {}
     endpoints: dict[str, Endpoint] = {}
-    sampler: RssSampler | None = None
+    sampler: TreeSampler | None = None
     try:
         configs = write_configs(run_dir)
         try:
@@ -200,10 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         keep_load_generator_off(server_cpu())
         endpoints = {name: Endpoint(t.address, t.is_gateway, DEV_KEY) for name, t in targets.items()}
-        sampler = RssSampler(targets)
-        sampler.start()
+        sampler = TreeSampler({name: target.pid for name, target in targets.items()}, interval_s=0.25).start()
         warm_up(endpoints, settings)
-        runs = measure(endpoints, sampler, settings, console, stream=args.stream)
+        runs = measure(endpoints, targets, sampler, settings, console, stream=args.stream)
     finally:
         tear_down(sampler, endpoints, targets, console)
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -17,6 +17,7 @@ import yaml
 
 from migration.plan import MIDDLEWARES
 from runtime.config import dev_api_key, load_config, merge
+from runtime.launch import spine_up_argv
 from runtime.server import free_ports, wait_serving
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.rehearsal_processes import (
@@ -154,15 +155,15 @@ class Launcher:
             sys.executable, "-m", "runtime.process", "ratelimit", "--listen", self.ratelimit_address,
             "--config", config, "--run-dir", str(self.work / "layered-ratelimit"),
             "--follow-controller", self.ads, "--node-id", "layered-ratelimit-1"])
-        stack = self.start("layered", [sys.executable, "-m", "spine", "--config", config, "up", "--layout", "layered",
-                                       "--listen", self.layered, "--http-listen", "127.0.0.1:0", "--run-dir", str(self.work / "layered")])
+        stack = self.start("layered", spine_up_argv(config, "layered", listen=self.layered, http_listen="127.0.0.1:0",
+                                                    run_dir=self.work / "layered"))
         return limiter, stack
 
     def start_spine(self, name: str, fault: str | None = None, generation: int = 1) -> Child:
-        argv = [sys.executable, "-m", "spine", "--config", str(self.work / f"{name}.yaml"), "up",
-                "--layout", "collapsed", "--listen", f"127.0.0.1:{self.spine_ports[name]}", "--http-listen", "127.0.0.1:0",
-                "--run-dir", str(self.work / f"{name}-{generation}"), "--follow-controller", self.ads,
-                "--node-id", name, *(("--inject-fault", fault) if fault else ())]
+        argv = spine_up_argv(self.work / f"{name}.yaml", "collapsed", listen=f"127.0.0.1:{self.spine_ports[name]}",
+                             http_listen="127.0.0.1:0", run_dir=self.work / f"{name}-{generation}",
+                             extra=("--follow-controller", self.ads, "--node-id", name,
+                                    *(("--inject-fault", fault) if fault else ())))
         self.spines[name] = self.start(f"{name}-{generation}", argv)
         return self.spines[name]
 

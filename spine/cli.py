@@ -277,7 +277,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_ab(args: argparse.Namespace) -> int:
     from spine.tools.ab.command import run_command
     from spine.tools.ab.runner import RunOptions
-    from spine.tools.ab.workload import SyntheticSpec, TraceError
+    from spine.tools.trace import TraceError
+    from spine.tools.workload import SyntheticSpec
 
     config = load_config(args.config)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]

@@ -26,7 +26,7 @@ from runtime.stack import Stack
 from services.registry import DEFAULT, GATEWAY
 from spine.client.gateway_client import GatewayClient
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
-from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from tests.test_supervisor import refused_config, seconds_until
 from wire.v1 import generation_pb2

@@ -26,8 +26,8 @@ from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower
 from runtime.tls import ReloadingCertificates, reload_on_sighup
 from spine.client.gateway_client import GatewayClient
 from spine.tools.ab.runner import RunOptions, run_ab
-from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
 from spine.tools.dev_certs import issue, make_authority, write_file
+from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.tls_helpers import Certs, health, make_certs
 from wire.v1 import generation_pb2

@@ -23,7 +23,7 @@ from runtime.stats import percentile
 from runtime.tracing import ROOT_SPAN
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.runner import ABRun, LayoutRun
-from spine.tools.ab.workload import Entry
+from spine.tools.workload import Entry
 
 MODEL_SPAN = "inference.generate"
 # Stacking order of the per-middleware bar: the pipeline's order.

@@ -42,9 +42,8 @@ from runtime.server import wait_serving
 from runtime.tls import link_credentials
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.tools.ab.serve import RESULT_FILE
-from spine.tools.ab.workload import Entry
 from spine.tools.tree_sampler import TreeSampler, tree_cpu_seconds
-from spine.tools.workload import Item
+from spine.tools.workload import Entry, Item, closed_loop, open_loop
 
 ResultCallback = Callable[[str, int, CallResult], None]
 Serving = Callable[[str], bool]  # a layout's name -> is its gateway SERVING now
@@ -219,44 +218,35 @@ def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: R
     round_size = options.concurrency * ROUND_PER_WORKER
     clients = {run.name: [run.client() for _ in range(options.concurrency)] for run in live}
     try:
-        with ThreadPoolExecutor(max_workers=options.concurrency, thread_name_prefix="ab-closed") as pool:
-            for number, first in enumerate(range(0, len(entries), round_size)):
-                indices = range(first, min(first + round_size, len(entries)))
-                shift = number % len(live)
-                for run in [*live[shift:], *live[:shift]]:
-                    if time.monotonic() >= deadline:
-                        return
-                    _closed_round(pool, clients[run.name], run, entries, indices, options, deadline, on_result,
-                                  sendable)
+        for number, first in enumerate(range(0, len(entries), round_size)):
+            indices = range(first, min(first + round_size, len(entries)))
+            shift = number % len(live)
+            for run in [*live[shift:], *live[:shift]]:
+                if time.monotonic() >= deadline:
+                    return
+                _closed_round(clients[run.name], run, entries, indices, options, deadline, on_result, sendable)
     finally:
         for layout_clients in clients.values():
             for client in layout_clients:
                 client.close()
 
 
-def _closed_round(pool: ThreadPoolExecutor, clients: Sequence[GatewayClient], run: LayoutRun,
-                  entries: Sequence[Entry], indices: range, options: RunOptions, deadline: float,
-                  on_result: ResultCallback | None, sendable: Callable[[LayoutRun], bool]) -> None:
+def _closed_round(clients: Sequence[GatewayClient], run: LayoutRun, entries: Sequence[Entry], indices: range,
+                  options: RunOptions, deadline: float, on_result: ResultCallback | None,
+                  sendable: Callable[[LayoutRun], bool]) -> None:
     """One layout, one round: each worker takes the round's next request until none is left."""
-    pending = iter(indices)
-    lock = threading.Lock()
 
-    def worker(client: GatewayClient) -> None:
-        while time.monotonic() < deadline:
-            with lock:
-                index = next(pending, None)
-            if index is None:
-                return
-            if not sendable(run):
-                continue
-            result = _send(client, entries[index].item, options.timeout_s)
-            run.results[index] = result
-            run.scheduled_latency_s[index] = result.latency_s
-            if on_result is not None:
-                on_result(run.name, index, result)
+    def send(client: GatewayClient, at: int) -> None:
+        index = indices[at]
+        if not sendable(run):
+            return
+        result = _send(client, entries[index].item, options.timeout_s)
+        run.results[index] = result
+        run.scheduled_latency_s[index] = result.latency_s
+        if on_result is not None:
+            on_result(run.name, index, result)
 
-    for future in [pool.submit(worker, client) for client in clients]:
-        future.result()
+    closed_loop(len(indices), clients, send, options.time_limit_s, deadline=deadline)
 
 
 def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions, started: float,
@@ -275,15 +265,11 @@ def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: Run
     workers = min(options.max_open_workers, max(options.concurrency, 2 * len(live)) * 4)
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ab-open") as pool:
-            for index, entry in enumerate(entries):
-                scheduled = started + entry.at
-                if scheduled >= deadline:
-                    break
-                delay = scheduled - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
+            def release(index: int, scheduled: float) -> None:  # to every layout, who goes first rotating
                 for offset in range(len(live)):
                     pool.submit(send, live[(index + offset) % len(live)], index, scheduled)
+
+            open_loop([entry.at for entry in entries], release, started=started, deadline=deadline)
     finally:
         for client in clients.values():
             client.close()

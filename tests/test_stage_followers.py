@@ -26,7 +26,6 @@ import grpc
 import pytest
 import yaml
 
-from migration.cli import main as migrate
 from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
@@ -43,6 +42,7 @@ from runtime.stage_follower import (
     spine_applier,
 )
 from services.ratelimit import service as ratelimit
+from spine.cli.migrate import main as migrate
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 from wire.v1 import (
     gateway_pb2_grpc,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.load import prompts, requests_for
-from bench.run import DEV_KEY, RATE_LIMIT_OFF
+from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
 from runtime.config import load_config, placements_for
 from runtime.local_context import LocalContext

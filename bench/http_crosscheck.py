@@ -25,7 +25,7 @@ import yaml
 
 from bench.http_load import HttpEndpoint
 from bench.load import prompts, requests_for, run_batch
-from bench.run import DEV_KEY, RATE_LIMIT_OFF
+from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from bench.targets import REPO_ROOT, keep_load_generator_off, server_cpu
 from runtime.parent import spawn
 

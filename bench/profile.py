@@ -45,7 +45,7 @@ import yaml
 
 from bench.device_regime import DEVICE_OVERLAY, SIM_OPTIONS
 from bench.load import Endpoint, prompts, requests_for, run_batch
-from bench.run import RATE_LIMIT_OFF
+from bench.settings import RATE_LIMIT_OFF
 from bench.targets import (
     REPO_ROOT,
     SPINE_LAYOUT,

@@ -37,8 +37,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Endpoint
+from bench.regime import measure, tear_down, warm_up, write_configs
 from bench.report import _fmt, add_ratios
-from bench.run import DEV_KEY, STREAM_REQUESTS, Settings, measure, tear_down, warm_up, write_configs
+from bench.settings import DEV_KEY, STREAM_REQUESTS, Settings
 from bench.targets import (
     REPO_ROOT,
     Target,

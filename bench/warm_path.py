@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.cold_path import _Context
 from bench.load import prompts, requests_for
-from bench.run import DEV_KEY, RATE_LIMIT_OFF
+from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
 from runtime.config import load_config, placements_for
 from runtime.stack import Stack

@@ -1,4 +1,4 @@
-"""`python -m bench.leases`: what the shared lease store (`ratelimit.store`) costs and how exact it is.
+"""`python -m bench.lease_bench`: what the shared lease store (`ratelimit.store`) costs and how exact it is.
 
 Not part of `make bench` (it runs its own redis-server and, by default, two 30 s traffic
 runs). Three measurements, each in this process against a real `redis-server` on loopback:
@@ -98,7 +98,7 @@ def traffic(address: str, rate: float, seconds: float, skewed: bool, prefix: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.leases", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lease_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=50.0, help="the tenant's limit, requests/s (burst as much)")
     parser.add_argument("--seconds", type=float, default=30.0, help="each traffic run")
     parser.add_argument("--rounds", type=int, default=15)

@@ -66,7 +66,7 @@ def test_a_recorded_trace_replays_the_same_requests(tmp_path: Path) -> None:
     ('{"prompt": "a", "max_tokens": "2"}', r"trace\.jsonl:3: field 'max_tokens' must be int"),
     ('{"prompt": "a", "max_tokens": 2, "colour": 1}', r"trace\.jsonl:3: unknown field\(s\) \['colour'\]"),
     ('{"prompt": "a", "max_tokens": 2, "at": 0.1}', r"trace\.jsonl:3: 'at' goes back in time"),
-    ("[1, 2]", r"trace\.jsonl:3: each line must be a JSON object"),
+    ("[1, 2]", r"trace\.jsonl:3: expected a JSON object"),
 ])
 def test_a_malformed_trace_names_the_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "trace.jsonl"

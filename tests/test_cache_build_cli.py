@@ -70,7 +70,7 @@ def test_a_built_table_is_mapped_by_spine_up_and_call_deterministic_is_seeded(tm
     ('{"model": "tiny-lm", "prompt": "x"}', "prompts.jsonl:1: max_tokens: expected an integer >= 1"),
     ('{"model": "gpt-9", "prompt": "x", "max_tokens": 2}', "prompts.jsonl:1: model: 'gpt-9' is not a model id"),
     ('{"model": "tiny-lm", "prompt": "x", "max_tokens": 2, "temperature": 1}', "unknown field(s) ['temperature']"),
-    ("not json", "prompts.jsonl:1: not JSON"),
+    ("not json", "prompts.jsonl:1: not valid JSON"),
     ('{"model": "tiny-lm", "prompt": "x", "max_tokens": 2}\n{"model": "mini", "prompt": "x", "max_tokens": 2}',
      "a table holds one model's answers"),
 ])

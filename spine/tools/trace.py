@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from services.common.json_object import json_object
 from spine.tools.workload import MAX_TRACE_LINES, Entry, Item
 from wire.v1 import generation_pb2
 
@@ -77,12 +78,7 @@ def read_trace(path: str | Path) -> list[Entry]:
 
 def _parse_line(path: str | Path, number: int, line: str) -> Entry:
     where = f"{path}:{number}"
-    try:
-        data = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise TraceError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-    if not isinstance(data, dict):
-        raise TraceError(f"{where}: each line must be a JSON object, got {type(data).__name__}")
+    data = json_object(line, where, TraceError)
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise TraceError(f"{where}: unknown field(s) {unknown}; known: {', '.join(sorted(_FIELDS))}")

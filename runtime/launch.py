@@ -78,10 +78,12 @@ def starting_with(prefix: str) -> LineMatch:
     return lambda line: {"line": line} if line.startswith(prefix) else None
 
 
-def spine_up_argv(config: Path | str, layout: str, *, listen: str, http_listen: str, run_dir: Path | str,
+def spine_up_argv(config: Path | str | None, layout: str, *, listen: str, http_listen: str, run_dir: Path | str,
                   extra: Sequence[str] = ()) -> list[str]:
-    """`python -m spine --config C up --layout L …`: a layout as `spine up` serves it."""
-    return [sys.executable, "-m", "spine", "--config", str(config), "up", "--layout", layout, *extra,
+    """`python -m spine --config C up --layout L …`: a layout as `spine up` serves it (the
+    default config without `config`)."""
+    configured = ["--config", str(config)] if config is not None else []
+    return [sys.executable, "-m", "spine", *configured, "up", "--layout", layout, *extra,
             "--listen", listen, "--http-listen", http_listen, "--run-dir", str(run_dir)]
 
 

@@ -66,6 +66,17 @@ def tree_thread_cpu_seconds(pid: int) -> dict[tuple[int, int], tuple[str, float]
     return out
 
 
+def memory_rollup(pid: int) -> dict[str, int]:
+    """One process's proportional and resident set sizes in kB (/proc/PID/smaps_rollup): PSS
+    counts a page shared by N processes as 1/N in each, so it tells what sharing saves."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup.read().splitlines()[1:]:
+            name, _, rest = line.partition(":")
+            fields[name] = int(rest.split()[0])  # kB
+    return {"pss_kb": fields["Pss"], "rss_kb": fields["Rss"]}
+
+
 def device_bytes_by_pid() -> dict[int, int]:
     """GPU memory per process from nvidia-smi (empty without an NVIDIA driver)."""
     tool = shutil.which("nvidia-smi")

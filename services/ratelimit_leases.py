@@ -99,7 +99,8 @@ class StoreLeases:
         self._keys: dict[str, Hashable] = {}  # a bucket's key in the store -> in the table
         self._last_renewal = clock()
         self.calls = {"ok": 0, "error": 0}
-        self.fallbacks = 0
+        self.fallbacks = 0  # transitions to the fail mode
+        self.recoveries = 0  # and back to leasing
         self.restarts = 0
         table.lease(config.reserve)
         slots.share, slots.granted = 1.0, {}
@@ -260,6 +261,7 @@ class StoreLeases:
         """The store answers again: back on leases. What the buckets hold now was not granted
         (a fallback refilled it): it is charged to the store as it is spent, like the reserve."""
         self.leasing = True
+        self.recoveries += 1
         self._table.lease(self.config.reserve)
         self._slots.share = 1.0
         if self._slots.granted is None:
@@ -291,6 +293,20 @@ class StoreLeases:
         except Exception as error:
             log.info("ratelimit store: leases not given back on shutdown (%s); they lapse", error)
         self.store.close()
+
+    def outstanding(self) -> tuple[float, int]:
+        """What this replica holds of the store now: tokens granted and not spent yet (its
+        part of the bound's leases outstanding: what it may admit beyond what the store still
+        holds) and the concurrency slots the store granted it, over every tenant."""
+        with self._lock:
+            levels = self._table.snapshot()
+            tokens = 0.0
+            for key, held in self._held.items():
+                state = levels.get(key)
+                spent = 0.0 if state is None else max(0.0, held.level - state.level)
+                tokens += max(0.0, held.backed - spent)  # spent from the grant first, as a renewal counts it
+            slots = sum((self._slots.granted or {}).values())
+        return tokens, slots
 
     def health(self) -> tuple[bool, str]:
         """The gateway's view of this limiter: serving either way (a fallback still decides,
@@ -330,8 +346,16 @@ class _StoreCollector(Collector):
         yield calls
         yield CounterMetricFamily("spine_ratelimit_store_fallbacks", "Times the store became unreachable",
                                   value=float(leases.fallbacks))
+        yield CounterMetricFamily("spine_ratelimit_store_recoveries", "Times the store answered again after a fallback",
+                                  value=float(leases.recoveries))
         yield CounterMetricFamily("spine_ratelimit_store_restarts", "Times the store was found empty again",
                                   value=float(leases.restarts))
         replicas = GaugeMetricFamily("spine_ratelimit_store_replicas", "Live replicas the store last counted")
         replicas.add_metric([], float(leases.replicas))
         yield replicas
+        tokens, slots = leases.outstanding()
+        yield GaugeMetricFamily("spine_ratelimit_store_leased_tokens",
+                                "Tokens the store granted this replica that it has not spent yet", value=tokens)
+        yield GaugeMetricFamily("spine_ratelimit_store_leased_slots",
+                                "Concurrency slots the store granted this replica, over every tenant",
+                                value=float(slots))

@@ -108,6 +108,9 @@ class RateLimitStore(Section):
     # controller's, at most 1/replicas last seen), `closed` on what is leased already, `open`
     # on the whole configured limit.
     fail_mode: Literal["shares", "closed", "open"] = "shares"
+    # A rate limiter in a process of its own (the layered layout) serves these families at
+    # /metrics here (`spine.runtime.store_metrics`); in the spine they are on its /metrics.
+    metrics_listen: ListenAddress = "127.0.0.1:0"
 
     @model_validator(mode="after")
     def _renewed_within_a_lease(self) -> RateLimitStore:

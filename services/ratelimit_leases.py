@@ -294,17 +294,19 @@ class StoreLeases:
             log.info("ratelimit store: leases not given back on shutdown (%s); they lapse", error)
         self.store.close()
 
-    def outstanding(self) -> tuple[float, int]:
-        """What this replica holds of the store now: tokens granted and not spent yet (its
-        part of the bound's leases outstanding: what it may admit beyond what the store still
-        holds) and the concurrency slots the store granted it, over every tenant."""
+    def outstanding(self) -> tuple[dict[str, float], int]:
+        """What this replica holds of the store now: per resource (`requests`, `tokens`), the
+        tokens granted and not spent yet (its part of the bound's leases outstanding: what it
+        may admit beyond what the store still holds), and the concurrency slots the store
+        granted it, over every tenant."""
         with self._lock:
             levels = self._table.snapshot()
-            tokens = 0.0
+            tokens: dict[str, float] = {}
             for key, held in self._held.items():
                 state = levels.get(key)
                 spent = 0.0 if state is None else max(0.0, held.level - state.level)
-                tokens += max(0.0, held.backed - spent)  # spent from the grant first, as a renewal counts it
+                resource = _resource(key)  # spent from the grant first, as a renewal counts it
+                tokens[resource] = tokens.get(resource, 0.0) + max(0.0, held.backed - spent)
             slots = sum((self._slots.granted or {}).values())
         return tokens, slots
 
@@ -325,6 +327,15 @@ def _store_key(key: Hashable) -> str:
     if isinstance(key, tuple) and all(isinstance(e, tuple) and len(e) == 2 for e in key):
         return ",".join(f"{k}={v}" for k, v in key)
     return repr(key)
+
+
+def _resource(key: Hashable) -> str:
+    """The `resource=` entry of a bucket's descriptor entries ("" for another key)."""
+    if isinstance(key, tuple):
+        for entry in key:
+            if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == "resource":
+                return str(entry[1])
+    return ""
 
 
 class _StoreCollector(Collector):
@@ -354,8 +365,12 @@ class _StoreCollector(Collector):
         replicas.add_metric([], float(leases.replicas))
         yield replicas
         tokens, slots = leases.outstanding()
-        yield GaugeMetricFamily("spine_ratelimit_store_leased_tokens",
-                                "Tokens the store granted this replica that it has not spent yet", value=tokens)
+        leased = GaugeMetricFamily("spine_ratelimit_store_leased_tokens",
+                                   "Tokens the store granted this replica that it has not spent yet, by the "
+                                   "resource of their buckets (requests, tokens)", labels=["resource"])
+        for resource in ("requests", "tokens"):
+            leased.add_metric([resource], tokens.get(resource, 0.0))
+        yield leased
         yield GaugeMetricFamily("spine_ratelimit_store_leased_slots",
                                 "Concurrency slots the store granted this replica, over every tenant",
                                 value=float(slots))

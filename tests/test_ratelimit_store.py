@@ -127,8 +127,10 @@ def test_the_tokens_an_idle_replica_holds_come_back_within_a_lease(replicas: Any
     key = (("tenant", "t"), ("model", "m"), ("resource", "requests"))
     drive([first, second], 1.0, rate=0.6 * RATE, route=lambda n: 0)  # below the limit: it holds a lease
     assert first.bucket(key).level > 2 * RESERVE * BURST  # type: ignore[union-attr]
+    assert first.store is not None and first.store.outstanding()[0]["requests"] > RESERVE * BURST
     time.sleep(LEASE_S + 3 * RENEW_S)  # idle for a lease: it gives it back, keeping the reserve
     assert first.bucket(key).level <= RESERVE * BURST + 1e-9  # type: ignore[union-attr]
+    assert first.store.outstanding()[0]["requests"] == 0.0  # nothing leased outstanding any more
     admitted = drive([first, second], 1.0, route=lambda n: 1)
     assert admitted[1] >= 0.8 * RATE * 1.0  # the refill of the whole limit, not a share of it
 

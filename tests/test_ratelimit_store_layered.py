@@ -66,14 +66,15 @@ def test_the_layered_rate_limiter_serves_its_store_families_on_its_own_metrics(
     deadline = time.monotonic() + 5.0
     while True:  # the request's buckets were made: the next renewal leases their tokens
         found = families(limiter)
-        if value(found, "spine_ratelimit_store_leased_tokens") > 0 or time.monotonic() > deadline:
+        if value(found, "spine_ratelimit_store_leased_tokens", resource="requests") > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert set(found) >= STORE_FAMILIES
     assert value(found, "spine_ratelimit_store_leasing") == 1.0
     assert value(found, "spine_ratelimit_store_replicas") == 1.0
     assert value(found, "spine_ratelimit_store_calls", result="ok") > 0
-    assert value(found, "spine_ratelimit_store_leased_tokens") > 0
+    assert value(found, "spine_ratelimit_store_leased_tokens", resource="requests") > 0
+    assert value(found, "spine_ratelimit_store_leased_tokens", resource="tokens") > 0
 
 
 def test_the_layered_stacks_metrics_show_the_limiters_store_families(layered: tuple[Stack, LocalRedis]) -> None:

@@ -67,9 +67,9 @@ from bench.targets import (
     server_cpu,
     thread_cpu_by_group,
 )
+from runtime.config import load_config, merge
+from runtime.served_model import model_id_for, model_overrides, preflight
 from services.common import ConfigError
-from spine.runtime.config import load_config, merge
-from spine.runtime.served_model import model_id_for, model_overrides, preflight
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
@@ -97,7 +97,7 @@ SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: the layered layout takes ~2
 # more its first requests pay (with rounds of 40 and six layouts, collapsed/bare at c=1 read
 # 1.12-1.14 where three layouts read 1.08-1.10).
 TURN_WARMUP = 3
-# The HTTP API (`spine.runtime.http`), measured beside the gRPC path of the same server process:
+# The HTTP API (`runtime.http`), measured beside the gRPC path of the same server process:
 # each pseudo-layout calls its layout's HTTP listener (a unix socket, as the gRPC one is) with
 # the same prompts. Only in the cells its targets are stated for (p50 at c=1, throughput at
 # c=64) and the stream cell (TTFT), to keep `make bench` within its time.

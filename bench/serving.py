@@ -13,7 +13,7 @@ chunk, with and without reuse.
 
 `measure_system_prompt_hf`: the same experiment on the transformers backend, a tiny llama
 made here (`spine model make-tiny`), whose KV is one region per slot: a shared prefix is
-stored once and copied into each slot that reuses it (`services.model.kv_prefix`). There
+stored once and copied into each slot that reuses it (`services.inference.model.kv_prefix`). There
 the KV bytes are what the process holds for the KV (the slot pool, whole slots whatever
 the prompt, plus the stored prefixes at their peak): reuse saves the prefill (counted in
 positions the model forwarded), not memory.
@@ -27,9 +27,9 @@ import time
 from typing import Any
 
 from monolith.device import DeviceContext
-from services.inference import InferenceConfig, InferenceService
-from spine.runtime.bindings import LocalContext
-from spine.v1 import generation_pb2
+from runtime.bindings import LocalContext
+from services.inference.service import InferenceConfig, InferenceService
+from wire.v1 import generation_pb2
 
 
 def _round(service: InferenceService, priorities: list[int], max_tokens: int, tag: str) -> tuple[dict[int, list[float]], float]:
@@ -162,7 +162,7 @@ def measure_system_prompt_hf(requests: int = 100, max_tokens: int = 8, rounds: i
     import tempfile
     from pathlib import Path
 
-    from services.model.interface import KV_CACHE_OWNER
+    from services.inference.model.interface import KV_CACHE_OWNER
     from spine.tools.make_tiny import TinySpec, make_tiny
 
     with tempfile.TemporaryDirectory(prefix="spine-bench-hf-") as root:

@@ -1,6 +1,6 @@
 """A shared system prompt's KV on the transformers backend: computed once, copied into later slots.
 
-Specifications (`services.model.kv_prefix`): in deterministic mode the answers with reuse are
+Specifications (`services.inference.model.kv_prefix`): in deterministic mode the answers with reuse are
 the answers without it, token for token; a reused prefix is not prefilled again (the model
 forwards fewer tokens, the hit is counted, in the engine and on /metrics); the stored copy
 is charged to the device budget beside the pool, stays within its own budget by evicting
@@ -23,14 +23,14 @@ from prometheus_client.exposition import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from monolith.device import DeviceContext  # noqa: E402
-from services.inference import InferenceConfig, InferenceService  # noqa: E402
-from services.model.backend import make_engine  # noqa: E402
-from services.model.engine import GenerationEngine, GenerationRequest  # noqa: E402
-from services.model.hf_backend import HFBackend, load_hf_backend  # noqa: E402
-from services.model.interface import KV_CACHE_OWNER, Segment  # noqa: E402
-from spine.runtime.bindings import LocalContext  # noqa: E402
+from runtime.bindings import LocalContext  # noqa: E402
+from services.inference.model.backend import make_engine  # noqa: E402
+from services.inference.model.engine import GenerationEngine, GenerationRequest  # noqa: E402
+from services.inference.model.hf_backend import HFBackend, load_hf_backend  # noqa: E402
+from services.inference.model.interface import KV_CACHE_OWNER, Segment  # noqa: E402
+from services.inference.service import InferenceConfig, InferenceService  # noqa: E402
 from spine.tools.make_tiny import TinySpec, make_tiny  # noqa: E402
-from spine.v1 import generation_pb2  # noqa: E402
+from wire.v1 import generation_pb2  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -13,15 +13,15 @@ import pytest
 import yaml
 
 from monolith.device import DeviceContext
+from runtime.bindings import LocalContext, LocalRpcError
 from services.common import ConfigError
-from services.ratelimit import (
+from services.ratelimit.service import (
     RateLimitConfig,
     RateLimitService,
     descriptors_for,
 )
-from spine.runtime.bindings import LocalContext, LocalRpcError
-from spine.v1 import ratelimit_pb2 as pb
-from spine.v1 import ratelimit_pb2_grpc
+from wire.v1 import ratelimit_pb2 as pb
+from wire.v1 import ratelimit_pb2_grpc
 
 OK = pb.RateLimitResponse.OK
 OVER = pb.RateLimitResponse.OVER_LIMIT

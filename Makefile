@@ -2,11 +2,11 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PROTOS := $(wildcard protos/spine/v1/*.proto)
+PROTOS := $(wildcard protos/wire/v1/*.proto)
 
 .PHONY: install prometheus chromium redis protos run rehearse test bench lint clean model
 
-install: $(VENV)/.installed spine/v1/.generated prometheus chromium redis
+install: $(VENV)/.installed wire/v1/.generated prometheus chromium redis
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
@@ -30,12 +30,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-protos: spine/v1/.generated
+protos: wire/v1/.generated
 
-spine/v1/.generated: $(PROTOS) $(VENV)/.installed
-	mkdir -p spine/v1
+wire/v1/.generated: $(PROTOS) $(VENV)/.installed
+	mkdir -p wire/v1
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
-	touch spine/v1/__init__.py $@
+	touch wire/v1/__init__.py $@
 
 # `make run MODEL=DIR`: the demo on a model directory (e.g. the one `make model` writes).
 run: install
@@ -68,4 +68,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) spine/v1 bench/results.json bench/leases.json bench/leases_check.json
+	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json

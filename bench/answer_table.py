@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.output_policy import OutputPolicy, OutputPolicyConfig
-from services.pregenerated import table_key, write_table
-from services.pregenerated_answers import PregeneratedAnswers
-from spine.v1 import generation_pb2
+from services.cache.pregenerated import table_key, write_table
+from services.cache.pregenerated_answers import PregeneratedAnswers
+from services.inference.output_policy import OutputPolicy, OutputPolicyConfig
+from wire.v1 import generation_pb2
 
 DIGEST = b"\x42" * 32
 MODEL = "tiny-lm"
@@ -58,7 +58,7 @@ def _rollup(pid: int) -> dict[str, int]:
 
 _REPLICA = """
 import sys, time
-from services.pregenerated_answers import PregeneratedAnswers
+from services.cache.pregenerated_answers import PregeneratedAnswers
 table = PregeneratedAnswers(sys.argv[1], {"tiny-lm": bytes.fromhex(sys.argv[2])}) if sys.argv[1] != "-" else None
 print("ready", flush=True)
 sys.stdin.readline()

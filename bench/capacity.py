@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from bench.load import Endpoint, prompts, requests_for
-from spine.runtime.stats import percentile
+from runtime.stats import percentile
 
 KNEE_FACTOR = 1.5
 CONFIRM = 2  # breaking rates in a row before the curve stops

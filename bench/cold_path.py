@@ -30,9 +30,9 @@ from typing import Any
 from bench.load import prompts, requests_for
 from bench.run import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
-from spine.runtime.config import load_config, placements_for
-from spine.runtime.local_context import LocalContext
-from spine.runtime.stack import Stack
+from runtime.config import load_config, placements_for
+from runtime.local_context import LocalContext
+from runtime.stack import Stack
 
 PHASES = (("_begin", "begin"), ("_model_call", "model call"), ("_answer_trailing", "answer trailers"),
           ("_finish", "finish"))

@@ -2,7 +2,7 @@
 
 The `cpu` regime serves the built-in model on this machine's CPU, on the core the spine's
 middleware uses: the worst case, where every µs of middleware is one the model loses. The
-`device` regime serves `sim` (`services.model.sim_backend`), whose steps wait a GPU's time
+`device` regime serves `sim` (`services.inference.model.sim_backend`), whose steps wait a GPU's time
 off the CPU, as a real deployment's model thread waits on its CUDA stream. It asks whether
 the middleware's CPU work hides behind the device's step, and (`bench.capacity`) how many
 requests a second each layout admits before its own CPU, not the device, sets its latency.
@@ -21,8 +21,8 @@ from typing import Any
 
 from rich.console import Console
 
-from services.model.sim_backend import profile_from
-from spine.runtime.served_model import model_id_for
+from runtime.served_model import model_id_for
+from services.inference.model.sim_backend import profile_from
 
 DEVICE_LAYOUTS = ("bare", "collapsed", "layered")
 DEVICE_SEQUENTIAL_REQUESTS = 300

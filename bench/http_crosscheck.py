@@ -27,7 +27,7 @@ from bench.http_load import HttpEndpoint
 from bench.load import prompts, requests_for, run_batch
 from bench.run import DEV_KEY, RATE_LIMIT_OFF
 from bench.targets import REPO_ROOT, keep_load_generator_off, server_cpu
-from spine.runtime.parent import spawn
+from runtime.parent import spawn
 
 WRK_SCRIPT = """
 counter = 0

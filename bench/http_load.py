@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from bench.load import Call
-from spine.v1 import generation_pb2
+from wire.v1 import generation_pb2
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from monolith.device import DeviceContext
-from services.ratelimit import RateLimitConfig, RateLimitService
-from services.ratelimit_admission import AdmitItem, AdmitVerdict
+from services.ratelimit.admission import AdmitItem, AdmitVerdict
+from services.ratelimit.service import RateLimitConfig, RateLimitService
 from spine.tools.local_redis import CuttableLink, LocalRedis
 
 ROOMY = {"requests_per_second": 1e9, "burst": 1e9, "tokens_per_minute": 1e12, "token_burst": 1e12}

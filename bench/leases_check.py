@@ -40,7 +40,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from spine.tools.local_redis import LocalRedis
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 KEY = "spine-dev-key-0000"  # the default config's dev tenant
 READY_TIMEOUT_S = 120.0

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import grpc
 
 from spine.tools.workload import closed_loop
-from spine.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2_grpc
+from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2_grpc
 
 WORDS = ("spine", "gateway", "token", "bucket", "cache", "route", "model", "latency", "batch", "tensor",
          "layer", "collapse", "canary", "stage", "rollback", "parity")

@@ -40,10 +40,10 @@ import psutil
 import yaml
 
 from bench.targets import Target, launch
-from services.inference_load import LOAD_HEADER, parse_load
-from spine.runtime.config import load_config, merge
-from spine.runtime.parent import spawn
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from runtime.config import load_config, merge
+from runtime.parent import spawn
+from services.inference.load_hints import LOAD_HEADER, parse_load
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 KEY = "spine-dev-key-0000"
 METADATA = (("authorization", f"Bearer {KEY}"),)
@@ -78,8 +78,8 @@ def served(layout: str, extra: dict[str, Any]) -> Iterator[tuple[Any, Target]]:
             target.stop()
 
 
-# A busy loop that ends with this process (`spine.runtime.parent`: no fork hook).
-BURN = "from spine.runtime.parent import follow_parent\nif follow_parent():\n    while True: pass"
+# A busy loop that ends with this process (`runtime.parent`: no fork hook).
+BURN = "from runtime.parent import follow_parent\nif follow_parent():\n    while True: pass"
 
 
 @contextmanager

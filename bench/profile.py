@@ -55,8 +55,8 @@ from bench.targets import (
     thread_cpu_by_group,
     thread_group,
 )
-from spine.runtime.config import merge
-from spine.runtime.served_model import model_id_for, model_overrides
+from runtime.config import merge
+from runtime.served_model import model_id_for, model_overrides
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",
@@ -73,8 +73,8 @@ ROUND_S = 1.0
 ROUND_REQUESTS = 2000  # more than a turn sends at any concurrency here
 # The model service's own code (its servicer and scheduler too: bare runs them as well) is
 # "model"; every other service is a middleware's.
-PARTS = (("model", ("services/model/", "services/inference")), ("pipeline", ("services/pipeline/", "monolith/")),
-         ("middleware services", ("services/",)), ("runtime", ("spine/runtime/",)),
+PARTS = (("model", ("services/inference/model/", "services/inference")), ("pipeline", ("services/pipeline/", "monolith/")),
+         ("middleware services", ("services/",)), ("runtime", ("runtime/",)),
          ("grpc", ("grpc/",)), ("torch", ("torch/",)), ("threading", ("threading.py", "queue.py")))
 
 

@@ -32,8 +32,8 @@ import yaml
 
 from bench.load import Endpoint, prompts, requests_for
 from bench.targets import REPO_ROOT, Target, TargetFailed, launch
-from spine.runtime.config import load_config, merge
-from spine.runtime.served_model import model_id_for, model_overrides
+from runtime.config import load_config, merge
+from runtime.served_model import model_id_for, model_overrides
 from spine.tools.model_get import FetchError, get_model
 
 MODEL = "smollm2-135m-instruct"

@@ -3,6 +3,7 @@
     python -m bench.run [--quick] [--concurrency 1,16,64] [--requests N] [--out bench/results.json]
                         [--regimes cpu,device] [--no-capacity]
                         [--model DIR [--model-id ID]]      (or SPINE_BENCH_MODEL=DIR make bench)
+    python -m bench.run --only system_prompt,system_prompt_hf   (those rows alone, into --out)
 
 Two regimes (`bench.device_regime`): `cpu`, the built-in model on this machine's CPU, on the
 core the middleware runs on (every µs of middleware is one the model loses), and `device`,
@@ -21,7 +22,10 @@ every layout instead of the embedded tiny LM, as `spine up --model DIR` does.
 
 Without --quick or --model, `real_model` is a real model's row (`bench.real_model`), and with the
 embedded model `system_prompt` reports 100 requests sharing one system prompt,
-with and without the prefix cache (`bench.serving.measure_system_prompt`).
+with and without the prefix cache (`bench.serving.measure_system_prompt`); `system_prompt_hf`
+the same on a tiny llama served by the transformers backend
+(`bench.serving.measure_system_prompt_hf`). `--only` runs the named serving rows alone (a
+few seconds each) and writes them into --out, keeping what else the file holds.
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ from bench.targets import (
     server_cpu,
     thread_cpu_by_group,
 )
+from runtime.config import load_config, merge
+from runtime.served_model import model_id_for, model_overrides, preflight
 from services.common import ConfigError
-from spine.runtime.config import load_config, merge
-from spine.runtime.served_model import model_id_for, model_overrides, preflight
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")
@@ -93,12 +97,16 @@ SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: the layered layout takes ~2
 # more its first requests pay (with rounds of 40 and six layouts, collapsed/bare at c=1 read
 # 1.12-1.14 where three layouts read 1.08-1.10).
 TURN_WARMUP = 3
-# The HTTP API (`spine.runtime.http`), measured beside the gRPC path of the same server process:
+# The HTTP API (`runtime.http`), measured beside the gRPC path of the same server process:
 # each pseudo-layout calls its layout's HTTP listener (a unix socket, as the gRPC one is) with
 # the same prompts. Only in the cells its targets are stated for (p50 at c=1, throughput at
 # c=64) and the stream cell (TTFT), to keep `make bench` within its time.
 HTTP_LAYOUTS: dict[str, str] = {"collapsed-http": "collapsed", "layered-http": "layered"}
 HTTP_CONCURRENCY = (1, 64)
+
+
+# The serving rows `--only` may run alone (`bench.serving`).
+ONLY_PARTS = ("serving", "system_prompt", "system_prompt_hf")
 
 
 def in_cell(layout: str, mode: str, concurrency: int) -> bool:
@@ -132,6 +140,7 @@ class Settings:
     capacity: bool = False  # the device regime's open-loop capacity curve
     capacity_step_s: float = 2.5  # seconds of arrivals per rate and layout
     device_model: str | None = None  # the device regime serves this model directory instead of sim (a GPU)
+    only: tuple[str, ...] = ()  # --only: these serving rows alone (ONLY_PARTS), merged into --out
 
     def cell_requests(self, concurrency: int) -> int:
         """Requests in a unary cell: at 64 workers, 400 requests in 5 rounds would give each
@@ -198,7 +207,12 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                         help="serve this transformers causal LM directory in every layout (default: "
                              "$SPINE_BENCH_MODEL, else the embedded tiny LM)")
     parser.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
+    parser.add_argument("--only", help=f"comma-separated rows to measure alone, written into --out beside what it "
+                                       f"holds: any of {', '.join(ONLY_PARTS)}")
     args = parser.parse_args(argv)
+    only = tuple(part.strip() for part in args.only.split(",") if part.strip()) if args.only else ()
+    if args.only is not None and (not only or set(only) - set(ONLY_PARTS)):
+        parser.error(f"--only: expected some of {', '.join(ONLY_PARTS)}, got {args.only!r}")
     quick = bool(args.quick)
     spec = args.concurrency or ("1,16" if quick else "1,16,64,256")
     try:
@@ -232,7 +246,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path, bool]:
                         fixed_rounds=quick or args.rounds is not None, model=args.model,
                         model_id=(args.model_id or model_id_for(args.model)) if args.model else "tiny-lm",
                         regimes=regimes, capacity="device" in regimes and not quick and not args.no_capacity,
-                        capacity_step_s=args.capacity_step, device_model=args.device_model)
+                        capacity_step_s=args.capacity_step, device_model=args.device_model, only=only)
     return settings, args.out, bool(args.keep_run_dir)
 
 
@@ -430,9 +444,54 @@ def run_regime(settings: Settings, console: Console, keep: bool, *, extra: Mappi
     return Regime(runs, comparisons, left, curve)
 
 
+def measure_part(part: str) -> dict[str, Any] | None:
+    """One serving row of ONLY_PARTS (None: `system_prompt_hf` without transformers installed)."""
+    if part == "serving":
+        from bench.serving import measure_serving
+
+        return measure_serving()
+    if part == "system_prompt":
+        from bench.serving import measure_system_prompt
+
+        return measure_system_prompt()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    from bench.serving import measure_system_prompt_hf
+
+    return measure_system_prompt_hf()
+
+
+def describe_system_prompt(name: str, sp: Mapping[str, Any]) -> str:
+    line = (f"{name}: shared system prompt ({sp['requests']} requests, {sp['system_prompt_tokens']} tokens): KV "
+            f"bytes {sp['kv_bytes_with_reuse']} with reuse vs {sp['kv_bytes_without_reuse']} without (ratio "
+            f"{sp['kv_ratio']}); TTFT p50 {sp['ttft_p50_ms_with_reuse']} ms vs {sp['ttft_p50_ms_without_reuse']} ms")
+    if "forwarded_tokens_with_reuse" in sp:
+        line += (f"; positions forwarded {sp['forwarded_tokens_with_reuse']} vs "
+                 f"{sp['forwarded_tokens_without_reuse']}")
+    return line
+
+
+def run_only(parts: tuple[str, ...], out: Path, console: Console) -> int:
+    """`--only`: the named serving rows, written into `out` (its other keys kept)."""
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    for part in parts:
+        with console.status(f"{part} alone"):
+            results[part] = measure_part(part)
+        if part.startswith("system_prompt") and results[part] is not None:
+            console.print(describe_system_prompt(part, results[part]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    console.print(f"wrote {', '.join(parts)} into {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     settings, out, keep = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and pipes get the whole table
+    if settings.only:
+        return run_only(settings.only, out, console)
     # SIGTERM (e.g. from a test timeout) unwinds through the finally below, which stops the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -459,15 +518,17 @@ def main(argv: list[str] | None = None) -> int:
         with console.status("priority classes and the KV pool"):
             serving = measure_serving()
     system_prompt: dict[str, Any] | None = None
-    if not settings.quick and not settings.model and "cpu" in settings.regimes:  # the embedded model's prefix cache
-        from bench.serving import measure_system_prompt
-
+    system_prompt_hf: dict[str, Any] | None = None
+    if not settings.quick and not settings.model and "cpu" in settings.regimes:  # prefix reuse, both backends
         with console.status("100 requests sharing one system prompt, with and without reuse"):
-            system_prompt = measure_system_prompt()
+            system_prompt = measure_part("system_prompt")
+        with console.status("the same on a tiny llama (transformers backend)"):
+            system_prompt_hf = measure_part("system_prompt_hf")
     # SmolLM2-135M-Instruct, bare vs collapsed vs layered: the middleware next to a real model's cost
     real_model = None if settings.quick or settings.model else measure_real_model(say=console.print)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt, "real_model": real_model,
+    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt,
+               "system_prompt_hf": system_prompt_hf, "real_model": real_model,
                "layered_vs_collapsed": comparisons, "http_vs_grpc": http_vs_grpc(runs, HTTP_LAYOUTS),
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
@@ -490,13 +551,9 @@ def main(argv: list[str] | None = None) -> int:
             f"p50 latency class {serving['latency_class_p50_ms']} ms vs throughput class "
             f"{serving['throughput_class_p50_ms']} ms (single class {serving['single_class_p50_ms']} ms); "
             f"throughput {serving['throughput_change_pct']:+.1f}% vs single class; KV: {serving['kv']['formula']}")
-    if system_prompt is not None:
-        sp = system_prompt
-        console.print(
-            f"shared system prompt ({sp['requests']} requests, {sp['system_prompt_tokens']} tokens): KV bytes "
-            f"{sp['kv_bytes_with_reuse']} with reuse vs {sp['kv_bytes_without_reuse']} without "
-            f"(ratio {sp['kv_ratio']}); TTFT p50 {sp['ttft_p50_ms_with_reuse']} ms vs "
-            f"{sp['ttft_p50_ms_without_reuse']} ms")
+    for name, row in (("system_prompt", system_prompt), ("system_prompt_hf", system_prompt_hf)):
+        if row is not None:
+            console.print(describe_system_prompt(name, row))
     if real_model is not None:
         console.print(describe_real_model(real_model))
     console.print(f"wrote {out}{f' and {plot}' if plot else ''} in {results['duration_s']} s")

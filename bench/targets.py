@@ -3,7 +3,7 @@
 Why subprocesses: the load generator runs in the bench process; a server sharing its
 GIL would be slowed by the very load it is measuring, and unequally across layouts.
 
-    bare       python -m spine.runtime.process inference ...   (the model service, no middleware)
+    bare       python -m runtime.process inference ...   (the model service, no middleware)
     collapsed  python -m spine --config F up --layout collapsed   (the batched spine)
     collapsed-unbatched  the same with the batcher off end to end: `batching.enabled: false`
                (one call per middleware per request) and `inference.max_batch: 1` (one
@@ -35,9 +35,9 @@ from pathlib import Path
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cpu_placement import ENV as CPU_PLACEMENT_ENV
-from spine.runtime.parent import spawn
-from spine.runtime.serving_metrics import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
+from runtime.parent import spawn
+from runtime.serving_metrics import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
+from services.inference.cpu_placement import ENV as CPU_PLACEMENT_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Which `spine up --layout` each bench layout but bare runs (bare is the model service alone).
@@ -270,13 +270,13 @@ def keep_load_generator_off(cpu: str | None) -> None:
 def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_ROOT) -> Target:
     """Start one layout's server process, running the code of the checkout `code` (this one
     unless `bench.variants --tree` names another). Call from the main thread (see
-    `spine.runtime.parent`)."""
+    `runtime.parent`)."""
     layout_dir = run_dir / layout
     layout_dir.mkdir(parents=True, exist_ok=True)
     # Every layout listens on a unix socket, so the ratios to bare measure the middleware
     # layer, not a transport difference (loopback TCP costs more per call than a socket file).
     if layout == "bare":
-        argv = [sys.executable, "-m", "spine.runtime.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
+        argv = [sys.executable, "-m", "runtime.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
                 "--config", str(config_path), "--run-dir", str(layout_dir)]
     elif layout in SPINE_LAYOUT:
         argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",
@@ -352,7 +352,7 @@ class RssSampler:
 
 
 # The server threads the bench tells apart, by the name they give the kernel
-# (`services.thread_names`): what a layout spends per request beyond bare, and where. Each
+# (`services.common.thread_names`): what a layout spends per request beyond bare, and where. Each
 # pattern matches the start of the name (the kernel keeps 15 bytes of it).
 THREAD_GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("handlers", re.compile(r"grpc_\d+$")),  # the gRPC handler pool (not gRPC core's grpc_global_timer)

@@ -48,8 +48,8 @@ from bench.targets import (
     launch,
     server_cpu,
 )
+from runtime.config import load_config, merge
 from services.common import ConfigError
-from spine.runtime.config import load_config, merge
 
 
 def parse_vary(spec: str) -> tuple[str, list[Any]]:
@@ -104,12 +104,14 @@ def tree_variants(paths: list[str]) -> dict[str, Path]:
 def generate_protos(root: Path) -> None:
     """The checkout's protobuf modules from its own protos, as `make protos` makes them
     (a fresh worktree has none: they are build outputs, not in git)."""
-    out = root / "spine" / "v1"
-    if (out / ".generated").exists():
-        return
     protos = sorted(str(path.relative_to(root)) for path in (root / "protos").rglob("*.proto"))
     if not protos:
         raise ValueError(f"--tree {root}: no .proto files under protos/")
+    # Where the stubs go follows the tree's own proto paths (protos/wire/v1 -> wire/v1; an
+    # older tree's protos/spine/v1 -> spine/v1).
+    out = root / Path(protos[0]).relative_to("protos").parent
+    if (out / ".generated").exists():
+        return
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "protos", "--python_out=.", "--pyi_out=.",
                     "--grpc_python_out=.", *protos], cwd=root, check=True, capture_output=True, text=True)

@@ -25,9 +25,9 @@ from bench.cold_path import _Context
 from bench.load import prompts, requests_for
 from bench.run import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
-from spine.runtime.config import load_config, placements_for
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
+from runtime.config import load_config, placements_for
+from runtime.stack import Stack
+from wire.v1 import generation_pb2
 
 
 class CannedInference:

@@ -34,10 +34,10 @@ from migration.plan import PlanError, load_plan
 from migration.render import RunProgress, audit_line, plan_table, status_renderable, to_json
 from migration.service import plan_message
 from migration.watch import follow, print_json, watch
+from runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
 from services.common import ConfigError
-from spine.runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
-from spine.v1 import migration_pb2 as pb
-from spine.v1 import migration_pb2_grpc as pb_grpc
+from wire.v1 import migration_pb2 as pb
+from wire.v1 import migration_pb2_grpc as pb_grpc
 
 ENV_CONTROLLER = "SPINE_CONTROLLER"
 DEFAULT_CONTROLLER = "unix:/tmp/spine-migration.sock"

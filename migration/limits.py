@@ -14,7 +14,7 @@ The built-in front (`migration.traffic.cutover`) and the xDS followers
 (`migration.xds.followers`) both split by these rules. A limiter applies its share to every
 limit it holds: the token buckets' rates and bursts, and each tenant's
 `max_concurrent_requests`, rounded down but never below one request in flight
-(`services.concurrency`), so a small concurrency limit may be a request over in total at
+(`services.ratelimit.concurrency`), so a small concurrency limit may be a request over in total at
 extreme splits rather than shut a side out.
 """
 

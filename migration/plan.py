@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
 from services.registry import MIDDLEWARES
-from spine.runtime.yamlsource import LocatedData, YamlSourceError, load_located
 
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 # Each gate type and the one threshold field it takes.

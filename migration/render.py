@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
 from migration.plan import MIDDLEWARES
-from spine.v1 import migration_pb2 as pb
+from wire.v1 import migration_pb2 as pb
 
 _STATE_STYLE = {
     "progressing": "cyan", "paused": "yellow", "awaiting_approval": "magenta", "promoted": "green",

@@ -34,10 +34,10 @@ from migration.notify import WebhookConfig
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
+from runtime.parent import follow_parent
+from runtime.sections import TlsConfig
+from runtime.signals import Termination
 from services.common import ConfigError
-from spine.runtime.parent import follow_parent
-from spine.runtime.sections import TlsConfig
-from spine.runtime.signals import Termination
 
 log = logging.getLogger("spine.migration")
 
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         tls = tls_of(args)
         check_listen(args.listen, args.allow_external, tls)  # before the target starts anything
         if tls is not None:
-            from spine.runtime.core_log import log_tls_refusals
-            from spine.runtime.tls import load_certificates, reload_on_sighup
+            from runtime.core_log import log_tls_refusals
+            from runtime.tls import load_certificates, reload_on_sighup
 
             load_certificates(tls, where="--tls")
             log_tls_refusals()

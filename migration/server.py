@@ -27,11 +27,11 @@ from migration.dashboard.metrics import ControllerCollector
 from migration.notify import WebhookConfig, WebhookNotifier
 from migration.service import SERVICE_NAME, MigrationService
 from migration.target import TrafficTarget
+from runtime.sections import TlsConfig
+from runtime.server import ProbeServer, start_probe_server
+from runtime.tls import add_port
 from services.common import Clock, ConfigError
-from spine.runtime.sections import TlsConfig
-from spine.runtime.server import ProbeServer, start_probe_server
-from spine.runtime.tls import add_port
-from spine.v1 import migration_pb2, migration_pb2_grpc
+from wire.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
 

@@ -20,8 +20,8 @@ from migration.admin_token import bearer, token_matches
 from migration.controller import Controller, InvalidTransition, StatusView
 from migration.plan import Plan, PlanError, load_plan
 from migration.status import AuditEntry
-from spine.v1 import migration_pb2 as pb
-from spine.v1 import migration_pb2_grpc as pb_grpc
+from wire.v1 import migration_pb2 as pb
+from wire.v1 import migration_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "spine.v1.MigrationControl"
 _Response = TypeVar("_Response")

@@ -22,7 +22,7 @@ from rich.live import Live
 from rich.text import Text
 
 from migration.render import status_renderable, to_json
-from spine.v1 import migration_pb2 as pb
+from wire.v1 import migration_pb2 as pb
 
 FINAL_STATES = ("promoted", "rolled_back", "aborted")
 STREAM_ENDED = 4  # as the CLI's "controller unreachable"

@@ -30,12 +30,12 @@ import grpc
 from pydantic import Field, StrictBool, StrictInt
 
 from monolith.batcher import BatcherClosed, MicroBatcher
-from services.config_model import Float, Section
+from services.common.config_section import Float, Section
+from services.common.thread_names import name_os_thread
 from services.pipeline.runner import Pipeline
-from services.pipeline.stage import Stage
 from services.pipeline.state import RequestState
+from services.pipeline.step import Step
 from services.pipeline.verdicts import Stop
-from services.thread_names import name_os_thread
 
 log = logging.getLogger("spine.pipeline")
 
@@ -138,8 +138,8 @@ class DeferredCompletions:
         self.pipeline = pipeline
         # A stage that is not `deferrable` (a concurrency slot's release) runs at once even
         # when its component is local.
-        self.deferred: list[Stage] = [s for s in pipeline.completion if s.name in deferred and s.deferrable]
-        self.direct: list[Stage] = [s for s in pipeline.completion if s not in self.deferred]
+        self.deferred: list[Step] = [s for s in pipeline.completion if s.name in deferred and s.deferrable]
+        self.direct: list[Step] = [s for s in pipeline.completion if s not in self.deferred]
         self._store = next((s for s in self.deferred if s.name == STORE_STAGE), None)
         self._writes = [s for s in self.deferred if s is not self._store]
         self.max_batch = max_batch

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from services.config_model import AutoOrCount, Float, Section
+from services.common.config_section import AutoOrCount, Float, Section
 
 
 class DeviceConfig(Section):
@@ -24,7 +24,7 @@ class DeviceConfig(Section):
     memory_budget_mib: AutoOrCount = Field(
         default="auto", description="MiB, or 'auto': on CUDA auto_memory_fraction of the free device memory "
                             "at start; on the CPU 256 MiB, or sized for an hf default model "
-                            "(spine.runtime.model_fit)")
+                            "(runtime.model_fit)")
     auto_memory_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.9
 
     @classmethod

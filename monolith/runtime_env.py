@@ -6,7 +6,7 @@ import gc
 import os
 import sys
 
-from services.cpu_placement import PlacementError, enable_from_env
+from services.inference.cpu_placement import PlacementError, enable_from_env
 
 _threads: int | None = None  # what `configure_threads` asked for, for a torch imported later
 
@@ -14,7 +14,7 @@ _threads: int | None = None  # what `configure_threads` asked for, for a torch i
 def configure_threads() -> int:
     """One intra-op thread per process unless SPINE_TORCH_THREADS says otherwise, and a
     process that serves a model on a CPU of its own unless SPINE_CPU says otherwise
-    (`services.cpu_placement`: why, and what it measured).
+    (`services.inference.cpu_placement`: why, and what it measured).
 
     Why one intra-op thread: the layered layout runs eight processes on a few cores; torch's
     default of one thread per core in each of them oversubscribes the CPU and makes every

@@ -23,9 +23,9 @@ import grpc
 from google.protobuf import descriptor as pb_descriptor
 
 from services.common import DeviceState
+from services.gateway.validation import ValidationStep
 from services.pipeline.limits import RequestLimits
-from services.pipeline.stage import FailMode, Stage, StagePolicy
-from services.pipeline.validation import ValidationStage
+from services.pipeline.step import FailMode, Step, StepPolicy
 
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 
@@ -40,10 +40,10 @@ class ComponentSpec:
     """How to build, serve, reach and call one component."""
 
     name: str  # also its config section and its process name in the layered layout
-    proto_module: str  # e.g. "spine.v1.auth_pb2"
+    proto_module: str  # e.g. "wire.v1.auth_pb2"
     service: str  # the service's name in the proto, e.g. "Auth"
     factory: str  # "module:function" building the servicer from (config, device, run_dir)
-    config: str  # "module:Class" of its config section's model (a `services.config_model.Section`)
+    config: str  # "module:Class" of its config section's model (a `services.common.config_section.Section`)
     stages: tuple[str, ...]  # "module:Class" of the pipeline stages that call it
     fail_mode: FailMode = FailMode.CLOSED
     budget_ms: float = 250.0  # the default call budget of its stages
@@ -84,11 +84,11 @@ class ComponentSpec:
     def config_model(self) -> type[Any]:
         return _resolve(self.config)
 
-    def policy(self, budget_ms: float | None = None) -> StagePolicy:
+    def policy(self, budget_ms: float | None = None) -> StepPolicy:
         budget_s = (self.budget_ms if budget_ms is None else budget_ms) / 1000.0
-        return StagePolicy(self.name, self.fail_mode, budget_s, self.passes)
+        return StepPolicy(self.name, self.fail_mode, budget_s, self.passes)
 
-    def stage_classes(self) -> list[type[Stage]]:
+    def stage_classes(self) -> list[type[Step]]:
         return [_resolve(path) for path in self.stages]
 
 
@@ -162,10 +162,10 @@ class Registry:
         """This table plus one more component (its stages join the path by their order)."""
         return Registry([*self, spec])
 
-    def stages(self, limits: RequestLimits, budgets_ms: Mapping[str, float] | None = None) -> list[Stage]:
+    def stages(self, limits: RequestLimits, budgets_ms: Mapping[str, float] | None = None) -> list[Step]:
         """The request path: every component's stages plus the gateway's own, in order."""
         budgets = budgets_ms or {}
-        stages: list[Stage] = [ValidationStage(StagePolicy(""), limits)]
+        stages: list[Step] = [ValidationStep(StepPolicy(""), limits)]
         for spec in self:
             policy = spec.policy(budgets.get(spec.name))
             stages.extend(cls(policy, limits) for cls in spec.stage_classes())
@@ -189,44 +189,44 @@ def _spec(name: str, service: str, config: str, stages: tuple[str, ...], batch_m
           passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
           budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = (),
           factory: str = "") -> ComponentSpec:
-    return ComponentSpec(name, f"spine.v1.{name}_pb2", service, factory or f"services.{name}:build", config, stages,
+    return ComponentSpec(name, f"wire.v1.{name}_pb2", service, factory or f"services.{name}.service:build", config, stages,
                          fail_mode, budget_ms, middleware, batch_methods, frozenset(passes), foreign=foreign)
 
 
 ENVOY_EXT_AUTHZ = ForeignApi("envoy-ext-authz", "envoy.service.auth.v3.external_auth_pb2", "Authorization",
-                             "services.envoy_authz:serve", "services.envoy_authz:EnvoyAuthzClient")
+                             "services.auth.envoy_authz:serve", "services.auth.envoy_authz:EnvoyAuthzClient")
 ENVOY_RLS = ForeignApi("envoy-rls", "envoy.service.ratelimit.v3.rls_pb2", "RateLimitService",
-                       "services.envoy_ratelimit:serve", "services.envoy_ratelimit:EnvoyRlsClient")
+                       "services.ratelimit.envoy_ratelimit:serve", "services.ratelimit.envoy_ratelimit:EnvoyRlsClient")
 
 
 _CODE = grpc.StatusCode
 DEFAULT = Registry([
-    _spec("auth", "Auth", "services.auth:AuthSection", ("services.auth:AuthStage",), {"CheckBatch": "Check"},
+    _spec("auth", "Auth", "services.auth.service:AuthSection", ("services.auth.service:AuthStep",), {"CheckBatch": "Check"},
           passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,)),
-    _spec("ratelimit", "RateLimit", "services.sections:RateLimitConfig",
-          ("services.ratelimit_stages:RateLimitStage", "services.ratelimit_stages:ReleaseStage"),
+    _spec("ratelimit", "RateLimit", "services.ratelimit.config:RateLimitConfig",
+          ("services.ratelimit.steps:RateLimitStep", "services.ratelimit.steps:ReleaseStep"),
           {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit", "ReleaseBatch": "Release"},
           passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED), foreign=(ENVOY_RLS,)),
-    _spec("router", "Router", "services.sections:RouterConfig", ("services.router:RouterStage",),
+    _spec("router", "Router", "services.router.config:RouterConfig", ("services.router.service:RouterStep",),
           {"ResolveBatch": "Resolve"}, passes=(_CODE.NOT_FOUND,)),
-    _spec("cache", "Cache", "services.sections:CacheConfig",
-          ("services.cache_stages:CacheLookupStage", "services.cache_stages:CacheStoreStage"),
+    _spec("cache", "Cache", "services.cache.config:CacheConfig",
+          ("services.cache.steps:CacheLookupStep", "services.cache.steps:CacheStoreStep"),
           {"LookupBatch": "Lookup", "StoreBatch": "Store"}, fail_mode=FailMode.OPEN),
-    _spec("metrics", "Metrics", "services.sections:MetricsConfig", ("services.metrics_stage:MetricsStage",),
+    _spec("metrics", "Metrics", "services.metrics.config:MetricsConfig", ("services.metrics.steps:MetricsStep",),
           {"RecordBatch": "Record"}, fail_mode=FailMode.OPEN, budget_ms=1000.0),
-    _spec("logs", "Logs", "services.sections:LogsConfig", ("services.logs:LogsStage",), {"AppendBatch": "Append"},
+    _spec("logs", "Logs", "services.logs.config:LogsConfig", ("services.logs.service:LogsStep",), {"AppendBatch": "Append"},
           fail_mode=FailMode.OPEN, budget_ms=1000.0),
     # The model: its budget is the compute budget it enforces itself; the call is bounded
     # by the request's deadline. One component serves every configured model
     # (`inference.models`), each with its own engine, KV pool and scheduler.
-    _spec("inference", "Inference", "services.inference_config:InferenceConfig",
-          ("services.inference_stage:InferenceStage",), {"GenerateStream": "Generate"},
+    _spec("inference", "Inference", "services.inference.config:InferenceConfig",
+          ("services.inference.steps:InferenceStep",), {"GenerateStream": "Generate"},
           passes=(_CODE.INVALID_ARGUMENT, _CODE.DEADLINE_EXCEEDED, _CODE.RESOURCE_EXHAUSTED, _CODE.CANCELLED,
                   _CODE.NOT_FOUND),
-          budget_ms=float("inf"), middleware=False, factory="services.inference_models:build"),
+          budget_ms=float("inf"), middleware=False, factory="services.inference.models:build"),
 ])
-GATEWAY = ComponentSpec("gateway", "spine.v1.gateway_pb2", "Gateway", "", "", (),
-                        register="services.pipeline.gateway:add_gateway_to_server")
+GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", "", "", (),
+                        register="services.gateway.service:add_gateway_to_server")
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares
 COMPONENTS: tuple[str, ...] = DEFAULT.names

@@ -24,25 +24,25 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
+from runtime.parent import follow_parent
+from runtime.server import UnsafeAddress
+from runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
+from runtime.tls import add_tls_client_arguments, client_credentials, refusal_hint
 from services.common import ConfigError
-from spine.runtime.config import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
-from spine.runtime.parent import follow_parent
-from spine.runtime.server import UnsafeAddress
-from spine.runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
-from spine.runtime.tls import add_tls_client_arguments, client_credentials, refusal_hint
 
 if TYPE_CHECKING:
-    from spine.runtime.sections import TlsConfig
+    from runtime.sections import TlsConfig
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from monolith.runtime_env import configure_threads, freeze_startup_heap
-    from spine.runtime.server import check_listen
-    from spine.runtime.signals import Termination
-    from spine.runtime.stack import Stack
-    from spine.runtime.tracing import install_from_config
+    from runtime.server import check_listen
+    from runtime.signals import Termination
+    from runtime.stack import Stack
+    from runtime.tracing import install_from_config
 
     config = load_config(args.config, _up_overrides(args))
     placements = placements_for(args.layout, config)
@@ -54,8 +54,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     else:
         http_listen = None
     run_dir = Path(args.run_dir) if args.run_dir else None
-    from spine.runtime.model_fit import fit_to_model
-    from spine.runtime.served_model import preflight
+    from runtime.model_fit import fit_to_model
+    from runtime.served_model import preflight
 
     fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
     if fitted:
@@ -92,7 +92,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     freeze_startup_heap()  # see its docstring: no full collection walks the startup heap again
     print(json.dumps(ready), flush=True)
     if fault.get("hooks"):  # `switchable`: the parent switches the fault through our stdin
-        from spine.runtime.faults import FaultSwitch
+        from runtime.faults import FaultSwitch
 
         def answer(line: str) -> None:  # one write: a whole line, whatever else prints to stdout
             sys.stdout.write(line + "\n")
@@ -121,14 +121,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _serve_tls(config: dict[str, Any]) -> TlsConfig | None:
     """The config's `tls:` section, its files checked before anything starts (ConfigError: one
     line, exit 2); refused handshakes logged as one line each and SIGHUP re-reading the files."""
-    from spine.runtime.sections import TlsConfig
-    from spine.runtime.tls import load_certificates, reload_on_sighup
+    from runtime.sections import TlsConfig
+    from runtime.tls import load_certificates, reload_on_sighup
 
     tls = TlsConfig.from_config(config)
     if tls is None:
         return None
     load_certificates(tls)
-    from spine.runtime.core_log import log_tls_refusals
+    from runtime.core_log import log_tls_refusals
 
     log_tls_refusals()
     reload_on_sighup()
@@ -141,13 +141,13 @@ def _injected_fault(args: argparse.Namespace, config: dict[str, Any], run_dir: P
         return {}
     if args.allow_external:
         raise ConfigError("--inject-fault: for local rehearsals and tests only; refused with --allow-external")
-    from spine.runtime.faults import SWITCHABLE
+    from runtime.faults import SWITCHABLE
 
     if args.inject_fault == SWITCHABLE and sys.stdin.isatty():
         raise ConfigError("--inject-fault switchable: its switches are read from stdin, a terminal here (every "
                           "line typed would switch a fault); start it from a program that holds a pipe to it, "
                           "as make run does")
-    from spine.runtime.faults import injected_fault
+    from runtime.faults import injected_fault
 
     print(f"warning: --inject-fault {args.inject_fault}: this spine misbehaves on purpose (rehearsals and tests "
           f"only)", file=sys.stderr)
@@ -158,7 +158,7 @@ def _up_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     """`--model DIR [--model-id ID]` and `--deterministic`, as config overrides."""
     overrides = _served_model(args) or {}
     if args.deterministic:  # the same as `inference.deterministic: true` in the config
-        from spine.runtime.config import merge
+        from runtime.config import merge
 
         overrides = merge(overrides, {"inference": {"deterministic": True}})
     return overrides or None
@@ -170,7 +170,7 @@ def _served_model(args: argparse.Namespace) -> dict[str, Any] | None:
         if args.model_id:
             raise ConfigError("--model-id: needs --model DIR")
         return None
-    from spine.runtime.served_model import model_overrides
+    from runtime.served_model import model_overrides
 
     return model_overrides(args.model, args.model_id)
 
@@ -198,7 +198,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """`schema`: the JSON schema of a config file; `check`: load --config (exit 2 on a problem)."""
     if args.action == "schema":
-        from spine.runtime.config_model import json_schema
+        from runtime.config_model import json_schema
 
         print(json.dumps(json_schema(), indent=2))
         return 0
@@ -211,7 +211,7 @@ def cmd_call(args: argparse.Namespace) -> int:
     from spine.client.gateway_client import GatewayClient
     from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_models
     from spine.tools.call_report import print_call
-    from spine.v1 import generation_pb2
+    from wire.v1 import generation_pb2
 
     config = load_config(args.config)
     token = args.token or os.environ.get("SPINE_TOKEN") or dev_api_key(config)
@@ -257,7 +257,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from spine.runtime.signals import sigterm_as_interrupt
+    from runtime.signals import sigterm_as_interrupt
     from spine.tools.migration_demo import run_migration_demo
 
     config = load_config(args.config, _served_model(args))  # --model DIR: both sides serve it
@@ -335,7 +335,7 @@ def _weights(text: str | None) -> dict[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
-    parser.add_argument("--config", help="YAML config laid over the default (spine/default_config.yaml)")
+    parser.add_argument("--config", help="YAML config laid over the default (runtime/default_config.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "request without a seed uses inference.seed, so answers are bit-identical across runs, "
                          "batches and layouts")
     add_follow_arguments(up, "each stage's placements (moved live) and this spine's share of every limit")
-    from spine.runtime.faults import INJECTABLE
+    from runtime.faults import INJECTABLE
 
     up.add_argument("--inject-fault", choices=INJECTABLE,
                     help="REHEARSALS AND TESTS ONLY (refused with --allow-external): run with a fault on purpose; "

@@ -20,8 +20,8 @@ import grpc
 import jwt
 import pytest
 
-from spine.runtime.config import load_config, placements_for
-from spine.runtime.stack import Stack
+from runtime.config import load_config, placements_for
+from runtime.stack import Stack
 
 DEV_KEY = "spine-dev-key-0000"
 TIGHT_KEY = "tight-tenant-key-0000"
@@ -65,10 +65,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.fixture(autouse=True)
 def _runner_is_never_placed() -> Iterator[None]:
     """The test runner is a library user: no test may leave it set to move to one CPU when
-    an in-process model starts (`services.cpu_placement`). Every child the runner starts
+    an in-process model starts (`services.inference.cpu_placement`). Every child the runner starts
     afterwards inherits its CPUs, so one such leak ran the rest of the suite, children
     included, on a single core. Fails the test that turned it on."""
-    from services import cpu_placement
+    import services.inference.cpu_placement as cpu_placement
 
     cpus = os.sched_getaffinity(0)
     yield
@@ -122,7 +122,7 @@ def split_tenant_through(address: str, key: str, label: str, count: int = 60) ->
     client does: on a loaded CI host a remote rate limiter can miss its 250 ms budget, and the
     gateway then fails closed (a retry can only be charged again, never admit more)."""
     from spine.client.gateway_client import GatewayClient
-    from spine.v1 import generation_pb2
+    from wire.v1 import generation_pb2
 
     admitted, sides = 0, {"layered": 0, "spine": 0}
     with GatewayClient(address, key) as client:
@@ -139,7 +139,7 @@ def split_tenant_through(address: str, key: str, label: str, count: int = 60) ->
 
 
 def config_for_tests(**extra: Any) -> dict[str, Any]:
-    from spine.runtime.config import merge
+    from runtime.config import merge
 
     return load_config(overrides=merge(TEST_OVERRIDES, extra))
 
@@ -183,8 +183,8 @@ def torch_one_thread() -> Iterator[None]:
 def served(component: str, servicer: Any) -> Iterator[Any]:
     """One servicer behind a real gRPC server on a unix socket (the project's own
     `start_server`, with health and reflection), and a stub to it."""
+    from runtime.server import start_server
     from services.registry import DEFAULT
-    from spine.runtime.server import start_server
 
     sock_dir = tempfile.mkdtemp(prefix=f"spine-{component}-", dir="/tmp")  # unix paths max ~107 bytes
     spec = DEFAULT[component]

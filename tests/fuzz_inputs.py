@@ -17,9 +17,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from spine.runtime.server import MAX_METADATA_BYTES
-from spine.v1 import generation_pb2
+from runtime.server import MAX_METADATA_BYTES
 from tests.conftest import DEV_KEY, JWT_SECRET, make_jwt
+from wire.v1 import generation_pb2
 
 FUZZ_KEY = "fuzz-tenant-key-0000"
 NO_SCOPE_KEY = "fuzz-no-scope-key-0000"

@@ -12,8 +12,8 @@ import anthropic
 import httpx
 import openai
 
-from spine.runtime.config import placements_for
-from spine.runtime.stack import Stack
+from runtime.config import placements_for
+from runtime.stack import Stack
 from tests.conftest import DEV_KEY, config_for_tests
 
 # A tenant that may hold one request at a time: the 429 path, and what a disconnect gives back.

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from monolith.device import DeviceContext
-from services.metrics import MetricsConfig, MetricsService
-from services.prometheus_http import PrometheusHTTPServer
-from spine.v1 import metrics_pb2
+from services.common.prometheus_http import PrometheusHTTPServer
+from services.metrics.service import MetricsConfig, MetricsService
+from wire.v1 import metrics_pb2
 
 
 class MetricsEndpoint:

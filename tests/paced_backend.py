@@ -11,10 +11,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from services.model.backend import TINY_LM_ID, TokenizedBackend
-from services.model.interface import Segment
-from services.model.tiny_lm import TinyLM
-from services.model.tokenizer import ByteTokenizer
+from services.inference.model.backend import TINY_LM_ID, TokenizedBackend
+from services.inference.model.interface import Segment
+from services.inference.model.tiny_lm import TinyLM
+from services.inference.model.tokenizer import ByteTokenizer
 from tests.test_serving_support import GatedModel
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from spine.runtime.server import free_port
+from runtime.server import free_port
 from spine.tools.local_prometheus import LocalPrometheus
 
 SCRAPE_INTERVAL_S = 0.5

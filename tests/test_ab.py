@@ -11,17 +11,17 @@ from typing import Any
 import grpc
 import pytest
 
+from runtime.stack import Stack
 from services.common import ConfigError
 from spine.cli import main
 from spine.client.gateway_client import CallResult
-from spine.runtime.stack import Stack
 from spine.tools.ab.command import run_command
 from spine.tools.ab.report import metric_rows, stream_timing
 from spine.tools.ab.report import up_layouts as report_layouts
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.workload import SyntheticSpec, TraceError, read_trace, synthetic, tenant_keys, write_trace
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
+from wire.v1 import generation_pb2
 
 KEYS = {"dev": DEV_KEY, "other": OTHER_KEY}
 

@@ -21,24 +21,24 @@ import pytest
 from grpc_tools import protoc
 
 from migration.plan import load_plan
+from runtime.config import load_config
+from runtime.config_model import root_model
+from runtime.server import start_server
+from runtime.stack import Stack
 from services.common import ConfigError, DeviceState, abort_on_item, set_status
-from services.config_model import Items, NonEmptyStr, Section
-from services.pipeline.stage import FailMode, Stage, StageCall
+from services.common.config_section import Items, NonEmptyStr, Section
 from services.pipeline.state import RequestState
+from services.pipeline.step import FailMode, Step, StepCall
 from services.registry import DEFAULT, ComponentSpec
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import load_config
-from spine.runtime.config_model import root_model
-from spine.runtime.server import start_server
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY
+from wire.v1 import generation_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 AUDIT_PROTO = """
 syntax = "proto3";
 package spinetest.v1;
-import "spine/v1/batch.proto";
+import "wire/v1/batch.proto";
 
 message SeenRequest { string tenant = 1; string model = 2; }
 message SeenResult { spine.v1.ItemStatus status = 1; }
@@ -100,11 +100,11 @@ def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Audi
     return AuditService(AuditSection.parse(config.get("audit"), "audit"))
 
 
-class AuditStage(Stage):
+class AuditStep(Step):
     method = "Seen"
     order = 35  # after the rate limit, before the cache
 
-    def decide(self, batch: list[RequestState], call: StageCall) -> None:
+    def decide(self, batch: list[RequestState], call: StepCall) -> None:
         request = audit_pb2.SeenBatchRequest()
         for state in batch:
             request.items.add(tenant=state.tenant, model=state.model)
@@ -115,7 +115,7 @@ class AuditStage(Stage):
 
 AUDIT = ComponentSpec(
     "audit", "spinetest.v1.audit_pb2", "Audit", f"{__name__}:build", f"{__name__}:AuditSection",
-    (f"{__name__}:AuditStage",), FailMode.CLOSED, batch_methods={"SeenBatch": "Seen"},
+    (f"{__name__}:AuditStep",), FailMode.CLOSED, batch_methods={"SeenBatch": "Seen"},
     passes=frozenset({grpc.StatusCode.PERMISSION_DENIED}))
 REGISTRY = DEFAULT.with_component(AUDIT)
 

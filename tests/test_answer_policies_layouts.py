@@ -17,17 +17,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
+from runtime.config import merge, placements_for
+from runtime.stack import Stack
+from services.cache.pregenerated import served_digests, write_table
 from services.common import section
-from services.inference_config import InferenceConfig
-from services.output_policy import VIOLATION
-from services.pregenerated import served_digests, write_table
+from services.inference.config import InferenceConfig
+from services.inference.output_policy import VIOLATION
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import merge, placements_for
-from spine.runtime.stack import Stack
 from spine.tools.cache_build import PromptLine, answer_prompts
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
 from tests.test_serving_support import eventually
+from wire.v1 import generation_pb2
 
 LAYOUTS = ("collapsed", "layered")
 TABLE = [PromptLine("tiny-lm", "", "a common question", 6),
@@ -59,7 +59,7 @@ def _phrase(text: str, avoid: list[str]) -> str | None:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A table of TABLE's answers, and a probe prompt with a phrase only its answer holds."""
-    from services.inference_models import build
+    from services.inference.models import build
 
     tmp = tmp_path_factory.mktemp("answers")
     config = merge(config_for_tests(), {"inference": {"deterministic": True}})

@@ -16,9 +16,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from services.auth import AuthConfig, AuthDenied, AuthService
-from spine.v1 import auth_pb2, auth_pb2_grpc
+from services.auth.service import AuthConfig, AuthDenied, AuthService
 from tests.conftest import served
+from wire.v1 import auth_pb2, auth_pb2_grpc
 
 NOW = 1_700_000_000.0
 ISSUER, AUDIENCE = "spine-test", "spine"

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import yaml
 
-from services.auth import AuthConfig, AuthService
+from services.auth.service import AuthConfig, AuthService
 from services.common import ConfigError
 from tests.test_auth import DEV_KEY, HS_SECRET, FakeClock, auth_section, hs256, public_pem
 
 
 def test_default_config_auth_section_parses_and_its_dev_key_works() -> None:
-    config = yaml.safe_load(Path("spine/default_config.yaml").read_text())
+    config = yaml.safe_load(Path("runtime/default_config.yaml").read_text())
     service = AuthService(AuthConfig.from_dict(config["auth"]))
     assert service.verify("spine-dev-key-0000").principal.tenant == "dev"
 

@@ -20,20 +20,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from services.auth import CHECK_BATCH, AuthConfig, AuthService
-from services.cache import CacheConfig, CacheService
-from services.cache_stages import LOOKUP_BATCH, STORE_BATCH, StoreItem
-from services.logs import APPEND_BATCH, LogEntry, LogsConfig, LogsService
-from services.metrics import MetricsConfig, MetricsService
-from services.metrics_stage import RECORD_BATCH, MetricsRecord
+from runtime.bindings import LocalBinding
+from services.auth.service import CHECK_BATCH, AuthConfig, AuthService
+from services.cache.service import CacheConfig, CacheService
+from services.cache.steps import LOOKUP_BATCH, STORE_BATCH, StoreItem
+from services.logs.service import APPEND_BATCH, LogEntry, LogsConfig, LogsService
+from services.metrics.service import MetricsConfig, MetricsService
+from services.metrics.steps import RECORD_BATCH, MetricsRecord
 from services.pipeline.batch_rpc import BatchRpc, ItemError
-from services.ratelimit import RateLimitConfig, RateLimitService
-from services.ratelimit_admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
+from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
+from services.ratelimit.service import RateLimitConfig, RateLimitService
 from services.registry import DEFAULT
-from services.router import RESOLVE_BATCH, RouterConfig, RouterService
-from spine.runtime.bindings import LocalBinding
-from spine.v1 import batch_pb2, cache_pb2, generation_pb2, metrics_pb2
+from services.router.service import RESOLVE_BATCH, RouterConfig, RouterService
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
+from wire.v1 import batch_pb2, cache_pb2, generation_pb2, metrics_pb2
 
 CONFIG = config_for_tests(ratelimit={"tenants": {
     "tight": {"requests_per_second": 0.5, "burst": 2, "tokens_per_minute": 600, "token_burst": 60,

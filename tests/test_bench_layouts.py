@@ -9,7 +9,7 @@ import pytest
 from bench.report import batching_gain
 from bench.run import write_configs
 from bench.targets import LAYOUTS
-from spine.runtime.config import load_config
+from runtime.config import load_config
 
 
 def test_each_spine_layout_batches_what_its_name_says(tmp_path: Path) -> None:

@@ -161,7 +161,7 @@ def test_the_warm_path_tool_measures_the_spines_own_work_per_request() -> None:
 
 def test_server_cpu_is_split_by_thread_and_the_decode_loop_is_told_apart(quick_results: dict) -> None:
     """Each run splits its server CPU by thread group; the model's decode loop and the gRPC
-    handlers name themselves (`services.thread_names`), so their CPU does not land in
+    handlers name themselves (`services.common.thread_names`), so their CPU does not land in
     `other` — which it would if the names were not given to the kernel."""
     spent: dict[str, dict[str, float]] = {}
     for run in quick_results["runs"]:
@@ -238,10 +238,10 @@ def test_the_profile_splits_each_threads_cpu_by_its_own_samples(tmp_path: Path) 
     code.write_text("total = 0\n")
     process = 'process 1:"python -m spine up"'
     stacks = [  # the model's thread has nine times the samples; the handlers half of its CPU
-        ("inference-scheduler", f"TinyLM.forward ({tmp_path}/services/model/tiny_lm.py:1)", 90),
-        ("grpc_3", f"InferenceService._start ({tmp_path}/services/inference.py:1)", 2),  # the model's own service
+        ("inference-scheduler", f"TinyLM.forward ({tmp_path}/services/inference/model/tiny_lm.py:1)", 90),
+        ("grpc_3", f"InferenceService._start ({tmp_path}/services/inference/service.py:1)", 2),  # the model's own service
         ("grpc_3", f"Pipeline.run ({tmp_path}/services/pipeline/runner.py:1)", 4),
-        ("grpc_7", f"AuthStage.decide ({tmp_path}/services/auth.py:1)", 4),
+        ("grpc_7", f"AuthStep.decide ({tmp_path}/services/auth/service.py:1)", 4),
     ]
     raw = tmp_path / "profile.raw"
     raw.write_text("".join(f"{process};thread ({i}): {thread};run (x.py:1);{leaf} {n}\n"

@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 import pytest
 
+from runtime.bindings import LocalBinding, LocalContext
+from runtime.remote_binding import RemoteBinding, remote_channel
+from runtime.server import start_server
 from services.registry import DEFAULT
-from spine.runtime.bindings import LocalBinding, LocalContext
-from spine.runtime.remote_binding import RemoteBinding, remote_channel
-from spine.runtime.server import start_server
-from spine.v1 import generation_pb2, inference_pb2_grpc
+from wire.v1 import generation_pb2, inference_pb2_grpc
 
 
 class ScriptedInference(inference_pb2_grpc.InferenceServicer):

@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from services.cache import CacheConfig, CacheService, cache_key
-from services.cache_index import CacheIndex
+from runtime.bindings import LocalContext, LocalRpcError
+from services.cache.index import CacheIndex
+from services.cache.service import CacheConfig, CacheService, cache_key
 from services.common import ConfigError
-from spine.runtime.bindings import LocalContext, LocalRpcError
-from spine.v1 import cache_pb2, cache_pb2_grpc
-from spine.v1.generation_pb2 import GenerateRequest, GenerateResponse
+from wire.v1 import cache_pb2, cache_pb2_grpc
+from wire.v1.generation_pb2 import GenerateRequest, GenerateResponse
 
 
 class FakeClock:
@@ -66,7 +66,7 @@ def stats(service: CacheService) -> tuple[int, int, int, int]:
 
 
 def test_default_config_parses() -> None:
-    config_path = Path(__file__).resolve().parents[1] / "spine" / "default_config.yaml"
+    config_path = Path(__file__).resolve().parents[1] / "runtime" / "default_config.yaml"
     config = CacheConfig.from_dict(yaml.safe_load(config_path.read_text())["cache"])
     assert (config.max_entries, config.ttl_s) == (4096, 300.0)
 
@@ -418,7 +418,7 @@ def test_the_host_dict_and_the_tensor_ops_read_the_index_identically() -> None:
     here), hash collisions included (7 hashes for 40 keys)."""
     import random
 
-    from services.cache_index import CacheIndex
+    from services.cache.index import CacheIndex
 
     views: CacheIndex[int] = CacheIndex(DeviceContext(), max_entries=16, key_hash=lambda k: k[0] % 7)
     tensors: CacheIndex[int] = CacheIndex(DeviceContext(), max_entries=16, key_hash=lambda k: k[0] % 7)

@@ -20,13 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.pipeline.stage import FailMode
+from runtime.stack import Stack
+from services.pipeline.step import FailMode
 from services.registry import DEFAULT
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from tests.test_serving_support import eventually
+from wire.v1 import generation_pb2
 
 pytestmark = pytest.mark.timeout(240)
 

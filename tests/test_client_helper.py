@@ -15,13 +15,13 @@ from typing import Any
 import grpc
 import pytest
 
+from runtime.server import start_server
 from services.common import ConfigError
 from services.registry import GATEWAY
 from spine.cli import main
 from spine.client.gateway_client import GatewayClient
 from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_models
-from spine.runtime.server import start_server
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 BUSY = "queue=9;running=4;slots=4;kv_free=0;mem_free_mb=100.0;ms_per_token=1.000;busy=0.990"
 CALM = "queue=0;running=1;slots=4;kv_free=3;mem_free_mb=100.0;ms_per_token=1.000;busy=0.300"

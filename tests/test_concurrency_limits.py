@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
+from runtime.bindings import LocalContext
 from services.common import ConfigError
-from services.concurrency import MIN_RETRY_S, ConcurrencyLeases
-from services.ratelimit import RateLimitConfig, RateLimitService
-from spine.runtime.bindings import LocalContext
-from spine.v1 import ratelimit_pb2 as pb
+from services.ratelimit.concurrency import MIN_RETRY_S, ConcurrencyLeases
+from services.ratelimit.service import RateLimitConfig, RateLimitService
 from tests.test_ratelimit import FakeClock
+from wire.v1 import ratelimit_pb2 as pb
 
 CONCURRENCY = "tenant={},resource=concurrent_requests"
 ROOMY = {"requests_per_second": 1000, "burst": 1000, "tokens_per_minute": 1e9, "token_burst": 1e6}

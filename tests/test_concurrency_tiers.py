@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from migration.limits import side_shares
+from runtime.stack import Stack
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.runtime.stack import Stack
-from spine.v1 import gateway_pb2_grpc, generation_pb2, ratelimit_pb2
 from tests.conftest import TEST_OVERRIDES, config_for_tests, start_stack
+from wire.v1 import gateway_pb2_grpc, generation_pb2, ratelimit_pb2
 
 TIER_KEYS = {"tier2": "tier2-tenant-key-0000", "tier4": "tier4-tenant-key-0000"}
 STEP_MS = 25

@@ -12,19 +12,19 @@ import torch
 
 from monolith.device import DeviceContext
 from monolith.device_config import DeviceConfig
-from services.cache import CacheConfig
+from runtime.config import SECTIONS, load_config, placements_for
+from runtime.config_model import SpineConfig, check_config
+from runtime.decisions import Decision
+from runtime.sections import DecisionField, ShadowConfig, TracingConfig
+from runtime.stack import Stack
+from services.cache.service import CacheConfig
 from services.common import ConfigError, section
-from services.config_model import ConfigProblems
-from services.inference_config import InferenceConfig
-from services.metrics import MetricsConfig
-from services.ratelimit import RateLimitConfig
+from services.common.config_section import ConfigProblems
+from services.inference.config import InferenceConfig
+from services.metrics.service import MetricsConfig
+from services.ratelimit.service import RateLimitConfig
 from services.registry import COMPONENTS
 from spine import cli
-from spine.runtime.config import SECTIONS, load_config, placements_for
-from spine.runtime.config_model import SpineConfig, check_config
-from spine.runtime.decisions import Decision
-from spine.runtime.sections import DecisionField, ShadowConfig, TracingConfig
-from spine.runtime.stack import Stack
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -171,7 +171,7 @@ def test_config_check_exits_2_with_one_line_per_problem(tmp_path: Path, capsys: 
 def test_up_with_a_bad_config_exits_2_before_any_child_starts(
         text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     spawned: list[Any] = []
-    monkeypatch.setattr("spine.runtime.stack.Supervisor", lambda *args: spawned.append(args))
+    monkeypatch.setattr("runtime.stack.Supervisor", lambda *args: spawned.append(args))
     path, run_dir = write(tmp_path, text), tmp_path / "run"
     rc = cli.main(["--config", str(path), "up", "--layout", "layered", "--http-listen", "off",
                    "--run-dir", str(run_dir)])
@@ -192,7 +192,7 @@ def test_a_stack_refuses_a_bad_config_before_creating_anything(tmp_path: Path) -
 def test_up_on_a_listen_address_off_loopback_exits_2_in_one_line_before_any_child_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     spawned: list[Any] = []
-    monkeypatch.setattr("spine.runtime.stack.Supervisor", lambda *args: spawned.append(args))
+    monkeypatch.setattr("runtime.stack.Supervisor", lambda *args: spawned.append(args))
     run_dir = tmp_path / "run"
     rc = cli.main(["up", "--layout", "layered", "--listen", "0.0.0.0:50999", "--run-dir", str(run_dir)])
     assert rc == 2

@@ -1,4 +1,4 @@
-"""A model-serving process on a CPU of its own (`services.cpu_placement`)."""
+"""A model-serving process on a CPU of its own (`services.inference.cpu_placement`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cpu_placement import PlacementError, least_claimed, requested
+from services.inference.cpu_placement import PlacementError, least_claimed, requested
 
 REPO = Path(__file__).resolve().parents[1]
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a process allowed two CPUs")
@@ -56,7 +56,7 @@ def test_when_a_model_starts_every_thread_of_its_process_moves_to_one_cpu(settin
     script = textwrap.dedent("""
         import json, os, threading
         from monolith.runtime_env import configure_threads
-        from services.cpu_placement import place_process
+        from services.inference.cpu_placement import place_process
         configure_threads()
         before = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)
         before.start()
@@ -66,7 +66,7 @@ def test_when_a_model_starts_every_thread_of_its_process_moves_to_one_cpu(settin
         late = threading.Thread(target=lambda: after.update(cpus=sorted(os.sched_getaffinity(0))))
         late.start(); late.join()
         tasks = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-        from services.cpu_placement import claims_dir
+        from services.inference.cpu_placement import claims_dir
         print(json.dumps({"main": sorted(os.sched_getaffinity(0)), "before": tasks[before.native_id],
                           "late": after["cpus"], "all": sorted({tuple(c) for c in tasks.values()}),
                           "claims": sorted(p.name for p in claims_dir().glob("*.claim")), "pid": os.getpid()}))

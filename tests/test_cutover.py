@@ -17,8 +17,8 @@ from migration.status import State
 from migration.traffic.cutover import Cutover
 from spine.client.gateway_client import GatewayClient
 from spine.tools.migration_demo import DEMO_PLAN, DEMO_SHADOW_SHARE, TrafficDriver, inject, walk_plan
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
+from wire.v1 import generation_pb2
 
 
 def steady_plan() -> str:

@@ -14,8 +14,8 @@ import pytest
 
 from migration.traffic.cutover import Cutover
 from spine.client.gateway_client import GatewayClient
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive, split_tenant_through
+from wire.v1 import generation_pb2
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,11 @@ import pytest
 
 from migration.traffic.cutover import Cutover
 from migration.traffic.spine_process import FaultNotSwitched
+from runtime.faults import FaultHook, FaultSwitch
 from services.common import ConfigError
 from services.registry import MIDDLEWARES
 from spine.cli import _injected_fault
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.faults import FaultHook, FaultSwitch
-from spine.v1 import generation_pb2
 from tests.conftest import (
     DEV_KEY,
     SPLIT_KEYS,
@@ -38,6 +37,7 @@ from tests.conftest import (
     split_tenant_through,
     stop_process,
 )
+from wire.v1 import generation_pb2
 
 
 @pytest.fixture(scope="module")

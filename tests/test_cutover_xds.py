@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 CLIENT = r'''
 import json, sys
 import grpc
-from spine.v1 import generation_pb2
+from wire.v1 import generation_pb2
 
 channel = grpc.insecure_channel("xds:///spine-gateway")
 generate = channel.unary_unary("/spine.v1.Gateway/Generate",
@@ -165,7 +165,7 @@ def test_a_spine_that_cannot_run_its_model_is_failed_over_and_sent_unhealthy(
 
     from migration.xds.snapshot import ENDPOINT
     from spine.client.gateway_client import GatewayClient
-    from spine.v1 import generation_pb2
+    from wire.v1 import generation_pb2
 
     cutover, _ = rig
     assert cutover.target and cutover.spine and cutover.front and cutover.xds and cutover.endpoint_health

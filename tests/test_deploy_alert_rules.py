@@ -16,16 +16,16 @@ from migration.dashboard.metrics import ControllerCollector
 from migration.gates import WindowStats
 from migration.notify import RESULTS
 from migration.testing import make_controller, run_windows, three_stages
-from services.gpu_metrics import FIELDS
-from services.inference_metrics import HISTOGRAMS
-from services.metrics import FAMILIES
+from services.inference.gpu_metrics import FIELDS
+from services.inference.serving_metrics import HISTOGRAMS
+from services.metrics.service import FAMILIES
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 RULES = DEPLOY / "prometheus" / "spine-rules.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "spine-rules.test.yml"
 GRAFANA = DEPLOY / "grafana" / "spine-migration.json"
 NAME = re.compile(r"\b(spine_[a-z0-9_]+|layout:[a-z0-9_:]+|DCGM_[A-Z0-9_]+)")
-# The model server's gauges (services/inference_metrics.py builds them by name).
+# The model server's gauges (services/inference/serving_metrics.py builds them by name).
 INFERENCE_GAUGES = {"spine_kv_slots", "spine_kv_blocks", "spine_queue_depth", "spine_device_bytes",
                     "spine_device_budget_bytes", "spine_prefix_cache_lookups_total"}
 

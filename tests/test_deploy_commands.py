@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from migration.runner import parse_args as runner_args
+from runtime.config import load_config, remote_addresses
+from runtime.process import build_parser as process_parser
 from services.registry import COMPONENTS
 from spine.cli import build_parser as cli_parser
-from spine.runtime.config import load_config, remote_addresses
-from spine.runtime.process import build_parser as process_parser
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 
@@ -54,7 +54,7 @@ def configs() -> list[tuple[str, dict[str, Any]]]:
 @pytest.mark.parametrize(("where", "container"), containers(), ids=[name for name, _ in containers()])
 def test_container_command_parses_with_the_real_cli(where: str, container: dict[str, Any]) -> None:
     command = list(container["command"]) + [str(arg) for arg in container.get("args", [])]
-    if command[:3] == ["python", "-m", "spine.runtime.process"]:
+    if command[:3] == ["python", "-m", "runtime.process"]:
         args = process_parser().parse_args(command[3:])
         assert args.component in COMPONENTS
         if not args.listen.startswith(("127.", "unix:", "localhost")):
@@ -77,8 +77,8 @@ def test_container_command_parses_with_the_real_cli(where: str, container: dict[
 
 @pytest.mark.parametrize(("where", "config"), configs(), ids=[name for name, _ in configs()])
 def test_configmap_config_loads_and_every_section_parses(where: str, config: dict[str, Any]) -> None:
-    from services.logs import LogsConfig
-    from services.metrics import MetricsConfig
+    from services.logs.service import LogsConfig
+    from services.metrics.service import MetricsConfig
 
     merged = load_config(overrides=config)
     remote_addresses(merged)

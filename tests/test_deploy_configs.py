@@ -24,8 +24,8 @@ from google.protobuf import json_format
 
 from migration.xds import Endpoint, build_snapshot
 from migration.xds.snapshot import CLUSTER, ROUTE
+from runtime.yamlsource import load_located
 from services.registry import COMPONENTS
-from spine.runtime.yamlsource import load_located
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 ENVOY_FILES = sorted((DEPLOY / "envoy").glob("*.yaml"))

@@ -25,10 +25,10 @@ from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 from migration.plan import load_plan
-from services.envoy_authz import TENANT_HEADER
-from services.envoy_ratelimit import ENTRY_KEYS
-from spine.runtime.config import load_config
-from spine.runtime.stack import Stack
+from runtime.config import load_config
+from runtime.stack import Stack
+from services.auth.envoy_authz import TENANT_HEADER
+from services.ratelimit.envoy_ratelimit import ENTRY_KEYS
 from tests.conftest import DEV_KEY, start_stack
 from tests.envoy_calls import OK, bearer, check, descriptor, ok_headers, should_rate_limit
 from tests.test_deploy_configs import DEPLOY, load_bootstrap

@@ -12,10 +12,10 @@ import yaml
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 
 from migration.runner import parse_args as runner_args
+from runtime.config import load_config
+from runtime.process import build_parser as process_parser
+from runtime.sections import TlsConfig
 from spine.cli import build_parser as cli_parser
-from spine.runtime.config import load_config
-from spine.runtime.process import build_parser as process_parser
-from spine.runtime.sections import TlsConfig
 from tests.test_deploy_configs import ENVOY_FILES, by_kind, load_bootstrap
 
 MOUNT = "/etc/spine-tls"
@@ -24,7 +24,7 @@ MOUNT = "/etc/spine-tls"
 def command(deployment: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     argv = list(container["command"]) + [str(arg) for arg in container.get("args", [])]
-    if argv[:3] == ["python", "-m", "spine.runtime.process"]:
+    if argv[:3] == ["python", "-m", "runtime.process"]:
         return container, process_parser().parse_args(argv[3:])
     if argv[:3] == ["python", "-m", "migration.runner"]:
         return container, runner_args(argv[3:])

@@ -54,7 +54,7 @@ def _component_process(component: str, tmp_path: Path) -> tuple[subprocess.Popen
     config.write_text(yaml.safe_dump(config_for_tests()))
     socket = tmp_path / f"{component}.sock"
     process = subprocess.Popen(
-        [sys.executable, "-m", "spine.runtime.process", component, "--listen", f"unix:{socket}",
+        [sys.executable, "-m", "runtime.process", component, "--listen", f"unix:{socket}",
          "--config", str(config), "--run-dir", str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return process, socket

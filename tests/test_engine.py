@@ -8,10 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from services.model.engine import GenerationEngine, GenerationRequest, SequenceHandle, SlotsExhausted
-from services.model.interface import KV_CACHE_OWNER
-from services.model.tiny_lm import TinyLM
-from services.model.tokenizer import EOS_ID, ByteTokenizer
+from services.inference.model.engine import (
+    GenerationEngine,
+    GenerationRequest,
+    SequenceHandle,
+    SlotsExhausted,
+)
+from services.inference.model.interface import KV_CACHE_OWNER
+from services.inference.model.tiny_lm import TinyLM
+from services.inference.model.tokenizer import EOS_ID, ByteTokenizer
 
 MODEL = TinyLM.from_seed(1234)
 TOKENIZER = ByteTokenizer()

@@ -15,9 +15,8 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.type.v3 import http_status_pb2
 
+from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import (
     DEV_KEY,
     TEST_OVERRIDES,
@@ -28,6 +27,7 @@ from tests.conftest import (
     stop_process,
 )
 from tests.envoy_calls import bearer, check, ok_headers
+from wire.v1 import generation_pb2
 
 NO_SCOPE_KEY = "no-scope-key-0000"
 CONFIG = config_for_tests(auth={"api_keys": [

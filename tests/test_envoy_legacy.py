@@ -16,12 +16,12 @@ from typing import Any
 import grpc
 import pytest
 
+from runtime.foreign import ForeignBinding
+from runtime.stack import Stack
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.runtime.foreign import ForeignBinding
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2, ratelimit_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.envoy_calls import AUTHZ, OVER_LIMIT, RLS, bearer, check, legacy_services, ok_headers, tenant_limit
+from wire.v1 import generation_pb2, ratelimit_pb2
 
 LEGACY_KEY, BOUNDED_KEY, FORBIDDEN_KEY = "legacy-key-1", "legacy-key-2", "legacy-forbidden"
 LEGACY_ARGS = ("--key", f"{LEGACY_KEY}=acme", "--key", f"{BOUNDED_KEY}=bounded", "--key", f"{FORBIDDEN_KEY}=acme",
@@ -161,7 +161,7 @@ def health(address: str, service: str) -> str:
 
 def test_the_per_request_rpcs_through_a_foreign_binding_answer_like_the_components_own(spine: Stack) -> None:
     """Check / Admit (batches of one) and the descriptor form, over the legacy protocol."""
-    from spine.v1 import auth_pb2
+    from wire.v1 import auth_pb2
 
     auth, ratelimit = spine.bindings["auth"], spine.bindings["ratelimit"]
     assert auth.Check(auth_pb2.CheckRequest(credential=LEGACY_KEY), timeout=5).principal.tenant == "acme"

@@ -26,10 +26,10 @@ from envoy.type.v3 import http_status_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spine.runtime.stack import Stack
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from runtime.stack import Stack
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, TIGHT_KEY, config_for_tests, make_jwt, start_stack
 from tests.envoy_calls import OVER_LIMIT, check, descriptor, ok_headers, should_rate_limit
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 NO_SCOPE_KEY = "parity-no-scope-0000"
 # Parity of decisions, not latency: a hop that misses the default 250 ms budget because the

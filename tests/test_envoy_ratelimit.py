@@ -10,9 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import TEST_OVERRIDES, TIGHT_KEY, config_for_tests, start_stack
 from tests.envoy_calls import (
     OK,
@@ -23,6 +22,7 @@ from tests.envoy_calls import (
     should_rate_limit,
     tenant_limit,
 )
+from wire.v1 import generation_pb2
 
 # Buckets that barely refill during a test (0.001/s), so counts are exact.
 SLOW = {"requests_per_second": 0.001, "tokens_per_minute": 60, "token_burst": 100}
@@ -161,11 +161,11 @@ def test_no_room_for_a_new_bucket_is_over_limit_not_an_error(tmp_path: Path) -> 
     """A device budget with room for 64 buckets (what a layered ratelimit process serves, on
     its own servicer): the 65th tenant is refused OVER_LIMIT, the known ones still decided."""
     from monolith.device import DeviceContext
-    from services.ratelimit import RateLimitService
+    from runtime.foreign import envoy_apis_of
+    from runtime.server import start_server
+    from services.ratelimit.config import RateLimitConfig
+    from services.ratelimit.service import RateLimitService
     from services.registry import DEFAULT
-    from services.sections import RateLimitConfig
-    from spine.runtime.foreign import envoy_apis_of
-    from spine.runtime.server import start_server
 
     spec = DEFAULT["ratelimit"]
     servicer = RateLimitService(RateLimitConfig(), DeviceContext(budget_bytes=8 * 1024))

@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, pid_alive, start_stack
 from tests.http_helpers import sdk_round_trip
+from wire.v1 import generation_pb2
 
 
 def gen(prompt: str, max_tokens: int = 4) -> generation_pb2.GenerateRequest:

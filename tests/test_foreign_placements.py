@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from spine.runtime.config import load_config, placements_for
-from spine.runtime.config_model import check_config
-from spine.runtime.foreign import foreign_endpoints
+from runtime.config import load_config, placements_for
+from runtime.config_model import check_config
+from runtime.foreign import foreign_endpoints
 from tests.test_config_model import problems, write
 
 LEGACY = """placements:

@@ -10,9 +10,9 @@ from typing import Any
 import grpc
 
 from migration.traffic.front import SIDES, Front, Outcome
+from runtime.server import start_server
 from services.registry import GATEWAY
-from spine.runtime.server import start_server
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 
 def test_the_front_times_only_requests_answered_ok() -> None:

@@ -46,11 +46,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from services.inference_load import parse_load
-from spine.runtime.server import MAX_METADATA_BYTES
-from spine.runtime.stack import Stack
-from spine.runtime.tracing import Tracing, installed_tracing
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from runtime.server import MAX_METADATA_BYTES
+from runtime.stack import Stack
+from runtime.tracing import Tracing, installed_tracing
+from services.inference.load_hints import parse_load
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests, start_stack
 from tests.fuzz_inputs import (
     FUZZ_KEY,
@@ -69,6 +68,7 @@ from tests.fuzz_inputs import (
     metadata_bytes,
     requests,
 )
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 LAYOUTS = ("collapsed", "layered")
 UNLIMITED = {"requests_per_second": 1e6, "burst": 1e6, "tokens_per_minute": 1e12, "token_burst": 1e12}
@@ -85,7 +85,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                                            HealthCheck.large_base_example])
 TIMEOUT_S = 30.0  # the client's deadline: far above anything a request here may take
 
-# The README's limits (spine/default_config.yaml) are restated in tests.fuzz_inputs: the oracle is not the code's.
+# The README's limits (runtime/default_config.yaml) are restated in tests.fuzz_inputs: the oracle is not the code's.
 TIMED_BELOW_MS = 1_000  # a compute budget under this may or may not be enough: OK or DEADLINE_EXCEEDED
 NEVER = {"UNKNOWN", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNIMPLEMENTED"}
 

@@ -20,16 +20,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from migration.traffic.endpoint_health import EndpointHealth
 from migration.traffic.front import Front
+from runtime.health_watch import HealthWatch
+from runtime.server import start_server
+from runtime.stack import Stack
 from services.registry import DEFAULT, GATEWAY
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.health_watch import HealthWatch
-from spine.runtime.server import start_server
-from spine.runtime.stack import Stack
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from tests.test_supervisor import refused_config, seconds_until
+from wire.v1 import generation_pb2
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

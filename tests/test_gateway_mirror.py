@@ -28,16 +28,16 @@ from migration.plan import GateSpec, PlanError, load_plan
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
+from runtime.config import merge, placements_for
+from runtime.faults import FaultHook, WrongAnswers
+from runtime.shadow_metrics import COMPARED, MISMATCHED
+from runtime.stack import Stack
 from services.common import ConfigError
 from services.registry import DEFAULT
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import merge, placements_for
-from spine.runtime.faults import FaultHook, WrongAnswers
-from spine.runtime.shadow_metrics import COMPARED, MISMATCHED
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.prometheus_server import run_prometheus
+from wire.v1 import generation_pb2
 
 SECRET = "gateway-mirror-test-internal-secret-0123"
 PROMPTS = (f"mirror prompt {n}" for n in itertools.count())

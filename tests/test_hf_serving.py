@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from spine.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
 from tests.conftest import DEV_KEY  # noqa: E402
+from wire.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
 
 ANSWERS: dict[str, list[int]] = {}
 

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
+from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY
 from tests.http_helpers import SOLO_KEY, anthropic_client, openai_client, raw, sse_events
+from wire.v1 import generation_pb2
 
 LAYOUTS = ("collapsed", "layered")
 # Its greedy answer runs all 250 tokens: a request that holds its slot for a while.

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spine.runtime.stack import Stack
+from runtime.stack import Stack
 from tests.conftest import DEV_KEY
 from tests.http_helpers import HTTP_LIMITS, connect, raw
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from services.inference_cost import BudgetRule, StepCost
-from services.inference_load import LOAD_HEADER, parse_load
-from services.model.interface import Segment
+from services.inference.cost import BudgetRule, StepCost
+from services.inference.load_hints import LOAD_HEADER, parse_load
+from services.inference.model.interface import Segment
 from tests.test_serving_support import GatedModel, generate, make_service, request
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.common import ConfigError
-from services.inference_config import InferenceConfig
-from services.model.kv_budget import plan_kv_slots
-from services.priority import AgingPriorityQueue, effective_class, priority_error
+from services.inference.config import InferenceConfig
+from services.inference.model.kv_budget import plan_kv_slots
+from services.inference.priority import AgingPriorityQueue, effective_class, priority_error
 
 MIB = 1 << 20
 

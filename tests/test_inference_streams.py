@@ -7,9 +7,9 @@ from __future__ import annotations
 import threading
 
 from monolith.device import DeviceContext
-from services.inference import InferenceConfig, InferenceService
-from spine.runtime.bindings import LocalContext
-from spine.v1 import generation_pb2
+from runtime.bindings import LocalContext
+from services.inference.service import InferenceConfig, InferenceService
+from wire.v1 import generation_pb2
 
 
 class RecordingDevice(DeviceContext):

@@ -24,14 +24,14 @@ from migration.controller import Controller
 from migration.plan import load_plan
 from migration.traffic.cutover import FrontTarget
 from migration.traffic.front import Front
+from runtime.server import start_server
+from runtime.stack import Stack
+from runtime.tracing import Tracing, installed_tracing
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow, shadow_mark
 from services.registry import GATEWAY
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.server import start_server
-from spine.runtime.stack import Stack
-from spine.runtime.tracing import Tracing, installed_tracing
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
+from wire.v1 import generation_pb2
 
 SECRET = "internal-metadata-test-secret-0123456789"
 KEY = SECRET.encode()

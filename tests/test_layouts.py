@@ -9,12 +9,12 @@ from typing import Any
 import grpc
 import pytest
 
-from services.inference_load import parse_load
+from runtime.config import placements_for
+from runtime.stack import Stack
+from services.inference.load_hints import parse_load
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import placements_for
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
+from wire.v1 import generation_pb2
 
 
 def gen(prompt: str = "hello", max_tokens: int = 6, model: str = "tiny-lm", **fields: Any,

@@ -15,11 +15,11 @@ import grpc
 import pytest
 
 from services.common import ConfigError
-from services.log_ring import LogRing, LogsClosedError
-from services.logs import LogsConfig, LogsService
+from services.common.redact import REDACTED, is_secret_key, redact_mapping, redact_text
+from services.logs.ring import LogRing, LogsClosedError
+from services.logs.service import LogsConfig, LogsService
 from services.pipeline.batch_rpc import StatusError
-from services.redact import REDACTED, is_secret_key, redact_mapping, redact_text
-from spine.v1 import logs_pb2, logs_pb2_grpc
+from wire.v1 import logs_pb2, logs_pb2_grpc
 
 JWT = (
     "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9"
@@ -318,7 +318,7 @@ def test_text_too_short_to_hold_a_secret_skips_the_regex_and_nothing_shorter_mat
     characters the patterns are made of."""
     import itertools
 
-    from services.redact import _SECRET_TEXT, _SHORTEST_SECRET, redact_text
+    from services.common.redact import _SECRET_TEXT, _SHORTEST_SECRET, redact_text
 
     assert redact_text("eyJ.a.") == "[REDACTED]"  # the shortest match is still caught
     for length in range(1, _SHORTEST_SECRET):
@@ -331,7 +331,7 @@ def test_the_quick_screen_never_keeps_text_the_patterns_would_redact() -> None:
     must give what the regex gives on every text, secrets in any case and spacing included."""
     import random
 
-    from services.redact import _SECRET_TEXT, redact_text
+    from services.common.redact import _SECRET_TEXT, redact_text
 
     crafted = ["Bearer\ttok_123", "BEARER   abc", "x-bEaReR\nzzz", "eyJhbGci.eyJzdWIi.", "a" * 20 + "." + "b" * 20
                + "." + "c" * 20, "3f2a9c0d1e2b3c4d5e6f7a8b000000000012", "tiny-lm", "collapsed", "ｂearer tok"]

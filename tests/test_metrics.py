@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
 from services.common import ConfigError
-from services.histograms import CounterTable, HistogramTable
-from services.metrics import DEFAULT_BUCKETS, MetricsConfig, MetricsService
-from spine.v1 import metrics_pb2, metrics_pb2_grpc
+from services.metrics.histograms import CounterTable, HistogramTable
+from services.metrics.service import DEFAULT_BUCKETS, MetricsConfig, MetricsService
+from wire.v1 import metrics_pb2, metrics_pb2_grpc
 
 Rec = metrics_pb2.RequestRecord
 

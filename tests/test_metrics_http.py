@@ -12,11 +12,11 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
-from services.metrics import DEFAULT_BUCKETS, MetricsConfig, MetricsService
-from services.prometheus_http import PrometheusHTTPServer
-from spine.runtime.metrics_endpoint import start_metrics_endpoint
-from spine.v1 import metrics_pb2
+from runtime.metrics_endpoint import start_metrics_endpoint
+from services.common.prometheus_http import PrometheusHTTPServer
+from services.metrics.service import DEFAULT_BUCKETS, MetricsConfig, MetricsService
 from tests.test_metrics import parse_exposition, rec, record, sample
+from wire.v1 import metrics_pb2
 
 
 @pytest.fixture

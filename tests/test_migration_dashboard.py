@@ -21,8 +21,8 @@ from migration.plan import load_plan
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess
 from migration.testing import ADMIN_TOKEN, HEALTHY
+from runtime.sections import TlsConfig
 from services.common import ConfigError
-from spine.runtime.sections import TlsConfig
 from tests.tls_helpers import make_certs
 
 # Two stages a few ticks long each; the second waits for an operator where a test says so.

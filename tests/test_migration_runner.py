@@ -17,9 +17,9 @@ import pytest
 
 from migration.recording import RecordingTarget
 from migration.testing import ADMIN_TOKEN
-from spine.runtime.parent import spawn
-from spine.v1 import migration_pb2 as pb
-from spine.v1 import migration_pb2_grpc as pb_grpc
+from runtime.parent import spawn
+from wire.v1 import migration_pb2 as pb
+from wire.v1 import migration_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 AUTH = (("authorization", f"Bearer {ADMIN_TOKEN}"),)

@@ -15,8 +15,8 @@ from migration.gates import ParityStats, Verdict, evaluate
 from migration.metrics.scrape import ScrapeSource, count, increments, parse_series
 from migration.metrics.source import histogram_quantile
 from migration.plan import GateSpec
-from services.prometheus_http import PrometheusHTTPServer
-from spine.runtime.shadow_metrics import ShadowCounters
+from runtime.shadow_metrics import ShadowCounters
+from services.common.prometheus_http import PrometheusHTTPServer
 from tests.metrics_endpoints import MetricsEndpoint
 
 NO_SHADOW = ParityStats(0, 0, missing="no shadow traffic in this test")

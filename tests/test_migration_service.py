@@ -15,8 +15,8 @@ from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.testing import ADMIN_TOKEN, HEALTHY, THREE_STAGES
 from services.common import ConfigError
-from spine.v1 import migration_pb2 as pb
-from spine.v1 import migration_pb2_grpc as pb_grpc
+from wire.v1 import migration_pb2 as pb
+from wire.v1 import migration_pb2_grpc as pb_grpc
 
 AUTH = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 

@@ -29,12 +29,12 @@ from migration.target import ShadowCapability
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from migration.xds.snapshot import ROUTE
-from spine.runtime.config import placements_for
-from spine.runtime.server import free_port, wait_serving
-from spine.runtime.stack import Stack
-from spine.v1 import migration_pb2, migration_pb2_grpc
+from runtime.config import placements_for
+from runtime.server import free_port, wait_serving
+from runtime.stack import Stack
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.prometheus_server import run_prometheus
+from wire.v1 import migration_pb2, migration_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-admin-token-0123456789"
@@ -154,7 +154,7 @@ def test_the_xds_route_follows_the_plans_route_header_across_a_restart(tmp_path:
 # bootstrap from the environment, sending Generate calls until told to stop.
 DATA_PLANE = r"""
 import json, sys, threading, grpc
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 channel = grpc.insecure_channel("xds:///spine-gateway")
 stub = gateway_pb2_grpc.GatewayStub(channel)
 counts, stop = {}, threading.Event()

@@ -8,11 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common import ConfigError
-from services.model.backend import ModuleStepModel, TinyLMBackend, TokenizedBackend, load_backend, make_engine
-from services.model.engine import GenerationRequest
-from services.model.interface import Segment
-from services.model.tiny_lm import PRINTABLE, TinyLM
-from services.model.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer
+from services.inference.model.backend import (
+    ModuleStepModel,
+    TinyLMBackend,
+    TokenizedBackend,
+    load_backend,
+    make_engine,
+)
+from services.inference.model.engine import GenerationRequest
+from services.inference.model.interface import Segment
+from services.inference.model.tiny_lm import PRINTABLE, TinyLM
+from services.inference.model.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE, ByteTokenizer
 
 MODEL = TinyLM.from_seed(1234)
 CPU = torch.device("cpu")

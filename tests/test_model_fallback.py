@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.inference_load import parse_load
+from runtime.config import load_config
+from runtime.stack import Stack
+from services.inference.load_hints import parse_load
 from spine.client.gateway_client import GatewayClient
 from spine.client.load_hints import Backoff, Fallback, LoadAwareClient
-from spine.runtime.config import load_config
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2, inference_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
+from wire.v1 import generation_pb2, inference_pb2
 
 LAYOUTS = ("collapsed", "layered")
 

@@ -3,7 +3,7 @@ busy figure read from it at most every `FIGURE_EVERY_S` (it moves in 100 ms slot
 
 from __future__ import annotations
 
-from services.pipeline.model_load import FIGURE_EVERY_S, ModelLoads
+from services.gateway.model_load import FIGURE_EVERY_S, ModelLoads
 
 
 class Clock:

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.outlier import Ejected, Ejection, OutlierDetector, OutlierPolicy
+from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.outlier import Ejected, Ejection, OutlierDetector, OutlierPolicy
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
+from wire.v1 import generation_pb2
 
 CODE = grpc.StatusCode
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from runtime.config import load_config
 from services.common import ConfigError
-from services.output_policy import VIOLATION, OutputPolicy, OutputPolicyConfig
-from spine.runtime.config import load_config
+from services.inference.output_policy import VIOLATION, OutputPolicy, OutputPolicyConfig
 
 CLASSIFIED: list[tuple[str, tuple[int, ...]]] = []
 

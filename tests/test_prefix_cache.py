@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.model.engine import GenerationEngine, GenerationRequest
-from services.model.kv_pool import BlockPool, PagedKV
-from services.model.tiny_lm import KV_BLOCK_TOKENS, TinyLM
-from services.model.tokenizer import ByteTokenizer
+from services.inference.model.engine import GenerationEngine, GenerationRequest
+from services.inference.model.kv_pool import BlockPool, PagedKV
+from services.inference.model.tiny_lm import KV_BLOCK_TOKENS, TinyLM
+from services.inference.model.tokenizer import ByteTokenizer
 
 MODEL = TinyLM.from_seed(1234)
 TOKENIZER = ByteTokenizer()

@@ -13,17 +13,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.cache import CacheService
+from runtime.bindings import LocalContext
+from services.cache.config import CacheConfig
+from services.cache.pregenerated import PregeneratedTable, TableError, served_digests, table_key, write_table
+from services.cache.pregenerated_answers import PregeneratedAnswers
+from services.cache.service import CacheService
 from services.common import section
-from services.inference_config import InferenceConfig
-from services.pregenerated import PregeneratedTable, TableError, served_digests, table_key, write_table
-from services.pregenerated_answers import PregeneratedAnswers
-from services.sections import CacheConfig
-from spine.runtime.bindings import LocalContext
+from services.inference.config import InferenceConfig
 from spine.tools.cache_build import PromptLine, answer_prompts
-from spine.v1 import generation_pb2
 from tests.conftest import config_for_tests
 from tests.test_serving_support import ManualClock, eventually
+from wire.v1 import generation_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -157,8 +157,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]
     """The table's builder (deterministic mode, as `spine cache build`) and a server's model
     (the test config as a server runs it)."""
     from monolith.device import DeviceContext
-    from services.inference_models import build
-    from spine.runtime.config import merge
+    from runtime.config import merge
+    from services.inference.models import build
 
     tmp = tmp_path_factory.mktemp("models")
     builder = build(merge(CONFIG, {"inference": {"deterministic": True}}), DeviceContext.from_config(CONFIG), tmp)
@@ -190,7 +190,7 @@ def test_a_tables_answer_is_the_models_own(models: tuple[Any, Any], tmp_path: Pa
 
 
 def test_the_model_digest_changes_with_the_models_seed_and_a_directorys_config_or_weights(tmp_path: Path) -> None:
-    from services.pregenerated import model_digest
+    from services.cache.pregenerated import model_digest
 
     def hf() -> bytes:
         return model_digest(InferenceConfig.from_dict({"model_id": "m", "backend": {"class": "hf",

@@ -13,15 +13,15 @@ import pytest
 import yaml
 
 from monolith.device import DeviceContext
+from runtime.bindings import LocalContext, LocalRpcError
 from services.common import ConfigError
-from services.ratelimit import (
+from services.ratelimit.service import (
     RateLimitConfig,
     RateLimitService,
     descriptors_for,
 )
-from spine.runtime.bindings import LocalContext, LocalRpcError
-from spine.v1 import ratelimit_pb2 as pb
-from spine.v1 import ratelimit_pb2_grpc
+from wire.v1 import ratelimit_pb2 as pb
+from wire.v1 import ratelimit_pb2_grpc
 
 OK = pb.RateLimitResponse.OK
 OVER = pb.RateLimitResponse.OVER_LIMIT
@@ -63,7 +63,7 @@ def status(response: pb.RateLimitResponse, name: str) -> pb.RateLimitResponse.De
 
 
 def test_default_config_parses_with_the_documented_limits() -> None:
-    config_path = Path(__file__).resolve().parents[1] / "spine" / "default_config.yaml"
+    config_path = Path(__file__).resolve().parents[1] / "runtime" / "default_config.yaml"
     section = yaml.safe_load(config_path.read_text())["ratelimit"]
     config = RateLimitConfig.from_dict(section)
     assert config.domain == "spine"

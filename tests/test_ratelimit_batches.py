@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from services.ratelimit import (
+from services.ratelimit.service import (
     MAX_HITS_ADDEND,
     InvalidRateLimitRequest,
     RateLimitAsk,
@@ -17,8 +17,8 @@ from services.ratelimit import (
     ask_for,
     descriptors_for,
 )
-from spine.v1 import ratelimit_pb2 as pb
 from tests.test_ratelimit import OK, OVER, REQUESTS, TOKENS, FakeClock, call, make, request
+from wire.v1 import ratelimit_pb2 as pb
 
 # -- batches -----------------------------------------------------------------------------------
 

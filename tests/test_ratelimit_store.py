@@ -3,7 +3,7 @@
 Every test runs a real `redis-server` on a free loopback port (`spine.tools.local_redis`)
 and several rate limiters (replicas) against it, each deciding in its own process or in
 this one, with its own lease thread. Traffic is paced at ten times the limit; the bounds
-asserted are the ones `services.ratelimit_leases` states (admitted <= the limit plus the
+asserted are the ones `services.ratelimit.leases` states (admitted <= the limit plus the
 replicas' reserves; at least the limit less one renewal of refill, with room for a slow
 host).
 """
@@ -25,8 +25,8 @@ import pytest
 
 from monolith.device import DeviceContext
 from services.common import ConfigError
-from services.ratelimit import RateLimitConfig, RateLimitService
-from services.ratelimit_admission import AdmitItem
+from services.ratelimit.admission import AdmitItem
+from services.ratelimit.service import RateLimitConfig, RateLimitService
 from spine.tools.local_redis import CuttableLink, LocalRedis
 
 RATE, BURST = 50.0, 50.0
@@ -250,8 +250,8 @@ def test_one_replica_cut_off_over_admits_at_most_its_share(redis_server: LocalRe
 _HOLDER = """
 import sys, time
 from monolith.device import DeviceContext
-from services.ratelimit import RateLimitConfig, RateLimitService
-from services.ratelimit_admission import AdmitItem
+from services.ratelimit.service import RateLimitConfig, RateLimitService
+from services.ratelimit.admission import AdmitItem
 import json
 service = RateLimitService(RateLimitConfig.from_dict(json.loads(sys.argv[1])), DeviceContext())
 held = 0
@@ -305,7 +305,7 @@ def test_concurrency_slots_are_shared_by_the_replicas(replicas: Any) -> None:
     assert len(leases) == 2
     time.sleep(3 * RENEW_S)  # the second replica renewed: the first holds the limit
     assert not second.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted
-    from spine.v1 import ratelimit_pb2 as pb
+    from wire.v1 import ratelimit_pb2 as pb
     first.ReleaseBatch(pb.ReleaseBatchRequest(items=[pb.ReleaseRequest(lease_id=lease) for lease in leases]))
     wait_for(lambda: second.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted)
 

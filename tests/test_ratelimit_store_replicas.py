@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
-from spine.v1 import generation_pb2
+from wire.v1 import generation_pb2
 
 RATE, BURST, SECONDS = 10.0, 10.0, 3.0
 RENEW_S = 0.1

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from spine.runtime.ready_line import first_event
+from runtime.ready_line import first_event
 
 
 def _first_event(code: str, timeout_s: float = 10.0) -> tuple[dict | None, float]:

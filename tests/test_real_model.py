@@ -28,12 +28,12 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from services.model.chat import ChatMessage, encode_messages, plain_parts  # noqa: E402
-from services.system_prompt import SEPARATOR  # noqa: E402
-from spine.runtime.model_fit import HOST_SHARE, MIB, fit_to_model, plan_fit  # noqa: E402
+from runtime.model_fit import HOST_SHARE, MIB, fit_to_model, plan_fit  # noqa: E402
+from services.inference.model.chat import ChatMessage, encode_messages, plain_parts  # noqa: E402
+from services.pipeline.system_prompt import SEPARATOR  # noqa: E402
 from spine.tools.model_get import MODELS, FetchError, fetch_wheel, get_model  # noqa: E402
-from spine.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
 from tests.conftest import DEV_KEY  # noqa: E402
+from wire.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m-instruct"
@@ -94,7 +94,7 @@ def test_an_out_directory_holding_something_else_is_refused(tmp_path: Path) -> N
 def test_messages_render_with_the_models_own_template_and_end_at_im_end(smollm2: Path) -> None:
     from transformers import AutoTokenizer
 
-    from services.model.hf_backend import HFTokenizer
+    from services.inference.model.hf_backend import HFTokenizer
 
     hf = AutoTokenizer.from_pretrained(smollm2, local_files_only=True)
     tokenizer = HFTokenizer(hf, 49152, [hf.convert_tokens_to_ids("<|im_end|>")])
@@ -114,9 +114,9 @@ def test_messages_render_with_the_models_own_template_and_end_at_im_end(smollm2:
 
 def test_a_chat_question_rendered_with_its_template_is_answered_paris_and_stops(smollm2: Path) -> None:
     """What the HTTP chat endpoints get from `encode_messages`: the issue's question, greedy."""
-    from services.model.backend import make_engine
-    from services.model.engine import GenerationRequest
-    from services.model.hf_backend import load_hf_backend
+    from services.inference.model.backend import make_engine
+    from services.inference.model.engine import GenerationRequest
+    from services.inference.model.hf_backend import load_hf_backend
 
     backend = load_hf_backend({"path": str(smollm2), "max_context": 256})
     engine = make_engine(backend, torch.device("cpu"), 1)
@@ -130,7 +130,7 @@ def test_a_chat_question_rendered_with_its_template_is_answered_paris_and_stops(
 
 
 def test_a_model_without_a_template_reads_messages_as_the_system_field_is_read() -> None:
-    from services.model.backend import load_backend
+    from services.inference.model.backend import load_backend
 
     backend = load_backend({"model_id": "tiny-lm", "seed": 1234})
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is my order?"}]
@@ -143,7 +143,7 @@ def test_a_model_without_a_template_reads_messages_as_the_system_field_is_read()
 
 # -- defaults that fit ------------------------------------------------------------------------
 def test_the_fit_gives_the_slots_asked_for_where_the_host_has_room_and_fewer_where_not() -> None:
-    from services.model.kv_budget import plan_kv_slots
+    from services.inference.model.kv_budget import plan_kv_slots
 
     weights, per_slot = 257 * MIB, 90 * MIB
     for host, expected in ((24 << 30, 16), (2 << 30, 2)):
@@ -162,8 +162,8 @@ def test_the_fit_gives_the_slots_asked_for_where_the_host_has_room_and_fewer_whe
 
 @on_cpu_only
 def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smollm2: Path) -> None:
-    from spine.runtime.config import load_config
-    from spine.runtime.served_model import model_overrides
+    from runtime.config import load_config
+    from runtime.served_model import model_overrides
 
     config = load_config(None, model_overrides(smollm2))
     line = fit_to_model(config, host_bytes=24 << 30)
@@ -177,9 +177,9 @@ def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smoll
 
 @on_cpu_only
 def test_an_auto_budget_on_a_host_too_small_for_one_slot_is_refused_in_one_line(smollm2: Path) -> None:
+    from runtime.config import load_config
+    from runtime.served_model import model_overrides
     from services.common import ConfigError
-    from spine.runtime.config import load_config
-    from spine.runtime.served_model import model_overrides
 
     with pytest.raises(ConfigError) as refused:
         fit_to_model(load_config(None, model_overrides(smollm2)), host_bytes=512 << 20)

@@ -21,10 +21,10 @@ import pytest
 
 from migration.controller import SYSTEM_ACTOR
 from migration.plan import load_plan
+from runtime.faults import WrongAnswers
 from services.common import ConfigError
 from services.registry import close_servicer
 from spine.cli import _injected_fault
-from spine.runtime.faults import WrongAnswers
 from spine.tools.rehearsal import REHEARSAL_PLAN, SPINES, Options, run_rehearsal, summary
 from spine.tools.rehearsal_processes import RehearsalError
 from tests.conftest import config_for_tests

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from services.common import ConfigError
-from services.router import RouterConfig, RouterService
-from spine.v1 import router_pb2, router_pb2_grpc
+from services.router.service import RouterConfig, RouterService
 from tests.conftest import served
+from wire.v1 import router_pb2, router_pb2_grpc
 
 SECTION: dict[str, Any] = {
     "models": [
@@ -86,7 +86,7 @@ def test_resolve_raises_lookup_error_for_the_batcher(service: RouterService) -> 
 
 
 def test_default_config_router_section_parses() -> None:
-    config = yaml.safe_load(Path("spine/default_config.yaml").read_text())
+    config = yaml.safe_load(Path("runtime/default_config.yaml").read_text())
     service = RouterService(RouterConfig.from_dict(config["router"]))
     assert service.resolve("default").model_id == "tiny-lm"
 

@@ -13,9 +13,9 @@ import math
 import grpc
 import pytest
 
+from runtime.bindings import LocalRpcError
 from services.common import ConfigError
-from services.inference_load import LOAD_HEADER, parse_load
-from spine.runtime.bindings import LocalRpcError
+from services.inference.load_hints import LOAD_HEADER, parse_load
 from tests.test_serving_support import (
     Call,
     ManualClock,

@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
-from services.inference import InferenceService
+from runtime.bindings import LocalContext
+from runtime.server import start_server
+from services.inference.service import InferenceService
 from services.registry import DEFAULT
-from spine.runtime.bindings import LocalContext
-from spine.runtime.server import start_server
-from spine.v1 import generation_pb2, inference_pb2_grpc
 from tests.test_serving_support import Call, GatedModel, eventually, generate, make_service, request
+from wire.v1 import generation_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

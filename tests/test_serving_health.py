@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime.health import start_deep_health
+from runtime.server import RunningServer, start_server
+from runtime.supervisor import Child, Supervisor
 from services.registry import DEFAULT
-from spine.runtime.health import start_deep_health
-from spine.runtime.server import RunningServer, start_server
-from spine.runtime.supervisor import Child, Supervisor
 from tests.test_serving_support import GatedModel, eventually, make_service
 
 INFERENCE = "spine.v1.Inference"

@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 import pytest
 
-from services.inference_load import LOAD_HEADER, parse_load
-from spine.runtime.config import placements_for
-from spine.runtime.stack import Stack
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from runtime.config import placements_for
+from runtime.stack import Stack
+from services.inference.load_hints import LOAD_HEADER, parse_load
 from tests.conftest import config_for_tests
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 KEY = "load-tenant-key-0000"
 LOAD_TENANT: dict[str, Any] = {

@@ -17,13 +17,13 @@ import torch
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gpu_metrics import GpuGoldenMetrics
-from services.system_prompt import system_digest
-from spine.runtime.serving_metrics import ADDRESS_FILE
-from spine.runtime.stack import Stack
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from runtime.serving_metrics import ADDRESS_FILE
+from runtime.stack import Stack
+from services.inference.gpu_metrics import GpuGoldenMetrics
+from services.pipeline.system_prompt import system_digest
 from tests.conftest import DEV_KEY, start_stack
 from tests.test_serving_support import Call, eventually, make_service, request
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

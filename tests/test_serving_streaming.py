@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from services.inference_scheduler import OUTPUT_BYTES
-from spine.runtime.bindings import LocalContext, LocalRpcError
+from runtime.bindings import LocalContext, LocalRpcError
+from services.inference.scheduler import OUTPUT_BYTES
 from tests.test_serving_support import ManualClock, eventually, generate, make_service, request
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from monolith.device import DeviceContext
-from services.inference import InferenceConfig, InferenceService
-from services.model.backend import TokenizedBackend
-from services.model.interface import Segment
-from services.model.tiny_lm import TinyLM
-from services.model.tokenizer import ByteTokenizer
-from spine.runtime.bindings import LocalContext, LocalRpcError
-from spine.v1 import generation_pb2
+from runtime.bindings import LocalContext, LocalRpcError
+from services.inference.model.backend import TokenizedBackend
+from services.inference.model.interface import Segment
+from services.inference.model.tiny_lm import TinyLM
+from services.inference.model.tokenizer import ByteTokenizer
+from services.inference.service import InferenceConfig, InferenceService
+from wire.v1 import generation_pb2
 
 MODEL = TinyLM.from_seed(1234, max_context=256)
 

@@ -20,17 +20,17 @@ from migration.plan import GateSpec
 from migration.recording import HEALTHY
 from migration.traffic.cutover import FrontTarget
 from migration.traffic.front import Front
+from runtime.decisions import Decision, decide
+from runtime.server import RunningServer, start_server
+from runtime.shadow import ShadowConfig, ShadowMirror
+from runtime.shadow_metrics import COMPARED, MISMATCHED, SKIPPED
+from runtime.stack import Stack
 from services.common import ConfigError
-from services.prometheus_http import PrometheusHTTPServer
+from services.common.prometheus_http import PrometheusHTTPServer
 from services.registry import GATEWAY
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.decisions import Decision, decide
-from spine.runtime.server import RunningServer, start_server
-from spine.runtime.shadow import ShadowConfig, ShadowMirror
-from spine.runtime.shadow_metrics import COMPARED, MISMATCHED, SKIPPED
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
+from wire.v1 import generation_pb2
 
 GREEDY = generation_pb2.GenerateRequest(model="tiny-lm", prompt="shadow me", max_tokens=3)
 INTERNAL_SECRET = "shadow-test-internal-secret-0123456789"

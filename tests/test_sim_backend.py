@@ -15,16 +15,22 @@ import grpc
 import pytest
 
 from monolith.device import DeviceContext
+from runtime.bindings import LocalContext, LocalRpcError
 from services.common import ConfigError
-from services.inference import InferenceConfig, InferenceService
-from services.inference_load import LOAD_HEADER, parse_load
-from services.model.backend import load_backend, make_engine
-from services.model.engine import GenerationRequest
-from services.model.interface import Segment
-from services.model.sim_backend import LLAMA3_8B_H100, SimModel, load_sim_backend, next_token, profile_from
-from spine.runtime.bindings import LocalContext, LocalRpcError
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from services.inference.load_hints import LOAD_HEADER, parse_load
+from services.inference.model.backend import load_backend, make_engine
+from services.inference.model.engine import GenerationRequest
+from services.inference.model.interface import Segment
+from services.inference.model.sim_backend import (
+    LLAMA3_8B_H100,
+    SimModel,
+    load_sim_backend,
+    next_token,
+    profile_from,
+)
+from services.inference.service import InferenceConfig, InferenceService
 from tests.conftest import DEV_KEY
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 FREE = {"decode_base_ms": 0, "decode_ms_per_seq": 0, "prefill_ms_per_token": 0, "max_context": 256}
 ANSWERS: dict[str, list[int]] = {}

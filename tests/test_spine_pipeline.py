@@ -23,22 +23,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.batched import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
-from services.auth import AuthConfig, AuthService
-from services.cache import CacheConfig, CacheService
-from services.cache_stages import StoreItem
+from runtime.bindings import LocalBinding
+from runtime.faults import FaultHook
+from services.auth.service import AuthConfig, AuthService
+from services.cache.service import CacheConfig, CacheService
+from services.cache.steps import StoreItem
 from services.common import ConfigError
-from services.logs import LogsConfig, LogsService
-from services.metrics import MetricsConfig, MetricsService
+from services.logs.service import LogsConfig, LogsService
+from services.metrics.service import MetricsConfig, MetricsService
 from services.pipeline.limits import RequestLimits
 from services.pipeline.runner import Pipeline
 from services.pipeline.state import RequestState
-from services.ratelimit import RateLimitConfig, RateLimitService
+from services.ratelimit.service import RateLimitConfig, RateLimitService
 from services.registry import DEFAULT
-from services.router import RouterConfig, RouterService
-from spine.runtime.bindings import LocalBinding
-from spine.runtime.faults import FaultHook
-from spine.v1 import cache_pb2, generation_pb2
+from services.router.service import RouterConfig, RouterService
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
+from wire.v1 import cache_pb2, generation_pb2
 
 CONFIG = config_for_tests(ratelimit={"tenants": {
     "tight": {"requests_per_second": 0.5, "burst": 4, "tokens_per_minute": 600, "token_burst": 300},

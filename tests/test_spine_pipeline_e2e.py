@@ -18,13 +18,13 @@ from typing import Any
 import grpc
 import pytest
 
+from runtime.config import placements_for
+from runtime.stack import Stack
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.runtime.config import placements_for
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests
 from tests.test_faults_and_cli import spine_up
 from tests.test_layouts import parity_sequence
+from wire.v1 import generation_pb2
 
 
 class AuthGate:

@@ -1,6 +1,6 @@
 """What a stage makes of its component's results, whatever shape they come in.
 
-`Stage.answered` pairs each request with its result and fails the ones whose item failed.
+`Step.answered` pairs each request with its result and fails the ones whose item failed.
 Results come as plain values (`call.batch`, in-process or decoded from the wire), as wire
 items that carry a status (a stage that calls the rpc itself), or as bare statuses. How a
 type carries its status is learnt once per type (`stage._status_of`), so the answer must
@@ -15,13 +15,13 @@ from typing import Any
 import grpc
 
 from services.pipeline.batch_rpc import ItemError
-from services.pipeline.stage import Stage
 from services.pipeline.state import RequestState
-from spine.v1 import batch_pb2, ratelimit_pb2, router_pb2
+from services.pipeline.step import Step
+from wire.v1 import batch_pb2, ratelimit_pb2, router_pb2
 
 
 class Recorder:
-    """The part of `StageCall` that `answered` uses: who failed, with what."""
+    """The part of `StepCall` that `answered` uses: who failed, with what."""
 
     def __init__(self) -> None:
         self.failed: list[tuple[str, grpc.StatusCode, str]] = []
@@ -63,7 +63,7 @@ def test_each_shape_of_result_is_read_for_its_status_in_any_order() -> None:
     for order in (results, list(reversed(results))):
         batch = states(len(order))
         call = Recorder()
-        ok = Stage.answered(call, batch, order)  # type: ignore[arg-type]
+        ok = Step.answered(call, batch, order)  # type: ignore[arg-type]
         failed = {request_id: (code, message) for request_id, code, message in call.failed}
         by_id = {state.request_id: result for state, result in zip(batch, order, strict=True)}
         assert {by_id[rid].__class__.__name__ if by_id[rid] is not None else "None" for rid in failed} == \

@@ -2,7 +2,7 @@
 
 Everything on the path is real: the controller's ADS server and MigrationControl server, the
 `StageFollower` streams, `Stack.set_placements`, `RateLimitService` buckets, child processes
-(`python -m spine.runtime.process ratelimit --follow-controller`, `spine up
+(`python -m runtime.process ratelimit --follow-controller`, `spine up
 --follow-controller`, `python -m migration.runner`), and requests through real gateways.
 """
 
@@ -26,24 +26,25 @@ import grpc
 import pytest
 import yaml
 
+import services.ratelimit.service as ratelimit
 from migration.cli import main as migrate
 from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
-from services import ratelimit
-from spine.runtime.config import placements_for
-from spine.runtime.server import free_port, wait_serving
-from spine.runtime.stack import Stack
-from spine.runtime.stage_follower import (
+from runtime.config import placements_for
+from runtime.server import free_port, wait_serving
+from runtime.stack import Stack
+from runtime.stage_follower import (
     ROLE_LAYERED_RATELIMIT,
     ROLE_SPINE,
     StageFollower,
     ratelimit_applier,
     spine_applier,
 )
-from spine.v1 import (
+from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
+from wire.v1 import (
     gateway_pb2_grpc,
     generation_pb2,
     migration_pb2,
@@ -51,7 +52,6 @@ from spine.v1 import (
     ratelimit_pb2,
     ratelimit_pb2_grpc,
 )
-from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-admin-token-0123456789"
@@ -272,7 +272,7 @@ def test_spine_up_follows_the_stages_placements_and_a_rollback_returns_them_with
         config_file = tmp_path / "config.yaml"
         config_file.write_text(yaml.safe_dump(config))
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "spine.runtime.process", "logs", "--listen", logs_address, "--config",
+            [sys.executable, "-m", "runtime.process", "logs", "--listen", logs_address, "--config",
              str(config_file), "--run-dir", str(tmp_path / "logs")], cwd=ROOT, text=True,
             stdout=subprocess.DEVNULL, stderr=log_file))
         token_file = tmp_path / "token"
@@ -386,7 +386,7 @@ def test_a_tenant_gets_at_most_its_limit_across_two_spines_and_two_layered_rate_
         limiters = [f"unix:{sock_dir}/rl-{i}.sock" for i in (1, 2)]
         for i, address in enumerate(limiters, start=1):
             process = subprocess.Popen(
-                [sys.executable, "-m", "spine.runtime.process", "ratelimit", "--listen", address, "--config",
+                [sys.executable, "-m", "runtime.process", "ratelimit", "--listen", address, "--config",
                  str(config_file), "--run-dir", str(tmp_path / f"rl-{i}"), "--follow-controller", harness.ads,
                  "--node-id", f"layered-rl-{i}"], cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=log_file)
             teardown.callback(stop, process)

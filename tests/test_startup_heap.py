@@ -17,7 +17,7 @@ def test_the_startup_heap_is_frozen_and_later_garbage_is_still_collected() -> No
     # is frozen once collection ends: tests/conftest.py).
     script = textwrap.dedent("""
         import gc, json, weakref
-        import spine.runtime.stack  # a server's imports: grpc, protobuf, pydantic, the registry
+        import runtime.stack  # a server's imports: grpc, protobuf, pydantic, the registry
         from monolith.runtime_env import freeze_startup_heap
         before = len(gc.get_objects())
         frozen = freeze_startup_heap()

@@ -12,14 +12,14 @@ from typing import Any
 import grpc
 import pytest
 
-from services.inference_load import parse_load
-from services.inference_scheduler import JobCancelled
+from runtime.config import placements_for
+from runtime.remote_binding import remote_channel
+from runtime.stack import Stack
+from services.inference.load_hints import parse_load
+from services.inference.scheduler import JobCancelled
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import placements_for
-from spine.runtime.remote_binding import remote_channel
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2, inference_pb2_grpc
 from tests.conftest import DEV_KEY, config_for_tests
+from wire.v1 import generation_pb2, inference_pb2_grpc
 
 LONG = "a long greedy answer for collapsed"  # its greedy answer runs all 250 tokens (see test_layouts)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from spine.runtime.supervisor import Supervisor
+from runtime.supervisor import Supervisor
 from tests.conftest import config_for_tests
 
 

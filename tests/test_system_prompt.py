@@ -5,13 +5,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.cache import cache_key
+from runtime.bindings import LocalRpcError
+from services.cache.service import cache_key
 from services.pipeline.limits import RequestLimits
+from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import rate_limit_cost, validation_error
-from services.system_prompt import system_digest
-from spine.runtime.bindings import LocalRpcError
-from spine.v1 import generation_pb2
 from tests.test_serving_support import Call, generate, make_service, request
+from wire.v1 import generation_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -33,7 +33,7 @@ def test_the_model_reads_the_system_prompt_and_a_blank_line_before_the_prompt() 
 def test_every_chunk_of_a_stream_echoes_the_system_prompt_used() -> None:
     service, _ = make_service()
     try:
-        from spine.runtime.bindings import LocalContext
+        from runtime.bindings import LocalContext
 
         chunks = list(service.GenerateStream(request("Hi", 4, system=SYSTEM), LocalContext()))
         assert chunks and {c.system_digest for c in chunks} == {system_digest(SYSTEM)}

@@ -1,4 +1,4 @@
-"""The spine's threads carry their names in the kernel (`services.thread_names`), so `top -H`,
+"""The spine's threads carry their names in the kernel (`services.common.thread_names`), so `top -H`,
 py-spy and the bench's CPU split by thread can tell the decode loop, the gRPC handlers and
 the completions writer apart (before, every thread was `python`)."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 
-from services.thread_names import MAX_NAME_BYTES, name_os_thread
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from services.common.thread_names import MAX_NAME_BYTES, name_os_thread
 from tests.conftest import DEV_KEY, start_stack
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,12 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime.config import placements_for
+from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import placements_for
-from spine.runtime.stack import Stack
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.tls_helpers import Certs, channel, health, make_certs
+from wire.v1 import generation_pb2
 
 LAYOUTS = ("collapsed", "layered")
 

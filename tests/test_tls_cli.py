@@ -3,7 +3,7 @@ refused handshake one `spine.tls` line, no traceback), `spine call` and `spine m
 `--ca --cert --key`, and the controller refusing a listener beyond loopback without TLS.
 
 Commands that take `--ca` run as processes of their own: they route gRPC's C-core log through
-a pipe on fd 2 (`spine.runtime.core_log`), which a test must not do to pytest's process.
+a pipe on fd 2 (`runtime.core_log`), which a test must not do to pytest's process.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from migration.cli import ControlClient
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess
 from migration.testing import ADMIN_TOKEN
+from runtime.core_log import translate
+from runtime.sections import TlsConfig
+from runtime.server import free_port
 from spine.cli import main as spine_main
-from spine.runtime.core_log import translate
-from spine.runtime.sections import TlsConfig
-from spine.runtime.server import free_port
 from spine.tools.dev_certs import FILES, write_file
-from spine.v1 import migration_pb2 as pb
 from tests.tls_helpers import Certs, make_certs
+from wire.v1 import migration_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
 SPINE = [sys.executable, "-m", "spine"]

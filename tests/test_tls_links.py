@@ -19,18 +19,18 @@ import yaml
 
 from migration.traffic.cutover import Cutover
 from migration.xds import Endpoint, XdsControlPlane
+from runtime.config import placements_for
+from runtime.sections import TlsConfig
+from runtime.stack import Stack
+from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower
+from runtime.tls import ReloadingCertificates, reload_on_sighup
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import placements_for
-from spine.runtime.sections import TlsConfig
-from spine.runtime.stack import Stack
-from spine.runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower
-from spine.runtime.tls import ReloadingCertificates, reload_on_sighup
 from spine.tools.ab.runner import RunOptions, run_ab
 from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
 from spine.tools.dev_certs import issue, make_authority, write_file
-from spine.v1 import generation_pb2
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.tls_helpers import Certs, health, make_certs
+from wire.v1 import generation_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,14 +50,14 @@ def ask(address: str, credentials: object, token: str = DEV_KEY) -> str:
 
 @pytest.fixture(scope="module")
 def tcp_auth(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """`python -m spine.runtime.process auth` on 127.0.0.1 with `tls:` in its config, as a
+    """`python -m runtime.process auth` on 127.0.0.1 with `tls:` in its config, as a
     layered auth pod behind its Service; (its address, its log)."""
     tmp = tmp_path_factory.mktemp("tcp-auth")
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(config_for_tests(tls=certs.tls_config())))
     log_path = tmp / "auth.log"
     with open(log_path, "wb") as log_file:
-        child = subprocess.Popen([sys.executable, "-m", "spine.runtime.process", "auth", "--listen", "127.0.0.1:0",
+        child = subprocess.Popen([sys.executable, "-m", "runtime.process", "auth", "--listen", "127.0.0.1:0",
                                   "--config", str(config_path), "--run-dir", str(tmp)], cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=log_file)
     try:
@@ -228,7 +228,7 @@ def test_a_process_reaches_its_own_wildcard_listener_by_its_certificates_name(ce
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from spine.runtime.tls import link_channel, self_channel
+    from runtime.tls import link_channel, self_channel
 
     config = config_for_tests(tls=certs.tls_config())
     stack = Stack(config, placements_for("collapsed", config), listen="0.0.0.0:0", allow_external=True,

@@ -12,16 +12,16 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from monolith.device import DeviceContext
+from runtime.config import placements_for
+from runtime.remote_binding import RemoteBinding
+from runtime.server import start_server
+from runtime.stack import Stack
+from runtime.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
 from services.common import ConfigError
 from services.registry import DEFAULT
 from spine.client.gateway_client import GatewayClient
-from spine.runtime.config import placements_for
-from spine.runtime.remote_binding import RemoteBinding
-from spine.runtime.server import start_server
-from spine.runtime.stack import Stack
-from spine.runtime.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
-from spine.v1 import generation_pb2, router_pb2
 from tests.conftest import DEV_KEY, config_for_tests
+from wire.v1 import generation_pb2, router_pb2
 
 MIDDLEWARE_SPANS = {"auth.check", "router.resolve", "ratelimit.admit", "cache.lookup", "inference.generate",
                     "cache.store", "metrics.record", "logs.append"}
@@ -102,7 +102,7 @@ def test_a_traceparent_in_the_metadata_names_the_parent_for_work_on_another_thre
     tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
     hook = tracing.hook()
     with tracing.tracer.start_as_current_span("request") as request_span:
-        from spine.runtime.tracing import current_traceparent
+        from runtime.tracing import current_traceparent
 
         handed_over = list(current_traceparent())
     metadata = [("x-request-id", "r1"), *handed_over]

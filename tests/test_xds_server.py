@@ -16,7 +16,7 @@ from google.rpc import status_pb2
 from migration.xds import Endpoint, XdsControlPlane
 from migration.xds.snapshot import CLUSTER, ENDPOINT, LISTENER, ROUTE, STAGE
 from services.common import ConfigError
-from spine.v1 import stage_pb2
+from wire.v1 import stage_pb2
 
 ENDPOINTS = {"layered": [Endpoint("127.0.0.1", 7001)], "spine": [Endpoint("127.0.0.1", 7002)]}
 _END = object()

@@ -44,8 +44,8 @@ from migration.dashboard.snapshot import LayoutSampler, snapshot
 from migration.plan import PlanError
 from migration.service import run_command
 from migration.transitions import InvalidTransition
-from services.prometheus_http import is_loopback, parse_listen
-from spine.runtime.sections import TlsConfig
+from runtime.sections import TlsConfig
+from services.common.prometheus_http import is_loopback, parse_listen
 
 log = logging.getLogger("spine.migration.dashboard")
 STATIC = Path(__file__).resolve().parent / "static"

@@ -2,12 +2,12 @@
 
 The gates need, per side and per window: how many requests ended, how many of them the
 layout failed, and the p99 latency of the successful ones. Both sources read the same two
-families exported by `services.metrics` — `spine_requests_total` (shadow traffic labelled
+families exported by `services.metrics.service` — `spine_requests_total` (shadow traffic labelled
 `shadow="true"` and left out) and the `spine_request_duration_seconds` histogram (shadow
 traffic is timed in its own family, so it is never in this one).
 
 The parity gate needs the shadow comparisons of the window, from the counters whoever
-mirrors exports (`spine.runtime.shadow_metrics`; reduced alike by `migration.metrics.parity`).
+mirrors exports (`runtime.shadow_metrics`; reduced alike by `migration.metrics.parity`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Protocol
 
 from migration.gates import ParityStats, WindowStats
 from migration.target import ShadowCapability
-from spine.runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERRORS
+from runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERRORS
 
 SIDES = ("layered", "spine")
 REQUESTS = "spine_requests_total"

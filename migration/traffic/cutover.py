@@ -37,18 +37,18 @@ from migration.traffic.spine_process import SpineProcess
 from migration.xds import XdsControlPlane
 from migration.xds.snapshot import HTTP_SUFFIX, Endpoint
 from monolith.device import DeviceContext
+from runtime.config import internal_key, merge, placements_for
+from runtime.faults import FaultHook, FaultSwitch, WrongAnswers
+from runtime.http.server import start_http
+from runtime.run_dir import write_private
+from runtime.sections import TlsConfig
+from runtime.server import RunningServer, free_port, request_pool, start_server
+from runtime.shadow import ShadowConfig
+from runtime.stack import Stack
+from services.common.prometheus_http import PrometheusHTTPServer
 from services.pipeline.verdicts import RequestLimits
-from services.prometheus_http import PrometheusHTTPServer
 from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
-from spine.runtime.config import internal_key, merge, placements_for
-from spine.runtime.faults import FaultHook, FaultSwitch, WrongAnswers
-from spine.runtime.http.server import start_http
-from spine.runtime.run_dir import write_private
-from spine.runtime.sections import TlsConfig
-from spine.runtime.server import RunningServer, free_port, request_pool, start_server
-from spine.runtime.shadow import ShadowConfig
-from spine.runtime.stack import Stack
-from spine.v1 import ratelimit_pb2
+from wire.v1 import ratelimit_pb2
 
 
 class FrontTarget:
@@ -207,7 +207,7 @@ class Cutover:
     run_dir: Path
     listen: str = "127.0.0.1:0"
     xds_listen: str | None = None  # e.g. "127.0.0.1:0": serve ADS so Envoy/proxyless clients follow
-    # The front's HTTP API (OpenAI/Anthropic-compatible, `spine.runtime.http`), split like its
+    # The front's HTTP API (OpenAI/Anthropic-compatible, `runtime.http`), split like its
     # gRPC traffic; None: gRPC only. Both sides then serve HTTP too, and the xDS snapshot
     # routes an HTTP listener between them (`layered-http`, `spine-http`) by the same weights.
     http_listen: str | None = None

@@ -1,7 +1,7 @@
 """Each side's gateways, watched by their health, steer the traffic split.
 
 A gateway is SERVING only while every fail-closed component behind it is
-(`spine.runtime.gateway_health`), so its health is the truth about whether it can answer.
+(`runtime.gateway_health`), so its health is the truth about whether it can answer.
 `EndpointHealth` asks every endpoint of both sides every `interval_s` (all at once, each
 within `timeout_s`) and, on each change, tells
 
@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from migration.xds import Endpoint, XdsControlPlane
-from spine.runtime.health_watch import HealthWatch
-from spine.runtime.sections import TlsConfig
+from runtime.health_watch import HealthWatch
+from runtime.sections import TlsConfig
 
 
 class Steerable(Protocol):

@@ -11,8 +11,8 @@ ended, whether the layout failed it, and how long it took. For the demo's like-f
 comparison it also notes whether the model served the answer (OK and not `cached`: a
 cache hit says nothing about the model's speed) and how many requests were in flight on
 that side when it started, itself included (`SideWindow.p50_model_ms` and on). In shadow mode
-(`spine.runtime.shadow`) it mirrors a share of answered requests to the other side and
-counts the comparisons in its mirror's counters (`spine.runtime.shadow_metrics`), which
+(`runtime.shadow`) it mirrors a share of answered requests to the other side and
+counts the comparisons in its mirror's counters (`runtime.shadow_metrics`), which
 the local migration serves on the front's own /metrics for the parity gate
 (`migration.traffic.cutover`).
 """
@@ -30,13 +30,13 @@ from typing import Any
 
 import grpc
 
-from spine.runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
-from spine.runtime.decisions import Decision, decide
-from spine.runtime.sections import TlsConfig
-from spine.runtime.shadow import Metadata, ShadowConfig, ShadowMirror, forward_metadata, gateway_call
-from spine.runtime.stats import percentile
-from spine.runtime.tls import link_channel
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
+from runtime.decisions import Decision, decide
+from runtime.sections import TlsConfig
+from runtime.shadow import Metadata, ShadowConfig, ShadowMirror, forward_metadata, gateway_call
+from runtime.stats import percentile
+from runtime.tls import link_channel
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 SIDES = ("layered", "spine")
 ROUTE_HEADER = "x-spine-route"

@@ -20,7 +20,7 @@ import grpc
 
 from migration.traffic.layout_process import LayoutProcess
 from services.registry import MIDDLEWARES
-from spine.v1 import ratelimit_pb2_grpc
+from wire.v1 import ratelimit_pb2_grpc
 
 
 class LayeredProcess(LayoutProcess):

@@ -20,10 +20,10 @@ from typing import IO, Any
 
 import yaml
 
+from runtime.parent import spawn
+from runtime.ready_line import first_event
+from runtime.run_dir import write_private
 from services.common import ConfigError
-from spine.runtime.parent import spawn
-from spine.runtime.ready_line import first_event
-from spine.runtime.run_dir import write_private
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

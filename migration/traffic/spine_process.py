@@ -9,11 +9,11 @@ twice the layered side's at every stage). Here both sides are what they are in p
 
 - It starts on the demo's placements (the model local, every middleware remote, in the
   layered stack's processes: `remote_addresses`) and then follows the controller's stages
-  over ADS like any replica (`spine.runtime.stage_follower`): placements moved live and its
+  over ADS like any replica (`runtime.stage_follower`): placements moved live and its
   share of every limit, each stage ACKed once applied (`FrontTarget.applied` waits for it).
 - `--inject-fault switchable`: the demo's faults (half the model's calls failing, wrong
   answers) are switched by lines on its stdin, a pipe only this process holds
-  (`spine.runtime.faults.FaultSwitch`); each switch waits for the child's answer.
+  (`runtime.faults.FaultSwitch`); each switch waits for the child's answer.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from migration.traffic.layout_process import LayoutProcess
+from runtime.config import merge
 from services.registry import MIDDLEWARES
-from spine.runtime.config import merge
 
 SWITCH_TIMEOUT_S = 5.0
 

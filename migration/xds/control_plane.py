@@ -24,10 +24,10 @@ from migration.xds.cache import ANY_NODE, SnapshotCache
 from migration.xds.followers import StageFollowers
 from migration.xds.server import AdsServer
 from migration.xds.snapshot import LAYERED, SPINE, Endpoint, Snapshot, build_snapshot
+from runtime.sections import TlsConfig
+from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE
+from runtime.tls import add_port
 from services.common import ConfigError
-from spine.runtime.sections import TlsConfig
-from spine.runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE
-from spine.runtime.tls import add_port
 
 
 class XdsControlPlane:

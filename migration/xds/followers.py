@@ -1,7 +1,7 @@
 """What each follower of the controller is assigned at a stage, kept in the snapshot cache.
 
 Followers are spine replicas (role "spine") and layered rate limiters (role
-"layered-ratelimit"); each names its role in its xDS Node (spine/runtime/stage_follower.py).
+"layered-ratelimit"); each names its role in its xDS Node (runtime/stage_follower.py).
 The ADS server tells this registry who connects and who leaves (`StreamCallbacks`); the
 registry answers by setting one snapshot per follower node, holding one
 `spine.v1.StageAssignment`:
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from migration.limits import replica_share, side_shares
 from migration.xds.cache import SnapshotCache
 from migration.xds.snapshot import STAGE, Snapshot
+from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE, SIDES
 from services.registry import MIDDLEWARES
-from spine.runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE, SIDES
-from spine.v1 import stage_pb2
+from wire.v1 import stage_pb2
 
 log = logging.getLogger("spine.xds.followers")
 

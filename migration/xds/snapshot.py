@@ -26,9 +26,9 @@ from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 from google.protobuf import message as pb_message
 
+from runtime.stage_follower import STAGE_ASSIGNMENT
 from services.common import ConfigError
-from spine.runtime.stage_follower import STAGE_ASSIGNMENT
-from spine.v1 import stage_pb2
+from wire.v1 import stage_pb2
 
 LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
@@ -45,7 +45,7 @@ LAYERED = "layered"
 SPINE = "spine"
 # The header that forces a side (`layered` or `spine`) where the plan lets it (`route_header`).
 ROUTE_HEADER = "x-spine-route"
-# Each side's HTTP API (`spine.runtime.http`) is a cluster of its own, `<side>-http`, and the
+# Each side's HTTP API (`runtime.http`) is a cluster of its own, `<side>-http`, and the
 # HTTP listener's route (`<service>-http-route`) splits between them by the same weights.
 HTTP_SUFFIX = "-http"
 # gRPC refuses a weighted_clusters total above uint32; Envoy the same.

@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from services.common import set_status, status_code
-from spine.v1 import batch_pb2
+from wire.v1 import batch_pb2
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -52,7 +52,7 @@ class StatusError(grpc.RpcError):
     """A call that ends with a status, raised where no real stub is (the shape of the error
     one raises): a servicer's plain method whose whole call failed (say, a log shutting
     down) — `serve` ends the rpc with its code, and an in-process caller sees it as it is —
-    and a call translated to another protocol (`services.foreign_calls`)."""
+    and a call translated to another protocol (`services.pipeline.envoy_calls`)."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")

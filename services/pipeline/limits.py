@@ -8,10 +8,12 @@ from typing import Annotated, Any
 
 from pydantic import Field, PrivateAttr, StrictInt
 
-from services.config_model import Float, Section
-from services.inference_config import InferenceConfig
+from services.common import section
+from services.common.config_section import Float, Section
 
-_MAX_TIMEOUT_MS: int = InferenceConfig.model_fields["max_timeout_ms"].default
+# The default of `inference.max_timeout_ms` (the inference section takes it from here: the
+# gateway's check and the model's own read one key and one default).
+DEFAULT_MAX_INFERENCE_TIMEOUT_MS = 120_000
 # A gRPC call sent without a deadline reports a time remaining far in the future (its
 # deadline is "infinite"): past this many seconds, the caller set none.
 NO_DEADLINE_S = 1e6
@@ -29,7 +31,7 @@ class RequestLimits(Section):
     default_deadline_s: Annotated[Float, Field(ge=0.001)] = 30.0
     # Read from `inference.max_timeout_ms`, not from `limits`: one key, so the gateway's check
     # (before the cache) and the model's own can never disagree.
-    _max_inference_timeout_ms: int = PrivateAttr(default=_MAX_TIMEOUT_MS)
+    _max_inference_timeout_ms: int = PrivateAttr(default=DEFAULT_MAX_INFERENCE_TIMEOUT_MS)
 
     # Cached: read per request by the validation stage, and a pydantic private attribute is
     # read through `BaseModel.__getattr__` (~3.4 µs warm, an AttributeError raised and
@@ -43,5 +45,9 @@ class RequestLimits(Section):
     def from_config(cls, config: Mapping[str, Any]) -> RequestLimits:
         """The `limits` section of a whole config mapping, with the model's timeout cap."""
         limits = cls.parse(config.get("limits"), "limits")
-        limits._max_inference_timeout_ms = InferenceConfig.parse(config.get("inference"), "inference").max_timeout_ms
+        # The inference section itself is parsed (and a bad value refused) where the model
+        # is built; here only its one key is read, so the pipeline needs nothing of inference.
+        timeout_ms = section(config, "inference").get("max_timeout_ms", DEFAULT_MAX_INFERENCE_TIMEOUT_MS)
+        if isinstance(timeout_ms, int) and not isinstance(timeout_ms, bool):
+            limits._max_inference_timeout_ms = timeout_ms
         return limits

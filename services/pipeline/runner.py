@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import grpc
 
 from services.pipeline.batch_rpc import BatchRpc
-from services.pipeline.stage import Phase, Stage
 from services.pipeline.state import Metadata, RequestState
+from services.pipeline.step import Phase, Step
 from services.pipeline.verdicts import Stop, downstream_stop
 
 log = logging.getLogger("spine.pipeline")
@@ -63,7 +63,7 @@ def code_details(error: BaseException) -> tuple[grpc.StatusCode, str, tuple[tupl
 class Pipeline:
     """The ordered stages and the clients (bindings) they call, by component name."""
 
-    def __init__(self, stages: Iterable[Stage], clients: MutableMapping[str, Any], *,
+    def __init__(self, stages: Iterable[Step], clients: MutableMapping[str, Any], *,
                  hooks: Sequence[Hook] = (), on_fail_open: FailOpen | None = None) -> None:
         ordered = sorted(stages, key=lambda stage: stage.order)
         self.admission = [stage for stage in ordered if stage.phase == Phase.ADMIT]
@@ -77,7 +77,7 @@ class Pipeline:
         self.barriers: dict[str, Barrier] = {}
 
     @property
-    def stages(self) -> list[Stage]:
+    def stages(self) -> list[Step]:
         return [*self.admission, self.model, *self.completion]
 
     def capture(self) -> Metadata:
@@ -95,13 +95,13 @@ class Pipeline:
         for stage in self.admission:
             self.run(stage, batch)
 
-    def complete(self, batch: list[RequestState], stages: Sequence[Stage] | None = None, *,
+    def complete(self, batch: list[RequestState], stages: Sequence[Step] | None = None, *,
                  hooks: bool = True, timed: bool = True) -> None:
         """The completion stages (or some of them) for finished requests; they fail open."""
         for stage in self.completion if stages is None else stages:
             self.run(stage, batch, hooks=hooks, timed=timed)
 
-    def run(self, stage: Stage, batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
+    def run(self, stage: Step, batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
         final = stage.phase == Phase.COMPLETE  # after the answer: the budget alone bounds it
         states = self._entering(stage, batch, final)
         if not states or not stage.decides:  # a screen-only stage has decided in `_entering`
@@ -141,7 +141,7 @@ class Pipeline:
                 for state in states:
                     self._end(begun[state], call.code_for(state))
 
-    def mark(self, stage: Stage, state: RequestState) -> None:
+    def mark(self, stage: Step, state: RequestState) -> None:
         """Run the hooks of a stage whose write happens later, off the request path, in the
         request's own thread: its span sits under the request, and an injected fault skips
         the write (counted) just as it would fail the call itself."""
@@ -153,7 +153,7 @@ class Pipeline:
         else:
             state.skip = state.skip | {stage.name}
 
-    def _entering(self, stage: Stage, batch: list[RequestState], final: bool) -> list[RequestState]:
+    def _entering(self, stage: Step, batch: list[RequestState], final: bool) -> list[RequestState]:
         now = time.monotonic()
         states: list[RequestState] = []
         screens = stage.screens
@@ -171,7 +171,7 @@ class Pipeline:
             states.append(state)
         return states
 
-    def _begin(self, stage: Stage, states: list[RequestState]) -> dict[RequestState, tuple[list[Any], list[Any]]]:
+    def _begin(self, stage: Step, states: list[RequestState]) -> dict[RequestState, tuple[list[Any], list[Any]]]:
         """Each request's hook tokens and call metadata; one a hook failed is decided here."""
         begun: dict[RequestState, tuple[list[Any], list[Any]]] = {}
         for state in states:
@@ -194,7 +194,7 @@ class Pipeline:
             hook.end(token, code)
 
 
-def _fail(pipeline: Pipeline, stage: Stage, state: RequestState, code: grpc.StatusCode, details: str,
+def _fail(pipeline: Pipeline, stage: Step, state: RequestState, code: grpc.StatusCode, details: str,
           trailing: Sequence[tuple[str, str]]) -> None:
     """One request's verdict when its part of a stage failed, by the stage's fail mode."""
     if stage.fail_open:
@@ -205,11 +205,11 @@ def _fail(pipeline: Pipeline, stage: Stage, state: RequestState, code: grpc.Stat
 
 
 class _Call:
-    """A stage's view of its component for one batch (the `StageCall` protocol)."""
+    """A stage's view of its component for one batch (the `StepCall` protocol)."""
 
     __slots__ = ("_pipeline", "_stage", "_states", "_begun", "_final", "_codes", "bounded_by_budget")
 
-    def __init__(self, pipeline: Pipeline, stage: Stage, states: list[RequestState],
+    def __init__(self, pipeline: Pipeline, stage: Step, states: list[RequestState],
                  begun: dict[RequestState, tuple[list[Any], list[Any]]] | None, final: bool) -> None:
         self._pipeline = pipeline
         self._stage = stage

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.pipeline.verdicts import Stop
-from spine.v1 import auth_pb2, generation_pb2
+from wire.v1 import auth_pb2, generation_pb2
 
 Metadata = tuple[tuple[str, str], ...]
 

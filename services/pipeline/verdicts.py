@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 
 from services.pipeline.limits import RequestLimits
-from services.system_prompt import system_error
-from spine.v1 import auth_pb2, generation_pb2
+from services.pipeline.system_prompt import system_error
+from wire.v1 import auth_pb2, generation_pb2
 
 PRIORITIES = (-1, 0, 1)
 CHAT_ROLES = ("system", "user", "assistant")
@@ -110,7 +110,7 @@ def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
 def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
     """None when admitted; else the refusal (never-fits is bad input, over the limit is retryable).
 
-    `verdict`: the rate limiter's answer (`services.ratelimit_admission.AdmitVerdict`, or
+    `verdict`: the rate limiter's answer (`services.ratelimit.admission.AdmitVerdict`, or
     the `AdmitResponse` it encodes to): `admitted`, `retry_after_s`, and `over`, the limits
     not fitted, each with `limit_name` and `retry_after_s`."""
     if verdict.admitted:

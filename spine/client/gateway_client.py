@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from services.inference_load import LOAD_HEADER, parse_load
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from services.inference.load_hints import LOAD_HEADER, parse_load
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 _TIMING = re.compile(r"\d+(\.\d+)?s\b")
 

@@ -41,9 +41,9 @@ from typing import Any
 import grpc
 
 from services.common import ConfigError
-from services.inference_load import FALLBACK_HEADER, PRIMARY_LOAD_HEADER, busy_figure, parse_load
+from services.inference.load_hints import FALLBACK_HEADER, PRIMARY_LOAD_HEADER, busy_figure, parse_load
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.v1 import generation_pb2
+from wire.v1 import generation_pb2
 
 log = logging.getLogger("spine.load_hints")
 

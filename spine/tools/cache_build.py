@@ -3,7 +3,7 @@
 Each line of FILE is one JSON object: `model` (an id or alias of the config's router),
 `prompt`, `max_tokens` and optionally `system`. Every prompt runs through the config's
 model in-process, in deterministic mode and greedy (temperature 0), as the inference
-component would answer it; the answers go to one table file (`services.pregenerated`),
+component would answer it; the answers go to one table file (`services.cache.pregenerated`),
 written atomically, that `cache.pregenerated: PATH` maps. A table holds one model's answers.
 """
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.config import load_config, merge
+from services.cache.pregenerated import PregeneratedTable, describe, served_digests, table_key, write_table
 from services.common import ConfigError, section
-from services.inference_config import InferenceConfig
-from services.pregenerated import PregeneratedTable, describe, served_digests, table_key, write_table
-from services.sections import RouterConfig
-from spine.runtime.config import load_config, merge
-from spine.v1 import generation_pb2
+from services.inference.config import InferenceConfig
+from services.router.config import RouterConfig
+from wire.v1 import generation_pb2
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def read_prompts(path: Path, router: RouterConfig) -> list[PromptLine]:
 def answer_prompts(servicer: Any, model: str,
                    lines: list[PromptLine]) -> list[tuple[bytes, generation_pb2.GenerateResponse]]:
     """Each line's greedy answer from `servicer` (an inference servicer), under its table key."""
-    from spine.runtime.bindings import LocalContext
+    from runtime.bindings import LocalContext
 
     answers = []
     for line in lines:
@@ -96,7 +96,7 @@ def answer_prompts(servicer: Any, model: str,
 def build_table(config: dict[str, Any], prompts: Path, out: Path) -> dict[str, Any]:
     """Answer every prompt with the model (deterministic, greedy) and write the table."""
     from monolith.device_on_use import DeviceOnFirstUse
-    from services.inference_models import build
+    from services.inference.models import build
 
     config = merge(config, {"inference": {"deterministic": True}})
     lines = read_prompts(prompts, RouterConfig.from_dict(section(config, "router")))

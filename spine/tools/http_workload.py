@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from spine.runtime.sections import TlsConfig
+from runtime.sections import TlsConfig
 from spine.tools.workload import Item
 
 FAILED = 0  # the status of a request that got no answer (connection refused or dropped)

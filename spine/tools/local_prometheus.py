@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from spine.runtime.server import free_port
+from runtime.server import free_port
 
 
 class PrometheusError(RuntimeError):

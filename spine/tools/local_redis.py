@@ -1,6 +1,6 @@
 """A throwaway Redis server on loopback, for the tests and the lease bench.
 
-The rate limiter's shared lease store (`ratelimit.store.redis`, `services.ratelimit_leases`)
+The rate limiter's shared lease store (`ratelimit.store.redis`, `services.ratelimit.leases`)
 is Redis; a test or bench starts its own `redis-server` (the Debian package, `make
 install`) on a free loopback port, nothing persisted, and stops it by its PID. `stop` and
 `start` again on the same port is a store restarted empty; `pause` (SIGSTOP) is a store that
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from spine.runtime.server import free_port
+from runtime.server import free_port
 
 READY_TIMEOUT_S = 10.0
 

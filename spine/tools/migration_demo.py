@@ -65,11 +65,11 @@ from migration.plan import load_plan
 from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
 from migration.traffic.spine_process import FaultNotSwitched
-from spine.runtime.config import merge
-from spine.runtime.parent import die_with_parent
-from spine.runtime.sections import ShadowConfig, TlsConfig
-from spine.runtime.signals import uninterrupted
-from spine.runtime.tls import link_credentials
+from runtime.config import merge
+from runtime.parent import die_with_parent
+from runtime.sections import ShadowConfig, TlsConfig
+from runtime.signals import uninterrupted
+from runtime.tls import link_credentials
 from spine.tools.http_workload import FAILED, run_http_workload
 from spine.tools.workload import Item, mixed_workload, run_workload
 
@@ -377,7 +377,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
 
     0 when every run ended as it should: healthy promoted, failing rolled back by the
     error-rate gate, parity rolled back by the parity gate (and no other)."""
-    from spine.runtime.config import dev_api_key
+    from runtime.config import dev_api_key
 
     console = console or Console(width=None if Console().is_terminal else 140)
     plan_text = plan_path.read_text()
@@ -470,6 +470,6 @@ FAULTS: dict[str, str] = {"failing": "error-rate 0.5", "parity": "wrong-answers 
 
 
 def inject(cutover: Cutover, run: str) -> None:
-    """The fault of `run`, switched in the spine's process (`spine.runtime.faults.FaultSwitch`)."""
+    """The fault of `run`, switched in the spine's process (`runtime.faults.FaultSwitch`)."""
     if run in FAULTS:
         cutover.switch_fault(FAULTS[run])

@@ -4,7 +4,7 @@ Everything a cluster runs, as separate processes on loopback and unix sockets:
 
 - the layered stack (`spine up --layout layered`: the gateway and a process per component),
   whose rate limiter runs on its own and follows the controller
-  (`python -m spine.runtime.process ratelimit --follow-controller`);
+  (`python -m runtime.process ratelimit --follow-controller`);
 - two spine replicas (`spine up --layout collapsed --follow-controller ADS --node-id spine-a|b`),
   each mirroring a share of its own answers to the layered gateway (`shadow:
   {share, layered_address}`, the internal secret shared through the environment);
@@ -40,8 +40,8 @@ from typing import Any
 
 from migration.plan import load_plan
 from migration.store import Store
-from spine.runtime.config import load_config
-from spine.runtime.signals import sigterm_as_interrupt, uninterrupted
+from runtime.config import load_config
+from runtime.signals import sigterm_as_interrupt, uninterrupted
 from spine.tools.local_prometheus import PrometheusError
 from spine.tools.rehearsal_launch import REHEARSAL_PLAN, STORE_PREFIX, Launcher, Options
 from spine.tools.rehearsal_processes import Child, RehearsalError
@@ -58,7 +58,7 @@ from spine.tools.rehearsal_report import (
     summary,
 )
 from spine.tools.rehearsal_store import look
-from spine.v1 import migration_pb2
+from wire.v1 import migration_pb2
 
 FINISHED = ("promoted", "rolled_back", "aborted")
 RECONNECT_GRACE_S = 1.5  # the clients' reconnect backoff cap (1 s), and a margin

@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from spine.v1 import gateway_pb2_grpc, generation_pb2
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 XDS_TARGET = "xds:///spine-gateway"
 

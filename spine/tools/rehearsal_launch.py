@@ -20,8 +20,8 @@ import grpc
 import yaml
 
 from migration.plan import MIDDLEWARES
-from spine.runtime.config import dev_api_key, load_config, merge
-from spine.runtime.server import free_ports, wait_serving
+from runtime.config import dev_api_key, load_config, merge
+from runtime.server import free_ports, wait_serving
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.local_redis import LocalRedis
 from spine.tools.rehearsal_processes import (
@@ -32,7 +32,7 @@ from spine.tools.rehearsal_processes import (
     command_line,
 )
 from spine.tools.rehearsal_report import SPINES
-from spine.v1 import migration_pb2_grpc
+from wire.v1 import migration_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 REHEARSAL_PLAN = ROOT / "deploy" / "plans" / "rehearsal.yaml"
@@ -185,7 +185,7 @@ class Launcher:
     def start_layered(self) -> tuple[Child, Child]:
         config = str(self.work / "layered.yaml")
         limiter = self.start("layered-ratelimit", [
-            sys.executable, "-m", "spine.runtime.process", "ratelimit", "--listen", self.ratelimit_address,
+            sys.executable, "-m", "runtime.process", "ratelimit", "--listen", self.ratelimit_address,
             "--config", config, "--run-dir", str(self.work / "layered-ratelimit"),
             "--follow-controller", self.ads, "--node-id", "layered-ratelimit-1"])
         stack = self.start("layered", [sys.executable, "-m", "spine", "--config", config, "up", "--layout", "layered",

@@ -11,7 +11,7 @@ from typing import Any
 from migration.plan import MIDDLEWARES
 from migration.status import AuditEntry, GateRecord
 from spine.tools.rehearsal_store import StoreLook
-from spine.v1 import migration_pb2
+from wire.v1 import migration_pb2
 
 SPINES = ("spine-a", "spine-b")  # the rehearsal's spine replicas (node ids)
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 import grpc
 
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.v1 import generation_pb2
+from wire.v1 import generation_pb2
 
 W = TypeVar("W")
 WORDS = ("spine", "gateway", "token", "bucket", "cache", "route", "model", "latency", "batch", "tensor",

@@ -9,8 +9,8 @@ import torch
 
 from monolith import cupy_kernels
 from monolith.device import DeviceContext
-from services.ratelimit import RateLimitConfig, RateLimitService, descriptors_for
-from spine.v1 import ratelimit_pb2
+from services.ratelimit.service import RateLimitConfig, RateLimitService, descriptors_for
+from wire.v1 import ratelimit_pb2
 
 
 def per_call_us(fn: Callable[[], object], repeat: int, sync: bool) -> float:

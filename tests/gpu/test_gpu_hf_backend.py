@@ -16,10 +16,10 @@ def test_hf_backend_runs_on_cuda_and_is_batch_invariant_in_deterministic_mode(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as deterministic mode sets it
     from monolith.device import DeviceContext
-    from services.model.backend import make_engine
-    from services.model.engine import GenerationRequest
-    from services.model.hf_backend import load_hf_backend
-    from services.model.interface import KV_CACHE_OWNER
+    from services.inference.model.backend import make_engine
+    from services.inference.model.engine import GenerationRequest
+    from services.inference.model.hf_backend import load_hf_backend
+    from services.inference.model.interface import KV_CACHE_OWNER
     from spine.tools.make_tiny import make_tiny
     from tests.test_hf_backend import joining_midway
 

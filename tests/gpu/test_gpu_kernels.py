@@ -7,8 +7,8 @@ import torch
 
 from monolith import cupy_kernels
 from monolith.device import DeviceContext
-from services.ratelimit import RateLimitConfig, RateLimitService, descriptors_for
-from spine.v1 import ratelimit_pb2
+from services.ratelimit.service import RateLimitConfig, RateLimitService, descriptors_for
+from wire.v1 import ratelimit_pb2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -49,8 +49,8 @@ def test_rate_limit_admission_on_cuda_equals_the_cpu_decisions() -> None:
 def test_metric_tables_on_cuda_count_like_the_cpu_tables() -> None:
     """The counters and histogram counts go through `DeviceContext.scatter_add` (CuPy's
     atomicAdd when installed); the exposition must equal the CPU service's."""
-    from services.metrics import MetricsConfig, MetricsService
-    from spine.v1 import metrics_pb2
+    from services.metrics.service import MetricsConfig, MetricsService
+    from wire.v1 import metrics_pb2
 
     records = [metrics_pb2.RequestRecord(layout="collapsed", model="tiny-lm", tenant=f"t{i % 5}",
                                          status="OK" if i % 7 else "RESOURCE_EXHAUSTED", latency_s=0.001 * (i % 40),

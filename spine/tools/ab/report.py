@@ -18,10 +18,10 @@ from typing import Any
 
 from rich.table import Table
 
+from runtime.decisions import FIELDS, decide, differing
+from runtime.stats import percentile
+from runtime.tracing import ROOT_SPAN
 from spine.client.gateway_client import CallResult
-from spine.runtime.decisions import FIELDS, decide, differing
-from spine.runtime.stats import percentile
-from spine.runtime.tracing import ROOT_SPAN
 from spine.tools.ab.runner import ABRun, LayoutRun
 from spine.tools.ab.workload import Entry
 

@@ -37,13 +37,13 @@ from typing import Any
 
 import yaml
 
+from runtime.health_watch import HealthWatch
+from runtime.ready_line import first_event
+from runtime.run_dir import write_private
+from runtime.sections import TlsConfig
+from runtime.server import wait_serving
+from runtime.tls import link_credentials
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.runtime.health_watch import HealthWatch
-from spine.runtime.ready_line import first_event
-from spine.runtime.run_dir import write_private
-from spine.runtime.sections import TlsConfig
-from spine.runtime.server import wait_serving
-from spine.runtime.tls import link_credentials
 from spine.tools.ab.process_tree import TreeMonitor, gone, tree, tree_cpu_seconds
 from spine.tools.ab.serve import RESULT_FILE
 from spine.tools.ab.workload import Entry
@@ -318,7 +318,7 @@ def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: Run
 
 def warm_up(runs: Sequence[LayoutRun], token: str | None, count: int, timeout_s: float) -> None:
     """A few requests per layout so that first-call costs (imports, allocation) are not measured."""
-    from spine.v1 import generation_pb2
+    from wire.v1 import generation_pb2
 
     for run in runs:
         if run.status != "up" or not run.address or count <= 0:

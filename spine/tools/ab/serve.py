@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from spine.runtime.tracing import SpanTimes
+    from runtime.tracing import SpanTimes
 
 RESULT_FILE = "ab-serve.json"
 
@@ -34,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-ratio", type=float, default=1.0, help="share of requests traced (0 = none)")
     args = parser.parse_args(argv)
 
-    from spine.runtime.parent import die_with_parent
+    from runtime.parent import die_with_parent
 
     die_with_parent()
     from monolith.runtime_env import configure_threads
-    from spine.runtime.config import load_config, placements_for
-    from spine.runtime.signals import Termination
-    from spine.runtime.stack import Stack
-    from spine.runtime.tracing import SpanTimes, Tracing, install
+    from runtime.config import load_config, placements_for
+    from runtime.signals import Termination
+    from runtime.stack import Stack
+    from runtime.tracing import SpanTimes, Tracing, install
 
     termination = Termination()
     configure_threads()

@@ -22,7 +22,7 @@ from typing import Any
 
 from services.common import ConfigError
 from spine.tools.workload import WORDS, Item
-from spine.v1 import generation_pb2
+from wire.v1 import generation_pb2
 
 MAX_TRACE_LINES = 1_000_000
 

@@ -1,0 +1,309 @@
+"""The ASGI application: an HTTP request in, one call of the Gateway's shape, the API's answer out.
+
+The call goes to `target` — the gateway (the spine, the layered gateway) or the migration's
+front — exactly as a gRPC call would: a `GenerateRequest`, and a `LocalContext` carrying the
+request's metadata, cancelled the moment the client goes away (so a stream's KV slot and
+its tenant's concurrency count are given back at once). The servicer is blocking code, so
+it runs on a handler thread of this server's own pool, sized like the gRPC server's
+(`runtime.server.request_threads`): a request waiting for the model holds a thread,
+never the event loop. A stream's chunks cross back to the loop one by one.
+
+Everything an API does not decide itself — limits on the body, JSON, the credential's
+headers, the status of a verdict — is decided here once for both APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import orjson
+
+from runtime.http import anthropic_api, openai_api
+from runtime.http.config import HttpConfig
+from runtime.http.wire import (
+    LAYOUT,
+    REQUEST_ID,
+    HttpError,
+    answer_headers,
+    bad_request,
+    request_metadata,
+    retry_headers,
+    status_for,
+)
+from runtime.local_context import LocalContext
+from services.common.thread_names import name_os_thread
+from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
+from services.pipeline.runner import code_details
+
+log = logging.getLogger("spine.http")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Trailing = tuple[tuple[str, str], ...]
+
+ROUTES = {
+    "/v1/chat/completions": ("POST", openai_api),
+    "/v1/completions": ("POST", openai_api),
+    "/v1/messages": ("POST", anthropic_api),
+    "/v1/models": ("GET", openai_api),
+    "/health": ("GET", openai_api),
+}
+_END = object()  # the stream's last chunk has been handed over
+_GONE = object()  # the client went away
+
+
+class HttpApi:
+    """Serves both APIs in front of `target` (an object with the Gateway servicer's
+    `Generate(request, context)` and `GenerateStream(request, context)`)."""
+
+    def __init__(self, target: Any, config: HttpConfig, *, threads: int, default_max_tokens: int,
+                 layout: Callable[[], str], models: Callable[[], Sequence[tuple[str, str]]],
+                 serving: Callable[[], bool] = lambda: True) -> None:
+        self.target = target
+        self.config = config
+        self.default_max_tokens = default_max_tokens
+        self.layout = layout
+        self.models = models  # (name, model id) for every id and alias
+        self.serving = serving
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http", initializer=name_os_thread)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- ASGI ---------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        request_id = safe_request_id(_header(headers, b"x-request-id"))
+        path, method = scope["path"], scope["method"]
+        route = ROUTES.get(path)
+        api: Any = anthropic_api if path.startswith("/v1/messages") else openai_api
+        base = ((REQUEST_ID, request_id), (LAYOUT, self.layout()))
+        try:
+            if route is None:
+                raise HttpError(404, "not_found_error", f"no route {path}; this server has "
+                                f"{', '.join(sorted(ROUTES))}")
+            if method != route[0]:
+                raise HttpError(405, "invalid_request_error", f"{path} takes {route[0]}, not {method}",
+                                (("allow", route[0]),))
+            if path == "/v1/models":
+                await _send_json(send, 200, self._model_list(), base)
+                return
+            if path == "/health":
+                serving = self.serving()
+                await _send_json(send, 200 if serving else 503, orjson.dumps({"serving": serving}), base)
+                return
+            body = await self._read_json(scope, receive, headers)
+            parsed = _parse(path, body, self.default_max_tokens)
+            metadata = (*request_metadata(headers), (REQUEST_ID_HEADER, request_id))
+        except HttpError as error:
+            await _send_error(send, api, error, base, request_id)
+            return
+        context = LocalContext(metadata)
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, context))
+        try:
+            if parsed.stream:
+                await self._stream(send, api, parsed, context, base)
+            else:
+                await self._unary(send, api, parsed, context, base)
+        finally:
+            watcher.cancel()
+
+    # -- reading ------------------------------------------------------------------------
+    async def _read_json(self, scope: Scope, receive: Receive, headers: list[tuple[bytes, bytes]]) -> Any:
+        content_type = (_header(headers, b"content-type") or "").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise HttpError(415, "invalid_request_error",
+                            f"content-type must be application/json, got {content_type or 'none'!r}")
+        limit = self.config.max_body_bytes
+        declared = _header(headers, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise HttpError(413, "invalid_request_error", f"the request body is over the limit of {limit} bytes",
+                            (("connection", "close"),))
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.config.read_timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise HttpError(408, "invalid_request_error",
+                                f"the request body did not arrive within {self.config.read_timeout_s:g}s",
+                                (("connection", "close"),)) from None
+            if message["type"] == "http.disconnect":
+                raise HttpError(499, "cancelled", "the client went away")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, "invalid_request_error", f"the request body is over the limit of {limit} bytes",
+                                (("connection", "close"),))
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        try:
+            return orjson.loads(b"".join(chunks))
+        except orjson.JSONDecodeError as error:
+            raise bad_request(f"the request body is not valid JSON (UTF-8): {error}") from None
+
+    def _model_list(self) -> bytes:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "spine", "root": model}
+                for name, model in self.models()]
+        return orjson.dumps({"object": "list", "data": data})
+
+    # -- calling the pipeline -----------------------------------------------------------
+    async def _unary(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing) -> None:
+        loop = asyncio.get_running_loop()
+        outcome = await loop.run_in_executor(self.pool, _call_unary, self.target, parsed.request, context)
+        trailing = (*base, *context.trailing_metadata())
+        request_id = dict(trailing)[REQUEST_ID]
+        if isinstance(outcome, HttpError):
+            await _send_error(send, api, _with_status(outcome, api, trailing), trailing, request_id)
+            return
+        await _send_json(send, 200, api.answer(parsed, outcome, request_id), trailing)
+
+    async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def hand_over(item: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        context.add_callback(lambda: hand_over(_GONE))
+
+        loop.run_in_executor(self.pool, _pump_stream, self.target, parsed.request, context, hand_over)
+        first = await queue.get()
+        trailing = (*base, *context.trailing_metadata())
+        request_id = dict(trailing)[REQUEST_ID]
+        if first is _GONE:
+            return
+        if isinstance(first, HttpError):
+            await _send_error(send, api, _with_status(first, api, trailing), trailing, request_id)
+            return
+        writer = api.Stream(parsed, request_id)
+        prompt_tokens = len(parsed.request.prompt.encode()) + len(parsed.request.system.encode())
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _encode([("content-type", "text/event-stream; charset=utf-8"),
+                                        ("cache-control", "no-cache"), *answer_headers(trailing)])})
+        model = first.model if first is not _END else parsed.request.model
+        start = writer.start(model, prompt_tokens)
+        tokens, finish, item = 0, "", first
+        pending = [start] if start else []
+        while True:
+            if item is _GONE:
+                return
+            if item is _END:
+                pending.append(writer.end(finish, prompt_tokens, tokens))
+                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
+                return
+            if isinstance(item, HttpError):
+                error = _with_status(item, api, context.trailing_metadata())
+                pending.append(writer.error(error, request_id))
+                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
+                return
+            tokens += len(item.token_ids)
+            finish = item.finish_reason or finish
+            pending.append(writer.chunk(item.text))
+            if queue.empty():  # send what is ready in one write; wait for the model with nothing held
+                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+                pending = []
+            item = await queue.get()
+
+
+def _parse(path: str, body: Any, default_max_tokens: int) -> Any:
+    try:
+        if path == "/v1/chat/completions":
+            return openai_api.parse_chat(body, default_max_tokens)
+        if path == "/v1/completions":
+            return openai_api.parse_completion(body, default_max_tokens)
+        return anthropic_api.parse(body)
+    except (ValueError, TypeError) as error:  # what the message types refuse (text that is not UTF-8, say)
+        raise bad_request(f"the request cannot be read: {error}") from None
+
+
+# -- on a handler thread ------------------------------------------------------------------
+def _call_unary(target: Any, request: Any, context: LocalContext) -> Any:
+    """The answer, or the verdict as an HttpError (status not yet chosen: see `_with_status`)."""
+    try:
+        return target.Generate(request, context)
+    except grpc.RpcError as error:
+        return _verdict(error)
+    except Exception:
+        log.exception("request %s: the gateway failed", dict(context.invocation_metadata()).get(REQUEST_ID_HEADER))
+        return _Verdict(grpc.StatusCode.INTERNAL, "internal error")
+
+
+def _pump_stream(target: Any, request: Any, context: LocalContext, hand_over: Callable[[Any], None]) -> None:
+    """Every chunk of the stream to the event loop, then _END or the verdict."""
+    try:
+        for chunk in target.GenerateStream(request, context):
+            hand_over(chunk)
+        hand_over(_END)
+    except grpc.RpcError as error:
+        hand_over(_verdict(error))
+    except Exception:
+        log.exception("request %s: the gateway failed", dict(context.invocation_metadata()).get(REQUEST_ID_HEADER))
+        hand_over(_Verdict(grpc.StatusCode.INTERNAL, "internal error"))
+
+
+class _Verdict(HttpError):
+    """A pipeline verdict before its API chose the HTTP status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(0, "", details)
+        self.code = code
+
+
+def _verdict(error: grpc.RpcError) -> _Verdict:
+    code, details, _ = code_details(error)  # the pipeline's own reading of an RpcError
+    return _Verdict(code, details)
+
+
+def _with_status(error: HttpError, api: Any, trailing: Iterable[tuple[str, str]]) -> HttpError:
+    if not isinstance(error, _Verdict):
+        return error
+    status, kind = status_for(error.code, error.message, api.OVERLOADED_STATUS)
+    retry = retry_headers(dict(trailing)) if status in (429, api.OVERLOADED_STATUS) else []
+    return HttpError(status, kind, error.message, tuple(retry))
+
+
+async def _watch_disconnect(receive: Receive, context: LocalContext) -> None:
+    """Cancel the call the moment the client goes away (the body has been read by then)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            context.cancel()
+            return
+
+
+# -- writing ------------------------------------------------------------------------------
+def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(key.encode("latin-1"), value.encode("latin-1")) for key, value in headers]
+
+
+async def _send_json(send: Send, status: int, body: bytes, trailing: Iterable[tuple[str, str]],
+                     extra: Iterable[tuple[str, str]] = ()) -> None:
+    headers = [("content-type", "application/json"), *answer_headers(trailing), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, api: Any, error: HttpError, trailing: Iterable[tuple[str, str]],
+                      request_id: str) -> None:
+    if error.status == 499:  # nobody is listening
+        return
+    await _send_json(send, error.status, api.error_body(error, request_id), trailing, error.headers)
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None

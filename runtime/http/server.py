@@ -1,0 +1,192 @@
+"""uvicorn (httptools parser, uvloop) in a thread of the serving process.
+
+Chosen by measurement (a blocking handler on a thread pool, JSON in and out, wrk on the other
+core, two runs each): p50 at c=1 156-160 µs for uvicorn with a plain ASGI app, 183-190 with
+Starlette's routing on top, 174-203 for aiohttp; throughput at c=64 within the noise of each
+other (13-16k requests/s), far above what a model serves. uvicorn also has the pieces this
+server needs: TLS from files, a connection cap (`limit_concurrency`: 503 past it) and a
+protocol class that can be extended.
+
+What uvicorn lacks is a deadline for a request's headers: a client that opens a connection
+and sends its headers a byte at a time would hold it for ever. `_HeaderDeadline` closes
+such a connection after `read_timeout_s` (the app bounds the body the same way, with 408).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import threading
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from runtime.http.config import HttpConfig
+from runtime.sections import TlsConfig
+from runtime.server import check_listen
+from services.common.thread_names import name_os_thread
+
+log = logging.getLogger("spine.http")
+
+
+class _HeaderDeadline(HttpToolsProtocol):
+    """HttpToolsProtocol that closes a connection whose request headers do not arrive within
+    the read timeout (from the connection's start, or from a request's first byte)."""
+
+    header_timeout_s = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            log.warning("closing a connection from %s: its request headers took over %gs",
+                        self.client, self.header_timeout_s)
+            self.transport.close()
+
+
+class HttpServer:
+    """The HTTP API on `listen` (loopback unless `allow_external`), served from a thread."""
+
+    def __init__(self, app: Any, config: HttpConfig, listen: str, *, tls: TlsConfig | None = None,
+                 allow_external: bool = False) -> None:
+        check_listen(listen, allow_external)
+        self._socket, self.address = _bind(listen)
+        if self.address.startswith("unix:"):
+            tls = None  # a unix socket stays plaintext, as every gRPC one does
+        self.scheme = "https" if tls is not None else "http"
+        protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": config.read_timeout_s})
+        options: dict[str, Any] = {}
+        if tls is not None:
+            options = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+            if tls.client_ca_file is not None:
+                options.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self._config = uvicorn.Config(
+            app, loop="uvloop", http=protocol, lifespan="off", log_level="warning", access_log=False,
+            server_header=False, limit_concurrency=config.max_connections,
+            timeout_keep_alive=config.keepalive_s, timeout_graceful_shutdown=3, **options)
+        self._server = uvicorn.Server(self._config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 10.0) -> HttpServer:
+        started = threading.Event()
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            name_os_thread()  # "http-server" in the kernel too: the bench reads CPU by thread name
+            try:
+                self._server.run(sockets=[self._socket])
+            except BaseException as error:  # a bad certificate file, say: told to start()
+                failed.append(error)
+            finally:
+                started.set()
+
+        self._thread = threading.Thread(target=serve, name="http-server", daemon=True)
+        self._thread.start()
+        while not started.is_set() and not self._server.started:
+            started.wait(0.01)
+            timeout_s -= 0.01
+            if timeout_s <= 0:
+                raise TimeoutError(f"the HTTP listener on {self.address} did not start")
+        if failed:
+            raise failed[0]
+        if not self._server.started:
+            raise OSError(f"the HTTP listener on {self.address} stopped as it started")
+        log.info("HTTP API serving on %s://%s", self.scheme, self.address)
+        return self
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Stop accepting, finish in-flight requests (up to `grace` seconds), then close."""
+        self._config.timeout_graceful_shutdown = max(1, round(grace))
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(grace + 2.0)
+            self._thread = None
+        self._socket.close()
+        if self.address.startswith("unix:"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.address[len("unix:"):])
+
+
+def _bind(listen: str) -> tuple[socket.socket, str]:
+    """A bound socket for `listen` (HOST:PORT, [V6]:PORT or unix:PATH) and the address it has
+    (the port a `:0` was given). A unix socket file is made readable by its owner only: the
+    run directory's permissions are the access control there, as for the gRPC sockets."""
+    if listen.startswith("unix:"):
+        path = listen[len("unix:"):]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale socket file from a process that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o600)
+        except OSError as error:
+            sock.close()
+            raise OSError(f"could not bind the HTTP listener {listen}: {error.strerror}") from None
+        return sock, listen
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except (OSError, ValueError) as error:
+        sock.close()
+        raise OSError(f"could not bind the HTTP listener {listen}: {getattr(error, 'strerror', None) or error}") \
+            from None
+    bound = sock.getsockname()[1]
+    return sock, (f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}")
+
+
+def start_http(target: Any, config: Any, listen: str, *, layout: Any, serving: Any,
+               tls: TlsConfig | None = None, allow_external: bool = False) -> tuple[HttpServer, Any]:
+    """The HTTP API in front of `target` (a Gateway-shaped servicer) on `listen`, with the
+    whole config's `http`, `limits` and `router` sections; (server, app), both to be closed."""
+    from runtime.http.app import HttpApi
+    from runtime.server import request_threads
+    from services.common import section
+    from services.pipeline.limits import RequestLimits
+    from services.router.config import RouterConfig
+
+    http = HttpConfig.parse(config.get("http"), "http")
+    router = RouterConfig.parse(section(config, "router"), "router")
+    names = [(name, model.id) for model in router.models for name in (model.id, *model.aliases)]
+    app = HttpApi(target, http, threads=request_threads(config),
+                  default_max_tokens=RequestLimits.from_config(config).max_tokens,
+                  layout=layout, models=lambda: names, serving=serving)
+    try:
+        server = HttpServer(app, http, listen, tls=tls, allow_external=allow_external).start()
+    except BaseException:
+        app.close()
+        raise
+    return server, app

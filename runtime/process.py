@@ -1,0 +1,154 @@
+"""One component in its own process: the layered layout's building block.
+
+    python -m runtime.process COMPONENT --listen unix:/run/spine/auth.sock --config run/config.yaml
+
+The process makes its own device context, serves the component behind a real gRPC
+server (with health and reflection), and on SIGTERM stops accepting, finishes what it
+accepted and flushes (logs, metrics) before it exits. It dies with its supervisor.
+
+A layered rate limiter can follow the migration controller (`--follow-controller
+HOST:PORT`, its xDS address): each stage sets its share of every limit (its side's share
+divided by the rate limiters of that side), so a tenant's total across both sides and all
+replicas stays within its limit. It waits up to `--initial-fetch-timeout-s` for its first
+share before it starts serving.
+
+With a `tls:` section in its config and a TCP `--listen` (a pod address in Kubernetes) it
+serves mTLS; on a unix socket (the local supervisor's children) it stays plaintext.
+`--probe-listen` answers health alone in plaintext, for Kubernetes' grpc probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runtime.parent import die_with_parent, follow_parent
+from runtime.stage_follower import (
+    ROLE_LAYERED_RATELIMIT,
+    add_follow_arguments,
+    follow,
+    ratelimit_applier,
+)
+from services.registry import COMPONENTS, DEFAULT, close_servicer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m runtime.process", description=__doc__)
+    parser.add_argument("component", choices=COMPONENTS)
+    parser.add_argument("--listen", required=True, help="unix:/path or 127.0.0.1:PORT")
+    parser.add_argument("--config", required=True, help="the run's merged config YAML")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--allow-external", action="store_true",
+                        help="listen beyond loopback (a pod address in a cluster)")
+    parser.add_argument("--probe-listen", metavar="HOST:PORT",
+                        help="also answer grpc.health.v1 alone, in plaintext, here (Kubernetes' grpc probes "
+                             "cannot speak TLS)")
+    add_follow_arguments(parser, "this rate limiter's share of every limit (ratelimit only)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common import ConfigError
+
+    try:
+        return serve(argv)
+    except ConfigError as error:  # a config or certificate file that cannot be used: one line
+        for line in getattr(error, "problems", None) or str(error).splitlines():
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
+
+
+def serve(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.follow_controller and args.component != "ratelimit":
+        parser.error(f"--follow-controller: only ratelimit follows the controller's stages, not {args.component}")
+
+    die_with_parent()  # started by hand too: it goes with whatever started it
+    if not follow_parent():
+        return 1  # started by `spawn` (the supervisor), whose process died before we could ask
+
+    from monolith.device_on_use import DeviceOnFirstUse
+    from monolith.runtime_env import configure_threads, freeze_startup_heap
+    from runtime.config import load_config
+    from runtime.health import start_deep_health
+    from runtime.sections import TlsConfig
+    from runtime.server import PoolSize, request_pool, start_server
+    from runtime.signals import Termination
+    from runtime.tls import is_unix, reload_on_sighup
+    from runtime.tracing import install_from_config
+    from services.common import section
+    from services.inference.config import InferenceConfig
+    from services.pipeline.verdicts import RequestLimits
+
+    termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
+    configure_threads()
+    config = load_config(args.config)
+    if args.component == "inference":  # alone (bare): sized for its model as `spine up` sizes it
+        from runtime.model_fit import fit_to_model
+
+        fitted = fit_to_model(config)
+        if fitted:
+            print(fitted, file=sys.stderr, flush=True)
+    install_from_config(config, service_name=args.component)  # continue traces from the gateway
+    tls = TlsConfig.from_config(config)
+    if tls is not None and not is_unix(args.listen):
+        from runtime.core_log import log_tls_refusals
+
+        log_tls_refusals()  # a refused handshake: one spine.tls line in this child's log
+        reload_on_sighup()
+    run_dir = Path(args.run_dir)
+    spec = DEFAULT[args.component]
+    # Auth, the router and logs keep no tensors: their process never makes a device
+    # context nor imports torch (most of their start, and of their memory). A component
+    # whose code imported torch gets its context now, at start, not on its first request
+    # (on CUDA, making one is the device's initialisation).
+    device = DeviceOnFirstUse(config)
+    servicer = spec.build(config, device, run_dir)
+    if "torch" in sys.modules:
+        device.make_now()
+    # The model's requests wait in its priority queue, not in front of the thread pool.
+    pool = request_pool(config) if args.component == "inference" else PoolSize()
+    # Its share first: a limiter that follows does not serve before it has one (or has waited).
+    follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit", tls)
+    from runtime.foreign import envoy_apis_of
+
+    server = start_server([(spec, servicer), *envoy_apis_of(spec, servicer, config)], args.listen,
+                          max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
+                          allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen, **pool)
+    # Deep health: SERVING only while the component can do its work (for inference: a tiny
+    # forward on its device within a bound), so the supervisor, the gates and xDS
+    # endpoints see a broken device, not just a live process.
+    inference = InferenceConfig.from_dict(section(config, "inference"))
+    deep = start_deep_health(server, servicer, inference.health_interval_s, inference.health_timeout_s,
+                             services=["", spec.full_name])
+    extra = None
+    if args.component == "metrics":
+        from runtime.metrics_endpoint import start_metrics_endpoint
+
+        extra = start_metrics_endpoint(servicer, config, run_dir)
+    elif args.component == "inference":  # its serving metrics, on its own /metrics
+        from runtime.serving_metrics import serve_inference_metrics
+
+        extra = serve_inference_metrics(servicer, config, run_dir)
+    elif args.component == "ratelimit":  # with a shared store: its families, on its own /metrics
+        from runtime.store_metrics import serve_store_metrics
+
+        extra = serve_store_metrics(servicer, config, run_dir)
+
+    freeze_startup_heap()  # see its docstring: no full collection walks the startup heap again
+    print(f"{args.component} serving on {server.address}", flush=True)
+    termination.wait()
+    if follower is not None:
+        follower.stop()
+    deep.stop()
+    server.stop(grace=3.0)
+    if extra is not None:
+        extra.stop()
+    close_servicer(servicer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""A gRPC server the way every spine process runs one.
+
+Health checking and server reflection are registered on every server, so stock tools
+(grpc_health_probe, grpcurl) work against any process of either layout. Internal links
+bind to unix sockets or loopback; a public address elsewhere must be asked for.
+
+A server whose requests wait for the model (the Gateway, the inference process) gets a
+handler thread for every request the model can hold — `request_threads`: the inference
+priority queue (`max_queue`), every KV slot, and headroom for requests that never reach
+the model. Requests then wait in the priority queue, where a latency-class request
+overtakes the throughput class, and not in the thread pool's FIFO in front of it, where
+it could not; a full queue answers RESOURCE_EXHAUSTED with `retry-after` at once. A
+sync server's thread is a waiting request's whole cost: it blocks on its job's queue
+and wakes only for its own answer, and the pool makes threads only as load needs them
+(measured with `python -m bench.overload priority`).
+
+With a `tls:` section (`runtime.tls`) a TCP listener speaks TLS, mTLS with
+`client_ca_file`; a unix socket stays plaintext. Kubernetes' `grpc:` probes cannot speak TLS,
+so such a server can also answer its health alone in plaintext on a second address
+(`probe_listen`): the same health servicer, nothing else on it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from runtime.sections import TlsConfig
+from runtime.tls import add_port, link_channel
+from services.common import section
+from services.common.thread_names import name_os_thread
+from services.inference.config import InferenceConfig
+from services.registry import ComponentSpec
+
+# Handler threads beyond what the model holds: cache hits, refusals, health and admission
+# in progress never wait for a slot, and must not wait behind those who do.
+HEADROOM_THREADS = 32
+
+# Metadata (all headers of a call) a server accepts. gRPC's default refuses what lies
+# between its soft limit (8 KiB) and its hard one (16 KiB) at random, more often the longer it
+# is: the same call would pass or fail by chance. One limit for both makes it decided by the
+# call alone: up to here always accepted, past it always RESOURCE_EXHAUSTED (from gRPC itself).
+MAX_METADATA_BYTES = 16 << 10
+
+# Interceptors every server in this process gets unless it is given its own list: tracing
+# installs its trace-context interceptor here once per process (see runtime.tracing.install),
+# so servers started by code that knows nothing of tracing still continue traces.
+_default_interceptors: tuple[grpc.ServerInterceptor, ...] = ()
+
+
+def set_default_interceptors(interceptors: Sequence[grpc.ServerInterceptor]) -> None:
+    """Interceptors for servers started from now on without an explicit list."""
+    global _default_interceptors
+    _default_interceptors = tuple(interceptors)
+
+
+def default_interceptors() -> tuple[grpc.ServerInterceptor, ...]:
+    return _default_interceptors
+
+
+class UnsafeAddress(ValueError):
+    """A listen address off loopback, refused unless explicitly allowed."""
+
+
+def check_listen(address: str, allow_external: bool = False) -> None:
+    """Refuse addresses that would expose an internal link beyond this machine."""
+    if address.startswith("unix:") or allow_external:
+        return
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise UnsafeAddress(
+        f"listen address {address!r} is not loopback or a unix socket; "
+        "pass --allow-external to expose it beyond this machine"
+    )
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    address: str  # what a client dials: "unix:/path" or "127.0.0.1:PORT"
+    health: health.HealthServicer
+    probe: ProbeServer | None = None  # the health service alone, in plaintext (`probe_listen`)
+
+    def set_serving(self, serving: bool, service: str = "") -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set(service, status)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        if self.probe is not None:
+            self.probe.stop()
+
+
+class _CheckOnly(health_pb2_grpc.HealthServicer):
+    """`Health/Check` from another server's health servicer; `Watch` stays UNIMPLEMENTED, so
+    nobody can hold the probe listener's few threads with streams that never end."""
+
+    def __init__(self, health_servicer: health.HealthServicer) -> None:
+        self._health = health_servicer
+
+    def Check(self, request: Any, context: Any) -> Any:
+        return self._health.Check(request, context)
+
+
+@dataclass
+class ProbeServer:
+    """A plaintext listener serving only `grpc.health.v1/Check` from another server's health
+    servicer: for Kubernetes' `grpc:` probes, which cannot speak TLS. It tells no more than
+    whether the server (or one of its services) is SERVING, so it needs no credentials."""
+
+    server: grpc.Server
+    address: str
+
+    def stop(self) -> None:
+        self.server.stop(0).wait()
+
+
+def start_probe_server(health_servicer: health.HealthServicer, listen: str,
+                       allow_external: bool = False) -> ProbeServer:
+    """Serve `health_servicer` alone, in plaintext, on `listen` (loopback unless `allow_external`)."""
+    check_listen(listen, allow_external)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe", initializer=name_os_thread),
+                         options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(_CheckOnly(health_servicer), server)
+    port = server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"could not bind the probe listener {listen}")
+    server.start()
+    address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
+    return ProbeServer(server, address)
+
+
+def request_threads(config: Any) -> int:
+    """Handler threads for a server whose requests may wait for the model: the inference
+    queue (`inference.max_queue`) + every KV slot (at most `inference.max_batch`), for every
+    model served (`inference.models`), + headroom."""
+    inference = InferenceConfig.from_dict(section(config, "inference"))
+    return sum(model.max_queue + model.max_batch for model in inference.served()) + HEADROOM_THREADS
+
+
+class PoolSize(TypedDict, total=False):
+    """`start_server` keywords that size its thread pool."""
+
+    max_workers: int
+    max_concurrent_rpcs: int | None
+
+
+def request_pool(config: Any) -> PoolSize:
+    """`start_server` keywords for a server whose requests may wait for the model.
+
+    Calls past the threads wait in gRPC's FIFO only while a thread answers a quick
+    refusal (the queue is full), so twice the threads bounds that FIFO's memory; past it
+    gRPC itself refuses with RESOURCE_EXHAUSTED."""
+    threads = request_threads(config)
+    return PoolSize(max_workers=threads, max_concurrent_rpcs=2 * threads)
+
+
+def start_server(
+    services: Sequence[tuple[ComponentSpec, Any]],
+    listen: str,
+    *,
+    max_message_bytes: int = 1 << 20,
+    max_workers: int = 32,
+    max_concurrent_rpcs: int | None = None,
+    allow_external: bool = False,
+    interceptors: Sequence[grpc.ServerInterceptor] | None = None,
+    tls: TlsConfig | None = None,
+    probe_listen: str | None = None,
+) -> RunningServer:
+    """Start a server hosting `services` on `listen` (port 0 picks a free port).
+
+    With `tls`, a TCP `listen` speaks TLS (mTLS with `tls.client_ca_file`), its certificate
+    files re-read when they change; ConfigError names a file that cannot be used.
+    `probe_listen`: also answer health alone, in plaintext, there (`start_probe_server`).
+
+    `max_concurrent_rpcs` bounds the calls accepted (running or waiting for a thread);
+    past it gRPC refuses at once with RESOURCE_EXHAUSTED. `interceptors` default to the
+    process's (`set_default_interceptors`): none unless tracing is installed.
+    """
+    check_listen(listen, allow_external)
+    if probe_listen is not None:
+        check_listen(probe_listen, allow_external)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc", initializer=name_os_thread),
+        interceptors=list(_default_interceptors if interceptors is None else interceptors),
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+            ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
+        ],
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    for spec, servicer in services:
+        spec.add_to_server(servicer, server)
+        names.append(spec.full_name)
+    reflection.enable_server_reflection(names, server)
+    port = add_port(server, listen, tls)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"could not bind {listen}")
+    server.start()
+    address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
+    running = RunningServer(server, address, health_servicer)
+    if probe_listen is not None:
+        try:
+            running.probe = start_probe_server(health_servicer, probe_listen, allow_external)
+        except BaseException:
+            server.stop(0)
+            raise
+    running.set_serving(True)
+    for spec, _ in services:
+        running.set_serving(True, spec.full_name)
+    return running
+
+
+def wait_serving(address: str, timeout: float, service: str = "", tls: TlsConfig | None = None) -> bool:
+    """True once the health service at `address` says SERVING, False after `timeout` (over TLS
+    with this process's certificate when it has `tls` and `address` is TCP)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    # A fresh subchannel with a short backoff: while a child restarts, a shared subchannel's
+    # growing reconnect backoff would hide it for seconds after it is back.
+    with link_channel(address, tls, options=[("grpc.use_local_subchannel_pool", 1),
+                                             ("grpc.initial_reconnect_backoff_ms", 100),
+                                             ("grpc.max_reconnect_backoff_ms", 500)]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    return False
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free now, for processes that bind them later (a child
+    told its address before it starts). Another process could take one in between: whoever
+    binds it then fails loudly, it never shares it."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.add(int(probe.getsockname()[1]))
+    return sorted(ports)
+
+
+def free_port() -> int:
+    """One loopback port free now (`free_ports`)."""
+    return free_ports(1)[0]
+

@@ -1,0 +1,309 @@
+"""The Auth service: a bearer credential (API key or JWT) becomes a principal, or a denial.
+
+`CheckBatch` decides many credentials at once (the pipeline's auth stage calls it, in
+either layout); the per-request `Check` is its batch of one. Everything fails closed: any error while verifying is
+UNAUTHENTICATED, and no message ever quotes the credential or a secret.
+
+Repeat JWTs hit a verification cache keyed on sha256(token): a signature check costs
+50-100 us, a dict hit well under one. An accepted verdict is kept no later than the token's
+`exp`; a denial only for a few seconds, so a clock-skewed `nbf` heals quickly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import grpc
+from pydantic import Field, StrictInt, field_validator
+
+from services.auth.api_keys import (
+    ApiKeyEntry,
+    ApiKeyTable,
+    check_unique,
+)
+from services.auth.jwt_verify import JwtSection, JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
+from services.common import Clock, DeviceState, answer_one, section
+from services.common.config_section import Float, Items, NonEmptyStr, Section
+from services.pipeline.batch_rpc import BatchRpc, ItemError, field_items, message_answer
+from services.pipeline.state import RequestState
+from services.pipeline.step import Step, StepCall
+from services.pipeline.verdicts import MISSING_CREDENTIAL, Stop, bearer
+from wire.v1 import auth_pb2, auth_pb2_grpc
+
+MAX_DENIAL_TTL_S = 10.0
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+class AuthDenied(Exception):
+    """A credential that does not authenticate (or authorize); `message` is safe to send back."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class CacheSettings(Section):
+    """`auth.cache`: the JWT verification cache."""
+
+    max_entries: Annotated[StrictInt, Field(ge=0)] = 4096  # 0 turns the cache off
+    max_ttl_s: Annotated[Float, Field(ge=0)] = 300.0  # cap on an accepted verdict, even for long-lived tokens
+    # A denial is kept only briefly, so a clock-skewed `nbf` heals quickly.
+    denial_ttl_s: Annotated[Float, Field(ge=0, le=MAX_DENIAL_TTL_S)] = 2.0
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any] | None, where: str = "auth.cache") -> CacheSettings:
+        return cls.parse(cfg, where)
+
+
+class AuthSection(Section):
+    """The `auth` section as written (the root config model's `auth`)."""
+
+    api_keys: Items[ApiKeyEntry] = ()
+    jwt: JwtSection | None = None
+    required_scope: NonEmptyStr = "generate"
+    cache: CacheSettings = CacheSettings()
+
+    @field_validator("api_keys")
+    @classmethod
+    def _unique(cls, entries: tuple[ApiKeyEntry, ...]) -> tuple[ApiKeyEntry, ...]:
+        check_unique(entries)
+        return entries
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """What the service runs with: keys as digests only, JWT keys loaded. Built from a validated
+    `AuthSection`, so the plaintext of a dev key never outlives loading."""
+
+    api_keys: ApiKeyTable = field(default_factory=lambda: ApiKeyTable([]))
+    jwt: JwtSettings | None = None
+    required_scope: str = "generate"
+    cache: CacheSettings = CacheSettings()
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> AuthConfig:
+        """Parse the `auth` section; `environ` (default os.environ) resolves `hs256_secret_env`."""
+        return cls.from_section(AuthSection.parse(section, "auth"), environ)
+
+    @classmethod
+    def from_section(cls, section: AuthSection, environ: Mapping[str, str] | None = None) -> AuthConfig:
+        jwt = None if section.jwt is None else JwtSettings.from_section(section.jwt, "auth.jwt", environ)
+        return cls(api_keys=ApiKeyTable.from_entries(section.api_keys), jwt=jwt,
+                   required_scope=section.required_scope, cache=section.cache)
+
+
+Verdict = auth_pb2.CheckResponse | AuthDenied
+
+
+class VerdictCache:
+    """LRU of verdicts by token digest, each with its own deadline on the injected clock."""
+
+    def __init__(self, max_entries: int, clock: Clock) -> None:
+        self._max = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[bytes, tuple[float, Verdict]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0  # counters for metrics (and for tests: a hit skipped a signature check)
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: bytes) -> Verdict | None:
+        now = self._clock()
+        with self._lock:
+            hit = self._entries.get(digest)
+            if hit is not None and now >= hit[0]:
+                del self._entries[digest]
+                hit = None
+            if hit is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            verdict = hit[1]
+            self._entries.move_to_end(digest)
+        return _fresh(verdict)
+
+    def put(self, digest: bytes, verdict: Verdict, until: float) -> None:
+        if self._max == 0 or until <= self._clock():
+            return
+        with self._lock:
+            self._entries[digest] = (until, verdict)
+            self._entries.move_to_end(digest)
+            while len(self._entries) > self._max:
+                self._entries.popitem(last=False)
+
+
+def _fresh(verdict: Verdict) -> Verdict:
+    """A denial as a new exception, so raising it never chains a traceback onto the cached
+    one; an accepted verdict as it is: verdicts are shared read-only (`check_items`), and
+    `verify` hands its callers a copy."""
+    if isinstance(verdict, AuthDenied):
+        return AuthDenied(verdict.code, verdict.message)
+    return verdict
+
+
+def _copy(response: auth_pb2.CheckResponse) -> auth_pb2.CheckResponse:
+    copy = auth_pb2.CheckResponse()
+    copy.CopyFrom(response)
+    return copy
+
+
+class AuthService(auth_pb2_grpc.AuthServicer):
+    def __init__(self, config: AuthConfig, device: DeviceState | None = None, clock: Clock = time.time) -> None:
+        self.config = config
+        self.device = device  # auth keeps no tensor state; accepted for a uniform constructor
+        self._clock = clock
+        self._jwt = None if config.jwt is None else JwtVerifier(config.jwt, clock)
+        self.cache = VerdictCache(config.cache.max_entries, clock)
+        # An API key's verdict never changes while the service runs (the key table is fixed
+        # at start): made once per key, shared read-only by every check of that key.
+        self._key_verdicts: dict[str, auth_pb2.CheckResponse | ItemError] = {}
+
+    def check_items(self, credentials: Sequence[str]) -> list[auth_pb2.CheckResponse | ItemError]:
+        """One verdict per credential, in order: its principal, or the item's denial.
+
+        A credential repeated in the batch (one client's requests arriving together, the
+        common case) is verified once and its verdict shared. The verdicts are what one by
+        one would give; only the JWT verification cache's hit/miss counters differ. They
+        are shared, read-only objects: copy one before changing it (`CheckBatch` does)."""
+        seen: dict[str, auth_pb2.CheckResponse | ItemError] = {}
+        verdicts = []
+        for credential in credentials:
+            verdict = seen.get(credential)
+            if verdict is None:
+                verdict = seen[credential] = self._verdict(credential)
+            verdicts.append(verdict)
+        return verdicts
+
+    def CheckBatch(self, request: auth_pb2.CheckBatchRequest, context: Any = None) -> auth_pb2.CheckBatchResponse:
+        """`check_items` over the wire: a denial is that item's status, not the call's."""
+        return CHECK_BATCH.serve(self, request, context)
+
+    def Check(self, request: auth_pb2.CheckRequest, context: grpc.ServicerContext) -> auth_pb2.CheckResponse:
+        """The batch of one: a denial ends the call with its status."""
+        return answer_one(self.CheckBatch(auth_pb2.CheckBatchRequest(items=[request])).results[0], context)
+
+    def verify(self, credential: str) -> auth_pb2.CheckResponse:
+        """The principal for `credential` (a copy the caller may change), or AuthDenied
+        (UNAUTHENTICATED / PERMISSION_DENIED)."""
+        verdict = self._verdict(credential)
+        if isinstance(verdict, ItemError):
+            raise AuthDenied(verdict.code, verdict.message)
+        return _copy(verdict)
+
+    def _verdict(self, credential: str) -> auth_pb2.CheckResponse | ItemError:
+        try:
+            token = _bearer(credential)
+            if not token:
+                raise AuthDenied(_UNAUTHENTICATED, "missing credential")
+            if looks_like_jwt(token):
+                return self._verify_jwt(token)
+            return self._verify_api_key(token)
+        except AuthDenied as denied:
+            return ItemError(denied.code, denied.message)
+        except Exception:  # fail closed; the exception text may quote the token, so drop it
+            return ItemError(_UNAUTHENTICATED, "credential could not be verified")
+
+    def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse | ItemError:
+        key = self.config.api_keys.lookup(token)
+        if key is None:
+            raise AuthDenied(_UNAUTHENTICATED, "unknown API key")
+        verdict = self._key_verdicts.get(key.id)
+        if verdict is None:
+            principal = auth_pb2.Principal(
+                tenant=key.tenant, scopes=key.scopes, subject=key.id, max_priority=key.max_priority
+            )
+            try:
+                self._authorize(principal)
+                verdict = auth_pb2.CheckResponse(principal=principal, method="api_key", expires_at=0.0)
+            except AuthDenied as denied:
+                verdict = ItemError(denied.code, denied.message)
+            self._key_verdicts[key.id] = verdict
+        return verdict
+
+    def _verify_jwt(self, token: str) -> auth_pb2.CheckResponse:
+        if self._jwt is None:
+            raise AuthDenied(_UNAUTHENTICATED, "JWT credentials are not accepted (auth.jwt is not configured)")
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        cached = self.cache.get(digest)
+        if isinstance(cached, AuthDenied):
+            raise cached
+        if cached is not None:
+            return cached
+        now = self._clock()
+        try:
+            response = self._check_token(token)
+        except AuthDenied as denied:
+            self.cache.put(digest, denied, now + self.config.cache.denial_ttl_s)
+            raise
+        self.cache.put(digest, response, min(response.expires_at, now + self.config.cache.max_ttl_s))
+        return response
+
+    def _check_token(self, token: str) -> auth_pb2.CheckResponse:
+        assert self._jwt is not None
+        try:
+            claims = self._jwt.verify(token)
+        except TokenRejected as rejected:
+            raise AuthDenied(_UNAUTHENTICATED, str(rejected)) from None
+        except Exception:
+            raise AuthDenied(_UNAUTHENTICATED, "token could not be verified") from None
+        principal = auth_pb2.Principal(
+            tenant=claims.tenant, scopes=claims.scopes, subject=claims.subject, max_priority=claims.max_priority
+        )
+        self._authorize(principal)
+        return auth_pb2.CheckResponse(principal=principal, method="jwt", expires_at=claims.expires_at)
+
+    def _authorize(self, principal: auth_pb2.Principal) -> None:
+        scope = self.config.required_scope
+        if scope not in principal.scopes:
+            raise AuthDenied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {principal.tenant!r} lacks scope {scope!r} (has: {', '.join(principal.scopes) or 'none'})",
+            )
+
+
+_encode_checks, _decode_checks = field_items(auth_pb2.CheckBatchRequest, "credential")
+_encode_verdicts, _decode_verdicts = message_answer(auth_pb2.CheckBatchResponse)
+CHECK_BATCH: BatchRpc[str, auth_pb2.CheckResponse] = BatchRpc(
+    rpc="CheckBatch", local="check_items", encode_items=_encode_checks,
+    decode_items=_decode_checks, encode_results=_encode_verdicts, decode_results=_decode_verdicts)
+
+
+def _bearer(credential: str) -> str:
+    """Accept the raw token or a whole `Authorization: Bearer <token>` value."""
+    token = credential.strip()
+    if token[:7].lower() == "bearer ":
+        token = token[7:].strip()
+    return token
+
+
+class AuthStep(Step):
+    """The pipeline asks Auth whose bearer credential a request carries (fail closed)."""
+
+    method = "Check"
+    order = 10
+
+    def screen(self, state: RequestState) -> Stop | None:
+        if bearer(state.metadata) is None:
+            return Stop(grpc.StatusCode.UNAUTHENTICATED, MISSING_CREDENTIAL)
+        return None
+
+    def decide(self, batch: list[RequestState], call: StepCall) -> None:
+        verdicts = call.batch(CHECK_BATCH, [bearer(state.metadata) or "" for state in batch])
+        for state, verdict in self.answered(call, batch, verdicts):
+            state.principal = verdict.principal
+            state.tenant = state.principal.tenant
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return AuthService(AuthConfig.from_dict(section(config, "auth")), device)

@@ -1,0 +1,396 @@
+"""The Gateway: the public API in front of the pipeline, the same code in every layout.
+
+A request becomes a `RequestState`, is admitted by the admission stages (auth, validation,
+router, rate limit, cache probe), answered by the model (or the cache), and handed to the
+completion stages (cache store, logs, metrics) whatever its outcome. How admission and
+completion are scheduled is the runtime's choice, never this module's:
+
+- `DirectAdmission` / `DirectCompletions`: the pipeline with a batch of one, in the
+  request's own thread (the layered gateway);
+- the spine's micro-batcher and its deferred writer (`monolith.batched`) decide many
+  requests with the same stages.
+
+Either way the verdicts come from the same stages, so codes, messages and trailers do not
+depend on the layout or the batch size.
+
+Every answer carries the load hint of the model it was routed to (`x-spine-load`: the
+model's own, or the latest the gateway has when the model was not called, see
+`model_load`), and, where the router names one, the model's fallback (`x-spine-fallback`)
+or, on a fallback's answers, the load of the models it stands in for
+(`x-spine-primary-load`), which a client needs to know when to go back.
+
+The output policy (`services.inference.output_policy`) runs here, where every answer passes in every
+layout: a whole answer (the model's or the cache's) before it is returned, a stream's chunk
+before it is released; a violation ends the call with `content_policy_violation`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import grpc
+
+from services.gateway.model_load import ModelLoads
+from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
+from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
+from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
+from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
+from services.pipeline.runner import Pipeline, code_details
+from services.pipeline.state import RequestState
+from services.pipeline.verdicts import FORWARDED_TRAILERS, Stop, downstream_stop
+from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
+
+log = logging.getLogger("spine.gateway")
+
+REQUEST_ID_HEADER = "x-request-id"
+LAYOUT_HEADER = "x-spine-layout"
+MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
+
+
+class Admission(Protocol):
+    """Runs the admission stages for a request; raises its `Stop` when one stops it."""
+
+    def admit(self, state: RequestState) -> None: ...
+
+
+class Completions(Protocol):
+    """Runs (or takes, to run soon) the completion stages for a finished request."""
+
+    def complete(self, state: RequestState) -> None: ...
+
+
+class DirectAdmission:
+    """The pipeline with a batch of one, in the request's thread."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def admit(self, state: RequestState) -> None:
+        self.pipeline.admit([state])
+        if state.outcome is not None:
+            raise state.outcome
+
+
+class DirectCompletions:
+    """Every completion stage with a batch of one, before the answer leaves."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def complete(self, state: RequestState) -> None:
+        self.pipeline.complete([state])
+
+
+class Gateway(gateway_pb2_grpc.GatewayServicer):
+    """Serves `spine.v1.Gateway` through the pipeline."""
+
+    def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str, *,
+                 internal_key: bytes | None = None, policy: OutputPolicy | None = None) -> None:
+        self.pipeline = pipeline
+        self.policy = policy  # None: no output policy (nothing is checked)
+        self.limits = limits
+        self.layout = layout
+        # Verifies the front's shadow marks (`internal_marks`); None: no request is shadow.
+        self.internal_key = internal_key
+        self.fail_open_failures: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self.admission: Admission = DirectAdmission(pipeline)
+        self.completions: Completions = DirectCompletions(pipeline)
+        self.in_flight = 0  # requests begun and not finished: how many more a batch may expect
+        # Offered every finished request after its completions (the spine's shadow mirror,
+        # `runtime.gateway_mirror`); must be cheap and never raise.
+        self.answered: Callable[[RequestState], None] | None = None
+        self.model_load = ModelLoads(self._models_load)
+        pipeline.on_fail_open = self.count_fail_open
+
+    # -- public API ---------------------------------------------------------------
+    def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
+        state = self._begin(request, context)
+        try:
+            self.admission.admit(state)
+            if state.hit is not None:
+                self._police(state, state.hit.text, state.hit.token_ids)
+                context.set_trailing_metadata(self._answer_trailing(state))
+                return state.hit
+            assert state.resolved is not None
+            trailers: list[tuple[str, str]] = []
+            response = self._model_call(state, "Generate", context, trailing_out=trailers)
+            self.model_load.note_trailers(state.model, trailers)
+            state.completion_tokens = response.completion_tokens
+            self._police(state, response.text, response.token_ids)
+            state.response = response
+            context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
+            return response
+        except Stop as stop:
+            self._abort(state, context, stop)
+            raise AssertionError("unreachable") from None
+        except Exception:
+            if state.status == "OK":
+                state.status = "INTERNAL"
+            raise
+        finally:
+            self._finish(state)
+
+    def GenerateStream(self, request: generation_pb2.GenerateRequest,
+                       context: Any) -> Iterator[generation_pb2.GenerateChunk]:
+        state = self._begin(request, context)
+        try:
+            self.admission.admit(state)
+            hit = state.hit
+            if hit is not None:
+                self._police(state, hit.text, hit.token_ids)
+                context.set_trailing_metadata(self._answer_trailing(state))
+                yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
+                                                   finish_reason=hit.finish_reason, cached=True, model=hit.model,
+                                                   system_digest=hit.system_digest)
+                return
+            resolved = state.resolved
+            assert resolved is not None
+            # Until the stream ends: what an HTTP client's headers carry (the load hint known now).
+            context.set_trailing_metadata(self._answer_trailing(state))
+            tokens: list[int] = []
+            texts: list[str] = []
+            finish = digest = ""
+            started = time.perf_counter()
+            check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
+            stream = self._model_call(state, "GenerateStream", context)
+            ended = False
+            try:
+                for chunk in stream:
+                    if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
+                        raise self._violation(state, found)  # the chunk is never released; the model stops
+                    tokens.extend(chunk.token_ids)
+                    texts.append(chunk.text)
+                    finish = chunk.finish_reason or finish
+                    digest = chunk.system_digest or digest
+                    yield chunk
+                ended = True
+            except grpc.RpcError as error:
+                ended = True
+                raise self._model_stop(error, state) from None
+            finally:
+                if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
+                    stream.cancel()
+                state.add_time(self.pipeline.model.component, time.perf_counter() - started)
+            state.completion_tokens = len(tokens)
+            model_trailers = _forwarded(stream.trailing_metadata() or ())
+            self.model_load.note_trailers(state.model, model_trailers)
+            context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
+            state.response = generation_pb2.GenerateResponse(
+                text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
+                prompt_tokens=len(resolved.prompt.encode()) + len(resolved.system.encode()),
+                completion_tokens=len(tokens), system_digest=digest)
+        except Stop as stop:
+            self._abort(state, context, stop)
+        except GeneratorExit:
+            state.status = "CANCELLED"
+            raise
+        except Exception:
+            if state.status == "OK":
+                state.status = "INTERNAL"
+            raise
+        finally:
+            self._finish(state)
+
+    # -- the request's life -----------------------------------------------------------
+    def _begin(self, request: generation_pb2.GenerateRequest, context: Any) -> RequestState:
+        metadata = tuple(context.invocation_metadata() or ())
+        md = dict(metadata)
+        remaining = context.time_remaining()
+        if remaining is None or remaining > NO_DEADLINE_S:
+            remaining = self.limits.default_deadline_s
+        request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
+        state = RequestState(
+            request=request,
+            request_id=request_id,
+            layout=self.layout,
+            started=time.perf_counter(),
+            deadline=time.monotonic() + remaining,
+            # Only a copy the front marked: a client claiming shadow would skip its rate limit.
+            shadow=SHADOW_HEADER in md and is_shadow(self.internal_key, md[SHADOW_HEADER], request_id),
+            metadata=metadata,
+            model=request.model,
+            device_busy=self.model_load.busy(),
+        )
+        context.set_trailing_metadata(self._trailing(state))
+        with self._lock:
+            self.in_flight += 1
+        return state
+
+    def _model_call(self, state: RequestState, method: str, context: Any, **extra: Any) -> Any:
+        """The model, through its binding (the engine batches decode steps itself)."""
+        stage = self.pipeline.model
+        client = self.pipeline.clients[stage.component]
+        started = time.perf_counter()
+        try:
+            return getattr(client, method)(state.resolved, timeout=state.remaining(),
+                                           metadata=((REQUEST_ID_HEADER, state.request_id),),
+                                           parent=context, **extra)
+        except grpc.RpcError as error:
+            if getattr(error, "ejected", False):
+                state.ejected.append(stage.component)
+            raise self._model_stop(error, state) from None
+        finally:
+            if method == "Generate":
+                state.add_time(stage.component, time.perf_counter() - started)
+
+    def _model_stop(self, error: grpc.RpcError, state: RequestState) -> Stop:
+        code, details, trailing = code_details(error)
+        self.model_load.note_trailers(state.model, trailing)
+        model = self.pipeline.model
+        return downstream_stop(model.component, code, details, trailing, model.policy.passes)
+
+    def _police(self, state: RequestState, text: str, token_ids: Any) -> None:
+        """A whole answer against the output policy (Stop on a violation)."""
+        if self.policy is not None and (found := self.policy.check(state.tenant, state.model, text,
+                                                                    token_ids)) is not None:
+            raise self._violation(state, found)
+
+    def _violation(self, state: RequestState, found: Violation) -> Stop:
+        state.policy_violation = True
+        log.warning("request %s: %s: rule %r (%s), tenant %s, model %s; the answer was ended", state.request_id,
+                    VIOLATION, found.rule, found.kind, state.tenant, state.model)  # never the text
+        return Stop(VIOLATION_CODE, found.details)
+
+    def _models_load(self) -> list[tuple[str, str]]:
+        """Every model's hint now, from the inference component (`ModelLoads`' refresh)."""
+        client = self.pipeline.clients[self.pipeline.model.component]
+        answer = client.invoke("Models", inference_pb2.ModelInfoRequest(), timeout=MODELS_TIMEOUT_S)
+        return [(model.id, model.load) for model in answer.models if model.load]
+
+    def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
+        """End the call with the pipeline's verdict; its trailers name layout and request id."""
+        state.status, state.details = stop.code.name, stop.details
+        context.set_trailing_metadata(self._answer_trailing(state, stop.trailing))
+        context.abort(stop.code, stop.details)
+
+    def _finish(self, state: RequestState) -> None:
+        """The completion stages for every request, whatever its outcome (all fail open)."""
+        with self._lock:
+            self.in_flight -= 1
+        state.latency_s = time.perf_counter() - state.started
+        if state.status != "OK":
+            state.response = None  # only a good answer is worth keeping
+        self.completions.complete(state)
+        if self.answered is not None:
+            self.answered(state)
+
+    def count_fail_open(self, name: str, reason: str, request_id: str) -> None:
+        """Count a fail-open middleware's failure; the request goes on."""
+        with self._lock:
+            self.fail_open_failures[name] += 1
+        log.warning("fail-open middleware %s failed (%s); request %s goes on", name, reason, request_id)
+
+    def _trailing(self, state: RequestState) -> tuple[tuple[str, str], ...]:
+        return ((LAYOUT_HEADER, self.layout), (REQUEST_ID_HEADER, state.request_id))
+
+    def _answer_trailing(self, state: RequestState,
+                         downstream: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+        """An answer's trailers: layout and request id, what came from downstream, the routed
+        model's load hint (the latest one when the model did not send it) and its fallbacks."""
+        loads = self.model_load
+        if state.resolved is not None:
+            loads.learn(state.request.model, state.model)
+        out = [*self._trailing(state), *downstream]
+        if all(key != LOAD_HEADER for key, _ in downstream):
+            hint = loads.hint(state.model)
+            if hint:
+                out.append((LOAD_HEADER, hint))
+        if state.fallback:
+            out.append((FALLBACK_HEADER, state.fallback))
+        primaries = [f"{primary}:{hint}" for primary in state.fallback_of if (hint := loads.hint(primary))]
+        if primaries:
+            out.append((PRIMARY_LOAD_HEADER, ",".join(primaries)))
+        return tuple(out)
+
+
+def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:
+    """The downstream trailers the client should see (load hints), nothing else."""
+    return tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
+
+
+def safe_request_id(value: str | None) -> str:
+    """Keep a caller's request id when it is short and plain; otherwise make one."""
+    if value and _PLAIN_ID.fullmatch(value):
+        return value
+    return f"{_ID_PREFIX}{next(_ID_SEQUENCE):012x}"
+
+
+# A plain id: ASCII letters, digits, '-', '_' and '.', at most 64 of them. One regex match
+# (0.4 µs) where a per-character check took 3.3 µs for a uuid; every request the migration's
+# front forwards carries one. (gRPC metadata values are printable ASCII, so the per-character
+# check's other letters never reached it.)
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+# Request ids: a random per-process prefix (80 bits) and a counter — unique across
+# processes and restarts like a uuid4, without a system call per request.
+_ID_PREFIX = secrets.token_hex(10)
+_ID_SEQUENCE = itertools.count()
+
+
+# -- the wire --------------------------------------------------------------------------
+class Undecodable:
+    """A request body that is not a GenerateRequest: handed to the handler instead of gRPC's
+    own failure (INTERNAL, no trailers, a traceback logged for every such request)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _lenient(parse: Any) -> Any:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception:  # google.protobuf.message.DecodeError, or anything a parser raises
+            return Undecodable(len(data))
+    return deserialize
+
+
+def _refusing(servicer: Any, behaviour: Any, streaming: bool) -> Any:
+    """`behaviour`, but an undecodable body is INVALID_ARGUMENT with the usual trailers."""
+    def refuse(request: Undecodable, context: Any) -> None:
+        md = dict(context.invocation_metadata() or ())
+        request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
+        log.warning("request %s: a %d-byte body that is not a spine.v1.GenerateRequest, refused",
+                    request_id, request.size)
+        context.set_trailing_metadata(((LAYOUT_HEADER, str(getattr(servicer, "layout", "front"))),
+                                       (REQUEST_ID_HEADER, request_id)))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"request body ({request.size} bytes) is not a valid spine.v1.GenerateRequest")
+
+    if streaming:
+        def handle_stream(request: Any, context: Any) -> Any:
+            if isinstance(request, Undecodable):
+                refuse(request, context)
+            yield from behaviour(request, context)
+        return handle_stream
+
+    def handle(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+            refuse(request, context)
+        return behaviour(request, context)
+    return handle
+
+
+def add_gateway_to_server(servicer: Any, server: Any) -> None:
+    """Serve `spine.v1.Gateway` (the gateway's or the front's) so that a body that does not
+    decode is answered like any bad input, not by gRPC's own INTERNAL."""
+    parse = _lenient(generation_pb2.GenerateRequest.FromString)
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            _refusing(servicer, servicer.Generate, streaming=False), request_deserializer=parse,
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            _refusing(servicer, servicer.GenerateStream, streaming=True), request_deserializer=parse,
+            response_serializer=generation_pb2.GenerateChunk.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spine.v1.Gateway", handlers),))

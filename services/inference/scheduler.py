@@ -1,0 +1,362 @@
+"""The inference scheduler: one thread owns the engine; jobs join and leave between decode steps.
+
+Between two steps the scheduler, in this order: stops cancelled jobs, stops streams whose
+reader has stopped reading, stops jobs past their compute budget, and admits waiting jobs
+into free KV slots — highest priority class first, with aging so the lowest class never
+starves (see `services.inference.priority`). Then it runs one batched step, measures it (the
+`StepCost` every default budget and load hint is computed from) and hands each job its
+token.
+
+It never blocks on a consumer. A stream's reader is judged by time and memory, never by a
+count of chunks a normal reader can reach on a busy host: it is stopped when outputs have
+waited unread for `stream_idle_s`, or when what it leaves unread passes `stream_max_bytes`
+— slot and KV cache freed at once — and told why; the other jobs in the batch go on at full
+speed. Every stop frees the slot before the next step, so a cancel, a timeout or a slow
+reader costs the batch at most one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from services.common import Clock
+from services.common.thread_names import name_os_thread
+from services.inference.cost import BudgetRule, StepCost
+from services.inference.cpu_placement import place_process
+from services.inference.model.engine import (
+    GenerationEngine,
+    GenerationRequest,
+    SequenceHandle,
+    SlotsExhausted,
+    StepOutput,
+)
+from services.inference.priority import AgingPriorityQueue
+
+log = logging.getLogger("spine.inference")
+
+WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
+
+# What one unread step output of a stream holds in memory: the StepOutput, its place in
+# the queue and the int it carries (tracemalloc over 10,000 of them: ~145 bytes each),
+# with room for the chunk the servicer makes of it.
+OUTPUT_BYTES = 256
+
+
+class StepObserver(Protocol):
+    """Told about every step (the serving metrics: `services.inference.serving_metrics.ServingStats`)."""
+
+    def step(self, batch: int, ttfts: list[float], itls: list[float]) -> None: ...
+
+
+class JobFailure(Exception):
+    """Why the scheduler stopped a job; `code` is the status its caller gets."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class ComputeTimeout(JobFailure):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ConsumerTooSlow(JobFailure):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class JobCancelled(JobFailure):
+    code = grpc.StatusCode.CANCELLED
+
+
+class ShuttingDown(JobFailure):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class QueueFull(OverflowError):
+    """Every KV slot is busy and `max_queue` requests already wait; `retry_after_s` is when
+    the first place in the queue is expected to free up."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's place in the scheduler; its step outputs arrive on `out`.
+
+    A `stream` job gets each output as it comes; a unary one (the servicer itself is its
+    consumer) gets all of them as one list on `out` when it finishes. `budget_ms` is the
+    compute budget, counted from admission into a slot; with `default_budget` the
+    scheduler sets it (and only ever raises it) from the measured step cost.
+    """
+
+    request: GenerationRequest
+    priority: int = 0
+    budget_ms: float = 0.0
+    default_budget: bool = False
+    stream: bool = False
+    out: queue.Queue[Any] = field(default_factory=queue.Queue)
+    handle: SequenceHandle | None = None
+    cancelled: bool = False
+    failure: BaseException | None = None
+    enqueued_at: float = 0.0
+    started_at: float | None = None
+    admitted_seq: int | None = None
+    tokens: int = 0
+    done: bool = False  # its last output is on `out`
+    held: list[StepOutput] = field(default_factory=list)  # a unary job's outputs until it finishes
+    last_read: float = 0.0  # when the consumer last took an output (scheduler clock)
+    unread_since: float = 0.0  # when an output last went into an empty `out`
+    submitted_pc: float = 0.0  # perf_counter at submit and at its last token: TTFT and ITL
+    last_token_pc: float = 0.0
+
+
+class Scheduler:
+    """Owns the engine; admits waiting jobs by priority between steps; delivers tokens per job."""
+
+    def __init__(self, engine: GenerationEngine, max_queue: int, *, cost: StepCost, budget: BudgetRule,
+                 aging_ms: float = 500.0, stream_idle_s: float = 10.0, stream_max_bytes: int = 1 << 20,
+                 clock: Clock = time.monotonic, streams: Callable[[int], Any] | None = None,
+                 observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        # On CUDA a step runs on the stream of the highest class in the batch (the device
+        # context hands out a high-priority stream for the latency class); None on the CPU.
+        self._streams = streams
+        self.max_queue = max_queue
+        self.cost = cost
+        self.budget = budget
+        self.stream_idle_s = stream_idle_s
+        self.stream_max_bytes = stream_max_bytes
+        self.clock = clock
+        self._waiting: AgingPriorityQueue[Job] = AgingPriorityQueue(aging_ms)
+        self._running: dict[int, Job] = {}  # by handle id
+        self._cancels: list[Job] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self._admissions = 0
+        self.recent_admissions: deque[Job] = deque(maxlen=64)  # admission order, for tests and the bench
+        self._thread = threading.Thread(target=self._loop, name="inference-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- callers' side -------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            if self._closed:
+                raise ShuttingDown("inference is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                retry = self.retry_after_s()
+                raise QueueFull(
+                    f"inference is at capacity: all {self.engine.max_slots} KV cache slots are busy and "
+                    f"{len(self._waiting)} requests already wait (inference.max_queue = {self.max_queue}); "
+                    f"retry after {retry:.3f}s", retry)
+            job.enqueued_at = self.clock()
+            job.submitted_pc = time.perf_counter()
+            self._waiting.push(job, job.priority, job.enqueued_at)
+            self._wake.notify()
+
+    def next_output(self, job: Job, timeout: float) -> Any:
+        """The job's next item (a StepOutput, a unary job's list, or WAKE), or None after
+        `timeout` seconds; taking one counts as reading (see the slow-reader rule)."""
+        try:
+            item = job.out.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        job.last_read = self.clock()
+        return item
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job`: a waiting one leaves the queue now, a running one before the next step."""
+        with self._wake:
+            if job.cancelled or job.done or job.failure is not None:
+                return
+            job.cancelled = True
+            if job.handle is None and self._waiting.remove_if(lambda waiting: waiting is job):
+                _fail(job, JobCancelled("generation cancelled"))
+                return
+            self._cancels.append(job)
+            self._wake.notify()
+
+    def retry_after_s(self) -> float:
+        """When a queue place should free up: the first running sequence to finish, at the
+        measured cost per token; one step when nothing runs yet."""
+        running = tuple(self._running.values())  # a C-level copy: safe beside the loop thread
+        ms = self.cost.ms_per_token(max(1, len(running)))
+        left = min((job.request.max_tokens - job.tokens for job in running), default=1)
+        return max(0.001, left * ms / 1000.0)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def queue_by_class(self) -> dict[int, int]:
+        """Waiting requests per priority class (for /metrics)."""
+        with self._wake:
+            return self._waiting.depth_by_class()
+
+    @property
+    def running_count(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            for job in self._waiting.remove_if(lambda _: True):
+                _fail(job, ShuttingDown("inference is shutting down"))
+            self._wake.notify()
+        self._thread.join(timeout=5.0)
+
+    # -- the loop ------------------------------------------------------------------
+    def _loop(self) -> None:
+        name_os_thread()  # `top -H` and the bench tell the decode loop from the handlers
+        place_process()  # the whole process on a CPU of its own, when it asked (services.inference.cpu_placement)
+        while True:
+            started = time.perf_counter()
+            with self._wake:
+                while not self._closed and not self._waiting and not self._running and not self._cancels:
+                    self._wake.wait()
+                    started = time.perf_counter()  # time spent idle is no step's cost
+                if self._closed and not self._running and not self._waiting:
+                    return
+                cancels, self._cancels = self._cancels, []
+            for job in cancels:
+                self._stop(job, JobCancelled("generation cancelled"))
+            self._check_readers()
+            self._expire()
+            self._admit()
+            if not self._running:
+                continue
+            try:
+                with self._stream_for_batch():
+                    outputs = self.engine.step()
+            except Exception as error:  # the model failed: fail the running jobs, keep serving
+                log.exception("decode step failed")
+                for job in list(self._running.values()):
+                    self._stop(job, error)
+                continue
+            now, produced = self.clock(), time.perf_counter()
+            ttfts: list[float] = []
+            itls: list[float] = []
+            for output in outputs:
+                owner = self._running.get(output.handle.id)
+                if owner is not None:
+                    if owner.tokens == 0:
+                        ttfts.append(produced - owner.submitted_pc)
+                    else:
+                        itls.append(produced - owner.last_token_pc)
+                    owner.last_token_pc = produced
+                    self._deliver(owner, output, now)
+            self.cost.observe(len(outputs), time.perf_counter() - started)
+            if self.observer is not None:
+                self.observer.step(len(outputs), ttfts, itls)
+
+    def _deliver(self, job: Job, output: StepOutput, now: float) -> None:
+        """Hand `output` to its job without ever waiting for the consumer.
+
+        A unary job gets its outputs in one hand-off when it finishes: waking its
+        consumer's thread for every token cost more CPU than the token itself on a busy
+        host, and a unary caller cannot use a token before the last one anyway.
+        """
+        job.tokens += 1
+        item: StepOutput | list[StepOutput] = output
+        if not job.stream:
+            job.held.append(output)
+            if not output.finished:
+                return
+            item, job.held = job.held, []
+        elif job.out.empty():
+            job.unread_since = now
+        job.out.put_nowait(item)
+        if output.finished:
+            job.done = True
+            del self._running[output.handle.id]
+        elif job.stream and (job.out.qsize() + 1) * OUTPUT_BYTES > self.stream_max_bytes:
+            self._stop(job, self._too_slow(job, f"more than {self.stream_max_bytes} bytes of output were "
+                                                f"waiting unread (inference.stream_buffer_max_bytes)"))
+
+    def _check_readers(self) -> None:
+        """Stop every stream whose outputs have waited unread for `stream_idle_s`."""
+        now = self.clock()
+        for job in list(self._running.values()):
+            if job.stream and not job.out.empty():
+                idle = now - max(job.last_read, job.unread_since)
+                if idle >= self.stream_idle_s:
+                    self._stop(job, self._too_slow(
+                        job, f"nothing was read for {idle:.1f} s while output waited "
+                             f"(inference.stream_idle_timeout_s = {self.stream_idle_s:g})"))
+
+    def _too_slow(self, job: Job, why: str) -> ConsumerTooSlow:
+        return ConsumerTooSlow(
+            f"stream consumer too slow: {why}; generation stopped after {job.tokens} tokens to free "
+            f"its slot ({job.out.qsize()} unread); read faster or use the unary call")
+
+    def _expire(self) -> None:
+        if not self._running:
+            return
+        now = self.clock()
+        # A default budget follows the measured cost up (a busier host, a bigger batch) and
+        # never down, so a job admitted on a quiet host is not cut short when load arrives.
+        default_ms = self.budget.for_cost(self.cost.ms_per_token(len(self._running)))
+        for job in list(self._running.values()):
+            if job.default_budget:
+                job.budget_ms = max(job.budget_ms, default_ms(job.request.max_tokens))
+            if job.budget_ms and job.started_at is not None and (now - job.started_at) * 1000.0 >= job.budget_ms:
+                kind = "the default, from the measured cost per token" if job.default_budget else \
+                    "inference_timeout_ms"
+                self._stop(job, ComputeTimeout(
+                    f"compute budget of {job.budget_ms:.0f} ms ({kind}) exceeded after "
+                    f"{job.tokens} of {job.request.max_tokens} tokens; raise inference_timeout_ms "
+                    "or lower max_tokens"))
+
+    def _stream_for_batch(self) -> Any:
+        """`torch.cuda.stream(...)` for the batch's highest class, or a no-op off CUDA."""
+        stream = self._streams(max(job.priority for job in self._running.values())) if self._streams else None
+        if stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(stream)
+
+    def _admit(self) -> None:
+        with self._wake:
+            while self.engine.free_slots > 0:
+                job = self._waiting.pop(self.clock())
+                if job is None:
+                    return
+                if job.cancelled:
+                    _fail(job, JobCancelled("generation cancelled"))
+                    continue
+                try:
+                    job.handle = self.engine.submit(job.request)
+                except SlotsExhausted:  # not expected: only this thread submits
+                    self._waiting.push(job, job.priority, job.enqueued_at)
+                    return
+                except ValueError as error:
+                    _fail(job, error)
+                    continue
+                job.started_at = job.last_read = self.clock()
+                job.admitted_seq = self._admissions
+                self._admissions += 1
+                self.recent_admissions.append(job)
+                self._running[job.handle.id] = job
+
+    def _stop(self, job: Job, error: BaseException) -> None:
+        """Free the job's slot now (if it has one) and tell its consumer why it ended."""
+        if job.handle is not None and self._running.pop(job.handle.id, None) is not None:
+            self.engine.cancel(job.handle)
+        if job.failure is None and not job.done:
+            _fail(job, error)
+
+
+def _fail(job: Job, error: BaseException) -> None:
+    job.failure = error
+    job.out.put_nowait(WAKE)  # after what was delivered: the consumer reads that first

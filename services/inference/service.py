@@ -1,0 +1,361 @@
+"""The Inference service: the model behind a servicer, decoding with continuous batching.
+
+One scheduler thread owns the generation engine (`inference_scheduler`). Requests from
+any number of gRPC threads (or in-process callers) join the running batch between decode
+steps and leave it when they finish, are cancelled, pass their compute budget or read
+their stream too slowly — so concurrent requests share each forward pass, in the layered
+inference process and in the spine alike.
+
+The serving controls live here, once, for both layouts: priority classes, a compute
+budget per request (default: max_tokens × the ms/token measured on the engine's real
+steps × a slowdown factor + a margin, capped; see `inference_cost`), a KV pool sized from
+free memory, a bounded queue that refuses with `retry-after`, load hints on every answer
+(`x-spine-load`), a health probe (one tiny forward) and a deterministic mode. Its serving
+metrics (`inference_metrics`) are on `metrics_registry`.
+
+A request's `system` prompt is read before its prompt: through the chat template where
+the backend has one (the rendered tokens it alone decides being the shared prefix), else
+as the system prompt and a blank line (`services.pipeline.system_prompt`); the engine keeps that
+prefix's KV once for every request that shares it (`inference.prefix_cache`): as blocks
+of a paged pool, or as a copy stored beside a slot pool within what the KV budget leaves
+after the pool (`services.inference.model.kv_prefix`).
+
+A caller that goes away stops its generation wherever it waits: a context callback
+cancels the job (the gRPC server fires it on cancel and deadline, an in-process
+`LocalContext` on cancel, its parent's cancel included), and a stream that is closed
+early cancels it in its `finally`; the slot is free before the next decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Collection, Iterator, Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+import torch
+from prometheus_client.registry import CollectorRegistry
+
+from services.common import ConfigError, DeviceState, section
+from services.inference.config import InferenceConfig
+from services.inference.cost import BudgetRule, StepCost
+from services.inference.gpu_metrics import GpuGoldenMetrics
+from services.inference.load_hints import LOAD_HEADER, DeviceGauge, LoadReport
+from services.inference.model.backend import ModelBackend, load_backend, make_engine
+from services.inference.model.chat import encode_messages
+from services.inference.model.engine import GenerationRequest, StepOutput
+from services.inference.model.interface import Segment, torch_device
+from services.inference.model.kv_budget import (
+    KVPlan,
+    free_device_bytes,
+    kv_bytes_per_slot,
+    kv_slot_limit,
+    plan_kv_slots,
+    weight_bytes,
+)
+from services.inference.priority import priority_error
+from services.inference.scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
+from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
+from services.pipeline.system_prompt import SEPARATOR, system_digest
+from services.pipeline.verdicts import inference_timeout_error
+from wire.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
+
+__all__ = ["InferenceConfig", "InferenceService"]
+
+log = logging.getLogger("spine.inference")
+
+# How long a waiting consumer sleeps between checks of its context when no callback wakes
+# it (an in-process deadline): cancels and ends wake it at once through the job's queue.
+POLL_S = 1.0
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    """Serves `spine.v1.Inference` from the configured backend (the tiny LM by default).
+
+    `backend` replaces the configured one (tests wrap the model to gate or break its steps);
+    `clock` drives compute budgets and aging.
+    """
+
+    def __init__(self, config: InferenceConfig, device: DeviceState, *,
+                 backend: ModelBackend | None = None, clock: Any = time.monotonic) -> None:
+        self.config = config
+        self.device = device
+        self._deterministic_before: bool | None = None
+        if config.deterministic:
+            self._enter_deterministic()
+        spec = {"model_id": config.model_id, "seed": config.seed, **config.backend.spec()}
+        self.backend = backend if backend is not None else load_backend(spec, device=device)
+        self.kv_plan = self._plan_kv()
+        self.engine = make_engine(self.backend, device, self.kv_plan.slots, prefix_caching=config.prefix_cache,
+                                  prefix_budget_bytes=self.kv_plan.spare_bytes)
+        self.stats = ServingStats()
+        self.cost = StepCost(self.engine.max_slots, self._warm_up_ms_per_token())
+        self.budget = BudgetRule(config.timeout_slowdown, config.timeout_margin_ms, config.max_timeout_ms)
+        self.scheduler = Scheduler(self.engine, config.max_queue, cost=self.cost, budget=self.budget,
+                                   aging_ms=config.aging_ms, stream_idle_s=config.stream_idle_timeout_s,
+                                   stream_max_bytes=config.stream_buffer_max_bytes, clock=clock,
+                                   streams=getattr(device, "stream", None), observer=self.stats)
+        self.serving_collector = ServingCollector(self.serving_state, device, GpuGoldenMetrics(device))
+        self.metrics_registry = CollectorRegistry()
+        self.metrics_registry.register(self.serving_collector)
+        self._gauge = DeviceGauge(device)
+        log.info("%s", self.kv_plan.describe())
+        if self.engine.prefixes is not None:
+            log.info("shared prefixes: stored once and copied into each slot, at most %.1f MiB (what the KV "
+                     "budget leaves after the pool)", self.engine.prefixes.budget_bytes / (1 << 20))
+        log.info("inference %s on %s: %.3f ms per token at the warm-up, then measured on every step; "
+                 "default compute budget = max_tokens × measured ms/token × %.1f + %.0f ms, at most %d ms",
+                 config.model_id, torch_device(device), self.ms_per_token, config.timeout_slowdown,
+                 config.timeout_margin_ms, config.max_timeout_ms)
+
+    # -- gRPC --------------------------------------------------------------------
+    def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
+        job, prompt_tokens = self._start(request, context, stream=False)
+        tokens: list[int] = []
+        finish = ""
+        for output in self._outputs(job, context):
+            if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
+                tokens.append(output.token_id)
+            finish = output.finish_reason or finish
+        context.set_trailing_metadata(self._load_metadata())
+        return generation_pb2.GenerateResponse(
+            text=self.backend.decode(tokens), token_ids=tokens, model=request.model, finish_reason=finish,
+            prompt_tokens=prompt_tokens, completion_tokens=len(tokens), system_digest=system_digest(request.system))
+
+    def GenerateStream(self, request: generation_pb2.GenerateRequest,
+                       context: Any) -> Iterator[generation_pb2.GenerateChunk]:
+        job, _ = self._start(request, context, stream=True)
+        tokens: list[int] = []
+        sent = ""
+        digest = system_digest(request.system)
+        try:
+            for index, output in enumerate(self._outputs(job, context)):
+                new = [] if output.finish_reason == "stop" else [output.token_id]
+                tokens.extend(new)
+                text = self.backend.decode(tokens)
+                piece, sent = text[len(sent):], text
+                if output.finished:
+                    context.set_trailing_metadata(self._load_metadata())
+                yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
+                                                   finish_reason=output.finish_reason or "", model=request.model,
+                                                   system_digest=digest)
+        finally:  # closed early (the reader went away) or failed: the slot is freed before the next step
+            self.scheduler.cancel(job)
+
+    def Models(self, request: inference_pb2.ModelInfoRequest, context: Any) -> inference_pb2.ModelInfoResponse:
+        context.set_trailing_metadata(self._load_metadata())
+        return inference_pb2.ModelInfoResponse(models=[inference_pb2.ModelInfo(
+            id=self.config.model_id, max_context=self.backend.max_context, device=str(torch_device(self.device)))])
+
+    # -- serving controls ------------------------------------------------------------
+    @property
+    def ms_per_token(self) -> float:
+        """What a token costs now, at the running batch's size (measured, see `inference_cost`)."""
+        return self.cost.ms_per_token(max(1, self.engine.active_count))
+
+    def default_timeout_ms(self, max_tokens: int, batch: int | None = None) -> int:
+        """max_tokens × measured ms/token (at `batch`, default the running batch) × slowdown
+        + margin, at most `max_timeout_ms`. A running job's default budget is re-derived
+        from the cost on every step and only ever grows (`Scheduler._expire`)."""
+        ms = self.ms_per_token if batch is None else self.cost.ms_per_token(batch)
+        return self.budget.default_ms(max_tokens, ms)
+
+    def load_report(self) -> LoadReport:
+        mem_free_mb, util = self._gauge.read()
+        free = self.engine.free_slots
+        return LoadReport(queue=self.scheduler.queue_depth, running=self.engine.active_count,
+                          slots=self.engine.max_slots, kv_free=free, mem_free_mb=mem_free_mb,
+                          ms_per_token=self.ms_per_token, util=util, busy=self.cost.busy.fraction())
+
+    def backlogged(self, models: Collection[str]) -> bool:
+        """Whether every one of `models` is served here with a full batch of requests already
+        waiting for its KV slots: work admitted a few ms later still finds it busy, so the
+        spine's admission may wait to decide more requests at once (`monolith.batcher`)."""
+        return (all(model == self.config.model_id for model in models)
+                and self.scheduler.queue_depth >= self.engine.max_slots)
+
+    def serving_state(self) -> list[tuple[ModelGauges, ServingStats]]:
+        """What /metrics reads of this model at a scrape (`inference_metrics`)."""
+        engine, kv, stored = self.engine, self.engine.kv, self.engine.prefixes
+        lookups = kv.prefixes if kv is not None else stored
+        gauges = ModelGauges(
+            model=self.config.model_id, slots_used=engine.active_count, slots_free=engine.free_slots,
+            queue=self.scheduler.queue_by_class(), blocks=kv.usage() if kv is not None else None,
+            prefix_hits=lookups.hits if lookups is not None else 0,
+            prefix_misses=lookups.misses if lookups is not None else 0,
+            prefix_bytes=stored.bytes if stored is not None else None)
+        return [(gauges, self.stats)]
+
+    def health_probe(self) -> None:
+        """One tiny forward (BOS alone) on the model's device; raises when the model cannot run.
+
+        It uses a one-slot cache of its own, so it never touches a running sequence's slot
+        and needs no engine lock; the `.to("cpu")` waits for the device to finish.
+        """
+        model = self.backend.model
+        device = torch_device(self.device)
+        cache = model.new_cache(1, 2, device)
+        try:
+            logits = model.step([Segment(0, 0, (self.backend.tokenizer.bos_id,))], cache).to("cpu")
+        finally:
+            model.release_cache(cache, device)
+        if logits.shape[0] != 1 or not bool(torch.isfinite(logits).any()):
+            raise RuntimeError(f"health forward gave unusable logits (shape {tuple(logits.shape)})")
+
+    # -- plumbing ------------------------------------------------------------------
+    def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, stream: bool) -> tuple[Job, int]:
+        # No load hint set here: every refusal goes through `_abort`, which sets it, and an
+        # answer sets it at its end (one load report per request, not two).
+        if request.model != self.config.model_id:
+            self._abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+        if request.max_tokens <= 0:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: must be > 0, got {request.max_tokens}")
+        if not request.prompt:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+        problem = priority_error(request.priority)
+        if problem is not None:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        problem = inference_timeout_error(request.inference_timeout_ms, self.config.max_timeout_ms)
+        if problem is not None:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            prefix_ids, prompt_ids = self._encode(request)
+        except ValueError as error:  # messages a chat template cannot render
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        total = len(prefix_ids) + len(prompt_ids) + 1 + request.max_tokens  # + BOS
+        if total > self.engine.max_context:
+            system = f"system ({len(prefix_ids)} tokens) + " if prefix_ids else ""
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{system}prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = "
+                        f"{total} exceeds the model's context of {self.engine.max_context}")
+        seed = request.seed if request.HasField("seed") else None
+        if seed is None and self.config.deterministic and request.temperature > 0:
+            seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too
+        job = Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
+                                    temperature=float(request.temperature), seed=seed, prefix_ids=prefix_ids),
+                  priority=request.priority, budget_ms=float(request.inference_timeout_ms),
+                  default_budget=request.inference_timeout_ms == 0, stream=stream)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as error:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
+                        (("retry-after", f"{error.retry_after_s:.3f}"),))
+        except ShuttingDown as error:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, str(error))
+        if not context.add_callback(lambda: self.scheduler.cancel(job)):
+            self.scheduler.cancel(job)  # the call had already ended
+        return job, len(prefix_ids) + len(prompt_ids)
+
+    def _encode(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], list[int]]:
+        """(shared prefix, prompt) ids: with a system prompt, the chat template's where the
+        backend has one (its tokens that depend on the system prompt alone are the prefix:
+        `HFTokenizer.chat_parts`), else the system prompt and a blank line as the prefix the
+        engine may share (`services.pipeline.system_prompt`). A chat's messages, where the backend has
+        a chat template, go through it whole (`services.inference.model.chat`)."""
+        if request.messages and getattr(self.backend, "has_chat_template", False):
+            return encode_messages(self.backend, [{"role": m.role, "content": m.content} for m in request.messages])
+        if not request.system:
+            return [], self.backend.encode(request.prompt)
+        chat_parts = getattr(self.backend, "encode_chat_parts", None)
+        if callable(chat_parts):
+            prefix, prompt = chat_parts(request.prompt, request.system)
+            return list(prefix), list(prompt)
+        encode_chat = getattr(self.backend, "encode_chat", None)
+        if callable(encode_chat):
+            return [], list(encode_chat(request.prompt, request.system))
+        return self.backend.encode(request.system + SEPARATOR), self.backend.encode(request.prompt)
+
+    def _outputs(self, job: Job, context: Any) -> Iterator[StepOutput]:
+        """Yield the job's step outputs until it finishes; stop it when the caller goes away.
+
+        The wait is woken by the job's queue — a token, the end, or the failure a cancel
+        callback causes — so a consumer costs nothing while it waits, however many wait."""
+        while True:
+            if not context.is_active():
+                self.scheduler.cancel(job)  # frees the batch slot and KV cache before the next step
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+                self._abort(context, grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
+            remaining = context.time_remaining()
+            wait = POLL_S if remaining is None else min(POLL_S, max(0.001, remaining))
+            item = self.scheduler.next_output(job, wait)
+            if item is None or item is WAKE:
+                if job.failure is not None and job.out.empty():  # what came before it was delivered
+                    self._abort_for(job.failure, context)
+                continue
+            if isinstance(item, list):  # a unary job's whole answer, handed over once
+                yield from item
+                return
+            yield item
+            if item.finished:
+                return
+
+    def _abort_for(self, failure: BaseException, context: Any) -> NoReturn:
+        if isinstance(failure, JobFailure):
+            self._abort(context, failure.code, str(failure))
+        if isinstance(failure, ValueError):
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(failure))
+        self._abort(context, grpc.StatusCode.INTERNAL, f"model failed: {failure}")
+
+    def _abort(self, context: Any, code: grpc.StatusCode, details: str,
+               trailing: tuple[tuple[str, str], ...] = ()) -> NoReturn:
+        context.set_trailing_metadata(self._load_metadata() + trailing)
+        context.abort(code, details)
+        raise AssertionError("context.abort returned")  # abort always raises
+
+    def _load_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((LOAD_HEADER, self.load_report().header()),)
+
+    def _plan_kv(self) -> KVPlan:
+        cfg = self.config
+        model = self.backend.model
+        limit = kv_slot_limit(model, self.backend.max_context)
+        try:
+            return plan_kv_slots(
+                per_slot_bytes=kv_bytes_per_slot(model, self.backend.max_context),
+                weight_bytes=weight_bytes(model),
+                free_bytes=free_device_bytes(self.device, int(cfg.kv_cpu_memory_cap_mb * (1 << 20))),
+                memory_fraction=cfg.kv_memory_fraction,
+                max_batch=cfg.max_batch if limit is None else min(cfg.max_batch, limit),
+                requested=cfg.kv_slots)
+        except ValueError as error:
+            raise ConfigError(f"inference.kv_cache_max_entries: {error}") from error
+
+    def _warm_up_ms_per_token(self) -> float:
+        """Decode cost from a tiny warm-up (one run to warm the kernels, one measured): the
+        seed of the measured cost, for the first requests."""
+        prompt = self.backend.encode("warm up")[: max(1, self.engine.max_context // 4)]
+        tokens = max(1, min(self.config.warmup_tokens, self.engine.max_context - len(prompt) - 1))
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=tokens)
+        self.engine.generate([request])
+        started = time.perf_counter()
+        result = self.engine.generate([request])[0]
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        steps = len(result.token_ids) + (1 if result.finish_reason == "stop" else 0)
+        return elapsed_ms / max(1, steps)
+
+    def _enter_deterministic(self) -> None:
+        """Deterministic kernels and fixed seeds for this process (undone by `close`)."""
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+        self._deterministic_before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+        torch.manual_seed(self.config.seed)
+        random.seed(self.config.seed)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        if self._deterministic_before is not None:
+            torch.use_deterministic_algorithms(self._deterministic_before)
+            self._deterministic_before = None
+
+
+def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
+    """The servicer from its section of a whole config (the component table's factory)."""
+    return InferenceService(InferenceConfig.from_dict(section(config, "inference")), device)

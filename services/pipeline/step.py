@@ -1,0 +1,155 @@
+"""A stage: one step of the request path, run over a batch of requests.
+
+The request path is an ordered list of stages (see `services/registry.py`), the same list
+in every layout. A stage knows its component, the rpc it stands for (which names its span),
+its phase (admission before the model, completion after the answer), whether it fails
+closed or open, and its call budget. It decides a batch of requests with one call of its
+component's batch rpc; the per-request path is the same stage with a batch of one.
+
+A stage only says what its component answered; the `Pipeline` (`runner.py`) times it,
+runs the hooks (spans, injected faults) around each request's part, enforces the budget
+and turns a failed call into each request's verdict, by the stage's fail mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol
+
+import grpc
+
+from services.common import status_code
+from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.pipeline.limits import RequestLimits
+from services.pipeline.state import RequestState
+from services.pipeline.verdicts import Stop
+
+
+class FailMode(StrEnum):
+    CLOSED = "closed"  # without it a request must not be served: UNAVAILABLE
+    OPEN = "open"  # the request goes on without it; the failure is counted
+
+
+class Phase(StrEnum):
+    ADMIT = "admit"  # before the model; may stop the request
+    MODEL = "model"  # the model itself (batched by the engine, not by the pipeline)
+    COMPLETE = "complete"  # after the answer; never changes it
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """What the component table says about the component a stage calls."""
+
+    component: str  # "" for the gateway's own checks, which call nothing
+    fail_mode: FailMode = FailMode.CLOSED
+    budget_s: float = 0.25
+    # The component's own verdicts, which reach the client as they are (auth's
+    # UNAUTHENTICATED, the router's NOT_FOUND); any other failure is UNAVAILABLE.
+    passes: frozenset[grpc.StatusCode] = frozenset()
+
+
+class StepCall(Protocol):
+    """What a stage's `decide` uses: its component's rpc, and a per-request failure.
+
+    `client` is the binding the call goes to now; `via` sends one call to another (the
+    binding a request's earlier stage used, when the component has moved since)."""
+
+    @property
+    def client(self) -> Any: ...
+
+    def __call__(self, method: str, request: Any, *, via: Any = None) -> Any: ...
+
+    def batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, via: Any = None) -> list[Any]:
+        """The component's batch rpc on plain items: one result (or `ItemError`) per item."""
+        ...
+
+    def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
+             trailing: Sequence[tuple[str, str]] = ()) -> None: ...
+
+
+class ResultCountError(RuntimeError):
+    """A component answered a batch with the wrong number of results (a broken peer)."""
+
+
+# How each type of result carries its status, learnt once per type: 1 has a `status`
+# with a `code` (a wire answer's item), 2 is a status itself (has a `code`), 0 carries none (a
+# plain result from `call.batch`). Why not `getattr(result, "status", None)` per result:
+# on a protobuf message without the field, each miss raises and swallows an
+# AttributeError (~1.6 µs warm, two per request per stage: ~8 µs of a lone request's
+# admission warm, more on a cold core).
+_STATUS_KIND: dict[type, int] = {}
+
+
+def _status_of(result: Any) -> Any:
+    """The status a result carries (None for a plain result)."""
+    kind = _STATUS_KIND.get(type(result))
+    if kind is None:
+        kind = 1 if hasattr(getattr(result, "status", None), "code") else 2 if hasattr(result, "code") else 0
+        _STATUS_KIND[type(result)] = kind
+    return result.status if kind == 1 else result if kind == 2 else None
+
+
+class Step:
+    """Base of every stage. Subclasses set `method`, `phase`, `order` and `decide`."""
+
+    method: ClassVar[str] = ""  # the per-request rpc, as hooks and spans name the call
+    phase: ClassVar[Phase] = Phase.ADMIT
+    order: ClassVar[int] = 0  # position in the path; the table sorts stages by it
+    # A completion stage the spine may write a window later, off the request path
+    # (`monolith.batched.DeferredCompletions`); False: always at the request's last byte.
+    deferrable: ClassVar[bool] = True
+    # False: `screen` decides every request and `decide` has nothing to do (the gateway's own
+    # checks); the runner then skips the call's bookkeeping (its object, two clock reads,
+    # a no-op call: ~2 µs warm for a batch of one, several times that on a cold core).
+    decides: ClassVar[bool] = True
+
+    def __init__(self, policy: StepPolicy, limits: RequestLimits) -> None:
+        self.policy = policy
+        self.limits = limits
+        self.component = policy.component
+        self.fail_open = policy.fail_mode == FailMode.OPEN
+        self.budget_s = policy.budget_s
+        self.name = f"{self.component or 'gateway'}.{self.method.lower()}"  # also the span name
+        # Whether `screen` can say anything (the runner skips the call on the request path when not).
+        self.screens = type(self).screen is not Step.screen
+
+    def wants(self, state: RequestState) -> bool:
+        """Whether this stage acts on `state` (admission stages: while it is still open)."""
+        return state.open
+
+    def screen(self, state: RequestState) -> Stop | None:
+        """A verdict that needs no call (e.g. no credential at all); runs before any hook."""
+        return None
+
+    def decide(self, batch: list[RequestState], call: StepCall) -> None:
+        """Decide each request's part: fill in the state, or `call.fail` it."""
+        raise NotImplementedError
+
+    @staticmethod
+    def each(results: Sequence[Any], batch: Sequence[Any]) -> Any:
+        """Pair results with the requests asked about, refusing a count that does not match."""
+        if len(results) != len(batch):
+            raise ResultCountError(f"{len(results)} results for {len(batch)} items")
+        return zip(batch, results, strict=True)
+
+    @classmethod
+    def answered(cls, call: StepCall, batch: Sequence[RequestState], results: Sequence[Any]) -> list[Any]:
+        """Each request with its result, but those whose item failed: they go to `call.fail`
+        with their item's status (an `ItemError`, a result's `status`, or the result itself
+        when it is a status)."""
+        ok = []
+        for state, result in cls.each(results, batch):
+            if isinstance(result, ItemError):
+                call.fail(state, result.code, result.message)
+                continue
+            status = _status_of(result)
+            if status is not None and status.code:
+                call.fail(state, status_code(status.code), status.message)
+            else:
+                ok.append((state, result))
+        return ok
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.policy.fail_mode} {self.budget_s * 1000:g}ms>"

@@ -1,0 +1,71 @@
+"""The rate limiter's stages: admission before the model, the concurrency slot's release after.
+
+Apart from `services.ratelimit.service` (the servicer and its token-bucket table, which keep tensors):
+a gateway whose rate limiter runs in another process imports these and not torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from services.pipeline.limits import RequestLimits
+from services.pipeline.state import RequestState
+from services.pipeline.step import FailMode, Phase, Step, StepCall, StepPolicy
+from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
+from services.ratelimit.admission import ADMIT_BATCH, AdmitItem
+from wire.v1 import ratelimit_pb2
+
+
+class RateLimitStep(Step):
+    """The pipeline asks RateLimit to admit a request against its tenant's limits (fail closed).
+
+    Shadow copies are decided without consuming budget (dry run). A request of a tenant with
+    a concurrency limit comes back holding a lease, valid until its deadline; the limiter
+    that granted it (the binding of this call: a placement may change before the request
+    ends) is where `ReleaseStep` gives it back."""
+
+    method = "Admit"
+    order = 30
+
+    def decide(self, batch: list[RequestState], call: StepCall) -> None:
+        items: dict[RequestState, AdmitItem] = {}
+        for state in batch:
+            assert state.resolved is not None
+            items[state] = AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved),
+                                     state.shadow, state.remaining(), state.device_busy)
+        verdicts = call.batch(ADMIT_BATCH, list(items.values()))
+        for state, verdict in self.answered(call, batch, verdicts):
+            if verdict.lease_id:
+                state.lease_id, state.lease_holder = verdict.lease_id, call.client
+            state.outcome = rate_limit_stop(verdict, items[state].tokens)
+
+
+class ReleaseStep(Step):
+    """Gives a request's concurrency slot back at its last byte, whatever its outcome.
+
+    Not deferrable: the spine writes other completions a window later, but a slot held that
+    long would refuse the tenant's next request. It fails open: a lease the call could not
+    give back expires at the request's deadline."""
+
+    method = "Release"
+    phase = Phase.COMPLETE
+    order = 55  # before the cache store, logs and metrics
+    deferrable = False
+
+    def __init__(self, policy: StepPolicy, limits: RequestLimits) -> None:
+        super().__init__(replace(policy, fail_mode=FailMode.OPEN), limits)
+
+    def wants(self, state: RequestState) -> bool:
+        return state.lease_id != 0
+
+    def decide(self, batch: list[RequestState], call: StepCall) -> None:
+        holders: dict[int, tuple[Any, list[RequestState]]] = {}
+        for state in batch:
+            holders.setdefault(id(state.lease_holder), (state.lease_holder, []))[1].append(state)
+        for holder, states in holders.values():
+            request = ratelimit_pb2.ReleaseBatchRequest(
+                items=[ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id) for state in states])
+            answer = call("ReleaseBatch", request, via=holder)
+            for state, _ in self.answered(call, states, answer.results):
+                state.lease_id = 0

@@ -1,0 +1,71 @@
+"""The `router:` config section: the served models, their aliases, backends and fallbacks.
+
+A light module (pydantic, no torch): loading or checking a config, or printing its schema,
+imports only this; defaults are documented in `runtime/default_config.yaml`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import (
+    Field,
+    field_validator,
+)
+
+from services.common.config_section import Items, NonEmptyStr, Section, problem
+
+
+class ModelRoute(Section):
+    """A model the router knows: its id, the backend serving it, other names for it, and the
+    smaller model (an id or alias) a client may use while this one is overloaded."""
+
+    id: NonEmptyStr
+    backend: NonEmptyStr
+    aliases: Items[NonEmptyStr] = ()
+    fallback: NonEmptyStr | None = None
+
+
+class RouterConfig(Section):
+    """The `router` section. Every id and alias names exactly one model: a repeat is an error,
+    never a silent "last one wins"."""
+
+    # Not `min_length`: pydantic would also call a list whose only model is wrong "too short".
+    models: Annotated[tuple[ModelRoute, ...], Field(json_schema_extra={"minItems": 1})]
+
+    @field_validator("models")
+    @classmethod
+    def _names_are_unique(cls, models: tuple[ModelRoute, ...]) -> tuple[ModelRoute, ...]:
+        if not models:
+            raise problem("expected a non-empty list of models")
+        owner: dict[str, str] = {}  # name -> the field that first claimed it
+        for i, model in enumerate(models):
+            if model.id in owner:
+                raise problem(f"{model.id!r} is already used by {owner[model.id]}", i, "id")
+            owner[model.id] = f"router.models[{i}].id"
+        for i, model in enumerate(models):
+            for j, alias in enumerate(model.aliases):
+                if alias in owner:
+                    raise problem(f"{alias!r} is already used by {owner[alias]}", i, "aliases", j)
+                owner[alias] = f"router.models[{i}].aliases[{j}]"
+        index = {name: i for i, model in enumerate(models) for name in (model.id, *model.aliases)}
+        for i, model in enumerate(models):
+            if model.fallback is None:
+                continue
+            if model.fallback not in index:
+                raise problem(f"{model.fallback!r} is not a model id or alias; known: {', '.join(owner)}",
+                              i, "fallback")
+            if index[model.fallback] == i:
+                raise problem(f"{model.fallback!r} names this model itself", i, "fallback")
+        return models
+
+    def fallback_ids(self) -> dict[str, str]:
+        """Each model id with a fallback -> the id of that fallback (its alias resolved)."""
+        names = {model.id: model.id for model in self.models}
+        names.update({alias: model.id for model in self.models for alias in model.aliases})
+        return {model.id: names[model.fallback] for model in self.models if model.fallback is not None}
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None) -> RouterConfig:
+        return cls.parse(section, "router")

@@ -63,3 +63,24 @@ def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
 
 def test_the_readme_fits_on_a_few_screens() -> None:
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_the_config_reference_names_every_section() -> None:
+    from runtime.config_model import root_model
+
+    page = (REPO / "docs" / "config.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", page, re.M))
+    assert set(root_model().model_fields) <= documented, "docs/config.md lacks a section of the config"
+
+
+def test_the_cli_reference_names_every_command() -> None:
+    import subprocess
+    import sys
+
+    usage = subprocess.run([sys.executable, "-m", "spine", "--help"], capture_output=True, text=True, check=True,
+                           cwd=REPO).stdout
+    commands = re.search(r"\{([a-z,-]+)\}", usage)
+    assert commands is not None, usage
+    page = (REPO / "docs" / "cli.md").read_text()
+    missing = [name for name in commands.group(1).split(",") if f"`spine {name}" not in page]
+    assert not missing, f"docs/cli.md does not document: {missing}"

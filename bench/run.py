@@ -76,26 +76,26 @@ DEFAULT_OUT = Path(__file__).with_name("results.json")
 REQUESTS_PER_WORKER = 25  # per unary cell, so each of the rounds keeps every worker busy
 # And at least this many in a cell with many clients. At 16 clients 25 a worker made 400
 # requests, rounds of 80: a quarter of a second of load per layout and turn, where a slow
-# spell of the host lasts seconds. One `make bench` read the spine at 0.75 of bare at c=16
-# (its rounds 0.65-0.81), the run before 0.90, focused runs of 3600 requests 0.80-0.93.
+# spell of the host lasts seconds, so a cell's ratio read whichever layout the spell hit;
+# with more requests a round, the rounds' spread narrowed to what focused runs read.
 CONCURRENT_REQUESTS = 1600
 # One client sends one request at a time: its cell gets at least this many requests, cut into
 # rounds of about `SEQUENTIAL_ROUND` (a third of a second per layout). A slow spell of the
 # host lasts seconds; with five long rounds it landed on one layout more than another, and
-# two identical spines in one run differed by 9% (1.26 vs 1.16 ×bare at c=1); in rounds of
-# 40 they agree within 1% (1.09/1.08, 1.09/1.08 in two runs).
+# two identical spines in one run read clearly apart at c=1; in short rounds they agree
+# within the noise.
 SEQUENTIAL_REQUESTS = 1000
 # Streamed requests per layout (one client): time to first token is a few ms with a long tail
-# (p99 three times p50), and its median from 200 moved with the host: one run read the spine's
-# TTFT at 1.28x bare where two focused runs of 1000 in the same hour read 1.127 and 1.122.
+# (p99 several times p50), and its median from a couple of hundred moved with the host, far
+# from what focused runs of a thousand read in the same hour.
 STREAM_REQUESTS = 600
 SEQUENTIAL_ROUND = 40
-SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: the layered layout takes ~20 ms at concurrency 1
+SEQUENTIAL_BUDGET_S = 0.04  # per request of a cell: about twice what the layered layout takes at c=1
 # Unmeasured requests at the start of every turn. Taking turns evens out the host's slow
 # spells but adds a cost no server has in steady state: each turn starts on caches the five
 # other layouts' turns have just used, and the more memory a layout touches per request, the
-# more its first requests pay (with rounds of 40 and six layouts, collapsed/bare at c=1 read
-# 1.12-1.14 where three layouts read 1.08-1.10).
+# more its first requests pay (with more layouts taking turns, collapsed/bare at c=1 read
+# worse than with three).
 TURN_WARMUP = 3
 # The HTTP API (`runtime.http`), measured beside the gRPC path of the same server process:
 # each pseudo-layout calls its layout's HTTP listener (a unix socket, as the gRPC one is) with

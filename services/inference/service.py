@@ -8,7 +8,7 @@ inference process and in the spine alike.
 
 The serving controls live here, once, for both layouts: priority classes, a compute
 budget per request (default: max_tokens × the ms/token measured on the engine's real
-steps × a slowdown factor + a margin, capped; see `inference_cost`), a KV pool sized from
+steps × a slowdown factor + a margin, capped; see `cost.py`), a KV pool sized from
 free memory, a bounded queue that refuses with `retry-after`, load hints on every answer
 (`x-spine-load`), a health probe (one tiny forward) and a deterministic mode. Its serving
 metrics (`inference_metrics`) are on `metrics_registry`.
@@ -154,7 +154,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     # -- serving controls ------------------------------------------------------------
     @property
     def ms_per_token(self) -> float:
-        """What a token costs now, at the running batch's size (measured, see `inference_cost`)."""
+        """What a token costs now, at the running batch's size (measured, see `cost.StepCost`)."""
         return self.cost.ms_per_token(max(1, self.engine.active_count))
 
     def default_timeout_ms(self, max_tokens: int, batch: int | None = None) -> int:

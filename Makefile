@@ -68,4 +68,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json
+	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json

@@ -1,7 +1,7 @@
 """`python -m bench.cold_path`: what a lone request costs the spine in-process, phase by phase.
 
 At concurrency 1 a request arrives on a core whose caches the idle time has emptied: the
-same admission that takes ~110 µs in a warm loop takes ~300–400 µs here, and the cost
+same admission costs several times what it costs in a warm loop, and the cost
 follows the distinct code and data a request touches more than its bytecode count. This
 measures that case without gRPC or a second process, so a change to the request path can
 be judged in a minute, well inside the run-to-run noise of `make bench`'s c=1 cell:

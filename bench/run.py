@@ -3,6 +3,7 @@
     python -m bench.run [--quick] [--concurrency 1,16,64] [--requests N] [--out bench/results.json]
                         [--regimes cpu,device] [--no-capacity]
                         [--model DIR [--model-id ID]]      (or SPINE_BENCH_MODEL=DIR make bench)
+    python -m bench.run --only system_prompt,system_prompt_hf   (those rows alone, into --out)
 
 Two regimes (`bench.device_regime`): `cpu`, the built-in model on this machine's CPU, on the
 core the middleware runs on (every µs of middleware is one the model loses), and `device`,
@@ -21,7 +22,10 @@ every layout instead of the embedded tiny LM, as `spine up --model DIR` does.
 
 Without --quick or --model, `real_model` is a real model's row (`bench.real_model`), and with the
 embedded model `system_prompt` reports 100 requests sharing one system prompt,
-with and without the prefix cache (`bench.serving.measure_system_prompt`).
+with and without the prefix cache (`bench.serving.measure_system_prompt`); `system_prompt_hf`
+the same on a tiny llama served by the transformers backend
+(`bench.serving.measure_system_prompt_hf`). `--only` runs the named serving rows alone (a
+few seconds each) and writes them into --out, keeping what else the file holds.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -47,9 +53,54 @@ from bench.targets import (
 from services.common import ConfigError
 
 
+def measure_part(part: str) -> dict[str, Any] | None:
+    """One serving row of ONLY_PARTS (None: `system_prompt_hf` without transformers installed)."""
+    if part == "serving":
+        from bench.serving import measure_serving
+
+        return measure_serving()
+    if part == "system_prompt":
+        from bench.serving import measure_system_prompt
+
+        return measure_system_prompt()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    from bench.serving import measure_system_prompt_hf
+
+    return measure_system_prompt_hf()
+
+
+def describe_system_prompt(name: str, sp: Mapping[str, Any]) -> str:
+    line = (f"{name}: shared system prompt ({sp['requests']} requests, {sp['system_prompt_tokens']} tokens): KV "
+            f"bytes {sp['kv_bytes_with_reuse']} with reuse vs {sp['kv_bytes_without_reuse']} without (ratio "
+            f"{sp['kv_ratio']}); TTFT p50 {sp['ttft_p50_ms_with_reuse']} ms vs {sp['ttft_p50_ms_without_reuse']} ms")
+    if "forwarded_tokens_with_reuse" in sp:
+        line += (f"; positions forwarded {sp['forwarded_tokens_with_reuse']} vs "
+                 f"{sp['forwarded_tokens_without_reuse']}")
+    return line
+
+
+def run_only(parts: tuple[str, ...], out: Path, console: Console) -> int:
+    """`--only`: the named serving rows, written into `out` (its other keys kept)."""
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    for part in parts:
+        with console.status(f"{part} alone"):
+            results[part] = measure_part(part)
+        if part.startswith("system_prompt") and results[part] is not None:
+            console.print(describe_system_prompt(part, results[part]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    console.print(f"wrote {', '.join(parts)} into {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     settings, out, keep = parse_args(argv, __doc__)
     console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and pipes get the whole table
+    if settings.only:
+        return run_only(settings.only, out, console)
     # SIGTERM (e.g. from a test timeout) unwinds through the finally below, which stops the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -76,15 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         with console.status("priority classes and the KV pool"):
             serving = measure_serving()
     system_prompt: dict[str, Any] | None = None
-    if not settings.quick and not settings.model and "cpu" in settings.regimes:  # the embedded model's prefix cache
-        from bench.serving import measure_system_prompt
-
+    system_prompt_hf: dict[str, Any] | None = None
+    if not settings.quick and not settings.model and "cpu" in settings.regimes:  # prefix reuse, both backends
         with console.status("100 requests sharing one system prompt, with and without reuse"):
-            system_prompt = measure_system_prompt()
+            system_prompt = measure_part("system_prompt")
+        with console.status("the same on a tiny llama (transformers backend)"):
+            system_prompt_hf = measure_part("system_prompt_hf")
     # SmolLM2-135M-Instruct, bare vs collapsed vs layered: the middleware next to a real model's cost
     real_model = None if settings.quick or settings.model else measure_real_model(say=console.print)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt, "real_model": real_model,
+    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt,
+               "system_prompt_hf": system_prompt_hf, "real_model": real_model,
                "layered_vs_collapsed": comparisons, "http_vs_grpc": http_vs_grpc(runs, HTTP_LAYOUTS),
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
@@ -107,13 +160,9 @@ def main(argv: list[str] | None = None) -> int:
             f"p50 latency class {serving['latency_class_p50_ms']} ms vs throughput class "
             f"{serving['throughput_class_p50_ms']} ms (single class {serving['single_class_p50_ms']} ms); "
             f"throughput {serving['throughput_change_pct']:+.1f}% vs single class; KV: {serving['kv']['formula']}")
-    if system_prompt is not None:
-        sp = system_prompt
-        console.print(
-            f"shared system prompt ({sp['requests']} requests, {sp['system_prompt_tokens']} tokens): KV bytes "
-            f"{sp['kv_bytes_with_reuse']} with reuse vs {sp['kv_bytes_without_reuse']} without "
-            f"(ratio {sp['kv_ratio']}); TTFT p50 {sp['ttft_p50_ms_with_reuse']} ms vs "
-            f"{sp['ttft_p50_ms_without_reuse']} ms")
+    for name, row in (("system_prompt", system_prompt), ("system_prompt_hf", system_prompt_hf)):
+        if row is not None:
+            console.print(describe_system_prompt(name, row))
     if real_model is not None:
         console.print(describe_real_model(real_model))
     console.print(f"wrote {out}{f' and {plot}' if plot else ''} in {results['duration_s']} s")

@@ -59,6 +59,10 @@ RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
     "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
 
 
+# The serving rows `--only` may run alone (`bench.serving`).
+ONLY_PARTS = ("serving", "system_prompt", "system_prompt_hf")
+
+
 @dataclass(frozen=True)
 class Settings:
     concurrency: tuple[int, ...]
@@ -80,6 +84,7 @@ class Settings:
     capacity: bool = False  # the device regime's open-loop capacity curve
     capacity_step_s: float = 2.5  # seconds of arrivals per rate and layout
     device_model: str | None = None  # the device regime serves this model directory instead of sim (a GPU)
+    only: tuple[str, ...] = ()  # --only: these serving rows alone (ONLY_PARTS), merged into --out
 
     def cell_requests(self, concurrency: int) -> int:
         """Requests in a unary cell: at 64 workers, 400 requests in 5 rounds would give each
@@ -147,7 +152,12 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> tuple[
                         help="serve this transformers causal LM directory in every layout (default: "
                              "$SPINE_BENCH_MODEL, else the embedded tiny LM)")
     parser.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
+    parser.add_argument("--only", help=f"comma-separated rows to measure alone, written into --out beside what it "
+                                       f"holds: any of {', '.join(ONLY_PARTS)}")
     args = parser.parse_args(argv)
+    only = tuple(part.strip() for part in args.only.split(",") if part.strip()) if args.only else ()
+    if args.only is not None and (not only or set(only) - set(ONLY_PARTS)):
+        parser.error(f"--only: expected some of {', '.join(ONLY_PARTS)}, got {args.only!r}")
     quick = bool(args.quick)
     spec = args.concurrency or ("1,16" if quick else "1,16,64,256")
     try:
@@ -181,5 +191,5 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> tuple[
                         fixed_rounds=quick or args.rounds is not None, model=args.model,
                         model_id=(args.model_id or model_id_for(args.model)) if args.model else "tiny-lm",
                         regimes=regimes, capacity="device" in regimes and not quick and not args.no_capacity,
-                        capacity_step_s=args.capacity_step, device_model=args.device_model)
+                        capacity_step_s=args.capacity_step, device_model=args.device_model, only=only)
     return settings, args.out, bool(args.keep_run_dir)

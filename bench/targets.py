@@ -187,8 +187,8 @@ def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_R
         pass  # the caller's own placement, or nothing to choose
     elif SPINE_LAYOUT.get(layout) == "layered":
         # The layered stack keeps the OS's placement: its eight processes are spread over
-        # every core (with its model process placed, one run had 291 UNAVAILABLE at c=256
-        # against 37 unplaced; the layered side is not to be slowed down).
+        # every core (with its model process placed, its hops missed their budgets far more
+        # often at the highest concurrency; the layered side is not to be slowed down).
         env[CPU_PLACEMENT_ENV] = "off"
     else:
         env[CPU_PLACEMENT_ENV] = cpu

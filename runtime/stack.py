@@ -162,11 +162,11 @@ class Stack:
             if "metrics" in self.local_servicers:
                 from runtime.metrics_endpoint import start_metrics_endpoint
 
+                # The rate limiter's shared-store families: from the one built here, whenever
+                # it was (it leases while it exists), else from the run directory's own process.
                 self.metrics_endpoint = start_metrics_endpoint(self.local_servicers["metrics"], self.config,
-                                                               self.run_dir, self._local_inference)
-                store = getattr(self.local_servicers.get("ratelimit"), "store_collector", None)
-                if store is not None:  # the rate limiter's shared store (`ratelimit.store`)
-                    self.local_servicers["metrics"].registry.register(store)
+                                                               self.run_dir, self._local_inference,
+                                                               lambda: self.local_servicers.get("ratelimit"))
             elif "inference" in self.local_servicers:  # the metrics component is elsewhere
                 from runtime.serving_metrics import serve_inference_metrics
 

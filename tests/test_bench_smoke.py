@@ -241,7 +241,7 @@ def test_the_profile_splits_each_threads_cpu_by_its_own_samples(tmp_path: Path) 
         ("inference-scheduler", f"TinyLM.forward ({tmp_path}/services/inference/model/tiny_lm.py:1)", 90),
         ("grpc_3", f"InferenceService._start ({tmp_path}/services/inference/service.py:1)", 2),  # the model's own service
         ("grpc_3", f"Pipeline.run ({tmp_path}/services/pipeline/runner.py:1)", 4),
-        ("grpc_7", f"AuthStep.decide ({tmp_path}/services/auth/step.py:1)", 4),
+        ("grpc_7", f"AuthStep.decide ({tmp_path}/services/auth/service.py:1)", 4),
     ]
     raw = tmp_path / "profile.raw"
     raw.write_text("".join(f"{process};thread ({i}): {thread};run (x.py:1);{leaf} {n}\n"

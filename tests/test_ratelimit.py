@@ -63,7 +63,7 @@ def status(response: pb.RateLimitResponse, name: str) -> pb.RateLimitResponse.De
 
 
 def test_default_config_parses_with_the_documented_limits() -> None:
-    config_path = Path(__file__).resolve().parents[1] / "spine" / "default_config.yaml"
+    config_path = Path(__file__).resolve().parents[1] / "runtime" / "default_config.yaml"
     section = yaml.safe_load(config_path.read_text())["ratelimit"]
     config = RateLimitConfig.from_dict(section)
     assert config.domain == "spine"

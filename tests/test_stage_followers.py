@@ -39,7 +39,7 @@ from runtime.stage_follower import (
     ratelimit_applier,
     spine_applier,
 )
-from services.ratelimit import service as ratelimit
+import services.ratelimit.service as ratelimit
 from spine.cli.migrate import main as migrate
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 from wire.v1 import (

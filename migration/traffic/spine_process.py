@@ -4,8 +4,8 @@ stages over ADS, its faults switched through its stdin.
 Why: in the demo's process the spine's gateway, middlewares and model shared one
 interpreter with the front, the controller, the xDS server and the traffic's bookkeeping,
 while the layered side had processes of its own; `make run`'s tables then compared a spine
-slowed by the harness with a layered stack that was not (at 10%: p50 50.1 vs 40.9 ms, p99
-twice the layered side's at every stage). Here both sides are what they are in production.
+slowed by the harness with a layered stack that was not (the spine read slower at every
+stage, for that reason alone). Here both sides are what they are in production.
 
 - It starts on the demo's placements (the model local, every middleware remote, in the
   layered stack's processes: `remote_addresses`) and then follows the controller's stages

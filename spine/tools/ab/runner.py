@@ -210,9 +210,9 @@ def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: R
 
     Why rounds: with each worker sending a request to every layout in turn, workers pile
     up at whichever layout is slower at the moment, so it runs at more than the concurrency
-    asked and gets slower still, while the layouts fight over the same cores. On 2 cores at
-    c=64 the one-process spine then served 129 req/s to the eight-process layered stack's
-    347; in rounds it is 245 to 147, as `make bench` finds with each layout alone.
+    asked and gets slower still, while the layouts fight over the same cores. On a small
+    host at high concurrency that even reversed which layout read faster; in rounds the
+    order is the one `make bench` finds with each layout alone.
     Alternating rounds keeps the point of interleaving (a slow patch of the machine hits
     every layout alike) and gives each layout exactly the concurrency asked."""
     round_size = options.concurrency * ROUND_PER_WORKER

@@ -23,6 +23,7 @@ import grpc
 import pytest
 import yaml
 
+import services.ratelimit.service as ratelimit
 from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
@@ -39,7 +40,6 @@ from runtime.stage_follower import (
     ratelimit_applier,
     spine_applier,
 )
-import services.ratelimit.service as ratelimit
 from spine.cli.migrate import main as migrate
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 from wire.v1 import (

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/wire/v1/*.proto)
 
-.PHONY: install prometheus chromium redis protos run rehearse test bench lint clean model
+.PHONY: bindings install prometheus chromium redis protos run rehearse test bench lint clean model
 
 install: $(VENV)/.installed wire/v1/.generated prometheus chromium redis
 
@@ -68,4 +68,9 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json
+	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json
+
+# The binding classes (runtime/binding_classes.py) are written out from the component table;
+# after adding a component or an rpc, regenerate them (tests/test_binding_classes.py checks).
+bindings: install
+	$(PY) -m runtime.binding_codegen

@@ -31,6 +31,7 @@ from typing import Any
 from services.cache.pregenerated import table_key, write_table
 from services.cache.pregenerated_answers import PregeneratedAnswers
 from services.inference.output_policy import OutputPolicy, OutputPolicyConfig
+from spine.tools.tree_sampler import memory_rollup
 from wire.v1 import generation_pb2
 
 DIGEST = b"\x42" * 32
@@ -46,14 +47,6 @@ def _answer(i: int) -> generation_pb2.GenerateResponse:
 
 def _request(i: int) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(model=MODEL, prompt=f"common prompt {i}", max_tokens=32)
-
-
-def _rollup(pid: int) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        name, _, rest = line.partition(":")
-        fields[name] = int(rest.split()[0])  # kB
-    return {"pss_kb": fields["Pss"], "rss_kb": fields["Rss"]}
 
 
 _REPLICA = """
@@ -72,7 +65,7 @@ def _replicas(path: str, count: int) -> list[dict[str, int]]:
     try:
         for process in processes:
             assert process.stdout is not None and process.stdout.readline().strip() == "ready"
-        return [_rollup(process.pid) for process in processes]
+        return [memory_rollup(process.pid) for process in processes]
     finally:
         for process in processes:
             assert process.stdin is not None

@@ -31,6 +31,7 @@ import grpc
 
 from bench.load import Endpoint, prompts, requests_for
 from runtime.stats import percentile
+from spine.tools.workload import open_loop, poisson_offsets
 
 KNEE_FACTOR = 1.5
 CONFIRM = 2  # breaking rates in a row before the curve stops
@@ -50,15 +51,6 @@ class Point:
     late_p99_ms: float  # how late the generator sent (already inside the latencies)
     answered_rps: float
     cpu_us_per_request: float | None
-
-
-def poisson_offsets(rate_rps: float, duration_s: float, rng: random.Random) -> list[float]:
-    """Arrival times in [0, duration_s) of a Poisson process of `rate_rps`."""
-    offsets, now = [], rng.expovariate(rate_rps)
-    while now < duration_s:
-        offsets.append(now)
-        now += rng.expovariate(rate_rps)
-    return offsets
 
 
 def rates(start_rps: float, growth: float, max_rps: float) -> list[float]:
@@ -98,11 +90,11 @@ def knee(points: Sequence[Point], factor: float = KNEE_FACTOR, confirm: int = CO
     return held
 
 
-def open_loop(endpoint: Endpoint, requests: Sequence[Any], offsets: Sequence[float], *,
-              timeout_s: float = 10.0) -> tuple[list[float], list[str], list[float]]:
-    """Send request i at offsets[i] (seconds from now) without waiting for answers; return the
-    successful latencies from each scheduled start, the failed calls' codes and how late each
-    was sent."""
+def send_open_loop(endpoint: Endpoint, requests: Sequence[Any], offsets: Sequence[float], *,
+                   timeout_s: float = 10.0) -> tuple[list[float], list[str], list[float]]:
+    """Send request i at offsets[i] (seconds from now) without waiting for answers (the
+    workload's `open_loop`, each call a gRPC future); return the successful latencies from
+    each scheduled start, the failed calls' codes and how late each was sent."""
     stubs = endpoint.stubs(CONNECTIONS)
     latencies: list[float] = []
     failures: list[str] = []
@@ -111,7 +103,7 @@ def open_loop(endpoint: Endpoint, requests: Sequence[Any], offsets: Sequence[flo
     done = threading.Semaphore(0)
 
     def finished(future: Any, scheduled: float) -> None:
-        ended = time.perf_counter()
+        ended = time.monotonic()
         error = future.exception()
         with lock:
             if error is None:
@@ -120,18 +112,14 @@ def open_loop(endpoint: Endpoint, requests: Sequence[Any], offsets: Sequence[flo
                 failures.append(error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__)
         done.release()
 
-    futures = []
-    start = time.perf_counter() + 0.01
-    for index, (request, offset) in enumerate(zip(requests, offsets, strict=True)):
-        scheduled = start + offset
-        wait = scheduled - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        late.append(max(0.0, time.perf_counter() - scheduled))
-        call = stubs[index % len(stubs)].Generate.future(request, timeout=timeout_s, metadata=endpoint.metadata)
-        call.add_done_callback(lambda future, scheduled=scheduled: finished(future, scheduled))
-        futures.append(call)
-    for _ in futures:  # every call ends by its own deadline
+    def release(index: int, scheduled: float) -> None:
+        late.append(max(0.0, time.monotonic() - scheduled))
+        call = stubs[index % len(stubs)].Generate.future(requests[index], timeout=timeout_s,
+                                                         metadata=endpoint.metadata)
+        call.add_done_callback(lambda future: finished(future, scheduled))
+
+    sent = open_loop(offsets, release, started=time.monotonic() + 0.01)
+    for _ in range(sent):  # every call ends by its own deadline
         done.acquire(timeout=timeout_s + 5)
     return latencies, failures, late
 
@@ -142,7 +130,7 @@ def measure_point(endpoint: Endpoint, rate_rps: float, duration_s: float, *, mod
     offsets = poisson_offsets(rate_rps, duration_s, random.Random(f"{seed}-{rate_rps}"))
     requests = requests_for(prompts(tag, len(offsets)), max_tokens, model_id)
     cpu_before, began = cpu_s(), time.perf_counter()
-    latencies, failures, late = open_loop(endpoint, requests, offsets)
+    latencies, failures, late = send_open_loop(endpoint, requests, offsets)
     wall, cpu = time.perf_counter() - began, cpu_s() - cpu_before
     ms = [1000.0 * value for value in latencies]
     return Point(offered_rps=rate_rps, sent=len(offsets), ok=len(latencies), errors=len(failures),

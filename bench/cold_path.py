@@ -1,7 +1,7 @@
 """`python -m bench.cold_path`: what a lone request costs the spine in-process, phase by phase.
 
 At concurrency 1 a request arrives on a core whose caches the idle time has emptied: the
-same admission that takes ~110 µs in a warm loop takes ~300–400 µs here, and the cost
+same admission costs several times what it costs in a warm loop, and the cost
 follows the distinct code and data a request touches more than its bytecode count. This
 measures that case without gRPC or a second process, so a change to the request path can
 be judged in a minute, well inside the run-to-run noise of `make bench`'s c=1 cell:
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.load import prompts, requests_for
-from bench.run import DEV_KEY, RATE_LIMIT_OFF
+from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
 from runtime.config_file import load_config, placements_for
 from runtime.local_context import LocalContext

@@ -27,9 +27,9 @@ from services.inference.model.sim_backend import profile_from
 DEVICE_LAYOUTS = ("bare", "collapsed", "layered")
 DEVICE_SEQUENTIAL_REQUESTS = 300
 DEVICE_STREAM_REQUESTS = 200
-# Seconds per cell and layout (the cpu regime's 20): the layered stack answers ~90 requests a
-# second here at c=64 and c=256, so its turns set the cells' length; one full run of the
-# regime with 20 s took 6.4 minutes with the capacity curve, too much beside the cpu regime.
+# Seconds per cell and layout (half the cpu regime's): the layered stack is the slowest here
+# at high concurrency, so its turns set the cells' length, and with the cpu regime's limit the
+# regime and its capacity curve did not fit `make bench`'s time beside the cpu regime.
 DEVICE_CELL_LIMIT_S = 10.0
 # The sim's options in the device regime: the default profile (Llama-3-8B on an H100) with
 # a context of 1024 tokens, so its KV budget holds 419 sequences; and a batch of up to 256,

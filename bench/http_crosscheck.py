@@ -25,9 +25,9 @@ import yaml
 
 from bench.http_load import HttpEndpoint
 from bench.load import prompts, requests_for, run_batch
-from bench.run import DEV_KEY, RATE_LIMIT_OFF
+from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from bench.targets import REPO_ROOT, keep_load_generator_off, server_cpu
-from runtime.parent import spawn
+from runtime.launch import launch, spine_up_argv
 
 WRK_SCRIPT = """
 counter = 0
@@ -70,15 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     overlay.write_text(yaml.safe_dump(RATE_LIMIT_OFF))
     script = run_dir / "wrk.lua"
     script.write_text(WRK_SCRIPT % (args.max_tokens, DEV_KEY))
-    process = spawn([sys.executable, "-m", "spine", "--config", str(overlay), "up", "--layout", "collapsed",
-                     "--listen", f"unix:{run_dir}/g.sock", "--http-listen", "127.0.0.1:0", "--run-dir",
-                     str(run_dir / "run")], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                    text=True)
+    launched = launch("collapsed", spine_up_argv(overlay, "collapsed", listen=f"unix:{run_dir}/g.sock",
+                                                 http_listen="127.0.0.1:0", run_dir=run_dir / "run"),
+                      log_path=run_dir / "collapsed.log", cwd=REPO_ROOT)
     try:
-        assert process.stdout is not None
-        import json
-
-        address = json.loads(process.stdout.readline())["http_address"]
+        address = str(launched.wait_ready(120)["http_address"])
         keep_load_generator_off(server_cpu())
         endpoint = HttpEndpoint(address, DEV_KEY)
         run_batch(endpoint, requests_for(prompts("warm", 20), args.max_tokens), concurrency=4, time_limit_s=30)
@@ -95,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{concurrency:>5} {driver_rps:>11.1f} {wrk_rps:>9.1f} {driver_p50:>14.2f} {wrk_p50:>11.2f}")
         endpoint.close()
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        launched.stop(30)
         shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 

@@ -14,11 +14,8 @@ from typing import Any, Protocol
 
 import grpc
 
-from spine.tools.workload import closed_loop
+from spine.tools.workload import WORDS, closed_loop
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2_grpc
-
-WORDS = ("spine", "gateway", "token", "bucket", "cache", "route", "model", "latency", "batch", "tensor",
-         "layer", "collapse", "canary", "stage", "rollback", "parity")
 
 
 def prompts(tag: str, count: int, start: int = 0) -> list[str]:

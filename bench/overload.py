@@ -103,29 +103,15 @@ def burning(count: int) -> Iterator[Callable[[], float]]:
             burner.wait()
 
 
-def _cpu_seconds(target: Target) -> float:
-    """CPU seconds (user + system) the target's processes have used: the cost of the work,
-    whatever share of the machine the other processes left it."""
-    total = 0.0
-    for process in target.tree():
-        try:
-            times = process.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
-
-
 def _footprint(target: Target) -> dict[str, float]:
     """Threads and resident memory of the target's processes, now."""
-    threads, rss = 0, 0
+    threads = 0
     for process in target.tree():
         try:
             threads += process.num_threads()
-            rss += process.memory_info().rss
         except psutil.Error:
             continue
-    return {"threads": threads, "rss_mb": round(rss / (1 << 20), 1)}
+    return {"threads": threads, "rss_mb": round(target.tree_rss_bytes() / (1 << 20), 1)}
 
 
 def _error(error: grpc.RpcError) -> tuple[str, str, dict[str, str]]:
@@ -238,14 +224,14 @@ def main() -> None:
     args = parser.parse_args()
     with served(args.layout, {}) as (stub, target), burning(args.burn) as load_average:
         idle = _footprint(target)
-        started, cpu_before = time.perf_counter(), _cpu_seconds(target)
+        started, cpu_before = time.perf_counter(), target.tree_cpu_s()
         if args.scenario == "priority":
             result = priority(stub, target, args.queued, args.max_tokens or 256, args.flood, args.settle_s)
         elif args.scenario == "streams":
             result = streams(stub, args.total or 1000, args.concurrency or 128, args.max_tokens or 128)
         else:
             result = budget(stub, args.total or 400, args.concurrency or 64, args.max_tokens or 256)
-        server_cpu_s = _cpu_seconds(target) - cpu_before
+        server_cpu_s = target.tree_cpu_s() - cpu_before
         result.update(scenario=args.scenario, layout=args.layout, burners=args.burn,
                       peak_load_average=load_average(), elapsed_s=round(time.perf_counter() - started, 1),
                       server_cpu_s=round(server_cpu_s, 1), server_idle=idle)

@@ -17,10 +17,10 @@ Why each thread's CPU is split by its own samples instead of counting samples: p
 samples without stopping the process (`--nonblocking`; stopping it cut the spine's
 throughput to a quarter), and then it can only guess whether a thread is running (py-spy
 issue #480). On the one CPU a model-serving process is kept on, the guess overstates the
-decode loop: one run at c=16 read the model at 89% of the busy samples and the
-middlewares, the pipeline and gRPC at 7%, while the kernel put the handler threads (which
-run the middlewares) at 18% of the process's CPU; at c=64 the handlers got 9 samples in
-15 s. The lock's holder is known for sure (221 handler samples in the same run), the
+decode loop: counting samples gave the middlewares, the pipeline and gRPC a fraction of
+the share the kernel's own per-thread CPU gave the handler threads (which run them), and at
+high concurrency left the handlers almost unsampled. The lock's holder is known for sure
+(many times more handler samples over the same window), the
 kernel's CPU per thread is exact, and the samples say which code a thread ran. Samples on
 a line that waits (a lock's acquire, a condition's wait: py-spy shows a C call's caller as
 the leaf) are idle.
@@ -45,7 +45,7 @@ import yaml
 
 from bench.device_regime import DEVICE_OVERLAY, SIM_OPTIONS
 from bench.load import Endpoint, prompts, requests_for, run_batch
-from bench.run import RATE_LIMIT_OFF
+from bench.settings import RATE_LIMIT_OFF
 from bench.targets import (
     REPO_ROOT,
     SPINE_LAYOUT,
@@ -65,10 +65,10 @@ IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_statu
 # without native frames py-spy shows a C call's caller as the leaf (`slot.wake.acquire()`
 # inside `MicroBatcher.submit`), and on the one CPU the servers share a thread that has
 # been woken but not yet run still counts as active. Those samples were the top "self time"
-# entry (10% of busy samples) before they were read as what they are.
+# entry before they were read as what they are.
 BLOCKING_LINE = re.compile(r"\.(acquire|wait|wait_for|join|result)\(|\bsleep\(|^with\s+[\w.]*lock\b")
 # Load goes to each layout in turns this long (the last turn's requests still finish):
-# the host's speed drifts over minutes, and a layout profiled after another read 10% slower.
+# the host's speed drifts over minutes, and a layout profiled after another read slower for it.
 ROUND_S = 1.0
 ROUND_REQUESTS = 2000  # more than a turn sends at any concurrency here
 # The model service's own code (its servicer and scheduler too: bare runs them as well) is

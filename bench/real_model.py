@@ -3,8 +3,8 @@
     python -m bench.real_model [--requests 8] [--max-tokens 16] [--out bench/real_model.json]
 
 Every other row of the bench serves the embedded tiny LM, whose step costs a fraction of a
-millisecond: there the middleware is most of a request. This row serves a real model (a
-~40-60 ms/token step on a CPU) with no config but `--model DIR`, so the middleware's share
+millisecond: there the middleware is most of a request. This row serves a real model (tens
+of ms a token on a CPU) with no config but `--model DIR`, so the middleware's share
 is read next to a model's real cost: per layout, the time from start to ready (the model's
 load included), tokens per second and p50 latency at one client and at 16, and the
 process tree's RSS after the run. The layouts start one after another (each start timed

@@ -69,8 +69,8 @@ def _ratio(a: float, b: float) -> float | None:
 
 def round_ratios(layout_rps: Sequence[float], bare_rps: Sequence[float]) -> list[float]:
     """Each round's throughput over bare's in the same round (same prompts, turns next to each
-    other). Why: the host's speed drifts over minutes, so one cell's ratio can move by ±10%
-    between runs; the spread of its rounds says how far a single ratio can be trusted."""
+    other). Why: the host's speed drifts over minutes, so one cell's ratio can move between
+    runs by more than a target's margin; the spread of its rounds says how far to trust it."""
     if len(layout_rps) != len(bare_rps):
         return []
     return [ratio for a, b in zip(layout_rps, bare_rps, strict=True) if (ratio := _ratio(a, b)) is not None]
@@ -78,8 +78,8 @@ def round_ratios(layout_rps: Sequence[float], bare_rps: Sequence[float]) -> list
 
 def spread(values: Sequence[float] | None) -> str:
     """The middle half of a cell's per-round ratios (first to third quartile; "" when it has
-    fewer than two). Not min–max: at c=1 a cell has 25 rounds of 40 requests, and its extremes
-    (0.65 and 1.50 in one run) say more about a half-second of the host than about the layout."""
+    fewer than two). Not min–max: at c=1 a cell has many short rounds, and its extremes say
+    more about a half-second of the host than about the layout."""
     if not values or len(values) < 2:
         return ""
     first, _, third = statistics.quantiles(values, n=4, method="inclusive")

@@ -10,6 +10,13 @@ service with the prefix cache and to one without (16 KV slots each; rounds alter
 round with a system prompt of its own, so every round starts cold). Reported: the peak of
 KV bytes held (blocks in use × bytes per block) and the p50 time to the first streamed
 chunk, with and without reuse.
+
+`measure_system_prompt_hf`: the same experiment on the transformers backend, a tiny llama
+made here (`spine model make-tiny`), whose KV is one region per slot: a shared prefix is
+stored once and copied into each slot that reuses it (`services.inference.model.kv_prefix`). There
+the KV bytes are what the process holds for the KV (the slot pool, whole slots whatever
+the prompt, plus the stored prefixes at their peak): reuse saves the prefill (counted in
+positions the model forwarded), not memory.
 """
 
 from __future__ import annotations
@@ -92,12 +99,13 @@ SYSTEM_PROMPT = ("You are the support assistant of a small bookshop. Answer the 
                  "ten percent off every book and an invitation to the readings on the first Friday of the month.")
 
 
-def _first_chunks(service: InferenceService, system: str, requests: int, max_tokens: int) -> list[float]:
+def _first_chunks(service: InferenceService, system: str, requests: int, max_tokens: int,
+                  model: str = "tiny-lm") -> list[float]:
     """`requests` streams at once, all with `system`; milliseconds to each one's first chunk."""
     ttft: list[float] = [0.0] * requests
 
     def one(i: int) -> None:
-        request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"Customer {i}: do you have book {i}?",
+        request = generation_pb2.GenerateRequest(model=model, prompt=f"Customer {i}: do you have book {i}?",
                                                  max_tokens=max_tokens, system=system)
         started = time.perf_counter()
         stream = service.GenerateStream(request, LocalContext())
@@ -144,3 +152,71 @@ def measure_system_prompt(requests: int = 100, max_tokens: int = 8, rounds: int 
     finally:
         for service in services.values():
             service.close()
+
+
+def measure_system_prompt_hf(requests: int = 100, max_tokens: int = 8, rounds: int = 2,
+                             slots: int = 16) -> dict[str, Any]:
+    """`measure_system_prompt` on a tiny llama served by the transformers backend (default,
+    batched steps): KV bytes held (pool + stored prefixes at their peak), TTFT p50 and the
+    positions the model forwarded, with and without reuse."""
+    import tempfile
+    from pathlib import Path
+
+    from services.inference.model.interface import KV_CACHE_OWNER
+    from spine.tools.make_tiny import TinySpec, make_tiny
+
+    with tempfile.TemporaryDirectory(prefix="spine-bench-hf-") as root:
+        path = make_tiny(Path(root) / "tiny-llama", TinySpec(arch="llama"))
+        model = "tiny-llama"
+        config = {"model_id": model, "kv_cache_max_entries": slots, "max_batch": slots, "max_queue": requests,
+                  "backend": {"class": "hf", "options": {"path": str(path)}}}
+        devices = {reuse: DeviceContext() for reuse in (True, False)}
+        services = {reuse: InferenceService(InferenceConfig.from_dict({**config, "prefix_cache": reuse}),
+                                            devices[reuse]) for reuse in (True, False)}
+        forwarded = {True: [0], False: [0]}
+        hooks = []
+        for reuse, service in services.items():
+            def count(_module: Any, _args: Any, kwargs: dict[str, Any], tally: list[int] = forwarded[reuse]) -> None:
+                tally[0] += int(kwargs["input_ids"].numel())
+
+            hooks.append(service.backend.model.module.register_forward_pre_hook(count, with_kwargs=True))  # type: ignore[attr-defined]
+        ttft: dict[bool, list[float]] = {True: [], False: []}
+        peak: dict[bool, int] = {True: 0, False: 0}
+        try:
+            for service in services.values():
+                _first_chunks(service, "warm up " * 40, slots, 2, model)
+            for tally in forwarded.values():
+                tally[0] = 0
+            for r in range(rounds):
+                order = [True, False] if r % 2 == 0 else [False, True]
+                for reuse in order:  # a new system prompt each round: every round starts cold
+                    service = services[reuse]
+                    store = service.engine.prefixes
+                    if store is not None:
+                        store.clear()  # the warm-up's prefix goes: the peak is this round's
+                        store.peak_bytes = 0
+                    ttft[reuse] += _first_chunks(service, f"[{r}] {SYSTEM_PROMPT}", requests, max_tokens, model)
+                    pool = devices[reuse].usage().get(KV_CACHE_OWNER, 0) - (store.bytes if store is not None else 0)
+                    peak[reuse] = max(peak[reuse], pool + (store.peak_bytes if store is not None else 0))
+            reused = services[True]
+            prefix, _ = reused.backend.encode_chat_parts("?", f"[0] {SYSTEM_PROMPT}")  # type: ignore[attr-defined]
+            store = reused.engine.prefixes
+            return {
+                "model": "tiny llama (spine model make-tiny --arch llama), transformers backend, batched steps",
+                "requests": requests, "rounds": rounds, "kv_slots": slots, "max_tokens": max_tokens,
+                "system_prompt_tokens": 1 + len(prefix),  # BOS and the template's system part
+                "kv_bytes_with_reuse": peak[True], "kv_bytes_without_reuse": peak[False],
+                "kv_ratio": round(peak[True] / peak[False], 3),
+                "ttft_p50_ms_with_reuse": round(statistics.median(ttft[True]), 1),
+                "ttft_p50_ms_without_reuse": round(statistics.median(ttft[False]), 1),
+                "forwarded_tokens_with_reuse": forwarded[True][0], "forwarded_tokens_without_reuse": forwarded[False][0],
+                "prefix_hits": store.hits if store is not None else 0,
+                "prefix_misses": store.misses if store is not None else 0,
+                "kv_note": "a slot pool holds whole slots (max_context) whatever the prompt; reuse copies the stored "
+                           "prefix into each slot, so it saves prefill, not KV memory (+ the stored copy)",
+            }
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for service in services.values():
+                service.close()

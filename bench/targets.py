@@ -19,25 +19,22 @@ GIL would be slowed by the very load it is measuring, and unequally across layou
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.parent import spawn
+from runtime.launch import READY, Launched, LaunchFailed, serving_on, spine_up_argv
+from runtime.launch import launch as launch_process
 from runtime.serving_metrics_export import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
 from services.inference.cpu_placement import ENV as CPU_PLACEMENT_ENV
+from spine.tools.tree_sampler import tree_cpu_seconds, tree_rss_bytes, tree_thread_cpu_seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Which `spine up --layout` each bench layout but bare runs (bare is the model service alone).
@@ -52,60 +49,44 @@ UNBATCHED_OVERLAY: dict[str, object] = {**MIDDLEWARE_UNBATCHED_OVERLAY, "inferen
 REMOTE_BATCHED_OVERLAY: dict[str, object] = {"batching": {"remote": True}}
 
 
-class TargetFailed(RuntimeError):
-    """A server did not come up; the message carries the tail of its log."""
-
+TargetFailed = LaunchFailed  # a server that did not come up; the message ends with its log's tail
 
 _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only: no proxy from the env
 
 
 @dataclass
 class Target:
-    """One running layout: its root process, the address to call, and how to reach it."""
+    """One running layout (`runtime.launch`): its process tree, the address to call, and how to reach it."""
 
     layout: str
-    process: subprocess.Popen[str]
-    log_path: Path
+    launched: Launched
     address: str = ""
     http_address: str | None = None  # its HTTP API (spine layouts), from the ready line
     run_dir: Path | None = None  # where its processes write their metrics addresses
-    _lines: queue.Queue[str] = field(default_factory=queue.Queue)
-    _known: dict[int, psutil.Process] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.launched.pid
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.launched.process
+
+    @property
+    def log_path(self) -> Path:
+        return self.launched.log_path
 
     @property
     def is_gateway(self) -> bool:
         """Whether clients speak the Gateway API (with a key) rather than bare Inference."""
         return self.layout != "bare"
 
-    def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._lines.put(line)
-
     def wait_ready(self, timeout_s: float) -> str:
         """Block until the server prints its ready line; return the address to dial."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TargetFailed(f"{self.layout}: not ready after {timeout_s:.0f} s\n{self.log_tail()}")
-            try:
-                line = self._lines.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                if self.process.poll() is not None:
-                    raise TargetFailed(f"{self.layout}: exited with code {self.process.returncode} before "
-                                       f"it was ready\n{self.log_tail()}") from None
-                continue
-            address = _ready_address(self.layout, line)
-            if address:
-                self.address = address
-                self.http_address = _ready_http_address(line)
-                self.tree()  # remember every child now, so stop() can reap them by PID
-                return address
+        ready = self.launched.wait_ready(timeout_s, serving_on if self.layout == "bare" else READY)
+        self.address = str(ready["address"])
+        self.http_address = ready.get("http_address")
+        return self.address
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -115,26 +96,11 @@ class Target:
 
     def tree(self) -> list[psutil.Process]:
         """The root process and all its descendants that are alive now (remembered for stop)."""
-        try:
-            root = psutil.Process(self.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-        for proc in procs:
-            self._known.setdefault(proc.pid, proc)
-        return procs
+        return self.launched.tree()
 
     def tree_cpu_s(self) -> float:
-        """User + system CPU seconds of the process tree so far (children that exited are lost:
-        read it around a measured round, while the tree is up)."""
-        total = 0.0
-        for proc in self.tree():
-            try:
-                times = proc.cpu_times()
-                total += times.user + times.system
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        return total
+        """User + system CPU seconds of the process tree so far (`tree_cpu_seconds`)."""
+        return tree_cpu_seconds(self.pid)
 
     def model_steps(self) -> tuple[float, float]:
         """(sequences, steps) the model processes of this layout have stepped so far: the sum
@@ -166,89 +132,21 @@ class Target:
 
     def tree_thread_cpu_s(self) -> dict[tuple[int, int], tuple[str, float]]:
         """Each thread of the process tree alive now: (pid, thread id) -> (its group, CPU
-        seconds so far). Subtract two readings around a round (`thread_cpu_by_group`).
-
-        From /proc/PID/task/TID/schedstat (nanoseconds on a CPU), not the per-thread
-        utime/stime: those come in 10 ms ticks, and a round spreads a few ms over each of
-        dozens of handler threads."""
-        out: dict[tuple[int, int], tuple[str, float]] = {}
-        for proc in self.tree():
-            try:
-                tids = os.listdir(f"/proc/{proc.pid}/task")
-            except OSError:
-                continue  # it ended meanwhile
-            for tid in tids:
-                try:
-                    with open(f"/proc/{proc.pid}/task/{tid}/comm") as comm:
-                        name = comm.read().strip()
-                    with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as schedstat:
-                        on_cpu_ns = int(schedstat.read().split()[0])
-                except (OSError, ValueError, IndexError):
-                    continue  # it ended meanwhile
-                out[(proc.pid, int(tid))] = (thread_group(name), on_cpu_ns / 1e9)
-        return out
+        seconds so far). Subtract two readings around a round (`thread_cpu_by_group`)."""
+        return {key: (thread_group(name), seconds)
+                for key, (name, seconds) in tree_thread_cpu_seconds(self.pid).items()}
 
     def tree_rss_bytes(self) -> int:
         """Resident memory summed over the process tree (shared pages count once per process)."""
-        total = 0
-        for proc in self.tree():
-            try:
-                total += proc.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        return total
+        return tree_rss_bytes(self.pid)  # the module's function, not this method
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the root (it stops its own children), then SIGKILL whatever of ours is left."""
-        self.tree()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
-        leftovers = [proc for proc in self._known.values() if proc.pid != self.pid and proc.is_running()]
-        for proc in leftovers:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(leftovers, timeout=5)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        self.launched.stop(grace_s)
 
     def alive_pids(self) -> list[int]:
         """Processes of this target still running (should be none after stop)."""
-        return [proc.pid for proc in self._known.values() if proc.is_running()
-                and proc.status() != psutil.STATUS_ZOMBIE]
-
-
-def _ready_address(layout: str, line: str) -> str:
-    if layout == "bare":
-        marker = " serving on "
-        return line.split(marker, 1)[1].strip() if marker in line else ""
-    try:
-        ready = json.loads(line)
-    except ValueError:
-        return ""
-    if isinstance(ready, dict) and ready.get("event") == "ready":
-        return str(ready.get("address", ""))
-    return ""
-
-
-def _ready_http_address(line: str) -> str | None:
-    try:
-        ready = json.loads(line)
-    except ValueError:
-        return None
-    return ready.get("http_address") if isinstance(ready, dict) else None
+        return self.launched.alive_pids()
 
 
 def server_cpu() -> str | None:
@@ -279,76 +177,26 @@ def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_R
         argv = [sys.executable, "-m", "runtime.process", "inference", "--listen", f"unix:{layout_dir}/inf.sock",
                 "--config", str(config_path), "--run-dir", str(layout_dir)]
     elif layout in SPINE_LAYOUT:
-        argv = [sys.executable, "-m", "spine", "--config", str(config_path), "up",
-                "--layout", SPINE_LAYOUT[layout], "--listen", f"unix:{layout_dir}/gateway.sock",
-                "--http-listen", f"unix:{layout_dir}/http.sock", "--run-dir", str(layout_dir)]
+        argv = spine_up_argv(config_path, SPINE_LAYOUT[layout], listen=f"unix:{layout_dir}/gateway.sock",
+                             http_listen=f"unix:{layout_dir}/http.sock", run_dir=layout_dir)
     else:
         raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
-    log_path = run_dir / f"{layout}.log"
     env = dict(os.environ)
     cpu = server_cpu()
     if CPU_PLACEMENT_ENV in env or cpu is None:
         pass  # the caller's own placement, or nothing to choose
     elif SPINE_LAYOUT.get(layout) == "layered":
         # The layered stack keeps the OS's placement: its eight processes are spread over
-        # every core (with its model process placed, one run had 291 UNAVAILABLE at c=256
-        # against 37 unplaced; the layered side is not to be slowed down).
+        # every core (with its model process placed, its hops missed their budgets far more
+        # often at the highest concurrency; the layered side is not to be slowed down).
         env[CPU_PLACEMENT_ENV] = "off"
     else:
         env[CPU_PLACEMENT_ENV] = cpu
-    with open(log_path, "w") as log_file:
-        # PDEATHSIG in the child: if the bench dies (even by SIGKILL), its servers go too.
-        # `python -m` puts its working directory first on sys.path: the checkout's packages
-        # are imported ahead of the installed (editable) ones.
-        process = spawn(argv, cwd=code, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
-    target = Target(layout, process, log_path, run_dir=layout_dir)
-    threading.Thread(target=target._read_stdout, name=f"stdout-{layout}", daemon=True).start()
-    return target
-
-
-class RssSampler:
-    """Samples each target's process-tree RSS in the background; keeps peaks per label.
-
-    The label is the run being measured at the moment, so each run gets the peak of its
-    own layout while it was under load.
-    """
-
-    def __init__(self, targets: dict[str, Target], interval_s: float = 0.25) -> None:
-        self.targets = targets
-        self.interval_s = interval_s
-        self.peak_by_layout: dict[str, int] = {}
-        self.peak_by_label: dict[str, int] = {}
-        self._label: tuple[str, str] | None = None  # (layout, run label)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def measuring(self, layout: str, label: str | None) -> None:
-        with self._lock:
-            self._label = (layout, label) if label else None
-        if label:
-            self._sample_one(layout)
-
-    def _sample_one(self, layout: str) -> None:
-        rss = self.targets[layout].tree_rss_bytes()
-        with self._lock:
-            self.peak_by_layout[layout] = max(self.peak_by_layout.get(layout, 0), rss)
-            if self._label is not None and self._label[0] == layout:
-                label = self._label[1]
-                self.peak_by_label[label] = max(self.peak_by_label.get(label, 0), rss)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            for layout in self.targets:
-                self._sample_one(layout)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+    # The child dies with the bench (even by SIGKILL): `runtime.launch`. `python -m` puts
+    # its working directory first on sys.path: the checkout's packages are imported ahead of
+    # the installed (editable) ones.
+    launched = launch_process(layout, argv, log_path=run_dir / f"{layout}.log", cwd=code, env=env)
+    return Target(layout, launched, run_dir=layout_dir)
 
 
 # The server threads the bench tells apart, by the name they give the kernel

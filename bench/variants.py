@@ -6,7 +6,7 @@ several checkouts of the code, side by side.
     python -m bench.variants --tree ../spine-change [--tree ...] [--concurrency 16,64]
 
 Why: a change to the request path is judged against bare in one run, but a full `make bench`
-takes minutes and its ratios move ±8% between runs on a shared host, more than most single
+takes minutes and its ratios move between runs on a shared host by more than most single
 changes. This starts bare and one collapsed spine per value of the setting (the bench's
 config plus that one setting), all at once, and measures them the way `make bench` does —
 cells cut into rounds, the servers taking turns in a rotating order — so every value meets
@@ -17,7 +17,7 @@ to the request path moves even when the host hides it in throughput).
 `--tree PATH` adds a collapsed spine run from another checkout (a `git worktree` of a change,
 say) with the bench's config, next to this checkout's: a change to the code judged against
 the code it changes in the same run, which is how a change worth a few percent has to be
-judged on this host (separate runs of the same build read up to ±5% apart). Its generated
+judged on this host (separate runs of the same build read several percent apart). Its generated
 protobuf modules are made first if it has none, as `make protos` would.
 """
 
@@ -37,11 +37,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Endpoint
+from bench.regime import measure, tear_down, warm_up, write_configs
 from bench.report import _fmt, add_ratios
-from bench.run import DEV_KEY, STREAM_REQUESTS, Settings, measure, tear_down, warm_up, write_configs
+from bench.settings import DEV_KEY, STREAM_REQUESTS, Settings
 from bench.targets import (
     REPO_ROOT,
-    RssSampler,
     Target,
     TargetFailed,
     keep_load_generator_off,
@@ -50,6 +50,7 @@ from bench.targets import (
 )
 from runtime.config_file import load_config, merge
 from services.common import ConfigError
+from spine.tools.tree_sampler import TreeSampler
 
 
 def parse_vary(spec: str) -> tuple[str, list[Any]]:
@@ -104,12 +105,14 @@ def tree_variants(paths: list[str]) -> dict[str, Path]:
 def generate_protos(root: Path) -> None:
     """The checkout's protobuf modules from its own protos, as `make protos` makes them
     (a fresh worktree has none: they are build outputs, not in git)."""
-    out = root / "spine" / "v1"
-    if (out / ".generated").exists():
-        return
     protos = sorted(str(path.relative_to(root)) for path in (root / "protos").rglob("*.proto"))
     if not protos:
         raise ValueError(f"--tree {root}: no .proto files under protos/")
+    # Where the stubs go follows the tree's own proto paths (protos/wire/v1 -> wire/v1; an
+    # older tree's protos/spine/v1 -> spine/v1).
+    out = root / Path(protos[0]).relative_to("protos").parent
+    if (out / ".generated").exists():
+        return
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "protos", "--python_out=.", "--pyi_out=.",
                     "--grpc_python_out=.", *protos], cwd=root, check=True, capture_output=True, text=True)
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="spv-"))  # short: unix socket paths are limited to ~107 bytes
     targets: dict[str, Target] = {}
     endpoints: dict[str, Endpoint] = {}
-    sampler: RssSampler | None = None
+    sampler: TreeSampler | None = None
     try:
         configs = write_configs(run_dir)
         try:
@@ -200,10 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         keep_load_generator_off(server_cpu())
         endpoints = {name: Endpoint(t.address, t.is_gateway, DEV_KEY) for name, t in targets.items()}
-        sampler = RssSampler(targets)
-        sampler.start()
+        sampler = TreeSampler({name: target.pid for name, target in targets.items()}, interval_s=0.25).start()
         warm_up(endpoints, settings)
-        runs = measure(endpoints, sampler, settings, console, stream=args.stream)
+        runs = measure(endpoints, targets, sampler, settings, console, stream=args.stream)
     finally:
         tear_down(sampler, endpoints, targets, console)
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,14 +1,14 @@
 """`python -m bench.warm_path`: the spine's own work per request, warm, the model taken out.
 
-Why: on this kind of host a throughput ratio from one load run moves by ±8% between runs
-(ten runs of the same two builds at c=64: 0.78–0.95), so a change to the request path that
-saves 10 µs cannot be seen there. This measures only what the spine adds — the gateway,
+Why: on this kind of host a throughput ratio from one load run moves between runs of the
+same two builds by more than most changes are worth, so a change to the request path that
+saves a few µs cannot be seen there. This measures only what the spine adds — the gateway,
 admission, the answer's trailers, the hand-over, and the completions (cache store, logs,
 metrics) written a window at a time as the folder does under load — in one process, in a
-warm loop, with the inference client answering a canned response at once. It moves by
-about 1% between runs. Under load the same work costs several times more (each slice of it
-resumes on caches the model's step has just used: `make bench`'s CPU split by thread shows
-the spine's handler threads at ~300 µs per request over bare's at c=64), so read it as the
+warm loop, with the inference client answering a canned response at once. It moves far
+less between runs (on a quiet host). Under load the same work costs several times more (each
+slice of it resumes on caches the model's step has just used: compare `make bench`'s CPU
+split by thread, the spine's handler threads against bare's), so read it as the
 size of the work, not as its cost under load.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.cold_path import _Context
 from bench.load import prompts, requests_for
-from bench.run import DEV_KEY, RATE_LIMIT_OFF
+from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
 from runtime.config_file import load_config, placements_for
 from runtime.stack import Stack

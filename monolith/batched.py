@@ -58,23 +58,22 @@ class BatchingConfig(Section):
     # lose no model time). Without a backlog the leader decides at once: a lone request, or
     # 16 clients on 16 KV slots, never waits. With one (64 clients on one core), admission
     # on the core the model's steps share went in batches of one, each stage starting on
-    # caches the step had just used; with the wait (batches of 3-5), the handlers' CPU per
-    # request fell in all six focused A/Bs at c=64 (`python -m bench.variants --vary
-    # batching.max_wait_us=0,10000`): 592 -> 445, 622 -> 480, 697 -> 616, 588 -> 500,
-    # 901 -> 679, 705 -> 613 µs (bare ~300); throughput mostly rose (0.91 -> 1.02, 0.76 ->
-    # 0.94) but within this host's noise. 30 and 60 ms waits gave no larger batches' worth.
-    # Waits without the backlog rule (300 µs to 3 ms, every batch) never paid: a sleeping
+    # caches the step had just used; with the wait (small batches), the handlers' CPU per
+    # request fell in every focused A/B at high concurrency (`python -m bench.variants --vary
+    # batching.max_wait_us=0,10000` repeats it), and throughput did not fall. Longer waits
+    # formed no larger batches worth having.
+    # Waits without the backlog rule (on every batch) never paid: a sleeping
     # leader is one more hand-off per batch. Nor did a yield instead of a wait (tried at
-    # c=16, where nothing queues on one CPU: a leader about to decide alone while others
-    # were in flight queued itself and called os.sched_yield, so handlers already runnable
-    # joined its batch): batches of 2-6 formed and the handlers' CPU per request fell by
-    # 10-154 µs in four A/Bs (c=64: -53 to +113), but the decode loop's mostly rose by as
-    # much (it stepped with fewer requests admitted); throughput did not move past the noise.
+    # moderate concurrency, where nothing queues on one CPU: a leader about to decide alone
+    # while others were in flight queued itself and called os.sched_yield, so handlers already
+    # runnable joined its batch): batches formed and the handlers' CPU per request fell, but
+    # the decode loop's rose by about as much (it stepped with fewer requests admitted);
+    # throughput did not move past the noise.
     max_wait_us: Annotated[Float, Field(ge=0, le=100_000)] = 10_000.0
     # How often finished requests' completions are written, a window at a time, off the
-    # request path; readers and shutdown never wait for it. 250 ms instead of 50 cut the
-    # writer's CPU per request (c=16: 130 -> 53 µs, c=64: 81 -> 62) in one A/B, lost in the
-    # handlers' noise there (throughput 0.861 -> 0.850 and 0.865 -> 0.882 of bare): not changed.
+    # request path; readers and shutdown never wait for it. A longer window cuts the writer's
+    # CPU per request, but in A/Bs the saving was lost in the handlers' noise and throughput
+    # did not move, while a longer window keeps more answered requests unwritten: not changed.
     completion_interval_ms: Annotated[Float, Field(ge=1, le=10_000)] = 50.0
 
     @classmethod

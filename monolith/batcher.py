@@ -113,8 +113,8 @@ class MicroBatcher(Generic[T, R]):
                 # Wake a leader waiting for more only when its wait can end: the batch is
                 # full, or nothing more is expected. Waking it on every arrival made it take
                 # the GIL once per request just to go back to sleep — under load each such
-                # wake-up is a hand-off the model's thread pays for (c=64: +4% throughput,
-                # -175 µs CPU per request without them). An item that may not wait (say, of
+                # wake-up is a hand-off the model's thread pays for (more CPU per request, less
+                # throughput at high concurrency). An item that may not wait (say, of
                 # the latency class) ends the wait too: the batch is decided with it.
                 self._arrival.notify()
         if not lead:

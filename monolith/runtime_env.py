@@ -53,11 +53,10 @@ def freeze_startup_heap() -> int:
     one collection of the garbage it left), once it is about to serve; returns how many
     objects were frozen.
 
-    Why: a started spine process tracks ~230k long-lived objects (torch's, grpc's and
-    protobuf's modules, the config, the tables' wrappers). Every full (gen-2) collection
-    walked them all with the GIL held: 90 ms each, every few thousand requests (measured on
-    the collapsed request path in one process), a pause for every request and for the
-    model's decode loop alike. Frozen (`gc.freeze`), they are never walked again; a full
+    Why: a started spine process tracks hundreds of thousands of long-lived objects (torch's,
+    grpc's and protobuf's modules, the config, the tables' wrappers). Every full (gen-2)
+    collection walked them all with the GIL held, every few thousand requests: a pause of
+    tens of milliseconds for every request in flight and for the model's decode loop alike. Frozen (`gc.freeze`), they are never walked again; a full
     collection then scans only what was made since. Objects made later are collected as
     before, cycles included.
     """

@@ -11,17 +11,21 @@ log = logging.getLogger("runtime")
 
 
 def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Path,
-                           local_inference: Callable[[], Any] = lambda: None) -> Any:
+                           local_inference: Callable[[], Any] = lambda: None,
+                           local_ratelimit: Callable[[], Any] = lambda: None) -> Any:
     """Serve `servicer.registry` over HTTP (prometheus_client: text or OpenMetrics by the Accept
     header); write the address to run_dir/metrics.addr. The model's serving families come too:
     from `local_inference()` when the model runs in this process, else forwarded from its
-    own endpoint (`runtime.serving_metrics_export`)."""
+    own endpoint (`runtime.serving_metrics_export`); and the rate limiter's shared-store
+    families likewise (`local_ratelimit()`, `runtime.store_metrics`)."""
     from runtime.serving_metrics_export import attach_serving_metrics
+    from runtime.store_metrics import StoreMetricsSource
     from services.common import section
     from services.common.prometheus_http import PrometheusHTTPServer
     from services.metrics.config import MetricsConfig
 
     attach_serving_metrics(servicer, local_inference, run_dir)
+    servicer.registry.register(StoreMetricsSource(local_ratelimit, run_dir))
     settings = MetricsConfig.from_dict(section(config, "metrics"))
     endpoint = PrometheusHTTPServer(servicer.registry, listen=settings.http_listen,
                                     allow_external=settings.allow_external)
@@ -47,10 +51,10 @@ class MetricsExports:
     def start(self) -> None:
         metrics = self.local_servicers.get("metrics")
         if metrics is not None:
-            self.metrics_endpoint = start_metrics_endpoint(metrics, self.config, self.run_dir, self.local_inference)
-            store = getattr(self.local_servicers.get("ratelimit"), "store_collector", None)
-            if store is not None:  # the rate limiter's shared store (`services.ratelimit.lease_store`)
-                metrics.registry.register(store)
+            # The rate limiter's shared-store families: from the one built here, whenever it
+            # was (it leases while it exists), else from the run directory's own process.
+            self.metrics_endpoint = start_metrics_endpoint(metrics, self.config, self.run_dir, self.local_inference,
+                                                           lambda: self.local_servicers.get("ratelimit"))
         elif "inference" in self.local_servicers:  # the metrics component is elsewhere
             from runtime.serving_metrics_export import serve_inference_metrics
 

@@ -36,8 +36,8 @@ MIDDLEWARE_BYTES = 256 * MIB  # the CPU's `auto` budget: the middlewares' tables
 HOST_SHARE = 0.5              # of the memory available at start: others on the machine keep the rest
 # The deep health probe's bound (default 2 s) for a real model: its one-token forward of a
 # 30-layer model runs beside a full batch's step on the same cores, and past the bound the model
-# is NOT_SERVING and its requests UNAVAILABLE (fail-closed). A precaution: one bench run at a
-# load average of 17 on 2 cores had a whole c=16 cell UNAVAILABLE; at a load of 4 it did not recur.
+# is NOT_SERVING and its requests UNAVAILABLE (fail-closed). A precaution: on a heavily
+# overloaded host the default bound once turned a whole bench cell UNAVAILABLE.
 HEALTH_TIMEOUT_S = 10.0
 
 

@@ -132,6 +132,10 @@ def serve(argv: list[str] | None = None) -> int:
         from runtime.serving_metrics_export import serve_inference_metrics
 
         extra = serve_inference_metrics(servicer, config, run_dir)
+    elif args.component == "ratelimit":  # with a shared store: its families, on its own /metrics
+        from runtime.store_metrics import serve_store_metrics
+
+        extra = serve_store_metrics(servicer, config, run_dir)
 
     freeze_startup_heap()  # see its docstring: no full collection walks the startup heap again
     print(f"{args.component} serving on {server.address}", flush=True)

@@ -58,17 +58,24 @@ class ServingMetricsSource(Collector):
         yield from self._forwarded()
 
     def _forwarded(self) -> Iterator[Metric]:
-        try:
-            address = self._address_file.read_text().strip()
-        except OSError:
-            return  # no inference endpoint in this run directory
-        try:
-            with urllib.request.urlopen(f"http://{address}/metrics", timeout=FORWARD_TIMEOUT_S) as answer:
-                text = answer.read().decode()
-        except OSError as error:  # the model process is restarting: this scrape goes without
-            log.debug("serving metrics from %s not forwarded: %s", address, error)
-            return
-        yield from text_string_to_metric_families(text)
+        yield from forwarded(self._address_file)
+
+
+def forwarded(address_file: Path) -> Iterator[Metric]:
+    """The families another process of this run directory serves at the address in
+    `address_file`; none when there is no such file or the process does not answer in
+    `FORWARD_TIMEOUT_S` (it is restarting: this scrape goes without)."""
+    try:
+        address = address_file.read_text().strip()
+    except OSError:
+        return  # no such endpoint in this run directory
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=FORWARD_TIMEOUT_S) as answer:
+            text = answer.read().decode()
+    except OSError as error:
+        log.debug("metrics from %s (%s) not forwarded: %s", address, address_file.name, error)
+        return
+    yield from text_string_to_metric_families(text)
 
 
 def attach_serving_metrics(metrics_servicer: Any, local: Callable[[], Any], run_dir: Path) -> None:

@@ -4,7 +4,7 @@ In production the controller cannot reach into a spine replica to move its middl
 into a layered rate limiter to set its share of the limits; they come to it instead. Each
 one opens an ADS stream to the controller's xDS server (the one Envoy and proxyless gRPC
 clients read their weights from), names its role in the xDS `Node` metadata and subscribes
-to one resource of our own type, `spine.v1.StageAssignment` (protos/spine/v1/stage.proto).
+to one resource of our own type, `spine.v1.StageAssignment` (protos/wire/v1/stage.proto).
 For every version it receives it applies the assignment first and then ACKs that version;
 an assignment it cannot apply (a placement it has no address for, a share out of range) it
 NACKs with the reason and keeps what it had, as an Envoy keeps its last good config. The

@@ -1,7 +1,7 @@
 """Supervise the layered layout's processes: start, wait for SERVING, restart, stop.
 
 Each child is a real OS process running `python -m runtime.process`. A child is ready
-when its gRPC health check says SERVING — deep health (spine/health.py) where the child
+when its gRPC health check says SERVING — deep health (runtime/health.py) where the child
 runs a model, so "ready" means its model can run a forward on its device. Readiness is
 watched for as long as the child lives (`ready()`): a child whose device fails turns not
 ready without exiting, and turns ready again when its probe passes.

@@ -11,8 +11,8 @@ Two pieces make one trace per request, whatever the placement:
   server span (`spine.v1.Auth/Check`) that is a child of the gateway's `auth.check`.
 
 Cost: a sampled-out request still pays for a non-recording span per call; exporting
-every span synchronously costs about 75–220 µs per RPC in Python. So tracing is off by
-default, samples a small ratio when on (parent-based: one decision per request), and
+every span synchronously costs more per RPC than a middleware's own decision. So tracing is
+off by default, samples a small ratio when on (parent-based: one decision per request), and
 exports through a `BatchSpanProcessor` off the request path.
 """
 

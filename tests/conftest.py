@@ -68,7 +68,7 @@ def _runner_is_never_placed() -> Iterator[None]:
     an in-process model starts (`services.inference.cpu_placement`). Every child the runner starts
     afterwards inherits its CPUs, so one such leak ran the rest of the suite, children
     included, on a single core. Fails the test that turned it on."""
-    from services.inference import cpu_placement
+    import services.inference.cpu_placement as cpu_placement
 
     cpus = os.sched_getaffinity(0)
     yield

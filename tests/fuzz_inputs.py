@@ -1,7 +1,7 @@
 """What the Gateway fuzz (`test_fuzz_gateway.py`) sends: credentials (API keys, JWTs made
 right and each way wrong, junk), headers (`x-spine-*`, `x-request-id`, `traceparent`) and
-request fields, as hypothesis strategies, with each credential's verdict — and the README's
-limits they are drawn around, restated here so that the oracle is the README, not the code.
+request fields, as hypothesis strategies, with each credential's verdict — and the documented
+limits they are drawn around, restated here so that the oracle is the docs, not the code.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ INT64 = st.integers(-(2**63), 2**63 - 1)
 
 # -- credentials ------------------------------------------------------------------------------
 # A credential's verdict: the codes auth alone may give it, and an int for "authenticated,
-# with this max_priority". More than one where the README leaves the spelling open.
+# with this max_priority". More than one where the docs leave the spelling open.
 UNAUTH, DENIED = "UNAUTHENTICATED", "PERMISSION_DENIED"
 
 

@@ -19,7 +19,8 @@ from spine.tools.ab.command import run_command
 from spine.tools.ab.report import metric_rows, stream_timing
 from spine.tools.ab.report import up_layouts as report_layouts
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
-from spine.tools.ab.workload import SyntheticSpec, TraceError, read_trace, synthetic, tenant_keys, write_trace
+from spine.tools.trace import TraceError, read_trace, write_trace
+from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
 from wire.v1 import generation_pb2
 
@@ -65,7 +66,7 @@ def test_a_recorded_trace_replays_the_same_requests(tmp_path: Path) -> None:
     ('{"prompt": "a", "max_tokens": "2"}', r"trace\.jsonl:3: field 'max_tokens' must be int"),
     ('{"prompt": "a", "max_tokens": 2, "colour": 1}', r"trace\.jsonl:3: unknown field\(s\) \['colour'\]"),
     ('{"prompt": "a", "max_tokens": 2, "at": 0.1}', r"trace\.jsonl:3: 'at' goes back in time"),
-    ("[1, 2]", r"trace\.jsonl:3: each line must be a JSON object"),
+    ("[1, 2]", r"trace\.jsonl:3: expected a JSON object"),
 ])
 def test_a_malformed_trace_names_the_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "trace.jsonl"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.regime import write_configs
 from bench.report import batching_gain
-from bench.run import write_configs
 from bench.targets import LAYOUTS
 from runtime.config_file import load_config
 
@@ -40,7 +40,7 @@ def test_batching_gain_compares_the_batched_spine_with_the_named_unbatched_one()
 
 def test_bench_on_a_model_directory_serves_it_in_every_layout(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from bench.run import parse_args
+    from bench.settings import parse_args
     from spine.tools.make_tiny import make_tiny
 
     model = make_tiny(tmp_path / "tiny-llama")
@@ -58,7 +58,7 @@ def test_bench_on_a_model_directory_serves_it_in_every_layout(tmp_path: Path) ->
 def test_a_one_client_cell_is_cut_into_short_rounds_unless_rounds_are_given() -> None:
     """At concurrency 1 a layout's turn lasts ~40 requests, so a slow spell of the host lands
     on every layout alike; cells with many clients keep their few long rounds."""
-    from bench.run import SEQUENTIAL_BUDGET_S, SEQUENTIAL_REQUESTS, SEQUENTIAL_ROUND, parse_args
+    from bench.settings import SEQUENTIAL_BUDGET_S, SEQUENTIAL_REQUESTS, SEQUENTIAL_ROUND, parse_args
 
     settings, _, _ = parse_args([])
     one = settings.cell_requests(1)
@@ -79,7 +79,7 @@ def test_a_cell_with_many_clients_has_enough_requests_for_seconds_of_load() -> N
     """16 clients at 25 requests each were a quarter second a turn: too short against the
     host's slow spells. Every concurrent cell gets at least CONCURRENT_REQUESTS, more where
     25 a worker is more; --requests still sets the count."""
-    from bench.run import CONCURRENT_REQUESTS, REQUESTS_PER_WORKER, parse_args
+    from bench.settings import CONCURRENT_REQUESTS, REQUESTS_PER_WORKER, parse_args
 
     settings, _, _ = parse_args([])
     assert settings.cell_requests(16) == CONCURRENT_REQUESTS > REQUESTS_PER_WORKER * 16

@@ -55,9 +55,9 @@ def test_a_short_run_prints_each_variant_against_bare() -> None:
 
 def _checkout_copy(where: Path) -> Path:
     """The packages a spine server imports, copied as a checkout without build outputs."""
-    for package in ("spine", "services", "monolith", "protos"):
+    for package in ("spine", "runtime", "migration", "services", "monolith", "protos"):
         shutil.copytree(REPO_ROOT / package, where / package, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.rmtree(where / "spine" / "v1")  # generated, not in git
+    # wire/v1 is generated, not in git: the tree makes its own
     return where
 
 
@@ -76,11 +76,11 @@ def test_a_tree_runs_its_own_code_beside_this_checkout(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stderr[-2000:]
     rows = [line.split("│")[3].strip() for line in completed.stdout.splitlines() if line.startswith("│ unary")]
     assert rows == ["bare", "collapsed", "tree:change"], completed.stdout
-    assert (tree / "spine" / "v1" / "generation_pb2.py").is_file()  # made from the tree's own protos
+    assert (tree / "wire" / "v1" / "generation_pb2.py").is_file()  # made from the tree's own protos
 
     # Its code, not this checkout's: a tree that cannot import its router does not start.
-    with (tree / "services" / "router.py").open("a") as router:
+    with (tree / "services" / "router" / "service.py").open("a") as router:
         router.write("\nthis is not python(\n")
     broken = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert broken.returncode == 1
-    assert "tree:change" in broken.stdout and f"{tree}/services/router.py" in broken.stdout, broken.stdout
+    assert "tree:change" in broken.stdout and f"{tree}/services/router/service.py" in broken.stdout, broken.stdout

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.launch import launch, spine_up_argv
 from spine.cli import main
 
 
@@ -38,14 +39,11 @@ def test_a_built_table_is_mapped_by_spine_up_and_call_deterministic_is_seeded(tm
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"cache": {"pregenerated": str(tmp_path / "table.bin")}}))
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "spine", "--config", str(config), "up", "--layout", "collapsed",
-                                "--deterministic", "--listen", "127.0.0.1:0", "--http-listen", "off",
-                                "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launched = launch("spine up", spine_up_argv(config, "collapsed", listen="127.0.0.1:0", http_listen="off",
+                                                run_dir=run, extra=("--deterministic",)), log_path=tmp_path / "spine.log")
+    process = launched.process
     try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line, process.stderr.read() if process.stderr else ""
-        ready = json.loads(line)
+        ready = launched.wait_ready(120)
         assert yaml.safe_load((run / "config.yaml").read_text())["inference"]["deterministic"] is True
 
         def call(*args: str) -> dict[str, object]:
@@ -70,7 +68,7 @@ def test_a_built_table_is_mapped_by_spine_up_and_call_deterministic_is_seeded(tm
     ('{"model": "tiny-lm", "prompt": "x"}', "prompts.jsonl:1: max_tokens: expected an integer >= 1"),
     ('{"model": "gpt-9", "prompt": "x", "max_tokens": 2}', "prompts.jsonl:1: model: 'gpt-9' is not a model id"),
     ('{"model": "tiny-lm", "prompt": "x", "max_tokens": 2, "temperature": 1}', "unknown field(s) ['temperature']"),
-    ("not json", "prompts.jsonl:1: not JSON"),
+    ("not json", "prompts.jsonl:1: not valid JSON"),
     ('{"model": "tiny-lm", "prompt": "x", "max_tokens": 2}\n{"model": "mini", "prompt": "x", "max_tokens": 2}',
      "a table holds one model's answers"),
 ])

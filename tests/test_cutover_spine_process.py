@@ -27,7 +27,7 @@ from migration.traffic.spine_process import FaultNotSwitched
 from runtime.faults import FaultHook, FaultSwitch
 from services.common import ConfigError
 from services.registry import MIDDLEWARES
-from spine.cli import _injected_fault
+from spine.cli.up import _injected_fault
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import (
     DEV_KEY,

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 import yaml
 
 from monolith.device_on_use import DeviceOnFirstUse
+from runtime.launch import launch, serving_on
 from tests.conftest import config_for_tests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,34 +49,22 @@ def test_the_context_is_made_once_on_first_use_and_only_then() -> None:
     assert device.usage() == {"test": 0}
 
 
-def _component_process(component: str, tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(config_for_tests()))
-    socket = tmp_path / f"{component}.sock"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "runtime.process", component, "--listen", f"unix:{socket}",
-         "--config", str(config), "--run-dir", str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return process, socket
-
-
 @pytest.mark.parametrize(("component", "needs_torch"), [("auth", False), ("router", False), ("logs", False),
                                                         ("cache", True)])
 def test_a_component_process_imports_torch_only_when_it_keeps_tensors(component: str, needs_torch: bool,
                                                                      tmp_path: Path) -> None:
-    process, socket = _component_process(component, tmp_path)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(config_for_tests()))
+    process = launch(component, [sys.executable, "-m", "runtime.process", component, "--listen",
+                                 f"unix:{tmp_path / component}.sock", "--config", str(config), "--run-dir", str(tmp_path)],
+                     log_path=tmp_path / f"{component}.log")
     try:
-        deadline = time.monotonic() + 60
-        while not socket.exists():
-            assert process.poll() is None, process.stdout.read() if process.stdout else ""
-            assert time.monotonic() < deadline, f"{component} did not start"
-            time.sleep(0.05)
+        process.wait_ready(60, serving_on)
         maps = Path(f"/proc/{process.pid}/maps").read_text()
         assert ("libtorch" in maps) is needs_torch, f"{component}: torch loaded: {'libtorch' in maps}"
     finally:
-        process.terminate()
-        process.communicate(timeout=30)
-    assert process.returncode == 0  # SIGTERM: stopped in order, whichever it was
+        code = process.stop(30)
+    assert code == 0  # SIGTERM: stopped in order, whichever it was
 
 
 def test_torch_imported_after_configure_threads_gets_its_thread_count() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from runtime.launch import launch, spine_up_argv
 from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, pid_alive, start_stack
@@ -115,17 +116,12 @@ def test_children_carry_health_and_reflection(layered: Stack) -> None:
     assert "spine.v1.Router" in names and "grpc.health.v1.Health" in names
 
 
-def spine_up(layout: str, run_dir: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "spine", "up", "--layout", layout, "--listen", "127.0.0.1:0",
-         "--http-listen", "127.0.0.1:0", "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line:
-        process.wait(timeout=10)
-        raise AssertionError(f"spine up exited: {process.stderr.read() if process.stderr else ''}")
-    return process, json.loads(line)
+def spine_up(layout: str, run_dir: Path) -> tuple[subprocess.Popen[bytes], dict[str, object]]:
+    """`spine up` started as every tool starts a layout (`runtime.launch`); its root process
+    (the tests signal it themselves) and its ready line."""
+    launched = launch(f"spine up {layout}", spine_up_argv(None, layout, listen="127.0.0.1:0", http_listen="127.0.0.1:0",
+                                                         run_dir=run_dir), log_path=run_dir.parent / f"{layout}.log")
+    return launched.process, launched.wait_ready(120)
 
 
 def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: Path) -> None:

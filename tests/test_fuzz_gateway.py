@@ -4,10 +4,10 @@ Hypothesis draws Gateway calls — request fields, credentials (API keys, JWTs, 
 `x-spine-*`, `x-request-id` and `traceparent` headers, raw bodies that may not decode, a
 client deadline now and then, a stream cancelled after its first chunk — and sends each one,
 unary or streamed, to a collapsed and a layered stack started once for the module. Every
-answer is held to the README:
+answer is held to docs/status-codes.md:
 
 - its code is the one the "Status codes" table gives for that input (an oracle below,
-  written from the README, not from the pipeline's code): never UNKNOWN or INTERNAL, and
+  written from the docs, not from the pipeline's code): never UNKNOWN or INTERNAL, and
   never UNAVAILABLE (every component is up, so nothing can justify it);
 - it carries `x-spine-layout` (the layout's name) and `x-request-id` (the caller's when
   short and plain, else one of the server's) in its trailing metadata — unless gRPC itself
@@ -85,7 +85,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                                            HealthCheck.large_base_example])
 TIMEOUT_S = 30.0  # the client's deadline: far above anything a request here may take
 
-# The README's limits (runtime/default_config.yaml) are restated in tests.fuzz_inputs: the oracle is not the code's.
+# The documented limits (runtime/default_config.yaml) are restated in tests.fuzz_inputs: the oracle is not the code's.
 TIMED_BELOW_MS = 1_000  # a compute budget under this may or may not be enough: OK or DEADLINE_EXCEEDED
 NEVER = {"UNKNOWN", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNIMPLEMENTED"}
 
@@ -184,10 +184,10 @@ def _invoke(method: Any, kind: str, body: Any, metadata: Sequence[tuple[str, Any
     return Answer("OK", "", dict(done.trailing_metadata() or ()), [response])
 
 
-# -- the oracle: the README's table ------------------------------------------------------------
+# -- the oracle: the docs' table --------------------------------------------------------------
 def expected_codes(request: generation_pb2.GenerateRequest, verdicts: frozenset[Any],
                    context: int) -> tuple[set[str], bool]:
-    """The codes the README allows for `request` under a credential with `verdicts`, and
+    """The codes the docs allow for `request` under a credential with `verdicts`, and
     whether the answer is decided by the input alone (False: by time as well)."""
     codes: set[str] = set()
     timed = False
@@ -226,7 +226,7 @@ _PLAIN_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 def check_answer(side: Side, answer: Answer, allowed: set[str], metadata: Sequence[tuple[str, Any]],
                  request: generation_pb2.GenerateRequest | None, bare: set[str]) -> None:
-    """One answer against the README; `bare`: codes that may come from gRPC itself, before the
+    """One answer against the docs; `bare`: codes that may come from gRPC itself, before the
     Gateway saw the call, and so without its trailers (a client's own deadline, metadata over
     the limit)."""
     where = f"{side.layout}: {answer.code} {answer.details[:200]!r}"

@@ -26,7 +26,7 @@ from runtime.stack import Stack
 from services.registry import DEFAULT, GATEWAY
 from spine.client.gateway_client import GatewayClient
 from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
-from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from tests.test_supervisor import refused_config, seconds_until
 from wire.v1 import generation_pb2
@@ -97,6 +97,9 @@ def gen(prompt: str) -> generation_pb2.GenerateRequest:
 
 def test_a_stopped_auth_turns_the_gateway_not_serving_within_2s_and_serving_after_sigcont(layered: Stack) -> None:
     address = layered.address
+    # The module's stack is shared: a test before this one (or a loaded host) may leave a
+    # health check just failed; the gateway comes back by itself, as the test then checks.
+    seconds_until(serving(address), what="gateway SERVING before the test")
     assert status(address) == SERVING and status(address, GATEWAY.full_name) == SERVING
     assert status(address, "spine.v1.Auth") == SERVING
     with stopped(layered, "auth"), GatewayClient(address, DEV_KEY) as client:

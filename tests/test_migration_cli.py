@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from migration.cli import main
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess
 from migration.testing import ADMIN_TOKEN, HEALTHY, THREE_STAGES
+from spine.cli.migrate import main
 
 FAST_PLAN = textwrap.dedent("""\
     name: fast

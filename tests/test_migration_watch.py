@@ -59,7 +59,7 @@ def watch_in_a_terminal(process: ControllerProcess, act) -> tuple[int, str]:
     env = {**os.environ, "SPINE_ADMIN_TOKEN": ADMIN_TOKEN, "TERM": "xterm-256color", "COLUMNS": "160",
            "LINES": "60", "PYTHONPATH": str(ROOT)}
     env.pop("NO_COLOR", None)
-    child = subprocess.Popen([sys.executable, "-m", "migration.cli", "migrate", "status", "--watch",
+    child = subprocess.Popen([sys.executable, "-m", "spine.cli.migrate", "migrate", "status", "--watch",
                               "--controller", process.listen], stdin=follower, stdout=follower, stderr=follower,
                              env=env, cwd=ROOT, close_fds=True)
     os.close(follower)

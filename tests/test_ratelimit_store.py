@@ -127,8 +127,10 @@ def test_the_tokens_an_idle_replica_holds_come_back_within_a_lease(replicas: Any
     key = (("tenant", "t"), ("model", "m"), ("resource", "requests"))
     drive([first, second], 1.0, rate=0.6 * RATE, route=lambda n: 0)  # below the limit: it holds a lease
     assert first.bucket(key).level > 2 * RESERVE * BURST  # type: ignore[union-attr]
+    assert first.store is not None and first.store.outstanding()[0]["requests"] > RESERVE * BURST
     time.sleep(LEASE_S + 3 * RENEW_S)  # idle for a lease: it gives it back, keeping the reserve
     assert first.bucket(key).level <= RESERVE * BURST + 1e-9  # type: ignore[union-attr]
+    assert first.store.outstanding()[0]["requests"] == 0.0  # nothing leased outstanding any more
     admitted = drive([first, second], 1.0, route=lambda n: 1)
     assert admitted[1] >= 0.8 * RATE * 1.0  # the refill of the whole limit, not a share of it
 
@@ -158,6 +160,34 @@ def test_store_stopped_falls_back_to_shares_logged_once_and_counted(
     assert collected["spine_ratelimit_store_fallbacks"].samples[0].value == 1.0
     serving, reason = services[0].local_health()  # type: ignore[misc]
     assert serving and "unreachable" in reason and "shares" in reason  # still deciding, and says how
+    redis_server.start()  # back (empty): each replica back on leases, one line each, counted
+    wait_for(lambda: all(s.store and s.store.leasing for s in services))
+    time.sleep(3 * RENEW_S)
+    assert sum("reachable again" in r.getMessage() for r in caplog.records) == 3
+    assert [s.store.recoveries for s in services if s.store] == [1, 1, 1]
+    serving, reason = services[0].local_health()  # type: ignore[misc]
+    assert serving and "leasing" in reason
+
+
+@pytest.mark.parametrize("fail_mode", ["closed", "open"])
+def test_the_fail_mode_decides_what_a_replica_admits_without_its_store(
+        redis_server: LocalRedis, replicas: Any, fail_mode: str) -> None:
+    """`closed`: only the tokens it holds when the store goes (no refill); `open`: each replica
+    its whole limit (together more than the limit: what `shares` prevents)."""
+    services = replicas(2, fail_mode=fail_mode)
+    drive(services, 0.5)
+    wait_for(lambda: all(s.store and s.store.replicas == 2 for s in services))
+    redis_server.stop()
+    wait_for(lambda: all(s.store and not s.store.leasing for s in services))
+    key = (("tenant", "t"), ("model", "m"), ("resource", "requests"))
+    held = sum(s.bucket(key).level for s in services)  # type: ignore[union-attr]
+    seconds = 1.5
+    admitted = sum(drive(services, seconds))
+    if fail_mode == "closed":
+        assert admitted <= held + 1
+        assert sum(drive(services, 0.3)) == 0  # spent: nothing refills it
+    else:
+        assert admitted > 1.5 * RATE * seconds  # two whole refills: more than one limit's
 
 
 def test_store_restarted_empty_over_admits_at_most_what_was_leased(
@@ -247,10 +277,13 @@ def test_a_sigkilled_replicas_slots_come_back_after_their_ttl(redis_server: Loca
         try:
             time.sleep(2 * RENEW_S)  # renewed: it knows the two slots are held elsewhere
             assert not other.admit_items([AdmitItem("c", "m", 10)])[0].admitted
+            assert other.store is not None and other.store.replicas == 2
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=10)
             wait_for(lambda: other.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted,
                      timeout_s=SLOT_TTL_S + 3.0)
+            # and its place among the live replicas: a fallback now divides by one, not two
+            wait_for(lambda: other.store is not None and other.store.replicas == 1, timeout_s=SLOT_TTL_S + 3.0)
         finally:
             other.close()
     finally:

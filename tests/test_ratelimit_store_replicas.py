@@ -9,10 +9,6 @@ with the store stopped, the replicas keep answering, each within its share.
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.launch import Launched, launch, spine_up_argv
 from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
 from wire.v1 import generation_pb2
@@ -41,18 +38,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRed
             "tenants": {"dev": {"requests_per_second": RATE, "burst": BURST}},
             "store": {"redis": {"address": redis_server.address, "timeout_s": 0.1},
                       "renew_interval_s": RENEW_S, "lease_s": 0.5}}}))
-        processes = []
+        replicas: list[Launched] = []
         clients = []
         metrics: list[str] = []
         try:
-            for i in range(3):
-                processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "spine", "--config", str(config), "up", "--layout", "collapsed",
-                     "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--run-dir", str(workdir / f"run{i}")],
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-            for process in processes:
-                assert process.stdout is not None
-                ready = json.loads(process.stdout.readline())
+            for i in range(3):  # started side by side, then awaited
+                replicas.append(launch(f"replica {i}", spine_up_argv(config, "collapsed", listen="127.0.0.1:0",
+                                                                     http_listen="127.0.0.1:0", run_dir=workdir / f"run{i}"),
+                                       log_path=workdir / f"replica-{i}.log"))
+            for replica in replicas:
+                ready = replica.wait_ready(120)
                 assert "leasing from the shared store" in ready["health"]["components"]["ratelimit"]["reason"]
                 clients.append(GatewayClient(str(ready["address"]), token=KEY))
                 metrics.append(str(ready["metrics"]))
@@ -60,14 +55,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRed
         finally:
             for client in clients:
                 client.close()
-            for process in processes:
-                process.send_signal(signal.SIGTERM)
-            for process in processes:
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(timeout=10)
+            for replica in replicas:
+                replica.terminate()
+            deadline = time.monotonic() + 30
+            for replica in replicas:
+                replica.finish_stop(deadline)
 
 
 def send(clients: list[GatewayClient], seconds: float, route: str) -> list[int]:

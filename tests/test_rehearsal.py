@@ -2,7 +2,8 @@
 
 One run of the same code the command runs, every part a real process: the layered stack (its
 rate limiter following the controller), two spine replicas following it (`spine up
---follow-controller`), a real Prometheus server scraping both sides, the controller in xds mode
+--follow-controller`), every rate limiter leasing from one real Redis (`ratelimit.store`), a
+real Prometheus server scraping both sides, the controller in xds mode
 judging its gates on PromQL, and two stock proxyless gRPC clients (`xds:///spine-gateway`) as
 the data plane. A short plan — placements moving at every stage — is walked to 100%; then both
 replicas are restarted with the parity fault (`spine up --inject-fault wrong-answers`) and the
@@ -23,7 +24,7 @@ from migration.plan import load_plan
 from runtime.faults import WrongAnswers
 from services.common import ConfigError
 from services.registry import close_servicer
-from spine.cli import _injected_fault
+from spine.cli.up import _injected_fault
 from spine.tools.rehearsal import REHEARSAL_PLAN, SPINES, Options, run_rehearsal, summary
 from spine.tools.rehearsal_processes import RehearsalError
 from tests.conftest import config_for_tests
@@ -90,10 +91,22 @@ def test_the_production_path_walks_to_100_percent_then_a_parity_fault_is_rolled_
     rollbacks = [a for a in report.audit if a.action == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0].actor == SYSTEM_ACTOR and "parity" in rollbacks[0].reason
 
-    # Every process it started was stopped, by PID.
+    # Every rate limiter (the layered one, each spine's) leased from the one shared store, a
+    # real Redis; the report shows it and each limiter's view after bring-up and each walk.
+    assert [look.when for look in report.store] == ["after bring-up", "after the healthy walk",
+                                                    "after the parity walk"]
+    for look, spines in zip(report.store, ("1", "1", "2"), strict=True):
+        assert look.live_replicas == 3, look.lines()  # the restarted replicas' predecessors left it
+        assert [limiter.name for limiter in look.limiters] == [
+            "layered-ratelimit", f"spine-a-{spines}", f"spine-b-{spines}"], look.lines()
+        assert all(not limiter.error and limiter.calls_ok > 0 for limiter in look.limiters), look.lines()
+    assert all(limiter.calls_per_s for limiter in report.store[1].limiters), report.store[1].lines()
+
+    # Every process it started was stopped, by PID (the store last).
     names = {name for name, _, _ in report.stopped}
     assert {"controller", "layered", "layered-ratelimit", "prometheus", "proxyless-client-1", "proxyless-client-2",
-            "spine-a-1", "spine-b-1", "spine-a-2", "spine-b-2"} <= names
+            "spine-a-1", "spine-b-1", "spine-a-2", "spine-b-2", "redis"} <= names
+    assert report.stopped[-1][0] == "redis"
     for _, pid, _ in report.stopped:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

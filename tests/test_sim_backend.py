@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +13,7 @@ import pytest
 
 from monolith.device import DeviceContext
 from runtime.bindings import LocalContext, LocalRpcError
+from runtime.launch import launch, spine_up_argv
 from services.common import ConfigError
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from services.inference.model.backend import load_backend, make_engine
@@ -123,15 +121,12 @@ def test_compute_budgets_and_load_hints_work_on_the_simulated_device() -> None:
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
 def test_spine_up_model_sim_serves_a_generate_call_in_every_layout(tmp_path: Path, layout: str) -> None:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "spine", "up", "--layout", layout, "--listen", "127.0.0.1:0",
-         "--http-listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "run"), "--model", "sim"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launched = launch("spine up", spine_up_argv(None, layout, listen="127.0.0.1:0", http_listen="127.0.0.1:0",
+                                                run_dir=tmp_path / "run", extra=("--model", "sim")),
+                      log_path=tmp_path / "spine.log")
+    process = launched.process
     try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line, f"spine up exited: {process.stderr.read() if process.stderr else ''}"
-        ready = json.loads(line)
+        ready = launched.wait_ready(120)
         assert ready["layout"] == layout
         with grpc.insecure_channel(ready["address"]) as channel:
             answer, call = gateway_pb2_grpc.GatewayStub(channel).Generate.with_call(

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,13 +23,14 @@ import grpc
 import pytest
 import yaml
 
-from migration.cli import main as migrate
+import services.ratelimit.service as ratelimit
 from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
 from runtime.config_file import placements_for
+from runtime.launch import Launched, launch, spine_up_argv
 from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from runtime.stage_follower import (
@@ -42,7 +40,7 @@ from runtime.stage_follower import (
     ratelimit_applier,
     spine_applier,
 )
-from services.ratelimit import service as ratelimit
+from spine.cli.migrate import main as migrate
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 from wire.v1 import (
     gateway_pb2_grpc,
@@ -53,7 +51,6 @@ from wire.v1 import (
     ratelimit_pb2_grpc,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-admin-token-0123456789"
 MD = [("authorization", f"Bearer {TOKEN}")]
 LIMIT = 20  # the split-* tenants' request burst (tests/conftest.py); refill 0.001/s: counts are exact
@@ -229,19 +226,6 @@ def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied
 
 # -- spine up follows, placements move, a rollback returns them with the weights -------------
 
-def read_json_line(process: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    lines: queue.Queue[str] = queue.Queue()
-    assert process.stdout is not None
-    stdout = process.stdout
-    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-    try:
-        line = lines.get(timeout=timeout)
-    except queue.Empty:
-        raise AssertionError(f"no ready line within {timeout}s") from None
-    assert line, "the process exited before its ready line"
-    return dict(json.loads(line))
-
-
 def layout_served(address: str) -> str:
     with grpc.insecure_channel(address) as channel:
         _, call = gateway_pb2_grpc.GatewayStub(channel).Generate.with_call(
@@ -250,20 +234,9 @@ def layout_served(address: str) -> str:
         return str(dict(call.trailing_metadata())["x-spine-layout"])
 
 
-def stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def test_spine_up_follows_the_stages_placements_and_a_rollback_returns_them_with_the_weights(tmp_path: Path) -> None:
     sock_dir = Path(tempfile.mkdtemp(prefix="spine-follow-", dir="/tmp"))
-    processes: list[subprocess.Popen[str]] = []
-    log_file = (tmp_path / "processes.log").open("w")  # read it when this test fails
+    processes: list[Launched] = []  # each one's log beside it in tmp_path: read them when this test fails
     try:
         logs_address = f"unix:{sock_dir}/logs.sock"
         spine_port, metrics_port, ads = free_port(), free_port(), f"127.0.0.1:{free_port()}"
@@ -271,29 +244,27 @@ def test_spine_up_follows_the_stages_placements_and_a_rollback_returns_them_with
                                   metrics={"http_listen": f"127.0.0.1:{metrics_port}"})
         config_file = tmp_path / "config.yaml"
         config_file.write_text(yaml.safe_dump(config))
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "runtime.process", "logs", "--listen", logs_address, "--config",
-             str(config_file), "--run-dir", str(tmp_path / "logs")], cwd=ROOT, text=True,
-            stdout=subprocess.DEVNULL, stderr=log_file))
+        processes.append(launch("logs", [sys.executable, "-m", "runtime.process", "logs", "--listen", logs_address,
+                                         "--config", str(config_file), "--run-dir", str(tmp_path / "logs")],
+                                log_path=tmp_path / "logs.log"))
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN)
         token_file.chmod(0o600)
         listen = f"unix:{sock_dir}/controller.sock"
         metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         spine = f"127.0.0.1:{spine_port}"
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "rollout.db"), "--listen", listen,
-             "--admin-token-file", str(token_file), "--target", "xds", "--xds-listen", ads, "--layered", spine,
-             "--spine", spine, "--layered-metrics", metrics, "--spine-metrics", metrics,
-             "--min-data-planes", "0", "--min-spine-replicas", "1"], cwd=ROOT, text=True,
-            stdout=subprocess.DEVNULL, stderr=log_file))
+        processes.append(launch("controller", [
+            sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "rollout.db"), "--listen", listen,
+            "--admin-token-file", str(token_file), "--target", "xds", "--xds-listen", ads, "--layered", spine,
+            "--spine", spine, "--layered-metrics", metrics, "--spine-metrics", metrics,
+            "--min-data-planes", "0", "--min-spine-replicas", "1"], log_path=tmp_path / "controller.log"))
         assert wait_serving(listen, timeout=60) and wait_serving(logs_address, timeout=60)
-        up = subprocess.Popen(
-            [sys.executable, "-m", "spine", "--config", str(config_file), "up", "--layout", "collapsed",
-             "--listen", spine, "--http-listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "spine"), "--follow-controller", ads,
-             "--node-id", "spine-a"], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=log_file)
+        up = launch("spine", spine_up_argv(config_file, "collapsed", listen=spine, http_listen="127.0.0.1:0",
+                                           run_dir=tmp_path / "spine",
+                                           extra=("--follow-controller", ads, "--node-id", "spine-a")),
+                    log_path=tmp_path / "spine.log")
         processes.append(up)
-        ready = read_json_line(up, timeout=90)
+        ready = up.wait_ready(90)
         # Before any rollout: the stable state (republished as it joined), its own placements kept.
         assert ready["follower"]["applied_version"] == "stable+m1" and ready["layout"] == "collapsed"
 
@@ -320,8 +291,7 @@ def test_spine_up_follows_the_stages_placements_and_a_rollback_returns_them_with
             assert layout_served(spine) == "mixed"  # the previous stage's placements, with 0 % of the traffic
     finally:
         for process in reversed(processes):
-            stop(process)
-        log_file.close()
+            process.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -381,15 +351,14 @@ def test_a_tenant_gets_at_most_its_limit_across_two_spines_and_two_layered_rate_
     with contextlib.ExitStack() as teardown:  # unwinds followers, stacks, processes, then the controller
         sock_dir = Path(tempfile.mkdtemp(prefix="spine-limits-", dir="/tmp"))
         teardown.callback(shutil.rmtree, sock_dir, ignore_errors=True)
-        log_file = teardown.enter_context((tmp_path / "processes.log").open("w"))  # read it when this fails
         harness = teardown.enter_context(controller(tmp_path, "http://127.0.0.1:9/metrics", min_spine=2))
         limiters = [f"unix:{sock_dir}/rl-{i}.sock" for i in (1, 2)]
         for i, address in enumerate(limiters, start=1):
-            process = subprocess.Popen(
-                [sys.executable, "-m", "runtime.process", "ratelimit", "--listen", address, "--config",
-                 str(config_file), "--run-dir", str(tmp_path / f"rl-{i}"), "--follow-controller", harness.ads,
-                 "--node-id", f"layered-rl-{i}"], cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=log_file)
-            teardown.callback(stop, process)
+            process = launch(f"rl-{i}", [
+                sys.executable, "-m", "runtime.process", "ratelimit", "--listen", address, "--config",
+                str(config_file), "--run-dir", str(tmp_path / f"rl-{i}"), "--follow-controller", harness.ads,
+                "--node-id", f"layered-rl-{i}"], log_path=tmp_path / f"rl-{i}.log")  # read it when this fails
+            teardown.callback(process.stop)
         spines = []
         for i, address in enumerate(limiters, start=1):  # each spine reaches one layered limiter
             stack = Stack(base, placements_for("collapsed", base), run_dir=tmp_path / f"spine-{i}",

@@ -24,7 +24,6 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from migration.cli import ControlClient
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess
 from migration.testing import ADMIN_TOKEN
@@ -32,6 +31,7 @@ from runtime.core_log import translate
 from runtime.sections import TlsConfig
 from runtime.server import free_port
 from spine.cli import main as spine_main
+from spine.cli.migrate import ControlClient
 from spine.tools.dev_certs import FILES, write_file
 from tests.tls_helpers import Certs, make_certs
 from wire.v1 import migration_pb2 as pb
@@ -244,7 +244,7 @@ def test_a_controller_with_tls_serves_beyond_loopback_and_spine_migrate_needs_th
         plain.close()
 
         token = write_file(tmp_path / "token", ADMIN_TOKEN.encode(), 0o600)
-        migrate = [sys.executable, "-m", "migration.cli", "migrate", "status", "--json", "--controller",
+        migrate = [sys.executable, "-m", "spine.cli.migrate", "migrate", "status", "--json", "--controller",
                    f"localhost:{port}", "--admin-token-file", str(token), "--ca", str(certs.ca)]
         ok = run([*migrate, "--cert", str(certs.client), "--key", str(certs.client_key)])
         assert ok.returncode == 0 and '"state"' in ok.stdout, ok.stderr

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,19 +18,18 @@ import yaml
 from migration.traffic.cutover import Cutover
 from migration.xds import Endpoint, XdsControlPlane
 from runtime.config_file import placements_for
+from runtime.launch import launch, serving_on
 from runtime.sections import TlsConfig
 from runtime.stack import Stack
 from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower
 from runtime.tls import ReloadingCertificates, reload_on_sighup
 from spine.client.gateway_client import GatewayClient
 from spine.tools.ab.runner import RunOptions, run_ab
-from spine.tools.ab.workload import SyntheticSpec, synthetic, tenant_keys
 from spine.tools.dev_certs import issue, make_authority, write_file
+from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.tls_helpers import Certs, health, make_certs
 from wire.v1 import generation_pb2
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +53,12 @@ def tcp_auth(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(config_for_tests(tls=certs.tls_config())))
     log_path = tmp / "auth.log"
-    with open(log_path, "wb") as log_file:
-        child = subprocess.Popen([sys.executable, "-m", "runtime.process", "auth", "--listen", "127.0.0.1:0",
-                                  "--config", str(config_path), "--run-dir", str(tmp)], cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=log_file)
+    child = launch("auth", [sys.executable, "-m", "runtime.process", "auth", "--listen", "127.0.0.1:0",
+                            "--config", str(config_path), "--run-dir", str(tmp)], log_path=log_path)
     try:
-        assert child.stdout is not None
-        ready, _, _ = select.select([child.stdout], [], [], 90)
-        line = child.stdout.readline().decode() if ready else ""
-        assert "serving on" in line, f"the auth child did not start: {line!r} {log_path.read_text()}"
-        yield line.rsplit(" ", 1)[1].strip(), log_path
+        yield str(child.wait_ready(90, serving_on)["address"]), log_path
     finally:
-        child.send_signal(signal.SIGTERM)
-        child.wait(timeout=20)
+        child.stop(20)
 
 
 def test_a_layered_child_on_tcp_serves_mtls_only(tcp_auth: tuple[str, Path], certs: Certs) -> None:

@@ -12,7 +12,7 @@ their addresses are fixed by the run directory (`<run dir>/<component>.sock`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,11 @@ class LayeredProcess(LayoutProcess):
     """`spine up --layout layered` on loopback, its run directory `run_dir`; stopped by its PID."""
 
     name = "layered"
+    layout = "layered"
 
     def __init__(self, config: Mapping[str, Any], run_dir: Path) -> None:
         super().__init__(config, run_dir)
         self._channel: grpc.Channel | None = None
-
-    def up_arguments(self) -> Sequence[str]:
-        return ("--layout", "layered")
 
     def component_addresses(self) -> dict[str, str]:
         """Where each layered middleware listens (the spine's remote placements)."""

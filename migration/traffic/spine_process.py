@@ -4,8 +4,8 @@ stages over ADS, its faults switched through its stdin.
 Why: in the demo's process the spine's gateway, middlewares and model shared one
 interpreter with the front, the controller, the xDS server and the traffic's bookkeeping,
 while the layered side had processes of its own; `make run`'s tables then compared a spine
-slowed by the harness with a layered stack that was not (at 10%: p50 50.1 vs 40.9 ms, p99
-twice the layered side's at every stage). Here both sides are what they are in production.
+slowed by the harness with a layered stack that was not (the spine read slower at every
+stage, for that reason alone). Here both sides are what they are in production.
 
 - It starts on the demo's placements (the model local, every middleware remote, in the
   layered stack's processes: `remote_addresses`) and then follows the controller's stages
@@ -19,13 +19,11 @@ twice the layered side's at every stage). Here both sides are what they are in p
 from __future__ import annotations
 
 import json
-import queue
-import subprocess
 import threading
-import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from migration.traffic.layout_process import LayoutProcess
 from runtime.config_file import merge
@@ -42,6 +40,7 @@ class SpineProcess(LayoutProcess):
     """A spine replica in its own process, following the xDS control plane at `controller`."""
 
     name = "spine"
+    layout = "mixed"
 
     def __init__(self, config: Mapping[str, Any], run_dir: Path, *, controller: str,
                  remote: Mapping[str, str], node_id: str = "demo-spine") -> None:
@@ -50,59 +49,45 @@ class SpineProcess(LayoutProcess):
         super().__init__(merge(config, placed), run_dir)
         self.controller = controller
         self.node_id = node_id
-        self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
         self._switching = threading.Lock()
 
     def up_arguments(self) -> Sequence[str]:
         # No wait for a first stage: until the controller publishes one, the config's placements.
-        return ("--layout", "mixed", "--follow-controller", self.controller, "--node-id", self.node_id,
+        return ("--follow-controller", self.controller, "--node-id", self.node_id,
                 "--initial-fetch-timeout-s", "0", "--inject-fault", "switchable")
 
     def switch_fault(self, command: str) -> dict[str, Any]:
         """Send one `FaultSwitch` command and return the child's answer to it (the fault now)."""
         with self._switching:  # one command in flight: its answer is the next one that names it
-            process = self.process
-            if process is None or process.stdin is None or process.poll() is not None:
+            launched = self.launched
+            if launched is None or not launched.alive():
                 raise FaultNotSwitched(f"{command!r}: the spine process is not running")
             try:
-                process.stdin.write(command.encode() + b"\n")
-                process.stdin.flush()
+                launched.send(command)
             except (OSError, ValueError) as error:  # it exited (a broken pipe), or is being stopped
                 raise FaultNotSwitched(f"{command!r}: the spine process is not reading ({error}); "
                                        f"see {self.log_path}") from None
-            deadline = time.monotonic() + SWITCH_TIMEOUT_S
-            while True:
-                try:
-                    answer = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise FaultNotSwitched(f"{command!r}: no answer from the spine process within "
-                                           f"{SWITCH_TIMEOUT_S:g}s; see {self.log_path}") from None
-                if answer.get("command") == command.strip():
-                    break  # an earlier command's late answer is dropped
+            # an earlier command's late answer is dropped
+            answer = launched.wait_for(partial(_fault_answer, command.strip()), SWITCH_TIMEOUT_S)
+        if answer is None:
+            raise FaultNotSwitched(f"{command!r}: no answer from the spine process within "
+                                   f"{SWITCH_TIMEOUT_S:g}s; see {self.log_path}")
         if answer.get("event") != "fault":
             raise FaultNotSwitched(f"{command!r}: refused by the spine process: {answer.get('why', answer)}")
         return answer
 
-    def _stdin(self) -> int:
-        return subprocess.PIPE
+    def _stdin(self) -> bool:
+        return True
 
-    def _read_after_ready(self, stdout: IO[bytes]) -> None:
-        """The answers to fault switches, one JSON object each (found in its line even when
-        something else printed on it first)."""
-        decoder = json.JSONDecoder()
-        try:
-            for raw in stdout:
-                line = raw.decode("utf-8", errors="replace")
-                at = line.find('{"event": "fault')
-                if at < 0:
-                    continue
-                try:
-                    event, _ = decoder.raw_decode(line, at)
-                except ValueError:
-                    continue
-                if isinstance(event, dict):
-                    self._answers.put(event)
-        except (OSError, ValueError):
-            pass
-        finally:
-            stdout.close()
+
+def _fault_answer(command: str, line: str) -> dict[str, Any] | None:
+    """The answer to `command` a line holds, one JSON object (found in its line even when
+    something else printed on it first)."""
+    at = line.find('{"event": "fault')
+    if at < 0:
+        return None
+    try:
+        event, _ = json.JSONDecoder().raw_decode(line, at)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and event.get("command") == command else None

@@ -1,9 +1,9 @@
 """uvicorn (httptools parser, uvloop) in a thread of the serving process.
 
 Chosen by measurement (a blocking handler on a thread pool, JSON in and out, wrk on the other
-core, two runs each): p50 at c=1 156-160 µs for uvicorn with a plain ASGI app, 183-190 with
-Starlette's routing on top, 174-203 for aiohttp; throughput at c=64 within the noise of each
-other (13-16k requests/s), far above what a model serves. uvicorn also has the pieces this
+core, two runs each): a plain ASGI app on uvicorn answered a lone request fastest, ahead of
+Starlette's routing on top and of aiohttp; at high concurrency the three were within each
+other's noise, far above what a model serves. uvicorn also has the pieces this
 server needs: TLS from files, a connection cap (`limit_concurrency`: 503 past it) and a
 protocol class that can be extended.
 

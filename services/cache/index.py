@@ -15,10 +15,10 @@ entries, which keeps the window short.
 A 64-bit hash can collide: every hash hit is confirmed against the full key on the host.
 
 On the CPU there is no batch probe worth its setup: a dict from full key to slot finds a
-request's entry in one hash lookup, where walking its probe window cell by cell cost 8–11 µs
-a lookup and 8–9 µs a store in a full table of 4096 entries (the window is the longest
-displacement of any entry: 31 positions there), against 2.0 and 1.6 µs now (timeit, best
-of three), and a request pays both. The columns stay the state either
+request's entry in one hash lookup, where walking its probe window cell by cell grows with
+the window (the longest displacement of any entry, which a full table makes long) and costs
+several times as much a lookup and a store (timeit the two before changing this), and a
+request pays both. The columns stay the state either
 way: expiry, recency and the slots' hashes are read and written there, so the two paths
 find, expire and evict alike (tests/test_cache.py runs them side by side).
 """
@@ -227,7 +227,7 @@ class CacheIndex(Generic[V]):
 
     def _free(self, slots: list[int]) -> None:
         if self._host:
-            if len(slots) <= 8:  # an eviction frees one: cell writes (0.3 µs each), not a fancy index (3 µs)
+            if len(slots) <= 8:  # an eviction frees one: a few cell writes cost less than one fancy index
                 cells = self._ticks_cells
                 for slot in slots:
                     cells[slot] = 0

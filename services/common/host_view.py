@@ -2,9 +2,9 @@
 
 Why: the spine's tables (token buckets, counters, histograms) are updated on the host
 through numpy views of their CPU tensors, per request. Asking a tensor for its `.device`
-and making a `.numpy()` view each time cost ~40–50 µs apiece on a request path whose
-caches the model's step has just evicted (measured in-process at concurrency 1) — more
-than the update itself. A table replaces its tensor only when it grows, so the view is
+and making a `.numpy()` view each time cost more than the update itself on a request path
+whose caches the model's step has just evicted (`python -m bench.cold_path` shows such
+costs). A table replaces its tensor only when it grows, so the view is
 made again only then.
 
 `cells(tensor)` is the same memory as a `memoryview`, for the paths that read and write a

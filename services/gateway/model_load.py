@@ -29,8 +29,8 @@ log = logging.getLogger("spine.gateway")
 REFRESH_S = 0.5  # a hint older than this is refreshed when asked for
 STALE_S = 1.0  # a hint older than this says nothing about the busy figure any more
 # A model's busy figure is read from its hint at most this often. The figure moves in the
-# model's own 100 ms slots (`inference_load.BusyMeter`), and parsing every answer's hint
-# was ~5 µs of the spine's CPU per request, for the same number most of the time.
+# model's own 100 ms slots (`services.inference.load_hints.BusyMeter`), and parsing every
+# answer's hint cost the spine CPU on every request for the same number most of the time.
 FIGURE_EVERY_S = 0.02
 
 Fetch = Callable[[], Iterable[tuple[str, str]]]  # every model's (id, hint), from the inference component

@@ -319,8 +319,8 @@ def safe_request_id(value: str | None) -> str:
     return f"{_ID_PREFIX}{next(_ID_SEQUENCE):012x}"
 
 
-# A plain id: ASCII letters, digits, '-', '_' and '.', at most 64 of them. One regex match
-# (0.4 µs) where a per-character check took 3.3 µs for a uuid; every request the migration's
+# A plain id: ASCII letters, digits, '-', '_' and '.', at most 64 of them. One regex match,
+# several times cheaper than a per-character check in Python; every request the migration's
 # front forwards carries one. (gRPC metadata values are printable ASCII, so the per-character
 # check's other letters never reached it.)
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -76,7 +76,7 @@ class InferenceConfig(Section):
     deterministic: StrictBool = False
     health_interval_s: Annotated[Float, Field(ge=0.01)] = 1.0
     health_timeout_s: Annotated[Float, Field(ge=0.01)] = 2.0
-    prefix_cache: StrictBool = True  # keep a shared system prompt's KV once (paged caches)
+    prefix_cache: StrictBool = True  # keep a shared system prompt's KV once (paged pools; slot pools: a stored copy)
     metrics_listen: ListenAddress = "127.0.0.1:0"  # its own /metrics where the metrics component is elsewhere
     # More models served beside this one, each with its own weights, KV pool, scheduler and
     # load hint (`services.inference.models`). A block names its `model_id` and may set any

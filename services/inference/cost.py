@@ -3,8 +3,9 @@
 A sequence in the running batch gets one token per scheduler step, so the time of a step
 is what each of its tokens costs. That time depends on the batch size (a bigger batch is
 a bigger forward) and on the host (a busy machine runs every step slower), so a figure
-measured once at start goes stale the moment load changes: under a load average of ~15
-it was 4–5× too low, and requests died of their "compute budget" at 254 of 256 tokens.
+measured once at start goes stale the moment load changes: on a heavily loaded host it
+was several times too low, and long requests died of their "compute budget" just short of
+their last token.
 
 `StepCost` keeps an exponentially weighted moving average per batch size, fed by the
 scheduler with the wall time of each whole step (admission, the forward, sampling and the

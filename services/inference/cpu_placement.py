@@ -6,10 +6,10 @@ process's threads float over several cores, a thread on another core takes the l
 every one of those gaps, so the step is handed back and forth across cores hundreds of
 times (and each side finds its caches emptied by the other). On one core a waiting thread
 cannot run while the model's thread holds the core, so the gaps cost nothing and the
-threads take turns at the points where one of them waits. Measured on 2 cores, one focused
-run each (whole process on one core vs floating; the load generator on the other core):
-collapsed spine throughput at c=64 0.955x the bare model service (0.80x floating), at c=1
-the p50 1.062x (1.114x); context switches per request halve. Both layouts get the same.
+threads take turns at the points where one of them waits. Side by side on a 2-core host
+(whole process on one core vs floating, the load generator on the other core) the pinned
+spine kept closer to the bare model service at every concurrency, with fewer context
+switches per request (`python -m bench.variants` can repeat it). Both layouts get the same.
 
 The setting is per process, in the environment like `SPINE_TORCH_THREADS`:
 `SPINE_CPU=auto` (default) takes the CPUs (one per torch thread) that the fewest other

@@ -12,7 +12,7 @@ off or fall back before the server has to refuse:
 * ``kv_free``      slots free right now;
 * ``mem_free_mb``  free memory of the device (host memory on the CPU);
 * ``ms_per_token`` what a token costs now: the wall time of a decode step at the running
-                   batch's size, measured on every step (`inference_cost`);
+                   batch's size, measured on every step (`services.inference.cost`);
 * ``busy``         the busy fraction of the model's decode loop (0..1): the share of the
                    last second its scheduler spent stepping, not waiting for work
                    (`BusyMeter`); each model has its own loop, KV pool and hint;

@@ -8,14 +8,17 @@ inference process and in the spine alike.
 
 The serving controls live here, once, for both layouts: priority classes, a compute
 budget per request (default: max_tokens × the ms/token measured on the engine's real
-steps × a slowdown factor + a margin, capped; see `inference_cost`), a KV pool sized from
+steps × a slowdown factor + a margin, capped; see `cost.py`), a KV pool sized from
 free memory, a bounded queue that refuses with `retry-after`, load hints on every answer
 (`x-spine-load`), a health probe (one tiny forward) and a deterministic mode. Its serving
 metrics (`inference_metrics`) are on `metrics_registry`.
 
 A request's `system` prompt is read before its prompt: through the chat template where
-the backend has one, else as the engine's shared prefix (`services.pipeline.system_prompt`), whose
-KV the engine keeps once for every request that shares it (`inference.prefix_cache`).
+the backend has one (the rendered tokens it alone decides being the shared prefix), else
+as the system prompt and a blank line (`services.pipeline.system_prompt`); the engine keeps that
+prefix's KV once for every request that shares it (`inference.prefix_cache`): as blocks
+of a paged pool, or as a copy stored beside a slot pool within what the KV budget leaves
+after the pool (`services.inference.model.kv_prefix`).
 
 A caller that goes away stops its generation wherever it waits: a context callback
 cancels the job (the gRPC server fires it on cancel and deadline, an in-process
@@ -87,7 +90,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         spec = {"model_id": config.model_id, "seed": config.seed, **config.backend.spec()}
         self.backend = backend if backend is not None else load_backend(spec, device=device)
         self.kv_plan = self._plan_kv()
-        self.engine = make_engine(self.backend, device, self.kv_plan.slots, prefix_caching=config.prefix_cache)
+        self.engine = make_engine(self.backend, device, self.kv_plan.slots, prefix_caching=config.prefix_cache,
+                                  prefix_budget_bytes=self.kv_plan.spare_bytes)
         self.stats = ServingStats()
         self.cost = StepCost(self.engine.max_slots, self._warm_up_ms_per_token())
         self.budget = BudgetRule(config.timeout_slowdown, config.timeout_margin_ms, config.max_timeout_ms)
@@ -100,6 +104,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.metrics_registry.register(self.serving_collector)
         self._gauge = DeviceGauge(device)
         log.info("%s", self.kv_plan.describe())
+        if self.engine.prefixes is not None:
+            log.info("shared prefixes: stored once and copied into each slot, at most %.1f MiB (what the KV "
+                     "budget leaves after the pool)", self.engine.prefixes.budget_bytes / (1 << 20))
         log.info("inference %s on %s: %.3f ms per token at the warm-up, then measured on every step; "
                  "default compute budget = max_tokens × measured ms/token × %.1f + %.0f ms, at most %d ms",
                  config.model_id, torch_device(device), self.ms_per_token, config.timeout_slowdown,
@@ -147,7 +154,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     # -- serving controls ------------------------------------------------------------
     @property
     def ms_per_token(self) -> float:
-        """What a token costs now, at the running batch's size (measured, see `inference_cost`)."""
+        """What a token costs now, at the running batch's size (measured, see `cost.StepCost`)."""
         return self.cost.ms_per_token(max(1, self.engine.active_count))
 
     def default_timeout_ms(self, max_tokens: int, batch: int | None = None) -> int:
@@ -173,12 +180,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def serving_state(self) -> list[tuple[ModelGauges, ServingStats]]:
         """What /metrics reads of this model at a scrape (`inference_metrics`)."""
-        engine, kv = self.engine, self.engine.kv
+        engine, kv, stored = self.engine, self.engine.kv, self.engine.prefixes
+        lookups = kv.prefixes if kv is not None else stored
         gauges = ModelGauges(
             model=self.config.model_id, slots_used=engine.active_count, slots_free=engine.free_slots,
             queue=self.scheduler.queue_by_class(), blocks=kv.usage() if kv is not None else None,
-            prefix_hits=kv.prefixes.hits if kv is not None else 0,
-            prefix_misses=kv.prefixes.misses if kv is not None else 0)
+            prefix_hits=lookups.hits if lookups is not None else 0,
+            prefix_misses=lookups.misses if lookups is not None else 0,
+            prefix_bytes=stored.bytes if stored is not None else None)
         return [(gauges, self.stats)]
 
     def health_probe(self) -> None:
@@ -244,13 +253,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _encode(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], list[int]]:
         """(shared prefix, prompt) ids: with a system prompt, the chat template's where the
-        backend has one (all of it the prompt), else the system prompt and a blank line as
-        the prefix the engine may share (`services.pipeline.system_prompt`). A chat's messages, where the
-        backend has a chat template, go through it whole (`services.inference.model.chat`)."""
+        backend has one (its tokens that depend on the system prompt alone are the prefix:
+        `HFTokenizer.chat_parts`), else the system prompt and a blank line as the prefix the
+        engine may share (`services.pipeline.system_prompt`). A chat's messages, where the backend has
+        a chat template, go through it whole (`services.inference.model.chat`)."""
         if request.messages and getattr(self.backend, "has_chat_template", False):
             return encode_messages(self.backend, [{"role": m.role, "content": m.content} for m in request.messages])
         if not request.system:
             return [], self.backend.encode(request.prompt)
+        chat_parts = getattr(self.backend, "encode_chat_parts", None)
+        if callable(chat_parts):
+            prefix, prompt = chat_parts(request.prompt, request.system)
+            return list(prefix), list(prompt)
         encode_chat = getattr(self.backend, "encode_chat", None)
         if callable(encode_chat):
             return [], list(encode_chat(request.prompt, request.system))

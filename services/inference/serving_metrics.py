@@ -107,6 +107,7 @@ class ModelGauges:
     blocks: Mapping[str, int] | None  # paged caches: used, cached, free
     prefix_hits: int = 0
     prefix_misses: int = 0
+    prefix_bytes: int | None = None  # slot pools: bytes of the shared prefixes stored (`kv_prefix`)
 
 
 ModelsRead = Callable[[], Sequence[tuple[ModelGauges, ServingStats]]]
@@ -137,6 +138,9 @@ class ServingCollector(Collector):
             if gauges.blocks is not None:
                 for state, count in gauges.blocks.items():
                     families["spine_kv_blocks"].add_metric([model, state], count)
+            if gauges.prefix_bytes is not None:
+                families["spine_prefix_cache_bytes"].add_metric([model], gauges.prefix_bytes)
+            if gauges.blocks is not None or gauges.prefix_bytes is not None:
                 families["spine_prefix_cache_lookups"].add_metric([model, "hit"], gauges.prefix_hits)
                 families["spine_prefix_cache_lookups"].add_metric([model, "miss"], gauges.prefix_misses)
             for priority, name in CLASS_NAMES.items():
@@ -167,8 +171,11 @@ class ServingCollector(Collector):
                 "spine_kv_blocks", "KV cache blocks by state: used by running sequences, cached (unused "
                 "shared prefixes, freed on demand), free.", labels=("model", "state")),
             "spine_prefix_cache_lookups": CounterMetricFamily(
-                "spine_prefix_cache_lookups", "Requests whose system prompt's KV blocks were in the pool (hit) "
-                "or not (miss).", labels=("model", "result")),
+                "spine_prefix_cache_lookups", "Requests whose system prompt's KV was kept, as blocks in the pool "
+                "or as a stored copy (hit), or not (miss).", labels=("model", "result")),
+            "spine_prefix_cache_bytes": GaugeMetricFamily(
+                "spine_prefix_cache_bytes", "Bytes of shared prefixes a slot pool keeps apart (copied into each "
+                "slot that reuses one).", labels=("model",)),
             "spine_queue_depth": GaugeMetricFamily("spine_queue_depth", "Requests waiting for a KV slot, by "
                                                    "priority class.", labels=("model", "priority")),
         }

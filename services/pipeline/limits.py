@@ -34,8 +34,8 @@ class RequestLimits(Section):
     _max_inference_timeout_ms: int = PrivateAttr(default=DEFAULT_MAX_INFERENCE_TIMEOUT_MS)
 
     # Cached: read per request by the validation stage, and a pydantic private attribute is
-    # read through `BaseModel.__getattr__` (~3.4 µs warm, an AttributeError raised and
-    # caught inside); once cached it is a plain instance attribute (~0.06 µs). Equality and
+    # read through `BaseModel.__getattr__` (an AttributeError raised and caught inside, on
+    # every read); once cached it is a plain instance attribute. Equality and
     # dumps ignore it. Set `_max_inference_timeout_ms` before the first read (`from_config`).
     @functools.cached_property
     def max_inference_timeout_ms(self) -> int:

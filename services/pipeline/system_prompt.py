@@ -8,7 +8,9 @@ rate limiter's cost read it as well as the model.
   `encode(prompt)`. The first part is what requests with the same system prompt share, so
   the engine keeps its KV once (`services.inference.model.kv_pool`).
 * With a chat template (a transformers model), the system prompt is the template's system
-  message (`HFTokenizer.encode_chat`).
+  message (`HFTokenizer.encode_chat`); the rendered tokens the system prompt alone decides
+  are the shared part (`HFTokenizer.chat_parts`), whose KV the engine stores once and
+  copies into each slot that reuses it (`services.inference.model.kv_prefix`).
 * Answers echo `system_digest`: the first 16 hex digits of the sha256 of its UTF-8 — which
   system prompt was applied, without sending it back on every chunk.
 """

@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from services.common.config_section import Float, NonEmptyStr, Section, Table, problem
+from services.common.prometheus_http import ListenAddress
 
 # A rate of 0 never refills: that is a quota, which this service does not implement.
 Rate = Annotated[Float, Field(gt=0)]
@@ -100,6 +101,9 @@ class RateLimitStore(Section):
     # controller's, at most 1/replicas last seen), `closed` on what is leased already, `open`
     # on the whole configured limit.
     fail_mode: Literal["shares", "closed", "open"] = "shares"
+    # A rate limiter in a process of its own (the layered layout) serves these families at
+    # /metrics here (`runtime.store_metrics`); in the spine they are on its /metrics.
+    metrics_listen: ListenAddress = "127.0.0.1:0"
 
     @model_validator(mode="after")
     def _renewed_within_a_lease(self) -> RateLimitStore:

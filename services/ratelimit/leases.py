@@ -99,7 +99,8 @@ class StoreLeases:
         self._keys: dict[str, Hashable] = {}  # a bucket's key in the store -> in the table
         self._last_renewal = clock()
         self.calls = {"ok": 0, "error": 0}
-        self.fallbacks = 0
+        self.fallbacks = 0  # transitions to the fail mode
+        self.recoveries = 0  # and back to leasing
         self.restarts = 0
         table.lease(config.reserve)
         slots.share, slots.granted = 1.0, {}
@@ -260,6 +261,7 @@ class StoreLeases:
         """The store answers again: back on leases. What the buckets hold now was not granted
         (a fallback refilled it): it is charged to the store as it is spent, like the reserve."""
         self.leasing = True
+        self.recoveries += 1
         self._table.lease(self.config.reserve)
         self._slots.share = 1.0
         if self._slots.granted is None:
@@ -292,6 +294,22 @@ class StoreLeases:
             log.info("ratelimit store: leases not given back on shutdown (%s); they lapse", error)
         self.store.close()
 
+    def outstanding(self) -> tuple[dict[str, float], int]:
+        """What this replica holds of the store now: per resource (`requests`, `tokens`), the
+        tokens granted and not spent yet (its part of the bound's leases outstanding: what it
+        may admit beyond what the store still holds), and the concurrency slots the store
+        granted it, over every tenant."""
+        with self._lock:
+            levels = self._table.snapshot()
+            tokens: dict[str, float] = {}
+            for key, held in self._held.items():
+                state = levels.get(key)
+                spent = 0.0 if state is None else max(0.0, held.level - state.level)
+                resource = _resource(key)  # spent from the grant first, as a renewal counts it
+                tokens[resource] = tokens.get(resource, 0.0) + max(0.0, held.backed - spent)
+            slots = sum((self._slots.granted or {}).values())
+        return tokens, slots
+
     def health(self) -> tuple[bool, str]:
         """The gateway's view of this limiter: serving either way (a fallback still decides,
         within its share), and the reason says which."""
@@ -309,6 +327,15 @@ def _store_key(key: Hashable) -> str:
     if isinstance(key, tuple) and all(isinstance(e, tuple) and len(e) == 2 for e in key):
         return ",".join(f"{k}={v}" for k, v in key)
     return repr(key)
+
+
+def _resource(key: Hashable) -> str:
+    """The `resource=` entry of a bucket's descriptor entries ("" for another key)."""
+    if isinstance(key, tuple):
+        for entry in key:
+            if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == "resource":
+                return str(entry[1])
+    return ""
 
 
 class _StoreCollector(Collector):
@@ -330,8 +357,20 @@ class _StoreCollector(Collector):
         yield calls
         yield CounterMetricFamily("spine_ratelimit_store_fallbacks", "Times the store became unreachable",
                                   value=float(leases.fallbacks))
+        yield CounterMetricFamily("spine_ratelimit_store_recoveries", "Times the store answered again after a fallback",
+                                  value=float(leases.recoveries))
         yield CounterMetricFamily("spine_ratelimit_store_restarts", "Times the store was found empty again",
                                   value=float(leases.restarts))
         replicas = GaugeMetricFamily("spine_ratelimit_store_replicas", "Live replicas the store last counted")
         replicas.add_metric([], float(leases.replicas))
         yield replicas
+        tokens, slots = leases.outstanding()
+        leased = GaugeMetricFamily("spine_ratelimit_store_leased_tokens",
+                                   "Tokens the store granted this replica that it has not spent yet, by the "
+                                   "resource of their buckets (requests, tokens)", labels=["resource"])
+        for resource in ("requests", "tokens"):
+            leased.add_metric([resource], tokens.get(resource, 0.0))
+        yield leased
+        yield GaugeMetricFamily("spine_ratelimit_store_leased_slots",
+                                "Concurrency slots the store granted this replica, over every tenant",
+                                value=float(slots))

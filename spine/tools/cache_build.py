@@ -21,6 +21,7 @@ from typing import Any
 from runtime.config_file import load_config, merge
 from services.cache.pregenerated import PregeneratedTable, describe, served_digests, table_key, write_table
 from services.common import ConfigError, section
+from services.common.json_object import json_object
 from services.inference.config import InferenceConfig
 from services.router.config import RouterConfig
 from wire.v1 import generation_pb2
@@ -49,12 +50,7 @@ def read_prompts(path: Path, router: RouterConfig) -> list[PromptLine]:
         if not raw.strip():
             continue
         where = f"{path}:{number}"
-        try:
-            item = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{where}: not JSON ({error.msg})") from None
-        if not isinstance(item, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {type(item).__name__}")
+        item = json_object(raw, where, ConfigError)
         unknown = sorted(set(item) - {"model", "system", "prompt", "max_tokens"})
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {unknown}; fields: model, system, prompt, max_tokens")

@@ -12,13 +12,10 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
-import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from runtime.sections import TlsConfig
-from spine.tools.workload import Item
+from spine.tools.workload import Item, closed_loop
 
 FAILED = 0  # the status of a request that got no answer (connection refused or dropped)
 
@@ -60,17 +57,13 @@ def run_http_workload(address: str, items: Sequence[Item], *, concurrency: int =
     """Send `items` over HTTP to `address`; each one's status (FAILED: no answer), None when
     the time ran out before it was sent. A stream is read to its end."""
     statuses: list[int | None] = [None] * len(items)
-    deadline = time.monotonic() + time_limit_s
-    local = threading.local()
 
-    def send(index: int) -> None:
-        if time.monotonic() >= deadline:
-            return
+    def send(worker: dict[str, http.client.HTTPConnection | None], index: int) -> None:
         path, body, headers = http_request(items[index], index)
         for attempt in range(2):  # a keep-alive connection the server closed meanwhile: once more
-            connection = getattr(local, "connection", None)
+            connection = worker.get("connection")
             if connection is None:
-                connection = local.connection = _connection(address, tls, timeout_s)
+                connection = worker["connection"] = _connection(address, tls, timeout_s)
             try:
                 connection.request("POST", path, body=body, headers=headers)
                 answer = connection.getresponse()
@@ -78,14 +71,19 @@ def run_http_workload(address: str, items: Sequence[Item], *, concurrency: int =
                 statuses[index] = answer.status
                 if answer.getheader("connection", "").lower() == "close":
                     connection.close()
-                    local.connection = None
+                    worker["connection"] = None
                 return
             except (OSError, http.client.HTTPException):
                 connection.close()
-                local.connection = None
+                worker["connection"] = None
                 if attempt:
                     statuses[index] = FAILED
 
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="http-client") as pool:
-        list(pool.map(send, range(len(items))))
+    workers: list[dict[str, http.client.HTTPConnection | None]] = [{} for _ in range(concurrency)]
+    try:
+        closed_loop(len(items), workers, send, time_limit_s)  # one keep-alive connection per worker
+    finally:
+        for connection in [worker.get("connection") for worker in workers]:
+            if connection is not None:
+                connection.close()
     return statuses

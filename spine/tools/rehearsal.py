@@ -8,7 +8,11 @@ Everything a cluster runs, as separate processes on loopback and unix sockets:
 - two spine replicas (`spine up --layout collapsed --follow-controller ADS --node-id spine-a|b`),
   each mirroring a share of its own answers to the layered gateway (`shadow:
   {share, layered_address}`, the internal secret shared through the environment);
-- a real Prometheus server scraping every /metrics endpoint, one job per side;
+- one Redis (`spine.tools.local_redis`) every rate limiter leases from (`ratelimit.store`),
+  started first and stopped last; the report shows what it holds and each limiter's view of
+  it after bring-up and after each walk (`spine.tools.rehearsal_store`);
+- a real Prometheus server scraping every /metrics endpoint, one job per side (and one for the
+  layered rate limiter's own);
 - the migration controller (`python -m migration.runner --target xds --prometheus-url ...
   --min-spine-replicas 2 --min-data-planes N`): stages over ADS, gates on PromQL;
 - N proxyless gRPC clients (`spine.tools.rehearsal_client`: `xds:///spine-gateway`, a
@@ -39,7 +43,7 @@ from migration.state_store import Store
 from runtime.config_file import load_config
 from runtime.signals import sigterm_as_interrupt, uninterrupted
 from spine.tools.local_prometheus import PrometheusError
-from spine.tools.rehearsal_launch import REHEARSAL_PLAN, Launcher, Options
+from spine.tools.rehearsal_launch import REHEARSAL_PLAN, STORE_PREFIX, Launcher, Options
 from spine.tools.rehearsal_processes import Child, RehearsalError
 from spine.tools.rehearsal_report import (
     SPINES,
@@ -53,6 +57,7 @@ from spine.tools.rehearsal_report import (
     rollback_reason,
     summary,
 )
+from spine.tools.rehearsal_store import look
 from wire.v1 import migration_pb2
 
 FINISHED = ("promoted", "rolled_back", "aborted")
@@ -105,8 +110,9 @@ class Rehearsal(Launcher):
     def bring_up(self) -> None:
         began = time.monotonic()
         self.begin_phase("bringing everything up", self.options.start_timeout_s)
-        self.write_configs()
         self.echo(f"starting, everything on loopback and unix sockets under {self.work} ($WORK):")
+        self.start_redis()
+        self.write_configs()
         self.start_prometheus()
         self.start_controller()
         limiter, layered = self.start_layered()
@@ -121,7 +127,15 @@ class Rehearsal(Launcher):
         self.prometheus.wait_all_up(self.left())
         self.start_clients()
         self.wait_stable()
+        self.look_at_store("after bring-up")
         self.echo(f"up in {time.monotonic() - began:.1f}s")
+
+    def look_at_store(self, when: str) -> None:
+        """The shared store and every rate limiter's view of it, into the report and the log."""
+        previous = self.report.store[-1] if self.report.store else None
+        seen = look(when, self.redis.address, STORE_PREFIX, self.store_metrics(), previous)
+        self.report.store.append(seen)
+        self.echo("\n".join(seen.lines()))
 
     def echo_spine_ready(self, child: Child, ready: Mapping[str, Any]) -> None:
         follower = ready.get("follower") or {}
@@ -250,9 +264,11 @@ class Rehearsal(Launcher):
         try:
             self.bring_up()
             self.walk("healthy", "healthy spine")
+            self.look_at_store("after the healthy walk")
             if self.options.parity_run:
                 self.restart_spines_with_fault()
                 self.walk("parity", "spine answering differently")
+                self.look_at_store("after the parity walk")
         finally:
             self.shut_down()
             self.report.seconds = time.monotonic() - began
@@ -265,10 +281,16 @@ class Rehearsal(Launcher):
             try:
                 self.processes.stop_all()
             finally:
-                if self.prometheus is not None and self.prometheus.process is not None:
-                    pid = self.prometheus.process.pid
-                    self.prometheus.stop()
-                    self.processes.stopped.append(("prometheus", pid, 0))
+                try:
+                    if self.prometheus is not None and self.prometheus.process is not None:
+                        pid = self.prometheus.process.pid
+                        self.prometheus.stop()
+                        self.processes.stopped.append(("prometheus", pid, 0))
+                finally:  # the store last: every limiter gave its leases back first
+                    if self.redis.process is not None:
+                        pid = self.redis.process.pid
+                        self.redis.stop()
+                        self.processes.stopped.append(("redis", pid, 0))
         self.report.stopped = list(self.processes.stopped)
         db = self.work / "rollout.db"
         if db.exists():

@@ -1,5 +1,9 @@
 """The rehearsal's processes (`python -m spine.tools.rehearsal`): one config per role, the
-command line each runs (what `deploy/k8s/` runs), started in order on loopback and unix sockets."""
+command line each runs (what `deploy/k8s/` runs), started in order on loopback and unix sockets.
+
+Every rate limiter of the rehearsal (the layered one and each spine replica's) leases from one
+shared store (`ratelimit.store.redis`): a real `redis-server` on loopback
+(`spine.tools.local_redis`), started first and stopped last."""
 
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import yaml
 
 from migration.plan import MIDDLEWARES
 from runtime.config_file import dev_api_key, load_config, merge
+from runtime.launch import spine_up_argv
 from runtime.server import free_ports, wait_serving
 from spine.tools.local_prometheus import LocalPrometheus
+from spine.tools.local_redis import LocalRedis
 from spine.tools.rehearsal_processes import (
     Child,
     Processes,
@@ -32,6 +38,7 @@ from wire.v1 import migration_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 REHEARSAL_PLAN = ROOT / "deploy" / "plans" / "rehearsal.yaml"
 SECRET_ENV = "SPINE_INTERNAL_SECRET"
+STORE_PREFIX = "rehearsal:ratelimit:"  # every limiter's keys in the shared store
 
 
 @dataclass
@@ -60,7 +67,8 @@ class Launcher:
         self.work = workdir
         self._began = time.monotonic()
         self.processes = Processes(workdir / "logs", env={SECRET_ENV: secrets.token_hex(24)} | base_env())
-        (self.ads_port, self.layered_port, self.layered_metrics_port, *spine_ports) = free_ports(3 + 2 * len(SPINES))
+        (self.ads_port, self.layered_port, self.layered_metrics_port, self.limiter_metrics_port,
+         *spine_ports) = free_ports(4 + 2 * len(SPINES))
         self.spine_ports = dict(zip(SPINES, spine_ports[:len(SPINES)], strict=True))
         self.spine_metrics_ports = dict(zip(SPINES, spine_ports[len(SPINES):], strict=True))
         self.ads = f"127.0.0.1:{self.ads_port}"
@@ -68,6 +76,8 @@ class Launcher:
         self.controller_address = f"unix:{workdir / 'controller.sock'}"
         self.admin_token = secrets.token_urlsafe(24)
         self.prometheus: LocalPrometheus | None = None
+        # The rate limiters' shared lease store: its port is known now, so every config can name it.
+        self.redis = LocalRedis(workdir / "redis")
         self.controller: Child | None = None
         self.spines: dict[str, Child] = {}
         self.clients: list[Child] = []
@@ -99,10 +109,13 @@ class Launcher:
         """One config per role; each names only what differs from the default."""
         layered_dir = self.work / "layered"
         internal = {"secret_env": SECRET_ENV}
-        common = dict(self.options.config or {})
+        common = merge(dict(self.options.config or {}), {"ratelimit": {"store": {
+            "redis": {"address": self.redis.address, "key_prefix": STORE_PREFIX}}}})
         self.ratelimit_address = f"unix:{self.work / 'layered-ratelimit.sock'}"
         layered = merge(common, {"internal": internal,
                                  "metrics": {"http_listen": f"127.0.0.1:{self.layered_metrics_port}"},
+                                 # the following rate limiter's own /metrics: its store's families
+                                 "ratelimit": {"store": {"metrics_listen": self.limiter_metrics}},
                                  # the layered stack's rate limiter is the one that follows the controller
                                  "remote_addresses": {"ratelimit": self.ratelimit_address}})
         (self.work / "layered.yaml").write_text(yaml.safe_dump(layered))
@@ -120,15 +133,37 @@ class Launcher:
         self.echo(f"  $ {command_line(argv, self.work)}")
         return self.processes.start(name, argv, **kwargs)
 
+    @property
+    def limiter_metrics(self) -> str:
+        """The layered rate limiter's own /metrics (it runs apart from the layered stack)."""
+        return f"127.0.0.1:{self.limiter_metrics_port}"
+
+    def store_metrics(self) -> dict[str, str]:
+        """Each rate limiter's /metrics with its store families, by process name."""
+        return {"layered-ratelimit": self.limiter_metrics} | {
+            child.name: f"127.0.0.1:{self.spine_metrics_ports[name]}" for name, child in self.spines.items()}
+
+    def start_redis(self) -> None:
+        """The shared lease store, first: every rate limiter leases from it from its start."""
+        try:
+            self.redis.start()
+        except RuntimeError as error:  # not installed, or it would not start: one line, as for the others
+            raise RehearsalError(str(error)) from None
+        assert self.redis.process is not None
+        self.echo(f"  $ redis-server --bind 127.0.0.1 --port {self.redis.port} --save '' (pid {self.redis.process.pid}): "
+                  f"the rate limiters' shared store, ratelimit.store.redis.address {self.redis.address}")
+
     def start_prometheus(self) -> None:
         jobs = {"layered": [f"127.0.0.1:{self.layered_metrics_port}"],
-                "spine": [f"127.0.0.1:{port}" for port in self.spine_metrics_ports.values()]}
+                "spine": [f"127.0.0.1:{port}" for port in self.spine_metrics_ports.values()],
+                "ratelimit": [self.limiter_metrics]}
         # assigned before it starts, so that an interruption while it starts still stops it
         self.prometheus = LocalPrometheus(self.work / "prometheus", jobs, self.options.scrape_interval_s)
         self.prometheus.start(min(30.0, self.left()))
         assert self.prometheus.process is not None
         self.echo(f"  prometheus on {self.prometheus.url} (pid {self.prometheus.process.pid}), scraping every "
-                  f"{self.options.scrape_interval_s:g}s: job layered {jobs['layered']}, job spine {jobs['spine']}")
+                  f"{self.options.scrape_interval_s:g}s: job layered {jobs['layered']}, job spine {jobs['spine']}, "
+                  f"job ratelimit {jobs['ratelimit']}")
 
     def start_controller(self) -> None:
         token_file = self.work / "admin-token"
@@ -154,15 +189,15 @@ class Launcher:
             sys.executable, "-m", "runtime.process", "ratelimit", "--listen", self.ratelimit_address,
             "--config", config, "--run-dir", str(self.work / "layered-ratelimit"),
             "--follow-controller", self.ads, "--node-id", "layered-ratelimit-1"])
-        stack = self.start("layered", [sys.executable, "-m", "spine", "--config", config, "up", "--layout", "layered",
-                                       "--listen", self.layered, "--http-listen", "127.0.0.1:0", "--run-dir", str(self.work / "layered")])
+        stack = self.start("layered", spine_up_argv(config, "layered", listen=self.layered, http_listen="127.0.0.1:0",
+                                                    run_dir=self.work / "layered"))
         return limiter, stack
 
     def start_spine(self, name: str, fault: str | None = None, generation: int = 1) -> Child:
-        argv = [sys.executable, "-m", "spine", "--config", str(self.work / f"{name}.yaml"), "up",
-                "--layout", "collapsed", "--listen", f"127.0.0.1:{self.spine_ports[name]}", "--http-listen", "127.0.0.1:0",
-                "--run-dir", str(self.work / f"{name}-{generation}"), "--follow-controller", self.ads,
-                "--node-id", name, *(("--inject-fault", fault) if fault else ())]
+        argv = spine_up_argv(self.work / f"{name}.yaml", "collapsed", listen=f"127.0.0.1:{self.spine_ports[name]}",
+                             http_listen="127.0.0.1:0", run_dir=self.work / f"{name}-{generation}",
+                             extra=("--follow-controller", self.ads, "--node-id", name,
+                                    *(("--inject-fault", fault) if fault else ())))
         self.spines[name] = self.start(f"{name}-{generation}", argv)
         return self.spines[name]
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shlex
-import signal
-import subprocess
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from runtime.launch import Launched, launch, starting_with
 
 
 class RehearsalError(RuntimeError):
@@ -27,43 +25,46 @@ class RehearsalError(RuntimeError):
 
 @dataclass
 class Child:
+    """One of the rehearsal's children (`runtime.launch`): its stdout copied to `out`, its stderr in `err`."""
+
     name: str
-    argv: list[str]
-    process: subprocess.Popen[str]
-    out: Path  # stdout (a file, unless the child speaks a line protocol on pipes)
+    launched: Launched
+    out: Path
     err: Path
-    _lines: queue.Queue[str] | None = field(default=None, repr=False)
+
+    @property
+    def argv(self) -> list[str]:
+        return self.launched.argv
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.launched.pid
+
+    @property
+    def process(self) -> Any:
+        return self.launched.process
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.launched.alive()
 
     def log_tail(self, chars: int = 1500) -> str:
         text = self.err.read_text(errors="replace") if self.err.exists() else ""
         return text[-chars:]
 
     def died(self) -> RehearsalError:
-        return RehearsalError(f"{self.name} (pid {self.pid}) exited with {self.process.returncode}; the end of its "
+        return RehearsalError(f"{self.name} (pid {self.pid}) exited with {self.launched.returncode}; the end of its "
                               f"log {self.err}:\n{self.log_tail()}")
 
     def ready_line(self, timeout_s: float, startswith: str = "{") -> str:
-        """The first line of its stdout file starting with `startswith` (a `spine up` ready line
-        is JSON), once it is there."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            text = self.out.read_text(errors="replace") if self.out.exists() else ""
-            for line in text.splitlines():
-                if line.startswith(startswith):
-                    return line
-            if not self.alive():
-                raise self.died()
-            if time.monotonic() > deadline:
-                raise RehearsalError(f"{self.name} (pid {self.pid}) not ready within {timeout_s:g}s; the end of "
-                                     f"its log {self.err}:\n{self.log_tail()}")
-            time.sleep(0.1)
+        """The first line of its stdout starting with `startswith` (a `spine up` ready line is
+        JSON), once it is there."""
+        found = self.launched.wait_for(starting_with(startswith), timeout_s)
+        if found is not None:
+            return str(found["line"])
+        if not self.alive():
+            raise self.died()
+        raise RehearsalError(f"{self.name} (pid {self.pid}) not ready within {timeout_s:g}s; the end of "
+                             f"its log {self.err}:\n{self.log_tail()}")
 
     def ready_json(self, timeout_s: float) -> dict[str, Any]:
         return dict(json.loads(self.ready_line(timeout_s)))
@@ -71,16 +72,16 @@ class Child:
     # -- a child that answers commands on stdin with JSON lines on stdout --------------------
 
     def ask(self, command: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        assert self.process.stdin is not None and self._lines is not None
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
         try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise RehearsalError(f"{self.name} did not answer {command!r} within {timeout_s:g}s") from None
-        if not line:
-            raise self.died()
-        return dict(json.loads(line))
+            self.launched.send(command)
+        except OSError:
+            raise self.died() from None
+        found = self.launched.wait_for(lambda line: {"line": line}, timeout_s)
+        if found is None:
+            if not self.alive():
+                raise self.died()
+            raise RehearsalError(f"{self.name} did not answer {command!r} within {timeout_s:g}s")
+        return dict(json.loads(found["line"]))
 
 
 class Processes:
@@ -94,46 +95,26 @@ class Processes:
 
     def start(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               pipes: bool = False) -> Child:
-        """Start `argv`; stdout to a file (or, with `pipes`, a line protocol on stdin/stdout)."""
-        self.logs.mkdir(parents=True, exist_ok=True)
+        """Start `argv` in a session of its own, so a Ctrl-C reaches only the rehearsal; stdout
+        copied to a file (or, with `pipes`, a line protocol on stdin/stdout)."""
         out, err = self.logs / f"{name}.out", self.logs / f"{name}.log"
-        with err.open("a") as err_file, (open(os.devnull, "w") if pipes else out.open("a")) as out_file:
-            process = subprocess.Popen(
-                list(argv), env={**self.env, **(env or {})}, text=True, start_new_session=True,
-                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                stdout=subprocess.PIPE if pipes else out_file, stderr=err_file)
-        child = Child(name, list(argv), process, out, err)
-        if pipes:
-            child._lines = queue.Queue()
-            threading.Thread(target=_pump, args=(process, child._lines), daemon=True,
-                             name=f"{name}-stdout").start()
+        launched = launch(name, argv, log_path=err, out_path=None if pipes else out, env={**self.env, **(env or {})},
+                          stdin=pipes, own_session=True, append=True)
+        child = Child(name, launched, out, err)
         self.children.append(child)
         return child
 
     def stop(self, child: Child, grace_s: float = 15.0) -> int | None:
         """SIGTERM, and SIGKILL after `grace_s`, to this child's PID (a child that speaks on
         stdin is asked to stop first by closing its input)."""
-        process = child.process
-        if process.stdin is not None and not process.stdin.closed:
-            try:
-                process.stdin.close()
-            except OSError:
-                pass
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait(timeout=grace_s)
-        if child in self.children:
-            self.children.remove(child)
-            self.stopped.append((child.name, child.pid, process.returncode))
-        return process.returncode
+        if child.launched.process.stdin is not None:
+            child.launched.close_stdin()
+            deadline = time.monotonic() + grace_s
+            while child.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        code = child.launched.stop(grace_s)
+        self._forget(child)
+        return code
 
     def stop_all(self, grace_s: float = 15.0) -> None:
         """Stop every child still running: those that speak on stdin (the clients) first, then
@@ -143,40 +124,24 @@ class Processes:
             try:
                 self.stop(child, grace_s=5.0)
             except Exception:  # keep stopping the others
-                _kill(child)
+                child.launched.stop(0.0)
+                self._forget(child)
         self.stop_group([c for c in children if c in self.children], grace_s)
 
     def stop_group(self, children: Sequence[Child], grace_s: float = 15.0) -> None:
         """SIGTERM to each PID at once, one shared grace (a process still starting finishes its
         start before it stops), then SIGKILL to any left."""
         for child in children:
-            if child.alive():
-                try:
-                    os.kill(child.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            child.launched.terminate()
         deadline = time.monotonic() + grace_s
         for child in children:
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _kill(child)
-            if child in self.children:
-                self.children.remove(child)
-                self.stopped.append((child.name, child.pid, child.process.poll()))
+            child.launched.finish_stop(deadline)
+            self._forget(child)
 
-
-def _kill(child: Child) -> None:
-    if child.alive():
-        os.kill(child.pid, signal.SIGKILL)
-        child.process.wait(timeout=10)
-
-
-def _pump(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
-    assert process.stdout is not None
-    for line in process.stdout:
-        lines.put(line)
-    lines.put("")  # end of output
+    def _forget(self, child: Child) -> None:
+        if child in self.children:
+            self.children.remove(child)
+            self.stopped.append((child.name, child.pid, child.launched.returncode))
 
 
 def command_line(argv: Sequence[str], workdir: Path) -> str:

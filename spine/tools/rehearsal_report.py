@@ -10,6 +10,7 @@ from typing import Any
 
 from migration.plan import MIDDLEWARES
 from migration.status import AuditEntry, GateRecord
+from spine.tools.rehearsal_store import StoreLook
 from wire.v1 import migration_pb2
 
 SPINES = ("spine-a", "spine-b")  # the rehearsal's spine replicas (node ids)
@@ -87,11 +88,15 @@ class Report:
     audit: list[AuditEntry] = field(default_factory=list)
     stopped: list[tuple[str, int, int | None]] = field(default_factory=list)  # (name, pid, exit code)
     seconds: float = 0.0
+    store: list[StoreLook] = field(default_factory=list)  # the shared lease store, at each look
 
     def ok(self) -> bool:
         healthy = self.runs.get("healthy")
         parity = self.runs.get("parity")
         good = healthy is not None and healthy.final_state == "promoted" and set(healthy.codes) == {"OK"}
+        # every rate limiter reached the shared store and leased from it
+        good = good and bool(self.store) and all(not limiter.error and limiter.calls_ok > 0
+                                                 for limiter in self.store[-1].limiters)
         if parity is not None:
             good = good and parity.final_state == "rolled_back" and parity.failed_gates == ["parity"]
         return good
@@ -156,6 +161,8 @@ def summary(report: Report) -> str:
                      + f"; the proxyless clients got {counts_text(healthy.codes)} (answered by {counts_text(healthy.layouts)})")
     if parity is not None:
         lines.append(f"spine answering differently → {parity.outcome()} in {parity.seconds:.1f}s: {parity.rollback_reason}")
+    if report.store:
+        lines.extend(report.store[-1].lines())
     lines.append(f"stopped {len(report.stopped)} processes by PID: "
                  + ", ".join(f"{name} {pid}" for name, pid, _ in report.stopped))
     return "\n".join(["summary:", *(f"  {line}" for line in lines)])

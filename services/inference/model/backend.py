@@ -153,12 +153,13 @@ def load_backend(
 
 def make_engine(
     backend: ModelBackend, device: DeviceLike | str, max_slots: int, max_context: int | None = None,
-    *, prefix_caching: bool = True,
+    *, prefix_caching: bool = True, prefix_budget_bytes: int | None = None,
 ) -> GenerationEngine:
-    """An engine for `backend` on `device` (a DeviceState charges the KV cache to its budget)."""
+    """An engine for `backend` on `device` (a DeviceState charges the KV cache to its budget);
+    `prefix_budget_bytes` bounds the shared prefixes a slot pool keeps (`kv_prefix`)."""
     return GenerationEngine(
         backend.model, backend.tokenizer, device, max_slots, max_context or backend.max_context,
-        prefix_caching=prefix_caching,
+        prefix_caching=prefix_caching, prefix_budget_bytes=prefix_budget_bytes,
     )
 
 

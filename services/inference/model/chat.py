@@ -11,7 +11,8 @@ the model, in one place:
 
 * A backend with a chat template (a transformers instruct model: `HFBackend`) renders the
   whole conversation with the model's own template, ready for the assistant's turn
-  (`add_generation_prompt`); everything is the prompt (its slot pool has no prefix reuse).
+  (`add_generation_prompt`); the start of it that the system messages alone decide is the
+  prefix (`HFTokenizer.messages_parts`), whose KV its engine keeps once (`kv_prefix`).
 * Any other backend (the built-in tiny LMs, a user's) reads it plainly, as the gRPC
   `system` field is read: the system messages, a blank line, then the other messages'
   contents joined by blank lines. A conversation of one system and one user message
@@ -74,8 +75,13 @@ def encode_messages(backend: Any, messages: Iterable[Mapping[str, Any] | ChatMes
     """(prefix_ids, prompt_ids) for a GenerationRequest: through the backend's own chat template
     where it has one (`backend.encode_messages`), else plain (`plain_parts`)."""
     checked = check_messages(messages)
-    render = getattr(backend, "encode_messages", None)
-    if callable(render) and getattr(backend, "has_chat_template", False):
-        return [], list(render(checked))
+    if getattr(backend, "has_chat_template", False):
+        parts = getattr(backend, "encode_messages_parts", None)
+        if callable(parts):
+            prefix, prompt = parts(checked)
+            return list(prefix), list(prompt)
+        render = getattr(backend, "encode_messages", None)
+        if callable(render):
+            return [], list(render(checked))
     system, prompt = plain_parts(checked)
     return (backend.encode(system + SEPARATOR) if system else []), list(backend.encode(prompt))

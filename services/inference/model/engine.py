@@ -18,9 +18,12 @@ step — rests on two choices:
 A request may name a shared prefix (`prefix_ids`: a system prompt's tokens). Where the
 model's cache is paged (the embedded TinyLM's), the engine hands out KV blocks and keeps
 such prefixes once, reference-counted, evicted LRU under the pool's size (`kv_pool`): a
-sequence whose prefix is cached is prefilled from the end of it. Elsewhere the prefix is
-just the start of the prompt. Either way the model reads the same tokens at the same
-positions, so the answer is the same.
+sequence whose prefix is cached is prefilled from the end of it. Where the cache is one
+region per slot and the model can copy a slot's first positions out and in (a
+transformers model's, `hf_step`), the prefix's KV is stored once after its first prefill
+and copied into later sequences' slots, evicted LRU under `prefix_budget_bytes`
+(`kv_prefix`). Elsewhere the prefix is just the start of the prompt. Either way the model
+reads the same tokens at the same positions, so the answer is the same.
 
 The engine is thread-safe: a scheduler thread may call `step()` while request threads
 `submit()` and `cancel()`.
@@ -40,6 +43,7 @@ import torch
 
 from services.inference.model.interface import DeviceLike, Segment, StepModel, Tokenizer, torch_device
 from services.inference.model.kv_pool import Grant, PagedCache, PagedKV
+from services.inference.model.kv_prefix import PrefixCopies, SlotPrefixStore
 
 FinishReason = Literal["length", "stop"]
 
@@ -85,6 +89,8 @@ class SequenceHandle:
     _temperature: float = 0.0
     _generator: torch.Generator | None = None
     _grant: Grant | None = None  # its KV blocks, where the cache is paged
+    _prefix: int = 0  # leading tokens of `_pending` that are its shared prefix (a first step)
+    _save: tuple[int, ...] | None = None  # the prefix to store after its prefill (`kv_prefix`)
 
     @property
     def finished(self) -> bool:
@@ -119,6 +125,7 @@ class GenerationEngine:
         max_context: int,
         *,
         prefix_caching: bool = True,
+        prefix_budget_bytes: int | None = None,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -144,6 +151,12 @@ class GenerationEngine:
         self.kv: PagedKV | None = None
         if isinstance(self._cache, PagedCache):
             self.kv = PagedKV(self._cache, prefix_caching)
+        # A slot pool whose model copies prefixes: stored ones, within `prefix_budget_bytes`
+        # (default: one slot's KV, room for the longest prefix).
+        self.prefixes: SlotPrefixStore | None = None
+        if self.kv is None and prefix_caching and isinstance(model, PrefixCopies):
+            budget = prefix_budget_bytes if prefix_budget_bytes is not None else model.prefix_bytes(max_context)
+            self.prefixes = SlotPrefixStore(model, self._device, budget)
         self._free = list(range(max_slots))
         self._active: dict[int, SequenceHandle] = {}
         self._ids = itertools.count()
@@ -186,6 +199,17 @@ class GenerationEngine:
                     raise SlotsExhausted(f"no room in the KV pool: {error}") from None
             self._free.pop(0)
             cached = grant.cached if grant is not None else 0
+            # The shared part a sequence may reuse: BOS and its prefix, short of the last token
+            # (a step needs one token to compute the next one's logits).
+            shared = min(1 + len(req.prefix_ids), len(tokens) - 1) if req.prefix_ids else 0
+            save = None
+            if self.prefixes is not None and shared:
+                stored = self.prefixes.lookup(tokens[:shared])
+                if stored is not None:
+                    self.prefixes.load(stored, self._cache, slot)
+                    cached = shared
+                else:
+                    save = tokens[:shared]
             handle = SequenceHandle(
                 id=next(self._ids),
                 slot=slot,
@@ -198,6 +222,8 @@ class GenerationEngine:
                 _temperature=float(req.temperature),
                 _generator=generator,
                 _grant=grant,
+                _prefix=max(0, shared - cached),
+                _save=save,
             )
             self._active[handle.id] = handle
         return handle
@@ -215,7 +241,7 @@ class GenerationEngine:
             handles = list(self._active.values())
             if not handles:
                 return []
-            segments = [Segment(h.slot, h._cached, h._pending) for h in handles]
+            segments = [Segment(h.slot, h._cached, h._pending, h._prefix) for h in handles]
             logits = self.model.step(segments, self._cache).to("cpu", torch.float64)
             outputs = []
             for row, handle in zip(logits, handles, strict=True):
@@ -242,6 +268,8 @@ class GenerationEngine:
     def close(self) -> None:
         """Give the cache's memory back; the engine is unusable afterwards."""
         with self._lock:
+            if self.prefixes is not None:
+                self.prefixes.clear()
             self.model.release_cache(self._cache, self._device)
             self._cache = None
             self._active.clear()
@@ -250,6 +278,10 @@ class GenerationEngine:
     def _advance(self, handle: SequenceHandle, token: int) -> StepOutput:
         if handle._cached == handle.reused_tokens and self.kv is not None and handle._grant is not None:
             self.kv.prefilled(handle._grant)  # its first step ran: the prefix in its blocks is computed
+        if handle._save is not None and self.prefixes is not None:  # its prefix is computed: keep it
+            self.prefixes.save(handle._save, self._cache, handle.slot)
+            handle._save = None
+        handle._prefix = 0
         handle._cached += len(handle._pending)
         reason: FinishReason | None = None
         if token in self._stop_ids:

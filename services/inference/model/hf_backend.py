@@ -23,6 +23,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from services.common import ConfigError
@@ -59,6 +60,7 @@ class HFTokenizer:
             raise ValueError(f"the tokenizer's BOS/EOS ids ({self.bos_id}, {self.eos_id}) are past the model's "
                              f"vocabulary of {vocab_size}")
         self.stop_ids = frozenset({self.eos_id, *(int(i) for i in extra_stop_ids if 0 <= int(i) < vocab_size)})
+        self._system_start = lru_cache(maxsize=64)(self._render_system_start)
 
     @property
     def has_chat_template(self) -> bool:
@@ -79,6 +81,32 @@ class HFTokenizer:
         if system:
             messages.insert(0, ChatMessage("system", system))
         return self.encode_messages(messages)
+
+    def chat_parts(self, prompt: str, system: str | None = None) -> tuple[list[int], list[int]]:
+        """`encode_chat`'s ids as (shared prefix, rest): the prefix is the longest start of them
+        that the system prompt alone decides, so every request with this system prompt starts
+        with exactly those tokens and the engine may keep their KV once (`kv_prefix`)."""
+        ids = self.encode_chat(prompt, system)
+        if not system:
+            return [], ids
+        return _split(ids, self._system_start((system,)))
+
+    def messages_parts(self, messages: Iterable[Mapping[str, Any] | ChatMessage]) -> tuple[list[int], list[int]]:
+        """`encode_messages`'s ids as (shared prefix, rest), the prefix decided by the system
+        messages alone (see `chat_parts`)."""
+        checked = check_messages(messages)
+        ids = self.encode_messages(checked)
+        systems = tuple(m.content for m in checked if m.role == "system")
+        return _split(ids, self._system_start(systems)) if systems else ([], ids)
+
+    def _render_system_start(self, systems: tuple[str, ...]) -> tuple[int, ...]:
+        """The tokens two conversations with these system messages and different user messages
+        share: what the template renders before anything a user says. (Rendering the system
+        message alone would not do: a template may refuse it, and a BPE may merge across
+        the boundary.)"""
+        renders = [self.encode_messages([*(ChatMessage("system", text) for text in systems), ChatMessage("user", user)])
+                   for user in ("a", "b")]
+        return tuple(renders[0][:_common_length(*renders)])
 
     def encode_messages(self, messages: Iterable[Mapping[str, Any] | ChatMessage]) -> list[int]:
         """A conversation (role: system | user | assistant, content) through the model's own chat
@@ -123,6 +151,29 @@ class HFBackend:
         """See `HFTokenizer.encode_messages`; `services.inference.model.chat.encode_messages` picks this or
         the plain form for any backend."""
         return self.tokenizer.encode_messages(messages)
+
+    def encode_chat_parts(self, prompt: str, system: str | None = None) -> tuple[list[int], list[int]]:
+        """(shared prefix, prompt) ids: see `HFTokenizer.chat_parts`."""
+        return self.tokenizer.chat_parts(prompt, system)
+
+    def encode_messages_parts(self, messages: Iterable[Mapping[str, Any] | ChatMessage]) -> tuple[list[int], list[int]]:
+        """(shared prefix, prompt) ids of a conversation: see `HFTokenizer.messages_parts`."""
+        return self.tokenizer.messages_parts(messages)
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _split(ids: list[int], start: Sequence[int]) -> tuple[list[int], list[int]]:
+    """`ids` cut after the longest start they share with `start`."""
+    n = _common_length(ids, start)
+    return ids[:n], ids[n:]
 
 
 def load_hf_backend(options: Mapping[str, Any], *, model_id: str | None = None, device: DeviceLike | str | None = None,

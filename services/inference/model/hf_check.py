@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common import ConfigError
+from services.common.json_object import json_object
 
 # Where configs keep the longest sequence a model was built for, in the order we trust them.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -149,13 +150,7 @@ def _read_config(root: Path, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: {root}: no config.json (not a transformers model directory)") from None
     except OSError as error:
         raise ConfigError(f"{where}: {file}: cannot read: {error.strerror}") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{where}: {file}:{error.lineno}: invalid JSON: {error.msg}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{where}: {file}: expected a JSON object, got {type(config).__name__}")
-    return config
+    return json_object(text, f"{where}: {file}", ConfigError)
 
 
 def _causal_architecture(root: Path, config: dict[str, Any], model_type: str, where: str) -> str:

@@ -20,7 +20,15 @@ Two ways to run a step:
 * **per sequence** (`batch_invariant`, on by default in deterministic mode): one forward
   per segment, on exactly that sequence's keys (a view of its slot), no padding. What a
   sequence computes then depends on nothing but its own tokens, so its answer is bit for
-  bit the same alone, in any batch, and in every layout (same shapes, same kernels).
+  bit the same alone, in any batch, and in every layout (same shapes, same kernels). A
+  segment that starts with a shared prefix (a system prompt) forwards it first on its
+  own, so the answer is also the same whether the prefix's KV was computed here or
+  copied in from an earlier request (`kv_prefix`).
+
+A shared prefix's KV is kept out of the pool as plain per-layer tensors allocated through
+the device state, not as a transformers `DynamicCache`: in transformers 4.57 a
+`DynamicLayer` takes its tensors by `torch.cat` onto an empty one, a copy the device
+budget would not see, and what the model reads is the slot pool anyway.
 """
 
 from __future__ import annotations
@@ -190,10 +198,10 @@ class HFStepModel:
             if not seg.token_ids or seg.end > cache.max_context:
                 raise ValueError(f"segment for slot {seg.slot} spans {seg.start}..{seg.end}; "
                                  f"needs 1..{cache.max_context}")
+        if self.per_sequence:
+            return torch.cat([self._forward_alone(seg, cache) for seg in segments])
         if len(segments) == 1:
             return self._forward(segments, cache)
-        if self.per_sequence:
-            return torch.cat([self._forward([seg], cache) for seg in segments])
         # Decoding sequences (one new token each) apart from prompts: a long prompt must not
         # pad every decoding row to its length.
         decoding = [i for i, seg in enumerate(segments) if len(seg.token_ids) == 1]
@@ -205,7 +213,51 @@ class HFStepModel:
             logits[group] = self._forward([segments[i] for i in group], cache)
         return logits
 
+    # -- a shared prefix's KV, kept apart from the pool (`kv_prefix`) ---------------------
+    def prefix_bytes(self, length: int) -> int:
+        return self.kv_bytes_per_slot(length)
+
+    def save_prefix(self, cache: SlotPool, slot: int, length: int, device: DeviceLike) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, a copy of `slot`'s keys and values at positions 0..length-1, allocated
+        through `device` (charged to the KV cache's owner, as the pool is)."""
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for keys, values in zip(cache.keys, cache.values, strict=True):
+                key = allocate(device, (keys.shape[1], length, keys.shape[3]), keys.dtype)
+                try:
+                    value = allocate(device, (values.shape[1], length, values.shape[3]), values.dtype)
+                except BaseException:
+                    release(device, key)
+                    raise
+                saved.append((key, value))
+                key.copy_(keys[slot, :, :length])
+                value.copy_(values[slot, :, :length])
+        except BaseException:
+            self.release_prefix(saved, device)
+            raise
+        return saved
+
+    def load_prefix(self, stored: list[tuple[torch.Tensor, torch.Tensor]], cache: SlotPool, slot: int) -> None:
+        for (key, value), keys, values in zip(stored, cache.keys, cache.values, strict=True):
+            keys[slot, :, :key.shape[1]].copy_(key)
+            values[slot, :, :value.shape[1]].copy_(value)
+
+    def release_prefix(self, stored: list[tuple[torch.Tensor, torch.Tensor]], device: DeviceLike) -> None:
+        for key, value in stored:
+            release(device, key)
+            release(device, value)
+        stored.clear()
+
     # -- one forward ------------------------------------------------------------------
+    def _forward_alone(self, seg: Segment, cache: SlotPool) -> torch.Tensor:
+        """One sequence's segment on its own; a shared prefix at its start in a forward of its
+        own first, so that its keys are the same whether computed here or copied from an
+        earlier sequence (`kv_prefix`), and so is what the rest of the segment computes."""
+        if 0 < seg.prefix < len(seg.token_ids):
+            self._forward([Segment(seg.slot, seg.start, seg.token_ids[:seg.prefix])], cache)
+            seg = Segment(seg.slot, seg.start + seg.prefix, seg.token_ids[seg.prefix:])
+        return self._forward([seg], cache)
+
     def _forward(self, segments: Sequence[Segment], cache: SlotPool) -> torch.Tensor:
         dev = self.device
         width = max(len(seg.token_ids) for seg in segments)

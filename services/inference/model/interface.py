@@ -27,11 +27,15 @@ class Segment:
 
     `start` is the number of tokens the model has already seen in `slot` for this
     sequence (0 for a new one, whose slot may still hold a previous sequence's state).
+    `prefix` is how many of the first `token_ids` are a shared prefix (BOS and a system
+    prompt) whose KV may be kept for later requests (`kv_prefix`): a model that must give
+    the same answer whether that KV is computed here or reused forwards them apart.
     """
 
     slot: int
     start: int
     token_ids: tuple[int, ...]
+    prefix: int = 0
 
     @property
     def end(self) -> int:

@@ -41,6 +41,15 @@ class KVPlan:
     memory_bound: int | None  # slots the memory allows (None: the model does not say its KV size)
     source: str  # "auto" or "config"
 
+    @property
+    def spare_bytes(self) -> int:
+        """What the KV budget leaves after the pool (free × fraction − weights − slots × per
+        slot): the room a slot pool's stored prefixes may take (`kv_prefix`)."""
+        if self.per_slot_bytes is None:
+            return 0
+        usable = self.free_bytes * self.memory_fraction - self.weight_bytes
+        return max(0, math.floor(usable - self.slots * self.per_slot_bytes))
+
     def describe(self) -> str:
         if self.per_slot_bytes is None:
             return (f"KV cache: {self.slots} slots ({self.source}); the model does not report its "

@@ -23,7 +23,8 @@ from spine.tools.ab.report import (
     write_plots,
 )
 from spine.tools.ab.runner import RunOptions, run_ab
-from spine.tools.ab.workload import Entry, SyntheticSpec, read_trace, synthetic, tenant_keys, write_trace
+from spine.tools.trace import read_trace, write_trace
+from spine.tools.workload import Entry, SyntheticSpec, synthetic, tenant_keys
 
 
 def run_command(config: Mapping[str, Any], *, layouts: Sequence[str], out_dir: Path,

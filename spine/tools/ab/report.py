@@ -23,7 +23,7 @@ from runtime.stats import percentile
 from runtime.tracing import ROOT_SPAN
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.runner import ABRun, LayoutRun
-from spine.tools.ab.workload import Entry
+from spine.tools.workload import Entry
 
 MODEL_SPAN = "inference.generate"
 # Stacking order of the per-middleware bar: the pipeline's order.
@@ -195,8 +195,8 @@ def metric_rows(report: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
         rows.append((f"{name} ms", [_fmt(d["middleware_ms_per_request"].get(name), 3) for d in data]))
     if MODEL_SPAN in spans:
         # Little's law: the model's span includes its queue, which is longer where fewer
-        # requests wait in middleware hops (at c=64 on 2 cores the layered stack held ~41 of
-        # its 64 in its hops, the spine ~6): read the span beside this count.
+        # requests wait in middleware hops (under load the layered stack holds many of its
+        # requests in its hops, the spine few): read the span beside this count.
         rows.append(("mean requests in the model", [_fmt(_in_model(d), 1) for d in data]))
     if any(d.get("stream") for d in data):
         # The decode loop's own speed, queue left out (see `stream_timing`).

@@ -22,10 +22,7 @@ SERVING — a fail-closed component of it dead, hung or not serving — are not 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -38,16 +35,15 @@ from typing import Any
 import yaml
 
 from runtime.health_watch import HealthWatch
-from runtime.ready_line import first_event
+from runtime.launch import Launched, LaunchFailed, events, launch
 from runtime.run_dir import write_private
 from runtime.sections import TlsConfig
 from runtime.server import wait_serving
 from runtime.tls import link_credentials
 from spine.client.gateway_client import CallResult, GatewayClient
-from spine.tools.ab.process_tree import TreeMonitor, gone, tree, tree_cpu_seconds
 from spine.tools.ab.serve import RESULT_FILE
-from spine.tools.ab.workload import Entry
-from spine.tools.workload import Item
+from spine.tools.tree_sampler import TreeSampler, tree_cpu_seconds
+from spine.tools.workload import Entry, Item, closed_loop, open_loop
 
 ResultCallback = Callable[[str, int, CallResult], None]
 Serving = Callable[[str], bool]  # a layout's name -> is its gateway SERVING now
@@ -102,14 +98,14 @@ class LayoutRun:
 
 # -- a layout in its own process tree ------------------------------------------------
 class LayoutProcess:
-    """`python -m spine.tools.ab.serve` for one layout; stops with its tree."""
+    """`python -m spine.tools.ab.serve` for one layout (`runtime.launch`); stops with its tree."""
 
     def __init__(self, layout: str, config_path: Path, run_dir: Path, trace_ratio: float = 1.0) -> None:
         self.layout = layout
         self.config_path = config_path
         self.run_dir = run_dir
         self.trace_ratio = trace_ratio
-        self.process: subprocess.Popen[bytes] | None = None
+        self.launched: Launched | None = None
         self.address: str | None = None
 
     def start(self, timeout_s: float) -> str:
@@ -120,67 +116,43 @@ class LayoutProcess:
         """Start the process. Call from a thread that outlives it: the child asks Linux to
         SIGTERM it when the thread that spawned it exits (PR_SET_PDEATHSIG)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with (self.run_dir / "serve.log").open("wb") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "spine.tools.ab.serve", "--layout", self.layout, "--config", str(self.config_path),
-                 "--run-dir", str(self.run_dir), "--trace-ratio", str(self.trace_ratio)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
-                cwd=Path(__file__).resolve().parents[3])
+        self.launched = launch(
+            f"{self.layout} layout",
+            [sys.executable, "-m", "spine.tools.ab.serve", "--layout", self.layout, "--config", str(self.config_path),
+             "--run-dir", str(self.run_dir), "--trace-ratio", str(self.trace_ratio)],
+            log_path=self.run_dir / "serve.log", stdin=True)
 
     def await_ready(self, timeout_s: float) -> str:
         """The Gateway address once the layout says it is ready; `LayoutDown` otherwise."""
-        assert self.process is not None and self.process.stdout is not None, "spawn() first"
-        log_path = self.run_dir / "serve.log"
-        deadline = time.monotonic() + timeout_s
-        event = first_event(self.process, deadline)
-        if event is not None and event["event"] == "ready":
-            self.address = str(event["address"])
-            return self.address
-        if event is not None:  # "failed"
-            self.stop()
-            raise LayoutDown(f"{self.layout} layout failed to start: {event.get('error')}")
-        self.stop()
-        tail = _tail(log_path)
-        if time.monotonic() >= deadline:
-            raise LayoutDown(f"{self.layout} layout did not come up within {timeout_s:g}s; log: {tail}")
-        raise LayoutDown(f"{self.layout} layout exited before serving; log: {tail}")
+        assert self.launched is not None, "spawn() first"
+        try:
+            ready = self.launched.wait_ready(timeout_s)
+        except LaunchFailed as error:
+            raise LayoutDown(str(error)) from None
+        self.address = str(ready["address"])
+        return self.address
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
+        return self.launched.pid if self.launched is not None else None
 
     def forget_warm_up(self, timeout_s: float = 5.0) -> bool:
         """Ask the layout to drop the spans measured so far; True once it says it has."""
-        process = self.process
-        if process is None or process.stdin is None or process.poll() is not None:
+        launched = self.launched
+        if launched is None or not launched.alive():
             return False
         try:
-            process.stdin.write(b"reset\n")
-            process.stdin.flush()
+            launched.send("reset")
         except OSError:
             return False
-        event = first_event(process, time.monotonic() + timeout_s, events=("reset",))
-        return event is not None
+        return launched.wait_for(events("reset"), timeout_s) is not None
 
     def stop(self, timeout_s: float = 20.0) -> dict[str, Any]:
         """SIGTERM the tree's root (it stops its children), wait, and read what it measured."""
-        if self.process is None:
+        launched, self.launched = self.launched, None
+        if launched is None:
             return {}
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                for child in tree(self.process.pid)[1:]:
-                    with gone():
-                        child.kill()
-                self.process.kill()
-                self.process.wait(5)
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        self.process = None
+        launched.stop(timeout_s)
         path = self.run_dir / RESULT_FILE
         try:
             result: dict[str, Any] = json.loads(path.read_text())
@@ -238,52 +210,43 @@ def _closed_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: R
 
     Why rounds: with each worker sending a request to every layout in turn, workers pile
     up at whichever layout is slower at the moment, so it runs at more than the concurrency
-    asked and gets slower still, while the layouts fight over the same cores. On 2 cores at
-    c=64 the one-process spine then served 129 req/s to the eight-process layered stack's
-    347; in rounds it is 245 to 147, as `make bench` finds with each layout alone.
+    asked and gets slower still, while the layouts fight over the same cores. On a small
+    host at high concurrency that even reversed which layout read faster; in rounds the
+    order is the one `make bench` finds with each layout alone.
     Alternating rounds keeps the point of interleaving (a slow patch of the machine hits
     every layout alike) and gives each layout exactly the concurrency asked."""
     round_size = options.concurrency * ROUND_PER_WORKER
     clients = {run.name: [run.client() for _ in range(options.concurrency)] for run in live}
     try:
-        with ThreadPoolExecutor(max_workers=options.concurrency, thread_name_prefix="ab-closed") as pool:
-            for number, first in enumerate(range(0, len(entries), round_size)):
-                indices = range(first, min(first + round_size, len(entries)))
-                shift = number % len(live)
-                for run in [*live[shift:], *live[:shift]]:
-                    if time.monotonic() >= deadline:
-                        return
-                    _closed_round(pool, clients[run.name], run, entries, indices, options, deadline, on_result,
-                                  sendable)
+        for number, first in enumerate(range(0, len(entries), round_size)):
+            indices = range(first, min(first + round_size, len(entries)))
+            shift = number % len(live)
+            for run in [*live[shift:], *live[:shift]]:
+                if time.monotonic() >= deadline:
+                    return
+                _closed_round(clients[run.name], run, entries, indices, options, deadline, on_result, sendable)
     finally:
         for layout_clients in clients.values():
             for client in layout_clients:
                 client.close()
 
 
-def _closed_round(pool: ThreadPoolExecutor, clients: Sequence[GatewayClient], run: LayoutRun,
-                  entries: Sequence[Entry], indices: range, options: RunOptions, deadline: float,
-                  on_result: ResultCallback | None, sendable: Callable[[LayoutRun], bool]) -> None:
+def _closed_round(clients: Sequence[GatewayClient], run: LayoutRun, entries: Sequence[Entry], indices: range,
+                  options: RunOptions, deadline: float, on_result: ResultCallback | None,
+                  sendable: Callable[[LayoutRun], bool]) -> None:
     """One layout, one round: each worker takes the round's next request until none is left."""
-    pending = iter(indices)
-    lock = threading.Lock()
 
-    def worker(client: GatewayClient) -> None:
-        while time.monotonic() < deadline:
-            with lock:
-                index = next(pending, None)
-            if index is None:
-                return
-            if not sendable(run):
-                continue
-            result = _send(client, entries[index].item, options.timeout_s)
-            run.results[index] = result
-            run.scheduled_latency_s[index] = result.latency_s
-            if on_result is not None:
-                on_result(run.name, index, result)
+    def send(client: GatewayClient, at: int) -> None:
+        index = indices[at]
+        if not sendable(run):
+            return
+        result = _send(client, entries[index].item, options.timeout_s)
+        run.results[index] = result
+        run.scheduled_latency_s[index] = result.latency_s
+        if on_result is not None:
+            on_result(run.name, index, result)
 
-    for future in [pool.submit(worker, client) for client in clients]:
-        future.result()
+    closed_loop(len(indices), clients, send, options.time_limit_s, deadline=deadline)
 
 
 def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: RunOptions, started: float,
@@ -302,15 +265,11 @@ def _open_loop(live: Sequence[LayoutRun], entries: Sequence[Entry], options: Run
     workers = min(options.max_open_workers, max(options.concurrency, 2 * len(live)) * 4)
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ab-open") as pool:
-            for index, entry in enumerate(entries):
-                scheduled = started + entry.at
-                if scheduled >= deadline:
-                    break
-                delay = scheduled - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
+            def release(index: int, scheduled: float) -> None:  # to every layout, who goes first rotating
                 for offset in range(len(live)):
                     pool.submit(send, live[(index + offset) % len(live)], index, scheduled)
+
+            open_loop([entry.at for entry in entries], release, started=started, deadline=deadline)
     finally:
         for client in clients.values():
             client.close()
@@ -382,7 +341,7 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
             if run.status == "up" and run.name in processes and not processes[run.name].forget_warm_up():
                 say(f"{run.name}: its spans still include the warm-up (no answer to reset)")
         measured = {run.name: run.root_pid for run in runs if run.status == "up" and run.root_pid}
-        monitor = TreeMonitor({name: pid for name, pid in measured.items() if pid is not None})
+        monitor = TreeSampler({name: pid for name, pid in measured.items() if pid is not None}, device=True)
         cpu_before = {name: tree_cpu_seconds(pid) for name, pid in measured.items() if pid is not None}
         monitor.start()
         live = sum(r.status == "up" for r in runs)
@@ -414,9 +373,3 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
                     run.device_bytes = int(inside_peak)
     return ABRun(runs, wall, options)
 
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:]) or "(empty)"
-    except OSError:
-        return "(no log)"

@@ -122,7 +122,7 @@ def add_migrate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m migration.cli migrate …` (the same commands as `spine migrate …`)."""
+    """`python -m spine.cli.migrate migrate …` (the same commands as `spine migrate …`)."""
     parser = argparse.ArgumentParser(prog="spine")
     add_migrate_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

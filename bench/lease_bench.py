@@ -1,4 +1,4 @@
-"""`python -m bench.leases`: what the shared lease store (`ratelimit.store`) costs and how exact it is.
+"""`python -m bench.lease_bench`: what the shared lease store (`ratelimit.store`) costs and how exact it is.
 
 Not part of `make bench` (it runs its own redis-server and, by default, two 30 s traffic
 runs). Three measurements, each in this process against a real `redis-server` on loopback:
@@ -9,7 +9,11 @@ runs). Three measurements, each in this process against a real `redis-server` on
    and the store's round trips per second meanwhile;
 2. **skew**: three replicas, one tenant limited to `--rate`/s (burst as much), all its
    traffic on one replica at ten times that for `--seconds`: admitted / (burst + rate x time);
-3. **even**: the same spread round robin over the three.
+3. **even**: the same spread round robin over the three;
+4. **partition**: the same spread, with one of the three cut off from the store
+   (`CuttableLink`): it falls back to its share (a third) while the other two lease; the
+   over-admission measured against the bound stated (`deploy/README.md`): at most its share
+   of burst + rate x time cut off, plus the replicas' reserves.
 
 Writes `bench/leases.json` and prints a table.
 """
@@ -27,7 +31,7 @@ from typing import Any
 from monolith.device import DeviceContext
 from services.ratelimit.admission import AdmitItem, AdmitVerdict
 from services.ratelimit.service import RateLimitConfig, RateLimitService
-from spine.tools.local_redis import LocalRedis
+from spine.tools.local_redis import CuttableLink, LocalRedis
 
 ROOMY = {"requests_per_second": 1e9, "burst": 1e9, "tokens_per_minute": 1e12, "token_burst": 1e12}
 
@@ -97,8 +101,45 @@ def traffic(address: str, rate: float, seconds: float, skewed: bool, prefix: str
             "store_calls_per_s_per_replica": [c / elapsed for c in calls]}
 
 
+def partition(redis: LocalRedis, rate: float, seconds: float, prefix: str) -> dict[str, Any]:
+    tenants = {"t": {"requests_per_second": rate, "burst": rate}}
+    link = CuttableLink(redis.port)
+    replicas = [limiter(redis.address, tenants, prefix) for _ in range(2)] + [limiter(link.address, tenants, prefix)]
+    admitted = [0, 0, 0]
+    sent = 0
+    try:
+        deadline = time.monotonic() + 10.0
+        while any(r.store and r.store.replicas < 3 for r in replicas) and time.monotonic() < deadline:
+            time.sleep(0.05)  # every replica counted by the store: the cut-off one's share is a third
+        link.cut()
+        cut_off = replicas[2].store
+        assert cut_off is not None
+        while cut_off.leasing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        while (elapsed := time.monotonic() - start) < seconds:
+            while sent < int(elapsed * 10 * rate):
+                i = sent % 3
+                verdict = replicas[i].admit_items([AdmitItem("t", "m", 10)])[0]
+                admitted[i] += isinstance(verdict, AdmitVerdict) and verdict.admitted
+                sent += 1
+            time.sleep(0.001)
+        elapsed = time.monotonic() - start
+        share = min(cut_off.controller_share, 1.0 / max(cut_off.replicas, 1))  # what `shares` decides on
+        reserve = cut_off.config.reserve
+    finally:
+        for replica in replicas:
+            replica.close()
+        link.close()
+    limit = rate + rate * elapsed
+    over = sum(admitted) - limit
+    return {"sent": sent, "admitted_per_replica": admitted, "admitted": sum(admitted), "limit": limit,
+            "seconds": elapsed, "over_admitted": over, "over_vs_limit": over / limit,
+            "cut_off_share": share, "bound": share * limit + 3 * reserve * rate}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.leases", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lease_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=50.0, help="the tenant's limit, requests/s (burst as much)")
     parser.add_argument("--seconds", type=float, default=30.0, help="each traffic run")
     parser.add_argument("--rounds", type=int, default=15)
@@ -108,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="spine-bench-redis-") as workdir, LocalRedis(Path(workdir)) as redis:
         results = {"decision_cost": decision_cost(redis.address, args.rounds, args.per_round),
                    "skew": traffic(redis.address, args.rate, args.seconds, True, "skew:"),
-                   "even": traffic(redis.address, args.rate, args.seconds, False, "even:")}
+                   "even": traffic(redis.address, args.rate, args.seconds, False, "even:"),
+                   "partition": partition(redis, args.rate, args.seconds, "partition:")}
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     cost = results["decision_cost"]
     print(f"decisions/s per replica: store off {cost['decisions_per_s_store_off']:,.0f} "
@@ -120,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: sent {run['sent']}, admitted {run['admitted']} {run['admitted_per_replica']} "
               f"of a limit of {run['limit']:.0f} over {run['seconds']:.1f} s: {run['admitted_vs_limit']:.4f}; "
               f"store calls/s per replica {[round(c, 1) for c in run['store_calls_per_s_per_replica']]}")
+    cut = results["partition"]
+    print(f"partition (one of three cut off, share {cut['cut_off_share']:.3f}): admitted {cut['admitted']} "
+          f"{cut['admitted_per_replica']} of a limit of {cut['limit']:.0f} over {cut['seconds']:.1f} s: "
+          f"{cut['over_admitted']:.0f} over ({cut['over_vs_limit']:.3f} of the limit; bound {cut['bound']:.0f})")
     print(f"wrote {args.out}")
     return 0
 

@@ -1,0 +1,72 @@
+"""How the rate limiter's shared-store families (`spine_ratelimit_store_*`) reach /metrics, in
+every layout.
+
+A rate limiter with `ratelimit.store` keeps its lease state in its own process
+(`services.ratelimit.leases`). Where it runs decides how its families are served, as for the
+model's serving families (`runtime.serving_metrics_export`):
+
+* **in the process of the metrics component** (the spine, any stage whose spine built a
+  rate limiter): the metrics component's registry reads its collector, so the one /metrics
+  has them;
+* **in a process of its own** (the layered rate limiter, or one following the controller):
+  it serves them at /metrics on `ratelimit.store.metrics_listen` (loopback unless
+  `metrics.allow_external`) and writes the address to its run directory
+  (`ratelimit.metrics.addr`); the metrics component of the same run directory forwards them
+  at scrape time, so the address `spine up` prints shows them in the layered layout too.
+  Where they share no run directory (a cluster), Prometheus scrapes the limiter's own
+  endpoint, so no series is exported twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from runtime.serving_metrics_export import forwarded
+from services.common import section
+from services.common.prometheus_http import PrometheusHTTPServer
+from services.metrics.config import MetricsConfig
+from services.ratelimit.config import RateLimitConfig
+
+log = logging.getLogger("runtime")
+
+ADDRESS_FILE = "ratelimit.metrics.addr"
+
+
+class StoreMetricsSource(Collector):
+    """On the metrics component's registry: the store families of the rate limiter `local()`
+    returns (one was built in this process), else forwarded from the run directory's own."""
+
+    def __init__(self, local: Callable[[], Any], run_dir: Path) -> None:
+        self._local = local
+        self._address_file = run_dir / ADDRESS_FILE
+
+    def collect(self) -> Iterator[Metric]:
+        collector = getattr(self._local(), "store_collector", None)
+        if collector is not None:
+            yield from collector.collect()
+            return
+        yield from forwarded(self._address_file)
+
+
+def serve_store_metrics(servicer: Any, config: Mapping[str, Any], run_dir: Path) -> PrometheusHTTPServer | None:
+    """A rate limiter process's own /metrics with its store families (None: it has no store);
+    its address goes to run_dir/ratelimit.metrics.addr."""
+    collector = getattr(servicer, "store_collector", None)
+    store = RateLimitConfig.from_dict(section(config, "ratelimit")).store
+    if collector is None or store is None:
+        return None
+    registry = CollectorRegistry()
+    registry.register(collector)
+    allow_external = MetricsConfig.from_dict(section(config, "metrics")).allow_external
+    endpoint = PrometheusHTTPServer(registry, listen=store.metrics_listen, allow_external=allow_external)
+    endpoint.start()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ADDRESS_FILE).write_text(endpoint.address)
+    log.info("ratelimit store metrics on http://%s/metrics", endpoint.address)
+    return endpoint

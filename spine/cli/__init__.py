@@ -1,0 +1,69 @@
+"""`spine`: bring up a layout, call it, run the demo, drive a migration.
+
+    spine up --layout layered|collapsed|mixed [--listen HOST:PORT] [--http-listen HOST:PORT] [--model DIR [--model-id ID]]
+             [--deterministic]
+    spine model make-tiny --arch llama|gpt2 --out DIR
+    spine model get smollm2-135m-instruct --out DIR
+    spine call --prompt "hello" [--stream] [--deterministic] [--ca FILE [--cert FILE --key FILE]]
+    spine cache build --prompts FILE --out PATH
+    spine certs dev --out DIR
+    spine demo [--model DIR]
+    spine config schema|check
+    spine migrate ...
+
+A config problem (`--config`) exits 2 with one line per problem, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from runtime.parent import follow_parent
+from runtime.server import UnsafeAddress
+from services.common import ConfigError
+from spine.cli.migrate import add_migrate_parser
+from spine.cli.runs import add_run_parsers
+from spine.cli.tools import add_tool_parsers
+from spine.cli.up import add_up_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
+    parser.add_argument("--config", help="YAML config laid over the default (runtime/default_config.yaml)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    add_up_parser(sub)
+    add_tool_parsers(sub)
+    add_run_parsers(sub)
+
+    from spine.tools.cache_build import add_cache_parser
+
+    add_cache_parser(sub)
+
+    add_migrate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not follow_parent():
+        return 1  # started by `spawn`, whose process died before we could ask to die with it
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except ConfigError as error:
+        for line in getattr(error, "problems", None) or str(error).splitlines():
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
+    except UnsafeAddress as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

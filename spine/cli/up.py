@@ -1,0 +1,190 @@
+"""`spine up`: run a layout in the foreground until SIGTERM or Ctrl-C.
+
+A config problem (`--config`) exits 2 with one line per problem, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runtime.config_file import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
+from runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
+from services.common import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.sections import TlsConfig
+
+
+def add_up_parser(sub: Any) -> None:
+    up = sub.add_parser("up", help="run a layout in the foreground until SIGTERM or Ctrl-C")
+    up.add_argument("--layout", choices=LAYOUTS, default="collapsed")
+    up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
+    up.add_argument("--http-listen", metavar="HOST:PORT",
+                    help="the OpenAI/Anthropic-compatible HTTP API's address (default: config `http.listen`, "
+                         "127.0.0.1:8000); 'off': none")
+    up.add_argument("--run-dir", help="sockets, logs and state (default: a fresh temporary directory)")
+    up.add_argument("--allow-external", action="store_true", help="allow a non-loopback --listen")
+    up.add_argument("--probe-listen", metavar="HOST:PORT",
+                    help="also answer grpc.health.v1 alone, in plaintext, here (Kubernetes' grpc probes cannot "
+                         "speak TLS)")
+    up.add_argument("--model", metavar="DIR", help="serve this transformers causal LM directory as the default "
+                                                 "model (alias `default`) instead of the config's; `sim`: the "
+                                                 "device-time simulator (a directory named sim: ./sim)")
+    up.add_argument("--model-id", help="the id --model is served under (default: the directory's name)")
+    up.add_argument("--deterministic", action="store_true",
+                    help="deterministic mode, as `inference.deterministic: true`: deterministic kernels, and a sampled "
+                         "request without a seed uses inference.seed, so answers are bit-identical across runs, "
+                         "batches and layouts")
+    add_follow_arguments(up, "each stage's placements (moved live) and this spine's share of every limit")
+    from runtime.faults import INJECTABLE
+
+    up.add_argument("--inject-fault", choices=INJECTABLE,
+                    help="REHEARSALS AND TESTS ONLY (refused with --allow-external): run with a fault on purpose; "
+                         "wrong-answers: the parity fault, greedy requests are sampled and every call succeeds "
+                         "(python -m spine.tools.rehearsal); switchable: no fault until the parent process "
+                         "switches one with a line on stdin (`error-rate R`, `wrong-answers on|off`, `clear`; "
+                         "make run)")
+    up.set_defaults(handler=cmd_up)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from monolith.runtime_env import configure_threads, freeze_startup_heap
+    from runtime.server import check_listen
+    from runtime.signals import Termination
+    from runtime.stack import Stack
+    from runtime.tracing import install_from_config
+
+    config = load_config(args.config, _up_overrides(args))
+    placements = placements_for(args.layout, config)
+    listen = args.listen or str(config["listen"])
+    check_listen(listen, args.allow_external)  # before any child process starts
+    http_listen = args.http_listen or (config.get("http") or {}).get("listen")
+    if http_listen is not None and args.http_listen != "off":
+        check_listen(http_listen, args.allow_external)
+    else:
+        http_listen = None
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    from runtime.model_fit import fit_to_model
+    from runtime.served_model import preflight
+
+    fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
+    if fitted:
+        print(fitted, file=sys.stderr, flush=True)
+    preflight(config)  # a model directory that cannot be served: one line, before any child starts
+    tls = _serve_tls(config)
+    fault = _injected_fault(args, config, run_dir)
+    # The process becomes a server only now, every check passed: its torch threads, CPU
+    # placement and tracing are set for the stack it is about to start. Set before the
+    # checks, a caller whose `up` was refused (a test calling `main` in its own interpreter)
+    # kept them, and its next in-process model pinned all of its threads to one CPU.
+    configure_threads()
+    install_from_config(config, service_name="spine")
+    stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
+                  remote_addresses=remote_addresses(config), probe_listen=args.probe_listen,
+                  http_listen=http_listen, **fault)
+    termination = Termination()
+    stack.start()
+    follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements", tls)
+    key = dev_api_key(config)
+    ready = {
+        "event": "ready", "layout": stack.layout, "address": stack.address, "http_address": stack.http_address,
+        "pid": os.getpid(),
+        "placements": dict(stack.placements), "run_dir": str(stack.run_dir), "metrics": stack.metrics_address(),
+        "children": stack.supervisor.pids() if stack.supervisor else {},
+        # The gateway's health and each component's; later flips, restarts and crash loops
+        # are logged (one line each) on stderr.
+        "health": stack.health_report(),
+    }
+    if follower is not None:  # the controller's stage, as applied (placements above include it)
+        ready["follower"] = follower.state()
+    if args.inject_fault:
+        ready["injected_fault"] = args.inject_fault
+    freeze_startup_heap()  # see its docstring: no full collection walks the startup heap again
+    print(json.dumps(ready), flush=True)
+    if fault.get("hooks"):  # `switchable`: the parent switches the fault through our stdin
+        from runtime.faults import FaultSwitch
+
+        def answer(line: str) -> None:  # one write: a whole line, whatever else prints to stdout
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+        FaultSwitch(fault["hooks"][0], answer).follow(
+            sys.stdin.buffer, lambda: print("--inject-fault switchable: stdin closed; the fault stays as it is",
+                                            file=sys.stderr))
+    print(f"spine {stack.layout} layout serving the Gateway API on {stack.address}", file=sys.stderr)
+    if stack.http_address:
+        scheme = "https" if tls is not None else "http"
+        print(f"HTTP API (OpenAI/Anthropic-compatible) on {scheme}://{stack.http_address}/v1", file=sys.stderr)
+    if key:
+        print(f"dev tenant API key: {key}   (try: spine call --address {stack.address} --prompt hello)",
+              file=sys.stderr)
+    try:
+        termination.wait()
+    finally:
+        print("stopping: finishing in-flight requests, flushing logs and metrics", file=sys.stderr)
+        if follower is not None:
+            follower.stop()
+        stack.stop()
+    return 0
+
+
+def _serve_tls(config: dict[str, Any]) -> TlsConfig | None:
+    """The config's `tls:` section, its files checked before anything starts (ConfigError: one
+    line, exit 2); refused handshakes logged as one line each and SIGHUP re-reading the files."""
+    from runtime.sections import TlsConfig
+    from runtime.tls import load_certificates, reload_on_sighup
+
+    tls = TlsConfig.from_config(config)
+    if tls is None:
+        return None
+    load_certificates(tls)
+    from runtime.core_log import log_tls_refusals
+
+    log_tls_refusals()
+    reload_on_sighup()
+    return tls
+
+
+def _injected_fault(args: argparse.Namespace, config: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
+    """`--inject-fault NAME` (rehearsals and tests only): the Stack arguments that switch it on."""
+    if not args.inject_fault:
+        return {}
+    if args.allow_external:
+        raise ConfigError("--inject-fault: for local rehearsals and tests only; refused with --allow-external")
+    from runtime.faults import SWITCHABLE
+
+    if args.inject_fault == SWITCHABLE and sys.stdin.isatty():
+        raise ConfigError("--inject-fault switchable: its switches are read from stdin, a terminal here (every "
+                          "line typed would switch a fault); start it from a program that holds a pipe to it, "
+                          "as make run does")
+    from runtime.faults import injected_fault
+
+    print(f"warning: --inject-fault {args.inject_fault}: this spine misbehaves on purpose (rehearsals and tests "
+          f"only)", file=sys.stderr)
+    return injected_fault(args.inject_fault, config, run_dir)
+
+
+def _up_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--model DIR [--model-id ID]` and `--deterministic`, as config overrides."""
+    overrides = served_model(args) or {}
+    if args.deterministic:  # the same as `inference.deterministic: true` in the config
+        from runtime.config_file import merge
+
+        overrides = merge(overrides, {"inference": {"deterministic": True}})
+    return overrides or None
+
+
+def served_model(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--model DIR [--model-id ID]`: config overrides serving DIR as the default model."""
+    if not args.model:
+        if args.model_id:
+            raise ConfigError("--model-id: needs --model DIR")
+        return None
+    from runtime.served_model import model_overrides
+
+    return model_overrides(args.model, args.model_id)

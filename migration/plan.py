@@ -289,15 +289,23 @@ class _Checker:
             return default
         return value
 
-    def number(self, raw: Mapping[str, Any], key: str, path: str, default: float | None, *,
-               minimum: float, maximum: float | None = None, exclusive: bool = False,
-               required: bool | None = None) -> Any:
+    def _field(self, raw: Mapping[str, Any], key: str, path: str, default: Any,
+               required: bool | None) -> tuple[bool, Any, str]:
+        """(present, its value or the default, where it is): a missing field fails when it is
+        required, or when it is not said and has no default."""
         where = f"{path}.{key}" if path else key
         if key not in raw:
             if required or (required is None and default is None):
                 self.fail(path, f"missing required field {key!r}")
-            return default
-        value = raw[key]
+            return False, default, where
+        return True, raw[key], where
+
+    def number(self, raw: Mapping[str, Any], key: str, path: str, default: float | None, *,
+               minimum: float, maximum: float | None = None, exclusive: bool = False,
+               required: bool | None = None) -> Any:
+        present, value, where = self._field(raw, key, path, default, required)
+        if not present:
+            return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             self.fail(where, f"must be a number, got {value!r}")
             return default
@@ -311,12 +319,9 @@ class _Checker:
 
     def integer(self, raw: Mapping[str, Any], key: str, path: str, default: int | None, *,
                 minimum: int, required: bool | None = None) -> Any:
-        where = f"{path}.{key}" if path else key
-        if key not in raw:
-            if required or (required is None and default is None):
-                self.fail(path, f"missing required field {key!r}")
-            return default
-        value = raw[key]
+        present, value, where = self._field(raw, key, path, default, required)
+        if not present:
+            return value
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(where, f"must be a whole number, got {value!r}")
             return default

@@ -26,6 +26,7 @@ before it is released; a violation ends the call with `content_policy_violation`
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
@@ -115,91 +116,81 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     # -- public API ---------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
         state = self._begin(request, context)
-        try:
-            self.admission.admit(state)
-            if state.hit is not None:
-                self._police(state, state.hit.text, state.hit.token_ids)
-                context.set_trailing_metadata(self._answer_trailing(state))
-                return state.hit
-            assert state.resolved is not None
-            trailers: list[tuple[str, str]] = []
-            response = self._model_call(state, "Generate", context, trailing_out=trailers)
-            self.model_load.note_trailers(state.model, trailers)
-            state.completion_tokens = response.completion_tokens
-            self._police(state, response.text, response.token_ids)
-            state.response = response
-            context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
-            return response
-        except Stop as stop:
-            self._abort(state, context, stop)
-            raise AssertionError("unreachable") from None
-        except Exception:
-            if state.status == "OK":
-                state.status = "INTERNAL"
-            raise
-        finally:
-            self._finish(state)
+        with self._settled(state):
+            try:
+                self.admission.admit(state)
+                if state.hit is not None:
+                    self._police(state, state.hit.text, state.hit.token_ids)
+                    context.set_trailing_metadata(self._answer_trailing(state))
+                    return state.hit
+                assert state.resolved is not None
+                trailers: list[tuple[str, str]] = []
+                response = self._model_call(state, "Generate", context, trailing_out=trailers)
+                self.model_load.note_trailers(state.model, trailers)
+                state.completion_tokens = response.completion_tokens
+                self._police(state, response.text, response.token_ids)
+                state.response = response
+                context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
+                return response
+            except Stop as stop:
+                self._abort(state, context, stop)
+                raise AssertionError("unreachable") from None
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
         state = self._begin(request, context)
-        try:
-            self.admission.admit(state)
-            hit = state.hit
-            if hit is not None:
-                self._police(state, hit.text, hit.token_ids)
-                context.set_trailing_metadata(self._answer_trailing(state))
-                yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
-                                                   finish_reason=hit.finish_reason, cached=True, model=hit.model,
-                                                   system_digest=hit.system_digest)
-                return
-            resolved = state.resolved
-            assert resolved is not None
-            # Until the stream ends: what an HTTP client's headers carry (the load hint known now).
-            context.set_trailing_metadata(self._answer_trailing(state))
-            tokens: list[int] = []
-            texts: list[str] = []
-            finish = digest = ""
-            started = time.perf_counter()
-            check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
-            stream = self._model_call(state, "GenerateStream", context)
-            ended = False
+        with self._settled(state):
             try:
-                for chunk in stream:
-                    if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
-                        raise self._violation(state, found)  # the chunk is never released; the model stops
-                    tokens.extend(chunk.token_ids)
-                    texts.append(chunk.text)
-                    finish = chunk.finish_reason or finish
-                    digest = chunk.system_digest or digest
-                    yield chunk
-                ended = True
-            except grpc.RpcError as error:
-                ended = True
-                raise self._model_stop(error, state) from None
-            finally:
-                if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
-                    stream.cancel()
-                state.add_time(self.pipeline.model.component, time.perf_counter() - started)
-            state.completion_tokens = len(tokens)
-            model_trailers = _forwarded(stream.trailing_metadata() or ())
-            self.model_load.note_trailers(state.model, model_trailers)
-            context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
-            state.response = generation_pb2.GenerateResponse(
-                text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
-                prompt_tokens=len(resolved.prompt.encode()) + len(resolved.system.encode()),
-                completion_tokens=len(tokens), system_digest=digest)
-        except Stop as stop:
-            self._abort(state, context, stop)
-        except GeneratorExit:
-            state.status = "CANCELLED"
-            raise
-        except Exception:
-            if state.status == "OK":
-                state.status = "INTERNAL"
-            raise
-        finally:
-            self._finish(state)
+                self.admission.admit(state)
+                hit = state.hit
+                if hit is not None:
+                    self._police(state, hit.text, hit.token_ids)
+                    context.set_trailing_metadata(self._answer_trailing(state))
+                    yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
+                                                       finish_reason=hit.finish_reason, cached=True, model=hit.model,
+                                                       system_digest=hit.system_digest)
+                    return
+                resolved = state.resolved
+                assert resolved is not None
+                # Until the stream ends: what an HTTP client's headers carry (the load hint known now).
+                context.set_trailing_metadata(self._answer_trailing(state))
+                tokens: list[int] = []
+                texts: list[str] = []
+                finish = digest = ""
+                started = time.perf_counter()
+                check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
+                stream = self._model_call(state, "GenerateStream", context)
+                ended = False
+                try:
+                    for chunk in stream:
+                        if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
+                            raise self._violation(state, found)  # the chunk is never released; the model stops
+                        tokens.extend(chunk.token_ids)
+                        texts.append(chunk.text)
+                        finish = chunk.finish_reason or finish
+                        digest = chunk.system_digest or digest
+                        yield chunk
+                    ended = True
+                except grpc.RpcError as error:
+                    ended = True
+                    raise self._model_stop(error, state) from None
+                finally:
+                    if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
+                        stream.cancel()
+                    state.add_time(self.pipeline.model.component, time.perf_counter() - started)
+                state.completion_tokens = len(tokens)
+                model_trailers = _forwarded(stream.trailing_metadata() or ())
+                self.model_load.note_trailers(state.model, model_trailers)
+                context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
+                state.response = generation_pb2.GenerateResponse(
+                    text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
+                    prompt_tokens=len(resolved.prompt.encode()) + len(resolved.system.encode()),
+                    completion_tokens=len(tokens), system_digest=digest)
+            except Stop as stop:
+                self._abort(state, context, stop)
+            except GeneratorExit:
+                state.status = "CANCELLED"
+                raise
 
     # -- the request's life -----------------------------------------------------------
     def _begin(self, request: generation_pb2.GenerateRequest, context: Any) -> RequestState:
@@ -266,6 +257,19 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         client = self.pipeline.clients[self.pipeline.model.component]
         answer = client.invoke("Models", inference_pb2.ModelInfoRequest(), timeout=MODELS_TIMEOUT_S)
         return [(model.id, model.load) for model in answer.models if model.load]
+
+    @contextlib.contextmanager
+    def _settled(self, state: RequestState) -> Iterator[None]:
+        """Whatever ends a call, its completions run (`_finish`); an error no verdict named
+        is INTERNAL in the request's record. Both rpcs end through here."""
+        try:
+            yield
+        except Exception:
+            if state.status == "OK":
+                state.status = "INTERNAL"
+            raise
+        finally:
+            self._finish(state)
 
     def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
         """End the call with the pipeline's verdict; its trailers name layout and request id."""

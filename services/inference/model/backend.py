@@ -19,6 +19,7 @@ from services.inference.config import HF_CLASS, SIM_CLASS
 from services.inference.model.engine import GenerationEngine
 from services.inference.model.interface import (
     DeviceLike,
+    ModelSizes,
     Segment,
     StepModel,
     TokenizedBackend,
@@ -72,7 +73,7 @@ class TinyLMBackend(TokenizedBackend):
         return cls(model_id, model, ByteTokenizer())
 
 
-class ModuleStepModel:
+class ModuleStepModel(ModelSizes):
     """A StepModel for a torch module without a KV cache: ids [1, T] -> logits [1, T, V].
 
     Each step recomputes every sequence from its start, one sequence at a time: slow for
@@ -81,14 +82,6 @@ class ModuleStepModel:
 
     def __init__(self, module: torch.nn.Module, vocab_size: int, max_context: int) -> None:
         self.module, self._vocab_size, self._max_context = module, vocab_size, max_context
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
 
     def to(self, device: torch.device) -> ModuleStepModel:
         self.module.to(device)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from services.inference.model.interface import DeviceLike, Segment, allocate, release
+from services.inference.model.interface import DeviceLike, ModelSizes, Segment, allocate, release
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class _StepPlan:
     single: tuple[int, int, int] | None   # (slot, start, end) for one unpadded sequence
 
 
-class HFStepModel:
+class HFStepModel(ModelSizes):
     """The engine-facing side of a transformers `*ForCausalLM` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, tokenizer_size: int, max_context: int,
@@ -138,14 +138,6 @@ class HFStepModel:
         self.layers, self.kv_dtype, self._vocab_size = self._probe()
         # Logits past the tokenizer's ids (an embedding padded to a round size) are never chosen.
         self._usable_vocab = min(self._vocab_size, tokenizer_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
 
     @property
     def device(self) -> torch.device:

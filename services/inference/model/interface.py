@@ -60,6 +60,22 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+class ModelSizes:
+    """The two sizes a step model reports, kept as `_vocab_size` and `_max_context`: the
+    engine reads them through the `StepModel` properties (every step model has both)."""
+
+    _vocab_size: int
+    _max_context: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+
 @runtime_checkable
 class StepModel(Protocol):
     """What the engine calls each step.

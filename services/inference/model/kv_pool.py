@@ -36,10 +36,11 @@ answer with a shared prefix is the answer without one (a property test holds it 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from services.inference.model.prefix_lru import PrefixLru
 
 
 @runtime_checkable
@@ -108,29 +109,14 @@ class PrefixEntry:
     ready: bool = False
 
 
-class PrefixCache:
+class PrefixCache(PrefixLru[PrefixEntry]):
     """Prefixes by their exact tokens, least recently used first; each entry holds one
     reference on its blocks."""
 
     def __init__(self, pool: BlockPool) -> None:
+        super().__init__()
         self.pool = pool
-        self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
         self._idle_blocks = 0  # blocks of entries no running sequence uses
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def lookup(self, tokens: tuple[int, ...]) -> PrefixEntry | None:
-        entry = self._entries.get(tokens)
-        if entry is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(tokens)
-        return entry
 
     def add(self, tokens: tuple[int, ...], blocks: Sequence[int]) -> PrefixEntry:
         """A new entry for `tokens` in `blocks` (not ready: nothing is computed yet), used by

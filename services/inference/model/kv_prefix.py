@@ -30,11 +30,11 @@ same tokens over the same keys either way: bit for bit the same logits.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from services.inference.model.interface import DeviceLike
+from services.inference.model.prefix_lru import PrefixLru
 
 
 @runtime_checkable
@@ -68,31 +68,16 @@ class StoredPrefix:
     nbytes: int
 
 
-class SlotPrefixStore:
+class SlotPrefixStore(PrefixLru[StoredPrefix]):
     """Prefixes by their exact token ids, least recently used first, within `budget_bytes`."""
 
     def __init__(self, model: PrefixCopies, device: DeviceLike, budget_bytes: int) -> None:
+        super().__init__()
         self.model, self.device = model, device
         self.budget_bytes = max(0, int(budget_bytes))
-        self._entries: OrderedDict[tuple[int, ...], StoredPrefix] = OrderedDict()
         self.bytes = 0
         self.peak_bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
         self.refused = 0  # entries not stored: larger than the budget, or refused by the device's
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def lookup(self, tokens: tuple[int, ...]) -> StoredPrefix | None:
-        entry = self._entries.get(tokens)
-        if entry is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(tokens)
-        return entry
 
     def load(self, entry: StoredPrefix, cache: Any, slot: int) -> None:
         """Copy `entry` into `slot`'s first positions."""

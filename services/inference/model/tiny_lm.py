@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.inference.model.interface import DeviceLike, Segment, allocate, release
+from services.inference.model.interface import DeviceLike, ModelSizes, Segment, allocate, release
 from services.inference.model.tiny_kv import (
     KVCache,
     Paging,
@@ -77,7 +77,7 @@ def _grid_uniform(gen: torch.Generator, shape: tuple[int, ...], bound: float) ->
     return ints.to(torch.float64) / float(1 << WEIGHT_BITS)
 
 
-class TinyLM(torch.nn.Module):
+class TinyLM(ModelSizes, torch.nn.Module):
     """Decoder-only transformer (pre-RMSNorm, ReLU MLP, learned positions, untied head).
 
     Weight matrices are stored [in, out], so a matmul needs no transposed view.
@@ -151,14 +151,6 @@ class TinyLM(torch.nn.Module):
             for name, tensor in weights.items():
                 getattr(model, name).copy_(tensor)
         return model
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
 
     @property
     def device(self) -> torch.device:

@@ -16,9 +16,9 @@ from services.common import ConfigError
 from spine.cli import main
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.command import run_command
+from spine.tools.ab.interleave import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.report import metric_rows, stream_timing
 from spine.tools.ab.report import up_layouts as report_layouts
-from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
 from spine.tools.trace import TraceError, read_trace, write_trace
 from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack

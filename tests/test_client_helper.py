@@ -20,7 +20,7 @@ from services.common import ConfigError
 from services.registry import GATEWAY
 from spine.cli import main
 from spine.client.gateway_client import GatewayClient
-from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_models
+from spine.client.overload_client import Backoff, Fallback, LoadAwareClient, router_models
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 BUSY = "queue=9;running=4;slots=4;kv_free=0;mem_free_mb=100.0;ms_per_token=1.000;busy=0.990"

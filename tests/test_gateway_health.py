@@ -25,7 +25,7 @@ from runtime.server import start_server
 from runtime.stack import Stack
 from services.registry import DEFAULT, GATEWAY
 from spine.client.gateway_client import GatewayClient
-from spine.tools.ab.runner import LayoutRun, RunOptions, run_interleaved
+from spine.tools.ab.interleave import LayoutRun, RunOptions, run_interleaved
 from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from tests.test_supervisor import refused_config, seconds_until

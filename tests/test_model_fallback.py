@@ -19,7 +19,7 @@ from runtime.config_file import load_config
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from spine.client.gateway_client import GatewayClient
-from spine.client.load_hints import Backoff, Fallback, LoadAwareClient
+from spine.client.overload_client import Backoff, Fallback, LoadAwareClient
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
 from wire.v1 import generation_pb2, inference_pb2
 

@@ -24,7 +24,7 @@ from runtime.stack import Stack
 from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower
 from runtime.tls import ReloadingCertificates, reload_on_sighup
 from spine.client.gateway_client import GatewayClient
-from spine.tools.ab.runner import RunOptions, run_ab
+from spine.tools.ab.interleave import RunOptions, run_ab
 from spine.tools.dev_certs import issue, make_authority, write_file
 from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack

@@ -126,7 +126,7 @@ def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
 
 
 # Trailing metadata a downstream answer hands on to the client: when to retry, how loaded
-# the model is (x-spine-load, read by spine.client.load_hints).
+# the model is (x-spine-load, read by spine.client.overload_client).
 FORWARDED_TRAILERS = ("retry-after", "x-spine-load")
 
 

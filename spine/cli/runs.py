@@ -69,7 +69,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_ab(args: argparse.Namespace) -> int:
     from spine.tools.ab.command import run_command
-    from spine.tools.ab.runner import RunOptions
+    from spine.tools.ab.interleave import RunOptions
     from spine.tools.trace import TraceError
     from spine.tools.workload import SyntheticSpec
 

@@ -115,7 +115,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_call(args: argparse.Namespace) -> int:
     from spine.client.gateway_client import GatewayClient
-    from spine.client.load_hints import Backoff, Fallback, LoadAwareClient, router_models
+    from spine.client.overload_client import Backoff, Fallback, LoadAwareClient, router_models
     from spine.tools.call_report import print_call
     from wire.v1 import generation_pb2
 

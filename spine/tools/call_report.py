@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from spine.client.gateway_client import CallResult
-from spine.client.load_hints import LoadAwareClient
+from spine.client.overload_client import LoadAwareClient
 
 
 def print_call(result: CallResult, helper: LoadAwareClient, *, as_json: bool, call: int | None = None,

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from spine.client.gateway_client import CallResult
+from spine.tools.ab.interleave import RunOptions, run_ab
 from spine.tools.ab.report import (
     build_report,
     down_lines,
@@ -22,7 +23,6 @@ from spine.tools.ab.report import (
     write_markdown,
     write_plots,
 )
-from spine.tools.ab.runner import RunOptions, run_ab
 from spine.tools.trace import read_trace, write_trace
 from spine.tools.workload import Entry, SyntheticSpec, synthetic, tenant_keys
 

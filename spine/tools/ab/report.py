@@ -22,7 +22,7 @@ from runtime.decisions import FIELDS, decide, differing
 from runtime.stats import percentile
 from runtime.tracing import ROOT_SPAN
 from spine.client.gateway_client import CallResult
-from spine.tools.ab.runner import ABRun, LayoutRun
+from spine.tools.ab.interleave import ABRun, LayoutRun
 from spine.tools.workload import Entry
 
 MODEL_SPAN = "inference.generate"

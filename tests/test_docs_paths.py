@@ -26,7 +26,7 @@ def named_paths(page: Path) -> list[str]:
     out = []
     for token in re.findall(r"`([^`\s]+)`", page.read_text()):
         token = token.rstrip(".,:;)")
-        if PLACEHOLDER.search(token) or token.startswith(("http", "unix:", "/", "-", "xds:")):
+        if PLACEHOLDER.search(token) or token.startswith(("http", "unix:", "/", "-", "xds:", "../")):
             continue
         if token.startswith(TOP) or ("/" in token and token.endswith(SUFFIXES)):
             out.append(token)

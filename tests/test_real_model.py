@@ -31,7 +31,7 @@ pytest.importorskip("gguf")
 from runtime.model_fit import HOST_SHARE, MIB, fit_to_model, plan_fit  # noqa: E402
 from services.inference.model.chat import ChatMessage, encode_messages, plain_parts  # noqa: E402
 from services.pipeline.system_prompt import SEPARATOR  # noqa: E402
-from spine.tools.model_get import MODELS, FetchError, fetch_wheel, get_model  # noqa: E402
+from spine.tools.model_get import MODELS, FetchError, fetch_wheel, get_model, gguf_parsed_once  # noqa: E402
 from tests.conftest import DEV_KEY  # noqa: E402
 from wire.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
 
@@ -73,6 +73,28 @@ def test_model_get_writes_a_servable_directory_and_reuses_it(smollm2: Path) -> N
     added = {t["content"]: t["id"] for t in json.loads((smollm2 / "tokenizer.json").read_text())["added_tokens"]}
     assert json.loads((smollm2 / "generation_config.json").read_text())["eos_token_id"] == added["<|im_end|>"]
     assert len(vocab) > 40000
+
+
+def test_the_gguf_is_parsed_once_while_converting_and_the_library_is_itself_again_after(tmp_path: Path) -> None:
+    """The conversion's cache: one parse of the file for every object transformers builds from it,
+    and `gguf`'s own names back once the block ends (also when it raises)."""
+    import gguf
+
+    gguf_file = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(gguf_file, "llama")
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="ends in an error"), gguf_parsed_once():
+        first, again = gguf.GGUFReader(gguf_file), gguf.GGUFReader(str(gguf_file))
+        assert first is again and isinstance(first, reader_class)
+        assert first.fields["llama.block_count"].contents() == 2
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        raise RuntimeError("the block ends in an error")
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(gguf_file) is not gguf.GGUFReader(gguf_file)
 
 
 def test_a_wheel_with_another_digest_is_refused_and_removed(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def test_a_crashing_child_is_restarted_with_growing_delays_and_reported_as_a_cra
     config_path.write_text(yaml.safe_dump(config_for_tests()))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    supervisor = Supervisor(run_dir, restart_backoff=0.5, max_restart_backoff=2.0, stable_after_s=1.0,
+    supervisor = Supervisor(run_dir, restart_backoff=0.25, max_restart_backoff=1.0, stable_after_s=1.0,
                             crash_loop_after=3)
     child = supervisor.add_component("auth", config_path)
     supervisor.start()
@@ -77,9 +77,9 @@ def test_a_crashing_child_is_restarted_with_growing_delays_and_reported_as_a_cra
         gaps = [later.started_at - earlier.exited_at for earlier, later in zip(exits, exits[1:], strict=False)]
         print(f"\nbackoff: delays {delays}, measured gaps {[round(g, 2) for g in gaps]}, "
               f"slowest status() {slowest_status_s * 1000:.1f} ms")
-        assert delays == [0.5, 1.0, 2.0, 2.0, 2.0]
+        assert delays == [0.25, 0.5, 1.0, 1.0, 1.0]
         assert all(gap >= delay for gap, delay in zip(gaps, delays, strict=False))
-        assert slowest_status_s < 0.5  # a backoff of up to 2 s never held the lock
+        assert slowest_status_s < 0.5  # a backoff of up to 1 s never held the lock
         # The config is fixed: the child comes back, and after stable_after_s the loop is over.
         seconds_until(lambda: supervisor.status()["auth"]["state"] == "serving", timeout=60,
                       what="serving and out of the crash loop")
@@ -90,7 +90,7 @@ def test_a_crashing_child_is_restarted_with_growing_delays_and_reported_as_a_cra
         assert child.pid is not None
         os.kill(child.pid, signal.SIGKILL)
         seconds_until(lambda: len(child.exits) > count, what="the exit noticed")
-        assert child.exits[-1].delay_s == 0.5
+        assert child.exits[-1].delay_s == 0.25
         seconds_until(lambda: supervisor.ready() == {"auth": True}, what="restarted")
     finally:
         supervisor.stop()

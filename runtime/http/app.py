@@ -25,6 +25,7 @@ import grpc
 import orjson
 
 from runtime.http import anthropic_api, openai_api
+from runtime.http.bounded_protocol import response_bytes
 from runtime.http.config import HttpConfig
 from runtime.http.wire import (
     LAYOUT,
@@ -73,9 +74,20 @@ class HttpApi:
         self.models = models  # (name, model id) for every id and alias
         self.serving = serving
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http", initializer=name_os_thread)
+        self.pending_body_bytes = 0  # bodies being read, all connections (the event loop's thread alone)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def refusal(self, status: int, message: str, path: str) -> bytes:
+        """The whole response for a request the connection's protocol refuses before the app
+        sees it (a head past its limits, a connection past the cap), in the API's error shape."""
+        api: Any = anthropic_api if path.startswith("/v1/messages") else openai_api
+        request_id = safe_request_id(None)
+        kind = "overloaded_error" if status >= 500 else "invalid_request_error"
+        headers = ((REQUEST_ID, request_id), (LAYOUT, self.layout()), *((("retry-after", "1"),) if status >= 500 else ()))
+        return response_bytes(status, api.error_body(HttpError(status, kind, message), request_id),
+                              "application/json", headers)
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -131,25 +143,34 @@ class HttpApi:
         chunks: list[bytes] = []
         size = 0
         deadline = time.monotonic() + self.config.read_timeout_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise HttpError(408, "invalid_request_error",
-                                f"the request body did not arrive within {self.config.read_timeout_s:g}s",
-                                (("connection", "close"),)) from None
-            if message["type"] == "http.disconnect":
-                raise HttpError(499, "cancelled", "the client went away")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, "invalid_request_error", f"the request body is over the limit of {limit} bytes",
-                                (("connection", "close"),))
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
         try:
-            return orjson.loads(b"".join(chunks))
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise HttpError(408, "invalid_request_error",
+                                    f"the request body did not arrive within {self.config.read_timeout_s:g}s",
+                                    (("connection", "close"),)) from None
+                if message["type"] == "http.disconnect":
+                    raise HttpError(499, "cancelled", "the client went away")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                self.pending_body_bytes += len(chunk)
+                if size > limit:  # a chunked body too: refused as it passes the limit, the rest never read
+                    raise HttpError(413, "invalid_request_error",
+                                    f"the request body is over the limit of {limit} bytes", (("connection", "close"),))
+                if self.pending_body_bytes > self.config.max_pending_body_bytes:
+                    raise HttpError(503, "overloaded_error", "the server is reading as many request bodies as it "
+                                    "holds at once (http.max_pending_body_bytes); retry shortly",
+                                    (("retry-after", "1"), ("connection", "close")))
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    break
+            body = b"".join(chunks)
+        finally:
+            self.pending_body_bytes -= size
+        try:
+            return orjson.loads(body)
         except orjson.JSONDecodeError as error:
             raise bad_request(f"the request body is not valid JSON (UTF-8): {error}") from None
 

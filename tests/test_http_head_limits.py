@@ -6,6 +6,7 @@ lines keeps the server's memory bounded while a normal client is served."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -71,6 +72,18 @@ def test_too_many_fields_or_too_many_bytes_of_headers_get_431_in_the_api_shape(
     refused = answer_to(stack, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n")
     assert refused.startswith(b"HTTP/1.1 431 ") and b"http.max_header_bytes" in refused, refused[:300]
     still_serving(stack)
+
+
+def test_a_refused_head_behind_a_pipelined_request_waits_for_its_answer(http_stacks: dict[str, Stack]) -> None:
+    stack = http_stacks["collapsed"]
+    body = json.dumps(GOOD).encode()
+    def request(extra: bytes = b"") -> bytes:
+        return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                b"authorization: Bearer " + DEV_KEY.encode() + b"\r\n" + extra +
+                b"content-length: %d\r\n\r\n" % len(body) + body)
+    answers = answer_to(stack, request() + request(b"".join(b"x-%d: v\r\n" % i for i in range(200))))
+    assert answers.startswith(b"HTTP/1.1 200 "), answers[:200]
+    assert b"\r\nHTTP/1.1 431 " in answers or b"}HTTP/1.1 431 " in answers, answers[-400:]
 
 
 def test_a_request_line_past_the_line_limit_gets_414(http_stacks: dict[str, Stack]) -> None:

@@ -83,7 +83,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     _reading_head = True  # between a message's end (or the connection's start) and its headers' end
     _head_bytes = 0
     _fields = 0
-    _lingering = False
+    _draining = False  # refused: what the client still sends is thrown away
+    _refusal_due: bytes | None = None  # a pipelined refusal, written once the answer in progress is
+    _lingering = False  # the write side is shut and the connection closes soon
     _discarded = 0
 
     # -- the connection ----------------------------------------------------------------
@@ -99,13 +101,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
-    def eof_received(self) -> bool | None:  # type: ignore[override]
-        if self._lingering:  # the client read the refusal and closed its side: nothing to drain
-            self.transport.close()
-        return None
-
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
+        if self._draining:
             self._discard(len(data))
             return
         if self._reading_head:
@@ -179,31 +176,40 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        if self._lingering:  # closing: no pipelined request starts, no keep-alive timer
+        if self._refusal_due is not None and not self.pipeline:  # the requests before it are answered
+            self.server_state.total_requests += 1
+            self.transport.write(self._refusal_due)
+            self._refusal_due = None
+            self._linger()
+            return
+        if self._draining and self._refusal_due is None:  # closing: no keep-alive timer
             self.server_state.total_requests += 1
             return
         super().on_response_complete()
 
     # -- refusing --------------------------------------------------------------------------
     def _refuse(self, status: int, message: str) -> None:
-        """Answer `status` and close the connection, draining what the client still sends."""
+        """Answer `status` and close the connection, draining what the client still sends.
+        Behind a pipelined request still being answered, the refusal waits for that answer."""
         self._disarm()
-        if self._lingering or self.transport.is_closing():
-            return
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.close()  # an earlier request's answer is still being written: no room for ours
+        if self._draining or self.transport.is_closing():
             return
         log.debug("refusing a request from %s: %s %s", self.client, status, message)
         url = getattr(self, "url", b"")  # none before the first request began
-        path = url.split(b"?", 1)[0].decode("latin-1", "replace")
-        self.transport.write(self.refusal(status, message, path))
+        refusal = self.refusal(status, message, url.split(b"?", 1)[0].decode("latin-1", "replace"))
         self.headers = []  # what was parsed of the head is not kept while draining
+        self._draining = True
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._refusal_due = refusal
+            return
+        self.transport.write(refusal)
         self._linger()
 
     def close_after_answer(self) -> None:
         """The app answered and the connection is not kept alive: close it, lingering when
         the request's body is still arriving (a 413 or 408 before the whole body was read)."""
         if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            self._draining = True
             self._linger()
         else:
             self.transport.close()
@@ -222,8 +228,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _discard(self, size: int) -> None:
         self._discarded += size
-        if self._discarded > LINGER_BYTES:
+        if self._discarded <= LINGER_BYTES:
+            return
+        if self._lingering:
             self.transport.close()
+        else:  # an answer is still being written: stop reading until it is
+            self.flow.pause_reading()
 
     # -- the head's deadline -------------------------------------------------------------
     def _arm(self) -> None:
@@ -255,7 +265,7 @@ class LingeringClose:
         self._protocol.close_after_answer()
 
     def is_closing(self) -> bool:
-        return self._transport.is_closing() or self._protocol._lingering
+        return self._transport.is_closing() or self._protocol._draining
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)

@@ -1,4 +1,4 @@
-"""`python -m bench.leases_check`: issue 42's check, as stated, through the Gateway.
+"""`python -m bench.leases_check`: the shared store's check across replicas, through the Gateway.
 
 Three collapsed replicas (`spine up --layout collapsed`, three processes) share one Redis
 (`ratelimit.store.redis.address`, everything else the defaults); one tenant is limited to

@@ -2,7 +2,7 @@
 
 The controller decides; the data path (the built-in front, the spine, an xDS control
 plane) carries out. Keeping the contract this small lets the controller be tested against
-a recording double and lets the lead wire in the real front without touching it.
+a recording double and lets the real front, the spine and xDS be wired in without touching it.
 """
 
 from __future__ import annotations

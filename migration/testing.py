@@ -1,4 +1,4 @@
-"""Test support for the controller (also for the lead's end-to-end tests): a settable clock, small plans."""
+"""Test support for the controller (also for end-to-end tests): a settable clock, small plans."""
 
 from __future__ import annotations
 

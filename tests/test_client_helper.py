@@ -139,7 +139,7 @@ def test_fallback_after_n_overloads_and_return_only_after_m_calm_answers(scripte
 
 
 def test_three_timeouts_in_a_row_while_the_model_is_over_95_percent_busy_fall_back(scripted: tuple) -> None:
-    """The seed's policy: both signals together, then the cheaper model the server names."""
+    """The fallback policy: both signals together, then the cheaper model the server names."""
     servicer, client = scripted
     helper = LoadAwareClient(client, Backoff(attempts=1), Fallback(), sleep=lambda _: None)
     servicer.script = [(TIMEOUT, BUSY), (TIMEOUT, BUSY), (None, BUSY), (TIMEOUT, BUSY), (TIMEOUT, BUSY)]

@@ -131,7 +131,7 @@ def test_what_envoy_would_send_is_decided_by_a_real_spine(decisions: bootstrap_p
 
 
 def test_at_the_end_envoy_only_terminates_tls_and_keeps_basic_auth() -> None:
-    """The seed's thin Envoy: TLS and basic auth, no decision, cache or retry of its own; basic
+    """The thin Envoy a finished migration leaves: TLS and basic auth, no decision, cache or retry of its own; basic
     auth on a header of its own, so the Gateway's `authorization: Bearer` passes untouched."""
     hcm = connection_manager(load_bootstrap(EDGE_TLS))
     assert [f.typed_config.type_url for f in hcm.http_filters] == [BASIC_AUTH, ROUTER]

@@ -1,4 +1,4 @@
-"""Fuzzing the public Gateway of both layouts (issue 15, part 4).
+"""Fuzzing the public Gateway of both layouts.
 
 Hypothesis draws Gateway calls — request fields, credentials (API keys, JWTs, junk),
 `x-spine-*`, `x-request-id` and `traceparent` headers, raw bodies that may not decode, a

@@ -90,7 +90,7 @@ def test_a_bad_table_is_refused_with_one_log_line_and_served_without(
 def test_only_greedy_requests_of_the_tables_model_are_answered(tmp_path: Path) -> None:
     answers = PregeneratedAnswers(small_table(tmp_path / "t.bin"), DIGESTS)
     assert answers.lookup(greedy("p3")) == answer("answer 3", [3, 4])
-    assert answers.lookup(greedy("p3", seed=5)) == answer("answer 3", [3, 4])  # greedy: the seed changes nothing
+    assert answers.lookup(greedy("p3", seed=5)) == answer("answer 3", [3, 4])  # greedy: a seed changes nothing
     assert answers.lookup(greedy("p3", temperature=0.7, seed=5)) is None
     assert answers.lookup(generation_pb2.GenerateRequest(model="tiny-lm-mini", prompt="p3", max_tokens=4)) is None
 

@@ -1,4 +1,4 @@
-"""The production path rehearsed locally (issue 16, item 9): `python -m spine.tools.rehearsal`.
+"""The production path rehearsed locally: `python -m spine.tools.rehearsal`.
 
 One run of the same code the command runs, every part a real process: the layered stack (its
 rate limiter following the controller), two spine replicas following it (`spine up

@@ -38,7 +38,7 @@ def inference_load(stack: Stack) -> dict[str, float]:
         return parse_load(dict(call.trailing_metadata())["x-spine-load"])
 
 
-# A cancelled stream's slot must be free within 50 ms of the cancel (issue 14); on a busy
+# A cancelled stream's slot must be free within 50 ms of the cancel; on a busy
 # shared CI host the test allows 2 s and reports what it measured (`-s` shows it).
 CANCEL_BOUND_S = 2.0
 

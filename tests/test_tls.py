@@ -1,6 +1,6 @@
 """TLS and mTLS on the public listener of both layouts (`tls: {cert_file, key_file, client_ca_file}`).
 
-The check from issue 15: with `spine certs dev`'s files both layouts refuse plaintext, a TLS
+With `spine certs dev`'s files both layouts refuse plaintext, a TLS
 client without a certificate, a certificate from another CA and an expired one, and answer
 health and a Generate to a client that presents `client.pem`.
 """

@@ -13,7 +13,7 @@ gets the code its SDK maps to the right exception class:
 | RESOURCE_EXHAUSTED from the rate limiter | 429 + Retry-After | RateLimitError |
 | RESOURCE_EXHAUSTED elsewhere (the model's queue is full), UNAVAILABLE | 503 (OpenAI) / 529 (Anthropic) + Retry-After where known | InternalServerError / OverloadedError |
 | DEADLINE_EXCEEDED | 504 | InternalServerError |
-| FAILED_PRECONDITION `content_policy_violation…` (the output policy) | 400, the seed's `{"error": "content_policy_violation", "suggestion": "rephrase"}` | BadRequestError |
+| FAILED_PRECONDITION `content_policy_violation…` (the output policy) | 400, the body existing clients of the policy expect, `{"error": "content_policy_violation", "suggestion": "rephrase"}` | BadRequestError |
 | anything else | 500 | InternalServerError |
 
 `Retry-After` is whole seconds (rounded up, as HTTP requires) and `retry-after-ms` the exact
@@ -34,7 +34,7 @@ from services.inference.output_policy import VIOLATION, VIOLATION_CODE
 
 REQUEST_ID = "x-request-id"
 LAYOUT = "x-spine-layout"
-GPU_LOAD_HINT = "x-gpu-load-hint"  # the seed's header: the load hint as JSON
+GPU_LOAD_HINT = "x-gpu-load-hint"  # what GPU-serving clients read: the load hint as JSON
 # Headers a client may send that reach the pipeline as metadata (besides the credential and
 # `x-request-id`, which the app reads itself). Nothing else does: a client
 # cannot name internal metadata (a shadow mark, a tenant) by sending a header.
@@ -57,7 +57,7 @@ class HttpError(Exception):
         return f"{self.status} {self.kind}: {self.message}"
 
 
-# The output policy's verdict (`services.inference.output_policy`): answered in the seed's own shape,
+# The output policy's verdict (`services.inference.output_policy`): answered in the shape existing clients of the policy expect,
 # `{"error": "content_policy_violation", "suggestion": "rephrase"}`, in both APIs.
 POLICY_VIOLATION = "content_policy_violation"
 
@@ -111,7 +111,7 @@ def retry_headers(trailing: Mapping[str, str]) -> list[tuple[str, str]]:
 
 
 def load_hint_json(hint: str | None) -> str:
-    """The seed's `X-GPU-Load-Hint`: the routed model's load hint as a JSON object — `sm_util`
+    """`X-GPU-Load-Hint` (the header GPU-serving clients read): the routed model's load hint as a JSON object — `sm_util`
     (the GPU's utilisation in percent; the decode loop's busy share where there is no GPU
     figure) and `vram_free_gb`, then the spine's own fields; nulls when no hint is known."""
     values = parse_load(hint)

@@ -6,7 +6,7 @@ and retries: exponential backoff with full jitter (a uniform draw in [0, min(max
 × factor^retry)]), never less than a `retry-after` trailer asks for, so that many clients
 do not retry in step.
 
-The fallback policy (the seed's `AutoFallbackPolicy`) sends requests to a cheaper model —
+The fallback policy (what GPU-serving clients call `AutoFallbackPolicy`) sends requests to a cheaper model —
 its own KV pool and scheduler, so it has room when the requested one has none — while the
 requested one is overloaded, and comes back once it has calmed down:
 

@@ -22,7 +22,6 @@ from typing import Any
 from rich.console import Console
 
 from runtime.served_model import model_id_for
-from services.inference.model.sim_backend import profile_from
 
 DEVICE_LAYOUTS = ("bare", "collapsed", "layered")
 DEVICE_SEQUENTIAL_REQUESTS = 300
@@ -57,6 +56,8 @@ def profile_name(settings: Any) -> str:
     """The sim profile's name, or what the device regime serves instead (`--device-model DIR`)."""
     if settings.device_model:
         return f"hf:{settings.device_model}"
+    from services.inference.model.sim_backend import profile_from  # torch: after the entry point's settings
+
     return profile_from(SIM_OPTIONS).name
 
 
@@ -97,7 +98,11 @@ def summarize(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | N
     if "collapsed" in stream and "bare" in stream:
         ttft = _ratio(stream["collapsed"].get("ttft_p50_ms"), stream["bare"].get("ttft_p50_ms"))
     cpu = {layout: _cpu_us(runs, layout) for layout in DEVICE_LAYOUTS}
-    return {"profile": profile or profile_from(SIM_OPTIONS).name, "collapsed_vs_bare": collapsed, "ttft_collapsed_vs_bare": ttft,
+    if not profile:
+        from services.inference.model.sim_backend import profile_from
+
+        profile = profile_from(SIM_OPTIONS).name
+    return {"profile": profile, "collapsed_vs_bare": collapsed, "ttft_collapsed_vs_bare": ttft,
             "cpu_us_per_request": cpu, "targets": targets_met(collapsed, ttft, cpu, capacity)}
 
 

@@ -97,6 +97,9 @@ def run_only(parts: tuple[str, ...], out: Path, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from monolith.runtime_env import prefer_huge_pages
+
+    prefer_huge_pages()  # the serving rows run models in this process; the layouts start their own
     settings, out, keep = parse_args(argv, __doc__)
     console = Console() if sys.stdout.isatty() else Console(width=150)  # logs and pipes get the whole table
     if settings.only:

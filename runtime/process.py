@@ -69,8 +69,10 @@ def serve(argv: list[str] | None = None) -> int:
     if not follow_parent():
         return 1  # started by `spawn` (the supervisor), whose process died before we could ask
 
+    from monolith.runtime_env import configure_threads, freeze_startup_heap, prefer_huge_pages
+
+    prefer_huge_pages()  # before anything imports torch, whoever started this process
     from monolith.device_on_use import DeviceOnFirstUse
-    from monolith.runtime_env import configure_threads, freeze_startup_heap
     from runtime.config_file import load_config
     from runtime.health import start_deep_health
     from runtime.sections import TlsConfig

@@ -50,6 +50,13 @@ TEST_OVERRIDES: dict[str, Any] = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The runner hosts models itself: on the pages a serving process asks for."""
+    from monolith.runtime_env import prefer_huge_pages
+
+    prefer_huge_pages()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Take what collection made (every test module, torch, grpc, hypothesis) out of the
     cyclic collector's sight, as a serving process does before it says ready

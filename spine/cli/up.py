@@ -53,7 +53,9 @@ def add_up_parser(sub: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from monolith.runtime_env import configure_threads, freeze_startup_heap
+    from monolith.runtime_env import configure_threads, freeze_startup_heap, prefer_huge_pages
+
+    prefer_huge_pages()  # before anything imports torch
     from runtime.server import check_listen
     from runtime.signals import Termination
     from runtime.stack import Stack

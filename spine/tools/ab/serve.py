@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.parent import die_with_parent
 
     die_with_parent()
-    from monolith.runtime_env import configure_threads
+    from monolith.runtime_env import configure_threads, prefer_huge_pages
+
+    prefer_huge_pages()  # before anything imports torch
     from runtime.config_file import load_config, placements_for
     from runtime.signals import Termination
     from runtime.stack import Stack

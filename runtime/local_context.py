@@ -57,6 +57,9 @@ class LocalContext:
     of the in-process hop. gRPC runs a call's callbacks once no operation of it is pending,
     and the parent's handler thread — the one reading this call — has none pending while it
     reads, so a cancel reaches it by the next chunk just as a check would have seen it.
+
+    `clock` is what deadlines are read on (`time.monotonic`; a test moves its own instead of
+    sleeping past one).
     """
 
     def __init__(
@@ -64,9 +67,12 @@ class LocalContext:
         metadata: Metadata = (),
         deadline: float | None = None,
         parent: Any | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metadata = tuple(metadata)
-        self._deadline = _earlier(deadline, _deadline_of(parent))  # time.monotonic() seconds
+        self._clock = clock
+        self._deadline = _earlier(deadline, _deadline_of(parent, clock))  # seconds on `clock`
         self._cancelled = False
         self._code: grpc.StatusCode | None = None
         self._details = ""
@@ -85,12 +91,12 @@ class LocalContext:
         return "local"
 
     def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        return None if self._deadline is None else max(0.0, self._deadline - self._clock())
 
     def is_active(self) -> bool:
         if self._cancelled or self._done:
             return False
-        return self._deadline is None or time.monotonic() < self._deadline
+        return self._deadline is None or self._clock() < self._deadline
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
         with self._lock:
@@ -135,7 +141,7 @@ class LocalContext:
         """Raise the status the wire would give a caller whose call can no longer run."""
         if self._cancelled:
             raise LocalRpcError(grpc.StatusCode.CANCELLED, "Locally cancelled by the caller")
-        if self._deadline is not None and time.monotonic() >= self._deadline:
+        if self._deadline is not None and self._clock() >= self._deadline:
             raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     def result_error(self) -> LocalRpcError | None:
@@ -157,14 +163,14 @@ class LocalContext:
                 pass
 
 
-def _deadline_of(parent: Any | None) -> float | None:
-    """The parent's deadline on the monotonic clock (None: it has none, or there is no parent)."""
+def _deadline_of(parent: Any | None, clock: Callable[[], float]) -> float | None:
+    """The parent's deadline on `clock` (None: it has none, or there is no parent)."""
     if parent is None:
         return None
     left = parent.time_remaining()
     if left is None or left > NO_DEADLINE_S:
         return None
-    return time.monotonic() + max(0.0, left)
+    return clock() + max(0.0, left)
 
 
 def _earlier(first: float | None, second: float | None) -> float | None:

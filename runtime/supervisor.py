@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,12 @@ class Supervisor:
 
     def __init__(self, run_dir: Path, *, ready_timeout: float = 60.0, restart_backoff: float = 0.2,
                  max_restart_backoff: float = 10.0, stable_after_s: float = 5.0, crash_loop_after: int = 3,
-                 health_interval: float = 0.5, health_timeout: float = 0.5) -> None:
+                 health_interval: float = 0.5, health_timeout: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.run_dir = run_dir
+        # What starts, exits, backoffs and stability are timed on (a test moves its own
+        # instead of sleeping through a backoff or `stable_after_s`).
+        self._clock = clock
         self.ready_timeout = ready_timeout
         self.restart_backoff = restart_backoff
         self.max_restart_backoff = max_restart_backoff
@@ -119,7 +124,7 @@ class Supervisor:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for child in self.children.values():
             child.process = self._spawn(child)
-            child.started_at = time.monotonic()
+            child.started_at = self._clock()
         for child in self.children.values():
             self._await_healthy(child)
         self._monitor.start()
@@ -153,7 +158,7 @@ class Supervisor:
     def status(self) -> dict[str, dict[str, Any]]:
         """Per child: pid, state (serving | not_serving | starting | restarting | crash_loop),
         restarts, exits in a row, the last exit code and the next restart's delay."""
-        now = time.monotonic()
+        now = self._clock()
         report: dict[str, dict[str, Any]] = {}
         with self._lock:
             for name, child in self.children.items():
@@ -194,7 +199,7 @@ class Supervisor:
             asked[name] = (channel, "")
             processes[name] = process
         answers = check_many(asked, self.health_timeout)
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if self._stopping.is_set():
                 return self.ready()  # children are being stopped: not news
@@ -229,7 +234,7 @@ class Supervisor:
             if wait_serving(child.address, timeout=0.5):
                 child.ready_seen = child.process
                 child.healthy.set()
-                child.serving_since = time.monotonic()
+                child.serving_since = self._clock()
                 log.info("%s SERVING on %s (pid %s)", child.name, child.address, child.pid)
                 return
         raise ChildFailed(f"{child.name} did not report SERVING within {self.ready_timeout:.0f}s; "
@@ -255,7 +260,7 @@ class Supervisor:
         """One look at a child under the lock (no waiting there): note an exit and schedule its
         restart, kill a start that hangs, clear a crash loop that has ended. True when a
         restart is due now."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if self._stopping.is_set():
                 return False
@@ -304,7 +309,7 @@ class Supervisor:
                 process.wait()
                 return
             child.process = process
-            child.started_at = time.monotonic()
+            child.started_at = self._clock()
             child.restart_at = None
             child.restarts += 1
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from services.pipeline.state import RequestState
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
-from tests.test_serving_support import eventually
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 SLOTS = 2

@@ -26,7 +26,7 @@ from services.inference.output_policy import VIOLATION
 from spine.client.gateway_client import GatewayClient
 from spine.tools.cache_build import PromptLine, answer_prompts
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
-from tests.test_serving_support import eventually
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 LAYOUTS = ("collapsed", "layered")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from monolith.batcher import BatcherClosed, MicroBatcher
+from tests.waiting import eventually
 
 
 class Recorder:
@@ -43,13 +44,6 @@ def submit_all(batcher: MicroBatcher, items: list[int]) -> tuple[list[threading.
     return threads, results
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.001)
-
-
 def test_a_lone_item_is_decided_at_once_in_a_batch_of_one() -> None:
     decide = Recorder()
     batcher = MicroBatcher(decide, max_batch=8, max_wait_s=5.0, expected=lambda: 1)
@@ -65,7 +59,7 @@ def test_items_that_arrive_during_a_batch_are_decided_together_next() -> None:
     first, first_results = submit_all(batcher, [0])
     assert decide.entered.wait(5)
     threads, results = submit_all(batcher, list(range(1, 9)))
-    wait_until(lambda: batcher.queued == 8)
+    eventually(lambda: batcher.queued == 8)
     decide.hold.set()
     for thread in [*first, *threads]:
         thread.join(10)
@@ -83,7 +77,7 @@ def test_a_batch_never_exceeds_max_batch_and_keeps_arrival_order() -> None:
     threads = []
     for item in range(7):  # one at a time, so the queue order is known
         threads += submit_all(batcher, [item])[0]
-        wait_until(lambda n=item + 1: batcher.queued == n)
+        eventually(lambda n=item + 1: batcher.queued == n)
     decide.hold.set()
     for thread in [*first, *threads]:
         thread.join(10)
@@ -98,7 +92,7 @@ def test_an_exception_result_fails_only_its_own_caller() -> None:
     first, _ = submit_all(batcher, [0])
     assert decide.entered.wait(5)
     threads, results = submit_all(batcher, [1, 2, 3])
-    wait_until(lambda: batcher.queued == 3)
+    eventually(lambda: batcher.queued == 3)
     decide.hold.set()
     for thread in [*first, *threads]:
         thread.join(10)
@@ -145,7 +139,7 @@ def test_the_leader_waits_for_more_while_more_are_in_flight() -> None:
     in_flight = [2]
     batcher = MicroBatcher(decide, max_batch=8, max_wait_s=30.0, expected=lambda: in_flight[0])
     threads, results = submit_all(batcher, [1])
-    wait_until(lambda: batcher.queued == 1)
+    eventually(lambda: batcher.queued == 1)
     threads += submit_all(batcher, [2])[0]
     for thread in threads:
         thread.join(10)
@@ -171,10 +165,10 @@ def test_a_waiting_leader_is_woken_only_when_its_batch_can_close() -> None:
     arrival = CountingCondition(batcher._lock)
     batcher._arrival = arrival
     threads, _ = submit_all(batcher, [1])
-    wait_until(lambda: batcher.queued == 1)
+    eventually(lambda: batcher.queued == 1)
     for item in (2, 3):
         threads += submit_all(batcher, [item])[0]
-        wait_until(lambda item=item: batcher.queued == item)
+        eventually(lambda item=item: batcher.queued == item)
     assert arrival.notified == 0  # more are expected and the batch is not full: the leader sleeps on
     threads += submit_all(batcher, [4])[0]
     for thread in threads:
@@ -215,7 +209,7 @@ def test_the_leader_waits_only_while_patient_says_the_wait_is_free() -> None:
     assert batcher.stats.waited == 0
     free[0] = True
     threads, results = submit_all(batcher, [2])
-    wait_until(lambda: batcher.queued == 1)  # the leader waits for the second one in flight
+    eventually(lambda: batcher.queued == 1)  # the leader waits for the second one in flight
     threads += submit_all(batcher, [3])[0]
     for thread in threads:
         thread.join(10)
@@ -229,7 +223,7 @@ def test_an_item_that_may_not_wait_ends_the_leaders_wait() -> None:
                            patient=lambda items: all(item < 10 for item in items))
     started = time.monotonic()
     threads, results = submit_all(batcher, [1])
-    wait_until(lambda: batcher.queued == 1)
+    eventually(lambda: batcher.queued == 1)
     threads += submit_all(batcher, [99])[0]  # say, of the latency class
     for thread in threads:
         thread.join(10)

@@ -19,6 +19,7 @@ from runtime.bindings import LocalContext
 from runtime.remote_binding import remote_channel
 from runtime.server import start_server
 from services.registry import DEFAULT
+from tests.waiting import ManualClock
 from wire.v1 import generation_pb2, inference_pb2_grpc
 
 
@@ -156,11 +157,13 @@ def test_parent_cancellation_stops_the_call(bound: Any) -> None:
 def test_a_local_context_keeps_its_parents_deadline_and_end() -> None:
     """The parent's deadline is folded in at the start and its end arrives by callback
     (the context does not ask the parent on every check)."""
-    parent = LocalContext(deadline=time.monotonic() + 0.05)
-    child = LocalContext(deadline=time.monotonic() + 10, parent=parent)
-    remaining = child.time_remaining()
-    assert remaining is not None and remaining <= 0.05
-    time.sleep(0.06)
+    clock = ManualClock()
+    parent = LocalContext(deadline=clock() + 0.05, clock=clock)
+    child = LocalContext(deadline=clock() + 10, parent=parent, clock=clock)
+    assert child.time_remaining() == pytest.approx(0.05)
+    clock.advance(0.04)
+    assert child.is_active()
+    clock.advance(0.02)
     assert not child.is_active()
     with pytest.raises(grpc.RpcError) as caught:
         child.check_live()

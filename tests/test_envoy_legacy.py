@@ -8,8 +8,7 @@ component to them; the pipeline still calls its own batch rpcs, translated into 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from runtime.stack import Stack
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.envoy_calls import AUTHZ, OVER_LIMIT, RLS, bearer, check, legacy_services, ok_headers, tenant_limit
+from tests.waiting import eventually
 from wire.v1 import generation_pb2, ratelimit_pb2
 
 LEGACY_KEY, BOUNDED_KEY, FORBIDDEN_KEY = "legacy-key-1", "legacy-key-2", "legacy-forbidden"
@@ -53,15 +53,6 @@ def generate(stack: Stack, token: str, prompt: str = "hello legacy") -> CallResu
     with GatewayClient(stack.address) as client:
         return client.generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=1),
                                token=token)
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 def test_the_placement_binds_the_components_to_the_legacy_services(spine: Stack, legacy: str) -> None:

@@ -19,6 +19,7 @@ from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, pid_alive, start_stack
 from tests.http_helpers import sdk_round_trip
+from tests.waiting import eventually, holds_within
 from wire.v1 import generation_pb2
 
 
@@ -48,23 +49,14 @@ def kill_child(stack: Stack, name: str) -> int:
 
 def eventually_ok(client: GatewayClient, request: generation_pb2.GenerateRequest, within_s: float = 10.0) -> bool:
     """The gateway's link to a restarted child comes back after its reconnect backoff."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if client.generate(request).ok:
-            return True
-        time.sleep(0.1)
-    return False
+    return holds_within(lambda: client.generate(request).ok, within_s, interval=0.1)
 
 
 def wait_restarted(stack: Stack, name: str, old_pid: int, timeout: float = 60.0) -> None:
     assert stack.supervisor is not None
     child = stack.supervisor.children[name]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if child.pid != old_pid and child.healthy.is_set():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{name} was not restarted within {timeout}s")
+    eventually(lambda: child.pid != old_pid and child.healthy.is_set(), timeout, f"{name} restarted",
+               interval=0.05)
 
 
 @pytest.mark.parametrize("name", ["auth", "ratelimit"])

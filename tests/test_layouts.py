@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 
@@ -172,9 +172,7 @@ def test_deadline_frees_the_generation_slot(layouts: dict[str, Stack]) -> None:
 
 
 def wait_until_idle(engine: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.active_count and time.monotonic() < deadline:
-        time.sleep(0.01)
+    eventually(lambda: not engine.active_count, timeout, "the engine idle")
 
 
 @pytest.mark.parametrize("layout", ["layered", "collapsed", "mixed"])

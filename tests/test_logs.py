@@ -20,6 +20,7 @@ from services.logs.config import LogsConfig
 from services.logs.ring import LogRing, LogsClosedError
 from services.logs.service import LogsService
 from services.pipeline.batch_rpc import StatusError
+from tests.waiting import holds_within
 from wire.v1 import logs_pb2, logs_pb2_grpc
 
 JWT = (
@@ -64,12 +65,8 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 def wait_for_lines(path: Path, n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """Poll until the file holds n lines (a generous deadline, not a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lines = read_lines(path)
-        if len(lines) >= n or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.01)
+    holds_within(lambda: len(read_lines(path)) >= n, timeout_s)
+    return read_lines(path)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -17,6 +16,7 @@ from migration.notify import SIGNATURE_HEADER, WebhookConfig, WebhookNotifier, v
 from migration.runner import parse_args, webhooks_of
 from migration.testing import HEALTHY, make_controller, run_windows, three_stages
 from services.common import ConfigError
+from tests.waiting import eventually
 
 SECRET = "webhook-secret-0123456789abcdef"
 
@@ -83,15 +83,6 @@ def receivers() -> Iterator[Callable[..., Receiver]]:
         receiver.stop()
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
 def test_a_transition_reaches_the_receiver_with_a_valid_signature(tmp_path, receivers):
     receiver = receivers()
     notifier = WebhookNotifier(WebhookConfig(receiver.url, SECRET))
@@ -135,7 +126,7 @@ def test_a_failing_receiver_is_retried_with_backoff_until_it_answers(tmp_path, r
     controller.start(three_stages(), "alice")
     deliveries = receiver.wait_for(3)
     assert len({body for _, body in deliveries}) == 1  # the same event, three times
-    assert wait_until(lambda: notifier.counts["delivered"] == 1)
+    assert eventually(lambda: notifier.counts["delivered"] == 1)
     assert notifier.counts["retried"] == 2
     notifier.close()
 
@@ -147,7 +138,7 @@ def test_a_receiver_that_never_succeeds_is_given_up_logged_and_counted(tmp_path,
     controller.on_transition(notifier)
     with caplog.at_level("WARNING", logger="spine.migration.notify"):
         controller.start(three_stages(), "alice")
-        assert wait_until(lambda: notifier.counts["failed"] == 1)
+        assert eventually(lambda: notifier.counts["failed"] == 1)
     assert len(receiver.received) == 3
     logged = caplog.text
     assert "gave up after 3 attempt(s): answered 500" in logged
@@ -172,9 +163,9 @@ def test_a_hanging_receiver_never_blocks_the_controller(tmp_path, receivers):
     assert [row.action for row in controller.store.audit()] == ["start", "pause", "resume", "rollback",
                                                                  "rolled_back"]
     # The hung attempts time out and are counted; once it answers, the later events arrive.
-    assert wait_until(lambda: notifier.counts["failed"] >= 1)
+    assert eventually(lambda: notifier.counts["failed"] >= 1)
     release.set()
-    assert wait_until(lambda: "rolled_back" in [json.loads(body)["to_state"] for _, body in receiver.received])
+    assert eventually(lambda: "rolled_back" in [json.loads(body)["to_state"] for _, body in receiver.received])
     notifier.close()
 
 
@@ -224,7 +215,7 @@ def test_every_transition_reaches_a_webhook_of_a_controller_process(tmp_path, re
         process.controller.start(three_stages(), "alice")
         process.controller.abort("alice")
         assert [json.loads(body)["to_state"] for _, body in receiver.wait_for(2)][:2] == ["progressing", "aborted"]
-        assert wait_until(lambda: process.webhook_counts()[f"http://127.0.0.1:{receiver.server.server_address[1]}"]
+        assert eventually(lambda: process.webhook_counts()[f"http://127.0.0.1:{receiver.server.server_address[1]}"]
                           ["delivered"] >= 2)
     finally:
         process.stop(grace=0.2)

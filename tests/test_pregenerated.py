@@ -22,7 +22,7 @@ from services.common import section
 from services.inference.config import InferenceConfig
 from spine.tools.cache_build import PromptLine, answer_prompts
 from tests.conftest import config_for_tests
-from tests.test_serving_support import ManualClock, eventually
+from tests.waiting import ManualClock, eventually
 from wire.v1 import generation_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -28,6 +28,7 @@ from services.common import ConfigError
 from services.ratelimit.admission import AdmitItem
 from services.ratelimit.service import RateLimitConfig, RateLimitService
 from spine.tools.local_redis import CuttableLink, LocalRedis
+from tests.waiting import eventually
 
 RATE, BURST = 50.0, 50.0
 RESERVE = 0.05
@@ -78,15 +79,16 @@ def drive(services: list[RateLimitService], seconds: float, rate: float = 10 * R
     return admitted
 
 
+def renewed(service: RateLimitService, times: int) -> None:
+    """Wait until `service` has asked the store `times` more times (each renewal asks once)."""
+    assert service.store is not None
+    asked = service.store.store.calls
+    eventually(lambda: service.store is not None and service.store.store.calls >= asked + times,
+               timeout=5.0 + times * RENEW_S, what=f"{times} renewals")
+
+
 def limit(seconds: float) -> float:
     return BURST + RATE * seconds
-
-
-def wait_for(check: Any, timeout_s: float = 5.0, state: Any = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"condition not reached: {state() if state else ''}"
-        time.sleep(0.02)
 
 
 # -- exactness ------------------------------------------------------------------------------
@@ -128,8 +130,9 @@ def test_the_tokens_an_idle_replica_holds_come_back_within_a_lease(replicas: Any
     drive([first, second], 1.0, rate=0.6 * RATE, route=lambda n: 0)  # below the limit: it holds a lease
     assert first.bucket(key).level > 2 * RESERVE * BURST  # type: ignore[union-attr]
     assert first.store is not None and first.store.outstanding()[0]["requests"] > RESERVE * BURST
-    time.sleep(LEASE_S + 3 * RENEW_S)  # idle for a lease: it gives it back, keeping the reserve
-    assert first.bucket(key).level <= RESERVE * BURST + 1e-9  # type: ignore[union-attr]
+    # Idle for a lease: it gives it back, keeping the reserve.
+    eventually(lambda: first.bucket(key).level <= RESERVE * BURST + 1e-9,  # type: ignore[union-attr]
+               timeout=LEASE_S + 5.0, what="the lease given back")
     assert first.store.outstanding()[0]["requests"] == 0.0  # nothing leased outstanding any more
     admitted = drive([first, second], 1.0, route=lambda n: 1)
     assert admitted[1] >= 0.8 * RATE * 1.0  # the refill of the whole limit, not a share of it
@@ -142,11 +145,11 @@ def test_store_stopped_falls_back_to_shares_logged_once_and_counted(
         redis_server: LocalRedis, replicas: Any, caplog: pytest.LogCaptureFixture) -> None:
     services = replicas(3)
     drive(services, 0.3)
-    wait_for(lambda: all(s.store and s.store.replicas == 3 for s in services))
+    eventually(lambda: all(s.store and s.store.replicas == 3 for s in services))
     caplog.set_level(logging.WARNING, "spine.ratelimit")
     redis_server.stop()
-    wait_for(lambda: all(s.store and not s.store.leasing for s in services))
-    time.sleep(3 * RENEW_S)  # more failed renewals: still one line each
+    eventually(lambda: all(s.store and not s.store.leasing for s in services))
+    renewed(services[0], 3)  # more failed renewals: still one line each
     seconds = 1.0
     admitted = drive(services, seconds)
     # Each replica decides on a third of the limit: together within the limit (plus what
@@ -161,8 +164,8 @@ def test_store_stopped_falls_back_to_shares_logged_once_and_counted(
     serving, reason = services[0].local_health()  # type: ignore[misc]
     assert serving and "unreachable" in reason and "shares" in reason  # still deciding, and says how
     redis_server.start()  # back (empty): each replica back on leases, one line each, counted
-    wait_for(lambda: all(s.store and s.store.leasing for s in services))
-    time.sleep(3 * RENEW_S)
+    eventually(lambda: all(s.store and s.store.leasing for s in services))
+    renewed(services[0], 3)
     assert sum("reachable again" in r.getMessage() for r in caplog.records) == 3
     assert [s.store.recoveries for s in services if s.store] == [1, 1, 1]
     serving, reason = services[0].local_health()  # type: ignore[misc]
@@ -176,9 +179,9 @@ def test_the_fail_mode_decides_what_a_replica_admits_without_its_store(
     its whole limit (together more than the limit: what `shares` prevents)."""
     services = replicas(2, fail_mode=fail_mode)
     drive(services, 0.5)
-    wait_for(lambda: all(s.store and s.store.replicas == 2 for s in services))
+    eventually(lambda: all(s.store and s.store.replicas == 2 for s in services))
     redis_server.stop()
-    wait_for(lambda: all(s.store and not s.store.leasing for s in services))
+    eventually(lambda: all(s.store and not s.store.leasing for s in services))
     key = (("tenant", "t"), ("model", "m"), ("resource", "requests"))
     held = sum(s.bucket(key).level for s in services)  # type: ignore[union-attr]
     seconds = 1.5
@@ -199,8 +202,8 @@ def test_store_restarted_empty_over_admits_at_most_what_was_leased(
     restarted = time.monotonic()
     redis_server.stop()
     redis_server.start()  # same port, no keys
-    wait_for(lambda: all(s.store and s.store.leasing and s.store.restarts == 1 for s in services),
-             state=lambda: [(s.store.leasing, s.store.restarts, s.store.calls) for s in services if s.store])
+    eventually(lambda: all(s.store and s.store.leasing and s.store.restarts == 1 for s in services),
+             seen=lambda: [(s.store.leasing, s.store.restarts, s.store.calls) for s in services if s.store])
     admitted = sum(drive(services, 1.0))
     # Buckets made after the restart start empty: no second burst, only what was held then
     # and the refill since (one renewal of slack), plus every replica's reserve.
@@ -213,11 +216,11 @@ def test_store_that_stops_answering_is_a_fallback_too(redis_server: LocalRedis, 
     drive(services, 0.3)
     redis_server.pause()
     try:
-        wait_for(lambda: all(s.store and not s.store.leasing for s in services))
+        eventually(lambda: all(s.store and not s.store.leasing for s in services))
         assert sum(drive(services, 0.5)) > 0  # still deciding, within their shares
     finally:
         redis_server.resume()
-    wait_for(lambda: all(s.store and s.store.leasing for s in services))
+    eventually(lambda: all(s.store and s.store.leasing for s in services))
 
 
 def test_one_replica_cut_off_over_admits_at_most_its_share(redis_server: LocalRedis) -> None:
@@ -231,16 +234,16 @@ def test_one_replica_cut_off_over_admits_at_most_its_share(redis_server: LocalRe
     services.append(RateLimitService(RateLimitConfig.from_dict(section(link.address, prefix)), DeviceContext()))
     try:
         drive(services, 0.5)
-        wait_for(lambda: all(s.store and s.store.replicas == 3 for s in services))
+        eventually(lambda: all(s.store and s.store.replicas == 3 for s in services))
         link.cut()
-        wait_for(lambda: services[2].store is not None and not services[2].store.leasing)
+        eventually(lambda: services[2].store is not None and not services[2].store.leasing)
         assert all(s.store and s.store.leasing for s in services[:2])
         seconds = 1.5
         admitted = drive(services, seconds)
         assert admitted[2] <= limit(seconds) / 3 + BURST / 3 + 1
         assert sum(admitted) <= limit(seconds) * (1 + 1 / 3) + BURST / 3 + 3 * RESERVE * BURST + 1
         link.mend()
-        wait_for(lambda: services[2].store is not None and services[2].store.leasing)
+        eventually(lambda: services[2].store is not None and services[2].store.leasing)
     finally:
         for service in services:
             service.close()
@@ -275,15 +278,15 @@ def test_a_sigkilled_replicas_slots_come_back_after_their_ttl(redis_server: Loca
         config = RateLimitConfig.from_dict(section(redis_server.address, prefix))
         other = RateLimitService(config, DeviceContext())
         try:
-            time.sleep(2 * RENEW_S)  # renewed: it knows the two slots are held elsewhere
+            renewed(other, 2)  # it knows the two slots are held elsewhere
             assert not other.admit_items([AdmitItem("c", "m", 10)])[0].admitted
             assert other.store is not None and other.store.replicas == 2
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=10)
-            wait_for(lambda: other.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted,
-                     timeout_s=SLOT_TTL_S + 3.0)
+            eventually(lambda: other.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted,
+                     timeout=SLOT_TTL_S + 3.0)
             # and its place among the live replicas: a fallback now divides by one, not two
-            wait_for(lambda: other.store is not None and other.store.replicas == 1, timeout_s=SLOT_TTL_S + 3.0)
+            eventually(lambda: other.store is not None and other.store.replicas == 1, timeout=SLOT_TTL_S + 3.0)
         finally:
             other.close()
     finally:
@@ -294,7 +297,7 @@ def test_a_sigkilled_replicas_slots_come_back_after_their_ttl(redis_server: Loca
 
 def test_concurrency_slots_are_shared_by_the_replicas(replicas: Any) -> None:
     first, second = replicas(2)
-    time.sleep(2 * RENEW_S)
+    renewed(first, 2)
     leases = []
     deadline = time.monotonic() + 5.0
     while len(leases) < 2 and time.monotonic() < deadline:
@@ -303,11 +306,11 @@ def test_concurrency_slots_are_shared_by_the_replicas(replicas: Any) -> None:
             leases.append(verdict.lease_id)
         time.sleep(0.02)
     assert len(leases) == 2
-    time.sleep(3 * RENEW_S)  # the second replica renewed: the first holds the limit
+    renewed(second, 2)  # the first holds the limit
     assert not second.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted
     from wire.v1 import ratelimit_pb2 as pb
     first.ReleaseBatch(pb.ReleaseBatchRequest(items=[pb.ReleaseRequest(lease_id=lease) for lease in leases]))
-    wait_for(lambda: second.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted)
+    eventually(lambda: second.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted)
 
 
 # -- config ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from runtime.store_metrics import ADDRESS_FILE
 from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 STORE_FAMILIES = {"spine_ratelimit_store_leasing", "spine_ratelimit_store_calls", "spine_ratelimit_store_fallbacks",
@@ -105,11 +106,8 @@ def test_the_layered_limiters_fallback_and_recovery_are_counted_on_its_metrics(
     limiter = (stack.run_dir / ADDRESS_FILE).read_text().strip()
 
     def wait_for(name: str, expected: float) -> dict[str, Any]:
-        deadline = time.monotonic() + 5.0
-        while (found := families(limiter)) and value(found, name) != expected:
-            assert time.monotonic() < deadline, f"{name} never {expected}: {value(found, name)}"
-            time.sleep(0.05)
-        return found
+        return eventually(lambda: (found := families(limiter)) and value(found, name) == expected and found,
+                          5.0, f"{name} == {expected}", interval=0.05)
 
     redis_server.stop()
     try:

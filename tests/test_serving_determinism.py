@@ -15,7 +15,8 @@ from runtime.bindings import LocalContext
 from runtime.server import start_server
 from services.inference.service import InferenceService
 from services.registry import DEFAULT
-from tests.test_serving_support import Call, GatedModel, eventually, generate, make_service, request
+from tests.test_serving_support import Call, GatedModel, generate, make_service, request
+from tests.waiting import eventually
 from wire.v1 import generation_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

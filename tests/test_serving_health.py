@@ -13,7 +13,8 @@ from runtime.health import start_deep_health
 from runtime.server import RunningServer, start_server
 from runtime.supervisor import Child, Supervisor
 from services.registry import DEFAULT
-from tests.test_serving_support import GatedModel, eventually, make_service
+from tests.test_serving_support import GatedModel, make_service
+from tests.waiting import eventually
 
 INFERENCE = "spine.v1.Inference"
 

@@ -20,6 +20,7 @@ from runtime.config_file import placements_for
 from runtime.stack import Stack
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from tests.conftest import config_for_tests
+from tests.waiting import eventually
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 KEY = "load-tenant-key-0000"
@@ -59,14 +60,6 @@ def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack,
         stack.stop()
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} never became true")
-        time.sleep(0.01)
-
-
 def test_a_latency_request_behind_200_queued_throughput_requests_is_answered_within_the_bound(
         collapsed: tuple[Stack, Any]) -> None:
     stack, stub = collapsed
@@ -75,7 +68,7 @@ def test_a_latency_request_behind_200_queued_throughput_requests_is_answered_wit
                                        timeout=120) for i in range(200)]
     try:
         # They all reach the model's queue (before: at most 32 handler threads, so ≤ 16 did).
-        wait_for(lambda: inference.scheduler.queue_depth >= 150, 30, "150 requests waiting in the priority queue")
+        eventually(lambda: inference.scheduler.queue_depth >= 150, 30, "150 requests waiting in the priority queue")
         queued = inference.scheduler.queue_depth
         started = time.monotonic()
         response, call = stub.Generate.with_call(gen("urgent", 8, priority=1), metadata=METADATA, timeout=60)
@@ -89,7 +82,7 @@ def test_a_latency_request_behind_200_queued_throughput_requests_is_answered_wit
     finally:
         for future in background:
             future.cancel()
-    wait_for(lambda: inference.engine.active_count == 0 and inference.scheduler.queue_depth == 0, 30,
+    eventually(lambda: inference.engine.active_count == 0 and inference.scheduler.queue_depth == 0, 30,
              "cancelled requests leave the queue and free their slots")
 
 
@@ -149,9 +142,9 @@ def test_a_full_queue_answers_resource_exhausted_with_retry_after(tmp_path: Path
     inference = stack.local_servicers["inference"]
     try:
         held = [stub.Generate.future(gen(f"holding {i}", 40), metadata=METADATA, timeout=60) for i in range(2)]
-        wait_for(lambda: engine.active_count == 2, 30, "both slots taken")
+        eventually(lambda: engine.active_count == 2, 30, "both slots taken")
         held += [stub.Generate.future(gen(f"waiting {i}", 40), metadata=METADATA, timeout=60) for i in range(4)]
-        wait_for(lambda: inference.scheduler.queue_depth == 4, 30, "4 waiting")
+        eventually(lambda: inference.scheduler.queue_depth == 4, 30, "4 waiting")
         with pytest.raises(grpc.RpcError) as refused:
             stub.Generate(gen("one too many", 4), metadata=METADATA, timeout=30)
         error: Any = refused.value

@@ -22,7 +22,8 @@ from runtime.stack import Stack
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.pipeline.system_prompt import system_digest
 from tests.conftest import DEV_KEY, start_stack
-from tests.test_serving_support import Call, eventually, make_service, request
+from tests.test_serving_support import Call, make_service, request
+from tests.waiting import eventually
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

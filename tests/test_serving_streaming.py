@@ -19,7 +19,8 @@ import pytest
 
 from runtime.bindings import LocalContext, LocalRpcError
 from services.inference.scheduler import OUTPUT_BYTES
-from tests.test_serving_support import ManualClock, eventually, generate, make_service, request
+from tests.test_serving_support import generate, make_service, request
+from tests.waiting import ManualClock, eventually
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

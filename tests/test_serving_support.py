@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from monolith.device import DeviceContext
@@ -75,17 +75,6 @@ class GatedModel:
         self.release(64)  # wake any step already waiting
 
 
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 def make_service(model: GatedModel | None = None, clock: Any = time.monotonic,
                  **config: Any) -> tuple[InferenceService, GatedModel]:
     model = model or GatedModel()
@@ -130,15 +119,6 @@ class Call:
     def tokens(self) -> list[int]:
         assert self.response is not None, f"call failed: {self.error}"
         return list(self.response.token_ids)
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll until `condition()` holds; fail (not time) if it never does."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} never became true")
-        time.sleep(0.005)
 
 
 def admission_order(service: InferenceService) -> list[str]:

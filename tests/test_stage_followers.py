@@ -13,7 +13,6 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from runtime.stage_follower import (
 )
 from spine.cli.migrate import main as migrate
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
+from tests.waiting import eventually
 from wire.v1 import (
     gateway_pb2_grpc,
     generation_pb2,
@@ -56,16 +56,6 @@ MD = [("authorization", f"Bearer {TOKEN}")]
 LIMIT = 20  # the split-* tenants' request burst (tests/conftest.py); refill 0.001/s: counts are exact
 LOCAL = {"auth": "local", "ratelimit": "local", "router": "local", "cache": "local", "metrics": "local",
          "logs": "local"}
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what or predicate}"
-        time.sleep(0.05)
 
 
 def plan_yaml(name: str, *stages: dict[str, Any]) -> str:
@@ -140,9 +130,9 @@ def test_rate_limiters_get_their_share_at_once_when_they_join_late_or_one_leaves
             for name in ("rl-1", "rl-2"):
                 assert join(name, harness.ads).wait_applied(15)
             # Before any rollout the spine calls no limiter of its own: the layered ones share it all.
-            wait_for(lambda: all(f.state()["ratelimit_share"] == 0.5 for f in followers.values()), what="1/2 each")
+            eventually(lambda: all(f.state()["ratelimit_share"] == 0.5 for f in followers.values()), what="1/2 each")
             harness.start(plan_yaml("split", {"name": "half", "spine_weight": 50, "placements": LOCAL}))
-            status = wait_for(harness.applied, what="the stage applied by both limiters")
+            status = eventually(harness.applied, what="the stage applied by both limiters")
             assert {f.node_id: round(f.ratelimit_share, 4) for f in status.followers} == {"rl-1": 0.25, "rl-2": 0.25}
             assert all(f.acked_version == status.version for f in status.followers)
             # 0.5 (the layered side at 50 %) / 2 limiters: 5 of a burst of 20 each, exactly.
@@ -153,17 +143,17 @@ def test_rate_limiters_get_their_share_at_once_when_they_join_late_or_one_leaves
             # The late one gets the current stage at once, already counted in: 0.5 / 3.
             assert late.applied_version == f"{status.version}+m1"
             assert late.state()["ratelimit_share"] == pytest.approx(0.5 / 3)
-            wait_for(lambda: all(f.applied_version == f"{status.version}+m1" for f in followers.values()),
+            eventually(lambda: all(f.applied_version == f"{status.version}+m1" for f in followers.values()),
                      what="every limiter republished at 1/3")
             plane = harness.plane
-            assert plane is not None and wait_for(lambda: plane.followers_applied(status.version))
+            assert plane is not None and eventually(lambda: plane.followers_applied(status.version))
             assert admitted_directly(limiters["rl-3"], "split-remote", 30) == 3  # floor(20 / 6)
 
             followers.pop("rl-1").stop()
-            wait_for(lambda: all(f.applied_version == f"{status.version}+m2" for f in followers.values()),
+            eventually(lambda: all(f.applied_version == f"{status.version}+m2" for f in followers.values()),
                      what="the two left republished")
             assert all(f.state()["ratelimit_share"] == 0.25 for f in followers.values())
-            wait_for(lambda: {f.node_id for f in harness.status().followers} == {"rl-2", "rl-3"},
+            eventually(lambda: {f.node_id for f in harness.status().followers} == {"rl-2", "rl-3"},
                      what="rl-1 gone from the status")
             assert harness.status().applied  # a stage once applied stays applied while followers come and go
         finally:
@@ -188,7 +178,7 @@ def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied
         assert stack.layout == "collapsed"
         # The controller records the ACK of the stable state (republished as "+m1" when the spine
         # joined) before the stage starts: an ACK that crosses a newer version is stale and dropped.
-        wait_for(lambda: getattr(follower_row(harness.status(), "spine-a"), "acked_version", "") == "stable+m1",
+        eventually(lambda: getattr(follower_row(harness.status(), "spine-a"), "acked_version", "") == "stable+m1",
                  what="the stable state's ACK in the status")
         # This spine has no auth process to call: it cannot place auth remote.
         started = harness.start(plan_yaml(
@@ -199,7 +189,7 @@ def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied
             row = follower_row(harness.status(), "spine-a")
             return row if row is not None and row.nack_error else None
 
-        row = wait_for(refused, what="the NACK in the status")
+        row = eventually(refused, what="the NACK in the status")
         # It keeps what it had: the stable state, republished when it joined ("+m1").
         assert row.nacked_version == started.version and row.acked_version == "stable+m1"
         assert "placements.auth" in row.nack_error and "remote_addresses.auth" in row.nack_error
@@ -218,7 +208,7 @@ def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied
         assert "stage followers: 0 of 1 applied" in table and "spine-a" in table and f"{started.version}:" in table
 
         harness.stub.Advance(migration_pb2.AdvanceRequest(stage="all-local", actor="test"), metadata=MD, timeout=10)
-        status = wait_for(harness.applied, what="the next stage applied")
+        status = eventually(harness.applied, what="the next stage applied")
         row = follower_row(status, "spine-a")
         assert row is not None and row.acked_version == status.version and not row.nack_error
         assert dict(row.placements) == LOCAL
@@ -274,17 +264,17 @@ def test_spine_up_follows_the_stages_placements_and_a_rollback_returns_them_with
             harness.start(plan_yaml("follow", {"name": "logs-remote", "spine_weight": 10,
                                                "placements": {**LOCAL, "logs": "remote"}},
                                     {"name": "all-local", "spine_weight": 20, "placements": {"logs": "local"}}))
-            status = wait_for(harness.applied, what="stage 1 applied by the spine")
+            status = eventually(harness.applied, what="stage 1 applied by the spine")
             row = follower_row(status, "spine-a")
             assert row is not None and row.role == "spine" and row.acked_version == status.version
             assert row.placements["logs"] == "remote" and layout_served(spine) == "mixed"
 
             harness.stub.Advance(migration_pb2.AdvanceRequest(actor="test"), metadata=MD, timeout=10)
-            status = wait_for(harness.applied, what="stage 2 applied by the spine")
+            status = eventually(harness.applied, what="stage 2 applied by the spine")
             assert status.stage_name == "all-local" and layout_served(spine) == "collapsed"
 
             harness.stub.Rollback(migration_pb2.CommandRequest(actor="test", reason="test"), metadata=MD, timeout=10)
-            status = wait_for(lambda: (s := harness.status()).state == "rolled_back" and s, what="rolled back")
+            status = eventually(lambda: (s := harness.status()).state == "rolled_back" and s, what="rolled back")
             assert status.spine_weight == 0 and status.placements["logs"] == "remote"
             row = follower_row(status, "spine-a")
             assert row is not None and row.acked_version == status.version and row.placements["logs"] == "remote"
@@ -371,7 +361,7 @@ def test_a_tenant_gets_at_most_its_limit_across_two_spines_and_two_layered_rate_
         harness.start(plan_yaml("limits", {"name": "shared-limiter", "spine_weight": 50,
                                            "placements": {**LOCAL, "ratelimit": "remote"}},
                                 {"name": "own-limiter", "spine_weight": 50, "placements": {"ratelimit": "local"}}))
-        status = wait_for(harness.applied, what="stage 1 applied by 2 spines and 2 limiters")
+        status = eventually(harness.applied, what="stage 1 applied by 2 spines and 2 limiters")
         shares = {f.node_id: round(f.ratelimit_share, 4) for f in status.followers}
         # The spines call the layered limiters, which hold the whole limit between them.
         assert shares == {"spine-1": 0, "spine-2": 0, "layered-rl-1": 0.5, "layered-rl-2": 0.5}
@@ -379,7 +369,7 @@ def test_a_tenant_gets_at_most_its_limit_across_two_spines_and_two_layered_rate_
         shared = admitted_everywhere(spines, limiters, SPLIT_KEYS["remote"], "split-remote", 30)
 
         harness.stub.Advance(migration_pb2.AdvanceRequest(actor="test"), metadata=MD, timeout=10)
-        status = wait_for(lambda: (s := harness.applied()) and s.stage_name == "own-limiter" and s,
+        status = eventually(lambda: (s := harness.applied()) and s.stage_name == "own-limiter" and s,
                           what="stage 2 applied")
         shares = {f.node_id: round(f.ratelimit_share, 4) for f in status.followers}
         # Each side holds its weight's share (50 %), split over its two replicas.

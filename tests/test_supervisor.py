@@ -15,15 +15,13 @@ import yaml
 
 from runtime.supervisor import Supervisor
 from tests.conftest import config_for_tests
+from tests.waiting import ShiftedClock, eventually
 
 
 def seconds_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> float:
-    """Poll `condition` every 50 ms; the seconds it took to hold (fails after `timeout`)."""
+    """The seconds `condition` took to hold (`eventually`: fails after `timeout`)."""
     started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
+    eventually(condition, timeout, what, interval=0.05)
     return time.monotonic() - started
 
 
@@ -49,12 +47,13 @@ def test_a_crashing_child_is_restarted_with_growing_delays_and_reported_as_a_cra
     config_path.write_text(yaml.safe_dump(config_for_tests()))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    clock = ShiftedClock()
     supervisor = Supervisor(run_dir, restart_backoff=0.25, max_restart_backoff=1.0, stable_after_s=1.0,
-                            crash_loop_after=3)
+                            crash_loop_after=3, clock=clock)
     child = supervisor.add_component("auth", config_path)
     supervisor.start()
     try:
-        time.sleep(1.1)  # up for longer than stable_after_s: its first exit starts the backoff over
+        clock.advance(1.1)  # up for longer than stable_after_s: its first exit starts the backoff over
         slowest_status_s = 0.0
         with refused_config(config_path):
             assert child.pid is not None
@@ -85,7 +84,7 @@ def test_a_crashing_child_is_restarted_with_growing_delays_and_reported_as_a_cra
                       what="serving and out of the crash loop")
         assert supervisor.down_reason("auth") is None and supervisor.status()["auth"]["exits_in_a_row"] == 0
         # A child that stayed up starts its backoff over.
-        time.sleep(1.1)
+        clock.advance(1.1)
         count = len(child.exits)
         assert child.pid is not None
         os.kill(child.pid, signal.SIGKILL)

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import pytest
 
 from migration.xds import Endpoint, XdsControlPlane, build_snapshot
 from migration.xds.snapshot import CLUSTER, ROUTE, build_route
+from tests.waiting import holds_within
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -108,12 +108,7 @@ class Rig:
 
     def wait_seen(self, backend: str, at_least: int, timeout: float = 10.0) -> bool:
         """Poll the running client until `backend` has answered `at_least` calls in all."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ask(cmd="seen").get(backend, 0) >= at_least:
-                return True
-            time.sleep(0.005)
-        return False
+        return holds_within(lambda: self.ask(cmd="seen").get(backend, 0) >= at_least, timeout, interval=0.005)
 
     def shift(self, layered: int, spine: int, version: str, *, route_header: bool = False) -> None:
         self.plane.set_weights(layered, spine, version, route_header=route_header)

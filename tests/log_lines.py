@@ -18,10 +18,12 @@ from services.common.log_limit import RateLimitedLog
 
 
 class LogLines(logging.Handler):
-    """Every record `logger` writes while in the `with` (its level lowered to DEBUG meanwhile)."""
+    """Every record `logger` writes while in the `with` (its level lowered to DEBUG meanwhile).
+    `limiters`: flushed first, so what an earlier test left pending is not counted here."""
 
-    def __init__(self, logger: str) -> None:
+    def __init__(self, logger: str, *limiters: RateLimitedLog) -> None:
         super().__init__(logging.DEBUG)
+        self.limiters = limiters
         self.logger = logging.getLogger(logger)
         self.records: list[logging.LogRecord] = []
         self._level = self.logger.level
@@ -31,6 +33,8 @@ class LogLines(logging.Handler):
         self.records.append(record)
 
     def __enter__(self) -> LogLines:
+        for limiter in self.limiters:
+            limiter.flush()
         self._level = self.logger.level
         self.logger.setLevel(logging.DEBUG)
         self.logger.addHandler(self)

@@ -234,7 +234,7 @@ def test_a_flood_of_undecodable_bodies_is_one_warning_a_second_and_a_debug_line_
     from services.gateway import service
     from tests.log_lines import LogLines, assert_summarized
 
-    with grpc.insecure_channel(layouts["collapsed"].address) as channel, LogLines("spine.gateway") as lines:
+    with grpc.insecure_channel(layouts["collapsed"].address) as channel, LogLines("spine.gateway", service._undecodable) as lines:
         raw = channel.unary_unary("/spine.v1.Gateway/Generate")
         for _ in range(100):
             with pytest.raises(grpc.RpcError):

@@ -89,7 +89,7 @@ def test_a_fail_open_middleware_failing_every_request_is_summarized_per_componen
     from services.pipeline.pipeline import FailOpenCount
 
     counted = FailOpenCount()
-    with LogLines("spine.pipeline") as lines, ThreadPoolExecutor(8) as pool:
+    with LogLines("spine.pipeline", pipeline._fail_open) as lines, ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda n: counted("logs" if n % 2 else "metrics", "UNAVAILABLE: down", f"r{n}"), range(400)))
         assert_summarized(lines, pipeline._fail_open, 400, keys=2, containing="fail-open")
     assert counted.by_component == {"logs": 200, "metrics": 200}
@@ -114,7 +114,7 @@ def test_a_broken_stage_failing_every_batch_is_summarized() -> None:
     runner = Pipeline(DEFAULT.steps(RequestLimits()), {})
     states = [RequestState(request=GREEDY, request_id=f"r{n}", layout="collapsed", started=0.0,
                            deadline=time.monotonic() + 60, shadow=False, metadata=(), model="tiny-lm") for n in range(200)]
-    with LogLines("spine.pipeline") as lines:
+    with LogLines("spine.pipeline", pipeline._stage_failures) as lines:
         for state in states:
             runner.run(stage, [state])
         assert_summarized(lines, pipeline._stage_failures, 200, containing="stage auth.check failed")
@@ -159,7 +159,7 @@ def test_http_requests_a_broken_gateway_fails_are_summarized(broken_http: str) -
         connection.close()
         return status
 
-    with LogLines("spine.http") as lines, ThreadPoolExecutor(8) as pool:
+    with LogLines("spine.http", app._gateway_failures) as lines, ThreadPoolExecutor(8) as pool:
         assert set(pool.map(post, range(60))) == {500}
         assert_summarized(lines, app._gateway_failures, 60, containing="the gateway failed")
     assert lines.records[0].exc_info is not None  # the first with its traceback
@@ -169,7 +169,7 @@ def test_connections_that_never_finish_their_headers_are_summarized(broken_http:
     from runtime.http import server
 
     host, port = broken_http.rsplit(":", 1)
-    with LogLines("spine.http") as lines:
+    with LogLines("spine.http", server._slow_headers) as lines:
         idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(30)]
         for connection in idle:
             connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
@@ -186,7 +186,7 @@ def test_decode_steps_of_a_broken_model_are_summarized() -> None:
     service, model = make_service()
     try:
         model.broken = True
-        with LogLines("spine.inference") as lines:
+        with LogLines("spine.inference", scheduler._step_failures) as lines:
             calls = [Call(service, request(f"p{n}")) for n in range(40)]
             for call in calls:
                 assert call.wait().error is not None
@@ -217,7 +217,7 @@ def test_overloaded_answers_with_no_fallback_known_are_summarized() -> None:
 
     running = start_server([(GATEWAY, _Overloaded())], "127.0.0.1:0")
     try:
-        with GatewayClient(running.address) as client, LogLines("spine.load_hints") as lines:
+        with GatewayClient(running.address) as client, LogLines("spine.load_hints", overload_client._no_fallback) as lines:
             helper = LoadAwareClient(client, Backoff(attempts=1), Fallback(after=1))
             for _ in range(50):
                 assert helper.generate(GREEDY).code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -283,7 +283,7 @@ def test_a_flood_of_refused_admin_tokens_is_one_warning_a_second(make_dashboard)
     from tests.log_lines import LogLines, assert_summarized
 
     dashboard = make_dashboard()
-    with LogLines("spine.migration.dashboard") as lines:
+    with LogLines("spine.migration.dashboard", server._refused_tokens) as lines:
         for _ in range(40):
             assert dashboard.request("GET", "/api/state", token="a-guess-0123456789")[0] == 401
         assert_summarized(lines, server._refused_tokens, 40, containing="admin token not accepted")

@@ -11,18 +11,13 @@ import io
 import json
 import logging
 import os
-import pty
 import re
-import select
 import shutil
-import struct
 import subprocess
 import sys
-import termios
 import time
 import urllib.request
 from collections import Counter
-from fcntl import ioctl
 from pathlib import Path
 
 import pytest
@@ -54,7 +49,7 @@ def test_log_lines_and_whatever_reaches_stderr_go_to_the_log_file_and_stderr_com
         assert line in text
     assert "chatter" not in text
     assert logging.getLogger().handlers == before and logging.getLogger("spine").level == logging.NOTSET
-    probe = subprocess.run([sys.executable, "-c", "import os; print(os.readlink('/proc/%d/fd/2'))" % os.getpid()],
+    probe = subprocess.run([sys.executable, "-c", f"import os; print(os.readlink('/proc/{os.getpid()}/fd/2'))"],
                            capture_output=True, text=True)
     assert probe.stdout.strip() != str(log)  # fd 2 is what it was again
 
@@ -147,29 +142,29 @@ def test_make_run_piped_prints_the_tables_and_ends_with_the_three_outcomes() -> 
 
 
 @pytest.mark.slow
-def test_in_a_terminal_the_dashboard_stays_up_with_the_three_runs_until_enter() -> None:
-    primary, secondary = pty.openpty()
-    ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
-    demo = subprocess.Popen([sys.executable, "-m", "spine", "demo"], cwd=REPO, stdin=secondary, stdout=secondary,
-                            stderr=secondary, start_new_session=True, env={**os.environ, "TERM": "xterm"})
-    os.close(secondary)
-    screen = b""
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (a terminal to run the demo in)")
+def test_in_a_terminal_the_dashboard_stays_up_with_the_three_runs_until_enter(tmp_path: Path) -> None:
+    """In tmux, as a person runs it: the dashboard outlives the runs until Enter, and once it
+    is closed the summary is the last thing on the screen."""
+    server = f"spine-demo-test-{os.getpid()}"  # a tmux server of this test's own
+    tmux = ["tmux", "-L", server]
+    subprocess.run([*tmux, "new-session", "-d", "-s", "demo", "-x", "160", "-y", "50",
+                    f"cd {REPO} && {sys.executable} -m spine demo; echo demo-exit=$?; sleep 600"], check=True)
 
-    def read_until(needle: bytes, timeout_s: float) -> str:
-        nonlocal screen
+    def screen() -> str:
+        return subprocess.run([*tmux, "capture-pane", "-p", "-J", "-t", "demo", "-S", "-200"], capture_output=True,
+                              text=True, check=True).stdout
+
+    def wait_for(needle: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
-        while needle not in screen:
-            assert time.monotonic() < deadline and demo.poll() is None, screen[-3000:]
-            if select.select([primary], [], [], 0.5)[0]:
-                try:
-                    screen += os.read(primary, 65536)
-                except OSError:  # the child closed the terminal
-                    break
-        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))
+        while needle not in (text := screen()):
+            assert time.monotonic() < deadline and "demo-exit=" not in text, text[-3000:]
+            time.sleep(0.5)
+        return text
 
     run_dir: Path | None = None
     try:
-        text = read_until(b"press Enter or Ctrl-C to stop", 600)
+        text = wait_for("press Enter or Ctrl-C to stop", 600)
         run_dir = _run_dir(text.lstrip())
         url = re.search(r"dashboard still served at (http://\S+)", text).group(1)  # type: ignore[union-attr]
         with urllib.request.urlopen(url + "api/state", timeout=10) as answer:
@@ -177,15 +172,12 @@ def test_in_a_terminal_the_dashboard_stays_up_with_the_three_runs_until_enter() 
         assert [(run["title"], run["state"]) for run in runs] == [
             ("healthy spine", "promoted"), ("failing spine", "rolled_back"),
             ("spine answering differently", "rolled_back")]
-        os.write(primary, b"\r")  # Enter
-        assert demo.wait(timeout=60) == 0
-        text = read_until(b"", 1)
-        last = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()][-1]
-        assert last.startswith(OUTCOMES[2].strip()), text[-2000:]  # the summary is the last thing on screen
+        subprocess.run([*tmux, "send-keys", "-t", "demo", "Enter"], check=True)
+        lines = [line for line in wait_for("demo-exit=", 60).splitlines() if line.strip()]
+        assert lines[-1] == "demo-exit=0"
+        assert lines[-2].startswith(OUTCOMES[2]), lines[-6:]  # the summary is the last thing on the screen
+        assert "press Enter" not in "\n".join(lines[-6:])
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait(timeout=10)
-        os.close(primary)
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -149,6 +149,22 @@ def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layo
     assert len(logged) == 4 and all("probe-phrase" in line and built["phrase"] not in line for line in logged)
 
 
+def test_a_flood_of_violations_is_one_warning_a_second_per_tenant_and_rule(
+        stacks: dict[str, Stack], built: dict[str, Any]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.gateway import service
+    from tests.log_lines import LogLines, assert_summarized
+
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=built["probe"], max_tokens=24)
+    with GatewayClient(stacks["collapsed"].address, DEV_KEY) as client, \
+            LogLines("spine.gateway", service._violations) as lines, ThreadPoolExecutor(6) as pool:
+        codes = set(pool.map(lambda _: client.generate(request).code, range(24)))
+        assert codes == {grpc.StatusCode.FAILED_PRECONDITION}
+        loud = assert_summarized(lines, service._violations, 24, containing=VIOLATION)
+    assert all(built["phrase"] not in line for line in loud + lines.at(logging.DEBUG))  # never the text
+
+
 def test_a_replaced_table_is_swapped_in_by_every_layout_without_dropping_a_request(
         stacks: dict[str, Stack], built: dict[str, Any]) -> None:
     stop = threading.Event()

@@ -202,7 +202,7 @@ function renderAudit(rows) {
 
 function renderRuns(runs) {
   const head = el("tr", {}, ...["#", "started", "run", "by", "outcome", "at stage", "why", "took"].map((h) => el("th", {}, h)));
-  const took = (r) => r.ended_at ? `${(r.ended_at - r.started_at).toFixed(1)} s` : "running";
+  const took = (r) => r.ended_at ? `${(r.ended_at - r.started_at).toFixed(1)}s` : "running";
   const body = runs.map((r, i) => el("tr", { class: "run-" + r.state, "data-state": r.state },
     el("td", {}, String(i + 1)), el("td", {}, clock(r.started_at)), el("td", {}, r.title), el("td", {}, r.actor),
     el("td", { class: "outcome" }, r.state.replace("_", " ")), el("td", {}, r.stage), el("td", {}, r.why), el("td", {}, took(r))));

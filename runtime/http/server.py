@@ -29,11 +29,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from runtime.http.config import HttpConfig
 from runtime.sections import TlsConfig
 from runtime.server import check_listen
-from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 
 log = logging.getLogger("spine.http")
-_slow_headers = RateLimitedLog(log, "connections closed for slow headers")  # one a second at WARNING
 
 
 class _HeaderDeadline(HttpToolsProtocol):
@@ -71,8 +69,8 @@ class _HeaderDeadline(HttpToolsProtocol):
     def _too_slow(self) -> None:
         self._header_timer = None
         if not self.transport.is_closing():
-            _slow_headers(None, "closing a connection from %s: its request headers took over %gs",
-                          self.client, self.header_timeout_s)
+            log.warning("closing a connection from %s: its request headers took over %gs",
+                        self.client, self.header_timeout_s)
             self.transport.close()
 
 

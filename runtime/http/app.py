@@ -38,11 +38,14 @@ from runtime.http.wire import (
     status_for,
 )
 from runtime.local_context import LocalContext
+from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
 from services.pipeline.pipeline import code_details
 
 log = logging.getLogger("spine.http")
+# A gateway that fails every request: each traceback at DEBUG, at most one ERROR line a second.
+_gateway_failures = RateLimitedLog(log, "requests the gateway failed", level=logging.ERROR)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -257,7 +260,8 @@ def _call_unary(target: Any, request: Any, context: LocalContext) -> Any:
     except grpc.RpcError as error:
         return _verdict(error)
     except Exception:
-        log.exception("request %s: the gateway failed", dict(context.invocation_metadata()).get(REQUEST_ID_HEADER))
+        _gateway_failures(None, "request %s: the gateway failed",
+                          dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
         return _Verdict(grpc.StatusCode.INTERNAL, "internal error")
 
 
@@ -270,7 +274,8 @@ def _pump_stream(target: Any, request: Any, context: LocalContext, hand_over: Ca
     except grpc.RpcError as error:
         hand_over(_verdict(error))
     except Exception:
-        log.exception("request %s: the gateway failed", dict(context.invocation_metadata()).get(REQUEST_ID_HEADER))
+        _gateway_failures(None, "request %s: the gateway failed",
+                          dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
         hand_over(_Verdict(grpc.StatusCode.INTERNAL, "internal error"))
 
 

@@ -38,7 +38,7 @@ ROOMY = {"requests_per_second": 1e9, "burst": 1e9, "tokens_per_minute": 1e12, "t
 
 def limiter(address: str | None, tenants: dict[str, Any], prefix: str) -> RateLimitService:
     store = None if address is None else {"redis": {"address": address, "key_prefix": prefix}}
-    return RateLimitService(RateLimitConfig.from_dict({"tenants": tenants, "store": store}), DeviceContext())
+    return RateLimitService(RateLimitConfig.parse({"tenants": tenants, "store": store}), DeviceContext())
 
 
 def decisions_per_s(service: RateLimitService, count: int) -> float:

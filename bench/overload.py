@@ -37,7 +37,6 @@ from typing import Any
 
 import grpc
 import psutil
-import yaml
 
 from bench.targets import Target, launch
 from runtime.config_file import load_config, merge
@@ -66,7 +65,7 @@ def served(layout: str, extra: dict[str, Any]) -> Iterator[tuple[Any, Target]]:
     """A Gateway stub to `layout` running in its own process(es), and the target."""
     with tempfile.TemporaryDirectory(prefix="spine-overload-") as tmp:
         config_path = Path(tmp) / "config.yaml"
-        config_path.write_text(yaml.safe_dump(load_config(overrides=merge(UNLIMITED, extra))))
+        config_path.write_text(load_config(overrides=merge(UNLIMITED, extra)).to_yaml())
         target = launch(layout, Path(tmp), config_path)
         try:
             address = target.wait_ready(120.0)

@@ -67,7 +67,7 @@ def _measure(path: Path, requests: int, max_tokens: int, rounds: int, ready_time
         overlay = run_dir / "real-model.yaml"
         overlay.write_text(yaml.safe_dump(merge(NO_RATE_LIMIT, model_overrides(path))))
         merged = run_dir / "real-model-merged.yaml"  # bare reads a whole config
-        merged.write_text(yaml.safe_dump(load_config(overlay)))
+        merged.write_text(load_config(overlay).to_yaml())
         try:
             for layout in LAYOUTS:  # one at a time: each start-to-ready is timed alone
                 began = time.perf_counter()

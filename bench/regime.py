@@ -52,7 +52,7 @@ def write_configs(run_dir: Path, model: str | None = None, model_id: str | None 
     merged = run_dir / "bench-config.yaml"
     config = load_config(overlay)
     preflight(config)  # a model directory that cannot be served: one line, before any server starts
-    merged.write_text(yaml.safe_dump(config))
+    merged.write_text(config.to_yaml())
     return {"bare": merged, "collapsed": overlay, "collapsed-unbatched": unbatched,
             "collapsed-middleware-unbatched": middleware_unbatched, "layered": overlay,
             "layered-batched": remote_batched}

@@ -56,7 +56,7 @@ def _round(service: InferenceService, priorities: list[int], max_tokens: int, ta
 
 
 def measure_serving(requests: int = 48, max_tokens: int = 24, rounds: int = 2) -> dict[str, Any]:
-    config = InferenceConfig.from_dict({"kv_cache_max_entries": 4, "max_batch": 4, "aging_ms": 10_000})
+    config = InferenceConfig.parse({"kv_cache_max_entries": 4, "max_batch": 4, "aging_ms": 10_000})
     service = InferenceService(config, DeviceContext())
     single: dict[int, list[float]] = {0: []}
     mixed: dict[int, list[float]] = {1: [], -1: []}
@@ -124,7 +124,7 @@ def _first_chunks(service: InferenceService, system: str, requests: int, max_tok
 
 def measure_system_prompt(requests: int = 100, max_tokens: int = 8, rounds: int = 2, slots: int = 16) -> dict[str, Any]:
     config = {"kv_cache_max_entries": slots, "max_batch": slots, "max_queue": requests}
-    services = {reuse: InferenceService(InferenceConfig.from_dict({**config, "prefix_cache": reuse}), DeviceContext())
+    services = {reuse: InferenceService(InferenceConfig.parse({**config, "prefix_cache": reuse}), DeviceContext())
                 for reuse in (True, False)}
     ttft: dict[bool, list[float]] = {True: [], False: []}
     peak: dict[bool, int] = {True: 0, False: 0}
@@ -171,7 +171,7 @@ def measure_system_prompt_hf(requests: int = 100, max_tokens: int = 8, rounds: i
         config = {"model_id": model, "kv_cache_max_entries": slots, "max_batch": slots, "max_queue": requests,
                   "backend": {"class": "hf", "options": {"path": str(path)}}}
         devices = {reuse: DeviceContext() for reuse in (True, False)}
-        services = {reuse: InferenceService(InferenceConfig.from_dict({**config, "prefix_cache": reuse}),
+        services = {reuse: InferenceService(InferenceConfig.parse({**config, "prefix_cache": reuse}),
                                             devices[reuse]) for reuse in (True, False)}
         forwarded = {True: [0], False: [0]}
         hooks = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Annotated, Any
 
 import grpc
@@ -48,6 +48,8 @@ LOOKUP_STAGE = "cache.lookup"
 
 class BatchingConfig(Section):
     """The `batching` section: whether and how the pipeline batches."""
+
+    where = "batching"
 
     enabled: StrictBool = True
     # Also batch calls to components in other processes (one batch rpc per hop per batch).
@@ -78,11 +80,6 @@ class BatchingConfig(Section):
     # CPU per request, but in A/Bs the saving was lost in the handlers' noise and throughput
     # did not move, while a longer window keeps more answered requests unwritten: not changed.
     completion_interval_ms: Annotated[Float, Field(ge=1, le=10_000)] = 50.0
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> BatchingConfig:
-        """The `batching` section of a whole config mapping."""
-        return cls.parse(config.get("batching"), "batching")
 
     def batches(self, placement: str) -> bool:
         """Whether a stage whose component has `placement` is batched."""

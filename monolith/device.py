@@ -10,9 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -48,12 +46,11 @@ class DeviceContext:
     """Owns the device and accounts every byte allocated through it to an owner."""
 
     device: torch.device = field(default_factory=pick_device)
-    budget_bytes: int = CPU_AUTO_BUDGET_BYTES  # `from_config` sizes it from the `device` section
+    budget_bytes: int = CPU_AUTO_BUDGET_BYTES  # `for_section` sizes it from the `device` section
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> DeviceContext:
-        """A context on the picked device with the budget of the config's `device` section."""
-        settings = DeviceConfig.from_config(config)
+    def for_section(cls, settings: DeviceConfig) -> DeviceContext:
+        """A context on the picked device with the budget of the `device` section."""
         device = pick_device()
         context = cls(device=device, budget_bytes=budget_bytes(device, settings))
         log.info("device %s: memory budget %.1f MiB (device.memory_budget_mib: %s)",

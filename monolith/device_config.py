@@ -6,8 +6,7 @@ printing the config does not load torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field
 
@@ -21,13 +20,10 @@ class DeviceConfig(Section):
     what is left of it) and everything else a service allocates on the device share it, so
     one owner cannot starve the others. `auto` sizes it when the process starts."""
 
+    where = "device"
+
     memory_budget_mib: AutoOrCount = Field(
         default="auto", description="MiB, or 'auto': on CUDA auto_memory_fraction of the free device memory "
                             "at start; on the CPU 256 MiB, or sized for an hf default model "
                             "(runtime.model_fit)")
     auto_memory_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.9
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any] | None) -> DeviceConfig:
-        """The `device` section of a whole config mapping."""
-        return cls.parse((config or {}).get("device"), "device")

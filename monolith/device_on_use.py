@@ -15,8 +15,9 @@ context exists yet (the tests use it to show who never needed one).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from monolith.device_config import DeviceConfig
 
 if TYPE_CHECKING:  # torch stays out of processes that never allocate a tensor
     import torch
@@ -25,10 +26,10 @@ if TYPE_CHECKING:  # torch stays out of processes that never allocate a tensor
 
 
 class DeviceOnFirstUse:
-    """`DeviceContext.from_config(config)`, made the first time anything asks it for something."""
+    """`DeviceContext.for_section(settings)`, made the first time anything asks it for something."""
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        self._config = config
+    def __init__(self, settings: DeviceConfig) -> None:
+        self._settings = settings
         self._context: DeviceContext | None = None
         self._lock = threading.Lock()
 
@@ -47,7 +48,7 @@ class DeviceOnFirstUse:
                     from monolith.runtime_env import apply_torch_threads
 
                     apply_torch_threads()  # torch arrives now, in a process that set its threads
-                    self._context = DeviceContext.from_config(self._config)
+                    self._context = DeviceContext.for_section(self._settings)
                 context = self._context
         return context
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.binding_classes import foreign_binding, local_binding, remote_binding
+from runtime.config_model import SpineConfig
 from runtime.foreign import ForeignBinding
 from runtime.gateway_health import ComponentHealth, Target, always_serving
 from runtime.outlier import OutlierDetector, OutlierPolicy
@@ -37,7 +38,7 @@ def _down(reason: str) -> Callable[[], tuple[bool, str]]:
 class Components:
     """The servicers, child processes and bindings of one layout's components."""
 
-    def __init__(self, registry: Registry, config: Mapping[str, Any], placements: Mapping[str, str], *,
+    def __init__(self, registry: Registry, config: SpineConfig, placements: Mapping[str, str], *,
                  run_dir: Path, device: Any, hooks: Sequence[Hook], remote_addresses: Mapping[str, str],
                  tls: TlsConfig | None, foreign: Mapping[str, Any], budgets_ms: Mapping[str, float],
                  outlier: OutlierPolicy, max_message_bytes: int, health_timeout_s: float,

@@ -1,27 +1,28 @@
-"""One YAML configuration file, laid over the documented default (`default_config.yaml`).
+"""One YAML configuration file, validated once into the typed config (`SpineConfig`).
 
-`load_config` reads both through the strict loader (`runtime.yamlsource`: duplicate
-keys are refused, every key keeps its line), merges them and validates the result against
-the root model (`runtime.config_model.SpineConfig`) before anything starts. Every
-problem is reported, one line each, as `FILE:LINE: PATH: WHAT`. It returns the merged
-mapping, which components read through their own section models.
+`load_config` reads the file through the strict loader (`runtime.yamlsource`: duplicate keys
+are refused, every key keeps its line), merges the overrides given in code over it and
+validates the result against the root model (`runtime.config_model.SpineConfig`, whose
+fields hold the defaults) before anything starts. Every problem is reported, one line each,
+as `FILE:LINE: PATH: WHAT`. What it returns is passed down as it is: each part reads its
+own section (`config.inference`, `config.tls`), never the file again.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from runtime.config_model import SECTIONS as SECTIONS
-from runtime.config_model import config_problems
-from runtime.sections import InternalConfig, placement_name, placements_model, remote_addresses_model
+from runtime.config_model import SpineConfig, merge, root_model
 from runtime.yamlsource import LocatedData, YamlSourceError, load_located, parent_path
 from services.common import ConfigError
-from services.common.config_section import ConfigProblems, Problem
-from services.registry import COMPONENTS, DEFAULT, MIDDLEWARES
+from services.common.config_section import ConfigProblems, Problem, describe
+from services.registry import COMPONENTS, DEFAULT, MIDDLEWARES, Registry
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default_config.yaml"
 LAYOUTS = ("layered", "collapsed", "mixed")
@@ -35,23 +36,27 @@ class _Source:
     located: LocatedData
 
 
-def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The default config, with the file at `path` and then `overrides` merged over it, validated.
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+                registry: Registry = DEFAULT) -> SpineConfig:
+    """The config of the file at `path` (none: every default) with `overrides` merged over it.
 
     Raises ConfigProblems (a ConfigError) listing every problem: YAML errors, duplicate keys,
-    unknown sections and keys, bad values."""
-    sources = [_read(DEFAULT_CONFIG_PATH)]
-    if path is not None:
-        sources.append(_read(Path(path)))
+    unknown sections and keys, bad values. `registry`: a component table with more components
+    than the default one (their sections are checked like every other)."""
+    sources = [] if path is None else [_read(Path(path))]
     found = [(index, line, f"{source.name}:{line}: {key}: duplicate key")
              for index, source in enumerate(sources) for key, line in source.located.duplicates]
-    config: dict[str, Any] = {}
+    data: dict[str, Any] = {}
     for source in sources:
-        config = merge(config, source.located.data or {})
+        data = merge(data, source.located.data or {})
     if overrides:
-        config = merge(config, overrides)
+        data = merge(data, overrides)
         sources.append(_Source("", LocatedData(overrides, dict.fromkeys(_paths(overrides), 0))))
-    found += [_locate(problem, sources) for problem in config_problems(config)]
+    model = root_model(registry)
+    try:
+        config = model.model_validate(data, context={"written": data})
+    except ValidationError as error:
+        found += [_locate(problem, sources) for problem in describe(error, model)]
     if found:
         raise ConfigProblems([text for _, _, text in sorted(found)])  # file by file, top to bottom
     return config
@@ -100,42 +105,30 @@ def _paths(data: Any, prefix: str = "") -> list[str]:
     return [path for child, value in items for path in (child, *_paths(value, child))]
 
 
-def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep-merge mappings; lists and scalars in `over` replace those in `base`."""
-    result = copy.deepcopy(dict(base))
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
-            result[key] = merge(result[key], value)
-        else:
-            result[key] = copy.deepcopy(value)
-    return result
-
-
-def placements_for(layout: str, config: Mapping[str, Any]) -> dict[str, str]:
-    """Every component's placement for a layout name."""
+def placements_for(layout: str, config: SpineConfig) -> dict[str, str]:
+    """Every component's placement for a layout name (`mixed`: the config's `placements:`)."""
     if layout == "layered":
-        return dict.fromkeys(COMPONENTS, "remote")
+        return dict.fromkeys(config.placements.names(), "remote")
     if layout == "collapsed":
-        return dict.fromkeys(COMPONENTS, "local")
+        return dict.fromkeys(config.placements.names(), "local")
     if layout != "mixed":
         raise ConfigError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    return check_placements(config.get("placements"))
+    return config.placements.names()
 
 
 def check_placements(placements: Mapping[str, Any] | None) -> dict[str, str]:
-    """Validate a placement map; components left out default to remote (inference: local).
-    A foreign endpoint (`{remote: HOST:PORT, protocol: ...}`, see `runtime.foreign`) is `remote`."""
-    model = placements_model(COMPONENTS, DEFAULT.models, DEFAULT.foreign_protocols)
-    return {name: placement_name(placement) for name, placement in model.parse(placements, "placements")}
+    """A placement map checked as `placements:` is; components left out are where the
+    component table puts them. A foreign endpoint (`{remote: HOST:PORT, protocol: ...}`,
+    see `runtime.foreign`) is `remote`."""
+    return type(SpineConfig().placements).parse(placements, "placements").names()
 
 
-def remote_addresses(config: Mapping[str, Any]) -> dict[str, str]:
+def remote_addresses(config: SpineConfig) -> dict[str, str]:
     """Where remote components already run (e.g. Kubernetes Services), instead of spawning them.
 
     `remote_addresses: {auth: "dns:///spine-auth.spine.svc.cluster.local:50061", ...}`
     """
-    model = remote_addresses_model(COMPONENTS)
-    return model.parse(config.get("remote_addresses"), "remote_addresses").given()  # type: ignore[attr-defined]
+    return config.remote_addresses.given()
 
 
 def layout_name(placements: Mapping[str, str]) -> str:
@@ -148,24 +141,23 @@ def layout_name(placements: Mapping[str, str]) -> str:
     return "mixed"
 
 
-def internal_key(config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bytes | None:
+def internal_key(config: SpineConfig, environ: Mapping[str, str] | None = None) -> bytes | None:
     """The deployment's internal secret (`internal:`), or None when there is none."""
     import os
 
-    section = InternalConfig.parse(config.get("internal"), "internal")
     try:
-        return section.key(os.environ if environ is None else environ)
+        return config.internal.key(os.environ if environ is None else environ)
     except ValueError as error:
         raise ConfigError(f"internal.secret_env: {error}") from None
 
 
-def dev_api_key(config: Mapping[str, Any]) -> str | None:
+def dev_api_key(config: SpineConfig) -> str | None:
     """The plain dev key from the config (dev configs only; production ones hold hashes)."""
-    for entry in (config.get("auth") or {}).get("api_keys") or []:
-        if isinstance(entry, Mapping) and entry.get("key"):
-            return str(entry["key"])
+    for entry in config.auth.api_keys:
+        if entry.key is not None:
+            return entry.key.get_secret_value()
     return None
 
 
-__all__ = ["COMPONENTS", "MIDDLEWARES", "SECTIONS", "ConfigError", "load_config", "merge", "placements_for",
-           "check_placements", "layout_name"]
+__all__ = ["COMPONENTS", "MIDDLEWARES", "SECTIONS", "ConfigError", "SpineConfig", "load_config", "merge",
+           "placements_for", "check_placements", "layout_name"]

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from runtime.config_model import SpineConfig
 from runtime.local_context import LocalRpcError
 from wire.v1 import generation_pb2
 
@@ -100,7 +101,7 @@ SWITCHABLE = "switchable"
 INJECTABLE = ("wrong-answers", SWITCHABLE)
 
 
-def injected_fault(name: str, config: Any, run_dir: Path | None) -> dict[str, Any]:
+def injected_fault(name: str, config: SpineConfig, run_dir: Path | None) -> dict[str, Any]:
     """`Stack` keyword arguments for a spine that runs with fault `name` switched on from its
     start, for rehearsing the production path (`python -m spine.tools.rehearsal`) and tests:
 
@@ -118,7 +119,7 @@ def injected_fault(name: str, config: Any, run_dir: Path | None) -> dict[str, An
     from monolith.device import DeviceContext
     from services.registry import DEFAULT
 
-    device = DeviceContext.from_config(config)
+    device = DeviceContext.for_section(config.device)
     # The model's factory takes a run directory but keeps nothing there.
     model = DEFAULT["inference"].build(config, device, run_dir or Path(tempfile.gettempdir()))
     hook = FaultHook(wrong_answers=name == "wrong-answers")

@@ -23,9 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.bindings import LocalBinding
+from runtime.config_model import SpineConfig
 from runtime.outlier import OutlierDetector
 from runtime.remote_binding import RemoteBinding
-from runtime.sections import EnvoyApiConfig, ForeignPlacement
+from runtime.sections import ForeignPlacement
 from runtime.server import RunningServer
 from services.pipeline.calls import Hook
 from services.registry import ComponentSpec, ForeignApi, Registry
@@ -34,7 +35,7 @@ from services.registry import ComponentSpec, ForeignApi, Registry
 class ForeignBinding(RemoteBinding):
     """A remote binding to a service that speaks another protocol (`ForeignApi.client`)."""
 
-    def __init__(self, spec: ComponentSpec, endpoint: ForeignPlacement, config: Mapping[str, Any],
+    def __init__(self, spec: ComponentSpec, endpoint: ForeignPlacement, config: SpineConfig,
                  channel: grpc.Channel, hooks: Sequence[Hook] = (), outlier: OutlierDetector | None = None,
                  health_timeout_s: float = 0.5) -> None:
         self.api = foreign_api(spec, endpoint.protocol)
@@ -60,11 +61,6 @@ class ForeignBinding(RemoteBinding):
         return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{where}: {status}"
 
 
-def foreign_endpoints(checked: Any) -> dict[str, ForeignPlacement]:
-    """The components a validated config's `placements:` binds to a service in its protocol."""
-    return {name: placement for name, placement in checked.placements if isinstance(placement, ForeignPlacement)}
-
-
 def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
     for api in spec.foreign:
         if api.protocol == protocol:
@@ -73,11 +69,11 @@ def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
     raise ValueError(f"{spec.name} cannot be reached over {protocol!r} (its foreign protocols: {known})")
 
 
-def envoy_apis(registry: Iterable[ComponentSpec], config: Mapping[str, Any], client_for: Callable[[str], Any],
+def envoy_apis(registry: Iterable[ComponentSpec], config: SpineConfig, client_for: Callable[[str], Any],
                budgets_s: Mapping[str, float] | None = None) -> list[tuple[ComponentSpec, Any]]:
     """The foreign APIs this process answers (none when `envoy_api.enabled` is false), each built
     on `client_for(component)`: the component's binding, looked up on every call."""
-    if not EnvoyApiConfig.from_config(config).enabled:
+    if not config.envoy_api.enabled:
         return []
     budgets = budgets_s or {}
     served: list[tuple[ComponentSpec, Any]] = []
@@ -87,7 +83,7 @@ def envoy_apis(registry: Iterable[ComponentSpec], config: Mapping[str, Any], cli
     return served
 
 
-def envoy_apis_of(spec: ComponentSpec, servicer: Any, config: Mapping[str, Any]) -> list[tuple[ComponentSpec, Any]]:
+def envoy_apis_of(spec: ComponentSpec, servicer: Any, config: SpineConfig) -> list[tuple[ComponentSpec, Any]]:
     """What a layered child answers beside its own service: its foreign APIs on its own servicer."""
     binding = LocalBinding(spec.name, spec.descriptor(), servicer)
     return envoy_apis([spec], config, lambda _name: binding)

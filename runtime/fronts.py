@@ -8,12 +8,13 @@ each Envoy API is as healthy as its component. The OpenAI/Anthropic-compatible H
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+from runtime.config_model import SpineConfig
 from runtime.foreign import EnvoyApiHealth
 from runtime.sections import TlsConfig
-from runtime.server import RunningServer, request_pool, start_server
+from runtime.server import RunningServer, request_pool, request_threads, start_server
 from services.gateway.service import Gateway
 from services.registry import GATEWAY, Registry
 
@@ -22,7 +23,7 @@ class Fronts:
     """The gateway's gRPC server, Envoy's APIs' server (when on a listener of their own) and
     the HTTP API's server."""
 
-    def __init__(self, config: Mapping[str, Any], *, allow_external: bool, tls: TlsConfig | None,
+    def __init__(self, config: SpineConfig, *, allow_external: bool, tls: TlsConfig | None,
                  max_message_bytes: int) -> None:
         self.config = config
         self.allow_external = allow_external
@@ -39,7 +40,7 @@ class Fronts:
         """The gateway (and Envoy's APIs, `envoy`) on `listen`, or Envoy's on `envoy_listen`."""
         self.server = start_server([(GATEWAY, gateway), *(envoy if envoy_listen is None else [])], listen,
                                    max_message_bytes=self.max_message_bytes, allow_external=self.allow_external,
-                                   tls=self.tls, probe_listen=probe_listen, **request_pool(self.config))
+                                   tls=self.tls, probe_listen=probe_listen, **request_pool(self.config.inference))
         if envoy and envoy_listen is not None:
             self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=self.max_message_bytes,
                                              allow_external=self.allow_external, tls=self.tls)
@@ -54,9 +55,10 @@ class Fronts:
             return
         from runtime.http.server import start_http
 
+        config = self.config
         self.http_server, self._http_app = start_http(
-            gateway, self.config, listen, layout=lambda: gateway.layout, serving=serving,
-            tls=self.tls, allow_external=self.allow_external)
+            gateway, config.http, config.router, config.limits, request_threads(config.inference), listen,
+            layout=lambda: gateway.layout, serving=serving, tls=self.tls, allow_external=self.allow_external)
 
     def flip(self, component: str, serving: bool) -> None:
         """A component's health changed: so did its Envoy API's."""

@@ -20,12 +20,12 @@ A streamed answer is mirrored as one `Generate` call: the decision compared is t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
 from runtime.config_file import internal_key
+from runtime.config_model import SpineConfig
 from runtime.decisions import Decision, decide
 from runtime.sections import ShadowConfig, TlsConfig
 from runtime.shadow import ShadowMirror, forward_metadata, gateway_call
@@ -83,13 +83,13 @@ def _decision(state: RequestState) -> Decision:
     return decide(state.request, state.status, state.details)
 
 
-def start_gateway_mirror(config: Mapping[str, Any], gateway: Gateway, own_address: str,
+def start_gateway_mirror(config: SpineConfig, gateway: Gateway, own_address: str,
                          metrics: Any | None) -> GatewayMirror | None:
     """The spine's mirror, hooked into `gateway`, when its config asks for one (else None).
 
     `metrics`: the local metrics servicer, whose registry /metrics serves. Refused
     (ConfigError, naming the fix) without the internal secret, or with metrics remote."""
-    shadow = ShadowConfig.from_config(config)
+    shadow = config.shadow
     if shadow.layered_address is None or shadow.share <= 0:
         return None
     key = internal_key(config)
@@ -101,6 +101,6 @@ def start_gateway_mirror(config: Mapping[str, Any], gateway: Gateway, own_addres
         raise ConfigError("shadow.layered_address: the spine exports its shadow comparisons on its own /metrics, "
                           "which needs the metrics component placed local (placements.metrics: local)")
     mirror = GatewayMirror(shadow, key, own_address, shadow.layered_address, metrics.registry,
-                           tls=TlsConfig.from_config(config))
+                           tls=config.tls)
     gateway.answered = mirror.offer
     return mirror

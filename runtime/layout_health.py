@@ -9,21 +9,19 @@ a component that went away fast (`Components.flipped`) and flips its Envoy API's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from runtime.components import Components
+from runtime.config_model import SpineConfig
 from runtime.fronts import Fronts
 from runtime.gateway_health import ComponentHealth, GatewayHealth
 from runtime.server import RunningServer
-from services.common import section
-from services.inference.config import InferenceConfig
 
 
 class LayoutHealth:
     """The gateway's health over a layout's components, and the local model's deep health."""
 
-    def __init__(self, components: Components, fronts: Fronts, config: Mapping[str, Any], *,
+    def __init__(self, components: Components, fronts: Fronts, config: SpineConfig, *,
                  interval_s: float, timeout_s: float) -> None:
         self.components = components
         self.fronts = fronts
@@ -46,7 +44,7 @@ class LayoutHealth:
             return
         from runtime.health import start_deep_health
 
-        inference = InferenceConfig.from_dict(section(self.config, "inference"))
+        inference = self.config.inference
         self.deep_health = start_deep_health(
             server, self.components.local_servicers["inference"], inference.health_interval_s,
             inference.health_timeout_s, services=(), on_change=self._local_changed)

@@ -7,10 +7,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from runtime.config_model import SpineConfig
+
 log = logging.getLogger("runtime")
 
 
-def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Path,
+def start_metrics_endpoint(servicer: Any, config: SpineConfig, run_dir: Path,
                            local_inference: Callable[[], Any] = lambda: None,
                            local_ratelimit: Callable[[], Any] = lambda: None) -> Any:
     """Serve `servicer.registry` over HTTP (prometheus_client: text or OpenMetrics by the Accept
@@ -20,13 +22,11 @@ def start_metrics_endpoint(servicer: Any, config: Mapping[str, Any], run_dir: Pa
     families likewise (`local_ratelimit()`, `runtime.store_metrics`)."""
     from runtime.serving_metrics_export import attach_serving_metrics
     from runtime.store_metrics import StoreMetricsSource
-    from services.common import section
     from services.common.prometheus_http import PrometheusHTTPServer
-    from services.metrics.config import MetricsConfig
 
     attach_serving_metrics(servicer, local_inference, run_dir)
     servicer.registry.register(StoreMetricsSource(local_ratelimit, run_dir))
-    settings = MetricsConfig.from_dict(section(config, "metrics"))
+    settings = config.metrics
     endpoint = PrometheusHTTPServer(servicer.registry, listen=settings.http_listen,
                                     allow_external=settings.allow_external)
     endpoint.start()
@@ -39,7 +39,7 @@ class MetricsExports:
     rate limiter's shared-store families), else the local model's own; and the last
     Prometheus text, written at shutdown to run_dir/metrics.prom (nothing counted is lost)."""
 
-    def __init__(self, local_servicers: Mapping[str, Any], config: Mapping[str, Any], run_dir: Path,
+    def __init__(self, local_servicers: Mapping[str, Any], config: SpineConfig, run_dir: Path,
                  local_inference: Callable[[], Any]) -> None:
         self.local_servicers = local_servicers
         self.config = config

@@ -24,10 +24,9 @@ given budget: one line naming `device.memory_budget_mib`, exit 2.
 from __future__ import annotations
 
 import math
-from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
 
+from runtime.config_model import SpineConfig
 from services.common import ConfigError
 from services.inference.config import HF_CLASS
 
@@ -72,52 +71,48 @@ def plan_fit(*, weight_bytes: int, per_slot_bytes: int, context: int, slots_want
                     kv_cap_bytes=cap, budget_bytes=cap + MIDDLEWARE_BYTES, host_bytes=host_bytes)
 
 
-def fit_to_model(config: MutableMapping[str, Any], host_bytes: int | None = None) -> str | None:
-    """Size `device.memory_budget_mib` and `inference.kv_cpu_memory_cap_mb` for the default
-    model when it is an `hf` directory served on the CPU with an `auto` budget (in place);
-    the line saying what was chosen, or None when nothing was changed. ConfigError when the
-    directory cannot be served (as `preflight` would say), or fits no KV slot in the host share.
-    `host_bytes`: the memory available (default: the machine's now)."""
-    inference = config.get("inference") or {}
-    backend = inference.get("backend") or {}
-    device = config.get("device") or {}
-    if backend.get("class") != HF_CLASS or device.get("memory_budget_mib", "auto") != "auto":
-        return None
+def fit_to_model(config: SpineConfig, host_bytes: int | None = None) -> tuple[SpineConfig, str | None]:
+    """`config` with `device.memory_budget_mib` and `inference.kv_cpu_memory_cap_mb` sized for
+    the default model when it is an `hf` directory served on the CPU with an `auto` budget,
+    and the line saying what was chosen (None, and `config` itself, when nothing was changed).
+    ConfigError when the directory cannot be served (as `preflight` would say), or fits no KV
+    slot in the host share. `host_bytes`: the memory available (default: the machine's now)."""
+    backend = config.inference.backend
+    if backend.class_ != HF_CLASS or config.device.memory_budget_mib != "auto":
+        return config, None
     from monolith.device import pick_device
 
     if pick_device().type != "cpu":
-        return None
+        return config, None
     import psutil
 
-    from services.common import section
-    from services.inference.config import InferenceConfig
     from services.inference.model.hf_check import check_context, inspect_model_dir, kv_bytes_per_token
 
-    options = backend.get("options") or {}
+    options = backend.options
     where = "inference.backend.options"
     if not options.get("path"):
-        return None  # preflight names the missing path
+        return config, None  # preflight names the missing path
     dtype = options.get("dtype")
     info = inspect_model_dir(options["path"], f"{where}.path", dtype if isinstance(dtype, str) else None)
-    context = check_context(info, options.get("max_context", backend.get("max_context")), f"{where}.max_context")
-    settings = InferenceConfig.from_dict(section(config, "inference"))
+    context = check_context(info, options.get("max_context", backend.max_context), f"{where}.max_context")
+    settings = config.inference
     per_token = kv_bytes_per_token(info) or 0
     wanted = settings.max_batch if settings.kv_cache_max_entries == "auto" else int(settings.kv_cache_max_entries)
     fit = plan_fit(weight_bytes=info.weight_bytes, per_slot_bytes=per_token * context, context=context,
                    slots_wanted=wanted, memory_fraction=settings.kv_memory_fraction,
                    host_bytes=int(psutil.virtual_memory().available) if host_bytes is None else host_bytes)
-    name = str(inference.get("model_id") or info.path.name)
+    name = settings.model_id
     if fit.slots < 1:
         raise ConfigError(
             f"device.memory_budget_mib: auto: {name} does not fit this machine: {_mib(fit.weight_bytes)} of weights "
             f"and one KV slot of {_mib(fit.per_slot_bytes)} (context {context}) need {_mib(fit.kv_cap_bytes)} at "
             f"kv_memory_fraction {settings.kv_memory_fraction}, {HOST_SHARE:.0%} of the available "
             f"{_mib(fit.host_bytes)} is less; give device.memory_budget_mib, a shorter max_context or a smaller model")
-    config["device"] = {**device, "memory_budget_mib": fit.budget_bytes // MIB}
     cap_mb = max(float(settings.kv_cpu_memory_cap_mb), float(fit.kv_cap_bytes // MIB))
     health_s = max(float(settings.health_timeout_s), HEALTH_TIMEOUT_S)
-    config["inference"] = {**inference, "kv_cpu_memory_cap_mb": cap_mb, "health_timeout_s": health_s}
-    return f"{fit.describe(name)}; inference.health_timeout_s {health_s:g}"
+    fitted = config.with_overrides({"device": {"memory_budget_mib": fit.budget_bytes // MIB},
+                                    "inference": {"kv_cpu_memory_cap_mb": cap_mb, "health_timeout_s": health_s}})
+    return fitted, f"{fit.describe(name)}; inference.health_timeout_s {health_s:g}"
 
 
 def _round_up_mib(nbytes: int) -> int:

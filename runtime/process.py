@@ -75,14 +75,10 @@ def serve(argv: list[str] | None = None) -> int:
     from monolith.device_on_use import DeviceOnFirstUse
     from runtime.config_file import load_config
     from runtime.health import start_deep_health
-    from runtime.sections import TlsConfig
     from runtime.server import PoolSize, request_pool, start_server
     from runtime.signals import Termination
     from runtime.tls import is_unix, reload_on_sighup
-    from runtime.tracing import install_from_config
-    from services.common import section
-    from services.inference.config import InferenceConfig
-    from services.pipeline.verdicts import RequestLimits
+    from runtime.tracing import install_for
 
     termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
     configure_threads()
@@ -90,11 +86,11 @@ def serve(argv: list[str] | None = None) -> int:
     if args.component == "inference":  # alone (bare): sized for its model as `spine up` sizes it
         from runtime.model_fit import fit_to_model
 
-        fitted = fit_to_model(config)
+        config, fitted = fit_to_model(config)
         if fitted:
             print(fitted, file=sys.stderr, flush=True)
-    install_from_config(config, service_name=args.component)  # continue traces from the gateway
-    tls = TlsConfig.from_config(config)
+    install_for(config.tracing, service_name=args.component)  # continue traces from the gateway
+    tls = config.tls
     if tls is not None and not is_unix(args.listen):
         from runtime.core_log import log_tls_refusals
 
@@ -106,23 +102,23 @@ def serve(argv: list[str] | None = None) -> int:
     # context nor imports torch (most of their start, and of their memory). A component
     # whose code imported torch gets its context now, at start, not on its first request
     # (on CUDA, making one is the device's initialisation).
-    device = DeviceOnFirstUse(config)
+    device = DeviceOnFirstUse(config.device)
     servicer = spec.build(config, device, run_dir)
     if "torch" in sys.modules:
         device.make_now()
     # The model's requests wait in its priority queue, not in front of the thread pool.
-    pool = request_pool(config) if args.component == "inference" else PoolSize()
+    pool = request_pool(config.inference) if args.component == "inference" else PoolSize()
     # Its share first: a limiter that follows does not serve before it has one (or has waited).
     follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit", tls)
     from runtime.foreign import envoy_apis_of
 
     server = start_server([(spec, servicer), *envoy_apis_of(spec, servicer, config)], args.listen,
-                          max_message_bytes=RequestLimits.from_config(config).max_message_bytes,
+                          max_message_bytes=config.limits.max_message_bytes,
                           allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen, **pool)
     # Deep health: SERVING only while the component can do its work (for inference: a tiny
     # forward on its device within a bound), so the supervisor, the gates and xDS
     # endpoints see a broken device, not just a live process.
-    inference = InferenceConfig.from_dict(section(config, "inference"))
+    inference = config.inference
     deep = start_deep_health(server, servicer, inference.health_interval_s, inference.health_timeout_s,
                              services=["", spec.full_name])
     extra = None

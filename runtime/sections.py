@@ -1,7 +1,8 @@
 """The config sections the runtime owns: placements, remote addresses, tracing, shadow traffic, TLS.
 
-Placements and remote addresses have one field per component of the component table, so
-they are built from it (`placements_model`, `remote_addresses_model`).
+Placements, remote addresses and call budgets have one field per component of the component
+table, so they are built from it (`placements_model`, `remote_addresses_model`, `calls_model`);
+code reads them through their base classes (`PlacementsBase`, ...), which hold no field.
 
 Light on purpose (pydantic only): the root model imports them, and loading a config must
 not load OpenTelemetry or the migration code. `runtime.tracing.TracingConfig` and
@@ -40,6 +41,19 @@ class RemoteAddressesBase(Section):
 
     def given(self) -> dict[str, str]:
         return {name: target for name, target in self.model_dump().items() if target is not None}
+
+
+class PlacementsBase(Section):
+    """`placements`: where each component runs, one field per component (`placements_model`)."""
+
+    def names(self) -> dict[str, str]:
+        """Each component's placement, `local` or `remote` (a foreign endpoint is remote)."""
+        return {name: placement_name(getattr(self, name)) for name in type(self).model_fields}
+
+    def foreign(self) -> dict[str, ForeignPlacement]:
+        """The components placed on a service the team already runs, in its own protocol."""
+        return {name: value for name in type(self).model_fields
+                if isinstance(value := getattr(self, name), ForeignPlacement)}
 
 
 class ForeignPlacement(Section):
@@ -97,21 +111,18 @@ def _placement_or_foreign(protocols: tuple[str, ...]) -> WrapValidator:
 
 
 @functools.cache
-def placements_model(components: tuple[str, ...], models: tuple[str, ...],
-                     protocols: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> type[Section]:
-    """`placements` for `spine up --layout mixed`, one field per component. A component left
-    out is remote, except the model, which is local: the spine exists to put the model next
-    to the middlewares. A component with foreign `protocols` may also name a service that
-    speaks one of them: `{remote: HOST:PORT, protocol: envoy-rls}` (a `ForeignPlacement`)."""
-    foreign = dict(protocols)
+def placements_model(components: tuple[tuple[str, str, tuple[str, ...]], ...]) -> type[PlacementsBase]:
+    """`placements` for `spine up --layout mixed`, one field per component: (name, where it
+    runs when left out, its foreign protocols). A component with foreign protocols may also
+    name a service that speaks one of them: `{remote: HOST:PORT, protocol: envoy-rls}` (a
+    `ForeignPlacement`)."""
     fields: dict[str, Any] = {}
-    for name in components:
-        default = "local" if name in models else "remote"
-        if name in foreign:
-            fields[name] = (Annotated[Placement | ForeignPlacement, _placement_or_foreign(foreign[name])], default)
+    for name, default, protocols in components:
+        if protocols:
+            fields[name] = (Annotated[Placement | ForeignPlacement, _placement_or_foreign(protocols)], default)
         else:
             fields[name] = (Placement, default)
-    return create_model("Placements", __base__=Section, __doc__=placements_model.__doc__, **fields)
+    return create_model("Placements", __base__=PlacementsBase, __doc__=placements_model.__doc__, **fields)
 
 
 def placement_name(placement: Any) -> str:
@@ -125,19 +136,17 @@ class EnvoyApiConfig(Section):
     layered layout by their own processes, and by every spine or gateway process for wherever
     the component is placed now."""
 
+    where = "envoy_api"
+
     enabled: StrictBool = True
     # None: on the Gateway's listener. HOST:PORT: a second listener for them alone (loopback
     # unless --allow-external), e.g. for an Envoy that must not reach the Gateway API.
     listen: ListenAddress | None = None
 
 
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> EnvoyApiConfig:
-        return cls.parse(config.get("envoy_api"), "envoy_api")
-
-
 @functools.cache
 def remote_addresses_model(components: tuple[str, ...]) -> type[RemoteAddressesBase]:
+    """`remote_addresses`, one field per component."""
     fields: dict[str, Any] = {name: (NonEmptyStr | None, None) for name in components}
     return create_model("RemoteAddresses", __base__=RemoteAddressesBase, **fields)
 
@@ -146,6 +155,8 @@ class InternalConfig(Section):
     """`internal`: the secret only the deployment's own parts share. It signs the marks the
     front puts on its shadow copies (`services.pipeline.internal_marks`); without it no
     request is ever treated as shadow traffic, whatever a client sends."""
+
+    where = "internal"
 
     secret: SecretStr | None = None  # inline: for local trials only
     secret_env: NonEmptyStr | None = None  # the name of an environment variable holding it
@@ -161,6 +172,13 @@ class InternalConfig(Section):
         return None
 
 
+class CallBudgetsBase(Section):
+    """`calls.budgets_ms`: per component, the call budget of its stages (`calls_model`)."""
+
+    def given(self) -> dict[str, float]:
+        return {name: ms for name, ms in self.model_dump().items() if ms is not None}
+
+
 class CallsBase(Section):
     """`calls`: how the gateway calls its components — each stage's budget, and when a
     component in another process is ejected (calls fail fast) after failing in a row."""
@@ -168,6 +186,7 @@ class CallsBase(Section):
     eject_after_failures: Annotated[StrictInt, Field(ge=1)] = 5
     ejection_ms: Annotated[Float, Field(gt=0)] = 1000.0  # doubles while probes fail
     max_ejection_ms: Annotated[Float, Field(gt=0)] = 30000.0
+    budgets_ms: CallBudgetsBase = CallBudgetsBase()  # the components' own, in `calls_model`
 
 
 @functools.cache
@@ -175,8 +194,8 @@ def calls_model(components: tuple[str, ...]) -> type[CallsBase]:
     """`calls` with `budgets_ms`: per component, the call budget of its stages (over the
     component table's defaults: 250 ms for a middleware, 1 s for metrics and logs)."""
     fields: dict[str, Any] = {name: (Annotated[Float, Field(gt=0)] | None, None) for name in components}
-    budgets = create_model("CallBudgets", __base__=Section, **fields)
-    return create_model("CallsConfig", __base__=CallsBase, budgets_ms=(budgets, Field(default_factory=dict)))
+    budgets = create_model("CallBudgets", __base__=CallBudgetsBase, **fields)
+    return create_model("CallsConfig", __base__=CallsBase, budgets_ms=(budgets, budgets()))
 
 
 Exporter = Literal["none", "console", "otlp"]
@@ -193,6 +212,8 @@ def otlp_available() -> bool:
 class TracingConfig(Section):
     """The `tracing:` section (see `runtime.tracing`)."""
 
+    where = "tracing"
+
     enabled: StrictBool = False
     sample_ratio: Share = 0.01
     exporter: Exporter = "none"
@@ -204,10 +225,6 @@ class TracingConfig(Section):
             raise problem("'otlp' needs the opentelemetry-exporter-otlp-proto-grpc package, which is "
                           "not installed; pip install it or use 'console'", "exporter")
         return self
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> TracingConfig:
-        return cls.parse(config.get("tracing"), "tracing")
 
 
 # What two layouts' answers are compared on (`runtime.decisions.Decision`'s fields);
@@ -223,6 +240,8 @@ class ShadowConfig(Section):
     the comparisons on its /metrics (`runtime.gateway_mirror`), for the parity gate
     where Envoy, not the front, splits traffic."""
 
+    where = "shadow"
+
     share: Share = 0.0
     layered_address: NonEmptyStr | None = None  # the layered gateway, e.g. dns:///spine-gateway-layered:50051
     compare: StrictBool = True
@@ -230,10 +249,6 @@ class ShadowConfig(Section):
     max_in_flight: Annotated[StrictInt, Field(ge=1, le=1024)] = 8
     timeout_s: Annotated[Float, Field(gt=0)] = 10.0
     ignore_fields: Items[DecisionField] = ("cached",)
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ShadowConfig:
-        return cls.parse(config.get("shadow"), "shadow")
 
 
 class TlsConfig(Section):
@@ -250,6 +265,8 @@ class TlsConfig(Section):
     Absent (the default): plaintext everywhere.
     """
 
+    where = "tls"
+
     cert_file: NonEmptyStr  # PEM: this process's certificate (chain), leaf first
     key_file: NonEmptyStr  # PEM: its private key
     client_ca_file: NonEmptyStr | None = None  # PEM CA bundle: clients must present a certificate it signed
@@ -259,13 +276,3 @@ class TlsConfig(Section):
     def server_ca_file(self) -> str | None:
         """What this process verifies the servers it calls against."""
         return self.ca_file or self.client_ca_file
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> TlsConfig | None:
-        """The section, or None when the config has none (plaintext)."""
-        data = config.get("tls")
-        if data is None:
-            return None
-        if isinstance(data, TlsConfig):
-            return data
-        return cls.parse(data, "tls")

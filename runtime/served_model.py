@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runtime.config_model import SpineConfig
 from services.common import ConfigError
 from services.inference.config import HF_CLASS, SIM_CLASS
 
@@ -52,23 +53,21 @@ def model_overrides(path: str | Path, model_id: str | None = None, *,
     }
 
 
-def preflight(config: Mapping[str, Any]) -> None:
+def preflight(config: SpineConfig) -> None:
     """For an `hf` backend: the directory, its architecture, the context asked for and the
     weights against the device budget, checked without loading anything (ConfigError)."""
-    inference = config.get("inference") or {}
-    backend = inference.get("backend") or {}
-    if backend.get("class") != HF_CLASS:
+    backend = config.inference.backend
+    if backend.class_ != HF_CLASS:
         return
     from monolith.device import budget_bytes, pick_device
-    from monolith.device_config import DeviceConfig
     from services.inference.model.hf_check import check_context, check_weights_fit, inspect_model_dir
 
-    options = backend.get("options") or {}
+    options = backend.options
     where = "inference.backend.options"
     if not options.get("path"):
         raise ConfigError(f"{where}.path: the model directory is required (class: hf)")
     dtype = options.get("dtype")
     info = inspect_model_dir(options["path"], f"{where}.path", dtype if isinstance(dtype, str) else None)
-    check_context(info, options.get("max_context", backend.get("max_context")), f"{where}.max_context")
-    budget = budget_bytes(pick_device(), DeviceConfig.from_config(config))
+    check_context(info, options.get("max_context", backend.max_context), f"{where}.max_context")
+    budget = budget_bytes(pick_device(), config.device)
     check_weights_fit(info, budget, budget)

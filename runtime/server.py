@@ -35,7 +35,6 @@ from grpc_reflection.v1alpha import reflection
 
 from runtime.sections import TlsConfig
 from runtime.tls import add_port, link_channel
-from services.common import section
 from services.common.thread_names import name_os_thread
 from services.inference.config import InferenceConfig
 from services.registry import ComponentSpec
@@ -145,11 +144,10 @@ def start_probe_server(health_servicer: health.HealthServicer, listen: str,
     return ProbeServer(server, address)
 
 
-def request_threads(config: Any) -> int:
+def request_threads(inference: InferenceConfig) -> int:
     """Handler threads for a server whose requests may wait for the model: the inference
     queue (`inference.max_queue`) + every KV slot (at most `inference.max_batch`), for every
     model served (`inference.models`), + headroom."""
-    inference = InferenceConfig.from_dict(section(config, "inference"))
     return sum(model.max_queue + model.max_batch for model in inference.served()) + HEADROOM_THREADS
 
 
@@ -160,13 +158,13 @@ class PoolSize(TypedDict, total=False):
     max_concurrent_rpcs: int | None
 
 
-def request_pool(config: Any) -> PoolSize:
+def request_pool(inference: InferenceConfig) -> PoolSize:
     """`start_server` keywords for a server whose requests may wait for the model.
 
     Calls past the threads wait in gRPC's FIFO only while a thread answers a quick
     refusal (the queue is full), so twice the threads bounds that FIFO's memory; past it
     gRPC itself refuses with RESOURCE_EXHAUSTED."""
-    threads = request_threads(config)
+    threads = request_threads(inference)
     return PoolSize(max_workers=threads, max_concurrent_rpcs=2 * threads)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from services.common import section
+from runtime.config_model import SpineConfig
 from services.common.prometheus_http import PrometheusHTTPServer
-from services.metrics.config import MetricsConfig
 
 log = logging.getLogger("runtime")
 
@@ -83,13 +82,12 @@ def attach_serving_metrics(metrics_servicer: Any, local: Callable[[], Any], run_
     metrics_servicer.registry.register(ServingMetricsSource(local, run_dir))
 
 
-def serve_inference_metrics(servicer: Any, config: Mapping[str, Any], run_dir: Path) -> PrometheusHTTPServer:
+def serve_inference_metrics(servicer: Any, config: SpineConfig, run_dir: Path) -> PrometheusHTTPServer:
     """The model's own /metrics, where the metrics component runs in another process; its
     address goes to run_dir/inference.metrics.addr (for forwarding, and for people)."""
-    from services.inference.config import InferenceConfig
 
-    listen = InferenceConfig.from_dict(section(config, "inference")).metrics_listen
-    allow_external = MetricsConfig.from_dict(section(config, "metrics")).allow_external
+    listen = config.inference.metrics_listen
+    allow_external = config.metrics.allow_external
     endpoint = PrometheusHTTPServer(servicer.metrics_registry, listen=listen, allow_external=allow_external)
     endpoint.start()
     (run_dir / ADDRESS_FILE).write_text(endpoint.address)

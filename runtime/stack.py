@@ -21,14 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
+from monolith.batched import BatchedAdmission, DeferredCompletions
 from monolith.device_on_use import DeviceOnFirstUse
 from runtime.components import Components
 from runtime.config_file import internal_key, layout_name
-from runtime.config_model import check_config
-from runtime.foreign import envoy_apis, foreign_endpoints
+from runtime.config_model import SpineConfig
+from runtime.foreign import envoy_apis
 from runtime.fronts import Fronts
 from runtime.gateway_batching import GatewayBatching
 from runtime.gateway_health import GatewayHealth
@@ -36,13 +34,11 @@ from runtime.layout_health import LayoutHealth
 from runtime.metrics_endpoint import MetricsExports
 from runtime.outlier import OutlierPolicy
 from runtime.run_dir import write_private
-from runtime.sections import TlsConfig
 from runtime.server import RunningServer
 from runtime.supervisor import Supervisor
 from services.gateway.service import Gateway
 from services.inference.output_policy import OutputPolicy
 from services.pipeline.calls import Hook
-from services.pipeline.limits import RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline
 from services.registry import DEFAULT, Registry
 
@@ -56,7 +52,7 @@ log = logging.getLogger("runtime")
 class Stack:
     """One running layout, given a placement for every component."""
 
-    config: Mapping[str, Any]
+    config: SpineConfig
     placements: Mapping[str, str]
     listen: str = "127.0.0.1:0"
     run_dir: Path | None = None
@@ -86,8 +82,6 @@ class Stack:
     gateway: Gateway | None = None
     pipeline: Pipeline | None = None
     shadow: Any = None  # the spine's own mirror, with shadow.layered_address (runtime.gateway_mirror)
-    # `tls:`: every TCP listener here speaks TLS and every TCP link to a component is mTLS.
-    tls: TlsConfig | None = None
     components: Components | None = None
     batching: GatewayBatching | None = None
     metrics: MetricsExports | None = None
@@ -106,18 +100,16 @@ class Stack:
 
     def start(self) -> str:
         """Start everything and return the Gateway's address once all is SERVING."""
-        checked: Any = check_config(self.config, self.registry)  # every section, before anything starts
-        self.tls = checked.tls
-        calls = checked.calls
-        budgets_ms = {name: ms for name, ms in calls.budgets_ms.model_dump().items() if ms is not None}
+        calls = self.config.calls
+        budgets_ms = calls.budgets_ms.given()
         outlier = OutlierPolicy(calls.eject_after_failures, calls.ejection_ms / 1000.0, calls.max_ejection_ms / 1000.0)
         if self.run_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
             self.run_dir = Path(self._tmp.name)
-        config_path = write_private(self.run_dir, "config.yaml", yaml.safe_dump(dict(self.config)))
-        limits = RequestLimits.from_config(self.config)
+        config_path = write_private(self.run_dir, "config.yaml", self.config.to_yaml())
+        limits = self.config.limits
         if self.device is None:
-            self.device = DeviceOnFirstUse(self.config)
+            self.device = DeviceOnFirstUse(self.config.device)
         from runtime.tracing import installed
 
         tracing = installed()
@@ -125,10 +117,10 @@ class Stack:
             self.hooks = [*self.hooks, tracing.hook(self.layout)]
         components = self.components = Components(
             self.registry, self.config, self.placements, run_dir=self.run_dir, device=self.device, hooks=self.hooks,
-            remote_addresses=self.remote_addresses, tls=self.tls, foreign=foreign_endpoints(checked),
+            remote_addresses=self.remote_addresses, tls=self.config.tls, foreign=self.config.placements.foreign(),
             budgets_ms=budgets_ms, outlier=outlier, max_message_bytes=limits.max_message_bytes,
             health_timeout_s=self.health_timeout_s, servicers=self.servicers)
-        fronts = self.fronts = Fronts(self.config, allow_external=self.allow_external, tls=self.tls,
+        fronts = self.fronts = Fronts(self.config, allow_external=self.allow_external, tls=self.config.tls,
                                       max_message_bytes=limits.max_message_bytes)
         try:
             components.start(config_path)
@@ -136,9 +128,9 @@ class Stack:
             self.pipeline = Pipeline(self.registry.steps(limits, budgets_ms), components.bindings, hooks=self.hooks,
                                      on_fail_open=fail_opens)
             self.gateway = Gateway(self.pipeline, limits, self.layout, fail_opens=fail_opens,
-                                   internal_key=internal_key(self.config), policy=OutputPolicy.from_config(self.config))
+                                   internal_key=internal_key(self.config), policy=OutputPolicy.of(self.config.output_policy))
             self.batching = GatewayBatching(self.gateway, self.pipeline, components,
-                                            BatchingConfig.from_config(self.config))
+                                            self.config.batching)
             self.batching.attach()
             self.metrics = MetricsExports(components.local_servicers, self.config, self.run_dir,
                                           components.local_inference)
@@ -147,7 +139,7 @@ class Stack:
             # placed at the time of each call (see `runtime.foreign`).
             envoy = envoy_apis(self.registry, self.config, lambda name: components.bindings[name],
                                {name: ms / 1000.0 for name, ms in budgets_ms.items()})
-            server = fronts.start_grpc(self.gateway, self.listen, envoy, checked.envoy_api.listen, self.registry,
+            server = fronts.start_grpc(self.gateway, self.listen, envoy, self.config.envoy_api.listen, self.registry,
                                        self.probe_listen)
             fronts.start_http(self.gateway, self.http_listen,
                               serving=lambda: self.health is None or self.health.serving is not False)

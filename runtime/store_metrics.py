@@ -20,18 +20,16 @@ model's serving families (`runtime.serving_metrics_export`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from runtime.config_model import SpineConfig
 from runtime.serving_metrics_export import forwarded
-from services.common import section
 from services.common.prometheus_http import PrometheusHTTPServer
-from services.metrics.config import MetricsConfig
-from services.ratelimit.config import RateLimitConfig
 
 log = logging.getLogger("runtime")
 
@@ -54,16 +52,16 @@ class StoreMetricsSource(Collector):
         yield from forwarded(self._address_file)
 
 
-def serve_store_metrics(servicer: Any, config: Mapping[str, Any], run_dir: Path) -> PrometheusHTTPServer | None:
+def serve_store_metrics(servicer: Any, config: SpineConfig, run_dir: Path) -> PrometheusHTTPServer | None:
     """A rate limiter process's own /metrics with its store families (None: it has no store);
     its address goes to run_dir/ratelimit.metrics.addr."""
     collector = getattr(servicer, "store_collector", None)
-    store = RateLimitConfig.from_dict(section(config, "ratelimit")).store
+    store = config.ratelimit.store
     if collector is None or store is None:
         return None
     registry = CollectorRegistry()
     registry.register(collector)
-    allow_external = MetricsConfig.from_dict(section(config, "metrics")).allow_external
+    allow_external = config.metrics.allow_external
     endpoint = PrometheusHTTPServer(registry, listen=store.metrics_listen, allow_external=allow_external)
     endpoint.start()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -141,9 +141,8 @@ class Tracing:
         self.tracer = self.provider.get_tracer("spine")
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], service_name: str = "spine") -> Tracing | None:
-        """Tracing as the config asks, or None when it is off."""
-        settings = TracingConfig.from_config(config)
+    def for_section(cls, settings: TracingConfig, service_name: str = "spine") -> Tracing | None:
+        """Tracing as the `tracing` section asks, or None when it is off."""
         if not settings.enabled:
             return None
         exporter = make_exporter(settings.exporter)
@@ -275,9 +274,10 @@ def installed() -> Tracing | None:
     return _installed
 
 
-def install_from_config(config: Mapping[str, Any], service_name: str = "spine") -> Tracing | None:
-    """For a process entry point: tracing as configured (None and nothing installed when off)."""
-    tracing = Tracing.from_config(config, service_name)
+def install_for(settings: TracingConfig, service_name: str = "spine") -> Tracing | None:
+    """For a process entry point: tracing as the `tracing` section asks (None and nothing
+    installed when off)."""
+    tracing = Tracing.for_section(settings, service_name)
     if tracing is not None:
         install(tracing)
     return tracing
@@ -296,4 +296,4 @@ def installed_tracing(tracing: Tracing) -> Iterator[Tracing]:
 
 
 __all__ = ["ROOT_SPAN", "SpanTimes", "Tracing", "TracingConfig", "TracingHook",
-           "TraceContextInterceptor", "install", "install_from_config", "installed", "installed_tracing"]
+           "TraceContextInterceptor", "install", "install_for", "installed", "installed_tracing"]

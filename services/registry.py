@@ -7,23 +7,29 @@ config sections, the span names, the list of middlewares a migration plan may mo
 children of the layered layout and the names in the Kubernetes manifests.
 
 An entry refers to its config section and its steps directly (light modules: pydantic and
-the wire types). What builds or serves a servicer (`factory`, `register`, a foreign API's
-server and client) is named as a "module:attribute" string, resolved when used: those modules
-import the model (torch) or crypto libraries, and a process imports only what it serves.
+the wire types). What builds a servicer (`factory`, a foreign API's server) is a function of
+this module that imports the servicer's module when it is called; what serves or reaches one
+(`register`, a foreign API's client) is named as a "module:attribute" string, resolved when
+used: those modules import the model (torch) or crypto libraries, and a process imports only
+what it serves.
+
+`ComponentConfig` is every component's section of a spine config, typed, with its defaults
+(the runtime's `SpineConfig` adds its own sections to it): a factory reads the sections it
+needs from it.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 
-from services.auth.config import AuthSection
+from services.auth.config import AuthConfig
 from services.auth.steps import AuthStep
 from services.cache.config import CacheConfig
 from services.cache.steps import CacheLookupStep, CacheStoreStep
@@ -44,6 +50,7 @@ from services.router.config import RouterConfig
 from services.router.steps import RouterStep
 
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
+Placement = Literal["local", "remote"]
 # The steps on the path that call no component: the gateway's own checks.
 GATEWAY_STEPS: tuple[type[Step], ...] = (ValidationStep,)
 
@@ -53,6 +60,25 @@ def _resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
+class ComponentConfig(Section):
+    """Every component's section of a spine config, each with its documented defaults (the
+    model's own section serves the built-in model and its smaller fallback; auth knows the
+    development key). A new component's section is one more field here."""
+
+    auth: AuthConfig = AuthConfig()
+    ratelimit: RateLimitConfig = RateLimitConfig()
+    router: RouterConfig = RouterConfig()
+    cache: CacheConfig = CacheConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    logs: LogsConfig = LogsConfig()
+    inference: InferenceConfig = InferenceConfig()
+
+
+# What builds a servicer: from the whole config's component sections, the device it keeps
+# its state on, and the run directory (where files it writes go).
+Factory = Callable[[ComponentConfig, DeviceState, Path], Any]
+
+
 @dataclass(frozen=True)
 class ComponentSpec:
     """How to build, serve, reach and call one component."""
@@ -60,7 +86,7 @@ class ComponentSpec:
     name: str  # also its config section and its process name in the layered layout
     proto_module: str  # e.g. "wire.v1.auth_pb2"
     service: str  # the service's name in the proto, e.g. "Auth"
-    factory: str  # "module:function" building the servicer from (config, device, run_dir)
+    factory: Factory  # builds the servicer
     config: type[Section] | None  # its config section's model (None: no section of its own)
     steps: tuple[type[Step], ...]  # the pipeline steps that call it (their order: the registry's path)
     fail_mode: FailMode = FailMode.CLOSED
@@ -75,6 +101,8 @@ class ComponentSpec:
     register: str = ""
     # Other services' APIs it also answers and can be reached through (Envoy's).
     foreign: tuple[ForeignApi, ...] = ()
+    # Where `placements:` puts it when the config leaves it out.
+    placement: Placement = "remote"
 
     def descriptor(self) -> pb_descriptor.ServiceDescriptor:
         module = importlib.import_module(self.proto_module)
@@ -96,8 +124,8 @@ class ComponentSpec:
         else:
             getattr(self._grpc_module(), f"add_{self.service}Servicer_to_server")(servicer, server)
 
-    def build(self, config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-        return _resolve(self.factory)(config, device, run_dir)
+    def build(self, config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+        return self.factory(config, device, run_dir)
 
     def policy(self, budget_ms: float | None = None) -> StepPolicy:
         budget_s = (self.budget_ms if budget_ms is None else budget_ms) / 1000.0
@@ -117,18 +145,19 @@ class ForeignApi:
     protocol: str  # its name in placements, e.g. "envoy-rls"
     proto_module: str  # e.g. "envoy.service.ratelimit.v3.rls_pb2"
     service: str  # the service's name in that proto, e.g. "RateLimitService"
-    server: str  # "module:function" (config, call) -> servicer; call(method, request) runs the component's rpc
-    client: str  # "module:Class" (channel, placement options, config) -> stub with the component's call shape
+    server: Callable[[ComponentConfig, Any], Any]  # (config, call) -> servicer; call(method, request) runs the component's rpc
+    # (channel, the placement's options, config) -> a stub with the component's call shape
+    client: Callable[[grpc.Channel, Mapping[str, Any], ComponentConfig], Any]
 
     def served(self) -> ComponentSpec:
         """What a server registers (the service, its health and reflection names)."""
-        return ComponentSpec(self.protocol, self.proto_module, self.service, "", None, ())
+        return ComponentSpec(self.protocol, self.proto_module, self.service, _no_factory, None, ())
 
-    def build_server(self, config: Mapping[str, Any], call: Any) -> Any:
-        return _resolve(self.server)(config, call)
+    def build_server(self, config: ComponentConfig, call: Any) -> Any:
+        return self.server(config, call)
 
-    def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: Mapping[str, Any]) -> Any:
-        return _resolve(self.client)(channel, options, config)
+    def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
+        return self.client(channel, options, config)
 
 
 class Registry:
@@ -175,9 +204,10 @@ class Registry:
         return tuple(spec.name for spec in self if spec.middleware)
 
     @property
-    def foreign_protocols(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """(component, the foreign protocols a placement may name for it), for those that have any."""
-        return tuple((spec.name, tuple(api.protocol for api in spec.foreign)) for spec in self if spec.foreign)
+    def placement_fields(self) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+        """Each component's `placements:` field: (name, where it runs when left out, the foreign
+        protocols a placement may name for it)."""
+        return tuple((spec.name, spec.placement, tuple(api.protocol for api in spec.foreign)) for spec in self)
 
     def with_component(self, spec: ComponentSpec, *, after: type[Step]) -> Registry:
         """This table plus one more component, its steps joining the path right after `after`."""
@@ -209,40 +239,114 @@ class Registry:
 
 
 def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step], ...],
-          batch_methods: Mapping[str, str], *,
+          batch_methods: Mapping[str, str], factory: Factory, *,
           passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
           budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = (),
-          factory: str = "") -> ComponentSpec:
-    return ComponentSpec(name, f"wire.v1.{name}_pb2", service, factory or f"services.{name}.service:build", config, steps,
-                         fail_mode, budget_ms, middleware, batch_methods, frozenset(passes), foreign=foreign)
+          placement: Placement = "local") -> ComponentSpec:
+    return ComponentSpec(name, f"wire.v1.{name}_pb2", service, factory, config, steps,
+                         fail_mode, budget_ms, middleware, batch_methods, frozenset(passes), foreign=foreign,
+                         placement=placement)
+
+
+def _no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    raise TypeError("a foreign API is served by its component's servicer, never built on its own")
+
+
+# -- the factories: each imports its servicer's module (torch, crypto) only when called ----------
+def _auth(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.auth.service import AuthService
+
+    return AuthService(config.auth, device)
+
+
+def _ratelimit(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.ratelimit.service import RateLimitService
+
+    return RateLimitService(config.ratelimit, device)
+
+
+def _router(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.router.service import RouterService
+
+    return RouterService(config.router, device)
+
+
+def _cache(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.cache.service import build
+
+    return build(config.cache, config.inference, device)
+
+
+def _metrics(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.metrics.service import MetricsService
+
+    return MetricsService(config.metrics, device)
+
+
+def _logs(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.logs.service import LogsService
+
+    return LogsService(config.logs, device, run_dir=run_dir)
+
+
+def _inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.inference.models import MultiModelInference
+
+    return MultiModelInference(config.inference, device)
+
+
+def _envoy_authz(config: ComponentConfig, call: Any) -> Any:
+    from services.auth.envoy_authz import EnvoyAuthorization
+
+    return EnvoyAuthorization(call)
+
+
+def _envoy_rls(config: ComponentConfig, call: Any) -> Any:
+    from services.ratelimit.envoy_ratelimit import EnvoyRateLimit, ModelNames
+
+    return EnvoyRateLimit(call, config.ratelimit.domain, ModelNames(config.router))
+
+
+def _envoy_authz_client(channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
+    from services.auth.envoy_authz import TENANT_HEADER, EnvoyAuthzClient
+
+    return EnvoyAuthzClient(channel, str(options.get("tenant_header") or TENANT_HEADER))
+
+
+def _envoy_rls_client(channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
+    from services.ratelimit.envoy_ratelimit import EnvoyRlsClient
+
+    return EnvoyRlsClient(channel, str(options.get("domain") or config.ratelimit.domain))
 
 
 ENVOY_EXT_AUTHZ = ForeignApi("envoy-ext-authz", "envoy.service.auth.v3.external_auth_pb2", "Authorization",
-                             "services.auth.envoy_authz:serve", "services.auth.envoy_authz:EnvoyAuthzClient")
+                             _envoy_authz, _envoy_authz_client)
 ENVOY_RLS = ForeignApi("envoy-rls", "envoy.service.ratelimit.v3.rls_pb2", "RateLimitService",
-                       "services.ratelimit.envoy_ratelimit:serve", "services.ratelimit.envoy_ratelimit:EnvoyRlsClient")
+                       _envoy_rls, _envoy_rls_client)
 
 
 _CODE = grpc.StatusCode
 DEFAULT = Registry([
-    _spec("auth", "Auth", AuthSection, (AuthStep,), {"CheckBatch": "Check"},
-          passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,)),
+    _spec("auth", "Auth", AuthConfig, (AuthStep,), {"CheckBatch": "Check"}, _auth,
+          passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,), placement="remote"),
     _spec("ratelimit", "RateLimit", RateLimitConfig, (RateLimitStep, ReleaseStep),
-          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit", "ReleaseBatch": "Release"},
-          passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED), foreign=(ENVOY_RLS,)),
-    _spec("router", "Router", RouterConfig, (RouterStep,), {"ResolveBatch": "Resolve"}, passes=(_CODE.NOT_FOUND,)),
+          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit", "ReleaseBatch": "Release"}, _ratelimit,
+          passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED), foreign=(ENVOY_RLS,), placement="remote"),
+    _spec("router", "Router", RouterConfig, (RouterStep,), {"ResolveBatch": "Resolve"}, _router,
+          passes=(_CODE.NOT_FOUND,)),
     _spec("cache", "Cache", CacheConfig, (CacheLookupStep, CacheStoreStep), {"LookupBatch": "Lookup", "StoreBatch": "Store"},
-          fail_mode=FailMode.OPEN),
-    _spec("metrics", "Metrics", MetricsConfig, (MetricsStep,), {"RecordBatch": "Record"}, fail_mode=FailMode.OPEN,
+          _cache, fail_mode=FailMode.OPEN),
+    _spec("metrics", "Metrics", MetricsConfig, (MetricsStep,), {"RecordBatch": "Record"}, _metrics,
+          fail_mode=FailMode.OPEN, budget_ms=1000.0),
+    _spec("logs", "Logs", LogsConfig, (LogsStep,), {"AppendBatch": "Append"}, _logs, fail_mode=FailMode.OPEN,
           budget_ms=1000.0),
-    _spec("logs", "Logs", LogsConfig, (LogsStep,), {"AppendBatch": "Append"}, fail_mode=FailMode.OPEN, budget_ms=1000.0),
     # The model: its budget is the compute budget it enforces itself; the call is bounded
     # by the request's deadline. One component serves every configured model
     # (`inference.models`), each with its own engine, KV pool and scheduler.
-    _spec("inference", "Inference", InferenceConfig, (InferenceStep,), {"GenerateStream": "Generate"},
+    _spec("inference", "Inference", InferenceConfig, (InferenceStep,), {"GenerateStream": "Generate"}, _inference,
           passes=(_CODE.INVALID_ARGUMENT, _CODE.DEADLINE_EXCEEDED, _CODE.RESOURCE_EXHAUSTED, _CODE.CANCELLED,
                   _CODE.NOT_FOUND),
-          budget_ms=float("inf"), middleware=False, factory="services.inference.models:build"),
+          budget_ms=float("inf"), middleware=False),
 ], path=(
     # The request path, in order: the one list that says which step runs when.
     AuthStep,  # who is asking (fail closed)
@@ -256,7 +360,7 @@ DEFAULT = Registry([
     LogsStep,  # before metrics, so a failed append is counted in the request's record
     MetricsStep,
 ))
-GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", "", None, (),
+GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", _no_factory, None, (),
                         register="services.gateway.service:add_gateway_to_server")
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares

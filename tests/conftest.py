@@ -20,7 +20,7 @@ import grpc
 import jwt
 import pytest
 
-from runtime.config_file import load_config, placements_for
+from runtime.config_file import SpineConfig, load_config, placements_for
 from runtime.stack import Stack
 
 DEV_KEY = "spine-dev-key-0000"
@@ -145,7 +145,8 @@ def split_tenant_through(address: str, key: str, label: str, count: int = 60) ->
     return admitted, sides
 
 
-def config_for_tests(**extra: Any) -> dict[str, Any]:
+def config_for_tests(**extra: Any) -> SpineConfig:
+    """The config the tests share (`TEST_OVERRIDES`), with `extra` sections merged over it."""
     from runtime.config_file import merge
 
     return load_config(overrides=merge(TEST_OVERRIDES, extra))
@@ -205,7 +206,7 @@ def served(component: str, servicer: Any) -> Iterator[Any]:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def start_stack(layout: str, tmp: Path, config: dict[str, Any] | None = None) -> Stack:
+def start_stack(layout: str, tmp: Path, config: SpineConfig | None = None) -> Stack:
     config = config or config_for_tests()
     run_dir = tmp / layout
     stack = Stack(config, placements_for(layout, config), run_dir=run_dir)

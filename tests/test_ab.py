@@ -103,7 +103,7 @@ def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def test_open_loop_sends_every_request_to_every_layout_at_its_arrival(collapsed: Stack) -> None:
     entries = synthetic(SyntheticSpec(count=12, rate=200.0, unauthenticated_share=0.0, invalid_share=0.0),
-                        tenant_keys(config_for_tests()))
+                        tenant_keys(config_for_tests().auth))
     runs = [LayoutRun("a", collapsed.address), LayoutRun("b", collapsed.address)]
     wall = run_interleaved(runs, entries, RunOptions(mode="open", time_limit_s=30, timeout_s=10))
     assert wall > entries[-1].at
@@ -153,7 +153,7 @@ def test_closed_loop_runs_each_layout_alone_at_the_whole_concurrency(collapsed: 
     (more than the concurrency asked, and both layouts loaded at once): each layout now
     gets rounds of its own at exactly the concurrency, and every request still reaches both."""
     entries = synthetic(SyntheticSpec(count=48, unauthenticated_share=0.0, invalid_share=0.0),
-                        tenant_keys(config_for_tests()))
+                        tenant_keys(config_for_tests().auth))
     counts, lock = {"a": 0, "b": 0}, threading.Lock()
     seen: list[tuple[str, int, int]] = []
     runs = [_CountedRun(name, collapsed.address, counts, seen, lock) for name in ("a", "b")]
@@ -169,7 +169,7 @@ def test_closed_loop_runs_each_layout_alone_at_the_whole_concurrency(collapsed: 
 
 
 def test_a_run_stops_sending_at_its_time_limit(collapsed: Stack) -> None:
-    entries = synthetic(SyntheticSpec(count=50, rate=5.0), tenant_keys(config_for_tests()))  # ~10 s of arrivals
+    entries = synthetic(SyntheticSpec(count=50, rate=5.0), tenant_keys(config_for_tests().auth))  # ~10 s of arrivals
     runs = [LayoutRun("a", collapsed.address)]
     run_interleaved(runs, entries, RunOptions(mode="open", time_limit_s=0.5, timeout_s=5))
     sent = sum(r is not None for r in runs[0].results)

@@ -17,11 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
-from runtime.config_file import merge, placements_for
+from runtime.config_file import placements_for
 from runtime.stack import Stack
 from services.cache.pregenerated import served_digests, write_table
-from services.common import section
-from services.inference.config import InferenceConfig
 from services.inference.output_policy import VIOLATION
 from spine.client.gateway_client import GatewayClient
 from spine.tools.cache_build import PromptLine, answer_prompts
@@ -59,11 +57,11 @@ def _phrase(text: str, avoid: list[str]) -> str | None:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A table of TABLE's answers, and a probe prompt with a phrase only its answer holds."""
-    from services.inference.models import build
+    from services.registry import DEFAULT
 
     tmp = tmp_path_factory.mktemp("answers")
-    config = merge(config_for_tests(), {"inference": {"deterministic": True}})
-    model = build(config, DeviceContext.from_config(config), tmp)
+    config = config_for_tests().with_overrides({"inference": {"deterministic": True}})
+    model = DEFAULT["inference"].build(config, DeviceContext.for_section(config.device), tmp)
     try:
         answers = answer_prompts(model, "tiny-lm", TABLE)
         later = answer_prompts(model, "tiny-lm", [LATER])
@@ -77,7 +75,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             raise AssertionError("no probe answer holds a phrase of its own")
     finally:
         model.close()
-    digests = served_digests(InferenceConfig.from_dict(section(config, "inference")))
+    digests = served_digests(config.inference)
     write_table(tmp / "table.bin", "tiny-lm", digests["tiny-lm"], answers)
     return {"table": tmp / "table.bin", "answers": [a for _, a in answers], "probe": prompt, "phrase": phrase,
             "replacement": (digests["tiny-lm"], answers + later)}

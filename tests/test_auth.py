@@ -73,7 +73,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def service(ec_key: Any, rsa_key: Any, clock: FakeClock) -> AuthService:
-    return AuthService(AuthConfig.from_dict(auth_section(ec_key, rsa_key)), clock=clock)
+    return AuthService(AuthConfig.parse(auth_section(ec_key, rsa_key)), clock=clock)
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_key_configured_only_by_sha256_authenticates(stub: auth_pb2_grpc.AuthStu
 
 
 def test_plaintext_key_is_not_kept_in_memory(service: AuthService) -> None:
-    held = repr(vars(service.config.api_keys)) + repr(service.config)
+    held = repr(vars(service.keys)) + repr(vars(service))
     assert DEV_KEY not in held
     assert DEV_KEY.encode() not in held.encode()
 
@@ -195,7 +195,7 @@ def test_token_signed_by_any_configured_key_of_its_algorithm_is_accepted(ec_key:
     other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     section = auth_section(ec_key, rsa_key)
     section["jwt"]["public_keys"].append({"alg": "RS256", "pem": public_pem(other), "kid": "next"})
-    service = AuthService(AuthConfig.from_dict(section), clock=FakeClock())
+    service = AuthService(AuthConfig.parse(section), clock=FakeClock())
     assert service.verify(jwt.encode(claims(), other, algorithm="RS256")).principal.tenant == "acme"
     by_kid = jwt.encode(claims(), other, algorithm="RS256", headers={"kid": "next"})
     assert service.verify(by_kid).principal.tenant == "acme"
@@ -254,7 +254,7 @@ def test_hs256_token_signed_with_a_public_key_pem_is_unauthenticated(
 
 def test_hs256_token_is_refused_when_only_public_keys_are_configured(ec_key: Any, rsa_key: Any) -> None:
     section = auth_section(ec_key, rsa_key, hs256_secret=None)
-    service = AuthService(AuthConfig.from_dict(section), clock=FakeClock())
+    service = AuthService(AuthConfig.parse(section), clock=FakeClock())
     pem = public_pem(rsa_key).encode()
     token = handmade_token(
         {"alg": "HS256", "typ": "JWT"}, claims(), lambda data: hmac.new(pem, data, hashlib.sha256).digest()
@@ -299,7 +299,7 @@ def test_garbage_shaped_like_a_jwt_is_unauthenticated(stub: auth_pb2_grpc.AuthSt
 def test_jwt_is_refused_when_jwt_is_not_configured(ec_key: Any, rsa_key: Any) -> None:
     section = auth_section(ec_key, rsa_key)
     del section["jwt"]
-    service = AuthService(AuthConfig.from_dict(section), clock=FakeClock())
+    service = AuthService(AuthConfig.parse(section), clock=FakeClock())
     with pytest.raises(AuthDenied) as info:
         service.verify(hs256())
     assert info.value.code == UNAUTH
@@ -405,7 +405,7 @@ def test_denial_is_cached_only_for_a_few_seconds(service: AuthService, clock: Fa
 def test_cache_is_bounded_and_evicts_the_least_recently_used(ec_key: Any, rsa_key: Any) -> None:
     section = auth_section(ec_key, rsa_key)
     section["cache"] = {"max_entries": 2}
-    service = AuthService(AuthConfig.from_dict(section), clock=FakeClock())
+    service = AuthService(AuthConfig.parse(section), clock=FakeClock())
     a, b, c = hs256(sub="a"), hs256(sub="b"), hs256(sub="c")
     service.verify(a)
     service.verify(b)

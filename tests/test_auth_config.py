@@ -16,19 +16,19 @@ from tests.test_auth import DEV_KEY, HS_SECRET, FakeClock, auth_section, hs256, 
 
 def test_default_config_auth_section_parses_and_its_dev_key_works() -> None:
     config = yaml.safe_load(Path("runtime/default_config.yaml").read_text())
-    service = AuthService(AuthConfig.from_dict(config["auth"]))
+    service = AuthService(AuthConfig.parse(config["auth"]))
     assert service.verify("spine-dev-key-0000").principal.tenant == "dev"
 
 
 def test_hs256_secret_can_come_from_the_environment(ec_key: Any, rsa_key: Any) -> None:
     section = auth_section(ec_key, rsa_key, hs256_secret=None, hs256_secret_env="SPINE_TEST_SECRET")
-    config = AuthConfig.from_dict(section, environ={"SPINE_TEST_SECRET": HS_SECRET})
-    assert AuthService(config, clock=FakeClock()).verify(hs256()).principal.tenant == "acme"
+    service = AuthService(AuthConfig.parse(section), clock=FakeClock(), environ={"SPINE_TEST_SECRET": HS_SECRET})
+    assert service.verify(hs256()).principal.tenant == "acme"
 
 
 def _config_error(section: dict[str, Any], environ: dict[str, str] | None = None) -> str:
     with pytest.raises(ConfigError) as info:
-        AuthConfig.from_dict(section, environ=environ or {})
+        AuthService(AuthConfig.parse(section), environ=environ or {})
     return str(info.value)
 
 

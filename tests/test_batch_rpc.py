@@ -21,10 +21,9 @@ from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
 from runtime.bindings import LocalBinding
-from services.auth.config import AuthConfig
 from services.auth.service import AuthService
 from services.auth.steps import CHECK_BATCH
-from services.cache.service import CacheConfig, CacheService
+from services.cache.service import CacheService
 from services.cache.steps import LOOKUP_BATCH, STORE_BATCH, StoreItem
 from services.logs.config import LogsConfig
 from services.logs.service import LogsService
@@ -33,9 +32,8 @@ from services.metrics.service import MetricsConfig, MetricsService
 from services.metrics.steps import RECORD_BATCH, MetricsRecord
 from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
-from services.ratelimit.service import RateLimitConfig, RateLimitService
+from services.ratelimit.service import RateLimitService
 from services.registry import DEFAULT
-from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.router.steps import RESOLVE_BATCH
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
@@ -86,14 +84,14 @@ CREDENTIALS = st.sampled_from([f"Bearer {DEV_KEY}", f"Bearer {OTHER_KEY}", TIGHT
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(CREDENTIALS, max_size=8))
 def test_auth_reads_the_same_in_process_and_over_the_wire(credentials: list[str]) -> None:
-    local, remote = _pair(lambda: AuthService(AuthConfig.from_dict(CONFIG["auth"]), DeviceContext()))
+    local, remote = _pair(lambda: AuthService(CONFIG.auth, DeviceContext()))
     _both(CHECK_BATCH, local, remote, credentials)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.sampled_from(["tiny-lm", "", "nope", "x" * 200, "tiny-lm-mini", "default"]), max_size=6))
 def test_router_reads_the_same_in_process_and_over_the_wire(names: list[str]) -> None:
-    local, remote = _pair(lambda: RouterService(RouterConfig.from_dict(CONFIG["router"]), DeviceContext()))
+    local, remote = _pair(lambda: RouterService(CONFIG.router, DeviceContext()))
     _both(RESOLVE_BATCH, local, remote, names)
 
 
@@ -108,7 +106,7 @@ def test_rate_limit_reads_the_same_in_process_and_over_the_wire(batches: list[li
     now = [1000.0]
 
     def make() -> RateLimitService:
-        return RateLimitService(RateLimitConfig.from_dict(CONFIG["ratelimit"]), DeviceContext(), clock=lambda: now[0])
+        return RateLimitService(CONFIG.ratelimit, DeviceContext(), clock=lambda: now[0])
 
     local, remote = _pair(make)
     for batch in batches:  # the buckets and slots carry over from batch to batch
@@ -118,7 +116,7 @@ def test_rate_limit_reads_the_same_in_process_and_over_the_wire(batches: list[li
 
 
 def _cache() -> CacheService:
-    service = CacheService(CacheConfig.from_dict(CONFIG["cache"]), DeviceContext())
+    service = CacheService(CONFIG.cache, DeviceContext())
     answer = generation_pb2.GenerateResponse(text="abcd", token_ids=[1, 2, 3, 4], model="tiny-lm", completion_tokens=4)
     service.Store(cache_pb2.CacheStoreRequest(tenant="dev", request=CACHED, response=answer), None)
     return service
@@ -139,7 +137,7 @@ def test_cache_lookup_reads_the_same_in_process_and_over_the_wire(items: list[An
 
 def test_an_in_process_batch_call_keeps_the_wires_rules() -> None:
     """No time left is DEADLINE_EXCEEDED before the servicer runs; its exception is UNKNOWN."""
-    service = AuthService(AuthConfig.from_dict(CONFIG["auth"]), DeviceContext())
+    service = AuthService(CONFIG.auth, DeviceContext())
     binding = LocalBinding("auth", DEFAULT["auth"].descriptor(), service)
     with pytest.raises(grpc.RpcError) as late:
         binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=0.0)
@@ -192,7 +190,7 @@ ENTRIES = st.builds(LogEntry, request_id=st.sampled_from(["r1", "r2"]), tenant=s
 
 
 def test_log_lines_are_the_same_in_process_and_over_the_wire(tmp_path: Path) -> None:
-    services = [LogsService(LogsConfig.from_dict({"path": f"{name}.jsonl", "fsync": False}, tmp_path),
+    services = [LogsService(LogsConfig.parse({"path": f"{name}.jsonl", "fsync": False}), run_dir=tmp_path,
                             clock=lambda: 1700000000.5) for name in ("local", "remote")]
 
     @settings(max_examples=30, deadline=None)
@@ -210,7 +208,7 @@ def test_log_lines_are_the_same_in_process_and_over_the_wire(tmp_path: Path) -> 
 def test_an_in_process_answer_after_the_deadline_is_deadline_exceeded() -> None:
     """As on the wire: a component that answers too late has not answered (the runner then
     stops a fail-closed stage's requests with UNAVAILABLE, naming the budget)."""
-    service = AuthService(AuthConfig.from_dict(CONFIG["auth"]), DeviceContext())
+    service = AuthService(CONFIG.auth, DeviceContext())
     binding = LocalBinding("auth", DEFAULT["auth"].descriptor(), service)
     check = service.check_items
 
@@ -246,7 +244,7 @@ def test_the_item_by_item_short_path_answers_as_the_general_path(steps: list[tup
     now = [1000.0]
 
     def make(short: bool) -> RateLimitService:
-        service = RateLimitService(RateLimitConfig.from_dict(CONFIG["ratelimit"]), DeviceContext(),
+        service = RateLimitService(CONFIG.ratelimit, DeviceContext(),
                                    clock=lambda: now[0])
         service.alone_fast_path = short
         return service

@@ -15,16 +15,16 @@ from runtime.config_file import load_config
 def test_each_spine_layout_batches_what_its_name_says(tmp_path: Path) -> None:
     configs = {layout: load_config(path) for layout, path in write_configs(tmp_path).items()}
     assert set(configs) == set(LAYOUTS)
-    default_model_batch = configs["collapsed"]["inference"]["max_batch"]
+    default_model_batch = configs["collapsed"].inference.max_batch
     assert default_model_batch > 1
-    assert configs["collapsed"]["batching"]["enabled"] is True
+    assert configs["collapsed"].batching.enabled is True
     # the batcher off end to end: middleware per request and one sequence per model step
-    assert configs["collapsed-unbatched"]["batching"]["enabled"] is False
-    assert configs["collapsed-unbatched"]["inference"]["max_batch"] == 1
+    assert configs["collapsed-unbatched"].batching.enabled is False
+    assert configs["collapsed-unbatched"].inference.max_batch == 1
     # only the middleware batcher off: the model batches exactly as in the batched spine and bare
-    assert configs["collapsed-middleware-unbatched"]["batching"]["enabled"] is False
-    assert configs["collapsed-middleware-unbatched"]["inference"] == configs["collapsed"]["inference"]
-    assert configs["bare"]["inference"] == configs["collapsed"]["inference"]
+    assert configs["collapsed-middleware-unbatched"].batching.enabled is False
+    assert configs["collapsed-middleware-unbatched"].inference == configs["collapsed"].inference
+    assert configs["bare"].inference == configs["collapsed"].inference
 
 
 def test_batching_gain_compares_the_batched_spine_with_the_named_unbatched_one() -> None:
@@ -49,10 +49,10 @@ def test_bench_on_a_model_directory_serves_it_in_every_layout(tmp_path: Path) ->
     configs = {layout: load_config(path)
                for layout, path in write_configs(tmp_path, settings.model, settings.model_id).items()}
     for layout, config in configs.items():
-        assert config["inference"]["model_id"] == "tiny-llama", layout
-        assert config["inference"]["backend"] == {"class": "hf", "options": {"path": str(model.resolve())}}, layout
-        assert config["router"]["models"] == [{"id": "tiny-llama", "backend": "inference", "aliases": ["default"]}]
-    assert configs["collapsed-unbatched"]["inference"]["max_batch"] == 1
+        assert config.inference.model_id == "tiny-llama", layout
+        assert config.inference.backend.spec() == {"class": "hf", "options": {"path": str(model.resolve())}}, layout
+        assert [(m.id, m.backend, m.aliases) for m in config.router.models] == [("tiny-llama", "inference", ("default",))]
+    assert configs["collapsed-unbatched"].inference.max_batch == 1
 
 
 def test_a_one_client_cell_is_cut_into_short_rounds_unless_rounds_are_given() -> None:

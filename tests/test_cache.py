@@ -33,7 +33,7 @@ class FakeClock:
 
 def make(max_entries: int = 8, ttl_s: float = 60.0, **kwargs) -> tuple[CacheService, FakeClock]:
     clock = FakeClock()
-    config = CacheConfig.from_dict({"max_entries": max_entries, "ttl_s": ttl_s})
+    config = CacheConfig.parse({"max_entries": max_entries, "ttl_s": ttl_s})
     return CacheService(config, DeviceContext(), clock=clock, **kwargs), clock
 
 
@@ -67,7 +67,7 @@ def stats(service: CacheService) -> tuple[int, int, int, int]:
 
 def test_default_config_parses() -> None:
     config_path = Path(__file__).resolve().parents[1] / "runtime" / "default_config.yaml"
-    config = CacheConfig.from_dict(yaml.safe_load(config_path.read_text())["cache"])
+    config = CacheConfig.parse(yaml.safe_load(config_path.read_text())["cache"])
     assert (config.max_entries, config.ttl_s) == (4096, 300.0)
 
 
@@ -83,7 +83,7 @@ def test_default_config_parses() -> None:
 )
 def test_bad_config_raises_config_error_naming_the_field(section: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        CacheConfig.from_dict(section)
+        CacheConfig.parse(section)
 
 
 # -- hits and misses -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from runtime.server import start_server
 from services.common import ConfigError
 from services.registry import GATEWAY
+from services.router.config import RouterConfig
 from spine.cli import main
 from spine.client.gateway_client import GatewayClient
 from spine.client.overload_client import Backoff, Fallback, LoadAwareClient, router_models
@@ -188,11 +189,11 @@ def test_an_overloaded_attempt_can_switch_to_the_fallback_within_one_request(scr
 
 
 def test_a_fallback_alias_the_router_does_not_know_is_refused_at_config_load() -> None:
-    config = {"router": {"models": [{"id": "tiny-lm", "aliases": ["default", "tiny"]}]}}
-    assert router_models(config) == ["tiny-lm", "default", "tiny"]
-    Fallback("tiny").validate(router_models(config))
+    router = RouterConfig.parse({"models": [{"id": "tiny-lm", "backend": "inference", "aliases": ["default", "tiny"]}]})
+    assert router_models(router) == ["tiny-lm", "default", "tiny"]
+    Fallback("tiny").validate(router_models(router))
     with pytest.raises(ConfigError, match="'nano' is not a model or alias the router knows"):
-        Fallback("nano").validate(router_models(config))
+        Fallback("nano").validate(router_models(router))
 
 
 def test_a_fallback_alias_missing_on_the_server_is_a_clear_error_at_request_time(scripted: tuple) -> None:

@@ -23,7 +23,7 @@ ROOMY = {"requests_per_second": 1000, "burst": 1000, "tokens_per_minute": 1e9, "
 
 def make(tenants: dict[str, Any] | None = None, **section: Any) -> tuple[RateLimitService, FakeClock]:
     clock = FakeClock()
-    config = RateLimitConfig.from_dict({"default": ROOMY, "tenants": tenants or {"free": {"max_concurrent_requests": 2}},
+    config = RateLimitConfig.parse({"default": ROOMY, "tenants": tenants or {"free": {"max_concurrent_requests": 2}},
                                         **section})
     return RateLimitService(config, DeviceContext(), clock=clock), clock
 
@@ -48,11 +48,11 @@ def release(service: RateLimitService, *leases: int) -> list[bool]:
 
 
 def test_max_concurrent_requests_is_inherited_from_the_default_and_null_means_unlimited() -> None:
-    config = RateLimitConfig.from_dict({"default": {"max_concurrent_requests": 8},
+    config = RateLimitConfig.parse({"default": {"max_concurrent_requests": 8},
                                         "tenants": {"free": {"max_concurrent_requests": 2}, "pro": {"burst": 50},
                                                     "internal": {"max_concurrent_requests": None}}})
     assert [config.limits_for(t).max_concurrent_requests for t in ("free", "pro", "internal", "anyone")] == [2, 8, None, 8]
-    assert RateLimitConfig.from_dict(None).default.max_concurrent_requests is None
+    assert RateLimitConfig.parse(None).default.max_concurrent_requests is None
 
 
 @pytest.mark.parametrize(("section", "path"), [
@@ -62,7 +62,7 @@ def test_max_concurrent_requests_is_inherited_from_the_default_and_null_means_un
 ])
 def test_a_bad_concurrency_setting_is_refused_naming_the_field(section: dict[str, Any], path: str) -> None:
     with pytest.raises(ConfigError, match=path.replace(".", r"\.")):
-        RateLimitConfig.from_dict(section)
+        RateLimitConfig.parse(section)
 
 
 # -- leases --------------------------------------------------------------------------------

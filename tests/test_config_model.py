@@ -9,20 +9,17 @@ from typing import Any, get_args
 
 import pytest
 import torch
+import yaml
+from pydantic import ValidationError
 
 from monolith.device import DeviceContext
 from monolith.device_config import DeviceConfig
-from runtime.config_file import SECTIONS, load_config, placements_for
-from runtime.config_model import SpineConfig, check_config
+from runtime.config_file import DEFAULT_CONFIG_PATH, SECTIONS, load_config, placements_for
+from runtime.config_model import SpineConfig
 from runtime.decisions import Decision
-from runtime.sections import DecisionField, ShadowConfig, TracingConfig
-from runtime.stack import Stack
-from services.cache.service import CacheConfig
-from services.common import ConfigError, section
+from runtime.sections import DecisionField
+from services.common import ConfigError
 from services.common.config_section import ConfigProblems
-from services.inference.config import InferenceConfig
-from services.metrics.service import MetricsConfig
-from services.ratelimit.service import RateLimitConfig
 from services.registry import COMPONENTS
 from spine import cli
 
@@ -106,25 +103,38 @@ def test_a_secret_is_never_quoted_back(tmp_path: Path) -> None:
 
 def test_defaults_are_unchanged() -> None:
     config = load_config()
-    assert config["listen"] == "127.0.0.1:50051"
-    assert (config["cache"]["max_entries"], config["cache"]["ttl_s"]) == (4096, 300)
-    assert config["inference"]["health_interval_s"] == 1.0 and config["inference"]["max_batch"] == 16
-    # The documented default file and the models' own defaults agree, section by section.
-    # ... but for the second model the default file serves beside the first (a fallback).
-    inference = InferenceConfig.from_dict(section(config, "inference"))
-    assert inference.model_copy(update={"models": ()}) == InferenceConfig()
+    assert isinstance(config, SpineConfig) and config.written() == {}
+    assert config.listen == "127.0.0.1:50051"
+    assert (config.cache.max_entries, config.cache.ttl_s) == (4096, 300)
+    assert config.inference.health_interval_s == 1.0 and config.inference.max_batch == 16
+    # The model serves its smaller fallback beside it, unless a config says otherwise.
+    inference = config.inference
     assert [(m.model_id, m.max_batch) for m in inference.models] == [("tiny-lm-mini", 8)]
-    assert CacheConfig.from_dict(section(config, "cache")) == CacheConfig()
-    assert MetricsConfig.from_dict(section(config, "metrics")) == MetricsConfig()
-    assert RateLimitConfig.from_dict(section(config, "ratelimit")) == RateLimitConfig()
-    assert TracingConfig.from_config(config) == TracingConfig()
-    assert ShadowConfig.from_config(config) == ShadowConfig()
-    assert DeviceConfig.from_config(config) == DeviceConfig()
-    model = check_config(config)
-    assert model.router.models[0].id == "tiny-lm" and model.auth.jwt is not None
+    assert config.router.models[0].id == "tiny-lm" and config.auth.jwt is not None
     assert placements_for("mixed", config) == {"auth": "remote", "ratelimit": "remote", "router": "local",
                                                 "cache": "local", "metrics": "local", "logs": "local",
                                                 "inference": "local"}
+
+
+def test_the_documented_default_file_spells_out_the_models_own_defaults() -> None:
+    """One place for the defaults (the models); `runtime/default_config.yaml` documents them, and
+    reading it changes nothing."""
+    documented = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    defaults = SpineConfig().model_dump()
+    assert load_config(DEFAULT_CONFIG_PATH).model_dump() == defaults
+    assert SpineConfig.read(documented).model_dump() == defaults
+
+
+def test_a_config_is_immutable_and_derived_from_what_was_written() -> None:
+    config = load_config(overrides={"inference": {"max_queue": 10}})
+    with pytest.raises(ValidationError):
+        config.listen = "elsewhere:1"  # type: ignore[misc]
+    derived = config.with_overrides({"inference": {"deterministic": True}})
+    assert derived.inference.deterministic and derived.inference.models[0].deterministic  # still inherited
+    assert derived.inference.max_queue == derived.inference.models[0].max_queue == 10
+    assert config.inference.deterministic is False  # the first is unchanged
+    assert SpineConfig.read(yaml.safe_load(derived.to_yaml())).model_dump() == derived.model_dump()
+    assert derived.limits.max_inference_timeout_ms == derived.inference.max_timeout_ms
 
 
 def test_the_root_model_names_every_section_and_component() -> None:
@@ -138,13 +148,13 @@ def test_the_root_model_names_every_section_and_component() -> None:
 
 def test_the_device_budget_comes_from_the_config() -> None:
     cpu = torch.device("cpu")
-    assert DeviceContext.from_config(load_config()).budget_bytes == 256 << 20 or torch.cuda.is_available()
+    assert DeviceContext.for_section(load_config().device).budget_bytes == 256 << 20 or torch.cuda.is_available()
     from monolith.device import budget_bytes
 
     assert budget_bytes(cpu, DeviceConfig()) == 256 << 20
-    assert budget_bytes(cpu, DeviceConfig.from_config({"device": {"memory_budget_mib": 64}})) == 64 << 20
+    assert budget_bytes(cpu, DeviceConfig.parse({"memory_budget_mib": 64}, "device")) == 64 << 20
     with pytest.raises(ConfigError, match=r"device\.memory_budget_mib: expected 'auto' or an integer >= 1"):
-        DeviceConfig.from_config({"device": {"memory_budget_mib": 0}})
+        DeviceConfig.parse({"memory_budget_mib": 0}, "device")
 
 
 def test_config_schema_prints_the_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,11 +192,8 @@ def test_up_with_a_bad_config_exits_2_before_any_child_starts(
 
 
 def test_a_stack_refuses_a_bad_config_before_creating_anything(tmp_path: Path) -> None:
-    config = {**load_config(), "split": {"share": 0.5}}
-    stack = Stack(config, placements_for("layered", config), run_dir=tmp_path / "run")
     with pytest.raises(ConfigProblems, match="split: unknown section"):
-        stack.start()
-    assert stack.supervisor is None and not (tmp_path / "run").exists()
+        load_config(overrides={"split": {"share": 0.5}})  # a Stack takes only a config that was read
 
 
 def test_up_on_a_listen_address_off_loopback_exits_2_in_one_line_before_any_child_starts(

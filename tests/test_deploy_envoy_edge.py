@@ -85,7 +85,7 @@ def test_both_filters_ask_the_spines_envoy_apis_and_fail_closed(decisions: boots
     assert authz.grpc_service.envoy_grpc.cluster_name == limit.rate_limit_service.grpc_service.envoy_grpc.cluster_name
     assert not authz.failure_mode_allow and limit.failure_mode_deny
     assert limit.rate_limited_as_resource_exhausted  # RESOURCE_EXHAUSTED, what the Gateway answers
-    assert limit.domain == load_config()["ratelimit"]["domain"]
+    assert limit.domain == load_config().ratelimit.domain
     clusters = {c.name: c for c in decisions.static_resources.clusters}
     spine = clusters[authz.grpc_service.envoy_grpc.cluster_name]
     options = http_protocol_options_pb2.HttpProtocolOptions()

@@ -14,7 +14,6 @@ from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from migration.runner import parse_args as runner_args
 from runtime.config_file import load_config
 from runtime.process import build_parser as process_parser
-from runtime.sections import TlsConfig
 from spine.cli import build_parser as cli_parser
 from tests.test_deploy_configs import ENVOY_FILES, by_kind, load_bootstrap
 
@@ -84,7 +83,7 @@ def test_every_pod_serves_tls_with_a_certificate_for_its_services_and_probes_a_p
 @pytest.mark.parametrize("config_map", ["spine-layered-config", "spine-collapsed-config"])
 def test_every_config_has_tls_from_the_mounted_secret_with_client_certificates_required(config_map: str) -> None:
     config = load_config(overrides=yaml.safe_load(by_kind("ConfigMap")[config_map]["data"]["config.yaml"]))
-    tls = TlsConfig.from_config(config)
+    tls = config.tls
     assert tls is not None and tls.client_ca_file == f"{MOUNT}/ca.crt"
     assert (tls.cert_file, tls.key_file) == (f"{MOUNT}/tls.crt", f"{MOUNT}/tls.key")
 

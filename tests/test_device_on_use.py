@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from monolith.device_on_use import DeviceOnFirstUse
 from runtime.launch import launch, serving_on
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_context_is_made_once_on_first_use_and_only_then() -> None:
-    device = DeviceOnFirstUse(config_for_tests())
+    device = DeviceOnFirstUse(config_for_tests().device)
     assert not device.made and device.usage() == {}  # reading usage makes nothing
     made: list[object] = []
     barrier = threading.Barrier(8)
@@ -54,7 +53,7 @@ def test_the_context_is_made_once_on_first_use_and_only_then() -> None:
 def test_a_component_process_imports_torch_only_when_it_keeps_tensors(component: str, needs_torch: bool,
                                                                      tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(config_for_tests()))
+    config.write_text(config_for_tests().to_yaml())
     process = launch(component, [sys.executable, "-m", "runtime.process", component, "--listen",
                                  f"unix:{tmp_path / component}.sock", "--config", str(config), "--run-dir", str(tmp_path)],
                      log_path=tmp_path / f"{component}.log")
@@ -73,8 +72,9 @@ def test_torch_imported_after_configure_threads_gets_its_thread_count() -> None:
         from monolith.runtime_env import configure_threads
         configure_threads()
         assert "torch" not in sys.modules
+        from monolith.device_config import DeviceConfig
         from monolith.device_on_use import DeviceOnFirstUse
-        device = DeviceOnFirstUse({})
+        device = DeviceOnFirstUse(DeviceConfig())
         device.make_now()
         import torch
         print(json.dumps({"threads": torch.get_num_threads()}))

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 
 from runtime.config_file import load_config, placements_for
-from runtime.config_model import check_config
-from runtime.foreign import foreign_endpoints
 from tests.test_config_model import problems, write
 
 LEGACY = """placements:
@@ -22,7 +20,7 @@ LEGACY = """placements:
 def test_a_foreign_placement_is_remote_at_that_endpoint_in_its_protocol(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, LEGACY))
     assert placements_for("mixed", config)["auth"] == placements_for("mixed", config)["ratelimit"] == "remote"
-    endpoints = foreign_endpoints(check_config(config))
+    endpoints = config.placements.foreign()
     assert {name: (e.remote, e.protocol) for name, e in endpoints.items()} == {
         "auth": ("authz.legacy:9001", "envoy-ext-authz"), "ratelimit": ("ratelimit.legacy:8081", "envoy-rls")}
     assert endpoints["auth"].options() == {"remote": "authz.legacy:9001", "protocol": "envoy-ext-authz",
@@ -31,7 +29,7 @@ def test_a_foreign_placement_is_remote_at_that_endpoint_in_its_protocol(tmp_path
 
 
 def test_plain_placements_name_no_foreign_endpoint() -> None:
-    assert foreign_endpoints(check_config(load_config())) == {}
+    assert load_config().placements.foreign() == {}
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -189,7 +189,7 @@ def test_the_gateway_health_follows_placements(layered: Stack, spine: Stack) -> 
 
 def test_the_ab_tool_sends_nothing_to_a_layout_that_is_not_serving(layered: Stack, spine: Stack) -> None:
     entries = synthetic(SyntheticSpec(count=6, rate=50.0, unauthenticated_share=0.0, invalid_share=0.0),
-                        tenant_keys(config_for_tests()))
+                        tenant_keys(config_for_tests().auth))
     runs = [LayoutRun("layered", layered.address), LayoutRun("spine", spine.address)]
     watch = HealthWatch({run.name: str(run.address) for run in runs}, what="layout").start()
     try:

@@ -28,7 +28,7 @@ from migration.plan import GateSpec, PlanError, load_plan
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
-from runtime.config_file import merge, placements_for
+from runtime.config_file import placements_for
 from runtime.faults import FaultHook, WrongAnswers
 from runtime.shadow_metrics import COMPARED, MISMATCHED
 from runtime.stack import Stack
@@ -72,10 +72,10 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sides]:
     spine: Stack | None = None
     try:
         layered.start()
-        config = merge(base, {"shadow": {"share": 1.0, "calibration_share": 0.0,
-                                         "layered_address": layered.address}})
+        config = base.with_overrides({"shadow": {"share": 1.0, "calibration_share": 0.0,
+                                                 "layered_address": layered.address}})
         fault = FaultHook()
-        device = DeviceContext.from_config(config)
+        device = DeviceContext.for_section(config.device)
         model = WrongAnswers(DEFAULT["inference"].build(config, device, tmp), fault)
         spine = Stack(config, placements_for("collapsed", config), run_dir=tmp / "spine", device=device,
                       servicers={"inference": model})

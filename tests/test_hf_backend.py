@@ -190,7 +190,7 @@ def test_the_kv_pool_is_charged_to_the_device_budget_and_every_slot_comes_back(
 
 def test_auto_kv_slots_are_sized_from_the_models_layers_heads_and_context(model_dirs: dict[str, Path]) -> None:
     per_slot = 2 * 2 * 2 * 16 * 64 * 4  # layers × (k, v) × kv heads × head dim × context × float32
-    config = InferenceConfig.from_dict({"model_id": "tiny-llama", "max_batch": 64, "kv_memory_fraction": 1.0,
+    config = InferenceConfig.parse({"model_id": "tiny-llama", "max_batch": 64, "kv_memory_fraction": 1.0,
                                         "backend": {"class": "hf", "options": {"path": str(model_dirs["llama"]),
                                                                                "max_context": 64}}})
     budget = 4 << 20
@@ -207,7 +207,7 @@ def test_auto_kv_slots_are_sized_from_the_models_layers_heads_and_context(model_
 def _service(path: Path, **config: Any) -> InferenceService:
     section = {"model_id": "tiny-llama", "max_batch": 4, "backend": {"class": "hf", "options": {"path": str(path)}},
                **config}
-    return InferenceService(InferenceConfig.from_dict(section), DeviceContext(device=CPU))
+    return InferenceService(InferenceConfig.parse(section), DeviceContext(device=CPU))
 
 
 def _generate(service: InferenceService, prompt: str, max_tokens: int, **fields: Any) -> Any:

@@ -237,7 +237,7 @@ def test_the_shared_part_is_what_the_system_prompt_alone_decides(backend: HFBack
 def _service(path: Path, **config: Any) -> InferenceService:
     section = {"model_id": "tiny-llama", "max_batch": 4, "deterministic": True,
                "backend": {"class": "hf", "options": {"path": str(path)}}, **config}
-    return InferenceService(InferenceConfig.from_dict(section), DeviceContext(device=CPU))
+    return InferenceService(InferenceConfig.parse(section), DeviceContext(device=CPU))
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

@@ -93,4 +93,4 @@ def test_asking_for_more_slots_than_memory_allows_names_the_bound() -> None:
 ])
 def test_bad_inference_config_is_refused_naming_the_field(cfg: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
-        InferenceConfig.from_dict(cfg)
+        InferenceConfig.parse(cfg)

@@ -24,7 +24,7 @@ class RecordingDevice(DeviceContext):
 
 def test_each_step_runs_on_the_stream_of_the_highest_class_in_the_batch() -> None:
     device = RecordingDevice()
-    service = InferenceService(InferenceConfig.from_dict({"max_batch": 4}), device)
+    service = InferenceService(InferenceConfig.parse({"max_batch": 4}), device)
     try:
         device.asked.clear()
         service.Generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt="alone", max_tokens=4,

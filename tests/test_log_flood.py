@@ -135,8 +135,9 @@ def broken_http() -> Iterator[str]:
     from runtime.http.server import start_http
     from tests.conftest import config_for_tests
 
-    server, app = start_http(_BrokenGateway(), config_for_tests(), "127.0.0.1:0", layout=lambda: "collapsed",
-                             serving=lambda: True)
+    config = config_for_tests()
+    server, app = start_http(_BrokenGateway(), config.http, config.router, config.limits, 8, "127.0.0.1:0",
+                             layout=lambda: "collapsed", serving=lambda: True)
     yield server.address
     server.stop(2.0)
     app.close()

@@ -54,7 +54,7 @@ def append(service: LogsService, records: list[logs_pb2.LogRecord]) -> None:
 def config(tmp_path: Path, **kw: Any) -> LogsConfig:
     cfg: dict[str, Any] = {"path": "logs/requests.jsonl", "batch_lines": 64, "flush_interval_s": 3600.0}
     cfg.update(kw)
-    return LogsConfig.from_dict(cfg, tmp_path)
+    return LogsConfig.parse(cfg, "logs")
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -71,7 +71,7 @@ def wait_for_lines(path: Path, n: int, timeout_s: float = 10.0) -> list[dict[str
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[LogsService]:
-    svc = LogsService(config(tmp_path), clock=lambda: 1700000000.25)
+    svc = LogsService(config(tmp_path), run_dir=tmp_path, clock=lambda: 1700000000.25)
     yield svc
     svc.close()
 
@@ -81,7 +81,7 @@ def test_each_request_is_one_json_line_with_the_agreed_fields(service: LogsServi
         [rec(1, cached=True, shadow=True, status="UNAVAILABLE", fields={"route": "tiny-lm"})]
     )
     assert service.flush() == 1
-    (line,) = read_lines(service.config.path)
+    (line,) = read_lines(service.path)
     assert line == {
         "ts": 1700000000.25,
         "request_id": "r1",
@@ -97,47 +97,47 @@ def test_each_request_is_one_json_line_with_the_agreed_fields(service: LogsServi
 
 
 def test_path_is_relative_to_the_run_dir_and_config_errors_name_the_field(tmp_path: Path) -> None:
-    assert config(tmp_path).path == tmp_path / "logs" / "requests.jsonl"
-    assert LogsConfig.from_dict({"path": "/var/log/x.jsonl"}, tmp_path).path == Path("/var/log/x.jsonl")
+    assert config(tmp_path).path_in(tmp_path) == tmp_path / "logs" / "requests.jsonl"
+    assert LogsConfig.parse({"path": "/var/log/x.jsonl"}).path_in(tmp_path) == Path("/var/log/x.jsonl")
     with pytest.raises(ConfigError, match=r"logs\.batch_lines: Input should be greater than or equal to 1, got 0"):
-        LogsConfig.from_dict({"batch_lines": 0}, tmp_path)
+        LogsConfig.parse({"batch_lines": 0}, "logs")
     with pytest.raises(ConfigError, match=r"logs\.ring_capacity: must be >= logs\.batch_lines \(64\), got 8"):
-        LogsConfig.from_dict({"ring_capacity": 8}, tmp_path)
+        LogsConfig.parse({"ring_capacity": 8}, "logs")
     with pytest.raises(ConfigError, match=r"logs\.flush_interval_s: Input should be greater than 0"):
-        LogsConfig.from_dict({"flush_interval_s": 0}, tmp_path)
+        LogsConfig.parse({"flush_interval_s": 0}, "logs")
     with pytest.raises(ConfigError, match=r"logs\.bach_lines: unknown key; known: path, batch_lines"):
-        LogsConfig.from_dict({"bach_lines": 3}, tmp_path)
+        LogsConfig.parse({"bach_lines": 3}, "logs")
 
 
 def test_a_full_batch_is_flushed_in_one_write(tmp_path: Path) -> None:
-    svc = LogsService(config(tmp_path, batch_lines=5))
+    svc = LogsService(config(tmp_path, batch_lines=5), run_dir=tmp_path)
     try:
         append(svc, [rec(i) for i in range(4)])
         append(svc, [rec(4)])
-        lines = wait_for_lines(svc.config.path, 5)
+        lines = wait_for_lines(svc.path, 5)
         assert [line["request_id"] for line in lines] == [f"r{i}" for i in range(5)]
         assert svc.flush() == 5  # nothing pending: waits for the batch's write, writes nothing
         assert svc.writes == 1
         append(svc, [rec(5)])  # below batch_lines, and the interval is an hour away
         time.sleep(0.1)
-        assert len(read_lines(svc.config.path)) == 5
+        assert len(read_lines(svc.path)) == 5
         assert svc.pending == 1
     finally:
         svc.close()
 
 
 def test_a_partial_batch_is_flushed_when_the_interval_passes(tmp_path: Path) -> None:
-    svc = LogsService(config(tmp_path, batch_lines=1000, ring_capacity=1000, flush_interval_s=0.02))
+    svc = LogsService(config(tmp_path, batch_lines=1000, ring_capacity=1000, flush_interval_s=0.02), run_dir=tmp_path)
     try:
         append(svc, [rec(i) for i in range(3)])
-        assert len(wait_for_lines(svc.config.path, 3)) == 3
+        assert len(wait_for_lines(svc.path, 3)) == 3
         assert svc.pending == 0
     finally:
         svc.close()
 
 
 def test_close_writes_every_line_accepted_from_many_threads(tmp_path: Path) -> None:
-    svc = LogsService(config(tmp_path, batch_lines=128, ring_capacity=512, flush_interval_s=0.05))
+    svc = LogsService(config(tmp_path, batch_lines=128, ring_capacity=512, flush_interval_s=0.05), run_dir=tmp_path)
     threads, per_thread = 8, 1250
 
     def worker(t: int) -> None:
@@ -151,7 +151,7 @@ def test_close_writes_every_line_accepted_from_many_threads(tmp_path: Path) -> N
         w.join()
     svc.close()
     svc.close()  # idempotent
-    lines = read_lines(svc.config.path)
+    lines = read_lines(svc.path)
     assert len(lines) == threads * per_thread == 10_000
     assert sorted(int(line["request_id"][1:]) for line in lines) == list(range(10_000))
     assert svc.flush() == 10_000
@@ -160,12 +160,12 @@ def test_close_writes_every_line_accepted_from_many_threads(tmp_path: Path) -> N
 def test_a_full_ring_blocks_then_flushes_without_dropping(tmp_path: Path) -> None:
     # A ring of 4 and batches of 10 and 7: every append meets a full ring at least once and
     # must wait for the flusher or flush in its own thread.
-    svc = LogsService(config(tmp_path, batch_lines=4, ring_capacity=4, full_wait_s=0.001))
+    svc = LogsService(config(tmp_path, batch_lines=4, ring_capacity=4, full_wait_s=0.001), run_dir=tmp_path)
     try:
         append(svc, [rec(i) for i in range(10)])  # more than the ring holds at once
         append(svc, [rec(10 + i) for i in range(7)])
         assert svc.flush() == 17
-        assert [line["request_id"] for line in read_lines(svc.config.path)] == [f"r{i}" for i in range(17)]
+        assert [line["request_id"] for line in read_lines(svc.path)] == [f"r{i}" for i in range(17)]
     finally:
         svc.close()
 
@@ -173,7 +173,7 @@ def test_a_full_ring_blocks_then_flushes_without_dropping(tmp_path: Path) -> Non
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full to fail writes")
 def test_a_failing_disk_pushes_back_instead_of_losing_or_hoarding_lines(tmp_path: Path) -> None:
     svc = LogsService(
-        LogsConfig.from_dict(
+        LogsConfig.parse(
             {
                 "path": "/dev/full",
                 "batch_lines": 4,
@@ -181,8 +181,8 @@ def test_a_failing_disk_pushes_back_instead_of_losing_or_hoarding_lines(tmp_path
                 "flush_interval_s": 3600.0,
                 "full_wait_s": 0.001,
             },
-            tmp_path,
-        )
+        ),
+        run_dir=tmp_path,
     )
     try:
         append(svc, [rec(i) for i in range(4)])
@@ -204,7 +204,7 @@ def test_lines_stay_in_order_of_acceptance(service: LogsService) -> None:
     for i in range(0, 300, 3):
         append(service, [rec(i), rec(i + 1), rec(i + 2)])
     service.close()
-    assert [line["request_id"] for line in read_lines(service.config.path)] == [f"r{i}" for i in range(300)]
+    assert [line["request_id"] for line in read_lines(service.path)] == [f"r{i}" for i in range(300)]
 
 
 def test_secrets_in_fields_or_jwt_values_never_reach_the_file(service: LogsService) -> None:
@@ -225,10 +225,10 @@ def test_secrets_in_fields_or_jwt_values_never_reach_the_file(service: LogsServi
         ]
     )
     service.close()
-    raw = service.config.path.read_text()
+    raw = service.path.read_text()
     for secret in ("dXNlcjpwYXNz", "sk-live-123456", "opaque-refresh", "eyJ", "abc.def", "SflKxwRJ"):
         assert secret not in raw
-    (line,) = read_lines(service.config.path)
+    (line,) = read_lines(service.path)
     assert line["request_id"] == REDACTED
     assert line["fields"]["x-api-key"] == REDACTED
     assert line["fields"]["note"] == f"client sent {REDACTED} and {REDACTED}"
@@ -257,17 +257,17 @@ def test_a_bad_record_is_refused_alone_and_the_rest_of_its_batch_is_written(serv
     with pytest.raises(ValueError, match=r"above logs\.max_line_bytes=65536"):
         append(service, [rec(2, fields={"big": "x" * 70_000})])
     assert service.flush() == 1
-    assert [line["request_id"] for line in read_lines(service.config.path)] == ["r0"]
+    assert [line["request_id"] for line in read_lines(service.path)] == ["r0"]
 
 
 def test_append_after_close_is_refused_and_line_count_survives_restart(tmp_path: Path) -> None:
-    svc = LogsService(config(tmp_path))
+    svc = LogsService(config(tmp_path), run_dir=tmp_path)
     append(svc, [rec(0), rec(1)])
     svc.close()
     with pytest.raises(StatusError, match="shutting down") as refused:
         append(svc, [rec(2)])
     assert isinstance(refused.value.__cause__, LogsClosedError)
-    again = LogsService(config(tmp_path))
+    again = LogsService(config(tmp_path), run_dir=tmp_path)
     try:
         append(again, [rec(2)])
         assert again.flush() == 3
@@ -305,7 +305,7 @@ def test_grpc_round_trip_on_a_unix_socket(service: LogsService) -> None:
                 assert stub.Flush(logs_pb2.FlushRequest(), timeout=10).lines_written == 2
         finally:
             server.stop(grace=None)
-    lines = read_lines(service.config.path)
+    lines = read_lines(service.path)
     assert [line["request_id"] for line in lines] == ["r1", "r2"]
     assert lines[0]["fields"] == {"password": REDACTED}
 
@@ -354,7 +354,7 @@ def test_a_line_is_byte_for_byte_what_json_dumps_makes_of_the_record(tmp_path: P
     clocks = st.one_of(st.floats(min_value=0, max_value=4e9, allow_nan=False), st.integers(0, 4_000_000_000))
 
     now_is = [0.0]
-    service = LogsService(config(tmp_path, max_line_bytes=1 << 20), clock=lambda: now_is[0])
+    service = LogsService(config(tmp_path, max_line_bytes=1 << 20), run_dir=tmp_path, clock=lambda: now_is[0])
 
     @settings(max_examples=300, deadline=None)
     @given(texts, texts, texts, texts, texts, st.floats(min_value=0, max_value=1e12, allow_nan=False,

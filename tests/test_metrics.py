@@ -252,16 +252,16 @@ def test_series_past_the_device_budget_are_refused_without_corrupting_the_table(
 
 
 def test_config_from_dict_validates_fields() -> None:
-    cfg = MetricsConfig.from_dict({"http_listen": "127.0.0.1:9464", "buckets": [0.1, 1]})
+    cfg = MetricsConfig.parse({"http_listen": "127.0.0.1:9464", "buckets": [0.1, 1]})
     assert cfg.buckets == (0.1, 1.0)
-    assert MetricsConfig.from_dict(None) == MetricsConfig()
+    assert MetricsConfig.parse(None) == MetricsConfig()
     with pytest.raises(ConfigError, match=r"metrics\.buckets\[1\]"):
-        MetricsConfig.from_dict({"buckets": [1.0, 0.5]})
+        MetricsConfig.parse({"buckets": [1.0, 0.5]})
     with pytest.raises(ConfigError, match=r"metrics\.http_listen: '0\.0\.0\.0:9464' is not a loopback"):
-        MetricsConfig.from_dict({"http_listen": "0.0.0.0:9464"})
-    assert MetricsConfig.from_dict({"http_listen": "0.0.0.0:9464", "allow_external": True}).allow_external
+        MetricsConfig.parse({"http_listen": "0.0.0.0:9464"})
+    assert MetricsConfig.parse({"http_listen": "0.0.0.0:9464", "allow_external": True}).allow_external
     with pytest.raises(ConfigError, match=r"metrics\.http_listn: unknown key; known: http_listen"):
-        MetricsConfig.from_dict({"http_listn": "127.0.0.1:1"})
+        MetricsConfig.parse({"http_listn": "127.0.0.1:1"})
 
 
 def test_grpc_round_trip_on_a_unix_socket(metrics: MetricsService) -> None:

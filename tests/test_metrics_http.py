@@ -12,6 +12,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
+from runtime.config_file import load_config
 from runtime.metrics_endpoint import start_metrics_endpoint
 from services.common.prometheus_http import PrometheusHTTPServer
 from services.metrics.service import DEFAULT_BUCKETS, MetricsConfig, MetricsService
@@ -148,7 +149,7 @@ def test_a_failing_scrape_answers_500_and_the_endpoint_keeps_serving(metrics: Me
 
 def test_the_endpoint_writes_its_address_to_the_run_dir(metrics: MetricsService, tmp_path: Any) -> None:
     record(metrics, [rec(latency_s=0.01)])
-    endpoint = start_metrics_endpoint(metrics, {"metrics": {"http_listen": "127.0.0.1:0"}}, tmp_path)
+    endpoint = start_metrics_endpoint(metrics, load_config(), tmp_path)
     try:
         address = (tmp_path / "metrics.addr").read_text()
         assert address == endpoint.address and address.startswith("127.0.0.1:")

@@ -45,9 +45,9 @@ def ask(model: str = "tiny-lm", prompt: str = "hello", max_tokens: int = 4) -> g
 
 def test_the_default_config_serves_two_models_and_names_the_fallback() -> None:
     config = load_config()
-    assert [m["id"] for m in config["router"]["models"]] == ["tiny-lm", "tiny-lm-mini"]
-    assert config["router"]["models"][0]["fallback"] == "tiny-lm-mini"
-    assert [m["model_id"] for m in config["inference"]["models"]] == ["tiny-lm-mini"]
+    assert [m.id for m in config.router.models] == ["tiny-lm", "tiny-lm-mini"]
+    assert config.router.models[0].fallback == "tiny-lm-mini"
+    assert [m.model_id for m in config.inference.models] == ["tiny-lm-mini"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -87,7 +87,7 @@ def test_a_bad_regular_expression_is_refused_with_its_path() -> None:
 
 
 def test_the_default_config_has_no_policy() -> None:
-    assert OutputPolicy.from_config(load_config()) is None
+    assert OutputPolicy.of(load_config().output_policy) is None
 
 
 def test_a_streams_classifier_sees_the_windows_token_ids() -> None:

@@ -18,7 +18,6 @@ from services.cache.config import CacheConfig
 from services.cache.pregenerated import PregeneratedTable, TableError, served_digests, table_key, write_table
 from services.cache.pregenerated_answers import PregeneratedAnswers
 from services.cache.service import CacheService
-from services.common import section
 from services.inference.config import InferenceConfig
 from spine.tools.cache_build import PromptLine, answer_prompts
 from tests.conftest import config_for_tests
@@ -28,7 +27,7 @@ from wire.v1 import generation_pb2
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 CONFIG = config_for_tests()
-DIGESTS = served_digests(InferenceConfig.from_dict(section(CONFIG, "inference")))
+DIGESTS = served_digests(CONFIG.inference)
 
 
 def answer(text: str, tokens: list[int]) -> generation_pb2.GenerateResponse:
@@ -140,7 +139,7 @@ def test_a_bad_replacement_keeps_the_table_it_had(tmp_path: Path, caplog: pytest
 def test_the_cache_answers_from_the_table_before_its_own_index_and_counts_it(tmp_path: Path) -> None:
     from monolith.device import DeviceContext
 
-    device = DeviceContext.from_config(CONFIG)
+    device = DeviceContext.for_section(CONFIG.device)
     service = CacheService(CacheConfig(), device, pregenerated=PregeneratedAnswers(small_table(tmp_path / "t.bin"),
                                                                                    DIGESTS))
     probes = service.lookup_items([("dev", greedy("p2")), ("other", greedy("p2")), ("dev", greedy("unknown"))])
@@ -157,12 +156,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]
     """The table's builder (deterministic mode, as `spine cache build`) and a server's model
     (the test config as a server runs it)."""
     from monolith.device import DeviceContext
-    from runtime.config_file import merge
-    from services.inference.models import build
+    from services.registry import DEFAULT
 
     tmp = tmp_path_factory.mktemp("models")
-    builder = build(merge(CONFIG, {"inference": {"deterministic": True}}), DeviceContext.from_config(CONFIG), tmp)
-    server = build(CONFIG, DeviceContext.from_config(CONFIG), tmp)
+    deterministic = CONFIG.with_overrides({"inference": {"deterministic": True}})
+    builder = DEFAULT["inference"].build(deterministic, DeviceContext.for_section(CONFIG.device), tmp)
+    server = DEFAULT["inference"].build(CONFIG, DeviceContext.for_section(CONFIG.device), tmp)
     try:
         yield builder, server
     finally:
@@ -193,10 +192,10 @@ def test_the_model_digest_changes_with_the_models_seed_and_a_directorys_config_o
     from services.cache.pregenerated import model_digest
 
     def hf() -> bytes:
-        return model_digest(InferenceConfig.from_dict({"model_id": "m", "backend": {"class": "hf",
+        return model_digest(InferenceConfig.parse({"model_id": "m", "backend": {"class": "hf",
                                                                                      "options": {"path": str(tmp_path)}}}))
 
-    assert model_digest(InferenceConfig.from_dict({"seed": 1})) != model_digest(InferenceConfig.from_dict({"seed": 2}))
+    assert model_digest(InferenceConfig.parse({"seed": 1})) != model_digest(InferenceConfig.parse({"seed": 2}))
     (tmp_path / "config.json").write_text('{"hidden_size": 8}')
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
     first = hf()

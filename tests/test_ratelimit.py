@@ -40,7 +40,7 @@ def make(limits: dict | None = None, tenants: dict | None = None) -> tuple[RateL
     default = {"requests_per_second": 1, "burst": 3, "tokens_per_minute": 60, "token_burst": 100}
     default.update(limits or {})
     clock = FakeClock()
-    config = RateLimitConfig.from_dict({"domain": "spine", "default": default, "tenants": tenants or {}})
+    config = RateLimitConfig.parse({"domain": "spine", "default": default, "tenants": tenants or {}})
     return RateLimitService(config, DeviceContext(), clock=clock), clock
 
 
@@ -62,14 +62,14 @@ def status(response: pb.RateLimitResponse, name: str) -> pb.RateLimitResponse.De
 def test_default_config_parses_with_the_documented_limits() -> None:
     config_path = Path(__file__).resolve().parents[1] / "runtime" / "default_config.yaml"
     section = yaml.safe_load(config_path.read_text())["ratelimit"]
-    config = RateLimitConfig.from_dict(section)
+    config = RateLimitConfig.parse(section)
     assert config.domain == "spine"
     assert config.default.bucket("requests") == (200.0, 400.0)
     assert config.default.bucket("tokens") == (100_000.0, 1_000_000.0)
 
 
 def test_tenant_block_overrides_only_the_keys_it_names() -> None:
-    config = RateLimitConfig.from_dict(
+    config = RateLimitConfig.parse(
         {"default": {"requests_per_second": 5, "burst": 10}, "tenants": {"big": {"burst": 50}}}
     )
     assert config.limits_for("big").bucket("requests") == (5.0, 50.0)
@@ -91,7 +91,7 @@ def test_tenant_block_overrides_only_the_keys_it_names() -> None:
 )
 def test_bad_config_raises_config_error_naming_the_field(section: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        RateLimitConfig.from_dict(section)
+        RateLimitConfig.parse(section)
 
 
 # -- single decisions ------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_bad_requests_are_invalid_argument_naming_the_field(req: pb.RateLimitReq
 
 def test_table_grows_past_its_first_allocation_and_accounts_its_bytes() -> None:
     device = DeviceContext()
-    service = RateLimitService(RateLimitConfig.from_dict({}), device, clock=FakeClock())
+    service = RateLimitService(RateLimitConfig.parse({}), device, clock=FakeClock())
     service.admit_batch([request(tenant=f"t{i}") for i in range(100)])  # 200 buckets > 64 slots
     assert len(service.snapshot()) == 200
     assert device.usage()["ratelimit"] == 6 * 256 * 8
@@ -239,7 +239,7 @@ def test_table_grows_past_its_first_allocation_and_accounts_its_bytes() -> None:
 
 def test_running_out_of_device_budget_is_resource_exhausted_and_changes_nothing() -> None:
     device = DeviceContext(budget_bytes=6 * 64 * 8)  # room for the first 64 buckets only
-    service = RateLimitService(RateLimitConfig.from_dict({}), device, clock=FakeClock())
+    service = RateLimitService(RateLimitConfig.parse({}), device, clock=FakeClock())
     service.admit_batch([request(tenant=f"t{i}") for i in range(32)])
     with pytest.raises(LocalRpcError) as error:
         call(service, request(tenant="one-too-many"))

@@ -123,7 +123,7 @@ class ReferenceBuckets:
 @given(scenarios())
 def test_admit_batch_equals_deciding_one_by_one(scenario: tuple[dict, list]) -> None:
     config_dict, steps = scenario
-    config = RateLimitConfig.from_dict(config_dict)
+    config = RateLimitConfig.parse(config_dict)
     clock = FakeClock()
     batched = RateLimitService(config, DeviceContext(), clock=clock)
     sequential = RateLimitService(config, DeviceContext(), clock=clock)
@@ -182,7 +182,7 @@ def test_admit_batch_decides_and_charges_exactly_as_should_rate_limit(scenario: 
     """The pipeline's flat ask and the descriptor form: the same verdicts and the same bucket
     levels, batch after batch (the ask is the gateway's pair of descriptors)."""
     config_dict, steps = scenario
-    config = RateLimitConfig.from_dict(config_dict)
+    config = RateLimitConfig.parse(config_dict)
     clock = FakeClock()
     flat = RateLimitService(config, DeviceContext(), clock=clock)
     descriptors = RateLimitService(config, DeviceContext(), clock=clock)
@@ -213,7 +213,7 @@ def test_an_ask_round_trips_through_its_proto_and_the_gateway_sends_the_document
 
 
 def test_a_malformed_item_is_refused_alone_and_the_rest_decided() -> None:
-    service = RateLimitService(RateLimitConfig.from_dict({}), DeviceContext())
+    service = RateLimitService(RateLimitConfig.parse({}), DeviceContext())
     too_big, empty, good = admit(service, [
         pb.AdmitRequest(tenant="dev", model="tiny-lm", tokens=MAX_HITS_ADDEND + 1),
         pb.AdmitRequest(tenant="", model="tiny-lm", tokens=1),
@@ -227,7 +227,7 @@ def test_a_malformed_item_is_refused_alone_and_the_rest_decided() -> None:
 
 
 def test_a_negative_hits_addend_is_refused_before_any_bucket_changes() -> None:
-    service = RateLimitService(RateLimitConfig.from_dict({}), DeviceContext())
+    service = RateLimitService(RateLimitConfig.parse({}), DeviceContext())
     negative = RateLimitAsk("spine", ((ask_for("dev", "tiny-lm", 5).descriptors[0][0], -3),))  # would credit it
     with pytest.raises(InvalidRateLimitRequest, match=r"descriptors\[0\]\.hits_addend: must be >= 0, got -3"):
         service._decide([negative], None)

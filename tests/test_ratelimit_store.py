@@ -55,7 +55,7 @@ def replicas(redis_server: LocalRedis) -> Iterator[Any]:
     made: list[RateLimitService] = []
 
     def make(count: int, **store: Any) -> list[RateLimitService]:
-        config = RateLimitConfig.from_dict(section(redis_server.address, f"t{uuid.uuid4().hex[:8]}:", **store))
+        config = RateLimitConfig.parse(section(redis_server.address, f"t{uuid.uuid4().hex[:8]}:", **store))
         made.extend(RateLimitService(config, DeviceContext()) for _ in range(count))
         return made[-count:]
 
@@ -112,7 +112,7 @@ def test_replicas_sharing_a_store_admit_the_limit_in_total_however_traffic_is_sp
 
 def test_without_a_store_each_replica_holds_its_whole_limit(replicas: Any) -> None:
     """What the store is for: three store-less limiters admit three limits."""
-    config = RateLimitConfig.from_dict({"tenants": {"t": {"requests_per_second": RATE, "burst": BURST}}})
+    config = RateLimitConfig.parse({"tenants": {"t": {"requests_per_second": RATE, "burst": BURST}}})
     services = [RateLimitService(config, DeviceContext()) for _ in range(3)]
     assert sum(drive(services, 1.0)) > 2 * limit(1.0)
 
@@ -229,9 +229,9 @@ def test_one_replica_cut_off_over_admits_at_most_its_share(redis_server: LocalRe
     limit over, for as long as the partition lasts."""
     link = CuttableLink(redis_server.port)
     prefix = f"p{uuid.uuid4().hex[:8]}:"
-    direct = RateLimitConfig.from_dict(section(redis_server.address, prefix))
+    direct = RateLimitConfig.parse(section(redis_server.address, prefix))
     services = [RateLimitService(direct, DeviceContext()) for _ in range(2)]
-    services.append(RateLimitService(RateLimitConfig.from_dict(section(link.address, prefix)), DeviceContext()))
+    services.append(RateLimitService(RateLimitConfig.parse(section(link.address, prefix)), DeviceContext()))
     try:
         drive(services, 0.5)
         eventually(lambda: all(s.store and s.store.replicas == 3 for s in services))
@@ -256,7 +256,7 @@ from monolith.device import DeviceContext
 from services.ratelimit.service import RateLimitConfig, RateLimitService
 from services.ratelimit.admission import AdmitItem
 import json
-service = RateLimitService(RateLimitConfig.from_dict(json.loads(sys.argv[1])), DeviceContext())
+service = RateLimitService(RateLimitConfig.parse(json.loads(sys.argv[1])), DeviceContext())
 held = 0
 while held < 2:
     held += service.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted
@@ -275,7 +275,7 @@ def test_a_sigkilled_replicas_slots_come_back_after_their_ttl(redis_server: Loca
                              cwd=REPO, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == b"holding"
-        config = RateLimitConfig.from_dict(section(redis_server.address, prefix))
+        config = RateLimitConfig.parse(section(redis_server.address, prefix))
         other = RateLimitService(config, DeviceContext())
         try:
             renewed(other, 2)  # it knows the two slots are held elsewhere
@@ -318,5 +318,5 @@ def test_concurrency_slots_are_shared_by_the_replicas(replicas: Any) -> None:
 
 def test_a_renewal_slower_than_the_lease_is_refused_naming_the_field() -> None:
     with pytest.raises(ConfigError, match=r"ratelimit\.store\.renew_interval_s"):
-        RateLimitConfig.from_dict({"store": {"redis": {"address": "127.0.0.1:1"}, "lease_s": 0.5,
+        RateLimitConfig.parse({"store": {"redis": {"address": "127.0.0.1:1"}, "lease_s": 0.5,
                                              "renew_interval_s": 1.0}})

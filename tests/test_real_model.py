@@ -187,14 +187,15 @@ def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smoll
     from runtime.config_file import load_config
     from runtime.served_model import model_overrides
 
-    config = load_config(None, model_overrides(smollm2))
-    line = fit_to_model(config, host_bytes=24 << 30)
+    config, line = fit_to_model(load_config(None, model_overrides(smollm2)), host_bytes=24 << 30)
     assert line is not None and line.startswith("model fit: smollm2-135m-instruct: 256.6 MiB of weights")
-    assert config["device"]["memory_budget_mib"] > config["inference"]["kv_cpu_memory_cap_mb"] > 256
-    assert config["inference"]["health_timeout_s"] == 10.0 and line.endswith("inference.health_timeout_s 10")
+    budget = config.device.memory_budget_mib
+    assert isinstance(budget, int) and budget > config.inference.kv_cpu_memory_cap_mb > 256
+    assert config.inference.health_timeout_s == 10.0 and line.endswith("inference.health_timeout_s 10")
     given = load_config(None, {**model_overrides(smollm2), "device": {"memory_budget_mib": 4096}})
-    assert fit_to_model(given, host_bytes=24 << 30) is None and given["device"]["memory_budget_mib"] == 4096
-    assert fit_to_model(load_config(None), host_bytes=24 << 30) is None  # the built-in model: as before
+    assert fit_to_model(given, host_bytes=24 << 30) == (given, None) and given.device.memory_budget_mib == 4096
+    built_in = load_config(None)
+    assert fit_to_model(built_in, host_bytes=24 << 30) == (built_in, None)  # the built-in model: as before
 
 
 @on_cpu_only

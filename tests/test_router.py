@@ -27,7 +27,7 @@ KNOWN = "tiny-lm (aliases: default, tiny); big-lm"
 
 @pytest.fixture
 def service() -> RouterService:
-    return RouterService(RouterConfig.from_dict(SECTION))
+    return RouterService(RouterConfig.parse(SECTION))
 
 
 @pytest.fixture
@@ -88,13 +88,13 @@ def test_resolve_raises_lookup_error_for_the_batcher(service: RouterService) -> 
 
 def test_default_config_router_section_parses() -> None:
     config = yaml.safe_load(Path("runtime/default_config.yaml").read_text())
-    service = RouterService(RouterConfig.from_dict(config["router"]))
+    service = RouterService(RouterConfig.parse(config["router"]))
     assert service.resolve("default").model_id == "tiny-lm"
 
 
 def _config_error(models: Any) -> str:
     with pytest.raises(ConfigError) as info:
-        RouterConfig.from_dict({"models": models})
+        RouterConfig.parse({"models": models})
     return str(info.value)
 
 

@@ -18,13 +18,12 @@ from services.common import ConfigError
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from tests.test_serving_support import (
     Call,
-    ManualClock,
     admission_order,
-    eventually,
     generate,
     make_service,
     request,
 )
+from tests.waiting import ManualClock, eventually
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

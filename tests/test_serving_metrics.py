@@ -195,7 +195,7 @@ def test_metrics_show_the_serving_families_after_traffic(stacks: dict[str, Stack
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
     names = {family.name for family in text_string_to_metric_families(text)}
     assert set(FAMILIES) <= names, sorted(names)
-    slots = stack.config["inference"].get("kv_cache_max_entries", "auto")
+    slots = stack.config.inference.kv_cache_max_entries
     used = value(text, "spine_kv_slots", model="tiny-lm", state="used")
     free = value(text, "spine_kv_slots", model="tiny-lm", state="free")
     assert used == 0 and free >= 1 and (slots == "auto" or used + free == slots)

@@ -79,7 +79,7 @@ def make_service(model: GatedModel | None = None, clock: Any = time.monotonic,
                  **config: Any) -> tuple[InferenceService, GatedModel]:
     model = model or GatedModel()
     backend = TokenizedBackend("tiny-lm", model, ByteTokenizer())  # type: ignore[arg-type]
-    service = InferenceService(InferenceConfig.from_dict(config), DeviceContext(device=_cpu()),
+    service = InferenceService(InferenceConfig.parse(config), DeviceContext(device=_cpu()),
                                backend=backend, clock=clock)
     return service, model
 

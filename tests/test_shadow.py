@@ -119,16 +119,16 @@ def test_unseeded_sampling_is_not_compared_token_by_token() -> None:
 
 
 def test_shadow_settings_are_checked_and_name_the_field() -> None:
-    assert ShadowConfig.from_config({}) == ShadowConfig()
-    assert ShadowConfig.from_config({"shadow": {"share": 0.1, "ignore_fields": []}}).ignore_fields == ()
+    assert ShadowConfig.parse({}) == ShadowConfig()
+    assert ShadowConfig.parse({"share": 0.1, "ignore_fields": []}, "shadow").ignore_fields == ()
     with pytest.raises(ConfigError, match=r"shadow\.share.*1\.5"):
-        ShadowConfig.from_config({"shadow": {"share": 1.5}})
+        ShadowConfig.parse({"share": 1.5}, "shadow")
     with pytest.raises(ConfigError, match=r"shadow\.max_in_flight.*0"):
-        ShadowConfig.from_config({"shadow": {"max_in_flight": 0}})
+        ShadowConfig.parse({"max_in_flight": 0}, "shadow")
     with pytest.raises(ConfigError, match=r"shadow\.ignore_fields.*colour"):
-        ShadowConfig.from_config({"shadow": {"ignore_fields": ["colour"]}})
+        ShadowConfig.parse({"ignore_fields": ["colour"]}, "shadow")
     with pytest.raises(ConfigError, match=r"shadow\.rate: unknown key; known: share"):
-        ShadowConfig.from_config({"shadow": {"rate": 1}})
+        ShadowConfig.parse({"rate": 1}, "shadow")
 
 
 # -- the front in shadow mode, on two real layouts ----------------------------------------

@@ -75,7 +75,7 @@ def _hash_of(tokens: list[int]) -> int:
 
 
 def test_the_kv_budget_in_tokens_bounds_the_pool_and_options_are_checked() -> None:
-    config = InferenceConfig.from_dict({"model_id": "sim", "max_batch": 64, "backend": {
+    config = InferenceConfig.parse({"model_id": "sim", "max_batch": 64, "backend": {
         "class": "sim", "options": {**FREE, "kv_budget_tokens": 1024}}})
     service = InferenceService(config, DeviceContext())
     try:
@@ -92,7 +92,7 @@ def test_the_kv_budget_in_tokens_bounds_the_pool_and_options_are_checked() -> No
 
 
 def test_compute_budgets_and_load_hints_work_on_the_simulated_device() -> None:
-    config = InferenceConfig.from_dict({"model_id": "sim", "max_batch": 4, "backend": {
+    config = InferenceConfig.parse({"model_id": "sim", "max_batch": 4, "backend": {
         "class": "sim", "options": {**FREE, "decode_base_ms": 10}}})
     service = InferenceService(config, DeviceContext())
     try:

@@ -25,20 +25,17 @@ from monolith.batched import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
 from runtime.bindings import LocalBinding
 from runtime.faults import FaultHook
-from services.auth.config import AuthConfig
 from services.auth.service import AuthService
-from services.cache.service import CacheConfig, CacheService
+from services.cache.service import CacheService
 from services.cache.steps import StoreItem
 from services.common import ConfigError
 from services.logs.config import LogsConfig
 from services.logs.service import LogsService
 from services.metrics.service import MetricsConfig, MetricsService
-from services.pipeline.limits import RequestLimits
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
-from services.ratelimit.service import RateLimitConfig, RateLimitService
+from services.ratelimit.service import RateLimitService
 from services.registry import DEFAULT
-from services.router.config import RouterConfig
 from services.router.service import RouterService
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
 from wire.v1 import cache_pb2, generation_pb2
@@ -47,7 +44,7 @@ CONFIG = config_for_tests(ratelimit={"tenants": {
     "tight": {"requests_per_second": 0.5, "burst": 4, "tokens_per_minute": 600, "token_burst": 300},
     "other": {"requests_per_second": 2, "burst": 6, "tokens_per_minute": 6000, "token_burst": 2000},
 }})
-LIMITS = RequestLimits.from_config(CONFIG)
+LIMITS = CONFIG.limits
 JWT_OK = make_jwt("other", expires_in=3600)
 JWT_EXPIRED = make_jwt("dev", expires_in=-3600)
 CACHED_PROMPT = "a prompt whose answer is cached"
@@ -62,15 +59,15 @@ class Rig:
         self.clock = [1000.0]
         self.counted: list[tuple[str, str, str]] = []
         self.servicers: dict[str, Any] = {
-            "auth": AuthService(AuthConfig.from_dict(CONFIG["auth"]), device),
-            "router": RouterService(RouterConfig.from_dict(CONFIG["router"]), device),
-            "ratelimit": RateLimitService(RateLimitConfig.from_dict(CONFIG["ratelimit"]), device,
+            "auth": AuthService(CONFIG.auth, device),
+            "router": RouterService(CONFIG.router, device),
+            "ratelimit": RateLimitService(CONFIG.ratelimit, device,
                                           clock=lambda: self.clock[0]),
-            "cache": CacheService(CacheConfig.from_dict(CONFIG["cache"]), device, clock=lambda: self.clock[0]),
+            "cache": CacheService(CONFIG.cache, device, clock=lambda: self.clock[0]),
         }
         if tmp_path is not None:
-            self.servicers["metrics"] = MetricsService(MetricsConfig.from_dict({}), device)
-            self.servicers["logs"] = LogsService(LogsConfig.from_dict({"fsync": False}, tmp_path), device)
+            self.servicers["metrics"] = MetricsService(MetricsConfig.parse({}), device)
+            self.servicers["logs"] = LogsService(LogsConfig.parse({"fsync": False}), device, run_dir=tmp_path)
         self.clients = {name: LocalBinding(name, DEFAULT[name].descriptor(), servicer)
                         for name, servicer in self.servicers.items()}
         self.pipeline = Pipeline(DEFAULT.steps(LIMITS), self.clients, hooks=hooks,
@@ -442,9 +439,9 @@ def test_stages_still_in_another_process_run_at_once_the_rest_later(tmp_path: Pa
 ])
 def test_bad_batching_config_names_the_field(section: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        BatchingConfig.from_config({"batching": section})
+        BatchingConfig.parse(section, "batching")
 
 
 def test_default_batching_config_is_the_documented_one() -> None:
-    assert BatchingConfig.from_config(CONFIG) == BatchingConfig(enabled=True, remote=False, max_batch=32,
+    assert CONFIG.batching == BatchingConfig(enabled=True, remote=False, max_batch=32,
                                                                 max_wait_us=10_000.0, completion_interval_ms=50.0)

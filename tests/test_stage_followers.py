@@ -22,7 +22,6 @@ import grpc
 import pytest
 import yaml
 
-import services.ratelimit.service as ratelimit
 from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
@@ -39,6 +38,7 @@ from runtime.stage_follower import (
     ratelimit_applier,
     spine_applier,
 )
+from services.registry import DEFAULT
 from spine.cli.migrate import main as migrate
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 from tests.waiting import eventually
@@ -117,7 +117,7 @@ def admitted_directly(servicer: Any, tenant: str, asks: int) -> int:
 
 def test_rate_limiters_get_their_share_at_once_when_they_join_late_or_one_leaves(tmp_path: Path) -> None:
     config = config_for_tests()
-    limiters = {name: ratelimit.build(config, DeviceContext.from_config(config), tmp_path) for name in
+    limiters = {name: DEFAULT["ratelimit"].build(config, DeviceContext.for_section(config.device), tmp_path) for name in
                 ("rl-1", "rl-2", "rl-3")}
     followers: dict[str, StageFollower] = {}
 
@@ -233,7 +233,7 @@ def test_spine_up_follows_the_stages_placements_and_a_rollback_returns_them_with
         config = config_for_tests(remote_addresses={"logs": logs_address},
                                   metrics={"http_listen": f"127.0.0.1:{metrics_port}"})
         config_file = tmp_path / "config.yaml"
-        config_file.write_text(yaml.safe_dump(config))
+        config_file.write_text(config.to_yaml())
         processes.append(launch("logs", [sys.executable, "-m", "runtime.process", "logs", "--listen", logs_address,
                                          "--config", str(config_file), "--run-dir", str(tmp_path / "logs")],
                                 log_path=tmp_path / "logs.log"))
@@ -337,7 +337,7 @@ def test_a_tenant_gets_at_most_its_limit_across_two_spines_and_two_layered_rate_
     limiters, then with each side enforcing its own share. Without shares it would be 80."""
     base = config_for_tests()
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(base))
+    config_file.write_text(base.to_yaml())
     with contextlib.ExitStack() as teardown:  # unwinds followers, stacks, processes, then the controller
         sock_dir = Path(tempfile.mkdtemp(prefix="spine-limits-", dir="/tmp"))
         teardown.callback(shutil.rmtree, sock_dir, ignore_errors=True)

@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import yaml
-
 from runtime.supervisor import Supervisor
 from tests.conftest import config_for_tests
 from tests.waiting import ShiftedClock, eventually
@@ -44,7 +42,7 @@ def test_the_backoff_doubles_up_to_its_cap() -> None:
 
 def test_a_crashing_child_is_restarted_with_growing_delays_and_reported_as_a_crash_loop(tmp_path: Path) -> None:
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config_for_tests()))
+    config_path.write_text(config_for_tests().to_yaml())
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     clock = ShiftedClock()

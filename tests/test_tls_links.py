@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from migration.traffic.cutover import Cutover
 from migration.xds import Endpoint, XdsControlPlane
@@ -51,7 +50,7 @@ def tcp_auth(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     layered auth pod behind its Service; (its address, its log)."""
     tmp = tmp_path_factory.mktemp("tcp-auth")
     config_path = tmp / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config_for_tests(tls=certs.tls_config())))
+    config_path.write_text(config_for_tests(tls=certs.tls_config()).to_yaml())
     log_path = tmp / "auth.log"
     child = launch("auth", [sys.executable, "-m", "runtime.process", "auth", "--listen", "127.0.0.1:0",
                             "--config", str(config_path), "--run-dir", str(tmp)], log_path=log_path)
@@ -139,7 +138,7 @@ def test_the_ab_tool_measures_a_tls_target(certs: Certs, tmp_path: Path) -> None
     config = config_for_tests(tls=certs.tls_config())
     stack = start_stack("collapsed", tmp_path, config)
     try:
-        entries = synthetic(SyntheticSpec(count=6, seed=3, tenants={"dev": 1.0}), tenant_keys(config))
+        entries = synthetic(SyntheticSpec(count=6, seed=3, tenants={"dev": 1.0}), tenant_keys(config.auth))
         run = run_ab(config, [], entries, tmp_path / "ab", targets={"tls-spine": stack.address},
                      options=RunOptions(concurrency=2, warmup=1, time_limit_s=60))
     finally:

@@ -125,14 +125,14 @@ def test_sampled_out_requests_record_nothing_but_still_carry_context() -> None:
 
 
 def test_tracing_is_off_by_default_and_bad_settings_name_the_field() -> None:
-    assert Tracing.from_config(config_for_tests()) is None
-    assert TracingConfig.from_config({}) == TracingConfig(enabled=False, sample_ratio=0.01, exporter="none")
+    assert Tracing.for_section(config_for_tests().tracing) is None
+    assert TracingConfig.parse({}) == TracingConfig(enabled=False, sample_ratio=0.01, exporter="none")
     with pytest.raises(ConfigError, match=r"tracing\.sample_ratio.*1\.5"):
-        TracingConfig.from_config({"tracing": {"sample_ratio": 1.5}})
+        TracingConfig.parse({"sample_ratio": 1.5}, "tracing")
     with pytest.raises(ConfigError, match=r"tracing\.exporter.*jaeger"):
-        TracingConfig.from_config({"tracing": {"exporter": "jaeger"}})
+        TracingConfig.parse({"exporter": "jaeger"}, "tracing")
     with pytest.raises(ConfigError, match=r"tracing\.ratio: unknown key; known: enabled, sample_ratio, exporter"):
-        TracingConfig.from_config({"tracing": {"ratio": 0.1}})
-    enabled = Tracing.from_config({"tracing": {"enabled": True, "sample_ratio": 0.5, "exporter": "none"}})
+        TracingConfig.parse({"ratio": 0.1}, "tracing")
+    enabled = Tracing.for_section(TracingConfig.parse({"enabled": True, "sample_ratio": 0.5, "exporter": "none"}))
     assert enabled is not None
     enabled.shutdown()

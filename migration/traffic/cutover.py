@@ -18,7 +18,6 @@ refused (`FrontTarget.shadow`).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,22 +32,20 @@ from migration.traffic.spine_process import SpineProcess
 from migration.xds import XdsControlPlane
 from migration.xds.snapshot import HTTP_SUFFIX, Endpoint
 from monolith.device import DeviceContext
-from runtime.config_file import internal_key, merge, placements_for
+from runtime.config_file import SpineConfig, internal_key, placements_for
 from runtime.faults import FaultHook, FaultSwitch, WrongAnswers
 from runtime.http.server import start_http
 from runtime.run_dir import write_private
 from runtime.sections import TlsConfig
-from runtime.server import RunningServer, free_port, request_pool, start_server
-from runtime.shadow import ShadowConfig
+from runtime.server import RunningServer, free_port, request_pool, request_threads, start_server
 from runtime.stack import Stack
 from services.common.prometheus_http import PrometheusHTTPServer
-from services.pipeline.verdicts import RequestLimits
 from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 
 
 @dataclass
 class Cutover:
-    config: Mapping[str, Any]
+    config: SpineConfig
     run_dir: Path
     listen: str = "127.0.0.1:0"
     xds_listen: str | None = None  # e.g. "127.0.0.1:0": serve ADS so Envoy/proxyless clients follow
@@ -88,12 +85,12 @@ class Cutover:
         """Start both layouts, the front and the controller; the front's address."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if internal_key(self.config) is None:  # the front and both sides share one, made for this run
-            self.config = merge(self.config, {"internal": {"secret": secrets.token_urlsafe(32)}})
+            self.config = self.config.with_overrides({"internal": {"secret": secrets.token_urlsafe(32)}})
         try:
-            tls = TlsConfig.from_config(self.config)  # every TCP listener and link of the run speaks it
+            tls = self.config.tls  # every TCP listener and link of the run speaks it
             layered_address, shared, layered_ratelimit = self._start_layered()
             spine_address = self._start_spine(layered_address, shared, tls)
-            shadow = ShadowConfig.from_config(self.config)
+            shadow = self.config.shadow
             self.front = Front({"layered": layered_address, "spine": spine_address},
                                shadow=shadow if shadow.share > 0 else None, internal_key=internal_key(self.config),
                                tls=tls)
@@ -102,15 +99,17 @@ class Cutover:
                 self.front_metrics.start()
                 self.parity = ScrapeSource({"front": [f"http://{self.front_metrics.address}/metrics"]},
                                            interval_s=0.25)
-            limits = RequestLimits.from_config(self.config)
+            limits = self.config.limits
             # Sized like the gateways behind it: requests wait in the model's priority queue.
             self.front_server = start_server([(GATEWAY, self.front)], self.listen,
                                              max_message_bytes=limits.max_message_bytes, tls=tls,
-                                             **request_pool(self.config))
+                                             **request_pool(self.config.inference))
             if self.http_listen is not None:
                 front = self.front
+                config = self.config
                 self.front_http, self._front_http_app = start_http(
-                    front, self.config, self.http_listen, layout=lambda: "front",
+                    front, config.http, config.router, config.limits, request_threads(config.inference),
+                    self.http_listen, layout=lambda: "front",
                     serving=lambda: any(front.healthy.values()), tls=tls)
             if self.xds is None and self.xds_listen is not None:
                 self.xds = XdsControlPlane("spine-gateway", {
@@ -164,7 +163,7 @@ class Cutover:
             return address
         placements = {name: "remote" for name in MIDDLEWARES} | {"inference": "local"}
         # The spine's model behind the parity fault's switch (`fault.wrong_answers`).
-        device = DeviceContext.from_config(self.config)
+        device = DeviceContext.for_section(self.config.device)
         model = WrongAnswers(DEFAULT["inference"].build(self.config, device, self.run_dir), self.fault)
         self.spine = Stack(self.config, placements, run_dir=self.run_dir / "spine", hooks=[self.fault],
                            remote_addresses=shared, device=device, servicers={"inference": model},

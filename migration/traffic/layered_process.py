@@ -12,13 +12,12 @@ their addresses are fixed by the run directory (`<run dir>/<component>.sock`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from migration.traffic.layout_process import LayoutProcess
+from runtime.config_model import SpineConfig
 from services.registry import MIDDLEWARES
 from wire.v1 import ratelimit_pb2_grpc
 
@@ -29,7 +28,7 @@ class LayeredProcess(LayoutProcess):
     name = "layered"
     layout = "layered"
 
-    def __init__(self, config: Mapping[str, Any], run_dir: Path) -> None:
+    def __init__(self, config: SpineConfig, run_dir: Path) -> None:
         super().__init__(config, run_dir)
         self._channel: grpc.Channel | None = None
 

@@ -9,12 +9,10 @@ there too; started, awaited and stopped by `runtime.launch` (the one launcher).
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import yaml
-
+from runtime.config_model import SpineConfig
 from runtime.launch import Launched, LaunchFailed, launch, spine_up_argv
 from runtime.run_dir import write_private
 from services.common import ConfigError
@@ -26,7 +24,7 @@ class LayoutProcess:
     name = "layout"  # its config file, log and thread names
     layout = ""  # its `spine up --layout`
 
-    def __init__(self, config: Mapping[str, Any], run_dir: Path) -> None:
+    def __init__(self, config: SpineConfig, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
         self.launched: Launched | None = None
@@ -55,7 +53,7 @@ class LayoutProcess:
     def start(self, timeout_s: float = 120.0) -> str:
         """Start it and wait for its `ready` line; the gateway's address."""
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        config_file = write_private(self.run_dir.parent, f"{self.name}-config.yaml", yaml.safe_dump(dict(self.config)))
+        config_file = write_private(self.run_dir.parent, f"{self.name}-config.yaml", self.config.to_yaml())
         argv = spine_up_argv(config_file, self.layout, listen="127.0.0.1:0", http_listen="127.0.0.1:0",
                              run_dir=self.run_dir, extra=self.up_arguments())
         self.launched = launch(self.name, argv, log_path=self.log_path, stdin=self._stdin())

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from migration.traffic.layout_process import LayoutProcess
-from runtime.config_file import merge
+from runtime.config_model import SpineConfig
 from services.registry import MIDDLEWARES
 
 SWITCH_TIMEOUT_S = 5.0
@@ -42,11 +42,11 @@ class SpineProcess(LayoutProcess):
     name = "spine"
     layout = "mixed"
 
-    def __init__(self, config: Mapping[str, Any], run_dir: Path, *, controller: str,
+    def __init__(self, config: SpineConfig, run_dir: Path, *, controller: str,
                  remote: Mapping[str, str], node_id: str = "demo-spine") -> None:
         placed = {"placements": {"inference": "local", **dict.fromkeys(MIDDLEWARES, "remote")},
                   "remote_addresses": dict(remote)}
-        super().__init__(merge(config, placed), run_dir)
+        super().__init__(config.with_overrides(placed), run_dir)
         self.controller = controller
         self.node_id = node_id
         self._switching = threading.Lock()

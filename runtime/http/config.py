@@ -19,6 +19,8 @@ class HttpConfig(Section):
     serving the others. The head's limits apply before anything else is read, credentials
     included: they bound what an unauthenticated client can make the server hold."""
 
+    where = "http"
+
     listen: NonEmptyStr | None = "127.0.0.1:8000"
     # A request body larger than this is refused with 413 before it is read.
     max_body_bytes: Annotated[StrictInt, Field(ge=1024)] = 1 << 20

@@ -27,6 +27,8 @@ from runtime.http.config import HttpConfig
 from runtime.sections import TlsConfig
 from runtime.server import check_listen
 from services.common.thread_names import name_os_thread
+from services.pipeline.limits import RequestLimits
+from services.router.config import RouterConfig
 
 log = logging.getLogger("spine.http")
 
@@ -125,21 +127,17 @@ def _bind(listen: str) -> tuple[socket.socket, str]:
     return sock, (f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}")
 
 
-def start_http(target: Any, config: Any, listen: str, *, layout: Any, serving: Any,
-               tls: TlsConfig | None = None, allow_external: bool = False) -> tuple[HttpServer, Any]:
-    """The HTTP API in front of `target` (a Gateway-shaped servicer) on `listen`, with the
-    whole config's `http`, `limits` and `router` sections; (server, app), both to be closed."""
+def start_http(target: Any, http: HttpConfig, router: RouterConfig, limits: RequestLimits, threads: int,
+               listen: str, *, layout: Any, serving: Any, tls: TlsConfig | None = None,
+               allow_external: bool = False) -> tuple[HttpServer, Any]:
+    """The HTTP API in front of `target` (a Gateway-shaped servicer) on `listen`, on the
+    `http`, `router` and `limits` sections, with `threads` handler threads; (server, app),
+    both to be closed."""
     from runtime.http.app import HttpApi
-    from runtime.server import request_threads
-    from services.common import section
-    from services.pipeline.limits import RequestLimits
-    from services.router.config import RouterConfig
 
-    http = HttpConfig.parse(config.get("http"), "http")
-    router = RouterConfig.parse(section(config, "router"), "router")
     names = [(name, model.id) for model in router.models for name in (model.id, *model.aliases)]
-    app = HttpApi(target, http, threads=request_threads(config),
-                  default_max_tokens=RequestLimits.from_config(config).max_tokens,
+    app = HttpApi(target, http, threads=threads,
+                  default_max_tokens=limits.max_tokens,
                   layout=layout, models=lambda: names, serving=serving)
     try:
         server = HttpServer(app, http, listen, tls=tls, allow_external=allow_external).start()

@@ -1,15 +1,17 @@
-"""The `auth` config section: API keys (digests only), JWT settings, the verification cache."""
+"""The `auth` config section: API keys (digests only once loaded), JWT settings, the verification cache.
+
+What only the serving process can resolve (an environment variable's secret, a key file) is
+read by `AuthService` when it starts, from this same section.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import Field, StrictInt, field_validator
+from pydantic import Field, SecretStr, StrictInt, field_validator
 
-from services.auth.api_keys import ApiKeyEntry, ApiKeyTable, check_unique
-from services.auth.jwt_verify import JwtSection, JwtSettings
+from services.auth.api_keys import ApiKeyEntry, check_unique
+from services.auth.jwt_verify import JwtSection
 from services.common.config_section import Float, Items, NonEmptyStr, Section
 
 MAX_DENIAL_TTL_S = 10.0
@@ -23,16 +25,23 @@ class CacheSettings(Section):
     # A denial is kept only briefly, so a clock-skewed `nbf` heals quickly.
     denial_ttl_s: Annotated[Float, Field(ge=0, le=MAX_DENIAL_TTL_S)] = 2.0
 
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None, where: str = "auth.cache") -> CacheSettings:
-        return cls.parse(cfg, where)
+
+# The development defaults: one API key and an HS256 secret anyone can read in this file, so a
+# fresh checkout answers at once. A deployment names its own (`api_keys` with `key_sha256`, a
+# `jwt` with `hs256_secret_env` or public keys); `deploy/` shows how.
+DEV_API_KEY = "spine-dev-key-0000"
+DEV_KEYS = (ApiKeyEntry(id="dev-key", tenant="dev", key=SecretStr(DEV_API_KEY), scopes=("generate",), max_priority=1),)
+DEV_JWT = JwtSection(issuer="spine-dev", audience="spine", leeway_s=30.0,
+                     hs256_secret=SecretStr("spine-dev-jwt-secret-change-me-0123456789"))
 
 
-class AuthSection(Section):
-    """The `auth` section as written (the root config model's `auth`)."""
+class AuthConfig(Section):
+    """The `auth` section."""
 
-    api_keys: Items[ApiKeyEntry] = ()
-    jwt: JwtSection | None = None
+    where = "auth"
+
+    api_keys: Items[ApiKeyEntry] = DEV_KEYS
+    jwt: JwtSection | None = DEV_JWT
     required_scope: NonEmptyStr = "generate"
     cache: CacheSettings = CacheSettings()
 
@@ -41,25 +50,3 @@ class AuthSection(Section):
     def _unique(cls, entries: tuple[ApiKeyEntry, ...]) -> tuple[ApiKeyEntry, ...]:
         check_unique(entries)
         return entries
-
-
-@dataclass(frozen=True)
-class AuthConfig:
-    """What the service runs with: keys as digests only, JWT keys loaded. Built from a validated
-    `AuthSection`, so the plaintext of a dev key never outlives loading."""
-
-    api_keys: ApiKeyTable = field(default_factory=lambda: ApiKeyTable([]))
-    jwt: JwtSettings | None = None
-    required_scope: str = "generate"
-    cache: CacheSettings = CacheSettings()
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> AuthConfig:
-        """Parse the `auth` section; `environ` (default os.environ) resolves `hs256_secret_env`."""
-        return cls.from_section(AuthSection.parse(section, "auth"), environ)
-
-    @classmethod
-    def from_section(cls, section: AuthSection, environ: Mapping[str, str] | None = None) -> AuthConfig:
-        jwt = None if section.jwt is None else JwtSettings.from_section(section.jwt, "auth.jwt", environ)
-        return cls(api_keys=ApiKeyTable.from_entries(section.api_keys), jwt=jwt,
-                   required_scope=section.required_scope, cache=section.cache)

@@ -23,7 +23,7 @@ An OK that names no tenant is an INTERNAL item: the request fails closed (UNAVAI
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -136,11 +136,6 @@ class EnvoyAuthorization(external_auth_pb2_grpc.AuthorizationServicer):
         return allowed(result.response, headers)
 
 
-def serve(config: Mapping[str, Any], call: Caller) -> EnvoyAuthorization:
-    """The Envoy API of the auth component (the component table's `ForeignApi.server`)."""
-    return EnvoyAuthorization(call)
-
-
 # -- speaking Envoy ----------------------------------------------------------------------------
 
 
@@ -199,10 +194,9 @@ def verdict_from(response: external_auth_pb2.CheckResponse, tenant_header: str =
 class EnvoyAuthzClient:
     """The Auth component's call shape (`CheckBatch`, `Check`), answered by an ext_authz service."""
 
-    def __init__(self, channel: grpc.Channel, options: Mapping[str, Any] | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, channel: grpc.Channel, tenant_header: str = TENANT_HEADER) -> None:
         self._stub = external_auth_pb2_grpc.AuthorizationStub(channel)
-        self.tenant_header = str((options or {}).get("tenant_header") or TENANT_HEADER)
+        self.tenant_header = tenant_header
         self.CheckBatch = Unary(self._check_batch)
         self.Check = Unary(self._check)
 

@@ -132,12 +132,6 @@ class JwtSettings:
         return tuple(sorted({k.alg for k in self.keys}))
 
     @classmethod
-    def from_dict(
-        cls, cfg: Mapping[str, Any], where: str = "auth.jwt", environ: Mapping[str, str] | None = None
-    ) -> JwtSettings:
-        return cls.from_section(JwtSection.parse(cfg, where), where, environ)
-
-    @classmethod
     def from_section(
         cls, section: JwtSection, where: str = "auth.jwt", environ: Mapping[str, str] | None = None
     ) -> JwtSettings:

@@ -16,15 +16,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
 
+from services.auth.api_keys import ApiKeyTable
 from services.auth.config import AuthConfig
-from services.auth.jwt_verify import JwtVerifier, TokenRejected, looks_like_jwt
+from services.auth.jwt_verify import JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
 from services.auth.steps import CHECK_BATCH
-from services.common import Clock, DeviceState, answer_one, section
+from services.common import Clock, DeviceState, answer_one
 from services.pipeline.batch_rpc import ItemError
 from wire.v1 import auth_pb2, auth_pb2_grpc
 
@@ -98,11 +98,21 @@ def _copy(response: auth_pb2.CheckResponse) -> auth_pb2.CheckResponse:
 
 
 class AuthService(auth_pb2_grpc.AuthServicer):
-    def __init__(self, config: AuthConfig, device: DeviceState | None = None, clock: Clock = time.time) -> None:
-        self.config = config
+    """Serves `spine.v1.Auth` from the `auth` section. Keys are kept as digests only, so the
+    plaintext of a dev key never outlives the start; `hs256_secret_env` is read from `environ`
+    (default os.environ) and `pem_file`s from disk here, in the process that serves auth: a
+    ConfigError names the field when one cannot be used."""
+
+    def __init__(self, config: AuthConfig, device: DeviceState | None = None, clock: Clock = time.time,
+                 environ: Mapping[str, str] | None = None) -> None:
+        # Not the section itself: a dev key's plaintext must not outlive the start.
+        self.required_scope = config.required_scope
+        self.cache_settings = config.cache
         self.device = device  # auth keeps no tensor state; accepted for a uniform constructor
         self._clock = clock
-        self._jwt = None if config.jwt is None else JwtVerifier(config.jwt, clock)
+        self.keys = ApiKeyTable.from_entries(config.api_keys)
+        jwt = None if config.jwt is None else JwtSettings.from_section(config.jwt, "auth.jwt", environ)
+        self._jwt = None if jwt is None else JwtVerifier(jwt, clock)
         self.cache = VerdictCache(config.cache.max_entries, clock)
         # An API key's verdict never changes while the service runs (the key table is fixed
         # at start): made once per key, shared read-only by every check of that key.
@@ -154,7 +164,7 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             return ItemError(_UNAUTHENTICATED, "credential could not be verified")
 
     def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse | ItemError:
-        key = self.config.api_keys.lookup(token)
+        key = self.keys.lookup(token)
         if key is None:
             raise AuthDenied(_UNAUTHENTICATED, "unknown API key")
         verdict = self._key_verdicts.get(key.id)
@@ -183,9 +193,9 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         try:
             response = self._check_token(token)
         except AuthDenied as denied:
-            self.cache.put(digest, denied, now + self.config.cache.denial_ttl_s)
+            self.cache.put(digest, denied, now + self.cache_settings.denial_ttl_s)
             raise
-        self.cache.put(digest, response, min(response.expires_at, now + self.config.cache.max_ttl_s))
+        self.cache.put(digest, response, min(response.expires_at, now + self.cache_settings.max_ttl_s))
         return response
 
     def _check_token(self, token: str) -> auth_pb2.CheckResponse:
@@ -203,7 +213,7 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         return auth_pb2.CheckResponse(principal=principal, method="jwt", expires_at=claims.expires_at)
 
     def _authorize(self, principal: auth_pb2.Principal) -> None:
-        scope = self.config.required_scope
+        scope = self.required_scope
         if scope not in principal.scopes:
             raise AuthDenied(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -218,7 +228,3 @@ def _bearer(credential: str) -> str:
         token = token[7:].strip()
     return token
 
-
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return AuthService(AuthConfig.from_dict(section(config, "auth")), device)

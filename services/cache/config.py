@@ -6,8 +6,7 @@ imports only this; defaults are documented in `runtime/default_config.yaml`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import (
     Field,
@@ -21,11 +20,9 @@ class CacheConfig(Section):
     """The `cache` section: how many answers are kept, and for how long; and the table of
     pre-generated answers every cache process maps (`spine cache build`)."""
 
+    where = "cache"
+
     max_entries: Annotated[StrictInt, Field(ge=1)] = 4096
     ttl_s: Annotated[Float, Field(gt=0)] = 300.0
     pregenerated: NonEmptyStr | None = None  # a table file's path (services.cache.pregenerated)
     pregenerated_check_s: Annotated[Float, Field(gt=0)] = 1.0  # how often a lookup checks the file was replaced
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> CacheConfig:
-        return cls.parse(section, "cache")

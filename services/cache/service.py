@@ -22,8 +22,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -37,7 +36,6 @@ from services.common import (
     Clock,
     DeviceState,
     answer_one,
-    section,
 )
 from services.inference.config import InferenceConfig
 from services.pipeline.batch_rpc import ItemError
@@ -224,11 +222,11 @@ class CacheService(cache_pb2_grpc.CacheServicer):
             raise InvalidCacheRequest("request.model: must be the resolved model id, got ''", index)
 
 
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    cache = CacheConfig.from_dict(section(config, "cache"))
+
+def build(cache: CacheConfig, inference: InferenceConfig, device: DeviceState) -> CacheService:
+    """The servicer for the `cache` section; the pre-generated table is checked against the
+    models the `inference` section serves."""
     pregenerated = None
     if cache.pregenerated:
-        digests = served_digests(InferenceConfig.from_dict(section(config, "inference")))
-        pregenerated = PregeneratedAnswers(cache.pregenerated, digests, cache.pregenerated_check_s)
+        pregenerated = PregeneratedAnswers(cache.pregenerated, served_digests(inference), cache.pregenerated_check_s)
     return CacheService(cache, device, pregenerated=pregenerated)

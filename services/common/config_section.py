@@ -17,7 +17,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Self, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar, Union
 
 from pydantic import (
     AfterValidator,
@@ -48,6 +48,9 @@ class Section(BaseModel):
     """Base of every config section: unknown keys refused, values immutable once loaded."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # Its key in a config file (`inference`, `auth`), for a top-level section: where its
+    # problems are said to be when `parse` is not told.
+    where: ClassVar[str] = ""
 
     @model_validator(mode="before")
     @classmethod
@@ -56,12 +59,14 @@ class Section(BaseModel):
         return {} if data is None else data
 
     @classmethod
-    def parse(cls, data: Any, where: str) -> Self:
-        """Validate `data` (None reads as an empty section); ConfigError lists every problem under `where`."""
+    def parse(cls, data: Any, where: str | None = None) -> Self:
+        """Validate `data` (None reads as an empty section); ConfigError lists every problem under
+        `where` (its path in a config file; default the section's own `where`). The one way plain
+        data becomes a section."""
         try:
             return cls.model_validate(data)
         except ValidationError as error:
-            raise ConfigProblems([str(p) for p in describe(error, cls, where)]) from None
+            raise ConfigProblems([str(p) for p in describe(error, cls, cls.where if where is None else where)]) from None
 
 
 class ConfigProblems(ConfigError):

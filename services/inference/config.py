@@ -58,6 +58,8 @@ class BackendSpec(Section):
 class InferenceConfig(Section):
     """The `inference` section."""
 
+    where = "inference"
+
     model_id: NonEmptyStr = "tiny-lm"
     seed: StrictInt = 1234
     max_batch: Count = 16
@@ -81,22 +83,28 @@ class InferenceConfig(Section):
     # More models served beside this one, each with its own weights, KV pool, scheduler and
     # load hint (`services.inference.models`). A block names its `model_id` and may set any
     # key above; the serving controls it leaves out are this section's, but never the model
-    # itself (`backend` and `seed` are the block's own, default the embedded model).
+    # itself (`backend` and `seed` are the block's own, default the embedded model). Left out,
+    # the section serves `DEFAULT_MODEL_BLOCKS` beside its own model.
     models: Items[InferenceConfig] = ()
-
 
     @model_validator(mode="before")
     @classmethod
     def _models_inherit_serving_controls(cls, data: Any) -> Any:
-        if not isinstance(data, Mapping) or not isinstance(data.get("models"), list | tuple):
+        if not isinstance(data, Mapping):
             return data
+        if "models" not in data:
+            data = {**data, "models": list(DEFAULT_MODEL_BLOCKS)}
+        blocks = data["models"]
+        if not isinstance(blocks, list | tuple) or not blocks:
+            return data
+        # A block serves no further models unless it says so (and is then refused).
+        own = [{"models": (), **block} if isinstance(block, Mapping) else block for block in blocks]
         try:  # a bad key of the section is reported once, there, not again under every model
-            InferenceConfig.model_validate({key: value for key, value in data.items() if key != "models"})
+            InferenceConfig.model_validate({**data, "models": ()})
         except ValidationError:
-            return data
+            return {**data, "models": own}
         inherited = {key: value for key, value in data.items() if key not in _OWN_KEYS}
-        models = [{**inherited, **block} if isinstance(block, Mapping) else block for block in data["models"]]
-        return {**data, "models": models}
+        return {**data, "models": [{**inherited, **block} if isinstance(block, Mapping) else block for block in own]}
 
     @model_validator(mode="after")
     def _model_ids_are_unique(self) -> InferenceConfig:
@@ -119,10 +127,9 @@ class InferenceConfig(Section):
         """The KV pool size asked for; None for `auto`."""
         return None if self.kv_cache_max_entries == "auto" else int(self.kv_cache_max_entries)
 
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None) -> InferenceConfig:
-        return cls.parse(cfg, "inference")
-
 
 # What a model block of `inference.models` never inherits from the section: which model it is.
 _OWN_KEYS = frozenset({"model_id", "backend", "seed", "models"})
+# The models a section serves beside its own when it names none: one layer of half the
+# width, cheaper steps and a quarter of the KV per slot (the built-in model's fallback).
+DEFAULT_MODEL_BLOCKS: tuple[Mapping[str, Any], ...] = ({"model_id": "tiny-lm-mini", "max_batch": 8},)

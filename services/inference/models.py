@@ -17,13 +17,12 @@ first model's) that also serves the others; `served` names them all.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import grpc
 
-from services.common import DeviceState, section
+from services.common import DeviceState
 from services.inference.config import InferenceConfig
 from services.inference.model.backend import ModelBackend
 from services.inference.model.interface import torch_device
@@ -106,7 +105,3 @@ class MultiModelInference(InferenceService):
             service.close()
         super().close()
 
-
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return MultiModelInference(InferenceConfig.from_dict(section(config, "inference")), device)

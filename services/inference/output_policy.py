@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -63,6 +63,8 @@ class PolicyRule(Section):
 class OutputPolicyConfig(Section):
     """The `output_policy` section (no rules: nothing is checked, at no cost)."""
 
+    where = "output_policy"
+
     rules: Items[PolicyRule] = ()
     window_chars: Annotated[StrictInt, Field(ge=16)] = 256  # a stream's text re-checked with each chunk
 
@@ -75,10 +77,6 @@ class OutputPolicyConfig(Section):
                 raise problem(f"rule {rule.name!r} is named twice", i, "name")
             seen.add(rule.name)
         return rules
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> OutputPolicyConfig:
-        return cls.parse(config.get("output_policy"), "output_policy")
 
 
 @dataclass(frozen=True)
@@ -142,9 +140,8 @@ class OutputPolicy:
         self._for: dict[tuple[str, str], tuple[CompiledRule, ...]] = {}
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> OutputPolicy | None:
-        """The config's policy; None when it has no rule (the gateway then checks nothing)."""
-        section = OutputPolicyConfig.from_config(config)
+    def of(cls, section: OutputPolicyConfig) -> OutputPolicy | None:
+        """The section's policy; None when it has no rule (the gateway then checks nothing)."""
         return cls(section) if section.rules else None
 
     def rules_for(self, tenant: str, model: str) -> tuple[CompiledRule, ...]:

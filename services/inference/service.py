@@ -32,15 +32,14 @@ import logging
 import os
 import random
 import time
-from collections.abc import Collection, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Collection, Iterator
 from typing import Any, NoReturn
 
 import grpc
 import torch
 from prometheus_client.registry import CollectorRegistry
 
-from services.common import ConfigError, DeviceState, section
+from services.common import ConfigError, DeviceState
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.gpu_metrics import GpuGoldenMetrics
@@ -355,7 +354,3 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             torch.use_deterministic_algorithms(self._deterministic_before)
             self._deterministic_before = None
 
-
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return InferenceService(InferenceConfig.from_dict(section(config, "inference")), device)

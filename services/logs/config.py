@@ -6,7 +6,6 @@ imports only this; defaults are documented in `runtime/default_config.yaml`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +21,9 @@ from services.common.config_section import Float, Section, problem
 
 
 class LogsConfig(Section):
-    """The `logs` section. `from_dict` resolves `path` against the run directory."""
+    """The `logs` section. A relative `path` is in the run directory (`path_in`)."""
+
+    where = "logs"
 
     path: Path = Path("requests.jsonl")
     batch_lines: Annotated[StrictInt, Field(ge=1)] = 64
@@ -47,7 +48,6 @@ class LogsConfig(Section):
             raise problem(f"must be >= logs.batch_lines ({batch})", show_input=True)
         return capacity
 
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None, run_dir: str | Path) -> LogsConfig:
-        config = cls.parse(cfg, "logs")
-        return config.model_copy(update={"path": Path(run_dir) / config.path.expanduser()})
+    def path_in(self, run_dir: str | Path) -> Path:
+        """Where the log is written by a process whose run directory is `run_dir`."""
+        return Path(run_dir) / self.path.expanduser()

@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from services.common import Clock, DeviceState, section
+from services.common import Clock, DeviceState
 from services.common.redact import redact_mapping, redact_text
 from services.logs.config import LogsConfig
 from services.logs.ring import BatchedLineWriter, LogsClosedError
@@ -35,13 +35,15 @@ class LogsService(logs_pb2_grpc.LogsServicer):
     """Writes request logs; `append_batch` is the batcher's one ring append per micro-batch."""
 
     def __init__(
-        self, config: LogsConfig, device: DeviceState | None = None, clock: Clock = time.time
+        self, config: LogsConfig, device: DeviceState | None = None, clock: Clock = time.time,
+        run_dir: str | Path = ".",
     ) -> None:
         self.config = config
+        self.path = config.path_in(run_dir)  # where the lines go
         self.device = device
         self._clock = clock
         self._writer = BatchedLineWriter(
-            config.path,
+            self.path,
             capacity=config.ring_capacity,
             batch_lines=config.batch_lines,
             flush_interval_s=config.flush_interval_s,
@@ -115,7 +117,7 @@ class LogsService(logs_pb2_grpc.LogsServicer):
             self._writer.append(lines)
         except (LogsClosedError, OSError) as exc:
             reason = ("the service is shutting down" if isinstance(exc, LogsClosedError)
-                      else f"cannot write request log {self.config.path}")
+                      else f"cannot write request log {self.path}")
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{reason}: {exc}") from exc
         return results
 
@@ -134,7 +136,7 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         try:
             return logs_pb2.FlushResponse(lines_written=self.flush())
         except OSError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot write request log {self.config.path}: {exc}")
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot write request log {self.path}: {exc}")
         return logs_pb2.FlushResponse()  # not reached: abort raises
 
 
@@ -147,7 +149,3 @@ def _number(value: float) -> str:
     """A finite number as json.dumps writes it (a clock may tell the time in whole seconds)."""
     return float.__repr__(value) if type(value) is float else json.dumps(value)
 
-
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return LogsService(LogsConfig.from_dict(section(config, "logs"), run_dir), device)

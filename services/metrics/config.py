@@ -6,8 +6,7 @@ imports only this; defaults are documented in `runtime/default_config.yaml`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import (
     Field,
@@ -30,12 +29,13 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
 class MetricsConfig(Section):
     """The `metrics` section. Loopback only unless `allow_external`: metrics name tenants."""
 
+    where = "metrics"
+
     http_listen: ListenAddress = "127.0.0.1:0"
     allow_external: StrictBool = False
     buckets: Annotated[tuple[Annotated[Float, Field(gt=0)], ...], Field(json_schema_extra={"minItems": 1})] = (
         DEFAULT_BUCKETS)
     initial_series: Annotated[StrictInt, Field(ge=1)] = 64
-
 
     @field_validator("buckets")
     @classmethod
@@ -54,7 +54,3 @@ class MetricsConfig(Section):
             raise problem(f"{self.http_listen!r} is not a loopback address; set metrics.allow_external: true "
                           "to expose metrics beyond this machine", "http_listen")
         return self
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any] | None) -> MetricsConfig:
-        return cls.parse(cfg, "metrics")

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,7 +32,6 @@ from services.common import (
     DeviceState,
     ReadHooks,
     abort_on_item,
-    section,
 )
 from services.metrics.config import DEFAULT_BUCKETS as DEFAULT_BUCKETS
 from services.metrics.config import MetricsConfig
@@ -314,7 +312,3 @@ class TableCollector(Collector):
         kinds = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
         return {f.name: kinds[f.kind](f.name, f.help, labels=f.labels) for f in FAMILIES.values()}
 
-
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return MetricsService(MetricsConfig.from_dict(section(config, "metrics")), device)

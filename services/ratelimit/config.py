@@ -39,13 +39,6 @@ class BucketLimits(Section):
     # share of it (at least 1), like the buckets.
     max_concurrent_requests: Annotated[StrictInt, Field(ge=1)] | None = None
 
-    @classmethod
-    def from_dict(cls, cfg: Any, where: str, base: BucketLimits | None = None) -> BucketLimits:
-        """Parse a limits block; keys not given come from `base` (the default block)."""
-        if base is not None and isinstance(cfg, Mapping):
-            cfg = {**base.model_dump(), **cfg}
-        return cls.parse(cfg, where)
-
     def bucket(self, resource: str) -> tuple[float, float]:
         """(rate per second, capacity) of the bucket for `resource`."""
         if resource == "requests":
@@ -119,6 +112,8 @@ class RateLimitStore(Section):
 class RateLimitConfig(Section):
     """The `ratelimit` section; a tenant's block inherits every key it leaves out from `default`."""
 
+    where = "ratelimit"
+
     domain: NonEmptyStr = "spine"
     default: BucketLimits = BucketLimits()
     tenants: Table[BucketLimits] = Field(default_factory=dict)
@@ -139,10 +134,6 @@ class RateLimitConfig(Section):
         tenants = {name: {**default, **(block or {})} if isinstance(block, Mapping | None) else block
                    for name, block in data["tenants"].items()}
         return {**data, "tenants": tenants}
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> RateLimitConfig:
-        return cls.parse(section, "ratelimit")
 
     def limits_for(self, tenant: str) -> BucketLimits:
         return self.tenants.get(tenant, self.default)

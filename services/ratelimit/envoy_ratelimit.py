@@ -46,7 +46,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -54,11 +53,10 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2 as descriptor_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
-from services.common import section, set_status
+from services.common import set_status
 from services.pipeline.envoy_calls import Caller, Metadata, Unary, one_answer, printable, rpc_status
 from services.pipeline.verdicts import internal_addresses_hidden
 from services.ratelimit.admission import MAX_HITS_ADDEND, RESOURCES
-from services.ratelimit.config import RateLimitConfig
 from services.router.config import RouterConfig
 from wire.v1 import ratelimit_pb2
 
@@ -221,12 +219,6 @@ class EnvoyRateLimit(rls_pb2_grpc.RateLimitServiceServicer):
         return ask
 
 
-def serve(config: Mapping[str, Any], call: Caller) -> EnvoyRateLimit:
-    """The Envoy API of the ratelimit component (the component table's `ForeignApi.server`)."""
-    domain = RateLimitConfig.from_dict(section(config, "ratelimit")).domain
-    return EnvoyRateLimit(call, domain, ModelNames(RouterConfig.from_dict(section(config, "router"))))
-
-
 # -- speaking Envoy ----------------------------------------------------------------------------
 
 
@@ -241,11 +233,9 @@ def _name(entries: Any) -> str:
 class EnvoyRlsClient:
     """The RateLimit component's call shape, answered by a rate limit service speaking Envoy's protocol."""
 
-    def __init__(self, channel: grpc.Channel, options: Mapping[str, Any] | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, channel: grpc.Channel, domain: str) -> None:
         self._stub = rls_pb2_grpc.RateLimitServiceStub(channel)
-        configured = RateLimitConfig.from_dict(section(config, "ratelimit")).domain
-        self.domain = str((options or {}).get("domain") or configured)
+        self.domain = domain
         self._share_warned = False
         self.AdmitBatch = Unary(self._admit_batch)
         self.Admit = Unary(self._admit)

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import grpc
 
-from services.common import Clock, DeviceState, answer_one, section
+from services.common import Clock, DeviceState, answer_one
 from services.pipeline.batch_rpc import ItemError
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
 from services.ratelimit.admission import MAX_HITS_ADDEND as MAX_HITS_ADDEND
@@ -365,7 +364,3 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             self.store.wake()
         return bucket
 
-
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return RateLimitService(RateLimitConfig.from_dict(section(config, "ratelimit")), device)

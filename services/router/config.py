@@ -6,8 +6,7 @@ imports only this; defaults are documented in `runtime/default_config.yaml`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import (
     Field,
@@ -31,8 +30,14 @@ class RouterConfig(Section):
     """The `router` section. Every id and alias names exactly one model: a repeat is an error,
     never a silent "last one wins"."""
 
+    where = "router"
+
     # Not `min_length`: pydantic would also call a list whose only model is wrong "too short".
-    models: Annotated[tuple[ModelRoute, ...], Field(json_schema_extra={"minItems": 1})]
+    # The default: the built-in model and its smaller fallback (`inference.models`).
+    models: Annotated[tuple[ModelRoute, ...], Field(json_schema_extra={"minItems": 1})] = (
+        ModelRoute(id="tiny-lm", backend="inference", aliases=("default", "tiny"), fallback="tiny-lm-mini"),
+        ModelRoute(id="tiny-lm-mini", backend="inference", aliases=("mini",)),
+    )
 
     @field_validator("models")
     @classmethod
@@ -65,7 +70,3 @@ class RouterConfig(Section):
         names = {model.id: model.id for model in self.models}
         names.update({alias: model.id for model in self.models for alias in model.aliases})
         return {model.id: names[model.fallback] for model in self.models if model.fallback is not None}
-
-    @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> RouterConfig:
-        return cls.parse(section, "router")

@@ -12,13 +12,12 @@ calls it in either layout); the per-request `Resolve` is its batch of one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
-from services.common import DeviceState, answer_one, section
+from services.common import DeviceState, answer_one
 from services.pipeline.batch_rpc import ItemError
 from services.router.config import ModelRoute, RouterConfig
 from services.router.steps import RESOLVE_BATCH
@@ -103,7 +102,3 @@ class RouterService(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.ListModelsResponse:
         return self.list_models()
 
-
-def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return RouterService(RouterConfig.from_dict(section(config, "router")), device)

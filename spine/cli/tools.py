@@ -127,13 +127,13 @@ def cmd_call(args: argparse.Namespace) -> int:
     if args.seed is not None:
         request.seed = args.seed
     elif args.deterministic:  # as the server's deterministic mode: a sampled request without a seed uses this
-        request.seed = int(config["inference"]["seed"])
+        request.seed = config.inference.seed
     backoff = Backoff(attempts=args.retries + 1, base_s=args.backoff_s)
     fallback = None
     if args.fallback is not None or args.fallback_model:
         fallback = Fallback(args.fallback_model or args.fallback or None, after=args.fallback_after,
                             timeouts=args.fallback_after, recover_after=args.fallback_recover)
-        fallback.validate(router_models(config))
+        fallback.validate(router_models(config.router))
     credentials = client_credentials(args)
     code = 0
     with GatewayClient(args.address, token, credentials=credentials) as client:

@@ -12,7 +12,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.config_file import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
+from runtime.config_file import (
+    LAYOUTS,
+    SpineConfig,
+    dev_api_key,
+    load_config,
+    placements_for,
+    remote_addresses,
+)
 from runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
 from services.common import ConfigError
 
@@ -59,13 +66,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     from runtime.server import check_listen
     from runtime.signals import Termination
     from runtime.stack import Stack
-    from runtime.tracing import install_from_config
+    from runtime.tracing import install_for
 
     config = load_config(args.config, _up_overrides(args))
     placements = placements_for(args.layout, config)
-    listen = args.listen or str(config["listen"])
+    listen = args.listen or config.listen
     check_listen(listen, args.allow_external)  # before any child process starts
-    http_listen = args.http_listen or (config.get("http") or {}).get("listen")
+    http_listen = args.http_listen or config.http.listen
     if http_listen is not None and args.http_listen != "off":
         check_listen(http_listen, args.allow_external)
     else:
@@ -74,7 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from runtime.model_fit import fit_to_model
     from runtime.served_model import preflight
 
-    fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
+    config, fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
     if fitted:
         print(fitted, file=sys.stderr, flush=True)
     preflight(config)  # a model directory that cannot be served: one line, before any child starts
@@ -85,7 +92,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # checks, a caller whose `up` was refused (a test calling `main` in its own interpreter)
     # kept them, and its next in-process model pinned all of its threads to one CPU.
     configure_threads()
-    install_from_config(config, service_name="spine")
+    install_for(config.tracing, service_name="spine")
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
                   remote_addresses=remote_addresses(config), probe_listen=args.probe_listen,
                   http_listen=http_listen, **fault)
@@ -135,13 +142,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_tls(config: dict[str, Any]) -> TlsConfig | None:
+def _serve_tls(config: SpineConfig) -> TlsConfig | None:
     """The config's `tls:` section, its files checked before anything starts (ConfigError: one
     line, exit 2); refused handshakes logged as one line each and SIGHUP re-reading the files."""
-    from runtime.sections import TlsConfig
     from runtime.tls import load_certificates, reload_on_sighup
 
-    tls = TlsConfig.from_config(config)
+    tls = config.tls
     if tls is None:
         return None
     load_certificates(tls)
@@ -152,7 +158,7 @@ def _serve_tls(config: dict[str, Any]) -> TlsConfig | None:
     return tls
 
 
-def _injected_fault(args: argparse.Namespace, config: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
+def _injected_fault(args: argparse.Namespace, config: SpineConfig, run_dir: Path | None) -> dict[str, Any]:
     """`--inject-fault NAME` (rehearsals and tests only): the Stack arguments that switch it on."""
     if not args.inject_fault:
         return {}

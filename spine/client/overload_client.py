@@ -43,6 +43,7 @@ import grpc
 from services.common import ConfigError
 from services.common.log_limit import RateLimitedLog
 from services.inference.load_hints import FALLBACK_HEADER, PRIMARY_LOAD_HEADER, busy_figure, parse_load
+from services.router.config import RouterConfig
 from spine.client.gateway_client import CallResult, GatewayClient
 from wire.v1 import generation_pb2
 
@@ -112,14 +113,9 @@ class Fallback:
                 and load.get("kv_free", 1.0) >= 1)
 
 
-def router_models(config: Mapping[str, Any]) -> list[str]:
-    """Every model id and alias in a config's `router.models`."""
-    names: list[str] = []
-    for entry in (config.get("router") or {}).get("models") or []:
-        if isinstance(entry, Mapping):
-            names.append(str(entry.get("id", "")))
-            names.extend(str(alias) for alias in entry.get("aliases") or [])
-    return [n for n in names if n]
+def router_models(router: RouterConfig) -> list[str]:
+    """Every model id and alias of a `router` section."""
+    return [name for model in router.models for name in (model.id, *model.aliases)]
 
 
 class LoadAwareClient:

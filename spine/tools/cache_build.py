@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.config_file import load_config, merge
+from runtime.config_file import SpineConfig, load_config
 from services.cache.pregenerated import PregeneratedTable, describe, served_digests, table_key, write_table
-from services.common import ConfigError, section
+from services.common import ConfigError
 from services.common.json_object import json_object
-from services.inference.config import InferenceConfig
 from services.router.config import RouterConfig
 from wire.v1 import generation_pb2
 
@@ -89,21 +88,21 @@ def answer_prompts(servicer: Any, model: str,
     return answers
 
 
-def build_table(config: dict[str, Any], prompts: Path, out: Path) -> dict[str, Any]:
+def build_table(config: SpineConfig, prompts: Path, out: Path) -> dict[str, Any]:
     """Answer every prompt with the model (deterministic, greedy) and write the table."""
     from monolith.device_on_use import DeviceOnFirstUse
-    from services.inference.models import build
+    from services.registry import DEFAULT
 
-    config = merge(config, {"inference": {"deterministic": True}})
-    lines = read_prompts(prompts, RouterConfig.from_dict(section(config, "router")))
+    config = config.with_overrides({"inference": {"deterministic": True}})
+    lines = read_prompts(prompts, config.router)
     model = lines[0].model
-    digests = served_digests(InferenceConfig.from_dict(section(config, "inference")))
+    digests = served_digests(config.inference)
     if model not in digests:
         raise ConfigError(f"--prompts: model {model!r} is routed but not served by inference "
                           f"(served: {', '.join(digests)})")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="spine-cache-build-") as run_dir:
-        servicer = build(config, DeviceOnFirstUse(config), Path(run_dir))
+        servicer = DEFAULT["inference"].build(config, DeviceOnFirstUse(config.device), Path(run_dir))
         try:
             answers = answer_prompts(servicer, model, lines)
         finally:

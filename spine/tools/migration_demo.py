@@ -61,8 +61,7 @@ from migration.plan import load_plan
 from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
 from migration.traffic.spine_process import FaultNotSwitched
-from runtime.config_file import merge
-from runtime.sections import ShadowConfig, TlsConfig
+from runtime.config_file import SpineConfig
 from runtime.signals import uninterrupted
 from runtime.tls import link_credentials
 from spine.tools.demo_screen import DemoScreen, logs_in
@@ -219,15 +218,15 @@ def stage_table(title: str, report: RunReport, fault: str = "") -> Group:
     return Group(table, *([Text(f"  the fault injected: {fault}")] if fault else []), *verdicts)
 
 
-def for_real_model(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def for_real_model(config: SpineConfig) -> tuple[SpineConfig, dict[str, Any]]:
     """`spine demo --model DIR`: the config (the model deterministic, so both layouts answer bit for
     bit alike and the parity gate judges the model, not float rounding between batch shapes) and
     `run_migration_demo`'s pace (REAL_MODEL_PLAN's longer windows, longer stages and traffic)."""
-    return (merge(config, {"inference": {"deterministic": True}}),
+    return (config.with_overrides({"inference": {"deterministic": True}}),
             {"plan_path": REAL_MODEL_PLAN, "stage_timeout_s": 240.0, "traffic_time_limit_s": 1200.0})
 
 
-def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
+def run_migration_demo(config: SpineConfig, plan_path: Path = DEMO_PLAN,
                        console: Console | None = None, runs: tuple[str, ...] = ("healthy", "failing", "parity"),
                        *, stage_timeout_s: float = 60.0, traffic_time_limit_s: float = 110.0,
                        run_dir: Path | None = None, interactive: bool | None = None) -> int:
@@ -239,8 +238,8 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
     metrics and the controller's history; `interactive` (default: stdin and stdout are
     terminals) keeps the dashboard served after the runs until Enter or Ctrl-C."""
     screen = DemoScreen(console, interactive=interactive)
-    if ShadowConfig.from_config(config).share <= 0:  # the parity gates read shadow comparisons
-        config = merge(config, {"shadow": {"share": DEMO_SHADOW_SHARE}})
+    if config.shadow.share <= 0:  # the parity gates read shadow comparisons
+        config = config.with_overrides({"shadow": {"share": DEMO_SHADOW_SHARE}})
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="spine-demo-"))
     try:
         with logs_in(run_dir / DEMO_LOG) as log_path:
@@ -251,7 +250,7 @@ def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
         forget_secrets(run_dir)
 
 
-def _demo(config: Mapping[str, Any], plan_text: str, screen: DemoScreen, runs: tuple[str, ...], run_dir: Path,
+def _demo(config: SpineConfig, plan_text: str, screen: DemoScreen, runs: tuple[str, ...], run_dir: Path,
           stage_timeout_s: float, traffic_time_limit_s: float) -> int:
     from runtime.config_file import dev_api_key
 
@@ -278,12 +277,12 @@ def _demo(config: Mapping[str, Any], plan_text: str, screen: DemoScreen, runs: t
         screen.say(f"dashboard: {cutover.controller.dashboard_url} ({kept}; its buttons take the admin token "
                    f"in {token_file})")
         # The clients in a process of their own, as they are in production (TrafficDriver).
-        tls = TlsConfig.from_config(config)
+        tls = config.tls
         traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
                                 time_limit_s=traffic_time_limit_s,
                                 tls=tls if link_credentials(tls, cutover.address) is not None else None,
                                 http_address=cutover.http_address,
-                                model=str((config.get("inference") or {}).get("model_id") or "tiny-lm"))
+                                model=config.inference.model_id)
         traffic.start()
         # The traffic process takes a moment to start: the first stage's window should not.
         flowing = time.monotonic() + 15.0

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-parity-run", action="store_true", help="only the healthy walk")
     parser.add_argument("--workdir", help="keep everything (configs, logs, Prometheus data) here")
     args = parser.parse_args(argv)
-    config = load_config(args.config) if args.config else None
+    config = load_config(args.config).written() if args.config else None  # checked; laid under each role's
     options = Options(plan_text=Path(args.plan).read_text(), config=config, clients=args.clients, rate=args.rate,
                       parity_run=not args.no_parity_run, workdir=Path(args.workdir) if args.workdir else None)
     try:

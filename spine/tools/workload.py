@@ -17,10 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
+from services.auth.config import AuthConfig
 from services.common import ConfigError
 from spine.client.gateway_client import CallResult, GatewayClient
 from wire.v1 import generation_pb2
@@ -117,12 +118,12 @@ class SyntheticSpec:
             raise ConfigError(f"tenants: weights must be >= 0 with a positive sum, got {dict(self.tenants)}")
 
 
-def tenant_keys(config: Mapping[str, Any]) -> dict[str, str]:
-    """tenant -> plain API key, for the dev keys a config carries."""
+def tenant_keys(auth: AuthConfig) -> dict[str, str]:
+    """tenant -> plain API key, for the dev keys an `auth` section carries."""
     keys: dict[str, str] = {}
-    for entry in (config.get("auth") or {}).get("api_keys") or []:
-        if isinstance(entry, Mapping) and entry.get("key") and entry.get("tenant"):
-            keys.setdefault(str(entry["tenant"]), str(entry["key"]))
+    for entry in auth.api_keys:
+        if entry.key is not None:
+            keys.setdefault(entry.tenant, entry.key.get_secret_value())
     return keys
 
 

@@ -36,7 +36,7 @@ def main() -> None:
             r, a = rows.to(device), amounts.to(device)
             us = per_call_us(lambda t=table, r=r, a=a: cupy_kernels.scatter_add(t, r, a), 50, device == "cuda")
             print(f"scatter_add n={n:>8} {device:4}: {us:10.1f} us/call")
-    config = RateLimitConfig.from_dict({})
+    config = RateLimitConfig.parse({})
     for batch in (1, 32, 256):
         requests = [ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=descriptors_for(
             f"t{i % 8}", "tiny-lm", 20)) for i in range(batch)]

@@ -36,7 +36,7 @@ def test_the_cupy_path_runs_when_cupy_is_installed() -> None:
 
 
 def test_rate_limit_admission_on_cuda_equals_the_cpu_decisions() -> None:
-    config = RateLimitConfig.from_dict({"default": {"requests_per_second": 1, "burst": 50,
+    config = RateLimitConfig.parse({"default": {"requests_per_second": 1, "burst": 50,
                                                     "tokens_per_minute": 600, "token_burst": 5000}})
     requests = [ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=descriptors_for(
         f"t{i % 3}", "tiny-lm", 10 + i)) for i in range(300)]

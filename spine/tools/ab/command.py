@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from runtime.config_model import SpineConfig
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.interleave import RunOptions, run_ab
 from spine.tools.ab.report import (
@@ -27,14 +28,14 @@ from spine.tools.trace import read_trace, write_trace
 from spine.tools.workload import Entry, SyntheticSpec, synthetic, tenant_keys
 
 
-def run_command(config: Mapping[str, Any], *, layouts: Sequence[str], out_dir: Path,
+def run_command(config: SpineConfig, *, layouts: Sequence[str], out_dir: Path,
                 spec: SyntheticSpec | None = None, trace: Path | None = None, record: Path | None = None,
                 targets: Mapping[str, str] | None = None, options: RunOptions | None = None,
                 trace_ratio: float = 1.0, plots: bool = True, console: Console | None = None) -> int:
     """0 when every layout was up; 1 when one was down (the report says which and why)."""
     console = console or Console()
     options = options or RunOptions()
-    keys = tenant_keys(config)
+    keys = tenant_keys(config.auth)
     if trace is not None:
         entries = read_trace(trace)
         workload: dict[str, Any] = {"trace": str(trace), "count": len(entries)}

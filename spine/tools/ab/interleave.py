@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from runtime.config_model import SpineConfig
 from runtime.health_watch import HealthWatch
 from runtime.launch import Launched, LaunchFailed, events, launch
 from runtime.run_dir import write_private
@@ -296,7 +295,7 @@ class ABRun:
     options: RunOptions
 
 
-def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[Entry], run_dir: Path, *,
+def run_ab(config: SpineConfig, layouts: Sequence[str], entries: Sequence[Entry], run_dir: Path, *,
            options: RunOptions | None = None, targets: Mapping[str, str] | None = None,
            trace_ratio: float = 1.0, warmup_token: str | None = None,
            on_status: Callable[[str], None] | None = None, on_result: ResultCallback | None = None,
@@ -304,7 +303,7 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
     """Start `layouts` (and reach `targets`: name -> running Gateway address), run, stop, measure."""
     options = options or RunOptions()
     say = on_status or (lambda message: None)
-    config_path = write_private(run_dir, "config.yaml", yaml.safe_dump(dict(config)))
+    config_path = write_private(run_dir, "config.yaml", config.to_yaml())
     runs: list[LayoutRun] = []
     processes: dict[str, LayoutProcess] = {}
     try:
@@ -328,7 +327,7 @@ def run_ab(config: Mapping[str, Any], layouts: Sequence[str], entries: Sequence[
             list(pool.map(start, list(runs)))  # side by side: the slowest start bounds the wait
         for name, address in (targets or {}).items():
             runs.append(LayoutRun(name, address))
-        tls = TlsConfig.from_config(config)
+        tls = config.tls
         for run in runs:
             run.tls = tls
             if run.status == "up" and not wait_serving(str(run.address), options.health_timeout_s, tls=tls):

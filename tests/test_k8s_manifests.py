@@ -16,6 +16,7 @@ state on a PersistentVolume it alone writes; every image is one `make image` bui
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,7 +38,9 @@ CUSTOM_RESOURCE_GROUPS = ("cert-manager.io/",)
 IMAGE_USER = 10001  # deploy/image/Containerfile's USER
 
 
+@functools.cache
 def rendered(overlay: str) -> list[dict[str, Any]]:
+    """The overlay's objects (rendered once; the tests only read them)."""
     return render(K8S / overlay)
 
 

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from spine.tools.image_inputs import (
-    CACHE,
+    CONTEXTS,
     ROOT,
+    SHARED,
     VARIANTS,
     InputError,
     Variant,
@@ -101,7 +102,7 @@ class BuildRecord:
 
 def prepare_context(variant: Variant, echo: bool) -> tuple[Path, dict[str, str], float, float, str, int]:
     """The build context of `variant` under .cache/image/<variant>, and the build arguments."""
-    rootfs_tar, rootfs_s = rootfs(CACHE)
+    rootfs_tar, rootfs_s = rootfs(SHARED)
     python = python_in(rootfs_tar)
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     if not python.startswith(here + "."):
@@ -110,16 +111,16 @@ def prepare_context(variant: Variant, echo: bool) -> tuple[Path, dict[str, str],
     if echo and rootfs_s:
         print(f"image: root filesystem made from Debian's packages in {rootfs_s:.1f}s ({rootfs_tar.name})", flush=True)
     started = time.monotonic()
-    context = CACHE / variant.name
+    context = CONTEXTS / variant.name
     context.mkdir(parents=True, exist_ok=True)
     lock = variant_lock(variant, python)
-    wheels = fill_wheelhouse(lock, CACHE / "wheels", variant)
+    wheels = fill_wheelhouse(lock, SHARED / "wheels", variant)
     lock_text = ("# spine's runtime dependencies in the image: the versions `make install` put in .venv, for "
                  f"Python {python} (python -m spine.tools.image)\n" + "\n".join(lock.lines()) + "\n")
     (context / "requirements.lock").write_text(lock_text)
     link_into(wheels, context / "wheels")
     link_into([], context / "pip")
-    shutil.copy2(pip_wheel(CACHE / "pip"), context / "pip" / "pip.whl")
+    shutil.copy2(pip_wheel(SHARED / "pip"), context / "pip" / "pip.whl")
     wheel = project_wheel(context / "dist")
     target = context / "rootfs.tar"
     target.unlink(missing_ok=True)

@@ -34,7 +34,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache" / "image"
+CONTEXTS = ROOT / ".cache" / "image"  # one build context per variant (hard links into SHARED)
+# What every checkout on this machine can share, as pip shares its wheel cache: the root file
+# system's tarball (keyed on its recipe) and the wheelhouse (one file per pinned version).
+SHARED = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spine-image"
 PACKAGES = ("spine", "runtime", "wire", "services", "monolith", "migration")
 # Debian's packages in the image beyond the essential set: the interpreter (its whole standard
 # library: sqlite3 for the controller's state, venv for the virtualenv), the C++ runtime grpcio and
@@ -253,7 +256,9 @@ def rootfs_argv(release: str, out: Path) -> list[str]:
             "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",  # no usrmerge (and no perl) in the image
             *(f"--dpkgopt=path-exclude={path}" for path in excluded),
             "--dpkgopt=path-include=/usr/share/doc/*/copyright",  # the licences stay
-            "--customize-hook=rm -rf \"$1\"/var/cache/* \"$1\"/var/lib/apt/lists/* \"$1\"/var/log/*",
+            # no apt in the image, so none of its state; no caches, no logs of the build
+            "--customize-hook=rm -rf \"$1\"/var/lib/apt \"$1\"/var/cache/* \"$1\"/var/log/*",
+            "--skip=cleanup/apt",  # its cleanup would make /var/lib/apt/lists anew
             release, str(out), *mirrors(release)]
 
 

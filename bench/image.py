@@ -142,7 +142,7 @@ def measure(starts: int, image: str) -> dict[str, Any]:
                   flush=True)
     result: dict[str, Any] = {"starts": starts, "image": image}
     for layout in ("collapsed", "layered"):
-        row = {}
+        row: dict[str, Any] = {}
         for side in ("process", "container"):
             samples = runs[f"{layout}/{side}"]
             row[side] = {"start_to_ready_s": min(s for s, _ in samples),

@@ -92,8 +92,9 @@ def installed_closure(extras: Iterable[str], python_full_version: str) -> Lock:
     version installed here, walked through the installed metadata with each marker evaluated
     for the image's Python (`python_full_version`: a dependency of an older patch release, e.g.
     redis' async-timeout before 3.11.3, is kept even where this interpreter needs none)."""
-    environment = {**default_environment(), "python_full_version": python_full_version,
-                   "python_version": ".".join(python_full_version.split(".")[:2])}
+    environment = {str(key): str(value) for key, value in default_environment().items()}
+    environment |= {"python_full_version": python_full_version,
+                    "python_version": ".".join(python_full_version.split(".")[:2])}
     lock = Lock({}, [])
     todo: list[tuple[Requirement, frozenset[str]]] = [(Requirement("spine"), frozenset(extras))]
     done: set[tuple[str, frozenset[str]]] = set()

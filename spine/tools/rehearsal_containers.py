@@ -20,7 +20,14 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from spine.tools.containers import IMAGE_UID, Mount, Podman, owned_by_image_user, podman_missing, unique_prefix
+from spine.tools.containers import (
+    IMAGE_UID,
+    Mount,
+    Podman,
+    owned_by_image_user,
+    podman_missing,
+    unique_prefix,
+)
 
 
 class Containers:

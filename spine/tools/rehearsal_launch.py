@@ -20,12 +20,13 @@ import grpc
 import yaml
 
 from migration.plan import MIDDLEWARES
-from services.registry import COMPONENTS
 from runtime.config_file import dev_api_key, load_config, merge
 from runtime.launch import spine_up_argv
 from runtime.server import free_ports, wait_serving
+from services.registry import COMPONENTS
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.local_redis import LocalRedis
+from spine.tools.rehearsal_containers import Containers
 from spine.tools.rehearsal_processes import (
     Child,
     Processes,
@@ -33,7 +34,6 @@ from spine.tools.rehearsal_processes import (
     base_env,
     command_line,
 )
-from spine.tools.rehearsal_containers import Containers
 from spine.tools.rehearsal_report import SPINES
 from wire.v1 import migration_pb2_grpc
 

@@ -152,7 +152,8 @@ class Launcher:
         if self.containers is None:
             self.echo(f"  $ {command_line(argv, self.work)}")
             return self.processes.start(name, argv, **kwargs)
-        self.echo(f"  [container {self.containers.podman.name(name)}] $ {command_line(argv, self.work)}")
+        shown = ["python", *argv[1:]]  # the image's interpreter, as the container runs it
+        self.echo(f"  [container {self.containers.podman.name(name)}] $ {command_line(shown, self.work)}")
         wrapped = self.containers.wrap(name, argv, env_keys=[SECRET_ENV, *(kwargs.get("env") or {})],
                                        stdin=bool(kwargs.get("pipes")))
         return self.processes.start(name, wrapped, **kwargs)
@@ -247,8 +248,9 @@ class Launcher:
                     "--duration-s", f"{2 * (self.options.start_timeout_s + self.options.run_timeout_s):g}"]
             env = {"GRPC_XDS_BOOTSTRAP_CONFIG": json.dumps(bootstrap)}
             where = f"[container {self.containers.podman.name(node)}] " if self.containers else ""
+            shown = ["python", *argv[1:]] if self.containers else argv
             self.echo(f"  {where}$ GRPC_XDS_BOOTSTRAP_CONFIG='{json.dumps(bootstrap)}' "
-                      f"{command_line(argv, self.work).replace(self.api_key, '$KEY')}")
+                      f"{command_line(shown, self.work).replace(self.api_key, '$KEY')}")
             if self.containers is not None:
                 argv = self.containers.wrap(node, argv, env_keys=[SECRET_ENV, *env], stdin=True)
             self.clients.append(self.processes.start(node, argv, env=env, pipes=True))

@@ -50,6 +50,20 @@ def tree_rss(pid: int) -> int:
         return 0
 
 
+def first_answer(address: str, timeout_s: float = 180.0) -> None:
+    """Poll until the layout answers a request (ready means answering, whatever a ready line says)."""
+    deadline = time.monotonic() + timeout_s
+    with GatewayClient(address, KEY) as client:
+        while True:
+            result = client.generate(generation_pb2.GenerateRequest(model="default", prompt="ready?", max_tokens=1),
+                                     timeout=10)
+            if result.ok:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{address} never answered: {result.code} {result.details}")
+            time.sleep(0.05)
+
+
 def exercise(address: str) -> None:
     with GatewayClient(address, KEY) as client:
         for i in range(8):
@@ -66,6 +80,7 @@ def collapsed_process(work: Path) -> tuple[float, int]:
                                  str(work / "run")], log_path=work / "collapsed.log")
     try:
         child.wait_ready(120)
+        first_answer(f"127.0.0.1:{grpc_port}")
         ready = time.monotonic() - began
         exercise(f"127.0.0.1:{grpc_port}")
         return ready, tree_rss(child.pid)
@@ -84,6 +99,7 @@ def collapsed_container(work: Path, image: str) -> tuple[float, int]:
     child = launch("collapsed", argv, log_path=work / "collapsed-container.log", env=podman.env)
     try:
         child.wait_ready(120)
+        first_answer(f"127.0.0.1:{grpc_port}")
         ready = time.monotonic() - began
         exercise(f"127.0.0.1:{grpc_port}")
         return ready, tree_rss(int(podman.inspect("collapsed", "{{.State.Pid}}")))
@@ -100,6 +116,7 @@ def layered_process(work: Path) -> tuple[float, int]:
                                str(work / "run")], log_path=work / "layered.log")
     try:
         child.wait_ready(180)
+        first_answer(f"127.0.0.1:{grpc_port}")
         ready = time.monotonic() - began
         exercise(f"127.0.0.1:{grpc_port}")
         return ready, tree_rss(child.pid)
@@ -121,6 +138,7 @@ def layered_containers(work: Path, image: str) -> tuple[float, int]:
             for name in wave:
                 if not wait_serving(specs[name].local(50080), timeout=180):
                     raise RuntimeError(f"{name} did not serve")
+        first_answer(layered_host_ports(specs)["grpc"])
         ready = time.monotonic() - began
         exercise(layered_host_ports(specs)["grpc"])
         return ready, sum(tree_rss(int(podman.inspect(name, "{{.State.Pid}}"))) for name in specs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from spine.tools.image_inputs import (
     CONTEXTS,
     ROOT,
     SHARED,
+    SOURCE_DATE_EPOCH,
     VARIANTS,
     InputError,
     Variant,
@@ -117,7 +119,11 @@ def prepare_context(variant: Variant, echo: bool) -> tuple[Path, dict[str, str],
     wheels = fill_wheelhouse(lock, SHARED / "wheels", variant)
     lock_text = ("# spine's runtime dependencies in the image: the versions `make install` put in .venv, for "
                  f"Python {python} (python -m spine.tools.image)\n" + "\n".join(lock.lines()) + "\n")
-    (context / "requirements.lock").write_text(lock_text)
+    lock_file = context / "requirements.lock"
+    lock_file.write_text(lock_text)
+    # buildah's layer cache keys a COPY on the file's metadata too: a fixed mtime keeps an
+    # unchanged lock's layer (and the dependencies' above it) cached.
+    os.utime(lock_file, (int(SOURCE_DATE_EPOCH), int(SOURCE_DATE_EPOCH)))
     link_into(wheels, context / "wheels")
     link_into([], context / "pip")
     shutil.copy2(pip_wheel(SHARED / "pip"), context / "pip" / "pip.whl")

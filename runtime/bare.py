@@ -23,7 +23,7 @@ import hmac
 import logging
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,7 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
 
 
-def served_names(config: Mapping[str, Any], served: Mapping[str, Any]) -> dict[str, str]:
+def served_names(config: Mapping[str, Any], served: Sequence[str]) -> dict[str, str]:
     """Every id and alias of the router's models that the inference component serves -> its id
     (a model served but not routed is reachable by its id)."""
     names = {model_id: model_id for model_id in served}
@@ -182,7 +182,9 @@ class BareServer:
             if self.http_listen is not None:
                 from runtime.http.server import start_http
 
-                served = getattr(self.servicer, "served", {inference.model_id: self.servicer})
+                served = list(getattr(self.servicer, "served", {inference.model_id: self.servicer}))
+                upstreams = getattr(self.servicer, "upstreams", None)
+                served += list(upstreams.endpoints) if upstreams is not None else []
                 target = BareModel(self.servicer, served_names(self.config, served), self.api_key)
                 self.http_server, self._http_app = start_http(
                     target, self.config, self.http_listen, layout=lambda: BARE_LAYOUT,

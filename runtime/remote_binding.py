@@ -17,9 +17,9 @@ from google.protobuf import descriptor as pb_descriptor
 
 from runtime.bindings import BaseBinding, Metadata, status_of
 from runtime.local_context import LocalRpcError
-from runtime.outlier import Ejected, OutlierDetector
 from runtime.sections import TlsConfig
 from runtime.tls import link_channel
+from services.common.outlier import Ejected, OutlierDetector
 from services.pipeline.calls import Hook
 
 

@@ -81,6 +81,7 @@ class HttpApi:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        arrived = time.perf_counter()  # x-spine-overhead-duration-ms counts from here
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = safe_request_id(_header(headers, b"x-request-id"))
         path, method = scope["path"], scope["method"]
@@ -107,7 +108,7 @@ class HttpApi:
         except HttpError as error:
             await _send_error(send, api, error, base, request_id)
             return
-        context = LocalContext(metadata)
+        context = LocalContext(metadata, arrived=arrived)
         watcher = asyncio.ensure_future(_watch_disconnect(receive, context))
         try:
             if parsed.stream:
@@ -209,6 +210,8 @@ class HttpApi:
                 await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
                 return
             tokens += len(item.token_ids)
+            if item.completion_tokens or item.prompt_tokens:  # the model's own count (an upstream's usage)
+                tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
             finish = item.finish_reason or finish
             pending.append(writer.chunk(item.text))
             if queue.empty():  # send what is ready in one write; wait for the model with nothing held

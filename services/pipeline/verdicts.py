@@ -126,8 +126,16 @@ def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
 
 
 # Trailing metadata a downstream answer hands on to the client: when to retry, how loaded
-# the model is (x-spine-load, read by spine.client.overload_client).
-FORWARDED_TRAILERS = ("retry-after", "x-spine-load")
+# the model is (x-spine-load, read by spine.client.overload_client), and for a model served
+# by an upstream server which one answered, after how many attempts, and the time it took
+# (`services.inference.upstream.service`).
+UPSTREAM_HEADER = "x-spine-upstream"
+ATTEMPTS_HEADER = "x-spine-attempts"
+UPSTREAM_TIME_HEADER = "x-spine-upstream-duration-ms"
+FORWARDED_TRAILERS = ("retry-after", "x-spine-load", UPSTREAM_HEADER, ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER)
+# Every answer's time outside the model (the gateway's own work), in milliseconds: the peer
+# gateways' convention (LiteLLM's x-litellm-overhead-duration-ms).
+OVERHEAD_HEADER = "x-spine-overhead-duration-ms"
 
 
 def downstream_stop(name: str, code: grpc.StatusCode, details: str,

@@ -195,6 +195,10 @@ class _RemoteStream:
         self._end(grpc.StatusCode.CANCELLED)
         return bool(self._call.cancel())
 
+    def initial_metadata(self) -> Any:
+        """What the servicer sent before its first message (available once one has arrived)."""
+        return self._call.initial_metadata()
+
     def trailing_metadata(self) -> Any:
         return self._call.trailing_metadata()
 

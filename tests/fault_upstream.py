@@ -42,7 +42,7 @@ class FaultUpstream:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", port))
         self.port = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(self._app, lifespan="off", log_level="error",
+        self._server = uvicorn.Server(uvicorn.Config(self._app, interface="asgi3", lifespan="off", log_level="error",
                                                      access_log=False))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._client: httpx2.AsyncClient | None = None

@@ -143,11 +143,13 @@ def downstream_stop(name: str, code: grpc.StatusCode, details: str,
     """A fail-closed middleware's failure as the client sees it: a code it `passes` (its own
     verdict, e.g. auth's UNAUTHENTICATED) as it is, a deadline as a deadline, anything else
     as UNAVAILABLE naming the middleware."""
+    forwarded = tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
     if code in passes:
-        return Stop(code, details, tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS))
+        return Stop(code, details, forwarded)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Stop(code, f"deadline exceeded while waiting for {name}")
-    return Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {internal_addresses_hidden(details)})")
+        return Stop(code, f"deadline exceeded while waiting for {name}", forwarded)
+    return Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {internal_addresses_hidden(details)})",
+                forwarded)
 
 
 # A transport error names the socket or address it could not reach: a client has no use

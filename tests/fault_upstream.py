@@ -11,6 +11,7 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 | `overloaded` | 429 with `Retry-After: 30` |
 | `context` | 400 naming the maximum context length |
 | `flaky` | 503 for 30% of requests (a seeded draw); the rest forwarded to the real model server |
+| `brief` | "ok", whatever max_tokens: usage 5 prompt and 1 completion tokens (plain or streamed) |
 | anything else | forwarded to the real model server (`forward_to`), model `default` |
 
 `hits` counts requests by model, so a test can tell how many attempts reached it.
@@ -108,6 +109,9 @@ class FaultUpstream:
                                    b'"type": "invalid_request_error", "code": "context_length_exceeded"}}',
                         b"application/json")
             return
+        if model == "brief":
+            await _brief(send, stream)
+            return
         if failing:
             await _send(send, 503, b'{"error": {"message": "injected 503", "type": "server_error"}}',
                         b"application/json")
@@ -133,3 +137,22 @@ async def _send(send: Any, status: int, body: bytes, kind: bytes,
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", kind), *(extra or [])]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+BRIEF_USAGE = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+
+
+async def _brief(send: Any, stream: bool) -> None:
+    common = {"id": "chatcmpl-brief", "created": 0, "model": "brief"}
+    if not stream:
+        await _send(send, 200, orjson.dumps({**common, "object": "chat.completion", "usage": BRIEF_USAGE, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}),
+            b"application/json")
+        return
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+              {"choices": [], "usage": BRIEF_USAGE}]
+    body = b"".join(b"data: " + orjson.dumps({**common, "object": "chat.completion.chunk", **event}) + b"\n\n"
+                    for event in events) + b"data: [DONE]\n\n"
+    await _send(send, 200, body, b"text/event-stream")

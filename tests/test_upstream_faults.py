@@ -24,6 +24,7 @@ from tests.fault_upstream import FaultUpstream
 
 SOLO_KEY = "upstream-solo-key-0000"  # one request at a time: a slot that leaks refuses the next
 LOAD_KEY = "upstream-load-key-0000"  # limits out of the way for the flaky upstream's thousand requests
+METERED_KEY = "upstream-metered-key-0000"  # a tokens bucket that barely refills: what a request used is exact
 
 
 def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path) -> list[dict[str, Any]]:
@@ -43,6 +44,7 @@ def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path) -> l
         {"id": "down", "upstream": at(down_url, "default", retries=1, eject_after_failures=2, ejection_s=0.3,
                                       connect_timeout_s=0.5)},
         {"id": "flaky", "upstream": at(faulty, "flaky", retries=2, fallbacks=["good"])},
+        {"id": "brief", "upstream": at(faulty, "brief")},
     ]
 
 
@@ -55,13 +57,15 @@ def world(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> 
     down_port = free_port()  # nothing listens here until a test starts a server on it
     keys = [*TEST_OVERRIDES["auth"]["api_keys"],
             {"id": "solo", "tenant": "solo", "key": SOLO_KEY, "scopes": ["generate"]},
-            {"id": "load", "tenant": "load", "key": LOAD_KEY, "scopes": ["generate"]}]
+            {"id": "load", "tenant": "load", "key": LOAD_KEY, "scopes": ["generate"]},
+            {"id": "metered", "tenant": "metered", "key": METERED_KEY, "scopes": ["generate"]}]
     config = config_for_tests(
         auth={"api_keys": keys},
         ratelimit={"tenants": {**TEST_OVERRIDES["ratelimit"]["tenants"],
                                "solo": {"max_concurrent_requests": 1},
                                "load": {"requests_per_second": 1e6, "burst": 1e6, "tokens_per_minute": 1e9,
-                                        "token_burst": 1e8}}},
+                                        "token_burst": 1e8},
+                               "metered": {"tokens_per_minute": 0.006, "token_burst": 10000}}},
         router={"models": [*load_config()["router"]["models"],
                            *_routes(bare_http_upstream, fault, f"http://127.0.0.1:{down_port}/v1", key_file)]})
     stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0")
@@ -177,3 +181,22 @@ def test_an_upstream_failing_30_percent_with_503_is_hidden(world: dict[str, Any]
     assert ok >= 999, f"{1000 - ok} of 1000 requests failed"
     assert world["fault"].hits["flaky"] >= 1000 * 0.9  # it was tried, and failed about 30% of the time
     assert any(upstream == "good" for _, upstream in results)  # some were answered by the fallback
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_per_minute_count_what_the_upstream_used(world: dict[str, Any], stream: bool) -> None:
+    """Admission charges prompt bytes + max_tokens (200 here); the upstream says it used 6: the
+    tenant's tokens bucket ends 6 lower, not 200-odd, for a stream as for a whole answer."""
+    limiter = world["stack"].local_servicer("ratelimit")
+    key = (("tenant", "metered"), ("model", "brief"), ("resource", "tokens"))
+    client = _client(world, METERED_KEY)
+    before = limiter.bucket(key)
+    answer = client.chat.completions.create(model="brief", max_tokens=200, stream=stream,
+                                            messages=[{"role": "user", "content": f"meter {stream}"}])
+    if stream:
+        assert "".join(c.choices[0].delta.content or "" for c in answer if c.choices) == "ok"
+    else:
+        assert answer.usage is not None and answer.usage.total_tokens == 6
+    after = limiter.bucket(key)
+    level_before = 10000.0 if before is None else before.level
+    assert after is not None and abs((level_before - after.level) - 6) < 0.01

@@ -32,7 +32,8 @@ import uvicorn
 
 
 class FaultUpstream:
-    def __init__(self, forward_to: str, key: str | None, *, port: int = 0, fail_share: float = 0.3) -> None:
+    def __init__(self, forward_to: str, key: str | None, *, port: int = 0, fail_share: float = 0.3,
+                 tls: tuple[str, str] | None = None) -> None:
         self.forward_to = forward_to.rstrip("/")  # the real server's base_url (…/v1)
         self.key = key
         self.hits: Counter[str] = Counter()
@@ -43,14 +44,16 @@ class FaultUpstream:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", port))
         self.port = self._sock.getsockname()[1]
+        self.scheme = "https" if tls else "http"
+        certificate = {"ssl_certfile": tls[0], "ssl_keyfile": tls[1]} if tls else {}
         self._server = uvicorn.Server(uvicorn.Config(self._app, interface="asgi3", lifespan="off", log_level="error",
-                                                     access_log=False))
+                                                     access_log=False, **certificate))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._client: httpx2.AsyncClient | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{self.scheme}://127.0.0.1:{self.port}/v1"
 
     def start(self) -> FaultUpstream:
         self._thread.start()

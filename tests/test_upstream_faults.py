@@ -19,6 +19,7 @@ import pytest
 from runtime.config_file import load_config, placements_for
 from runtime.server import free_port
 from runtime.stack import Stack
+from spine.tools.dev_certs import write_dev_certs
 from tests.conftest import TEST_OVERRIDES, config_for_tests
 from tests.fault_upstream import FaultUpstream
 
@@ -27,7 +28,8 @@ LOAD_KEY = "upstream-load-key-0000"  # limits out of the way for the flaky upstr
 METERED_KEY = "upstream-metered-key-0000"  # a tokens bucket that barely refills: what a request used is exact
 
 
-def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path) -> list[dict[str, Any]]:
+def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path, secure: FaultUpstream,
+            ca: Path) -> list[dict[str, Any]]:
     def at(url: str, model: str, **options: Any) -> dict[str, Any]:
         return {"base_url": url, "model": model, **options}
 
@@ -45,6 +47,7 @@ def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path) -> l
                                       connect_timeout_s=0.5)},
         {"id": "flaky", "upstream": at(faulty, "flaky", retries=2, fallbacks=["good"])},
         {"id": "brief", "upstream": at(faulty, "brief")},
+        {"id": "secure", "upstream": at(secure.base_url, "forwarded", ca_file=str(ca))},
     ]
 
 
@@ -54,6 +57,9 @@ def world(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> 
     key_file = tmp / "bare.key"
     key_file.write_text(f"{bare_http_upstream.key}\n")
     fault = FaultUpstream(bare_http_upstream.base_url, bare_http_upstream.key).start()
+    certs = write_dev_certs(tmp / "certs")
+    secure = FaultUpstream(bare_http_upstream.base_url, bare_http_upstream.key,
+                           tls=(str(certs["server.pem"]), str(certs["server-key.pem"]))).start()
     down_port = free_port()  # nothing listens here until a test starts a server on it
     keys = [*TEST_OVERRIDES["auth"]["api_keys"],
             {"id": "solo", "tenant": "solo", "key": SOLO_KEY, "scopes": ["generate"]},
@@ -67,7 +73,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> 
                                         "token_burst": 1e8},
                                "metered": {"tokens_per_minute": 0.006, "token_burst": 10000}}},
         router={"models": [*load_config()["router"]["models"],
-                           *_routes(bare_http_upstream, fault, f"http://127.0.0.1:{down_port}/v1", key_file)]})
+                           *_routes(bare_http_upstream, fault, f"http://127.0.0.1:{down_port}/v1", key_file, secure,
+                                    certs["ca.pem"])]})
     stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0")
     stack.start()
     try:
@@ -76,6 +83,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> 
     finally:
         stack.stop()
         fault.stop()
+        secure.stop()
 
 
 def _client(world: dict[str, Any], key: str = SOLO_KEY) -> openai.OpenAI:
@@ -200,3 +208,15 @@ def test_tokens_per_minute_count_what_the_upstream_used(world: dict[str, Any], s
     after = limiter.bucket(key)
     level_before = 10000.0 if before is None else before.level
     assert after is not None and abs((level_before - after.level) - 6) < 0.01
+
+
+def test_an_https_upstream_is_verified_and_spoken_to_over_httpx2(world: dict[str, Any]) -> None:
+    """https with `http2: true`: httpx2 offers HTTP/2 by ALPN (this server takes HTTP/1.1), the
+    certificate checked against `ca_file`; plain and streamed."""
+    from services.inference.upstream.transports import Httpx2Transport
+
+    assert isinstance(world["endpoints"]["secure"].transport, Httpx2Transport)
+    assert _chat(world, "secure").headers["x-spine-upstream"] == "secure"
+    chunks = _client(world).chat.completions.create(model="secure", max_tokens=4, temperature=0.5, stream=True,
+                                                    messages=[{"role": "user", "content": "tls stream"}])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

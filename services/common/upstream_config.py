@@ -37,6 +37,8 @@ class UpstreamSpec(Section):
     connect_timeout_s: Annotated[Float, Field(gt=0)] = 2.0
     max_connections: Annotated[StrictInt, Field(ge=1)] = 100
     http2: StrictBool = True
+    ca_file: Path | None = Field(default=None, description="https: verify the upstream against this CA "
+                                                           "(default: the system's roots)")
     retries: Annotated[StrictInt, Field(ge=0, le=5)] = 2
     retry_budget: Annotated[Float, Field(ge=0, le=1)] = 0.2
     min_retries_per_s: Annotated[Float, Field(ge=0)] = 5.0

@@ -1,16 +1,11 @@
-"""One upstream server: its HTTP client, its health, its budget, and one attempt at it.
+"""One upstream server: its connection pool, its health, its budget, and one attempt at it.
 
-The client is httpx2's `AsyncClient` (the maintained continuation of httpx; the official
-`openai` and `anthropic` SDKs use it): one connection pool per upstream, keep-alive, and
-HTTP/2 where the upstream offers it (ALPN over TLS; plain http stays HTTP/1.1, which every
-OpenAI-compatible server speaks). It never reads proxies or certificates from the
-environment (`trust_env=False`): it calls exactly the configured URL.
-
-An attempt runs on the process's upstream loop (`loop.py`). It takes one of the upstream's
-`max_connections` slots first and gives it back in its `finally`, on the loop, so no path —
-an answer, an error, a hang cut off by its timeout, a client that went away — keeps a slot.
-At the cap an attempt fails at once as BUSY (Envoy's circuit breaker: fail fast, let a
-fallback answer) rather than queueing behind a slow upstream.
+The pool is the upstream's `Transport` (`transports.py`: aiohttp for HTTP/1.1, httpx2 where
+HTTP/2 may be negotiated). An attempt runs on the process's upstream loop (`loop.py`). It
+takes one of the upstream's `max_connections` slots first and gives it back in its
+`finally`, on the loop, so no path — an answer, an error, a hang cut off by its timeout, a
+client that went away — keeps a slot. At the cap an attempt fails at once as BUSY (Envoy's
+circuit breaker: fail fast, let a fallback answer) rather than queueing behind a slow upstream.
 """
 
 from __future__ import annotations
@@ -20,8 +15,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import httpx2
 
 from services.common import ConfigError
 from services.common.outlier import OutlierDetector, OutlierPolicy
@@ -37,6 +30,7 @@ from services.inference.upstream.protocols import (
     is_context_length,
 )
 from services.inference.upstream.retry_budget import RetryBudget
+from services.inference.upstream.transports import LinkError, SSEParser, transport_for
 from wire.v1 import generation_pb2
 
 log = logging.getLogger("spine.upstream")
@@ -76,22 +70,12 @@ class UpstreamEndpoint:
             spec.eject_after_failures, spec.ejection_s, spec.max_ejection_s), spec.timeout_s, clock)
         self.budget = RetryBudget(spec.retry_budget, spec.min_retries_per_s, clock=clock)
         self.in_flight = 0  # attempts holding a slot (changed on the loop thread only)
-        self._client: httpx2.AsyncClient | None = None
+        self.transport = transport_for(spec)
 
     def __repr__(self) -> str:  # what a client's error message names: never the upstream's address
         return f"upstream {self.model_id}"
 
     # -- on the loop ------------------------------------------------------------------------
-    def _http(self) -> httpx2.AsyncClient:
-        if self._client is None:
-            spec = self.spec
-            self._client = httpx2.AsyncClient(
-                http2=spec.http2 and spec.base_url.startswith("https:"), trust_env=False,
-                limits=httpx2.Limits(max_connections=spec.max_connections,
-                                     max_keepalive_connections=spec.max_connections, keepalive_expiry=30.0),
-                timeout=httpx2.Timeout(spec.timeout_s, connect=spec.connect_timeout_s))
-        return self._client
-
     def busy(self) -> AttemptFailure:
         return AttemptFailure(Kind.BUSY, f"{self!r} is at its cap of {self.spec.max_connections} requests at once "
                                          "(upstream.max_connections)")
@@ -109,19 +93,17 @@ class UpstreamEndpoint:
         self._take_slot()
         try:
             body = self.protocol.body(request, self.remote_model, stream=False)
-            async with self._http().stream("POST", self.url, content=body, headers=self.headers,
-                                           timeout=self._timeout(timeout_s)) as response:
-                if response.status_code != 200:
-                    raise self._http_failure(response.status_code, await _read_some(response, MAX_ERROR_BODY),
-                                             response.headers)
-                raw = await _read_some(response, MAX_ANSWER_BYTES + 1)
+            async with self.transport.post(self.url, self.headers, body, timeout_s) as reply:
+                if reply.status != 200:
+                    raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers)
+                raw = await reply.read(MAX_ANSWER_BYTES + 1)
             if len(raw) > MAX_ANSWER_BYTES:
                 raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered more than {MAX_ANSWER_BYTES} bytes", 200)
             return self.protocol.answer(raw)
         except Malformed as error:
             raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable: {error}", 200) from None
-        except httpx2.HTTPError as error:
-            raise self._transport_failure(error, timeout_s) from None
+        except LinkError as error:
+            raise self._link_failure(error, timeout_s) from None
         finally:
             self._give_slot()
 
@@ -132,43 +114,42 @@ class UpstreamEndpoint:
         self._take_slot()
         try:
             body = self.protocol.body(request, self.remote_model, stream=True)
-            async with self._http().stream("POST", self.url, content=body, headers=self.headers,
-                                           timeout=self._timeout(timeout_s)) as response:
-                if response.status_code != 200:
-                    raise self._http_failure(response.status_code, await _read_some(response, MAX_ERROR_BODY),
-                                             response.headers)
-                kind = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+            async with self.transport.post(self.url, self.headers, body, timeout_s) as reply:
+                if reply.status != 200:
+                    raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers)
+                kind = reply.headers.get("content-type", "").partition(";")[0].strip().lower()
                 if kind != "text/event-stream":
                     raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered a stream request with {kind or 'no'} "
                                                          "content-type, not text/event-stream", 200)
-                ended = False
-                async for event in httpx2.EventSource(response, max_event_size=MAX_EVENT_BYTES):
-                    delta = self.protocol.event(event.event, event.data)
-                    if delta is None:
-                        continue
-                    put(delta)
-                    if delta.end:
-                        ended = True
-                        break
-                if not ended:
+                if not await self._relay(reply.pieces(), put):
                     raise AttemptFailure(Kind.UNREACHABLE, f"{self!r} closed the stream before its end", 200)
             put(None)
         except AttemptFailure as failure:
             put(failure)
-        except Malformed as error:
+        except (Malformed, ValueError) as error:
             put(AttemptFailure(Kind.MALFORMED, f"{self!r} sent an unreadable stream: {error}", 200))
         except StreamError as error:
             put(AttemptFailure(Kind.FAILED, f"{self!r} reported an error in its stream: {error}", 200))
-        except httpx2.HTTPError as error:
-            put(self._transport_failure(error, timeout_s))
+        except LinkError as error:
+            put(self._link_failure(error, timeout_s))
         except Exception as error:  # never leave the reader waiting: whatever broke is said
             log.exception("%r: the stream failed", self)
             put(AttemptFailure(Kind.FAILED, f"{self!r}: {type(error).__name__}: {error}"))
         finally:
             self._give_slot()
 
-    def _timeout(self, timeout_s: float) -> httpx2.Timeout:
-        return httpx2.Timeout(timeout_s, connect=min(self.spec.connect_timeout_s, timeout_s))
+    async def _relay(self, pieces: Any, put: Callable[[Any], None]) -> bool:
+        """Each event's Delta to `put` as its bytes arrive; whether the stream reached its end."""
+        parser = SSEParser(MAX_EVENT_BYTES)
+        async for piece in pieces:
+            for name, data in parser.feed(piece):
+                delta = self.protocol.event(name, data)
+                if delta is None:
+                    continue
+                put(delta)
+                if delta.end:
+                    return True
+        return False
 
     def _http_failure(self, status: int, raw: bytes, headers: Any) -> AttemptFailure:
         message = error_message(raw)
@@ -180,28 +161,15 @@ class UpstreamEndpoint:
         what = {Kind.MISCONFIGURED: f" (check the upstream's api_key_file and model name {self.remote_model!r})"}
         return AttemptFailure(kind, f"{self!r} answered {status}: {message}{what.get(kind, '')}", status, wait)
 
-    def _transport_failure(self, error: httpx2.HTTPError, timeout_s: float) -> AttemptFailure:
-        if isinstance(error, httpx2.TimeoutException):
-            return AttemptFailure(Kind.TIMEOUT, f"{self!r} did not answer within {timeout_s:.3g}s "
-                                                f"({type(error).__name__})")
-        if isinstance(error, httpx2.DecodingError):
-            return AttemptFailure(Kind.MALFORMED, f"{self!r} sent an undecodable body: {error}")
-        return AttemptFailure(Kind.UNREACHABLE, f"{self!r} is unreachable: {type(error).__name__}: {error or 'closed'}")
+    def _link_failure(self, error: LinkError, timeout_s: float) -> AttemptFailure:
+        if error.kind == Kind.TIMEOUT:
+            return AttemptFailure(Kind.TIMEOUT, f"{self!r} did not answer within {timeout_s:.3g}s ({error})")
+        if error.kind == Kind.MALFORMED:
+            return AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable: {error}")
+        return AttemptFailure(Kind.UNREACHABLE, f"{self!r} is unreachable: {error}")
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-
-async def _read_some(response: httpx2.Response, limit: int) -> bytes:
-    """A body's first `limit` bytes: never an unbounded read of what an upstream sends."""
-    out = bytearray()
-    async for chunk in response.aiter_bytes():
-        out += chunk
-        if len(out) >= limit:
-            break
-    return bytes(out[:limit])
+        await self.transport.aclose()
 
 
 __all__ = ["Answer", "Delta", "UpstreamEndpoint"]

@@ -174,7 +174,9 @@ class AnthropicMessages:
     def body(request: generation_pb2.GenerateRequest, model: str, stream: bool) -> bytes:
         turns = _conversation(request)
         system = "\n\n".join(text for role, text in turns if role == "system")
-        body: dict[str, Any] = {"model": model, "max_tokens": request.max_tokens, "temperature": request.temperature,
+        # Anthropic's temperature runs 0..1 (the spine's, OpenAI's, 0..2): the nearest it takes.
+        body: dict[str, Any] = {"model": model, "max_tokens": request.max_tokens,
+                                "temperature": min(request.temperature, 1.0),
                                 "messages": [{"role": role, "content": text} for role, text in turns
                                              if role != "system"]}
         if system:

@@ -9,6 +9,7 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 | `bad-json` | 200 with a body that is not JSON |
 | `bad-sse` | 200 `text/event-stream` whose event is not JSON |
 | `overloaded` | 429 with `Retry-After: 30` |
+| `overloaded-once` | every other request: 429 with `Retry-After: 0.2`; the others forwarded |
 | `context` | 400 naming the maximum context length |
 | `flaky` | 503 for 30% of requests (a seeded draw); the rest forwarded to the real model server |
 | `brief` | "ok", whatever max_tokens: usage 5 prompt and 1 completion tokens (plain or streamed) |
@@ -106,6 +107,10 @@ class FaultUpstream:
         if model == "overloaded":
             await _send(send, 429, b'{"error": {"message": "slow down", "type": "rate_limit_error"}}',
                         b"application/json", [(b"retry-after", b"30")])
+            return
+        if model == "overloaded-once" and self.hits[model] % 2 == 1:
+            await _send(send, 429, b'{"error": {"message": "a moment", "type": "rate_limit_error"}}',
+                        b"application/json", [(b"retry-after", b"0.2")])
             return
         if model == "context":
             await _send(send, 400, b'{"error": {"message": "This model\'s maximum context length is 16 tokens", '

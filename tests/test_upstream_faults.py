@@ -42,6 +42,7 @@ def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path, secu
         {"id": "bad-sse", "upstream": at(faulty, "bad-sse", retries=1)},
         {"id": "overloaded", "upstream": at(faulty, "overloaded")},
         {"id": "overloaded-fb", "upstream": at(faulty, "overloaded", fallbacks=["good"])},
+        {"id": "overloaded-once", "upstream": at(faulty, "overloaded-once")},
         {"id": "too-long", "upstream": at(faulty, "context", context_fallback="good")},
         {"id": "down", "upstream": at(down_url, "default", retries=1, eject_after_failures=2, ejection_s=0.3,
                                       connect_timeout_s=0.5)},
@@ -134,6 +135,13 @@ def test_429_with_a_long_retry_after_is_said_or_falls_back(world: dict[str, Any]
     assert "answered 429: slow down" in error.message and world["fault"].hits["overloaded"] == 1
     answered = _chat(world, "overloaded-fb")
     assert answered.headers["x-spine-upstream"] == "good" and answered.headers["x-spine-attempts"] == "2"
+
+
+def test_429_with_a_short_retry_after_is_waited_out_and_retried(world: dict[str, Any]) -> None:
+    started = time.monotonic()
+    answered = _chat(world, "overloaded-once")
+    assert answered.headers["x-spine-upstream"] == "overloaded-once" and answered.headers["x-spine-attempts"] == "2"
+    assert time.monotonic() - started >= 0.2  # it waited what the upstream asked
 
 
 def test_a_prompt_too_long_falls_back_to_the_longer_context_model(world: dict[str, Any]) -> None:

@@ -89,6 +89,9 @@ def test_every_answer_says_its_overhead(http_stacks: dict[str, Stack]) -> None:
         openai_client(http_stacks["collapsed"], key="no-such-key").chat.completions.create(
             model="default", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert float(refused.value.response.headers["x-spine-overhead-duration-ms"]) >= 0
+    with pytest.raises(openai.BadRequestError) as bad:  # refused by the front itself, before the gateway
+        client.chat.completions.create(model="default", max_tokens=2, messages=[])
+    assert float(bad.value.response.headers["x-spine-overhead-duration-ms"]) >= 0
 
 
 def test_grpc_clients_get_the_upstream_in_trailers(http_stacks: dict[str, Stack]) -> None:

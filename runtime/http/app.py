@@ -40,6 +40,7 @@ from runtime.local_context import LocalContext
 from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
 from services.pipeline.pipeline import code_details
+from services.pipeline.verdicts import OVERHEAD_HEADER
 
 log = logging.getLogger("spine.http")
 
@@ -96,17 +97,18 @@ class HttpApi:
                 raise HttpError(405, "invalid_request_error", f"{path} takes {route[0]}, not {method}",
                                 (("allow", route[0]),))
             if path == "/v1/models":
-                await _send_json(send, 200, self._model_list(), base)
+                await _send_json(send, 200, self._model_list(), (*base, _overhead(arrived)))
                 return
             if path == "/health":
                 serving = self.serving()
-                await _send_json(send, 200 if serving else 503, orjson.dumps({"serving": serving}), base)
+                await _send_json(send, 200 if serving else 503, orjson.dumps({"serving": serving}),
+                                 (*base, _overhead(arrived)))
                 return
             body = await self._read_json(scope, receive, headers)
             parsed = _parse(path, body, self.default_max_tokens)
             metadata = (*request_metadata(headers), (REQUEST_ID_HEADER, request_id))
-        except HttpError as error:
-            await _send_error(send, api, error, base, request_id)
+        except HttpError as error:  # answered here, no model: all of its time is overhead
+            await _send_error(send, api, error, (*base, _overhead(arrived)), request_id)
             return
         context = LocalContext(metadata, arrived=arrived)
         watcher = asyncio.ensure_future(_watch_disconnect(receive, context))
@@ -303,6 +305,11 @@ async def _send_error(send: Send, api: Any, error: HttpError, trailing: Iterable
     if error.status == 499:  # nobody is listening
         return
     await _send_json(send, error.status, api.error_body(error, request_id), trailing, error.headers)
+
+
+def _overhead(arrived: float) -> tuple[str, str]:
+    """`x-spine-overhead-duration-ms` of an answer the front gives itself (no model was asked)."""
+    return OVERHEAD_HEADER, f"{(time.perf_counter() - arrived) * 1000.0:.3f}"
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

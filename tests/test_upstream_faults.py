@@ -20,7 +20,7 @@ from runtime.config_file import load_config, placements_for
 from runtime.server import free_port
 from runtime.stack import Stack
 from spine.tools.dev_certs import write_dev_certs
-from tests.conftest import TEST_OVERRIDES, config_for_tests
+from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests
 from tests.fault_upstream import FaultUpstream
 
 SOLO_KEY = "upstream-solo-key-0000"  # one request at a time: a slot that leaks refuses the next
@@ -44,7 +44,7 @@ def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path, secu
         {"id": "overloaded-fb", "upstream": at(faulty, "overloaded", fallbacks=["good"])},
         {"id": "overloaded-once", "upstream": at(faulty, "overloaded-once")},
         {"id": "too-long", "upstream": at(faulty, "context", context_fallback="good")},
-        {"id": "down", "upstream": at(down_url, "default", retries=1, eject_after_failures=2, ejection_s=0.3,
+        {"id": "down", "upstream": at(down_url, "default", retries=1, eject_after_failures=2, ejection_s=1.5,
                                       connect_timeout_s=0.5)},
         {"id": "flaky", "upstream": at(faulty, "flaky", retries=2, fallbacks=["good"])},
         {"id": "brief", "upstream": at(faulty, "brief")},
@@ -228,3 +228,28 @@ def test_an_https_upstream_is_verified_and_spoken_to_over_httpx2(world: dict[str
     chunks = _client(world).chat.completions.create(model="secure", max_tokens=4, temperature=0.5, stream=True,
                                                     messages=[{"role": "user", "content": "tls stream"}])
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_a_failing_upstream_never_ejects_the_inference_process(tmp_path: Path) -> None:
+    """With the model in its own process, the gateway's binding ejects the inference component
+    after `calls.eject_after_failures` failures in a row: an upstream's failures are that
+    component's answers, so the other models stay served."""
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    config = config_for_tests(
+        placements={name: "local" for name in ("auth", "ratelimit", "router", "cache", "metrics", "logs")}
+        | {"inference": "remote"},
+        calls={"eject_after_failures": 2},
+        router={"models": [*load_config()["router"]["models"],
+                           {"id": "down", "upstream": {"base_url": down, "retries": 0, "eject_after_failures": 100}}]})
+    stack = Stack(config, placements_for("mixed", config), run_dir=tmp_path / "run", http_listen="127.0.0.1:0")
+    stack.start()
+    try:
+        client = openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=DEV_KEY, max_retries=0)
+        for i in range(4):
+            with pytest.raises(openai.InternalServerError, match="upstream down is unreachable"):
+                client.chat.completions.create(model="down", max_tokens=2, messages=[{"role": "user", "content": f"{i}"}])
+        answer = client.chat.completions.create(model="default", max_tokens=2, temperature=0,
+                                                messages=[{"role": "user", "content": "still served"}])
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
+    finally:
+        stack.stop()

@@ -20,11 +20,11 @@ from runtime.binding_classes import foreign_binding, local_binding, remote_bindi
 from runtime.config_model import SpineConfig
 from runtime.foreign import ForeignBinding
 from runtime.gateway_health import ComponentHealth, Target, always_serving
-from runtime.outlier import OutlierDetector, OutlierPolicy
 from runtime.remote_binding import RemoteBinding, remote_channel
 from runtime.sections import TlsConfig
 from runtime.supervisor import Supervisor
 from services.common import ConfigError
+from services.common.outlier import OutlierDetector, OutlierPolicy
 from services.pipeline.calls import Hook
 from services.registry import Registry, close_servicer
 

@@ -24,10 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.bindings import LocalBinding
 from runtime.config_model import SpineConfig
-from runtime.outlier import OutlierDetector
 from runtime.remote_binding import RemoteBinding
 from runtime.sections import ForeignPlacement
 from runtime.server import RunningServer
+from services.common.outlier import OutlierDetector
 from services.pipeline.calls import Hook
 from services.registry import ComponentSpec, ForeignApi, Registry
 

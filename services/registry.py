@@ -290,9 +290,10 @@ def _logs(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
 
 
 def _inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    from services.common.upstream_config import upstream_routes
     from services.inference.models import MultiModelInference
 
-    return MultiModelInference(config.inference, device)
+    return MultiModelInference(config.inference, device, upstreams=upstream_routes(config.router.models))
 
 
 def _envoy_authz(config: ComponentConfig, call: Any) -> Any:

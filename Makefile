@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/wire/v1/*.proto)
 
-.PHONY: bindings install prometheus chromium redis containers image protos run rehearse test bench bench-image lint clean model
+.PHONY: install prometheus chromium redis containers image protos run rehearse test bench bench-image lint clean model
 
 install: $(VENV)/.installed wire/v1/.generated prometheus chromium redis containers
 
@@ -89,8 +89,3 @@ lint: install
 
 clean:
 	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json bench/image.json .cache/image
-
-# The binding classes (runtime/binding_classes.py) are written out from the component table;
-# after adding a component or an rpc, regenerate them (tests/test_binding_classes.py checks).
-bindings: install
-	$(PY) -m runtime.binding_codegen

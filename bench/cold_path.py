@@ -31,10 +31,10 @@ from bench.load import prompts, requests_for
 from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
 from runtime.config_file import load_config, placements_for
-from runtime.local_context import LocalContext
 from runtime.stack import Stack
+from services.pipeline.local_context import LocalContext
 
-PHASES = (("_begin", "begin"), ("_model_call", "model call"), ("_answer_trailing", "answer trailers"),
+PHASES = (("_begin", "begin"), ("_generate", "model call"), ("_answer_trailing", "answer trailers"),
           ("_finish", "finish"))
 
 

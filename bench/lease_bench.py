@@ -3,7 +3,7 @@
 Not part of `make bench` (it runs its own redis-server and, by default, two 30 s traffic
 runs). Three measurements, each in this process against a real `redis-server` on loopback:
 
-1. **decision cost**: `admit_items` of one request (the hot path, `TokenBucketTable.decide_alone`)
+1. **decision cost**: `admit` of one request (the hot path, `TokenBucketTable.decide_alone`)
    in a warm loop on one limiter without a store and on one leasing from the store, taking
    turns in rounds (the host's drift meets both alike); decisions per second each, the ratio,
    and the store's round trips per second meanwhile;
@@ -43,7 +43,7 @@ def limiter(address: str | None, tenants: dict[str, Any], prefix: str) -> RateLi
 
 def decisions_per_s(service: RateLimitService, count: int) -> float:
     item = [AdmitItem("bench", "m", 10)]
-    admit = service.admit_items
+    admit = service.admit
     started = time.perf_counter()
     for _ in range(count):
         admit(item)
@@ -86,7 +86,7 @@ def traffic(address: str, rate: float, seconds: float, skewed: bool, prefix: str
         while (elapsed := time.monotonic() - start) < seconds:
             while sent < int(elapsed * 10 * rate):
                 i = 0 if skewed else sent % 3
-                verdict = replicas[i].admit_items([AdmitItem("t", "m", 10)])[0]
+                verdict = replicas[i].admit([AdmitItem("t", "m", 10)])[0]
                 admitted[i] += isinstance(verdict, AdmitVerdict) and verdict.admitted
                 sent += 1
             time.sleep(0.001)
@@ -120,7 +120,7 @@ def partition(redis: LocalRedis, rate: float, seconds: float, prefix: str) -> di
         while (elapsed := time.monotonic() - start) < seconds:
             while sent < int(elapsed * 10 * rate):
                 i = sent % 3
-                verdict = replicas[i].admit_items([AdmitItem("t", "m", 10)])[0]
+                verdict = replicas[i].admit([AdmitItem("t", "m", 10)])[0]
                 admitted[i] += isinstance(verdict, AdmitVerdict) and verdict.admitted
                 sent += 1
             time.sleep(0.001)

@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalContext
 from services.inference.service import InferenceConfig, InferenceService
+from services.pipeline.local_context import LocalContext
 from wire.v1 import generation_pb2
 
 

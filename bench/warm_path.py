@@ -27,24 +27,25 @@ from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
 from runtime.config_file import load_config, placements_for
 from runtime.stack import Stack
+from services.inference.api import INFERENCE, Generated, Inference
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from wire.v1 import generation_pb2
 
 
 class CannedInference:
-    """The inference binding with `Generate` answering at once (everything else passes through)."""
+    """The inference component with `generate` answering at once (everything else passes through)."""
 
-    def __init__(self, binding: Any) -> None:
-        self._binding = binding
+    def __init__(self, inference: Inference) -> None:
+        self._inference = inference
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._binding, name)
+        return getattr(self._inference, name)
 
-    def Generate(self, request: generation_pb2.GenerateRequest, *, trailing_out: list[tuple[str, str]] | None = None,
-                 **_: Any) -> generation_pb2.GenerateResponse:
-        if trailing_out is not None:
-            trailing_out.append(("x-spine-load", f"{request.model}=0.1"))
-        return generation_pb2.GenerateResponse(text="canned answer", token_ids=list(range(8)), model=request.model,
-                                               finish_reason="length", prompt_tokens=24, completion_tokens=8)
+    def generate(self, request: generation_pb2.GenerateRequest, options: CallOptions = NO_OPTIONS) -> Generated:
+        return Generated(generation_pb2.GenerateResponse(text="canned answer", token_ids=list(range(8)),
+                                                         model=request.model, finish_reason="length",
+                                                         prompt_tokens=24, completion_tokens=8),
+                         (("x-spine-load", f"{request.model}=0.1"),))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gateway, pipeline, completions = stack.gateway, stack.pipeline, stack.completions
         assert gateway is not None and pipeline is not None and completions is not None
-        model = pipeline.model.component
-        pipeline.clients[model] = CannedInference(pipeline.clients[model])
+        assert stack.components is not None
+        stack.components.placed.swap("inference", CannedInference(stack.component(INFERENCE)))
         completions._busy = lambda: True  # the folder never fires: the windows are written below
         completions.interval_s = 3600.0
         metadata = (("authorization", f"Bearer {DEV_KEY}"),)

@@ -1,31 +1,35 @@
-"""Every component of a layout where it is placed, and the binding that reaches it.
+"""Every component of a layout where it is placed, and what reaches it behind its interface.
 
 A component placed `local` runs on a servicer built in this process on the shared device
-(called directly, `LocalBinding`); one placed `remote` is a supervised child process on a
-unix socket, or an address given (`remote_addresses`: the layered stack's children, which a
-spine in mid-migration shares), reached over gRPC (`RemoteBinding`); one a placement binds
-to a service the team already runs is reached in that service's protocol (`ForeignBinding`).
-Moving a component swaps its binding; its local servicer (and its state) is kept for the
-next move.
+(`runtime.in_process`); one placed `remote` is a supervised child process on a unix socket,
+or an address given (`remote_addresses`: the layered stack's children, which a spine in
+mid-migration shares), reached over gRPC (`runtime.remote`); one a placement binds to a
+service the team already runs is reached in that service's protocol (`runtime.foreign`).
+Callers hold none of these: they ask `placed` for the component's interface at each call, so
+moving a component swaps one object there; its local servicer (and its state) is kept for
+the next move.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.binding_classes import foreign_binding, local_binding, remote_binding
+import grpc
+
 from runtime.config_model import SpineConfig
-from runtime.foreign import ForeignBinding
+from runtime.foreign import foreign_client, foreign_health
 from runtime.gateway_health import ComponentHealth, Target, always_serving
-from runtime.remote_binding import RemoteBinding, remote_channel
-from runtime.sections import TlsConfig
+from runtime.in_process import in_process
+from runtime.remote import RemoteComponent, remote, remote_channel
+from runtime.sections import ForeignPlacement, TlsConfig
 from runtime.supervisor import Supervisor
 from services.common import ConfigError
 from services.common.outlier import OutlierDetector, OutlierPolicy
-from services.pipeline.calls import Hook
+from services.pipeline.interface import Placed
 from services.registry import Registry, close_servicer
 
 log = logging.getLogger("runtime")
@@ -35,12 +39,22 @@ def _down(reason: str) -> Callable[[], tuple[bool, str]]:
     return lambda: (False, reason)
 
 
+@dataclass(frozen=True)
+class _Reached:
+    """How a component is reached now: the implementation callers get, and for one in another
+    process its channel (closed when it is retired) and what its health is read from."""
+
+    implementation: object
+    channel: grpc.Channel | None = None
+    health: Target | None = None
+
+
 class Components:
-    """The servicers, child processes and bindings of one layout's components."""
+    """The servicers, child processes and placed implementations of one layout's components."""
 
     def __init__(self, registry: Registry, config: SpineConfig, placements: Mapping[str, str], *,
-                 run_dir: Path, device: Any, hooks: Sequence[Hook], remote_addresses: Mapping[str, str],
-                 tls: TlsConfig | None, foreign: Mapping[str, Any], budgets_ms: Mapping[str, float],
+                 run_dir: Path, device: Any, remote_addresses: Mapping[str, str],
+                 tls: TlsConfig | None, foreign: Mapping[str, ForeignPlacement], budgets_ms: Mapping[str, float],
                  outlier: OutlierPolicy, max_message_bytes: int, health_timeout_s: float,
                  servicers: Mapping[str, Any] | None = None) -> None:
         self.registry = registry
@@ -48,7 +62,6 @@ class Components:
         self.placements = dict(placements)
         self.run_dir = run_dir
         self.device = device
-        self.hooks = list(hooks)
         self.remote_addresses = remote_addresses
         self.tls = tls
         self.foreign = foreign  # components bound to the team's own services (their protocol, not ours)
@@ -58,12 +71,13 @@ class Components:
         self.health_timeout_s = health_timeout_s
         self.supervisor: Supervisor | None = None
         self.local_servicers: dict[str, Any] = dict(servicers or {})  # built by the caller, or on first use
-        self.bindings: dict[str, Any] = {}
-        self._retired: list[Any] = []
+        self.placed = Placed()  # what the pipeline, the gateway and Envoy's APIs call
+        self._reached: dict[str, _Reached] = {}
+        self._retired: list[_Reached] = []
         self._detectors: dict[str, OutlierDetector] = {}
 
     def start(self, config_path: Path) -> None:
-        """Spawn a child for each remote component that has no address, then bind every one."""
+        """Spawn a child for each remote component that has no address, then reach every one."""
         remote = [name for name in self.registry.names
                   if self.placements[name] == "remote" and name not in self.remote_addresses
                   and name not in self.foreign]
@@ -73,7 +87,8 @@ class Components:
                 self.supervisor.add_component(name, config_path)
             self.supervisor.start()
         for name in self.registry.names:
-            self.bindings[name] = self._bind(name)
+            reached = self._reached[name] = self._reach(name, self.placements[name])
+            self.placed.swap(name, reached.implementation)
 
     def local_servicer(self, name: str) -> Any:
         """The servicer `name` runs on when placed here: built once on the device (also before
@@ -96,24 +111,24 @@ class Components:
             detector = self._detectors[name] = OutlierDetector(name, self.outlier, budget_s)
         return detector
 
-    def _bind(self, name: str, placement: str | None = None) -> Any:
+    def _reach(self, name: str, placement: str) -> _Reached:
         spec = self.registry[name]
-        if (placement or self.placements[name]) == "local":
-            return local_binding(spec.descriptor())(name, spec.descriptor(), self.local_servicer(name), self.hooks)
+        interface = spec.interface
+        assert interface is not None, f"{name} has no interface to be reached through"
+        if placement == "local":
+            return _Reached(in_process(interface, self.local_servicer(name)))
         if name in self.foreign:  # a service the team already runs (`placements: {remote, protocol}`)
             endpoint = self.foreign[name]
             channel = remote_channel(endpoint.remote, self.max_message_bytes)
-            return foreign_binding(spec.descriptor())(spec, endpoint, self.config, channel, self.hooks,
-                                                      outlier=self._detector(name),
-                                                      health_timeout_s=self.health_timeout_s)
+            client = foreign_client(spec, endpoint, self.config, channel, self._detector(name))
+            return _Reached(client, channel, foreign_health(endpoint, channel, self.health_timeout_s))
         if name in self.remote_addresses:
             address = self.remote_addresses[name]
         else:
             assert self.supervisor is not None, f"{name} has no process to reach"
             address = self.supervisor.children[name].address
         channel = remote_channel(address, self.max_message_bytes, self.tls)
-        return remote_binding(spec.descriptor())(name, spec.descriptor(), spec.stub_class(), channel, self.hooks,
-                                                 outlier=self._detector(name))
+        return _Reached(remote(interface, spec.stub_class()(channel), channel, self._detector(name)), channel)
 
     def check(self, placements: Mapping[str, str]) -> dict[str, str]:
         """The placements after `placements` would be applied, or ConfigError naming the first
@@ -135,13 +150,15 @@ class Components:
         return merged
 
     def move(self, merged: Mapping[str, str]) -> None:
-        """Swap the binding of each component whose placement changes: one assignment in the
-        pipeline's table of clients (it holds this very dict) for each."""
+        """Swap what reaches each component whose placement changes: one swap in `placed`, which
+        every caller asks at each call."""
         for name in self.registry.names:
             if merged[name] == self.placements[name]:
                 continue
-            old = self.bindings[name]
-            self.bindings[name] = self._bind(name, merged[name])
+            reached = self._reach(name, merged[name])
+            old = self._reached[name]
+            self._reached[name] = reached
+            self.placed.swap(name, reached.implementation)
             self._retired.append(old)  # closed at stop(): in-flight calls on it finish first
         self.placements = dict(merged)
 
@@ -151,9 +168,9 @@ class Components:
         detector = self._detectors.get(name)
         if detector is not None:
             detector.set_health(state.serving, state.reason)
-        binding = self.bindings.get(name)
-        if not state.serving and isinstance(binding, RemoteBinding):
-            abandoned = binding.abandon(state.reason)
+        reached = self._reached.get(name)
+        if not state.serving and reached is not None and isinstance(reached.implementation, RemoteComponent):
+            abandoned = reached.implementation.abandon(state.reason)
             if abandoned:
                 log.warning("%s stopped answering: %d call(s) waiting on it end UNAVAILABLE", name, abandoned)
 
@@ -162,15 +179,15 @@ class Components:
         (`model_health`: the local model's deep health, when it runs one)."""
         targets: dict[str, Target] = {}
         for name in self.registry.names:
-            binding = self.bindings.get(name)
-            if binding is None:
+            reached = self._reached.get(name)
+            if reached is None:
                 continue
-            if isinstance(binding, ForeignBinding):  # the team's own service: its own health
-                targets[name] = binding.health
-            elif isinstance(binding, RemoteBinding):
+            if reached.health is not None:  # the team's own service: its own health
+                targets[name] = reached.health
+            elif reached.channel is not None:
                 supervisor = self.supervisor
                 down = supervisor.down_reason(name) if supervisor is not None and name in supervisor.children else None
-                targets[name] = binding.channel if down is None else _down(down)
+                targets[name] = reached.channel if down is None else _down(down)
             elif name == "inference" and model_health is not None:
                 targets[name] = model_health
             elif (check := getattr(self.local_servicers.get(name), "local_health", None)) is not None:
@@ -180,13 +197,14 @@ class Components:
         return targets
 
     def stop(self) -> None:
-        """Close every local servicer and binding, then stop every child."""
+        """Close every local servicer and channel, then stop every child."""
         for servicer in self.local_servicers.values():
             close_servicer(servicer)
         self.local_servicers.clear()
-        for binding in [*self.bindings.values(), *self._retired]:
-            binding.close()
-        self.bindings.clear()
+        for reached in [*self._reached.values(), *self._retired]:
+            if reached.channel is not None:
+                reached.channel.close()
+        self._reached.clear()
         self._retired.clear()
         if self.supervisor is not None:
             self.supervisor.stop()

@@ -19,13 +19,18 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from runtime.config_model import SpineConfig
-from runtime.local_context import LocalRpcError
-from wire.v1 import generation_pb2
+from services.inference.api import ChunkStream, Generated
+from services.pipeline.interface import NO_OPTIONS, CallOptions
+from services.pipeline.local_context import LocalRpcError
+from wire.v1 import generation_pb2, inference_pb2
+
+if TYPE_CHECKING:
+    from services.inference.service import InferenceService
 
 
 @dataclass
@@ -73,9 +78,20 @@ class WrongAnswers:
     Everything else is the wrapped servicer's.
     """
 
-    def __init__(self, servicer: Any, fault: FaultHook) -> None:
+    def __init__(self, servicer: InferenceService, fault: FaultHook) -> None:
         self._servicer = servicer
         self._fault = fault
+
+    def generate(self, request: generation_pb2.GenerateRequest, options: CallOptions = NO_OPTIONS) -> Generated:
+        return self._servicer.generate(self._altered(request), options)
+
+    def generate_stream(self, request: generation_pb2.GenerateRequest,
+                        options: CallOptions = NO_OPTIONS) -> ChunkStream:
+        return self._servicer.generate_stream(self._altered(request), options)
+
+    def models(self, request: inference_pb2.ModelInfoRequest,
+               options: CallOptions = NO_OPTIONS) -> inference_pb2.ModelInfoResponse:
+        return self._servicer.models(request, options)
 
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> Any:
         return self._servicer.Generate(self._altered(request), context)

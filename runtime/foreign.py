@@ -2,56 +2,52 @@
 
 Answering Envoy: every process that holds or reaches a component with a `ForeignApi` (auth:
 ext_authz, ratelimit: the rate limit service) also serves that API (`envoy_apis`). A layered
-child answers it with its own servicer; a spine or gateway with the component's binding *as
-placed now*, looked up on every call, so Envoy's filters get the same decision as the
-Gateway path at every stage of a migration: from a remote component while it is remote, from
-the spine's own state once it is local.
+child answers it with its own servicer; a spine or gateway with the component *as placed
+now*, looked up on every call, so Envoy's filters get the same decision as the Gateway path
+at every stage of a migration: from a remote component while it is remote, from the
+spine's own state once it is local.
 
 Speaking to a service the team already runs: a placement `{remote: HOST:PORT, protocol: P}`
-binds the component with a `ForeignBinding`, a remote binding whose stub is the protocol's
-client (`ForeignApi.client`): the pipeline calls the component's own batch rpcs and the client
-turns them into the foreign protocol's calls. Its health is the service's own gRPC health
-(the overall status, `""`); a service without a health service is up while it answers.
+reaches the component through that protocol's client (`ForeignApi.client`), one more
+implementation of its interface (`foreign_client`), guarded by the same outlier ejection as a
+remote one. Its health is the service's own gRPC health (the overall status, `""`); a service
+without a health service is up while it answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.bindings import LocalBinding
 from runtime.config_model import SpineConfig
-from runtime.remote_binding import RemoteBinding
+from runtime.in_process import in_process
+from runtime.remote import guarded
 from runtime.sections import ForeignPlacement
 from runtime.server import RunningServer
 from services.common.outlier import OutlierDetector
-from services.pipeline.calls import Hook
-from services.registry import ComponentSpec, ForeignApi, Registry
+from services.registry import ComponentConfig, ComponentSpec, ForeignApi, Registry
 
 
-class ForeignBinding(RemoteBinding):
-    """A remote binding to a service that speaks another protocol (`ForeignApi.client`)."""
+def foreign_client(spec: ComponentSpec, endpoint: ForeignPlacement, config: ComponentConfig,
+                   channel: grpc.Channel, detector: OutlierDetector) -> object:
+    """The component `spec` as the service at `endpoint` answers it, in that service's protocol."""
+    assert spec.interface is not None, f"{spec.name} has no interface"
+    client = foreign_api(spec, endpoint.protocol).build_client(channel, endpoint.options(), config)
+    return guarded(spec.interface, client, detector)
 
-    def __init__(self, spec: ComponentSpec, endpoint: ForeignPlacement, config: SpineConfig,
-                 channel: grpc.Channel, hooks: Sequence[Hook] = (), outlier: OutlierDetector | None = None,
-                 health_timeout_s: float = 0.5) -> None:
-        self.api = foreign_api(spec, endpoint.protocol)
-        self.endpoint = endpoint
-        self.health_timeout_s = health_timeout_s
-        client = self.api.build_client(channel, endpoint.options(), config)
-        # RemoteBinding makes its stub from the channel; this one is already made.
-        super().__init__(spec.name, spec.descriptor(), cast(type, lambda _channel: client), channel, hooks,
-                         outlier=outlier)
 
-    def health(self) -> tuple[bool, str]:
-        """(serving, reason) from the service's overall gRPC health."""
-        where = f"{self.api.protocol} service at {self.endpoint.remote}"
+def foreign_health(endpoint: ForeignPlacement, channel: grpc.Channel,
+                   timeout_s: float) -> Callable[[], tuple[bool, str]]:
+    """(serving, reason) of the service at `endpoint`, from its overall gRPC health."""
+    where = f"{endpoint.protocol} service at {endpoint.remote}"
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    def health() -> tuple[bool, str]:
         try:
-            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                   timeout=self.health_timeout_s)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except grpc.RpcError as error:
             code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
             if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -59,6 +55,8 @@ class ForeignBinding(RemoteBinding):
             return False, f"{where}: {getattr(code, 'name', code)}"
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{where}: {status}"
+
+    return health
 
 
 def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
@@ -69,24 +67,31 @@ def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
     raise ValueError(f"{spec.name} cannot be reached over {protocol!r} (its foreign protocols: {known})")
 
 
-def envoy_apis(registry: Iterable[ComponentSpec], config: SpineConfig, client_for: Callable[[str], Any],
+def envoy_apis(registry: Iterable[ComponentSpec], config: SpineConfig, component: Callable[[str], object],
                budgets_s: Mapping[str, float] | None = None) -> list[tuple[ComponentSpec, Any]]:
-    """The foreign APIs this process answers (none when `envoy_api.enabled` is false), each built
-    on `client_for(component)`: the component's binding, looked up on every call."""
+    """The foreign APIs this process answers (none when `envoy_api.enabled` is false), each on
+    `component(name)`: the component as placed at the time of each call."""
     if not config.envoy_api.enabled:
         return []
     budgets = budgets_s or {}
     served: list[tuple[ComponentSpec, Any]] = []
     for spec in registry:
-        call = _caller(spec.name, client_for, budgets.get(spec.name, spec.budget_ms / 1000.0))
-        served.extend((api.served(), api.build_server(config, call)) for api in spec.foreign)
+        budget_s = budgets.get(spec.name, spec.budget_ms / 1000.0)
+        served.extend((api.served(), api.build_server(config, _placed(component, spec.name), budget_s))
+                      for api in spec.foreign)
     return served
 
 
-def envoy_apis_of(spec: ComponentSpec, servicer: Any, config: SpineConfig) -> list[tuple[ComponentSpec, Any]]:
+def envoy_apis_of(spec: ComponentSpec, servicer: object, config: SpineConfig) -> list[tuple[ComponentSpec, Any]]:
     """What a layered child answers beside its own service: its foreign APIs on its own servicer."""
-    binding = LocalBinding(spec.name, spec.descriptor(), servicer)
-    return envoy_apis([spec], config, lambda _name: binding)
+    if spec.interface is None:
+        return []
+    local = in_process(spec.interface, servicer)
+    return envoy_apis([spec], config, lambda _name: local)
+
+
+def _placed(component: Callable[[str], object], name: str) -> Callable[[], object]:
+    return lambda: component(name)
 
 
 class EnvoyApiHealth:
@@ -113,9 +118,3 @@ class EnvoyApiHealth:
             self.running.set_serving(serving, service)
         if self.own_listener:
             self.running.set_serving(not self._down, "")
-
-
-def _caller(component: str, client_for: Callable[[str], Any], budget_s: float) -> Callable[[str, Any], Any]:
-    def call(method: str, request: Any) -> Any:
-        return client_for(component).call(method, request, timeout=budget_s)
-    return call

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from monolith.batched import BatchedAdmission, DeferredCompletions
 from monolith.device_on_use import DeviceOnFirstUse
@@ -39,6 +39,7 @@ from services.common.outlier import OutlierPolicy
 from services.gateway.service import Gateway
 from services.inference.output_policy import OutputPolicy
 from services.pipeline.calls import Hook
+from services.pipeline.interface import Interface
 from services.pipeline.pipeline import FailOpenCount, Pipeline
 from services.registry import DEFAULT, Registry
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # torch is imported only where a component allocates a tensor
     from monolith.device import DeviceContext
 
 log = logging.getLogger("runtime")
+T = TypeVar("T")
 
 
 @dataclass
@@ -116,7 +118,7 @@ class Stack:
         if tracing is not None:  # spans with the same names in every layout
             self.hooks = [*self.hooks, tracing.hook(self.layout)]
         components = self.components = Components(
-            self.registry, self.config, self.placements, run_dir=self.run_dir, device=self.device, hooks=self.hooks,
+            self.registry, self.config, self.placements, run_dir=self.run_dir, device=self.device,
             remote_addresses=self.remote_addresses, tls=self.config.tls, foreign=self.config.placements.foreign(),
             budgets_ms=budgets_ms, outlier=outlier, max_message_bytes=limits.max_message_bytes,
             health_timeout_s=self.health_timeout_s, servicers=self.servicers)
@@ -125,7 +127,7 @@ class Stack:
         try:
             components.start(config_path)
             fail_opens = FailOpenCount()
-            self.pipeline = Pipeline(self.registry.steps(limits, budgets_ms), components.bindings, hooks=self.hooks,
+            self.pipeline = Pipeline(self.registry.steps(limits, budgets_ms), components.placed, hooks=self.hooks,
                                      on_fail_open=fail_opens)
             self.gateway = Gateway(self.pipeline, limits, self.layout, fail_opens=fail_opens,
                                    internal_key=internal_key(self.config), policy=OutputPolicy.of(self.config.output_policy))
@@ -135,9 +137,9 @@ class Stack:
             self.metrics = MetricsExports(components.local_servicers, self.config, self.run_dir,
                                           components.local_inference)
             self.metrics.start()
-            # Envoy's APIs for the components that have one, answered by each one's binding as
-            # placed at the time of each call (see `runtime.foreign`).
-            envoy = envoy_apis(self.registry, self.config, lambda name: components.bindings[name],
+            # Envoy's APIs for the components that have one, answered by each one as placed at
+            # the time of each call (see `runtime.foreign`).
+            envoy = envoy_apis(self.registry, self.config, components.placed.named,
                                {name: ms / 1000.0 for name, ms in budgets_ms.items()})
             server = fronts.start_grpc(self.gateway, self.listen, envoy, self.config.envoy_api.listen, self.registry,
                                        self.probe_listen)
@@ -165,9 +167,10 @@ class Stack:
     def local_servicers(self) -> dict[str, Any]:
         return {} if self.components is None else self.components.local_servicers
 
-    @property
-    def bindings(self) -> dict[str, Any]:
-        return {} if self.components is None else self.components.bindings
+    def component(self, interface: Interface[T]) -> T:
+        """A component as this layout reaches it now (its servicer, a remote proxy or a foreign client)."""
+        assert self.components is not None, "stack not started"
+        return self.components.placed.get(interface)
 
     @property
     def server(self) -> RunningServer | None:
@@ -227,8 +230,8 @@ class Stack:
     def set_placements(self, placements: Mapping[str, str]) -> None:
         """Move components between local and remote without a restart.
 
-        Each swap is one assignment in the pipeline's table of clients: a request already
-        past that step is unaffected; the next one uses the new binding. A component moved
+        Each move is one swap behind the component's interface: a request already past that
+        step is unaffected; the next one reaches it where it is now. A component moved
         back to remote keeps its local servicer (and state) for the next move. Answers
         handed over to the old placement are written there first.
         """

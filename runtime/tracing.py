@@ -18,7 +18,6 @@ exports through a `BatchSpanProcessor` off the request path.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -43,18 +42,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from runtime.sections import EXPORTERS as EXPORTERS
 from runtime.sections import TracingConfig
 from runtime.sections import otlp_available as otlp_available
-from services.registry import DEFAULT
 
 ROOT_SPAN = "gateway.generate"
-
-
-@functools.cache
-def span_names() -> dict[tuple[str, str], str]:
-    """(component, rpc) -> span name, identical in every layout: from the component table,
-    read on first use. At import it imported every service module, torch with the
-    tensor-keeping ones, into processes that never need it (auth, the router, logs:
-    `monolith.device_on_use`)."""
-    return DEFAULT.span_names()
 
 
 # Server spans named by the public methods they serve; anything else keeps its gRPC name.
@@ -74,7 +63,9 @@ def current_traceparent() -> tuple[tuple[str, str], ...]:
 
 
 def span_name(component: str, method: str) -> str:
-    return span_names().get((component, method), f"{component}.{method.lower()}")
+    """A call's span name, the same in every layout: its component and the operation its
+    step stands for (`auth.check`, `inference.generate`)."""
+    return f"{component}.{method.lower()}"
 
 
 def make_exporter(name: str) -> SpanExporter | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ from services.logs.config import LogsConfig
 from services.logs.steps import LogsStep
 from services.metrics.config import MetricsConfig
 from services.metrics.steps import MetricsStep
+from services.pipeline.interface import Interface
 from services.pipeline.limits import RequestLimits
 from services.pipeline.step import FailMode, Step, StepPolicy
 from services.ratelimit.config import RateLimitConfig
@@ -52,7 +53,7 @@ from services.router.steps import RouterStep
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 Placement = Literal["local", "remote"]
 # The steps on the path that call no component: the gateway's own checks.
-GATEWAY_STEPS: tuple[type[Step], ...] = (ValidationStep,)
+GATEWAY_STEPS: tuple[type[Step[Any]], ...] = (ValidationStep,)
 
 
 def _resolve(path: str) -> Any:
@@ -88,12 +89,10 @@ class ComponentSpec:
     service: str  # the service's name in the proto, e.g. "Auth"
     factory: Factory  # builds the servicer
     config: type[Section] | None  # its config section's model (None: no section of its own)
-    steps: tuple[type[Step], ...]  # the pipeline steps that call it (their order: the registry's path)
+    steps: tuple[type[Step[Any]], ...]  # the pipeline steps that call it (their order: the registry's path)
     fail_mode: FailMode = FailMode.CLOSED
     budget_ms: float = 250.0  # the default call budget of its stages
     middleware: bool = True  # False for the model: placed, but not migrated as a middleware
-    # Batch rpcs whose spans carry the per-request rpc's name (e.g. CheckBatch -> Check).
-    batch_methods: Mapping[str, str] = field(default_factory=dict)
     # Codes it answers with that reach the client as they are (a fail-closed component's
     # own verdicts); any other failure of a fail-closed component is UNAVAILABLE.
     passes: frozenset[grpc.StatusCode] = frozenset()
@@ -103,6 +102,11 @@ class ComponentSpec:
     foreign: tuple[ForeignApi, ...] = ()
     # Where `placements:` puts it when the config leaves it out.
     placement: Placement = "remote"
+
+    @property
+    def interface(self) -> Interface[Any] | None:
+        """Its interface (`services/<name>/api.py`), as its steps declare it (None: it has no step)."""
+        return self.steps[0].interface if self.steps else None
 
     def descriptor(self) -> pb_descriptor.ServiceDescriptor:
         module = importlib.import_module(self.proto_module)
@@ -145,7 +149,8 @@ class ForeignApi:
     protocol: str  # its name in placements, e.g. "envoy-rls"
     proto_module: str  # e.g. "envoy.service.ratelimit.v3.rls_pb2"
     service: str  # the service's name in that proto, e.g. "RateLimitService"
-    server: Callable[[ComponentConfig, Any], Any]  # (config, call) -> servicer; call(method, request) runs the component's rpc
+    # (config, the component as placed at each call, its call budget in s) -> the API's servicer
+    server: Callable[[ComponentConfig, Callable[[], Any], float], Any]
     # (channel, the placement's options, config) -> a stub with the component's call shape
     client: Callable[[grpc.Channel, Mapping[str, Any], ComponentConfig], Any]
 
@@ -153,8 +158,8 @@ class ForeignApi:
         """What a server registers (the service, its health and reflection names)."""
         return ComponentSpec(self.protocol, self.proto_module, self.service, _no_factory, None, ())
 
-    def build_server(self, config: ComponentConfig, call: Any) -> Any:
-        return self.server(config, call)
+    def build_server(self, config: ComponentConfig, component: Callable[[], Any], budget_s: float) -> Any:
+        return self.server(config, component, budget_s)
 
     def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
         return self.client(channel, options, config)
@@ -164,14 +169,14 @@ class Registry:
     """An ordered set of components and the request path through their steps; the default
     one is `DEFAULT`, tests may extend it."""
 
-    def __init__(self, specs: Iterable[ComponentSpec], path: Sequence[type[Step]]) -> None:
+    def __init__(self, specs: Iterable[ComponentSpec], path: Sequence[type[Step[Any]]]) -> None:
         self._specs: dict[str, ComponentSpec] = {}
         for spec in specs:
             if spec.name in self._specs:
                 raise ValueError(f"component {spec.name!r} is declared twice")
             self._specs[spec.name] = spec
         self.path = tuple(path)
-        self._owner: dict[type[Step], ComponentSpec] = {cls: spec for spec in self for cls in spec.steps}
+        self._owner: dict[type[Step[Any]], ComponentSpec] = {cls: spec for spec in self for cls in spec.steps}
         placed = set(self.path)
         missing = [cls.__name__ for cls in self._owner if cls not in placed]
         unknown = [cls.__name__ for cls in self.path if cls not in self._owner and cls not in GATEWAY_STEPS]
@@ -209,43 +214,29 @@ class Registry:
         protocols a placement may name for it)."""
         return tuple((spec.name, spec.placement, tuple(api.protocol for api in spec.foreign)) for spec in self)
 
-    def with_component(self, spec: ComponentSpec, *, after: type[Step]) -> Registry:
+    def with_component(self, spec: ComponentSpec, *, after: type[Step[Any]]) -> Registry:
         """This table plus one more component, its steps joining the path right after `after`."""
         at = self.path.index(after) + 1
         return Registry([*self, spec], [*self.path[:at], *spec.steps, *self.path[at:]])
 
-    def steps(self, limits: RequestLimits, budgets_ms: Mapping[str, float] | None = None) -> list[Step]:
+    def steps(self, limits: RequestLimits, budgets_ms: Mapping[str, float] | None = None) -> list[Step[Any]]:
         """The request path: every component's steps plus the gateway's own, in `path` order."""
         budgets = budgets_ms or {}
-        steps: list[Step] = []
+        steps: list[Step[Any]] = []
         for cls in self.path:
             spec = self._owner.get(cls)
             policy = StepPolicy("") if spec is None else spec.policy(budgets.get(spec.name))
             steps.append(cls(policy, limits))
         return steps
 
-    def span_names(self) -> dict[tuple[str, str], str]:
-        """(component, rpc) -> span name, the same in every layout: the step's name for the
-        rpc it stands for and for the batch rpc it sends."""
-        names: dict[tuple[str, str], str] = {}
-        for spec in self:
-            for cls in spec.steps:
-                span = f"{spec.name}.{cls.method.lower()}"
-                names[(spec.name, cls.method)] = span
-                for batch, single in spec.batch_methods.items():
-                    if single == cls.method:
-                        names[(spec.name, batch)] = span
-        return names
 
 
-def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step], ...],
-          batch_methods: Mapping[str, str], factory: Factory, *,
+def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step[Any]], ...], factory: Factory, *,
           passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
           budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = (),
           placement: Placement = "local") -> ComponentSpec:
     return ComponentSpec(name, f"wire.v1.{name}_pb2", service, factory, config, steps,
-                         fail_mode, budget_ms, middleware, batch_methods, frozenset(passes), foreign=foreign,
-                         placement=placement)
+                         fail_mode, budget_ms, middleware, frozenset(passes), foreign=foreign, placement=placement)
 
 
 def _no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
@@ -296,16 +287,16 @@ def _inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> A
     return MultiModelInference(config.inference, device, upstreams=upstream_routes(config.router.models))
 
 
-def _envoy_authz(config: ComponentConfig, call: Any) -> Any:
+def _envoy_authz(config: ComponentConfig, auth: Callable[[], Any], budget_s: float) -> Any:
     from services.auth.envoy_authz import EnvoyAuthorization
 
-    return EnvoyAuthorization(call)
+    return EnvoyAuthorization(auth, budget_s)
 
 
-def _envoy_rls(config: ComponentConfig, call: Any) -> Any:
+def _envoy_rls(config: ComponentConfig, ratelimit: Callable[[], Any], budget_s: float) -> Any:
     from services.ratelimit.envoy_ratelimit import EnvoyRateLimit, ModelNames
 
-    return EnvoyRateLimit(call, config.ratelimit.domain, ModelNames(config.router))
+    return EnvoyRateLimit(ratelimit, budget_s, config.ratelimit.domain, ModelNames(config.router))
 
 
 def _envoy_authz_client(channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
@@ -328,23 +319,21 @@ ENVOY_RLS = ForeignApi("envoy-rls", "envoy.service.ratelimit.v3.rls_pb2", "RateL
 
 _CODE = grpc.StatusCode
 DEFAULT = Registry([
-    _spec("auth", "Auth", AuthConfig, (AuthStep,), {"CheckBatch": "Check"}, _auth,
+    _spec("auth", "Auth", AuthConfig, (AuthStep,), _auth,
           passes=(_CODE.UNAUTHENTICATED, _CODE.PERMISSION_DENIED), foreign=(ENVOY_EXT_AUTHZ,), placement="remote"),
-    _spec("ratelimit", "RateLimit", RateLimitConfig, (RateLimitStep, ReleaseStep),
-          {"AdmitBatch": "Admit", "ShouldRateLimit": "Admit", "ReleaseBatch": "Release"}, _ratelimit,
+    _spec("ratelimit", "RateLimit", RateLimitConfig, (RateLimitStep, ReleaseStep), _ratelimit,
           passes=(_CODE.INVALID_ARGUMENT, _CODE.RESOURCE_EXHAUSTED), foreign=(ENVOY_RLS,), placement="remote"),
-    _spec("router", "Router", RouterConfig, (RouterStep,), {"ResolveBatch": "Resolve"}, _router,
+    _spec("router", "Router", RouterConfig, (RouterStep,), _router,
           passes=(_CODE.NOT_FOUND,)),
-    _spec("cache", "Cache", CacheConfig, (CacheLookupStep, CacheStoreStep), {"LookupBatch": "Lookup", "StoreBatch": "Store"},
-          _cache, fail_mode=FailMode.OPEN),
-    _spec("metrics", "Metrics", MetricsConfig, (MetricsStep,), {"RecordBatch": "Record"}, _metrics,
+    _spec("cache", "Cache", CacheConfig, (CacheLookupStep, CacheStoreStep), _cache, fail_mode=FailMode.OPEN),
+    _spec("metrics", "Metrics", MetricsConfig, (MetricsStep,), _metrics,
           fail_mode=FailMode.OPEN, budget_ms=1000.0),
-    _spec("logs", "Logs", LogsConfig, (LogsStep,), {"AppendBatch": "Append"}, _logs, fail_mode=FailMode.OPEN,
+    _spec("logs", "Logs", LogsConfig, (LogsStep,), _logs, fail_mode=FailMode.OPEN,
           budget_ms=1000.0),
     # The model: its budget is the compute budget it enforces itself; the call is bounded
     # by the request's deadline. One component serves every configured model
     # (`inference.models`), each with its own engine, KV pool and scheduler.
-    _spec("inference", "Inference", InferenceConfig, (InferenceStep,), {"GenerateStream": "Generate"}, _inference,
+    _spec("inference", "Inference", InferenceConfig, (InferenceStep,), _inference,
           passes=(_CODE.INVALID_ARGUMENT, _CODE.DEADLINE_EXCEEDED, _CODE.RESOURCE_EXHAUSTED, _CODE.CANCELLED,
                   _CODE.NOT_FOUND),
           budget_ms=float("inf"), middleware=False),

@@ -1,9 +1,10 @@
-"""Adding a middleware = its proto, its service (the servicer and its stage), one table entry.
+"""Adding a middleware = its proto, its package (its interface, servicer and stage), one table entry.
 
 A throwaway `audit` middleware, defined entirely in this file (its proto is compiled here),
 joins the request path of both layouts through one `ComponentSpec`: its config section is
 checked, its placement is a knob, its stage runs in order, its spans are named, a plan may
-move it and its own verdict reaches the client.
+move it and its own verdict reaches the client — in the spine through its servicer, across
+the wire through the one generic remote proxy, made from its interface's codec.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import importlib
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import pytest
@@ -25,8 +27,11 @@ from runtime.config_file import SpineConfig, load_config
 from runtime.config_model import root_model
 from runtime.server import start_server
 from runtime.stack import Stack
-from services.common import ConfigError, DeviceState, abort_on_item, set_status
+from runtime.tracing import span_name
+from services.common import ConfigError, DeviceState, set_status, status_code
 from services.common.config_section import Items, NonEmptyStr, Section
+from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface
 from services.pipeline.state import RequestState
 from services.pipeline.step import FailMode, Step, StepCall
 from services.ratelimit.steps import RateLimitStep
@@ -47,7 +52,6 @@ message SeenBatchRequest { repeated SeenRequest items = 1; }
 message SeenBatchResponse { repeated SeenResult results = 1; }
 
 service Audit {
-  rpc Seen(SeenRequest) returns (SeenResult);
   rpc SeenBatch(SeenBatchRequest) returns (SeenBatchResponse);
 }
 """
@@ -68,6 +72,38 @@ def _compile_audit_proto() -> Any:
 audit_pb2 = _compile_audit_proto()
 
 
+# -- its interface: what its callers see, and how its one operation crosses the wire ----------
+
+@dataclass(slots=True)
+class Seen:
+    tenant: str
+    model: str
+
+
+class Audit(Protocol):
+    def seen(self, items: Sequence[Seen], options: CallOptions = NO_OPTIONS) -> list[ItemError | None]: ...
+
+
+def _encode_results(results: Sequence[ItemError | None]) -> Any:
+    answer = audit_pb2.SeenBatchResponse()
+    for result in results:
+        item = answer.results.add()
+        if result is not None:
+            set_status(item.status, result.code, result.message)
+    return answer
+
+
+SEEN_BATCH: BatchRpc[Seen, None] = BatchRpc(
+    rpc="SeenBatch", method="seen",
+    encode_items=lambda items: audit_pb2.SeenBatchRequest(
+        items=[audit_pb2.SeenRequest(tenant=item.tenant, model=item.model) for item in items]),
+    decode_items=lambda request: [Seen(item.tenant, item.model) for item in request.items],
+    encode_results=_encode_results,
+    decode_results=lambda answer: [ItemError(status_code(result.status.code), result.status.message)
+                                   if result.status.code else None for result in answer.results])
+AUDIT_API: Interface[Audit] = Interface("audit", [SEEN_BATCH])
+
+
 # -- the service -------------------------------------------------------------------------------
 
 class AuditSection(Section):
@@ -79,22 +115,19 @@ class AuditService:
 
     def __init__(self, config: AuditSection) -> None:
         self.config = config
-        self.seen: list[tuple[str, str]] = []
+        self.seen_so_far: list[tuple[str, str]] = []
+
+    def seen(self, items: Sequence[Seen], options: CallOptions = NO_OPTIONS) -> list[ItemError | None]:
+        results: list[ItemError | None] = []
+        for item in items:
+            self.seen_so_far.append((item.tenant, item.model))
+            blocked = item.tenant in self.config.blocked
+            results.append(ItemError(grpc.StatusCode.PERMISSION_DENIED, f"tenant {item.tenant!r} is blocked by audit")
+                           if blocked else None)
+        return results
 
     def SeenBatch(self, request: Any, context: Any = None) -> Any:
-        answer = audit_pb2.SeenBatchResponse()
-        for item in request.items:
-            result = answer.results.add()
-            self.seen.append((item.tenant, item.model))
-            if item.tenant in self.config.blocked:
-                set_status(result.status, grpc.StatusCode.PERMISSION_DENIED,
-                           f"tenant {item.tenant!r} is blocked by audit")
-        return answer
-
-    def Seen(self, request: Any, context: Any) -> Any:
-        result = self.SeenBatch(audit_pb2.SeenBatchRequest(items=[request])).results[0]
-        abort_on_item(result.status, context)
-        return result
+        return SEEN_BATCH.serve(self, request, context)
 
 
 def build(config: ComponentConfig, device: DeviceState, run_dir: Path) -> AuditService:
@@ -102,22 +135,20 @@ def build(config: ComponentConfig, device: DeviceState, run_dir: Path) -> AuditS
     return AuditService(section)
 
 
-class AuditStep(Step):
+class AuditStep(Step[Audit]):
+    interface = AUDIT_API
     method = "Seen"
 
-    def decide(self, batch: list[RequestState], call: StepCall) -> None:
-        request = audit_pb2.SeenBatchRequest()
-        for state in batch:
-            request.items.add(tenant=state.tenant, model=state.model)
-        self.answered(call, batch, call("SeenBatch", request).results)
+    def decide(self, batch: list[RequestState], call: StepCall[Audit]) -> None:
+        results = call.component.seen([Seen(state.tenant, state.model) for state in batch], call.options)
+        self.answered(call, batch, results)
 
 
 # -- the one table entry -------------------------------------------------------------------------
 
 AUDIT = ComponentSpec(
     "audit", "spinetest.v1.audit_pb2", "Audit", build, AuditSection,
-    (AuditStep,), FailMode.CLOSED, batch_methods={"SeenBatch": "Seen"},
-    passes=frozenset({grpc.StatusCode.PERMISSION_DENIED}))
+    (AuditStep,), FailMode.CLOSED, passes=frozenset({grpc.StatusCode.PERMISSION_DENIED}))
 REGISTRY = DEFAULT.with_component(AUDIT, after=RateLimitStep)  # after the rate limit, before the cache
 
 
@@ -147,7 +178,7 @@ def test_the_table_entry_is_enough_for_config_plans_spans_and_order() -> None:
     assert REGISTRY.middlewares == (*DEFAULT.middlewares, "audit")
     model = root_model(REGISTRY)
     assert "audit" in model.model_fields and "audit" in model.model_fields["placements"].annotation.model_fields
-    assert REGISTRY.span_names()[("audit", "SeenBatch")] == "audit.seen"
+    assert AUDIT.interface is AUDIT_API and span_name("audit", AuditStep.method) == "audit.seen"
     names = [stage.name for stage in REGISTRY.steps(load_limits())]
     assert names.index("ratelimit.admit") < names.index("audit.seen") < names.index("cache.lookup")
     plan = load_plan("name: p\nstages:\n  - name: audit-local\n    spine_weight: 10\n    hold_s: 1\n"
@@ -170,7 +201,7 @@ def test_a_new_middleware_runs_in_the_spine_and_its_verdict_reaches_the_client(c
     stack = Stack(config_with({}), placements("local"), run_dir=tmp_path / "open", registry=REGISTRY)
     result = client_of(stack).generate(request("audited"))
     assert result.code == grpc.StatusCode.OK
-    assert stack.local_servicers["audit"].seen == [("dev", "tiny-lm")]
+    assert stack.local_servicers["audit"].seen_so_far == [("dev", "tiny-lm")]
 
     blocked = Stack(config_with({"blocked": ["dev"]}), placements("local"), run_dir=tmp_path / "blocked",
                     registry=REGISTRY)
@@ -188,7 +219,7 @@ def test_a_new_middleware_runs_in_its_own_process_too(client_of: Any, tmp_path: 
                       remote_addresses={"audit": server.address})
         result = client_of(stack).generate(request("audited over the wire"))
         assert result.code == grpc.StatusCode.OK
-        assert servicer.seen == [("dev", "tiny-lm")]
+        assert servicer.seen_so_far == [("dev", "tiny-lm")]
         assert stack.layout == "mixed"
     finally:
         server.stop(0)

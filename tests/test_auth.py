@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from services.auth.config import AuthConfig
 from services.auth.service import AuthDenied, AuthService
+from tests.batch_of_one import one
 from tests.conftest import served
 from wire.v1 import auth_pb2, auth_pb2_grpc
 
@@ -106,7 +107,8 @@ def handmade_token(header: dict[str, Any], payload: dict[str, Any], sign: Any) -
 
 
 def check(stub: auth_pb2_grpc.AuthStub, credential: str) -> auth_pb2.CheckResponse:
-    return stub.Check(auth_pb2.CheckRequest(credential=credential), timeout=10)
+    return one(stub.CheckBatch(auth_pb2.CheckBatchRequest(items=[auth_pb2.CheckRequest(credential=credential)]),
+                               timeout=10))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """A stage's batch call reads the same in-process and over the wire.
 
-In the spine a stage's items go straight to the servicer's plain method; in the layered
-stack they are encoded into the batch rpc, served (decoded, decided by that same method,
-encoded) and the answer decoded. For random batches (good and bad credentials, known and
+In the spine a stage's items go straight to the servicer's operation (`runtime.in_process`);
+in the layered stack they are encoded into the batch rpc, served (decoded, decided by that
+same operation, encoded) and the answer decoded. For random batches (good and bad credentials, known and
 unknown models, malformed and over-limit rate-limit asks, cache hits, misses and bad
 items) both paths give equal results on two servicers that start equal, and the wire
 path's messages are the proto contract (`serve` answers what the rpc answers).
@@ -20,24 +20,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalBinding
+from runtime.in_process import in_process
+from services.auth.api import AUTH, CHECK_BATCH
 from services.auth.service import AuthService
-from services.auth.steps import CHECK_BATCH
+from services.cache.api import LOOKUP_BATCH, STORE_BATCH, StoreItem
 from services.cache.service import CacheService
-from services.cache.steps import LOOKUP_BATCH, STORE_BATCH, StoreItem
+from services.logs.api import APPEND_BATCH, LogEntry
 from services.logs.config import LogsConfig
 from services.logs.service import LogsService
-from services.logs.steps import APPEND_BATCH, LogEntry
+from services.metrics.api import RECORD_BATCH, MetricsRecord
 from services.metrics.service import MetricsConfig, MetricsService
-from services.metrics.steps import RECORD_BATCH, MetricsRecord
 from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.pipeline.interface import CallOptions
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
 from services.ratelimit.service import RateLimitService
 from services.registry import DEFAULT
+from services.router.api import RESOLVE_BATCH
 from services.router.service import RouterService
-from services.router.steps import RESOLVE_BATCH
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
-from wire.v1 import batch_pb2, cache_pb2, generation_pb2, metrics_pb2
+from wire.v1 import batch_pb2, generation_pb2, metrics_pb2
 
 CONFIG = config_for_tests(ratelimit={"tenants": {
     "tight": {"requests_per_second": 0.5, "burst": 2, "tokens_per_minute": 600, "token_burst": 60,
@@ -67,9 +68,11 @@ def _same(local: list[Any], wire: list[Any]) -> None:
 
 
 def _both(rpc: BatchRpc[Any, Any], local: Any, remote: Any, items: list[Any]) -> None:
-    in_process = LocalBinding("x", DEFAULT[_component(rpc)].descriptor(), local).call_batch(rpc, list(items))
+    interface = DEFAULT[_component(rpc)].interface
+    assert interface is not None
+    direct = getattr(in_process(interface, local), rpc.method)(list(items))
     over_wire = rpc.decode_results(getattr(remote, rpc.rpc)(rpc.encode_items(list(items)), None))
-    _same(in_process, over_wire)
+    _same(direct, over_wire)
 
 
 def _component(rpc: BatchRpc[Any, Any]) -> str:
@@ -118,7 +121,7 @@ def test_rate_limit_reads_the_same_in_process_and_over_the_wire(batches: list[li
 def _cache() -> CacheService:
     service = CacheService(CONFIG.cache, DeviceContext())
     answer = generation_pb2.GenerateResponse(text="abcd", token_ids=[1, 2, 3, 4], model="tiny-lm", completion_tokens=4)
-    service.Store(cache_pb2.CacheStoreRequest(tenant="dev", request=CACHED, response=answer), None)
+    service.store([StoreItem("dev", answer, request=CACHED)])
     return service
 
 
@@ -138,17 +141,17 @@ def test_cache_lookup_reads_the_same_in_process_and_over_the_wire(items: list[An
 def test_an_in_process_batch_call_keeps_the_wires_rules() -> None:
     """No time left is DEADLINE_EXCEEDED before the servicer runs; its exception is UNKNOWN."""
     service = AuthService(CONFIG.auth, DeviceContext())
-    binding = LocalBinding("auth", DEFAULT["auth"].descriptor(), service)
+    auth = in_process(AUTH, service)
     with pytest.raises(grpc.RpcError) as late:
-        binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=0.0)
+        auth.check([DEV_KEY], CallOptions(timeout=0.0))
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
-    def broken(credentials: Any) -> Any:
+    def broken(credentials: Any, options: Any = None) -> Any:
         raise RuntimeError("table gone")
 
-    service.check_items = broken  # type: ignore[method-assign]
+    service.check = broken  # type: ignore[method-assign]
     with pytest.raises(grpc.RpcError) as failed:
-        binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=1.0)
+        auth.check([DEV_KEY], CallOptions(timeout=1.0))
     assert failed.value.code() == grpc.StatusCode.UNKNOWN and "table gone" in failed.value.details()
 
 
@@ -209,18 +212,18 @@ def test_an_in_process_answer_after_the_deadline_is_deadline_exceeded() -> None:
     """As on the wire: a component that answers too late has not answered (the runner then
     stops a fail-closed stage's requests with UNAVAILABLE, naming the budget)."""
     service = AuthService(CONFIG.auth, DeviceContext())
-    binding = LocalBinding("auth", DEFAULT["auth"].descriptor(), service)
-    check = service.check_items
+    auth = in_process(AUTH, service)
+    check = service.check
 
-    def slow(credentials: Any) -> Any:
+    def slow(credentials: Any, options: Any = None) -> Any:
         time.sleep(0.05)
         return check(credentials)
 
-    service.check_items = slow  # type: ignore[method-assign]
+    service.check = slow  # type: ignore[method-assign]
     with pytest.raises(grpc.RpcError) as late:
-        binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=0.01)
+        auth.check([DEV_KEY], CallOptions(timeout=0.01))
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert binding.call_batch(CHECK_BATCH, [DEV_KEY], timeout=5.0)[0].principal.tenant == "dev"
+    assert auth.check([DEV_KEY], CallOptions(timeout=5.0))[0].principal.tenant == "dev"
 
 
 def test_a_status_code_grpc_does_not_define_fails_that_item_alone() -> None:
@@ -238,7 +241,7 @@ LONE = st.builds(AdmitItem, tenant=st.sampled_from(["dev", "small", "tight", ""]
 @given(st.lists(st.tuples(st.lists(LONE, min_size=1, max_size=6), st.sampled_from([0.0, 0.05, 0.5, 3.0]),
                           st.sampled_from([None, 0.5, 1.0])), min_size=1, max_size=25))
 def test_the_item_by_item_short_path_answers_as_the_general_path(steps: list[tuple[list[AdmitItem], float, Any]]) -> None:
-    """`admit_items` decides items straight on their buckets, one by one, while it can (and
+    """`admit` decides items straight on their buckets, one by one, while it can (and
     the rest through the general path); the answers and the bucket levels are the general
     path's, batch by batch, shares changing."""
     now = [1000.0]
@@ -254,6 +257,6 @@ def test_the_item_by_item_short_path_answers_as_the_general_path(steps: list[tup
         if share is not None:
             short.set_share(share)
             general.set_share(share)
-        _same(short.admit_items(items), general.admit_items(items))
+        _same(short.admit(items), general.admit(items))
         assert short.snapshot() == general.snapshot()
         now[0] += wait

@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalContext, LocalRpcError
 from services.cache.index import CacheIndex
 from services.cache.service import CacheConfig, CacheService, cache_key
 from services.common import ConfigError
+from services.pipeline.local_context import LocalContext
+from tests.batch_of_one import one
 from wire.v1 import cache_pb2, cache_pb2_grpc
 from wire.v1.generation_pb2 import GenerateRequest, GenerateResponse
 
@@ -47,14 +48,13 @@ def answer(text: str) -> GenerateResponse:
 
 
 def store(service: CacheService, request: GenerateRequest, text: str, tenant: str = "dev", shadow: bool = False) -> bool:
-    reply = service.Store(
-        cache_pb2.CacheStoreRequest(tenant=tenant, request=request, response=answer(text), shadow=shadow), LocalContext()
-    )
-    return reply.stored
+    item = cache_pb2.CacheStoreRequest(tenant=tenant, request=request, response=answer(text), shadow=shadow)
+    return bool(one(service.StoreBatch(cache_pb2.CacheStoreBatchRequest(items=[item]))).stored)
 
 
 def lookup(service: CacheService, request: GenerateRequest, tenant: str = "dev") -> cache_pb2.CacheLookupResponse:
-    return service.Lookup(cache_pb2.CacheLookupRequest(tenant=tenant, request=request), LocalContext())
+    return one(service.LookupBatch(cache_pb2.CacheLookupBatchRequest(
+        items=[cache_pb2.CacheLookupRequest(tenant=tenant, request=request)])))
 
 
 def stats(service: CacheService) -> tuple[int, int, int, int]:
@@ -222,7 +222,7 @@ def test_batched_lookup_equals_one_by_one() -> None:
         cache_pb2.CacheLookupRequest(tenant="dev", request=gen("p4", temperature=0.3)),
         cache_pb2.CacheLookupRequest(tenant="x", request=gen("p2")),
     ]
-    expected = [one_by_one.Lookup(r, LocalContext()) for r in requests]
+    expected = [one(one_by_one.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=[r]))) for r in requests]
     answer = batched.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=requests))
     assert [result.response for result in answer.results] == expected
     assert not any(result.status.code for result in answer.results)
@@ -368,16 +368,17 @@ def test_index_memory_is_accounted_to_the_cache() -> None:
 )
 def test_bad_lookups_are_invalid_argument_naming_the_field(req: cache_pb2.CacheLookupRequest, field: str) -> None:
     service, _ = make()
-    with pytest.raises(LocalRpcError) as error:
-        service.Lookup(req, LocalContext())
+    with pytest.raises(grpc.RpcError) as error:
+        one(service.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=[req])))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details().startswith(field + ":")
 
 
 def test_a_store_without_a_response_is_invalid_argument() -> None:
     service, _ = make()
-    with pytest.raises(LocalRpcError) as error:
-        service.Store(cache_pb2.CacheStoreRequest(tenant="dev", request=gen()), LocalContext())
+    with pytest.raises(grpc.RpcError) as error:
+        one(service.StoreBatch(cache_pb2.CacheStoreBatchRequest(items=[cache_pb2.CacheStoreRequest(tenant="dev",
+                                                                                                   request=gen())])))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details().startswith("response:")
 
@@ -400,15 +401,20 @@ def unix_address() -> Iterator[str]:
 def test_round_trip_over_a_real_grpc_server_on_a_unix_socket(unix_address: str) -> None:
     with grpc.insecure_channel(unix_address) as channel:
         stub = cache_pb2_grpc.CacheStub(channel)
-        assert not stub.Lookup(cache_pb2.CacheLookupRequest(tenant="dev", request=gen()), timeout=10).hit
-        stored = stub.Store(cache_pb2.CacheStoreRequest(tenant="dev", request=gen(), response=answer("hi")), timeout=10)
+
+        def lookup_over(item: cache_pb2.CacheLookupRequest) -> cache_pb2.CacheLookupResponse:
+            return one(stub.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=[item]), timeout=10))
+
+        assert not lookup_over(cache_pb2.CacheLookupRequest(tenant="dev", request=gen())).hit
+        stored = one(stub.StoreBatch(cache_pb2.CacheStoreBatchRequest(items=[cache_pb2.CacheStoreRequest(
+            tenant="dev", request=gen(), response=answer("hi"))]), timeout=10))
         assert stored.stored
-        found = stub.Lookup(cache_pb2.CacheLookupRequest(tenant="dev", request=gen()), timeout=10)
+        found = lookup_over(cache_pb2.CacheLookupRequest(tenant="dev", request=gen()))
         assert (found.hit, found.response.text, found.response.cached) == (True, "hi", True)
         counters = stub.Stats(cache_pb2.CacheStatsRequest(), timeout=10)
         assert (counters.hits, counters.misses, counters.entries) == (1, 1, 1)
         with pytest.raises(grpc.RpcError) as error:
-            stub.Lookup(cache_pb2.CacheLookupRequest(tenant="dev"), timeout=10)
+            lookup_over(cache_pb2.CacheLookupRequest(tenant="dev"))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -10,10 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalContext
 from services.common import ConfigError
+from services.pipeline.local_context import LocalContext
 from services.ratelimit.concurrency import MIN_RETRY_S, ConcurrencyLeases
 from services.ratelimit.service import RateLimitConfig, RateLimitService
+from tests.batch_of_one import one
 from tests.test_ratelimit import FakeClock
 from wire.v1 import ratelimit_pb2 as pb
 
@@ -133,8 +134,9 @@ def test_a_tenant_without_a_limit_takes_no_lease() -> None:
 def test_the_per_request_rpcs_are_the_batch_of_one() -> None:
     service, _ = make()
     context = LocalContext()
-    lease = service.Admit(item(), context).lease_id
-    assert lease and service.Release(pb.ReleaseRequest(lease_id=lease), context).released
+    lease = one(service.AdmitBatch(pb.AdmitBatchRequest(items=[item()]), context)).lease_id
+    assert lease and one(service.ReleaseBatch(pb.ReleaseBatchRequest(items=[pb.ReleaseRequest(lease_id=lease)]),
+                                              context)).released
 
 
 # -- shares and busy halving --------------------------------------------------------------

@@ -18,9 +18,11 @@ import pytest
 
 from migration.limit_shares import side_shares
 from runtime.stack import Stack
+from services.pipeline.interface import CallOptions
+from services.ratelimit.api import RATELIMIT
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import TEST_OVERRIDES, config_for_tests, start_stack
-from wire.v1 import gateway_pb2_grpc, generation_pb2, ratelimit_pb2
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 TIER_KEYS = {"tier2": "tier2-tenant-key-0000", "tier4": "tier4-tenant-key-0000"}
 STEP_MS = 25
@@ -167,7 +169,7 @@ def test_across_a_split_each_side_enforces_its_share(stacks: dict[str, Stack]) -
     sides = {"spine": stacks["collapsed"], "layered": stacks["layered"]}
     shares = {"spine": spine_share, "layered": layered_share}
     for side, stack in sides.items():
-        stack.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=shares[side]), timeout=5)
+        stack.component(RATELIMIT).set_share(shares[side], CallOptions(timeout=5))
     try:
         for tenant, per_side in (("tier4", 2), ("tier2", 1)):
             both = at_once([functools.partial(six_long, stack.address, tenant, f"split {tenant} {side}")
@@ -182,7 +184,7 @@ def test_across_a_split_each_side_enforces_its_share(stacks: dict[str, Stack]) -
                         assert_refused_for_concurrency(result, tenant)
     finally:
         for stack in sides.values():
-            stack.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=1.0), timeout=5)
+            stack.component(RATELIMIT).set_share(1.0, CallOptions(timeout=5))
 
 
 def test_the_limit_is_halved_while_the_model_keeps_the_device_busy(tmp_path: Path) -> None:

@@ -15,8 +15,15 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.foreign import ForeignBinding
+from runtime.remote import Guarded
 from runtime.stack import Stack
+from services.auth.api import AUTH
+from services.auth.envoy_authz import EnvoyAuthzClient
+from services.pipeline.batch_rpc import ItemError
+from services.pipeline.interface import CallOptions
+from services.ratelimit.admission import AdmitItem, AdmitVerdict
+from services.ratelimit.api import RATELIMIT
+from services.ratelimit.envoy_ratelimit import EnvoyRlsClient
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.envoy_calls import AUTHZ, OVER_LIMIT, RLS, bearer, check, legacy_services, ok_headers, tenant_limit
@@ -57,10 +64,9 @@ def generate(stack: Stack, token: str, prompt: str = "hello legacy") -> CallResu
 
 def test_the_placement_binds_the_components_to_the_legacy_services(spine: Stack, legacy: str) -> None:
     assert spine.placements["auth"] == spine.placements["ratelimit"] == "remote"
-    for name, protocol in (("auth", "envoy-ext-authz"), ("ratelimit", "envoy-rls")):
-        binding = spine.bindings[name]
-        assert isinstance(binding, ForeignBinding) and binding.api.protocol == protocol
-        assert binding.endpoint.remote == legacy
+    for reached, client in ((spine.component(AUTH), EnvoyAuthzClient), (spine.component(RATELIMIT), EnvoyRlsClient)):
+        assert isinstance(reached, Guarded) and isinstance(reached.implementation, client)
+    assert legacy in spine.health_report()["components"]["auth"]["reason"]
     assert spine.supervisor is None  # nothing of spine's own was spawned for them
 
 
@@ -92,8 +98,7 @@ def test_the_legacy_rate_limit_refuses_past_its_limit_with_a_retry_after(spine: 
 
 
 def test_a_foreign_rate_limiter_cannot_take_a_share_and_says_so(spine: Stack) -> None:
-    answer = spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=0.25), timeout=1)
-    assert answer.fraction == 1.0
+    assert spine.component(RATELIMIT).set_share(0.25, CallOptions(timeout=1)) == 1.0
 
 
 def test_the_gateway_health_reads_the_legacy_services_own_health(spine: Stack) -> None:
@@ -114,7 +119,7 @@ def test_placing_them_local_moves_the_decision_into_the_spine_live(spine: Stack)
     finally:
         spine.set_placements({"auth": "remote", "ratelimit": "remote"})
     assert generate(spine, LEGACY_KEY).ok  # and back to the legacy services, without a restart
-    assert isinstance(spine.bindings["auth"], ForeignBinding)
+    assert isinstance(spine.component(AUTH), Guarded)
 
 
 def test_a_layered_stack_with_legacy_services_spawns_none_of_its_own(tmp_path: Path) -> None:
@@ -150,27 +155,24 @@ def health(address: str, service: str) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def test_the_per_request_rpcs_through_a_foreign_binding_answer_like_the_components_own(spine: Stack) -> None:
-    """Check / Admit (batches of one) and the descriptor form, over the legacy protocol."""
-    from wire.v1 import auth_pb2
-
-    auth, ratelimit = spine.bindings["auth"], spine.bindings["ratelimit"]
-    assert auth.Check(auth_pb2.CheckRequest(credential=LEGACY_KEY), timeout=5).principal.tenant == "acme"
-    with pytest.raises(grpc.RpcError) as denied:
-        auth.Check(auth_pb2.CheckRequest(credential="no-such-key"), timeout=5)
-    assert (denied.value.code(), denied.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, "legacy: unknown key")
-    with pytest.raises(grpc.RpcError) as invalid:
-        ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="", model="tiny-lm", tokens=1), timeout=5)
-    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in invalid.value.details()
+def test_the_interface_through_a_foreign_client_answers_like_the_components_own(spine: Stack) -> None:
+    """check / admit and the descriptor form, over the legacy protocol."""
+    auth, ratelimit, options = spine.component(AUTH), spine.component(RATELIMIT), CallOptions(timeout=5)
+    [accepted, denied] = auth.check([LEGACY_KEY, "no-such-key"], options)
+    assert not isinstance(accepted, ItemError) and accepted.principal.tenant == "acme"
+    assert denied == ItemError(grpc.StatusCode.UNAUTHENTICATED, "legacy: unknown key")
+    [invalid] = ratelimit.admit([AdmitItem("", "tiny-lm", 1)], options)
+    assert isinstance(invalid, ItemError) and invalid.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tenant" in invalid.message
     # A shadow copy is admitted without asking: the legacy counter of a spent tenant does not refuse it.
-    for _ in range(4):
-        ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm", tokens=1), timeout=5)
-    assert not ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm"), timeout=5).admitted
-    assert ratelimit.Admit(ratelimit_pb2.AdmitRequest(tenant="spent", model="tiny-lm", dry_run=True),
-                           timeout=5).admitted
+    ratelimit.admit([AdmitItem("spent", "tiny-lm", 1) for _ in range(4)], options)
+    [refused, shadow] = ratelimit.admit([AdmitItem("spent", "tiny-lm", 0), AdmitItem("spent", "tiny-lm", 0, dry_run=True)],
+                                        options)
+    assert isinstance(refused, AdmitVerdict) and not refused.admitted
+    assert isinstance(shadow, AdmitVerdict) and shadow.admitted
     Entry = ratelimit_pb2.RateLimitDescriptor.Entry
-    answer = ratelimit.ShouldRateLimit(ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=[
+    answer = ratelimit.should_rate_limit(ratelimit_pb2.RateLimitRequest(domain="spine", descriptors=[
         ratelimit_pb2.RateLimitDescriptor(entries=[Entry(key="tenant", value="spent"), Entry(key="model", value="tiny-lm"),
-                                                   Entry(key="resource", value="requests")])]), timeout=5)
+                                                   Entry(key="resource", value="requests")])]), options)
     assert answer.overall_code == ratelimit_pb2.RateLimitResponse.OVER_LIMIT  # the same legacy counter
     assert answer.statuses[0].limit_name == "legacy_per_tenant" and answer.retry_after_s > 0

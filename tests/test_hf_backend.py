@@ -21,7 +21,6 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from monolith.device import DeviceContext  # noqa: E402
-from runtime.bindings import LocalContext, LocalRpcError  # noqa: E402
 from runtime.server import start_server  # noqa: E402
 from services.common import ConfigError  # noqa: E402
 from services.inference.model.backend import load_backend, make_engine  # noqa: E402
@@ -29,6 +28,7 @@ from services.inference.model.engine import GenerationEngine, GenerationRequest 
 from services.inference.model.hf_backend import HFBackend, load_hf_backend  # noqa: E402
 from services.inference.model.interface import KV_CACHE_OWNER, Segment  # noqa: E402
 from services.inference.service import InferenceConfig, InferenceService  # noqa: E402
+from services.pipeline.local_context import LocalContext, LocalRpcError  # noqa: E402
 from services.pipeline.system_prompt import system_digest  # noqa: E402
 from services.registry import DEFAULT  # noqa: E402
 from spine.tools.make_tiny import TinySpec, make_tiny  # noqa: E402

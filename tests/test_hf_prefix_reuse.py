@@ -23,12 +23,12 @@ from prometheus_client.exposition import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from monolith.device import DeviceContext  # noqa: E402
-from runtime.bindings import LocalContext  # noqa: E402
 from services.inference.model.backend import make_engine  # noqa: E402
 from services.inference.model.engine import GenerationEngine, GenerationRequest  # noqa: E402
 from services.inference.model.hf_backend import HFBackend, load_hf_backend  # noqa: E402
 from services.inference.model.interface import KV_CACHE_OWNER, Segment  # noqa: E402
 from services.inference.service import InferenceConfig, InferenceService  # noqa: E402
+from services.pipeline.local_context import LocalContext  # noqa: E402
 from spine.tools.make_tiny import TinySpec, make_tiny  # noqa: E402
 from wire.v1 import generation_pb2  # noqa: E402
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalContext
 from services.inference.service import InferenceConfig, InferenceService
+from services.pipeline.local_context import LocalContext
 from wire.v1 import generation_pb2
 
 

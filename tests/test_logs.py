@@ -20,6 +20,7 @@ from services.logs.config import LogsConfig
 from services.logs.ring import LogRing, LogsClosedError
 from services.logs.service import LogsService
 from services.pipeline.batch_rpc import StatusError
+from tests.batch_of_one import one
 from tests.waiting import holds_within
 from wire.v1 import logs_pb2, logs_pb2_grpc
 
@@ -55,6 +56,10 @@ def config(tmp_path: Path, **kw: Any) -> LogsConfig:
     cfg: dict[str, Any] = {"path": "logs/requests.jsonl", "batch_lines": 64, "flush_interval_s": 3600.0}
     cfg.update(kw)
     return LogsConfig.parse(cfg, "logs")
+
+
+def append_one(stub: Any, record: Any) -> None:
+    one(stub.AppendBatch(logs_pb2.AppendBatchRequest(records=[record]), timeout=10))
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -296,10 +301,10 @@ def test_grpc_round_trip_on_a_unix_socket(service: LogsService) -> None:
         try:
             with grpc.insecure_channel(address) as channel:
                 stub = logs_pb2_grpc.LogsStub(channel)
-                stub.Append(rec(1, fields={"password": "hunter2"}), timeout=10)
-                stub.Append(rec(2), timeout=10)
+                append_one(stub, rec(1, fields={"password": "hunter2"}))
+                append_one(stub, rec(2))
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.Append(rec(3, latency_ms=-1.0), timeout=10)
+                    append_one(stub, rec(3, latency_ms=-1.0))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "latency_ms" in (err.value.details() or "")
                 assert stub.Flush(logs_pb2.FlushRequest(), timeout=10).lines_written == 2

@@ -17,6 +17,7 @@ from monolith.device import DeviceContext
 from services.common import ConfigError
 from services.metrics.histograms import CounterTable, HistogramTable
 from services.metrics.service import DEFAULT_BUCKETS, MetricsConfig, MetricsService
+from tests.batch_of_one import one
 from wire.v1 import metrics_pb2, metrics_pb2_grpc
 
 Rec = metrics_pb2.RequestRecord
@@ -128,7 +129,7 @@ def test_batch_update_equals_one_by_one() -> None:
     single = MetricsService(MetricsConfig(), DeviceContext(device=torch.device("cpu")))
     record(batched, records)
     for r in records:
-        single.Record(r, context=None)  # type: ignore[arg-type]
+        one(single.RecordBatch(metrics_pb2.RecordBatchRequest(records=[r])))
     assert batched.render() == single.render()
 
 
@@ -274,9 +275,11 @@ def test_grpc_round_trip_on_a_unix_socket(metrics: MetricsService) -> None:
         try:
             with grpc.insecure_channel(address) as channel:
                 stub = metrics_pb2_grpc.MetricsStub(channel)
-                stub.Record(rec(latency_s=0.004, failed_middlewares=["auth"]), timeout=10)
+                one(stub.RecordBatch(metrics_pb2.RecordBatchRequest(records=[rec(latency_s=0.004,
+                                                                                 failed_middlewares=["auth"])]),
+                                     timeout=10))
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.Record(rec(latency_s=-1.0), timeout=10)
+                    one(stub.RecordBatch(metrics_pb2.RecordBatchRequest(records=[rec(latency_s=-1.0)]), timeout=10))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "latency_s" in (err.value.details() or "")
                 text = stub.Scrape(metrics_pb2.ScrapeRequest(), timeout=10).text

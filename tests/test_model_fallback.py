@@ -17,7 +17,9 @@ import pytest
 
 from runtime.config_file import load_config
 from runtime.stack import Stack
+from services.inference.api import INFERENCE
 from services.inference.load_hints import parse_load
+from services.pipeline.interface import CallOptions
 from spine.client.gateway_client import GatewayClient
 from spine.client.overload_client import Backoff, Fallback, LoadAwareClient
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
@@ -53,7 +55,7 @@ def test_the_default_config_serves_two_models_and_names_the_fallback() -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, Stack], layout: str) -> None:
     stack = stacks[layout]
-    listed = stack.bindings["inference"].Models(inference_pb2.ModelInfoRequest(), timeout=10)
+    listed = stack.component(INFERENCE).models(inference_pb2.ModelInfoRequest(), CallOptions(timeout=10))
     loads = {model.id: parse_load(model.load) for model in listed.models}
     assert list(loads) == ["tiny-lm", "tiny-lm-mini"]
     assert loads["tiny-lm"]["slots"] == 16 and loads["tiny-lm-mini"]["slots"] == 8  # two pools

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.bindings import LocalContext
 from services.cache.config import CacheConfig
 from services.cache.pregenerated import PregeneratedTable, TableError, served_digests, table_key, write_table
 from services.cache.pregenerated_answers import PregeneratedAnswers
 from services.cache.service import CacheService
 from services.inference.config import InferenceConfig
+from services.pipeline.local_context import LocalContext
 from spine.tools.cache_build import PromptLine, answer_prompts
 from tests.conftest import config_for_tests
 from tests.waiting import ManualClock, eventually
@@ -142,7 +142,7 @@ def test_the_cache_answers_from_the_table_before_its_own_index_and_counts_it(tmp
     device = DeviceContext.for_section(CONFIG.device)
     service = CacheService(CacheConfig(), device, pregenerated=PregeneratedAnswers(small_table(tmp_path / "t.bin"),
                                                                                    DIGESTS))
-    probes = service.lookup_items([("dev", greedy("p2")), ("other", greedy("p2")), ("dev", greedy("unknown"))])
+    probes = service.lookup([("dev", greedy("p2")), ("other", greedy("p2")), ("dev", greedy("unknown"))])
     hits = [probe.hit for probe in probes]  # type: ignore[union-attr]
     assert hits[0] == hits[1] and hits[0] is not None and hits[0].cached and hits[0].text == "answer 2"
     assert [probe.pregenerated for probe in probes] == [True, True, False]  # type: ignore[union-attr]

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalContext, LocalRpcError
 from services.common import ConfigError
+from services.pipeline.local_context import LocalContext, LocalRpcError
 from services.ratelimit.asks import descriptors_for
 from services.ratelimit.service import RateLimitConfig, RateLimitService
 from wire.v1 import ratelimit_pb2 as pb

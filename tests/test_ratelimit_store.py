@@ -73,7 +73,7 @@ def drive(services: list[RateLimitService], seconds: float, rate: float = 10 * R
     while (elapsed := time.monotonic() - start) < seconds:
         while sent < int(elapsed * rate):
             i = route(sent) if route else sent % len(services)
-            admitted[i] += services[i].admit_items([AdmitItem("t", "m", 10)])[0].admitted
+            admitted[i] += services[i].admit([AdmitItem("t", "m", 10)])[0].admitted
             sent += 1
         time.sleep(0.002)
     return admitted
@@ -259,7 +259,7 @@ import json
 service = RateLimitService(RateLimitConfig.parse(json.loads(sys.argv[1])), DeviceContext())
 held = 0
 while held < 2:
-    held += service.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted
+    held += service.admit([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted
     time.sleep(0.02)
 time.sleep(0.5)  # renewed with both slots held
 print("holding", flush=True)
@@ -279,11 +279,11 @@ def test_a_sigkilled_replicas_slots_come_back_after_their_ttl(redis_server: Loca
         other = RateLimitService(config, DeviceContext())
         try:
             renewed(other, 2)  # it knows the two slots are held elsewhere
-            assert not other.admit_items([AdmitItem("c", "m", 10)])[0].admitted
+            assert not other.admit([AdmitItem("c", "m", 10)])[0].admitted
             assert other.store is not None and other.store.replicas == 2
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=10)
-            eventually(lambda: other.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted,
+            eventually(lambda: other.admit([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted,
                      timeout=SLOT_TTL_S + 3.0)
             # and its place among the live replicas: a fallback now divides by one, not two
             eventually(lambda: other.store is not None and other.store.replicas == 1, timeout=SLOT_TTL_S + 3.0)
@@ -301,16 +301,16 @@ def test_concurrency_slots_are_shared_by_the_replicas(replicas: Any) -> None:
     leases = []
     deadline = time.monotonic() + 5.0
     while len(leases) < 2 and time.monotonic() < deadline:
-        verdict = first.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0]
+        verdict = first.admit([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0]
         if verdict.admitted:
             leases.append(verdict.lease_id)
         time.sleep(0.02)
     assert len(leases) == 2
     renewed(second, 2)  # the first holds the limit
-    assert not second.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted
+    assert not second.admit([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted
     from wire.v1 import ratelimit_pb2 as pb
     first.ReleaseBatch(pb.ReleaseBatchRequest(items=[pb.ReleaseRequest(lease_id=lease) for lease in leases]))
-    eventually(lambda: second.admit_items([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted)
+    eventually(lambda: second.admit([AdmitItem("c", "m", 10, lease_ttl_s=600)])[0].admitted)
 
 
 # -- config ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import yaml
 from services.common import ConfigError
 from services.router.config import RouterConfig
 from services.router.service import RouterService
+from tests.batch_of_one import one
 from tests.conftest import served
 from wire.v1 import router_pb2, router_pb2_grpc
 
@@ -37,7 +38,8 @@ def stub(service: RouterService) -> Iterator[router_pb2_grpc.RouterStub]:
 
 
 def resolve(stub: router_pb2_grpc.RouterStub, model: str) -> router_pb2.ResolveResponse:
-    return stub.Resolve(router_pb2.ResolveRequest(model=model), timeout=10)
+    return one(stub.ResolveBatch(router_pb2.ResolveBatchRequest(items=[router_pb2.ResolveRequest(model=model)]),
+                                 timeout=10))
 
 
 def not_found(stub: router_pb2_grpc.RouterStub, model: str) -> str:
@@ -82,14 +84,14 @@ def test_list_models_returns_ids_and_aliases(stub: router_pb2_grpc.RouterStub) -
 
 def test_resolve_raises_lookup_error_for_the_batcher(service: RouterService) -> None:
     with pytest.raises(LookupError, match="unknown model 'nope'"):
-        service.resolve("nope")
-    assert service.resolve("default").model_id == "tiny-lm"
+        service.route("nope")
+    assert service.route("default").model_id == "tiny-lm"
 
 
 def test_default_config_router_section_parses() -> None:
     config = yaml.safe_load(Path("runtime/default_config.yaml").read_text())
     service = RouterService(RouterConfig.parse(config["router"]))
-    assert service.resolve("default").model_id == "tiny-lm"
+    assert service.route("default").model_id == "tiny-lm"
 
 
 def _config_error(models: Any) -> str:
@@ -142,7 +144,7 @@ def test_an_upstream_model_needs_no_backend_and_resolves_to_the_inference_compon
         {"id": "up", "aliases": ["u"], "upstream": {"base_url": "http://127.0.0.1:8001/v1/", "fallbacks": ["b"]}},
         {"id": "b", "upstream": {"base_url": "https://models.internal/v1", "protocol": "anthropic"}}]})
     assert config.models[1].upstream is not None and config.models[1].upstream.base_url == "http://127.0.0.1:8001/v1"
-    assert RouterService(config).resolve("u").backend == "inference"
+    assert RouterService(config).route("u").backend == "inference"
 
 
 @pytest.mark.parametrize(("model", "expected"), [

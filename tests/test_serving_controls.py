@@ -1,7 +1,7 @@
 """Serving controls of the Inference servicer: priorities, compute budgets, the KV pool, load hints.
 
 The servicer is the same class in both layouts; these tests call it in-process with the
-binding's `LocalContext`, and the layout tests (test_serving_determinism) put it behind a
+in-process `LocalContext`, and the layout tests (test_serving_determinism) put it behind a
 real gRPC server too. Decode steps are gated where a test needs "the pool is full" or "both
 are in the batch" to be a fact rather than a race.
 """
@@ -13,9 +13,9 @@ import math
 import grpc
 import pytest
 
-from runtime.bindings import LocalRpcError
 from services.common import ConfigError
 from services.inference.load_hints import LOAD_HEADER, parse_load
+from services.pipeline.local_context import LocalRpcError
 from tests.test_serving_support import (
     Call,
     admission_order,

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from runtime.bindings import LocalContext
 from runtime.server import start_server
 from services.inference.service import InferenceService
+from services.pipeline.local_context import LocalContext
 from services.registry import DEFAULT
 from tests.test_serving_support import Call, GatedModel, generate, make_service, request
 from tests.waiting import eventually

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.bindings import LocalContext, LocalRpcError
 from services.inference.scheduler import OUTPUT_BYTES
+from services.pipeline.local_context import LocalContext, LocalRpcError
 from tests.test_serving_support import generate, make_service, request
 from tests.waiting import ManualClock, eventually
 

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalContext, LocalRpcError
 from services.inference.model.backend import TokenizedBackend
 from services.inference.model.interface import Segment
 from services.inference.model.tiny_lm import TinyLM
 from services.inference.model.tokenizer import ByteTokenizer
 from services.inference.service import InferenceConfig, InferenceService
+from services.pipeline.local_context import LocalContext, LocalRpcError
 from wire.v1 import generation_pb2
 
 MODEL = TinyLM.from_seed(1234, max_context=256)

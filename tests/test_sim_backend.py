@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from monolith.device import DeviceContext
-from runtime.bindings import LocalContext, LocalRpcError
 from runtime.launch import launch, spine_up_argv
 from services.common import ConfigError
 from services.inference.load_hints import LOAD_HEADER, parse_load
@@ -27,6 +26,7 @@ from services.inference.model.sim_backend import (
     profile_from,
 )
 from services.inference.service import InferenceConfig, InferenceService
+from services.pipeline.local_context import LocalContext, LocalRpcError
 from tests.conftest import DEV_KEY
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 

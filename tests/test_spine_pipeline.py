@@ -23,22 +23,24 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.batched import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
-from runtime.bindings import LocalBinding
 from runtime.faults import FaultHook
+from runtime.in_process import in_process
 from services.auth.service import AuthService
+from services.cache.api import CACHE, StoreItem
 from services.cache.service import CacheService
-from services.cache.steps import StoreItem
 from services.common import ConfigError
 from services.logs.config import LogsConfig
 from services.logs.service import LogsService
+from services.metrics.api import METRICS
 from services.metrics.service import MetricsConfig, MetricsService
+from services.pipeline.interface import Placed
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
 from services.ratelimit.service import RateLimitService
 from services.registry import DEFAULT
 from services.router.service import RouterService
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
-from wire.v1 import cache_pb2, generation_pb2
+from wire.v1 import generation_pb2
 
 CONFIG = config_for_tests(ratelimit={"tenants": {
     "tight": {"requests_per_second": 0.5, "burst": 4, "tokens_per_minute": 600, "token_burst": 300},
@@ -52,7 +54,7 @@ ALL_WRITES = ("cache.store", "logs.append", "metrics.record")
 
 
 class Rig:
-    """The pipeline over in-process bindings of real services, as the spine wires it."""
+    """The pipeline over real services placed in this process, as the spine wires them."""
 
     def __init__(self, tmp_path: Path | None = None, hooks: Any = ()) -> None:
         device = DeviceContext()
@@ -68,15 +70,22 @@ class Rig:
         if tmp_path is not None:
             self.servicers["metrics"] = MetricsService(MetricsConfig.parse({}), device)
             self.servicers["logs"] = LogsService(LogsConfig.parse({"fsync": False}), device, run_dir=tmp_path)
-        self.clients = {name: LocalBinding(name, DEFAULT[name].descriptor(), servicer)
-                        for name, servicer in self.servicers.items()}
-        self.pipeline = Pipeline(DEFAULT.steps(LIMITS), self.clients, hooks=hooks,
+        self.placed = Placed({name: in_process(self._interface(name), servicer)
+                              for name, servicer in self.servicers.items()})
+        self.pipeline = Pipeline(DEFAULT.steps(LIMITS), self.placed, hooks=hooks,
                                  on_fail_open=lambda *failure: self.counted.append(failure))
         cached = generation_pb2.GenerateRequest(model="tiny-lm", prompt=CACHED_PROMPT, max_tokens=4)
         answer = generation_pb2.GenerateResponse(text="abcd", token_ids=[1, 2, 3, 4], model="tiny-lm",
                                                  completion_tokens=4)
         for tenant in ("dev", "tight", "other"):
-            self.cache.Store(cache_pb2.CacheStoreRequest(tenant=tenant, request=cached, response=answer), None)
+            self.cache.store([StoreItem(tenant, answer, request=cached)])
+
+
+    @staticmethod
+    def _interface(name: str) -> Any:
+        interface = DEFAULT[name].interface
+        assert interface is not None
+        return interface
 
     @property
     def cache(self) -> CacheService:
@@ -234,11 +243,11 @@ def test_a_hook_failure_fails_a_closed_stage_and_is_let_through_by_the_cache() -
 def test_a_cache_that_fails_fails_open_for_every_request_of_its_batch() -> None:
     rig = Rig()
 
-    def broken(items: Any) -> Any:
+    def broken(items: Any, options: Any = None) -> Any:
         raise RuntimeError("device lost")
 
-    rig.cache.lookup_items = broken  # type: ignore[method-assign]
-    rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
+    rig.cache.lookup = broken  # type: ignore[method-assign]
+    rig.placed.swap("cache", in_process(CACHE, rig.cache))
     batch = [new_state(DEV_KEY, index=i) for i in range(3)]
     rig.pipeline.admit(batch)
     assert all(s.outcome is None and s.hit is None and s.failures == ["cache"] for s in batch)
@@ -250,14 +259,14 @@ def test_a_malformed_cache_item_fails_open_for_that_request_alone() -> None:
     cached = generation_pb2.GenerateRequest(model="tiny-lm", prompt=CACHED_PROMPT, max_tokens=4)
     batch = [new_state(DEV_KEY, cached, index=i) for i in range(3)]
     rig.pipeline.admit(batch[:1])  # authenticated, then made malformed for the cache alone
-    lookup = rig.cache.lookup_items
+    lookup = rig.cache.lookup
 
-    def tenantless(items: list[Any]) -> Any:
+    def tenantless(items: list[Any], options: Any = None) -> Any:
         items[1] = ("", items[1][1])
         return lookup(items)
 
-    rig.cache.lookup_items = tenantless  # type: ignore[method-assign]
-    rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
+    rig.cache.lookup = tenantless  # type: ignore[method-assign]
+    rig.placed.swap("cache", in_process(CACHE, rig.cache))
     rig.pipeline.admit(batch)
     assert [s.hit is not None for s in batch] == [True, False, True]
     assert [s.failures for s in batch] == [[], ["cache"], []]
@@ -272,9 +281,9 @@ def test_the_store_sends_back_the_key_the_lookup_made(tmp_path: Path) -> None:
     rig.pipeline.admit([state])
     assert state.outcome is None and state.hit is None and len(state.cache_key) == 32
     sent: list[list[StoreItem]] = []
-    store = rig.cache.store_items
-    rig.cache.store_items = lambda items: (sent.append(list(items)), store(items))[1]  # type: ignore[method-assign]
-    rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
+    store = rig.cache.store
+    rig.cache.store = lambda items, options=None: (sent.append(list(items)), store(items))[1]  # type: ignore[method-assign]
+    rig.placed.swap("cache", in_process(CACHE, rig.cache))
     rig.pipeline.complete([answered(state, "once")])
     assert [(item.key, item.request) for item in sent[0]] == [(state.cache_key, None)]
     again = new_state(DEV_KEY, state.request, index=1)
@@ -317,9 +326,9 @@ def deferred(rig: Rig, **kwargs: Any) -> DeferredCompletions:
 def counting_writes(rig: Rig) -> list[int]:
     writes: list[int] = []
     metrics = rig.servicers["metrics"]
-    record = metrics.record_items
-    metrics.record_items = lambda records: (writes.append(len(records)), record(records))[1]  # type: ignore[method-assign]
-    rig.clients["metrics"] = LocalBinding("metrics", DEFAULT["metrics"].descriptor(), metrics)
+    record = metrics.record
+    metrics.record = lambda records, options=None: (writes.append(len(records)), record(records))[1]  # type: ignore[method-assign]
+    rig.placed.swap("metrics", in_process(METRICS, metrics))
     return writes
 
 
@@ -369,16 +378,16 @@ def test_a_lookup_waits_for_a_store_another_thread_is_writing(tmp_path: Path) ->
     for it arrives: the lookup must wait for that store, not find the queue empty and miss."""
     rig = Rig(tmp_path)
     completions = deferred(rig)
-    store = rig.cache.store_items
+    store = rig.cache.store
     storing = threading.Event()
 
-    def slow_store(items: Any) -> Any:
+    def slow_store(items: Any, options: Any = None) -> Any:
         storing.set()
         time.sleep(0.2)
         return store(items)
 
-    rig.cache.store_items = slow_store  # type: ignore[method-assign]
-    rig.clients["cache"] = LocalBinding("cache", DEFAULT["cache"].descriptor(), rig.cache)
+    rig.cache.store = slow_store  # type: ignore[method-assign]
+    rig.placed.swap("cache", in_process(CACHE, rig.cache))
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="slow to store", max_tokens=4)
     state = new_state(DEV_KEY, request)
     rig.pipeline.admit([state])

@@ -28,7 +28,7 @@ from wire.v1 import generation_pb2
 
 
 class AuthGate:
-    """A binding hook that holds the first auth stage until released, so a queue builds up."""
+    """A pipeline hook that holds the first auth stage until released, so a queue builds up."""
 
     def __init__(self) -> None:
         self.release = threading.Event()

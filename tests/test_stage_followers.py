@@ -40,6 +40,7 @@ from runtime.stage_follower import (
 )
 from services.registry import DEFAULT
 from spine.cli.migrate import main as migrate
+from tests.batch_of_one import one
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 from tests.waiting import eventually
 from wire.v1 import (
@@ -309,7 +310,7 @@ def layered_ask(channel: grpc.Channel, tenant: str) -> Callable[[int], bool]:
 
     def ask(i: int) -> bool:
         request = ratelimit_pb2.AdmitRequest(tenant=tenant, model="tiny-lm", tokens=len(f"p{i}".encode()) + 1)
-        return bool(stub.Admit(request, timeout=10).admitted)
+        return bool(one(stub.AdmitBatch(ratelimit_pb2.AdmitBatchRequest(items=[request]), timeout=10)).admitted)
 
     return ask
 

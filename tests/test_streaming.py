@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from runtime.config_file import placements_for
-from runtime.remote_binding import remote_channel
+from runtime.remote import remote_channel
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from services.inference.scheduler import JobCancelled

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from runtime.bindings import LocalRpcError
 from services.cache.service import cache_key
 from services.pipeline.limits import RequestLimits
+from services.pipeline.local_context import LocalRpcError
 from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import rate_limit_cost, validation_error
 from tests.test_serving_support import Call, generate, make_service, request
@@ -33,7 +33,7 @@ def test_the_model_reads_the_system_prompt_and_a_blank_line_before_the_prompt() 
 def test_every_chunk_of_a_stream_echoes_the_system_prompt_used() -> None:
     service, _ = make_service()
     try:
-        from runtime.bindings import LocalContext
+        from services.pipeline.local_context import LocalContext
 
         chunks = list(service.GenerateStream(request("Hi", 4, system=SYSTEM), LocalContext()))
         assert chunks and {c.system_digest for c in chunks} == {system_digest(SYSTEM)}

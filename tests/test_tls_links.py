@@ -22,6 +22,7 @@ from runtime.sections import TlsConfig
 from runtime.stack import Stack
 from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower
 from runtime.tls import ReloadingCertificates, reload_on_sighup
+from services.auth.api import AUTH
 from spine.client.gateway_client import GatewayClient
 from spine.tools.ab.interleave import RunOptions, run_ab
 from spine.tools.dev_certs import issue, make_authority, write_file
@@ -82,7 +83,7 @@ def test_the_gateway_calls_a_child_over_tcp_with_mtls(tcp_auth: tuple[str, Path]
     placements = placements_for("collapsed", config_for_tests()) | {"auth": "remote"}
     with Stack(config_for_tests(tls=certs.tls_config()), placements, run_dir=tmp_path / "tls",
                remote_addresses={"auth": address}) as stack:
-        assert stack.bindings["auth"].placement == "remote"
+        assert getattr(stack.component(AUTH), "placement", None) == "remote"
         assert ask(stack.address, certs.credentials("client")) == "OK"
         assert ask(stack.address, certs.credentials("client"), token="not-a-key") == "UNAUTHENTICATED"
         assert stack.health_report()["components"]["auth"]["serving"] is True

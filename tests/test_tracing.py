@@ -12,16 +12,19 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from monolith.device import DeviceContext
-from runtime.binding_classes import RemoteRouterBinding
 from runtime.config_file import placements_for
+from runtime.remote import remote
 from runtime.server import start_server
 from runtime.stack import Stack
 from runtime.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
 from services.common import ConfigError
+from services.pipeline.batch_rpc import ItemError
+from services.pipeline.interface import CallOptions
 from services.registry import DEFAULT
+from services.router.api import ROUTER
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests
-from wire.v1 import generation_pb2, router_pb2
+from wire.v1 import generation_pb2
 
 MIDDLEWARE_SPANS = {"auth.check", "router.resolve", "ratelimit.admit", "cache.lookup", "inference.generate",
                     "cache.store", "metrics.record", "logs.append"}
@@ -48,7 +51,7 @@ def _one_request_spans(layout: str, tmp: Path, batching: bool = False) -> list[R
     tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
     config = config_for_tests(batching={"enabled": batching})
     with installed_tracing(tracing):
-        # the installed tracer hooks itself into the stack's bindings and batch stages
+        # the installed tracer hooks itself into the stack's pipeline (batch stages and the model's call)
         stack = Stack(config, placements_for(layout, config), run_dir=tmp / f"{layout}-{batching}")
         stack.start()
         try:
@@ -80,16 +83,21 @@ def test_trace_context_crosses_a_grpc_hop_into_the_servers_span(tmp_path: Path) 
     servicer = DEFAULT["router"].build(config_for_tests(), DeviceContext(), tmp_path)
     server = start_server([(DEFAULT["router"], servicer)], f"unix:{tmp_path / 'router.sock'}",
                           interceptors=[tracing.server_interceptor()])
-    binding = RemoteRouterBinding("router", DEFAULT["router"].descriptor(), DEFAULT["router"].stub_class(),
-                            grpc.insecure_channel(server.address), [tracing.hook("layered")])
+    channel = grpc.insecure_channel(server.address)
+    router = remote(ROUTER, DEFAULT["router"].stub_class()(channel), channel)
+    hook = tracing.hook("layered")
     try:
         with tracing.tracer.start_as_current_span("caller"):
-            assert binding.Resolve(router_pb2.ResolveRequest(model="tiny"), timeout=5).model_id == "tiny-lm"
+            metadata: list[tuple[str, str]] = []
+            token = hook.begin("router", "Resolve", metadata)  # as the pipeline runs its hooks
+            [route] = router.resolve(["tiny"], CallOptions(5, tuple(metadata)))
+            hook.end(token, grpc.StatusCode.OK)
+            assert not isinstance(route, ItemError) and route.model_id == "tiny-lm"
     finally:
-        binding.close()
+        channel.close()
         server.stop(0)
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    client, served, caller = spans["router.resolve"], spans["spine.v1.Router/Resolve"], spans["caller"]
+    client, served, caller = spans["router.resolve"], spans["spine.v1.Router/ResolveBatch"], spans["caller"]
     assert client.parent is not None and caller.context is not None and client.parent.span_id == caller.context.span_id
     assert served.parent is not None and client.context is not None
     assert served.parent.span_id == client.context.span_id

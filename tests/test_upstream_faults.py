@@ -231,7 +231,7 @@ def test_an_https_upstream_is_verified_and_spoken_to_over_httpx2(world: dict[str
 
 
 def test_a_failing_upstream_never_ejects_the_inference_process(tmp_path: Path) -> None:
-    """With the model in its own process, the gateway's binding ejects the inference component
+    """With the model in its own process, the gateway's remote proxy ejects the inference component
     after `calls.eject_after_failures` failures in a row: an upstream's failures are that
     component's answers, so the other models stay served."""
     down = f"http://127.0.0.1:{free_port()}/v1"

@@ -40,6 +40,7 @@ from runtime.sections import TlsConfig
 from runtime.server import RunningServer, free_port, request_pool, request_threads, start_server
 from runtime.stack import Stack
 from services.common.prometheus_http import PrometheusHTTPServer
+from services.ratelimit.api import RATELIMIT
 from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 
 
@@ -194,7 +195,7 @@ class Cutover:
         assert self.layered.supervisor is not None
         shared = {name: child.address for name, child in self.layered.supervisor.children.items()
                   if name != "inference"}
-        return self.layered.address, shared, self.layered.bindings.get("ratelimit")
+        return self.layered.address, shared, self.layered.component(RATELIMIT)
 
     def _side_http(self) -> str | None:
         """Where an in-process side serves HTTP: anywhere on loopback when the run serves HTTP."""

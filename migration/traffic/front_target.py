@@ -18,8 +18,9 @@ from migration.target import ShadowCapability
 from migration.traffic.front import Front
 from migration.xds import XdsControlPlane
 from runtime.stack import Stack
+from services.pipeline.interface import CallOptions
+from services.ratelimit.api import RATELIMIT, RateLimit
 from services.registry import MIDDLEWARES
-from wire.v1 import ratelimit_pb2
 
 
 class FrontTarget:
@@ -46,7 +47,7 @@ class FrontTarget:
     follower's NACK.
     """
 
-    def __init__(self, front: Front, spine: Stack | None, layered_ratelimit: Any | None = None,
+    def __init__(self, front: Front, spine: Stack | None, layered_ratelimit: RateLimit | None = None,
                  xds: XdsControlPlane | None = None, parity: MetricsSource | None = None) -> None:
         if spine is None and xds is None:
             raise ValueError("a spine in its own process follows the xDS control plane: give `xds`")
@@ -70,9 +71,8 @@ class FrontTarget:
             self.spine.set_placements(moved)
             own = self.spine.placements.get("ratelimit") == "local"
             spine_share, layered_share = side_shares(spine_weight, own)
-            if own:  # through its binding, as to any limiter
-                self.spine.bindings["ratelimit"].SetShare(ratelimit_pb2.SetShareRequest(fraction=spine_share),
-                                                          timeout=1.0)
+            if own:  # through its interface, as to any limiter
+                self.spine.component(RATELIMIT).set_share(spine_share, CallOptions(timeout=1.0))
             self._set_layered_share(layered_share)
             # The front and the xDS data planes honour `x-spine-route` as the plan says.
             self.front.route_header = route_header
@@ -104,7 +104,7 @@ class FrontTarget:
 
     def _set_layered_share(self, share: float) -> None:
         if self.layered_ratelimit is not None and share != self._layered_share:
-            self.layered_ratelimit.SetShare(ratelimit_pb2.SetShareRequest(fraction=share), timeout=1.0)
+            self.layered_ratelimit.set_share(share, CallOptions(timeout=1.0))
         self._layered_share = share
 
     def window_stats(self, since: float) -> tuple[WindowStats, WindowStats, ParityStats]:

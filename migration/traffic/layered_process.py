@@ -18,6 +18,8 @@ import grpc
 
 from migration.traffic.layout_process import LayoutProcess
 from runtime.config_model import SpineConfig
+from runtime.remote import remote
+from services.ratelimit.api import RATELIMIT, RateLimit
 from services.registry import MIDDLEWARES
 from wire.v1 import ratelimit_pb2_grpc
 
@@ -36,11 +38,11 @@ class LayeredProcess(LayoutProcess):
         """Where each layered middleware listens (the spine's remote placements)."""
         return {name: f"unix:{self.run_dir / (name + '.sock')}" for name in MIDDLEWARES}
 
-    def ratelimit(self) -> ratelimit_pb2_grpc.RateLimitStub:
-        """A stub on the layered rate limiter (its share of every limit is set through it)."""
+    def ratelimit(self) -> RateLimit:
+        """The layered rate limiter (its share of every limit is set through it)."""
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.component_addresses()["ratelimit"])
-        return ratelimit_pb2_grpc.RateLimitStub(self._channel)
+        return remote(RATELIMIT, ratelimit_pb2_grpc.RateLimitStub(self._channel), self._channel)
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self._channel is not None:

@@ -37,10 +37,10 @@ from runtime.http.wire import (
     retry_headers,
     status_for,
 )
-from runtime.local_context import LocalContext
 from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
+from services.pipeline.local_context import LocalContext
 from services.pipeline.pipeline import code_details
 from services.pipeline.verdicts import OVERHEAD_HEADER
 

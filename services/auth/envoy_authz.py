@@ -1,7 +1,7 @@
 """Envoy's external authorization API (`envoy.service.auth.v3.Authorization`), both ways.
 
 Serving it (`EnvoyAuthorization`): Envoy's `ext_authz` filter asks `Check` and gets the Auth
-component's own decision, from its `CheckBatch` (the same API keys, JWT settings and
+component's own decision, from its `check` as placed now (the same API keys, JWT settings and
 verification cache as the Gateway path):
 
 - a bearer credential in the `authorization` header that authenticates → OK; the tenant goes
@@ -14,8 +14,8 @@ verification cache as the Gateway path):
 - Auth itself unreachable → the call fails UNAVAILABLE, and Envoy's `failure_mode_allow`
   decides (the bootstrap in `deploy/envoy/` denies).
 
-Speaking it (`EnvoyAuthzClient`): a stub with the Auth component's call shape that asks a
-service the team already runs. Each distinct credential of a `CheckBatch` becomes one
+Speaking it (`EnvoyAuthzClient`): the `Auth` interface (`services.auth.api`) answered by a
+service the team already runs. Each distinct credential of a `check` becomes one
 `Authorization.Check` (sent together); OK with the tenant in `tenant_header` (or in the
 dynamic metadata) is the principal, a denial is UNAUTHENTICATED (401) or PERMISSION_DENIED.
 An OK that names no tenant is an INTERNAL item: the request fails closed (UNAVAILABLE).
@@ -23,7 +23,7 @@ An OK that names no tenant is an INTERNAL item: the request fails closed (UNAVAI
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -33,16 +33,11 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from google.rpc import status_pb2
 
-from services.common import set_status, status_code
-from services.pipeline.envoy_calls import (
-    Caller,
-    Metadata,
-    Unary,
-    header_safe,
-    one_answer,
-    printable,
-    rpc_status,
-)
+from services.auth.api import Auth, CheckVerdict
+from services.common import status_code
+from services.pipeline.batch_rpc import ItemError
+from services.pipeline.envoy_calls import header_safe, printable, rpc_status
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.verdicts import MISSING_CREDENTIAL, bearer, internal_addresses_hidden
 from wire.v1 import auth_pb2
 
@@ -111,10 +106,12 @@ def allowed(verdict: auth_pb2.CheckResponse, headers: Iterable[tuple[str, str]])
 
 
 class EnvoyAuthorization(external_auth_pb2_grpc.AuthorizationServicer):
-    """`Authorization.Check` answered with the Auth component's decision (`call("CheckBatch", ...)`)."""
+    """`Authorization.Check` answered with the Auth component's decision: `auth()` is the
+    component as placed at the time of each call, asked within `budget_s`."""
 
-    def __init__(self, call: Caller) -> None:
-        self._call = call
+    def __init__(self, auth: Callable[[], Auth], budget_s: float) -> None:
+        self._auth = auth
+        self._budget_s = budget_s
 
     def Check(self, request: external_auth_pb2.CheckRequest, context: Any) -> external_auth_pb2.CheckResponse:
         headers = request_headers(request)
@@ -122,18 +119,18 @@ class EnvoyAuthorization(external_auth_pb2_grpc.AuthorizationServicer):
         if token is None:
             return denied(_UNAUTHENTICATED, reason)
         try:
-            answer = self._call("CheckBatch", auth_pb2.CheckBatchRequest(items=[auth_pb2.CheckRequest(credential=token)]))
+            verdicts = self._auth().check([token], CallOptions(timeout=self._budget_s))
         except grpc.RpcError as error:
             code, details = rpc_status(error)
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"auth unavailable ({code.name}: {internal_addresses_hidden(details)})")
             raise AssertionError("context.abort returned") from None  # pragma: no cover
-        if len(answer.results) != 1:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"auth answered {len(answer.results)} results for 1")
-        result = answer.results[0]
-        if result.status.code:
-            return denied(status_code(result.status.code), result.status.message)
-        return allowed(result.response, headers)
+        if len(verdicts) != 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"auth answered {len(verdicts)} results for 1")
+        verdict = verdicts[0]
+        if isinstance(verdict, ItemError):
+            return denied(verdict.code, verdict.message)
+        return allowed(verdict, headers)
 
 
 # -- speaking Envoy ----------------------------------------------------------------------------
@@ -159,27 +156,25 @@ def _metadata(struct: struct_pb2.Struct, key: str) -> Any:
     return struct.fields.get(key)
 
 
-def verdict_from(response: external_auth_pb2.CheckResponse, tenant_header: str = TENANT_HEADER) -> auth_pb2.CheckResult:
-    """An ext_authz answer as the item of a `CheckBatch` it stands for."""
-    result = auth_pb2.CheckResult()
+def verdict_from(response: external_auth_pb2.CheckResponse, tenant_header: str = TENANT_HEADER) -> CheckVerdict:
+    """An ext_authz answer as the verdict of the `check` item it stands for."""
     if response.status.code != 0:
         code = status_code(response.status.code)
         if code not in (_UNAUTHENTICATED, _PERMISSION_DENIED):
             http = response.denied_response.status.code
             code = _UNAUTHENTICATED if http == http_status_pb2.Unauthorized else _PERMISSION_DENIED
         reason = response.status.message or response.denied_response.body or f"denied by ext_authz ({code.name})"
-        set_status(result.status, code, printable(reason))
-        return result
+        return ItemError(code, printable(reason))
     metadata = response.dynamic_metadata
     tenant = _header(response.ok_response.headers, tenant_header.lower())
     if not tenant and (value := _metadata(metadata, "tenant")) is not None:
         tenant = value.string_value
     if not tenant:
-        set_status(result.status, grpc.StatusCode.INTERNAL,
-                   f"ext_authz allowed the request but named no tenant (no {tenant_header!r} header "
-                   "and no 'tenant' in its dynamic metadata)")
-        return result
-    principal = result.response.principal
+        return ItemError(grpc.StatusCode.INTERNAL,
+                         f"ext_authz allowed the request but named no tenant (no {tenant_header!r} header "
+                         "and no 'tenant' in its dynamic metadata)")
+    verdict = auth_pb2.CheckResponse(method="envoy-ext-authz")
+    principal = verdict.principal
     principal.tenant = tenant
     if (value := _metadata(metadata, "subject")) is not None:
         principal.subject = value.string_value
@@ -187,28 +182,23 @@ def verdict_from(response: external_auth_pb2.CheckResponse, tenant_header: str =
         principal.max_priority = int(value.number_value)
     if (value := _metadata(metadata, "scopes")) is not None:
         principal.scopes.extend(item.string_value for item in value.list_value.values)
-    result.response.method = "envoy-ext-authz"
-    return result
+    return verdict
 
 
 class EnvoyAuthzClient:
-    """The Auth component's call shape (`CheckBatch`, `Check`), answered by an ext_authz service."""
+    """The `Auth` interface, answered by an ext_authz service the team already runs."""
 
     def __init__(self, channel: grpc.Channel, tenant_header: str = TENANT_HEADER) -> None:
         self._stub = external_auth_pb2_grpc.AuthorizationStub(channel)
         self.tenant_header = tenant_header
-        self.CheckBatch = Unary(self._check_batch)
-        self.Check = Unary(self._check)
 
-    def _check_batch(self, request: auth_pb2.CheckBatchRequest, timeout: float | None,
-                     metadata: Metadata) -> auth_pb2.CheckBatchResponse:
+    def check(self, credentials: Sequence[str], options: CallOptions = NO_OPTIONS) -> list[CheckVerdict]:
         """One Check per distinct credential, all sent before the first answer is awaited."""
         calls: dict[str, Any] = {}
-        for item in request.items:
-            if item.credential not in calls:
-                calls[item.credential] = self._stub.Check.future(check_request_for(item.credential),
-                                                                 timeout=timeout, metadata=metadata)
-        answer = auth_pb2.CheckBatchResponse()
+        for credential in credentials:
+            if credential not in calls:
+                calls[credential] = self._stub.Check.future(check_request_for(credential), timeout=options.timeout,
+                                                            metadata=tuple(options.metadata) or None)
         try:
             verdicts = {credential: verdict_from(call.result(), self.tenant_header)
                         for credential, call in calls.items()}
@@ -216,10 +206,4 @@ class EnvoyAuthzClient:
             for call in calls.values():
                 call.cancel()
             raise
-        for item in request.items:
-            answer.results.add().CopyFrom(verdicts[item.credential])
-        return answer
-
-    def _check(self, request: auth_pb2.CheckRequest, timeout: float | None,
-               metadata: Metadata) -> auth_pb2.CheckResponse:
-        return one_answer(self._check_batch(auth_pb2.CheckBatchRequest(items=[request]), timeout, metadata).results[0])
+        return [verdicts[credential] for credential in credentials]

@@ -20,12 +20,13 @@ from typing import Any
 
 import grpc
 
+from services.auth.api import CHECK_BATCH
 from services.auth.api_keys import ApiKeyTable
 from services.auth.config import AuthConfig
 from services.auth.jwt_verify import JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
-from services.auth.steps import CHECK_BATCH
-from services.common import Clock, DeviceState, answer_one
+from services.common import Clock, DeviceState
 from services.pipeline.batch_rpc import ItemError
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from wire.v1 import auth_pb2, auth_pb2_grpc
 
 _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
@@ -118,7 +119,7 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         # at start): made once per key, shared read-only by every check of that key.
         self._key_verdicts: dict[str, auth_pb2.CheckResponse | ItemError] = {}
 
-    def check_items(self, credentials: Sequence[str]) -> list[auth_pb2.CheckResponse | ItemError]:
+    def check(self, credentials: Sequence[str], options: CallOptions = NO_OPTIONS) -> list[auth_pb2.CheckResponse | ItemError]:
         """One verdict per credential, in order: its principal, or the item's denial.
 
         A credential repeated in the batch (one client's requests arriving together, the
@@ -135,12 +136,8 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         return verdicts
 
     def CheckBatch(self, request: auth_pb2.CheckBatchRequest, context: Any = None) -> auth_pb2.CheckBatchResponse:
-        """`check_items` over the wire: a denial is that item's status, not the call's."""
+        """`check` over the wire: a denial is that item's status, not the call's."""
         return CHECK_BATCH.serve(self, request, context)
-
-    def Check(self, request: auth_pb2.CheckRequest, context: grpc.ServicerContext) -> auth_pb2.CheckResponse:
-        """The batch of one: a denial ends the call with its status."""
-        return answer_one(self.CheckBatch(auth_pb2.CheckBatchRequest(items=[request])).results[0], context)
 
     def verify(self, credential: str) -> auth_pb2.CheckResponse:
         """The principal for `credential` (a copy the caller may change), or AuthDenied

@@ -27,18 +27,18 @@ from typing import Any
 
 import grpc
 
+from services.cache.api import LOOKUP_BATCH, NOT_CACHEABLE, STORE_BATCH, LookupItem, Probe, StoreItem
 from services.cache.config import CacheConfig
 from services.cache.index import CacheIndex, KeyHash, default_key_hash
 from services.cache.pregenerated import served_digests
 from services.cache.pregenerated_answers import PregeneratedAnswers
-from services.cache.steps import LOOKUP_BATCH, NOT_CACHEABLE, STORE_BATCH, LookupItem, Probe, StoreItem
 from services.common import (
     Clock,
     DeviceState,
-    answer_one,
 )
 from services.inference.config import InferenceConfig
 from services.pipeline.batch_rpc import ItemError
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from wire.v1 import cache_pb2, cache_pb2_grpc, generation_pb2
 
 KEY_BYTES = 32  # sha256
@@ -106,7 +106,7 @@ class CacheService(cache_pb2_grpc.CacheServicer):
             )
 
     # -- gRPC --------------------------------------------------------------------------
-    def lookup_items(self, items: Sequence[LookupItem]) -> list[Probe | ItemError]:
+    def lookup(self, items: Sequence[LookupItem], options: CallOptions = NO_OPTIONS) -> list[Probe | ItemError]:
         """Probe every cacheable item with one index probe; a malformed item is refused alone.
 
         A hit is a copy of the stored answer marked `cached`; a cacheable item's probe
@@ -151,10 +151,10 @@ class CacheService(cache_pb2_grpc.CacheServicer):
 
     def LookupBatch(self, request: cache_pb2.CacheLookupBatchRequest,
                     context: Any = None) -> cache_pb2.CacheLookupBatchResponse:
-        """`lookup_items` over the wire."""
+        """`lookup` over the wire."""
         return LOOKUP_BATCH.serve(self, request, context)
 
-    def store_items(self, items: Sequence[StoreItem]) -> list[bool | ItemError]:
+    def store(self, items: Sequence[StoreItem], options: CallOptions = NO_OPTIONS) -> list[bool | ItemError]:
         """Keep every storable answer, in order (the last one for a key wins): whether each
         was stored. Shadow traffic and non-cacheable requests are not stored; a malformed
         item is refused alone."""
@@ -183,16 +183,8 @@ class CacheService(cache_pb2_grpc.CacheServicer):
 
     def StoreBatch(self, request: cache_pb2.CacheStoreBatchRequest,
                    context: Any = None) -> cache_pb2.CacheStoreBatchResponse:
-        """`store_items` over the wire."""
+        """`store` over the wire."""
         return STORE_BATCH.serve(self, request, context)
-
-    def Lookup(self, request: cache_pb2.CacheLookupRequest, context: Any) -> cache_pb2.CacheLookupResponse:
-        """The batch of one."""
-        return answer_one(self.LookupBatch(cache_pb2.CacheLookupBatchRequest(items=[request])).results[0], context)
-
-    def Store(self, request: cache_pb2.CacheStoreRequest, context: Any) -> cache_pb2.CacheStoreResponse:
-        """The batch of one."""
-        return answer_one(self.StoreBatch(cache_pb2.CacheStoreBatchRequest(items=[request])).results[0], context)
 
     def Stats(self, request: cache_pb2.CacheStatsRequest, context: Any) -> cache_pb2.CacheStatsResponse:
         return self.stats()

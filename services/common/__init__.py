@@ -8,7 +8,7 @@ layouts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -50,31 +50,6 @@ class DeviceState(Protocol):
         ...
 
 
-def section(config: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:
-    """The `name` section of a config mapping, or {}; a non-mapping is a ConfigError."""
-    if config is None:
-        return {}
-    value = config.get(name, {})
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
-    return value
-
-
-def number(cfg: Mapping[str, Any], key: str, default: float, *, where: str, minimum: float = 0.0,
-           maximum: float | None = None) -> float:
-    """A number field with a lower (and optionally an upper) bound, or a ConfigError naming `where.key`."""
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}.{key}: expected a number, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{where}.{key}: must be >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(f"{where}.{key}: must be <= {maximum}, got {value!r}")
-    return float(value)
-
-
 class ReadHooks:
     """Callbacks a service runs before it reads its own state.
 
@@ -100,8 +75,8 @@ class ReadHooks:
 
 
 # -- batch rpcs ---------------------------------------------------------------------------
-# Every middleware declares a batch rpc; its per-request rpc is the batch of one. These
-# helpers keep the per-item status and the single-call abort the same in every service.
+# Every middleware's operations are batch rpcs, each item answered with its own status: these
+# keep that status the same in every service.
 
 _STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -112,19 +87,6 @@ def status_code(number: int) -> grpc.StatusCode:
 
 
 def set_status(status: batch_pb2.ItemStatus, code: grpc.StatusCode, message: str) -> None:
-    """Mark one item of a batch answer as failed with the status its per-request rpc would end with."""
+    """Mark one item of a batch answer as failed with the status a call for it alone would end with."""
     status.code = code.value[0]
     status.message = message
-
-
-def answer_one(result: Any, context: Any) -> Any:
-    """The per-request rpc's answer from a batch-of-one result: its response, or abort with its status."""
-    if result.status.code:
-        context.abort(status_code(result.status.code), result.status.message)
-    return result.response
-
-
-def abort_on_item(status: batch_pb2.ItemStatus, context: Any) -> None:
-    """For batch-of-one rpcs whose results are bare statuses (metrics, logs)."""
-    if status.code:
-        context.abort(status_code(status.code), status.message)

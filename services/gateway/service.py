@@ -40,9 +40,12 @@ from typing import Any, Protocol
 import grpc
 
 from services.common.log_limit import RateLimitedLog
+from services.gateway import model_call
 from services.gateway.model_load import ModelLoads
+from services.inference.api import INFERENCE, ChunkStream, Generated
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
+from services.pipeline.interface import CallOptions
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
@@ -134,8 +137,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     context.set_trailing_metadata(self._answer_trailing(state))
                     return state.hit
                 assert state.resolved is not None
-                trailers: list[tuple[str, str]] = []
-                response = self._model_call(state, "Generate", context, trailing_out=trailers)
+                generated = self._generate(state, context)
+                response, trailers = generated.response, generated.trailing
                 self.model_load.note_trailers(state.model, trailers)
                 state.completion_tokens = response.completion_tokens
                 if _model_time(state, trailers):  # an upstream's answer: its own count of tokens
@@ -174,7 +177,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 finish = digest = ""
                 started = time.perf_counter()
                 check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
-                stream = self._model_call(state, "GenerateStream", context)
+                stream = self._generate_stream(state, context)
                 ended = False
                 first = True
                 usage = (0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
@@ -191,7 +194,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         if first:  # the HTTP front's headers go out with it: what is known now
                             first = False
                             state.model_wait_s = time.perf_counter() - started
-                            initial = _forwarded(_initial_metadata(stream))
+                            initial = _forwarded(stream.initial_metadata() or ())
                             _model_time(state, initial)
                             context.set_trailing_metadata(self._answer_trailing(state, initial))
                         yield chunk
@@ -246,25 +249,30 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.in_flight += 1
         return state
 
-    def _model_call(self, state: RequestState, method: str, context: Any, **extra: Any) -> Any:
-        """The model, through its binding (the engine batches decode steps itself)."""
-        stage = self.pipeline.model
-        client: Any = self.pipeline.clients[stage.component]  # the model's binding: its rpcs by name
+    def _generate(self, state: RequestState, context: Any) -> Generated:
+        """The model's whole answer (`services.gateway.model_call`); its time is the model's."""
         started = time.perf_counter()
         try:
-            call = client.Generate if method == "Generate" else client.GenerateStream
-            return call(state.resolved, timeout=state.remaining(), metadata=((REQUEST_ID_HEADER, state.request_id),),
-                        parent=context, **extra)
+            return model_call.generate(self.pipeline, state, context)
         except grpc.RpcError as error:
-            if getattr(error, "ejected", False):
-                state.ejected.append(stage.component)
-            state.model_wait_s = time.perf_counter() - started
-            raise self._model_stop(error, state) from None
+            raise self._model_failed(error, state) from None
         finally:
-            if method == "Generate":
-                elapsed = time.perf_counter() - started
-                state.add_time(stage.component, elapsed)
-                state.model_wait_s = elapsed
+            elapsed = time.perf_counter() - started
+            state.add_time(self.pipeline.model.component, elapsed)
+            state.model_wait_s = elapsed
+
+    def _generate_stream(self, state: RequestState, context: Any) -> ChunkStream:
+        started = time.perf_counter()
+        try:
+            return model_call.generate_stream(self.pipeline, state, context)
+        except grpc.RpcError as error:
+            state.model_wait_s = time.perf_counter() - started
+            raise self._model_failed(error, state) from None
+
+    def _model_failed(self, error: grpc.RpcError, state: RequestState) -> Stop:
+        if getattr(error, "ejected", False):  # the component was failing fast: no call was made
+            state.ejected.append(self.pipeline.model.component)
+        return self._model_stop(error, state)
 
     def _model_stop(self, error: grpc.RpcError, state: RequestState) -> Stop:
         code, details, trailing = code_details(error)
@@ -288,8 +296,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _models_load(self) -> list[tuple[str, str]]:
         """Every model's hint now, from the inference component (`ModelLoads`' refresh)."""
-        client = self.pipeline.clients[self.pipeline.model.component]
-        answer = client.invoke("Models", inference_pb2.ModelInfoRequest(), timeout=MODELS_TIMEOUT_S)
+        answer = self.pipeline.components.get(INFERENCE).models(inference_pb2.ModelInfoRequest(),
+                                                                CallOptions(timeout=MODELS_TIMEOUT_S))
         return [(model.id, model.load) for model in answer.models if model.load]
 
     @contextlib.contextmanager
@@ -350,12 +358,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:
     """The downstream trailers the client should see (load hints, the upstream's), nothing else."""
     return tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
-
-
-def _initial_metadata(stream: Any) -> Any:
-    """A model stream's initial metadata (an upstream's name and attempts come there), or none."""
-    read = getattr(stream, "initial_metadata", None)
-    return (read() or ()) if read is not None else ()
 
 
 def _model_time(state: RequestState, metadata: Any) -> bool:

@@ -7,7 +7,7 @@ from services.pipeline.step import Step, StepCall
 from services.pipeline.verdicts import Stop, admission_stop
 
 
-class ValidationStep(Step):
+class ValidationStep(Step[None]):
     """Once the tenant is known: bad input (INVALID_ARGUMENT naming the field), then a
     priority above the tenant's allowance (PERMISSION_DENIED)."""
 

@@ -40,6 +40,7 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from services.common import ConfigError, DeviceState
+from services.inference.api import Generated
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.gpu_metrics import GpuGoldenMetrics
@@ -59,6 +60,8 @@ from services.inference.model.kv_budget import (
 from services.inference.priority import priority_error
 from services.inference.scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
 from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
+from services.pipeline.interface import NO_OPTIONS, CallOptions
+from services.pipeline.local_call import LocalStream, call_stream, call_unary
 from services.pipeline.system_prompt import SEPARATOR, system_digest
 from services.pipeline.verdicts import inference_timeout_error
 from wire.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
@@ -110,6 +113,20 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                  "default compute budget = max_tokens × measured ms/token × %.1f + %.0f ms, at most %d ms",
                  config.model_id, torch_device(device), self.ms_per_token, config.timeout_slowdown,
                  config.timeout_margin_ms, config.max_timeout_ms)
+
+    # -- the interface (`services.inference.api.Inference`), in this process -------------
+    def generate(self, request: generation_pb2.GenerateRequest, options: CallOptions = NO_OPTIONS) -> Generated:
+        """`Generate` under the wire's rules (`services.pipeline.local_call`), with its trailers."""
+        response, trailing = call_unary(self.Generate, request, options)
+        return Generated(response, trailing)
+
+    def generate_stream(self, request: generation_pb2.GenerateRequest,
+                        options: CallOptions = NO_OPTIONS) -> LocalStream[generation_pb2.GenerateChunk]:
+        return call_stream(self.GenerateStream, request, options)
+
+    def models(self, request: inference_pb2.ModelInfoRequest,
+               options: CallOptions = NO_OPTIONS) -> inference_pb2.ModelInfoResponse:
+        return call_unary(self.Models, request, options)[0]
 
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:

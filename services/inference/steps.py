@@ -6,12 +6,14 @@ runs in another process imports this and not torch.
 
 from __future__ import annotations
 
+from services.inference.api import INFERENCE, Inference
 from services.pipeline.step import Phase, Step
 
 
-class InferenceStep(Step):
+class InferenceStep(Step[Inference]):
     """The model's place in the path: fail closed, its budget the compute budget. The gateway
     calls it per request (unary or streaming); the engine batches decode steps itself."""
 
+    interface = INFERENCE
     method = "Generate"
     phase = Phase.MODEL

@@ -24,10 +24,11 @@ import grpc
 
 from services.common import Clock, DeviceState
 from services.common.redact import redact_mapping, redact_text
+from services.logs.api import APPEND_BATCH
 from services.logs.config import LogsConfig
 from services.logs.ring import BatchedLineWriter, LogsClosedError
-from services.logs.steps import APPEND_BATCH
 from services.pipeline.batch_rpc import ItemError, StatusError
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from wire.v1 import logs_pb2, logs_pb2_grpc
 
 
@@ -100,14 +101,14 @@ class LogsService(logs_pb2_grpc.LogsServicer):
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def append_items(self, records: Sequence[Any]) -> list[ItemError | None]:
+    def append(self, items: Sequence[Any], options: CallOptions = NO_OPTIONS) -> list[ItemError | None]:
         """Encode every record and accept the good ones in one ring append; a record that cannot
         be a line is refused alone (INVALID_ARGUMENT naming its field). A closed or unwritable
         log fails the whole call (UNAVAILABLE): nothing of it was accepted. A record is a
         `LogEntry` or the `LogRecord` it encodes to (the same fields)."""
         results: list[ItemError | None] = []
         lines: list[bytes] = []
-        for record in records:
+        for record in items:
             try:
                 lines.append(self.encode(record))
                 results.append(None)
@@ -122,15 +123,8 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         return results
 
     def AppendBatch(self, request: logs_pb2.AppendBatchRequest, context: Any = None) -> logs_pb2.AppendBatchResponse:
-        """`append_items` over the wire."""
+        """`append` over the wire."""
         return APPEND_BATCH.serve(self, request, context)
-
-    def Append(self, request: logs_pb2.LogRecord, context: grpc.ServicerContext) -> logs_pb2.AppendResponse:
-        """The batch of one."""
-        result = self.AppendBatch(logs_pb2.AppendBatchRequest(records=[request]), context).results[0]
-        if result.code:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
-        return logs_pb2.AppendResponse()
 
     def Flush(self, request: logs_pb2.FlushRequest, context: grpc.ServicerContext) -> logs_pb2.FlushResponse:
         try:

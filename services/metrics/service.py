@@ -31,13 +31,13 @@ from prometheus_client.utils import floatToGoString
 from services.common import (
     DeviceState,
     ReadHooks,
-    abort_on_item,
 )
+from services.metrics.api import RECORD_BATCH
 from services.metrics.config import DEFAULT_BUCKETS as DEFAULT_BUCKETS
 from services.metrics.config import MetricsConfig
 from services.metrics.histograms import CounterTable, HistogramSeries, HistogramTable, SeriesKey
-from services.metrics.steps import RECORD_BATCH
 from services.pipeline.batch_rpc import ItemError
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from wire.v1 import metrics_pb2, metrics_pb2_grpc
 
 
@@ -233,13 +233,13 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
 
     # -- gRPC -----------------------------------------------------------------------------
 
-    def record_items(self, records: Sequence[Any]) -> list[ItemError | None]:
+    def record(self, items: Sequence[Any], options: CallOptions = NO_OPTIONS) -> list[ItemError | None]:
         """Count every good record with one update; a bad record is refused alone (INVALID_ARGUMENT
         naming its field), so one corrupt record never costs the others their count. A record
         is a `MetricsRecord` or the `RequestRecord` it encodes to (the same fields)."""
-        results: list[ItemError | None] = [None] * len(records)
+        results: list[ItemError | None] = [None] * len(items)
         good: list[tuple[int, Any]] = []
-        for index, record in enumerate(records):
+        for index, record in enumerate(items):
             problem = check_record(record)
             if problem:
                 results[index] = ItemError(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -258,15 +258,8 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
 
     def RecordBatch(self, request: metrics_pb2.RecordBatchRequest,
                     context: Any = None) -> metrics_pb2.RecordBatchResponse:
-        """`record_items` over the wire."""
+        """`record` over the wire."""
         return RECORD_BATCH.serve(self, request, context)
-
-    def Record(
-        self, request: metrics_pb2.RequestRecord, context: grpc.ServicerContext
-    ) -> metrics_pb2.RecordResponse:
-        """The batch of one."""
-        abort_on_item(self.RecordBatch(metrics_pb2.RecordBatchRequest(records=[request])).results[0], context)
-        return metrics_pb2.RecordResponse()
 
     def Scrape(
         self, request: metrics_pb2.ScrapeRequest, context: grpc.ServicerContext

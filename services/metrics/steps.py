@@ -7,65 +7,27 @@ process imports these and not torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-from services.pipeline.batch_rpc import BatchRpc, status_only
+from services.metrics.api import METRICS, Metrics, MetricsRecord
 from services.pipeline.state import RequestState
 from services.pipeline.step import Phase, Step, StepCall
-from wire.v1 import metrics_pb2
 
 
-@dataclass(slots=True)  # not frozen: see services.pipeline.batch_rpc
-class MetricsRecord:
-    """One finished request as the metrics count it (the fields of `spine.v1.RequestRecord`)."""
-
-    layout: str
-    model: str
-    tenant: str
-    status: str
-    latency_s: float
-    middleware_s: Mapping[str, float]
-    cached: bool = False
-    shadow: bool = False
-    completion_tokens: int = 0
-    failed_middlewares: Sequence[str] = ()
-    ejected_middlewares: Sequence[str] = ()
-    pregenerated: bool = False
-    policy_violation: bool = False
-
-
-def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatchRequest:
-    request = metrics_pb2.RecordBatchRequest()
-    for r in records:
-        request.records.add(layout=r.layout, model=r.model, tenant=r.tenant, status=r.status, latency_s=r.latency_s,
-                            middleware_s=r.middleware_s, cached=r.cached, shadow=r.shadow,
-                            completion_tokens=r.completion_tokens, failed_middlewares=r.failed_middlewares,
-                            ejected_middlewares=r.ejected_middlewares, pregenerated=r.pregenerated,
-                            policy_violation=r.policy_violation)
-    return request
-
-
-RECORD_BATCH: BatchRpc[Any, None] = status_only("RecordBatch", "record_items", _encode_records,
-                                                metrics_pb2.RecordBatchResponse)
-
-
-class MetricsStep(Step):
+class MetricsStep(Step[Metrics]):
     """The pipeline counts and times every request, whatever its outcome (fail open)."""
 
+    interface = METRICS
     method = "Record"
     phase = Phase.COMPLETE
 
     def wants(self, state: RequestState) -> bool:
         return True
 
-    def decide(self, batch: list[RequestState], call: StepCall) -> None:
+    def decide(self, batch: list[RequestState], call: StepCall[Metrics]) -> None:
         records = [MetricsRecord(state.layout, model_label(state), state.tenant, state.status, state.latency_s,
                                  state.middleware_s, state.cached, state.shadow, state.completion_tokens,
                                  state.failures, state.ejected, state.pregenerated, state.policy_violation)
                    for state in batch]
-        self.answered(call, batch, call.batch(RECORD_BATCH, records))
+        self.answered(call, batch, call.component.record(records, call.options))
 
 
 def model_label(state: RequestState) -> str:

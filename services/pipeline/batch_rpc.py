@@ -7,15 +7,15 @@ a core the model's step has left cold: every distinct object and C library it to
 a cache miss). So a stage speaks plain values, and the wire is a codec around the same
 decision:
 
-- in-process (`LocalBinding.call_batch`): the servicer's `local` method is called with
-  the items and returns the results;
-- over the wire (any other binding): the items are encoded into the rpc's request, the
-  rpc is called, and its answer decoded into the same results;
+- in-process (`runtime.in_process`): the servicer's method (the interface's operation,
+  `method`) is called with the items and returns the results;
+- over the wire (`runtime.remote`): the items are encoded into the rpc's request, the rpc
+  is called, and its answer decoded into the same results;
 - serving the rpc (`serve`): the servicer decodes the request into items, decides them
-  with that same `local` method, and encodes the results.
+  with that same method, and encodes the results.
 
 So both layouts run one decision path and the proto stays the contract: the remote path
-is `decode_results ∘ rpc ∘ encode_items`, and the rpc is `encode_results ∘ local ∘
+is `decode_results ∘ rpc ∘ encode_items`, and the rpc is `encode_results ∘ method ∘
 decode_items`. A failed item is an `ItemError` (its status in the batch answer), never an
 exception: the other items of the batch are still answered.
 
@@ -77,28 +77,22 @@ class BatchRpc(Generic[Item, Result]):
     """A batch rpc and its codec (see the module docstring)."""
 
     rpc: str  # the proto's batch method, e.g. "CheckBatch"
-    local: str  # the servicer's method on plain items, e.g. "check_items"
+    method: str  # the interface's operation on plain items, e.g. "check"
     encode_items: Callable[[Sequence[Item]], Any]  # caller: items -> the rpc's request
     decode_items: Callable[[Any], list[Item]]  # servicer: the rpc's request -> items
     encode_results: Callable[[Sequence[Result | ItemError]], Any]  # servicer: results -> the rpc's answer
     decode_results: Callable[[Any], list[Result | ItemError]]  # caller: the rpc's answer -> results
 
     def serve(self, servicer: Any, request: Any, context: Any = None) -> Any:
-        """The rpc's answer to `request`, decided by `servicer`'s plain method; a
+        """The rpc's answer to `request`, decided by `servicer`'s operation; a
         `StatusError` ends the call with its code (raised as is without a context)."""
         try:
-            return self.encode_results(getattr(servicer, self.local)(self.decode_items(request)))
+            return self.encode_results(getattr(servicer, self.method)(self.decode_items(request)))
         except StatusError as error:
             if context is None:
                 raise
             context.abort(error.code(), error.details())
             raise  # not reached: abort raises
-
-    def over(self, client: Any, items: Sequence[Item], timeout: float | None,
-             metadata: Sequence[tuple[str, str]]) -> list[Result | ItemError]:
-        """The call through any client with `invoke` (a stub-shaped binding)."""
-        return self.decode_results(client.invoke(self.rpc, self.encode_items(items), timeout=timeout,
-                                                 metadata=metadata))
 
 
 def encode_answer(answer: Any, results: Sequence[Any], fill: Callable[[Any, Any], None]) -> Any:
@@ -158,11 +152,11 @@ def item_errors(answer: Any) -> list[ItemError | None]:
             for status in answer.results]
 
 
-def status_only(rpc: str, local: str, encode_items: Callable[[Sequence[Any]], Any],
+def status_only(rpc: str, method: str, encode_items: Callable[[Sequence[Any]], Any],
                 answer_type: Callable[..., Any]) -> BatchRpc[Any, None]:
     """A write's batch rpc (log lines, metrics records): the servicer reads the request's
     `records` as they are (the same fields as the items) and answers each with its status."""
-    return BatchRpc(rpc=rpc, local=local, encode_items=encode_items,
+    return BatchRpc(rpc=rpc, method=method, encode_items=encode_items,
                     decode_items=lambda request: list(request.records),
                     encode_results=lambda results: answer_type(results=[item_status(r) for r in results]),
                     decode_results=item_errors)

@@ -1,21 +1,16 @@
-"""What the pipeline calls through: a component's client (its binding) and the hooks around a call.
+"""The hooks around a call of a component (spans, injected faults).
 
-One hook interface for both places a call is made: the pipeline runs the hooks once per
-request around a batch call (`Pipeline`), a binding runs them around a call made outside the
-pipeline (the model's stream, an admin rpc). A tracing hook, a fault hook and a test's
-recorder implement it.
+They run in one place, the pipeline (`services.pipeline.pipeline`): once per request around
+a stage's batch call, and around a call the gateway makes outside a batch (the model's,
+`Pipeline.begin_call`) — the same way whatever the component's placement. A tracing hook,
+a fault hook and a test's recorder implement it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import grpc
-
-from services.pipeline.batch_rpc import BatchRpc, ItemError
-
-Metadata = Sequence[tuple[str, str]]
 
 
 class Hook(Protocol):
@@ -28,16 +23,3 @@ class Hook(Protocol):
     def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> Any: ...
 
     def end(self, token: Any, code: grpc.StatusCode) -> None: ...
-
-
-class Client(Protocol):
-    """A component as a step reaches it: a unary rpc by name, or a batch rpc on plain items.
-
-    Both run without the hooks (the pipeline runs them per request) and raise
-    `grpc.RpcError` as the wire would; `runtime.bindings` has the two placements."""
-
-    def invoke(self, method: str, request: Any, *, timeout: float | None = None,
-               metadata: Metadata | None = None) -> Any: ...
-
-    def call_batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, timeout: float | None = None,
-                   metadata: Metadata | None = None) -> list[Any | ItemError]: ...

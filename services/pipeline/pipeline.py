@@ -4,14 +4,16 @@ What a stage does not decide, the runner does once for all of them:
 - which requests a stage sees (still open, not past their deadline);
 - the hooks around each request's part (a span per request, an injected fault), with the
   request's own trace context, whichever thread decides the batch;
-- the call: the component's batch rpc through its binding (a direct call in the spine, a
-  gRPC call in the layered stack), with the stage's budget as its timeout;
+- the call: the component's operation through its interface, as placed now (a direct call
+  in the spine, a gRPC call in the layered stack), with the stage's budget as its timeout;
 - a failed call: fail-closed stages stop each request of the batch (`downstream_stop`:
   UNAVAILABLE, or the component's own code where it reaches the client as is), fail-open
   stages let each one go on and count the failure;
 - the time each request spent in each component (`middleware_s`).
 
 The per-request path is `admit([state])`; the spine's micro-batcher calls `admit(batch)`.
+The hooks run here and nowhere else, whatever the component's placement: a call the
+gateway makes outside a stage's batch (the model's) runs them through `begin_call`.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
 
 from services.common.log_limit import RateLimitedLog
-from services.pipeline.batch_rpc import BatchRpc
-from services.pipeline.calls import Client, Hook
+from services.pipeline.calls import Hook
+from services.pipeline.interface import CallOptions, Placed
 from services.pipeline.state import Metadata, RequestState
 from services.pipeline.step import Phase, Step
 from services.pipeline.verdicts import Stop, downstream_stop
@@ -76,15 +78,15 @@ def code_details(error: BaseException) -> tuple[grpc.StatusCode, str, tuple[tupl
 
 
 class Pipeline:
-    """The ordered stages and the clients (bindings) they call, by component name."""
+    """The ordered stages and the components they call, each as placed now (`Placed`)."""
 
-    def __init__(self, stages: Iterable[Step], clients: MutableMapping[str, Client], *,
+    def __init__(self, stages: Iterable[Step[Any]], components: Placed, *,
                  hooks: Sequence[Hook] = (), on_fail_open: FailOpen | None = None) -> None:
         ordered = list(stages)  # in the registry's path order
         self.admission = [stage for stage in ordered if stage.phase == Phase.ADMIT]
         self.completion = [stage for stage in ordered if stage.phase == Phase.COMPLETE]
         self.model = next(stage for stage in ordered if stage.phase == Phase.MODEL)
-        self.clients = clients  # swapped by the runtime when a component moves
+        self.components = components  # one swap per move, by the runtime
         self.hooks = list(hooks)
         self.on_fail_open = on_fail_open or _ignore
         # Run before a stage decides a batch: e.g. answers handed over for the cache and not
@@ -92,7 +94,7 @@ class Pipeline:
         self.barriers: dict[str, Barrier] = {}
 
     @property
-    def stages(self) -> list[Step]:
+    def stages(self) -> list[Step[Any]]:
         return [*self.admission, self.model, *self.completion]
 
     def capture(self) -> Metadata:
@@ -110,13 +112,13 @@ class Pipeline:
         for stage in self.admission:
             self.run(stage, batch)
 
-    def complete(self, batch: list[RequestState], stages: Sequence[Step] | None = None, *,
+    def complete(self, batch: list[RequestState], stages: Sequence[Step[Any]] | None = None, *,
                  hooks: bool = True, timed: bool = True) -> None:
         """The completion stages (or some of them) for finished requests; they fail open."""
         for stage in self.completion if stages is None else stages:
             self.run(stage, batch, hooks=hooks, timed=timed)
 
-    def run(self, stage: Step, batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
+    def run(self, stage: Step[Any], batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
         final = stage.phase == Phase.COMPLETE  # after the answer: the budget alone bounds it
         states = self._entering(stage, batch, final)
         if not states or not stage.decides:  # a screen-only stage has decided in `_entering`
@@ -156,7 +158,21 @@ class Pipeline:
                 for state in states:
                     self._end(begun[state], call.code_for(state))
 
-    def mark(self, stage: Step, state: RequestState) -> None:
+    def begin_call(self, stage: Step[Any], state: RequestState) -> CallHooks:
+        """The hooks of one call made outside a stage's batch (the gateway's to the model), begun:
+        `CallHooks.metadata` goes with the call, `end` reports how it ended. A hook that fails
+        the call (an injected fault) raises its `grpc.RpcError` here, before the call is made."""
+        metadata: list[tuple[str, str]] = [("x-request-id", state.request_id), *state.trace]
+        tokens: list[Any] = []
+        try:
+            for hook in self.hooks:
+                tokens.append(hook.begin(stage.component, stage.method, metadata))
+        except grpc.RpcError as error:
+            self._end((tokens, metadata), code_details(error)[0])
+            raise
+        return CallHooks(self, tokens, tuple(metadata))
+
+    def mark(self, stage: Step[Any], state: RequestState) -> None:
         """Run the hooks of a stage whose write happens later, off the request path, in the
         request's own thread: its span sits under the request, and an injected fault skips
         the write (counted) just as it would fail the call itself."""
@@ -168,7 +184,7 @@ class Pipeline:
         else:
             state.skip = state.skip | {stage.name}
 
-    def _entering(self, stage: Step, batch: list[RequestState], final: bool) -> list[RequestState]:
+    def _entering(self, stage: Step[Any], batch: list[RequestState], final: bool) -> list[RequestState]:
         now = time.monotonic()
         states: list[RequestState] = []
         screens = stage.screens
@@ -186,7 +202,7 @@ class Pipeline:
             states.append(state)
         return states
 
-    def _begin(self, stage: Step, states: list[RequestState]) -> dict[RequestState, tuple[list[Any], list[Any]]]:
+    def _begin(self, stage: Step[Any], states: list[RequestState]) -> dict[RequestState, tuple[list[Any], list[Any]]]:
         """Each request's hook tokens and call metadata; one a hook failed is decided here."""
         begun: dict[RequestState, tuple[list[Any], list[Any]]] = {}
         for state in states:
@@ -209,7 +225,24 @@ class Pipeline:
             hook.end(token, code)
 
 
-def _fail(pipeline: Pipeline, stage: Step, state: RequestState, code: grpc.StatusCode, details: str,
+class CallHooks:
+    """The hooks of one call, begun (`Pipeline.begin_call`); `end` once, with its code."""
+
+    __slots__ = ("_pipeline", "_tokens", "metadata", "_ended")
+
+    def __init__(self, pipeline: Pipeline, tokens: list[Any], metadata: tuple[tuple[str, str], ...]) -> None:
+        self._pipeline = pipeline
+        self._tokens = tokens
+        self.metadata = metadata
+        self._ended = False
+
+    def end(self, code: grpc.StatusCode) -> None:
+        if not self._ended:
+            self._ended = True
+            self._pipeline._end((self._tokens, list(self.metadata)), code)
+
+
+def _fail(pipeline: Pipeline, stage: Step[Any], state: RequestState, code: grpc.StatusCode, details: str,
           trailing: Sequence[tuple[str, str]]) -> None:
     """One request's verdict when its part of a stage failed, by the stage's fail mode."""
     if stage.fail_open:
@@ -222,9 +255,9 @@ def _fail(pipeline: Pipeline, stage: Step, state: RequestState, code: grpc.Statu
 class _Call:
     """A stage's view of its component for one batch (the `StepCall` protocol)."""
 
-    __slots__ = ("_pipeline", "_stage", "_states", "_begun", "_final", "_codes", "bounded_by_budget")
+    __slots__ = ("_pipeline", "_stage", "_states", "_begun", "_final", "_codes", "_options", "bounded_by_budget")
 
-    def __init__(self, pipeline: Pipeline, stage: Step, states: list[RequestState],
+    def __init__(self, pipeline: Pipeline, stage: Step[Any], states: list[RequestState],
                  begun: dict[RequestState, tuple[list[Any], list[Any]]] | None, final: bool) -> None:
         self._pipeline = pipeline
         self._stage = stage
@@ -232,35 +265,33 @@ class _Call:
         self._begun = begun
         self._final = final
         self._codes: dict[RequestState, grpc.StatusCode] = {}
+        self._options: CallOptions | None = None
         self.bounded_by_budget = False  # the call's timeout was the stage's budget, not a deadline
 
     @property
-    def client(self) -> Client:
-        return self._pipeline.clients[self._stage.component]
+    def component(self) -> Any:
+        interface = self._stage.interface
+        assert interface is not None, f"{self._stage.name} calls no component"
+        return self._pipeline.components.get(interface)
 
-    def __call__(self, method: str, request: Any, *, via: Any = None) -> Any:
-        timeout, metadata = self._limits()
-        return (self.client if via is None else via).invoke(method, request, timeout=timeout, metadata=metadata)
-
-    def batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, via: Any = None) -> list[Any]:
-        client = self.client if via is None else via
-        timeout, metadata = self._limits()
-        return client.call_batch(rpc, items, timeout=timeout, metadata=metadata)
-
-    def _limits(self) -> tuple[float, Sequence[tuple[str, str]]]:
+    @property
+    def options(self) -> CallOptions:
         """The call's timeout (the stage's budget, or less when every request's deadline is
         nearer) and its metadata (one request's own id and trace context travel with it)."""
-        budget = self._stage.budget_s
-        states = self._states
-        timeout = budget
-        if not self._final:
-            latest = states[0].deadline if len(states) == 1 else max(state.deadline for state in states)
-            timeout = min(budget, max(0.001, latest - time.monotonic()))  # as `RequestState.remaining`
-        self.bounded_by_budget = timeout == budget
-        if len(states) != 1:
-            return timeout, ()
-        state = states[0]
-        return timeout, (self._begun[state][1] if self._begun else (("x-request-id", state.request_id),))
+        if self._options is None:
+            budget = self._stage.budget_s
+            states = self._states
+            timeout = budget
+            if not self._final:
+                latest = states[0].deadline if len(states) == 1 else max(state.deadline for state in states)
+                timeout = min(budget, max(0.001, latest - time.monotonic()))  # as `RequestState.remaining`
+            self.bounded_by_budget = timeout == budget
+            metadata: Sequence[tuple[str, str]] = ()
+            if len(states) == 1:
+                state = states[0]
+                metadata = self._begun[state][1] if self._begun else (("x-request-id", state.request_id),)
+            self._options = CallOptions(timeout, tuple(metadata))
+        return self._options
 
     def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
              trailing: Sequence[tuple[str, str]] = ()) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from services.pipeline.verdicts import Stop
 from wire.v1 import auth_pb2, generation_pb2
@@ -53,10 +52,11 @@ class RequestState:
     # The device's busy fraction (0..1, 0 unknown) as the gateway last saw it in the model's
     # load hints; sent with the rate-limit ask (concurrency limits may halve while busy).
     device_busy: float = 0.0
-    # The concurrency slot the rate limiter granted (0: none), and the binding that granted
-    # it: the release goes there even if the component has moved since.
+    # The concurrency slot the rate limiter granted (0: none), and the rate limiter (as placed
+    # at its admission: `services.ratelimit.api.RateLimit`) that granted it: the release goes
+    # there even if the component has moved since.
     lease_id: int = 0
-    lease_holder: Any = None
+    lease_holder: object | None = None
     # When the request reached the process (time.perf_counter(); a front's reading of it
     # included), and the model's share of the time since (an upstream's own exchanges, else
     # the model call as the gateway saw it): their difference is x-spine-overhead-duration-ms.

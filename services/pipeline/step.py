@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import grpc
 
 from services.common import status_code
-from services.pipeline.batch_rpc import BatchRpc, ItemError
+from services.pipeline.batch_rpc import ItemError
+from services.pipeline.interface import CallOptions, Interface
 from services.pipeline.limits import RequestLimits
 from services.pipeline.state import RequestState
 from services.pipeline.verdicts import Stop
@@ -50,20 +51,21 @@ class StepPolicy:
     passes: frozenset[grpc.StatusCode] = frozenset()
 
 
-class StepCall(Protocol):
-    """What a stage's `decide` uses: its component's rpc, and a per-request failure.
+C = TypeVar("C")  # a component's interface (`services.pipeline.interface`)
+C_co = TypeVar("C_co", covariant=True)
 
-    `client` is the binding the call goes to now; `via` sends one call to another (the
-    binding a request's earlier stage used, when the component has moved since)."""
+
+class StepCall(Protocol[C_co]):
+    """What a stage's `decide` uses: its component as placed now (its interface, a direct
+    call in the spine and a gRPC call across the wire alike), the options every call of the
+    batch carries (the stage's budget, the request's id and trace context), and a
+    per-request failure."""
 
     @property
-    def client(self) -> Any: ...
+    def component(self) -> C_co: ...
 
-    def __call__(self, method: str, request: Any, *, via: Any = None) -> Any: ...
-
-    def batch(self, rpc: BatchRpc[Any, Any], items: Sequence[Any], *, via: Any = None) -> list[Any]:
-        """The component's batch rpc on plain items: one result (or `ItemError`) per item."""
-        ...
+    @property
+    def options(self) -> CallOptions: ...
 
     def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
              trailing: Sequence[tuple[str, str]] = ()) -> None: ...
@@ -75,7 +77,7 @@ class ResultCountError(RuntimeError):
 
 # How each type of result carries its status, learnt once per type: 1 has a `status`
 # with a `code` (a wire answer's item), 2 is a status itself (has a `code`), 0 carries none (a
-# plain result from `call.batch`). Why not `getattr(result, "status", None)` per result:
+# plain result of an operation). Why not `getattr(result, "status", None)` per result:
 # on a protobuf message without the field, each miss raises and swallows an
 # AttributeError (two per request per stage: a large share of a lone request's admission
 # in a warm loop, more on a cold core).
@@ -91,10 +93,12 @@ def _status_of(result: Any) -> Any:
     return result.status if kind == 1 else result if kind == 2 else None
 
 
-class Step:
-    """Base of every stage. Subclasses set `method`, `phase` and `decide`; their order is the registry's `path`."""
+class Step(Generic[C]):
+    """Base of every stage. Subclasses set `interface` (the component they call), `method`,
+    `phase` and `decide`; their order is the registry's `path`."""
 
-    method: ClassVar[str] = ""  # the per-request rpc, as hooks and spans name the call
+    interface: Interface[Any] | None = None  # the component's; None for the gateway's own checks
+    method: ClassVar[str] = ""  # the operation, as hooks and spans name the call
     phase: ClassVar[Phase] = Phase.ADMIT
     # A completion stage the spine may write a window later, off the request path
     # (`monolith.batched.DeferredCompletions`); False: always at the request's last byte.
@@ -122,7 +126,7 @@ class Step:
         """A verdict that needs no call (e.g. no credential at all); runs before any hook."""
         return None
 
-    def decide(self, batch: list[RequestState], call: StepCall) -> None:
+    def decide(self, batch: list[RequestState], call: StepCall[C]) -> None:
         """Decide each request's part: fill in the state, or `call.fail` it."""
         raise NotImplementedError
 
@@ -134,7 +138,7 @@ class Step:
         return zip(batch, results, strict=True)
 
     @classmethod
-    def answered(cls, call: StepCall, batch: Sequence[RequestState], results: Sequence[Any]) -> list[Any]:
+    def answered(cls, call: StepCall[Any], batch: Sequence[RequestState], results: Sequence[Any]) -> list[Any]:
         """Each request with its result, but those whose item failed: they go to `call.fail`
         with their item's status (an `ItemError`, a result's `status`, or the result itself
         when it is a status)."""

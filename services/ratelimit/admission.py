@@ -77,6 +77,6 @@ def _read_verdict(response: ratelimit_pb2.AdmitResponse) -> AdmitVerdict:
 
 
 ADMIT_BATCH: BatchRpc[AdmitItem, AdmitVerdict] = BatchRpc(
-    rpc="AdmitBatch", local="admit_items", encode_items=_encode_items, decode_items=_decode_items,
+    rpc="AdmitBatch", method="admit", encode_items=_encode_items, decode_items=_decode_items,
     encode_results=lambda verdicts: encode_answer(ratelimit_pb2.AdmitBatchResponse(), verdicts, _fill_verdict),
     decode_results=lambda answer: decode_answer(answer, _read_verdict))

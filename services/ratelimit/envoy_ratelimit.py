@@ -29,16 +29,16 @@ the response. Bad input never raises:
 Envoy's filter treats `UNKNOWN` as OK: a misconfigured filter is let through and shows in
 the access log (`%DYNAMIC_METADATA(envoy.filters.http.ratelimit:error)%`), not as an outage.
 
-Speaking it (`EnvoyRlsClient`): a stub with the RateLimit component's call shape that asks a
-rate limit service the team already runs (envoyproxy/ratelimit, say). Each `AdmitBatch`
+Speaking it (`EnvoyRlsClient`): the `RateLimit` interface (`services.ratelimit.api`) answered
+by a rate limit service the team already runs (envoyproxy/ratelimit, say). Each `admit`
 item becomes one `ShouldRateLimit` with the descriptor `tenant=T, model=M` (cost 1), in
 list order; OVER_LIMIT is not admitted, with `duration_until_reset` as its retry-after;
 OK and UNKNOWN admit (what Envoy's filter does). The legacy service never saw token counts
 and is not asked about them; a shadow copy (dry run) is admitted without asking, because
-the protocol cannot decide without charging; `SetShare` cannot scale a foreign service's
+the protocol cannot decide without charging; `set_share` cannot scale a foreign service's
 limits and answers the fraction it enforces: 1. The protocol has no concurrency slots
 (nothing to release), so `max_concurrent_requests` is not enforced by a foreign limiter:
-it grants no lease, and `ReleaseBatch` has nothing to give back.
+it grants no lease, and `release` has nothing to give back.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -53,10 +54,12 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2 as descriptor_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 
-from services.common import set_status
-from services.pipeline.envoy_calls import Caller, Metadata, Unary, one_answer, printable, rpc_status
+from services.pipeline.batch_rpc import ItemError
+from services.pipeline.envoy_calls import printable, rpc_status
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.verdicts import internal_addresses_hidden
-from services.ratelimit.admission import MAX_HITS_ADDEND, RESOURCES
+from services.ratelimit.admission import MAX_HITS_ADDEND, RESOURCES, AdmitItem, AdmitVerdict, OverLimit
+from services.ratelimit.api import RateLimit, ReleaseItem
 from services.router.config import RouterConfig
 from wire.v1 import ratelimit_pb2
 
@@ -155,10 +158,13 @@ def envoy_answer(answer: ratelimit_pb2.RateLimitResponse) -> rls_pb2.RateLimitRe
 
 
 class EnvoyRateLimit(rls_pb2_grpc.RateLimitServiceServicer):
-    """`RateLimitService.ShouldRateLimit` answered by the RateLimit component (`call("ShouldRateLimit", ...)`)."""
+    """`RateLimitService.ShouldRateLimit` answered by the RateLimit component's
+    `should_rate_limit`: `ratelimit()` is the component as placed at the time of each call,
+    asked within `budget_s`."""
 
-    def __init__(self, call: Caller, domain: str, models: ModelNames) -> None:
-        self._call = call
+    def __init__(self, ratelimit: Callable[[], RateLimit], budget_s: float, domain: str, models: ModelNames) -> None:
+        self._ratelimit = ratelimit
+        self._budget_s = budget_s
         self.domain = domain
         self.models = models
 
@@ -173,7 +179,7 @@ class EnvoyRateLimit(rls_pb2_grpc.RateLimitServiceServicer):
                 response.statuses.add(code=_ENVOY.OVER_LIMIT if index == error.index else _ENVOY.UNKNOWN)
             return response
         try:
-            return envoy_answer(self._call("ShouldRateLimit", ask))
+            return envoy_answer(self._ratelimit().should_rate_limit(ask, CallOptions(timeout=self._budget_s)))
         except grpc.RpcError as error:
             code, details = rpc_status(error)
             if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -231,63 +237,52 @@ def _name(entries: Any) -> str:
 
 
 class EnvoyRlsClient:
-    """The RateLimit component's call shape, answered by a rate limit service speaking Envoy's protocol."""
+    """The `RateLimit` interface, answered by a rate limit service speaking Envoy's protocol."""
 
     def __init__(self, channel: grpc.Channel, domain: str) -> None:
         self._stub = rls_pb2_grpc.RateLimitServiceStub(channel)
         self.domain = domain
         self._share_warned = False
-        self.AdmitBatch = Unary(self._admit_batch)
-        self.Admit = Unary(self._admit)
-        self.ShouldRateLimit = Unary(self._should_rate_limit)
-        self.SetShare = Unary(self._set_share)
-        self.ReleaseBatch = Unary(self._release_batch)
-        self.Release = Unary(self._release)
 
     def _ask(self, request: rls_pb2.RateLimitRequest, deadline: float | None,
-             metadata: Metadata) -> rls_pb2.RateLimitResponse:
+             options: CallOptions) -> rls_pb2.RateLimitResponse:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self._stub.ShouldRateLimit(request, timeout=timeout, metadata=metadata)
+        answer: rls_pb2.RateLimitResponse = self._stub.ShouldRateLimit(request, timeout=timeout,
+                                                                       metadata=tuple(options.metadata) or None)
+        return answer
 
-    def _admit_batch(self, request: ratelimit_pb2.AdmitBatchRequest, timeout: float | None,
-                     metadata: Metadata) -> ratelimit_pb2.AdmitBatchResponse:
+    def admit(self, items: Sequence[AdmitItem], options: CallOptions = NO_OPTIONS) -> list[AdmitVerdict | ItemError]:
         """One ShouldRateLimit per item, in list order, within the one deadline."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        answer = ratelimit_pb2.AdmitBatchResponse()
-        for item in request.items:
-            result = answer.results.add()
+        deadline = None if options.timeout is None else time.monotonic() + options.timeout
+        verdicts: list[AdmitVerdict | ItemError] = []
+        for item in items:
             if not item.tenant or not item.model:
                 field_name = "tenant" if not item.tenant else "model"
-                set_status(result.status, grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must not be empty")
+                verdicts.append(ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must not be empty"))
                 continue
             if item.dry_run:  # the protocol cannot decide without charging: a shadow copy is not asked
-                result.response.admitted = True
+                verdicts.append(AdmitVerdict(admitted=True))
                 continue
             entries = [descriptor_pb2.RateLimitDescriptor.Entry(key="tenant", value=item.tenant),
                        descriptor_pb2.RateLimitDescriptor.Entry(key="model", value=item.model)]
             envoy = self._ask(rls_pb2.RateLimitRequest(
                 domain=self.domain, descriptors=[descriptor_pb2.RateLimitDescriptor(entries=entries)]),
-                deadline, metadata)
-            response = result.response
-            response.admitted = envoy.overall_code != _ENVOY.OVER_LIMIT
-            if not response.admitted:
-                for status in envoy.statuses:
-                    if status.code == _ENVOY.OVER_LIMIT:
-                        response.over.add(limit_name=status.current_limit.name or _name(entries),
-                                          retry_after_s=_seconds(status.duration_until_reset))
-                if not response.over:
-                    response.over.add(limit_name=_name(entries))
-                response.retry_after_s = max(over.retry_after_s for over in response.over)
-        return answer
+                deadline, options)
+            verdict = AdmitVerdict(admitted=envoy.overall_code != _ENVOY.OVER_LIMIT)
+            if not verdict.admitted:
+                verdict.over = [OverLimit(status.current_limit.name or _name(entries),
+                                          _seconds(status.duration_until_reset))
+                                for status in envoy.statuses if status.code == _ENVOY.OVER_LIMIT]
+                if not verdict.over:
+                    verdict.over = [OverLimit(_name(entries), 0.0)]
+                verdict.retry_after_s = max(over.retry_after_s for over in verdict.over)
+            verdicts.append(verdict)
+        return verdicts
 
-    def _admit(self, request: ratelimit_pb2.AdmitRequest, timeout: float | None,
-               metadata: Metadata) -> ratelimit_pb2.AdmitResponse:
-        return one_answer(self._admit_batch(ratelimit_pb2.AdmitBatchRequest(items=[request]), timeout, metadata).results[0])
-
-    def _should_rate_limit(self, request: ratelimit_pb2.RateLimitRequest, timeout: float | None,
-                           metadata: Metadata) -> ratelimit_pb2.RateLimitResponse:
+    def should_rate_limit(self, request: ratelimit_pb2.RateLimitRequest,
+                          options: CallOptions = NO_OPTIONS) -> ratelimit_pb2.RateLimitResponse:
         """The descriptor form, translated both ways (in the foreign service's domain). The
-        requests bucket is the foreign service's `tenant, model` descriptor, as `AdmitBatch` asks
+        requests bucket is the foreign service's `tenant, model` descriptor, as `admit` asks
         it: `resource=requests` is left out."""
         envoy = rls_pb2.RateLimitRequest(domain=self.domain)
         for descriptor in request.descriptors:
@@ -296,7 +291,8 @@ class EnvoyRlsClient:
                                                  if (e.key, e.value) != ("resource", "requests")])
             if descriptor.hits_addend:
                 out.hits_addend.CopyFrom(wrappers_pb2.UInt64Value(value=descriptor.hits_addend))
-        answer = self._ask(envoy, None if timeout is None else time.monotonic() + timeout, metadata)
+        deadline = None if options.timeout is None else time.monotonic() + options.timeout
+        answer = self._ask(envoy, deadline, options)
         response = ratelimit_pb2.RateLimitResponse(overall_code=_FROM_ENVOY.get(answer.overall_code, _SPINE.UNKNOWN))
         for descriptor, status in zip(request.descriptors, answer.statuses, strict=False):
             over = status.code == _ENVOY.OVER_LIMIT
@@ -308,22 +304,13 @@ class EnvoyRlsClient:
             response.retry_after_s = max((s.retry_after_s for s in response.statuses), default=0.0)
         return response
 
-    def _release_batch(self, request: ratelimit_pb2.ReleaseBatchRequest, timeout: float | None,
-                       metadata: Metadata) -> ratelimit_pb2.ReleaseBatchResponse:
+    def release(self, items: Sequence[ReleaseItem], options: CallOptions = NO_OPTIONS) -> list[bool | ItemError]:
         """Nothing to give back: the protocol has no concurrency slots, so no lease was granted."""
-        answer = ratelimit_pb2.ReleaseBatchResponse()
-        for _ in request.items:
-            answer.results.add().response.released = False
-        return answer
+        return [False for _ in items]
 
-    def _release(self, request: ratelimit_pb2.ReleaseRequest, timeout: float | None,
-                 metadata: Metadata) -> ratelimit_pb2.ReleaseResponse:
-        return ratelimit_pb2.ReleaseResponse(released=False)
-
-    def _set_share(self, request: ratelimit_pb2.SetShareRequest, timeout: float | None,
-                   metadata: Metadata) -> ratelimit_pb2.SetShareResponse:
-        if request.fraction < 1.0 and not self._share_warned:
+    def set_share(self, fraction: float, options: CallOptions = NO_OPTIONS) -> float:
+        if fraction < 1.0 and not self._share_warned:
             self._share_warned = True
             log.warning("the rate limiter is a foreign service (envoy-rls): its limits cannot be scaled to a "
-                        "share of %.2f; it keeps enforcing all of them", request.fraction)
-        return ratelimit_pb2.SetShareResponse(fraction=1.0)
+                        "share of %.2f; it keeps enforcing all of them", fraction)
+        return 1.0

@@ -27,11 +27,13 @@ from typing import Any, cast
 
 import grpc
 
-from services.common import Clock, DeviceState, answer_one
-from services.pipeline.batch_rpc import ItemError
+from services.common import Clock, DeviceState
+from services.pipeline.batch_rpc import ItemError, StatusError
+from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
 from services.ratelimit.admission import MAX_HITS_ADDEND as MAX_HITS_ADDEND
 from services.ratelimit.admission import RESOURCES as RESOURCES
+from services.ratelimit.api import RELEASE_BATCH, ReleaseItem
 from services.ratelimit.asks import (
     InvalidRateLimitRequest,
     Key,
@@ -150,8 +152,9 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """Raise InvalidRateLimitRequest when `request` cannot be decided."""
         self._parse(RateLimitAsk.from_proto(request), 0)
 
-    def set_share(self, fraction: float) -> None:
-        """Scale every limit to `fraction` (0 < fraction <= 1) of its configured value.
+    def set_share(self, fraction: float, options: CallOptions = NO_OPTIONS) -> float:
+        """Scale every limit to `fraction` (0 < fraction <= 1) of its configured value; the
+        fraction enforced (ValueError outside that range).
 
         When traffic is split between two layouts, each side enforces its share, so a
         tenant's total across both stays within its limit.
@@ -159,9 +162,10 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         with self._lock:
             if self.store is not None:  # the share is the store's fallback (leases decide)
                 self.store.set_share(float(fraction))
-                return
+                return float(fraction)
             self._table.set_share(fraction)
             self._leases.share = float(fraction)
+        return float(fraction)
 
     def bucket(self, key: Key) -> BucketState | None:
         """A bucket's state by its descriptor entries (for tests and `spine status`)."""
@@ -188,7 +192,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             return None if configured is None else self._leases.limit(configured)
 
     # -- gRPC --------------------------------------------------------------------------
-    def admit_items(self, items: Sequence[AdmitItem]) -> list[AdmitVerdict | ItemError]:
+    def admit(self, items: Sequence[AdmitItem], options: CallOptions = NO_OPTIONS) -> list[AdmitVerdict | ItemError]:
         """Decide every item as if one by one in list order.
 
         A malformed item is refused alone (INVALID_ARGUMENT naming the field) and the rest
@@ -252,25 +256,25 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
     def AdmitBatch(self, request: ratelimit_pb2.AdmitBatchRequest,
                    context: Any = None) -> ratelimit_pb2.AdmitBatchResponse:
-        """`admit_items` over the wire."""
+        """`admit` over the wire."""
         return ADMIT_BATCH.serve(self, request, context)
 
-    def Admit(self, request: ratelimit_pb2.AdmitRequest, context: Any) -> ratelimit_pb2.AdmitResponse:
-        """The batch of one."""
-        return answer_one(self.AdmitBatch(ratelimit_pb2.AdmitBatchRequest(items=[request])).results[0], context)
+    def release(self, items: Sequence[ReleaseItem], options: CallOptions = NO_OPTIONS) -> list[bool | ItemError]:
+        """Give concurrency slots back; a lease not held here (released, expired, another
+        limiter's) is answered False, not refused."""
+        released: list[bool | ItemError] = []
+        with self._lock:
+            now = self._clock()
+            for item in items:
+                released.append(item.lease_id != 0 and self._leases.release(item.lease_id, now))
+                if item.tokens_used and item.tenant and item.model:
+                    self._settle(item.tenant, item.model, float(item.tokens_used) - float(item.tokens_charged))
+        return released
 
     def ReleaseBatch(self, request: ratelimit_pb2.ReleaseBatchRequest,
                      context: Any = None) -> ratelimit_pb2.ReleaseBatchResponse:
-        """Give concurrency slots back; a lease not held here (released, expired, another
-        limiter's) is answered `released: false`, not refused."""
-        answer = ratelimit_pb2.ReleaseBatchResponse()
-        with self._lock:
-            now = self._clock()
-            for item in request.items:
-                answer.results.add().response.released = item.lease_id != 0 and self._leases.release(item.lease_id, now)
-                if item.tokens_used and item.tenant and item.model:
-                    self._settle(item.tenant, item.model, float(item.tokens_used) - float(item.tokens_charged))
-        return answer
+        """`release` over the wire."""
+        return RELEASE_BATCH.serve(self, request, context)
 
     def _settle(self, tenant: str, model: str, extra: float) -> None:
         """Charge a request's tokens beyond its admission's estimate (negative: give back what
@@ -279,10 +283,6 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         key = bucket_keys(tenant, model)[1]
         if extra and self._table.slot_of(key) is not None:
             self._table.settle(key, extra)
-
-    def Release(self, request: ratelimit_pb2.ReleaseRequest, context: Any) -> ratelimit_pb2.ReleaseResponse:
-        """The batch of one."""
-        return answer_one(self.ReleaseBatch(ratelimit_pb2.ReleaseBatchRequest(items=[request])).results[0], context)
 
     def _admit_into(self, results: list[Any], asking: list[tuple[int, RateLimitAsk]], now: float) -> None:
         asking = list(asking)
@@ -320,18 +320,27 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
     def SetShare(self, request: ratelimit_pb2.SetShareRequest, context: Any) -> ratelimit_pb2.SetShareResponse:
         try:
-            self.set_share(request.fraction)
+            return ratelimit_pb2.SetShareResponse(fraction=self.set_share(request.fraction))
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fraction: {error}")
-        return ratelimit_pb2.SetShareResponse(fraction=request.fraction)
+        raise AssertionError("context.abort returned")  # pragma: no cover
 
-    def ShouldRateLimit(self, request: ratelimit_pb2.RateLimitRequest, context: Any) -> ratelimit_pb2.RateLimitResponse:
+    def should_rate_limit(self, request: ratelimit_pb2.RateLimitRequest,
+                          options: CallOptions = NO_OPTIONS) -> ratelimit_pb2.RateLimitResponse:
+        """The descriptor form (Envoy's): INVALID_ARGUMENT for a request it cannot decide,
+        RESOURCE_EXHAUSTED when a bucket has no room (a `StatusError`, as the wire's)."""
         try:
             return self.admit_batch([request])[0]
         except InvalidRateLimitRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         except MemoryError as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"ratelimit: no room for a new bucket: {error}")
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"ratelimit: no room for a new bucket: {error}") from None
+
+    def ShouldRateLimit(self, request: ratelimit_pb2.RateLimitRequest, context: Any) -> ratelimit_pb2.RateLimitResponse:
+        try:
+            return self.should_rate_limit(request)
+        except StatusError as error:
+            context.abort(error.code(), error.details())
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     # -- parsing -----------------------------------------------------------------------

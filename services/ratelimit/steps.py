@@ -7,41 +7,43 @@ a gateway whose rate limiter runs in another process imports these and not torch
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import cast
 
 from services.pipeline.limits import RequestLimits
 from services.pipeline.state import RequestState
 from services.pipeline.step import FailMode, Phase, Step, StepCall, StepPolicy
 from services.pipeline.verdicts import rate_limit_cost, rate_limit_stop
-from services.ratelimit.admission import ADMIT_BATCH, AdmitItem
-from wire.v1 import ratelimit_pb2
+from services.ratelimit.admission import AdmitItem
+from services.ratelimit.api import RATELIMIT, RateLimit, ReleaseItem
 
 
-class RateLimitStep(Step):
+class RateLimitStep(Step[RateLimit]):
     """The pipeline asks RateLimit to admit a request against its tenant's limits (fail closed).
 
     Shadow copies are decided without consuming budget (dry run). A request of a tenant with
     a concurrency limit comes back holding a lease, valid until its deadline; the limiter
-    that granted it (the binding of this call: a placement may change before the request
+    that granted it (the one placed at this call: a placement may change before the request
     ends) is where `ReleaseStep` gives it back."""
 
+    interface = RATELIMIT
     method = "Admit"
 
-    def decide(self, batch: list[RequestState], call: StepCall) -> None:
+    def decide(self, batch: list[RequestState], call: StepCall[RateLimit]) -> None:
         items: dict[RequestState, AdmitItem] = {}
         for state in batch:
             assert state.resolved is not None
             items[state] = AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved),
                                      state.shadow, state.remaining(), state.device_busy)
-        verdicts = call.batch(ADMIT_BATCH, list(items.values()))
+        limiter = call.component
+        verdicts = limiter.admit(list(items.values()), call.options)
         for state, verdict in self.answered(call, batch, verdicts):
-            state.lease_holder = call.client  # a slot, or tokens to settle, go back there
+            state.lease_holder = limiter  # a slot, or tokens to settle, go back there
             if verdict.lease_id:
                 state.lease_id = verdict.lease_id
             state.outcome = rate_limit_stop(verdict, items[state].tokens)
 
 
-class ReleaseStep(Step):
+class ReleaseStep(Step[RateLimit]):
     """Gives a request's concurrency slot back at its last byte, whatever its outcome, and
     settles its tokens where the model counted them (an upstream's usage: `tokens_used`), so
     tokens per minute count what the request really used, streams included.
@@ -50,6 +52,7 @@ class ReleaseStep(Step):
     long would refuse the tenant's next request. It fails open: a lease the call could not
     give back expires at the request's deadline."""
 
+    interface = RATELIMIT
     method = "Release"
     phase = Phase.COMPLETE
     deferrable = False
@@ -60,19 +63,19 @@ class ReleaseStep(Step):
     def wants(self, state: RequestState) -> bool:
         return state.lease_id != 0 or (state.tokens_used != 0 and not state.shadow and state.lease_holder is not None)
 
-    def decide(self, batch: list[RequestState], call: StepCall) -> None:
-        holders: dict[int, tuple[Any, list[RequestState]]] = {}
+    def decide(self, batch: list[RequestState], call: StepCall[RateLimit]) -> None:
+        holders: dict[int, tuple[RateLimit, list[RequestState]]] = {}
         for state in batch:
-            holders.setdefault(id(state.lease_holder), (state.lease_holder, []))[1].append(state)
+            holder = call.component if state.lease_holder is None else cast(RateLimit, state.lease_holder)
+            holders.setdefault(id(holder), (holder, []))[1].append(state)
         for holder, states in holders.values():
-            request = ratelimit_pb2.ReleaseBatchRequest(items=[_release(state) for state in states])
-            answer = call("ReleaseBatch", request, via=holder)
-            for state, _ in self.answered(call, states, answer.results):
+            released = holder.release([_release(state) for state in states], call.options)
+            for state, _ in self.answered(call, states, released):
                 state.lease_id = 0
 
 
-def _release(state: RequestState) -> ratelimit_pb2.ReleaseRequest:
+def _release(state: RequestState) -> ReleaseItem:
     if not state.tokens_used or state.shadow or state.resolved is None:
-        return ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id)
-    return ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id, tenant=state.tenant, model=state.resolved.model,
-                                        tokens_charged=rate_limit_cost(state.resolved), tokens_used=state.tokens_used)
+        return ReleaseItem(lease_id=state.lease_id)
+    return ReleaseItem(lease_id=state.lease_id, tenant=state.tenant, model=state.resolved.model,
+                       tokens_charged=rate_limit_cost(state.resolved), tokens_used=state.tokens_used)

@@ -17,10 +17,11 @@ from typing import Any
 
 import grpc
 
-from services.common import DeviceState, answer_one
+from services.common import DeviceState
 from services.pipeline.batch_rpc import ItemError
+from services.pipeline.interface import NO_OPTIONS, CallOptions
+from services.router.api import RESOLVE_BATCH
 from services.router.config import ModelRoute, RouterConfig
-from services.router.steps import RESOLVE_BATCH
 from wire.v1 import router_pb2, router_pb2_grpc
 
 _MAX_ECHO = 64  # an unknown name is quoted back, but not an arbitrarily long one
@@ -53,7 +54,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # Every name's route, made once (the table is fixed at start) and shared read-only.
         self._answers = {name: self._answer(name, model) for name, model in self._routes.items()}
 
-    def resolve(self, name: str) -> router_pb2.ResolveResponse:
+    def route(self, name: str) -> router_pb2.ResolveResponse:
         """The model `name` (an id or alias) routes to; UnknownModel (a LookupError) if none."""
         route = self._route(name)
         if isinstance(route, ItemError):
@@ -62,7 +63,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         answer.CopyFrom(route)
         return answer
 
-    def resolve_items(self, names: Sequence[str]) -> list[router_pb2.ResolveResponse | ItemError]:
+    def resolve(self, names: Sequence[str], options: CallOptions = NO_OPTIONS) -> list[router_pb2.ResolveResponse | ItemError]:
         """One route per name, in order; an unknown name is that item's NOT_FOUND. The
         routes are shared, read-only objects: copy one before changing it."""
         return [self._route(name) for name in names]
@@ -90,12 +91,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     def ResolveBatch(self, request: router_pb2.ResolveBatchRequest,
                      context: Any = None) -> router_pb2.ResolveBatchResponse:
-        """`resolve_items` over the wire: an unknown model is that item's NOT_FOUND."""
+        """`resolve` over the wire: an unknown model is that item's NOT_FOUND."""
         return RESOLVE_BATCH.serve(self, request, context)
-
-    def Resolve(self, request: router_pb2.ResolveRequest, context: grpc.ServicerContext) -> router_pb2.ResolveResponse:
-        """The batch of one."""
-        return answer_one(self.ResolveBatch(router_pb2.ResolveBatchRequest(items=[request])).results[0], context)
 
     def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.ServicerContext

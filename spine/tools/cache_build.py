@@ -76,7 +76,7 @@ def read_prompts(path: Path, router: RouterConfig) -> list[PromptLine]:
 def answer_prompts(servicer: Any, model: str,
                    lines: list[PromptLine]) -> list[tuple[bytes, generation_pb2.GenerateResponse]]:
     """Each line's greedy answer from `servicer` (an inference servicer), under its table key."""
-    from runtime.bindings import LocalContext
+    from services.pipeline.local_context import LocalContext
 
     answers = []
     for line in lines:

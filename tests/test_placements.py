@@ -1,11 +1,14 @@
-"""The local and remote bindings behave alike: codes, deadlines, cancellation, metadata, hooks.
+"""A component behaves alike in both placements: codes, deadlines, cancellation, metadata.
 
-A small scripted servicer (the prompt says what to do) stands behind both bindings: a
-real gRPC server on a unix socket for the remote one, a direct call for the local one.
+A small scripted servicer (the prompt says what to do) stands behind the model's interface
+both ways: the generic remote proxy to a real gRPC server on a unix socket (`runtime.remote`),
+and the servicer called in this process (`runtime.in_process`).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import threading
 import time
 from collections.abc import Iterator
@@ -14,10 +17,13 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.binding_classes import LocalInferenceBinding, RemoteInferenceBinding
-from runtime.bindings import LocalContext
-from runtime.remote_binding import remote_channel
+from runtime.in_process import in_process
+from runtime.remote import remote, remote_channel
 from runtime.server import start_server
+from services.inference.api import INFERENCE, Generated
+from services.pipeline.interface import NO_OPTIONS, CallOptions
+from services.pipeline.local_call import LocalStream, call_stream, call_unary
+from services.pipeline.local_context import LocalContext
 from services.registry import DEFAULT
 from tests.waiting import ManualClock
 from wire.v1 import generation_pb2, inference_pb2_grpc
@@ -51,6 +57,13 @@ class ScriptedInference(inference_pb2_grpc.InferenceServicer):
         return generation_pb2.GenerateResponse(text=request.prompt.upper(), token_ids=[1, 2, 3],
                                                model=self.seen_metadata.get("x-test", ""))
 
+    def generate(self, request: generation_pb2.GenerateRequest, options: CallOptions = NO_OPTIONS) -> Generated:
+        return Generated(*call_unary(self.Generate, request, options))
+
+    def generate_stream(self, request: generation_pb2.GenerateRequest,
+                        options: CallOptions = NO_OPTIONS) -> LocalStream[generation_pb2.GenerateChunk]:
+        return call_stream(self.GenerateStream, request, options)
+
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
         context.add_callback(self.callback_ran.set)
@@ -66,35 +79,19 @@ class ScriptedInference(inference_pb2_grpc.InferenceServicer):
         self.stopped.set()
 
 
-class Recorder:
-    """A binding hook that records (component, method, code)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, str]] = []
-
-    def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> tuple[str, str]:
-        metadata.append(("x-hooked", "yes"))
-        return component, method
-
-    def end(self, token: tuple[str, str], code: grpc.StatusCode) -> None:
-        self.calls.append((*token, code.name))
-
-
 @pytest.fixture(params=["local", "remote"])
-def bound(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[tuple[Any, ScriptedInference, Recorder]]:
+def bound(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[tuple[Any, ScriptedInference]]:
     spec = DEFAULT["inference"]
     servicer = ScriptedInference()
-    recorder = Recorder()
     if request.param == "local":
-        yield LocalInferenceBinding("inference", spec.descriptor(), servicer, [recorder]), servicer, recorder
+        yield in_process(INFERENCE, servicer), servicer
         return
     server = start_server([(spec, servicer)], f"unix:{tmp_path}/inference.sock")
-    binding = RemoteInferenceBinding("inference", spec.descriptor(), spec.stub_class(),
-                            remote_channel(server.address, 1 << 20), [recorder])
+    channel = remote_channel(server.address, 1 << 20)
     try:
-        yield binding, servicer, recorder
+        yield remote(INFERENCE, spec.stub_class()(channel), channel), servicer
     finally:
-        binding.close()
+        channel.close()
         server.stop(0)
 
 
@@ -103,52 +100,51 @@ def req(prompt: str, max_tokens: int = 3) -> generation_pb2.GenerateRequest:
 
 
 def test_ok_response_and_metadata_reach_the_servicer(bound: Any) -> None:
-    binding, servicer, _ = bound
-    reply = binding.Generate(req("hi"), timeout=5, metadata=(("x-test", "abc"),))
+    model, servicer = bound
+    reply = model.generate(req("hi"), CallOptions(5, (("x-test", "abc"),))).response
     assert (reply.text, list(reply.token_ids), reply.model) == ("HI", [1, 2, 3], "abc")
-    assert servicer.seen_metadata["x-hooked"] == "yes"
+    assert servicer.seen_metadata["x-test"] == "abc"
 
 
 def test_abort_gives_code_details_and_trailing_metadata(bound: Any) -> None:
-    binding, _, recorder = bound
+    model, _ = bound
     with pytest.raises(grpc.RpcError) as caught:
-        binding.Generate(req("abort"), timeout=5)
+        model.generate(req("abort"), CallOptions(5))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == "max_tokens: must be > 0, got 0"
     assert ("retry-after", "1.5") in tuple(caught.value.trailing_metadata())
-    assert recorder.calls == [("inference", "Generate", "INVALID_ARGUMENT")]
 
 
 def test_exception_in_handler_is_unknown(bound: Any) -> None:
-    binding, _, _ = bound
+    model, _ = bound
     with pytest.raises(grpc.RpcError) as caught:
-        binding.Generate(req("raise"), timeout=5)
+        model.generate(req("raise"), CallOptions(5))
     assert caught.value.code() == grpc.StatusCode.UNKNOWN
     assert "boom" in caught.value.details()
 
 
 def test_set_code_without_abort_ends_with_that_code(bound: Any) -> None:
-    binding, _, _ = bound
+    model, _ = bound
     with pytest.raises(grpc.RpcError) as caught:
-        binding.Generate(req("set_code"), timeout=5)
+        model.generate(req("set_code"), CallOptions(5))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     assert caught.value.details() == "no such model"
 
 
 def test_deadline_is_exceeded_and_the_servicer_sees_it(bound: Any) -> None:
-    binding, servicer, _ = bound
+    model, servicer = bound
     with pytest.raises(grpc.RpcError) as caught:
-        binding.Generate(req("slow"), timeout=0.1)
+        model.generate(req("slow"), CallOptions(0.1))
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert servicer.stopped.wait(2.0), "the servicer never saw is_active() turn False"
     assert servicer.callback_ran.wait(2.0)
 
 
 def test_parent_cancellation_stops_the_call(bound: Any) -> None:
-    binding, servicer, _ = bound
+    model, servicer = bound
     parent = LocalContext(deadline=time.monotonic() + 0.1)
     with pytest.raises(grpc.RpcError) as caught:
-        binding.Generate(req("slow"), timeout=5, parent=parent)
+        model.generate(req("slow"), CallOptions(5, parent=parent))
     parent.cancel()
     assert caught.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert servicer.stopped.wait(2.0)
@@ -199,43 +195,41 @@ def test_a_parent_without_a_deadline_leaves_the_childs_own() -> None:
 
 
 def test_stream_yields_every_chunk_in_order(bound: Any) -> None:
-    binding, _, recorder = bound
-    chunks = list(binding.GenerateStream(req("go", max_tokens=5), timeout=5))
+    model, _ = bound
+    chunks = list(model.generate_stream(req("go", max_tokens=5), CallOptions(5)))
     assert [c.index for c in chunks] == [0, 1, 2, 3, 4]
-    assert recorder.calls == [("inference", "GenerateStream", "OK")]
 
 
 def test_stream_error_midway_keeps_the_chunks_sent(bound: Any) -> None:
-    binding, _, _ = bound
+    model, _ = bound
     got: list[int] = []
     with pytest.raises(grpc.RpcError) as caught:
-        for chunk in binding.GenerateStream(req("fail-midway", max_tokens=5), timeout=5):
+        for chunk in model.generate_stream(req("fail-midway", max_tokens=5), CallOptions(5)):
             got.append(chunk.index)
     assert got == [0, 1]
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_stream_cancel_stops_the_servicer(bound: Any) -> None:
-    binding, servicer, recorder = bound
-    stream = binding.GenerateStream(req("slow", max_tokens=200), timeout=10)
+    model, servicer = bound
+    stream = model.generate_stream(req("slow", max_tokens=200), CallOptions(10))
     next(stream)
     stream.cancel()
     assert servicer.callback_ran.wait(2.0)
-    assert recorder.calls[-1] == ("inference", "GenerateStream", "CANCELLED")
 
 
 def test_stream_deadline(bound: Any) -> None:
-    binding, _, _ = bound
+    model, _ = bound
     with pytest.raises(grpc.RpcError) as caught:
-        for _ in binding.GenerateStream(req("slow", max_tokens=200), timeout=0.1):
+        for _ in model.generate_stream(req("slow", max_tokens=200), CallOptions(0.1)):
             pass
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_a_stream_hears_its_parent_end_while_nobody_reads_it(bound: Any) -> None:
-    binding, servicer, _ = bound
+    model, servicer = bound
     parent = LocalContext()
-    stream = binding.GenerateStream(req("slow", max_tokens=200), timeout=10, parent=parent)
+    stream = model.generate_stream(req("slow", max_tokens=200), CallOptions(10, parent=parent))
     next(stream)  # then nobody reads: only the parent's end can reach the servicer
     parent.cancel()
     assert servicer.callback_ran.wait(2.0), "the servicer's callbacks did not run on the parent's cancel"
@@ -243,8 +237,7 @@ def test_a_stream_hears_its_parent_end_while_nobody_reads_it(bound: Any) -> None
 
 def test_a_local_stream_can_be_cancelled_from_another_thread_while_it_is_being_read() -> None:
     servicer = ScriptedInference()
-    binding = LocalInferenceBinding("inference", DEFAULT["inference"].descriptor(), servicer)
-    stream = binding.GenerateStream(req("slow", max_tokens=500), timeout=10)
+    stream = in_process(INFERENCE, servicer).generate_stream(req("slow", max_tokens=500), CallOptions(10))
     got: list[int] = []
     outcome: list[BaseException] = []
 
@@ -264,3 +257,57 @@ def test_a_local_stream_can_be_cancelled_from_another_thread_while_it_is_being_r
     assert not reader.is_alive()
     assert servicer.stopped.wait(2.0)
     assert len(got) < 500
+
+
+def _implementations() -> list[tuple[str, type, type]]:
+    """(component, its interface's Protocol, a class that says it implements it)."""
+    from services.auth.envoy_authz import EnvoyAuthzClient
+    from services.auth.service import AuthService
+    from services.cache.service import CacheService
+    from services.inference.service import InferenceService
+    from services.logs.service import LogsService
+    from services.metrics.service import MetricsService
+    from services.ratelimit.envoy_ratelimit import EnvoyRlsClient
+    from services.ratelimit.service import RateLimitService
+    from services.router.service import RouterService
+
+    servicers = {"auth": [AuthService, EnvoyAuthzClient], "ratelimit": [RateLimitService, EnvoyRlsClient],
+                 "router": [RouterService], "cache": [CacheService], "metrics": [MetricsService],
+                 "logs": [LogsService], "inference": [InferenceService]}
+    assert set(servicers) == {spec.name for spec in DEFAULT if spec.interface is not None}
+    rows = []
+    for name, classes in servicers.items():
+        api = importlib.import_module(f"services.{name}.api")
+        (protocol,) = [value for value in vars(api).values()
+                       if isinstance(value, type) and getattr(value, "_is_protocol", False)
+                       and value.__module__ == api.__name__ and set(_operations(value)) == set(
+                           DEFAULT[name].interface.methods)]  # type: ignore[union-attr]
+        rows += [(name, protocol, cls) for cls in classes]
+    return rows
+
+
+def _operations(protocol: type) -> dict[str, inspect.Signature]:
+    return {name: inspect.signature(value) for name, value in vars(protocol).items()
+            if callable(value) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize(("component", "protocol", "implementation"), _implementations(),
+                         ids=lambda value: getattr(value, "__name__", value))
+def test_every_implementation_has_its_interfaces_operations_as_declared(component: str, protocol: type,
+                                                                        implementation: type) -> None:
+    """The servicer, and a foreign protocol's client, each implement the component's whole
+    interface (mypy holds the types where they are placed; this holds that nothing is missing)."""
+    for name, signature in _operations(protocol).items():
+        method = getattr(implementation, name, None)
+        assert callable(method), f"{implementation.__name__} has no {name}"
+        assert list(inspect.signature(method).parameters) == list(signature.parameters), name
+
+
+@pytest.mark.parametrize("component", [spec.name for spec in DEFAULT if spec.interface is not None])
+def test_the_generic_proxies_have_every_operation_of_an_interface(component: str) -> None:
+    interface = DEFAULT[component].interface
+    assert interface is not None
+    for made in (remote(interface, object(), grpc.insecure_channel("unix:/nonexistent")),
+                 in_process(interface, object())):
+        assert sorted(name for name in interface.methods if callable(getattr(made, name, None))) == sorted(
+            interface.methods)

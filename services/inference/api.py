@@ -1,0 +1,81 @@
+"""The model component as its callers see it, wherever it runs: `Inference`, and how each of
+its operations crosses the wire (`Generate`, `GenerateStream`, `Models`).
+
+Apart from the servicer (its engine and torch): a gateway whose model runs in another process
+imports this and not torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.pipeline.interface import (
+    NO_OPTIONS,
+    CallOptions,
+    Interface,
+    Metadata,
+    StreamRpc,
+    UnaryRpc,
+    message,
+)
+from wire.v1 import generation_pb2, inference_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """A whole answer and the trailing metadata it came with (its model's load hint)."""
+
+    response: generation_pb2.GenerateResponse
+    trailing: tuple[tuple[str, str], ...] = ()
+
+
+class ChunkStream(Protocol):
+    """An answer streamed chunk by chunk: a `grpc.RpcError` ends it early; `cancel` stops the
+    model now, from any thread."""
+
+    def __iter__(self) -> Iterator[generation_pb2.GenerateChunk]: ...
+
+    def __next__(self) -> generation_pb2.GenerateChunk: ...
+
+    def cancel(self) -> bool: ...
+
+    def initial_metadata(self) -> Sequence[tuple[str, str]]: ...
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]: ...
+
+
+class Inference(Protocol):
+    """Every model served by the inference component."""
+
+    def generate(self, request: generation_pb2.GenerateRequest, options: CallOptions = NO_OPTIONS) -> Generated:
+        """The whole answer to a routed request; its verdicts (INVALID_ARGUMENT, the compute
+        budget's DEADLINE_EXCEEDED, a full queue's RESOURCE_EXHAUSTED) raised as `grpc.RpcError`."""
+        ...
+
+    def generate_stream(self, request: generation_pb2.GenerateRequest,
+                        options: CallOptions = NO_OPTIONS) -> ChunkStream:
+        """The answer chunk by chunk."""
+        ...
+
+    def models(self, request: inference_pb2.ModelInfoRequest,
+               options: CallOptions = NO_OPTIONS) -> inference_pb2.ModelInfoResponse:
+        """Every model served here, with its load hint now."""
+        ...
+
+
+def _request(request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    return request
+
+
+def _generated(response: generation_pb2.GenerateResponse, trailing: Metadata) -> Generated:
+    return Generated(response, tuple(trailing))
+
+
+GENERATE: UnaryRpc[generation_pb2.GenerateRequest, Generated] = UnaryRpc("Generate", "generate", _request,
+                                                                         _generated)
+GENERATE_STREAM: StreamRpc[generation_pb2.GenerateRequest] = StreamRpc("GenerateStream", "generate_stream")
+MODELS = message("Models", "models")
+
+INFERENCE: Interface[Inference] = Interface("inference", [GENERATE, GENERATE_STREAM, MODELS])

@@ -1,0 +1,163 @@
+"""A call to a component in this process, under the wire's rules.
+
+gRPC Python has no in-process channel. A component in the spine is called directly, and
+these helpers give the call what the wire would: a status code for every failure (an
+exception in the component is UNKNOWN, as grpc makes of a handler's), the caller's
+deadline (no time left is DEADLINE_EXCEEDED before the call; an answer after it is
+DEADLINE_EXCEEDED all the same, the caller would have given up), cancellation from the
+caller's own call, and metadata both ways — so a component cannot tell the layouts apart
+and its callers see one behaviour: a result, or a `grpc.RpcError` with `.code()`,
+`.details()` and `.trailing_metadata()`.
+
+- `call_batch`: an operation on plain items (no message, no context: see
+  `services.pipeline.batch_rpc`);
+- `call_unary` / `call_stream`: a servicer's own rpc handler with a `LocalContext`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from services.pipeline.interface import CallOptions, Metadata
+from services.pipeline.local_context import LocalContext, LocalRpcError
+
+Result = TypeVar("Result")
+Response = TypeVar("Response")
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    """The status code an error carries (UNKNOWN when it carries none)."""
+    code = getattr(error, "code", None)
+    if callable(code):
+        try:
+            value = code()
+            if isinstance(value, grpc.StatusCode):
+                return value
+        except Exception:
+            pass
+    return grpc.StatusCode.UNKNOWN
+
+
+def call_batch(operation: Callable[[], Result], timeout: float | None) -> Result:
+    """`operation()` (a component's operation on a batch of items, in this thread) with the
+    wire's rules for a call that cannot block: no time left is DEADLINE_EXCEEDED before the
+    call, an exception is UNKNOWN, and an answer that comes after the deadline is
+    DEADLINE_EXCEEDED (so a stage's budget holds in-process too)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if timeout is not None and timeout <= 0:
+        raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    try:
+        result = operation()
+    except grpc.RpcError:
+        raise
+    except Exception as error:
+        raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
+    if deadline is not None and time.monotonic() >= deadline:
+        raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    return result
+
+
+def context_for(options: CallOptions) -> LocalContext:
+    """The in-process twin of the servicer context a call with `options` would get."""
+    deadline = None if options.timeout is None else time.monotonic() + options.timeout
+    return LocalContext(options.metadata, deadline, options.parent)
+
+
+def call_unary(handler: Callable[[Any, Any], Response], request: Any,
+               options: CallOptions) -> tuple[Response, tuple[tuple[str, str], ...]]:
+    """One unary handler call with the wire's rules: (its response, its trailing metadata),
+    or the status it ended with raised as a `grpc.RpcError`."""
+    context = context_for(options)
+    try:
+        context.check_live()
+        try:
+            response = handler(request, context)
+        except grpc.RpcError:
+            raise
+        except Exception as error:  # what grpc does with an exception in a handler
+            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
+        failure = context.result_error()
+        if failure is not None:
+            raise failure
+        context.check_live()  # the caller would have given up by now
+        return response, context.trailing_metadata()
+    finally:
+        context._finish()
+
+
+def call_stream(handler: Callable[[Any, Any], Iterator[Response]], request: Any,
+                options: CallOptions) -> LocalStream[Response]:
+    """A server-streaming handler's responses with the wire's deadline and cancel rules."""
+    context = context_for(options)
+    context.check_live()
+    return LocalStream(handler(request, context), context)  # type: ignore[arg-type]
+
+
+class LocalStream(Iterator[Response]):
+    """Iterates a servicer's response generator with the wire's deadline and cancel rules."""
+
+    def __init__(self, generator: Generator[Response, None, None], context: LocalContext) -> None:
+        self._generator = generator
+        self._context = context
+        self._ended = False
+
+    def __iter__(self) -> LocalStream[Response]:
+        return self
+
+    def __next__(self) -> Response:
+        if self._ended:
+            raise StopIteration
+        try:
+            self._context.check_live()
+            return next(self._generator)
+        except StopIteration:
+            failure = self._context.result_error()
+            if failure is None:
+                try:
+                    self._context.check_live()  # a stream that ended because time ran out did not succeed
+                except LocalRpcError as late:
+                    failure = late
+            self._end()
+            if failure is not None:
+                raise failure from None
+            raise
+        except grpc.RpcError:
+            self._end()
+            raise
+        except Exception as error:
+            self._end()
+            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {error}") from error
+
+    def cancel(self) -> bool:
+        """Stop the stream, from any thread, as `grpc.Call.cancel` does: the servicer's
+        callbacks run and it sees `is_active()` turn False; its generator is closed (its
+        `finally` runs) unless another thread is inside it right now, in which case that
+        thread sees the cancel at its next check."""
+        if self._ended:
+            return False
+        self._context.cancel()
+        try:
+            self._generator.close()
+        except ValueError:  # "generator already executing" in the reading thread
+            pass
+        self._end()
+        return True
+
+    def initial_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._context.initial_metadata()
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._context.trailing_metadata()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._context._finish()
+
+
+__all__ = ["LocalContext", "LocalRpcError", "LocalStream", "Metadata", "call_batch", "call_stream", "call_unary",
+           "context_for", "status_of"]

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.common.log_limit import RateLimitedLog
+from services.common.tenant_shares import TENANT_HEADER
 from services.gateway.model_load import ModelLoads
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
@@ -253,8 +254,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         started = time.perf_counter()
         try:
             call = client.Generate if method == "Generate" else client.GenerateStream
-            return call(state.resolved, timeout=state.remaining(), metadata=((REQUEST_ID_HEADER, state.request_id),),
-                        parent=context, **extra)
+            # The tenant names the request's queue in the model's fair share (only the gateway sets it).
+            metadata = ((REQUEST_ID_HEADER, state.request_id), (TENANT_HEADER, state.tenant))
+            return call(state.resolved, timeout=state.remaining(), metadata=metadata, parent=context, **extra)
         except grpc.RpcError as error:
             if getattr(error, "ejected", False):
                 state.ejected.append(stage.component)

@@ -83,6 +83,17 @@ class ShuttingDown(JobFailure):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Displaced(JobFailure):
+    """A waiting job whose place in a full queue went to another tenant's request (its own
+    tenant held more than its share of the queue: `services.inference.fair_share`)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class QueueFull(OverflowError):
     """Every KV slot is busy and `max_queue` requests already wait; `retry_after_s` is when
     the first place in the queue is expected to free up."""
@@ -121,6 +132,10 @@ class Job:
     unread_since: float = 0.0  # when an output last went into an empty `out`
     submitted_pc: float = 0.0  # perf_counter at submit and at its last token: TTFT and ITL
     last_token_pc: float = 0.0
+    # Whose request it is and that tenant's weight: jobs of one class are admitted by tenant,
+    # in proportion to the weights (`services.inference.fair_share`); "" and 1: no tenant.
+    tenant: str = ""
+    weight: float = 1.0
 
 
 class Scheduler:
@@ -157,15 +172,23 @@ class Scheduler:
             if self._closed:
                 raise ShuttingDown("inference is shutting down")
             if len(self._waiting) >= self.max_queue:
-                retry = self.retry_after_s()
-                raise QueueFull(
-                    f"inference is at capacity: all {self.engine.max_slots} KV cache slots are busy and "
-                    f"{len(self._waiting)} requests already wait (inference.max_queue = {self.max_queue}); "
-                    f"retry after {retry:.3f}s", retry)
+                self._make_room(job)
             job.enqueued_at = self.clock()
             job.submitted_pc = time.perf_counter()
-            self._waiting.push(job, job.priority, job.enqueued_at)
+            self._waiting.push(job, job.priority, job.enqueued_at, job.tenant, job.weight)
             self._wake.notify()
+
+    def _make_room(self, job: Job) -> None:
+        """A full queue: displace the newest job of a tenant holding more than its share of
+        `job`'s class, or refuse `job` (QueueFull). The caller holds the lock."""
+        retry = self.retry_after_s()
+        full = (f"inference is at capacity: all {self.engine.max_slots} KV cache slots are busy and "
+                f"{len(self._waiting)} requests already wait (inference.max_queue = {self.max_queue})")
+        victim = self._waiting.evict_for(job.priority, job.tenant, job.weight)
+        if victim is None:
+            raise QueueFull(f"{full}; retry after {retry:.3f}s", retry)
+        _fail(victim, Displaced(f"{full}, tenant {victim.tenant!r} holding more than its share of them; "
+                                f"retry after {retry:.3f}s", retry))
 
     def next_output(self, job: Job, timeout: float) -> Any:
         """The job's next item (a StepOutput, a unary job's list, or WAKE), or None after
@@ -342,7 +365,7 @@ class Scheduler:
                 try:
                     job.handle = self.engine.submit(job.request)
                 except SlotsExhausted:  # not expected: only this thread submits
-                    self._waiting.push(job, job.priority, job.enqueued_at)
+                    self._waiting.push(job, job.priority, job.enqueued_at, job.tenant, job.weight)
                     return
                 except ValueError as error:
                     _fail(job, error)

@@ -41,6 +41,7 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from services.common import ConfigError, DeviceState, section
+from services.common.tenant_shares import TENANT_HEADER, TenantShares
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.gpu_metrics import GpuGoldenMetrics
@@ -81,9 +82,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     """
 
     def __init__(self, config: InferenceConfig, device: DeviceState, *,
-                 backend: ModelBackend | None = None, clock: Any = time.monotonic) -> None:
+                 backend: ModelBackend | None = None, clock: Any = time.monotonic,
+                 shares: TenantShares | None = None) -> None:
         self.config = config
         self.device = device
+        self.shares = shares or TenantShares()  # each tenant's weight in the queue (the gateway names it)
         self._deterministic_before: bool | None = None
         if config.deterministic:
             self._enter_deterministic()
@@ -233,13 +236,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"{system}prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = "
                         f"{total} exceeds the model's context of {self.engine.max_context}")
+        tenant = next((value for key, value in context.invocation_metadata() or () if key == TENANT_HEADER), "")
         seed = request.seed if request.HasField("seed") else None
         if seed is None and self.config.deterministic and request.temperature > 0:
             seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too
         job = Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                                     temperature=float(request.temperature), seed=seed, prefix_ids=prefix_ids),
                   priority=request.priority, budget_ms=float(request.inference_timeout_ms),
-                  default_budget=request.inference_timeout_ms == 0, stream=stream)
+                  default_budget=request.inference_timeout_ms == 0, stream=stream,
+                  tenant=tenant, weight=self.shares.weight(tenant))
         try:
             self.scheduler.submit(job)
         except QueueFull as error:
@@ -298,7 +303,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _abort_for(self, failure: BaseException, context: Any) -> NoReturn:
         if isinstance(failure, JobFailure):
-            self._abort(context, failure.code, str(failure))
+            retry = getattr(failure, "retry_after_s", None)  # a full queue's place given to another tenant
+            self._abort(context, failure.code, str(failure),
+                        (("retry-after", f"{retry:.3f}"),) if retry is not None else ())
         if isinstance(failure, ValueError):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(failure))
         self._abort(context, grpc.StatusCode.INTERNAL, f"model failed: {failure}")

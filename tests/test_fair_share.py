@@ -20,7 +20,7 @@ from services.inference.priority import AgingPriorityQueue
 from services.ratelimit.config import RateLimitConfig
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, OTHER_KEY, served, start_stack
-from tests.test_serving_support import Call, eventually, make_service, request
+from tests.test_serving_support import Call, ManualClock, eventually, make_service, request
 from wire.v1 import generation_pb2
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -64,8 +64,9 @@ def test_a_tenant_that_was_away_cannot_bank_turns_nor_lose_them() -> None:
     assert len(_pops(waiting, 50)) == 50  # a alone for 50 admissions
     for i in range(10):
         waiting.push(f"b{i}", 0, now=0.0, tenant="b")
-    turns = ["b" if item.startswith("b") else "a" for item in _pops(waiting, 8)]
-    assert turns.count("b") == 4  # one in two from now on: not 50 turns owed, not behind a's backlog
+    turns = ["b" if item.startswith("b") else "a" for item in _pops(waiting, 9)]
+    assert turns[0] == "b"  # its next turn is the next admission: not behind a's backlog...
+    assert turns.count("b") == 5  # ...and one in two from then on, not the 50 turns it missed
 
 
 def test_priority_classes_still_order_across_tenants_and_aging_still_promotes() -> None:
@@ -114,6 +115,46 @@ def test_the_scheduler_admits_the_other_tenant_at_its_next_turn_and_shares_a_ful
         assert float(dict(displaced[0].error.trailing_metadata())["retry-after"]) > 0
         tenants = [job.tenant for job in service.scheduler.recent_admissions][-7:]
         assert tenants[0] == "a" and tenants[1:5].count("b") == 2  # b's two within its next two turns
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("headroom", [1, 0])
+def test_the_last_free_slot_goes_to_a_tenant_below_its_share_not_to_the_flooder(headroom: int) -> None:
+    clock = ManualClock()
+    service, model = make_service(clock=clock, kv_cache_max_entries=4, max_batch=4, share_headroom_slots=headroom)
+    try:
+        scheduler = service.scheduler
+        assert Call(service, request("b was here", 1), [(TENANT_HEADER, "b")]).wait().response is not None
+        model.hold()
+        flood = [Call(service, request("a0", 40), [(TENANT_HEADER, "a")])]
+        eventually(lambda: service.engine.active_count == 1)
+        flood += [Call(service, request(f"a{i}", 40), [(TENANT_HEADER, "a")]) for i in range(1, 6)]
+        eventually(lambda: scheduler.queue_depth == 5)
+        model.release(1)  # a step ends: a takes free slots, but not the last one while b is active
+        eventually(lambda: service.engine.active_count == 4 - headroom, what="a admitted to all but the headroom")
+        other = Call(service, request("b1", 2), [(TENANT_HEADER, "b")])
+        eventually(lambda: scheduler.queue_depth == 6 - (4 - headroom) + 1)
+        model.release(1)  # the next step ends, no sequence has finished
+        if headroom:
+            eventually(lambda: service.engine.active_count == 4, what="b admitted into the headroom slot")
+            assert scheduler.recent_admissions[-1].tenant == "b"
+        else:
+            eventually(lambda: model.steps >= 3)  # the step ran; nothing could be admitted
+            assert scheduler.recent_admissions[-1].tenant == "a" and service.engine.active_count == 4
+        model.open()
+        for call in (*flood, other):
+            assert call.wait().response is not None
+        # Alone (b quiet for longer than a second), a takes every slot: the headroom costs nothing.
+        clock.advance(2.0)
+        model.hold()
+        alone = [Call(service, request(f"alone{i}", 40), [(TENANT_HEADER, "a")]) for i in range(5)]
+        eventually(lambda: service.engine.active_count >= 1 and scheduler.queue_depth + service.engine.active_count == 5)
+        model.release(1)
+        eventually(lambda: service.engine.active_count == 4, what="a alone in every slot")
+        model.open()
+        for call in alone:
+            call.wait()
     finally:
         service.close()
 

@@ -74,11 +74,21 @@ class FairLane(Generic[T]):
         heads = [queue.entries[0][:2] for queue in self._waiting.values()]
         return min(heads) if heads else None
 
+    def peek(self) -> T:
+        """The item `pop` would return (the lane must not be empty)."""
+        return self._next()[1].entries[0][2]
+
+    def _next(self) -> tuple[str, _TenantQueue[T]]:
+        return min(self._waiting.items(),
+                   key=lambda kv: (kv[1].pass_, len(kv[1].entries) / kv[1].weight, kv[1].entries[0][:2]))
+
     def pop(self) -> T | None:
-        """The next tenant's oldest item: the lowest pass, ties to the earlier arrival."""
+        """The next tenant's oldest item: the lowest pass; a tie to the tenant with the shorter
+        queue for its weight (one asking for less than its share goes before a backlog that
+        reached the same turn), then to the earlier arrival."""
         if not self._waiting:
             return None
-        tenant, queue = min(self._waiting.items(), key=lambda kv: (kv[1].pass_, kv[1].entries[0][:2]))
+        tenant, queue = self._next()
         _, _, item = queue.entries.popleft()
         self._size -= 1
         self._vtime = max(self._vtime, queue.pass_)

@@ -73,8 +73,9 @@ class AgingPriorityQueue(Generic[T]):
         self._seq += 1
         self._lanes[priority].push((now, self._seq, item), tenant, weight)
 
-    def pop(self, now: float) -> T | None:
-        """The next item to admit, or None when nothing waits."""
+    def pop(self, now: float, allow: Callable[[T], bool] | None = None) -> T | None:
+        """The next item to admit, or None when nothing waits — or when `allow` refuses the
+        item that is next (it stays where it is: nothing changes)."""
         ordered: tuple[int, float, int, int] | None = None  # (-rank, arrived, seq, lane)
         due: tuple[float, int, int] | None = None  # (arrived, seq, lane) of the oldest due head
         for lane, items in self._lanes.items():
@@ -93,6 +94,8 @@ class AgingPriorityQueue(Generic[T]):
             return None
         its_turn = due is not None and due[2] != ordered[3] and not self._due_served
         lane = due[2] if its_turn and due is not None else ordered[3]
+        if allow is not None and not allow(self._lanes[lane].peek()):
+            return None
         self._due_served = due is not None and lane == due[2]
         return self._lanes[lane].pop()
 

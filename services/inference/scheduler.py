@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,6 +48,10 @@ log = logging.getLogger("spine.inference")
 _step_failures = RateLimitedLog(log, "failed decode steps", level=logging.ERROR)
 
 WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
+
+# A tenant that sent a request this recently still counts for the share of the headroom
+# slots (`Scheduler.headroom_slots`), though none of its requests waits or runs right now.
+ACTIVE_S = 1.0
 
 # What one unread step output of a stream holds in memory: the StepOutput, its place in
 # the queue and the int it carries (tracemalloc over 10,000 of them: ~145 bytes each),
@@ -144,9 +148,15 @@ class Scheduler:
     def __init__(self, engine: GenerationEngine, max_queue: int, *, cost: StepCost, budget: BudgetRule,
                  aging_ms: float = 500.0, stream_idle_s: float = 10.0, stream_max_bytes: int = 1 << 20,
                  clock: Clock = time.monotonic, streams: Callable[[int], Any] | None = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, headroom_slots: int = 0) -> None:
         self.engine = engine
         self.observer = observer
+        # The last free slots go only to a tenant running fewer than its share of the slots
+        # (among the tenants active in the last ACTIVE_S): a flooder never holds every slot, so
+        # another tenant's request starts at the next step instead of waiting for one to free.
+        self.headroom_slots = headroom_slots
+        self._running_by_tenant: Counter[str] = Counter()
+        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (last submit, weight)
         # On CUDA a step runs on the stream of the highest class in the batch (the device
         # context hands out a high-priority stream for the latency class); None on the CPU.
         self._streams = streams
@@ -175,6 +185,7 @@ class Scheduler:
                 self._make_room(job)
             job.enqueued_at = self.clock()
             job.submitted_pc = time.perf_counter()
+            self._seen[job.tenant] = (job.enqueued_at, job.weight)
             self._waiting.push(job, job.priority, job.enqueued_at, job.tenant, job.weight)
             self._wake.notify()
 
@@ -306,6 +317,7 @@ class Scheduler:
         if output.finished:
             job.done = True
             del self._running[output.handle.id]
+            self._running_by_tenant[job.tenant] -= 1
         elif job.stream and (job.out.qsize() + 1) * OUTPUT_BYTES > self.stream_max_bytes:
             self._stop(job, self._too_slow(job, f"more than {self.stream_max_bytes} bytes of output were "
                                                 f"waiting unread (inference.stream_buffer_max_bytes)"))
@@ -356,7 +368,8 @@ class Scheduler:
     def _admit(self) -> None:
         with self._wake:
             while self.engine.free_slots > 0:
-                job = self._waiting.pop(self.clock())
+                reserved = self.engine.free_slots <= self.headroom_slots
+                job = self._waiting.pop(self.clock(), self._below_share if reserved else None)
                 if job is None:
                     return
                 if job.cancelled:
@@ -375,10 +388,22 @@ class Scheduler:
                 self._admissions += 1
                 self.recent_admissions.append(job)
                 self._running[job.handle.id] = job
+                self._running_by_tenant[job.tenant] += 1
+
+    def _below_share(self, job: Job) -> bool:
+        """Whether `job`'s tenant runs fewer than its weight's share of the slots, among the
+        tenants running or active in the last ACTIVE_S (alone, its share is every slot)."""
+        now = self.clock()
+        for tenant, (seen, _) in list(self._seen.items()):
+            if now - seen > ACTIVE_S and self._running_by_tenant[tenant] <= 0:
+                del self._seen[tenant]
+        total = sum(weight for _, weight in self._seen.values()) or job.weight
+        return self._running_by_tenant[job.tenant] < self.engine.max_slots * job.weight / total
 
     def _stop(self, job: Job, error: BaseException) -> None:
         """Free the job's slot now (if it has one) and tell its consumer why it ended."""
         if job.handle is not None and self._running.pop(job.handle.id, None) is not None:
+            self._running_by_tenant[job.tenant] -= 1
             self.engine.cancel(job.handle)
         if job.failure is None and not job.done:
             _fail(job, error)

@@ -101,7 +101,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.scheduler = Scheduler(self.engine, config.max_queue, cost=self.cost, budget=self.budget,
                                    aging_ms=config.aging_ms, stream_idle_s=config.stream_idle_timeout_s,
                                    stream_max_bytes=config.stream_buffer_max_bytes, clock=clock,
-                                   streams=getattr(device, "stream", None), observer=self.stats)
+                                   streams=getattr(device, "stream", None), observer=self.stats,
+                                   headroom_slots=config.share_headroom_slots)
         self.serving_collector = ServingCollector(self.serving_state, device, GpuGoldenMetrics(device))
         self.metrics_registry = CollectorRegistry()
         self.metrics_registry.register(self.serving_collector)

@@ -134,7 +134,8 @@ class Job:
     held: list[StepOutput] = field(default_factory=list)  # a unary job's outputs until it finishes
     last_read: float = 0.0  # when the consumer last took an output (scheduler clock)
     unread_since: float = 0.0  # when an output last went into an empty `out`
-    submitted_pc: float = 0.0  # perf_counter at submit and at its last token: TTFT and ITL
+    submitted_pc: float = 0.0  # perf_counter at submit, at its first and at its last token: TTFT and ITL
+    first_token_pc: float = 0.0
     last_token_pc: float = 0.0
     # Whose request it is and that tenant's weight: jobs of one class are admitted by tenant,
     # in proportion to the weights (`services.inference.fair_share`); "" and 1: no tenant.
@@ -289,6 +290,7 @@ class Scheduler:
                 if owner is not None:
                     if owner.tokens == 0:
                         ttfts.append(produced - owner.submitted_pc)
+                        owner.first_token_pc = produced
                     else:
                         itls.append(produced - owner.last_token_pc)
                     owner.last_token_pc = produced

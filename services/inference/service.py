@@ -44,6 +44,7 @@ from services.common import ConfigError, DeviceState, section
 from services.common.tenant_shares import TENANT_HEADER, TenantShares
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
+from services.inference.genai_metrics import GenAiServerStats, ServedRequest
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.inference.load_hints import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference.model.backend import ModelBackend, load_backend, make_engine
@@ -95,7 +96,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.kv_plan = self._plan_kv()
         self.engine = make_engine(self.backend, device, self.kv_plan.slots, prefix_caching=config.prefix_cache,
                                   prefix_budget_bytes=self.kv_plan.spare_bytes)
-        self.stats = ServingStats()
+        self.stats = ServingStats(GenAiServerStats(config.model_id))
         self.cost = StepCost(self.engine.max_slots, self._warm_up_ms_per_token())
         self.budget = BudgetRule(config.timeout_slowdown, config.timeout_margin_ms, config.max_timeout_ms)
         self.scheduler = Scheduler(self.engine, config.max_queue, cost=self.cost, budget=self.budget,
@@ -118,13 +119,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        job, prompt_tokens = self._start(request, context, stream=False)
-        tokens: list[int] = []
-        finish = ""
-        for output in self._outputs(job, context):
-            if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
-                tokens.append(output.token_id)
-            finish = output.finish_reason or finish
+        with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
+            job, prompt_tokens = self._start(request, context, stream=False)
+            served.job = job
+            tokens: list[int] = []
+            finish = ""
+            for output in self._outputs(job, context):
+                if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
+                    tokens.append(output.token_id)
+                finish = output.finish_reason or finish
         context.set_trailing_metadata(self._load_metadata())
         return generation_pb2.GenerateResponse(
             text=self.backend.decode(tokens), token_ids=tokens, model=request.model, finish_reason=finish,
@@ -132,7 +135,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
+        with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
+            yield from self._stream(request, context, served)
+
+    def _stream(self, request: generation_pb2.GenerateRequest, context: Any,
+                served: ServedRequest) -> Iterator[generation_pb2.GenerateChunk]:
         job, _ = self._start(request, context, stream=True)
+        served.job = job
         tokens: list[int] = []
         sent = ""
         digest = system_digest(request.system)

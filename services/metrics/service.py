@@ -36,8 +36,8 @@ from services.common import (
     section,
 )
 from services.metrics.config import DEFAULT_BUCKETS as DEFAULT_BUCKETS
-from services.metrics.genai import GenAiCollector, GenAiHistograms, check_genai
 from services.metrics.config import MetricsConfig
+from services.metrics.genai import GenAiCollector, GenAiHistograms, check_genai
 from services.metrics.histograms import CounterTable, HistogramSeries, HistogramTable, SeriesKey
 from services.metrics.steps import RECORD_BATCH
 from services.pipeline.batch_rpc import ItemError

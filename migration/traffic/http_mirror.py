@@ -118,6 +118,10 @@ class HttpMirror:
                         shadow.error_type or "-")
         return fields
 
+    def idle(self) -> bool:
+        """No copy in flight (read from any thread: a plain int the loop keeps)."""
+        return self._in_flight == 0
+
     async def drain(self, timeout_s: float = 10.0) -> None:
         """Wait for the copies in flight (an orderly stop)."""
         if self._tasks:

@@ -203,7 +203,7 @@ class _Checker:
             seen: dict[str, int] = {}
             for index, raw in enumerate(raw_stages):
                 stage = self.stage(raw, f"stages[{index}]", index, previous)
-                if legacy is not None and isinstance(raw, Mapping) and "placements" in raw:
+                if "legacy" in data and isinstance(raw, Mapping) and "placements" in raw:
                     self.fail(f"stages[{index}].placements", "a foreign legacy side has no middlewares to move "
                               "into the spine (the spine serves whole, collapsed): remove placements")
                 if stage is None:

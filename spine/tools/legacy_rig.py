@@ -62,7 +62,8 @@ def start_model_server(run_dir: Path, port: int) -> ModelServer:
 
 def replace_legacy(plan_text: str, legacy: LegacyEndpoint) -> str:
     """The plan with its `legacy.http` pointed at where the legacy endpoint listens this run."""
-    replaced, count = re.subn(r"(?m)^(\s+http:\s*)\S+", lambda m: m.group(1) + legacy.http, plan_text, count=1)
+    replaced, count = re.subn(r"(?<![\w-])(http:\s*[\"']?)https?://[^\s\"',}]+", lambda m: m.group(1) + legacy.http,
+                              plan_text, count=1)
     if count != 1:
         raise ValueError("the plan has no legacy.http line to point at the running endpoint")
     return replaced

@@ -85,7 +85,7 @@ class HttpFront:
         self.set_weight(spine_weight)
         self.route_header = route_header
         self.log = OutcomeLog(history)
-        self.mirror = HttpMirror(mirror, rng) if mirror is not None else None
+        self.mirror = HttpMirror(mirror, rng, names=SIDE_NAMES) if mirror is not None else None
         self.internal_key = internal_key
         self.max_body_bytes = max_body_bytes
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
@@ -99,8 +99,8 @@ class HttpFront:
             raise ValueError(f"spine_weight: must be between 0 and 100, got {spine_weight}")
         self.spine_weight = spine_weight
 
-    def window(self, since: float) -> dict[str, SideWindow]:
-        return self.log.window(since)
+    def window(self, since: float, until: float | None = None) -> dict[str, SideWindow]:
+        return self.log.window(since, until)
 
     def choose(self, headers: dict[str, str]) -> str:
         """The side for a request: forced by `x-spine-route` (when allowed), else by weight,

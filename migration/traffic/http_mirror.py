@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from migration.traffic.http_answers import Answer, differences, read_answer
@@ -55,7 +55,7 @@ class HttpMirror:
     compares and counts. Every method runs on that loop (no locks needed)."""
 
     def __init__(self, settings: MirrorSettings, rng: random.Random | None = None,
-                 sides: Sequence[str] = SIDES, history: int = 1000) -> None:
+                 sides: Sequence[str] = SIDES, history: int = 1000, names: Mapping[str, str] | None = None) -> None:
         if not 0.0 <= settings.share <= 1.0:
             raise ValueError(f"shadow share: must be between 0 and 1, got {settings.share}")
         self.settings = settings
@@ -68,6 +68,7 @@ class HttpMirror:
         self.counters.expect((side, self._other(side)) for side in self.sides)
         self.mismatches: list[HttpMismatch] = []
         self._history = history
+        self._names = dict(names or {})  # how a side is called in the log (the front: "legacy")
 
     def pick(self) -> bool:
         """Whether the request now being answered is to be copied (decided when it arrives, so
@@ -113,8 +114,9 @@ class HttpMirror:
             self.mismatches = [*self.mismatches[-(self._history - 1):],
                                HttpMismatch(primary_side, shadow_side, calibration, fields, primary, shadow)]
             log.warning("shadow mismatch%s on %s: %s answered %s %s; %s answered %s %s",
-                        " (calibration)" if calibration else "", ", ".join(fields), primary_side,
-                        primary.status, primary.error_type or "-", shadow_side, shadow.status,
+                        " (calibration)" if calibration else "", ", ".join(fields),
+                        self._names.get(primary_side, primary_side), primary.status, primary.error_type or "-",
+                        self._names.get(shadow_side, shadow_side), shadow.status,
                         shadow.error_type or "-")
         return fields
 

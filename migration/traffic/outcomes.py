@@ -70,12 +70,12 @@ class OutcomeLog:
         with self._lock:
             self.outcomes.append(outcome)
 
-    def window(self, since: float) -> dict[str, SideWindow]:
-        """Per side, for requests ended since `since`: requests, layout errors and the OK
+    def window(self, since: float, until: float | None = None) -> dict[str, SideWindow]:
+        """Per side, for requests ended since `since` (and before `until`, when given): requests, layout errors and the OK
         requests' p99 latency (what the gates read); and over the requests the model answered
         OK, their p50 and p99, count and mean in-flight concurrency (what the demo compares)."""
         with self._lock:
-            recent = [o for o in self.outcomes if o.ended_at >= since]
+            recent = [o for o in self.outcomes if o.ended_at >= since and (until is None or o.ended_at < until)]
         result = {}
         for side in SIDES:
             mine = [o for o in recent if o.side == side]

@@ -126,7 +126,8 @@ def build_legacy_target(args: argparse.Namespace) -> TrafficTarget:
     front = HttpFront(legacy, spine.http, mirror=mirror, internal_key=secret.encode() if secret else None,
                       timeout_s=args.front_timeout_s)
     try:
-        server = HttpServer(front, HttpConfig(), args.front_listen, allow_external=args.allow_external).start()
+        server = HttpServer(front, HttpConfig(), args.front_listen, tls=tls_of(args),
+                            allow_external=args.allow_external).start()
     except (OSError, ValueError) as error:
         raise ConfigError(f"--front-listen: {error}") from None
     log.info("HTTP front on http://%s: %s <-> spine %s", server.address, legacy.describe(), spine.http)
@@ -213,7 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spine-http", metavar="URL", help="with --target legacy-http: the spine's HTTP API root")
     parser.add_argument("--front-listen", metavar="HOST:PORT",
                         help="with --target legacy-http: where the front serves clients (loopback unless "
-                             "--allow-external)")
+                             "--allow-external; over TLS with the --tls-* files)")
     parser.add_argument("--shadow-share", type=float, default=0.0,
                         help="with --target legacy-http: the share of answered requests copied to the other side "
                              "and compared (parity gates need > 0; a copy to the legacy endpoint is a real request)")

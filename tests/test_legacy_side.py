@@ -129,3 +129,21 @@ def test_litellm_runs_on_its_bundled_documents() -> None:
                          ("LITELLM_LOCAL_BLOG_POSTS", "litellm_core_utils/get_blog_posts.py"),
                          ("LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS", "anthropic_beta_headers_manager.py")):
         assert name in OFFLINE_ENV and name in (package / module).read_text()  # still the switch LiteLLM reads
+
+
+def test_the_runner_names_what_a_legacy_http_target_lacks() -> None:
+    from migration.runner import build_target, parse_args
+    from services.common import ConfigError
+
+    base = ["--db", "x.sqlite", "--listen", "unix:/tmp/x.sock", "--target", "legacy-http"]
+    with pytest.raises(ConfigError, match="needs --legacy-http, --spine-http, --front-listen"):
+        build_target(parse_args(base))
+    with pytest.raises(ConfigError, match="without /v1"):
+        build_target(parse_args([*base, "--legacy-http", "http://127.0.0.1:4000/v1", "--spine-http",
+                                 "http://127.0.0.1:8000", "--front-listen", "127.0.0.1:0"]))
+    with pytest.raises(ConfigError, match="--shadow-share: must be between 0 and 1"):
+        build_target(parse_args([*base, "--legacy-http", "http://127.0.0.1:4000", "--spine-http",
+                                 "http://127.0.0.1:8000", "--front-listen", "127.0.0.1:0", "--shadow-share", "2"]))
+    with pytest.raises(ConfigError, match="--front-listen"):
+        build_target(parse_args([*base, "--legacy-http", "http://127.0.0.1:4000", "--spine-http",
+                                 "http://127.0.0.1:8000", "--front-listen", "10.1.2.3:4400"]))

@@ -72,7 +72,9 @@ class HttpFront:
 
     `spine_http`: the spine's HTTP API, like `legacy.http` the root its paths begin under.
     `internal_key`: the deployment's internal secret, to mark shadow copies sent to the spine.
-    Every request has `timeout_s` to be answered in full (`connect_timeout_s` to connect)."""
+    A side has `connect_timeout_s` to accept a connection and `timeout_s` for each read of its
+    answer (a stream may run longer while its chunks keep coming); a request waits at most
+    `connect_timeout_s` for a pooled connection."""
 
     def __init__(self, legacy: LegacyEndpoint, spine_http: str, *, spine_weight: float = 0.0,
                  route_header: bool = True, mirror: MirrorSettings | None = None,
@@ -88,7 +90,7 @@ class HttpFront:
         self.mirror = HttpMirror(mirror, rng, names=SIDE_NAMES) if mirror is not None else None
         self.internal_key = internal_key
         self.max_body_bytes = max_body_bytes
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=connect_timeout_s)
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

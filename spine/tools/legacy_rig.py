@@ -165,6 +165,7 @@ class LegacyRig:
 
 @dataclass
 class Call:
+    started: float  # time.time() when it was sent
     at: float  # time.time() when it ended
     side: str  # x-spine-side ("" for a stream, or when no answer came)
     error: str  # "" when it succeeded, else the SDK's exception class and message
@@ -223,6 +224,7 @@ class LegacyTraffic:
         messages = [{"role": "user", "content": f"Say something about {self.nonce}-{worker}-{count}."}]
         headers = {"x-session-id": f"w{worker}-{count // 4}"}
         side, error, text = "", "", ""
+        started = time.time()
         try:
             if count % 4 == 3:
                 stream = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, stream=True,
@@ -236,4 +238,4 @@ class LegacyTraffic:
         except Exception as exc:  # the SDK's APIError family, or a broken connection
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
         with self._lock:
-            self.calls.append(Call(time.time(), side, error, text))
+            self.calls.append(Call(started, time.time(), side, error, text))

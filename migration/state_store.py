@@ -154,6 +154,16 @@ class Store:
                 " ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [AuditEntry(*row) for row in reversed(rows)]
 
+    def audit_of(self, actions: Iterable[str], limit: int) -> list[AuditEntry]:
+        """The newest `limit` audit rows of these actions, oldest first (the dashboard's runs)."""
+        wanted = sorted(set(actions))
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, ts, actor, action, from_state, to_state, stage, reason FROM audit"
+                f" WHERE action IN ({', '.join('?' for _ in wanted)}) ORDER BY id DESC LIMIT ?",
+                (*wanted, limit)).fetchall()
+        return [AuditEntry(*row) for row in reversed(rows)]
+
     def gate_history(self, limit: int = 100) -> list[GateRecord]:
         """The newest `limit` gate results, oldest first."""
         with self._lock:

@@ -31,6 +31,7 @@ from pydantic import Field, StrictBool, StrictInt
 
 from monolith.batcher import BatcherClosed, MicroBatcher
 from services.common.config_section import Float, Section
+from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
@@ -38,6 +39,8 @@ from services.pipeline.step import Step
 from services.pipeline.verdicts import Stop
 
 log = logging.getLogger("spine.pipeline")
+# A store that keeps failing is retried every fold: at most one ERROR line a second.
+_fold_failures = RateLimitedLog(log, "failed completion writes", level=logging.ERROR)
 
 STORE_STAGE = "cache.store"
 LOOKUP_STAGE = "cache.lookup"
@@ -242,4 +245,4 @@ class DeferredCompletions:
             try:
                 self.drain()
             except Exception:  # never let the folder die: readers and close still drain
-                log.exception("writing finished requests' completions failed; retrying")
+                _fold_failures(None, "writing finished requests' completions failed; retrying", exc_info=True)

@@ -13,7 +13,11 @@ directions) and, where Envoy is the data plane, the spine's own gateway
 
 Each mirrored answer is compared with the primary's (`runtime.decisions`) and
 counted in `counters` (`runtime.shadow_metrics`: the families the parity gate
-reads). A mismatch is also published with both sides: a log line and the recent list. A
+reads). A mismatch is also published with both sides: in the recent list, and in the log as
+a production log should say it (`services.common.log_limit`): each one a DEBUG line with
+both answers, and at WARNING at most one line a second per (primary, shadow) pair — "12
+shadow mismatches in the last second, first: ..., tokens differ at position 3" — since a
+parity fault mismatches every copy. A
 share of the mirrors goes to the primary's own side instead — comparing a layout with
 itself — and a field that differs there is noise (timing, state a shadow cannot share),
 not a verdict on the spine: the gate does not count mismatches in noisy fields. A pair
@@ -36,9 +40,10 @@ from typing import Any
 
 import grpc
 
-from runtime.decisions import LAYOUT_ERRORS, Decision, decide, differing, root_differences
+from runtime.decisions import LAYOUT_ERRORS, Decision, decide, differing, first_difference, root_differences
 from runtime.sections import ShadowConfig
 from runtime.shadow_metrics import ShadowCounters
+from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
 from wire.v1 import generation_pb2
@@ -118,6 +123,11 @@ class ShadowMirror:
         self.counters.expect((primary, other_side(primary, self.sides)) for primary in (primaries or self.sides))
         self.share = config.share
         self._closed = False
+        # Mismatches are what a parity fault produces for every copy: one line each at DEBUG,
+        # at most one a second per (primary, shadow) pair at WARNING; every one is counted
+        # in `counters` (spine_shadow_mismatched_total).
+        self._mismatch_log = RateLimitedLog(log, "shadow mismatches")
+        self._failure_log = RateLimitedLog(log, "failed shadow calls")
 
     # -- the request path: must stay cheap ------------------------------------------
     def offer(self, primary_side: str, request: generation_pb2.GenerateRequest, metadata: Metadata,
@@ -158,7 +168,7 @@ class ShadowMirror:
             with self._lock:
                 self.counts["errors"] += 1
             self.counters.skipped(primary_side, target, calibration, "call_failed")
-            log.warning("shadow call to %s failed: %s", target, error)
+            self._failure_log(target, "shadow call to %s failed: %s", target, error)
             return
         finally:
             self._slots.release()
@@ -185,10 +195,10 @@ class ShadowMirror:
             mismatch = Mismatch(self._clock(), request_id, primary_side, shadow_side, calibration, fields,
                                 primary, shadow)
             self.mismatches.append(mismatch)
-        shown = differing(primary, shadow, self.config.ignore_fields)  # the consequences too
-        log.warning("shadow mismatch%s on %s: request %s, %s said %s; %s said %s",
-                    " (calibration, same layout)" if calibration else "", ", ".join(fields), request_id or "-",
-                    primary_side, _brief(primary, shown), shadow_side, _brief(shadow, shown))
+        self._mismatch_log((primary_side, shadow_side, calibration), "shadow mismatch%s on %s: request %s, %s",
+                           " (calibration, same layout)" if calibration else "", ", ".join(fields),
+                           request_id or "-", first_difference(fields[0], primary, shadow, primary_side, shadow_side),
+                           detail=lambda: _detail(mismatch, self.config.ignore_fields))
         return mismatch
 
     # -- what reports read (the gates read `counters`, through a metrics source) --------
@@ -226,6 +236,16 @@ class ShadowMirror:
     def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._mismatch_log.flush()
+        self._failure_log.flush()
+
+
+def _detail(mismatch: Mismatch, ignore: Sequence[str]) -> str:
+    """The whole mismatch in one line: every field that differs, as each side had it."""
+    shown = differing(mismatch.primary, mismatch.shadow, ignore)  # the consequences too
+    return (f"shadow mismatch{' (calibration, same layout)' if mismatch.calibration else ''} on "
+            f"{', '.join(mismatch.fields)}: request {mismatch.request_id or '-'}, {mismatch.primary_side} said "
+            f"{_brief(mismatch.primary, shown)}; {mismatch.shadow_side} said {_brief(mismatch.shadow, shown)}")
 
 
 def _brief(decision: Decision, fields: Sequence[str]) -> str:

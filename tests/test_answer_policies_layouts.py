@@ -132,7 +132,7 @@ def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layo
         stack = stacks[layout]
         address = stack.metrics_address()
         assert address is not None
-        with GatewayClient(stack.address, DEV_KEY) as client, caplog.at_level(logging.WARNING, "spine.gateway"):
+        with GatewayClient(stack.address, DEV_KEY) as client, caplog.at_level(logging.DEBUG, "spine.gateway"):
             unary = client.generate(request)
             streamed = client.stream(request)
         for result in (unary, streamed):
@@ -144,8 +144,25 @@ def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layo
         assert metric(address, "spine_output_policy_violations_total", layout=layout, tenant="dev") == 2
         verdicts[layout] = [(r.code, r.details) for r in (unary, streamed)]
     assert verdicts["collapsed"] == verdicts["layered"]
-    logged = [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage()]
+    # One DEBUG line each (at WARNING, at most one a second: `services.common.log_limit`).
+    logged = [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage() and r.levelno == logging.DEBUG]
     assert len(logged) == 4 and all("probe-phrase" in line and built["phrase"] not in line for line in logged)
+
+
+def test_a_flood_of_violations_is_one_warning_a_second_per_tenant_and_rule(
+        stacks: dict[str, Stack], built: dict[str, Any]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.gateway import service
+    from tests.log_lines import LogLines, assert_summarized
+
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=built["probe"], max_tokens=24)
+    with GatewayClient(stacks["collapsed"].address, DEV_KEY) as client, \
+            LogLines("spine.gateway", service._violations) as lines, ThreadPoolExecutor(6) as pool:
+        codes = set(pool.map(lambda _: client.generate(request).code, range(24)))
+        assert codes == {grpc.StatusCode.FAILED_PRECONDITION}
+        loud = assert_summarized(lines, service._violations, 24, containing=VIOLATION)
+    assert all(built["phrase"] not in line for line in loud + lines.at(logging.DEBUG))  # never the text
 
 
 def test_a_replaced_table_is_swapped_in_by_every_layout_without_dropping_a_request(

@@ -116,7 +116,11 @@ def test_refusals_over_http_are_not_layout_failures(cutover: Cutover) -> None:
     with httpx.Client(base_url=f"http://{cutover.http_address}", timeout=10) as client:
         denied = client.post("/v1/chat/completions", headers={"authorization": "Bearer nope"},
                              json={"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+        too_many = client.post("/v1/chat/completions",  # the head's limits hold on the front's listener too
+                               headers={"authorization": f"Bearer {DEV_KEY}", **{f"x-field-{i}": "v" for i in range(200)}},
+                               json={"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
     assert denied.status_code == 401
+    assert too_many.status_code == 431 and "header fields" in too_many.json()["error"]["message"]
     window = cutover.front.window(since)
     assert sum(side.requests for side in window.values()) >= 2
     assert sum(side.errors for side in window.values()) == 0
@@ -171,12 +175,10 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine
 
 
 def test_demo_plan_walks_to_full_spine_without_a_failed_request(cutover: Cutover) -> None:
-    from rich.console import Console
-
     traffic = TrafficDriver(cutover.address, DEV_KEY, concurrency=3, time_limit_s=60)
     traffic.start()
     try:
-        report = walk_plan(cutover, steady_plan(), Console(quiet=True), "test", timeout_s=60)
+        report = walk_plan(cutover, steady_plan(), "test", timeout_s=60)
     finally:
         traffic.close()
     assert cutover.controller is not None
@@ -240,13 +242,11 @@ def test_a_spine_answering_differently_is_rolled_back_by_the_parity_gate_alone(c
     """The demo's third run: every call succeeds, so only the parity gate can tell.
 
     Last in this module: the faulty answers it leaves in the caches would be served later."""
-    from rich.console import Console
-
     traffic = TrafficDriver(cutover.address, DEV_KEY, concurrency=3, time_limit_s=60)
     traffic.start()
     inject(cutover, "parity")
     try:
-        report = walk_plan(cutover, steady_plan(), Console(quiet=True), "test", timeout_s=60)
+        report = walk_plan(cutover, steady_plan(), "test", timeout_s=60)
     finally:
         cutover.fault.clear()
         traffic.close()

@@ -8,6 +8,7 @@ process still up after the demo was gone). The demo now unwinds on SIGTERM as on
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,11 +32,16 @@ def test_sigterm_to_the_demo_alone_stops_every_process_it_started(tmp_path: Path
         # not to a process group as a terminal's Ctrl-C would.
         demo = subprocess.Popen([sys.executable, "-m", "spine", "demo"], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+    demo_log: Path | None = None
     try:
         deadline = time.monotonic() + 90
-        while "stage 1/4" not in log.read_text(errors="replace"):  # both layouts up, traffic flowing
+        # Its first line names its log, where each stage is written as the run enters it.
+        while demo_log is None or "stage 1/4" not in demo_log.read_text(errors="replace"):
             assert demo.poll() is None, log.read_text(errors="replace")[-2000:]
             assert time.monotonic() < deadline, "the demo did not reach its first stage"
+            first = log.read_text(errors="replace").partition("\n")[0]
+            if demo_log is None and first.startswith("log: "):
+                demo_log = Path(first.removeprefix("log: ").split(" (")[0])
             time.sleep(0.2)
         started = psutil.Process(demo.pid).children(recursive=True)
         assert len(started) >= 3  # the layered stack, the spine, the traffic process (and more)
@@ -54,6 +60,8 @@ def test_sigterm_to_the_demo_alone_stops_every_process_it_started(tmp_path: Path
             demo.wait(timeout=10)
         for process in _alive(psutil.Process().children(recursive=True)):
             process.kill()
+        if demo_log is not None:  # the demo keeps its run directory for a person to read
+            shutil.rmtree(demo_log.parent, ignore_errors=True)
 
 
 def test_an_interrupt_reaches_a_command_started_with_sigint_ignored() -> None:

@@ -217,12 +217,26 @@ def test_an_undecodable_body_is_invalid_argument_with_both_trailers(
 
     with grpc.insecure_channel(layouts[layout].address) as channel:
         raw = channel.unary_unary("/spine.v1.Gateway/Generate")  # bytes in, bytes out
-        with caplog.at_level(logging.WARNING, logger="spine.gateway"), pytest.raises(grpc.RpcError) as raised:
+        with caplog.at_level(logging.DEBUG, logger="spine.gateway"), pytest.raises(grpc.RpcError) as raised:
             raw(b"\xff\xff\xff\xff not a protobuf", timeout=10)
     error: Any = raised.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid spine.v1.GenerateRequest" in error.details()
     trailers = dict(error.trailing_metadata())
     assert trailers["x-spine-layout"] == layout and trailers["x-request-id"]
-    lines = [r for r in caplog.records if "not a spine.v1.GenerateRequest" in r.getMessage()]
+    lines = [r for r in caplog.records if "not a spine.v1.GenerateRequest" in r.getMessage()
+             and r.levelno == logging.DEBUG]  # each one at DEBUG; at WARNING, at most one a second
     assert len(lines) == 1 and lines[0].exc_info is None  # one line, no traceback
+
+
+def test_a_flood_of_undecodable_bodies_is_one_warning_a_second_and_a_debug_line_each(
+        layouts: dict[str, Stack]) -> None:
+    from services.gateway import service
+    from tests.log_lines import LogLines, assert_summarized
+
+    with grpc.insecure_channel(layouts["collapsed"].address) as channel, LogLines("spine.gateway", service._undecodable) as lines:
+        raw = channel.unary_unary("/spine.v1.Gateway/Generate")
+        for _ in range(100):
+            with pytest.raises(grpc.RpcError):
+                raw(b"\xff\xff\xff\xff not a protobuf", timeout=10)
+        assert_summarized(lines, service._undecodable, 100, containing="not a spine.v1.GenerateRequest")

@@ -8,6 +8,7 @@ import shutil
 import ssl
 import tempfile
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -251,3 +252,38 @@ def test_layouts_come_from_the_targets_reading_and_say_why_when_it_fails():
     broken = LayoutSampler(Broken()).latest().sides
     assert broken["spine"]["missing"] == "TimeoutError: prometheus did not answer"
     assert broken["spine"]["p99_ms"] is None and broken["spine"]["error_rate"] is None
+
+
+def test_every_runs_outcome_stays_on_the_page_after_the_next_one(make_dashboard):
+    """The demo walks its plan three times; a person who opens the page after the last one
+    sees each run's outcome and why, read back from the audit trail."""
+    dashboard = make_dashboard(view_without_token=True)
+    plan = load_plan(PLAN.replace("hold_s: 60", "hold_s: 0.2"))
+    controller = dashboard.controller
+    controller.start(plan, "demo", "healthy spine")
+    deadline = time.monotonic() + 10
+    while controller.status.state != "promoted":
+        assert time.monotonic() < deadline, controller.status.state
+        time.sleep(0.02)
+    controller.start(plan, "demo", "failing spine")
+    controller.rollback("operator", "the spine fails half its calls")
+    controller.start(plan, "demo", "spine answering differently")
+    controller.abort("operator", "seen enough")
+    code, state = dashboard.request("GET", "/api/state")
+    assert code == 200
+    runs = [(r["title"], r["actor"], r["state"], r["why"]) for r in state["runs"]]
+    assert runs[0][:3] == ("healthy spine", "demo", "promoted") and "gates passing" in runs[0][3]
+    assert runs[1:] == [("failing spine", "demo", "rolled_back", "the spine fails half its calls"),
+                        ("spine answering differently", "demo", "aborted", "seen enough")]
+    assert all(r["ended_at"] is not None and r["ended_at"] >= r["started_at"] for r in state["runs"])
+
+
+def test_a_flood_of_refused_admin_tokens_is_one_warning_a_second(make_dashboard):
+    from migration.dashboard import server
+    from tests.log_lines import LogLines, assert_summarized
+
+    dashboard = make_dashboard()
+    with LogLines("spine.migration.dashboard", server._refused_tokens) as lines:
+        for _ in range(40):
+            assert dashboard.request("GET", "/api/state", token="a-guess-0123456789")[0] == 401
+        assert_summarized(lines, server._refused_tokens, 40, containing="admin token not accepted")

@@ -46,11 +46,16 @@ def _never_called(*args: object) -> Decision:
 
 def test_a_mismatch_is_published_with_both_sides_and_counted_by_field(caplog: pytest.LogCaptureFixture) -> None:
     mirror = ShadowMirror(ShadowConfig(share=1.0, ignore_fields=()), _never_called, key=b"k" * 16)
-    with caplog.at_level(logging.WARNING, logger="spine.shadow"):
+    with caplog.at_level(logging.DEBUG, logger="spine.shadow"):
         found = mirror.compare("layered", "spine", _decision(tokens=(1, 2)), _decision(tokens=(1, 3)),
                                request_id="req-7")
     assert found is not None and found.fields == ("tokens",)
-    assert "req-7" in caplog.text and "(1, 2)" in caplog.text and "(1, 3)" in caplog.text
+    # The WARNING line says where; the DEBUG line beside it holds both answers.
+    warning, debug = ([r.getMessage() for r in caplog.records if r.levelno == level]
+                      for level in (logging.WARNING, logging.DEBUG))
+    assert warning == ["shadow mismatch on tokens: request req-7, tokens differ at position 1 "
+                       "(layered 2 tokens, spine 2)"]
+    assert len(debug) == 1 and "req-7" in debug[0] and "(1, 2)" in debug[0] and "(1, 3)" in debug[0]
     mirror.compare("spine", "layered", _decision(tokens=(1,), cached=False), _decision(tokens=(2,), cached=True))
     mirror.compare("layered", "spine", _decision(), _decision())
     # Comparing a layout with itself: counted apart, as calibration.

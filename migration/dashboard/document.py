@@ -3,8 +3,9 @@
 The status and the plan are the very messages `spine migrate status --json` and `spine migrate
 plan --json` print (`migration.service.status_message`, `plan_message`), so the page, the
 CLI and a script read one vocabulary. Beside them: every gate's value against its threshold
-window by window (the chart), the audit trail, and each side's latency, error rate and
-throughput over the last `LAYOUT_WINDOW_S`, read from the controller's own metric source
+window by window (the chart), the audit trail, each rollout's outcome (`runs`, read back from
+the audit trail: the demo's three runs stay on the page after the last), and each side's
+latency, error rate and throughput over the last `LAYOUT_WINDOW_S`, read from the controller's own metric source
 (the target's `layout_stats`: the front in the local migration, PromQL or a direct scrape
 of each side against real data planes).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from migration.controller import Controller
+from migration.dashboard.runs import RUN_ACTIONS, RUNS_SHOWN, runs_from_audit
 from migration.gates import WindowStats
 from migration.render import to_json
 from migration.service import plan_message, status_message
@@ -97,6 +99,8 @@ def snapshot(controller: Controller, sampler: LayoutSampler, *, view_without_tok
         "status": status,
         "plan": to_json(plan_message(view.plan, loaded=True)) if view.plan else None,
         "gate_history": [gate_point(r) for r in controller.store.gate_history(GATE_ROWS)],
+        # Each rollout's outcome, from its audit rows (a run's rows are a handful; 40 a run is plenty).
+        "runs": runs_from_audit(controller.store.audit_of(RUN_ACTIONS, RUNS_SHOWN * 40)),
         "layouts": {"window_s": LAYOUT_WINDOW_S, "latest": latest.sides,
                     "history": [{"ts": s.ts, **{side: {k: s.sides[side][k] for k in ("p99_ms", "error_rate", "rps")}
                                                for side in s.sides}} for s in history]},

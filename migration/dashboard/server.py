@@ -45,9 +45,11 @@ from migration.plan import PlanError
 from migration.service import run_command
 from migration.transitions import InvalidTransition
 from runtime.sections import TlsConfig
+from services.common.log_limit import RateLimitedLog
 from services.common.prometheus_http import is_loopback, parse_listen
 
 log = logging.getLogger("spine.migration.dashboard")
+_refused_tokens = RateLimitedLog(log, "admin tokens not accepted")  # a guessing loop: one line a second
 STATIC = Path(__file__).resolve().parent / "static"
 FILES = {"/": ("index.html", "text/html; charset=utf-8"),
          "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
@@ -235,7 +237,7 @@ class _Handler(BaseHTTPRequestHandler):
                                       "(sent as `Authorization: Bearer <token>`)"})
             return False
         if not token_matches(presented, self.app.token):
-            log.warning("dashboard: admin token not accepted from %s", self.client_address[0])
+            _refused_tokens(None, "dashboard: admin token not accepted from %s", self.client_address[0])
             self._json(401, {"error": "admin token not accepted"})
             return False
         return True

@@ -25,6 +25,7 @@ import grpc
 import orjson
 
 from runtime.http import anthropic_api, openai_api
+from runtime.http.bounded_protocol import response_bytes
 from runtime.http.config import HttpConfig
 from runtime.http.wire import (
     LAYOUT,
@@ -37,11 +38,14 @@ from runtime.http.wire import (
     status_for,
 )
 from runtime.local_context import LocalContext
+from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
 from services.pipeline.pipeline import code_details
 
 log = logging.getLogger("spine.http")
+# A gateway that fails every request: each traceback at DEBUG, at most one ERROR line a second.
+_gateway_failures = RateLimitedLog(log, "requests the gateway failed", level=logging.ERROR)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -73,9 +77,20 @@ class HttpApi:
         self.models = models  # (name, model id) for every id and alias
         self.serving = serving
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http", initializer=name_os_thread)
+        self.pending_body_bytes = 0  # bodies being read, all connections (the event loop's thread alone)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def refusal(self, status: int, message: str, path: str) -> bytes:
+        """The whole response for a request the connection's protocol refuses before the app
+        sees it (a head past its limits, a connection past the cap), in the API's error shape."""
+        api: Any = anthropic_api if path.startswith("/v1/messages") else openai_api
+        request_id = safe_request_id(None)
+        kind = "overloaded_error" if status >= 500 else "invalid_request_error"
+        headers = ((REQUEST_ID, request_id), (LAYOUT, self.layout()), *((("retry-after", "1"),) if status >= 500 else ()))
+        return response_bytes(status, api.error_body(HttpError(status, kind, message), request_id),
+                              "application/json", headers)
 
     # -- ASGI ---------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -131,25 +146,34 @@ class HttpApi:
         chunks: list[bytes] = []
         size = 0
         deadline = time.monotonic() + self.config.read_timeout_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise HttpError(408, "invalid_request_error",
-                                f"the request body did not arrive within {self.config.read_timeout_s:g}s",
-                                (("connection", "close"),)) from None
-            if message["type"] == "http.disconnect":
-                raise HttpError(499, "cancelled", "the client went away")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, "invalid_request_error", f"the request body is over the limit of {limit} bytes",
-                                (("connection", "close"),))
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
         try:
-            return orjson.loads(b"".join(chunks))
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise HttpError(408, "invalid_request_error",
+                                    f"the request body did not arrive within {self.config.read_timeout_s:g}s",
+                                    (("connection", "close"),)) from None
+                if message["type"] == "http.disconnect":
+                    raise HttpError(499, "cancelled", "the client went away")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                self.pending_body_bytes += len(chunk)
+                if size > limit:  # a chunked body too: refused as it passes the limit, the rest never read
+                    raise HttpError(413, "invalid_request_error",
+                                    f"the request body is over the limit of {limit} bytes", (("connection", "close"),))
+                if self.pending_body_bytes > self.config.max_pending_body_bytes:
+                    raise HttpError(503, "overloaded_error", "the server is reading as many request bodies as it "
+                                    "holds at once (http.max_pending_body_bytes); retry shortly",
+                                    (("retry-after", "1"), ("connection", "close")))
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    break
+            body = b"".join(chunks)
+        finally:
+            self.pending_body_bytes -= size
+        try:
+            return orjson.loads(body)
         except orjson.JSONDecodeError as error:
             raise bad_request(f"the request body is not valid JSON (UTF-8): {error}") from None
 
@@ -236,7 +260,8 @@ def _call_unary(target: Any, request: Any, context: LocalContext) -> Any:
     except grpc.RpcError as error:
         return _verdict(error)
     except Exception:
-        log.exception("request %s: the gateway failed", dict(context.invocation_metadata()).get(REQUEST_ID_HEADER))
+        _gateway_failures(None, "request %s: the gateway failed",
+                          dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
         return _Verdict(grpc.StatusCode.INTERNAL, "internal error")
 
 
@@ -249,7 +274,8 @@ def _pump_stream(target: Any, request: Any, context: LocalContext, hand_over: Ca
     except grpc.RpcError as error:
         hand_over(_verdict(error))
     except Exception:
-        log.exception("request %s: the gateway failed", dict(context.invocation_metadata()).get(REQUEST_ID_HEADER))
+        _gateway_failures(None, "request %s: the gateway failed",
+                          dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
         hand_over(_Verdict(grpc.StatusCode.INTERNAL, "internal error"))
 
 

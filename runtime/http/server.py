@@ -4,17 +4,14 @@ Chosen by measurement (a blocking handler on a thread pool, JSON in and out, wrk
 core, two runs each): a plain ASGI app on uvicorn answered a lone request fastest, ahead of
 Starlette's routing on top and of aiohttp; at high concurrency the three were within each
 other's noise, far above what a model serves. uvicorn also has the pieces this
-server needs: TLS from files, a connection cap (`limit_concurrency`: 503 past it) and a
-protocol class that can be extended.
+server needs: TLS from files and a protocol class that can be extended.
 
-What uvicorn lacks is a deadline for a request's headers: a client that opens a connection
-and sends its headers a byte at a time would hold it for ever. `_HeaderDeadline` closes
-such a connection after `read_timeout_s` (the app bounds the body the same way, with 408).
+What uvicorn lacks — bounds on a request's head, a connection cap at accept, a deadline for
+the headers — `runtime.http.bounded_protocol` adds; the app bounds the body.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -24,54 +21,14 @@ import threading
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from runtime.http.bounded_protocol import bounded_protocol
 from runtime.http.config import HttpConfig
 from runtime.sections import TlsConfig
 from runtime.server import check_listen
 from services.common.thread_names import name_os_thread
 
 log = logging.getLogger("spine.http")
-
-
-class _HeaderDeadline(HttpToolsProtocol):
-    """HttpToolsProtocol that closes a connection whose request headers do not arrive within
-    the read timeout (from the connection's start, or from a request's first byte)."""
-
-    header_timeout_s = 10.0
-    _header_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        if self._header_timer is None:
-            self._arm()
-
-    def on_headers_complete(self) -> None:
-        self._disarm()
-        super().on_headers_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
-
-    def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _too_slow(self) -> None:
-        self._header_timer = None
-        if not self.transport.is_closing():
-            log.warning("closing a connection from %s: its request headers took over %gs",
-                        self.client, self.header_timeout_s)
-            self.transport.close()
 
 
 class HttpServer:
@@ -84,7 +41,7 @@ class HttpServer:
         if self.address.startswith("unix:"):
             tls = None  # a unix socket stays plaintext, as every gRPC one does
         self.scheme = "https" if tls is not None else "http"
-        protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": config.read_timeout_s})
+        protocol = bounded_protocol(config, app.refusal)
         options: dict[str, Any] = {}
         if tls is not None:
             options = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}

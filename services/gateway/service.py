@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from services.common.log_limit import RateLimitedLog
 from services.gateway.model_load import ModelLoads
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
@@ -50,6 +51,9 @@ from services.pipeline.verdicts import FORWARDED_TRAILERS, Stop, downstream_stop
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
 
 log = logging.getLogger("spine.gateway")
+# What a flood of requests repeats: each one at DEBUG, at most one line a second per key at WARNING.
+_violations = RateLimitedLog(log, "answers ended by the output policy")
+_undecodable = RateLimitedLog(log, "undecodable request bodies")
 
 REQUEST_ID_HEADER = "x-request-id"
 LAYOUT_HEADER = "x-spine-layout"
@@ -248,8 +252,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _violation(self, state: RequestState, found: Violation) -> Stop:
         state.policy_violation = True
-        log.warning("request %s: %s: rule %r (%s), tenant %s, model %s; the answer was ended", state.request_id,
-                    VIOLATION, found.rule, found.kind, state.tenant, state.model)  # never the text
+        _violations((state.tenant, found.rule), "request %s: %s: rule %r (%s), tenant %s, model %s; the answer "
+                    "was ended", state.request_id, VIOLATION, found.rule, found.kind, state.tenant,
+                    state.model)  # never the text
         return Stop(VIOLATION_CODE, found.details)
 
     def _models_load(self) -> list[tuple[str, str]]:
@@ -359,8 +364,8 @@ def _refusing(servicer: Any, behaviour: Any, streaming: bool) -> Any:
     def refuse(request: Undecodable, context: Any) -> None:
         md = dict(context.invocation_metadata() or ())
         request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
-        log.warning("request %s: a %d-byte body that is not a spine.v1.GenerateRequest, refused",
-                    request_id, request.size)
+        _undecodable(None, "request %s: a %d-byte body that is not a spine.v1.GenerateRequest, refused",
+                     request_id, request.size)
         context.set_trailing_metadata(((LAYOUT_HEADER, str(getattr(servicer, "layout", "front"))),
                                        (REQUEST_ID_HEADER, request_id)))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.common import Clock
+from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.cpu_placement import place_process
@@ -43,6 +44,8 @@ from services.inference.model.engine import (
 from services.inference.priority import AgingPriorityQueue
 
 log = logging.getLogger("spine.inference")
+# A broken model fails every step: each traceback at DEBUG, at most one ERROR line a second.
+_step_failures = RateLimitedLog(log, "failed decode steps", level=logging.ERROR)
 
 WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
 
@@ -239,7 +242,8 @@ class Scheduler:
                 with self._stream_for_batch():
                     outputs = self.engine.step()
             except Exception as error:  # the model failed: fail the running jobs, keep serving
-                log.exception("decode step failed")
+                _step_failures(None, "decode step failed (%d request(s) ended): %r", len(self._running), error,
+                               exc_info=True)
                 for job in list(self._running.values()):
                     self._stop(job, error)
                 continue

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from services.common.log_limit import RateLimitedLog
 from services.pipeline.batch_rpc import BatchRpc
 from services.pipeline.calls import Client, Hook
 from services.pipeline.state import Metadata, RequestState
@@ -32,6 +33,10 @@ from services.pipeline.step import Phase, Step
 from services.pipeline.verdicts import Stop, downstream_stop
 
 log = logging.getLogger("spine.pipeline")
+# A middleware down fails every request that passes it: each failure at DEBUG, at most one
+# line a second per component (or stage) at WARNING.
+_fail_open = RateLimitedLog(log, "fail-open failures")
+_stage_failures = RateLimitedLog(log, "failed stage calls")
 
 FailOpen = Callable[[str, str, str], None]  # (component, reason, request id)
 Barrier = Callable[[list[RequestState]], None]
@@ -42,7 +47,8 @@ def _ignore(component: str, reason: str, request_id: str) -> None:
 
 
 class FailOpenCount:
-    """A `FailOpen` that counts fail-open failures by component and logs each; the request goes on.
+    """A `FailOpen` that counts fail-open failures by component and logs them (rate limited);
+    the request goes on.
 
     The runtime hands the same one to the pipeline (which calls it) and to the gateway
     (which shows the counts)."""
@@ -54,7 +60,8 @@ class FailOpenCount:
     def __call__(self, component: str, reason: str, request_id: str) -> None:
         with self._lock:
             self.by_component[component] += 1
-        log.warning("fail-open middleware %s failed (%s); request %s goes on", component, reason, request_id)
+        _fail_open(component, "fail-open middleware %s failed (%s); request %s goes on", component, reason,
+                   request_id)
 
 
 def code_details(error: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
@@ -137,7 +144,7 @@ class Pipeline:
             for state in states:
                 call.fail(state, code, details, trailing)
         except Exception as error:  # a broken stage or peer: what gRPC makes of a handler's bug
-            log.warning("stage %s failed for %d request(s): %r", stage.name, len(states), error)
+            _stage_failures(stage.name, "stage %s failed for %d request(s): %r", stage.name, len(states), error)
             for state in states:
                 call.fail(state, grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}")
         finally:

@@ -41,11 +41,14 @@ from typing import Any
 import grpc
 
 from services.common import ConfigError
+from services.common.log_limit import RateLimitedLog
 from services.inference.load_hints import FALLBACK_HEADER, PRIMARY_LOAD_HEADER, busy_figure, parse_load
 from spine.client.gateway_client import CallResult, GatewayClient
 from wire.v1 import generation_pb2
 
 log = logging.getLogger("spine.load_hints")
+# Said again on every overloaded answer while no fallback is known: one line a second.
+_no_fallback = RateLimitedLog(log, "overloaded answers with no fallback known")
 
 OVERLOAD_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
@@ -206,7 +209,7 @@ class LoadAwareClient:
         else:
             return
         if self.fallback_model is None:
-            log.warning("%s, but no fallback is known (none configured, and the server names none)", why)
+            _no_fallback(None, "%s, but no fallback is known (none configured, and the server names none)", why)
             return
         self.using_fallback, self.calm_streak, self.why = True, 0, why
         self._primary_seen = self.clock()

@@ -47,11 +47,12 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -64,6 +65,7 @@ from runtime.config_file import merge
 from runtime.sections import ShadowConfig, TlsConfig
 from runtime.signals import uninterrupted
 from runtime.tls import link_credentials
+from spine.tools.demo_screen import DemoScreen, logs_in
 from spine.tools.demo_traffic import TrafficDriver
 
 DEMO_PLAN = Path(__file__).resolve().parents[2] / "deploy" / "plans" / "demo.yaml"
@@ -148,8 +150,10 @@ class RunReport:
         return f"spine faster at {faster}/{len(compared)} stages with enough requests on both sides"
 
 
-def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, timeout_s: float = 60.0) -> RunReport:
-    """Start the plan and follow it stage by stage until it finishes."""
+def walk_plan(cutover: Cutover, plan_text: str, title: str, timeout_s: float = 60.0, *,
+              progress: Callable[[str], None] = lambda line: None) -> RunReport:
+    """Start the plan and follow it stage by stage until it finishes; `progress` is told each
+    stage as it is entered, and the outcome."""
     assert cutover.controller is not None and cutover.front is not None
     controller = cutover.controller.controller
     plan = load_plan(plan_text)
@@ -181,8 +185,8 @@ def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, ti
             if seen_stage >= 0:
                 close_row(seen_stage)
             seen_stage, stage_started = status.stage_index, time.time()
-            console.print(f"  [{title}] stage {status.stage_index + 1}/{len(plan.stages)} "
-                          f"{plan.stages[status.stage_index].name}: spine weight {status.spine_weight:g}%")
+            progress(f"stage {status.stage_index + 1}/{len(plan.stages)} "
+                     f"{plan.stages[status.stage_index].name}: spine weight {status.spine_weight:g}%")
         if status.state in FINISHED and status.state is not State.PENDING:
             break
         time.sleep(0.1)
@@ -194,12 +198,11 @@ def walk_plan(cutover: Cutover, plan_text: str, console: Console, title: str, ti
     if status.state is State.ROLLED_BACK:
         report.failed_gates = sorted({g.gate for g in controller.view().last_gates
                                       if g.verdict == "fail" and not g.dry_run})
-    console.print(f"  [{title}] finished: {report.outcome()} with spine weight {status.spine_weight:g}% "
-                  f"after {report.seconds:.1f}s")
+    progress(f"finished: {report.outcome()} with spine weight {status.spine_weight:g}% after {report.seconds:.1f}s")
     return report
 
 
-def stage_table(title: str, report: RunReport) -> Group:
+def stage_table(title: str, report: RunReport, fault: str = "") -> Group:
     """Latencies and counts over the requests each side's model answered OK in the stage,
     then one line per stage with its verdict (a column of sentences would not fit)."""
     table = Table(title=title, caption="ms and requests: answered OK by the model (no cache hits); "
@@ -213,7 +216,7 @@ def stage_table(title: str, report: RunReport) -> Group:
                       f"{row.layered.requests}/{row.spine.requests}",
                       f"{row.layered.concurrency:.1f}/{row.spine.concurrency:.1f}")
     verdicts = [Text(f"  {row.stage} ({row.weight:g}% spine): {row.verdict}") for row in report.rows]
-    return Group(table, *verdicts)
+    return Group(table, *([Text(f"  the fault injected: {fault}")] if fault else []), *verdicts)
 
 
 def for_real_model(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -226,87 +229,136 @@ def for_real_model(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
 
 def run_migration_demo(config: Mapping[str, Any], plan_path: Path = DEMO_PLAN,
                        console: Console | None = None, runs: tuple[str, ...] = ("healthy", "failing", "parity"),
-                       *, stage_timeout_s: float = 60.0, traffic_time_limit_s: float = 110.0) -> int:
+                       *, stage_timeout_s: float = 60.0, traffic_time_limit_s: float = 110.0,
+                       run_dir: Path | None = None, interactive: bool | None = None) -> int:
     """Start everything, walk the plan once per run in `runs` (in that order), print the summary.
 
     0 when every run ended as it should: healthy promoted, failing rolled back by the
-    error-rate gate, parity rolled back by the parity gate (and no other)."""
-    from runtime.config_file import dev_api_key
-
-    console = console or Console(width=None if Console().is_terminal else 140)
-    plan_text = plan_path.read_text()
+    error-rate gate, parity rolled back by the parity gate (and no other). `run_dir` (default:
+    a fresh one under the temporary directory) is kept, with every log, the front's final
+    metrics and the controller's history; `interactive` (default: stdin and stdout are
+    terminals) keeps the dashboard served after the runs until Enter or Ctrl-C."""
+    screen = DemoScreen(console, interactive=interactive)
     if ShadowConfig.from_config(config).share <= 0:  # the parity gates read shadow comparisons
         config = merge(config, {"shadow": {"share": DEMO_SHADOW_SHARE}})
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="spine-demo-"))
+    try:
+        with logs_in(run_dir / DEMO_LOG) as log_path:
+            screen.say(f"log: {log_path} (every log line of the demo; each process's log is beside it)")
+            return _demo(config, plan_path.read_text(), screen, runs, run_dir, stage_timeout_s,
+                         traffic_time_limit_s)
+    finally:
+        forget_secrets(run_dir)
+
+
+def _demo(config: Mapping[str, Any], plan_text: str, screen: DemoScreen, runs: tuple[str, ...], run_dir: Path,
+          stage_timeout_s: float, traffic_time_limit_s: float) -> int:
+    from runtime.config_file import dev_api_key
+
     reports: dict[str, RunReport] = {}
-    with tempfile.TemporaryDirectory(prefix="spine-demo-") as tmp:
-        # Each side in processes of its own, as in production (`SpineProcess`, `LayeredProcess`):
-        # the tables compare the two layouts, not the harness's share of this interpreter.
-        cutover = Cutover(config, Path(tmp), xds_listen="127.0.0.1:0", layered_process=True, spine_process=True,
-                          http_listen="127.0.0.1:0", dashboard_listen=os.environ.get(DASHBOARD_ENV, "127.0.0.1:0"))
-        traffic: TrafficDriver | None = None
-        try:  # whatever stops the demo (Ctrl-C, SIGTERM via `spine demo`, an error) stops all it started
-            with console.status("starting the layered stack (8 processes), the spine (1), the front and the controller"):
-                began = time.monotonic()
-                cutover.start()
-            assert cutover.front is not None and cutover.front.shadow is not None
-            console.print(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address} "
-                          f"(mirrors {cutover.front.shadow.share:.0%} of answers to the other side, comparisons on "
-                          f"http://{cutover.front_metrics_address}/metrics); controller on {cutover.controller_address}; "
-                          f"xDS (ADS) for Envoy and proxyless clients on {cutover.xds.address if cutover.xds else '-'}; "
-                          f"HTTP API (OpenAI/Anthropic) on http://{cutover.http_address}/v1, a quarter of the traffic")
-            assert cutover.controller is not None
-            console.print(f"[bold]dashboard: {cutover.controller.dashboard_url}[/bold] (open it while the demo runs; "
-                          f"its buttons take the admin token in {Path(tmp) / 'admin-token'}; "
-                          f"`spine migrate status --watch --controller {cutover.controller_address} "
-                          f"--admin-token-file {Path(tmp) / 'admin-token'}` in a terminal)", soft_wrap=True)
-            # The clients in a process of their own, as they are in production (TrafficDriver).
-            tls = TlsConfig.from_config(config)
-            traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
-                                    time_limit_s=traffic_time_limit_s,
-                                    tls=tls if link_credentials(tls, cutover.address) is not None else None,
-                                    http_address=cutover.http_address,
-                                    model=str((config.get("inference") or {}).get("model_id") or "tiny-lm"))
-            traffic.start()
-            # The traffic process takes a moment to start: the first stage's window should not.
-            flowing = time.monotonic() + 15.0
-            while not cutover.front.outcomes and time.monotonic() < flowing:
-                time.sleep(0.05)
-            for number, run in enumerate(runs, 1):
-                title, table, fault = RUNS[run]
-                failed_before = traffic.failed
+    # Each side in processes of its own, as in production (`SpineProcess`, `LayeredProcess`):
+    # the tables compare the two layouts, not the harness's share of this interpreter.
+    cutover = Cutover(config, run_dir, xds_listen="127.0.0.1:0", layered_process=True, spine_process=True,
+                      http_listen="127.0.0.1:0", dashboard_listen=os.environ.get(DASHBOARD_ENV, "127.0.0.1:0"))
+    traffic: TrafficDriver | None = None
+    try:  # whatever stops the demo (Ctrl-C, SIGTERM via `spine demo`, an error) stops all it started
+        with screen.busy("starting the layered stack (8 processes), the spine (1), the front and the controller"):
+            began = time.monotonic()
+            cutover.start()
+        assert cutover.front is not None and cutover.front.shadow is not None and cutover.controller is not None
+        token_file = run_dir / "admin-token"
+        screen.say(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address} (gRPC) and "
+                   f"http://{cutover.http_address}/v1 (OpenAI/Anthropic HTTP, a quarter of the traffic); it mirrors "
+                   f"{cutover.front.shadow.share:.0%} of the answers to the other side and compares them")
+        screen.note(f"comparisons on http://{cutover.front_metrics_address}/metrics; controller on "
+                    f"{cutover.controller_address} (`spine migrate status --watch --controller "
+                    f"{cutover.controller_address} --admin-token-file {token_file}`); xDS (ADS) for Envoy and "
+                    f"proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
+        kept = "it stays up after the runs" if screen.interactive else "open it while the demo runs"
+        screen.say(f"dashboard: {cutover.controller.dashboard_url} ({kept}; its buttons take the admin token "
+                   f"in {token_file})")
+        # The clients in a process of their own, as they are in production (TrafficDriver).
+        tls = TlsConfig.from_config(config)
+        traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,
+                                time_limit_s=traffic_time_limit_s,
+                                tls=tls if link_credentials(tls, cutover.address) is not None else None,
+                                http_address=cutover.http_address,
+                                model=str((config.get("inference") or {}).get("model_id") or "tiny-lm"))
+        traffic.start()
+        # The traffic process takes a moment to start: the first stage's window should not.
+        flowing = time.monotonic() + 15.0
+        while not cutover.front.outcomes and time.monotonic() < flowing:
+            time.sleep(0.05)
+        for number, run in enumerate(runs, 1):
+            title, table, fault = RUNS[run]
+            failed_before = traffic.failed
+            with screen.run_status(f"Run {number}/{len(runs)}: {title}") as status:
                 if fault:
-                    console.print(f"injecting a fault into the spine: {fault}")
+                    status.update(f"injecting a fault into the spine: {fault}")
                     inject(cutover, run)
-                reports[run] = walk_plan(cutover, plan_text, console, title, stage_timeout_s)
+                reports[run] = walk_plan(cutover, plan_text, title, stage_timeout_s, progress=status.update)
                 if fault:
                     cutover.switch_fault("clear")
                 traffic.settle()
-                reports[run].failed = traffic.failed - failed_before
-                console.print(stage_table(f"Run {number}: {table}", reports[run]))
-            assert cutover.controller is not None
-            for entry in cutover.controller.controller.view(audit_rows=4).recent_audit:
-                console.print(f"  audit: {entry.action} {entry.from_state}->{entry.to_state} "
-                              f"stage={entry.stage} by {entry.actor}: {entry.reason}")
-            shadow = cutover.front.shadow.stats()["counts"]
-        except FaultNotSwitched as error:  # the spine process is gone or stuck: say so, with its log
-            console.print(f"[red]the demo cannot go on: {error}[/red]")
-            if cutover.spine_tree is not None:
-                console.print(f"the spine process's log ends:\n{cutover.spine_tree.log_tail()}")
-            return 1
-        finally:
-            with uninterrupted():  # a second Ctrl-C must not leave processes behind
-                if traffic is not None:
-                    traffic.close()
-                cutover.stop()
-    expected = {"healthy": ("promoted", []), "failing": ("rolled_back", ["error_rate"]),
-                "parity": ("rolled_back", ["parity"])}
-    ok = all((report.final_state, report.failed_gates) == expected[run] for run, report in reports.items())
-    outcomes = "; ".join(f"{RUNS[run][0]} → {report.outcome()} in {report.seconds:.1f}s "
-                         f"({report.failed} failed by a layout; {report.faster()})"
-                         for run, report in reports.items())
-    console.print(f"summary: {outcomes}; {traffic.sent} requests through the front, "
-                  f"{shadow.get('compared', 0)} mirrored answers compared across layouts")
-    return 0 if ok else 1
+            reports[run].failed = traffic.failed - failed_before
+            screen.show(stage_table(f"Run {number}: {table}", reports[run], fault))
+        for entry in cutover.controller.controller.view(audit_rows=4 * len(runs)).recent_audit:
+            screen.note(f"audit: {entry.action} {entry.from_state}->{entry.to_state} "
+                        f"stage={entry.stage} by {entry.actor}: {entry.reason}")
+        shadow = cutover.front.shadow
+        shadow.wait_idle(5.0)
+        counts = shadow.stats()["counts"]
+        metrics = write_final_metrics(shadow.counters.registry, run_dir / FRONT_METRICS)
+        ok = all((report.final_state, report.failed_gates) == EXPECTED[run] for run, report in reports.items())
+        screen.show(summary(reports, traffic.sent, counts, run_dir, metrics), soft_wrap=True)  # a line each
+        if screen.interactive:
+            traffic.close()
+            screen.keep_open(f"dashboard still served at {cutover.controller.dashboard_url} with the "
+                             f"{len(reports)} runs' history")
+        return 0 if ok else 1
+    except FaultNotSwitched as error:  # the spine process is gone or stuck: say so, with its log
+        screen.say(f"[red]the demo cannot go on: {error}[/red]")
+        if cutover.spine_tree is not None:
+            screen.say(f"the spine process's log ends:\n{cutover.spine_tree.log_tail()}")
+        return 1
+    finally:
+        with uninterrupted(), screen.busy("stopping both layouts, the controller and the traffic"):
+            if traffic is not None:  # a second Ctrl-C must not leave processes behind
+                traffic.close()
+            cutover.stop()
+
+
+# How each run should end: (final state, the counting gates that failed its last window).
+EXPECTED: dict[str, tuple[str, list[str]]] = {"healthy": ("promoted", []), "failing": ("rolled_back", ["error_rate"]),
+                                              "parity": ("rolled_back", ["parity"])}
+DEMO_LOG = "demo.log"
+FRONT_METRICS = "front-metrics.prom"
+
+
+def summary(reports: Mapping[str, RunReport], sent: int, counts: Mapping[str, int], run_dir: Path,
+            metrics: Path) -> Group:
+    """The last thing on the screen: the traffic, the comparisons, and each run's outcome."""
+    mismatched = counts.get("mismatched", 0)
+    lines = [Text(f"summary: {sent} requests through the front; {counts.get('compared', 0)} mirrored answers "
+                  f"compared across layouts, {mismatched} differed (each one in {run_dir / DEMO_LOG}, counted "
+                  f"in spine_shadow_mismatched_total: {metrics.name} there)")]
+    lines += [Text(f"  {number}. {RUNS[run][0]} → {report.outcome()} in {report.seconds:.1f}s "
+                   f"({report.failed} failed by a layout; {report.faster()})")
+              for number, (run, report) in enumerate(reports.items(), 1)]
+    return Group(*lines)
+
+
+def write_final_metrics(registry: CollectorRegistry, path: Path) -> Path:
+    """The front's shadow counters as its /metrics last served them (it stops with the demo)."""
+    path.write_bytes(generate_latest(registry))
+    return path
+
+
+def forget_secrets(run_dir: Path) -> None:
+    """The kept run directory without what holds a secret: the config copies (API keys, the
+    internal secret) and the admin token of a controller that is gone."""
+    for path in [run_dir / "admin-token", *run_dir.rglob("*config.yaml")]:
+        path.unlink(missing_ok=True)
 
 
 # run -> (its name in progress lines and the summary, its table's title, the fault it injects)

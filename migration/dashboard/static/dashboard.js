@@ -76,6 +76,7 @@ function render(state) {
   renderLayouts(state.layouts);
   renderPlanes(s);
   renderAudit(s.recent_audit);
+  renderRuns(state.runs || []);
 }
 
 function renderTimeline(plan, s) {
@@ -197,6 +198,16 @@ function renderAudit(rows) {
   const body = rows.slice().reverse().map((r) => el("tr", {}, el("td", {}, clock(r.ts)), el("td", {}, r.actor),
     el("td", {}, r.action), el("td", {}, `${r.from_state} → ${r.to_state}`), el("td", {}, r.stage), el("td", {}, r.reason)));
   $("audit").replaceChildren(head, ...body);
+}
+
+function renderRuns(runs) {
+  const head = el("tr", {}, ...["#", "started", "run", "by", "outcome", "at stage", "why", "took"].map((h) => el("th", {}, h)));
+  const took = (r) => r.ended_at ? `${(r.ended_at - r.started_at).toFixed(1)}s` : "running";
+  const body = runs.map((r, i) => el("tr", { class: "run-" + r.state, "data-state": r.state },
+    el("td", {}, String(i + 1)), el("td", {}, clock(r.started_at)), el("td", {}, r.title), el("td", {}, r.actor),
+    el("td", { class: "outcome" }, r.state.replace("_", " ")), el("td", {}, r.stage), el("td", {}, r.why), el("td", {}, took(r))));
+  const none = runs.length ? [] : [el("tr", {}, el("td", { colspan: 8, class: "muted" }, "no rollout started yet"))];
+  $("runs").replaceChildren(head, ...body, ...none);
 }
 
 // --- the operator's buttons: the controller decides, the page only reports ----------------

@@ -132,3 +132,14 @@ def test_shadow_copies_are_compared_and_a_body_over_the_limit_is_refused(sides: 
     assert compared == 6  # every answer copied to the other side and compared
     assert counters.value("spine_shadow_mismatched_total") == 0  # the same model: the same greedy text
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_head_past_the_limits_is_refused_in_the_apis_shape(sides: tuple[str, str]) -> None:
+    legacy, spine = sides
+    front = HttpFront(endpoint(legacy), spine)
+    with serving(front) as url, httpx.Client(base_url=url, timeout=10) as client:
+        huge = client.post("/v1/messages", json=ASK, headers={"authorization": f"Bearer {DEV_KEY}",
+                                                              "x-padding": "p" * 70_000})
+        after = client.post("/v1/chat/completions", json=ASK, headers={"authorization": f"Bearer {DEV_KEY}"})
+    assert huge.status_code == 431 and huge.json()["type"] == "error"  # Anthropic's shape for /v1/messages
+    assert after.status_code == 200  # the front serves on

@@ -41,6 +41,7 @@ from migration.legacy_endpoint import LegacyEndpoint
 from migration.traffic.http_answers import is_greedy, read_answer
 from migration.traffic.http_mirror import HttpMirror, MirrorSettings
 from migration.traffic.outcomes import SIDES, Outcome, OutcomeLog, SideWindow
+from runtime.http.bounded_protocol import response_bytes
 from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
 
 log = logging.getLogger("spine.migration.http_front")
@@ -116,6 +117,13 @@ class HttpFront:
         return "spine" if bucket < self.spine_weight * 100 else "layered"
 
     # -- ASGI ------------------------------------------------------------------------------
+    def refusal(self, status: int, message: str, path: str) -> bytes:
+        """The whole response for a request the server's protocol refuses before the front sees
+        it (a head past its limits, a connection past the cap), in the API's error shape."""
+        kind = "overloaded_error" if status >= 500 else "invalid_request_error"
+        body = _error_body("anthropic" if path.startswith("/v1/messages") else "openai", kind, message)
+        return response_bytes(status, body, "application/json", (("retry-after", "1"),) if status >= 500 else ())
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
@@ -308,13 +316,15 @@ async def _send_error(send: Send, api: str, status: int, kind: str, message: str
     matching exception: 502/504 are `InternalServerError`, 413 `APIStatusError`)."""
     if status == 499:
         return
-    if api == "anthropic":
-        body = {"type": "error", "error": {"type": kind, "message": message}}
-    else:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": orjson.dumps(body), "more_body": False})
+    await send({"type": "http.response.body", "body": _error_body(api, kind, message), "more_body": False})
+
+
+def _error_body(api: str, kind: str, message: str) -> bytes:
+    if api == "anthropic":
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
 
 
 __all__ = ["SIDES", "HttpFront", "MirrorSettings"]

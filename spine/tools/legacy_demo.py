@@ -9,8 +9,10 @@ controller), drives it with the official openai SDK from a few threads, and walk
 deploy/plans/legacy-litellm.yaml three times: a healthy spine (promoted), a spine answering
 half its calls with 5xx (rolled back by the error-rate gate), a spine answering greedy
 requests differently (rolled back by parity). A table per run, a row per stage as the front
-measured each side; a summary at the end. Every process is stopped by its PID at the end, on
-a failure or on Ctrl-C; each run is bounded in time.
+measured each side; a summary at the end. The screen is the demo's (`DemoScreen`): every log
+line (each shadow mismatch among them) goes to `demo.log` in the run directory, which is kept
+with every process's log. Every process is stopped by its PID at the end, on a failure or on
+Ctrl-C; each run is bounded in time.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from migration.status import State
+from spine.tools.demo_screen import DemoScreen, RunStatus, logs_in
 from spine.tools.legacy_rig import LegacyRig, LegacyTraffic
+
+DEMO_LOG = "demo.log"
 
 RUNS = (("healthy", "clear", State.PROMOTED),
         ("5xx", "error-rate 0.5", State.ROLLED_BACK),
@@ -44,19 +48,20 @@ class RunResult:
     rows: list[tuple[str, ...]] = field(default_factory=list)
 
 
-def run_once(rig: LegacyRig, name: str, fault: str, expected: State, console: Console,
+def run_once(rig: LegacyRig, name: str, fault: str, expected: State, status: RunStatus,
              timeout_s: float) -> RunResult:
     assert rig.cutover is not None and rig.cutover.front is not None and rig.cutover.controller is not None
     front, controller = rig.cutover.front, rig.cutover.controller.controller
     rig.switch_fault("clear")
     front.set_weight(0)
     rig.switch_fault(fault)
+    status.update(f"the spine's fault: {fault}")
     result = RunResult(name, State.PENDING, expected, "")
     marks: list[tuple[int, str, float, float]] = []  # (index, stage, weight, entered at)
 
     def entered(index: int, stage: str, weight: float) -> None:
         marks.append((index, stage, weight, time.time()))
-        console.print(f"  [{name}] stage {index + 1} {stage}: spine weight {weight:g}%")
+        status.update(f"stage {index + 1} {stage}: spine weight {weight:g}%")
 
     traffic = LegacyTraffic(rig.cutover.base_url, rig.master_key).start()
     try:
@@ -81,47 +86,67 @@ def run_once(rig: LegacyRig, name: str, fault: str, expected: State, console: Co
     return result
 
 
-def print_run(console: Console, result: RunResult) -> None:
-    table = Table(title=f"{result.name}: {result.state} (expected {result.expected})")
+def run_table(result: RunResult) -> Table:
+    table = Table(title=f"{result.name}: {result.state} (expected {result.expected}); client calls "
+                        f"{result.calls}, failed {result.failed}", caption=result.reason)
     for column in ("stage", "spine", "legacy req/err", "spine req/err", "legacy p50/p99 ms", "spine p50/p99 ms",
                    "gates (last window)"):
         table.add_column(column)
     for row in result.rows:
         table.add_row(*row)
-    console.print(table)
-    console.print(f"  {result.reason}")
-    console.print(f"  client calls: {result.calls}, failed: {result.failed}")
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spine.tools.legacy_demo", description=__doc__.splitlines()[0])
     parser.add_argument("--timeout-s", type=float, default=120.0, help="the longest one run may take")
+    parser.add_argument("--run-dir", type=Path, help="where every log is kept (default: a fresh temporary one)")
     args = parser.parse_args(argv)
-    console = Console()
-    with tempfile.TemporaryDirectory(prefix="spine-legacy-demo-") as tmp:
-        rig = LegacyRig(Path(tmp))
-        console.print("starting the model server, LiteLLM's proxy (offline, loopback), the spine, the front ...")
-        try:
+    screen = DemoScreen()
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="spine-legacy-demo-"))
+    try:
+        with logs_in(run_dir / DEMO_LOG) as log_path:
+            screen.say(f"log: {log_path} (every log line; LiteLLM's, the spine's and the model server's beside it)")
+            return _demo(screen, run_dir, args.timeout_s)
+    finally:
+        forget_secrets(run_dir)
+
+
+def forget_secrets(run_dir: Path) -> None:
+    """The kept run directory without what holds a key: LiteLLM's config (its master key and the
+    model server's), the spine's config copy (the imported key's digest, the internal secret)
+    and the controller's admin token."""
+    for path in [*run_dir.rglob("admin-token"), *run_dir.rglob("*config.yaml"), *run_dir.rglob("litellm.yaml")]:
+        path.unlink(missing_ok=True)
+
+
+def _demo(screen: DemoScreen, run_dir: Path, timeout_s: float) -> int:
+    rig = LegacyRig(run_dir)
+    results: list[RunResult] = []
+    try:
+        with screen.busy("starting the model server, LiteLLM's proxy (offline, loopback), the spine, the front"):
             base_url = rig.start()
-            console.print(f"ready in {rig.timings['all']:.1f}s (LiteLLM {rig.timings['litellm']:.1f}s); clients call "
-                          f"the front at {base_url} with LiteLLM's key; legacy {rig.gateway.url if rig.gateway else ''}")
-            results = []
-            for name, fault, expected in RUNS:
-                console.rule(f"{name}: {fault}")
-                result = run_once(rig, name, fault, expected, console, args.timeout_s)
-                print_run(console, result)
-                results.append(result)
-        except KeyboardInterrupt:
-            console.print("interrupted: stopping every process")
-            return 130
-        finally:
+        screen.say(f"ready in {rig.timings['all']:.1f}s (LiteLLM's proxy alone {rig.timings['litellm']:.1f}s); "
+                   f"clients call the front at {base_url} with LiteLLM's key; it splits them between LiteLLM at "
+                   f"{rig.gateway.url if rig.gateway else '-'} and the spine, and compares "
+                   f"{rig.shadow_share:.0%} of the answers")
+        for number, (name, fault, expected) in enumerate(RUNS, 1):
+            with screen.run_status(f"Run {number}/{len(RUNS)}: {name}") as status:
+                result = run_once(rig, name, fault, expected, status, timeout_s)
+            screen.show(run_table(result))
+            results.append(result)
+    except KeyboardInterrupt:
+        screen.say("interrupted: stopping every process")
+        return 130
+    finally:
+        with screen.busy("stopping LiteLLM, the spine, the model server and the front"):
             rig.stop()
     summary = Table(title="LiteLLM -> spine: three runs")
     for column in ("run", "outcome", "expected", "client calls", "failed"):
         summary.add_column(column)
     for result in results:
         summary.add_row(result.name, str(result.state), str(result.expected), str(result.calls), str(result.failed))
-    console.print(summary)
+    screen.show(summary)
     return 0 if all(result.state is result.expected for result in results) else 1
 
 

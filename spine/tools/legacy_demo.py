@@ -80,7 +80,7 @@ def run_once(rig: LegacyRig, name: str, fault: str, expected: State, status: Run
                             f"{spine.requests}/{spine.errors}", f"{legacy.p50_ms:.1f}/{legacy.p99_ms:.1f}",
                             f"{spine.p50_ms:.1f}/{spine.p99_ms:.1f}", gates))
     audit = controller.view(audit_rows=6).recent_audit
-    result.reason = next((f"{entry.action}: {entry.reason}" for entry in audit
+    result.reason = next((f"{entry.action}: {entry.reason}" for entry in reversed(audit)  # oldest first
                           if entry.action in ("promote", "rollback", "abort")), "")
     result.calls, result.failed = len(calls), sum(1 for call in calls if call.error)
     return result

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 
@@ -68,6 +69,16 @@ def test_the_front_splits_litellms_clients_and_forwards_their_key(rig: LegacyRig
         sides[route] = (raw.headers["x-spine-side"], raw.parse().choices[0].message.content)
     assert sides["legacy"][0] == "legacy" and sides["spine"][0] == "spine"
     assert sides["legacy"][1] == sides["spine"][1]  # the same model behind both: the same greedy text
+    # Anthropic's API through both (LiteLLM translates it to its upstream's chat completions).
+    claude = anthropic.Anthropic(base_url=f"http://{rig.cutover.address}", api_key=rig.master_key, max_retries=0)
+    texts = {}
+    for route in ("legacy", "spine"):
+        raw = claude.messages.with_raw_response.create(model="default", max_tokens=4, extra_body={"temperature": 0},
+                                                       messages=[{"role": "user", "content": "Hello!"}],
+                                                       extra_headers={"x-spine-route": route})
+        assert raw.headers["x-spine-side"] == route
+        texts[route] = "".join(block.text for block in raw.parse().content if block.type == "text")
+    assert texts["legacy"] == texts["spine"] == sides["spine"][1]
     # LiteLLM's key reached the spine unchanged (its auth accepts it); a wrong key is refused by both.
     for route in ("legacy", "spine"):
         with pytest.raises((openai.AuthenticationError, openai.BadRequestError)):

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from migration.legacy_endpoint import LegacyEndpoint
 from migration.plan import load_plan
 from migration.status import State
@@ -31,6 +33,7 @@ from migration.traffic.legacy_cutover import LegacyCutover
 from migration.traffic.spine_process import CollapsedSpineProcess
 from runtime.config_file import load_config, merge
 from runtime.launch import Launched, launch, spine_up_argv
+from runtime.run_dir import write_private
 from runtime.server import free_port
 from spine.tools.key_import import config_fragment, from_lines
 from spine.tools.litellm_gateway import LiteLLMGateway
@@ -40,6 +43,10 @@ LEGACY_PLAN = REPO / "deploy" / "plans" / "legacy-litellm.yaml"
 MODEL = "default"
 DEV_KEY = "spine-dev-key-0000"  # the default config's key: what LiteLLM uses to reach the model server
 FINISHED = (State.PROMOTED, State.ROLLED_BACK, State.ABORTED)
+# Each middleware's budget on a machine this rig shares with LiteLLM, the front, the clients and
+# (in CI) the rest of a test suite: the default 250 ms is a production figure, and a refusal
+# for a missed budget here would be the harness's doing, not the migration's.
+BUDGETS = {"calls": {"budgets_ms": dict.fromkeys(("auth", "ratelimit", "router", "cache"), 2000)}}
 
 
 @dataclass
@@ -50,11 +57,13 @@ class ModelServer:
 
 
 def start_model_server(run_dir: Path, port: int) -> ModelServer:
-    """The model LiteLLM calls upstream, on `port` (launched, not yet awaited: `wait_model_server`).
+    """The model LiteLLM calls upstream, on `port` (launched, not yet awaited: its `launched`'s
+    `wait_ready`).
 
     Until spine has a bare model server this is a collapsed spine on the default config:
     the same built-in model the spine under migration serves, behind the OpenAI API."""
-    argv = spine_up_argv(None, "collapsed", listen="127.0.0.1:0", http_listen=f"127.0.0.1:{port}",
+    config = write_private(run_dir, "model-server-config.yaml", yaml.safe_dump(BUDGETS))
+    argv = spine_up_argv(config, "collapsed", listen="127.0.0.1:0", http_listen=f"127.0.0.1:{port}",
                          run_dir=run_dir / "model-server")
     launched = launch("model-server", argv, log_path=run_dir / "model-server.log")
     return ModelServer(launched, f"http://127.0.0.1:{port}/v1", DEV_KEY)
@@ -118,8 +127,8 @@ class LegacyRig:
         imported = config_fragment(from_lines(self.master_key, "legacy-clients"), ["generate"])
         dev = {"id": "dev-key", "tenant": "dev", "key": DEV_KEY, "scopes": ["generate"], "max_priority": 1}
         keys = {"auth": {"api_keys": [dev, *imported["auth"]["api_keys"]]}}
-        return merge(merge(merge(load_config(None), keys), {"internal": {"secret": internal_secret}}),
-                     self.spine_config)
+        return merge(merge(merge(merge(load_config(None), keys), {"internal": {"secret": internal_secret}}),
+                           BUDGETS), self.spine_config)
 
     def plan_text(self, text: str | None = None) -> str:
         assert self.cutover is not None

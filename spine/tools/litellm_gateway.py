@@ -83,7 +83,10 @@ class LiteLLMGateway:
             "model_list": [{"model_name": self.model, "litellm_params": params}],
             # No retries of its own: a failing upstream reaches the client (and the front) as it is.
             "router_settings": {"num_retries": 0},
-            "litellm_settings": {"num_retries": 0, "request_timeout": self.timeout_s, "telemetry": False},
+            # Anthropic's /v1/messages to the upstream's chat completions (by default LiteLLM calls an
+            # openai/ model's Responses API, which a model server such as vLLM's need not have).
+            "litellm_settings": {"num_retries": 0, "request_timeout": self.timeout_s, "telemetry": False,
+                                 "use_chat_completions_url_for_anthropic_messages": True},
             "general_settings": {"master_key": self.master_key},
         }
 

@@ -187,7 +187,7 @@ class LegacyTraffic:
     calls, no retries (a failed call is seen as failed), every prompt new. Bounded: it stops by itself after
     `max_s`, and on `stop()`."""
 
-    def __init__(self, base_url: str, key: str, workers: int = 8, max_s: float = 300.0) -> None:
+    def __init__(self, base_url: str, key: str, workers: int = 12, max_s: float = 300.0) -> None:
         self.base_url, self.key, self.workers, self.max_s = base_url, key, workers, max_s
         # Prompts of their own: the spine's response cache holds earlier runs' answers, and a
         # cache hit would hide a fault in its model.

@@ -183,6 +183,8 @@ class HttpFront:
             except httpx.TransportError as error:  # reset or timed out mid-answer: the side failed it
                 log.warning("the %s side broke off an answer: %s", SIDE_NAMES[side], type(error).__name__)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:  # the client went away while the answer was being written: nobody's failure
+                failed, status = False, 499
             finally:
                 await response.aclose()
         except asyncio.CancelledError:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
+import httpx2
 import orjson
 
 from migration.legacy_endpoint import LegacyEndpoint
@@ -91,9 +91,9 @@ class HttpFront:
         self.mirror = HttpMirror(mirror, rng, names=SIDE_NAMES) if mirror is not None else None
         self.internal_key = internal_key
         self.max_body_bytes = max_body_bytes
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=connect_timeout_s)
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._client: httpx.AsyncClient | None = None
+        self._timeout = httpx2.Timeout(timeout_s, connect=connect_timeout_s, pool=connect_timeout_s)
+        self._limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client: httpx2.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the controller's side -----------------------------------------------------------
@@ -161,11 +161,11 @@ class HttpFront:
                                                        headers=self._forwarded(raw, side), content=body)
             try:
                 response = await self._client_now().send(request, stream=True)
-            except httpx.TimeoutException:
+            except httpx2.TimeoutException:
                 await _send_error(send, api, 504, "timeout_error", f"the {SIDE_NAMES[side]} side did not answer "
                                   f"within {self._timeout.connect:g}s (connect) / {self._timeout.read:g}s")
                 return
-            except httpx.TransportError as error:
+            except httpx2.TransportError as error:
                 await _send_error(send, api, 502, "api_error",
                                   f"the {SIDE_NAMES[side]} side could not be reached: {type(error).__name__}")
                 return
@@ -180,7 +180,7 @@ class HttpFront:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 failed = status >= 500
-            except httpx.TransportError as error:  # reset or timed out mid-answer: the side failed it
+            except httpx2.TransportError as error:  # reset or timed out mid-answer: the side failed it
                 log.warning("the %s side broke off an answer: %s", SIDE_NAMES[side], type(error).__name__)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:  # the client went away while the answer was being written: nobody's failure
@@ -213,7 +213,7 @@ class HttpFront:
         try:
             response = await self._client_now().request(method, self.urls[side] + target, headers=headers,
                                                         content=body)
-        except httpx.TransportError:
+        except httpx2.TransportError:
             return 0, b"", ""
         return response.status_code, response.content, response.headers.get("content-type", "")
 
@@ -236,18 +236,18 @@ class HttpFront:
         return out
 
     @staticmethod
-    def _answer_headers(response: httpx.Response, side: str) -> list[tuple[bytes, bytes]]:
+    def _answer_headers(response: httpx2.Response, side: str) -> list[tuple[bytes, bytes]]:
         out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.multi_items()
                if k.lower() not in _NOT_ANSWERED and not k.lower().startswith(SIDE_HEADER)]
         out.append((SIDE_HEADER.encode(), SIDE_NAMES[side].encode()))
         return out
 
     # -- the client ----------------------------------------------------------------------------
-    def _client_now(self) -> httpx.AsyncClient:
+    def _client_now(self) -> httpx2.AsyncClient:
         """The pooled client, made on the serving loop the first time it is needed."""
         if self._client is None:
             self._loop = asyncio.get_running_loop()
-            self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, follow_redirects=False,
+            self._client = httpx2.AsyncClient(timeout=self._timeout, limits=self._limits, follow_redirects=False,
                                              trust_env=False)
         return self._client
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import yaml
 
 from runtime.launch import Launched, launch
@@ -112,7 +112,7 @@ class LiteLLMGateway:
         assert self.launched is not None, "begin() first"
         started = self._started
         deadline = started + timeout_s
-        with httpx.Client(timeout=1.0, trust_env=False) as client:
+        with httpx2.Client(timeout=1.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if not self.launched.alive():
                     tail = self.launched.log_tail()
@@ -122,7 +122,7 @@ class LiteLLMGateway:
                     if client.get(f"{self.url}/health/liveliness").status_code == 200:
                         self.started_in_s = time.monotonic() - started
                         return self.url
-                except httpx.TransportError:
+                except httpx2.TransportError:
                     pass
                 time.sleep(0.2)
         tail = self.launched.log_tail()

@@ -4,9 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/wire/v1/*.proto)
 
-.PHONY: bindings install prometheus chromium redis protos run rehearse test bench lint clean model
+.PHONY: bindings install prometheus chromium redis containers image protos run rehearse test bench bench-image lint clean model
 
-install: $(VENV)/.installed wire/v1/.generated prometheus chromium redis
+install: $(VENV)/.installed wire/v1/.generated prometheus chromium redis containers
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
@@ -23,6 +23,13 @@ chromium:
 # where `redis-server` is not on PATH, the Debian package (apt-get, quiet; one line and on if not).
 redis:
 	@command -v redis-server >/dev/null 2>&1 || .ci/apt-install "the shared rate-limit store's tests" redis-server
+
+# The image (`make image`) is built with buildah from Debian's packages (mmdebstrap) and run by
+# podman with runc, in the tests and `make rehearse RUNTIME=podman`: where any is missing, the
+# Debian packages (apt-get, quiet; one line and on if they cannot be had: those tests then skip).
+containers:
+	@{ command -v podman && command -v buildah && command -v runc && command -v mmdebstrap; } >/dev/null 2>&1 || \
+		.ci/apt-install "the container image's build and the tests that run it" podman buildah runc mmdebstrap
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,14 +64,27 @@ model: install
 
 # The production path on this machine: two spine replicas, the layered stack, the controller
 # in xds mode, a real Prometheus, proxyless gRPC clients (deploy/README.md, "Rehearse ...").
-rehearse: install
-	$(PY) -m spine.tools.rehearsal
+# `make rehearse RUNTIME=podman`: the same walk, every process a container of the image.
+rehearse: install $(if $(filter podman,$(RUNTIME)),image)
+	$(PY) -m spine.tools.rehearsal $(if $(RUNTIME),--runtime $(RUNTIME))
+
+# spine's container image (deploy/image/Containerfile; docs/deploy.md): tagged spine:<version> and
+# spine:<version>-<git sha>; its size and build time printed and kept in bench/image.json.
+# `make image VARIANT=cuda`: the CUDA variant (torch's CUDA build from PyPI; several GB).
+VARIANT ?= cpu
+image: install
+	$(PY) -m spine.tools.image build --variant $(VARIANT)
 
 test: install
 	$(PY) -m pytest -q
 
 bench: install
 	$(PY) -m bench.run
+
+# The image's runtime figures beside its build's in bench/image.json: start to ready (collapsed,
+# layered), RSS in a container and outside.
+bench-image: image
+	$(PY) -m bench.image
 
 # `make profile MODEL=sim`: the device regime's simulated model (or MODEL=DIR, a model directory).
 profile: install
@@ -76,7 +96,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json
+	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json bench/image.json .cache/image
 
 # The binding classes (runtime/binding_classes.py) are written out from the component table;
 # after adding a component or an rpc, regenerate them (tests/test_binding_classes.py checks).

@@ -4,6 +4,7 @@
                         [--regimes cpu,device] [--no-capacity]
                         [--model DIR [--model-id ID]]      (or SPINE_BENCH_MODEL=DIR make bench)
     python -m bench.run --only system_prompt,system_prompt_hf   (those rows alone, into --out)
+    python -m bench.run --only legacy   (LiteLLM vs the spine over an upstream vs the model alone)
 
 Two regimes (`bench.device_regime`): `cpu`, the built-in model on this machine's CPU, on the
 core the middleware runs on (every µs of middleware is one the model loses), and `device`,
@@ -24,8 +25,10 @@ Without --quick or --model, `real_model` is a real model's row (`bench.real_mode
 embedded model `system_prompt` reports 100 requests sharing one system prompt,
 with and without the prefix cache (`bench.serving.measure_system_prompt`); `system_prompt_hf`
 the same on a tiny llama served by the transformers backend
-(`bench.serving.measure_system_prompt_hf`). `--only` runs the named serving rows alone (a
-few seconds each) and writes them into --out, keeping what else the file holds.
+(`bench.serving.measure_system_prompt_hf`); `legacy` the same bare model server behind LiteLLM
+proxy, behind the spine (an `upstream:` model) and alone, driven by k6 (`bench.legacy`).
+`--only` runs the named rows alone (seconds each; `legacy` a few minutes) and writes them
+into --out, keeping what else the file holds.
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ def measure_part(part: str) -> dict[str, Any] | None:
         from bench.serving import measure_system_prompt
 
         return measure_system_prompt()
+    if part == "legacy":
+        from bench.legacy import measure_legacy
+
+        return measure_legacy()
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -90,6 +97,10 @@ def run_only(parts: tuple[str, ...], out: Path, console: Console) -> int:
             results[part] = measure_part(part)
         if part.startswith("system_prompt") and results[part] is not None:
             console.print(describe_system_prompt(part, results[part]))
+        if part == "legacy" and results[part] is not None:
+            from bench.legacy import describe as describe_legacy
+
+            console.print(describe_legacy(results[part]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     console.print(f"wrote {', '.join(parts)} into {out}")
@@ -135,9 +146,14 @@ def main(argv: list[str] | None = None) -> int:
             system_prompt_hf = measure_part("system_prompt_hf")
     # SmolLM2-135M-Instruct, bare vs collapsed vs layered: the middleware next to a real model's cost
     real_model = None if settings.quick or settings.model else measure_real_model(say=console.print)
+    # The same bare model server behind LiteLLM, behind the spine (an upstream), and alone (k6)
+    legacy: dict[str, Any] | None = None
+    if not settings.quick and not settings.model and "cpu" in settings.regimes:
+        with console.status("the legacy row: LiteLLM, the spine over an upstream, the model alone (k6)"):
+            legacy = measure_part("legacy")
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results = {"runs": runs, "serving": serving, "system_prompt": system_prompt,
-               "system_prompt_hf": system_prompt_hf, "real_model": real_model,
+               "system_prompt_hf": system_prompt_hf, "real_model": real_model, "legacy": legacy,
                "layered_vs_collapsed": comparisons, "http_vs_grpc": http_vs_grpc(runs, HTTP_LAYOUTS),
                "batched_vs_unbatched": batching_gain(runs),
                "batched_vs_middleware_unbatched": batching_gain(runs, "collapsed-middleware-unbatched"),
@@ -165,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             console.print(describe_system_prompt(name, row))
     if real_model is not None:
         console.print(describe_real_model(real_model))
+    if legacy is not None:
+        from bench.legacy import describe as describe_legacy
+
+        console.print(describe_legacy(legacy))
     console.print(f"wrote {out}{f' and {plot}' if plot else ''} in {results['duration_s']} s")
     return 1 if left else 0
 

@@ -60,7 +60,7 @@ RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
 
 
 # The serving rows `--only` may run alone (`bench.serving`).
-ONLY_PARTS = ("serving", "system_prompt", "system_prompt_hf")
+ONLY_PARTS = ("serving", "system_prompt", "system_prompt_hf", "legacy")
 
 
 @dataclass(frozen=True)

@@ -250,6 +250,10 @@ class LocalStream:
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._context.trailing_metadata()
 
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What the servicer sent before its first chunk (`send_initial_metadata`), as a stub's call has."""
+        return self._context.initial_metadata()
+
     def _end(self, code: grpc.StatusCode) -> None:
         if not self._ended:
             self._ended = True

@@ -19,11 +19,11 @@ from typing import Any
 from runtime.binding_classes import foreign_binding, local_binding, remote_binding
 from runtime.foreign import ForeignBinding
 from runtime.gateway_health import ComponentHealth, Target, always_serving
-from runtime.outlier import OutlierDetector, OutlierPolicy
 from runtime.remote_binding import RemoteBinding, remote_channel
 from runtime.sections import TlsConfig
 from runtime.supervisor import Supervisor
 from services.common import ConfigError
+from services.common.outlier import OutlierDetector, OutlierPolicy
 from services.pipeline.calls import Hook
 from services.registry import Registry, close_servicer
 

@@ -23,10 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.bindings import LocalBinding
-from runtime.outlier import OutlierDetector
 from runtime.remote_binding import RemoteBinding
 from runtime.sections import EnvoyApiConfig, ForeignPlacement
 from runtime.server import RunningServer
+from services.common.outlier import OutlierDetector
 from services.pipeline.calls import Hook
 from services.registry import ComponentSpec, ForeignApi, Registry
 

@@ -64,13 +64,18 @@ class LocalContext:
         metadata: Metadata = (),
         deadline: float | None = None,
         parent: Any | None = None,
+        arrived: float | None = None,
     ) -> None:
         self._metadata = tuple(metadata)
+        # When the request reached the process (time.perf_counter()), where a front read it
+        # before the call began (the HTTP API): its time outside the model counts from there.
+        self.arrived = arrived
         self._deadline = _earlier(deadline, _deadline_of(parent))  # time.monotonic() seconds
         self._cancelled = False
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._trailing: tuple[tuple[str, str], ...] = ()
+        self._initial: tuple[tuple[str, str], ...] = ()
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._done = False
@@ -121,7 +126,11 @@ class LocalContext:
         return self._trailing
 
     def send_initial_metadata(self, metadata: Metadata) -> None:
-        """Initial metadata has no separate frame in-process; nothing to send."""
+        """Initial metadata has no frame in-process: kept for the caller's `initial_metadata()`."""
+        self._initial = tuple(metadata)
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._initial
 
     def set_compression(self, compression: Any) -> None:
         """Nothing is compressed in-process."""

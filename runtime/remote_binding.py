@@ -17,10 +17,11 @@ from google.protobuf import descriptor as pb_descriptor
 
 from runtime.bindings import BaseBinding, Metadata, status_of
 from runtime.local_context import LocalRpcError
-from runtime.outlier import Ejected, OutlierDetector
 from runtime.sections import TlsConfig
 from runtime.tls import link_channel
+from services.common.outlier import Ejected, OutlierDetector
 from services.pipeline.calls import Hook
+from services.pipeline.verdicts import UPSTREAM_HEADER
 
 
 class RemoteBinding(BaseBinding):
@@ -77,9 +78,9 @@ class RemoteBinding(BaseBinding):
                 self._end(tokens, grpc.StatusCode.UNAVAILABLE)
                 raise
 
-    def _record(self, code: grpc.StatusCode, timeout: float | None) -> None:
+    def _record(self, code: grpc.StatusCode, timeout: float | None, error: BaseException | None = None) -> None:
         if self.outlier is not None:
-            self.outlier.record(code, timeout)
+            self.outlier.record(grpc.StatusCode.OK if upstreams_fault(error) else code, timeout)
 
     def _make_method(self, method: pb_descriptor.MethodDescriptor) -> Callable[..., Any]:
         multicallable = getattr(self.stub, method.name)
@@ -95,8 +96,8 @@ class RemoteBinding(BaseBinding):
                 if self.outlier is not None:
                     self._track(call)
 
-                def ended(code: grpc.StatusCode) -> str | None:
-                    self._record(code, timeout)
+                def ended(code: grpc.StatusCode, error: BaseException | None = None) -> str | None:
+                    self._record(code, timeout, error)
                     self._end(tokens, code)
                     return self._untrack(call)
                 return _RemoteStream(call, ended, self._gone)
@@ -109,6 +110,7 @@ class RemoteBinding(BaseBinding):
             self._admit(tokens)
             code = grpc.StatusCode.OK
             future = None
+            failure: BaseException | None = None
             try:
                 if parent is None and trailing_out is None and self.outlier is None:
                     return multicallable(request, timeout=timeout, metadata=md or None, **kwargs)
@@ -122,7 +124,7 @@ class RemoteBinding(BaseBinding):
                     trailing_out.extend(future.trailing_metadata() or ())
                 return response
             except grpc.RpcError as error:
-                code = status_of(error)
+                code, failure = status_of(error), error
                 raise
             except grpc.FutureCancelledError as error:
                 code = grpc.StatusCode.CANCELLED
@@ -134,7 +136,7 @@ class RemoteBinding(BaseBinding):
             finally:
                 if future is not None:
                     self._untrack(future)
-                self._record(code, timeout)
+                self._record(code, timeout, failure)
                 self._end(tokens, code)
         return call_unary
 
@@ -169,7 +171,7 @@ class _RemoteStream:
     """A server-streaming call that reports its final status to the hooks once; a stream
     abandoned because the component stopped answering ends UNAVAILABLE, not CANCELLED."""
 
-    def __init__(self, call: Any, on_end: Callable[[grpc.StatusCode], str | None],
+    def __init__(self, call: Any, on_end: Callable[..., str | None],
                  gone: Callable[[str], grpc.RpcError]) -> None:
         self._call = call
         self._on_end = on_end
@@ -186,7 +188,7 @@ class _RemoteStream:
             self._end(grpc.StatusCode.OK)
             raise
         except grpc.RpcError as error:
-            reason = self._end(status_of(error))
+            reason = self._end(status_of(error), error)
             if reason is not None:
                 raise self._gone(reason) from error
             raise
@@ -195,14 +197,31 @@ class _RemoteStream:
         self._end(grpc.StatusCode.CANCELLED)
         return bool(self._call.cancel())
 
+    def initial_metadata(self) -> Any:
+        """What the servicer sent before its first message (available once one has arrived)."""
+        return self._call.initial_metadata()
+
     def trailing_metadata(self) -> Any:
         return self._call.trailing_metadata()
 
-    def _end(self, code: grpc.StatusCode) -> str | None:
+    def _end(self, code: grpc.StatusCode, error: BaseException | None = None) -> str | None:
         if self._ended:
             return None
         self._ended = True
-        return self._on_end(code)
+        return self._on_end(code, error)
+
+
+def upstreams_fault(error: BaseException | None) -> bool:
+    """An error whose trailers name the upstream server that failed (`x-spine-upstream`): the
+    component answered — its upstream did not — so it is no failure of the component's: a
+    flaky upstream must not eject the inference process that reports it (every model with it)."""
+    trailing = getattr(error, "trailing_metadata", None) if error is not None else None
+    if trailing is None:
+        return False
+    try:
+        return any(key == UPSTREAM_HEADER for key, _ in trailing() or ())
+    except Exception:  # a call that never got its trailers
+        return False
 
 
 def remote_channel(address: str, max_message_bytes: int, tls: TlsConfig | None = None) -> grpc.Channel:

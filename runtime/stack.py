@@ -34,11 +34,11 @@ from runtime.gateway_batching import GatewayBatching
 from runtime.gateway_health import GatewayHealth
 from runtime.layout_health import LayoutHealth
 from runtime.metrics_endpoint import MetricsExports
-from runtime.outlier import OutlierPolicy
 from runtime.run_dir import write_private
 from runtime.sections import TlsConfig
 from runtime.server import RunningServer
 from runtime.supervisor import Supervisor
+from services.common.outlier import OutlierPolicy
 from services.gateway.service import Gateway
 from services.inference.output_policy import OutputPolicy
 from services.pipeline.calls import Hook

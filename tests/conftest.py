@@ -221,10 +221,21 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stac
 
 
 @pytest.fixture(scope="session")
-def http_stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def bare_http_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real bare model server (`spine up --layout bare`, with an API key): the upstream of
+    the HTTP stacks' upstream models, and the healthy upstream of the fault tests."""
+    from tests.bare_server import bare_upstream
+
+    with bare_upstream(tmp_path_factory.mktemp("bare-upstream")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def http_stacks(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> Iterator[dict[str, Stack]]:
     """Both layouts with their HTTP API (`tests.http_helpers.http_config`), shared by the HTTP
-    tests: starting a layered stack costs seconds, and they only read what it answers."""
+    tests: starting a layered stack costs seconds, and they only read what it answers. Their
+    router has two models served by `bare_http_upstream` (`tests.http_helpers.UPSTREAM_MODELS`)."""
     from tests.http_helpers import http_layouts
 
-    with http_layouts(tmp_path_factory.mktemp("http")) as running:
+    with http_layouts(tmp_path_factory.mktemp("http"), bare_http_upstream) as running:
         yield running

@@ -12,8 +12,9 @@ import anthropic
 import httpx
 import openai
 
-from runtime.config_file import placements_for
+from runtime.config_file import load_config, placements_for
 from runtime.stack import Stack
+from tests.bare_server import BareUpstream
 from tests.conftest import DEV_KEY, config_for_tests
 
 # A tenant that may hold one request at a time: the 429 path, and what a disconnect gives back.
@@ -21,30 +22,45 @@ SOLO_KEY = "solo-tenant-key-0000"
 HTTP_LIMITS = {"max_body_bytes": 4096, "read_timeout_s": 1.0, "max_connections": 12}
 
 
-def http_config() -> dict[str, Any]:
+# The models served by an upstream (a real bare model server, `tests.bare_server`): one over
+# OpenAI's chat completions, one over Anthropic's Messages.
+UPSTREAM_MODELS = ("upstream-tiny", "upstream-messages")
+
+
+def http_config(upstream: BareUpstream | None = None, key_file: Path | None = None) -> dict[str, Any]:
     from tests.conftest import TEST_OVERRIDES
 
     keys = [*TEST_OVERRIDES["auth"]["api_keys"],
             {"id": "solo-key", "tenant": "solo", "key": SOLO_KEY, "scopes": ["generate"]}]
+    extra: dict[str, Any] = {}
+    if upstream is not None:
+        base = load_config()["router"]["models"]
+        served = {"base_url": upstream.base_url, "api_key_file": str(key_file), "model": "default"}
+        extra["router"] = {"models": [*base, {"id": UPSTREAM_MODELS[0], "upstream": served},
+                                      {"id": UPSTREAM_MODELS[1], "upstream": {**served, "protocol": "anthropic"}}]}
     return config_for_tests(auth={"api_keys": keys},
                             ratelimit={"tenants": {**TEST_OVERRIDES["ratelimit"]["tenants"],
                                                    "solo": {"max_concurrent_requests": 1}}},
-                            http=HTTP_LIMITS)
+                            http=HTTP_LIMITS, **extra)
 
 
-def start_http_stack(layout: str, tmp: Path) -> Stack:
-    config = http_config()
+def start_http_stack(layout: str, tmp: Path, upstream: BareUpstream | None = None) -> Stack:
+    key_file = None
+    if upstream is not None and upstream.key is not None:
+        key_file = tmp / "upstream.key"
+        key_file.write_text(upstream.key + "\n")
+    config = http_config(upstream, key_file)
     stack = Stack(config, placements_for(layout, config), run_dir=tmp / layout, http_listen="127.0.0.1:0")
     stack.start()
     return stack
 
 
 @contextlib.contextmanager
-def http_layouts(tmp: Path) -> Iterator[dict[str, Stack]]:
+def http_layouts(tmp: Path, upstream: BareUpstream | None = None) -> Iterator[dict[str, Stack]]:
     stacks: dict[str, Stack] = {}
     try:
         for layout in ("collapsed", "layered"):
-            stacks[layout] = start_http_stack(layout, tmp)
+            stacks[layout] = start_http_stack(layout, tmp, upstream)
         yield stacks
     finally:
         for stack in stacks.values():

@@ -14,7 +14,7 @@ PAGES = sorted([REPO / "README.md", REPO / "bench" / "README.md", REPO / "deploy
                 REPO / "deploy" / "RUNBOOK.md", *(REPO / "docs").glob("*.md")])
 # Written by a build or a run, never committed.
 GENERATED = {"wire/v1", "wire/v1/", "bench/results.json", "bench/results.png", "bench/results-capacity.png",
-             "bench/profile.svg", "bench/leases.json", "bench/real_model.json", ".cache/models/smollm2-135m-instruct"}
+             "bench/profile.svg", "bench/leases.json", "bench/real_model.json", "bench/image.json", ".cache/models/smollm2-135m-instruct"}
 TOP = ("services/", "runtime/", "monolith/", "migration/", "spine/", "bench/", "deploy/", "docs/", "protos/",
        "tests/", "wire/", ".ci/")
 SUFFIXES = (".py", ".md", ".yaml", ".yml", ".json", ".proto", ".sh", ".toml")

@@ -16,7 +16,7 @@ import pytest
 from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY
-from tests.http_helpers import SOLO_KEY, anthropic_client, openai_client, raw, sse_events
+from tests.http_helpers import SOLO_KEY, UPSTREAM_MODELS, anthropic_client, openai_client, raw, sse_events
 from wire.v1 import generation_pb2
 
 LAYOUTS = ("collapsed", "layered")
@@ -77,7 +77,8 @@ def test_openai_completions_and_models(stacks: dict[str, Stack], layout: str) ->
         model="default", prompt="http completion stream", max_tokens=5, temperature=0, stream=True))
     assert streamed == client.completions.create(model="default", prompt="http completion stream", max_tokens=5,
                                                  temperature=0).choices[0].text
-    assert {m.id for m in client.models.list()} == {"tiny-lm", "default", "tiny", "tiny-lm-mini", "mini"}
+    assert {m.id for m in client.models.list()} == {"tiny-lm", "default", "tiny", "tiny-lm-mini", "mini",
+                                                    *UPSTREAM_MODELS}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.outlier import Ejected, Ejection, OutlierDetector, OutlierPolicy
 from runtime.stack import Stack
+from services.common.outlier import Ejected, Ejection, OutlierDetector, OutlierPolicy
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from wire.v1 import generation_pb2

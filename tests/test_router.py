@@ -134,3 +134,28 @@ def test_no_models_is_a_config_error() -> None:
 def test_misspelled_field_is_a_config_error() -> None:
     message = _config_error([{"id": "a", "backend": "b", "alias": ["x"]}])
     assert message.startswith("router.models[0].alias: unknown key; known: id, backend, aliases")
+
+
+def test_an_upstream_model_needs_no_backend_and_resolves_to_the_inference_component() -> None:
+    config = RouterConfig.from_dict({"models": [
+        {"id": "a", "backend": "inference"},
+        {"id": "up", "aliases": ["u"], "upstream": {"base_url": "http://127.0.0.1:8001/v1/", "fallbacks": ["b"]}},
+        {"id": "b", "upstream": {"base_url": "https://models.internal/v1", "protocol": "anthropic"}}]})
+    assert config.models[1].upstream is not None and config.models[1].upstream.base_url == "http://127.0.0.1:8001/v1"
+    assert RouterService(config).resolve("u").backend == "inference"
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ({"id": "x"}, "router.models[0].backend: give `backend: inference` or an `upstream:"),
+    ({"id": "x", "backend": "elsewhere", "upstream": {"base_url": "http://h/v1"}}, "leave `backend` out"),
+    ({"id": "x", "upstream": {"base_url": "ftp://h/v1"}}, "router.models[0].upstream.base_url: expected http(s)"),
+    ({"id": "x", "upstream": {"base_url": "http://user:pw@h/v1"}}, "the key goes in api_key_file"),
+    ({"id": "x", "upstream": {"base_url": "http://h/v1", "protocol": "grpc"}}, "router.models[0].upstream.protocol"),
+    ({"id": "x", "upstream": {"base_url": "http://h/v1", "fallbacks": ["tiny"]}},
+     "router.models[0].upstream.fallbacks[0]: 'tiny' is not served by an upstream"),
+    ({"id": "x", "upstream": {"base_url": "http://h/v1", "context_fallback": "nope"}},
+     "router.models[0].upstream.context_fallback: 'nope' is not a model id or alias"),
+])
+def test_a_bad_upstream_block_is_a_config_error(model: dict, expected: str) -> None:
+    message = _config_error([model, {"id": "tiny", "backend": "inference"}])
+    assert expected in message, message

@@ -42,6 +42,7 @@ from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
 from services.pipeline.pipeline import code_details
+from services.pipeline.verdicts import OVERHEAD_HEADER
 
 log = logging.getLogger("spine.http")
 # A gateway that fails every request: each traceback at DEBUG, at most one ERROR line a second.
@@ -96,6 +97,7 @@ class HttpApi:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        arrived = time.perf_counter()  # x-spine-overhead-duration-ms counts from here
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = safe_request_id(_header(headers, b"x-request-id"))
         path, method = scope["path"], scope["method"]
@@ -110,19 +112,20 @@ class HttpApi:
                 raise HttpError(405, "invalid_request_error", f"{path} takes {route[0]}, not {method}",
                                 (("allow", route[0]),))
             if path == "/v1/models":
-                await _send_json(send, 200, self._model_list(), base)
+                await _send_json(send, 200, self._model_list(), (*base, _overhead(arrived)))
                 return
             if path == "/health":
                 serving = self.serving()
-                await _send_json(send, 200 if serving else 503, orjson.dumps({"serving": serving}), base)
+                await _send_json(send, 200 if serving else 503, orjson.dumps({"serving": serving}),
+                                 (*base, _overhead(arrived)))
                 return
             body = await self._read_json(scope, receive, headers)
             parsed = _parse(path, body, self.default_max_tokens)
             metadata = (*request_metadata(headers), (REQUEST_ID_HEADER, request_id))
-        except HttpError as error:
-            await _send_error(send, api, error, base, request_id)
+        except HttpError as error:  # answered here, no model: all of its time is overhead
+            await _send_error(send, api, error, (*base, _overhead(arrived)), request_id)
             return
-        context = LocalContext(metadata)
+        context = LocalContext(metadata, arrived=arrived)
         watcher = asyncio.ensure_future(_watch_disconnect(receive, context))
         try:
             if parsed.stream:
@@ -233,6 +236,8 @@ class HttpApi:
                 await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
                 return
             tokens += len(item.token_ids)
+            if item.completion_tokens or item.prompt_tokens:  # the model's own count (an upstream's usage)
+                tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
             finish = item.finish_reason or finish
             pending.append(writer.chunk(item.text))
             if queue.empty():  # send what is ready in one write; wait for the model with nothing held
@@ -326,6 +331,11 @@ async def _send_error(send: Send, api: Any, error: HttpError, trailing: Iterable
     if error.status == 499:  # nobody is listening
         return
     await _send_json(send, error.status, api.error_body(error, request_id), trailing, error.headers)
+
+
+def _overhead(arrived: float) -> tuple[str, str]:
+    """`x-spine-overhead-duration-ms` of an answer the front gives itself (no model was asked)."""
+    return OVERHEAD_HEADER, f"{(time.perf_counter() - arrived) * 1000.0:.3f}"
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

@@ -32,6 +32,7 @@ import orjson
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, parse_load
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE
 from services.pipeline.internal_marks import SHADOW_HEADER
+from services.pipeline.verdicts import ATTEMPTS_HEADER, OVERHEAD_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER
 
 REQUEST_ID = "x-request-id"
 LAYOUT = "x-spine-layout"
@@ -136,13 +137,18 @@ def load_hint_json(hint: str | None) -> str:
     return orjson.dumps(out).decode()
 
 
+# What an answer's headers take from its trailing metadata, when there.
+ANSWER_HEADERS = (REQUEST_ID, LAYOUT, LOAD_HEADER, FALLBACK_HEADER, "x-spine-side", OVERHEAD_HEADER, UPSTREAM_HEADER,
+                  ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER)
+
+
 def answer_headers(trailing: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """The headers every answer carries, errors included, from the call's trailing metadata:
     request id, layout, the load hint (as the gateway's `x-spine-load` and as JSON), the
-    routed model's fallback, and the side the front chose."""
+    routed model's fallback, the side the front chose, the time spent outside the model, and
+    for a model served by an upstream server which one answered after how many attempts."""
     md = dict(trailing)
-    out = [(key, md[key]) for key in (REQUEST_ID, LAYOUT, LOAD_HEADER, FALLBACK_HEADER, "x-spine-side")
-           if key in md]
+    out = [(key, md[key]) for key in ANSWER_HEADERS if key in md]
     out.append((GPU_LOAD_HINT, load_hint_json(md.get(LOAD_HEADER))))
     return out
 

@@ -47,7 +47,13 @@ from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
 from services.pipeline.state import RequestState
-from services.pipeline.verdicts import FORWARDED_TRAILERS, Stop, downstream_stop
+from services.pipeline.verdicts import (
+    FORWARDED_TRAILERS,
+    OVERHEAD_HEADER,
+    UPSTREAM_TIME_HEADER,
+    Stop,
+    downstream_stop,
+)
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
 
 log = logging.getLogger("spine.gateway")
@@ -132,6 +138,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 response = self._model_call(state, "Generate", context, trailing_out=trailers)
                 self.model_load.note_trailers(state.model, trailers)
                 state.completion_tokens = response.completion_tokens
+                if _model_time(state, trailers):  # an upstream's answer: its own count of tokens
+                    state.tokens_used = response.prompt_tokens + response.completion_tokens
                 self._police(state, response.text, response.token_ids)
                 state.response = response
                 context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
@@ -150,9 +158,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 if hit is not None:
                     self._police(state, hit.text, hit.token_ids)
                     context.set_trailing_metadata(self._answer_trailing(state))
+                    counted = not hit.token_ids  # an upstream's answer has no token ids, only its counts
                     yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
                                                        finish_reason=hit.finish_reason, cached=True, model=hit.model,
-                                                       system_digest=hit.system_digest)
+                                                       system_digest=hit.system_digest,
+                                                       prompt_tokens=hit.prompt_tokens if counted else 0,
+                                                       completion_tokens=hit.completion_tokens if counted else 0)
                     return
                 resolved = state.resolved
                 assert resolved is not None
@@ -165,6 +176,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
                 stream = self._model_call(state, "GenerateStream", context)
                 ended = False
+                first = True
+                usage = (0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
                 try:
                     for chunk in stream:
                         if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
@@ -173,6 +186,14 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         texts.append(chunk.text)
                         finish = chunk.finish_reason or finish
                         digest = chunk.system_digest or digest
+                        if chunk.completion_tokens or chunk.prompt_tokens:
+                            usage = (chunk.prompt_tokens, chunk.completion_tokens)
+                        if first:  # the HTTP front's headers go out with it: what is known now
+                            first = False
+                            state.model_wait_s = time.perf_counter() - started
+                            initial = _forwarded(_initial_metadata(stream))
+                            _model_time(state, initial)
+                            context.set_trailing_metadata(self._answer_trailing(state, initial))
                         yield chunk
                     ended = True
                 except grpc.RpcError as error:
@@ -182,14 +203,16 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
                         stream.cancel()
                     state.add_time(self.pipeline.model.component, time.perf_counter() - started)
-                state.completion_tokens = len(tokens)
+                state.completion_tokens = usage[1] or len(tokens)
+                state.tokens_used = usage[0] + usage[1]
+                state.model_wait_s = time.perf_counter() - started
                 model_trailers = _forwarded(stream.trailing_metadata() or ())
                 self.model_load.note_trailers(state.model, model_trailers)
                 context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
                 state.response = generation_pb2.GenerateResponse(
                     text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
-                    prompt_tokens=len(resolved.prompt.encode()) + len(resolved.system.encode()),
-                    completion_tokens=len(tokens), system_digest=digest)
+                    prompt_tokens=usage[0] or len(resolved.prompt.encode()) + len(resolved.system.encode()),
+                    completion_tokens=state.completion_tokens, system_digest=digest)
             except Stop as stop:
                 self._abort(state, context, stop)
             except GeneratorExit:
@@ -204,11 +227,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         if remaining is None or remaining > NO_DEADLINE_S:
             remaining = self.limits.default_deadline_s
         request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
+        started = time.perf_counter()
         state = RequestState(
             request=request,
             request_id=request_id,
             layout=self.layout,
-            started=time.perf_counter(),
+            started=started,
+            arrived=getattr(context, "arrived", None) or started,
             deadline=time.monotonic() + remaining,
             # Only a copy the front marked: a client claiming shadow would skip its rate limit.
             shadow=SHADOW_HEADER in md and is_shadow(self.internal_key, md[SHADOW_HEADER], request_id),
@@ -233,14 +258,18 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         except grpc.RpcError as error:
             if getattr(error, "ejected", False):
                 state.ejected.append(stage.component)
+            state.model_wait_s = time.perf_counter() - started
             raise self._model_stop(error, state) from None
         finally:
             if method == "Generate":
-                state.add_time(stage.component, time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                state.add_time(stage.component, elapsed)
+                state.model_wait_s = elapsed
 
     def _model_stop(self, error: grpc.RpcError, state: RequestState) -> Stop:
         code, details, trailing = code_details(error)
         self.model_load.note_trailers(state.model, trailing)
+        _model_time(state, trailing)
         model = self.pipeline.model
         return downstream_stop(model.component, code, details, trailing, model.policy.passes)
 
@@ -313,12 +342,33 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         primaries = [f"{primary}:{hint}" for primary in state.fallback_of if (hint := loads.hint(primary))]
         if primaries:
             out.append((PRIMARY_LOAD_HEADER, ",".join(primaries)))
+        overhead_s = time.perf_counter() - state.arrived - state.model_wait_s
+        out.append((OVERHEAD_HEADER, f"{max(0.0, overhead_s) * 1000.0:.3f}"))
         return tuple(out)
 
 
 def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:
-    """The downstream trailers the client should see (load hints), nothing else."""
+    """The downstream trailers the client should see (load hints, the upstream's), nothing else."""
     return tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
+
+
+def _initial_metadata(stream: Any) -> Any:
+    """A model stream's initial metadata (an upstream's name and attempts come there), or none."""
+    read = getattr(stream, "initial_metadata", None)
+    return (read() or ()) if read is not None else ()
+
+
+def _model_time(state: RequestState, metadata: Any) -> bool:
+    """Take the model's time from an upstream's own figure where the answer has one (the
+    time its exchanges took, not the hop to the inference process); whether it had one."""
+    for key, value in metadata:
+        if key == UPSTREAM_TIME_HEADER:
+            try:
+                state.model_wait_s = float(value) / 1000.0
+            except ValueError:
+                return False
+            return True
+    return False
 
 
 def safe_request_id(value: str | None) -> str:

@@ -12,6 +12,11 @@ budget), so a flood on one model fills its own queue, not the other's, and each 
 `MultiModelInference` is the first model's service (every attribute a caller of a
 single-model service reads — `engine`, `scheduler`, `config`, `load_report()` — is the
 first model's) that also serves the others; `served` names them all.
+
+A router model with `upstream:` is served here too, by calling its upstream server
+(`services.inference.upstream`): `upstreams` holds them, and a request for one goes there
+instead of to an engine. The process's health is its own models'; an upstream that is down
+is that upstream's requests' error, never the process's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 
 import grpc
 
-from services.common import DeviceState, section
+from services.common import ConfigError, DeviceState, section
+from services.common.upstream_config import UpstreamSpec, upstream_routes
 from services.inference.config import InferenceConfig
 from services.inference.model.backend import ModelBackend
 from services.inference.model.interface import torch_device
@@ -36,12 +42,22 @@ class MultiModelInference(InferenceService):
     """The first model's service, and one more service per further model it serves."""
 
     def __init__(self, config: InferenceConfig, device: DeviceState, *,
-                 backend: ModelBackend | None = None, clock: Any = time.monotonic) -> None:
+                 backend: ModelBackend | None = None, clock: Any = time.monotonic,
+                 upstreams: Mapping[str, UpstreamSpec] | None = None) -> None:
         super().__init__(config, device, backend=backend, clock=clock)
         self.others: dict[str, InferenceService] = {}
+        self.upstreams: Any = None
         try:
             for model in config.models:
                 self.others[model.model_id] = InferenceService(model, device, clock=clock)
+            if upstreams:
+                clash = sorted(set(upstreams) & set(self.served))
+                if clash:
+                    raise ConfigError(f"router.models: {', '.join(clash)} has an `upstream:` and is also an "
+                                      "inference model; serve each model one way")
+                from services.inference.upstream.service import UpstreamModels
+
+                self.upstreams = UpstreamModels(upstreams)
         except BaseException:
             self.close()
             raise
@@ -64,12 +80,15 @@ class MultiModelInference(InferenceService):
         """Every served model's gauges and stats: one /metrics, a `model` label each."""
         return [state for service in self.served.values() for state in InferenceService.serving_state(service)]
 
-    def _service(self, model: str, context: Any) -> InferenceService:
+    def _service(self, model: str, context: Any) -> Any:
         service = self.served.get(model)
+        if service is None and self.upstreams is not None and model in self.upstreams:
+            return self.upstreams
         if service is None:
+            names = [*self.served, *(self.upstreams.endpoints if self.upstreams is not None else ())]
             context.set_trailing_metadata(self._load_metadata())
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"model {model!r} is not served here; this process serves {', '.join(map(repr, self.served))}")
+                          f"model {model!r} is not served here; this process serves {', '.join(map(repr, names))}")
             raise AssertionError("context.abort returned")
         return service
 
@@ -90,10 +109,12 @@ class MultiModelInference(InferenceService):
 
     def Models(self, request: inference_pb2.ModelInfoRequest, context: Any) -> inference_pb2.ModelInfoResponse:
         context.set_trailing_metadata(self._load_metadata())
+        upstream = [inference_pb2.ModelInfo(id=model_id, device="upstream")
+                    for model_id in (self.upstreams.endpoints if self.upstreams is not None else ())]
         return inference_pb2.ModelInfoResponse(models=[
-            inference_pb2.ModelInfo(id=model_id, max_context=service.backend.max_context,
-                                    device=str(torch_device(service.device)), load=service.load_report().header())
-            for model_id, service in self.served.items()])
+            *(inference_pb2.ModelInfo(id=model_id, max_context=service.backend.max_context,
+                                      device=str(torch_device(service.device)), load=service.load_report().header())
+              for model_id, service in self.served.items()), *upstream])
 
     # -- the process's health and life: every model's ---------------------------------------
     def health_probe(self) -> None:
@@ -102,11 +123,15 @@ class MultiModelInference(InferenceService):
             service.health_probe()
 
     def close(self) -> None:
+        if getattr(self, "upstreams", None) is not None:
+            self.upstreams.close()
         for service in reversed(list(getattr(self, "others", {}).values())):
             service.close()
         super().close()
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return MultiModelInference(InferenceConfig.from_dict(section(config, "inference")), device)
+    """The servicer from its section of a whole config (the component table's factory), with
+    the router's upstream-served models."""
+    return MultiModelInference(InferenceConfig.from_dict(section(config, "inference")), device,
+                               upstreams=upstream_routes(config))

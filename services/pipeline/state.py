@@ -57,6 +57,14 @@ class RequestState:
     # it: the release goes there even if the component has moved since.
     lease_id: int = 0
     lease_holder: Any = None
+    # When the request reached the process (time.perf_counter(); a front's reading of it
+    # included), and the model's share of the time since (an upstream's own exchanges, else
+    # the model call as the gateway saw it): their difference is x-spine-overhead-duration-ms.
+    arrived: float = 0.0
+    model_wait_s: float = 0.0
+    # The tokens the model itself counted (an upstream's usage: prompt + completion), 0 when
+    # it did not: what the rate limiter's estimate at admission is settled against.
+    tokens_used: int = 0
     fallback: str = ""  # the router's fallback for the routed model ("" if none)
     fallback_of: tuple[str, ...] = ()  # the models the routed one is the fallback of
 

@@ -126,8 +126,16 @@ def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
 
 
 # Trailing metadata a downstream answer hands on to the client: when to retry, how loaded
-# the model is (x-spine-load, read by spine.client.overload_client).
-FORWARDED_TRAILERS = ("retry-after", "x-spine-load")
+# the model is (x-spine-load, read by spine.client.overload_client), and for a model served
+# by an upstream server which one answered, after how many attempts, and the time it took
+# (`services.inference.upstream.service`).
+UPSTREAM_HEADER = "x-spine-upstream"
+ATTEMPTS_HEADER = "x-spine-attempts"
+UPSTREAM_TIME_HEADER = "x-spine-upstream-duration-ms"
+FORWARDED_TRAILERS = ("retry-after", "x-spine-load", UPSTREAM_HEADER, ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER)
+# Every answer's time outside the model (the gateway's own work), in milliseconds: the peer
+# gateways' convention (LiteLLM's x-litellm-overhead-duration-ms).
+OVERHEAD_HEADER = "x-spine-overhead-duration-ms"
 
 
 def downstream_stop(name: str, code: grpc.StatusCode, details: str,
@@ -135,11 +143,13 @@ def downstream_stop(name: str, code: grpc.StatusCode, details: str,
     """A fail-closed middleware's failure as the client sees it: a code it `passes` (its own
     verdict, e.g. auth's UNAUTHENTICATED) as it is, a deadline as a deadline, anything else
     as UNAVAILABLE naming the middleware."""
+    forwarded = tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
     if code in passes:
-        return Stop(code, details, tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS))
+        return Stop(code, details, forwarded)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Stop(code, f"deadline exceeded while waiting for {name}")
-    return Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {internal_addresses_hidden(details)})")
+        return Stop(code, f"deadline exceeded while waiting for {name}", forwarded)
+    return Stop(grpc.StatusCode.UNAVAILABLE, f"{name} unavailable ({code.name}: {internal_addresses_hidden(details)})",
+                forwarded)
 
 
 # A transport error names the socket or address it could not reach: a client has no use

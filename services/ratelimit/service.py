@@ -268,8 +268,18 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         with self._lock:
             now = self._clock()
             for item in request.items:
-                answer.results.add().response.released = self._leases.release(item.lease_id, now)
+                answer.results.add().response.released = item.lease_id != 0 and self._leases.release(item.lease_id, now)
+                if item.tokens_used and item.tenant and item.model:
+                    self._settle(item.tenant, item.model, float(item.tokens_used) - float(item.tokens_charged))
         return answer
+
+    def _settle(self, tenant: str, model: str, extra: float) -> None:
+        """Charge a request's tokens beyond its admission's estimate (negative: give back what
+        it did not use) to its tenant's tokens bucket; the level may go below zero, down to
+        one burst, so a request that used more than it was charged delays the next ones."""
+        key = bucket_keys(tenant, model)[1]
+        if extra and self._table.slot_of(key) is not None:
+            self._table.settle(key, extra)
 
     def Release(self, request: ratelimit_pb2.ReleaseRequest, context: Any) -> ratelimit_pb2.ReleaseResponse:
         """The batch of one."""

@@ -35,13 +35,16 @@ class RateLimitStep(Step):
                                      state.shadow, state.remaining(), state.device_busy)
         verdicts = call.batch(ADMIT_BATCH, list(items.values()))
         for state, verdict in self.answered(call, batch, verdicts):
+            state.lease_holder = call.client  # a slot, or tokens to settle, go back there
             if verdict.lease_id:
-                state.lease_id, state.lease_holder = verdict.lease_id, call.client
+                state.lease_id = verdict.lease_id
             state.outcome = rate_limit_stop(verdict, items[state].tokens)
 
 
 class ReleaseStep(Step):
-    """Gives a request's concurrency slot back at its last byte, whatever its outcome.
+    """Gives a request's concurrency slot back at its last byte, whatever its outcome, and
+    settles its tokens where the model counted them (an upstream's usage: `tokens_used`), so
+    tokens per minute count what the request really used, streams included.
 
     Not deferrable: the spine writes other completions a window later, but a slot held that
     long would refuse the tenant's next request. It fails open: a lease the call could not
@@ -55,15 +58,21 @@ class ReleaseStep(Step):
         super().__init__(replace(policy, fail_mode=FailMode.OPEN), limits)
 
     def wants(self, state: RequestState) -> bool:
-        return state.lease_id != 0
+        return state.lease_id != 0 or (state.tokens_used != 0 and not state.shadow and state.lease_holder is not None)
 
     def decide(self, batch: list[RequestState], call: StepCall) -> None:
         holders: dict[int, tuple[Any, list[RequestState]]] = {}
         for state in batch:
             holders.setdefault(id(state.lease_holder), (state.lease_holder, []))[1].append(state)
         for holder, states in holders.values():
-            request = ratelimit_pb2.ReleaseBatchRequest(
-                items=[ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id) for state in states])
+            request = ratelimit_pb2.ReleaseBatchRequest(items=[_release(state) for state in states])
             answer = call("ReleaseBatch", request, via=holder)
             for state, _ in self.answered(call, states, answer.results):
                 state.lease_id = 0
+
+
+def _release(state: RequestState) -> ratelimit_pb2.ReleaseRequest:
+    if not state.tokens_used or state.shadow or state.resolved is None:
+        return ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id)
+    return ratelimit_pb2.ReleaseRequest(lease_id=state.lease_id, tenant=state.tenant, model=state.resolved.model,
+                                        tokens_charged=rate_limit_cost(state.resolved), tokens_used=state.tokens_used)

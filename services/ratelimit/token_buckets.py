@@ -165,6 +165,15 @@ class TokenBucketTable:
         self._state[LEVEL, slot] = new
         return tokens - (new - level)
 
+    def settle(self, key: Hashable, tokens: float) -> None:
+        """Take `tokens` more out of a bucket (negative: give them back) after the fact, its
+        level kept within [-capacity, capacity]: a debt refills like any level, so it delays
+        the next admissions by what was used beyond the estimate."""
+        slot = self._slots[key]
+        capacity = float(self._state[CAPACITY, slot])
+        level = float(self._state[LEVEL, slot])
+        self._state[LEVEL, slot] = min(max(level - tokens, -capacity), capacity)
+
     def state(self, key: Hashable) -> BucketState | None:
         slot = self._slots.get(key)
         if slot is None:

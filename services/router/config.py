@@ -12,19 +12,40 @@ from typing import Annotated, Any
 from pydantic import (
     Field,
     field_validator,
+    model_validator,
 )
 
 from services.common.config_section import Items, NonEmptyStr, Section, problem
+from services.common.upstream_config import UpstreamSpec
+
+# The component that serves a model: the inference component, which calls an upstream
+# server itself for a model with `upstream:` (`services.inference.upstream`).
+INFERENCE = "inference"
 
 
 class ModelRoute(Section):
-    """A model the router knows: its id, the backend serving it, other names for it, and the
-    smaller model (an id or alias) a client may use while this one is overloaded."""
+    """A model the router knows: its id, the backend serving it (or the upstream server it is
+    served by), other names for it, and the smaller model (an id or alias) a client may use
+    while this one is overloaded."""
 
     id: NonEmptyStr
-    backend: NonEmptyStr
+    backend: NonEmptyStr | None = None
     aliases: Items[NonEmptyStr] = ()
     fallback: NonEmptyStr | None = None
+    upstream: UpstreamSpec | None = None
+
+    @model_validator(mode="after")
+    def _served_by_one(self) -> ModelRoute:
+        if self.backend is None and self.upstream is None:
+            raise problem("give `backend: inference` or an `upstream: {base_url: ...}` block", "backend")
+        if self.upstream is not None and self.backend not in (None, INFERENCE):
+            raise problem(f"a model with `upstream:` is served by the inference component; leave `backend` out "
+                          f"(got {self.backend!r})", "backend")
+        return self
+
+    @property
+    def served_by(self) -> str:
+        return self.backend or INFERENCE
 
 
 class RouterConfig(Section):
@@ -58,6 +79,9 @@ class RouterConfig(Section):
                               i, "fallback")
             if index[model.fallback] == i:
                 raise problem(f"{model.fallback!r} names this model itself", i, "fallback")
+        for i, model in enumerate(models):
+            if model.upstream is not None:
+                _check_upstream_fallbacks(models, index, i, model.upstream)
         return models
 
     def fallback_ids(self) -> dict[str, str]:
@@ -69,3 +93,22 @@ class RouterConfig(Section):
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None) -> RouterConfig:
         return cls.parse(section, "router")
+
+
+def _check_upstream_fallbacks(models: tuple[ModelRoute, ...], index: dict[str, int], i: int,
+                              upstream: UpstreamSpec) -> None:
+    """An upstream's `fallbacks` and `context_fallback` name other upstream models (the
+    inference component tries them before the first byte, with the same request)."""
+    named: list[tuple[tuple[str | int, ...], str]] = [(("upstream", "fallbacks", j), name)
+                                                      for j, name in enumerate(upstream.fallbacks)]
+    if upstream.context_fallback is not None:
+        named.append((("upstream", "context_fallback"), upstream.context_fallback))
+    for at, name in named:
+        target = index.get(name)
+        if target is None:
+            raise problem(f"{name!r} is not a model id or alias", i, *at)
+        if target == i:
+            raise problem(f"{name!r} names this model itself", i, *at)
+        if models[target].upstream is None:
+            raise problem(f"{name!r} is not served by an upstream (only upstream models stand in for each other)",
+                          i, *at)

@@ -78,7 +78,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return ItemError(grpc.StatusCode.NOT_FOUND, f"unknown model {shown!r}; known: {self._known}")
 
     def _answer(self, name: str, model: ModelRoute) -> router_pb2.ResolveResponse:
-        return router_pb2.ResolveResponse(model_id=model.id, backend=model.backend, requested=name,
+        return router_pb2.ResolveResponse(model_id=model.id, backend=model.served_by, requested=name,
                                           fallback=self._fallback.get(model.id, ""),
                                           fallback_of=self._fallback_of.get(model.id, ()))
 

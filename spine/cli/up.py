@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.bare import API_KEY_ENV, BARE_LAYOUT
 from runtime.config_file import LAYOUTS, dev_api_key, load_config, placements_for, remote_addresses
 from runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spine_applier
 from services.common import ConfigError
@@ -22,7 +23,12 @@ if TYPE_CHECKING:
 
 def add_up_parser(sub: Any) -> None:
     up = sub.add_parser("up", help="run a layout in the foreground until SIGTERM or Ctrl-C")
-    up.add_argument("--layout", choices=LAYOUTS, default="collapsed")
+    up.add_argument("--layout", choices=(*LAYOUTS, BARE_LAYOUT), default="collapsed",
+                    help="collapsed (the spine), layered, mixed (config `placements`), or bare: the model alone "
+                         "(the inference component behind the HTTP API and its gRPC Inference service, no middleware)")
+    up.add_argument("--api-key-file", metavar="FILE",
+                    help=f"--layout bare only: every request must carry this key (Authorization: Bearer KEY or "
+                         f"x-api-key); default: the environment's {API_KEY_ENV}, else no key")
     up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
     up.add_argument("--http-listen", metavar="HOST:PORT",
                     help="the OpenAI/Anthropic-compatible HTTP API's address (default: config `http.listen`, "
@@ -60,6 +66,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from runtime.tracing import install_from_config
 
     config = load_config(args.config, _up_overrides(args))
+    if args.layout == BARE_LAYOUT:
+        return _up_bare(args, config)
+    if args.api_key_file:
+        raise ConfigError("--api-key-file: only for --layout bare (the other layouts' keys are the auth section's)")
     placements = placements_for(args.layout, config)
     listen = args.listen or str(config["listen"])
     check_listen(listen, args.allow_external)  # before any child process starts
@@ -131,6 +141,65 @@ def cmd_up(args: argparse.Namespace) -> int:
             follower.stop()
         stack.stop()
     return 0
+
+
+def _up_bare(args: argparse.Namespace, config: dict[str, Any]) -> int:
+    """`spine up --layout bare`: the model alone (`runtime.bare`), with the same ready line."""
+    from monolith.runtime_env import configure_threads, freeze_startup_heap
+    from runtime.bare import BareServer
+    from runtime.model_fit import fit_to_model
+    from runtime.served_model import preflight
+    from runtime.server import check_listen
+    from runtime.signals import Termination
+
+    for flag, given in (("--inject-fault", args.inject_fault), ("--follow-controller", args.follow_controller)):
+        if given:
+            raise ConfigError(f"{flag}: not with --layout bare (the model alone has no middleware and no stages)")
+    listen = args.listen or str(config["listen"])
+    check_listen(listen, args.allow_external)
+    http_listen = None if args.http_listen == "off" else (args.http_listen or (config.get("http") or {}).get("listen"))
+    if http_listen is not None:
+        check_listen(http_listen, args.allow_external)
+    fitted = fit_to_model(config)
+    if fitted:
+        print(fitted, file=sys.stderr, flush=True)
+    preflight(config)
+    tls = _serve_tls(config)
+    key = _api_key(args)
+    configure_threads()
+    termination = Termination()
+    server = BareServer(config, listen=listen, http_listen=http_listen,
+                        run_dir=Path(args.run_dir) if args.run_dir else None, api_key=key, tls=tls,
+                        allow_external=args.allow_external, probe_listen=args.probe_listen).start()
+    metrics = (server.run_dir / "inference.metrics.addr")
+    freeze_startup_heap()
+    print(json.dumps({"event": "ready", "layout": BARE_LAYOUT, "address": server.address,
+                      "http_address": server.http_address, "pid": os.getpid(), "run_dir": str(server.run_dir),
+                      "metrics": metrics.read_text().strip() if metrics.exists() else None,
+                      "api_key": key is not None, "children": {}}), flush=True)
+    print(f"spine bare (the model alone) serving the Inference API on {server.address}", file=sys.stderr)
+    if server.http_address:
+        scheme = "https" if tls is not None else "http"
+        print(f"HTTP API (OpenAI/Anthropic-compatible) on {scheme}://{server.http_address}/v1", file=sys.stderr)
+    try:
+        termination.wait()
+    finally:
+        print("stopping: finishing in-flight requests", file=sys.stderr)
+        server.stop()
+    return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The bare server's key: `--api-key-file` (its first line), else the environment's, else none."""
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as error:
+            raise ConfigError(f"--api-key-file: cannot read {args.api_key_file}: {error.strerror}") from None
+        if not key:
+            raise ConfigError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _serve_tls(config: dict[str, Any]) -> TlsConfig | None:

@@ -119,7 +119,9 @@ class Rehearsal(Launcher):
         spines = [self.start_spine(name) for name in SPINES]
         limiter.ready_line(self.left(), startswith="ratelimit serving")
         ready = layered.ready_json(self.left())
-        self.echo(f"  layered stack up: gateway {ready['address']}, {len(ready['children'])} component processes "
+        components = (f"{len(ready['children'])} component processes" if self.containers is None
+                      else f"{len(self.layered_components(self.work / 'layered'))} component containers")
+        self.echo(f"  layered stack up: gateway {ready['address']}, {components} "
                   f"(+ the following rate limiter, pid {limiter.pid}), metrics {ready['metrics']}")
         for child in spines:
             self.echo_spine_ready(child, child.ready_json(self.left()))
@@ -280,6 +282,8 @@ class Rehearsal(Launcher):
         with uninterrupted():  # a second Ctrl-C must not leave children behind
             try:
                 self.processes.stop_all()
+                if self.containers is not None:  # any container its stopped `podman run` left
+                    self.containers.remove_all()
             finally:
                 try:
                     if self.prometheus is not None and self.prometheus.process is not None:
@@ -323,10 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=8.0, help="requests per second per client")
     parser.add_argument("--no-parity-run", action="store_true", help="only the healthy walk")
     parser.add_argument("--workdir", help="keep everything (configs, logs, Prometheus data) here")
+    parser.add_argument("--runtime", choices=("process", "podman"), default="process",
+                        help="podman: every process a container of spine's image (make image), the layered components "
+                             "one container each; Redis and Prometheus stay on the host")
+    parser.add_argument("--image", help="the image RUNTIME=podman runs (default: the version tag make image builds)")
     args = parser.parse_args(argv)
+    from spine.tools.image import image_tag
+
     config = load_config(args.config) if args.config else None
     options = Options(plan_text=Path(args.plan).read_text(), config=config, clients=args.clients, rate=args.rate,
-                      parity_run=not args.no_parity_run, workdir=Path(args.workdir) if args.workdir else None)
+                      parity_run=not args.no_parity_run, workdir=Path(args.workdir) if args.workdir else None,
+                      runtime=args.runtime, image=args.image or (image_tag() if args.runtime == "podman" else None))
     try:
         with sigterm_as_interrupt():
             report = run_rehearsal(options)

@@ -23,8 +23,10 @@ from migration.plan import MIDDLEWARES
 from runtime.config_file import dev_api_key, load_config, merge
 from runtime.launch import spine_up_argv
 from runtime.server import free_ports, wait_serving
+from services.registry import COMPONENTS
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.local_redis import LocalRedis
+from spine.tools.rehearsal_containers import Containers
 from spine.tools.rehearsal_processes import (
     Child,
     Processes,
@@ -56,6 +58,10 @@ class Options:
     keep: bool = False
     start_timeout_s: float = 150.0  # for bringing everything up, and again for restarting the replicas
     run_timeout_s: float = 150.0  # for each walk of the plan
+    # `process`: every process a child of this one; `podman`: each a container of `image`
+    # (spine.tools.rehearsal_containers), the layered components one container each.
+    runtime: str = "process"
+    image: str | None = None
     echo: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
 
@@ -66,7 +72,13 @@ class Launcher:
         self.options = options
         self.work = workdir
         self._began = time.monotonic()
-        self.processes = Processes(workdir / "logs", env={SECRET_ENV: secrets.token_hex(24)} | base_env())
+        self.containers: Containers | None = None
+        if options.runtime == "podman":
+            if not options.image:
+                raise RehearsalError("RUNTIME=podman needs an image (make image; --image)")
+            self.containers = Containers(options.image, workdir)
+        self.processes = Processes(workdir / "logs", env={SECRET_ENV: secrets.token_hex(24)} | base_env()
+                                   | (self.containers.env if self.containers else {}))
         (self.ads_port, self.layered_port, self.layered_metrics_port, self.limiter_metrics_port,
          *spine_ports) = free_ports(4 + 2 * len(SPINES))
         self.spine_ports = dict(zip(SPINES, spine_ports[:len(SPINES)], strict=True))
@@ -117,7 +129,8 @@ class Launcher:
                                  # the following rate limiter's own /metrics: its store's families
                                  "ratelimit": {"store": {"metrics_listen": self.limiter_metrics}},
                                  # the layered stack's rate limiter is the one that follows the controller
-                                 "remote_addresses": {"ratelimit": self.ratelimit_address}})
+                                 "remote_addresses": {"ratelimit": self.ratelimit_address}
+                                 | (self.layered_components(layered_dir) if self.containers else {})})
         (self.work / "layered.yaml").write_text(yaml.safe_dump(layered))
         remote = {name: f"unix:{layered_dir / (name + '.sock')}" for name in MIDDLEWARES} | {
             "ratelimit": self.ratelimit_address}
@@ -129,9 +142,21 @@ class Launcher:
 
     # -- starting ------------------------------------------------------------------------------
 
+    def layered_components(self, layered_dir: Path) -> dict[str, str]:
+        """The layered components other than the rate limiter, each at its socket in `layered_dir`
+        (where `spine up --layout layered` would put its children's)."""
+        return {name: f"unix:{layered_dir / (name + '.sock')}" for name in COMPONENTS if name != "ratelimit"}
+
     def start(self, name: str, argv: list[str], **kwargs: Any) -> Child:
-        self.echo(f"  $ {command_line(argv, self.work)}")
-        return self.processes.start(name, argv, **kwargs)
+        """Start `argv` as `name`: a child process, or with RUNTIME=podman a container of the image."""
+        if self.containers is None:
+            self.echo(f"  $ {command_line(argv, self.work)}")
+            return self.processes.start(name, argv, **kwargs)
+        shown = ["python", *argv[1:]]  # the image's interpreter, as the container runs it
+        self.echo(f"  [container {self.containers.podman.name(name)}] $ {command_line(shown, self.work)}")
+        wrapped = self.containers.wrap(name, argv, env_keys=[SECRET_ENV, *(kwargs.get("env") or {})],
+                                       stdin=bool(kwargs.get("pipes")))
+        return self.processes.start(name, wrapped, **kwargs)
 
     @property
     def limiter_metrics(self) -> str:
@@ -169,6 +194,8 @@ class Launcher:
         token_file = self.work / "admin-token"
         token_file.write_text(self.admin_token)
         token_file.chmod(0o600)
+        if self.containers is not None:  # read by the controller's container, as the image's user
+            self.containers.hand_over(token_file)
         assert self.prometheus is not None
         argv = [sys.executable, "-m", "migration.runner", "--db", str(self.work / "rollout.db"),
                 "--listen", self.controller_address, "--admin-token-file", str(token_file), "--target", "xds",
@@ -189,6 +216,15 @@ class Launcher:
             sys.executable, "-m", "runtime.process", "ratelimit", "--listen", self.ratelimit_address,
             "--config", config, "--run-dir", str(self.work / "layered-ratelimit"),
             "--follow-controller", self.ads, "--node-id", "layered-ratelimit-1"])
+        if self.containers is not None:  # a container per component, as deploy/k8s/layered runs them
+            layered_dir = self.work / "layered"
+            layered_dir.mkdir(exist_ok=True)
+            self.containers.hand_over(layered_dir)
+            components = [self.start(f"layered-{name}", [
+                sys.executable, "-m", "runtime.process", name, "--listen", address, "--config", config,
+                "--run-dir", str(layered_dir)]) for name, address in self.layered_components(layered_dir).items()]
+            for child in components:
+                child.ready_line(self.left(), startswith=child.name.removeprefix("layered-") + " serving")
         stack = self.start("layered", spine_up_argv(config, "layered", listen=self.layered, http_listen="127.0.0.1:0",
                                                     run_dir=self.work / "layered"))
         return limiter, stack
@@ -210,7 +246,11 @@ class Launcher:
             argv = [sys.executable, "-m", "spine.tools.rehearsal_client", "--token", self.api_key,
                     "--rate", f"{self.options.rate:g}", "--prefix", node,
                     "--duration-s", f"{2 * (self.options.start_timeout_s + self.options.run_timeout_s):g}"]
-            self.echo(f"  $ GRPC_XDS_BOOTSTRAP_CONFIG='{json.dumps(bootstrap)}' "
-                      f"{command_line(argv, self.work).replace(self.api_key, '$KEY')}")
-            self.clients.append(self.processes.start(node, argv, env={"GRPC_XDS_BOOTSTRAP_CONFIG":
-                                                                      json.dumps(bootstrap)}, pipes=True))
+            env = {"GRPC_XDS_BOOTSTRAP_CONFIG": json.dumps(bootstrap)}
+            where = f"[container {self.containers.podman.name(node)}] " if self.containers else ""
+            shown = ["python", *argv[1:]] if self.containers else argv
+            self.echo(f"  {where}$ GRPC_XDS_BOOTSTRAP_CONFIG='{json.dumps(bootstrap)}' "
+                      f"{command_line(shown, self.work).replace(self.api_key, '$KEY')}")
+            if self.containers is not None:
+                argv = self.containers.wrap(node, argv, env_keys=[SECRET_ENV, *env], stdin=True)
+            self.clients.append(self.processes.start(node, argv, env=env, pipes=True))

@@ -1,4 +1,5 @@
-"""Outlier ejection for a component in another process: fail fast instead of waiting on it.
+"""Outlier ejection for a component in another process, or an upstream server: fail fast
+instead of waiting on it.
 
 Envoy's consecutive-failure outlier detection, for one remote component: after
 `consecutive_failures` calls in a row fail (the component unreachable, crashing, or slower
@@ -25,6 +26,8 @@ from typing import Any
 import grpc
 
 log = logging.getLogger("spine.outlier")
+# (In `services` so that both the bindings (runtime) and the inference component's upstream
+# models (`services.inference.upstream`) eject the same way.)
 
 # Failures of the component or of the link to it, as opposed to its verdicts.
 FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,

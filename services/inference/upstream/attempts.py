@@ -1,0 +1,224 @@
+"""One request's walk over its upstreams: retries, fallbacks, cooldowns, all before the first byte.
+
+The plan is the routed model's upstream, then its `fallbacks` in order; a prompt too long
+for a model switches the plan to its `context_fallback`. On each upstream of the plan:
+
+- an ejected upstream (cooling down after `eject_after_failures` failures in a row, Envoy's
+  outlier detection: `services/common/outlier.py`) is skipped without a call; after its
+  cooldown one request at a time probes it, and one answer puts it back;
+- a failure worth retrying (unreachable, a timeout, a 5xx, a malformed answer, a 429) is
+  retried up to `retries` times, after a short jittered backoff or the 429's Retry-After
+  (one longer than `max_retry_after_s` moves on to the next upstream at once), each retry
+  only while the upstream's retry budget allows it (`retry_budget.py`);
+- a failure that another server may not share (those, a 401/403/404, the upstream at its
+  concurrency cap) moves on to the next upstream; one that is the request's own (a 400)
+  ends the walk: every other server would refuse it too.
+
+Every wait is bounded by the request's deadline, and a client that goes away ends the
+walk at once. The attempts are counted, and the time spent in upstream exchanges (the
+model's time, for `x-spine-overhead-duration-ms`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+
+from services.common.outlier import Ejected
+from services.inference.upstream.endpoint import UpstreamEndpoint
+from services.inference.upstream.failures import FALLS_BACK, RETRYABLE, UNHEALTHY, AttemptFailure, Kind
+from services.inference.upstream.protocols import Delta
+
+T = TypeVar("T")
+
+BACKOFF_S = 0.025  # the first retry's base wait (Envoy's), doubled per retry, jittered
+MAX_BACKOFF_S = 0.25
+GRACE_S = 1.0  # past an attempt's own timeout, the handler stops waiting for the loop
+_GONE = object()  # the client went away (in a stream's queue)
+
+
+class Cancelled(Exception):
+    """The client went away, or its deadline passed, while upstreams were tried."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _no_verdict(endpoint: UpstreamEndpoint) -> None:
+    """An attempt that said nothing of the upstream's health (cancelled, or never sent)."""
+    endpoint.outlier.record(grpc.StatusCode.DEADLINE_EXCEEDED, 0.0)
+
+
+class Walk:
+    """The attempts of one request."""
+
+    def __init__(self, endpoints: Mapping[str, UpstreamEndpoint], model_id: str, context: Any,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoints = endpoints
+        self.first = endpoints[model_id]
+        self.context = context
+        self.clock = clock
+        self.attempts = 0
+        self.upstream_s = 0.0  # time spent in upstream exchanges
+        self.served_by = self.first  # the upstream that answered, or the last one tried
+        self._gone = threading.Event()
+        self._future: concurrent.futures.Future[Any] | None = None
+        self._queue: queue.SimpleQueue[Any] | None = None
+        if not context.add_callback(self._client_went_away):
+            self._gone.set()
+
+    # -- the plan --------------------------------------------------------------------------
+    def run(self, attempt: Callable[[UpstreamEndpoint, float], T]) -> T:
+        """`attempt(endpoint, timeout_s)` over the plan until one returns; the last failure if none does."""
+        plan = deque([self.first, *(self.endpoints[name] for name in self.first.spec.fallbacks)])
+        tried: set[str] = set()
+        last: AttemptFailure | None = None
+        while plan:
+            endpoint = plan.popleft()
+            if endpoint.model_id in tried:
+                continue
+            tried.add(endpoint.model_id)
+            tries = 0
+            while True:
+                timeout_s = self._timeout(endpoint)
+                if endpoint.in_flight >= endpoint.spec.max_connections:  # the loop checks again, exactly
+                    last = endpoint.busy()
+                    break
+                try:
+                    endpoint.outlier.admit()
+                except Ejected as ejected:
+                    last = AttemptFailure(Kind.EJECTED, f"{endpoint!r}: {ejected.details()}")
+                    break
+                if tries == 0:
+                    endpoint.budget.request()
+                elif not endpoint.budget.try_retry():
+                    _no_verdict(endpoint)
+                    if last is not None:
+                        last.message += "; not retried: the upstream's retry budget is spent"
+                    break
+                self.attempts += 1
+                self.served_by = endpoint
+                started = time.perf_counter()
+                try:
+                    result = attempt(endpoint, timeout_s)
+                except AttemptFailure as failure:
+                    self.upstream_s += time.perf_counter() - started
+                    self._record(endpoint, failure, timeout_s)
+                    last = failure
+                    context = endpoint.spec.context_fallback
+                    if failure.kind == Kind.CONTEXT and context is not None and context not in tried:
+                        plan = deque([self.endpoints[context]])
+                        break
+                    if failure.kind not in FALLS_BACK:
+                        raise
+                    tries += 1
+                    if failure.kind not in RETRYABLE or tries > endpoint.spec.retries:
+                        break
+                    wait = self._backoff(endpoint, failure, tries)
+                    if wait is None:
+                        break
+                    self._sleep(wait)
+                    continue
+                except Cancelled:
+                    _no_verdict(endpoint)
+                    raise
+                self.upstream_s += time.perf_counter() - started
+                endpoint.outlier.record(grpc.StatusCode.OK, timeout_s)
+                return result
+        assert last is not None
+        raise last
+
+    def _timeout(self, endpoint: UpstreamEndpoint) -> float:
+        """The attempt's time: the upstream's timeout_s, less when the request has less left."""
+        if self._gone.is_set():
+            raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away")
+        remaining = self.context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise Cancelled(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the request's deadline passed after {self.attempts} upstream attempt(s)")
+        return endpoint.spec.timeout_s if remaining is None else min(endpoint.spec.timeout_s, remaining)
+
+    @staticmethod
+    def _record(endpoint: UpstreamEndpoint, failure: AttemptFailure, timeout_s: float) -> None:
+        if failure.kind == Kind.TIMEOUT:
+            endpoint.outlier.record(grpc.StatusCode.DEADLINE_EXCEEDED, timeout_s)
+        elif failure.kind in UNHEALTHY:
+            endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, timeout_s)
+        elif failure.kind == Kind.BUSY:
+            _no_verdict(endpoint)
+        else:  # it answered (a 429, a 400): alive
+            endpoint.outlier.record(grpc.StatusCode.OK, timeout_s)
+
+    def _backoff(self, endpoint: UpstreamEndpoint, failure: AttemptFailure, tries: int) -> float | None:
+        """How long to wait before retrying `endpoint`; None: not worth waiting for (move on)."""
+        if failure.retry_after_s is not None:
+            if failure.retry_after_s > endpoint.spec.max_retry_after_s:
+                return None
+            wait = failure.retry_after_s
+        else:
+            wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (tries - 1)) * random.uniform(0.5, 1.5)
+        remaining = self.context.time_remaining()
+        return None if remaining is not None and wait >= remaining else wait
+
+    def _sleep(self, seconds: float) -> None:
+        if self._gone.wait(seconds):
+            raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away")
+
+    # -- waiting for the loop --------------------------------------------------------------
+    def wait(self, future: concurrent.futures.Future[T], timeout_s: float) -> T:
+        """A unary attempt's result, raising its AttemptFailure; bounded by the attempt's
+        timeout (plus a grace for the client's own timer to fire first)."""
+        self._future = future
+        if self._gone.is_set():
+            future.cancel()
+        try:
+            return future.result(timeout_s + GRACE_S)
+        except concurrent.futures.CancelledError:
+            raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away") from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise AttemptFailure(Kind.TIMEOUT, f"{self.served_by!r} did not answer within {timeout_s:.3g}s") from None
+        finally:
+            self._future = None
+
+    def stream_queue(self) -> queue.SimpleQueue[Any]:
+        """A fresh queue for the next stream attempt's pieces (the client's leaving is put on it too)."""
+        self._queue = queue.SimpleQueue()
+        if self._gone.is_set():
+            self._queue.put(_GONE)
+        return self._queue
+
+    def next_piece(self, pieces: queue.SimpleQueue[Any], timeout_s: float) -> Delta | None:
+        """The stream's next Delta, None at its end; raises its AttemptFailure, or Cancelled."""
+        try:
+            item = pieces.get(timeout=timeout_s + GRACE_S)
+        except queue.Empty:
+            raise AttemptFailure(Kind.TIMEOUT, f"{self.served_by!r} sent nothing for {timeout_s:.3g}s") from None
+        if item is _GONE:
+            raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away")
+        if isinstance(item, AttemptFailure):
+            raise item
+        return item  # type: ignore[no-any-return]
+
+    def watch(self, future: concurrent.futures.Future[Any]) -> None:
+        """The running stream attempt: cancelled when the client goes away."""
+        self._future = future
+        if self._gone.is_set():
+            future.cancel()
+
+    def _client_went_away(self) -> None:
+        self._gone.set()
+        future = self._future
+        if future is not None:
+            future.cancel()
+        if self._queue is not None:
+            self._queue.put(_GONE)

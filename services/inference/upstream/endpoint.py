@@ -1,0 +1,175 @@
+"""One upstream server: its connection pool, its health, its budget, and one attempt at it.
+
+The pool is the upstream's `Transport` (`transports.py`: aiohttp for HTTP/1.1, httpx2 where
+HTTP/2 may be negotiated). An attempt runs on the process's upstream loop (`loop.py`). It
+takes one of the upstream's `max_connections` slots first and gives it back in its
+`finally`, on the loop, so no path — an answer, an error, a hang cut off by its timeout, a
+client that went away — keeps a slot. At the cap an attempt fails at once as BUSY (Envoy's
+circuit breaker: fail fast, let a fallback answer) rather than queueing behind a slow upstream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.common import ConfigError
+from services.common.outlier import OutlierDetector, OutlierPolicy
+from services.common.upstream_config import UpstreamSpec
+from services.inference.upstream.failures import AttemptFailure, Kind, kind_for_status, retry_after_s
+from services.inference.upstream.protocols import (
+    PROTOCOLS,
+    Answer,
+    Delta,
+    Malformed,
+    StreamError,
+    error_message,
+    is_context_length,
+)
+from services.inference.upstream.retry_budget import RetryBudget
+from services.inference.upstream.transports import LinkError, SSEParser, transport_for
+from wire.v1 import generation_pb2
+
+log = logging.getLogger("spine.upstream")
+
+MAX_ERROR_BODY = 64 << 10  # an error answer is read this far for its message
+MAX_ANSWER_BYTES = 16 << 20  # a whole answer larger than this is malformed (never read without a bound)
+MAX_EVENT_BYTES = 1 << 20  # one server-sent event larger than this is malformed
+
+
+def read_key(path: Path | None, where: str) -> str | None:
+    """The key in `path` (its first line), read once at start; ConfigError when unusable."""
+    if path is None:
+        return None
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except OSError as error:
+        raise ConfigError(f"{where}.api_key_file: cannot read {path}: {error.strerror}") from None
+    key = lines[0] if lines else ""
+    if not key:
+        raise ConfigError(f"{where}.api_key_file: {path} is empty")
+    return key
+
+
+class UpstreamEndpoint:
+    """The upstream serving one router model, shared by every request to it."""
+
+    def __init__(self, model_id: str, spec: UpstreamSpec, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.model_id = model_id
+        self.spec = spec
+        self.protocol = PROTOCOLS[spec.protocol]
+        self.remote_model = spec.model or model_id
+        self.url = spec.base_url + self.protocol.path
+        key = read_key(spec.api_key_file, f"upstream of {model_id!r}")
+        self.headers = {"content-type": "application/json", "accept-encoding": "identity",
+                        **self.protocol.headers(key)}
+        self.outlier = OutlierDetector(f"upstream {model_id}", OutlierPolicy(
+            spec.eject_after_failures, spec.ejection_s, spec.max_ejection_s), spec.timeout_s, clock)
+        self.budget = RetryBudget(spec.retry_budget, spec.min_retries_per_s, clock=clock)
+        self.in_flight = 0  # attempts holding a slot (changed on the loop thread only)
+        self.transport = transport_for(spec)
+
+    def __repr__(self) -> str:  # what a client's error message names: never the upstream's address
+        return f"upstream {self.model_id}"
+
+    # -- on the loop ------------------------------------------------------------------------
+    def busy(self) -> AttemptFailure:
+        return AttemptFailure(Kind.BUSY, f"{self!r} is at its cap of {self.spec.max_connections} requests at once "
+                                         "(upstream.max_connections)")
+
+    def _take_slot(self) -> None:
+        if self.in_flight >= self.spec.max_connections:
+            raise self.busy()
+        self.in_flight += 1
+
+    def _give_slot(self) -> None:
+        self.in_flight -= 1
+
+    async def unary(self, request: generation_pb2.GenerateRequest, timeout_s: float) -> Answer:
+        """One attempt for a whole answer."""
+        self._take_slot()
+        try:
+            body = self.protocol.body(request, self.remote_model, stream=False)
+            async with self.transport.post(self.url, self.headers, body, timeout_s) as reply:
+                if reply.status != 200:
+                    raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers)
+                raw = await reply.read(MAX_ANSWER_BYTES + 1)
+            if len(raw) > MAX_ANSWER_BYTES:
+                raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered more than {MAX_ANSWER_BYTES} bytes", 200)
+            return self.protocol.answer(raw)
+        except Malformed as error:
+            raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable: {error}", 200) from None
+        except LinkError as error:
+            raise self._link_failure(error, timeout_s) from None
+        finally:
+            self._give_slot()
+
+    async def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float,
+                     put: Callable[[Any], None]) -> None:
+        """One attempt for a stream: every Delta to `put` as it arrives, then None at its end,
+        or the AttemptFailure that ended it (after `put`, nothing is raised)."""
+        self._take_slot()
+        try:
+            body = self.protocol.body(request, self.remote_model, stream=True)
+            async with self.transport.post(self.url, self.headers, body, timeout_s) as reply:
+                if reply.status != 200:
+                    raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers)
+                kind = reply.headers.get("content-type", "").partition(";")[0].strip().lower()
+                if kind != "text/event-stream":
+                    raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered a stream request with {kind or 'no'} "
+                                                         "content-type, not text/event-stream", 200)
+                if not await self._relay(reply.pieces(), put):
+                    raise AttemptFailure(Kind.UNREACHABLE, f"{self!r} closed the stream before its end", 200)
+            put(None)
+        except AttemptFailure as failure:
+            put(failure)
+        except (Malformed, ValueError) as error:
+            put(AttemptFailure(Kind.MALFORMED, f"{self!r} sent an unreadable stream: {error}", 200))
+        except StreamError as error:
+            put(AttemptFailure(Kind.FAILED, f"{self!r} reported an error in its stream: {error}", 200))
+        except LinkError as error:
+            put(self._link_failure(error, timeout_s))
+        except Exception as error:  # never leave the reader waiting: whatever broke is said
+            log.exception("%r: the stream failed", self)
+            put(AttemptFailure(Kind.FAILED, f"{self!r}: {type(error).__name__}: {error}"))
+        finally:
+            self._give_slot()
+
+    async def _relay(self, pieces: Any, put: Callable[[Any], None]) -> bool:
+        """Each event's Delta to `put` as its bytes arrive; whether the stream reached its end."""
+        parser = SSEParser(MAX_EVENT_BYTES)
+        async for piece in pieces:
+            for name, data in parser.feed(piece):
+                delta = self.protocol.event(name, data)
+                if delta is None:
+                    continue
+                put(delta)
+                if delta.end:
+                    return True
+        return False
+
+    def _http_failure(self, status: int, raw: bytes, headers: Any) -> AttemptFailure:
+        message = error_message(raw)
+        kind = kind_for_status(status, message, is_context_length(message))
+        wait = None
+        if status == 429:
+            ms = headers.get("retry-after-ms")
+            wait = retry_after_s(headers.get("retry-after")) if ms is None else (retry_after_s(ms) or 0.0) / 1000.0
+        what = {Kind.MISCONFIGURED: f" (check the upstream's api_key_file and model name {self.remote_model!r})"}
+        return AttemptFailure(kind, f"{self!r} answered {status}: {message}{what.get(kind, '')}", status, wait)
+
+    def _link_failure(self, error: LinkError, timeout_s: float) -> AttemptFailure:
+        if error.kind == Kind.TIMEOUT:
+            return AttemptFailure(Kind.TIMEOUT, f"{self!r} did not answer within {timeout_s:.3g}s ({error})")
+        if error.kind == Kind.MALFORMED:
+            return AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable: {error}")
+        return AttemptFailure(Kind.UNREACHABLE, f"{self!r} is unreachable: {error}")
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
+
+
+__all__ = ["Answer", "Delta", "UpstreamEndpoint"]

@@ -1,0 +1,255 @@
+"""Upstreams that misbehave: a clear error in the client's API shape, bounded retries, no stuck
+slot, a spine that stays healthy; and a flaky upstream hidden by retries and a fallback.
+
+Real servers on 127.0.0.1: the spine (collapsed, in this process), a fault-injecting upstream
+(`tests.fault_upstream`) and the real bare model server as the healthy one."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+
+from runtime.config_file import load_config, placements_for
+from runtime.server import free_port
+from runtime.stack import Stack
+from spine.tools.dev_certs import write_dev_certs
+from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests
+from tests.fault_upstream import FaultUpstream
+
+SOLO_KEY = "upstream-solo-key-0000"  # one request at a time: a slot that leaks refuses the next
+LOAD_KEY = "upstream-load-key-0000"  # limits out of the way for the flaky upstream's thousand requests
+METERED_KEY = "upstream-metered-key-0000"  # a tokens bucket that barely refills: what a request used is exact
+
+
+def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path, secure: FaultUpstream,
+            ca: Path) -> list[dict[str, Any]]:
+    def at(url: str, model: str, **options: Any) -> dict[str, Any]:
+        return {"base_url": url, "model": model, **options}
+
+    faulty = fault.base_url
+    return [
+        {"id": "good", "upstream": at(bare.base_url, "default", api_key_file=str(key_file))},
+        {"id": "hang", "upstream": at(faulty, "hang", timeout_s=0.4, retries=1)},
+        {"id": "reset", "upstream": at(faulty, "reset", retries=1)},
+        {"id": "bad-json", "upstream": at(faulty, "bad-json", retries=1)},
+        {"id": "bad-sse", "upstream": at(faulty, "bad-sse", retries=1)},
+        {"id": "overloaded", "upstream": at(faulty, "overloaded")},
+        {"id": "overloaded-fb", "upstream": at(faulty, "overloaded", fallbacks=["good"])},
+        {"id": "overloaded-once", "upstream": at(faulty, "overloaded-once")},
+        {"id": "too-long", "upstream": at(faulty, "context", context_fallback="good")},
+        {"id": "down", "upstream": at(down_url, "default", retries=1, eject_after_failures=2, ejection_s=1.5,
+                                      connect_timeout_s=0.5)},
+        {"id": "flaky", "upstream": at(faulty, "flaky", retries=2, fallbacks=["good"])},
+        {"id": "brief", "upstream": at(faulty, "brief")},
+        {"id": "secure", "upstream": at(secure.base_url, "forwarded", ca_file=str(ca))},
+    ]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("faults")
+    key_file = tmp / "bare.key"
+    key_file.write_text(f"{bare_http_upstream.key}\n")
+    fault = FaultUpstream(bare_http_upstream.base_url, bare_http_upstream.key).start()
+    certs = write_dev_certs(tmp / "certs")
+    secure = FaultUpstream(bare_http_upstream.base_url, bare_http_upstream.key,
+                           tls=(str(certs["server.pem"]), str(certs["server-key.pem"]))).start()
+    down_port = free_port()  # nothing listens here until a test starts a server on it
+    keys = [*TEST_OVERRIDES["auth"]["api_keys"],
+            {"id": "solo", "tenant": "solo", "key": SOLO_KEY, "scopes": ["generate"]},
+            {"id": "load", "tenant": "load", "key": LOAD_KEY, "scopes": ["generate"]},
+            {"id": "metered", "tenant": "metered", "key": METERED_KEY, "scopes": ["generate"]}]
+    config = config_for_tests(
+        auth={"api_keys": keys},
+        ratelimit={"tenants": {**TEST_OVERRIDES["ratelimit"]["tenants"],
+                               "solo": {"max_concurrent_requests": 1},
+                               "load": {"requests_per_second": 1e6, "burst": 1e6, "tokens_per_minute": 1e9,
+                                        "token_burst": 1e8},
+                               "metered": {"tokens_per_minute": 0.006, "token_burst": 10000}}},
+        router={"models": [*load_config()["router"]["models"],
+                           *_routes(bare_http_upstream, fault, f"http://127.0.0.1:{down_port}/v1", key_file, secure,
+                                    certs["ca.pem"])]})
+    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0")
+    stack.start()
+    try:
+        yield {"stack": stack, "fault": fault, "down_port": down_port,
+               "endpoints": stack.local_servicer("inference").upstreams.endpoints}
+    finally:
+        stack.stop()
+        fault.stop()
+        secure.stop()
+
+
+def _client(world: dict[str, Any], key: str = SOLO_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{world['stack'].http_address}/v1", api_key=key, max_retries=0,
+                         timeout=20)
+
+
+def _chat(world: dict[str, Any], model: str, **options: Any) -> Any:
+    return _client(world).chat.completions.with_raw_response.create(
+        model=model, max_tokens=4, temperature=0.5, messages=[{"role": "user", "content": f"to {model}"}], **options)
+
+
+def _error(world: dict[str, Any], model: str, kind: type[openai.APIStatusError], **options: Any) -> Any:
+    with pytest.raises(kind) as raised:
+        _chat(world, model, **options)
+    return raised.value
+
+
+def test_a_hung_upstream_times_out_with_a_bounded_retry(world: dict[str, Any]) -> None:
+    started = time.monotonic()
+    error = _error(world, "hang", openai.InternalServerError)
+    assert error.status_code == 504 and "upstream hang did not answer within 0.4s" in error.message
+    assert error.response.headers["x-spine-attempts"] == "2" and world["fault"].hits["hang"] == 2
+    assert time.monotonic() - started < 5
+
+
+def test_malformed_answers_are_the_upstreams_fault_not_text(world: dict[str, Any]) -> None:
+    error = _error(world, "bad-json", openai.InternalServerError)
+    assert error.status_code == 503 and "upstream bad-json answered something unreadable" in error.message
+    assert world["fault"].hits["bad-json"] == 2  # the first attempt and one retry, no more
+    stream_error = _error(world, "bad-sse", openai.InternalServerError, stream=True)
+    assert "unreadable stream" in stream_error.message  # before the first byte: a plain HTTP error
+
+
+def test_a_stream_reset_after_its_first_piece_ends_in_an_error_event(world: dict[str, Any]) -> None:
+    chunks = _client(world).chat.completions.create(
+        model="reset", max_tokens=4, temperature=0.5, stream=True, messages=[{"role": "user", "content": "r"}])
+    with pytest.raises(openai.APIError, match="the stream broke after 1 chunk"):
+        for _ in chunks:
+            pass
+    error = _error(world, "reset", openai.InternalServerError)  # a whole answer cut short: retried, then said
+    assert "unreachable" in error.message and error.response.headers["x-spine-attempts"] == "2", (error.message, error.response.headers)
+
+
+def test_429_with_a_long_retry_after_is_said_or_falls_back(world: dict[str, Any]) -> None:
+    error = _error(world, "overloaded", openai.InternalServerError)
+    assert error.status_code == 503 and error.response.headers["retry-after"] == "30"
+    assert "answered 429: slow down" in error.message and world["fault"].hits["overloaded"] == 1
+    answered = _chat(world, "overloaded-fb")
+    assert answered.headers["x-spine-upstream"] == "good" and answered.headers["x-spine-attempts"] == "2"
+
+
+def test_429_with_a_short_retry_after_is_waited_out_and_retried(world: dict[str, Any]) -> None:
+    started = time.monotonic()
+    answered = _chat(world, "overloaded-once")
+    assert answered.headers["x-spine-upstream"] == "overloaded-once" and answered.headers["x-spine-attempts"] == "2"
+    assert time.monotonic() - started >= 0.2  # it waited what the upstream asked
+
+
+def test_a_prompt_too_long_falls_back_to_the_longer_context_model(world: dict[str, Any]) -> None:
+    answered = _chat(world, "too-long")
+    assert answered.headers["x-spine-upstream"] == "good" and answered.parse().choices[0].message.content
+
+
+def test_an_upstream_down_at_start_is_ejected_then_readmitted(world: dict[str, Any]) -> None:
+    first = _error(world, "down", openai.InternalServerError)
+    assert "upstream down is unreachable" in first.message and first.response.headers["x-spine-attempts"] == "2"
+    ejected = _error(world, "down", openai.InternalServerError)  # two failures in a row: cooling down
+    assert "ejected" in ejected.message and ejected.response.headers["x-spine-attempts"] == "0"
+    endpoint = world["endpoints"]["down"]
+    server = FaultUpstream(world["fault"].forward_to, world["fault"].key, port=world["down_port"]).start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # the cooldown ends; one probe goes through and puts it back
+            try:
+                answered = _chat(world, "down")
+                break
+            except openai.InternalServerError:
+                assert time.monotonic() < deadline, "never readmitted"
+                time.sleep(0.1)
+        assert answered.headers["x-spine-upstream"] == "down" and endpoint.outlier.state == "in"
+    finally:
+        server.stop()
+
+
+def test_no_slot_is_left_held_and_the_spine_stays_healthy(world: dict[str, Any]) -> None:
+    _error(world, "hang", openai.InternalServerError, stream=True)
+    deadline = time.monotonic() + 5
+    while any(endpoint.in_flight for endpoint in world["endpoints"].values()):
+        assert time.monotonic() < deadline, {name: e.in_flight for name, e in world["endpoints"].items()}
+        time.sleep(0.02)
+    assert _chat(world, "good").headers["x-spine-upstream"] == "good"  # the solo tenant's one slot is free
+    with httpx2.Client(timeout=5) as raw:
+        assert raw.get(f"http://{world['stack'].http_address}/health").json() == {"serving": True}
+
+
+def test_an_upstream_failing_30_percent_with_503_is_hidden(world: dict[str, Any]) -> None:
+    url = f"http://{world['stack'].http_address}/v1/chat/completions"
+    headers = {"authorization": f"Bearer {LOAD_KEY}"}
+
+    def one(i: int) -> tuple[int, str]:
+        answer = client.post(url, headers=headers, json={
+            "model": "flaky", "max_tokens": 1, "temperature": 0.5, "messages": [{"role": "user", "content": f"f{i}"}]})
+        return answer.status_code, answer.headers.get("x-spine-upstream", "")
+
+    with httpx2.Client(timeout=30, limits=httpx2.Limits(max_connections=8)) as client, \
+            concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(1000)))
+    ok = sum(status == 200 for status, _ in results)
+    assert ok >= 999, f"{1000 - ok} of 1000 requests failed"
+    assert world["fault"].hits["flaky"] >= 1000 * 0.9  # it was tried, and failed about 30% of the time
+    assert any(upstream == "good" for _, upstream in results)  # some were answered by the fallback
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_per_minute_count_what_the_upstream_used(world: dict[str, Any], stream: bool) -> None:
+    """Admission charges prompt bytes + max_tokens (200 here); the upstream says it used 6: the
+    tenant's tokens bucket ends 6 lower, not 200-odd, for a stream as for a whole answer."""
+    limiter = world["stack"].local_servicer("ratelimit")
+    key = (("tenant", "metered"), ("model", "brief"), ("resource", "tokens"))
+    client = _client(world, METERED_KEY)
+    before = limiter.bucket(key)
+    answer = client.chat.completions.create(model="brief", max_tokens=200, stream=stream,
+                                            messages=[{"role": "user", "content": f"meter {stream}"}])
+    if stream:
+        assert "".join(c.choices[0].delta.content or "" for c in answer if c.choices) == "ok"
+    else:
+        assert answer.usage is not None and answer.usage.total_tokens == 6
+    after = limiter.bucket(key)
+    level_before = 10000.0 if before is None else before.level
+    assert after is not None and abs((level_before - after.level) - 6) < 0.01
+
+
+def test_an_https_upstream_is_verified_and_spoken_to_over_httpx2(world: dict[str, Any]) -> None:
+    """https with `http2: true`: httpx2 offers HTTP/2 by ALPN (this server takes HTTP/1.1), the
+    certificate checked against `ca_file`; plain and streamed."""
+    from services.inference.upstream.transports import Httpx2Transport
+
+    assert isinstance(world["endpoints"]["secure"].transport, Httpx2Transport)
+    assert _chat(world, "secure").headers["x-spine-upstream"] == "secure"
+    chunks = _client(world).chat.completions.create(model="secure", max_tokens=4, temperature=0.5, stream=True,
+                                                    messages=[{"role": "user", "content": "tls stream"}])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_a_failing_upstream_never_ejects_the_inference_process(tmp_path: Path) -> None:
+    """With the model in its own process, the gateway's binding ejects the inference component
+    after `calls.eject_after_failures` failures in a row: an upstream's failures are that
+    component's answers, so the other models stay served."""
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    config = config_for_tests(
+        placements={name: "local" for name in ("auth", "ratelimit", "router", "cache", "metrics", "logs")}
+        | {"inference": "remote"},
+        calls={"eject_after_failures": 2},
+        router={"models": [*load_config()["router"]["models"],
+                           {"id": "down", "upstream": {"base_url": down, "retries": 0, "eject_after_failures": 100}}]})
+    stack = Stack(config, placements_for("mixed", config), run_dir=tmp_path / "run", http_listen="127.0.0.1:0")
+    stack.start()
+    try:
+        client = openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=DEV_KEY, max_retries=0)
+        for i in range(4):
+            with pytest.raises(openai.InternalServerError, match="upstream down is unreachable"):
+                client.chat.completions.create(model="down", max_tokens=2, messages=[{"role": "user", "content": f"{i}"}])
+        answer = client.chat.completions.create(model="default", max_tokens=2, temperature=0,
+                                                messages=[{"role": "user", "content": "still served"}])
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
+    finally:
+        stack.stop()

@@ -72,10 +72,12 @@ def test_the_front_splits_litellms_clients_and_forwards_their_key(rig: LegacyRig
     sdk = openai.OpenAI(base_url=rig.cutover.base_url, api_key=rig.master_key, max_retries=0)
     ask = {"model": "default", "max_tokens": 4, "temperature": 0,
            "messages": [{"role": "user", "content": "Hello!"}]}
-    sides = {}
+    sides, upstream = {}, {}
     for route in ("legacy", "spine"):
         raw = sdk.chat.completions.with_raw_response.create(**ask, extra_headers={"x-spine-route": route})
         sides[route] = (raw.headers["x-spine-side"], raw.parse().choices[0].message.content)
+        upstream[route] = raw.headers.get("x-spine-upstream")
+    assert upstream["spine"] and upstream["legacy"] is None  # the spine's model is the model server, as LiteLLM's is
     assert sides["legacy"][0] == "legacy" and sides["spine"][0] == "spine"
     assert sides["legacy"][1] == sides["spine"][1]  # the same model behind both: the same greedy text
     # Anthropic's API through both (LiteLLM translates it to its upstream's chat completions).

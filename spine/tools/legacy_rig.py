@@ -1,10 +1,10 @@
 """A migration from LiteLLM's proxy to the spine on one machine, every part real and its own process.
 
-- **the model server**: the model alone over the OpenAI API, what LiteLLM calls upstream
-  (`start_model_server`: the one place that says which server that is);
+- **the model server**: the model alone over the OpenAI API (`spine up --layout bare`, a key
+  of its own), what LiteLLM and the spine both call upstream;
 - **the legacy gateway**: LiteLLM's proxy (`LiteLLMGateway`), its master key the clients' key;
-- **the spine**: a collapsed spine serving the same model (`CollapsedSpineProcess`, faults
-  switchable), its auth configured with LiteLLM's key (`spine keys import`'s `from_lines`);
+- **the spine**: a collapsed spine whose model is that same upstream (`CollapsedSpineProcess`,
+  faults switchable), its auth configured with LiteLLM's key (`spine keys import`'s `from_lines`);
 - **the front and the controller** (`LegacyCutover`): clients call the front, which splits
   their traffic between LiteLLM and the spine by the stage's weight.
 
@@ -14,6 +14,7 @@ it with the official `openai` SDK, as a team's clients would.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import threading
@@ -23,14 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from migration.legacy_endpoint import LegacyEndpoint
 from migration.plan import load_plan
 from migration.status import State
 from migration.traffic.http_mirror import MirrorSettings
 from migration.traffic.legacy_cutover import LegacyCutover
 from migration.traffic.spine_process import CollapsedSpineProcess
+from runtime.bare import API_KEY_ENV, BARE_LAYOUT
 from runtime.config_file import load_config, merge
 from runtime.launch import Launched, launch, spine_up_argv
 from runtime.run_dir import write_private
@@ -41,7 +41,7 @@ from spine.tools.litellm_gateway import LiteLLMGateway
 REPO = Path(__file__).resolve().parents[2]
 LEGACY_PLAN = REPO / "deploy" / "plans" / "legacy-litellm.yaml"
 MODEL = "default"
-DEV_KEY = "spine-dev-key-0000"  # the default config's key: what LiteLLM uses to reach the model server
+DEV_KEY = "spine-dev-key-0000"  # the default config's key
 FINISHED = (State.PROMOTED, State.ROLLED_BACK, State.ABORTED)
 # Each middleware's budget on a machine this rig shares with LiteLLM, the front, the clients and
 # (in CI) the rest of a test suite: the default 250 ms is a production figure, and a refusal
@@ -57,16 +57,15 @@ class ModelServer:
 
 
 def start_model_server(run_dir: Path, port: int) -> ModelServer:
-    """The model LiteLLM calls upstream, on `port` (launched, not yet awaited: its `launched`'s
-    `wait_ready`).
-
-    Until spine has a bare model server this is a collapsed spine on the default config:
-    the same built-in model the spine under migration serves, behind the OpenAI API."""
-    config = write_private(run_dir, "model-server-config.yaml", yaml.safe_dump(BUDGETS))
-    argv = spine_up_argv(config, "collapsed", listen="127.0.0.1:0", http_listen=f"127.0.0.1:{port}",
+    """The model alone (`spine up --layout bare`) on `port`, behind a key of its own: the
+    upstream both LiteLLM and the spine call. Launched, not yet awaited (its `launched`'s
+    `wait_ready`)."""
+    key = f"bare-{secrets.token_hex(12)}"
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV} | {API_KEY_ENV: key}
+    argv = spine_up_argv(None, BARE_LAYOUT, listen="127.0.0.1:0", http_listen=f"127.0.0.1:{port}",
                          run_dir=run_dir / "model-server")
-    launched = launch("model-server", argv, log_path=run_dir / "model-server.log")
-    return ModelServer(launched, f"http://127.0.0.1:{port}/v1", DEV_KEY)
+    launched = launch("model-server", argv, log_path=run_dir / "model-server.log", env=env)
+    return ModelServer(launched, f"http://127.0.0.1:{port}/v1", key)
 
 
 def replace_legacy(plan_text: str, legacy: LegacyEndpoint) -> str:
@@ -102,12 +101,12 @@ class LegacyRig:
                                           self.model_server.key, self.master_key, model=MODEL, rpm=60_000,
                                           max_parallel_requests=256)
             self.gateway.begin()
+            self.model_server.launched.wait_ready(120)  # the spine's upstream: serving before the spine starts
+            self.timings["model_server"] = time.monotonic() - began
             internal_secret = secrets.token_urlsafe(32)
             self.spine = CollapsedSpineProcess(self._spine_config(internal_secret), self.run_dir / "spine")
             self.spine.start()
             self.timings["spine"] = time.monotonic() - began
-            self.model_server.launched.wait_ready(120)
-            self.timings["model_server"] = time.monotonic() - began
             self.gateway.wait_ready(180)
             self.timings["litellm"] = self.gateway.started_in_s
             legacy = LegacyEndpoint(self.gateway.url, "authorization")
@@ -127,8 +126,13 @@ class LegacyRig:
         imported = config_fragment(from_lines(self.master_key, "legacy-clients"), ["generate"])
         dev = {"id": "dev-key", "tenant": "dev", "key": DEV_KEY, "scopes": ["generate"], "max_priority": 1}
         keys = {"auth": {"api_keys": [dev, *imported["auth"]["api_keys"]]}}
-        return merge(merge(merge(merge(load_config(None), keys), {"internal": {"secret": internal_secret}}),
-                           BUDGETS), self.spine_config)
+        assert self.model_server is not None
+        key_file = write_private(self.run_dir, "model-server.key", self.model_server.key + "\n")
+        # The same model LiteLLM serves: the model server's, as an upstream of the spine's router.
+        model = {"router": {"models": [{"id": MODEL, "upstream": {"base_url": self.model_server.base_url,
+                                                                  "api_key_file": str(key_file)}}]}}
+        return merge(merge(merge(merge(merge(load_config(None), keys), {"internal": {"secret": internal_secret}}),
+                                 BUDGETS), model), self.spine_config)
 
     def plan_text(self, text: str | None = None) -> str:
         assert self.cutover is not None

@@ -18,9 +18,12 @@ Ctrl-C; each run is bounded in time.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +69,8 @@ def run_once(rig: LegacyRig, name: str, fault: str, expected: State, status: Run
     traffic = LegacyTraffic(rig.cutover.base_url, rig.master_key).start()
     try:
         result.state = rig.walk(rig.plan_text(), timeout_s=timeout_s, actor="demo", on_stage=entered)
+        if result.state not in (State.PROMOTED, State.ROLLED_BACK, State.ABORTED):  # out of time: end it
+            controller.abort(actor="demo", reason=f"run {name!r} did not finish within {timeout_s:g}s")
     finally:
         calls = traffic.stop()
         rig.switch_fault("clear")
@@ -105,11 +110,25 @@ def main(argv: list[str] | None = None) -> int:
     screen = DemoScreen()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="spine-legacy-demo-"))
     try:
-        with logs_in(run_dir / DEMO_LOG) as log_path:
+        with logs_in(run_dir / DEMO_LOG) as log_path, quiet_clients():
             screen.say(f"log: {log_path} (every log line; LiteLLM's, the spine's and the model server's beside it)")
             return _demo(screen, run_dir, args.timeout_s)
     finally:
         forget_secrets(run_dir)
+
+
+@contextlib.contextmanager
+def quiet_clients() -> Iterator[None]:
+    """The HTTP clients' per-request INFO lines (thousands a run) left out of the log meanwhile."""
+    loggers = [logging.getLogger(name) for name in ("httpx", "httpx2", "openai", "httpcore", "httpcore2")]
+    saved = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, saved, strict=True):
+            logger.setLevel(level)
 
 
 def forget_secrets(run_dir: Path) -> None:
@@ -135,6 +154,10 @@ def _demo(screen: DemoScreen, run_dir: Path, timeout_s: float) -> int:
                 result = run_once(rig, name, fault, expected, status, timeout_s)
             screen.show(run_table(result))
             results.append(result)
+            if rig.gateway is not None and not rig.gateway.alive():  # nothing left to migrate from
+                screen.say(f"[red]LiteLLM's proxy exited during the run: its calls failed, counted on its "
+                           f"side, and the stage held. Its log ends:[/red]\n{rig.gateway.log_tail()}")
+                break
     except KeyboardInterrupt:
         screen.say("interrupted: stopping every process")
         return 130

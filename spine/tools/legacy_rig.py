@@ -228,12 +228,13 @@ class LegacyTraffic:
         count = 0
         try:
             while not self._stop.is_set() and time.monotonic() < deadline:
-                self._one(client, worker, count)
+                if not self._one(client, worker, count):
+                    self._stop.wait(0.05)  # a failed call is not retried, and the next one waits a moment
                 count += 1
         finally:
             client.close()
 
-    def _one(self, client: Any, worker: int, count: int) -> None:
+    def _one(self, client: Any, worker: int, count: int) -> bool:
         messages = [{"role": "user", "content": f"Say something about {self.nonce}-{worker}-{count}."}]
         headers = {"x-session-id": f"w{worker}-{count // 4}"}
         side, error, text = "", "", ""
@@ -252,3 +253,4 @@ class LegacyTraffic:
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
         with self._lock:
             self.calls.append(Call(started, time.time(), side, error, text))
+        return not error

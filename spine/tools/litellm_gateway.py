@@ -18,6 +18,7 @@ whoever started it (`runtime.parent.follow_parent`), as every child of the proje
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -129,6 +130,12 @@ class LiteLLMGateway:
         self.stop()
         raise TimeoutError(f"LiteLLM's proxy did not answer within {timeout_s:g}s: {tail}")
 
+    def alive(self) -> bool:
+        return self.launched is not None and self.launched.alive()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        return self.launched.log_tail(chars) if self.launched is not None else ""
+
     def stop(self) -> None:
         launched, self.launched = self.launched, None
         if launched is not None:
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run LiteLLM's proxy CLI on loopback, dying with the process that started this one."""
     if not follow_parent():
         return 1
+    faulthandler.enable()  # a crash in one of its native extensions leaves its stack in the log
     parser = argparse.ArgumentParser(prog="python -m spine.tools.litellm_gateway")
     parser.add_argument("--config", required=True)
     parser.add_argument("--port", type=int, required=True)

@@ -9,6 +9,7 @@
     spine certs dev --out DIR
     spine demo [--model DIR]
     spine config schema|check
+    spine keys import FILE [--from lines|litellm]
     spine migrate ...
 
 A config problem (`--config`) exits 2 with one line per problem, before anything starts.
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     from spine.tools.cache_build import add_cache_parser
 
     add_cache_parser(sub)
+
+    from spine.tools.key_import import add_keys_parser
+
+    add_keys_parser(sub)
 
     add_migrate_parser(sub)
     return parser

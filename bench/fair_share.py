@@ -49,7 +49,8 @@ HEADROOM = 1  # inference.share_headroom_slots' default
 
 
 def _arrivals(rate: float, seconds: float, seed: int) -> list[float]:
-    rng, t, times = random.Random(seed), 0.0, []
+    rng, t = random.Random(seed), 0.0
+    times: list[float] = []
     while True:
         t += rng.expovariate(rate)
         if t >= seconds:
@@ -101,7 +102,8 @@ def measure(rounds: int = 3, seconds: float = 3.0) -> dict[str, Any]:
     config = InferenceConfig.from_dict({"backend": {"class": "sim"}, "kv_cache_max_entries": SLOTS,
                                         "max_batch": SLOTS, "max_queue": 100_000, "aging_ms": 60_000})
     service = InferenceService(config, DeviceContext())
-    step_ms = service.backend.model.profile.step_ms(SLOTS, 0)
+    model: Any = service.backend.model  # the sim model, whose profile is its cost model
+    step_ms = model.profile.step_ms(SLOTS, 0)
     capacity = SLOTS / (MAX_TOKENS * step_ms / 1000.0)  # requests a second at full batches
     rate_b = 0.12 * capacity  # B alone keeps about one sequence running; A floods at 1.2x capacity
     conditions = ("alone", "fair", "fair-no-headroom", "fifo")

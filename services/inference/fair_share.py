@@ -27,7 +27,7 @@ the others still get in, and the request refused is the flooder's newest.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -146,3 +146,43 @@ class FairLane(Generic[T]):
         if self._idle_passes:
             for tenant in [t for t, p in self._idle_passes.items() if p <= self._vtime]:
                 del self._idle_passes[tenant]
+
+
+# A tenant that sent a request this recently still counts for the shares of the slots,
+# though none of its requests waits or runs right now.
+ACTIVE_S = 1.0
+SEEN_MAX = 256  # tenants remembered before the quiet ones are dropped at an ask
+
+
+class SlotShares:
+    """Which tenants share the KV slots now, and how many each runs: whether a tenant is below
+    its weight's share of the slots, among the tenants running or active in the last
+    ACTIVE_S — alone, its share is every slot. The scheduler keeps its last free slots
+    (`inference.share_headroom_slots`) for a tenant below its share, so a flooder never holds
+    them all and another tenant's request starts at the next step. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._running: Counter[str] = Counter()
+        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (last asked, weight)
+
+    def asked(self, tenant: str, weight: float, now: float) -> None:
+        self._seen[tenant] = (now, weight)
+        if len(self._seen) > SEEN_MAX:  # many tenants, and the shares rarely asked: stay bounded
+            self._forget_quiet(now)
+
+    def started(self, tenant: str) -> None:
+        self._running[tenant] += 1
+
+    def ended(self, tenant: str) -> None:
+        self._running[tenant] -= 1
+
+    def below_share(self, tenant: str, weight: float, slots: int, now: float) -> bool:
+        self._forget_quiet(now)
+        total = sum(seen_weight for _, seen_weight in self._seen.values()) or weight
+        return self._running[tenant] < slots * weight / total
+
+    def _forget_quiet(self, now: float) -> None:
+        for tenant, (seen, _) in list(self._seen.items()):
+            if now - seen > ACTIVE_S and self._running[tenant] <= 0:
+                del self._seen[tenant]
+                self._running.pop(tenant, None)

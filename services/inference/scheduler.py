@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +34,7 @@ from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.cpu_placement import place_process
+from services.inference.fair_share import SlotShares
 from services.inference.model.engine import (
     GenerationEngine,
     GenerationRequest,
@@ -49,9 +50,6 @@ _step_failures = RateLimitedLog(log, "failed decode steps", level=logging.ERROR)
 
 WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
 
-# A tenant that sent a request this recently still counts for the share of the headroom
-# slots (`Scheduler.headroom_slots`), though none of its requests waits or runs right now.
-ACTIVE_S = 1.0
 
 # What one unread step output of a stream holds in memory: the StepOutput, its place in
 # the queue and the int it carries (tracemalloc over 10,000 of them: ~145 bytes each),
@@ -153,11 +151,10 @@ class Scheduler:
         self.engine = engine
         self.observer = observer
         # The last free slots go only to a tenant running fewer than its share of the slots
-        # (among the tenants active in the last ACTIVE_S): a flooder never holds every slot, so
+        # (among the tenants active lately, `SlotShares`): a flooder never holds every slot, so
         # another tenant's request starts at the next step instead of waiting for one to free.
         self.headroom_slots = headroom_slots
-        self._running_by_tenant: Counter[str] = Counter()
-        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (last submit, weight)
+        self._slot_shares = SlotShares()
         # On CUDA a step runs on the stream of the highest class in the batch (the device
         # context hands out a high-priority stream for the latency class); None on the CPU.
         self._streams = streams
@@ -186,7 +183,7 @@ class Scheduler:
                 self._make_room(job)
             job.enqueued_at = self.clock()
             job.submitted_pc = time.perf_counter()
-            self._seen[job.tenant] = (job.enqueued_at, job.weight)
+            self._slot_shares.asked(job.tenant, job.weight, job.enqueued_at)
             self._waiting.push(job, job.priority, job.enqueued_at, job.tenant, job.weight)
             self._wake.notify()
 
@@ -319,7 +316,7 @@ class Scheduler:
         if output.finished:
             job.done = True
             del self._running[output.handle.id]
-            self._running_by_tenant[job.tenant] -= 1
+            self._slot_shares.ended(job.tenant)
         elif job.stream and (job.out.qsize() + 1) * OUTPUT_BYTES > self.stream_max_bytes:
             self._stop(job, self._too_slow(job, f"more than {self.stream_max_bytes} bytes of output were "
                                                 f"waiting unread (inference.stream_buffer_max_bytes)"))
@@ -390,22 +387,15 @@ class Scheduler:
                 self._admissions += 1
                 self.recent_admissions.append(job)
                 self._running[job.handle.id] = job
-                self._running_by_tenant[job.tenant] += 1
+                self._slot_shares.started(job.tenant)
 
     def _below_share(self, job: Job) -> bool:
-        """Whether `job`'s tenant runs fewer than its weight's share of the slots, among the
-        tenants running or active in the last ACTIVE_S (alone, its share is every slot)."""
-        now = self.clock()
-        for tenant, (seen, _) in list(self._seen.items()):
-            if now - seen > ACTIVE_S and self._running_by_tenant[tenant] <= 0:
-                del self._seen[tenant]
-        total = sum(weight for _, weight in self._seen.values()) or job.weight
-        return self._running_by_tenant[job.tenant] < self.engine.max_slots * job.weight / total
+        return self._slot_shares.below_share(job.tenant, job.weight, self.engine.max_slots, self.clock())
 
     def _stop(self, job: Job, error: BaseException) -> None:
         """Free the job's slot now (if it has one) and tell its consumer why it ended."""
         if job.handle is not None and self._running.pop(job.handle.id, None) is not None:
-            self._running_by_tenant[job.tenant] -= 1
+            self._slot_shares.ended(job.tenant)
             self.engine.cancel(job.handle)
         if job.failure is None and not job.done:
             _fail(job, error)

@@ -91,7 +91,8 @@ def _round(service: InferenceService, rate_b: float, seconds: float, seed: int, 
                  and (other.admitted_seq or 0) < (job.admitted_seq or 0)) for job in b_jobs]
     round_end = time.monotonic() - (time.perf_counter() - ended)
     admitted_a = sum(1 for who, job in sent if who == "a" and job.started_at is not None and job.started_at <= round_end)
-    return {"waits_b_ms": waits, "ahead_b": ahead, "admitted_a": admitted_a, "seconds": ended - started}
+    return {"waits_b_ms": waits, "ahead_b": ahead, "admitted_a": admitted_a, "seconds": ended - started,
+            "total_s": time.perf_counter() - started}
 
 
 def _p95(values: list[float]) -> float:
@@ -109,18 +110,21 @@ def measure(rounds: int = 3, seconds: float = 3.0) -> dict[str, Any]:
     conditions = ("alone", "fair", "fair-no-headroom", "fifo")
     waits: dict[str, list[float]] = {c: [] for c in conditions}
     ahead: dict[str, list[int]] = {c: [] for c in conditions}
-    admitted_a, fair_s = 0, 0.0
+    admitted_a, fair_s, fair_total_s, fair_steps = 0, 0.0, 0.0, 0
     try:
         _round(service, rate_b, 0.5, 999, "alone")  # warm up
         for r in range(rounds):
             order = conditions[r % len(conditions):] + conditions[:r % len(conditions)]
             for condition in order:
+                steps_before = model.steps
                 result = _round(service, rate_b, seconds, 1000 + 7 * r, condition)
                 waits[condition] += result["waits_b_ms"]
                 ahead[condition] += result["ahead_b"]
                 if condition == "fair":
                     admitted_a += result["admitted_a"]
                     fair_s += result["seconds"]
+                    fair_total_s += result["total_s"]
+                    fair_steps += model.steps - steps_before
     finally:
         service.close()
     p95 = {c: _p95(waits[c]) for c in conditions}
@@ -138,6 +142,9 @@ def measure(rounds: int = 3, seconds: float = 3.0) -> dict[str, Any]:
         "fair_no_headroom_vs_alone_p95": round(p95["fair-no-headroom"] / p95["alone"], 2),
         "fifo_vs_alone_p95": round(p95["fifo"] / p95["alone"], 2),
         "a_admitted_per_s_fair": round(admitted_a / fair_s, 1) if fair_s else 0.0,
+        # The model's steps as this host ran them under the flood (the profile's device time, or
+        # more where the host's own work per step took longer): B's wait once next in line.
+        "step_ms_measured_fair": round(1000.0 * fair_total_s / fair_steps, 2) if fair_steps else 0.0,
     }
 
 
@@ -148,7 +155,8 @@ def describe(row: dict[str, Any]) -> str:
             f"{p95['fair-no-headroom']} ms without the headroom slot ({row['fair_no_headroom_vs_alone_p95']}x), "
             f"{p95['fifo']} ms with one FIFO ({row['fifo_vs_alone_p95']}x); B admitted at its next turn "
             f"{row['b_admitted_at_next_turn_pct']['fair']}% (FIFO {row['b_admitted_at_next_turn_pct']['fifo']}%); "
-            f"a full batch's step {row['step_ms_full_batch']} ms; A admitted {row['a_admitted_per_s_fair']}/s of the "
+            f"a full batch's step {row['step_ms_full_batch']} ms by the profile, {row['step_ms_measured_fair']} ms "
+            f"as run; A admitted {row['a_admitted_per_s_fair']}/s of the "
             f"model's {row['capacity_rps']}/s")
 
 

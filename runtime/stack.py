@@ -137,6 +137,10 @@ class Stack:
                                      on_fail_open=fail_opens)
             self.gateway = Gateway(self.pipeline, limits, self.layout, fail_opens=fail_opens,
                                    internal_key=internal_key(self.config), policy=OutputPolicy.from_config(self.config))
+            if tracing is not None:  # a GenAI span for each model call (runtime.genai_spans)
+                from runtime.genai_spans import GenAiSpans
+
+                self.gateway.genai = GenAiSpans(tracing.tracer)
             self.batching = GatewayBatching(self.gateway, self.pipeline, components,
                                             BatchingConfig.from_config(self.config))
             self.batching.attach()

@@ -40,13 +40,15 @@ from typing import Any, Protocol
 import grpc
 
 from services.common.log_limit import RateLimitedLog
+from services.common.tenant_shares import TENANT_HEADER
+from services.gateway.model_calls import NOT_TRACED, ModelCallSpans, first_chunk
 from services.gateway.model_load import ModelLoads
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
-from services.pipeline.state import RequestState
+from services.pipeline.state import ModelCall, RequestState
 from services.pipeline.verdicts import (
     FORWARDED_TRAILERS,
     OVERHEAD_HEADER,
@@ -122,6 +124,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         # `runtime.gateway_mirror`); must be cheap and never raise.
         self.answered: Callable[[RequestState], None] | None = None
         self.model_load = ModelLoads(self._models_load)
+        # Spans for each call of the model, while tracing is on (`runtime.genai_spans`).
+        self.genai: ModelCallSpans | None = None
 
     # -- public API ---------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
@@ -191,6 +195,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         if first:  # the HTTP front's headers go out with it: what is known now
                             first = False
                             state.model_wait_s = time.perf_counter() - started
+                            first_chunk(state)
                             initial = _forwarded(_initial_metadata(stream))
                             _model_time(state, initial)
                             context.set_trailing_metadata(self._answer_trailing(state, initial))
@@ -251,10 +256,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         stage = self.pipeline.model
         client: Any = self.pipeline.clients[stage.component]  # the model's binding: its rpcs by name
         started = time.perf_counter()
+        state.model_call = ModelCall(method != "Generate", started)
         try:
             call = client.Generate if method == "Generate" else client.GenerateStream
-            return call(state.resolved, timeout=state.remaining(), metadata=((REQUEST_ID_HEADER, state.request_id),),
-                        parent=context, **extra)
+            # The tenant names the request's queue in the model's fair share (only the gateway sets it).
+            metadata = ((REQUEST_ID_HEADER, state.request_id), (TENANT_HEADER, state.tenant))
+            with NOT_TRACED if self.genai is None else self.genai.calling(state):  # the GenAI span, current
+                return call(state.resolved, timeout=state.remaining(), metadata=metadata, parent=context, **extra)
         except grpc.RpcError as error:
             if getattr(error, "ejected", False):
                 state.ejected.append(stage.component)
@@ -315,7 +323,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         """The completion stages for every request, whatever its outcome (all fail open)."""
         with self._lock:
             self.in_flight -= 1
-        state.latency_s = time.perf_counter() - state.started
+        ended = time.perf_counter()
+        state.latency_s = ended - state.started
+        if state.model_call is not None:  # the GenAI operation ends with the answer or the last chunk
+            state.model_call.duration_s = ended - state.model_call.started
+            if self.genai is not None:
+                self.genai.end(state)
         if state.status != "OK":
             state.response = None  # only a good answer is worth keeping
         self.completions.complete(state)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.genai_semconv import operation_name
 from services.pipeline.batch_rpc import BatchRpc, status_only
 from services.pipeline.state import RequestState
 from services.pipeline.step import Phase, Step, StepCall
@@ -34,6 +35,11 @@ class MetricsRecord:
     ejected_middlewares: Sequence[str] = ()
     pregenerated: bool = False
     policy_violation: bool = False
+    genai_operation: str = ""  # the model call as a GenAI operation ("": no call; see RequestRecord)
+    response_model: str = ""
+    input_tokens: int = 0
+    genai_duration_s: float = 0.0
+    time_to_first_chunk_s: float = 0.0
 
 
 def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatchRequest:
@@ -43,7 +49,9 @@ def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatch
                             middleware_s=r.middleware_s, cached=r.cached, shadow=r.shadow,
                             completion_tokens=r.completion_tokens, failed_middlewares=r.failed_middlewares,
                             ejected_middlewares=r.ejected_middlewares, pregenerated=r.pregenerated,
-                            policy_violation=r.policy_violation)
+                            policy_violation=r.policy_violation, genai_operation=r.genai_operation,
+                            response_model=r.response_model, input_tokens=r.input_tokens,
+                            genai_duration_s=r.genai_duration_s, time_to_first_chunk_s=r.time_to_first_chunk_s)
     return request
 
 
@@ -61,11 +69,24 @@ class MetricsStep(Step):
         return True
 
     def decide(self, batch: list[RequestState], call: StepCall) -> None:
-        records = [MetricsRecord(state.layout, model_label(state), state.tenant, state.status, state.latency_s,
-                                 state.middleware_s, state.cached, state.shadow, state.completion_tokens,
-                                 state.failures, state.ejected, state.pregenerated, state.policy_violation)
-                   for state in batch]
+        records = [_record(state) for state in batch]
         self.answered(call, batch, call.batch(RECORD_BATCH, records))
+
+
+def _record(state: RequestState) -> MetricsRecord:
+    record = MetricsRecord(state.layout, model_label(state), state.tenant, state.status, state.latency_s,
+                           state.middleware_s, state.cached, state.shadow, state.completion_tokens,
+                           state.failures, state.ejected, state.pregenerated, state.policy_violation)
+    call, request = state.model_call, state.resolved
+    if call is not None and request is not None:  # the model was called: a GenAI operation
+        record.genai_operation = operation_name(request)
+        record.genai_duration_s = call.duration_s
+        record.time_to_first_chunk_s = call.first_chunk_s if call.stream else 0.0
+        response = state.response
+        if response is not None and state.status == "OK":
+            record.response_model = response.model
+            record.input_tokens = response.prompt_tokens
+    return record
 
 
 def model_label(state: RequestState) -> str:

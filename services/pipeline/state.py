@@ -18,6 +18,19 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 @dataclass(eq=False, slots=True)
+class ModelCall:
+    """The request's call to the model as the gateway saw it: the GenAI operation that its
+    span and the client metrics describe (`services.common.genai_semconv`), the same in every
+    layout because the gateway makes the call in every layout."""
+
+    stream: bool
+    started: float  # time.perf_counter() when the gateway called the model
+    first_chunk_s: float = 0.0  # a stream's first chunk, counted from `started` (0: none came)
+    duration_s: float = 0.0  # to the answer, or to a stream's last chunk (set when the request ends)
+    span: Any = None  # the GenAI span while tracing records one (runtime.genai_spans)
+
+
+@dataclass(eq=False, slots=True)
 class RequestState:
     request: generation_pb2.GenerateRequest  # as the client sent it
     request_id: str
@@ -67,6 +80,7 @@ class RequestState:
     tokens_used: int = 0
     fallback: str = ""  # the router's fallback for the routed model ("" if none)
     fallback_of: tuple[str, ...] = ()  # the models the routed one is the fallback of
+    model_call: ModelCall | None = None  # None: the model was not called (refused, a cache hit)
 
     @property
     def open(self) -> bool:

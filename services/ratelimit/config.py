@@ -38,6 +38,10 @@ class BucketLimits(Section):
     # RESOURCE_EXHAUSTED with retry-after. Under a traffic split each rate limiter holds its
     # share of it (at least 1), like the buckets.
     max_concurrent_requests: Annotated[StrictInt, Field(ge=1)] | None = None
+    # The tenant's share of the model's admissions within a priority class while other
+    # tenants wait there too (services.inference.fair_share, read through
+    # services.common.tenant_shares): 2 is admitted twice as often as 1.
+    share_weight: Annotated[Float, Field(gt=0)] = 1.0
 
     @classmethod
     def from_dict(cls, cfg: Any, where: str, base: BucketLimits | None = None) -> BucketLimits:

@@ -1,0 +1,50 @@
+"""Each tenant's weight in the model's queue: `ratelimit.tenants.<tenant>.share_weight`.
+
+A tenant's tier is its block in the `ratelimit:` section (`ratelimit.default` for every
+tenant without one); the block's `share_weight` (default 1) is its share of the admissions
+of a priority class while other tenants wait in it too (`services.inference.fair_share`).
+The rate limiter's section model checks the key; the inference component reads it here,
+below both, because the middlewares never import each other. The gateway names the tenant to
+the model in the call's metadata (`TENANT_HEADER`), which only the gateway sets: it never
+forwards a client's metadata to the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common import ConfigError, section
+
+TENANT_HEADER = "x-spine-tenant"  # the gateway's model call: whose request it is
+DEFAULT_WEIGHT = 1.0
+
+
+@dataclass(frozen=True)
+class TenantShares:
+    """Weights by tenant; every other tenant has `default`."""
+
+    default: float = DEFAULT_WEIGHT
+    weights: Mapping[str, float] = field(default_factory=dict)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None) -> TenantShares:
+        """The weights of a whole config's `ratelimit` section (a tenant's block inherits the
+        default's weight when it leaves the key out, as it inherits every limit)."""
+        ratelimit = section(config, "ratelimit")
+        default = _weight(section(ratelimit, "default"), DEFAULT_WEIGHT, "ratelimit.default.share_weight")
+        tenants = section(ratelimit, "tenants")
+        return cls(default, {name: _weight(block or {}, default, f"ratelimit.tenants.{name}.share_weight")
+                             for name, block in tenants.items()})
+
+
+def _weight(block: Any, inherited: float, where: str) -> float:
+    value = block.get("share_weight", inherited) if isinstance(block, Mapping) else inherited
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where}: expected a number > 0, got {value!r}")
+    return float(value)

@@ -28,6 +28,7 @@ from runtime.http import anthropic_api, openai_api
 from runtime.http.bounded_protocol import response_bytes
 from runtime.http.config import HttpConfig
 from runtime.http.wire import (
+    INSUFFICIENT_QUOTA,
     LAYOUT,
     REQUEST_ID,
     HttpError,
@@ -302,6 +303,8 @@ def _with_status(error: HttpError, api: Any, trailing: Iterable[tuple[str, str]]
         return error
     status, kind = status_for(error.code, error.message, api.OVERLOADED_STATUS)
     retry = retry_headers(dict(trailing)) if status in (429, api.OVERLOADED_STATUS) else []
+    if kind == INSUFFICIENT_QUOTA:  # a spent budget: the SDKs' own retries would only be refused again
+        retry.append(("x-should-retry", "false"))
     return HttpError(status, kind, error.message, tuple(retry))
 
 

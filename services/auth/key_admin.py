@@ -22,6 +22,7 @@ from services.auth.api_keys import ApiKeyEntry
 from services.auth.key_store import KeyConflict, KeyExists, KeyStore, KeyStoreError
 from services.auth.managed_keys import SHOWN_CHARS, WINDOWS, KeyHasher, ManagedKey, new_secret
 from services.common import Clock, ConfigError
+from services.common.admin_token import AdminError
 from services.common.config_section import Float, Items, NonEmptyStr, Section, problem
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -29,13 +30,8 @@ MAX_OVERLAP_S = 30 * 86400.0
 NonNegative = Annotated[Float | StrictInt, Field(ge=0)]
 
 
-class KeyAdminError(Exception):
-    """A refused admin call: its gRPC code and a message an admin can act on."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class KeyAdminError(AdminError):
+    """A refused key admin call."""
 
 
 class KeySpecInput(Section):

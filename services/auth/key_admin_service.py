@@ -9,45 +9,17 @@ is UNAVAILABLE.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.auth.key_admin import KeyAdmin, KeyAdminError
 from services.auth.managed_keys import ManagedKey
-from services.common.admin_token import bearer, token_matches
+from services.common.admin_token import run_admin
 from wire.v1 import keys_pb2, keys_pb2_grpc
 
-log = logging.getLogger("spine.auth")
-T = TypeVar("T")
 _SPEC_FIELDS = tuple(keys_pb2.KeySpec.DESCRIPTOR.fields_by_name)
-
-
-def authorize(context: grpc.ServicerContext, token: bytes) -> None:
-    """Abort with UNAUTHENTICATED unless the call carries the admin token."""
-    presented = bearer(dict(context.invocation_metadata() or ()).get("authorization", ""))
-    if not presented:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing admin token: send `authorization: Bearer <token>` metadata")
-    if not token_matches(presented, token):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token not accepted")
-
-
-def run_admin(context: grpc.ServicerContext, token: bytes, call: Callable[[], T]) -> T:
-    """`call` for an authorized caller, its refusals as the call's status."""
-    authorize(context, token)
-    try:
-        return call()
-    except KeyAdminError as error:
-        context.abort(error.code, error.message)
-    except grpc.RpcError:
-        raise
-    except Exception as error:  # the store unreachable (redis.RedisError, sqlite3.Error, OSError)
-        log.warning("admin call failed: %s: %s", type(error).__name__, error)
-        context.abort(grpc.StatusCode.UNAVAILABLE, f"the store cannot be reached: {type(error).__name__}")
-    raise AssertionError("context.abort returned")  # pragma: no cover
 
 
 def info(row: dict[str, Any]) -> keys_pb2.ApiKeyInfo:

@@ -1,4 +1,5 @@
-"""The admin token: read from a file or SPINE_ADMIN_TOKEN, never from argv.
+"""The admin token: read from a file or SPINE_ADMIN_TOKEN, never from argv; and how an admin
+API checks it (the controller's operator API, the spine's key and spend admin APIs).
 
 Command lines are visible to every user of the machine (`ps`), so a token on argv is a
 leaked token. Files and the environment are not — as long as the file is the user's alone:
@@ -8,12 +9,19 @@ a token file readable by group or others is refused, as ssh refuses such a priva
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
+
+import grpc
 
 from services.common import ConfigError
+
+log = logging.getLogger("spine.admin")
+T = TypeVar("T")
 
 ENV_VAR = "SPINE_ADMIN_TOKEN"
 MIN_LENGTH = 16
@@ -59,3 +67,36 @@ def read_admin_token(path: str | None, env: Mapping[str, str] | None = None) -> 
         raise ConfigError(f"{where}: the admin token must be at least {MIN_LENGTH} characters, "
                           f"got {len(token)}")
     return token
+
+
+class AdminError(Exception):
+    """A refused admin call: its gRPC code and a message an admin can act on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def authorize(context: grpc.ServicerContext, token: bytes) -> None:
+    """Abort with UNAUTHENTICATED unless the call carries the admin token."""
+    presented = bearer(dict(context.invocation_metadata() or ()).get("authorization", ""))
+    if not presented:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "missing admin token: send `authorization: Bearer <token>` metadata")
+    if not token_matches(presented, token):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token not accepted")
+
+
+def run_admin(context: grpc.ServicerContext, token: bytes, call: Callable[[], T]) -> T:
+    """`call` for a caller with the admin token, its refusals (`AdminError`) as the call's
+    status; a store that cannot be reached is UNAVAILABLE."""
+    authorize(context, token)
+    try:
+        return call()
+    except AdminError as error:
+        context.abort(error.code, error.message)
+    except Exception as error:  # redis.RedisError, sqlite3.Error, OSError
+        log.warning("admin call failed: %s: %s", type(error).__name__, error)
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"the store cannot be reached: {type(error).__name__}")
+    raise AssertionError("context.abort returned")  # pragma: no cover

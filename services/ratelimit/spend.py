@@ -138,8 +138,8 @@ class SpendLedger:
                 if verdict.admitted and (remaining <= 0 or estimate_usd > remaining):
                     verdict.admitted = False
                     verdict.resets_in_s = resets_in
-                    verdict.refused = (f"{rule.scope} {rule.name!r}'s {rule.window} budget of ${rule.budget_usd:g} "
-                                       f"(${rule.budget_usd - remaining:.6g} spent)")
+                    verdict.refused = (f"the {rule.window} budget of {rule.scope} {rule.name} is ${rule.budget_usd:g} "
+                                       f"and ${rule.budget_usd - remaining:.6g} is spent")
                     self.refusals[rule.scope] += count
         verdict.remaining_usd = max(0.0, verdict.remaining_usd)
         return verdict

@@ -143,9 +143,9 @@ def _plain(message: Any) -> dict[str, Any]:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def _show_keys(args: argparse.Namespace, rows: list[keys_pb2.ApiKeyInfo]) -> None:
+def _show_keys(args: argparse.Namespace, rows: list[keys_pb2.ApiKeyInfo], one: bool = False) -> None:
     if args.json:
-        print(json.dumps([_plain(row) for row in rows], indent=2))
+        print(json.dumps(_plain(rows[0]) if one else [_plain(row) for row in rows], indent=2))
         return
     table = Table("id", "tenant", "team", "state", "models", "rpm", "tpm", "budget", "expires", "shown")
     for row in rows:
@@ -192,7 +192,7 @@ def cmd_update(args: argparse.Namespace) -> int:
         return 2
     with _admin(args) as admin:
         row = admin.keys.UpdateKey(keys_pb2.UpdateKeyRequest(id=args.id, set=spec, fields=fields), **admin.options)
-    _show_keys(args, [row])
+    _show_keys(args, [row], one=True)
     return 0
 
 
@@ -208,7 +208,7 @@ def cmd_rotate(args: argparse.Namespace) -> int:
 def cmd_revoke(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         row = admin.keys.RevokeKey(keys_pb2.KeyId(id=args.id), **admin.options)
-    _show_keys(args, [row])
+    _show_keys(args, [row], one=True)
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import calendar
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -93,7 +94,10 @@ class SpendLedger:
         self._lock = threading.Lock()
         self._totals: dict[Bucket, Usage] = {}  # everyone's, as last read
         self._pending: dict[Bucket, Usage] = {}  # charged here, not sent yet
-        self._sending: dict[Bucket, Usage] = {}  # sent, not yet answered
+        # The batch being sent, with its id: kept until the store answers, and sent again as it
+        # is (the store adds a batch once, whatever its answers' fate).
+        self._sending: dict[Bucket, Usage] = {}
+        self._batch = ""
         self._watch: dict[Bucket, float] = {}  # budgeted buckets -> when last checked
         self.reachable = True
         self.calls = {"ok": 0, "error": 0}
@@ -181,8 +185,9 @@ class SpendLedger:
         now = self._clock()
         current = {window: period(window, now)[0] for window in WINDOWS}
         with self._lock:
-            self._sending, self._pending = self._pending, {}
-            charges = dict(self._sending)
+            if not self._sending and self._pending:  # else the batch in doubt goes first, as it was
+                self._sending, self._pending, self._batch = self._pending, {}, secrets.token_hex(12)
+            charges, batch = dict(self._sending), self._batch
             for bucket, seen in list(self._watch.items()):
                 if now - seen > WATCH_S or current[bucket.window] != bucket.period:
                     del self._watch[bucket]
@@ -190,12 +195,8 @@ class SpendLedger:
         if not charges and not reads:
             return
         try:
-            totals = self.store.exchange(charges, reads)
-        except Exception as error:  # redis.RedisError, sqlite3.Error, OSError: keep the charges for later
-            with self._lock:
-                for bucket, usage in self._sending.items():
-                    self._pending.setdefault(bucket, Usage()).add(usage)
-                self._sending = {}
+            totals = self.store.exchange(charges, reads, batch)
+        except Exception as error:  # redis.RedisError, sqlite3.Error, OSError: the batch is sent again
             self.calls["error"] += 1
             if self.reachable:
                 self.outages += 1
@@ -207,6 +208,8 @@ class SpendLedger:
         self.calls["ok"] += 1
         with self._lock:
             self._sending = {}
+            if not self.reachable and self._pending:  # what was charged during the outage: sent now
+                self._wake.set()
             for bucket in [b for b in self._totals if current[b.window] != b.period]:
                 del self._totals[bucket]
             self._totals.update({b: u for b, u in totals.items() if current[b.window] == b.period})

@@ -8,10 +8,14 @@ HINCRBY; one UPDATE), so replicas charging at once never lose a charge.
 
 `exchange` is one round trip: this replica's charges added, then the totals of the buckets
 it watches read back, after its own charges (Redis runs a connection's commands in order).
+A batch of charges is added once whatever happens: it carries an id the store remembers for an
+hour, so a batch sent again after a timeout (the store may have added it before the answer was
+lost) is not added twice.
 """
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import threading
 import time
@@ -77,8 +81,8 @@ class Bucket:
 class SpendStore(Protocol):
     where: str
 
-    def exchange(self, charges: Mapping[Bucket, Usage], reads: Iterable[Bucket]) -> dict[Bucket, Usage]:
-        """Add `charges`, then read `reads` (and the charged buckets): their totals now."""
+    def exchange(self, charges: Mapping[Bucket, Usage], reads: Iterable[Bucket], batch: str = "") -> dict[Bucket, Usage]:
+        """Add `charges` (once per `batch` id), then read `reads` (and the charged buckets): their totals now."""
         ...
 
     def buckets(self, window: str, period: str) -> list[Bucket]:
@@ -93,12 +97,34 @@ def _usage(raw: Mapping[Any, Any]) -> Usage:
     return Usage(float(values.get("usd", 0.0)), *(int(float(values.get(name, 0))) for name in _FIELDS[1:]))
 
 
+# KEYS: the batch's id, then per bucket its hash and its period's index. ARGV: how long ids are
+# remembered (s), then per bucket: usd, input, cached input, output, requests, keep (s), its name.
+_ADD = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[1])) then return 0 end
+for i = 2, #KEYS, 2 do
+  local a = 2 + (i - 2) / 2 * 7
+  local h = KEYS[i]
+  redis.call('HINCRBYFLOAT', h, 'usd', ARGV[a])
+  redis.call('HINCRBY', h, 'input_tokens', ARGV[a + 1])
+  redis.call('HINCRBY', h, 'cached_input_tokens', ARGV[a + 2])
+  redis.call('HINCRBY', h, 'output_tokens', ARGV[a + 3])
+  redis.call('HINCRBY', h, 'requests', ARGV[a + 4])
+  redis.call('EXPIRE', h, ARGV[a + 5])
+  redis.call('SADD', KEYS[i + 1], ARGV[a + 6])
+  redis.call('EXPIRE', KEYS[i + 1], ARGV[a + 5])
+end
+return 1
+"""
+BATCH_MEMORY_S = 3600
+
+
 class RedisSpendStore:
     """A hash per bucket (`<prefix>spend:<bucket>`) and a set of a period's buckets."""
 
     def __init__(self, link: RedisLink) -> None:
         self._redis = connect(link)
         self._prefix = f"{link.key_prefix}spend:"
+        self._add = self._redis.register_script(_ADD)
         self.where = f"redis {link.address}"
 
     def _key(self, bucket: Bucket) -> str:
@@ -107,17 +133,15 @@ class RedisSpendStore:
     def _index(self, window: str, period: str) -> str:
         return f"{self._prefix}index:{window}:{period}"
 
-    def exchange(self, charges: Mapping[Bucket, Usage], reads: Iterable[Bucket]) -> dict[Bucket, Usage]:
+    def exchange(self, charges: Mapping[Bucket, Usage], reads: Iterable[Bucket], batch: str = "") -> dict[Bucket, Usage]:
         pipe = self._redis.pipeline(transaction=False)
-        for bucket, usage in charges.items():
-            key = self._key(bucket)
-            pipe.hincrbyfloat(key, "usd", usage.usd)
-            for name in _FIELDS[1:]:
-                if value := getattr(usage, name):
-                    pipe.hincrby(key, name, value)
-            pipe.expire(key, KEEP_S[bucket.window])
-            pipe.sadd(self._index(bucket.window, bucket.period), bucket.text())
-            pipe.expire(self._index(bucket.window, bucket.period), KEEP_S[bucket.window])
+        if charges:
+            keys, args = [f"{self._prefix}batch:{batch or secrets.token_hex(12)}"], [BATCH_MEMORY_S]
+            for bucket, u in charges.items():
+                keys += [self._key(bucket), self._index(bucket.window, bucket.period)]
+                args += [repr(u.usd), u.input_tokens, u.cached_input_tokens, u.output_tokens, u.requests,
+                         KEEP_S[bucket.window], bucket.text()]
+            self._add(keys=keys, args=args, client=pipe)
         wanted = sorted({*charges, *reads})
         for bucket in wanted:
             pipe.hgetall(self._key(bucket))
@@ -146,7 +170,8 @@ class SqliteSpendStore:
                              "requests INTEGER, expires REAL)")
             self._db.execute("DELETE FROM spend WHERE expires < ?", (time.time(),))
 
-    def exchange(self, charges: Mapping[Bucket, Usage], reads: Iterable[Bucket]) -> dict[Bucket, Usage]:
+    def exchange(self, charges: Mapping[Bucket, Usage], reads: Iterable[Bucket], batch: str = "") -> dict[Bucket, Usage]:
+        # One transaction: a batch is in or not (no answer lost after the commit), so no id is kept.
         wanted = sorted({*charges, *reads})
         now = time.time()
         with self._lock:

@@ -131,10 +131,9 @@ def test_the_admin_api_needs_the_admin_token(stacks: dict[str, Stack], monkeypat
     for token in ("", "not-the-admin-token-at-all"):
         answer = admin(stack, "POST", "/admin/keys", {"tenant": "dev"}, token=token)
         assert answer.status_code == 401 and "admin token" in answer.json()["error"]["message"]
-    with grpc.insecure_channel(stack.address) as channel:
-        with pytest.raises(grpc.RpcError) as refused:
-            keys_pb2_grpc.KeyAdminStub(channel).ListKeys(keys_pb2.ListKeysRequest(), timeout=5,
-                                                         metadata=(("authorization", "Bearer wrong-token-0123456789"),))
+    with grpc.insecure_channel(stack.address) as channel, pytest.raises(grpc.RpcError) as refused:
+        keys_pb2_grpc.KeyAdminStub(channel).ListKeys(keys_pb2.ListKeysRequest(), timeout=5,
+                                                     metadata=(("authorization", "Bearer wrong-token-0123456789"),))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     monkeypatch.setenv("SPINE_ADMIN_TOKEN", "wrong-token-0123456789")
     assert spine_keys(stack, "list")[0] == 3

@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.launch import Launched, launch, spine_up_argv
 from spine.tools.local_redis import LocalRedis
-from tests.http_helpers import openai_client
 from wire.v1 import keys_pb2, keys_pb2_grpc
 
 TOKEN = "replicas-admin-token-0123456789"

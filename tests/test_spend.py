@@ -20,10 +20,10 @@ import pytest
 
 from runtime.config_file import placements_for
 from runtime.stack import Stack
+from services.common.redis_link import RedisLink
 from services.ratelimit.spend import Payer, SpendLedger, period
 from services.ratelimit.spend_config import Price, SpendConfig
 from services.ratelimit.spend_store import RedisSpendStore
-from services.common.redis_link import RedisLink
 from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
 from tests.conftest import config_for_tests
@@ -151,7 +151,7 @@ def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: Stack) -> 
             remaining.append(float(raw.headers["x-spine-budget-remaining-usd"]))
             assert usage is not None
             charged += cost(usage.prompt_tokens, usage.completion_tokens)
-            within(2.0, lambda: spent(stack, key)["usd"] >= charged - 1e-9)  # priced and shared
+            within(2.0, lambda total=charged: spent(stack, key)["usd"] >= total - 1e-9)  # priced and shared
     error = refused.value
     assert charged >= budget - cost(len("turn 99"), 0)  # not refused below the budget
     assert error.code == "insufficient_quota" and "budget of key" in error.message

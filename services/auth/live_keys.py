@@ -171,9 +171,9 @@ class _KeyStoreCollector(Collector):
         staleness = keys.staleness_s()
         stale.add_metric([], staleness if staleness != float("inf") else -1.0)
         yield stale
-        count = GaugeMetricFamily("spine_auth_managed_keys", "Managed keys that are not revoked, as last read")
-        count.add_metric([], float(len(keys)))
-        yield count
+        managed = GaugeMetricFamily("spine_auth_managed_keys", "Managed keys that are not revoked, as last read")
+        managed.add_metric([], float(len(keys)))
+        yield managed
         version = GaugeMetricFamily("spine_auth_key_store_version", "The key store's version as last read")
         version.add_metric([], float(keys.version))
         yield version

@@ -80,7 +80,8 @@ class AdminError(Exception):
 
 def authorize(context: grpc.ServicerContext, token: bytes) -> None:
     """Abort with UNAUTHENTICATED unless the call carries the admin token."""
-    presented = bearer(dict(context.invocation_metadata() or ()).get("authorization", ""))
+    value = dict(context.invocation_metadata() or ()).get("authorization", "")
+    presented = bearer(value if isinstance(value, str) else value.decode("latin-1"))
     if not presented:
         context.abort(grpc.StatusCode.UNAUTHENTICATED,
                       "missing admin token: send `authorization: Bearer <token>` metadata")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -28,7 +29,7 @@ class SpendAdminService(spend_pb2_grpc.SpendAdminServicer):
         self._token = admin_token.encode()
         self._clock = clock
 
-    def report(self, key: str = "", team: str = "", tenant: str = "") -> list[dict[str, object]]:
+    def report(self, key: str = "", team: str = "", tenant: str = "") -> list[dict[str, Any]]:
         return spend_report(self.store, self.config, self._key_budgets(), self._clock(), key=key, team=team,
                             tenant=tenant)
 

@@ -136,7 +136,8 @@ class RedisSpendStore:
     def exchange(self, charges: Mapping[Bucket, Usage], reads: Iterable[Bucket], batch: str = "") -> dict[Bucket, Usage]:
         pipe = self._redis.pipeline(transaction=False)
         if charges:
-            keys, args = [f"{self._prefix}batch:{batch or secrets.token_hex(12)}"], [BATCH_MEMORY_S]
+            keys = [f"{self._prefix}batch:{batch or secrets.token_hex(12)}"]
+            args: list[int | str] = [BATCH_MEMORY_S]
             for bucket, u in charges.items():
                 keys += [self._key(bucket), self._index(bucket.window, bucket.period)]
                 args += [repr(u.usd), u.input_tokens, u.cached_input_tokens, u.output_tokens, u.requests,

@@ -32,6 +32,7 @@ import orjson
 
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, parse_load
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE
+from services.pipeline.internal_marks import SHADOW_HEADER
 from services.pipeline.verdicts import (
     ATTEMPTS_HEADER,
     BUDGET_HEADER,
@@ -45,9 +46,12 @@ REQUEST_ID = "x-request-id"
 LAYOUT = "x-spine-layout"
 GPU_LOAD_HINT = "x-gpu-load-hint"  # the seed's header: the load hint as JSON
 # Headers a client may send that reach the pipeline as metadata (besides the credential and
-# `x-request-id`, which the app reads itself). Nothing else does: a client
-# cannot name internal metadata (a shadow mark, a tenant) by sending a header.
-FORWARDED_HEADERS = ("x-session-id", "x-spine-route", "traceparent", "tracestate")
+# `x-request-id`, which the app reads itself). Nothing else does: a client cannot name
+# internal metadata (a tenant) by sending a header. The shadow mark passes because it is
+# signed: the gateway honours it only when it verifies with the deployment's internal
+# secret (`services.pipeline.internal_marks`), so the HTTP front's copies to the spine are
+# dry-run there, and whatever else a client puts in it is ignored.
+FORWARDED_HEADERS = ("x-session-id", "x-spine-route", "traceparent", "tracestate", SHADOW_HEADER)
 RATE_LIMITED_PREFIX = "rate limited by"  # the rate limiter's refusals (`verdicts.rate_limit_stop`)
 INSUFFICIENT_QUOTA = "insufficient_quota"  # a budget's refusal: OpenAI's own type and code for it
 MAX_INT32 = 2**31 - 1

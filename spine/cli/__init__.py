@@ -9,6 +9,7 @@
     spine certs dev --out DIR
     spine demo [--model DIR]
     spine config schema|check
+    spine keys import FILE [--from lines|litellm]
     spine migrate ...
     spine keys create|list|update|rotate|revoke|spend ...
 

@@ -7,6 +7,7 @@
     spine keys rotate ID [--overlap S]
     spine keys revoke ID
     spine keys spend [--key-id ID] [--team T] [--tenant T]
+    spine keys import FILE [--from lines|litellm]   (spine.tools.key_import: no spine needed)
 
 Every command takes --address (the spine's gRPC address, default the config's `listen`) and
 the admin token from --admin-token-file or $SPINE_ADMIN_TOKEN (never from argv); `--ca FILE
@@ -32,6 +33,7 @@ from rich.table import Table
 
 from runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
 from services.common.admin_token import read_admin_token
+from spine.tools.key_import import add_import_parser
 from wire.v1 import keys_pb2, keys_pb2_grpc, spend_pb2, spend_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -65,8 +67,10 @@ def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     expiry.add_argument("--expires-in", type=float, metavar="SECONDS")
     expiry.add_argument("--expires-at", type=float, metavar="UNIX_SECONDS")
 
-    keys = subparsers.add_parser("keys", help="API keys managed at run time, and spend (the admin API)")
+    keys = subparsers.add_parser("keys", help="API keys managed at run time, and spend (the admin API); import a "
+                                              "legacy gateway's key list as auth.api_keys")
     sub = keys.add_subparsers(dest="keys_command", required=True)
+    add_import_parser(sub)
     create = sub.add_parser("create", parents=[common, spec], help="make a key (printed once)")
     create.add_argument("--tenant", required=True)
     create.add_argument("--id", help="its id (default: one is picked)")

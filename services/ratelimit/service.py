@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import grpc
-from prometheus_client.registry import Collector
 
 from services.common import Clock, DeviceState, answer_one, section
+from services.common.collectors import combined
 from services.pipeline.batch_rpc import ItemError
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
 from services.ratelimit.admission import MAX_HITS_ADDEND as MAX_HITS_ADDEND
@@ -44,11 +44,12 @@ from services.ratelimit.asks import (
     key_limits,
     limit_name,
 )
+from services.ratelimit.budget_admission import admit_within_budgets, charge
 from services.ratelimit.concurrency import ConcurrencyLeases, SlotAdmission
 from services.ratelimit.config import BucketLimits as BucketLimits
 from services.ratelimit.config import RateLimitConfig
 from services.ratelimit.leases import StoreLeases
-from services.ratelimit.spend import BudgetVerdict, Payer, SpendLedger
+from services.ratelimit.spend import SpendLedger
 from services.ratelimit.spend_store import open_spend_store
 from services.ratelimit.token_buckets import BatchDecision, BucketState, TokenBucketTable
 from wire.v1 import ratelimit_pb2, ratelimit_pb2_grpc
@@ -100,8 +101,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             config.store, self._table, self._leases, self._lock, lambda key: self._buckets[cast(Key, key)].limits,
             concurrency_of, tuple(t for t, limits in config.tenants.items() if limits.max_concurrent_requests),
             clock).start()
-        self.store_collector = _both(None if self.store is None else self.store.collector(),
-                                     None if spend is None else spend.collector())
+        self.store_collector = combined(None if self.store is None else self.store.collector(),
+                                        None if spend is None else spend.collector())
         self.local_health = None if self.store is None else self.store.health
 
     def close(self) -> None:
@@ -207,30 +208,11 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         decided without it; when the bucket table has no room for a new bucket, the items
         are decided one by one so only those that needed room fail (RESOURCE_EXHAUSTED).
 
-        With `ratelimit.spend`, the budgets come first: an item that would pass one is refused
-        and touches no bucket; every other verdict says the least budget remaining."""
+        With `ratelimit.spend`, the budgets come first (`budget_admission`): an item that
+        would pass one is refused and touches no bucket."""
         if self.spend is None:
             return self._admit_limits(items)
-        budgets = [self._budget(item) for item in items]
-        passing = [index for index, budget in enumerate(budgets) if budget.admitted]
-        limits = self._admit_limits([items[index] for index in passing]) if len(passing) < len(items) \
-            else self._admit_limits(items)
-        decided: list[AdmitVerdict | ItemError] = [
-            AdmitVerdict(admitted=False, retry_after_s=budget.resets_in_s, budget=budget.refused,
-                         budget_remaining_usd=budget.remaining_usd, budget_resets_in_s=budget.resets_in_s)
-            for budget in budgets]
-        for index, verdict in zip(passing, limits, strict=True):
-            if isinstance(verdict, AdmitVerdict):
-                verdict.budget_remaining_usd = budgets[index].remaining_usd
-            decided[index] = verdict
-        return decided
-
-    def _budget(self, item: AdmitItem) -> BudgetVerdict:
-        assert self.spend is not None
-        price = self.spend.config.price(item.model)
-        estimate = 0.0 if price is None else price.cost(item.tokens, 0, 0)  # its prompt, at least
-        payer = Payer(item.tenant, item.team, item.key, item.key_budget_usd, item.key_budget_window or "monthly")
-        return self.spend.check(payer, estimate, count=not item.dry_run)
+        return admit_within_budgets(self.spend, items, self._admit_limits)
 
     def _admit_limits(self, items: Sequence[AdmitItem]) -> list[AdmitVerdict | ItemError]:
         """`admit_items` on the buckets and slots alone."""
@@ -315,10 +297,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                     if item.key and item.key_tokens_per_minute:
                         self._settle(key_bucket(item.key, "tokens", item.key_tokens_per_minute), extra)
         if self.spend is not None:  # priced outside the lock: the ledger has its own
-            for item in request.items:
-                if item.tenant and item.model and (item.prompt_tokens or item.completion_tokens):
-                    self.spend.charge(Payer(item.tenant, item.team, item.key), item.model, item.prompt_tokens,
-                                      item.cached_prompt_tokens, item.completion_tokens)
+            charge(self.spend, request.items)
         return answer
 
     def _settle(self, key: Key, extra: float) -> None:
@@ -436,18 +415,3 @@ def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
     if ratelimit.spend.tracked:
         spend = SpendLedger(ratelimit.spend, open_spend_store(ratelimit, run_dir)).start()
     return RateLimitService(ratelimit, device, spend=spend)
-
-
-class _Both(Collector):
-    def __init__(self, *collectors: Collector) -> None:
-        self._collectors = collectors
-
-    def collect(self) -> Iterator[Any]:
-        for collector in self._collectors:
-            yield from collector.collect()
-
-
-def _both(*collectors: Collector | None) -> Collector | None:
-    """One collector for the lease store's and the spend ledger's families (None: neither)."""
-    present = [c for c in collectors if c is not None]
-    return None if not present else present[0] if len(present) == 1 else _Both(*present)

@@ -180,3 +180,13 @@ def test_a_keys_own_requests_per_minute_hold_beside_its_tenants(stacks: dict[str
         client.chat.completions.create(model="tiny-lm", max_tokens=1, messages=[{"role": "user", "content": "c"}])
     assert float(refused.value.response.headers["retry-after-ms"]) > 0
     assert works(stack, "spine-dev-key-0000")  # the tenant's other keys are not held back
+
+
+def test_the_stored_hash_is_hmac_sha256_under_the_servers_secret() -> None:
+    import hmac
+
+    from services.auth.managed_keys import KeyHasher
+
+    for secret in (b"s" * 16, b"t" * 64, b"u" * 100):  # a secret longer than a block is hashed first
+        for key in ("sk-spine-abc", "é" * 40):
+            assert KeyHasher(secret).raw(key) == hmac.digest(secret, key.encode(), "sha256")

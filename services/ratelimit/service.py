@@ -1,9 +1,11 @@
 """The RateLimit service: token buckets per (tenant, model, resource).
 
 The pipeline asks `AdmitBatch` (the per-request `Admit` is its batch of one): each item is
-one request against the requests-per-second bucket and `prompt + max_tokens` tokens
-against the tokens-per-minute bucket, turned into two descriptors by `ask_for`. An item
-is all-or-nothing: admitted only when both fit, and then both are charged.
+one request against the requests-per-second bucket and its prompt's tokens against the
+tokens-per-minute bucket (settled with what it used at its release), turned into two
+descriptors by `ask_for` (four with an API key's own limits). An item is all-or-nothing:
+admitted only when every one fits, and then all are charged. With `ratelimit.spend`, budgets
+are decided first and usage is charged at the release (`budget_admission`).
 `ShouldRateLimit` is the general descriptor form (Envoy's shape), decided by the same
 code on the same buckets.
 

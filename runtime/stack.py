@@ -93,6 +93,10 @@ class Stack:
     metrics: MetricsExports | None = None
     fronts: Fronts | None = None
     layout_health: LayoutHealth | None = None
+    # The admin token: with one, the admin API (keys managed at run time, spend) is served on
+    # the gRPC and HTTP listeners (`runtime.admin_api`); None: it is off.
+    admin_token: str | None = None
+    admin: Any = None
     _tmp: Any = None
 
     @property
@@ -151,10 +155,15 @@ class Stack:
             # placed at the time of each call (see `runtime.foreign`).
             envoy = envoy_apis(self.registry, self.config, lambda name: components.bindings[name],
                                {name: ms / 1000.0 for name, ms in budgets_ms.items()})
+            if self.admin_token:
+                from runtime.admin_api import AdminApi
+
+                self.admin = AdminApi(self.config, self.run_dir, self.admin_token)
             server = fronts.start_grpc(self.gateway, self.listen, envoy, checked.envoy_api.listen, self.registry,
-                                       self.probe_listen)
+                                       self.probe_listen, self.admin.grpc_services() if self.admin else None)
             fronts.start_http(self.gateway, self.http_listen,
-                              serving=lambda: self.health is None or self.health.serving is not False)
+                              serving=lambda: self.health is None or self.health.serving is not False,
+                              admin=self.admin)
             from runtime.gateway_mirror import start_gateway_mirror
 
             self.shadow = start_gateway_mirror(self.config, self.gateway, server.address,
@@ -290,6 +299,9 @@ class Stack:
             self.metrics.stop()
         if self.components is not None:
             self.components.stop()
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

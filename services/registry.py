@@ -29,7 +29,7 @@ from services.cache.config import CacheConfig
 from services.cache.steps import CacheLookupStep, CacheStoreStep
 from services.common import DeviceState
 from services.common.config_section import Section
-from services.gateway.validation import ValidationStep
+from services.gateway.validation import ModelAccessStep, ValidationStep
 from services.inference.config import InferenceConfig
 from services.inference.steps import InferenceStep
 from services.logs.config import LogsConfig
@@ -45,7 +45,7 @@ from services.router.steps import RouterStep
 
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 # The steps on the path that call no component: the gateway's own checks.
-GATEWAY_STEPS: tuple[type[Step], ...] = (ValidationStep,)
+GATEWAY_STEPS: tuple[type[Step], ...] = (ValidationStep, ModelAccessStep)
 
 
 def _resolve(path: str) -> Any:
@@ -248,6 +248,7 @@ DEFAULT = Registry([
     AuthStep,  # who is asking (fail closed)
     ValidationStep,  # the gateway's own checks of the request, once its tenant is known
     RouterStep,  # which model it names
+    ModelAccessStep,  # whether its key may use that model
     RateLimitStep,  # admission: tokens and a concurrency slot
     CacheLookupStep,  # a stored answer ends the request here
     InferenceStep,  # the model

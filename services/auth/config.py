@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, StrictInt, field_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from services.auth.api_keys import ApiKeyEntry, ApiKeyTable, check_unique
 from services.auth.jwt_verify import JwtSection, JwtSettings
-from services.common.config_section import Float, Items, NonEmptyStr, Section
+from services.common.config_section import Float, Items, NonEmptyStr, Section, problem
+from services.common.redis_link import RedisLink
 
 MAX_DENIAL_TTL_S = 10.0
 
@@ -28,6 +30,36 @@ class CacheSettings(Section):
         return cls.parse(cfg, where)
 
 
+class KeyStoreRedis(RedisLink):
+    """`auth.store.redis`: the Redis the replicas share (the rate limiter's, say), keys under their own prefix."""
+
+    key_prefix: NonEmptyStr = "spine:keys:"
+
+
+class KeyStoreSection(Section):
+    """`auth.store`: where keys managed at run time (the admin API, `spine keys`) are kept.
+
+    Redis for replicas (`redis`, with `hmac_secret_file`: the secret every replica hashes keys
+    with), else a sqlite file (`sqlite`, default `keys.sqlite` in the run directory, its secret
+    made beside it at first start). Every replica polls the store's version every `poll_s` and
+    serves from its last copy while the store cannot be read."""
+
+    enabled: StrictBool = True
+    redis: KeyStoreRedis | None = None
+    sqlite: Path | None = None
+    hmac_secret_file: Path | None = None
+    poll_s: Annotated[Float, Field(gt=0, le=1)] = 0.2
+
+    @model_validator(mode="after")
+    def _one_store(self) -> KeyStoreSection:
+        if self.redis is not None and self.sqlite is not None:
+            raise problem("give one of `redis` or `sqlite`, not both")
+        if self.redis is not None and self.hmac_secret_file is None:
+            raise problem("with `redis`, give `hmac_secret_file`: the secret every replica hashes keys with "
+                          "(a file of the same 32+ random bytes on each, mode 600)", "hmac_secret_file")
+        return self
+
+
 class AuthSection(Section):
     """The `auth` section as written (the root config model's `auth`)."""
 
@@ -35,6 +67,7 @@ class AuthSection(Section):
     jwt: JwtSection | None = None
     required_scope: NonEmptyStr = "generate"
     cache: CacheSettings = CacheSettings()
+    store: KeyStoreSection = KeyStoreSection()
 
     @field_validator("api_keys")
     @classmethod
@@ -52,6 +85,7 @@ class AuthConfig:
     jwt: JwtSettings | None = None
     required_scope: str = "generate"
     cache: CacheSettings = CacheSettings()
+    store: KeyStoreSection = KeyStoreSection()
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> AuthConfig:
@@ -62,4 +96,4 @@ class AuthConfig:
     def from_section(cls, section: AuthSection, environ: Mapping[str, str] | None = None) -> AuthConfig:
         jwt = None if section.jwt is None else JwtSettings.from_section(section.jwt, "auth.jwt", environ)
         return cls(api_keys=ApiKeyTable.from_entries(section.api_keys), jwt=jwt,
-                   required_scope=section.required_scope, cache=section.cache)
+                   required_scope=section.required_scope, cache=section.cache, store=section.store)

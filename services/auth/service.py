@@ -23,6 +23,8 @@ import grpc
 
 from services.auth.config import AuthConfig
 from services.auth.jwt_verify import JwtVerifier, TokenRejected, looks_like_jwt
+from services.auth.live_keys import LiveKeys
+from services.auth.managed_keys import ManagedKey
 from services.auth.steps import CHECK_BATCH
 from services.common import Clock, DeviceState, answer_one, section
 from services.pipeline.batch_rpc import ItemError
@@ -98,15 +100,25 @@ def _copy(response: auth_pb2.CheckResponse) -> auth_pb2.CheckResponse:
 
 
 class AuthService(auth_pb2_grpc.AuthServicer):
-    def __init__(self, config: AuthConfig, device: DeviceState | None = None, clock: Clock = time.time) -> None:
+    def __init__(self, config: AuthConfig, device: DeviceState | None = None, clock: Clock = time.time,
+                 keys: LiveKeys | None = None) -> None:
         self.config = config
         self.device = device  # auth keeps no tensor state; accepted for a uniform constructor
         self._clock = clock
         self._jwt = None if config.jwt is None else JwtVerifier(config.jwt, clock)
         self.cache = VerdictCache(config.cache.max_entries, clock)
-        # An API key's verdict never changes while the service runs (the key table is fixed
-        # at start): made once per key, shared read-only by every check of that key.
+        # An API key's verdict changes only with its record: made once per config key, and
+        # once per (managed key, record version), shared read-only by every check of that key.
         self._key_verdicts: dict[str, auth_pb2.CheckResponse | ItemError] = {}
+        self._managed_verdicts: dict[tuple[str, int], auth_pb2.CheckResponse | ItemError] = {}
+        # Keys managed at run time (`services.auth.live_keys`), looked up before the config's.
+        self.keys = keys
+        self.store_collector = None if keys is None else keys.collector()
+
+    def close(self) -> None:
+        """Stop polling the key store."""
+        if self.keys is not None:
+            self.keys.close()
 
     def check_items(self, credentials: Sequence[str]) -> list[auth_pb2.CheckResponse | ItemError]:
         """One verdict per credential, in order: its principal, or the item's denial.
@@ -154,6 +166,9 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             return ItemError(_UNAUTHENTICATED, "credential could not be verified")
 
     def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse | ItemError:
+        managed = self.keys.lookup(token) if self.keys is not None else None
+        if managed is not None:
+            return self._managed_verdict(managed)
         key = self.config.api_keys.lookup(token)
         if key is None:
             raise AuthDenied(_UNAUTHENTICATED, "unknown API key")
@@ -168,6 +183,25 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             except AuthDenied as denied:
                 verdict = ItemError(denied.code, denied.message)
             self._key_verdicts[key.id] = verdict
+        return verdict
+
+    def _managed_verdict(self, key: ManagedKey) -> auth_pb2.CheckResponse | ItemError:
+        """A managed key's verdict, made once per version of its record."""
+        verdict = self._managed_verdicts.get((key.id, key.version))
+        if verdict is None:
+            principal = auth_pb2.Principal(
+                tenant=key.tenant, scopes=key.scopes, subject=key.id, max_priority=key.max_priority, team=key.team,
+                models=key.models, requests_per_minute=key.requests_per_minute,
+                tokens_per_minute=key.tokens_per_minute, budget_usd=key.budget_usd,
+                budget_window=key.budget_window if key.budget_usd else "")
+            try:
+                self._authorize(principal)
+                verdict = auth_pb2.CheckResponse(principal=principal, method="api_key", expires_at=key.expires_at)
+            except AuthDenied as denied:
+                verdict = ItemError(denied.code, denied.message)
+            if len(self._managed_verdicts) > 4 * max(len(self.keys or ()), 256):  # old versions: made again if asked
+                self._managed_verdicts.clear()
+            self._managed_verdicts[(key.id, key.version)] = verdict
         return verdict
 
     def _verify_jwt(self, token: str) -> auth_pb2.CheckResponse:
@@ -220,5 +254,13 @@ def _bearer(credential: str) -> str:
 
 
 def build(config: Mapping[str, Any], device: DeviceState, run_dir: Path) -> Any:
-    """The servicer from its section of a whole config (the component table's factory)."""
-    return AuthService(AuthConfig.from_dict(section(config, "auth")), device)
+    """The servicer from its section of a whole config (the component table's factory), with
+    the managed keys of its store (`auth.store`) unless that is turned off."""
+    auth = AuthConfig.from_dict(section(config, "auth"))
+    keys = None
+    if auth.store.enabled:
+        from services.auth.key_store import open_key_store
+
+        store, hasher = open_key_store(auth.store, run_dir)
+        keys = LiveKeys(store, hasher, auth.store.poll_s).start()
+    return AuthService(auth, device, keys=keys)

@@ -50,11 +50,13 @@ from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
 from services.pipeline.state import ModelCall, RequestState
 from services.pipeline.verdicts import (
+    BUDGET_HEADER,
     FORWARDED_TRAILERS,
     OVERHEAD_HEADER,
     UPSTREAM_TIME_HEADER,
     Stop,
     downstream_stop,
+    rate_limit_cost,
 )
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
 
@@ -141,9 +143,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 trailers: list[tuple[str, str]] = []
                 response = self._model_call(state, "Generate", context, trailing_out=trailers)
                 self.model_load.note_trailers(state.model, trailers)
-                state.completion_tokens = response.completion_tokens
-                if _model_time(state, trailers):  # an upstream's answer: its own count of tokens
-                    state.tokens_used = response.prompt_tokens + response.completion_tokens
+                _model_time(state, trailers)
+                _used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
                 self._police(state, response.text, response.token_ids)
                 state.response = response
                 context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
@@ -181,7 +182,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 stream = self._model_call(state, "GenerateStream", context)
                 ended = False
                 first = True
-                usage = (0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
+                usage = (0, 0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
                 try:
                     for chunk in stream:
                         if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
@@ -191,7 +192,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         finish = chunk.finish_reason or finish
                         digest = chunk.system_digest or digest
                         if chunk.completion_tokens or chunk.prompt_tokens:
-                            usage = (chunk.prompt_tokens, chunk.completion_tokens)
+                            usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
                         if first:  # the HTTP front's headers go out with it: what is known now
                             first = False
                             state.model_wait_s = time.perf_counter() - started
@@ -208,16 +209,18 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
                         stream.cancel()
                     state.add_time(self.pipeline.model.component, time.perf_counter() - started)
-                state.completion_tokens = usage[1] or len(tokens)
-                state.tokens_used = usage[0] + usage[1]
+                    # What was generated, however the stream ended (an aborted one is charged
+                    # up to where it stopped): the model's count, else its tokens, else its
+                    # pieces of text (an upstream's chunks carry no token ids).
+                    _used(state, usage[0], usage[1] or len(tokens) or sum(1 for text in texts if text), usage[2])
                 state.model_wait_s = time.perf_counter() - started
                 model_trailers = _forwarded(stream.trailing_metadata() or ())
                 self.model_load.note_trailers(state.model, model_trailers)
                 context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
                 state.response = generation_pb2.GenerateResponse(
                     text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
-                    prompt_tokens=usage[0] or len(resolved.prompt.encode()) + len(resolved.system.encode()),
-                    completion_tokens=state.completion_tokens, system_digest=digest)
+                    prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens, system_digest=digest,
+                    cached_prompt_tokens=state.cached_tokens)
             except Stop as stop:
                 self._abort(state, context, stop)
             except GeneratorExit:
@@ -355,9 +358,21 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         primaries = [f"{primary}:{hint}" for primary in state.fallback_of if (hint := loads.hint(primary))]
         if primaries:
             out.append((PRIMARY_LOAD_HEADER, ",".join(primaries)))
+        if state.budget_remaining_usd >= 0 and all(key != BUDGET_HEADER for key, _ in downstream):
+            out.append((BUDGET_HEADER, f"{state.budget_remaining_usd:.6f}"))
         overhead_s = time.perf_counter() - state.arrived - state.model_wait_s
         out.append((OVERHEAD_HEADER, f"{max(0.0, overhead_s) * 1000.0:.3f}"))
         return tuple(out)
+
+
+def _used(state: RequestState, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+    """What the model used for `state` (its prompt counted by bytes where the model did not
+    count it): what its tokens per minute are settled with and its spend priced on."""
+    assert state.resolved is not None
+    state.prompt_tokens = prompt_tokens or rate_limit_cost(state.resolved)
+    state.completion_tokens = completion_tokens
+    state.cached_tokens = min(cached_tokens, state.prompt_tokens)
+    state.tokens_used = state.prompt_tokens + completion_tokens
 
 
 def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:

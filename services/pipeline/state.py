@@ -75,9 +75,15 @@ class RequestState:
     # the model call as the gateway saw it): their difference is x-spine-overhead-duration-ms.
     arrived: float = 0.0
     model_wait_s: float = 0.0
-    # The tokens the model itself counted (an upstream's usage: prompt + completion), 0 when
-    # it did not: what the rate limiter's estimate at admission is settled against.
+    # What the request used, prompt and completion (an aborted stream's up to where it
+    # stopped; 0 for an answer from the cache): what the rate limiter's charge at admission is
+    # settled against, and what its spend is priced on; with the prompt's share, and how much
+    # of the prompt the model reused from a cache (an upstream's count).
     tokens_used: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # The least budget left to its key, team or tenant (USD; -1: none applies).
+    budget_remaining_usd: float = -1.0
     fallback: str = ""  # the router's fallback for the routed model ("" if none)
     fallback_of: tuple[str, ...] = ()  # the models the routed one is the fallback of
     model_call: ModelCall | None = None  # None: the model was not called (refused, a cache hit)

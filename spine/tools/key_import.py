@@ -46,9 +46,8 @@ class ImportedKey:
     limits: dict[str, Any] = field(default_factory=dict)  # the tenant's ratelimit block, when known
 
 
-def add_keys_parser(sub: Any) -> None:
-    keys = sub.add_parser("keys", help="API keys: import a legacy gateway's key list as auth.api_keys")
-    keys_sub = keys.add_subparsers(dest="action", required=True)
+def add_import_parser(keys_sub: Any) -> None:
+    """`import` under `spine keys` (`spine.cli.keys`, whose other commands are the admin API's)."""
     imp = keys_sub.add_parser("import", help="print a config fragment (auth.api_keys by digest, and per-key "
                                              "limits as ratelimit.tenants) from a key list")
     imp.add_argument("file", help="the key list ('-': standard input)")

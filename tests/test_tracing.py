@@ -24,7 +24,7 @@ from tests.conftest import DEV_KEY, config_for_tests
 from wire.v1 import generation_pb2, router_pb2
 
 MIDDLEWARE_SPANS = {"auth.check", "router.resolve", "ratelimit.admit", "cache.lookup", "text_completion tiny-lm",
-                    "cache.store", "metrics.record", "logs.append"}
+                    "ratelimit.release", "cache.store", "metrics.record", "logs.append"}
 
 
 def _tree(spans: Sequence[ReadableSpan]) -> tuple[str, tuple[Any, ...]]:

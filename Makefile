@@ -45,8 +45,16 @@ wire/v1/.generated: $(PROTOS) $(VENV)/.installed
 	touch wire/v1/__init__.py $@
 
 # `make run MODEL=DIR`: the demo on a model directory (e.g. the one `make model` writes).
+# `make run LEGACY=litellm`: the same three runs, migrating from a real LiteLLM proxy (offline,
+# loopback) instead of spine's layered stack (spine/tools/legacy_demo.py).
 run: install
+ifeq ($(LEGACY),litellm)
+	$(PY) -m spine.tools.legacy_demo
+else ifneq ($(LEGACY),)
+	@echo "make run: LEGACY=$(LEGACY) is not known (LEGACY=litellm, or none for the layered stack)" >&2; exit 2
+else
 	$(PY) -m spine demo $(if $(MODEL),--model $(MODEL))
+endif
 
 # A real instruct model (SmolLM2-135M-Instruct, from a pinned PyPI wheel), converted once;
 # `make install` never fetches it.

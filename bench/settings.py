@@ -59,8 +59,11 @@ RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
     "requests_per_second": 100000, "burst": 100000, "tokens_per_minute": 1.0e9, "token_burst": 1.0e9}}}
 
 
-# The serving rows `--only` may run alone (`bench.serving`).
-ONLY_PARTS = ("serving", "system_prompt", "system_prompt_hf", "legacy")
+# Rows of a module of their own, each with `measure()` and `describe(row)`: in a full run, and
+# each alone with `--only`.
+ROWS = {"fair_share": "bench.fair_share", "genai_telemetry": "bench.genai_cost"}
+# The serving rows `--only` may run alone (`bench.serving`, and ROWS).
+ONLY_PARTS = ("serving", "system_prompt", "system_prompt_hf", "legacy", *ROWS)
 
 
 @dataclass(frozen=True)

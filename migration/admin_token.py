@@ -1,61 +1,12 @@
-"""The admin token: read from a file or SPINE_ADMIN_TOKEN, never from argv.
+"""The admin token (`services.common.admin_token`), under the name the controller's code uses."""
 
-Command lines are visible to every user of the machine (`ps`), so a token on argv is a
-leaked token. Files and the environment are not — as long as the file is the user's alone:
-a token file readable by group or others is refused, as ssh refuses such a private key.
-"""
+from services.common.admin_token import (
+    ENV_VAR,
+    MIN_LENGTH,
+    bearer,
+    read_admin_token,
+    read_secret_file,
+    token_matches,
+)
 
-from __future__ import annotations
-
-import hmac
-import os
-import stat
-from collections.abc import Mapping
-from pathlib import Path
-
-from services.common import ConfigError
-
-ENV_VAR = "SPINE_ADMIN_TOKEN"
-MIN_LENGTH = 16
-
-
-def read_secret_file(path: str, flag: str) -> str:
-    """A secret from `path` (stripped), refused when group or others can read the file."""
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-        secret = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise ConfigError(f"{flag}: cannot read {path}: {exc.strerror}") from None
-    if mode & 0o077:  # like ssh with a private key: a secret others can read is no secret
-        raise ConfigError(f"{flag} {path}: readable by other users (mode {mode:04o}); chmod 600 {path}")
-    return secret
-
-
-def token_matches(presented: str | bytes, token: str | bytes) -> bool:
-    """Whether `presented` is the admin token, in constant time (no timing oracle)."""
-    given = presented.encode() if isinstance(presented, str) else presented
-    expected = token.encode() if isinstance(token, str) else token
-    return bool(given) and hmac.compare_digest(given, expected)
-
-
-def bearer(header: str) -> str:
-    """The credential of an `authorization: Bearer <token>` value ("" for any other scheme)."""
-    scheme, _, credential = header.partition(" ")
-    return credential.strip() if scheme.lower() == "bearer" else ""
-
-
-def read_admin_token(path: str | None, env: Mapping[str, str] | None = None) -> str:
-    """The token from `path` if given, else from $SPINE_ADMIN_TOKEN; ConfigError if neither."""
-    env = os.environ if env is None else env
-    if path:
-        token = read_secret_file(path, "--admin-token-file")
-        where = f"--admin-token-file {path}"
-    else:
-        token = env.get(ENV_VAR, "").strip()
-        where = f"${ENV_VAR}"
-        if not token:
-            raise ConfigError(f"no admin token: pass --admin-token-file FILE or set ${ENV_VAR}")
-    if len(token) < MIN_LENGTH:
-        raise ConfigError(f"{where}: the admin token must be at least {MIN_LENGTH} characters, "
-                          f"got {len(token)}")
-    return token
+__all__ = ["ENV_VAR", "MIN_LENGTH", "bearer", "read_admin_token", "read_secret_file", "token_matches"]

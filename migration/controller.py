@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
-from migration.plan import Plan, Stage, refuse_parity_without_shadow
+from migration.plan import Plan, Stage, refuse_other_legacy, refuse_parity_without_shadow
 from migration.state_store import Store
 from migration.status import AuditEntry, GateRecord, RolloutStatus, State, TransitionEvent
-from migration.target import TrafficTarget
+from migration.target import TrafficTarget, legacy_of
 from migration.transition_executor import SYSTEM_ACTOR, TransitionExecutor
 from migration.transitions import HINTS, Action, Effect, InvalidTransition
 from services.common import Clock
@@ -138,7 +138,9 @@ class Controller(TransitionExecutor):
 
     def check_plan(self, plan: Plan) -> None:
         """Refuse (PlanError) what this data path cannot judge: a parity gate where nothing
-        mirrors traffic (the target says, `TrafficTarget.shadow`)."""
+        mirrors traffic (the target says, `TrafficTarget.shadow`), and a plan written for
+        another from side than the data path's (`legacy:`, `migration.legacy_endpoint`)."""
+        refuse_other_legacy(plan, legacy_of(self._target))
         if plan.parity_gates():
             shadow = self._target.shadow()
             if not shadow.enabled:

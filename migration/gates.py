@@ -93,7 +93,10 @@ def _too_few(layered: WindowStats, spine: WindowStats, min_requests: int) -> str
 
 def error_rate_gate(layered: WindowStats, spine: WindowStats, max_delta: float, min_requests: int,
                     dry_run: bool = False) -> GateResult:
-    """Pass while spine_rate <= layered_rate + max_delta; the value is the delta."""
+    """Pass while spine_rate <= layered_rate + max_delta; the value is the delta.
+
+    A baseline failing more than max_delta itself is no baseline: the gate is then inconclusive
+    (the stage holds, never a pass), unless the spine fails even more (a fail)."""
     few = _missing(layered, spine) or _too_few(layered, spine, min_requests)
     if few:
         return GateResult("error_rate", Verdict.INCONCLUSIVE, None, max_delta, dry_run, few)
@@ -101,6 +104,14 @@ def error_rate_gate(layered: WindowStats, spine: WindowStats, max_delta: float, 
     ok = spine.error_rate <= layered.error_rate + max_delta
     message = (f"spine error rate {spine.error_rate:.4f} vs layered {layered.error_rate:.4f}: "
                f"delta {delta:+.4f} {'<=' if ok else '>'} max_delta {max_delta:g}")
+    if ok and layered.error_rate > max_delta:
+        # The baseline is failing itself (a legacy endpoint going down, say): its failures are
+        # its own, counted on its side. They never excuse the spine's, and a window in which
+        # the baseline is broken is no evidence for the spine either: the stage holds.
+        return GateResult("error_rate", Verdict.INCONCLUSIVE, delta, max_delta, dry_run,
+                          f"{message}, but the layered side itself failed {layered.error_rate:.4f} > max_delta "
+                          f"{max_delta:g}: its failures are its own and never a reason to pass the spine; "
+                          f"holding until it recovers")
     return GateResult("error_rate", Verdict.PASS if ok else Verdict.FAIL, delta, max_delta, dry_run, message)
 
 

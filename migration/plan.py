@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from migration.legacy_endpoint import DEFAULT_API_KEY_HEADER, LegacyEndpoint, legacy_problems
 from runtime.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
 from services.registry import MIDDLEWARES
@@ -30,7 +31,8 @@ GATE_OPTIONS: dict[str, tuple[str, ...]] = {
     "parity": ("min_requests",),
 }
 
-_PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "route_header", "stages"}
+_PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "route_header", "legacy", "stages"}
+_LEGACY_KEYS = {"http", "api_key_header"}
 _STAGE_KEYS = {
     "name", "spine_weight", "placements", "hold_s", "min_requests",
     "gates", "failure_limit", "manual_approval",
@@ -100,6 +102,9 @@ class Plan:
     description: str = ""
     # Whether the data path honours `x-spine-route` (forcing a side) while this plan runs.
     route_header: bool = DEFAULT_ROUTE_HEADER
+    # The "from" side when it is a foreign HTTP endpoint (`migration.legacy_endpoint`); None:
+    # spine's layered stack.
+    legacy: LegacyEndpoint | None = None
 
     def stage_index(self, name: str) -> int | None:
         for index, stage in enumerate(self.stages):
@@ -128,6 +133,27 @@ def refuse_parity_without_shadow(plan: Plan, why: str) -> None:
                      f"turn shadow on, or remove the parity gates:",
                      *(f"{path} (line {located.line(path)}): parity gate with no shadow comparisons to read"
                        for path in paths)])
+
+
+def refuse_other_legacy(plan: Plan, served: LegacyEndpoint | None) -> None:
+    """PlanError when `plan`'s from side is not the one the data path splits traffic with
+    (`served`: its foreign legacy endpoint, None for spine's layered stack)."""
+    if plan.legacy == served:
+        return
+    line = load_located(plan.source).line("legacy")
+    if served is None:
+        problem = (f"legacy (line {line}): this plan migrates from the HTTP endpoint "
+                   f"{plan.legacy.describe() if plan.legacy else ''}, but this controller's data path migrates from "
+                   f"spine's layered stack; run a controller whose front splits traffic with that endpoint "
+                   f"(python -m migration.runner --target legacy-http --legacy-http URL ...), or remove legacy:")
+    elif plan.legacy is None:
+        problem = (f"plan (line 1): this controller's data path migrates from the HTTP endpoint "
+                   f"{served.describe()}; a plan for it says so: legacy: {{http: {served.http}, "
+                   f"api_key_header: {served.api_key_header}}}")
+    else:
+        problem = (f"legacy (line {line}): this plan migrates from {plan.legacy.describe()}, but this "
+                   f"controller's front splits traffic with {served.describe()}")
+    raise PlanError([problem])
 
 
 def load_plan(text: str, middlewares: Sequence[str] = MIDDLEWARES) -> Plan:
@@ -167,6 +193,7 @@ class _Checker:
         window_s = self.number(data, "window_s", "", DEFAULT_WINDOW_S, minimum=0.0, exclusive=True)
         min_window = self.integer(data, "min_window_requests", "", DEFAULT_MIN_WINDOW_REQUESTS, minimum=0)
         route_header = self.flag(data, "route_header", "", DEFAULT_ROUTE_HEADER)
+        legacy = self.legacy(data.get("legacy"), "legacy") if "legacy" in data else None
         raw_stages = data.get("stages")
         stages: list[Stage] = []
         if not isinstance(raw_stages, list) or not raw_stages:
@@ -176,6 +203,9 @@ class _Checker:
             seen: dict[str, int] = {}
             for index, raw in enumerate(raw_stages):
                 stage = self.stage(raw, f"stages[{index}]", index, previous)
+                if "legacy" in data and isinstance(raw, Mapping) and "placements" in raw:
+                    self.fail(f"stages[{index}].placements", "a foreign legacy side has no middlewares to move "
+                              "into the spine (the spine serves whole, collapsed): remove placements")
                 if stage is None:
                     continue
                 if stage.name in seen:
@@ -186,7 +216,21 @@ class _Checker:
                 stages.append(stage)
         if self.problems:
             return None
-        return Plan(name, tuple(stages), window_s, min_window, text, description, route_header)
+        return Plan(name, tuple(stages), window_s, min_window, text, description, route_header, legacy)
+
+    def legacy(self, raw: Any, path: str) -> LegacyEndpoint | None:
+        if not isinstance(raw, Mapping):
+            self.fail(path, f"expected a mapping {{http: URL, api_key_header: HEADER}}, got {_kind(raw)}")
+            return None
+        self.unknown_keys(raw, path, _LEGACY_KEYS)
+        if "http" not in raw:
+            self.fail(path, "missing required field 'http' (the endpoint's URL, e.g. http://127.0.0.1:4000)")
+            return None
+        header = raw.get("api_key_header", DEFAULT_API_KEY_HEADER)
+        problems = legacy_problems(raw["http"], header)
+        for field, problem in problems:
+            self.fail(f"{path}.{field}", problem)
+        return None if problems else LegacyEndpoint(str(raw["http"]).rstrip("/"), str(header))
 
     def stage(self, raw: Any, path: str, index: int, previous: dict[str, str]) -> Stage | None:
         if not isinstance(raw, Mapping):

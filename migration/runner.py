@@ -7,6 +7,11 @@ placements and rate-limit shares to the spine replicas and layered rate limiters
 the controller; the gates read PromQL from `--prometheus-url`, or scrape every
 `--layered-metrics` / `--spine-metrics` URL (each repeatable) directly.
 
+With `--target legacy-http` the from side is a foreign HTTP endpoint (`--legacy-http`, e.g. LiteLLM's
+proxy): this process serves the HTTP front (`--front-listen`) that clients call instead, splitting
+their traffic with the spine's HTTP API (`--spine-http`) by each stage's weight; the gates judge
+both sides from what the front measures, and a plan must name the same endpoint (`legacy:`).
+
 With `--tls-cert-file --tls-key-file [--tls-client-ca-file]` both listeners (MigrationControl
 and xDS) speak TLS (mTLS with the client CA), and the gateways' health is asked over mTLS
 with the same certificate. It binds only to a unix socket or loopback unless
@@ -47,6 +52,8 @@ def build_target(args: argparse.Namespace) -> TrafficTarget:
         return RecordingTarget(args.recording_file)
     if args.target == "xds":
         return build_xds_target(args)
+    if args.target == "legacy-http":
+        return build_legacy_target(args)
     raise ConfigError(f"--target: unknown target {args.target!r}")  # pragma: no cover - argparse choices
 
 
@@ -88,6 +95,49 @@ def build_xds_target(args: argparse.Namespace) -> TrafficTarget:
     health = EndpointHealth({"layered": args.layered, "spine": args.spine}, xds=plane, tls=tls).start()
     return XdsTarget(plane, metrics, endpoint_health=health, min_data_planes=args.min_data_planes,
                      min_spine_replicas=args.min_spine_replicas)
+
+
+def build_legacy_target(args: argparse.Namespace) -> TrafficTarget:
+    """The HTTP front between a foreign legacy endpoint and the spine's HTTP API, in this process;
+    gates on what the front measures, parity on its shadow comparisons."""
+    from migration.legacy_endpoint import endpoint
+    from migration.metrics.scrape import ScrapeSource
+    from migration.traffic.http_front import HttpFront
+    from migration.traffic.http_mirror import MirrorSettings
+    from migration.traffic.legacy_target import LegacyTarget
+    from runtime.http.config import HttpConfig
+    from runtime.http.server import HttpServer
+    from services.common.prometheus_http import PrometheusHTTPServer
+
+    missing = [flag for flag, value in (("--legacy-http", args.legacy_http), ("--spine-http", args.spine_http),
+                                        ("--front-listen", args.front_listen)) if not value]
+    if missing:
+        raise ConfigError(f"--target legacy-http needs {', '.join(missing)}")
+    if not 0.0 <= args.shadow_share <= 1.0:
+        raise ConfigError(f"--shadow-share: must be between 0 and 1, got {args.shadow_share:g}")
+    try:
+        legacy = endpoint(args.legacy_http, args.legacy_api_key_header)
+        spine = endpoint(args.spine_http)
+    except ValueError as error:
+        raise ConfigError(str(error).replace("legacy http", "--legacy-http/--spine-http")) from None
+    secret = read_secret_file(args.internal_secret_file, "--internal-secret-file") if args.internal_secret_file \
+        else None
+    mirror = MirrorSettings(share=args.shadow_share) if args.shadow_share > 0 else None
+    front = HttpFront(legacy, spine.http, mirror=mirror, internal_key=secret.encode() if secret else None,
+                      timeout_s=args.front_timeout_s)
+    try:
+        server = HttpServer(front, HttpConfig(), args.front_listen, tls=tls_of(args),
+                            allow_external=args.allow_external).start()
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--front-listen: {error}") from None
+    log.info("HTTP front on http://%s: %s <-> spine %s", server.address, legacy.describe(), spine.http)
+    parity = None
+    if front.mirror is not None:
+        metrics = PrometheusHTTPServer(front.mirror.counters.registry)
+        metrics.start()
+        log.info("the front's shadow comparisons on http://%s/metrics", metrics.address)
+        parity = ScrapeSource({"front": [f"http://{metrics.address}/metrics"]}, interval_s=args.scrape_interval_s)
+    return LegacyTarget(front, parity)
 
 
 def build_metrics_source(args: argparse.Namespace) -> MetricsSource:
@@ -152,9 +202,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--db", required=True, help="sqlite file holding the rollout state")
     parser.add_argument("--listen", required=True, help="unix:PATH or a loopback HOST:PORT")
     parser.add_argument("--admin-token-file", help=f"file holding the admin token (else ${'SPINE_ADMIN_TOKEN'})")
-    parser.add_argument("--target", choices=["recording", "xds"], required=True,
+    parser.add_argument("--target", choices=["recording", "xds", "legacy-http"], required=True,
                         help="the data path to drive (xds: Envoy/proxyless data planes over ADS, gates on each "
-                             "side's metrics; recording: a test double with healthy stats, for trials only)")
+                             "side's metrics; legacy-http: an HTTP front in this process between a foreign "
+                             "OpenAI/Anthropic-compatible endpoint and the spine's HTTP API, gates on what it "
+                             "measures; recording: a test double with healthy stats, for trials only)")
+    parser.add_argument("--legacy-http", metavar="URL",
+                        help="with --target legacy-http: the legacy endpoint's root, e.g. http://127.0.0.1:4000")
+    parser.add_argument("--legacy-api-key-header", default="authorization",
+                        help="with --target legacy-http: the header clients send their key in (forwarded unchanged)")
+    parser.add_argument("--spine-http", metavar="URL", help="with --target legacy-http: the spine's HTTP API root")
+    parser.add_argument("--front-listen", metavar="HOST:PORT",
+                        help="with --target legacy-http: where the front serves clients (loopback unless "
+                             "--allow-external; over TLS with the --tls-* files)")
+    parser.add_argument("--shadow-share", type=float, default=0.0,
+                        help="with --target legacy-http: the share of answered requests copied to the other side "
+                             "and compared (parity gates need > 0; a copy to the legacy endpoint is a real request)")
+    parser.add_argument("--internal-secret-file",
+                        help="with --target legacy-http: the spine's internal secret (mode 600): shadow copies to "
+                             "the spine carry its signed mark, so they are dry-run there")
+    parser.add_argument("--front-timeout-s", type=float, default=300.0,
+                        help="with --target legacy-http: a forwarded request's whole budget")
     parser.add_argument("--min-data-planes", type=int, default=1,
                         help="with --target xds: a stage counts as applied only once at least this many data "
                              "planes have ACKed it (default 1: an ACK means someone listened)")

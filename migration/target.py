@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from migration.gates import ParityStats, WindowStats
+from migration.legacy_endpoint import LegacyEndpoint
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,10 @@ class TrafficTarget(Protocol):
         """Whether anything mirrors traffic and exports its comparisons where the gates read
         them: without it a parity gate could never judge, so a plan with one is refused."""
         ...
+
+
+def legacy_of(target: object) -> LegacyEndpoint | None:
+    """The foreign legacy endpoint a target splits traffic with (its optional `legacy()`), or
+    None where the from side is spine's layered stack (every target without that method)."""
+    legacy = getattr(target, "legacy", None)
+    return legacy() if callable(legacy) else None

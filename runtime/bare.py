@@ -76,11 +76,27 @@ class BareModel:
         return request
 
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        return self.servicer.Generate(self._admit(request, context), context)  # type: ignore[no-any-return]
+        return self.servicer.Generate(self._admit(request, context), ClientContext(context))  # type: ignore[no-any-return]
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
-        yield from self.servicer.GenerateStream(self._admit(request, context), context)
+        yield from self.servicer.GenerateStream(self._admit(request, context), ClientContext(context))
+
+
+class ClientContext:
+    """A client's call context as the model may read it: without `x-spine-*` metadata, which
+    only the spine's own gateway sets on its calls to the model (e.g. the tenant whose queue a
+    request joins): a client of the bare server cannot claim one."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple((key, value) for key, value in self._context.invocation_metadata() or ()
+                     if not key.startswith("x-spine-"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):

@@ -36,9 +36,12 @@ class Fronts:
         self._http_app: Any = None
 
     def start_grpc(self, gateway: Gateway, listen: str, envoy: list[tuple[Any, Any]], envoy_listen: str | None,
-                   registry: Registry, probe_listen: str | None) -> RunningServer:
-        """The gateway (and Envoy's APIs, `envoy`) on `listen`, or Envoy's on `envoy_listen`."""
-        self.server = start_server([(GATEWAY, gateway), *(envoy if envoy_listen is None else [])], listen,
+                   registry: Registry, probe_listen: str | None,
+                   admin: list[tuple[Any, Any]] | None = None) -> RunningServer:
+        """The gateway (and Envoy's APIs, `envoy`, and the admin API's services, `admin`) on
+        `listen`, or Envoy's on `envoy_listen`."""
+        self.server = start_server([(GATEWAY, gateway), *(admin or []), *(envoy if envoy_listen is None else [])],
+                                   listen,
                                    max_message_bytes=self.max_message_bytes, allow_external=self.allow_external,
                                    tls=self.tls, probe_listen=probe_listen, **request_pool(self.config.inference))
         if envoy and envoy_listen is not None:
@@ -49,8 +52,9 @@ class Fronts:
                                                own_listener=self.envoy_server is not None)
         return self.server
 
-    def start_http(self, gateway: Gateway, listen: str | None, serving: Callable[[], bool]) -> None:
-        """The HTTP API in front of `gateway` on `listen` (None: none)."""
+    def start_http(self, gateway: Gateway, listen: str | None, serving: Callable[[], bool], admin: Any = None) -> None:
+        """The HTTP API in front of `gateway` on `listen` (None: none), with `/admin/` when
+        given the admin API (`runtime.admin_api.AdminApi`)."""
         if listen is None:
             return
         from runtime.http.server import start_http
@@ -58,7 +62,8 @@ class Fronts:
         config = self.config
         self.http_server, self._http_app = start_http(
             gateway, config.http, config.router, config.limits, request_threads(config.inference), listen,
-            layout=lambda: gateway.layout, serving=serving, tls=self.tls, allow_external=self.allow_external)
+            layout=lambda: gateway.layout, serving=serving, tls=self.tls, allow_external=self.allow_external,
+            admin=admin)
 
     def flip(self, component: str, serving: bool) -> None:
         """A component's health changed: so did its Envoy API's."""

@@ -14,7 +14,8 @@ log = logging.getLogger("runtime")
 
 def start_metrics_endpoint(servicer: Any, config: SpineConfig, run_dir: Path,
                            local_inference: Callable[[], Any] = lambda: None,
-                           local_ratelimit: Callable[[], Any] = lambda: None) -> Any:
+                           local_ratelimit: Callable[[], Any] = lambda: None,
+                           local_auth: Callable[[], Any] = lambda: None) -> Any:
     """Serve `servicer.registry` over HTTP (prometheus_client: text or OpenMetrics by the Accept
     header); write the address to run_dir/metrics.addr. The model's serving families come too:
     from `local_inference()` when the model runs in this process, else forwarded from its
@@ -26,6 +27,7 @@ def start_metrics_endpoint(servicer: Any, config: SpineConfig, run_dir: Path,
 
     attach_serving_metrics(servicer, local_inference, run_dir)
     servicer.registry.register(StoreMetricsSource(local_ratelimit, run_dir))
+    servicer.registry.register(StoreMetricsSource(local_auth, run_dir, "auth"))
     settings = config.metrics
     endpoint = PrometheusHTTPServer(servicer.registry, listen=settings.http_listen,
                                     allow_external=settings.allow_external)
@@ -54,7 +56,8 @@ class MetricsExports:
             # The rate limiter's shared-store families: from the one built here, whenever it
             # was (it leases while it exists), else from the run directory's own process.
             self.metrics_endpoint = start_metrics_endpoint(metrics, self.config, self.run_dir, self.local_inference,
-                                                           lambda: self.local_servicers.get("ratelimit"))
+                                                           lambda: self.local_servicers.get("ratelimit"),
+                                                           lambda: self.local_servicers.get("auth"))
         elif "inference" in self.local_servicers:  # the metrics component is elsewhere
             from runtime.serving_metrics_export import serve_inference_metrics
 

@@ -130,10 +130,10 @@ def serve(argv: list[str] | None = None) -> int:
         from runtime.serving_metrics_export import serve_inference_metrics
 
         extra = serve_inference_metrics(servicer, config, run_dir)
-    elif args.component == "ratelimit":  # with a shared store: its families, on its own /metrics
+    elif args.component in ("ratelimit", "auth"):  # their stores' families, on their own /metrics
         from runtime.store_metrics import serve_store_metrics
 
-        extra = serve_store_metrics(servicer, config, run_dir)
+        extra = serve_store_metrics(servicer, config, run_dir, args.component)
 
     freeze_startup_heap()  # see its docstring: no full collection walks the startup heap again
     print(f"{args.component} serving on {server.address}", flush=True)

@@ -89,6 +89,10 @@ class Stack:
     metrics: MetricsExports | None = None
     fronts: Fronts | None = None
     layout_health: LayoutHealth | None = None
+    # The admin token: with one, the admin API (keys managed at run time, spend) is served on
+    # the gRPC and HTTP listeners (`runtime.admin_api`); None: it is off.
+    admin_token: str | None = None
+    admin: Any = None
     _tmp: Any = None
 
     @property
@@ -115,8 +119,12 @@ class Stack:
         from runtime.tracing import installed
 
         tracing = installed()
-        if tracing is not None:  # spans with the same names in every layout
+        genai = None
+        if tracing is not None:  # spans with the same names in every layout, and a GenAI span per model call
+            from runtime.genai_spans import GenAiSpans
+
             self.hooks = [*self.hooks, tracing.hook(self.layout)]
+            genai = GenAiSpans(tracing.tracer)
         components = self.components = Components(
             self.registry, self.config, self.placements, run_dir=self.run_dir, device=self.device,
             remote_addresses=self.remote_addresses, tls=self.config.tls, foreign=self.config.placements.foreign(),
@@ -130,7 +138,8 @@ class Stack:
             self.pipeline = Pipeline(self.registry.steps(limits, budgets_ms), components.placed, hooks=self.hooks,
                                      on_fail_open=fail_opens)
             self.gateway = Gateway(self.pipeline, limits, self.layout, fail_opens=fail_opens,
-                                   internal_key=internal_key(self.config), policy=OutputPolicy.of(self.config.output_policy))
+                                   internal_key=internal_key(self.config), policy=OutputPolicy.of(self.config.output_policy),
+                                   genai=genai)
             self.batching = GatewayBatching(self.gateway, self.pipeline, components,
                                             self.config.batching)
             self.batching.attach()
@@ -141,10 +150,15 @@ class Stack:
             # the time of each call (see `runtime.foreign`).
             envoy = envoy_apis(self.registry, self.config, components.placed.named,
                                {name: ms / 1000.0 for name, ms in budgets_ms.items()})
+            if self.admin_token:
+                from runtime.admin_api import AdminApi
+
+                self.admin = AdminApi(self.config.auth, self.config.ratelimit, self.run_dir, self.admin_token)
             server = fronts.start_grpc(self.gateway, self.listen, envoy, self.config.envoy_api.listen, self.registry,
-                                       self.probe_listen)
+                                       self.probe_listen, self.admin.grpc_services() if self.admin else None)
             fronts.start_http(self.gateway, self.http_listen,
-                              serving=lambda: self.health is None or self.health.serving is not False)
+                              serving=lambda: self.health is None or self.health.serving is not False,
+                              admin=self.admin)
             from runtime.gateway_mirror import start_gateway_mirror
 
             self.shadow = start_gateway_mirror(self.config, self.gateway, server.address,
@@ -281,6 +295,9 @@ class Stack:
             self.metrics.stop()
         if self.components is not None:
             self.components.stop()
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

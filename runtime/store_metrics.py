@@ -1,5 +1,6 @@
-"""How the rate limiter's shared-store families (`spine_ratelimit_store_*`) reach /metrics, in
-every layout.
+"""How the families of the components' shared stores reach /metrics, in every layout: the rate
+limiter's (`spine_ratelimit_store_*`, and `spine_spend_*` with `ratelimit.spend`) and auth's
+managed keys (`spine_auth_key_store_*`).
 
 A rate limiter with `ratelimit.store` keeps its lease state in its own process
 (`services.ratelimit.leases`). Where it runs decides how its families are served, as for the
@@ -34,15 +35,22 @@ from services.common.prometheus_http import PrometheusHTTPServer
 log = logging.getLogger("runtime")
 
 ADDRESS_FILE = "ratelimit.metrics.addr"
+# The components whose servicer may have a `store_collector`.
+STORE_COMPONENTS = ("ratelimit", "auth")
+
+
+def address_file(component: str) -> str:
+    """Where a component's own /metrics address is written in its run directory."""
+    return f"{component}.metrics.addr"
 
 
 class StoreMetricsSource(Collector):
-    """On the metrics component's registry: the store families of the rate limiter `local()`
+    """On the metrics component's registry: the store families of the component `local()`
     returns (one was built in this process), else forwarded from the run directory's own."""
 
-    def __init__(self, local: Callable[[], Any], run_dir: Path) -> None:
+    def __init__(self, local: Callable[[], Any], run_dir: Path, component: str = "ratelimit") -> None:
         self._local = local
-        self._address_file = run_dir / ADDRESS_FILE
+        self._address_file = run_dir / address_file(component)
 
     def collect(self) -> Iterator[Metric]:
         collector = getattr(self._local(), "store_collector", None)
@@ -52,19 +60,22 @@ class StoreMetricsSource(Collector):
         yield from forwarded(self._address_file)
 
 
-def serve_store_metrics(servicer: Any, config: SpineConfig, run_dir: Path) -> PrometheusHTTPServer | None:
-    """A rate limiter process's own /metrics with its store families (None: it has no store);
-    its address goes to run_dir/ratelimit.metrics.addr."""
+def serve_store_metrics(servicer: Any, config: SpineConfig, run_dir: Path,
+                        component: str = "ratelimit") -> PrometheusHTTPServer | None:
+    """A component process's own /metrics with its store families (None: it has none); its
+    address goes to run_dir/<component>.metrics.addr. The rate limiter's listens on
+    `ratelimit.store.metrics_listen` when it has a store, any other on a free loopback port."""
     collector = getattr(servicer, "store_collector", None)
-    store = config.ratelimit.store
-    if collector is None or store is None:
+    if collector is None:
         return None
+    store = config.ratelimit.store if component == "ratelimit" else None
     registry = CollectorRegistry()
     registry.register(collector)
     allow_external = config.metrics.allow_external
-    endpoint = PrometheusHTTPServer(registry, listen=store.metrics_listen, allow_external=allow_external)
+    endpoint = PrometheusHTTPServer(registry, listen=store.metrics_listen if store is not None else "127.0.0.1:0",
+                                    allow_external=allow_external)
     endpoint.start()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / ADDRESS_FILE).write_text(endpoint.address)
-    log.info("ratelimit store metrics on http://%s/metrics", endpoint.address)
+    (run_dir / address_file(component)).write_text(endpoint.address)
+    log.info("%s store metrics on http://%s/metrics", component, endpoint.address)
     return endpoint

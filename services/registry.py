@@ -35,7 +35,8 @@ from services.cache.config import CacheConfig
 from services.cache.steps import CacheLookupStep, CacheStoreStep
 from services.common import DeviceState
 from services.common.config_section import Section
-from services.gateway.validation import ValidationStep
+from services.common.tenant_shares import TenantShares
+from services.gateway.validation import ModelAccessStep, ValidationStep
 from services.inference.config import InferenceConfig
 from services.inference.steps import InferenceStep
 from services.logs.config import LogsConfig
@@ -53,7 +54,7 @@ from services.router.steps import RouterStep
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 Placement = Literal["local", "remote"]
 # The steps on the path that call no component: the gateway's own checks.
-GATEWAY_STEPS: tuple[type[Step[Any]], ...] = (ValidationStep,)
+GATEWAY_STEPS: tuple[type[Step[Any]], ...] = (ValidationStep, ModelAccessStep)
 
 
 def _resolve(path: str) -> Any:
@@ -156,7 +157,7 @@ class ForeignApi:
 
     def served(self) -> ComponentSpec:
         """What a server registers (the service, its health and reflection names)."""
-        return ComponentSpec(self.protocol, self.proto_module, self.service, _no_factory, None, ())
+        return ComponentSpec(self.protocol, self.proto_module, self.service, no_factory, None, ())
 
     def build_server(self, config: ComponentConfig, component: Callable[[], Any], budget_s: float) -> Any:
         return self.server(config, component, budget_s)
@@ -239,7 +240,7 @@ def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step
                          fail_mode, budget_ms, middleware, frozenset(passes), foreign=foreign, placement=placement)
 
 
-def _no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
     raise TypeError("a foreign API is served by its component's servicer, never built on its own")
 
 
@@ -247,13 +248,27 @@ def _no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> 
 def _auth(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
     from services.auth.service import AuthService
 
-    return AuthService(config.auth, device)
+    store = config.auth.store
+    if not store.enabled:
+        return AuthService(config.auth, device)
+    from services.auth.key_store import open_key_store
+    from services.auth.live_keys import LiveKeys
+
+    keys, hasher = open_key_store(store, run_dir)
+    return AuthService(config.auth, device, live_keys=LiveKeys(keys, hasher, store.poll_s).start())
 
 
 def _ratelimit(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
     from services.ratelimit.service import RateLimitService
 
-    return RateLimitService(config.ratelimit, device)
+    limits = config.ratelimit
+    if not limits.spend.tracked:
+        return RateLimitService(limits, device)
+    from services.ratelimit.spend import SpendLedger
+    from services.ratelimit.spend_store import open_spend_store
+
+    spend = SpendLedger(limits.spend, open_spend_store(limits, run_dir)).start()  # `ratelimit.spend` prices or budgets
+    return RateLimitService(limits, device, spend=spend)
 
 
 def _router(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
@@ -284,7 +299,14 @@ def _inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> A
     from services.common.upstream_config import upstream_routes
     from services.inference.models import MultiModelInference
 
-    return MultiModelInference(config.inference, device, upstreams=upstream_routes(config.router.models))
+    return MultiModelInference(config.inference, device, upstreams=upstream_routes(config.router.models),
+                               shares=tenant_shares(config.ratelimit))
+
+
+def tenant_shares(limits: RateLimitConfig) -> TenantShares:
+    """Each tenant's weight in the model's queue: its rate limit tier's `share_weight` (the
+    middlewares never import each other, so the table hands it over)."""
+    return TenantShares(limits.default.share_weight, {name: tier.share_weight for name, tier in limits.tenants.items()})
 
 
 def _envoy_authz(config: ComponentConfig, auth: Callable[[], Any], budget_s: float) -> Any:
@@ -342,6 +364,7 @@ DEFAULT = Registry([
     AuthStep,  # who is asking (fail closed)
     ValidationStep,  # the gateway's own checks of the request, once its tenant is known
     RouterStep,  # which model it names
+    ModelAccessStep,  # whether its key may use that model
     RateLimitStep,  # admission: tokens and a concurrency slot
     CacheLookupStep,  # a stored answer ends the request here
     InferenceStep,  # the model
@@ -350,7 +373,7 @@ DEFAULT = Registry([
     LogsStep,  # before metrics, so a failed append is counted in the request's record
     MetricsStep,
 ))
-GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", _no_factory, None, (),
+GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", no_factory, None, (),
                         register="services.gateway.service:add_gateway_to_server")
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares

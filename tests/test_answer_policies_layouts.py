@@ -225,8 +225,8 @@ def test_a_corrupt_table_is_refused_with_one_log_line_and_the_server_still_answe
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_over_http_a_violation_is_the_seeds_error_in_both_apis(stacks: dict[str, Stack], built: dict[str, Any],
-                                                                layout: str) -> None:
+def test_over_http_a_violation_is_the_content_policy_error_in_both_apis(stacks: dict[str, Stack], built: dict[str, Any],
+                                                                         layout: str) -> None:
     """`{"error": "content_policy_violation", "suggestion": "rephrase"}` (400) for an answer, and
     as the last event of a stream that had begun (a 400 where the first chunk already broke it)."""
     import httpx

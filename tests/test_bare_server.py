@@ -45,7 +45,8 @@ def test_text_completion_and_anthropic_messages(bare: BareUpstream) -> None:
     text = chat(bare).completions.create(model="mini", prompt="abc", max_tokens=3, temperature=0)
     assert text.model == "tiny-lm-mini" and text.usage is not None and text.usage.completion_tokens == 3
     claude = anthropic.Anthropic(base_url=f"http://{bare.http_address}", api_key=BARE_KEY, max_retries=0)
-    message = claude.messages.create(model="default", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    message = claude.messages.create(model="default", max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                                     extra_body={"temperature": 0})  # greedy (this SDK takes no temperature)
     assert message.usage.output_tokens == 4 and message.content[0].type == "text"
 
 

@@ -96,14 +96,14 @@ def test_the_front_notes_model_answers_and_the_concurrency_each_request_met() ->
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 10
-        while front._in_flight != {"layered": 1, "spine": 5} and time.monotonic() < deadline:
+        while front.log.in_flight() != {"layered": 1, "spine": 5} and time.monotonic() < deadline:
             time.sleep(0.01)
         for gateway in gateways.values():
             gateway.release.set()
         for thread in threads:
             thread.join(10)
         window = front.window(started)
-        in_flight = dict(front._in_flight)
+        in_flight = front.log.in_flight()
     finally:
         channel.close()
         front_server.stop(0.2)

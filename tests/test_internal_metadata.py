@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -24,18 +25,26 @@ from migration.controller import Controller
 from migration.plan import load_plan
 from migration.traffic.front import Front
 from migration.traffic.front_target import FrontTarget
+from runtime.config_file import placements_for
 from runtime.server import start_server
 from runtime.stack import Stack
 from runtime.tracing import Tracing, installed_tracing
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow, shadow_mark
 from services.registry import GATEWAY
 from spine.client.gateway_client import GatewayClient
-from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
+from tests.conftest import DEV_KEY, TEST_OVERRIDES, TIGHT_KEY, config_for_tests, start_stack
 from wire.v1 import generation_pb2
 
 SECRET = "internal-metadata-test-secret-0123456789"
 KEY = SECRET.encode()
-CONFIG = config_for_tests(internal={"secret": SECRET})
+# A second tight tenant for the HTTP test: its burst is its own, whatever ran before it.
+HTTP_TIGHT_KEY = "tight-http-tenant-key-0000"
+CONFIG = config_for_tests(
+    internal={"secret": SECRET},
+    auth={"api_keys": [*TEST_OVERRIDES["auth"]["api_keys"],
+                       {"id": "tight-http", "tenant": "tight-http", "key": HTTP_TIGHT_KEY, "scopes": ["generate"]}]},
+    ratelimit={"tenants": {**TEST_OVERRIDES["ratelimit"]["tenants"],
+                           "tight-http": TEST_OVERRIDES["ratelimit"]["tenants"]["tight"]}})
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +53,10 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack
     started: dict[str, Stack] = {}
     try:
         for layout in ("collapsed", "layered"):
-            started[layout] = start_stack(layout, tmp, CONFIG)
+            # with the HTTP API too: the mark reaches the pipeline from HTTP headers as well
+            started[layout] = Stack(CONFIG, placements_for(layout, CONFIG), run_dir=tmp / layout,
+                                    http_listen="127.0.0.1:0")
+            started[layout].start()
         yield started
     finally:
         for stack in started.values():
@@ -76,6 +88,25 @@ def test_only_the_fronts_signed_mark_makes_a_request_shadow(stacks: dict[str, St
                   "stale": {"x-request-id": "stale", SHADOW_HEADER: shadow_mark(KEY, "stale", now=time.time() - 3600)}}
         codes = [tight(client, 1, headers)[0] for headers in forged.values()] + tight(client, 2)
     assert codes == [grpc.StatusCode.OK] * 4 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+
+
+def test_over_http_too_only_the_signed_mark_makes_a_request_shadow(stacks: dict[str, Stack]) -> None:
+    """The HTTP front marks its copies to the spine; the HTTP API passes the mark on, and the
+    gateway honours it only when it verifies: a client's forgery is charged like any request."""
+    def post(client: httpx.Client, i: int, headers: dict[str, str]) -> int:
+        body = {"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": f"http {time.time()} {i}"}]}
+        return client.post("/v1/chat/completions", json=body,
+                           headers={"authorization": f"Bearer {HTTP_TIGHT_KEY}", **headers}).status_code
+
+    with httpx.Client(base_url=f"http://{stacks['collapsed'].http_address}", timeout=10) as client:
+        signed = [post(client, i, {"x-request-id": f"http-signed-{i}",
+                                   SHADOW_HEADER: shadow_mark(KEY, f"http-signed-{i}")}) for i in range(6)]
+        forged = [post(client, 10 + i, headers) for i, headers in enumerate((
+            {SHADOW_HEADER: "1"}, {"x-request-id": "http-forged", SHADOW_HEADER: shadow_mark(b"nope", "http-forged")},
+            {"x-request-id": "http-stale", SHADOW_HEADER: shadow_mark(KEY, "http-stale", now=time.time() - 3600)}))]
+        plain = [post(client, 20 + i, {}) for i in range(2)]
+    assert signed == [200] * 6  # dry runs: the burst of 4 untouched
+    assert forged + plain == [200, 200, 200, 200, 429]  # forgeries are charged like any request
 
 
 def test_a_mark_is_bound_to_its_request_id_and_its_time() -> None:

@@ -143,3 +143,15 @@ def test_evaluate_keeps_plan_order_and_names_each_gate():
     specs = [GateSpec("parity", 0), GateSpec("latency_p99_ratio", 1.2), GateSpec("error_rate", 0.01)]
     results = evaluate(specs, LAYERED, LAYERED, AGREEING, 10)
     assert [r.gate for r in results] == ["parity", "latency_p99_ratio", "error_rate"]
+
+
+@pytest.mark.parametrize("spine_errors, verdict", [(0, Verdict.INCONCLUSIVE), (400, Verdict.INCONCLUSIVE),
+                                                   (510, Verdict.INCONCLUSIVE), (511, Verdict.FAIL)])
+def test_a_failing_baseline_is_never_a_reason_to_pass(spine_errors, verdict):
+    """A legacy side that fails half its requests (an endpoint going down) is its own error:
+    the window says nothing for the spine (the stage holds), unless the spine fails even more."""
+    failing_legacy = WindowStats(requests=1000, errors=500, p99_ms=100.0)
+    result = error_rate_gate(failing_legacy, WindowStats(1000, spine_errors, 90.0), max_delta=0.01, min_requests=10)
+    assert result.verdict is verdict
+    if verdict is Verdict.INCONCLUSIVE:
+        assert "never a reason to pass the spine" in result.message

@@ -41,7 +41,7 @@ def test_no_text_leans_on_words_from_outside_the_repository() -> None:
         except UnicodeDecodeError:
             continue
         for number, line in enumerate(text.splitlines(), 1):
-            match = WORDS.search(line)
+            match = WORDS.search(line.replace("_", " "))  # a test's name spells its words with underscores
             if match:
                 found.append(f"{path.relative_to(REPO)}:{number}: {match.group(0)!r}")
     assert not found, "say what the thing is instead:\n" + "\n".join(found)
@@ -49,6 +49,6 @@ def test_no_text_leans_on_words_from_outside_the_repository() -> None:
 
 def test_the_check_finds_each_word() -> None:
     for text in ["as t" + "he seed says", "t" + "he card's table", "in the sess" + "ion notes", "ask the l" + "ead",
-                 "see iss" + "ue 42", "the se" + "ed's header"]:
-        assert WORDS.search(text), text
+                 "see iss" + "ue 42", "the se" + "ed's header", "def test_is_t" + "he_seeds_error"]:
+        assert WORDS.search(text.replace("_", " ")), text
     assert not WORDS.search("a random seed=5; the leader; the leads; seeded")

@@ -75,12 +75,12 @@ class GatedModel:
         self.release(64)  # wake any step already waiting
 
 
-def make_service(model: GatedModel | None = None, clock: Any = time.monotonic,
+def make_service(model: GatedModel | None = None, clock: Any = time.monotonic, shares: Any = None,
                  **config: Any) -> tuple[InferenceService, GatedModel]:
     model = model or GatedModel()
     backend = TokenizedBackend("tiny-lm", model, ByteTokenizer())  # type: ignore[arg-type]
     service = InferenceService(InferenceConfig.parse(config), DeviceContext(device=_cpu()),
-                               backend=backend, clock=clock)
+                               backend=backend, clock=clock, shares=shares)
     return service, model
 
 
@@ -97,8 +97,9 @@ def request(prompt: str = "Hello", max_tokens: int = 8, **fields: Any) -> genera
 class Call:
     """A unary Generate in its own thread with an in-process context; `.wait()` for its outcome."""
 
-    def __init__(self, service: InferenceService, req: generation_pb2.GenerateRequest) -> None:
-        self.context = LocalContext()
+    def __init__(self, service: InferenceService, req: generation_pb2.GenerateRequest,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.context = LocalContext(metadata)
         self.response: generation_pb2.GenerateResponse | None = None
         self.error: LocalRpcError | None = None
         self._thread = threading.Thread(target=self._run, args=(service, req), daemon=True)

@@ -26,8 +26,8 @@ from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests
 from wire.v1 import generation_pb2
 
-MIDDLEWARE_SPANS = {"auth.check", "router.resolve", "ratelimit.admit", "cache.lookup", "inference.generate",
-                    "cache.store", "metrics.record", "logs.append"}
+MIDDLEWARE_SPANS = {"auth.check", "router.resolve", "ratelimit.admit", "cache.lookup", "text_completion tiny-lm",
+                    "ratelimit.release", "cache.store", "metrics.record", "logs.append"}
 
 
 def _tree(spans: Sequence[ReadableSpan]) -> tuple[str, tuple[Any, ...]]:
@@ -75,6 +75,8 @@ def test_span_trees_of_the_layered_and_collapsed_layouts_have_the_same_shape(tmp
     name, children = collapsed
     assert name == ROOT_SPAN
     assert {child[0] for child in children} == MIDDLEWARE_SPANS
+    genai = next(child for child in children if child[0] == "text_completion tiny-lm")  # the GenAI span
+    assert [grandchild[0] for grandchild in genai[1]] == ["inference.generate"]  # over the model's rpc
 
 
 def test_trace_context_crosses_a_grpc_hop_into_the_servers_span(tmp_path: Path) -> None:

@@ -21,57 +21,26 @@ from __future__ import annotations
 
 import hashlib
 import random
-import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from migration.traffic.outcomes import SIDES, Outcome, OutcomeLog, SideWindow
 from runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
 from runtime.decisions import Decision, decide
 from runtime.sections import TlsConfig
 from runtime.shadow import Metadata, ShadowConfig, ShadowMirror, forward_metadata, gateway_call
-from runtime.stats import percentile
 from runtime.tls import link_channel
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
-SIDES = ("layered", "spine")
 ROUTE_HEADER = "x-spine-route"
 SESSION_HEADER = "x-session-id"
 SIDE_HEADER = "x-spine-side"
 
 # Codes that say the layout failed, as opposed to the client asking for something refused.
 LAYOUT_ERRORS = frozenset(grpc.StatusCode[name] for name in LAYOUT_ERROR_NAMES)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    ended_at: float  # time.time()
-    side: str
-    failed: bool
-    latency_ms: float
-    ok: bool = False  # answered OK: only these are timed for the latency gate
-    model: bool = False  # answered OK by the model (not from the response cache)
-    in_flight: int = 0  # requests in flight on this side when it started, itself included (0: never sent)
-
-
-@dataclass(frozen=True)
-class SideWindow:
-    requests: int
-    errors: int
-    p99_ms: float  # over the requests answered OK (like for like), 0 when none
-    ok_requests: int
-    # Like for like (the demo's table; the gates read the fields above): over the requests
-    # the model answered OK, their p50 and p99 (0 when none), how many, and the mean number
-    # of requests in flight on this side when each of them started.
-    p50_model_ms: float = 0.0
-    p99_model_ms: float = 0.0
-    model_requests: int = 0
-    mean_in_flight: float = 0.0
-    p50_ms: float = 0.0  # over the requests answered OK, like p99_ms (0 when none)
 
 
 class Front(gateway_pb2_grpc.GatewayServicer):
@@ -90,9 +59,8 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         # a side that is not SERVING goes to the other one, and counts as a failure of the
         # side it was meant for — so the gates see it and roll back, and no client does.
         self.healthy: dict[str, bool] = dict.fromkeys(SIDES, True)
-        self.outcomes: deque[Outcome] = deque(maxlen=history)
-        self._lock = threading.Lock()
-        self._in_flight: dict[str, int] = dict.fromkeys(SIDES, 0)
+        self.log = OutcomeLog(history)
+        self.outcomes = self.log.outcomes  # what the gates read (`window`)
         # `x-spine-route` forces a side: an operator's tool, off where clients are not trusted.
         self.route_header = route_header
         if shadow is not None and internal_key is None:
@@ -121,8 +89,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         forced = self.route_header and metadata.get(ROUTE_HEADER) == side
         if self.healthy.get(side, True) or not self.healthy.get(other, True) or forced:
             return side
-        with self._lock:
-            self.outcomes.append(Outcome(time.time(), side, True, 0.0))
+        self.log.add(Outcome(time.time(), side, True, 0.0))
         return other
 
     # -- the Gateway API -------------------------------------------------------------
@@ -207,42 +174,20 @@ class Front(gateway_pb2_grpc.GatewayServicer):
     # -- what the gates read -----------------------------------------------------------
     def _enter(self, side: str) -> int:
         """Count a request in flight on `side`; how many are, itself included."""
-        with self._lock:
-            self._in_flight[side] += 1
-            return self._in_flight[side]
+        return self.log.enter(side)
 
     def _leave(self, side: str) -> None:
-        with self._lock:
-            self._in_flight[side] -= 1
+        self.log.leave(side)
 
     def _record(self, side: str, started: float, code: grpc.StatusCode, in_flight: int = 0,
                 cached: bool = False) -> None:
         ok = code == grpc.StatusCode.OK
-        outcome = Outcome(time.time(), side, code in LAYOUT_ERRORS, (time.perf_counter() - started) * 1000.0,
-                          ok, model=ok and not cached, in_flight=in_flight)
-        with self._lock:
-            self.outcomes.append(outcome)
+        self.log.add(Outcome(time.time(), side, code in LAYOUT_ERRORS, (time.perf_counter() - started) * 1000.0,
+                             ok, model=ok and not cached, in_flight=in_flight))
 
     def window(self, since: float) -> dict[str, SideWindow]:
-        """Per side, for requests ended since `since`: requests, layout errors and the OK
-        requests' p99 latency (what the gates read); and over the requests the model answered
-        OK, their p50 and p99, count and mean in-flight concurrency (what the demo compares)."""
-        with self._lock:
-            recent = [o for o in self.outcomes if o.ended_at >= since]
-        result = {}
-        for side in SIDES:
-            mine = [o for o in recent if o.side == side]
-            latencies = [o.latency_ms for o in mine if o.ok]
-            served = [o for o in mine if o.model]
-            model_ms = [o.latency_ms for o in served]
-            result[side] = SideWindow(len(mine), sum(o.failed for o in mine),
-                                      percentile(latencies, 99) if latencies else 0.0, len(latencies),
-                                      p50_model_ms=percentile(model_ms, 50) if served else 0.0,
-                                      p99_model_ms=percentile(model_ms, 99) if served else 0.0,
-                                      model_requests=len(served),
-                                      mean_in_flight=sum(o.in_flight for o in served) / len(served) if served else 0.0,
-                                      p50_ms=percentile(latencies, 50) if latencies else 0.0)
-        return result
+        """Per side, what the gates and the demo read (`OutcomeLog.window`)."""
+        return self.log.window(since)
 
     def close(self) -> None:
         if self.shadow is not None:
@@ -254,3 +199,6 @@ class Front(gateway_pb2_grpc.GatewayServicer):
 def _remaining(context: Any) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None or remaining > 1e6 else max(remaining, 0.001)
+
+
+__all__ = ["SIDES", "Front", "Outcome", "SideWindow"]

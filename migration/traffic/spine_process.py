@@ -36,25 +36,12 @@ class FaultNotSwitched(RuntimeError):
     """The spine process refused a fault switch or did not answer it in time."""
 
 
-class SpineProcess(LayoutProcess):
-    """A spine replica in its own process, following the xDS control plane at `controller`."""
+class FaultSwitchedProcess(LayoutProcess):
+    """A `spine up --inject-fault switchable` child: its faults switched by lines on its stdin."""
 
-    name = "spine"
-    layout = "mixed"
-
-    def __init__(self, config: SpineConfig, run_dir: Path, *, controller: str,
-                 remote: Mapping[str, str], node_id: str = "demo-spine") -> None:
-        placed = {"placements": {"inference": "local", **dict.fromkeys(MIDDLEWARES, "remote")},
-                  "remote_addresses": dict(remote)}
-        super().__init__(config.with_overrides(placed), run_dir)
-        self.controller = controller
-        self.node_id = node_id
+    def __init__(self, config: SpineConfig, run_dir: Path) -> None:
+        super().__init__(config, run_dir)
         self._switching = threading.Lock()
-
-    def up_arguments(self) -> Sequence[str]:
-        # No wait for a first stage: until the controller publishes one, the config's placements.
-        return ("--follow-controller", self.controller, "--node-id", self.node_id,
-                "--initial-fetch-timeout-s", "0", "--inject-fault", "switchable")
 
     def switch_fault(self, command: str) -> dict[str, Any]:
         """Send one `FaultSwitch` command and return the child's answer to it (the fault now)."""
@@ -78,6 +65,38 @@ class SpineProcess(LayoutProcess):
 
     def _stdin(self) -> bool:
         return True
+
+
+class SpineProcess(FaultSwitchedProcess):
+    """A spine replica in its own process, following the xDS control plane at `controller`."""
+
+    name = "spine"
+    layout = "mixed"
+
+    def __init__(self, config: SpineConfig, run_dir: Path, *, controller: str,
+                 remote: Mapping[str, str], node_id: str = "demo-spine") -> None:
+        placed = {"placements": {"inference": "local", **dict.fromkeys(MIDDLEWARES, "remote")},
+                  "remote_addresses": dict(remote)}
+        super().__init__(config.with_overrides(placed), run_dir)
+        self.controller = controller
+        self.node_id = node_id
+
+    def up_arguments(self) -> Sequence[str]:
+        # No wait for a first stage: until the controller publishes one, the config's placements.
+        return ("--follow-controller", self.controller, "--node-id", self.node_id,
+                "--initial-fetch-timeout-s", "0", "--inject-fault", "switchable")
+
+
+class CollapsedSpineProcess(FaultSwitchedProcess):
+    """The whole spine in one process (`spine up --layout collapsed`), its faults switchable:
+    the "to" side of a migration from a foreign legacy endpoint (`legacy_cutover`), where
+    there is no layered stack to share middlewares with and no stage to follow."""
+
+    name = "spine"
+    layout = "collapsed"
+
+    def up_arguments(self) -> Sequence[str]:
+        return ("--inject-fault", "switchable")
 
 
 def _fault_answer(command: str, line: str) -> dict[str, Any] | None:

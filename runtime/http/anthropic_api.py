@@ -118,7 +118,9 @@ class Stream:
 
 
 def _kind(error: HttpError) -> str:
-    return "request_too_large" if error.status == 413 else error.kind
+    if error.status == 413:
+        return "request_too_large"
+    return "rate_limit_error" if error.kind == "insufficient_quota" else error.kind  # Anthropic's only 429 type
 
 
 def error_body(error: HttpError, request_id: str) -> bytes:

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import orjson
@@ -28,6 +28,7 @@ from runtime.http import anthropic_api, openai_api
 from runtime.http.bounded_protocol import response_bytes
 from runtime.http.config import HttpConfig
 from runtime.http.wire import (
+    INSUFFICIENT_QUOTA,
     LAYOUT,
     REQUEST_ID,
     HttpError,
@@ -43,6 +44,9 @@ from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
 from services.pipeline.local_context import LocalContext
 from services.pipeline.pipeline import code_details
 from services.pipeline.verdicts import OVERHEAD_HEADER
+
+if TYPE_CHECKING:
+    from runtime.http.admin_http import AdminHttp
 
 log = logging.getLogger("spine.http")
 # A gateway that fails every request: each traceback at DEBUG, at most one ERROR line a second.
@@ -70,7 +74,7 @@ class HttpApi:
 
     def __init__(self, target: Any, config: HttpConfig, *, threads: int, default_max_tokens: int,
                  layout: Callable[[], str], models: Callable[[], Sequence[tuple[str, str]]],
-                 serving: Callable[[], bool] = lambda: True) -> None:
+                 serving: Callable[[], bool] = lambda: True, admin: AdminHttp | None = None) -> None:
         self.target = target
         self.config = config
         self.default_max_tokens = default_max_tokens
@@ -79,6 +83,7 @@ class HttpApi:
         self.serving = serving
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http", initializer=name_os_thread)
         self.pending_body_bytes = 0  # bodies being read, all connections (the event loop's thread alone)
+        self.admin = admin  # `/admin/` when the server has an admin token
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -104,6 +109,9 @@ class HttpApi:
         route = ROUTES.get(path)
         api: Any = anthropic_api if path.startswith("/v1/messages") else openai_api
         base = ((REQUEST_ID, request_id), (LAYOUT, self.layout()))
+        if path == "/admin" or path.startswith("/admin/"):
+            await self._admin_call(scope, receive, send, headers, (*base, _overhead(arrived)), request_id)
+            return
         try:
             if route is None:
                 raise HttpError(404, "not_found_error", f"no route {path}; this server has "
@@ -134,6 +142,26 @@ class HttpApi:
                 await self._unary(send, api, parsed, context, base)
         finally:
             watcher.cancel()
+
+    async def _admin_call(self, scope: Scope, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]],
+                          base: Trailing, request_id: str) -> None:
+        """An `/admin/` request, answered by the admin API on a handler thread (it reads stores)."""
+        method = scope["method"]
+        try:
+            if self.admin is None:
+                raise HttpError(404, "not_found_error", "the admin API is off: start the server with an admin "
+                                "token (spine up --admin-token-file FILE, or $SPINE_ADMIN_TOKEN)")
+            body: Any = {}
+            if method in ("POST", "PATCH") and _header(headers, b"content-length") not in (None, "0"):
+                body = await self._read_json(scope, receive, headers)
+        except HttpError as error:
+            await _send_error(send, openai_api, error, base, request_id)
+            return
+        named = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in headers}
+        loop = asyncio.get_running_loop()
+        status, answer = await loop.run_in_executor(self.pool, self.admin.handle, method, scope["path"],
+                                                    scope.get("query_string", b""), named, lambda: body)
+        await _send_json(send, status, answer, base)
 
     # -- reading ------------------------------------------------------------------------
     async def _read_json(self, scope: Scope, receive: Receive, headers: list[tuple[bytes, bytes]]) -> Any:
@@ -302,6 +330,8 @@ def _with_status(error: HttpError, api: Any, trailing: Iterable[tuple[str, str]]
         return error
     status, kind = status_for(error.code, error.message, api.OVERLOADED_STATUS)
     retry = retry_headers(dict(trailing)) if status in (429, api.OVERLOADED_STATUS) else []
+    if kind == INSUFFICIENT_QUOTA:  # a spent budget: the SDKs' own retries would only be refused again
+        retry.append(("x-should-retry", "false"))
     return HttpError(status, kind, error.message, tuple(retry))
 
 

@@ -172,5 +172,6 @@ def error_body(error: HttpError, request_id: str) -> bytes:
         return orjson.dumps(policy_violation_body(error, request_id))
     kind = {"authentication_error": "invalid_request_error", "overloaded_error": "server_error",
             "api_error": "server_error", "not_found_error": "invalid_request_error"}.get(error.kind, error.kind)
+    code = kind if kind == "insufficient_quota" else _CODES.get(error.status)
     return orjson.dumps({"error": {"message": error.message, "type": kind, "param": None,
-                                   "code": _CODES.get(error.status)}, "request_id": request_id})
+                                   "code": code}, "request_id": request_id})

@@ -129,16 +129,18 @@ def _bind(listen: str) -> tuple[socket.socket, str]:
 
 def start_http(target: Any, http: HttpConfig, router: RouterConfig, limits: RequestLimits, threads: int,
                listen: str, *, layout: Any, serving: Any, tls: TlsConfig | None = None,
-               allow_external: bool = False) -> tuple[HttpServer, Any]:
+               allow_external: bool = False, admin: Any = None) -> tuple[HttpServer, Any]:
     """The HTTP API in front of `target` (a Gateway-shaped servicer) on `listen`, on the
-    `http`, `router` and `limits` sections, with `threads` handler threads; (server, app),
-    both to be closed."""
+    `http`, `router` and `limits` sections, with `threads` handler threads and, given the
+    admin API (`runtime.admin_api.AdminApi`), `/admin/`; (server, app), both to be closed."""
+    from runtime.http.admin_http import AdminHttp
     from runtime.http.app import HttpApi
 
     names = [(name, model.id) for model in router.models for name in (model.id, *model.aliases)]
     app = HttpApi(target, http, threads=threads,
                   default_max_tokens=limits.max_tokens,
-                  layout=layout, models=lambda: names, serving=serving)
+                  layout=layout, models=lambda: names, serving=serving,
+                  admin=None if admin is None else AdminHttp(admin))
     try:
         server = HttpServer(app, http, listen, tls=tls, allow_external=allow_external).start()
     except BaseException:

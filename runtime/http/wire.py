@@ -11,6 +11,7 @@ gets the code its SDK maps to the right exception class:
 | PERMISSION_DENIED | 403 | PermissionDeniedError |
 | NOT_FOUND | 404 | NotFoundError |
 | RESOURCE_EXHAUSTED from the rate limiter | 429 + Retry-After | RateLimitError |
+| RESOURCE_EXHAUSTED `budget exhausted…` (a key's, team's or tenant's budget) | 429, OpenAI's `insufficient_quota`, + `x-should-retry: false` and Retry-After (when the window starts again) | RateLimitError, not retried |
 | RESOURCE_EXHAUSTED elsewhere (the model's queue is full), UNAVAILABLE | 503 (OpenAI) / 529 (Anthropic) + Retry-After where known | InternalServerError / OverloadedError |
 | DEADLINE_EXCEEDED | 504 | InternalServerError |
 | FAILED_PRECONDITION `content_policy_violation…` (the output policy) | 400, the body existing clients of the policy expect, `{"error": "content_policy_violation", "suggestion": "rephrase"}` | BadRequestError |
@@ -31,16 +32,28 @@ import orjson
 
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, parse_load
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE
-from services.pipeline.verdicts import ATTEMPTS_HEADER, OVERHEAD_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER
+from services.pipeline.internal_marks import SHADOW_HEADER
+from services.pipeline.verdicts import (
+    ATTEMPTS_HEADER,
+    BUDGET_HEADER,
+    BUDGET_PREFIX,
+    OVERHEAD_HEADER,
+    UPSTREAM_HEADER,
+    UPSTREAM_TIME_HEADER,
+)
 
 REQUEST_ID = "x-request-id"
 LAYOUT = "x-spine-layout"
 GPU_LOAD_HINT = "x-gpu-load-hint"  # what GPU-serving clients read: the load hint as JSON
 # Headers a client may send that reach the pipeline as metadata (besides the credential and
-# `x-request-id`, which the app reads itself). Nothing else does: a client
-# cannot name internal metadata (a shadow mark, a tenant) by sending a header.
-FORWARDED_HEADERS = ("x-session-id", "x-spine-route", "traceparent", "tracestate")
+# `x-request-id`, which the app reads itself). Nothing else does: a client cannot name
+# internal metadata (a tenant) by sending a header. The shadow mark passes because it is
+# signed: the gateway honours it only when it verifies with the deployment's internal
+# secret (`services.pipeline.internal_marks`), so the HTTP front's copies to the spine are
+# dry-run there, and whatever else a client puts in it is ignored.
+FORWARDED_HEADERS = ("x-session-id", "x-spine-route", "traceparent", "tracestate", SHADOW_HEADER)
 RATE_LIMITED_PREFIX = "rate limited by"  # the rate limiter's refusals (`verdicts.rate_limit_stop`)
+INSUFFICIENT_QUOTA = "insufficient_quota"  # a budget's refusal: OpenAI's own type and code for it
 MAX_INT32 = 2**31 - 1
 
 
@@ -91,6 +104,8 @@ def status_for(code: grpc.StatusCode, details: str, overloaded_status: int) -> t
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if details.startswith(RATE_LIMITED_PREFIX):
             return 429, "rate_limit_error"
+        if details.startswith(BUDGET_PREFIX):
+            return 429, INSUFFICIENT_QUOTA
         return overloaded_status, "overloaded_error"
     if code == grpc.StatusCode.UNAVAILABLE:
         return overloaded_status, "overloaded_error"
@@ -135,7 +150,7 @@ def load_hint_json(hint: str | None) -> str:
 
 # What an answer's headers take from its trailing metadata, when there.
 ANSWER_HEADERS = (REQUEST_ID, LAYOUT, LOAD_HEADER, FALLBACK_HEADER, "x-spine-side", OVERHEAD_HEADER, UPSTREAM_HEADER,
-                  ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER)
+                  ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER, BUDGET_HEADER)
 
 
 def answer_headers(trailing: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -101,7 +101,7 @@ class ApiKeyTable:
 
     @classmethod
     def from_entries(cls, entries: Sequence[ApiKeyEntry]) -> ApiKeyTable:
-        """The table of validated entries (`AuthSection` has checked that ids and keys are unique)."""
+        """The table of validated entries (`AuthConfig` has checked that ids and keys are unique)."""
         return cls([entry.to_key() for entry in entries])
 
     def __len__(self) -> int:

@@ -6,13 +6,15 @@ read by `AuthService` when it starts, from this same section.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, StrictInt, field_validator
+from pydantic import Field, SecretStr, StrictBool, StrictInt, field_validator, model_validator
 
 from services.auth.api_keys import ApiKeyEntry, check_unique
 from services.auth.jwt_verify import JwtSection
-from services.common.config_section import Float, Items, NonEmptyStr, Section
+from services.common.config_section import Float, Items, NonEmptyStr, Section, problem
+from services.common.redis_link import RedisLink
 
 MAX_DENIAL_TTL_S = 10.0
 
@@ -35,6 +37,36 @@ DEV_JWT = JwtSection(issuer="spine-dev", audience="spine", leeway_s=30.0,
                      hs256_secret=SecretStr("spine-dev-jwt-secret-change-me-0123456789"))
 
 
+class KeyStoreRedis(RedisLink):
+    """`auth.store.redis`: the Redis the replicas share (the rate limiter's, say), keys under their own prefix."""
+
+    key_prefix: NonEmptyStr = "spine:keys:"
+
+
+class KeyStoreSection(Section):
+    """`auth.store`: where keys managed at run time (the admin API, `spine keys`) are kept.
+
+    Redis for replicas (`redis`, with `hmac_secret_file`: the secret every replica hashes keys
+    with), else a sqlite file (`sqlite`, default `keys.sqlite` in the run directory, its secret
+    made beside it at first start). Every replica polls the store's version every `poll_s` and
+    serves from its last copy while the store cannot be read."""
+
+    enabled: StrictBool = True
+    redis: KeyStoreRedis | None = None
+    sqlite: Path | None = None
+    hmac_secret_file: Path | None = None
+    poll_s: Annotated[Float, Field(gt=0, le=1)] = 0.2
+
+    @model_validator(mode="after")
+    def _one_store(self) -> KeyStoreSection:
+        if self.redis is not None and self.sqlite is not None:
+            raise problem("give one of `redis` or `sqlite`, not both")
+        if self.redis is not None and self.hmac_secret_file is None:
+            raise problem("with `redis`, give `hmac_secret_file`: the secret every replica hashes keys with "
+                          "(a file of the same 32+ random bytes on each, mode 600)", "hmac_secret_file")
+        return self
+
+
 class AuthConfig(Section):
     """The `auth` section."""
 
@@ -44,6 +76,7 @@ class AuthConfig(Section):
     jwt: JwtSection | None = DEV_JWT
     required_scope: NonEmptyStr = "generate"
     cache: CacheSettings = CacheSettings()
+    store: KeyStoreSection = KeyStoreSection()
 
     @field_validator("api_keys")
     @classmethod

@@ -101,6 +101,12 @@ def allowed(verdict: auth_pb2.CheckResponse, headers: Iterable[tuple[str, str]])
     metadata = struct_pb2.Struct()
     metadata.update({"tenant": principal.tenant, "subject": principal.subject, "method": verdict.method,
                      "max_priority": principal.max_priority, "scopes": list(principal.scopes)})
+    if principal.team or principal.models or principal.budget_usd or principal.requests_per_minute \
+            or principal.tokens_per_minute:  # a key managed at run time: what it may do, for a spine behind Envoy
+        metadata.update({"team": principal.team, "models": list(principal.models),
+                         "requests_per_minute": principal.requests_per_minute,
+                         "tokens_per_minute": principal.tokens_per_minute, "budget_usd": principal.budget_usd,
+                         "budget_window": principal.budget_window})
     return external_auth_pb2.CheckResponse(status=status_pb2.Status(code=0), ok_response=ok,
                                            dynamic_metadata=metadata)
 
@@ -182,6 +188,14 @@ def verdict_from(response: external_auth_pb2.CheckResponse, tenant_header: str =
         principal.max_priority = int(value.number_value)
     if (value := _metadata(metadata, "scopes")) is not None:
         principal.scopes.extend(item.string_value for item in value.list_value.values)
+    for name in ("team", "budget_window"):
+        if (value := _metadata(metadata, name)) is not None:
+            setattr(principal, name, value.string_value)
+    for name in ("requests_per_minute", "tokens_per_minute", "budget_usd"):
+        if (value := _metadata(metadata, name)) is not None:
+            setattr(principal, name, value.number_value)
+    if (value := _metadata(metadata, "models")) is not None:
+        principal.models.extend(item.string_value for item in value.list_value.values)
     return verdict
 
 

@@ -24,6 +24,8 @@ from services.auth.api import CHECK_BATCH
 from services.auth.api_keys import ApiKeyTable
 from services.auth.config import AuthConfig
 from services.auth.jwt_verify import JwtSettings, JwtVerifier, TokenRejected, looks_like_jwt
+from services.auth.live_keys import LiveKeys
+from services.auth.managed_keys import ManagedKey
 from services.common import Clock, DeviceState
 from services.pipeline.batch_rpc import ItemError
 from services.pipeline.interface import NO_OPTIONS, CallOptions
@@ -85,7 +87,7 @@ class VerdictCache:
 
 def _fresh(verdict: Verdict) -> Verdict:
     """A denial as a new exception, so raising it never chains a traceback onto the cached
-    one; an accepted verdict as it is: verdicts are shared read-only (`check_items`), and
+    one; an accepted verdict as it is: verdicts are shared read-only (`check`), and
     `verify` hands its callers a copy."""
     if isinstance(verdict, AuthDenied):
         return AuthDenied(verdict.code, verdict.message)
@@ -102,10 +104,11 @@ class AuthService(auth_pb2_grpc.AuthServicer):
     """Serves `spine.v1.Auth` from the `auth` section. Keys are kept as digests only, so the
     plaintext of a dev key never outlives the start; `hs256_secret_env` is read from `environ`
     (default os.environ) and `pem_file`s from disk here, in the process that serves auth: a
-    ConfigError names the field when one cannot be used."""
+    ConfigError names the field when one cannot be used. Keys managed at run time
+    (`live_keys`, from the key store) are looked up before the config's."""
 
     def __init__(self, config: AuthConfig, device: DeviceState | None = None, clock: Clock = time.time,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, live_keys: LiveKeys | None = None) -> None:
         # Not the section itself: a dev key's plaintext must not outlive the start.
         self.required_scope = config.required_scope
         self.cache_settings = config.cache
@@ -115,9 +118,18 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         jwt = None if config.jwt is None else JwtSettings.from_section(config.jwt, "auth.jwt", environ)
         self._jwt = None if jwt is None else JwtVerifier(jwt, clock)
         self.cache = VerdictCache(config.cache.max_entries, clock)
-        # An API key's verdict never changes while the service runs (the key table is fixed
-        # at start): made once per key, shared read-only by every check of that key.
+        # An API key's verdict changes only with its record: made once per config key, and
+        # once per (managed key, record version), shared read-only by every check of that key.
         self._key_verdicts: dict[str, auth_pb2.CheckResponse | ItemError] = {}
+        self._managed_verdicts: dict[tuple[str, int], auth_pb2.CheckResponse | ItemError] = {}
+        # Keys managed at run time (`services.auth.live_keys`), looked up before the config's.
+        self.live_keys = live_keys
+        self.store_collector = None if live_keys is None else live_keys.collector()
+
+    def close(self) -> None:
+        """Stop polling the key store."""
+        if self.live_keys is not None:
+            self.live_keys.close()
 
     def check(self, credentials: Sequence[str], options: CallOptions = NO_OPTIONS) -> list[auth_pb2.CheckResponse | ItemError]:
         """One verdict per credential, in order: its principal, or the item's denial.
@@ -161,6 +173,9 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             return ItemError(_UNAUTHENTICATED, "credential could not be verified")
 
     def _verify_api_key(self, token: str) -> auth_pb2.CheckResponse | ItemError:
+        managed = self.live_keys.lookup(token) if self.live_keys is not None else None
+        if managed is not None:
+            return self._managed_verdict(managed)
         key = self.keys.lookup(token)
         if key is None:
             raise AuthDenied(_UNAUTHENTICATED, "unknown API key")
@@ -175,6 +190,25 @@ class AuthService(auth_pb2_grpc.AuthServicer):
             except AuthDenied as denied:
                 verdict = ItemError(denied.code, denied.message)
             self._key_verdicts[key.id] = verdict
+        return verdict
+
+    def _managed_verdict(self, key: ManagedKey) -> auth_pb2.CheckResponse | ItemError:
+        """A managed key's verdict, made once per version of its record."""
+        verdict = self._managed_verdicts.get((key.id, key.version))
+        if verdict is None:
+            principal = auth_pb2.Principal(
+                tenant=key.tenant, scopes=key.scopes, subject=key.id, max_priority=key.max_priority, team=key.team,
+                models=key.models, requests_per_minute=key.requests_per_minute,
+                tokens_per_minute=key.tokens_per_minute, budget_usd=key.budget_usd,
+                budget_window=key.budget_window if key.budget_usd else "")
+            try:
+                self._authorize(principal)
+                verdict = auth_pb2.CheckResponse(principal=principal, method="api_key", expires_at=key.expires_at)
+            except AuthDenied as denied:
+                verdict = ItemError(denied.code, denied.message)
+            if len(self._managed_verdicts) > 4 * max(len(self.live_keys or ()), 256):  # old versions: made again if asked
+                self._managed_verdicts.clear()
+            self._managed_verdicts[(key.id, key.version)] = verdict
         return verdict
 
     def _verify_jwt(self, token: str) -> auth_pb2.CheckResponse:

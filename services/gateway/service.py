@@ -40,7 +40,8 @@ from typing import Any, Protocol
 import grpc
 
 from services.common.log_limit import RateLimitedLog
-from services.gateway import model_call
+from services.gateway import model_calls
+from services.gateway.model_calls import ModelCallSpans, first_chunk
 from services.gateway.model_load import ModelLoads
 from services.inference.api import INFERENCE, ChunkStream, Generated
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
@@ -49,13 +50,15 @@ from services.pipeline.interface import CallOptions
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
-from services.pipeline.state import RequestState
+from services.pipeline.state import ModelCall, RequestState
 from services.pipeline.verdicts import (
+    BUDGET_HEADER,
     FORWARDED_TRAILERS,
     OVERHEAD_HEADER,
     UPSTREAM_TIME_HEADER,
     Stop,
     downstream_stop,
+    rate_limit_cost,
 )
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
 
@@ -108,7 +111,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str, *,
                  fail_opens: FailOpenCount, internal_key: bytes | None = None,
-                 policy: OutputPolicy | None = None) -> None:
+                 policy: OutputPolicy | None = None, genai: ModelCallSpans | None = None) -> None:
         self.pipeline = pipeline
         self.policy = policy  # None: no output policy (nothing is checked)
         self.limits = limits
@@ -125,6 +128,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         # `runtime.gateway_mirror`); must be cheap and never raise.
         self.answered: Callable[[RequestState], None] | None = None
         self.model_load = ModelLoads(self._models_load)
+        # Spans for each call of the model, while tracing is on (`runtime.genai_spans`).
+        self.genai = genai
 
     # -- public API ---------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
@@ -140,9 +145,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 generated = self._generate(state, context)
                 response, trailers = generated.response, generated.trailing
                 self.model_load.note_trailers(state.model, trailers)
-                state.completion_tokens = response.completion_tokens
-                if _model_time(state, trailers):  # an upstream's answer: its own count of tokens
-                    state.tokens_used = response.prompt_tokens + response.completion_tokens
+                _model_time(state, trailers)
+                _used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
                 self._police(state, response.text, response.token_ids)
                 state.response = response
                 context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
@@ -180,7 +184,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 stream = self._generate_stream(state, context)
                 ended = False
                 first = True
-                usage = (0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
+                usage = (0, 0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
                 try:
                     for chunk in stream:
                         if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
@@ -190,10 +194,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         finish = chunk.finish_reason or finish
                         digest = chunk.system_digest or digest
                         if chunk.completion_tokens or chunk.prompt_tokens:
-                            usage = (chunk.prompt_tokens, chunk.completion_tokens)
+                            usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
                         if first:  # the HTTP front's headers go out with it: what is known now
                             first = False
                             state.model_wait_s = time.perf_counter() - started
+                            first_chunk(state)
                             initial = _forwarded(stream.initial_metadata() or ())
                             _model_time(state, initial)
                             context.set_trailing_metadata(self._answer_trailing(state, initial))
@@ -206,16 +211,18 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
                         stream.cancel()
                     state.add_time(self.pipeline.model.component, time.perf_counter() - started)
-                state.completion_tokens = usage[1] or len(tokens)
-                state.tokens_used = usage[0] + usage[1]
+                    # What was generated, however the stream ended (an aborted one is charged
+                    # up to where it stopped): the model's count, else its tokens, else its
+                    # pieces of text (an upstream's chunks carry no token ids).
+                    _used(state, usage[0], usage[1] or len(tokens) or sum(1 for text in texts if text), usage[2])
                 state.model_wait_s = time.perf_counter() - started
                 model_trailers = _forwarded(stream.trailing_metadata() or ())
                 self.model_load.note_trailers(state.model, model_trailers)
                 context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
                 state.response = generation_pb2.GenerateResponse(
                     text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
-                    prompt_tokens=usage[0] or len(resolved.prompt.encode()) + len(resolved.system.encode()),
-                    completion_tokens=state.completion_tokens, system_digest=digest)
+                    prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens, system_digest=digest,
+                    cached_prompt_tokens=state.cached_tokens)
             except Stop as stop:
                 self._abort(state, context, stop)
             except GeneratorExit:
@@ -250,10 +257,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         return state
 
     def _generate(self, state: RequestState, context: Any) -> Generated:
-        """The model's whole answer (`services.gateway.model_call`); its time is the model's."""
+        """The model's whole answer (`services.gateway.model_calls`); its time is the model's."""
         started = time.perf_counter()
+        state.model_call = ModelCall(False, started)
         try:
-            return model_call.generate(self.pipeline, state, context)
+            return model_calls.generate(self.pipeline, state, context, self.genai)
         except grpc.RpcError as error:
             raise self._model_failed(error, state) from None
         finally:
@@ -263,8 +271,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _generate_stream(self, state: RequestState, context: Any) -> ChunkStream:
         started = time.perf_counter()
+        state.model_call = ModelCall(True, started)
         try:
-            return model_call.generate_stream(self.pipeline, state, context)
+            return model_calls.generate_stream(self.pipeline, state, context, self.genai)
         except grpc.RpcError as error:
             state.model_wait_s = time.perf_counter() - started
             raise self._model_failed(error, state) from None
@@ -323,7 +332,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         """The completion stages for every request, whatever its outcome (all fail open)."""
         with self._lock:
             self.in_flight -= 1
-        state.latency_s = time.perf_counter() - state.started
+        ended = time.perf_counter()
+        state.latency_s = ended - state.started
+        if state.model_call is not None:  # the GenAI operation ends with the answer or the last chunk
+            state.model_call.duration_s = ended - state.model_call.started
+            if self.genai is not None:
+                self.genai.end(state)
         if state.status != "OK":
             state.response = None  # only a good answer is worth keeping
         self.completions.complete(state)
@@ -350,9 +364,21 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         primaries = [f"{primary}:{hint}" for primary in state.fallback_of if (hint := loads.hint(primary))]
         if primaries:
             out.append((PRIMARY_LOAD_HEADER, ",".join(primaries)))
+        if state.budget_remaining_usd >= 0 and all(key != BUDGET_HEADER for key, _ in downstream):
+            out.append((BUDGET_HEADER, f"{state.budget_remaining_usd:.6f}"))
         overhead_s = time.perf_counter() - state.arrived - state.model_wait_s
         out.append((OVERHEAD_HEADER, f"{max(0.0, overhead_s) * 1000.0:.3f}"))
         return tuple(out)
+
+
+def _used(state: RequestState, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+    """What the model used for `state` (its prompt counted by bytes where the model did not
+    count it): what its tokens per minute are settled with and its spend priced on."""
+    assert state.resolved is not None
+    state.prompt_tokens = prompt_tokens or rate_limit_cost(state.resolved)
+    state.completion_tokens = completion_tokens
+    state.cached_tokens = min(cached_tokens, state.prompt_tokens)
+    state.tokens_used = state.prompt_tokens + completion_tokens
 
 
 def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:

@@ -69,6 +69,8 @@ class InferenceConfig(Section):
     kv_memory_fraction: Annotated[Float, Field(ge=0.01, le=1)] = 0.5
     kv_cpu_memory_cap_mb: Annotated[Float, Field(ge=1)] = 1024.0
     aging_ms: Annotated[Float, Field(ge=1)] = 500.0
+    # Slots kept for tenants running fewer than their share (services.inference.scheduler).
+    share_headroom_slots: Annotated[StrictInt, Field(ge=0)] = 1
     max_timeout_ms: Count = DEFAULT_MAX_INFERENCE_TIMEOUT_MS
     timeout_margin_ms: Annotated[Float, Field(ge=0)] = 5_000.0
     timeout_slowdown: Annotated[Float, Field(ge=1)] = 4.0

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from services.common import ConfigError, DeviceState
+from services.common.tenant_shares import TenantShares
 from services.common.upstream_config import UpstreamSpec
 from services.inference.config import InferenceConfig
 from services.inference.model.backend import ModelBackend
@@ -42,13 +43,13 @@ class MultiModelInference(InferenceService):
 
     def __init__(self, config: InferenceConfig, device: DeviceState, *,
                  backend: ModelBackend | None = None, clock: Any = time.monotonic,
-                 upstreams: Mapping[str, UpstreamSpec] | None = None) -> None:
-        super().__init__(config, device, backend=backend, clock=clock)
+                 upstreams: Mapping[str, UpstreamSpec] | None = None, shares: TenantShares | None = None) -> None:
+        super().__init__(config, device, backend=backend, clock=clock, shares=shares)
         self.others: dict[str, InferenceService] = {}
         self.upstreams: Any = None
         try:
             for model in config.models:
-                self.others[model.model_id] = InferenceService(model, device, clock=clock)
+                self.others[model.model_id] = InferenceService(model, device, clock=clock, shares=shares)
             if upstreams:
                 clash = sorted(set(upstreams) & set(self.served))
                 if clash:

@@ -20,16 +20,17 @@ So a latency request waits for at most one due job per admission it needs, and a
 job is admitted within twice the number of due jobs ahead of it: the throughput class
 never starves, however many latency requests keep coming.
 
-Within one class arrival order is kept, so the oldest job of each class is at the head
-of its deque and has that class's highest effective class: picking among three heads is
-enough (O(1) per admission).
+Within one class the tenants waiting share the admissions by weight (a queue per tenant,
+weighted round robin: `services.inference.fair_share`); a class's rank and aging are its
+oldest job's, so picking among three classes is enough (O(tenants waiting) per admission).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
+
+from services.inference.fair_share import FairLane
 
 LOWEST, DEFAULT, HIGHEST = -1, 0, 1
 CLASSES: tuple[int, ...] = (HIGHEST, DEFAULT, LOWEST)
@@ -61,24 +62,27 @@ class AgingPriorityQueue(Generic[T]):
 
     def __init__(self, aging_ms: float) -> None:
         self.aging_ms = aging_ms
-        self._lanes: dict[int, deque[tuple[float, int, T]]] = {c: deque() for c in CLASSES}
+        self._lanes: dict[int, FairLane[T]] = {c: FairLane() for c in CLASSES}
         self._seq = 0
         self._due_served = False  # whether the last admission went to a due job
 
-    def push(self, item: T, priority: int, now: float) -> None:
+    def push(self, item: T, priority: int, now: float, tenant: str = "", weight: float = 1.0) -> None:
+        """Queue `item` in its class, in `tenant`'s queue there (`weight`: its share of the class)."""
         if priority not in self._lanes:
             raise ValueError(priority_error(priority))
         self._seq += 1
-        self._lanes[priority].append((now, self._seq, item))
+        self._lanes[priority].push((now, self._seq, item), tenant, weight)
 
-    def pop(self, now: float) -> T | None:
-        """The next item to admit, or None when nothing waits."""
+    def pop(self, now: float, allow: Callable[[T], bool] | None = None) -> T | None:
+        """The next item to admit, or None when nothing waits — or when `allow` refuses the
+        item that is next (it stays where it is: nothing changes)."""
         ordered: tuple[int, float, int, int] | None = None  # (-rank, arrived, seq, lane)
         due: tuple[float, int, int] | None = None  # (arrived, seq, lane) of the oldest due head
         for lane, items in self._lanes.items():
-            if not items:
+            oldest = items.oldest()
+            if oldest is None:
                 continue
-            arrived, seq, _ = items[0]
+            arrived, seq = oldest
             effective = effective_class(lane, (now - arrived) * 1000.0, self.aging_ms)
             rank = lane if lane == HIGHEST else min(effective, HIGHEST - 1)
             key = (-rank, arrived, seq, lane)
@@ -90,21 +94,19 @@ class AgingPriorityQueue(Generic[T]):
             return None
         its_turn = due is not None and due[2] != ordered[3] and not self._due_served
         lane = due[2] if its_turn and due is not None else ordered[3]
+        if allow is not None and not allow(self._lanes[lane].peek()):
+            return None
         self._due_served = due is not None and lane == due[2]
-        return self._lanes[lane].popleft()[2]
+        return self._lanes[lane].pop()
+
+    def evict_for(self, priority: int, tenant: str, weight: float = 1.0) -> T | None:
+        """Room for one more of `tenant`'s class `priority` in a full queue: the item it displaces
+        (`FairLane.evict_for`), or None when the arrival is the one to refuse."""
+        return self._lanes[priority].evict_for(tenant, weight)
 
     def remove_if(self, predicate: Callable[[T], bool]) -> list[T]:
         """Drop and return every waiting item for which `predicate(item)` is true."""
-        removed: list[T] = []
-        for lane, items in self._lanes.items():
-            kept: deque[tuple[float, int, T]] = deque()
-            for entry in items:
-                if predicate(entry[2]):
-                    removed.append(entry[2])
-                else:
-                    kept.append(entry)
-            self._lanes[lane] = kept
-        return removed
+        return [item for lane in self._lanes.values() for item in lane.remove_if(predicate)]
 
     def depth_by_class(self) -> dict[int, int]:
         return {lane: len(items) for lane, items in self._lanes.items()}
@@ -114,5 +116,8 @@ class AgingPriorityQueue(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         for items in self._lanes.values():
-            for _, _, item in items:
-                yield item
+            yield from items
+
+    def by_tenant(self, priority: int) -> dict[str, int]:
+        """Items of class `priority` waiting per tenant."""
+        return self._lanes[priority].by_tenant()

@@ -34,6 +34,7 @@ from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.cpu_placement import place_process
+from services.inference.fair_share import SlotShares
 from services.inference.model.engine import (
     GenerationEngine,
     GenerationRequest,
@@ -48,6 +49,7 @@ log = logging.getLogger("spine.inference")
 _step_failures = RateLimitedLog(log, "failed decode steps", level=logging.ERROR)
 
 WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
+
 
 # What one unread step output of a stream holds in memory: the StepOutput, its place in
 # the queue and the int it carries (tracemalloc over 10,000 of them: ~145 bytes each),
@@ -81,6 +83,17 @@ class JobCancelled(JobFailure):
 
 class ShuttingDown(JobFailure):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Displaced(JobFailure):
+    """A waiting job whose place in a full queue went to another tenant's request (its own
+    tenant held more than its share of the queue: `services.inference.fair_share`)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class QueueFull(OverflowError):
@@ -119,8 +132,13 @@ class Job:
     held: list[StepOutput] = field(default_factory=list)  # a unary job's outputs until it finishes
     last_read: float = 0.0  # when the consumer last took an output (scheduler clock)
     unread_since: float = 0.0  # when an output last went into an empty `out`
-    submitted_pc: float = 0.0  # perf_counter at submit and at its last token: TTFT and ITL
+    submitted_pc: float = 0.0  # perf_counter at submit, at its first and at its last token: TTFT and ITL
+    first_token_pc: float = 0.0
     last_token_pc: float = 0.0
+    # Whose request it is and that tenant's weight: jobs of one class are admitted by tenant,
+    # in proportion to the weights (`services.inference.fair_share`); "" and 1: no tenant.
+    tenant: str = ""
+    weight: float = 1.0
 
 
 class Scheduler:
@@ -129,9 +147,14 @@ class Scheduler:
     def __init__(self, engine: GenerationEngine, max_queue: int, *, cost: StepCost, budget: BudgetRule,
                  aging_ms: float = 500.0, stream_idle_s: float = 10.0, stream_max_bytes: int = 1 << 20,
                  clock: Clock = time.monotonic, streams: Callable[[int], Any] | None = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, headroom_slots: int = 0) -> None:
         self.engine = engine
         self.observer = observer
+        # The last free slots go only to a tenant running fewer than its share of the slots
+        # (among the tenants active lately, `SlotShares`): a flooder never holds every slot, so
+        # another tenant's request starts at the next step instead of waiting for one to free.
+        self.headroom_slots = headroom_slots
+        self._slot_shares = SlotShares()
         # On CUDA a step runs on the stream of the highest class in the batch (the device
         # context hands out a high-priority stream for the latency class); None on the CPU.
         self._streams = streams
@@ -157,15 +180,24 @@ class Scheduler:
             if self._closed:
                 raise ShuttingDown("inference is shutting down")
             if len(self._waiting) >= self.max_queue:
-                retry = self.retry_after_s()
-                raise QueueFull(
-                    f"inference is at capacity: all {self.engine.max_slots} KV cache slots are busy and "
-                    f"{len(self._waiting)} requests already wait (inference.max_queue = {self.max_queue}); "
-                    f"retry after {retry:.3f}s", retry)
+                self._make_room(job)
             job.enqueued_at = self.clock()
             job.submitted_pc = time.perf_counter()
-            self._waiting.push(job, job.priority, job.enqueued_at)
+            self._slot_shares.asked(job.tenant, job.weight, job.enqueued_at)
+            self._waiting.push(job, job.priority, job.enqueued_at, job.tenant, job.weight)
             self._wake.notify()
+
+    def _make_room(self, job: Job) -> None:
+        """A full queue: displace the newest job of a tenant holding more than its share of
+        `job`'s class, or refuse `job` (QueueFull). The caller holds the lock."""
+        retry = self.retry_after_s()
+        full = (f"inference is at capacity: all {self.engine.max_slots} KV cache slots are busy and "
+                f"{len(self._waiting)} requests already wait (inference.max_queue = {self.max_queue})")
+        victim = self._waiting.evict_for(job.priority, job.tenant, job.weight)
+        if victim is None:
+            raise QueueFull(f"{full}; retry after {retry:.3f}s", retry)
+        _fail(victim, Displaced(f"{full}, tenant {victim.tenant!r} holding more than its share of them; "
+                                f"retry after {retry:.3f}s", retry))
 
     def next_output(self, job: Job, timeout: float) -> Any:
         """The job's next item (a StepOutput, a unary job's list, or WAKE), or None after
@@ -255,6 +287,7 @@ class Scheduler:
                 if owner is not None:
                     if owner.tokens == 0:
                         ttfts.append(produced - owner.submitted_pc)
+                        owner.first_token_pc = produced
                     else:
                         itls.append(produced - owner.last_token_pc)
                     owner.last_token_pc = produced
@@ -283,6 +316,7 @@ class Scheduler:
         if output.finished:
             job.done = True
             del self._running[output.handle.id]
+            self._slot_shares.ended(job.tenant)
         elif job.stream and (job.out.qsize() + 1) * OUTPUT_BYTES > self.stream_max_bytes:
             self._stop(job, self._too_slow(job, f"more than {self.stream_max_bytes} bytes of output were "
                                                 f"waiting unread (inference.stream_buffer_max_bytes)"))
@@ -333,7 +367,8 @@ class Scheduler:
     def _admit(self) -> None:
         with self._wake:
             while self.engine.free_slots > 0:
-                job = self._waiting.pop(self.clock())
+                reserved = self.engine.free_slots <= self.headroom_slots
+                job = self._waiting.pop(self.clock(), self._below_share if reserved else None)
                 if job is None:
                     return
                 if job.cancelled:
@@ -342,7 +377,7 @@ class Scheduler:
                 try:
                     job.handle = self.engine.submit(job.request)
                 except SlotsExhausted:  # not expected: only this thread submits
-                    self._waiting.push(job, job.priority, job.enqueued_at)
+                    self._waiting.push(job, job.priority, job.enqueued_at, job.tenant, job.weight)
                     return
                 except ValueError as error:
                     _fail(job, error)
@@ -352,10 +387,15 @@ class Scheduler:
                 self._admissions += 1
                 self.recent_admissions.append(job)
                 self._running[job.handle.id] = job
+                self._slot_shares.started(job.tenant)
+
+    def _below_share(self, job: Job) -> bool:
+        return self._slot_shares.below_share(job.tenant, job.weight, self.engine.max_slots, self.clock())
 
     def _stop(self, job: Job, error: BaseException) -> None:
         """Free the job's slot now (if it has one) and tell its consumer why it ended."""
         if job.handle is not None and self._running.pop(job.handle.id, None) is not None:
+            self._slot_shares.ended(job.tenant)
             self.engine.cancel(job.handle)
         if job.failure is None and not job.done:
             _fail(job, error)

@@ -40,9 +40,11 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from services.common import ConfigError, DeviceState
+from services.common.tenant_shares import TENANT_HEADER, TenantShares
 from services.inference.api import Generated
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
+from services.inference.genai_metrics import GenAiServerStats, ServedRequest
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.inference.load_hints import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference.model.backend import ModelBackend, load_backend, make_engine
@@ -83,9 +85,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     """
 
     def __init__(self, config: InferenceConfig, device: DeviceState, *,
-                 backend: ModelBackend | None = None, clock: Any = time.monotonic) -> None:
+                 backend: ModelBackend | None = None, clock: Any = time.monotonic,
+                 shares: TenantShares | None = None) -> None:
         self.config = config
         self.device = device
+        self.shares = shares or TenantShares()  # each tenant's weight in the queue (the gateway names it)
         self._deterministic_before: bool | None = None
         if config.deterministic:
             self._enter_deterministic()
@@ -94,13 +98,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.kv_plan = self._plan_kv()
         self.engine = make_engine(self.backend, device, self.kv_plan.slots, prefix_caching=config.prefix_cache,
                                   prefix_budget_bytes=self.kv_plan.spare_bytes)
-        self.stats = ServingStats()
+        self.stats = ServingStats(GenAiServerStats(config.model_id))
         self.cost = StepCost(self.engine.max_slots, self._warm_up_ms_per_token())
         self.budget = BudgetRule(config.timeout_slowdown, config.timeout_margin_ms, config.max_timeout_ms)
         self.scheduler = Scheduler(self.engine, config.max_queue, cost=self.cost, budget=self.budget,
                                    aging_ms=config.aging_ms, stream_idle_s=config.stream_idle_timeout_s,
                                    stream_max_bytes=config.stream_buffer_max_bytes, clock=clock,
-                                   streams=getattr(device, "stream", None), observer=self.stats)
+                                   streams=getattr(device, "stream", None), observer=self.stats,
+                                   headroom_slots=config.share_headroom_slots)
         self.serving_collector = ServingCollector(self.serving_state, device, GpuGoldenMetrics(device))
         self.metrics_registry = CollectorRegistry()
         self.metrics_registry.register(self.serving_collector)
@@ -130,13 +135,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        job, prompt_tokens = self._start(request, context, stream=False)
-        tokens: list[int] = []
-        finish = ""
-        for output in self._outputs(job, context):
-            if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
-                tokens.append(output.token_id)
-            finish = output.finish_reason or finish
+        with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
+            job, prompt_tokens = self._start(request, context, stream=False)
+            served.job = job
+            tokens: list[int] = []
+            finish = ""
+            for output in self._outputs(job, context):
+                if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
+                    tokens.append(output.token_id)
+                finish = output.finish_reason or finish
         context.set_trailing_metadata(self._load_metadata())
         return generation_pb2.GenerateResponse(
             text=self.backend.decode(tokens), token_ids=tokens, model=request.model, finish_reason=finish,
@@ -144,7 +151,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
+        with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
+            yield from self._stream(request, context, served)
+
+    def _stream(self, request: generation_pb2.GenerateRequest, context: Any,
+                served: ServedRequest) -> Iterator[generation_pb2.GenerateChunk]:
         job, _ = self._start(request, context, stream=True)
+        served.job = job
         tokens: list[int] = []
         sent = ""
         digest = system_digest(request.system)
@@ -249,13 +262,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"{system}prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = "
                         f"{total} exceeds the model's context of {self.engine.max_context}")
+        tenant = next((value for key, value in context.invocation_metadata() or () if key == TENANT_HEADER), "")
         seed = request.seed if request.HasField("seed") else None
         if seed is None and self.config.deterministic and request.temperature > 0:
             seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too
         job = Job(GenerationRequest(prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                                     temperature=float(request.temperature), seed=seed, prefix_ids=prefix_ids),
                   priority=request.priority, budget_ms=float(request.inference_timeout_ms),
-                  default_budget=request.inference_timeout_ms == 0, stream=stream)
+                  default_budget=request.inference_timeout_ms == 0, stream=stream,
+                  tenant=tenant, weight=self.shares.weight(tenant))
         try:
             self.scheduler.submit(job)
         except QueueFull as error:
@@ -314,7 +329,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _abort_for(self, failure: BaseException, context: Any) -> NoReturn:
         if isinstance(failure, JobFailure):
-            self._abort(context, failure.code, str(failure))
+            retry = getattr(failure, "retry_after_s", None)  # a full queue's place given to another tenant
+            self._abort(context, failure.code, str(failure),
+                        (("retry-after", f"{retry:.3f}"),) if retry is not None else ())
         if isinstance(failure, ValueError):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(failure))
         self._abort(context, grpc.StatusCode.INTERNAL, f"model failed: {failure}")

@@ -14,6 +14,9 @@ Families (every one labelled with the served `model` but the device's):
 * `spine_ttft_seconds{model}` (histogram): from the request reaching the model server to
   its first token computed (queueing and prefill);
 * `spine_itl_seconds{model}` (histogram): between two tokens of one sequence;
+* `gen_ai_server_request_duration_seconds`, `gen_ai_server_time_to_first_token_seconds`,
+  `gen_ai_server_time_per_output_token_seconds` (histograms): OpenTelemetry's GenAI server
+  metrics, labelled as its conventions say (`services.inference.genai_metrics`);
 * `spine_device_bytes{owner}` and `spine_device_budget_bytes` (gauges): the device
   context's budget and what each owner holds of it (in the spine: every collapsed
   middleware's tables and the KV pool; in the layered inference process: its own);
@@ -44,8 +47,12 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from services.common import genai_semconv as semconv
 from services.inference.priority import CLASS_NAMES
 
+# The model server's GenAI families (`services.inference.genai_metrics`).
+GENAI_FAMILIES = (semconv.SERVER_REQUEST_DURATION, semconv.SERVER_TIME_TO_FIRST_TOKEN,
+                  semconv.SERVER_TIME_PER_OUTPUT_TOKEN)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -75,8 +82,10 @@ class Counts:
 class ServingStats:
     """Batch sizes, times to first token and between tokens of one served model."""
 
-    def __init__(self) -> None:
+    def __init__(self, genai: Any = None) -> None:
         self._lock = threading.Lock()
+        # The model's GenAI server families (`services.inference.genai_metrics.GenAiServerStats`).
+        self.genai = genai
         self.batch = Counts(BATCH_BUCKETS)
         self.ttft = Counts(TTFT_BUCKETS)
         self.itl = Counts(ITL_BUCKETS)
@@ -151,6 +160,9 @@ class ServingCollector(Collector):
                 histogram = families[name]
                 assert isinstance(histogram, HistogramMetricFamily)
                 histogram.add_metric([model], buckets, total)
+        for _, stats in self._models():
+            if stats.genai is not None:
+                stats.genai.add_to(families)
         usage = getattr(self._device, "usage", None)
         if callable(usage):
             for owner, nbytes in sorted(usage().items()):
@@ -181,6 +193,8 @@ class ServingCollector(Collector):
         }
         for _, name, help_text in HISTOGRAMS:
             families[name] = HistogramMetricFamily(name, help_text, labels=("model",))
+        for metric in GENAI_FAMILIES:
+            families[metric.family] = HistogramMetricFamily(metric.family, metric.description, labels=metric.labels)
         families["spine_device_bytes"] = GaugeMetricFamily(
             "spine_device_bytes", "Bytes of the device context's budget held, by owner.", labels=("owner",))
         families["spine_device_budget_bytes"] = GaugeMetricFamily(

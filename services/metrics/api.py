@@ -32,6 +32,11 @@ class MetricsRecord:
     ejected_middlewares: Sequence[str] = ()
     pregenerated: bool = False
     policy_violation: bool = False
+    genai_operation: str = ""  # the model call as a GenAI operation ("": no call; see RequestRecord)
+    response_model: str = ""
+    input_tokens: int = 0
+    genai_duration_s: float = 0.0
+    time_to_first_chunk_s: float = 0.0
 
 
 def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatchRequest:
@@ -41,7 +46,9 @@ def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatch
                             middleware_s=r.middleware_s, cached=r.cached, shadow=r.shadow,
                             completion_tokens=r.completion_tokens, failed_middlewares=r.failed_middlewares,
                             ejected_middlewares=r.ejected_middlewares, pregenerated=r.pregenerated,
-                            policy_violation=r.policy_violation)
+                            policy_violation=r.policy_violation, genai_operation=r.genai_operation,
+                            response_model=r.response_model, input_tokens=r.input_tokens,
+                            genai_duration_s=r.genai_duration_s, time_to_first_chunk_s=r.time_to_first_chunk_s)
     return request
 
 

@@ -35,6 +35,7 @@ from services.common import (
 from services.metrics.api import RECORD_BATCH
 from services.metrics.config import DEFAULT_BUCKETS as DEFAULT_BUCKETS
 from services.metrics.config import MetricsConfig
+from services.metrics.genai import GenAiCollector, GenAiHistograms, check_genai
 from services.metrics.histograms import CounterTable, HistogramSeries, HistogramTable, SeriesKey
 from services.pipeline.batch_rpc import ItemError
 from services.pipeline.interface import NO_OPTIONS, CallOptions
@@ -111,7 +112,7 @@ def check_record(record: metrics_pb2.RequestRecord) -> str | None:
         return "failed_middlewares: a middleware name is empty"
     if any(not m for m in record.ejected_middlewares):
         return "ejected_middlewares: a middleware name is empty"
-    return None
+    return check_genai(record)
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,12 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         self._histograms = HistogramTable(
             device, config.buckets, owner="metrics", initial_rows=config.initial_series
         )
+        self._genai = GenAiHistograms(device, config.initial_series)  # the GenAI client families
         # What /metrics, Scrape and render() expose: this service's own registry (never the
         # process-global one), whose one collector reads the tables at scrape time.
         self.registry = CollectorRegistry()
         self.registry.register(TableCollector(self.snapshot, self._histograms.bounds))
+        self.registry.register(GenAiCollector(self._genai_snapshot))
 
     # -- in-process API -------------------------------------------------------------------
 
@@ -190,6 +193,7 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         with self._lock:
             self._counters.add(counter_keys, amounts)
             self._histograms.observe(hist_keys, values)
+            self._genai.observe(records)
 
     def _request_keys(self, layout: str, model: str, tenant: str, status: str, shadow: bool) -> _RequestKeys:
         """The series one request touches, built once per label combination (the same few
@@ -230,6 +234,12 @@ class MetricsService(metrics_pb2_grpc.MetricsServicer):
         self.read_hooks.run()
         with self._lock:
             return self._counters.snapshot(), self._histograms.snapshot()
+
+    def _genai_snapshot(self) -> list[tuple[tuple[float, ...], list[HistogramSeries]]]:
+        """The GenAI families' tables, after the read hooks (as `snapshot`)."""
+        self.read_hooks.run()
+        with self._lock:
+            return self._genai.snapshot()
 
     # -- gRPC -----------------------------------------------------------------------------
 

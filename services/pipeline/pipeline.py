@@ -161,8 +161,10 @@ class Pipeline:
     def begin_call(self, stage: Step[Any], state: RequestState) -> CallHooks:
         """The hooks of one call made outside a stage's batch (the gateway's to the model), begun:
         `CallHooks.metadata` goes with the call, `end` reports how it ended. A hook that fails
-        the call (an injected fault) raises its `grpc.RpcError` here, before the call is made."""
-        metadata: list[tuple[str, str]] = [("x-request-id", state.request_id), *state.trace]
+        the call (an injected fault) raises its `grpc.RpcError` here, before the call is made.
+        Made on the request's own thread: a span's parent is the current one (the model call's
+        GenAI span while tracing records it), not the trace context a batch stage carries."""
+        metadata: list[tuple[str, str]] = [("x-request-id", state.request_id)]
         tokens: list[Any] = []
         try:
             for hook in self.hooks:

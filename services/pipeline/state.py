@@ -9,11 +9,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.pipeline.verdicts import Stop
 from wire.v1 import auth_pb2, generation_pb2
 
 Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass(eq=False, slots=True)
+class ModelCall:
+    """The request's call to the model as the gateway saw it: the GenAI operation that its
+    span and the client metrics describe (`services.common.genai_semconv`), the same in every
+    layout because the gateway makes the call in every layout."""
+
+    stream: bool
+    started: float  # time.perf_counter() when the gateway called the model
+    first_chunk_s: float = 0.0  # a stream's first chunk, counted from `started` (0: none came)
+    duration_s: float = 0.0  # to the answer, or to a stream's last chunk (set when the request ends)
+    span: Any = None  # the GenAI span while tracing records one (runtime.genai_spans)
 
 
 @dataclass(eq=False, slots=True)
@@ -62,11 +76,18 @@ class RequestState:
     # the model call as the gateway saw it): their difference is x-spine-overhead-duration-ms.
     arrived: float = 0.0
     model_wait_s: float = 0.0
-    # The tokens the model itself counted (an upstream's usage: prompt + completion), 0 when
-    # it did not: what the rate limiter's estimate at admission is settled against.
+    # What the request used, prompt and completion (an aborted stream's up to where it
+    # stopped; 0 for an answer from the cache): what the rate limiter's charge at admission is
+    # settled against, and what its spend is priced on; with the prompt's share, and how much
+    # of the prompt the model reused from a cache (an upstream's count).
     tokens_used: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # The least budget left to its key, team or tenant (USD; -1: none applies).
+    budget_remaining_usd: float = -1.0
     fallback: str = ""  # the router's fallback for the routed model ("" if none)
     fallback_of: tuple[str, ...] = ()  # the models the routed one is the fallback of
+    model_call: ModelCall | None = None  # None: the model was not called (refused, a cache hit)
 
     @property
     def open(self) -> bool:

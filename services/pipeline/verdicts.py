@@ -103,8 +103,16 @@ def resolved_request(request: generation_pb2.GenerateRequest, model_id: str) -> 
 
 
 def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
-    """Tokens charged for a request: its prompt and system prompt bytes plus the most it may generate."""
-    return len(request.prompt.encode()) + len(request.system.encode()) + request.max_tokens
+    """Tokens charged for a request at admission: its prompt and system prompt bytes. What it
+    generates is charged at its end, when the model has said how much (the release step
+    settles the tokens bucket with the real usage, streams and aborted streams included)."""
+    return len(request.prompt.encode()) + len(request.system.encode())
+
+
+# The least budget (USD) left to the key, team or tenant of a request, on every answer where
+# one applies; and the start of a budget refusal's message (what the HTTP API reads it by).
+BUDGET_HEADER = "x-spine-budget-remaining-usd"
+BUDGET_PREFIX = "budget exhausted"
 
 
 def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
@@ -115,11 +123,16 @@ def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
     not fitted, each with `limit_name` and `retry_after_s`."""
     if verdict.admitted:
         return None
+    if getattr(verdict, "budget", ""):
+        resets = max(verdict.budget_resets_in_s, 0.0)
+        return Stop(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{BUDGET_PREFIX}: {verdict.budget}; it starts again in {resets:.0f}s",
+                    (("retry-after", f"{resets:.3f}"), (BUDGET_HEADER, f"{max(verdict.budget_remaining_usd, 0.0):.6f}")))
     names = ", ".join(over.limit_name for over in verdict.over) or "rate limit"
     if any(over.retry_after_s < 0 for over in verdict.over):
         return Stop(grpc.StatusCode.INVALID_ARGUMENT,
                     f"request costs {cost} tokens, more than the bucket can ever hold ({names}); "
-                    "lower max_tokens or shorten the prompt")
+                    "shorten the prompt")
     retry = max(verdict.retry_after_s, 0.0)
     return Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rate limited by {names}; retry after {retry:.3f}s",
                 (("retry-after", f"{retry:.3f}"),))

@@ -1,7 +1,7 @@
 """The rate limiter's admission on plain values, and `AdmitBatch` as its codec.
 
 The pipeline's rate-limit stage asks with `AdmitItem`s and reads `AdmitVerdict`s; in the
-spine they go straight to `RateLimitService.admit_items`, across the wire through
+spine they go straight to `RateLimitService.admit`, across the wire through
 `ADMIT_BATCH` (see `services.pipeline.batch_rpc`), so both layouts decide with the same
 code and a verdict reads the same either way.
 """
@@ -26,10 +26,22 @@ class AdmitItem:
 
     tenant: str
     model: str  # the resolved model id
-    tokens: int  # prompt bytes plus max_tokens
+    tokens: int  # the prompt's tokens (bytes): settled with the real usage at the release
     dry_run: bool = False  # decide without consuming budget (shadow traffic)
     lease_ttl_s: float = 0.0  # how long a concurrency slot may be held (0: the default)
     busy: float = 0.0  # the device's busy fraction as the asker last saw it (0: unknown)
+    # Who pays, and an API key's own limits and budget (zero values: none).
+    key: str = ""
+    team: str = ""
+    key_requests_per_minute: float = 0.0
+    key_tokens_per_minute: float = 0.0
+    key_budget_usd: float = 0.0
+    key_budget_window: str = ""
+
+    @property
+    def key_limited(self) -> bool:
+        """The key has limits of its own, beside its tenant's."""
+        return bool(self.key and (self.key_requests_per_minute or self.key_tokens_per_minute))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,18 +60,26 @@ class AdmitVerdict:
     retry_after_s: float = 0.0
     over: list[OverLimit] = field(default_factory=list)
     lease_id: int = 0  # the concurrency slot the request holds (0: none)
+    budget_remaining_usd: float = -1.0  # the least remaining of the budgets that apply (-1: none)
+    budget: str = ""  # refused for this budget
+    budget_resets_in_s: float = 0.0
 
 
 def _encode_items(items: Sequence[AdmitItem]) -> ratelimit_pb2.AdmitBatchRequest:
     request = ratelimit_pb2.AdmitBatchRequest()
     for item in items:
         request.items.add(tenant=item.tenant, model=item.model, tokens=item.tokens, dry_run=item.dry_run,
-                          lease_ttl_s=item.lease_ttl_s, busy=item.busy)
+                          lease_ttl_s=item.lease_ttl_s, busy=item.busy, key=item.key, team=item.team,
+                          key_requests_per_minute=item.key_requests_per_minute,
+                          key_tokens_per_minute=item.key_tokens_per_minute, key_budget_usd=item.key_budget_usd,
+                          key_budget_window=item.key_budget_window)
     return request
 
 
 def _decode_items(request: ratelimit_pb2.AdmitBatchRequest) -> list[AdmitItem]:
-    return [AdmitItem(item.tenant, item.model, item.tokens, item.dry_run, item.lease_ttl_s, item.busy)
+    return [AdmitItem(item.tenant, item.model, item.tokens, item.dry_run, item.lease_ttl_s, item.busy, item.key,
+                      item.team, item.key_requests_per_minute, item.key_tokens_per_minute, item.key_budget_usd,
+                      item.key_budget_window)
             for item in request.items]
 
 
@@ -67,13 +87,18 @@ def _fill_verdict(response: ratelimit_pb2.AdmitResponse, verdict: AdmitVerdict) 
     response.admitted = verdict.admitted
     response.retry_after_s = verdict.retry_after_s
     response.lease_id = verdict.lease_id
+    response.budget_remaining_usd = verdict.budget_remaining_usd
+    response.budget = verdict.budget
+    response.budget_resets_in_s = verdict.budget_resets_in_s
     for over in verdict.over:
         response.over.add(limit_name=over.limit_name, retry_after_s=over.retry_after_s)
 
 
 def _read_verdict(response: ratelimit_pb2.AdmitResponse) -> AdmitVerdict:
     return AdmitVerdict(admitted=response.admitted, retry_after_s=response.retry_after_s, lease_id=response.lease_id,
-                        over=[OverLimit(over.limit_name, over.retry_after_s) for over in response.over])
+                        over=[OverLimit(over.limit_name, over.retry_after_s) for over in response.over],
+                        budget_remaining_usd=response.budget_remaining_usd, budget=response.budget,
+                        budget_resets_in_s=response.budget_resets_in_s)
 
 
 ADMIT_BATCH: BatchRpc[AdmitItem, AdmitVerdict] = BatchRpc(

@@ -24,6 +24,13 @@ class ReleaseItem:
     model: str = ""
     tokens_charged: int = 0
     tokens_used: int = 0
+    # Who pays, what the answer used (priced by the spend ledger), the key's tokens per minute as admitted.
+    key: str = ""
+    team: str = ""
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    key_tokens_per_minute: float = 0.0
 
 
 class RateLimit(Protocol):
@@ -51,12 +58,18 @@ class RateLimit(Protocol):
 def _encode_releases(items: Sequence[ReleaseItem]) -> ratelimit_pb2.ReleaseBatchRequest:
     return ratelimit_pb2.ReleaseBatchRequest(items=[
         ratelimit_pb2.ReleaseRequest(lease_id=item.lease_id, tenant=item.tenant, model=item.model,
-                                     tokens_charged=item.tokens_charged, tokens_used=item.tokens_used)
+                                     tokens_charged=item.tokens_charged, tokens_used=item.tokens_used, key=item.key,
+                                     team=item.team, prompt_tokens=item.prompt_tokens,
+                                     cached_prompt_tokens=item.cached_prompt_tokens,
+                                     completion_tokens=item.completion_tokens,
+                                     key_tokens_per_minute=item.key_tokens_per_minute)
         for item in items])
 
 
 def _decode_releases(request: ratelimit_pb2.ReleaseBatchRequest) -> list[ReleaseItem]:
-    return [ReleaseItem(item.lease_id, item.tenant, item.model, item.tokens_charged, item.tokens_used)
+    return [ReleaseItem(item.lease_id, item.tenant, item.model, item.tokens_charged, item.tokens_used, item.key,
+                        item.team, item.prompt_tokens, item.cached_prompt_tokens, item.completion_tokens,
+                        item.key_tokens_per_minute)
             for item in request.items]
 
 

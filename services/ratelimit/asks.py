@@ -54,10 +54,35 @@ def bucket_keys(tenant: str, model: str) -> tuple[Key, ...]:
     return tuple((("tenant", tenant), ("model", model), ("resource", resource)) for resource in RESOURCES)
 
 
-def ask_for(tenant: str, model: str, tokens: int, dry_run: bool = False, domain: str = "spine") -> RateLimitAsk:
-    """What the gateway asks per request: one request, and `tokens` tokens."""
+def ask_for(tenant: str, model: str, tokens: int, dry_run: bool = False, domain: str = "spine",
+            key: str = "", key_requests_per_minute: float = 0.0, key_tokens_per_minute: float = 0.0) -> RateLimitAsk:
+    """What the gateway asks per request: one request, and `tokens` tokens; against the API
+    key's own buckets too where it has limits of its own."""
     requests_key, tokens_key = bucket_keys(tenant, model)
-    return RateLimitAsk(domain, ((requests_key, 1), (tokens_key, tokens)), dry_run)
+    descriptors: tuple[tuple[Key, int], ...] = ((requests_key, 1), (tokens_key, tokens))
+    if key and key_requests_per_minute:
+        descriptors += ((key_bucket(key, "requests", key_requests_per_minute), 1),)
+    if key and key_tokens_per_minute:
+        descriptors += ((key_bucket(key, "tokens", key_tokens_per_minute), tokens),)
+    return RateLimitAsk(domain, descriptors, dry_run)
+
+
+def key_bucket(key: str, resource: str, per_minute: float) -> Key:
+    """An API key's own bucket for `resource`: `per_minute` a minute, a minute's worth of burst.
+    The limit is part of the name, so a key whose limit changes starts a bucket of the new size."""
+    return (("key", key), ("resource", resource), ("per_minute", f"{per_minute:g}"))
+
+
+def key_limits(key: Key) -> tuple[float, float] | None:
+    """(rate per second, burst) of a `key_bucket`, None for any other descriptor."""
+    fields = dict(key)
+    if "key" not in fields or "per_minute" not in fields:
+        return None
+    try:
+        per_minute = float(fields["per_minute"])
+    except ValueError:
+        return None
+    return (per_minute / 60.0, max(per_minute, 1.0)) if per_minute > 0 else None
 
 
 def descriptors_for(tenant: str, model: str, tokens: int) -> list[ratelimit_pb2.RateLimitDescriptor]:

@@ -150,7 +150,7 @@ DecideBuckets = Callable[[list[Any], Asking, float], None]
 
 
 class SlotAdmission:
-    """`admit_items`' decision with slots: buckets and concurrency slots together, all or
+    """`admit`'s decision with slots: buckets and concurrency slots together, all or
     nothing per item, exactly as deciding the items one by one in list order would.
 
     A tenant with at least as many free slots as items in the batch cannot run out within

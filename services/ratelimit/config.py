@@ -7,7 +7,6 @@ imports only this; defaults are documented in `runtime/default_config.yaml`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +19,8 @@ from pydantic import (
 
 from services.common.config_section import Float, NonEmptyStr, Section, Table, problem
 from services.common.prometheus_http import ListenAddress
+from services.common.redis_link import RedisLink
+from services.ratelimit.spend_config import SpendConfig
 
 # A rate of 0 never refills: that is a quota, which this service does not implement.
 Rate = Annotated[Float, Field(gt=0)]
@@ -38,6 +39,10 @@ class BucketLimits(Section):
     # RESOURCE_EXHAUSTED with retry-after. Under a traffic split each rate limiter holds its
     # share of it (at least 1), like the buckets.
     max_concurrent_requests: Annotated[StrictInt, Field(ge=1)] | None = None
+    # The tenant's share of the model's admissions within a priority class while other
+    # tenants wait there too (services.inference.fair_share, read through
+    # services.common.tenant_shares): 2 is admitted twice as often as 1.
+    share_weight: Annotated[Float, Field(gt=0)] = 1.0
 
     def bucket(self, resource: str) -> tuple[float, float]:
         """(rate per second, capacity) of the bucket for `resource`."""
@@ -62,17 +67,15 @@ class ConcurrencyWhenBusy(Section):
         return self
 
 
-class RedisStore(Section):
+class RedisStore(RedisLink):
     """`ratelimit.store.redis`: where the shared lease store is. `address` is HOST:PORT or
     unix:/PATH; every key starts with `key_prefix` (one Redis, or one hash slot: the lease
     scripts touch several keys at once). The password, when there is one, is read from a file,
-    so it is never in a config or a log."""
+    so it is never in a config or a log. A call slower than `timeout_s` counts as a failure:
+    a slow store must not hold leases back. Spend (`spend`) is kept here too, under
+    `<key_prefix>spend:`."""
 
-    address: NonEmptyStr
     key_prefix: NonEmptyStr = "spine:ratelimit:"
-    password_file: Path | None = None
-    # A call slower than this counts as a failure: a slow store must not hold leases back.
-    timeout_s: Annotated[Float, Field(gt=0)] = 0.25
 
 
 class RateLimitStore(Section):
@@ -120,6 +123,8 @@ class RateLimitConfig(Section):
     concurrency_when_busy: ConcurrencyWhenBusy = ConcurrencyWhenBusy()
     # Without it, each limiter holds its fixed share (`migration.limit_shares`).
     store: RateLimitStore | None = None
+    # Prices, budgets and where spend is kept (`services.ratelimit.spend`).
+    spend: SpendConfig = SpendConfig()
 
     @model_validator(mode="before")
     @classmethod

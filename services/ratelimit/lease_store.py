@@ -19,14 +19,15 @@ fallback share divides by), `b:<bucket>` (level, last refill), `s:<tenant>` (rep
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.ratelimit.config import RedisStore
 
 # KEYS: epoch, replicas, then one per bucket. ARGV: known epoch, candidate epoch, replica id,
 # replica ttl (s), then per bucket: rate (/s), burst, want, debt, give back.
-# Returns: epoch, restarted (0/1), live replicas, then per bucket the tokens granted (text:
+# Returns: epoch, restarted (0/1), live replicas, then per bucket the tokens granted and the
+# bucket's level after the grant (below 0: in debt, a settle charged more than it held) (text:
 # a Lua number returned as a number would be cut to an integer).
 _TOKENS = """
 local t = redis.call('TIME')
@@ -69,6 +70,7 @@ for i = 3, #KEYS do
   redis.call('HSET', KEYS[i], 'level', tostring(level), 'last', tostring(now))
   redis.call('PEXPIRE', KEYS[i], math.ceil((burst - level) / rate * 1000) + 1000)
   out[#out + 1] = tostring(grant)
+  out[#out + 1] = tostring(level)
 end
 return out
 """
@@ -138,6 +140,7 @@ class StoreAnswer:
     replicas: int  # live replicas, this one included
     tokens: list[float]
     slots: list[tuple[int, int]]  # per tenant asked: (granted, free before the grant)
+    levels: list[float] = field(default_factory=list)  # per bucket asked: the store's level after the grant
 
 
 class RedisLeaseStore:
@@ -181,9 +184,9 @@ class RedisLeaseStore:
         self.calls += 1
         answers = pipe.execute()
         head = answers[0]
+        values = [float(_text(v)) for v in head[3:]]
         return StoreAnswer(epoch=_text(head[0]), restarted=int(head[1]) == 1, replicas=int(head[2]),
-                           tokens=[float(_text(v)) for v in head[3:]],
-                           slots=_pairs(answers[1]) if slots else [])
+                           tokens=values[0::2], slots=_pairs(answers[1]) if slots else [], levels=values[1::2])
 
     def leave(self, tenants: list[str]) -> None:
         """This replica is gone: its slots of `tenants` and its place among the live replicas."""

@@ -19,6 +19,15 @@ paid back (the global bucket goes below zero) within the next renewal. A tenant 
 traffic all lands on one replica gets the whole refill of its limit from the next renewal
 on; the tokens other replicas hold come back within `lease_s` of their last use.
 
+Tokens settled after the fact. A request's tokens bucket is charged its prompt at admission
+and settled at its end with what it generated (`RateLimitService._settle`), which may take a
+bucket below zero. What a settle takes beyond the tokens the replica held is charged to the
+store's bucket as debt at once (the settle wakes the renewal), so the store's bucket goes
+below zero; every replica learns that from its next renewal's answer (the level after the
+grant) and then gives its granted tokens back and drops its reserve: the tenant is refused on
+every replica from then until the debt is refilled. A replica that had never seen the tenant
+may still admit its reserve before its first renewal.
+
 Faults (`fail_mode`):
 - the store unreachable or slower than `redis.timeout_s` -> `shares`: the buckets refill at
   the last shares again (the controller's share, at most 1/live replicas last seen);
@@ -77,6 +86,7 @@ class _Held:
     backed: float = 0.0  # of those, tokens the store granted
     demand: float = 0.0  # tokens a second spent, smoothed
     owed_back: float = 0.0  # granted tokens that did not fit: given back at the next renewal
+    in_debt: bool = False  # the store's bucket was below zero at the last renewal: hold nothing
 
 
 class StoreLeases:
@@ -172,10 +182,19 @@ class StoreLeases:
                 held = self._held[key] = _Held(level=reserve, unbacked=reserve, last_used=now)
             level = state.level
             used = max(0.0, held.level - level)
+            # Tokens a settle gave back (a request used fewer than it was charged) were paid for:
+            # spent again or given back, never charged twice.
+            held.backed += max(0.0, level - held.level)
             from_backed = min(used, held.backed)
             held.backed -= from_backed
             debt = min(used - from_backed, held.unbacked)
             held.unbacked -= debt
+            overdraft = used - from_backed - debt
+            if overdraft > 0:  # a settle took more than was held (a long answer): the store's bucket
+                # owes it now, so every replica refuses next; here the level comes back up by as much
+                debt += overdraft
+                self._table.credit(key, overdraft)
+                level += overdraft
             held.demand += 0.5 * (used / dt - held.demand)
             if used > 0:
                 held.last_used = now
@@ -186,7 +205,7 @@ class StoreLeases:
                 give_back += removed
                 level -= removed
                 held.backed = 0.0
-                top_up = max(0.0, reserve - held.unbacked)
+                top_up = 0.0 if held.in_debt else max(0.0, reserve - held.unbacked)
                 top_up -= self._table.credit(key, top_up)
                 held.unbacked += top_up
                 level += top_up
@@ -196,7 +215,9 @@ class StoreLeases:
                     target = burst  # more than it was given, so it asks for all the store holds
                 want = max(0.0, min(target, burst) - level)
             held.level = level
-            if want or debt or give_back:  # an idle bucket with nothing to settle is not sent
+            # An idle bucket with nothing to settle is not sent, unless it holds a reserve (or the
+            # store's bucket was in debt): the answer says whether it may go on holding one.
+            if want or debt or give_back or held.unbacked > 0 or held.in_debt:
                 self._keys[_store_key(key)] = key
                 asks.append(TokenAsk(_store_key(key), rate, burst, want, debt, give_back))
         return asks
@@ -224,12 +245,16 @@ class StoreLeases:
         if not self.leasing:
             self._recover()
             return
-        for ask, grant in zip(tokens, answer.tokens, strict=True):
+        for ask, grant, level in zip(tokens, answer.tokens, answer.levels or [0.0] * len(tokens), strict=True):
             key = self._keys[ask.key]
+            held = self._held[key]
+            held.in_debt = level < 0
+            if held.in_debt:  # the tenant used more than its limit: what is held here goes back to pay
+                self._drain(key, held)
+                continue
             if grant <= 0:
                 continue
             unfit = self._table.credit(key, grant)
-            held = self._held[key]
             held.owed_back += unfit
             held.backed += grant - unfit
             held.level += grant - unfit
@@ -239,6 +264,16 @@ class StoreLeases:
                     self._slots.granted[slot_ask.tenant] = granted
                 else:  # holds none, wants none, and there is room: one slot until the next renewal
                     self._slots.granted.pop(slot_ask.tenant, None)
+
+    def _drain(self, key: Hashable, held: _Held) -> None:
+        """Empty a bucket whose store bucket is in debt: its granted tokens are owed back (paying
+        the debt at the next renewal), its reserve dropped; it admits nothing until the store's
+        bucket is above zero again (caller holds the lock)."""
+        returned = held.backed + self._table.credit(key, -held.backed)
+        dropped = held.unbacked + self._table.credit(key, -held.unbacked)
+        held.owed_back += returned
+        held.backed = held.unbacked = 0.0
+        held.level -= returned + dropped
 
     # -- faults -------------------------------------------------------------------------------
     def _failed(self, error: BaseException) -> None:

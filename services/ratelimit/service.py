@@ -1,9 +1,11 @@
 """The RateLimit service: token buckets per (tenant, model, resource).
 
 The pipeline asks `AdmitBatch` (the per-request `Admit` is its batch of one): each item is
-one request against the requests-per-second bucket and `prompt + max_tokens` tokens
-against the tokens-per-minute bucket, turned into two descriptors by `ask_for`. An item
-is all-or-nothing: admitted only when both fit, and then both are charged.
+one request against the requests-per-second bucket and its prompt's tokens against the
+tokens-per-minute bucket (settled with what it used at its release), turned into two
+descriptors by `ask_for` (four with an API key's own limits). An item is all-or-nothing:
+admitted only when every one fits, and then all are charged. With `ratelimit.spend`, budgets
+are decided first and usage is charged at the release (`budget_admission`).
 `ShouldRateLimit` is the general descriptor form (Envoy's shape), decided by the same
 code on the same buckets.
 
@@ -28,6 +30,7 @@ from typing import Any, cast
 import grpc
 
 from services.common import Clock, DeviceState
+from services.common.collectors import combined
 from services.pipeline.batch_rpc import ItemError, StatusError
 from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict, OverLimit
@@ -40,12 +43,16 @@ from services.ratelimit.asks import (
     RateLimitAsk,
     ask_for,
     bucket_keys,
+    key_bucket,
+    key_limits,
     limit_name,
 )
+from services.ratelimit.budget_admission import admit_within_budgets, charge
 from services.ratelimit.concurrency import ConcurrencyLeases, SlotAdmission
 from services.ratelimit.config import BucketLimits as BucketLimits
 from services.ratelimit.config import RateLimitConfig
 from services.ratelimit.leases import StoreLeases
+from services.ratelimit.spend import SpendLedger
 from services.ratelimit.token_buckets import BatchDecision, BucketState, TokenBucketTable
 from wire.v1 import ratelimit_pb2, ratelimit_pb2_grpc
 
@@ -77,8 +84,11 @@ class _Row:
 class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
     """Token-bucket admission; state lives in a `TokenBucketTable` on `device`."""
 
-    def __init__(self, config: RateLimitConfig, device: DeviceState, clock: Clock = time.monotonic) -> None:
+    def __init__(self, config: RateLimitConfig, device: DeviceState, clock: Clock = time.monotonic,
+                 spend: SpendLedger | None = None) -> None:
         self.config = config
+        # Spend and budgets (`ratelimit.spend`, `services.ratelimit.spend`); None: not tracked.
+        self.spend = spend
         self._clock = clock
         self._table = TokenBucketTable(device)
         self._lock = threading.Lock()
@@ -93,13 +103,16 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             config.store, self._table, self._leases, self._lock, lambda key: self._buckets[cast(Key, key)].limits,
             concurrency_of, tuple(t for t, limits in config.tenants.items() if limits.max_concurrent_requests),
             clock).start()
-        self.store_collector = None if self.store is None else self.store.collector()
+        self.store_collector = combined(None if self.store is None else self.store.collector(),
+                                        None if spend is None else spend.collector())
         self.local_health = None if self.store is None else self.store.health
 
     def close(self) -> None:
-        """Give the store's leases back (no store: nothing to do)."""
+        """Give the store's leases back and send the last charges (nothing to do without either)."""
         if self.store is not None:
             self.store.close()
+        if self.spend is not None:
+            self.spend.close()
 
     # -- plain Python API (the spine's batcher calls this) ----------------------------
     def admit_batch(
@@ -197,7 +210,16 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
         A malformed item is refused alone (INVALID_ARGUMENT naming the field) and the rest
         decided without it; when the bucket table has no room for a new bucket, the items
-        are decided one by one so only those that needed room fail (RESOURCE_EXHAUSTED)."""
+        are decided one by one so only those that needed room fail (RESOURCE_EXHAUSTED).
+
+        With `ratelimit.spend`, the budgets come first (`budget_admission`): an item that
+        would pass one is refused and touches no bucket."""
+        if self.spend is None:
+            return self._admit_limits(items)
+        return admit_within_budgets(self.spend, items, self._admit_limits)
+
+    def _admit_limits(self, items: Sequence[AdmitItem]) -> list[AdmitVerdict | ItemError]:
+        """`admit` on the buckets and slots alone."""
         if not self.alone_fast_path:
             return self._admit_together(items)
         # Item by item on their buckets while they can be (`_admit_alone`): in list order,
@@ -224,7 +246,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                 field_name = "tenant" if not item.tenant else "model"
                 results[index] = ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: must not be empty")
                 continue
-            asking.append((index, ask_for(item.tenant, item.model, item.tokens, item.dry_run, domain)))
+            asking.append((index, ask_for(item.tenant, item.model, item.tokens, item.dry_run, domain, item.key,
+                                          item.key_requests_per_minute, item.key_tokens_per_minute)))
         with self._lock:
             now = self._clock()
             if asking:
@@ -237,7 +260,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         straight on its two buckets (`TokenBucketTable.decide_alone`: the general path's
         answer, without its asks, rows and per-request dicts — the rate limiter was the
         dearest stage of a lone request); None: the general path decides it."""
-        if (not item.tenant or not item.model or not 0 <= item.tokens <= MAX_HITS_ADDEND
+        if (not item.tenant or not item.model or not 0 <= item.tokens <= MAX_HITS_ADDEND or item.key_limited
                 or self.config.limits_for(item.tenant).max_concurrent_requests is not None):
             return None
         buckets = [self._buckets.get(key) for key in bucket_keys(item.tenant, item.model)]
@@ -261,14 +284,20 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
     def release(self, items: Sequence[ReleaseItem], options: CallOptions = NO_OPTIONS) -> list[bool | ItemError]:
         """Give concurrency slots back; a lease not held here (released, expired, another
-        limiter's) is answered False, not refused."""
+        limiter's) is answered False, not refused. Each request's tokens are settled with
+        what it used, and its usage charged to its spend."""
         released: list[bool | ItemError] = []
         with self._lock:
             now = self._clock()
             for item in items:
                 released.append(item.lease_id != 0 and self._leases.release(item.lease_id, now))
                 if item.tokens_used and item.tenant and item.model:
-                    self._settle(item.tenant, item.model, float(item.tokens_used) - float(item.tokens_charged))
+                    extra = float(item.tokens_used) - float(item.tokens_charged)
+                    self._settle(bucket_keys(item.tenant, item.model)[1], extra)
+                    if item.key and item.key_tokens_per_minute:
+                        self._settle(key_bucket(item.key, "tokens", item.key_tokens_per_minute), extra)
+        if self.spend is not None:  # priced outside the lock: the ledger has its own
+            charge(self.spend, items)
         return released
 
     def ReleaseBatch(self, request: ratelimit_pb2.ReleaseBatchRequest,
@@ -276,13 +305,16 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """`release` over the wire."""
         return RELEASE_BATCH.serve(self, request, context)
 
-    def _settle(self, tenant: str, model: str, extra: float) -> None:
+    def _settle(self, key: Key, extra: float) -> None:
         """Charge a request's tokens beyond its admission's estimate (negative: give back what
-        it did not use) to its tenant's tokens bucket; the level may go below zero, down to
-        one burst, so a request that used more than it was charged delays the next ones."""
-        key = bucket_keys(tenant, model)[1]
+        it did not use) to a tokens bucket; the level may go below zero, down to one burst, so
+        a request that used more than it was charged delays the next ones. With a shared
+        store, the renewal charges what went below zero to the store's bucket at once
+        (`services.ratelimit.leases`), so every replica refuses next."""
         if extra and self._table.slot_of(key) is not None:
             self._table.settle(key, extra)
+            if self.store is not None and extra > 0:
+                self.store.wake()
 
     def _admit_into(self, results: list[Any], asking: list[tuple[int, RateLimitAsk]], now: float) -> None:
         asking = list(asking)
@@ -377,7 +409,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             raise InvalidRateLimitRequest(
                 f"{where}.entries: needs resource= one of {', '.join(RESOURCES)}, got {resource!r}", index
             )
-        bucket = _Bucket(key, limit_name(key), self.config.limits_for(fields.get("tenant", "")).bucket(resource))
+        limits = key_limits(key) or self.config.limits_for(fields.get("tenant", "")).bucket(resource)
+        bucket = _Bucket(key, limit_name(key), limits)
         self._buckets[key] = bucket
         if self.store is not None:
             self.store.wake()

@@ -32,21 +32,36 @@ class RateLimitStep(Step[RateLimit]):
         items: dict[RequestState, AdmitItem] = {}
         for state in batch:
             assert state.resolved is not None
-            items[state] = AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved),
-                                     state.shadow, state.remaining(), state.device_busy)
+            items[state] = _item(state)
         limiter = call.component
         verdicts = limiter.admit(list(items.values()), call.options)
         for state, verdict in self.answered(call, batch, verdicts):
             state.lease_holder = limiter  # a slot, or tokens to settle, go back there
             if verdict.lease_id:
                 state.lease_id = verdict.lease_id
+            state.budget_remaining_usd = verdict.budget_remaining_usd
             state.outcome = rate_limit_stop(verdict, items[state].tokens)
+
+
+def _item(state: RequestState) -> AdmitItem:
+    """The admission's ask: the tenant's and, for a key managed at run time, the key's own."""
+    assert state.resolved is not None
+    principal = state.principal
+    item = AdmitItem(state.tenant, state.resolved.model, rate_limit_cost(state.resolved), state.shadow,
+                     state.remaining(), state.device_busy)
+    if principal is not None and principal.subject:
+        item.key, item.team = principal.subject, principal.team
+        item.key_requests_per_minute, item.key_tokens_per_minute = (principal.requests_per_minute,
+                                                                    principal.tokens_per_minute)
+        item.key_budget_usd, item.key_budget_window = principal.budget_usd, principal.budget_window
+    return item
 
 
 class ReleaseStep(Step[RateLimit]):
     """Gives a request's concurrency slot back at its last byte, whatever its outcome, and
-    settles its tokens where the model counted them (an upstream's usage: `tokens_used`), so
-    tokens per minute count what the request really used, streams included.
+    settles its tokens with what it used (`tokens_used`: the model's own count, or the tokens
+    it generated, an aborted stream's up to where it stopped), so tokens per minute count what
+    the request really used, streams included; the same usage is its spend.
 
     Not deferrable: the spine writes other completions a window later, but a slot held that
     long would refuse the tenant's next request. It fails open: a lease the call could not
@@ -77,5 +92,11 @@ class ReleaseStep(Step[RateLimit]):
 def _release(state: RequestState) -> ReleaseItem:
     if not state.tokens_used or state.shadow or state.resolved is None:
         return ReleaseItem(lease_id=state.lease_id)
-    return ReleaseItem(lease_id=state.lease_id, tenant=state.tenant, model=state.resolved.model,
-                       tokens_charged=rate_limit_cost(state.resolved), tokens_used=state.tokens_used)
+    principal = state.principal
+    key, team, key_tpm = ("", "", 0.0) if principal is None else (principal.subject, principal.team,
+                                                                 principal.tokens_per_minute)
+    return ReleaseItem(
+        lease_id=state.lease_id, tenant=state.tenant, model=state.resolved.model,
+        tokens_charged=rate_limit_cost(state.resolved), tokens_used=state.tokens_used, key=key, team=team,
+        prompt_tokens=state.prompt_tokens, cached_prompt_tokens=state.cached_tokens,
+        completion_tokens=max(0, state.tokens_used - state.prompt_tokens), key_tokens_per_minute=key_tpm)

@@ -170,6 +170,11 @@ class TokenBucketTable:
         level kept within [-capacity, capacity]: a debt refills like any level, so it delays
         the next admissions by what was used beyond the estimate."""
         slot = self._slots[key]
+        cells = self._host.cells(self._state) if self.host_paths else None
+        if cells is not None:  # every request settles: plain float cells on the CPU, not tensor indexing
+            capacity = cells[CAPACITY, slot]
+            cells[LEVEL, slot] = min(max(cells[LEVEL, slot] - tokens, -capacity), capacity)
+            return
         capacity = float(self._state[CAPACITY, slot])
         level = float(self._state[LEVEL, slot])
         self._state[LEVEL, slot] = min(max(level - tokens, -capacity), capacity)

@@ -9,7 +9,9 @@
     spine certs dev --out DIR
     spine demo [--model DIR]
     spine config schema|check
+    spine keys import FILE [--from lines|litellm]
     spine migrate ...
+    spine keys create|list|update|rotate|revoke|spend ...
 
 A config problem (`--config`) exits 2 with one line per problem, before anything starts.
 """
@@ -23,6 +25,7 @@ import sys
 from runtime.parent import follow_parent
 from runtime.server import UnsafeAddress
 from services.common import ConfigError
+from spine.cli.keys import add_keys_parser
 from spine.cli.migrate import add_migrate_parser
 from spine.cli.runs import add_run_parsers
 from spine.cli.tools import add_tool_parsers
@@ -44,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(sub)
 
     add_migrate_parser(sub)
+    add_keys_parser(sub)
     return parser
 
 

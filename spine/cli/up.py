@@ -40,6 +40,9 @@ def add_up_parser(sub: Any) -> None:
     up.add_argument("--http-listen", metavar="HOST:PORT",
                     help="the OpenAI/Anthropic-compatible HTTP API's address (default: config `http.listen`, "
                          "127.0.0.1:8000); 'off': none")
+    up.add_argument("--admin-token-file", metavar="FILE",
+                    help="serve the admin API (keys managed at run time, spend: `spine keys`, HTTP /admin/) behind "
+                         "the token in FILE (mode 600); default: $SPINE_ADMIN_TOKEN when set, else no admin API")
     up.add_argument("--run-dir", help="sockets, logs and state (default: a fresh temporary directory)")
     up.add_argument("--allow-external", action="store_true", help="allow a non-loopback --listen")
     up.add_argument("--probe-listen", metavar="HOST:PORT",
@@ -105,7 +108,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     install_for(config.tracing, service_name="spine")
     stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
                   remote_addresses=remote_addresses(config), probe_listen=args.probe_listen,
-                  http_listen=http_listen, **fault)
+                  http_listen=http_listen, admin_token=_admin_token(args), **fault)
     termination = Termination()
     stack.start()
     follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements", tls)
@@ -118,6 +121,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # The gateway's health and each component's; later flips, restarts and crash loops
         # are logged (one line each) on stderr.
         "health": stack.health_report(),
+        "admin_api": stack.admin is not None,
     }
     if follower is not None:  # the controller's stage, as applied (placements above include it)
         ready["follower"] = follower.state()
@@ -150,6 +154,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             follower.stop()
         stack.stop()
     return 0
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token from --admin-token-file or $SPINE_ADMIN_TOKEN; None when neither is given."""
+    from services.common.admin_token import ENV_VAR, read_admin_token
+
+    if not args.admin_token_file and not os.environ.get(ENV_VAR, "").strip():
+        return None
+    return read_admin_token(args.admin_token_file)
 
 
 def _up_bare(args: argparse.Namespace, config: SpineConfig) -> int:

@@ -100,6 +100,9 @@ class DemoScreen:
     def busy(self, text: str) -> Iterator[None]:
         """A spinner with `text` while something starts or stops (nothing without a terminal)."""
         self.log.info("%s", text)
+        if not self.console.is_terminal:  # rich's Live ends with an empty line even where it drew nothing (13)
+            yield
+            return
         with self.console.status(text):
             yield
 
@@ -109,8 +112,11 @@ class DemoScreen:
         run ends: its table replaces it. Without a terminal it only writes the log."""
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                             console=self.console, transient=True, disable=not self.console.is_terminal)
+        task = progress.add_task(title, total=None)
+        if not self.console.is_terminal:  # a disabled Progress still ends with an empty line (rich 13)
+            yield RunStatus(self, progress, task, title)
+            return
         with progress:
-            task = progress.add_task(title, total=None)
             yield RunStatus(self, progress, task, title)
 
     def keep_open(self, what: str) -> None:

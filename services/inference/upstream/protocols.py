@@ -33,6 +33,7 @@ class Answer:
     finish: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, read from the upstream's prompt cache
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class Delta:
     finish: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     end: bool = False
 
 
@@ -58,6 +60,18 @@ def _finish(reason: Any) -> str:
 def _count(usage: Any, key: str) -> int:
     value = usage.get(key) if isinstance(usage, dict) else None
     return value if isinstance(value, int) and value >= 0 else 0
+
+
+def _openai_cached(usage: Any) -> int:
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens` (prompt tokens read from its cache)."""
+    return _count(usage.get("prompt_tokens_details") if isinstance(usage, dict) else None, "cached_tokens")
+
+
+def _anthropic_prompt(usage: Any) -> tuple[int, int]:
+    """(prompt tokens, of which cached) from Anthropic's usage, whose `input_tokens` counts only
+    what was neither read from nor written to its prompt cache."""
+    cached = _count(usage, "cache_read_input_tokens")
+    return _count(usage, "input_tokens") + cached + _count(usage, "cache_creation_input_tokens"), cached
 
 
 def loads(raw: bytes | str, what: str) -> Any:
@@ -127,7 +141,7 @@ class OpenAIChat:
                 raise TypeError("content is not text")
             usage = data.get("usage") or {}
             return Answer(text, _finish(choice.get("finish_reason")), _count(usage, "prompt_tokens"),
-                          _count(usage, "completion_tokens"))
+                          _count(usage, "completion_tokens"), _openai_cached(usage))
         except (KeyError, IndexError, TypeError, AttributeError) as error:
             raise Malformed(f"the upstream's answer has no choices[0].message.content ({error})") from None
 
@@ -145,7 +159,8 @@ class OpenAIChat:
         choices = event.get("choices")
         if not isinstance(choices, list):
             raise Malformed(f"a stream event has no choices: {data[:80]!r}")
-        delta = Delta(prompt_tokens=_count(usage, "prompt_tokens"), completion_tokens=_count(usage, "completion_tokens"))
+        delta = Delta(prompt_tokens=_count(usage, "prompt_tokens"), completion_tokens=_count(usage, "completion_tokens"),
+                      cached_tokens=_openai_cached(usage))
         if choices:
             choice = choices[0]
             piece = (choice.get("delta") or {}).get("content") if isinstance(choice, dict) else None
@@ -192,8 +207,8 @@ class AnthropicMessages:
             blocks = data["content"]
             text = "".join(block["text"] for block in blocks if block.get("type") == "text")
             usage = data.get("usage") or {}
-            return Answer(text, _finish(data.get("stop_reason")), _count(usage, "input_tokens"),
-                          _count(usage, "output_tokens"))
+            prompt, cached = _anthropic_prompt(usage)
+            return Answer(text, _finish(data.get("stop_reason")), prompt, _count(usage, "output_tokens"), cached)
         except (KeyError, TypeError, AttributeError) as error:
             raise Malformed(f"the upstream's answer has no text content blocks ({error})") from None
 
@@ -209,7 +224,8 @@ class AnthropicMessages:
             if kind == "error":
                 raise StreamError(error_message(data.encode()))
             if kind == "message_start":
-                return Delta(prompt_tokens=_count(event["message"].get("usage"), "input_tokens"))
+                prompt, cached = _anthropic_prompt(event["message"].get("usage"))
+                return Delta(prompt_tokens=prompt, cached_tokens=cached)
             if kind == "content_block_delta":
                 delta = event["delta"]
                 text = delta.get("text", "") if delta.get("type") == "text_delta" else ""

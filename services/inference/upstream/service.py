@@ -66,7 +66,8 @@ class UpstreamModels:
         context.set_trailing_metadata(_metadata(walk))
         return generation_pb2.GenerateResponse(
             text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=answer.prompt_tokens,
-            completion_tokens=answer.completion_tokens, system_digest=system_digest(request.system))
+            completion_tokens=answer.completion_tokens, system_digest=system_digest(request.system),
+            cached_prompt_tokens=answer.cached_tokens)
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
@@ -108,13 +109,15 @@ class UpstreamModels:
                 ended.finish = delta.finish or ended.finish
                 ended.prompt_tokens = delta.prompt_tokens or ended.prompt_tokens
                 ended.completion_tokens = delta.completion_tokens or ended.completion_tokens
+                ended.cached_tokens = delta.cached_tokens or ended.cached_tokens
                 if delta.text:
                     yield generation_pb2.GenerateChunk(text=delta.text, index=index, model=request.model,
                                                        system_digest=digest)
                     index += 1
             yield generation_pb2.GenerateChunk(index=index, finish_reason=ended.finish or "stop", model=request.model,
                                                system_digest=digest, prompt_tokens=ended.prompt_tokens,
-                                               completion_tokens=ended.completion_tokens)
+                                               completion_tokens=ended.completion_tokens,
+                                               cached_prompt_tokens=ended.cached_tokens)
         except AttemptFailure as failure:  # after the first chunk: nothing can be retried now
             endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, endpoint.spec.timeout_s)
             broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {index} chunk(s): {failure.message}")

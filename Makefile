@@ -90,9 +90,11 @@ bench-image: image
 profile: install
 	$(PY) -m bench.profile --against bare $(if $(MODEL),--model $(MODEL))
 
+# mypy over every package, then --strict over the components, the runtime and the migration.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict services runtime migration
 	$(VENV)/bin/lint-imports
 
 clean:

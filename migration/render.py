@@ -15,7 +15,7 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from migration.plan import MIDDLEWARES
+from services.registry import MIDDLEWARES
 from wire.v1 import migration_pb2 as pb
 
 _STATE_STYLE = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from migration.plan import MIDDLEWARES
+from services.registry import MIDDLEWARES
 
 
 class State(StrEnum):

@@ -137,8 +137,8 @@ class DeferredCompletions:
         self.pipeline = pipeline
         # A stage that is not `deferrable` (a concurrency slot's release) runs at once even
         # when its component is local.
-        self.deferred: list[Step] = [s for s in pipeline.completion if s.name in deferred and s.deferrable]
-        self.direct: list[Step] = [s for s in pipeline.completion if s not in self.deferred]
+        self.deferred: list[Step[Any]] = [s for s in pipeline.completion if s.name in deferred and s.deferrable]
+        self.direct: list[Step[Any]] = [s for s in pipeline.completion if s not in self.deferred]
         self._store = next((s for s in self.deferred if s.name == STORE_STAGE), None)
         self._writes = [s for s in self.deferred if s is not self._store]
         self.max_batch = max_batch

@@ -25,13 +25,19 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from runtime.config_model import SpineConfig
 from services.router.config import RouterConfig
 from wire.v1 import generation_pb2
+
+# A server interceptor of any request and response (generic in grpc's stubs only).
+if TYPE_CHECKING:
+    Interceptor = grpc.ServerInterceptor[Any, Any]
+else:
+    Interceptor = grpc.ServerInterceptor
 
 log = logging.getLogger("spine.bare")
 
@@ -99,7 +105,7 @@ class ClientContext:
         return getattr(self._context, name)
 
 
-class ApiKeyInterceptor(grpc.ServerInterceptor):
+class ApiKeyInterceptor(Interceptor):
     """Refuses every rpc but health and reflection without `authorization: Bearer <key>`."""
 
     def __init__(self, key: str) -> None:

@@ -17,7 +17,6 @@ without a health service is up while it answers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +27,7 @@ from runtime.remote import guarded
 from runtime.sections import ForeignPlacement
 from runtime.server import RunningServer
 from services.common.outlier import OutlierDetector
+from services.pipeline.interface import Placed
 from services.registry import ComponentConfig, ComponentSpec, ForeignApi, Registry
 
 
@@ -67,31 +67,25 @@ def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
     raise ValueError(f"{spec.name} cannot be reached over {protocol!r} (its foreign protocols: {known})")
 
 
-def envoy_apis(registry: Iterable[ComponentSpec], config: SpineConfig, component: Callable[[str], object],
-               budgets_s: Mapping[str, float] | None = None) -> list[tuple[ComponentSpec, Any]]:
+def envoy_apis(registry: Iterable[ComponentSpec], config: SpineConfig, placed: Placed,
+               budgets_s: Mapping[str, float] | None = None) -> list[tuple[ComponentSpec, object]]:
     """The foreign APIs this process answers (none when `envoy_api.enabled` is false), each on
-    `component(name)`: the component as placed at the time of each call."""
+    its component as `placed` at the time of each call."""
     if not config.envoy_api.enabled:
         return []
     budgets = budgets_s or {}
-    served: list[tuple[ComponentSpec, Any]] = []
+    served: list[tuple[ComponentSpec, object]] = []
     for spec in registry:
         budget_s = budgets.get(spec.name, spec.budget_ms / 1000.0)
-        served.extend((api.served(), api.build_server(config, _placed(component, spec.name), budget_s))
-                      for api in spec.foreign)
+        served.extend((api.served(), api.build_server(config, placed, budget_s)) for api in spec.foreign)
     return served
 
 
-def envoy_apis_of(spec: ComponentSpec, servicer: object, config: SpineConfig) -> list[tuple[ComponentSpec, Any]]:
+def envoy_apis_of(spec: ComponentSpec, servicer: object, config: SpineConfig) -> list[tuple[ComponentSpec, object]]:
     """What a layered child answers beside its own service: its foreign APIs on its own servicer."""
     if spec.interface is None:
         return []
-    local = in_process(spec.interface, servicer)
-    return envoy_apis([spec], config, lambda _name: local)
-
-
-def _placed(component: Callable[[str], object], name: str) -> Callable[[], object]:
-    return lambda: component(name)
+    return envoy_apis([spec], config, Placed({spec.name: in_process(spec.interface, servicer)}))
 
 
 class EnvoyApiHealth:

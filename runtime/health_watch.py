@@ -64,7 +64,7 @@ def _ask(targets: Mapping[str, tuple[grpc.Channel, str]], timeout: float) -> dic
         try:
             reply = future.result()
         except grpc.RpcError as error:
-            code = error.code()  # type: ignore[attr-defined]
+            code = error.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 answers[name] = (False, f"no health answer within {timeout:g}s, twice", False)
             else:

@@ -28,7 +28,7 @@ from runtime.sections import TlsConfig
 from runtime.tls import link_channel
 from services.common.outlier import Ejected, OutlierDetector
 from services.pipeline.batch_rpc import BatchRpc
-from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface, StreamRpc, UnaryRpc
+from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface, Method, UnaryRpc
 from services.pipeline.local_call import status_of
 from services.pipeline.local_context import LocalRpcError
 from services.pipeline.verdicts import UPSTREAM_HEADER
@@ -139,7 +139,7 @@ def _remote_class(interface: Interface[Any]) -> type[RemoteComponent]:
     return type(f"Remote_{interface.component}", (RemoteComponent,), operations)
 
 
-def _operation(method: BatchRpc[Any, Any] | UnaryRpc[Any, Any] | StreamRpc[Any]) -> Callable[..., Any]:
+def _operation(method: Method) -> Callable[..., Any]:
     if isinstance(method, BatchRpc):
         batch = method
 

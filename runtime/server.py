@@ -27,7 +27,7 @@ import socket
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,19 +49,25 @@ HEADROOM_THREADS = 32
 # call alone: up to here always accepted, past it always RESOURCE_EXHAUSTED (from gRPC itself).
 MAX_METADATA_BYTES = 16 << 10
 
+# A server interceptor of any request and response (generic in grpc's stubs only).
+if TYPE_CHECKING:
+    Interceptor = grpc.ServerInterceptor[Any, Any]
+else:
+    Interceptor = grpc.ServerInterceptor
+
 # Interceptors every server in this process gets unless it is given its own list: tracing
 # installs its trace-context interceptor here once per process (see runtime.tracing.install),
 # so servers started by code that knows nothing of tracing still continue traces.
-_default_interceptors: tuple[grpc.ServerInterceptor, ...] = ()
+_default_interceptors: tuple[Interceptor, ...] = ()
 
 
-def set_default_interceptors(interceptors: Sequence[grpc.ServerInterceptor]) -> None:
+def set_default_interceptors(interceptors: Sequence[Interceptor]) -> None:
     """Interceptors for servers started from now on without an explicit list."""
     global _default_interceptors
     _default_interceptors = tuple(interceptors)
 
 
-def default_interceptors() -> tuple[grpc.ServerInterceptor, ...]:
+def default_interceptors() -> tuple[Interceptor, ...]:
     return _default_interceptors
 
 
@@ -176,7 +182,7 @@ def start_server(
     max_workers: int = 32,
     max_concurrent_rpcs: int | None = None,
     allow_external: bool = False,
-    interceptors: Sequence[grpc.ServerInterceptor] | None = None,
+    interceptors: Sequence[Interceptor] | None = None,
     tls: TlsConfig | None = None,
     probe_listen: str | None = None,
 ) -> RunningServer:

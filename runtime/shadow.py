@@ -91,7 +91,7 @@ def gateway_call(stubs: Mapping[str, Any]) -> ShadowCall:
             response = stubs[target].Generate(request, timeout=timeout_s, metadata=metadata)
             return decide(request, grpc.StatusCode.OK, response=response)
         except grpc.RpcError as error:
-            return decide(request, error.code(), error.details() or "")  # type: ignore[attr-defined]
+            return decide(request, error.code(), error.details() or "")
 
     return call
 

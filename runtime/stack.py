@@ -148,7 +148,7 @@ class Stack:
             self.metrics.start()
             # Envoy's APIs for the components that have one, answered by each one as placed at
             # the time of each call (see `runtime.foreign`).
-            envoy = envoy_apis(self.registry, self.config, components.placed.named,
+            envoy = envoy_apis(self.registry, self.config, components.placed,
                                {name: ms / 1000.0 for name, ms in budgets_ms.items()})
             if self.admin_token:
                 from runtime.admin_api import AdminApi

@@ -22,7 +22,7 @@ import importlib.util
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -42,6 +42,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from runtime.sections import EXPORTERS as EXPORTERS
 from runtime.sections import TracingConfig
 from runtime.sections import otlp_available as otlp_available
+
+# A server interceptor of any request and response (generic in grpc's stubs only).
+if TYPE_CHECKING:
+    Interceptor = grpc.ServerInterceptor[Any, Any]
+else:
+    Interceptor = grpc.ServerInterceptor
 
 ROOT_SPAN = "gateway.generate"
 
@@ -192,7 +198,7 @@ class TracingHook:
         span.end()
 
 
-class TraceContextInterceptor(grpc.ServerInterceptor):
+class TraceContextInterceptor(Interceptor):
     """Continues the caller's trace (or starts one) around every handler of a server."""
 
     def __init__(self, tracer: trace.Tracer) -> None:

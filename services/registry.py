@@ -24,11 +24,12 @@ import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 
+from services.auth.api import AUTH, Auth
 from services.auth.config import AuthConfig
 from services.auth.steps import AuthStep
 from services.cache.config import CacheConfig
@@ -43,13 +44,25 @@ from services.logs.config import LogsConfig
 from services.logs.steps import LogsStep
 from services.metrics.config import MetricsConfig
 from services.metrics.steps import MetricsStep
-from services.pipeline.interface import Interface
+from services.pipeline.interface import Interface, Placed
 from services.pipeline.limits import RequestLimits
 from services.pipeline.step import FailMode, Step, StepPolicy
+from services.ratelimit.api import RATELIMIT, RateLimit
 from services.ratelimit.config import RateLimitConfig
 from services.ratelimit.steps import RateLimitStep, ReleaseStep
 from services.router.config import RouterConfig
 from services.router.steps import RouterStep
+
+if TYPE_CHECKING:  # the servicers' modules import torch or crypto: each factory imports its own when called
+    from services.auth.envoy_authz import EnvoyAuthorization
+    from services.auth.service import AuthService
+    from services.cache.service import CacheService
+    from services.inference.models import MultiModelInference
+    from services.logs.service import LogsService
+    from services.metrics.service import MetricsService
+    from services.ratelimit.envoy_ratelimit import EnvoyRateLimit
+    from services.ratelimit.service import RateLimitService
+    from services.router.service import RouterService
 
 PLACEMENTS: tuple[str, ...] = ("local", "remote")
 Placement = Literal["local", "remote"]
@@ -78,7 +91,7 @@ class ComponentConfig(Section):
 
 # What builds a servicer: from the whole config's component sections, the device it keeps
 # its state on, and the run directory (where files it writes go).
-Factory = Callable[[ComponentConfig, DeviceState, Path], Any]
+Factory = Callable[[ComponentConfig, DeviceState, Path], object]
 
 
 @dataclass(frozen=True)
@@ -111,7 +124,8 @@ class ComponentSpec:
 
     def descriptor(self) -> pb_descriptor.ServiceDescriptor:
         module = importlib.import_module(self.proto_module)
-        return module.DESCRIPTOR.services_by_name[self.service]
+        descriptor: pb_descriptor.ServiceDescriptor = module.DESCRIPTOR.services_by_name[self.service]
+        return descriptor
 
     @property
     def full_name(self) -> str:
@@ -121,7 +135,8 @@ class ComponentSpec:
         return importlib.import_module(self.proto_module.removesuffix("_pb2") + "_pb2_grpc")
 
     def stub_class(self) -> type:
-        return getattr(self._grpc_module(), f"{self.service}Stub")
+        stub: type = getattr(self._grpc_module(), f"{self.service}Stub")
+        return stub
 
     def add_to_server(self, servicer: Any, server: Any) -> None:
         if self.register:
@@ -150,19 +165,19 @@ class ForeignApi:
     protocol: str  # its name in placements, e.g. "envoy-rls"
     proto_module: str  # e.g. "envoy.service.ratelimit.v3.rls_pb2"
     service: str  # the service's name in that proto, e.g. "RateLimitService"
-    # (config, the component as placed at each call, its call budget in s) -> the API's servicer
-    server: Callable[[ComponentConfig, Callable[[], Any], float], Any]
-    # (channel, the placement's options, config) -> a stub with the component's call shape
-    client: Callable[[grpc.Channel, Mapping[str, Any], ComponentConfig], Any]
+    # (config, the components as placed at each call, its call budget in s) -> the API's servicer
+    server: Callable[[ComponentConfig, Placed, float], object]
+    # (channel, the placement's options, config) -> the component's interface in that protocol
+    client: Callable[[grpc.Channel, Mapping[str, Any], ComponentConfig], object]
 
     def served(self) -> ComponentSpec:
         """What a server registers (the service, its health and reflection names)."""
         return ComponentSpec(self.protocol, self.proto_module, self.service, no_factory, None, ())
 
-    def build_server(self, config: ComponentConfig, component: Callable[[], Any], budget_s: float) -> Any:
-        return self.server(config, component, budget_s)
+    def build_server(self, config: ComponentConfig, placed: Placed, budget_s: float) -> object:
+        return self.server(config, placed, budget_s)
 
-    def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
+    def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> object:
         return self.client(channel, options, config)
 
 
@@ -240,12 +255,12 @@ def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step
                          fail_mode, budget_ms, middleware, frozenset(passes), foreign=foreign, placement=placement)
 
 
-def no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> object:
     raise TypeError("a foreign API is served by its component's servicer, never built on its own")
 
 
 # -- the factories: each imports its servicer's module (torch, crypto) only when called ----------
-def _auth(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def _auth(config: ComponentConfig, device: DeviceState, run_dir: Path) -> AuthService:
     from services.auth.service import AuthService
 
     store = config.auth.store
@@ -258,7 +273,7 @@ def _auth(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
     return AuthService(config.auth, device, live_keys=LiveKeys(keys, hasher, store.poll_s).start())
 
 
-def _ratelimit(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def _ratelimit(config: ComponentConfig, device: DeviceState, run_dir: Path) -> RateLimitService:
     from services.ratelimit.service import RateLimitService
 
     limits = config.ratelimit
@@ -271,31 +286,31 @@ def _ratelimit(config: ComponentConfig, device: DeviceState, run_dir: Path) -> A
     return RateLimitService(limits, device, spend=spend)
 
 
-def _router(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def _router(config: ComponentConfig, device: DeviceState, run_dir: Path) -> RouterService:
     from services.router.service import RouterService
 
     return RouterService(config.router, device)
 
 
-def _cache(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def _cache(config: ComponentConfig, device: DeviceState, run_dir: Path) -> CacheService:
     from services.cache.service import build
 
     return build(config.cache, config.inference, device)
 
 
-def _metrics(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def _metrics(config: ComponentConfig, device: DeviceState, run_dir: Path) -> MetricsService:
     from services.metrics.service import MetricsService
 
     return MetricsService(config.metrics, device)
 
 
-def _logs(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def _logs(config: ComponentConfig, device: DeviceState, run_dir: Path) -> LogsService:
     from services.logs.service import LogsService
 
     return LogsService(config.logs, device, run_dir=run_dir)
 
 
-def _inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+def _inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> MultiModelInference:
     from services.common.upstream_config import upstream_routes
     from services.inference.models import MultiModelInference
 
@@ -309,25 +324,25 @@ def tenant_shares(limits: RateLimitConfig) -> TenantShares:
     return TenantShares(limits.default.share_weight, {name: tier.share_weight for name, tier in limits.tenants.items()})
 
 
-def _envoy_authz(config: ComponentConfig, auth: Callable[[], Any], budget_s: float) -> Any:
+def _envoy_authz(config: ComponentConfig, placed: Placed, budget_s: float) -> EnvoyAuthorization:
     from services.auth.envoy_authz import EnvoyAuthorization
 
-    return EnvoyAuthorization(auth, budget_s)
+    return EnvoyAuthorization(lambda: placed.get(AUTH), budget_s)
 
 
-def _envoy_rls(config: ComponentConfig, ratelimit: Callable[[], Any], budget_s: float) -> Any:
+def _envoy_rls(config: ComponentConfig, placed: Placed, budget_s: float) -> EnvoyRateLimit:
     from services.ratelimit.envoy_ratelimit import EnvoyRateLimit, ModelNames
 
-    return EnvoyRateLimit(ratelimit, budget_s, config.ratelimit.domain, ModelNames(config.router))
+    return EnvoyRateLimit(lambda: placed.get(RATELIMIT), budget_s, config.ratelimit.domain, ModelNames(config.router))
 
 
-def _envoy_authz_client(channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
+def _envoy_authz_client(channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Auth:
     from services.auth.envoy_authz import TENANT_HEADER, EnvoyAuthzClient
 
     return EnvoyAuthzClient(channel, str(options.get("tenant_header") or TENANT_HEADER))
 
 
-def _envoy_rls_client(channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> Any:
+def _envoy_rls_client(channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> RateLimit:
     from services.ratelimit.envoy_ratelimit import EnvoyRlsClient
 
     return EnvoyRlsClient(channel, str(options.get("domain") or config.ratelimit.domain))

@@ -93,7 +93,7 @@ def _encode_results(results: Sequence[ItemError | None]) -> Any:
     return answer
 
 
-SEEN_BATCH: BatchRpc[Seen, None] = BatchRpc(
+SEEN_BATCH: BatchRpc[Seen, None, audit_pb2.SeenBatchRequest, audit_pb2.SeenBatchResponse] = BatchRpc(
     rpc="SeenBatch", method="seen",
     encode_items=lambda items: audit_pb2.SeenBatchRequest(
         items=[audit_pb2.SeenRequest(tenant=item.tenant, model=item.model) for item in items]),

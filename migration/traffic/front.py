@@ -30,8 +30,8 @@ import grpc
 from migration.traffic.outcomes import SIDES, Outcome, OutcomeLog, SideWindow
 from runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
 from runtime.decisions import Decision, decide
-from runtime.sections import TlsConfig
-from runtime.shadow import Metadata, ShadowConfig, ShadowMirror, forward_metadata, gateway_call
+from runtime.sections import ShadowConfig, TlsConfig
+from runtime.shadow import Metadata, ShadowMirror, forward_metadata, gateway_call
 from runtime.tls import link_channel
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
@@ -52,7 +52,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
                  tls: TlsConfig | None = None) -> None:
         # With `tls` (the deployment's), each side's gateway is dialed over mTLS on TCP.
         self.channels = {side: link_channel(addresses[side], tls) for side in SIDES}
-        self.stubs = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
+        self.stubs: dict[str, Any] = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
         # Each side's gateway health (kept by migration.traffic.endpoint_health.EndpointHealth;
         # a gateway is SERVING only while its fail-closed components are): a request meant for
@@ -98,17 +98,18 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         side = self.route(dict(metadata))
         started = time.perf_counter()
         in_flight = self._enter(side)
+        response: generation_pb2.GenerateResponse
         try:
             try:
                 response, call = self.stubs[side].Generate.with_call(
                     request, timeout=_remaining(context), metadata=forward_metadata(metadata))
             except grpc.RpcError as error:
                 self._record(side, started, error.code(), in_flight)
-                trailing = tuple(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+                trailing = tuple(error.trailing_metadata() or ())
                 context.set_trailing_metadata(trailing + ((SIDE_HEADER, side),))
                 self._offer_shadow(side, request, metadata, trailing,
-                                   decide(request, error.code(), error.details() or ""))  # type: ignore[attr-defined]
-                context.abort(error.code(), error.details())  # type: ignore[attr-defined]
+                                   decide(request, error.code(), error.details() or ""))
+                context.abort(error.code(), error.details())
             self._record(side, started, grpc.StatusCode.OK, in_flight, cached=response.cached)
         finally:
             self._leave(side)

@@ -89,7 +89,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     _discarded = 0
 
     # -- the connection ----------------------------------------------------------------
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, f"the server holds its limit of {self.limits.max_connections} connections; "

@@ -24,7 +24,7 @@ class Auth(Protocol):
 
 _encode_checks, _decode_checks = field_items(auth_pb2.CheckBatchRequest, "credential")
 _encode_verdicts, _decode_verdicts = message_answer(auth_pb2.CheckBatchResponse)
-CHECK_BATCH: BatchRpc[str, auth_pb2.CheckResponse] = BatchRpc(
+CHECK_BATCH: BatchRpc[str, auth_pb2.CheckResponse, auth_pb2.CheckBatchRequest, auth_pb2.CheckBatchResponse] = BatchRpc(
     rpc="CheckBatch", method="check", encode_items=_encode_checks,
     decode_items=_decode_checks, encode_results=_encode_verdicts, decode_results=_decode_verdicts)
 

@@ -154,7 +154,8 @@ def check_request_for(credential: str) -> external_auth_pb2.CheckRequest:
 def _header(options: Iterable[base_pb2.HeaderValueOption], name: str) -> str:
     for option in options:
         if option.header.key.lower() == name:
-            return option.header.value or option.header.raw_value.decode("utf-8", errors="replace")
+            value: str = option.header.value or option.header.raw_value.decode("utf-8", errors="replace")
+            return value
     return ""
 
 

@@ -64,7 +64,7 @@ def _fill_stored(response: cache_pb2.CacheStoreResponse, stored: bool) -> None:
     response.stored = stored
 
 
-STORE_BATCH: BatchRpc[StoreItem, bool] = BatchRpc(
+STORE_BATCH: BatchRpc[StoreItem, bool, cache_pb2.CacheStoreBatchRequest, cache_pb2.CacheStoreBatchResponse] = BatchRpc(
     rpc="StoreBatch", method="store", encode_items=_encode_stores, decode_items=_decode_stores,
     encode_results=lambda results: encode_answer(cache_pb2.CacheStoreBatchResponse(), results, _fill_stored),
     decode_results=lambda answer: decode_answer(answer, lambda response: response.stored))
@@ -93,7 +93,7 @@ def _read_probe(found: cache_pb2.CacheLookupResponse) -> Probe:
                  pregenerated=found.pregenerated)
 
 
-LOOKUP_BATCH: BatchRpc[LookupItem, Probe] = BatchRpc(
+LOOKUP_BATCH: BatchRpc[LookupItem, Probe, cache_pb2.CacheLookupBatchRequest, cache_pb2.CacheLookupBatchResponse] = BatchRpc(
     rpc="LookupBatch", method="lookup", encode_items=_encode_lookups,
     decode_items=lambda request: [(item.tenant, item.request if item.HasField("request") else None)
                                   for item in request.items],

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,7 @@ class BusyMeter:
     after one window. `add` comes from the loop's own thread; `fraction` from any thread and
     changes nothing."""
 
-    def __init__(self, window_s: float = 1.0, buckets: int = 10, clock: Any = time.monotonic) -> None:
+    def __init__(self, window_s: float = 1.0, buckets: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
         self._width = window_s / buckets
         self._sums = [0.0] * buckets
         self._clock = clock

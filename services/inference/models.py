@@ -97,7 +97,8 @@ class MultiModelInference(InferenceService):
         service = self._service(request.model, context)
         if service is self:
             return super().Generate(request, context)
-        return service.Generate(request, context)
+        answer: generation_pb2.GenerateResponse = service.Generate(request, context)
+        return answer
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:

@@ -37,7 +37,7 @@ def _encode_entries(entries: Sequence[LogEntry]) -> logs_pb2.AppendBatchRequest:
         for e in entries])
 
 
-APPEND_BATCH: BatchRpc[LogEntry, None] = status_only("AppendBatch", "append", _encode_entries,
+APPEND_BATCH: BatchRpc[LogEntry, None, logs_pb2.AppendBatchRequest, logs_pb2.AppendBatchResponse] = status_only("AppendBatch", "append", _encode_entries,
                                                 logs_pb2.AppendBatchResponse)
 
 

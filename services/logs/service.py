@@ -16,7 +16,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 

@@ -52,7 +52,7 @@ def _encode_records(records: Sequence[MetricsRecord]) -> metrics_pb2.RecordBatch
     return request
 
 
-RECORD_BATCH: BatchRpc[MetricsRecord, None] = status_only("RecordBatch", "record", _encode_records,
+RECORD_BATCH: BatchRpc[MetricsRecord, None, metrics_pb2.RecordBatchRequest, metrics_pb2.RecordBatchResponse] = status_only("RecordBatch", "record", _encode_records,
                                                 metrics_pb2.RecordBatchResponse)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 
@@ -38,6 +38,26 @@ from wire.v1 import batch_pb2
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+Request = TypeVar("Request")  # the rpc's request message
+Answer = TypeVar("Answer")  # the rpc's answer message
+
+
+class _Results(Protocol):
+    """A batch answer message: its `results`, one per item."""
+
+    @property
+    def results(self) -> Any: ...
+
+
+class _Records(Protocol):
+    """A write's batch request message: its `records`, one per item."""
+
+    @property
+    def records(self) -> Any: ...
+
+
+Answered = TypeVar("Answered", bound=_Results)
+Written = TypeVar("Written", bound=_Records)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,17 +93,17 @@ class StatusError(grpc.RpcError):
 
 
 @dataclass(frozen=True)
-class BatchRpc(Generic[Item, Result]):
+class BatchRpc(Generic[Item, Result, Request, Answer]):
     """A batch rpc and its codec (see the module docstring)."""
 
     rpc: str  # the proto's batch method, e.g. "CheckBatch"
     method: str  # the interface's operation on plain items, e.g. "check"
-    encode_items: Callable[[Sequence[Item]], Any]  # caller: items -> the rpc's request
-    decode_items: Callable[[Any], list[Item]]  # servicer: the rpc's request -> items
-    encode_results: Callable[[Sequence[Result | ItemError]], Any]  # servicer: results -> the rpc's answer
-    decode_results: Callable[[Any], list[Result | ItemError]]  # caller: the rpc's answer -> results
+    encode_items: Callable[[Sequence[Item]], Request]  # caller: items -> the rpc's request
+    decode_items: Callable[[Request], list[Item]]  # servicer: the rpc's request -> items
+    encode_results: Callable[[Sequence[Result | ItemError]], Answer]  # servicer: results -> the rpc's answer
+    decode_results: Callable[[Answer], list[Result | ItemError]]  # caller: the rpc's answer -> results
 
-    def serve(self, servicer: Any, request: Any, context: Any = None) -> Any:
+    def serve(self, servicer: object, request: Request, context: Any = None) -> Answer:
         """The rpc's answer to `request`, decided by `servicer`'s operation; a
         `StatusError` ends the call with its code (raised as is without a context)."""
         try:
@@ -95,7 +115,7 @@ class BatchRpc(Generic[Item, Result]):
             raise  # not reached: abort raises
 
 
-def encode_answer(answer: Any, results: Sequence[Any], fill: Callable[[Any, Any], None]) -> Any:
+def encode_answer(answer: Answered, results: Sequence[Any], fill: Callable[[Any, Any], None]) -> Answered:
     """`answer` (a batch answer message) with one item per result: an `ItemError` as the
     item's status, anything else written into the item's response by `fill(response, result)`."""
     for result in results:
@@ -152,8 +172,8 @@ def item_errors(answer: Any) -> list[ItemError | None]:
             for status in answer.results]
 
 
-def status_only(rpc: str, method: str, encode_items: Callable[[Sequence[Any]], Any],
-                answer_type: Callable[..., Any]) -> BatchRpc[Any, None]:
+def status_only(rpc: str, method: str, encode_items: Callable[[Sequence[Item]], Written],
+                answer_type: Callable[..., Answer]) -> BatchRpc[Item, None, Written, Answer]:
     """A write's batch rpc (log lines, metrics records): the servicer reads the request's
     `records` as they are (the same fields as the items) and answers each with its status."""
     return BatchRpc(rpc=rpc, method=method, encode_items=encode_items,

@@ -75,7 +75,7 @@ class StreamRpc(Generic[Request]):
     method: str
 
 
-Method = BatchRpc[Any, Any] | UnaryRpc[Any, Any] | StreamRpc[Any]
+Method = BatchRpc[Any, Any, Any, Any] | UnaryRpc[Any, Any] | StreamRpc[Any]
 
 
 def message(rpc: str, method: str) -> UnaryRpc[Any, Any]:

@@ -176,7 +176,7 @@ def _deadline_of(parent: Any | None, clock: Callable[[], float]) -> float | None
     """The parent's deadline on `clock` (None: it has none, or there is no parent)."""
     if parent is None:
         return None
-    left = parent.time_remaining()
+    left: float | None = parent.time_remaining()
     if left is None or left > NO_DEADLINE_S:
         return None
     return clock() + max(0.0, left)

@@ -23,13 +23,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 from services.common.log_limit import RateLimitedLog
 from services.pipeline.calls import Hook
-from services.pipeline.interface import CallOptions, Placed
+from services.pipeline.interface import CallOptions, Interface, Placed
 from services.pipeline.state import Metadata, RequestState
 from services.pipeline.step import Phase, Step
 from services.pipeline.verdicts import Stop, downstream_stop
@@ -254,12 +254,15 @@ def _fail(pipeline: Pipeline, stage: Step[Any], state: RequestState, code: grpc.
         state.outcome = downstream_stop(stage.component, code, details, trailing, stage.policy.passes)
 
 
-class _Call:
+C = TypeVar("C")  # the stage's component interface
+
+
+class _Call(Generic[C]):
     """A stage's view of its component for one batch (the `StepCall` protocol)."""
 
     __slots__ = ("_pipeline", "_stage", "_states", "_begun", "_final", "_codes", "_options", "bounded_by_budget")
 
-    def __init__(self, pipeline: Pipeline, stage: Step[Any], states: list[RequestState],
+    def __init__(self, pipeline: Pipeline, stage: Step[C], states: list[RequestState],
                  begun: dict[RequestState, tuple[list[Any], list[Any]]] | None, final: bool) -> None:
         self._pipeline = pipeline
         self._stage = stage
@@ -271,8 +274,8 @@ class _Call:
         self.bounded_by_budget = False  # the call's timeout was the stage's budget, not a deadline
 
     @property
-    def component(self) -> Any:
-        interface = self._stage.interface
+    def component(self) -> C:
+        interface: Interface[C] | None = self._stage.interface
         assert interface is not None, f"{self._stage.name} calls no component"
         return self._pipeline.components.get(interface)
 

@@ -97,7 +97,7 @@ class Step(Generic[C]):
     """Base of every stage. Subclasses set `interface` (the component they call), `method`,
     `phase` and `decide`; their order is the registry's `path`."""
 
-    interface: Interface[Any] | None = None  # the component's; None for the gateway's own checks
+    interface: Interface[C] | None = None  # the component's; None for the gateway's own checks
     method: ClassVar[str] = ""  # the operation, as hooks and spans name the call
     phase: ClassVar[Phase] = Phase.ADMIT
     # A completion stage the spine may write a window later, off the request path

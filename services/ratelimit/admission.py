@@ -101,7 +101,7 @@ def _read_verdict(response: ratelimit_pb2.AdmitResponse) -> AdmitVerdict:
                         budget_resets_in_s=response.budget_resets_in_s)
 
 
-ADMIT_BATCH: BatchRpc[AdmitItem, AdmitVerdict] = BatchRpc(
+ADMIT_BATCH: BatchRpc[AdmitItem, AdmitVerdict, ratelimit_pb2.AdmitBatchRequest, ratelimit_pb2.AdmitBatchResponse] = BatchRpc(
     rpc="AdmitBatch", method="admit", encode_items=_encode_items, decode_items=_decode_items,
     encode_results=lambda verdicts: encode_answer(ratelimit_pb2.AdmitBatchResponse(), verdicts, _fill_verdict),
     decode_results=lambda answer: decode_answer(answer, _read_verdict))

@@ -77,7 +77,7 @@ def _fill_released(response: ratelimit_pb2.ReleaseResponse, released: bool) -> N
     response.released = released
 
 
-RELEASE_BATCH: BatchRpc[ReleaseItem, bool] = BatchRpc(
+RELEASE_BATCH: BatchRpc[ReleaseItem, bool, ratelimit_pb2.ReleaseBatchRequest, ratelimit_pb2.ReleaseBatchResponse] = BatchRpc(
     rpc="ReleaseBatch", method="release", encode_items=_encode_releases, decode_items=_decode_releases,
     encode_results=lambda results: encode_answer(ratelimit_pb2.ReleaseBatchResponse(), results, _fill_released),
     decode_results=lambda answer: decode_answer(answer, lambda response: response.released))

@@ -23,7 +23,7 @@ class Router(Protocol):
 
 _encode_names, _decode_names = field_items(router_pb2.ResolveBatchRequest, "model")
 _encode_routes, _decode_routes = message_answer(router_pb2.ResolveBatchResponse)
-RESOLVE_BATCH: BatchRpc[str, router_pb2.ResolveResponse] = BatchRpc(
+RESOLVE_BATCH: BatchRpc[str, router_pb2.ResolveResponse, router_pb2.ResolveBatchRequest, router_pb2.ResolveBatchResponse] = BatchRpc(
     rpc="ResolveBatch", method="resolve", encode_items=_encode_names,
     decode_items=_decode_names, encode_results=_encode_routes,
     decode_results=_decode_routes)

@@ -280,7 +280,7 @@ class HFStepModel(ModelSizes):
         out = self.module(input_ids=ids.to(dev), position_ids=positions.to(dev),
                           attention_mask=mask.unsqueeze(1).to(dev), past_key_values=SlotPoolCache(cache, plan),
                           use_cache=True, cache_position=torch.arange(width, device=dev), **extra)
-        logits = out.logits[:, -1, :].float()
+        logits: torch.Tensor = out.logits[:, -1, :].float()
         if self._usable_vocab < self._vocab_size:
             logits[:, self._usable_vocab:] = -torch.inf
         return logits

@@ -28,7 +28,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
 
-        return uvloop.new_event_loop()  # type: ignore[no-any-return]
+        return uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a runtime dependency
         return asyncio.new_event_loop()
 

@@ -88,7 +88,7 @@ class _AiohttpReply:
     async def read(self, limit: int) -> bytes:
         return await _bounded(self.pieces(), limit)
 
-    async def pieces(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+    async def pieces(self) -> AsyncIterator[bytes]:
         async for piece in self._response.content.iter_any():
             yield piece
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.common.log_limit import RateLimitedLog
-from services.common.tenant_shares import TENANT_HEADER
+from services.common.tenant_shares import tenant_metadata
 from services.gateway.model_calls import NOT_TRACED, ModelCallSpans, first_chunk
 from services.gateway.model_load import ModelLoads
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
@@ -263,7 +263,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         try:
             call = client.Generate if method == "Generate" else client.GenerateStream
             # The tenant names the request's queue in the model's fair share (only the gateway sets it).
-            metadata = ((REQUEST_ID_HEADER, state.request_id), (TENANT_HEADER, state.tenant))
+            metadata = ((REQUEST_ID_HEADER, state.request_id), tenant_metadata(state.tenant))
             with NOT_TRACED if self.genai is None else self.genai.calling(state):  # the GenAI span, current
                 return call(state.resolved, timeout=state.remaining(), metadata=metadata, parent=context, **extra)
         except grpc.RpcError as error:

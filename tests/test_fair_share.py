@@ -14,7 +14,7 @@ import pytest
 
 from runtime.bare import ClientContext
 from services.common import ConfigError
-from services.common.tenant_shares import TENANT_HEADER, TenantShares
+from services.common.tenant_shares import TenantShares, tenant_metadata
 from services.inference.priority import AgingPriorityQueue
 from services.pipeline.local_context import LocalContext
 from services.ratelimit.config import RateLimitConfig
@@ -100,13 +100,13 @@ def test_the_scheduler_admits_the_other_tenant_at_its_next_turn_and_shares_a_ful
     service, model = make_service(kv_cache_max_entries=1, max_batch=1, max_queue=6)
     try:
         model.hold()
-        first = Call(service, request("first", 2), [(TENANT_HEADER, "a")])
+        first = Call(service, request("first", 2), [tenant_metadata("a")])
         eventually(lambda: service.engine.active_count == 1, what="first admitted")
         flood = []
         for i in range(6):
-            flood.append(Call(service, request(f"a{i}", 2), [(TENANT_HEADER, "a")]))
+            flood.append(Call(service, request(f"a{i}", 2), [tenant_metadata("a")]))
             eventually(lambda n=i + 1: service.scheduler.queue_depth == n)
-        others = [Call(service, request(f"b{i}", 2), [(TENANT_HEADER, "b")]) for i in range(2)]
+        others = [Call(service, request(f"b{i}", 2), [tenant_metadata("b")]) for i in range(2)]
         eventually(lambda: service.scheduler.queue_depth == 6, what="b's two took a's two newest places")
         model.open()
         for call in (first, *flood, *others):
@@ -127,15 +127,15 @@ def test_the_last_free_slot_goes_to_a_tenant_below_its_share_not_to_the_flooder(
     service, model = make_service(clock=clock, kv_cache_max_entries=4, max_batch=4, share_headroom_slots=headroom)
     try:
         scheduler = service.scheduler
-        assert Call(service, request("b was here", 1), [(TENANT_HEADER, "b")]).wait().response is not None
+        assert Call(service, request("b was here", 1), [tenant_metadata("b")]).wait().response is not None
         model.hold()
-        flood = [Call(service, request("a0", 40), [(TENANT_HEADER, "a")])]
+        flood = [Call(service, request("a0", 40), [tenant_metadata("a")])]
         eventually(lambda: service.engine.active_count == 1)
-        flood += [Call(service, request(f"a{i}", 40), [(TENANT_HEADER, "a")]) for i in range(1, 6)]
+        flood += [Call(service, request(f"a{i}", 40), [tenant_metadata("a")]) for i in range(1, 6)]
         eventually(lambda: scheduler.queue_depth == 5)
         model.release(1)  # a step ends: a takes free slots, but not the last one while b is active
         eventually(lambda: service.engine.active_count == 4 - headroom, what="a admitted to all but the headroom")
-        other = Call(service, request("b1", 2), [(TENANT_HEADER, "b")])
+        other = Call(service, request("b1", 2), [tenant_metadata("b")])
         eventually(lambda: scheduler.queue_depth == 6 - (4 - headroom) + 1)
         model.release(1)  # the next step ends, no sequence has finished
         if headroom:
@@ -150,7 +150,7 @@ def test_the_last_free_slot_goes_to_a_tenant_below_its_share_not_to_the_flooder(
         # Alone (b quiet for longer than a second), a takes every slot: the headroom costs nothing.
         clock.advance(2.0)
         model.hold()
-        alone = [Call(service, request(f"alone{i}", 40), [(TENANT_HEADER, "a")]) for i in range(5)]
+        alone = [Call(service, request(f"alone{i}", 40), [tenant_metadata("a")]) for i in range(5)]
         eventually(lambda: service.engine.active_count >= 1 and scheduler.queue_depth + service.engine.active_count == 5)
         model.release(1)
         eventually(lambda: service.engine.active_count == 4, what="a alone in every slot")
@@ -188,9 +188,11 @@ def test_the_tenant_reaches_the_model_through_the_gateway_and_over_grpc_but_neve
     service, _ = make_service()
     try:
         with served("inference", service) as stub:  # the layered layout's hop: gRPC metadata
-            stub.Generate(request("over grpc", 2), metadata=((TENANT_HEADER, "remote-tenant"),), timeout=30)
-        assert service.scheduler.recent_admissions[-1].tenant == "remote-tenant"
-        claimed = ClientContext(LocalContext(((TENANT_HEADER, "pro"), ("x-request-id", "r1"))))
+            # A tenant is whatever the token's issuer wrote: any Unicode, control characters too.
+            remote = "remote-テナント\x07\ud800"
+            stub.Generate(request("over grpc", 2), metadata=(tenant_metadata(remote),), timeout=30)
+        assert service.scheduler.recent_admissions[-1].tenant == remote
+        claimed = ClientContext(LocalContext((tenant_metadata("pro"), ("x-request-id", "r1"))))
         assert service.Generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt="bare", max_tokens=2), claimed)
         assert service.scheduler.recent_admissions[-1].tenant == ""  # a bare server's client claims nothing
     finally:

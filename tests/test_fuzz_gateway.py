@@ -50,7 +50,7 @@ from runtime.server import MAX_METADATA_BYTES
 from runtime.stack import Stack
 from runtime.tracing import Tracing, installed_tracing
 from services.inference.load_hints import parse_load
-from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests, start_stack
+from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests, make_jwt, start_stack
 from tests.fuzz_inputs import (
     FUZZ_KEY,
     KNOWN_MODELS,
@@ -336,6 +336,17 @@ def test_fuzzed_credentials_and_headers_decide_the_same_in_both_layouts(
         prompt: str, priority: int) -> None:
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=1, priority=priority)
     fuzz_both(sides, kind, request, credential.metadata + extra, request, credential.verdicts)
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+def test_a_token_whose_tenant_is_any_unicode_is_served_in_both_layouts(sides: dict[str, Side], kind: str) -> None:
+    """A draw the fuzz meets only now and then, pinned: the tenant is whatever the issuer
+    wrote, and it reaches the model's queue as it is (not as an illegal metadata value that
+    fails the model call, five of which eject the model)."""
+    token = make_jwt("テナント\x01 ü")
+    credential = Credential((("authorization", f"Bearer {token}"),), frozenset({0}), "unicode")
+    request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="whose?", max_tokens=1)
+    fuzz_both(sides, kind, request, credential.metadata, request, credential.verdicts)
 
 
 @SETTINGS

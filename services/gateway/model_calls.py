@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from services.common.tenant_shares import TENANT_HEADER
+from services.common.tenant_shares import tenant_metadata
 from services.inference.api import INFERENCE, ChunkStream, Generated
 from services.pipeline.interface import CallOptions
 from services.pipeline.local_call import status_of
@@ -88,7 +88,7 @@ def generate_stream(pipeline: Pipeline, state: RequestState, parent: Any,
 
 def _options(state: RequestState, hooks: CallHooks, parent: Any) -> CallOptions:
     # The tenant names the request's queue in the model's fair share (only the gateway sets it).
-    return CallOptions(state.remaining(), (*hooks.metadata, (TENANT_HEADER, state.tenant)), parent)
+    return CallOptions(state.remaining(), (*hooks.metadata, tenant_metadata(state.tenant)), parent)
 
 
 class _Reported:

@@ -40,7 +40,7 @@ import torch
 from prometheus_client.registry import CollectorRegistry
 
 from services.common import ConfigError, DeviceState
-from services.common.tenant_shares import TENANT_HEADER, TenantShares
+from services.common.tenant_shares import TenantShares, tenant_from
 from services.inference.api import Generated
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
@@ -262,7 +262,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"{system}prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = "
                         f"{total} exceeds the model's context of {self.engine.max_context}")
-        tenant = next((value for key, value in context.invocation_metadata() or () if key == TENANT_HEADER), "")
+        tenant = tenant_from(context.invocation_metadata())
         seed = request.seed if request.HasField("seed") else None
         if seed is None and self.config.deterministic and request.temperature > 0:
             seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too

@@ -31,6 +31,7 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 
 Metadata = Sequence[tuple[str, str]]
+CallMetadata = Sequence[tuple[str, str | bytes]]  # what a call sends: a `-bin` key carries bytes
 
 
 class Cancellable(Protocol):
@@ -49,7 +50,7 @@ class CallOptions:
     end ends this one (`parent`)."""
 
     timeout: float | None = None
-    metadata: Metadata = ()
+    metadata: CallMetadata = ()
     parent: Cancellable | None = None
 
 

@@ -18,6 +18,7 @@ import grpc
 from services.pipeline.limits import NO_DEADLINE_S
 
 Metadata = Sequence[tuple[str, str]]
+CallMetadata = Sequence[tuple[str, str | bytes]]  # what a call sends: a `-bin` key carries bytes
 
 
 class LocalRpcError(grpc.RpcError):
@@ -64,7 +65,7 @@ class LocalContext:
 
     def __init__(
         self,
-        metadata: Metadata = (),
+        metadata: CallMetadata = (),
         deadline: float | None = None,
         parent: Any | None = None,
         arrived: float | None = None,
@@ -89,7 +90,7 @@ class LocalContext:
             self.cancel()  # the caller's RPC has already ended
 
     # -- what servicers use -------------------------------------------------------
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
 
     def peer(self) -> str:

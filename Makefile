@@ -46,10 +46,10 @@ wire/v1/.generated: $(PROTOS) $(VENV)/.installed
 
 # `make run MODEL=DIR`: the demo on a model directory (e.g. the one `make model` writes).
 # `make run LEGACY=litellm`: the same three runs, migrating from a real LiteLLM proxy (offline,
-# loopback) instead of spine's layered stack (spine/tools/legacy_demo.py).
+# loopback) instead of spine's layered stack (spine/tools/demo/legacy.py).
 run: install
 ifeq ($(LEGACY),litellm)
-	$(PY) -m spine.tools.legacy_demo
+	$(PY) -m spine.tools.demo.legacy
 else ifneq ($(LEGACY),)
 	@echo "make run: LEGACY=$(LEGACY) is not known (LEGACY=litellm, or none for the layered stack)" >&2; exit 2
 else
@@ -66,7 +66,7 @@ model: install
 # in xds mode, a real Prometheus, proxyless gRPC clients (deploy/README.md, "Rehearse ...").
 # `make rehearse RUNTIME=podman`: the same walk, every process a container of the image.
 rehearse: install $(if $(filter podman,$(RUNTIME)),image)
-	$(PY) -m spine.tools.rehearsal $(if $(RUNTIME),--runtime $(RUNTIME))
+	$(PY) -m spine.tools.rehearsal.run $(if $(RUNTIME),--runtime $(RUNTIME))
 
 # spine's container image (deploy/image/Containerfile; docs/deploy.md): tagged spine:<version> and
 # spine:<version>-<git sha>; its size and build time printed and kept in bench/image.json.

@@ -30,8 +30,8 @@ from typing import Any
 import grpc
 
 from bench.load import Endpoint, prompts, requests_for
-from runtime.stats import percentile
-from spine.tools.workload import open_loop, poisson_offsets
+from runtime.observability.stats import percentile
+from spine.tools.workload.generator import open_loop, poisson_offsets
 
 KNEE_FACTOR = 1.5
 CONFIRM = 2  # breaking rates in a row before the curve stops

@@ -30,7 +30,7 @@ from typing import Any
 from bench.load import prompts, requests_for
 from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
-from runtime.config_file import load_config, placements_for
+from runtime.config.file import load_config, placements_for
 from runtime.stack import Stack
 from services.pipeline.local_context import LocalContext
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
-from runtime.served_model import model_id_for
+from runtime.config.served_model import model_id_for
 
 DEVICE_LAYOUTS = ("bare", "collapsed", "layered")
 DEVICE_SEQUENTIAL_REQUESTS = 300

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from monolith.device import DeviceContext
-from runtime.genai_spans import GenAiSpans
-from runtime.tracing import SpanTimes, Tracing
+from runtime.observability.genai_spans import GenAiSpans
+from runtime.observability.tracing import SpanTimes, Tracing
 from services.gateway.model_calls import NOT_TRACED, first_chunk
 from services.inference.genai_metrics import GenAiServerStats
 from services.metrics.api import _encode_records

@@ -27,7 +27,7 @@ from bench.http_load import HttpEndpoint
 from bench.load import prompts, requests_for, run_batch
 from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from bench.targets import REPO_ROOT, keep_load_generator_off, server_cpu
-from runtime.launch import launch, spine_up_argv
+from runtime.processes.launch import launch, spine_up_argv
 
 WRK_SCRIPT = """
 counter = 0

@@ -28,13 +28,13 @@ from typing import Any
 
 import psutil
 
-from runtime.launch import launch
+from runtime.processes.launch import launch
 from runtime.server import free_ports, wait_serving
 from spine.client.gateway_client import GatewayClient
 from spine.tools.containers import Mount, Podman, owned_by_image_user, podman_missing, unique_prefix
 from spine.tools.image import FIGURES, image_tag
-from spine.tools.k8s_containers import containers_of, layered_host_ports, start_order
-from spine.tools.kustomize import render
+from spine.tools.rehearsal.k8s_containers import containers_of, layered_host_ports, start_order
+from spine.tools.rehearsal.kustomize import render
 from wire.v1 import generation_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

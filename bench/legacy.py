@@ -52,8 +52,8 @@ from typing import Any
 
 import yaml
 
-from runtime.launch import Launched, launch
-from spine.tools.litellm_gateway import LiteLLMGateway
+from runtime.processes.launch import Launched, launch
+from spine.tools.demo.litellm_gateway import LiteLLMGateway
 from spine.tools.tree_sampler import tree_cpu_seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from spine.tools.workload import WORDS, closed_loop
+from spine.tools.workload.generator import WORDS, closed_loop
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2_grpc
 
 

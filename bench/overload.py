@@ -39,8 +39,8 @@ import grpc
 import psutil
 
 from bench.targets import Target, launch
-from runtime.config_file import load_config, merge
-from runtime.parent import spawn
+from runtime.config.file import load_config, merge
+from runtime.processes.parent import spawn
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
@@ -77,8 +77,8 @@ def served(layout: str, extra: dict[str, Any]) -> Iterator[tuple[Any, Target]]:
             target.stop()
 
 
-# A busy loop that ends with this process (`runtime.parent`: no fork hook).
-BURN = "from runtime.parent import follow_parent\nif follow_parent():\n    while True: pass"
+# A busy loop that ends with this process (`runtime.processes.parent`: no fork hook).
+BURN = "from runtime.processes.parent import follow_parent\nif follow_parent():\n    while True: pass"
 
 
 @contextmanager

@@ -55,8 +55,8 @@ from bench.targets import (
     thread_cpu_by_group,
     thread_group,
 )
-from runtime.config_file import merge
-from runtime.served_model import model_id_for, model_overrides
+from runtime.config.file import merge
+from runtime.config.served_model import model_id_for, model_overrides
 
 # Leaf frames that are a thread waiting, not working.
 IDLE = ("wait", "_wait", "acquire", "select", "poll", "epoll", "_serve", "_status", "get", "sleep", "recv",

@@ -32,9 +32,9 @@ import yaml
 
 from bench.load import Endpoint, prompts, requests_for
 from bench.targets import REPO_ROOT, Target, TargetFailed, launch
-from runtime.config_file import load_config, merge
-from runtime.served_model import model_id_for, model_overrides
-from spine.tools.model_get import FetchError, get_model
+from runtime.config.file import load_config, merge
+from runtime.config.served_model import model_id_for, model_overrides
+from spine.tools.model.get import FetchError, get_model
 
 MODEL = "smollm2-135m-instruct"
 MODEL_DIR = REPO_ROOT / ".cache" / "models" / MODEL

@@ -28,8 +28,8 @@ from bench.targets import (
     server_cpu,
     thread_cpu_by_group,
 )
-from runtime.config_file import load_config, merge
-from runtime.served_model import model_overrides, preflight
+from runtime.config.file import load_config, merge
+from runtime.config.served_model import model_overrides, preflight
 from spine.tools.tree_sampler import TreeSampler
 
 

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from bench.load import Call
 from bench.targets import CPU_PLACEMENT_ENV, server_cpu
-from runtime.stats import percentile
+from runtime.observability.stats import percentile
 
 MB = 1024 * 1024
 

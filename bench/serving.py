@@ -163,7 +163,7 @@ def measure_system_prompt_hf(requests: int = 100, max_tokens: int = 8, rounds: i
     from pathlib import Path
 
     from services.inference.model.interface import KV_CACHE_OWNER
-    from spine.tools.make_tiny import TinySpec, make_tiny
+    from spine.tools.model.make_tiny import TinySpec, make_tiny
 
     with tempfile.TemporaryDirectory(prefix="spine-bench-hf-") as root:
         path = make_tiny(Path(root) / "tiny-llama", TinySpec(arch="llama"))

@@ -13,7 +13,7 @@ from bench.targets import (
     LAYOUTS,
     QUICK_LAYOUTS,
 )
-from runtime.served_model import model_id_for
+from runtime.config.served_model import model_id_for
 
 DEV_KEY = "spine-dev-key-0000"
 DEFAULT_OUT = Path(__file__).with_name("results.json")

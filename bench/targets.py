@@ -30,9 +30,9 @@ from pathlib import Path
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.launch import READY, Launched, LaunchFailed, serving_on, spine_up_argv
-from runtime.launch import launch as launch_process
-from runtime.serving_metrics_export import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
+from runtime.observability.serving_metrics_export import ADDRESS_FILE as INFERENCE_METRICS_ADDRESS
+from runtime.processes.launch import READY, Launched, LaunchFailed, serving_on, spine_up_argv
+from runtime.processes.launch import launch as launch_process
 from services.inference.cpu_placement import ENV as CPU_PLACEMENT_ENV
 from spine.tools.tree_sampler import tree_cpu_seconds, tree_rss_bytes, tree_thread_cpu_seconds
 
@@ -56,7 +56,7 @@ _LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopbac
 
 @dataclass
 class Target:
-    """One running layout (`runtime.launch`): its process tree, the address to call, and how to reach it."""
+    """One running layout (`runtime.processes.launch`): its process tree, the address to call, and how to reach it."""
 
     layout: str
     launched: Launched
@@ -168,7 +168,7 @@ def keep_load_generator_off(cpu: str | None) -> None:
 def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_ROOT) -> Target:
     """Start one layout's server process, running the code of the checkout `code` (this one
     unless `bench.variants --tree` names another). Call from the main thread (see
-    `runtime.parent`)."""
+    `runtime.processes.parent`)."""
     layout_dir = run_dir / layout
     layout_dir.mkdir(parents=True, exist_ok=True)
     # Every layout listens on a unix socket, so the ratios to bare measure the middleware
@@ -192,7 +192,7 @@ def launch(layout: str, run_dir: Path, config_path: Path, *, code: Path = REPO_R
         env[CPU_PLACEMENT_ENV] = "off"
     else:
         env[CPU_PLACEMENT_ENV] = cpu
-    # The child dies with the bench (even by SIGKILL): `runtime.launch`. `python -m` puts
+    # The child dies with the bench (even by SIGKILL): `runtime.processes.launch`. `python -m` puts
     # its working directory first on sys.path: the checkout's packages are imported ahead of
     # the installed (editable) ones.
     launched = launch_process(layout, argv, log_path=run_dir / f"{layout}.log", cwd=code, env=env)

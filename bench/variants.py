@@ -48,7 +48,7 @@ from bench.targets import (
     launch,
     server_cpu,
 )
-from runtime.config_file import load_config, merge
+from runtime.config.file import load_config, merge
 from services.common import ConfigError
 from spine.tools.tree_sampler import TreeSampler
 

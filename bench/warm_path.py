@@ -25,7 +25,7 @@ from bench.cold_path import _Context
 from bench.load import prompts, requests_for
 from bench.settings import DEV_KEY, RATE_LIMIT_OFF
 from monolith.runtime_env import configure_threads
-from runtime.config_file import load_config, placements_for
+from runtime.config.file import load_config, placements_for
 from runtime.stack import Stack
 from services.inference.api import INFERENCE, Generated, Inference
 from services.pipeline.interface import NO_OPTIONS, CallOptions

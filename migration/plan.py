@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from migration.legacy_endpoint import DEFAULT_API_KEY_HEADER, LegacyEndpoint, legacy_problems
-from runtime.yamlsource import LocatedData, YamlSourceError, load_located
+from runtime.config.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
 from services.registry import MIDDLEWARES
 

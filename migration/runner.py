@@ -39,9 +39,9 @@ from migration.notify import WebhookConfig
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
-from runtime.parent import follow_parent
-from runtime.sections import TlsConfig
-from runtime.signals import Termination
+from runtime.config.sections import TlsConfig
+from runtime.processes.parent import follow_parent
+from runtime.processes.signals import Termination
 from services.common import ConfigError
 
 log = logging.getLogger("spine.migration")
@@ -105,7 +105,7 @@ def build_legacy_target(args: argparse.Namespace) -> TrafficTarget:
     from migration.traffic.http_front import HttpFront
     from migration.traffic.http_mirror import MirrorSettings
     from migration.traffic.legacy_target import LegacyTarget
-    from runtime.http.config import HttpConfig
+    from runtime.config.http import HttpConfig
     from runtime.http.server import HttpServer
     from services.common.prometheus_http import PrometheusHTTPServer
 

@@ -27,7 +27,7 @@ from migration.dashboard.metrics import ControllerCollector
 from migration.notify import WebhookConfig, WebhookNotifier
 from migration.service import SERVICE_NAME, MigrationService
 from migration.target import TrafficTarget
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
 from runtime.server import ProbeServer, start_probe_server
 from runtime.tls import add_port
 from services.common import Clock, ConfigError

@@ -25,5 +25,5 @@ class DeviceConfig(Section):
     memory_budget_mib: AutoOrCount = Field(
         default="auto", description="MiB, or 'auto': on CUDA auto_memory_fraction of the free device memory "
                             "at start; on the CPU 256 MiB, or sized for an hf default model "
-                            "(runtime.model_fit)")
+                            "(runtime.config.model_fit)")
     auto_memory_fraction: Annotated[Float, Field(gt=0, le=1)] = 0.9

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from runtime.config_model import SpineConfig
+from runtime.config.model import SpineConfig
 from services.router.config import RouterConfig
 from wire.v1 import generation_pb2
 
@@ -177,9 +177,9 @@ class BareServer:
 
     def start(self) -> BareServer:
         from monolith.device_on_use import DeviceOnFirstUse
-        from runtime.health import start_deep_health
+        from runtime.health.deep import start_deep_health
+        from runtime.observability.serving_metrics_export import serve_inference_metrics
         from runtime.server import default_interceptors, request_pool, request_threads, start_server
-        from runtime.serving_metrics_export import serve_inference_metrics
         from services.registry import DEFAULT
 
         spec = DEFAULT["inference"]

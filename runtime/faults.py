@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from runtime.config_model import SpineConfig
+from runtime.config.model import SpineConfig
 from services.inference.api import ChunkStream, Generated
 from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.local_context import LocalRpcError
@@ -61,6 +61,14 @@ class FaultHook:
 
     def end(self, token: Any, code: grpc.StatusCode) -> None:
         return None
+
+    def fail_share(self, rate: float) -> None:
+        """Fail `rate` of the calls from now on."""
+        self.error_rate = rate
+
+    def answer_wrongly(self, on: bool) -> None:
+        """The model answers differently (greedy requests) while on."""
+        self.wrong_answers = on
 
     def clear(self) -> None:
         self.error_rate = 0.0
@@ -119,7 +127,7 @@ INJECTABLE = ("wrong-answers", SWITCHABLE)
 
 def injected_fault(name: str, config: SpineConfig, run_dir: Path | None) -> dict[str, Any]:
     """`Stack` keyword arguments for a spine that runs with fault `name` switched on from its
-    start, for rehearsing the production path (`python -m spine.tools.rehearsal`) and tests:
+    start, for rehearsing the production path (`python -m spine.tools.rehearsal.run`) and tests:
 
     - `wrong-answers`: the parity fault. The stack's model is the configured one wrapped in
       `WrongAnswers`, switched on: greedy requests are sampled, every call succeeds, so only
@@ -202,9 +210,9 @@ class FaultSwitch:
                 raise ValueError(f"error-rate: expected a number in [0, 1], got {words[1]!r}") from None
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"error-rate: expected a number in [0, 1], got {rate:g}")
-            self.hook.error_rate = rate
+            self.hook.fail_share(rate)
             return
         if len(words) == 2 and words[0] == "wrong-answers" and words[1] in ("on", "off"):
-            self.hook.wrong_answers = words[1] == "on"
+            self.hook.answer_wrongly(words[1] == "on")
             return
         raise ValueError("expected `error-rate R`, `wrong-answers on|off` or `clear`")

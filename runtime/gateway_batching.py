@@ -2,18 +2,18 @@
 
 With `batching.enabled`, whatever is local is also batched: admission (auth, ratelimit,
 router and cache all local) and completion (metrics and logs local) are decided per
-micro-batch (`monolith.batched`) instead of one call per request. `attach` is called at
-start and after every move, and hands the gateway the admission and completions that fit
-the placements now.
+micro-batch (`monolith.batched_pipeline`) instead of one call per request. `attach` is called at
+start and after every move, and picks the admission and completions that fit the placements
+now; the gateway, given this object when it is made, asks it for them on each request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from monolith.batched import BatchedAdmission, BatchingConfig, DeferredCompletions
-from runtime.components import Components
-from services.gateway.service import DirectAdmission, DirectCompletions, Gateway
+from monolith.batched_pipeline import BatchedAdmission, BatchingConfig, DeferredCompletions
+from runtime.placement.components import Components
+from services.gateway.service import Admission, Completions, DirectAdmission, DirectCompletions, InFlight
 from services.inference.priority import DEFAULT as DEFAULT_PRIORITY
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
@@ -22,57 +22,69 @@ from services.pipeline.state import RequestState
 class GatewayBatching:
     """The gateway's admission and completions: batched where the components are local."""
 
-    def __init__(self, gateway: Gateway, pipeline: Pipeline, components: Components, batching: BatchingConfig) -> None:
-        self.gateway = gateway
+    def __init__(self, in_flight: InFlight, pipeline: Pipeline, components: Components,
+                 batching: BatchingConfig) -> None:
+        self.in_flight = in_flight
         self.pipeline = pipeline
         self.components = components
         self.batching = batching
-        self.admission: BatchedAdmission | None = None
-        self.completions: DeferredCompletions | None = None
+        self.batched_admission: BatchedAdmission | None = None
+        self.deferred: DeferredCompletions | None = None
+        # What the gateway runs now (`services.gateway.service.Steps`), swapped whole by `attach`.
+        self._current: tuple[Admission, Completions] = (DirectAdmission(pipeline), DirectCompletions(pipeline))
+
+    @property
+    def admission(self) -> Admission:
+        return self._current[0]
+
+    @property
+    def completions(self) -> Completions:
+        return self._current[1]
 
     def attach(self) -> None:
         """Batch the steps whose components are local now (or all, with batching.remote);
         the others go per request."""
-        gateway, pipeline, batching = self.gateway, self.pipeline, self.batching
+        in_flight, pipeline, batching = self.in_flight, self.pipeline, self.batching
         placements = self.components.placements
         batched_admission = all(batching.batches(placements[step.component])
                                 for step in pipeline.admission if step.component)
+        admission: Admission
         if batched_admission:
-            if self.admission is None:
-                self.admission = BatchedAdmission(pipeline, batching, expected=lambda: gateway.in_flight,
-                                                  patient=self.model_backlogged)
-            gateway.admission = self.admission
+            if self.batched_admission is None:
+                self.batched_admission = BatchedAdmission(pipeline, batching, expected=lambda: in_flight.count,
+                                                          patient=self.model_backlogged)
+            admission = self.batched_admission
         else:
-            if self.admission is not None:
-                self.admission.close()  # requests already inside finish there
-                self.admission = None
-            gateway.admission = DirectAdmission(pipeline)
+            if self.batched_admission is not None:
+                self.batched_admission.close()  # requests already inside finish there
+                self.batched_admission = None
+            admission = DirectAdmission(pipeline)
         deferred = frozenset(step.name for step in pipeline.completion
                              if step.deferrable and batching.batches(placements[step.component]))
-        if self.completions is not None and {s.name for s in self.completions.deferred} != deferred:
+        if self.deferred is not None and {s.name for s in self.deferred.deferred} != deferred:
             self._close_completions()  # what it holds is written where it was meant to go
-        if deferred and self.completions is None:
-            self.completions = DeferredCompletions(
+        if deferred and self.deferred is None:
+            self.deferred = DeferredCompletions(
                 pipeline, deferred, interval_s=batching.completion_interval_ms / 1000.0,
-                busy=lambda: gateway.in_flight > 0)
+                busy=lambda: in_flight.count > 0)
             metrics = self.components.local_servicers.get("metrics")
             if metrics is not None:  # a scrape counts what was handed over first
-                metrics.read_hooks.add(self.completions.drain)
-        gateway.completions = self.completions if self.completions is not None else DirectCompletions(pipeline)
+                metrics.read_hooks.add(self.deferred.drain)
+        self._current = (admission, self.deferred if self.deferred is not None else DirectCompletions(pipeline))
 
     def _close_completions(self) -> None:
-        if self.completions is None:
+        if self.deferred is None:
             return
-        self.completions.close()
+        self.deferred.close()
         metrics = self.components.local_servicers.get("metrics")
         if metrics is not None:
-            metrics.read_hooks.remove(self.completions.drain)
-        self.completions = None
+            metrics.read_hooks.remove(self.deferred.drain)
+        self.deferred = None
 
     def drain(self) -> None:
         """Write what finished requests handed over (before reading metrics, logs or the cache)."""
-        if self.completions is not None:
-            self.completions.drain()
+        if self.deferred is not None:
+            self.deferred.drain()
 
     def model_backlogged(self, states: Sequence[RequestState]) -> bool:
         """Whether admission may wait to batch more requests: only while the models these
@@ -92,7 +104,7 @@ class GatewayBatching:
 
     def close(self) -> None:
         """Stop batching: requests inside finish, what completions hold is written."""
-        if self.admission is not None:
-            self.admission.close()
-            self.admission = None
+        if self.batched_admission is not None:
+            self.batched_admission.close()
+            self.batched_admission = None
         self._close_completions()

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.components import Components
-from runtime.config_model import SpineConfig
-from runtime.fronts import Fronts
-from runtime.gateway_health import ComponentHealth, GatewayHealth
+from runtime.config.model import SpineConfig
+from runtime.health.gateway import ComponentHealth, GatewayHealth
+from runtime.listeners import Listeners
+from runtime.placement.components import Components
 from runtime.server import RunningServer
 
 
 class LayoutHealth:
     """The gateway's health over a layout's components, and the local model's deep health."""
 
-    def __init__(self, components: Components, fronts: Fronts, config: SpineConfig, *,
+    def __init__(self, components: Components, listeners: Listeners, config: SpineConfig, *,
                  interval_s: float, timeout_s: float) -> None:
         self.components = components
-        self.fronts = fronts
+        self.listeners = listeners
         self.config = config
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.deep_health: Any = None  # the local model's (runtime.health.DeepHealth)
+        self.deep_health: Any = None  # the local model's (runtime.health.deep.DeepHealth)
         self.health: GatewayHealth | None = None
 
     def start(self, server: RunningServer) -> None:
@@ -42,7 +42,7 @@ class LayoutHealth:
         itself; the gateway's health reads it and hears of each change."""
         if self.deep_health is not None or "inference" not in self.components.local_servicers or server is None:
             return
-        from runtime.health import start_deep_health
+        from runtime.health.deep import start_deep_health
 
         inference = self.config.inference
         self.deep_health = start_deep_health(
@@ -51,7 +51,7 @@ class LayoutHealth:
 
     def _flipped(self, name: str, state: ComponentHealth) -> None:
         self.components.flipped(name, state)
-        self.fronts.flip(name, state.serving)
+        self.listeners.flip(name, state.serving)
 
     def _local_changed(self) -> None:
         if self.health is not None:

@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from runtime.parent import die_with_parent, follow_parent
+from runtime.processes.parent import die_with_parent, follow_parent
 from runtime.stage_follower import (
     ROLE_LAYERED_RATELIMIT,
     add_follow_arguments,
@@ -73,18 +73,18 @@ def serve(argv: list[str] | None = None) -> int:
 
     prefer_huge_pages()  # before anything imports torch, whoever started this process
     from monolith.device_on_use import DeviceOnFirstUse
-    from runtime.config_file import load_config
-    from runtime.health import start_deep_health
+    from runtime.config.file import load_config
+    from runtime.health.deep import start_deep_health
+    from runtime.observability.tracing import install_for
+    from runtime.processes.signals import Termination
     from runtime.server import PoolSize, request_pool, start_server
-    from runtime.signals import Termination
     from runtime.tls import is_unix, reload_on_sighup
-    from runtime.tracing import install_for
 
     termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
     configure_threads()
     config = load_config(args.config)
     if args.component == "inference":  # alone (bare): sized for its model as `spine up` sizes it
-        from runtime.model_fit import fit_to_model
+        from runtime.config.model_fit import fit_to_model
 
         config, fitted = fit_to_model(config)
         if fitted:
@@ -110,7 +110,7 @@ def serve(argv: list[str] | None = None) -> int:
     pool = request_pool(config.inference) if args.component == "inference" else PoolSize()
     # Its share first: a limiter that follows does not serve before it has one (or has waited).
     follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit", tls)
-    from runtime.foreign import envoy_apis_of
+    from runtime.placement.foreign import envoy_apis_of
 
     server = start_server([(spec, servicer), *envoy_apis_of(spec, servicer, config)], args.listen,
                           max_message_bytes=config.limits.max_message_bytes,
@@ -123,15 +123,15 @@ def serve(argv: list[str] | None = None) -> int:
                              services=["", spec.full_name])
     extra = None
     if args.component == "metrics":
-        from runtime.metrics_endpoint import start_metrics_endpoint
+        from runtime.observability.metrics_endpoint import start_metrics_endpoint
 
         extra = start_metrics_endpoint(servicer, config, run_dir)
     elif args.component == "inference":  # its serving metrics, on its own /metrics
-        from runtime.serving_metrics_export import serve_inference_metrics
+        from runtime.observability.serving_metrics_export import serve_inference_metrics
 
         extra = serve_inference_metrics(servicer, config, run_dir)
     elif args.component in ("ratelimit", "auth"):  # their stores' families, on their own /metrics
-        from runtime.store_metrics import serve_store_metrics
+        from runtime.observability.store_metrics import serve_store_metrics
 
         extra = serve_store_metrics(servicer, config, run_dir, args.component)
 

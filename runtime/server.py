@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
 from runtime.tls import add_port, link_channel
 from services.common.thread_names import name_os_thread
 from services.inference.config import InferenceConfig
@@ -56,7 +56,7 @@ else:
     Interceptor = grpc.ServerInterceptor
 
 # Interceptors every server in this process gets unless it is given its own list: tracing
-# installs its trace-context interceptor here once per process (see runtime.tracing.install),
+# installs its trace-context interceptor here once per process (see runtime.observability.tracing.install),
 # so servers started by code that knows nothing of tracing still continue traces.
 _default_interceptors: tuple[Interceptor, ...] = ()
 

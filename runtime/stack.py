@@ -6,9 +6,9 @@ remotely (a child process behind a gRPC server on a unix socket). All local, it 
 spine; all remote, it is the layered stack; anything between is a migration stage.
 
 `Stack` puts the pieces together, each built by a class of its own: the components and
-their bindings (`runtime.components`), the pipeline and the gateway over them, the batching
-of whatever is local (`runtime.gateway_batching`), /metrics (`runtime.metrics_endpoint`),
-the listeners (`runtime.fronts`), the shadow mirror (`runtime.gateway_mirror`) and the
+their bindings (`runtime.placement.components`), the pipeline and the gateway over them, the batching
+of whatever is local (`runtime.gateway_batching`), /metrics (`runtime.observability.metrics_endpoint`),
+the listeners (`runtime.listeners`), the shadow mirror (`runtime.shadow.gateway_mirror`) and the
 gateway's health (`runtime.layout_health`).
 """
 
@@ -21,22 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from monolith.batched import BatchedAdmission, DeferredCompletions
+from monolith.batched_pipeline import BatchedAdmission, DeferredCompletions
 from monolith.device_on_use import DeviceOnFirstUse
-from runtime.components import Components
-from runtime.config_file import internal_key, layout_name
-from runtime.config_model import SpineConfig
-from runtime.foreign import envoy_apis
-from runtime.fronts import Fronts
+from runtime.config.file import internal_key, layout_name
+from runtime.config.model import SpineConfig
 from runtime.gateway_batching import GatewayBatching
-from runtime.gateway_health import GatewayHealth
+from runtime.health.gateway import GatewayHealth
 from runtime.layout_health import LayoutHealth
-from runtime.metrics_endpoint import MetricsExports
-from runtime.run_dir import write_private
+from runtime.listeners import Listeners
+from runtime.observability.metrics_endpoint import MetricsExports
+from runtime.placement.components import Components
+from runtime.placement.foreign import envoy_apis
+from runtime.processes.run_dir import write_private
+from runtime.processes.supervisor import Supervisor
 from runtime.server import RunningServer
-from runtime.supervisor import Supervisor
 from services.common.outlier import OutlierPolicy
-from services.gateway.service import Gateway
+from services.gateway.service import AnswerTaps, Gateway, InFlight
 from services.inference.output_policy import OutputPolicy
 from services.pipeline.calls import Hook
 from services.pipeline.interface import Interface
@@ -83,11 +83,11 @@ class Stack:
     http_listen: str | None = None
     gateway: Gateway | None = None
     pipeline: Pipeline | None = None
-    shadow: Any = None  # the spine's own mirror, with shadow.layered_address (runtime.gateway_mirror)
+    shadow: Any = None  # the spine's own mirror, with shadow.layered_address (runtime.shadow.gateway_mirror)
     components: Components | None = None
     batching: GatewayBatching | None = None
     metrics: MetricsExports | None = None
-    fronts: Fronts | None = None
+    listeners: Listeners | None = None
     layout_health: LayoutHealth | None = None
     # The admin token: with one, the admin API (keys managed at run time, spend) is served on
     # the gRPC and HTTP listeners (`runtime.admin_api`); None: it is off.
@@ -116,12 +116,12 @@ class Stack:
         limits = self.config.limits
         if self.device is None:
             self.device = DeviceOnFirstUse(self.config.device)
-        from runtime.tracing import installed
+        from runtime.observability.tracing import installed
 
         tracing = installed()
         genai = None
         if tracing is not None:  # spans with the same names in every layout, and a GenAI span per model call
-            from runtime.genai_spans import GenAiSpans
+            from runtime.observability.genai_spans import GenAiSpans
 
             self.hooks = [*self.hooks, tracing.hook(self.layout)]
             genai = GenAiSpans(tracing.tracer)
@@ -130,40 +130,40 @@ class Stack:
             remote_addresses=self.remote_addresses, tls=self.config.tls, foreign=self.config.placements.foreign(),
             budgets_ms=budgets_ms, outlier=outlier, max_message_bytes=limits.max_message_bytes,
             health_timeout_s=self.health_timeout_s, servicers=self.servicers)
-        fronts = self.fronts = Fronts(self.config, allow_external=self.allow_external, tls=self.config.tls,
+        listeners = self.listeners = Listeners(self.config, allow_external=self.allow_external, tls=self.config.tls,
                                       max_message_bytes=limits.max_message_bytes)
         try:
             components.start(config_path)
             fail_opens = FailOpenCount()
             self.pipeline = Pipeline(self.registry.steps(limits, budgets_ms), components.placed, hooks=self.hooks,
                                      on_fail_open=fail_opens)
+            in_flight, answered = InFlight(), AnswerTaps()
+            self.batching = GatewayBatching(in_flight, self.pipeline, components, self.config.batching)
+            self.batching.attach()
             self.gateway = Gateway(self.pipeline, limits, self.layout, fail_opens=fail_opens,
                                    internal_key=internal_key(self.config), policy=OutputPolicy.of(self.config.output_policy),
-                                   genai=genai)
-            self.batching = GatewayBatching(self.gateway, self.pipeline, components,
-                                            self.config.batching)
-            self.batching.attach()
+                                   genai=genai, steps=self.batching, in_flight=in_flight, answered=answered)
             self.metrics = MetricsExports(components.local_servicers, self.config, self.run_dir,
                                           components.local_inference)
             self.metrics.start()
             # Envoy's APIs for the components that have one, answered by each one as placed at
-            # the time of each call (see `runtime.foreign`).
+            # the time of each call (see `runtime.placement.foreign`).
             envoy = envoy_apis(self.registry, self.config, components.placed,
                                {name: ms / 1000.0 for name, ms in budgets_ms.items()})
             if self.admin_token:
                 from runtime.admin_api import AdminApi
 
                 self.admin = AdminApi(self.config.auth, self.config.ratelimit, self.run_dir, self.admin_token)
-            server = fronts.start_grpc(self.gateway, self.listen, envoy, self.config.envoy_api.listen, self.registry,
+            server = listeners.start_grpc(self.gateway, self.listen, envoy, self.config.envoy_api.listen, self.registry,
                                        self.probe_listen, self.admin.grpc_services() if self.admin else None)
-            fronts.start_http(self.gateway, self.http_listen,
+            listeners.start_http(self.gateway, self.http_listen,
                               serving=lambda: self.health is None or self.health.serving is not False,
                               admin=self.admin)
-            from runtime.gateway_mirror import start_gateway_mirror
+            from runtime.shadow.gateway_mirror import start_gateway_mirror
 
-            self.shadow = start_gateway_mirror(self.config, self.gateway, server.address,
+            self.shadow = start_gateway_mirror(self.config, answered, server.address,
                                                components.local_servicers.get("metrics"))
-            self.layout_health = LayoutHealth(components, fronts, self.config, interval_s=self.health_interval_s,
+            self.layout_health = LayoutHealth(components, listeners, self.config, interval_s=self.health_interval_s,
                                               timeout_s=self.health_timeout_s)
             self.layout_health.start(server)
         except BaseException:
@@ -188,15 +188,15 @@ class Stack:
 
     @property
     def server(self) -> RunningServer | None:
-        return None if self.fronts is None else self.fronts.server
+        return None if self.listeners is None else self.listeners.server
 
     @property
     def envoy_server(self) -> RunningServer | None:
-        return None if self.fronts is None else self.fronts.envoy_server
+        return None if self.listeners is None else self.listeners.envoy_server
 
     @property
     def http_server(self) -> Any:
-        return None if self.fronts is None else self.fronts.http_server
+        return None if self.listeners is None else self.listeners.http_server
 
     @property
     def http_address(self) -> str | None:
@@ -209,16 +209,16 @@ class Stack:
 
     @property
     def deep_health(self) -> Any:
-        """The local model's (runtime.health.DeepHealth)."""
+        """The local model's (runtime.health.deep.DeepHealth)."""
         return None if self.layout_health is None else self.layout_health.deep_health
 
     @property
     def admission(self) -> BatchedAdmission | None:
-        return None if self.batching is None else self.batching.admission
+        return None if self.batching is None else self.batching.batched_admission
 
     @property
     def completions(self) -> DeferredCompletions | None:
-        return None if self.batching is None else self.batching.completions
+        return None if self.batching is None else self.batching.deferred
 
     @property
     def metrics_endpoint(self) -> Any:
@@ -256,7 +256,7 @@ class Stack:
             self.batching.drain()
         self.components.move(merged)
         self.placements = merged
-        self.gateway.layout = self.layout
+        self.gateway.set_layout(self.layout)
         self.batching.attach()
         if self.layout_health is not None:  # the model moved here: the gateway's health reads its probe
             self.layout_health.start_deep_health(self.server)
@@ -286,9 +286,9 @@ class Stack:
             self.shadow = None
         if self.layout_health is not None:
             self.layout_health.stop()
-        if self.fronts is not None:
-            self.fronts.stop_http(grace)  # its in-flight requests finish on the gateway below
-            self.fronts.stop_grpc(grace)
+        if self.listeners is not None:
+            self.listeners.stop_http(grace)  # its in-flight requests finish on the gateway below
+            self.listeners.stop_grpc(grace)
         if self.batching is not None:
             self.batching.close()
         if self.metrics is not None:

@@ -32,7 +32,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
 from runtime.tls import link_channel
 from services.common.thread_names import name_os_thread
 from wire.v1 import stage_pb2

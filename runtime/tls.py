@@ -1,7 +1,7 @@
 """TLS and mTLS on every TCP link, with grpcio's own credentials.
 
 One rule for the whole deployment: a process whose config has a `tls:` section
-(`runtime.sections.TlsConfig`) speaks TLS on every TCP listener it opens and on every
+(`runtime.config.sections.TlsConfig`) speaks TLS on every TCP listener it opens and on every
 TCP link it dials (a layered child reached over TCP, the controller's xDS, the layered
 gateway it mirrors to, the gateways the front splits between); with `client_ca_file` its
 listeners require a client certificate signed by that CA. Unix sockets stay plaintext:
@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
 from services.common import ConfigError
 
 log = logging.getLogger("spine.tls")

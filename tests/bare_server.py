@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.launch import Launched, launch
+from runtime.processes.launch import Launched, launch
 
 BARE_KEY = "bare-upstream-key-0000"
 

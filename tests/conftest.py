@@ -20,7 +20,7 @@ import grpc
 import jwt
 import pytest
 
-from runtime.config_file import SpineConfig, load_config, placements_for
+from runtime.config.file import SpineConfig, load_config, placements_for
 from runtime.stack import Stack
 
 DEV_KEY = "spine-dev-key-0000"
@@ -147,7 +147,7 @@ def split_tenant_through(address: str, key: str, label: str, count: int = 60) ->
 
 def config_for_tests(**extra: Any) -> SpineConfig:
     """The config the tests share (`TEST_OVERRIDES`), with `extra` sections merged over it."""
-    from runtime.config_file import merge
+    from runtime.config.file import merge
 
     return load_config(overrides=merge(TEST_OVERRIDES, extra))
 

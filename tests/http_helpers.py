@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import openai
 
-from runtime.config_file import load_config, placements_for
+from runtime.config.file import load_config, placements_for
 from runtime.stack import Stack
 from tests.bare_server import BareUpstream
 from tests.conftest import DEV_KEY, config_for_tests

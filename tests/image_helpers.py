@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.health import check_serving
-from runtime.launch import Launched, launch
+from runtime.health.deep import check_serving
+from runtime.processes.launch import Launched, launch
 from spine.tools.containers import Mount, Podman, podman_missing
 from spine.tools.image import BuildRecord, build
 

@@ -19,8 +19,8 @@ from spine.tools.ab.command import run_command
 from spine.tools.ab.interleave import LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.report import metric_rows, stream_timing
 from spine.tools.ab.report import up_layouts as report_layouts
-from spine.tools.trace import TraceError, read_trace, write_trace
-from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload.generator import SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload.recorded import TraceError, read_trace, write_trace
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
 from wire.v1 import generation_pb2
 

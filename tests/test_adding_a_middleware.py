@@ -23,11 +23,11 @@ import pytest
 from grpc_tools import protoc
 
 from migration.plan import load_plan
-from runtime.config_file import SpineConfig, load_config
-from runtime.config_model import root_model
+from runtime.config.file import SpineConfig, load_config
+from runtime.config.model import root_model
+from runtime.observability.tracing import span_name
 from runtime.server import start_server
 from runtime.stack import Stack
-from runtime.tracing import span_name
 from services.common import ConfigError, DeviceState, set_status, status_code
 from services.common.config_section import Items, NonEmptyStr, Section
 from services.pipeline.batch_rpc import BatchRpc, ItemError

@@ -17,12 +17,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.stack import Stack
 from services.cache.pregenerated import served_digests, write_table
 from services.inference.output_policy import VIOLATION
 from spine.client.gateway_client import GatewayClient
-from spine.tools.cache_build import PromptLine, answer_prompts
+from spine.tools.model.cache_build import PromptLine, answer_prompts
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
 from tests.waiting import eventually
 from wire.v1 import generation_pb2

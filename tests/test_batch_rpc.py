@@ -1,6 +1,6 @@
 """A stage's batch call reads the same in-process and over the wire.
 
-In the spine a stage's items go straight to the servicer's operation (`runtime.in_process`);
+In the spine a stage's items go straight to the servicer's operation (`runtime.placement.in_process`);
 in the layered stack they are encoded into the batch rpc, served (decoded, decided by that
 same operation, encoded) and the answer decoded. For random batches (good and bad credentials, known and
 unknown models, malformed and over-limit rate-limit asks, cache hits, misses and bad
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from monolith.device import DeviceContext
-from runtime.in_process import in_process
+from runtime.placement.in_process import in_process
 from services.auth.api import AUTH, CHECK_BATCH
 from services.auth.service import AuthService
 from services.cache.api import LOOKUP_BATCH, STORE_BATCH, StoreItem

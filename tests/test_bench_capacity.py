@@ -1,6 +1,6 @@
 """The capacity curve's arithmetic: Poisson arrivals, the knee on synthetic curves, and the
 device regime's summary in results.json's terms. No server: the open-loop driver itself runs
-in `make bench` (bench.capacity.send_open_loop, on spine.tools.workload.open_loop)."""
+in `make bench` (bench.capacity.send_open_loop, on spine.tools.workload.generator.open_loop)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import statistics
 
 from bench.capacity import Point, knee, measure_capacity, rates, stopped
 from bench.device_regime import capacity_summary, summarize
-from spine.tools.workload import poisson_offsets
+from spine.tools.workload.generator import poisson_offsets
 
 
 def point(rate: float, p99: float, errors: int = 0, cpu: float = 100.0) -> Point:

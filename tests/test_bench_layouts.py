@@ -9,7 +9,7 @@ import pytest
 from bench.regime import write_configs
 from bench.report import batching_gain
 from bench.targets import LAYOUTS
-from runtime.config_file import load_config
+from runtime.config.file import load_config
 
 
 def test_each_spine_layout_batches_what_its_name_says(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_batching_gain_compares_the_batched_spine_with_the_named_unbatched_one()
 def test_bench_on_a_model_directory_serves_it_in_every_layout(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from bench.settings import parse_args
-    from spine.tools.make_tiny import make_tiny
+    from spine.tools.model.make_tiny import make_tiny
 
     model = make_tiny(tmp_path / "tiny-llama")
     settings, _, _ = parse_args(["--quick", "--model", str(model)])

@@ -8,7 +8,9 @@ Read by this test from the code itself (an AST walk), so a new rewiring fails he
 its line.
 
 Allowed: an object's own attributes (`self.x = ...`), objects a function made itself (its
-locals, its loop variables), and data records — a protobuf message, a dataclass (a
+locals, its loop variables), private parts an object made itself (`self._rows = _Rows()`,
+then `self._rows.capacity = ...`: its own state, kept in a helper no one else is handed),
+and data records — a protobuf message, a dataclass (a
 request's state, a child's record) — whose fields are what they hold. A parameter or an
 attribute of `self` is judged by its annotation; a library object whose API is attribute
 assignment (uvicorn's server, an `ssl.SSLContext`) is named in `LIBRARY_OBJECTS`.
@@ -68,11 +70,15 @@ class _Rewirings(ast.NodeVisitor):
         self.records = records
         self.found: list[str] = []
         self._classes: list[dict[str, str | None]] = []  # each enclosing class: its attributes' annotations
-        self._scopes: list[tuple[dict[str, str | None], set[str]]] = []  # (parameters, locals) per function
+        self._parts: list[set[str]] = []  # each enclosing class: the attributes it made itself (a call)
+        # (parameters, locals, each alias's root name) per function
+        self._scopes: list[tuple[dict[str, str | None], set[str], dict[str, str]]] = []
         self._current: ast.AST | None = None  # the function being read
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         annotations: dict[str, str | None] = {}
+        parts: set[str] = set()
+        passed: set[str] = set()  # attributes ever set from a parameter or another object: not made here
         for item in ast.walk(node):
             if isinstance(item, ast.AnnAssign):
                 target = item.target
@@ -84,9 +90,16 @@ class _Rewirings(ast.NodeVisitor):
                 for target in item.targets:  # `self.stats = BatchStats()`: its type is what made it
                     if _own(target):
                         annotations.setdefault(target.attr, ast.unparse(item.value.func))  # type: ignore[union-attr]
+                        parts.add(target.attr)  # type: ignore[union-attr]
+            elif isinstance(item, ast.Assign | ast.AnnAssign) and item.value is not None:
+                for target in item.targets if isinstance(item, ast.Assign) else [item.target]:
+                    if _own(target):
+                        passed.add(target.attr)  # type: ignore[union-attr]
         self._classes.append(annotations)
+        self._parts.append({name for name in parts - passed if name.startswith("_")})
         self.generic_visit(node)
         self._classes.pop()
+        self._parts.pop()
 
     def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
         arguments = node.args
@@ -109,7 +122,7 @@ class _Rewirings(ast.NodeVisitor):
         own = made - set(parameters) - aliases
         # A part of an object made here (`principal = verdict.principal`) is made here too.
         own |= {name for name in aliases if roots.get(name) in own}
-        self._scopes.append((parameters, own))
+        self._scopes.append((parameters, own, roots))
         outer, self._current = self._current, node
         self.generic_visit(node)
         self._current = outer
@@ -121,7 +134,7 @@ class _Rewirings(ast.NodeVisitor):
         """Whether `name` is, in this function, another name for an object it did not make."""
         if not self._scopes:
             return False
-        parameters, made = self._scopes[-1]
+        parameters, made, _ = self._scopes[-1]
         return name not in made and name not in parameters and self._bound_here(name)
 
     def _bound_here(self, name: str) -> bool:
@@ -160,16 +173,19 @@ class _Rewirings(ast.NodeVisitor):
         if isinstance(held, ast.Name):
             if held.id in ("self", "cls"):
                 return  # its own
-            parameters, made = self._scopes[-1] if self._scopes else ({}, set())
+            parameters, made, roots = self._scopes[-1] if self._scopes else ({}, set(), {})
             if held.id in made:
                 return  # an object this function made
             if held.id in parameters and _is_record(parameters[held.id], self.records):
+                return
+            root = roots.get(held.id)  # `call = state.model_call`: a part of a record is a record
+            if root in parameters and _is_record(parameters[root], self.records):
                 return
             if held.id not in parameters and not self._aliased(held.id):
                 return  # a module, a global record: not a part of a layout
         elif isinstance(held, ast.Attribute) and isinstance(held.value, ast.Name) and held.value.id == "self":
             annotation = self._classes[-1].get(held.attr) if self._classes else None
-            if _is_record(annotation, self.records):
+            if _is_record(annotation, self.records) or (self._parts and held.attr in self._parts[-1]):
                 return
         else:
             return  # deeper chains are read, not rewired, by the code this checks
@@ -193,6 +209,10 @@ def test_the_check_finds_a_rewiring() -> None:
             "        gateway.admission = self.batching\n"
             "        self.pipeline.barriers['x'] = None\n"
             "        self.own = 1\n"
+            "        self.gateway = Gateway()\n"
+            "        self.gateway.layout = 'mixed'\n"
+            "        self._rows = Rows()\n"
+            "        self._rows.capacity = 2\n"
             "        pipeline = self.pipeline\n"
             "        pipeline.clients = {}\n"
             "        answer = Response()\n"
@@ -200,4 +220,5 @@ def test_the_check_finds_a_rewiring() -> None:
     visitor = _Rewirings(REPO / "x.py", set())
     visitor.visit(ast.parse(code))
     assert [line.split(": ", 1)[1] for line in visitor.found] == ["gateway.admission", "self.pipeline.barriers",
+                                                                  "self.gateway.layout",
                                                                   "pipeline.clients"]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.launch import launch, spine_up_argv
+from runtime.processes.launch import launch, spine_up_argv
 from spine.cli import main
 
 

@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 from monolith.device import DeviceContext
 from monolith.device_config import DeviceConfig
-from runtime.config_file import DEFAULT_CONFIG_PATH, SECTIONS, load_config, placements_for
-from runtime.config_model import SpineConfig
-from runtime.decisions import Decision
-from runtime.sections import DecisionField
+from runtime.config.file import DEFAULT_CONFIG_PATH, SECTIONS, load_config, placements_for
+from runtime.config.model import SpineConfig
+from runtime.config.sections import DecisionField
+from runtime.shadow.decisions import Decision
 from services.common import ConfigError
 from services.common.config_section import ConfigProblems
 from services.registry import COMPONENTS

@@ -16,8 +16,8 @@ import pytest
 from migration.status import State
 from migration.traffic.cutover import Cutover
 from spine.client.gateway_client import GatewayClient
-from spine.tools.demo_traffic import TrafficDriver
-from spine.tools.migration_demo import DEMO_PLAN, DEMO_SHADOW_SHARE, inject, walk_plan
+from spine.tools.demo.migration import DEMO_PLAN, DEMO_SHADOW_SHARE, inject, walk_plan
+from spine.tools.demo.traffic import TrafficDriver
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
 from wire.v1 import generation_pb2
 

@@ -24,8 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from spine.tools.demo_screen import DemoScreen, logs_in
-from spine.tools.migration_demo import RUNS, RunReport, forget_secrets, summary
+from spine.tools.demo.migration import RUNS, RunReport, forget_secrets, summary
+from spine.tools.demo.screen import DemoScreen, logs_in
 
 REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ["  1. healthy spine → promoted in ", "  2. failing spine → rolled back by the error_rate gate in ",

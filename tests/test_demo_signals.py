@@ -69,7 +69,7 @@ def test_an_interrupt_reaches_a_command_started_with_sigint_ignored() -> None:
     `kill -INT` did nothing. `sigterm_as_interrupt` takes SIGINT back then, and both signals
     unwind the command (its `finally` runs), one process each."""
     child = ("import signal, sys, time\n"
-             "from runtime.signals import sigterm_as_interrupt\n"
+             "from runtime.processes.signals import sigterm_as_interrupt\n"
              "assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN\n"
              "try:\n"
              "    with sigterm_as_interrupt():\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from spine.tools.migration_demo import (
+from spine.tools.demo.migration import (
     MIN_P99_REQUESTS,
     SPINE_FASTER,
     RunReport,

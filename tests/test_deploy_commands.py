@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from migration.runner import parse_args as runner_args
-from runtime.config_file import load_config, remote_addresses
+from runtime.config.file import load_config, remote_addresses
 from runtime.process import build_parser as process_parser
 from services.registry import COMPONENTS
 from spine.cli import build_parser as cli_parser

@@ -24,7 +24,7 @@ from google.protobuf import json_format
 
 from migration.xds import Endpoint, build_snapshot
 from migration.xds.snapshot import CLUSTER, ROUTE
-from runtime.yamlsource import load_located
+from runtime.config.yamlsource import load_located
 from services.registry import COMPONENTS
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

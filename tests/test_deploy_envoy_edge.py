@@ -25,7 +25,7 @@ from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 from migration.plan import load_plan
-from runtime.config_file import load_config
+from runtime.config.file import load_config
 from runtime.stack import Stack
 from services.auth.envoy_authz import TENANT_HEADER
 from services.ratelimit.envoy_ratelimit import ENTRY_KEYS

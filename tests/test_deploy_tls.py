@@ -12,7 +12,7 @@ import yaml
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 
 from migration.runner import parse_args as runner_args
-from runtime.config_file import load_config
+from runtime.config.file import load_config
 from runtime.process import build_parser as process_parser
 from spine.cli import build_parser as cli_parser
 from tests.test_deploy_configs import ENVOY_FILES, by_kind, load_bootstrap

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from monolith.device_on_use import DeviceOnFirstUse
-from runtime.launch import launch, serving_on
+from runtime.processes.launch import launch, serving_on
 from tests.conftest import config_for_tests
 
 REPO = Path(__file__).resolve().parents[1]

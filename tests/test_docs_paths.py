@@ -66,7 +66,7 @@ def test_the_readme_fits_on_a_few_screens() -> None:
 
 
 def test_the_config_reference_names_every_section() -> None:
-    from runtime.config_model import root_model
+    from runtime.config.model import root_model
 
     page = (REPO / "docs" / "config.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", page, re.M))

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.remote import Guarded
+from runtime.placement.remote import Guarded
 from runtime.stack import Stack
 from services.auth.api import AUTH
 from services.auth.envoy_authz import EnvoyAuthzClient

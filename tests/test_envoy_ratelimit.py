@@ -161,7 +161,7 @@ def test_no_room_for_a_new_bucket_is_over_limit_not_an_error(tmp_path: Path) -> 
     """A device budget with room for 64 buckets (what a layered ratelimit process serves, on
     its own servicer): the 65th tenant is refused OVER_LIMIT, the known ones still decided."""
     from monolith.device import DeviceContext
-    from runtime.foreign import envoy_apis_of
+    from runtime.placement.foreign import envoy_apis_of
     from runtime.server import start_server
     from services.ratelimit.config import RateLimitConfig
     from services.ratelimit.service import RateLimitService

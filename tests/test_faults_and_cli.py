@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime.launch import launch, spine_up_argv
+from runtime.processes.launch import launch, spine_up_argv
 from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, pid_alive, start_stack
@@ -109,7 +109,7 @@ def test_children_carry_health_and_reflection(layered: Stack) -> None:
 
 
 def spine_up(layout: str, run_dir: Path) -> tuple[subprocess.Popen[bytes], dict[str, object]]:
-    """`spine up` started as every tool starts a layout (`runtime.launch`); its root process
+    """`spine up` started as every tool starts a layout (`runtime.processes.launch`); its root process
     (the tests signal it themselves) and its ready line."""
     launched = launch(f"spine up {layout}", spine_up_argv(None, layout, listen="127.0.0.1:0", http_listen="127.0.0.1:0",
                                                          run_dir=run_dir), log_path=run_dir.parent / f"{layout}.log")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config_file import load_config, placements_for
+from runtime.config.file import load_config, placements_for
 from tests.test_config_model import problems, write
 
 LEGACY = """placements:

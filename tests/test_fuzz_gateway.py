@@ -46,9 +46,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
+from runtime.observability.tracing import Tracing, installed_tracing
 from runtime.server import MAX_METADATA_BYTES
 from runtime.stack import Stack
-from runtime.tracing import Tracing, installed_tracing
 from services.inference.load_hints import parse_load
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests, make_jwt, start_stack
 from tests.fuzz_inputs import (

@@ -20,13 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from migration.traffic.endpoint_health import EndpointHealth
 from migration.traffic.front import Front
-from runtime.health_watch import HealthWatch
+from runtime.health.watch import HealthWatch
 from runtime.server import start_server
 from runtime.stack import Stack
 from services.registry import DEFAULT, GATEWAY
 from spine.client.gateway_client import GatewayClient
 from spine.tools.ab.interleave import LayoutRun, RunOptions, run_interleaved
-from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload.generator import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
 from tests.test_supervisor import refused_config, seconds_until
 from wire.v1 import generation_pb2

@@ -28,9 +28,9 @@ from migration.plan import GateSpec, PlanError, load_plan
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.faults import FaultHook, WrongAnswers
-from runtime.shadow_metrics import COMPARED, MISMATCHED
+from runtime.shadow.metrics import COMPARED, MISMATCHED
 from runtime.stack import Stack
 from services.common import ConfigError
 from services.registry import DEFAULT

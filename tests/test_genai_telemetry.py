@@ -21,9 +21,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
+from runtime.observability.tracing import Tracing, installed_tracing
 from runtime.stack import Stack
-from runtime.tracing import Tracing, installed_tracing
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.http_helpers import openai_client

@@ -31,7 +31,7 @@ from services.inference.service import InferenceConfig, InferenceService  # noqa
 from services.pipeline.local_context import LocalContext, LocalRpcError  # noqa: E402
 from services.pipeline.system_prompt import system_digest  # noqa: E402
 from services.registry import DEFAULT  # noqa: E402
-from spine.tools.make_tiny import TinySpec, make_tiny  # noqa: E402
+from spine.tools.model.make_tiny import TinySpec, make_tiny  # noqa: E402
 from wire.v1 import generation_pb2, inference_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -29,7 +29,7 @@ from services.inference.model.hf_backend import HFBackend, load_hf_backend  # no
 from services.inference.model.interface import KV_CACHE_OWNER, Segment  # noqa: E402
 from services.inference.service import InferenceConfig, InferenceService  # noqa: E402
 from services.pipeline.local_context import LocalContext  # noqa: E402
-from spine.tools.make_tiny import TinySpec, make_tiny  # noqa: E402
+from spine.tools.model.make_tiny import TinySpec, make_tiny  # noqa: E402
 from wire.v1 import generation_pb2  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -22,7 +22,7 @@ import pytest
 from migration.legacy_endpoint import endpoint
 from migration.traffic.http_front import HttpFront
 from migration.traffic.http_mirror import MirrorSettings
-from runtime.http.config import HttpConfig
+from runtime.config.http import HttpConfig
 from runtime.http.server import HttpServer
 from runtime.server import free_port
 from runtime.stack import Stack

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from runtime.launch import launch, spine_up_argv
+from runtime.processes.launch import launch, spine_up_argv
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY
 from tests.http_helpers import HTTP_LIMITS, connect, raw

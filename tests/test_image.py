@@ -6,7 +6,7 @@
   file system (only the mounted run directory and /tmp written), no capabilities, no privilege
   escalation; the image holds no compiler, no pip and no cache;
 - the layered layout as one container per Deployment of deploy/k8s/layered, each running its
-  manifest's command with its ConfigMap's config (`spine.tools.k8s_containers`), answers the
+  manifest's command with its ConfigMap's config (`spine.tools.rehearsal.k8s_containers`), answers the
   same requests as the collapsed container with the same verdicts;
 - SIGTERM to the container drains: a stream in flight is finished and the spine exits 0 well
   within its grace period (the last test here: it stops the collapsed container).
@@ -27,13 +27,13 @@ import grpc
 import openai
 import pytest
 
-from runtime.launch import Launched
+from runtime.processes.launch import Launched
 from runtime.server import free_ports
 from spine.client.gateway_client import GatewayClient
 from spine.tools.containers import Mount, Podman, owned_by_image_user, unique_prefix
 from spine.tools.image import version
-from spine.tools.k8s_containers import containers_of, layered_host_ports, start_order
-from spine.tools.kustomize import render
+from spine.tools.rehearsal.k8s_containers import containers_of, layered_host_ports, start_order
+from spine.tools.rehearsal.kustomize import render
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.image_helpers import (
     built_image,

@@ -25,10 +25,10 @@ from migration.controller import Controller
 from migration.plan import load_plan
 from migration.traffic.front import Front
 from migration.traffic.front_target import FrontTarget
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
+from runtime.observability.tracing import Tracing, installed_tracing
 from runtime.server import start_server
 from runtime.stack import Stack
-from runtime.tracing import Tracing, installed_tracing
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow, shadow_mark
 from services.registry import GATEWAY
 from spine.client.gateway_client import GatewayClient

@@ -1,7 +1,7 @@
 """Every object deploy/k8s renders, checked against the Kubernetes API's schema and for what a
 production rollout needs.
 
-Each overlay is rendered as kustomize renders it (`spine.tools.kustomize`; compared with
+Each overlay is rendered as kustomize renders it (`spine.tools.rehearsal.kustomize`; compared with
 `kubectl kustomize` where kubectl is installed) and every object validated, strictly (an
 unknown field is an error), against the OpenAPI schema of Kubernetes KUBERNETES_VERSION shipped
 by `kubernetes-validate`. cert-manager's objects (Certificate, Issuer) are custom resources the
@@ -29,7 +29,7 @@ from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, vali
 from spine.cli import build_parser as cli_parser
 from spine.tools.image import tags
 from spine.tools.image_inputs import VARIANTS
-from spine.tools.kustomize import KustomizeError, render
+from spine.tools.rehearsal.kustomize import KustomizeError, render
 
 KUBERNETES_VERSION = "1.33"
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"

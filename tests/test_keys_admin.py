@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.stack import Stack
 from spine.cli import main as spine_main
 from tests.conftest import config_for_tests

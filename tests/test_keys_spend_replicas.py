@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.launch import Launched, launch, spine_up_argv
+from runtime.processes.launch import Launched, launch, spine_up_argv
 from spine.tools.local_redis import LocalRedis
 from wire.v1 import keys_pb2, keys_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""The one launcher (`runtime.launch`): a ready line found past other output, a failure said
+"""The one launcher (`runtime.processes.launch`): a ready line found past other output, a failure said
 with the log's tail, stdin lines answered, and a stop that leaves no process of the tree."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.launch import READY, LaunchFailed, launch, serving_on
+from runtime.processes.launch import READY, LaunchFailed, launch, serving_on
 
 SLEEP = "import time; time.sleep(60)"
 

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from spine.client.gateway_client import GatewayClient

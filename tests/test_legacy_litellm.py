@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from migration.status import State
-from spine.tools.legacy_rig import LegacyRig, LegacyTraffic
+from spine.tools.demo.legacy_rig import LegacyRig, LegacyTraffic
 from tests.waiting import eventually
 
 

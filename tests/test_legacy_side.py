@@ -16,10 +16,10 @@ from migration.recording import RecordingTarget
 from migration.traffic.http_answers import Answer, differences, is_greedy, read_answer
 from migration.traffic.http_front import HttpFront
 from migration.traffic.legacy_target import LegacyTarget
-from runtime.config_file import load_config
+from runtime.config.file import load_config
+from spine.tools.demo.legacy_rig import LEGACY_PLAN, replace_legacy
+from spine.tools.demo.litellm_gateway import OFFLINE_ENV
 from spine.tools.key_import import config_fragment, from_lines, from_litellm
-from spine.tools.legacy_rig import LEGACY_PLAN, replace_legacy
-from spine.tools.litellm_gateway import OFFLINE_ENV
 
 PLAN = """name: p
 legacy: {http: "http://127.0.0.1:4000", api_key_header: authorization}

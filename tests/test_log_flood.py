@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.decisions import Decision
-from runtime.sections import ShadowConfig
-from runtime.shadow import ShadowMirror
-from runtime.shadow_metrics import MISMATCHED
+from runtime.config.sections import ShadowConfig
+from runtime.shadow.decisions import Decision
+from runtime.shadow.metrics import MISMATCHED
+from runtime.shadow.traffic import ShadowMirror
 from services.common.log_limit import RateLimitedLog
 from tests.log_lines import LogLines, assert_summarized
 from wire.v1 import generation_pb2

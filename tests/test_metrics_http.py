@@ -12,8 +12,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
-from runtime.config_file import load_config
-from runtime.metrics_endpoint import start_metrics_endpoint
+from runtime.config.file import load_config
+from runtime.observability.metrics_endpoint import start_metrics_endpoint
 from services.common.prometheus_http import PrometheusHTTPServer
 from services.metrics.service import DEFAULT_BUCKETS, MetricsConfig, MetricsService
 from tests.test_metrics import parse_exposition, rec, record, sample

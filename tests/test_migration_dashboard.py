@@ -22,7 +22,7 @@ from migration.plan import load_plan
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess
 from migration.testing import ADMIN_TOKEN, HEALTHY
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
 from services.common import ConfigError
 from tests.tls_helpers import make_certs
 

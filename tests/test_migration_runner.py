@@ -17,7 +17,7 @@ import pytest
 
 from migration.recording import RecordingTarget
 from migration.testing import ADMIN_TOKEN
-from runtime.parent import spawn
+from runtime.processes.parent import spawn
 from wire.v1 import migration_pb2 as pb
 from wire.v1 import migration_pb2_grpc as pb_grpc
 

@@ -15,7 +15,7 @@ from migration.gates import ParityStats, Verdict, evaluate
 from migration.metrics.scrape import ScrapeSource, count, increments, parse_series
 from migration.metrics.source import histogram_quantile
 from migration.plan import GateSpec
-from runtime.shadow_metrics import ShadowCounters
+from runtime.shadow.metrics import ShadowCounters
 from services.common.prometheus_http import PrometheusHTTPServer
 from tests.metrics_endpoints import MetricsEndpoint
 

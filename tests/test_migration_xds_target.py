@@ -29,7 +29,7 @@ from migration.target import ShadowCapability
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from migration.xds.snapshot import ROUTE
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY, config_for_tests

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime.config_file import load_config
+from runtime.config.file import load_config
 from runtime.stack import Stack
 from services.inference.api import INFERENCE
 from services.inference.load_hints import parse_load

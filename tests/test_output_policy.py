@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from runtime.config_file import load_config
+from runtime.config.file import load_config
 from services.common import ConfigError
 from services.inference.output_policy import VIOLATION, OutputPolicy, OutputPolicyConfig
 

@@ -1,4 +1,4 @@
-"""A child that dies with the process that started it (`runtime.parent`), started
+"""A child that dies with the process that started it (`runtime.processes.parent`), started
 without a fork hook: gRPC aborted children forked by a process with calls in flight."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime.parent import PARENT_PID_ENV, spawn
+from runtime.processes.parent import PARENT_PID_ENV, spawn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FOLLOW = "from runtime.parent import follow_parent\n"
+FOLLOW = "from runtime.processes.parent import follow_parent\n"
 CHILD = FOLLOW + "import time\nif follow_parent():\n    time.sleep(60)\n"  # gone with its parent, either way
 
 
@@ -28,7 +28,7 @@ def test_a_spawned_child_goes_when_its_parent_is_killed(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
-        "from runtime.parent import spawn\n"
+        "from runtime.processes.parent import spawn\n"
         f"child = spawn([sys.executable, '-c', {CHILD!r}])\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n")

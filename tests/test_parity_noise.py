@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from migration.metrics.parity import ShadowCounts, add_sample, parity_stats
 from migration.metrics.promql import mismatched_query
-from runtime.decisions import Decision, differing, root_differences
-from runtime.shadow import ShadowConfig, ShadowMirror
-from runtime.shadow_metrics import COMPARED, MISMATCHED
+from runtime.shadow.decisions import Decision, differing, root_differences
+from runtime.shadow.metrics import COMPARED, MISMATCHED
+from runtime.shadow.traffic import ShadowConfig, ShadowMirror
 
 
 def _window(calibration_primary: str) -> tuple[ShadowCounts, ShadowCounts]:

@@ -1,8 +1,8 @@
 """A component behaves alike in both placements: codes, deadlines, cancellation, metadata.
 
 A small scripted servicer (the prompt says what to do) stands behind the model's interface
-both ways: the generic remote proxy to a real gRPC server on a unix socket (`runtime.remote`),
-and the servicer called in this process (`runtime.in_process`).
+both ways: the generic remote proxy to a real gRPC server on a unix socket (`runtime.placement.remote`),
+and the servicer called in this process (`runtime.placement.in_process`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.in_process import in_process
-from runtime.remote import remote, remote_channel
+from runtime.placement.in_process import in_process
+from runtime.placement.remote import remote, remote_channel
 from runtime.server import start_server
 from services.inference.api import INFERENCE, Generated
 from services.pipeline.interface import NO_OPTIONS, CallOptions

@@ -19,7 +19,7 @@ from services.cache.pregenerated_answers import PregeneratedAnswers
 from services.cache.service import CacheService
 from services.inference.config import InferenceConfig
 from services.pipeline.local_context import LocalContext
-from spine.tools.cache_build import PromptLine, answer_prompts
+from spine.tools.model.cache_build import PromptLine, answer_prompts
 from tests.conftest import config_for_tests
 from tests.waiting import ManualClock, eventually
 from wire.v1 import generation_pb2

@@ -1,7 +1,7 @@
 """The layered layout's rate limiter with a shared store (`ratelimit.store`): the limiter runs
 as its own gRPC server (`python -m runtime.process ratelimit`), so its lease state is in
 that process; it serves the store's families on its own /metrics
-(`runtime.store_metrics`) and the stack's /metrics (the metrics component's process)
+(`runtime.observability.store_metrics`) and the stack's /metrics (the metrics component's process)
 forwards them, as the collapsed spine shows its own. A real `redis-server` on loopback.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.observability.store_metrics import ADDRESS_FILE
 from runtime.stack import Stack
-from runtime.store_metrics import ADDRESS_FILE
 from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
@@ -90,7 +90,7 @@ def test_the_layered_stacks_metrics_show_the_limiters_store_families(layered: tu
 
 
 def test_without_a_store_the_layered_rate_limiter_serves_no_metrics_of_its_own(tmp_path: Path) -> None:
-    from runtime.store_metrics import serve_store_metrics
+    from runtime.observability.store_metrics import serve_store_metrics
 
     class NoStore:
         store_collector = None

@@ -28,10 +28,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from runtime.model_fit import HOST_SHARE, MIB, fit_to_model, plan_fit  # noqa: E402
+from runtime.config.model_fit import HOST_SHARE, MIB, fit_to_model, plan_fit  # noqa: E402
 from services.inference.model.chat import ChatMessage, encode_messages, plain_parts  # noqa: E402
 from services.pipeline.system_prompt import SEPARATOR  # noqa: E402
-from spine.tools.model_get import MODELS, FetchError, fetch_wheel, get_model, gguf_parsed_once  # noqa: E402
+from spine.tools.model.get import MODELS, FetchError, fetch_wheel, get_model, gguf_parsed_once  # noqa: E402
 from tests.conftest import DEV_KEY  # noqa: E402
 from wire.v1 import gateway_pb2_grpc, generation_pb2  # noqa: E402
 
@@ -184,8 +184,8 @@ def test_the_fit_gives_the_slots_asked_for_where_the_host_has_room_and_fewer_whe
 
 @on_cpu_only
 def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smollm2: Path) -> None:
-    from runtime.config_file import load_config
-    from runtime.served_model import model_overrides
+    from runtime.config.file import load_config
+    from runtime.config.served_model import model_overrides
 
     config, line = fit_to_model(load_config(None, model_overrides(smollm2)), host_bytes=24 << 30)
     assert line is not None and line.startswith("model fit: smollm2-135m-instruct: 256.6 MiB of weights")
@@ -200,8 +200,8 @@ def test_an_auto_budget_is_written_into_the_config_and_a_given_one_is_kept(smoll
 
 @on_cpu_only
 def test_an_auto_budget_on_a_host_too_small_for_one_slot_is_refused_in_one_line(smollm2: Path) -> None:
-    from runtime.config_file import load_config
-    from runtime.served_model import model_overrides
+    from runtime.config.file import load_config
+    from runtime.config.served_model import model_overrides
     from services.common import ConfigError
 
     with pytest.raises(ConfigError) as refused:

@@ -1,4 +1,4 @@
-"""The production path rehearsed locally: `python -m spine.tools.rehearsal`.
+"""The production path rehearsed locally: `python -m spine.tools.rehearsal.run`.
 
 One run of the same code the command runs, every part a real process: the layered stack (its
 rate limiter following the controller), two spine replicas following it (`spine up
@@ -25,8 +25,8 @@ from runtime.faults import WrongAnswers
 from services.common import ConfigError
 from services.registry import close_servicer
 from spine.cli.up import _injected_fault
-from spine.tools.rehearsal import REHEARSAL_PLAN, SPINES, Options, run_rehearsal, summary
-from spine.tools.rehearsal_processes import RehearsalError
+from spine.tools.rehearsal.processes import RehearsalError
+from spine.tools.rehearsal.run import REHEARSAL_PLAN, SPINES, Options, run_rehearsal, summary
 from tests.conftest import config_for_tests
 
 # Three stages instead of the shipped plan's four: a canary with the cache (and the metrics

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from spine.tools.containers import Podman
-from spine.tools.rehearsal import Options, run_rehearsal, summary
-from spine.tools.rehearsal_containers import Containers
+from spine.tools.rehearsal.containers import Containers
+from spine.tools.rehearsal.run import Options, run_rehearsal, summary
 from tests.image_helpers import built_image, skip_without_podman
 from tests.test_rehearsal import SHORT_PLAN
 

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.health import start_deep_health
+from runtime.health.deep import start_deep_health
+from runtime.processes.supervisor import Child, Supervisor
 from runtime.server import RunningServer, start_server
-from runtime.supervisor import Child, Supervisor
 from services.registry import DEFAULT
 from tests.test_serving_support import GatedModel, make_service
 from tests.waiting import eventually

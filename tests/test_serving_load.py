@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.stack import Stack
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from tests.conftest import config_for_tests

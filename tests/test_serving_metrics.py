@@ -17,7 +17,7 @@ import torch
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.serving_metrics_export import ADDRESS_FILE
+from runtime.observability.serving_metrics_export import ADDRESS_FILE
 from runtime.stack import Stack
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.pipeline.system_prompt import system_digest

@@ -20,10 +20,10 @@ from migration.plan import GateSpec
 from migration.recording import HEALTHY
 from migration.traffic.front import Front
 from migration.traffic.front_target import FrontTarget
-from runtime.decisions import Decision, decide
 from runtime.server import RunningServer, start_server
-from runtime.shadow import ShadowConfig, ShadowMirror
-from runtime.shadow_metrics import COMPARED, MISMATCHED, SKIPPED
+from runtime.shadow.decisions import Decision, decide
+from runtime.shadow.metrics import COMPARED, MISMATCHED, SKIPPED
+from runtime.shadow.traffic import ShadowConfig, ShadowMirror
 from runtime.stack import Stack
 from services.common import ConfigError
 from services.common.prometheus_http import PrometheusHTTPServer

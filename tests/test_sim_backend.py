@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from monolith.device import DeviceContext
-from runtime.launch import launch, spine_up_argv
+from runtime.processes.launch import launch, spine_up_argv
 from services.common import ConfigError
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from services.inference.model.backend import load_backend, make_engine

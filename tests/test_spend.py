@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.stack import Stack
 from services.common.redis_link import RedisLink
 from services.ratelimit.spend import Payer, SpendLedger, period

@@ -4,7 +4,7 @@ Property tests: for random request sequences (tenants, limits, credentials, bad 
 shadow traffic) cut into random batches at random arrival times, every verdict (code,
 message, trailers, resolved request, cache hit) and every bucket level after the run
 equal those of the same stages deciding the same requests one by one in arrival order.
-Then the spine's scheduling of the completions (`monolith.batched.DeferredCompletions`):
+Then the spine's scheduling of the completions (`monolith.batched_pipeline.DeferredCompletions`):
 answers go out at once, writes happen a window at a time, and nothing is lost or unseen.
 """
 
@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from monolith.batched import BatchingConfig, DeferredCompletions
+from monolith.batched_pipeline import BatchingConfig, DeferredCompletions
 from monolith.device import DeviceContext
 from runtime.faults import FaultHook
-from runtime.in_process import in_process
+from runtime.placement.in_process import in_process
 from services.auth.service import AuthService
 from services.cache.api import CACHE, StoreItem
 from services.cache.service import CacheService

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.stack import Stack
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests

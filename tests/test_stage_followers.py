@@ -27,8 +27,8 @@ from migration.server import ControllerProcess
 from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
-from runtime.config_file import placements_for
-from runtime.launch import Launched, launch, spine_up_argv
+from runtime.config.file import placements_for
+from runtime.processes.launch import Launched, launch, spine_up_argv
 from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from runtime.stage_follower import (

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
-from runtime.config_file import placements_for
-from runtime.remote import remote_channel
+from runtime.config.file import placements_for
+from runtime.placement.remote import remote_channel
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from services.inference.scheduler import JobCancelled

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from runtime.supervisor import Supervisor
+from runtime.processes.supervisor import Supervisor
 from tests.conftest import config_for_tests
 from tests.waiting import ShiftedClock, eventually
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.config_file import placements_for
+from runtime.config.file import placements_for
 from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests, start_stack

@@ -27,8 +27,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess
 from migration.testing import ADMIN_TOKEN
+from runtime.config.sections import TlsConfig
 from runtime.core_log import translate
-from runtime.sections import TlsConfig
 from runtime.server import free_port
 from spine.cli import main as spine_main
 from spine.cli.migrate import ControlClient

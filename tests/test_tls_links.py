@@ -16,9 +16,9 @@ import pytest
 
 from migration.traffic.cutover import Cutover
 from migration.xds import Endpoint, XdsControlPlane
-from runtime.config_file import placements_for
-from runtime.launch import launch, serving_on
-from runtime.sections import TlsConfig
+from runtime.config.file import placements_for
+from runtime.config.sections import TlsConfig
+from runtime.processes.launch import launch, serving_on
 from runtime.stack import Stack
 from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, StageFollower
 from runtime.tls import ReloadingCertificates, reload_on_sighup
@@ -26,7 +26,7 @@ from services.auth.api import AUTH
 from spine.client.gateway_client import GatewayClient
 from spine.tools.ab.interleave import RunOptions, run_ab
 from spine.tools.dev_certs import issue, make_authority, write_file
-from spine.tools.workload import SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload.generator import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.tls_helpers import Certs, health, make_certs
 from wire.v1 import generation_pb2

@@ -12,11 +12,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from monolith.device import DeviceContext
-from runtime.config_file import placements_for
-from runtime.remote import remote
+from runtime.config.file import placements_for
+from runtime.observability.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
+from runtime.placement.remote import remote
 from runtime.server import start_server
 from runtime.stack import Stack
-from runtime.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
 from services.common import ConfigError
 from services.pipeline.batch_rpc import ItemError
 from services.pipeline.interface import CallOptions
@@ -112,7 +112,7 @@ def test_a_traceparent_in_the_metadata_names_the_parent_for_work_on_another_thre
     tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
     hook = tracing.hook()
     with tracing.tracer.start_as_current_span("request") as request_span:
-        from runtime.tracing import current_traceparent
+        from runtime.observability.tracing import current_traceparent
 
         handed_over = list(current_traceparent())
     metadata = [("x-request-id", "r1"), *handed_over]

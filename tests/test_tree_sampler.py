@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from runtime.launch import launch
+from runtime.processes.launch import launch
 from spine.tools.tree_sampler import TreeSampler, memory_rollup, tree_cpu_seconds, tree_rss_bytes
 
 # A parent that starts a child holding 64 MiB, then says it is ready; both sleep.

@@ -16,7 +16,7 @@ import httpx2
 import openai
 import pytest
 
-from runtime.config_file import load_config, placements_for
+from runtime.config.file import load_config, placements_for
 from runtime.server import free_port
 from runtime.stack import Stack
 from spine.tools.dev_certs import write_dev_certs

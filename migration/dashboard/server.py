@@ -24,6 +24,7 @@ whose Host is a loopback name, so a page on another site cannot reach it by DNS 
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import logging
@@ -31,6 +32,7 @@ import re
 import socket
 import ssl
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,7 @@ from migration.dashboard.document import LayoutSampler, snapshot
 from migration.plan import PlanError
 from migration.service import run_command
 from migration.transitions import InvalidTransition
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
 from services.common.log_limit import RateLimitedLog
 from services.common.prometheus_http import is_loopback, parse_listen
 
@@ -94,6 +96,18 @@ class DashboardServer:
         self._thread.start()
         log.info("migration dashboard on %s (viewing %s)", self.url,
                  "without a token" if self.view_without_token else "needs the admin token")
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """One open event stream, for as long as the block runs (`stop` waits for them all)."""
+        with self._streams_done:
+            self._streams += 1
+        try:
+            yield
+        finally:
+            with self._streams_done:
+                self._streams -= 1
+                self._streams_done.notify_all()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -255,8 +269,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         controller, after = self.app.controller, -1
         app = self.app
-        with app._streams_done:
-            app._streams += 1
+        with app.streaming():
+            self._stream_states(app, controller, after)
+
+    def _stream_states(self, app: Any, controller: Any, after: int) -> None:
         try:
             while not app.stopping.is_set():
                 if after >= 0:
@@ -271,10 +287,6 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
             return  # the page went away
-        finally:
-            with app._streams_done:
-                app._streams -= 1
-                app._streams_done.notify_all()
 
     def _json(self, code: int, payload: dict[str, Any]) -> None:
         self._send(code, json.dumps(payload).encode(), "application/json")

@@ -2,7 +2,7 @@
 
 The front (local) and the spine's gateway (behind Envoy) count every comparison in
 `spine_shadow_compared_total` and every field that differed as a cause in
-`spine_shadow_mismatched_total` (`runtime.shadow_metrics`). Per window the gate needs:
+`spine_shadow_mismatched_total` (`runtime.shadow.metrics`). Per window the gate needs:
 
 - how many answers were compared across layouts (`calibration="false"`): none at all is
   no evidence, and the gate holds;
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from migration.gates import ParityStats
-from runtime.shadow_metrics import COMPARED, MISMATCHED
+from runtime.shadow.metrics import COMPARED, MISMATCHED
 
 # Noise is what the baseline disagreed with itself on over this many windows (the current
 # one and the ones before it): calibration copies are a small share of a small share.

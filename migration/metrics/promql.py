@@ -48,7 +48,7 @@ from migration.gates import ParityStats, WindowStats
 from migration.metrics.parity import BASELINE, NOISE_WINDOWS, ShadowCounts, parity_stats
 from migration.metrics.source import DURATION_BUCKETS, OK, REQUESTS, SIDES, check_side, stats_by_status
 from migration.target import ShadowCapability
-from runtime.shadow_metrics import COMPARED, MISMATCHED
+from runtime.shadow.metrics import COMPARED, MISMATCHED
 
 log = logging.getLogger("spine.migration.promql")
 

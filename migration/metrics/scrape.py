@@ -41,7 +41,7 @@ from migration.metrics.source import (
     histogram_quantile,
 )
 from migration.target import ShadowCapability
-from runtime.shadow_metrics import COMPARED
+from runtime.shadow.metrics import COMPARED
 
 log = logging.getLogger("spine.migration.scrape")
 

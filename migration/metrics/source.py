@@ -7,7 +7,7 @@ families exported by `services.metrics.service` — `spine_requests_total` (shad
 traffic is timed in its own family, so it is never in this one).
 
 The parity gate needs the shadow comparisons of the window, from the counters whoever
-mirrors exports (`runtime.shadow_metrics`; reduced alike by `migration.metrics.parity`).
+mirrors exports (`runtime.shadow.metrics`; reduced alike by `migration.metrics.parity`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Protocol
 
 from migration.gates import ParityStats, WindowStats
 from migration.target import ShadowCapability
-from runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERRORS
+from runtime.shadow.decisions import LAYOUT_ERRORS as LAYOUT_ERRORS
 
 SIDES = ("layered", "spine")
 REQUESTS = "spine_requests_total"

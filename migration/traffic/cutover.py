@@ -32,11 +32,11 @@ from migration.traffic.spine_process import SpineProcess
 from migration.xds import XdsControlPlane
 from migration.xds.snapshot import HTTP_SUFFIX, Endpoint
 from monolith.device import DeviceContext
-from runtime.config_file import SpineConfig, internal_key, placements_for
+from runtime.config.file import SpineConfig, internal_key, placements_for
+from runtime.config.sections import TlsConfig
 from runtime.faults import FaultHook, FaultSwitch, WrongAnswers
 from runtime.http.server import start_http
-from runtime.run_dir import write_private
-from runtime.sections import TlsConfig
+from runtime.processes.run_dir import write_private
 from runtime.server import RunningServer, free_port, request_pool, request_threads, start_server
 from runtime.stack import Stack
 from services.common.prometheus_http import PrometheusHTTPServer

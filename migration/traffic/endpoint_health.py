@@ -1,7 +1,7 @@
 """Each side's gateways, watched by their health, steer the traffic split.
 
 A gateway is SERVING only while every fail-closed component behind it is
-(`runtime.gateway_health`), so its health is the truth about whether it can answer.
+(`runtime.health.gateway`), so its health is the truth about whether it can answer.
 `EndpointHealth` asks every endpoint of both sides every `interval_s` (all at once, each
 within `timeout_s`) and, on each change, tells
 
@@ -21,12 +21,14 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from migration.xds import Endpoint, XdsControlPlane
-from runtime.health_watch import HealthWatch
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
+from runtime.health.watch import HealthWatch
 
 
 class Steerable(Protocol):
-    healthy: dict[str, bool]
+    """A front that sends a request meant for an unhealthy side to the other."""
+
+    def set_healthy(self, healthy: dict[str, bool]) -> None: ...
 
 
 class EndpointHealth:
@@ -66,7 +68,7 @@ class EndpointHealth:
 
     def _steer(self, serving: dict[str, bool]) -> None:
         if self.front is not None:
-            self.front.healthy = self._sides(serving)
+            self.front.set_healthy(self._sides(serving))
         if self.xds is not None:
             self.xds.set_endpoints({side: [endpoint(address, serving.get(f"{side} {address}", True))
                                            for address in addresses]

@@ -11,8 +11,8 @@ ended, whether the layout failed it, and how long it took. For the demo's like-f
 comparison it also notes whether the model served the answer (OK and not `cached`: a
 cache hit says nothing about the model's speed) and how many requests were in flight on
 that side when it started, itself included (`SideWindow.p50_model_ms` and on). In shadow mode
-(`runtime.shadow`) it mirrors a share of answered requests to the other side and
-counts the comparisons in its mirror's counters (`runtime.shadow_metrics`), which
+(`runtime.shadow.traffic`) it mirrors a share of answered requests to the other side and
+counts the comparisons in its mirror's counters (`runtime.shadow.metrics`), which
 the local migration serves on the front's own /metrics for the parity gate
 (`migration.traffic.cutover`).
 """
@@ -28,10 +28,10 @@ from typing import Any
 import grpc
 
 from migration.traffic.outcomes import SIDES, Outcome, OutcomeLog, SideWindow
-from runtime.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
-from runtime.decisions import Decision, decide
-from runtime.sections import ShadowConfig, TlsConfig
-from runtime.shadow import Metadata, ShadowMirror, forward_metadata, gateway_call
+from runtime.config.sections import ShadowConfig, TlsConfig
+from runtime.shadow.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
+from runtime.shadow.decisions import Decision, decide
+from runtime.shadow.traffic import Metadata, ShadowMirror, forward_metadata, gateway_call
 from runtime.tls import link_channel
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
@@ -68,6 +68,15 @@ class Front(gateway_pb2_grpc.GatewayServicer):
                              "without it a shadow copy cannot be told from a client's request")
         self.shadow = (ShadowMirror(shadow, gateway_call(self.stubs), SIDES, key=internal_key, rng=rng)
                        if shadow is not None and internal_key is not None else None)
+
+    def set_healthy(self, healthy: dict[str, bool]) -> None:
+        """Each side's gateway health as last seen (`EndpointHealth`): a request meant for an
+        unhealthy side goes to the other while that one is healthy."""
+        self.healthy = healthy
+
+    def honour_route_header(self, honoured: bool) -> None:
+        """Whether a client's `x-spine-route` may force a side (the plan's `route_header`)."""
+        self.route_header = honoured
 
     def set_weight(self, spine_weight: float) -> None:
         if not 0.0 <= spine_weight <= 100.0:
@@ -170,7 +179,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
             raise ValueError("shadow mode is off: construct the front with a ShadowConfig")
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"shadow share: must be between 0 and 1, got {share}")
-        self.shadow.share = share
+        self.shadow.set_share(share)
 
     # -- what the gates read -----------------------------------------------------------
     def _enter(self, side: str) -> int:

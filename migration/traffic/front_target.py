@@ -75,7 +75,7 @@ class FrontTarget:
                 self.spine.component(RATELIMIT).set_share(spine_share, CallOptions(timeout=1.0))
             self._set_layered_share(layered_share)
             # The front and the xDS data planes honour `x-spine-route` as the plan says.
-            self.front.route_header = route_header
+            self.front.honour_route_header(route_header)
             self.front.set_weight(spine_weight)
             if self.xds is not None:
                 self.xds.set_spine_percent(spine_weight, version, route_header=route_header)
@@ -89,7 +89,7 @@ class FrontTarget:
         _, layered_share = side_shares(spine_weight, placements.get("ratelimit") == "local")
         staged = _Staged(version, spine_weight, layered_share)
         self.xds.set_stage(spine_weight, placements, version, route_header=route_header)
-        self.front.route_header = route_header
+        self.front.honour_route_header(route_header)
         self._staged = staged
         if spine_weight <= self.front.spine_weight:  # no more traffic for the spine: at once
             self._commit(staged)

@@ -97,6 +97,10 @@ class HttpFront:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- the controller's side -----------------------------------------------------------
+    def honour_route_header(self, honoured: bool) -> None:
+        """Whether a client's `x-spine-route` may force a side (the plan's `route_header`)."""
+        self.route_header = honoured
+
     def set_weight(self, spine_weight: float) -> None:
         if not 0.0 <= spine_weight <= 100.0:
             raise ValueError(f"spine_weight: must be between 0 and 100, got {spine_weight}")

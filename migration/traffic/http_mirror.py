@@ -1,11 +1,11 @@
 """Shadow traffic for the HTTP front: a copy of a share of answered requests to the other side.
 
-As with the Gateway front's mirror (`runtime.shadow`): the client always has the primary's
+As with the Gateway front's mirror (`runtime.shadow.traffic`): the client always has the primary's
 answer before a copy is sent, a copy never waits for a slot (past `max_in_flight` it is
 dropped and counted), and a share of the copies goes back to the primary's own side
 (calibration: what differs there is noise, not a verdict on the spine). Each pair is
 reduced and compared by `http_answers` and counted in the same Prometheus families
-(`runtime.shadow_metrics`) the parity gate reads everywhere else.
+(`runtime.shadow.metrics`) the parity gate reads everywhere else.
 
 A copy sent to the spine carries the deployment's signed shadow mark, so the spine only
 dry-runs the tenant's rate limit and never writes its cache. A foreign legacy endpoint has
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from migration.traffic.http_answers import Answer, differences, read_answer
 from migration.traffic.outcomes import SIDES
-from runtime.shadow_metrics import ShadowCounters
+from runtime.shadow.metrics import ShadowCounters
 
 log = logging.getLogger("spine.migration.http_mirror")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 
 from migration.traffic.layout_process import LayoutProcess
-from runtime.config_model import SpineConfig
-from runtime.remote import remote
+from runtime.config.model import SpineConfig
+from runtime.placement.remote import remote
 from services.ratelimit.api import RATELIMIT, RateLimit
 from services.registry import MIDDLEWARES
 from wire.v1 import ratelimit_pb2_grpc

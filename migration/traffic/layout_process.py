@@ -3,7 +3,7 @@
 The base of `LayeredProcess` (the layered stack) and `SpineProcess` (a spine that follows
 the controller's stages over ADS): its config file `<name>-config.yaml` beside its run
 directory (it holds the internal secret: private to this user), its stderr in `<name>.log`
-there too; started, awaited and stopped by `runtime.launch` (the one launcher).
+there too; started, awaited and stopped by `runtime.processes.launch` (the one launcher).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.config_model import SpineConfig
-from runtime.launch import Launched, LaunchFailed, launch, spine_up_argv
-from runtime.run_dir import write_private
+from runtime.config.model import SpineConfig
+from runtime.processes.launch import Launched, LaunchFailed, launch, spine_up_argv
+from runtime.processes.run_dir import write_private
 from services.common import ConfigError
 
 

@@ -20,9 +20,9 @@ from migration.server import ControllerProcess
 from migration.traffic.http_front import HttpFront
 from migration.traffic.http_mirror import MirrorSettings
 from migration.traffic.legacy_target import LegacyTarget
-from runtime.http.config import HttpConfig
+from runtime.config.http import HttpConfig
 from runtime.http.server import HttpServer
-from runtime.run_dir import write_private
+from runtime.processes.run_dir import write_private
 from services.common.prometheus_http import PrometheusHTTPServer
 
 

@@ -29,7 +29,7 @@ class LegacyTarget:
 
     def apply(self, spine_weight: float, placements: dict[str, str], version: str, *,
               route_header: bool) -> None:
-        self.front.route_header = route_header
+        self.front.honour_route_header(route_header)
         self.front.set_weight(spine_weight)
 
     def applied(self, version: str) -> bool:

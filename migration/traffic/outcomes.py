@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from runtime.stats import percentile
+from runtime.observability.stats import percentile
 
 SIDES = ("layered", "spine")
 

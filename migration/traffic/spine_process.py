@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from migration.traffic.layout_process import LayoutProcess
-from runtime.config_model import SpineConfig
+from runtime.config.model import SpineConfig
 from services.registry import MIDDLEWARES
 
 SWITCH_TIMEOUT_S = 5.0

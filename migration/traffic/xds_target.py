@@ -10,7 +10,7 @@ server's PromQL in production, a direct scrape of every endpoint of each side lo
 Each gateway's health (`EndpointHealth`) marks its endpoint UNHEALTHY while it is not
 SERVING, so data planes stop picking it.
 The parity gate reads the shadow comparisons the spine exports (it mirrors a share of
-its own answers to the layered side: `runtime.gateway_mirror`).
+its own answers to the layered side: `runtime.shadow.gateway_mirror`).
 """
 
 from __future__ import annotations

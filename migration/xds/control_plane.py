@@ -24,7 +24,7 @@ from migration.xds.cache import ANY_NODE, SnapshotCache
 from migration.xds.followers import StageFollowers
 from migration.xds.server import AdsServer
 from migration.xds.snapshot import LAYERED, SPINE, Endpoint, Snapshot, build_snapshot
-from runtime.sections import TlsConfig
+from runtime.config.sections import TlsConfig
 from runtime.stage_follower import ROLE_LAYERED_RATELIMIT, ROLE_SPINE
 from runtime.tls import add_port
 from services.common import ConfigError

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import orjson
 
+from runtime.config.http import HttpConfig
 from runtime.http import anthropic_api, openai_api
 from runtime.http.bounded_protocol import response_bytes
-from runtime.http.config import HttpConfig
 from runtime.http.wire import (
     INSUFFICIENT_QUOTA,
     LAYOUT,

@@ -36,9 +36,10 @@ from http import HTTPStatus
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
 
-from runtime.http.config import HttpConfig
+from runtime.config.http import HttpConfig
 
 log = logging.getLogger("spine.http")
 
@@ -86,6 +87,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     _draining = False  # refused: what the client still sends is thrown away
     _refusal_due: bytes | None = None  # a pipelined refusal, written once the answer in progress is
     _lingering = False  # the write side is shut and the connection closes soon
+    # uvicorn's own per-connection records, as its base class types them (set there).
+    cycle: RequestResponseCycle
+    server_state: ServerState
     _discarded = 0
 
     # -- the connection ----------------------------------------------------------------

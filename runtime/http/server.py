@@ -22,9 +22,9 @@ from typing import Any
 
 import uvicorn
 
+from runtime.config.http import HttpConfig
+from runtime.config.sections import TlsConfig
 from runtime.http.bounded_protocol import bounded_protocol
-from runtime.http.config import HttpConfig
-from runtime.sections import TlsConfig
 from runtime.server import check_listen
 from services.common.thread_names import name_os_thread
 from services.pipeline.limits import RequestLimits

@@ -4,7 +4,7 @@ Every section of the YAML config is a `Section`: unknown keys are refused (a typ
 `bach_lines:` must not silently drop a setting) and a loaded section is immutable. A
 `ValidationError` becomes a `ConfigError` listing every problem, one per line, as
 `<path>: <what is wrong>, got <value>`, where the path is the one the YAML uses
-(`auth.api_keys[0].scopes`), so `runtime.config_file` can add the file and line.
+(`auth.api_keys[0].scopes`), so `runtime.config.file` can add the file and line.
 
 Values are strict where YAML is ambiguous: `true` is not the number 1 and `"16"` is not an
 integer, as the hand-written parsers this replaces insisted. Secrets (SecretStr fields) and

@@ -7,7 +7,7 @@ them beside the rest, and what opentelemetry-semantic-conventions' constants nam
 
 What spine emits and where (docs/metrics.md has the families, docs/design.md the why):
 
-- a span per call of the model, made by the gateway in both layouts (`runtime.genai_spans`):
+- a span per call of the model, made by the gateway in both layouts (`runtime.observability.genai_spans`):
   the GenAI *inference* client span, `{gen_ai.operation.name} {gen_ai.request.model}`, kind
   CLIENT; the model's own rpc span (`inference.generate`) is its child;
 - the client metrics, from each request's record (the metrics component):

@@ -1,6 +1,6 @@
 """Reading one JSON object out of a line or a file, with errors that name where.
 
-The prompt files (`spine cache build --prompts`), the A/B traces (`spine.tools.trace`) and a
+The prompt files (`spine cache build --prompts`), the A/B traces (`spine.tools.workload.recorded`) and a
 model directory's config.json (`services.inference.model.hf_check`) each hold JSON objects a
 person wrote or recorded; each error says the file and line, what is wrong, and is raised as
 the caller's own error class (a ConfigError, a TraceError).

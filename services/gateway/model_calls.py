@@ -9,7 +9,7 @@ A stream reports how it ended to the hooks once: at its last chunk, its error, o
 What the gateway notes of each call on `RequestState.model_call` — when it began, a
 stream's first chunk, when the answer or the last chunk went out — and the answer itself give
 the same GenAI span and metrics in both layouts. The span is the runtime's
-(`runtime.genai_spans`, the gateway's `genai` while tracing is on); the metrics are the
+(`runtime.observability.genai_spans`, the gateway's `genai` while tracing is on); the metrics are the
 metrics component's, from each request's record (`services.metrics.genai`).
 """
 

@@ -7,7 +7,7 @@ completion are scheduled is the runtime's choice, never this module's:
 
 - `DirectAdmission` / `DirectCompletions`: the pipeline with a batch of one, in the
   request's own thread (the layered gateway);
-- the spine's micro-batcher and its deferred writer (`monolith.batched`) decide many
+- the spine's micro-batcher and its deferred writer (`monolith.batched_pipeline`) decide many
   requests with the same stages.
 
 Either way the verdicts come from the same stages, so codes, messages and trailers do not
@@ -84,6 +84,50 @@ class Completions(Protocol):
     def complete(self, state: RequestState) -> None: ...
 
 
+class Steps(Protocol):
+    """Where the gateway's admission and completions run now: they change as components move
+    (batched while local, `runtime.gateway_batching`), so the gateway asks for each request."""
+
+    @property
+    def admission(self) -> Admission: ...
+
+    @property
+    def completions(self) -> Completions: ...
+
+
+class InFlight:
+    """Requests begun and not finished, counted by the gateway and read by whoever batches
+    for it (how many more a batch may expect). Made before both, so neither is rewired."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.count -= 1
+
+
+class AnswerTaps:
+    """Who is offered every finished request after its completions (the spine's shadow mirror,
+    `runtime.shadow.gateway_mirror`): each must be cheap and never raise. Given to the gateway
+    when it is made; a tap joins through `add` once it exists."""
+
+    def __init__(self) -> None:
+        self._taps: tuple[Callable[[RequestState], None], ...] = ()
+
+    def add(self, tap: Callable[[RequestState], None]) -> None:
+        self._taps = (*self._taps, tap)
+
+    def __call__(self, state: RequestState) -> None:
+        for tap in self._taps:
+            tap(state)
+
+
 class DirectAdmission:
     """The pipeline with a batch of one, in the request's thread."""
 
@@ -106,12 +150,22 @@ class DirectCompletions:
         self.pipeline.complete([state])
 
 
+class DirectSteps:
+    """Every stage per request (no batching)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.admission: Admission = DirectAdmission(pipeline)
+        self.completions: Completions = DirectCompletions(pipeline)
+
+
 class Gateway(gateway_pb2_grpc.GatewayServicer):
     """Serves `spine.v1.Gateway` through the pipeline."""
 
     def __init__(self, pipeline: Pipeline, limits: RequestLimits, layout: str, *,
                  fail_opens: FailOpenCount, internal_key: bytes | None = None,
-                 policy: OutputPolicy | None = None, genai: ModelCallSpans | None = None) -> None:
+                 policy: OutputPolicy | None = None, genai: ModelCallSpans | None = None,
+                 steps: Steps | None = None, in_flight: InFlight | None = None,
+                 answered: AnswerTaps | None = None) -> None:
         self.pipeline = pipeline
         self.policy = policy  # None: no output policy (nothing is checked)
         self.limits = limits
@@ -120,23 +174,28 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.internal_key = internal_key
         # Fail-open failures by component: the count the pipeline was built to call.
         self.fail_open_failures: Counter[str] = fail_opens.by_component
-        self._lock = threading.Lock()
-        self.admission: Admission = DirectAdmission(pipeline)
-        self.completions: Completions = DirectCompletions(pipeline)
-        self.in_flight = 0  # requests begun and not finished: how many more a batch may expect
-        # Offered every finished request after its completions (the spine's shadow mirror,
-        # `runtime.gateway_mirror`); must be cheap and never raise.
-        self.answered: Callable[[RequestState], None] | None = None
+        self.steps: Steps = steps if steps is not None else DirectSteps(pipeline)
+        self._in_flight = in_flight if in_flight is not None else InFlight()
+        self.answered = answered if answered is not None else AnswerTaps()
         self.model_load = ModelLoads(self._models_load)
-        # Spans for each call of the model, while tracing is on (`runtime.genai_spans`).
+        # Spans for each call of the model, while tracing is on (`runtime.observability.genai_spans`).
         self.genai = genai
+
+    @property
+    def in_flight(self) -> int:
+        """Requests begun and not finished."""
+        return self._in_flight.count
+
+    def set_layout(self, layout: str) -> None:
+        """The layout's name in every answer's trailers from now on (it changes as components move)."""
+        self.layout = layout
 
     # -- public API ---------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
         state = self._begin(request, context)
         with self._settled(state):
             try:
-                self.admission.admit(state)
+                self.steps.admission.admit(state)
                 if state.hit is not None:
                     self._police(state, state.hit.text, state.hit.token_ids)
                     context.set_trailing_metadata(self._answer_trailing(state))
@@ -160,7 +219,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         state = self._begin(request, context)
         with self._settled(state):
             try:
-                self.admission.admit(state)
+                self.steps.admission.admit(state)
                 hit = state.hit
                 if hit is not None:
                     self._police(state, hit.text, hit.token_ids)
@@ -252,8 +311,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             device_busy=self.model_load.busy(),
         )
         context.set_trailing_metadata(self._trailing(state))
-        with self._lock:
-            self.in_flight += 1
+        self._in_flight.enter()
         return state
 
     def _generate(self, state: RequestState, context: Any) -> Generated:
@@ -330,8 +388,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _finish(self, state: RequestState) -> None:
         """The completion stages for every request, whatever its outcome (all fail open)."""
-        with self._lock:
-            self.in_flight -= 1
+        self._in_flight.leave()
         ended = time.perf_counter()
         state.latency_s = ended - state.started
         if state.model_call is not None:  # the GenAI operation ends with the answer or the last chunk
@@ -340,9 +397,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 self.genai.end(state)
         if state.status != "OK":
             state.response = None  # only a good answer is worth keeping
-        self.completions.complete(state)
-        if self.answered is not None:
-            self.answered(state)
+        self.steps.completions.complete(state)
+        self.answered(state)
 
     def _trailing(self, state: RequestState) -> tuple[tuple[str, str], ...]:
         return ((LAYOUT_HEADER, self.layout), (REQUEST_ID_HEADER, state.request_id))

@@ -27,7 +27,7 @@ The scheduler thread observes a step with one call (`ServingStats.step`): plain 
 under a lock, never prometheus_client objects on the decode path. `ServingCollector`
 reads everything at scrape time. The inference servicer has a registry of its own
 (`metrics_registry`); the runtime serves it, or registers the collector on the metrics
-component's registry when both run in one process (`runtime.serving_metrics_export`).
+component's registry when both run in one process (`runtime.observability.serving_metrics_export`).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ a core the model's step has left cold: every distinct object and C library it to
 a cache miss). So a stage speaks plain values, and the wire is a codec around the same
 decision:
 
-- in-process (`runtime.in_process`): the servicer's method (the interface's operation,
+- in-process (`runtime.placement.in_process`): the servicer's method (the interface's operation,
   `method`) is called with the items and returns the results;
-- over the wire (`runtime.remote`): the items are encoded into the rpc's request, the rpc
+- over the wire (`runtime.placement.remote`): the items are encoded into the rpc's request, the rpc
   is called, and its answer decoded into the same results;
 - serving the rpc (`serve`): the servicer decodes the request into items, decides them
   with that same method, and encodes the results.

@@ -6,8 +6,8 @@ an `Interface` that says how each operation crosses the wire: a batch rpc on pla
 (`StreamRpc`). Three kinds of object implement a Protocol, and a caller cannot tell them apart:
 
 - its servicer, in this process (the spine's placement, with the wire's rules added by
-  `runtime.in_process`);
-- one generic proxy for every interface (`runtime.remote`), which encodes each call with the
+  `runtime.placement.in_process`);
+- one generic proxy for every interface (`runtime.placement.remote`), which encodes each call with the
   method's codec and sends it over gRPC (the layered placement);
 - a client of another service's protocol (Envoy's ext_authz or rate limit service), for a
   placement on a service the team already runs.
@@ -95,7 +95,7 @@ def _answer(response: Any, trailing: Metadata) -> Any:
 class Interface(Generic[T]):
     """A component's interface `T` (a Protocol) and how each of its operations crosses the
     wire. Declared once per component, e.g. `AUTH: Interface[Auth] = Interface("auth", ...)`;
-    its type parameter is what a caller gets back for it (`Placed.get`, `runtime.remote`)."""
+    its type parameter is what a caller gets back for it (`Placed.get`, `runtime.placement.remote`)."""
 
     def __init__(self, component: str, methods: Sequence[Method]) -> None:
         self.component = component

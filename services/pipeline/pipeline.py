@@ -90,8 +90,17 @@ class Pipeline:
         self.hooks = list(hooks)
         self.on_fail_open = on_fail_open or _ignore
         # Run before a stage decides a batch: e.g. answers handed over for the cache and not
-        # yet stored go in before a lookup of the same request (see monolith.batched).
+        # yet stored go in before a lookup of the same request (see monolith.batched_pipeline).
         self.barriers: dict[str, Barrier] = {}
+
+    def add_barrier(self, stage: str, barrier: Barrier) -> None:
+        """Run `barrier` before `stage` decides each batch, from now on."""
+        self.barriers[stage] = barrier
+
+    def remove_barrier(self, stage: str, barrier: Barrier) -> None:
+        """Stop running `barrier` before `stage` (nothing when another one is there now)."""
+        if self.barriers.get(stage) == barrier:
+            del self.barriers[stage]
 
     @property
     def stages(self) -> list[Step[Any]]:

@@ -27,7 +27,7 @@ class ModelCall:
     started: float  # time.perf_counter() when the gateway called the model
     first_chunk_s: float = 0.0  # a stream's first chunk, counted from `started` (0: none came)
     duration_s: float = 0.0  # to the answer, or to a stream's last chunk (set when the request ends)
-    span: Any = None  # the GenAI span while tracing records one (runtime.genai_spans)
+    span: Any = None  # the GenAI span while tracing records one (runtime.observability.genai_spans)
 
 
 @dataclass(eq=False, slots=True)

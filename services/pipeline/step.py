@@ -101,7 +101,7 @@ class Step(Generic[C]):
     method: ClassVar[str] = ""  # the operation, as hooks and spans name the call
     phase: ClassVar[Phase] = Phase.ADMIT
     # A completion stage the spine may write a window later, off the request path
-    # (`monolith.batched.DeferredCompletions`); False: always at the request's last byte.
+    # (`monolith.batched_pipeline.DeferredCompletions`); False: always at the request's last byte.
     deferrable: ClassVar[bool] = True
     # False: `screen` decides every request and `decide` has nothing to do (the gateway's own
     # checks); the runner then skips the call's bookkeeping (its object, two clock reads,

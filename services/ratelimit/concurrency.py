@@ -71,6 +71,35 @@ class ConcurrencyLeases:
         self.granted: dict[str, int] | None = None
         self.refused: Counter[str] = Counter()  # refusals since the store's last renewal
 
+    # -- what a shared store decides (services.ratelimit.leases) ---------------------------
+    def set_share(self, share: float) -> None:
+        """The fraction of each configured limit this limiter enforces without a store's grants."""
+        self.share = share
+
+    def lease_from_store(self) -> None:
+        """The store answers: enforce its grants (a tenant without one may take one slot)."""
+        self.share = 1.0
+        if self.granted is None:
+            self.granted = {}
+
+    def decide_alone(self, share: float) -> None:
+        """The store is unreachable: enforce `share` of each configured limit, no grants."""
+        self.share, self.granted = share, None
+
+    def grant(self, tenant: str, slots: int | None) -> None:
+        """The store's grant for `tenant` (None: it holds none and may take one slot)."""
+        if self.granted is None:
+            return
+        if slots is None:
+            self.granted.pop(tenant, None)
+        else:
+            self.granted[tenant] = slots
+
+    def refusal(self, tenant: str) -> None:
+        """A refusal the store hears of at its next renewal (it may grant more slots)."""
+        if self.granted is not None:
+            self.refused[tenant] += 1
+
     # -- the limit -------------------------------------------------------------------------
     def limit(self, configured: int) -> int:
         """What this limiter enforces of a configured limit: its share, halved while busy, >= 1."""
@@ -194,14 +223,13 @@ class SlotAdmission:
         if isinstance(verdict, ItemError):
             return
         wait = self.leases.retry_after(item.tenant, now)
-        if self.leases.granted is not None:  # a shared store asks for more slots at its next renewal
-            self.leases.refused[item.tenant] += 1
+        self.leases.refusal(item.tenant)  # with a shared store: more slots asked for at its next renewal
         verdict.admitted = False
         verdict.over.append(OverLimit(concurrency_limit_name(item.tenant), wait))
         if verdict.retry_after_s >= 0:  # -1: the cost can never fit, which says more
             verdict.retry_after_s = max(verdict.retry_after_s, wait)
 
-    def _lease(self, verdict: Any, item: AdmitItem, limit: int | None, now: float) -> None:
+    def _lease(self, verdict: AdmitVerdict | ItemError, item: AdmitItem, limit: int | None, now: float) -> None:
         """An admitted item of a tenant with a concurrency limit takes its slot (not a dry run)."""
         if limit is not None and not item.dry_run and isinstance(verdict, AdmitVerdict) and verdict.admitted:
             verdict.lease_id = self.leases.take(item.tenant, now, item.lease_ttl_s)

@@ -98,7 +98,7 @@ class RateLimitStore(Section):
     # on the whole configured limit.
     fail_mode: Literal["shares", "closed", "open"] = "shares"
     # A rate limiter in a process of its own (the layered layout) serves these families at
-    # /metrics here (`runtime.store_metrics`); in the spine they are on its /metrics.
+    # /metrics here (`runtime.observability.store_metrics`); in the spine they are on its /metrics.
     metrics_listen: ListenAddress = "127.0.0.1:0"
 
     @model_validator(mode="after")

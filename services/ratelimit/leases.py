@@ -113,7 +113,7 @@ class StoreLeases:
         self.recoveries = 0  # and back to leasing
         self.restarts = 0
         table.lease(config.reserve)
-        slots.share, slots.granted = 1.0, {}
+        slots.lease_from_store()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ratelimit-lease", daemon=True)
@@ -128,7 +128,7 @@ class StoreLeases:
         self.controller_share = fraction
         self._table.set_share(self._fallback_share())
         if not self.leasing and self.config.fail_mode == "shares":
-            self._slots.share = self._fallback_share()
+            self._slots.set_share(self._fallback_share())
 
     def _fallback_share(self) -> float:
         if self.config.fail_mode == "open":
@@ -260,10 +260,8 @@ class StoreLeases:
             held.level += grant - unfit
         if self._slots.granted is not None:
             for slot_ask, (granted, free) in zip(slots, answer.slots, strict=True):
-                if slot_ask.want > 0 or free == 0:
-                    self._slots.granted[slot_ask.tenant] = granted
-                else:  # holds none, wants none, and there is room: one slot until the next renewal
-                    self._slots.granted.pop(slot_ask.tenant, None)
+                # holding none, wanting none, with room: one slot until the next renewal (None)
+                self._slots.grant(slot_ask.tenant, granted if slot_ask.want > 0 or free == 0 else None)
 
     def _drain(self, key: Hashable, held: _Held) -> None:
         """Empty a bucket whose store bucket is in debt: its granted tokens are owed back (paying
@@ -288,7 +286,7 @@ class StoreLeases:
                 share = self._fallback_share()
                 self._table.set_share(share)
                 self._table.lease(None)
-                self._slots.share, self._slots.granted = share, None
+                self._slots.decide_alone(share)
         log.warning("ratelimit store: unreachable (%s: %s); deciding on fail_mode %s until it answers",
                     type(error).__name__, error, mode)
 
@@ -298,9 +296,7 @@ class StoreLeases:
         self.leasing = True
         self.recoveries += 1
         self._table.lease(self.config.reserve)
-        self._slots.share = 1.0
-        if self._slots.granted is None:
-            self._slots.granted = {}
+        self._slots.lease_from_store()
         now = self._clock()
         self._held = {key: _Held(level=state.level, unbacked=state.level, last_used=now)
                       for key, state in self._table.snapshot().items()}

@@ -177,7 +177,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
                 self.store.set_share(float(fraction))
                 return float(fraction)
             self._table.set_share(fraction)
-            self._leases.share = float(fraction)
+            self._leases.set_share(float(fraction))
         return float(fraction)
 
     def bucket(self, key: Key) -> BucketState | None:

@@ -22,7 +22,7 @@ import argparse
 import logging
 import sys
 
-from runtime.parent import follow_parent
+from runtime.processes.parent import follow_parent
 from runtime.server import UnsafeAddress
 from services.common import ConfigError
 from spine.cli.keys import add_keys_parser
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tool_parsers(sub)
     add_run_parsers(sub)
 
-    from spine.tools.cache_build import add_cache_parser
+    from spine.tools.model.cache_build import add_cache_parser
 
     add_cache_parser(sub)
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.config_file import LAYOUTS, load_config
+from runtime.config.file import LAYOUTS, load_config
 from services.common import ConfigError
 from spine.cli.up import served_model
 
@@ -50,13 +50,13 @@ def add_run_parsers(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from runtime.signals import sigterm_as_interrupt
-    from spine.tools.migration_demo import run_migration_demo
+    from runtime.processes.signals import sigterm_as_interrupt
+    from spine.tools.demo.migration import run_migration_demo
 
     config = load_config(args.config, served_model(args))  # --model DIR: both sides serve it
     pace: dict[str, Any] = {}
     if args.model:
-        from spine.tools.migration_demo import for_real_model
+        from spine.tools.demo.migration import for_real_model
 
         config, pace = for_real_model(config)
     try:
@@ -70,8 +70,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_ab(args: argparse.Namespace) -> int:
     from spine.tools.ab.command import run_command
     from spine.tools.ab.interleave import RunOptions
-    from spine.tools.trace import TraceError
-    from spine.tools.workload import SyntheticSpec
+    from spine.tools.workload.generator import SyntheticSpec
+    from spine.tools.workload.recorded import TraceError
 
     config = load_config(args.config)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]

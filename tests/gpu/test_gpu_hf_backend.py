@@ -20,7 +20,7 @@ def test_hf_backend_runs_on_cuda_and_is_batch_invariant_in_deterministic_mode(
     from services.inference.model.engine import GenerationRequest
     from services.inference.model.hf_backend import load_hf_backend
     from services.inference.model.interface import KV_CACHE_OWNER
-    from spine.tools.make_tiny import make_tiny
+    from spine.tools.model.make_tiny import make_tiny
     from tests.test_hf_backend import joining_midway
 
     device = DeviceContext(device=torch.device("cuda"), budget_bytes=256 << 20)

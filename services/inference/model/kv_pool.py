@@ -49,6 +49,10 @@ class PagedCache(Protocol):
 
     tables: list[list[int]]
 
+    def set_table(self, slot: int, blocks: list[int]) -> None:
+        """The blocks `slot` reads its positions through from now on (the engine's KV pool decides)."""
+        ...
+
     @property
     def block_size(self) -> int: ...
 
@@ -203,7 +207,7 @@ class PagedKV:
             blocks = [*entry.blocks, *blocks]
         elif aligned:  # the first with this prefix: its blocks become the entry's
             entry = self.prefixes.add(key, blocks[: aligned // size])
-        self.cache.tables[slot] = blocks
+        self.cache.set_table(slot, blocks)
         self.peak_used = max(self.peak_used, self.used_blocks)
         cached = reused * size if entry is not None and entry.ready else 0
         return Grant(blocks, cached, entry)

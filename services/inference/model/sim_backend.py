@@ -132,6 +132,13 @@ class SimCache:
         self.block_bytes = bytes_per_token * self.block_size
         self.hashes = [[0] * self.block_size for _ in range(self.num_blocks)]
 
+    def set_table(self, slot: int, blocks: list[int]) -> None:
+        self.tables[slot] = blocks
+
+    def clear(self) -> None:
+        """Drop every hash (the cache given back)."""
+        self.hashes = []
+
     def get(self, slot: int, position: int) -> int:
         return self.hashes[self.tables[slot][position // self.block_size]][position % self.block_size]
 
@@ -169,7 +176,7 @@ class SimModel:
         return SimCache(slots, max_context, self.profile.kv_bytes_per_token)
 
     def release_cache(self, cache: SimCache, device: DeviceLike) -> None:
-        cache.hashes = []
+        cache.clear()
 
     def step(self, segments: Sequence[Segment], cache: SimCache) -> torch.Tensor:
         prefill = sum(len(seg.token_ids) for seg in segments if len(seg.token_ids) > 1)

@@ -41,6 +41,9 @@ class KVCache:
     def slots(self) -> int:
         return len(self.tables)
 
+    def set_table(self, slot: int, blocks: list[int]) -> None:
+        self.tables[slot] = blocks
+
     @property
     def block_size(self) -> int:
         return int(self.keys.shape[2])

@@ -22,6 +22,7 @@ model's time, for `x-spine-overhead-duration-ms`).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import queue
 import random
 import threading
@@ -103,7 +104,8 @@ class Walk:
                 elif not endpoint.budget.try_retry():
                     _no_verdict(endpoint)
                     if last is not None:
-                        last.message += "; not retried: the upstream's retry budget is spent"
+                        last = dataclasses.replace(
+                            last, message=last.message + "; not retried: the upstream's retry budget is spent")
                     break
                 self.attempts += 1
                 self.served_by = endpoint

@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from runtime.config_model import SpineConfig
+from runtime.config.model import SpineConfig
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.interleave import RunOptions, run_ab
 from spine.tools.ab.report import (
@@ -24,8 +24,8 @@ from spine.tools.ab.report import (
     write_markdown,
     write_plots,
 )
-from spine.tools.trace import read_trace, write_trace
-from spine.tools.workload import Entry, SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload.generator import Entry, SyntheticSpec, synthetic, tenant_keys
+from spine.tools.workload.recorded import read_trace, write_trace
 
 
 def run_command(config: SpineConfig, *, layouts: Sequence[str], out_dir: Path,

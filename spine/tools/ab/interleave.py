@@ -32,17 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.config_model import SpineConfig
-from runtime.health_watch import HealthWatch
-from runtime.launch import Launched, LaunchFailed, events, launch
-from runtime.run_dir import write_private
-from runtime.sections import TlsConfig
+from runtime.config.model import SpineConfig
+from runtime.config.sections import TlsConfig
+from runtime.health.watch import HealthWatch
+from runtime.processes.launch import Launched, LaunchFailed, events, launch
+from runtime.processes.run_dir import write_private
 from runtime.server import wait_serving
 from runtime.tls import link_credentials
 from spine.client.gateway_client import CallResult, GatewayClient
 from spine.tools.ab.serve import RESULT_FILE
 from spine.tools.tree_sampler import TreeSampler, tree_cpu_seconds
-from spine.tools.workload import Entry, Item, closed_loop, open_loop
+from spine.tools.workload.generator import Entry, Item, closed_loop, open_loop
 
 ResultCallback = Callable[[str, int, CallResult], None]
 Serving = Callable[[str], bool]  # a layout's name -> is its gateway SERVING now
@@ -97,7 +97,7 @@ class LayoutRun:
 
 # -- a layout in its own process tree ------------------------------------------------
 class LayoutProcess:
-    """`python -m spine.tools.ab.serve` for one layout (`runtime.launch`); stops with its tree."""
+    """`python -m spine.tools.ab.serve` for one layout (`runtime.processes.launch`); stops with its tree."""
 
     def __init__(self, layout: str, config_path: Path, run_dir: Path, trace_ratio: float = 1.0) -> None:
         self.layout = layout

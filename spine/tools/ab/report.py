@@ -18,12 +18,12 @@ from typing import Any
 
 from rich.table import Table
 
-from runtime.decisions import FIELDS, decide, differing
-from runtime.stats import percentile
-from runtime.tracing import ROOT_SPAN
+from runtime.observability.stats import percentile
+from runtime.observability.tracing import ROOT_SPAN
+from runtime.shadow.decisions import FIELDS, decide, differing
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.interleave import ABRun, LayoutRun
-from spine.tools.workload import Entry
+from spine.tools.workload.generator import Entry
 
 MODEL_SPAN = "inference.generate"
 # Stacking order of the per-middleware bar: the pipeline's order.

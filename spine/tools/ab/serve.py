@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.tracing import SpanTimes
+    from runtime.observability.tracing import SpanTimes
 
 RESULT_FILE = "ab-serve.json"
 
@@ -34,16 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-ratio", type=float, default=1.0, help="share of requests traced (0 = none)")
     args = parser.parse_args(argv)
 
-    from runtime.parent import die_with_parent
+    from runtime.processes.parent import die_with_parent
 
     die_with_parent()
     from monolith.runtime_env import configure_threads, prefer_huge_pages
 
     prefer_huge_pages()  # before anything imports torch
-    from runtime.config_file import load_config, placements_for
-    from runtime.signals import Termination
+    from runtime.config.file import load_config, placements_for
+    from runtime.observability.tracing import SpanTimes, Tracing, install
+    from runtime.processes.signals import Termination
     from runtime.stack import Stack
-    from runtime.tracing import SpanTimes, Tracing, install
 
     termination = Termination()
     configure_threads()

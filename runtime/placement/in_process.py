@@ -1,0 +1,51 @@
+"""A component placed in this process: its servicer behind its interface, under the wire's rules.
+
+The servicer implements its interface itself (`services/<name>/api.py`); what a call in this
+process adds is what the wire would have done to it (`services.pipeline.local_call.call_batch`:
+the deadline before and after, an exception as UNKNOWN). One class per interface, made from
+the interface's table of operations, so every component is reached the same way — the twin
+of `runtime.placement.remote`, which makes the other placement from the same table.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface
+from services.pipeline.local_call import call_batch
+
+T = TypeVar("T")
+
+
+class InProcess:
+    """Base of the in-process implementations: the servicer they call."""
+
+    placement = "local"
+
+    def __init__(self, servicer: object) -> None:
+        self.servicer = servicer
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {type(self.servicer).__name__}>"
+
+
+def in_process(interface: Interface[T], servicer: object) -> T:
+    """`servicer` as its component's callers reach it in this process."""
+    return cast(T, _in_process_class(interface)(servicer))
+
+
+@functools.cache
+def _in_process_class(interface: Interface[Any]) -> type[InProcess]:
+    operations = {name: _operation(name) for name in interface.methods}
+    return type(f"InProcess_{interface.component}", (InProcess,), operations)
+
+
+def _operation(name: str) -> Callable[..., Any]:
+    def operation(self: InProcess, argument: Any, options: CallOptions = NO_OPTIONS) -> Any:
+        method = getattr(self.servicer, name)
+        return call_batch(lambda: method(argument, options), options.timeout)
+
+    operation.__name__ = name
+    return operation

@@ -15,7 +15,7 @@ from services.inference.model.backend import TINY_LM_ID, TokenizedBackend
 from services.inference.model.interface import Segment
 from services.inference.model.tiny_lm import TinyLM
 from services.inference.model.tokenizer import ByteTokenizer
-from tests.test_serving_support import GatedModel
+from tests.unit.test_serving_support import GatedModel
 
 
 class PacedModel(GatedModel):

@@ -52,7 +52,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
                  tls: TlsConfig | None = None) -> None:
         # With `tls` (the deployment's), each side's gateway is dialed over mTLS on TCP.
         self.channels = {side: link_channel(addresses[side], tls) for side in SIDES}
-        self.stubs: dict[str, Any] = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
+        self.stubs: dict[str, gateway_pb2_grpc.GatewayStub] = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
         self.spine_weight = spine_weight
         # Each side's gateway health (kept by migration.traffic.endpoint_health.EndpointHealth;
         # a gateway is SERVING only while its fail-closed components are): a request meant for

@@ -20,7 +20,7 @@ the window (the longest displacement of any entry, which a full table makes long
 several times as much a lookup and a store (timeit the two before changing this), and a
 request pays both. The columns stay the state either
 way: expiry, recency and the slots' hashes are read and written there, so the two paths
-find, expire and evict alike (tests/test_cache.py runs them side by side).
+find, expire and evict alike (tests/integration/test_cache.py runs them side by side).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class LogsService(logs_pb2_grpc.LogsServicer):
         # `json.dumps(entry, separators=(",", ":"))` makes of them, in its key order,
         # assembled here: json's C string escaper on each value, repr on the floats (what
         # json writes for a finite one), a fraction of what building a dict and dumping it
-        # costs — every request pays it (tests/test_logs.py holds the two to the same bytes).
+        # costs — every request pays it (tests/integration/test_logs.py holds the two to the same bytes).
         # ensure_ascii: no byte of the line can be read as a line break by any reader.
         fields = (json.dumps(redact_mapping(dict(sorted(record.fields.items()))), separators=(",", ":"))
                   if record.fields else "{}")

@@ -21,7 +21,7 @@ def test_hf_backend_runs_on_cuda_and_is_batch_invariant_in_deterministic_mode(
     from services.inference.model.hf_backend import load_hf_backend
     from services.inference.model.interface import KV_CACHE_OWNER
     from spine.tools.model.make_tiny import make_tiny
-    from tests.test_hf_backend import joining_midway
+    from tests.integration.test_hf_backend import joining_midway
 
     device = DeviceContext(device=torch.device("cuda"), budget_bytes=256 << 20)
     backend = load_hf_backend({"path": str(make_tiny(tmp_path / "tiny-llama"))}, device=device)

@@ -8,7 +8,7 @@
 - **the front and the controller** (`LegacyCutover`): clients call the front, which splits
   their traffic between LiteLLM and the spine by the stage's weight.
 
-`make run LEGACY=litellm` and tests/test_legacy_litellm.py start one; `LegacyTraffic` drives
+`make run LEGACY=litellm` and tests/end_to_end/test_legacy_litellm.py start one; `LegacyTraffic` drives
 it with the official `openai` SDK, as a team's clients would.
 """
 

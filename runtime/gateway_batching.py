@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from monolith.batched_pipeline import BatchedAdmission, BatchingConfig, DeferredCompletions
 from runtime.placement.components import Components
-from services.gateway.service import Admission, Completions, DirectAdmission, DirectCompletions, InFlight
+from services.gateway.service import Admission, Completions, DirectSteps, InFlight
 from services.inference.priority import DEFAULT as DEFAULT_PRIORITY
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
@@ -30,8 +30,9 @@ class GatewayBatching:
         self.batching = batching
         self.batched_admission: BatchedAdmission | None = None
         self.deferred: DeferredCompletions | None = None
+        self._direct = DirectSteps(pipeline)  # what runs where nothing is batched
         # What the gateway runs now (`services.gateway.service.Steps`), swapped whole by `attach`.
-        self._current: tuple[Admission, Completions] = (DirectAdmission(pipeline), DirectCompletions(pipeline))
+        self._current: tuple[Admission, Completions] = (self._direct.admission, self._direct.completions)
 
     @property
     def admission(self) -> Admission:
@@ -58,7 +59,7 @@ class GatewayBatching:
             if self.batched_admission is not None:
                 self.batched_admission.close()  # requests already inside finish there
                 self.batched_admission = None
-            admission = DirectAdmission(pipeline)
+            admission = self._direct.admission
         deferred = frozenset(step.name for step in pipeline.completion
                              if step.deferrable and batching.batches(placements[step.component]))
         if self.deferred is not None and {s.name for s in self.deferred.deferred} != deferred:
@@ -70,7 +71,7 @@ class GatewayBatching:
             metrics = self.components.local_servicers.get("metrics")
             if metrics is not None:  # a scrape counts what was handed over first
                 metrics.read_hooks.add(self.deferred.drain)
-        self._current = (admission, self.deferred if self.deferred is not None else DirectCompletions(pipeline))
+        self._current = (admission, self.deferred if self.deferred is not None else self._direct.completions)
 
     def _close_completions(self) -> None:
         if self.deferred is None:

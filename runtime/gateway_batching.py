@@ -49,17 +49,16 @@ class GatewayBatching:
         placements = self.components.placements
         batched_admission = all(batching.batches(placements[step.component])
                                 for step in pipeline.admission if step.component)
-        admission: Admission
         if batched_admission:
             if self.batched_admission is None:
                 self.batched_admission = BatchedAdmission(pipeline, batching, expected=lambda: in_flight.count,
                                                           patient=self.model_backlogged)
-            admission = self.batched_admission
-        else:
-            if self.batched_admission is not None:
-                self.batched_admission.close()  # requests already inside finish there
-                self.batched_admission = None
-            admission = self._direct.admission
+            self._current = (self.batched_admission, self._current[1])
+        elif self.batched_admission is not None:
+            # New requests go per request first; then those already inside finish in the batcher.
+            retired, self.batched_admission = self.batched_admission, None
+            self._current = (self._direct.admission, self._current[1])
+            retired.close()
         deferred = frozenset(step.name for step in pipeline.completion
                              if step.deferrable and batching.batches(placements[step.component]))
         if self.deferred is not None and {s.name for s in self.deferred.deferred} != deferred:
@@ -71,7 +70,7 @@ class GatewayBatching:
             metrics = self.components.local_servicers.get("metrics")
             if metrics is not None:  # a scrape counts what was handed over first
                 metrics.read_hooks.add(self.deferred.drain)
-        self._current = (admission, self.deferred if self.deferred is not None else self._direct.completions)
+        self._current = (self._current[0], self.deferred if self.deferred is not None else self._direct.completions)
 
     def _close_completions(self) -> None:
         if self.deferred is None:

@@ -124,9 +124,9 @@ def build_legacy_target(args: argparse.Namespace) -> TrafficTarget:
         else None
     mirror = MirrorSettings(share=args.shadow_share) if args.shadow_share > 0 else None
     front = HttpFront(legacy, spine.http, mirror=mirror, internal_key=secret.encode() if secret else None,
-                      timeout_s=args.front_timeout_s)
+                      http=HttpConfig(), timeout_s=args.front_timeout_s)
     try:
-        server = HttpServer(front, HttpConfig(), args.front_listen, tls=tls_of(args),
+        server = HttpServer(front, front.http, args.front_listen, tls=tls_of(args),
                             allow_external=args.allow_external).start()
     except (OSError, ValueError) as error:
         raise ConfigError(f"--front-listen: {error}") from None

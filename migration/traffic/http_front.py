@@ -41,7 +41,10 @@ from migration.legacy_endpoint import LegacyEndpoint
 from migration.traffic.http_answers import is_greedy, read_answer
 from migration.traffic.http_mirror import HttpMirror, MirrorSettings
 from migration.traffic.outcomes import SIDES, Outcome, OutcomeLog, SideWindow
+from runtime.config.http import HttpConfig
+from runtime.http.body import BodyReader
 from runtime.http.bounded_protocol import response_bytes
+from runtime.http.wire import HttpError
 from services.pipeline.internal_marks import SHADOW_HEADER, shadow_mark
 
 log = logging.getLogger("spine.migration.http_front")
@@ -75,12 +78,14 @@ class HttpFront:
     `internal_key`: the deployment's internal secret, to mark shadow copies sent to the spine.
     A side has `connect_timeout_s` to accept a connection and `timeout_s` for each read of its
     answer (a stream may run longer while its chunks keep coming); a request waits at most
-    `connect_timeout_s` for a pooled connection."""
+    `connect_timeout_s` for a pooled connection. `http`: the limits of the server the front is
+    served by (`runtime.http.server.HttpServer`, given the same section): the front reads
+    bodies under them as the API's own listener does (`runtime.http.body`)."""
 
     def __init__(self, legacy: LegacyEndpoint, spine_http: str, *, spine_weight: float = 0.0,
                  route_header: bool = True, mirror: MirrorSettings | None = None,
-                 internal_key: bytes | None = None, max_body_bytes: int = 1 << 20, timeout_s: float = 300.0,
-                 connect_timeout_s: float = 2.0, max_connections: int = 512, history: int = 100_000,
+                 internal_key: bytes | None = None, http: HttpConfig | None = None, timeout_s: float = 300.0,
+                 connect_timeout_s: float = 2.0, history: int = 100_000,
                  rng: random.Random | None = None) -> None:
         self.legacy = legacy
         self.urls = {"layered": legacy.http, "spine": spine_http.rstrip("/")}
@@ -90,9 +95,11 @@ class HttpFront:
         self.log = OutcomeLog(history)
         self.mirror = HttpMirror(mirror, rng, names=SIDE_NAMES) if mirror is not None else None
         self.internal_key = internal_key
-        self.max_body_bytes = max_body_bytes
+        self.http = http or HttpConfig()
+        self.bodies = BodyReader(self.http)  # the same bounds as the API's own listener, from one config
         self._timeout = httpx2.Timeout(timeout_s, connect=connect_timeout_s, pool=connect_timeout_s)
-        self._limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        pool = self.http.max_connections  # a client's connection holds at most one to a side
+        self._limits = httpx2.Limits(max_connections=pool, max_keepalive_connections=pool)
         self._client: httpx2.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -135,12 +142,13 @@ class HttpFront:
         headers = dict(raw)
         api = "anthropic" if scope["path"].startswith("/v1/messages") else "openai"
         try:
-            body = await self._read_body(receive, headers)
-        except _Refused as refused:
-            await _send_error(send, api, refused.status, refused.kind, refused.message)
+            target = _target(scope)
+            body = await self.bodies.read(receive, scope["headers"])
+        except HttpError as refused:  # the front's own answer: neither side was asked, neither counts it
+            await _send_error(send, api, refused.status, refused.kind, refused.message, refused.headers)
             return
         side = self.choose(headers)
-        proxy = asyncio.ensure_future(self._proxy(scope, raw, body, side, api, send))
+        proxy = asyncio.ensure_future(self._proxy(scope["method"], target, raw, body, side, api, send))
         watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, proxy))
         try:
             await proxy
@@ -150,21 +158,28 @@ class HttpFront:
         finally:
             watcher.cancel()
 
-    async def _proxy(self, scope: Scope, raw: list[tuple[str, str]], body: bytes, side: str, api: str,
+    async def _proxy(self, method: str, target: str, raw: list[tuple[str, str]], body: bytes, side: str, api: str,
                      send: Send) -> None:
-        target = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
-        method = scope["method"]
-        keep = self.mirror is not None and method == "POST" and self.mirror.pick()
-        started = time.perf_counter()
-        in_flight = self.log.enter(side)
-        status, failed, kept, content_type = 0, True, bytearray(), ""
+        """Forward the request to `side` and stream its answer back. Only the side's own
+        answer is recorded for the gates: a request the front cannot form or send is the
+        front's 400, recorded for neither side."""
         try:
             request = self._client_now().build_request(method, self.urls[side] + target,
                                                        headers=self._forwarded(raw, side), content=body)
+        except (httpx2.InvalidURL, httpx2.LocalProtocolError, ValueError) as error:
+            await _send_error(send, api, 400, "invalid_request_error", _unformable(method, target, error))
+            return
+        keep = self.mirror is not None and method == "POST" and self.mirror.pick()
+        started = time.perf_counter()
+        in_flight = self.log.enter(side)
+        status, failed, kept, content_type, asked = 0, True, bytearray(), "", True
+        try:
             try:
                 response = await self._client_now().send(request, stream=True)
+            except (httpx2.UnsupportedProtocol, httpx2.LocalProtocolError) as error:  # refused before it left
+                asked = False
+                await _send_error(send, api, 400, "invalid_request_error", _unformable(method, target, error))
+                return
             except httpx2.TimeoutException:
                 await _send_error(send, api, 504, "timeout_error", f"the {SIDE_NAMES[side]} side did not answer "
                                   f"within {self._timeout.connect:g}s (connect) / {self._timeout.read:g}s")
@@ -197,10 +212,11 @@ class HttpFront:
             raise
         finally:
             self.log.leave(side)
-            self.log.add(Outcome(time.time(), side, failed, (time.perf_counter() - started) * 1000.0,
-                                 ok=200 <= status < 300 and not failed, model=200 <= status < 300 and not failed,
-                                 in_flight=in_flight))
-        if keep and self.mirror is not None and len(kept) <= MAX_KEPT_BYTES:
+            if asked:
+                    self.log.add(Outcome(time.time(), side, failed, (time.perf_counter() - started) * 1000.0,
+                                     ok=200 <= status < 300 and not failed, model=200 <= status < 300 and not failed,
+                                     in_flight=in_flight))
+        if asked and keep and self.mirror is not None and len(kept) <= MAX_KEPT_BYTES:
             primary = read_answer(0 if failed and status < 500 else status, bytes(kept), content_type)
             self.mirror.offer(side, primary, _greedy(body),
                               lambda shadow_side: self._fetch_copy(shadow_side, method, target, raw, body))
@@ -272,32 +288,29 @@ class HttpFront:
         except (RuntimeError, TimeoutError) as error:  # the loop stopped meanwhile
             log.warning("closing the HTTP front's connections: %s", error)
 
-    # -- reading the request ----------------------------------------------------------------------
-    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes:
-        declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            raise _Refused(413, "invalid_request_error",
-                           f"the request body is over the limit of {self.max_body_bytes} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Refused(499, "cancelled", "the client went away")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise _Refused(413, "invalid_request_error",
-                               f"the request body is over the limit of {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+
+def _target(scope: Scope) -> str:
+    """The request's target as a side gets it: a path and its query (origin form). uvicorn
+    hands an absolute-form target (`GET http://host/v1/models`) over as its path; what has no
+    path at all (`OPTIONS *`, `M-SEARCH *`) names no resource either side serves, so the front
+    answers it itself: 400, counted for neither side."""
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
+    target = raw_path.decode("latin-1")
+    if not target.startswith("/"):
+        raise HttpError(400, "invalid_request_error",
+                        f"the front forwards requests for a path ('/v1/...'); {scope['method']} "
+                        f"{target[:64]!r} names none")
+    if scope.get("query_string"):
+        target += "?" + bytes(scope["query_string"]).decode("latin-1")
+    return target
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+def _unformable(method: str, target: str, error: Exception) -> str:
+    """The message of a request the front cannot forward (it names what, not a traceback)."""
+    log.debug("cannot forward %s %r: %s", method, target[:200], type(error).__name__)
+    # A header's value never goes back (it may be a credential): what is wrong with it does.
+    reason = "a header's value holds characters outside ASCII" if isinstance(error, UnicodeError) else str(error)
+    return f"the front cannot forward {method} {target[:64]!r}: {reason}"
 
 
 def _greedy(body: bytes) -> bool:
@@ -317,13 +330,15 @@ async def _cancel_on_disconnect(receive: Receive, proxy: asyncio.Future[None]) -
             return
 
 
-async def _send_error(send: Send, api: str, status: int, kind: str, message: str) -> None:
+async def _send_error(send: Send, api: str, status: int, kind: str, message: str,
+                      headers: tuple[tuple[str, str], ...] = ()) -> None:
     """The front's own answer, in the shape of the API the client called (its SDK raises the
     matching exception: 502/504 are `InternalServerError`, 413 `APIStatusError`)."""
     if status == 499:
         return
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
+                "headers": [(b"content-type", b"application/json"),
+                            *((name.encode("latin-1"), value.encode("latin-1")) for name, value in headers)]})
     await send({"type": "http.response.body", "body": _error_body(api, kind, message), "more_body": False})
 
 

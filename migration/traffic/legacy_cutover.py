@@ -50,9 +50,8 @@ class LegacyCutover:
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             self.front = HttpFront(self.legacy, self.spine_http, mirror=self.mirror, internal_key=self.internal_key,
-                                   max_body_bytes=self.http.max_body_bytes, timeout_s=self.timeout_s,
-                                   max_connections=self.http.max_connections)
-            self.server = HttpServer(self.front, self.http, self.listen).start()
+                                   http=self.http, timeout_s=self.timeout_s)
+            self.server = HttpServer(self.front, self.front.http, self.listen).start()
             parity = None
             if self.front.mirror is not None:
                 self.metrics = PrometheusHTTPServer(self.front.mirror.counters.registry)

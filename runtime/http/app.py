@@ -26,6 +26,7 @@ import orjson
 
 from runtime.config.http import HttpConfig
 from runtime.http import anthropic_api, openai_api
+from runtime.http.body import BodyReader, has_body
 from runtime.http.bounded_protocol import response_bytes
 from runtime.http.wire import (
     INSUFFICIENT_QUOTA,
@@ -82,7 +83,7 @@ class HttpApi:
         self.models = models  # (name, model id) for every id and alias
         self.serving = serving
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http", initializer=name_os_thread)
-        self.pending_body_bytes = 0  # bodies being read, all connections (the event loop's thread alone)
+        self.bodies = BodyReader(config)  # every body this server reads, under the http section's limits
         self.admin = admin  # `/admin/` when the server has an admin token
 
     def close(self) -> None:
@@ -152,8 +153,8 @@ class HttpApi:
                 raise HttpError(404, "not_found_error", "the admin API is off: start the server with an admin "
                                 "token (spine up --admin-token-file FILE, or $SPINE_ADMIN_TOKEN)")
             body: Any = {}
-            if method in ("POST", "PATCH") and _header(headers, b"content-length") not in (None, "0"):
-                body = await self._read_json(scope, receive, headers)
+            if method in ("POST", "PATCH") and has_body(headers):  # Content-Length or chunked
+                body = await self._read_json(scope, receive, headers, empty={})
         except HttpError as error:
             await _send_error(send, openai_api, error, base, request_id)
             return
@@ -164,45 +165,17 @@ class HttpApi:
         await _send_json(send, status, answer, base)
 
     # -- reading ------------------------------------------------------------------------
-    async def _read_json(self, scope: Scope, receive: Receive, headers: list[tuple[bytes, bytes]]) -> Any:
+    async def _read_json(self, scope: Scope, receive: Receive, headers: list[tuple[bytes, bytes]],
+                         empty: Any = None) -> Any:
+        """The body as JSON (`empty` for an empty body, when given: an admin call's chunked
+        body may turn out to hold nothing)."""
         content_type = (_header(headers, b"content-type") or "").split(";")[0].strip().lower()
         if content_type != "application/json":
             raise HttpError(415, "invalid_request_error",
                             f"content-type must be application/json, got {content_type or 'none'!r}")
-        limit = self.config.max_body_bytes
-        declared = _header(headers, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            raise HttpError(413, "invalid_request_error", f"the request body is over the limit of {limit} bytes",
-                            (("connection", "close"),))
-        chunks: list[bytes] = []
-        size = 0
-        deadline = time.monotonic() + self.config.read_timeout_s
-        try:
-            while True:
-                try:
-                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    raise HttpError(408, "invalid_request_error",
-                                    f"the request body did not arrive within {self.config.read_timeout_s:g}s",
-                                    (("connection", "close"),)) from None
-                if message["type"] == "http.disconnect":
-                    raise HttpError(499, "cancelled", "the client went away")
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                self.pending_body_bytes += len(chunk)
-                if size > limit:  # a chunked body too: refused as it passes the limit, the rest never read
-                    raise HttpError(413, "invalid_request_error",
-                                    f"the request body is over the limit of {limit} bytes", (("connection", "close"),))
-                if self.pending_body_bytes > self.config.max_pending_body_bytes:
-                    raise HttpError(503, "overloaded_error", "the server is reading as many request bodies as it "
-                                    "holds at once (http.max_pending_body_bytes); retry shortly",
-                                    (("retry-after", "1"), ("connection", "close")))
-                chunks.append(chunk)
-                if not message.get("more_body"):
-                    break
-            body = b"".join(chunks)
-        finally:
-            self.pending_body_bytes -= size
+        body = await self.bodies.read(receive, headers)
+        if not body and empty is not None:
+            return empty
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as error:

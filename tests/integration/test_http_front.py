@@ -34,7 +34,7 @@ ASK = {"model": "tiny-lm", "max_tokens": 4, "temperature": 0, "messages": [{"rol
 
 @contextlib.contextmanager
 def serving(front: HttpFront) -> Iterator[str]:
-    server = HttpServer(front, HttpConfig(max_body_bytes=4096), "127.0.0.1:0").start()
+    server = HttpServer(front, front.http, "127.0.0.1:0").start()  # the front reads under the same limits
     try:
         yield f"http://{server.address}"
     finally:
@@ -115,7 +115,7 @@ def test_a_legacy_endpoint_that_does_not_answer_is_the_legacy_sides_error(sides:
 
 def test_shadow_copies_are_compared_and_a_body_over_the_limit_is_refused(sides: tuple[str, str]) -> None:
     legacy, spine = sides
-    front = HttpFront(endpoint(legacy), spine, spine_weight=50, max_body_bytes=4096,
+    front = HttpFront(endpoint(legacy), spine, spine_weight=50, http=HttpConfig(max_body_bytes=4096),
                       mirror=MirrorSettings(share=1.0, calibration_share=0.0), rng=random.Random(7))
     with serving(front) as url:
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=DEV_KEY, max_retries=0)

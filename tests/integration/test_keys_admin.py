@@ -126,6 +126,39 @@ def test_spine_keys_creates_rotates_with_an_overlap_and_revokes_everywhere_withi
     assert code == 1  # a revoked key stays revoked
 
 
+def chunked(stack: Stack, method: str, path: str, body: Any) -> httpx.Response:
+    """An admin call whose body is sent `Transfer-Encoding: chunked` (no Content-Length), in pieces."""
+    data = json.dumps(body).encode()
+    pieces = iter([data[:5], data[5:]])
+    answer = httpx.request(method, f"http://{stack.http_address}{path}", content=pieces, timeout=10,
+                           headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    assert answer.request.headers["transfer-encoding"] == "chunked" and "content-length" not in answer.request.headers
+    return answer
+
+
+def test_chunked_admin_bodies_are_read_like_any_other(stacks: dict[str, Stack]) -> None:
+    stack = stacks["collapsed"]
+    made = chunked(stack, "POST", "/admin/keys", {"tenant": "dev", "id": "chunked-1", "team": "red"})
+    assert made.status_code == 201, made.text
+    assert made.json()["key"]["team"] == "red"
+    changed = chunked(stack, "PATCH", "/admin/keys/chunked-1", {"team": "green", "requests_per_minute": 60})
+    assert changed.status_code == 200, changed.text
+    assert admin(stack, "GET", "/admin/keys/chunked-1").json()["team"] == "green"  # changed, not a 200 for nothing
+    old = made.json()["secret"]
+    within(1.0, lambda: works(stack, old))
+    rotated = chunked(stack, "POST", "/admin/keys/chunked-1/rotate", {"overlap_s": 600})
+    assert rotated.status_code == 200 and rotated.json()["key"]["previous_until"] > time.time() + 500
+    within(1.0, lambda: works(stack, rotated.json()["secret"]))
+    assert works(stack, old)  # the overlap was read: the old secret still works
+    refused = chunked(stack, "PATCH", "/admin/keys/chunked-1", {"budjet_usd": 1})
+    assert refused.status_code == 400 and "budjet_usd" in refused.json()["error"]["message"]
+    huge = chunked(stack, "PATCH", "/admin/keys/chunked-1", {"team": "x" * stack.config.http.max_body_bytes})
+    assert huge.status_code == 413 and "max_body_bytes" in huge.json()["error"]["message"]
+    empty = httpx.post(f"http://{stack.http_address}/admin/keys/chunked-1/rotate", content=iter([b""]), timeout=10,
+                       headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    assert empty.status_code == 200  # an empty chunked body is no fields: no overlap
+
+
 def test_the_admin_api_needs_the_admin_token(stacks: dict[str, Stack], monkeypatch: pytest.MonkeyPatch) -> None:
     stack = stacks["collapsed"]
     for token in ("", "not-the-admin-token-at-all"):

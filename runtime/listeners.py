@@ -1,8 +1,10 @@
 """The listeners in front of a layout's gateway: gRPC, Envoy's APIs, the HTTP API.
 
-The gateway's gRPC server also answers Envoy's APIs (ext_authz, the rate limit service) for
-the components that have one, unless `envoy_api.listen` puts them on a second listener;
-each Envoy API is as healthy as its component. The OpenAI/Anthropic-compatible HTTP API
+Envoy's APIs (ext_authz, the rate limit service) for the components that have one are served
+on a listener of their own (`envoy_api.listen`), never on the Gateway's: they spend any
+tenant's buckets and confirm keys for whoever calls, so only the data plane may reach them (a
+unix socket, loopback, or mTLS with `envoy_api.allowed_peers`). Without `envoy_api.listen`
+this process serves none. Each Envoy API is as healthy as its component. The OpenAI/Anthropic-compatible HTTP API
 (`runtime.http`) serves the same gateway on its own address when one is given.
 """
 
@@ -11,10 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from runtime.allowed_peers import AllowedPeers
 from runtime.config.model import SpineConfig
 from runtime.config.sections import TlsConfig
 from runtime.placement.foreign import EnvoyApiHealth
-from runtime.server import RunningServer, request_pool, request_threads, start_server
+from runtime.server import RunningServer, default_interceptors, request_pool, request_threads, start_server
+from runtime.tls import is_unix
+from services.common import ConfigError
+from services.common.prometheus_http import is_loopback, parse_listen
 from services.gateway.service import Gateway
 from services.registry import GATEWAY, Registry
 
@@ -38,19 +44,36 @@ class Listeners:
     def start_grpc(self, gateway: Gateway, listen: str, envoy: list[tuple[Any, Any]], envoy_listen: str | None,
                    registry: Registry, probe_listen: str | None,
                    admin: list[tuple[Any, Any]] | None = None) -> RunningServer:
-        """The gateway (and Envoy's APIs, `envoy`, and the admin API's services, `admin`) on
-        `listen`, or Envoy's on `envoy_listen`."""
-        self.server = start_server([(GATEWAY, gateway), *(admin or []), *(envoy if envoy_listen is None else [])],
-                                   listen,
+        """The gateway (and the admin API's services, `admin`) on `listen`; Envoy's APIs,
+        `envoy`, on `envoy_listen` alone (none without it)."""
+        if envoy and envoy_listen is not None:
+            self._check_envoy_listener(envoy_listen)
+        self.server = start_server([(GATEWAY, gateway), *(admin or [])], listen,
                                    max_message_bytes=self.max_message_bytes, allow_external=self.allow_external,
                                    tls=self.tls, probe_listen=probe_listen, **request_pool(self.config.inference))
         if envoy and envoy_listen is not None:
+            peers = self.config.envoy_api.allowed_peers
+            interceptors = [*default_interceptors(),
+                            AllowedPeers(peers, [spec.full_name for spec, _ in envoy])] if peers else None
             self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=self.max_message_bytes,
-                                             allow_external=self.allow_external, tls=self.tls)
-        if envoy:  # each Envoy API is as healthy as its component (`flip`, on every change)
-            self.envoy_health = EnvoyApiHealth(registry, self.envoy_server or self.server,
-                                               own_listener=self.envoy_server is not None)
+                                             allow_external=self.allow_external, tls=self.tls,
+                                             interceptors=interceptors)
+            # each Envoy API is as healthy as its component (`flip`, on every change)
+            self.envoy_health = EnvoyApiHealth(registry, self.envoy_server, own_listener=True)
         return self.server
+
+    def _check_envoy_listener(self, listen: str) -> None:
+        """Refuse an Envoy API listener that anyone could call: beyond loopback it needs mTLS
+        and a list of the peers allowed; a list of peers needs certificates to read them from."""
+        peers = self.config.envoy_api.allowed_peers
+        mtls = self.tls is not None and self.tls.client_ca_file is not None and not is_unix(listen)
+        if peers and not mtls:
+            raise ConfigError("envoy_api.allowed_peers: the peers are named by their client certificates, so "
+                              f"envoy_api.listen ({listen}) must be a TCP address and tls.client_ca_file set")
+        if not is_unix(listen) and not is_loopback(parse_listen(listen)[0]) and not peers:
+            raise ConfigError(f"envoy_api.listen {listen} is beyond loopback: Envoy's APIs spend any tenant's "
+                              "rate limit, so set tls (with client_ca_file) and envoy_api.allowed_peers (the "
+                              "data plane's certificate names), or listen on loopback or a unix socket")
 
     def start_http(self, gateway: Gateway, listen: str | None, serving: Callable[[], bool], admin: Any = None) -> None:
         """The HTTP API in front of `gateway` on `listen` (None: none), with `/admin/` when

@@ -23,6 +23,14 @@ OK = rls_pb2.RateLimitResponse.OK
 OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
 UNKNOWN = rls_pb2.RateLimitResponse.UNKNOWN
 LEGACY = Path(__file__).resolve().parent / "legacy_envoy_services.py"
+# The config section that gives a spine or gateway its Envoy API listener (none by default).
+ENVOY_LISTENER = {"listen": "127.0.0.1:0"}
+
+
+def envoy_address(stack: Any) -> str:
+    """Where a running stack answers Envoy's APIs (its `envoy_api.listen`)."""
+    assert stack.envoy_server is not None, "the stack was started without envoy_api.listen"
+    return str(stack.envoy_server.address)
 
 
 def check_request(headers: dict[str, str] | None = None,

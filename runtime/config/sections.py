@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     Field,
     SecretStr,
     StrictBool,
@@ -28,7 +29,7 @@ from pydantic import (
 )
 
 from services.common.config_section import Float, Items, NonEmptyStr, Section, problem
-from services.common.prometheus_http import ListenAddress
+from services.common.prometheus_http import parse_listen
 
 Placement = Literal["local", "remote"]
 PLACEMENT_NAMES: tuple[str, ...] = ("local", "remote")
@@ -130,18 +131,44 @@ def placement_name(placement: Any) -> str:
     return placement if isinstance(placement, str) else "remote"
 
 
+def _envoy_listen(listen: str) -> str:
+    if listen.startswith("unix:"):
+        if len(listen) == len("unix:"):
+            raise problem("unix: needs a path (unix:/run/spine/envoy.sock)")
+        return listen
+    try:
+        parse_listen(listen)
+    except ValueError as error:
+        raise problem(str(error)) from None
+    return listen
+
+
+# HOST:PORT or unix:PATH.
+EnvoyListen = Annotated[NonEmptyStr, AfterValidator(_envoy_listen)]
+
+
 class EnvoyApiConfig(Section):
     """`envoy_api`: Envoy's own APIs (ext_authz `Authorization.Check`, the rate limit service's
     `ShouldRateLimit`), answered with the auth and ratelimit components' decisions: in the
-    layered layout by their own processes, and by every spine or gateway process for wherever
-    the component is placed now."""
+    layered layout by their own processes, and by a spine or gateway process for wherever the
+    component is placed now.
+
+    They are a trusted data plane's APIs: `ShouldRateLimit` spends any tenant's buckets and
+    `Check` says which keys are good, so a spine or gateway serves them only on a listener of
+    their own (`listen`), never on the Gateway's public one: a unix socket or loopback, or a
+    TCP address beyond loopback only with mTLS (`tls.client_ca_file`) and `allowed_peers`.
+    The layered auth and ratelimit processes answer theirs on their own internal listener,
+    beside the component's own service, which already decides the same for whoever reaches it."""
 
     where = "envoy_api"
 
     enabled: StrictBool = True
-    # None: on the Gateway's listener. HOST:PORT: a second listener for them alone (loopback
-    # unless --allow-external), e.g. for an Envoy that must not reach the Gateway API.
-    listen: ListenAddress | None = None
+    # None (the default): no spine or gateway process serves them. HOST:PORT or unix:PATH:
+    # a listener of their own (beyond loopback: --allow-external, mTLS and allowed_peers).
+    listen: EnvoyListen | None = None
+    # The client certificates allowed to call them (a DNS name in the certificate's SANs, or
+    # its subject's CN): any other caller is PERMISSION_DENIED. Needs mTLS on a TCP listener.
+    allowed_peers: Items[NonEmptyStr] = ()
 
 
 @functools.cache

@@ -26,7 +26,18 @@ from services.ratelimit.api import RATELIMIT
 from services.ratelimit.envoy_ratelimit import EnvoyRlsClient
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
-from tests.envoy_calls import AUTHZ, OVER_LIMIT, RLS, bearer, check, legacy_services, ok_headers, tenant_limit
+from tests.envoy_calls import (
+    AUTHZ,
+    ENVOY_LISTENER,
+    OVER_LIMIT,
+    RLS,
+    bearer,
+    check,
+    envoy_address,
+    legacy_services,
+    ok_headers,
+    tenant_limit,
+)
 from tests.waiting import eventually
 from wire.v1 import generation_pb2, ratelimit_pb2
 
@@ -51,7 +62,7 @@ def legacy() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def spine(legacy: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = start_stack("mixed", tmp_path_factory.mktemp("envoy-legacy"), legacy_config(legacy))
+    stack = start_stack("mixed", tmp_path_factory.mktemp("envoy-legacy"), legacy_config(legacy, envoy_api=ENVOY_LISTENER))
     yield stack
     stack.stop()
 
@@ -73,7 +84,7 @@ def test_the_placement_binds_the_components_to_the_legacy_services(spine: Stack,
 def test_a_legacy_key_is_served_with_the_tenant_the_legacy_service_names(spine: Stack) -> None:
     result = generate(spine, LEGACY_KEY)
     assert result.ok, result.details
-    with grpc.insecure_channel(spine.address) as channel:  # Envoy asking the spine gets the legacy answer
+    with grpc.insecure_channel(envoy_address(spine)) as channel:  # Envoy asking the spine gets the legacy answer
         assert ok_headers(check(channel, bearer(LEGACY_KEY)))["x-spine-tenant"].header.value == "acme"
 
 
@@ -93,7 +104,7 @@ def test_the_legacy_rate_limit_refuses_past_its_limit_with_a_retry_after(spine: 
     assert [r.code for r in results] == [grpc.StatusCode.OK] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert "legacy_per_tenant" in results[3].details
     assert 0 < float(results[3].trailing["retry-after"]) <= 600
-    with grpc.insecure_channel(spine.address) as channel:  # the same legacy counter, through the spine's Envoy API
+    with grpc.insecure_channel(envoy_address(spine)) as channel:  # the same legacy counter, through the spine's Envoy API
         assert tenant_limit(channel, "bounded").overall_code == OVER_LIMIT
 
 
@@ -113,7 +124,7 @@ def test_placing_them_local_moves_the_decision_into_the_spine_live(spine: Stack)
         spine.set_placements({"auth": "local", "ratelimit": "local"})
         assert (generate(spine, LEGACY_KEY).code, generate(spine, DEV_KEY).code) == (
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK)
-        with grpc.insecure_channel(spine.address) as channel:
+        with grpc.insecure_channel(envoy_address(spine)) as channel:
             assert ok_headers(check(channel, bearer(DEV_KEY)))["x-spine-tenant"].header.value == "dev"
             assert check(channel, bearer(LEGACY_KEY)).status.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
     finally:
@@ -126,7 +137,7 @@ def test_a_layered_stack_with_legacy_services_spawns_none_of_its_own(tmp_path: P
     """The layered layout: the legacy services are its auth and ratelimit; one without a health
     service is up while it answers, and when it goes away the gateway says NOT_SERVING."""
     with legacy_services(*LEGACY_ARGS, "--no-health") as (address, process):
-        stack = start_stack("layered", tmp_path, legacy_config(address, envoy_api={"listen": "127.0.0.1:0"}))
+        stack = start_stack("layered", tmp_path, legacy_config(address, envoy_api=ENVOY_LISTENER))
         try:
             assert stack.supervisor is not None and stack.envoy_server is not None
             assert set(stack.supervisor.children) == {"router", "cache", "metrics", "logs", "inference"}

@@ -28,7 +28,15 @@ from hypothesis import strategies as st
 
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, TIGHT_KEY, config_for_tests, make_jwt, start_stack
-from tests.envoy_calls import OVER_LIMIT, check, descriptor, ok_headers, should_rate_limit
+from tests.envoy_calls import (
+    ENVOY_LISTENER,
+    OVER_LIMIT,
+    check,
+    descriptor,
+    envoy_address,
+    ok_headers,
+    should_rate_limit,
+)
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 NO_SCOPE_KEY = "parity-no-scope-0000"
@@ -42,7 +50,8 @@ CONFIG = config_for_tests(
                        {"id": "reader", "tenant": "reader", "key": NO_SCOPE_KEY, "scopes": ["read"]}]},
     ratelimit={"default": {"requests_per_second": 0.000001, "burst": 3, "tokens_per_minute": 6.0e9,
                            "token_burst": 1.0e9},
-               "tenants": {tenant: {"burst": 1.0e9} for tenant in ("dev", "tight", "reader")}})
+               "tenants": {tenant: {"burst": 1.0e9} for tenant in ("dev", "tight", "reader")}},
+    envoy_api=ENVOY_LISTENER)
 FRESH = itertools.count()
 
 
@@ -77,7 +86,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[grpc.Chann
     stacks: list[Stack] = []
     try:
         stacks = [start_stack("collapsed", tmp / side, CONFIG) for side in ("gateway", "envoy")]
-        with grpc.insecure_channel(stacks[0].address) as gateway, grpc.insecure_channel(stacks[1].address) as envoy:
+        with grpc.insecure_channel(stacks[0].address) as gateway, grpc.insecure_channel(envoy_address(stacks[1])) as envoy:
             yield gateway, envoy
     finally:
         for stack in stacks:

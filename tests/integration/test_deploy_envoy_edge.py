@@ -30,7 +30,16 @@ from runtime.stack import Stack
 from services.auth.envoy_authz import TENANT_HEADER
 from services.ratelimit.envoy_ratelimit import ENTRY_KEYS
 from tests.conftest import DEV_KEY, start_stack
-from tests.envoy_calls import OK, bearer, check, descriptor, ok_headers, should_rate_limit
+from tests.envoy_calls import (
+    ENVOY_LISTENER,
+    OK,
+    bearer,
+    check,
+    descriptor,
+    envoy_address,
+    ok_headers,
+    should_rate_limit,
+)
 from tests.integration.test_deploy_configs import DEPLOY, load_bootstrap
 
 EDGE_DECISIONS = DEPLOY / "envoy" / "edge-decisions.yaml"
@@ -113,7 +122,8 @@ def test_the_route_builds_the_tenant_descriptor_from_the_header_ext_authz_sets(
 
 @pytest.fixture(scope="module")
 def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = start_stack("collapsed", tmp_path_factory.mktemp("edge"), load_config())
+    # The default config, with the Envoy listener the edge config asks (its own port, as in the runbook).
+    stack = start_stack("collapsed", tmp_path_factory.mktemp("edge"), load_config(overrides={"envoy_api": ENVOY_LISTENER}))
     yield stack
     stack.stop()
 
@@ -123,7 +133,7 @@ def test_what_envoy_would_send_is_decided_by_a_real_spine(decisions: bootstrap_p
     route's actions do, ask ShouldRateLimit in the filter's domain: OK."""
     hcm = connection_manager(decisions)
     domain = filter_config(hcm, "envoy.filters.http.ratelimit", rate_limit_pb2.RateLimit()).domain
-    with grpc.insecure_channel(spine.address) as channel:
+    with grpc.insecure_channel(envoy_address(spine)) as channel:
         upstream = {key: option.header.value for key, option in ok_headers(check(channel, bearer(DEV_KEY))).items()}
         entries = [(key, upstream[header]) for header, key in route_actions(decisions)]
         answer = should_rate_limit(channel, [descriptor(*entries)], domain=domain)

@@ -1,4 +1,4 @@
-"""The spine as Envoy's ext_authz service: `Authorization.Check` on a collapsed spine's listener
+"""The spine as Envoy's ext_authz service: `Authorization.Check` on a collapsed spine's Envoy listener
 decides like the Gateway (same keys, same JWT settings), forwards the tenant as `x-spine-tenant`
 and answers every bad request with a denial, never an error."""
 
@@ -26,14 +26,14 @@ from tests.conftest import (
     start_stack,
     stop_process,
 )
-from tests.envoy_calls import bearer, check, ok_headers
+from tests.envoy_calls import ENVOY_LISTENER, bearer, check, envoy_address, ok_headers
 from wire.v1 import generation_pb2
 
 NO_SCOPE_KEY = "no-scope-key-0000"
 CONFIG = config_for_tests(auth={"api_keys": [
     *TEST_OVERRIDES["auth"]["api_keys"],
     {"id": "reader", "tenant": "reader", "key": NO_SCOPE_KEY, "scopes": ["read"]},
-]})
+]}, envoy_api=ENVOY_LISTENER)
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
@@ -47,7 +47,7 @@ def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def channel(spine: Stack) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(spine.address) as channel:
+    with grpc.insecure_channel(envoy_address(spine)) as channel:
         yield channel
 
 
@@ -172,13 +172,13 @@ def test_in_a_spine_whose_auth_is_remote_the_answer_comes_from_the_auth_process(
     """Mid-migration (auth still remote) Envoy's Check on the spine is the auth process's
     decision; when that process cannot answer, the call fails UNAVAILABLE (Envoy's
     `failure_mode_allow` decides), and the service answers again once it is back."""
-    config = config_for_tests(placements={"auth": "remote", "ratelimit": "local"})
+    config = config_for_tests(placements={"auth": "remote", "ratelimit": "local"}, envoy_api=ENVOY_LISTENER)
     stack = start_stack("mixed", tmp_path, config)
     try:
         assert stack.supervisor is not None
         pid = stack.supervisor.children["auth"].pid
         assert pid is not None
-        with grpc.insecure_channel(stack.address) as channel:
+        with grpc.insecure_channel(envoy_address(stack)) as channel:
             assert ok_headers(check(channel, bearer(DEV_KEY)))["x-spine-tenant"].header.value == "dev"
             stop_process(pid)  # our own child: it stops answering
             try:

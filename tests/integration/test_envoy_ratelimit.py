@@ -1,4 +1,4 @@
-"""The spine as Envoy's rate limit service: `ShouldRateLimit` on a collapsed spine's listener
+"""The spine as Envoy's rate limit service: `ShouldRateLimit` on a collapsed spine's Envoy listener
 decides on the very buckets Gateway traffic is charged to, in Envoy's shape, and answers bad
 input with Envoy-shaped codes (UNKNOWN, OVER_LIMIT), never an error."""
 
@@ -14,10 +14,12 @@ from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import TEST_OVERRIDES, TIGHT_KEY, config_for_tests, start_stack
 from tests.envoy_calls import (
+    ENVOY_LISTENER,
     OK,
     OVER_LIMIT,
     UNKNOWN,
     descriptor,
+    envoy_address,
     error_of,
     should_rate_limit,
     tenant_limit,
@@ -30,7 +32,7 @@ CONFIG = config_for_tests(ratelimit={"tenants": {
     **TEST_OVERRIDES["ratelimit"]["tenants"],
     "envoy-a": {**SLOW, "burst": 3}, "envoy-b": {**SLOW, "burst": 5}, "envoy-c": {**SLOW, "burst": 2},
     "envoy-d": {**SLOW, "burst": 10}, "envoy-g": {**SLOW, "burst": 10}, "envoy-e": {**SLOW, "burst": 10}, "envoy-f": {**SLOW, "burst": 10},
-}})
+}}, envoy_api=ENVOY_LISTENER)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def channel(spine: Stack) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(spine.address) as channel:
+    with grpc.insecure_channel(envoy_address(spine)) as channel:
         yield channel
 
 

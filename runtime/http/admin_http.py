@@ -15,7 +15,8 @@ behind the same admin token (`Authorization: Bearer <token>`, compared in consta
 
 An error is `{"error": {"message", "type", "code"}}` with the status its gRPC code maps to
 (400 a bad field, named; 401 the token; 404; 409 taken id, read-only or revoked key, or a
-concurrent change; 503 the store unreachable).
+concurrent change; 503 the store unreachable, or its file removed while the process runs: the message
+names the file and what to do).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from services.auth.managed_keys import SHOWN_CHARS, WINDOWS, KeyHasher, ManagedK
 from services.common import Clock, ConfigError
 from services.common.admin_token import AdminError
 from services.common.config_section import Float, Items, NonEmptyStr, Section, problem
+from services.common.sqlite_file import StoreFileGone
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_OVERLAP_S = 30 * 86400.0
@@ -96,6 +97,8 @@ class KeyAdmin:
             self.store.create(key)
         except KeyExists as error:
             raise KeyAdminError(grpc.StatusCode.ALREADY_EXISTS, str(error)) from None
+        except StoreFileGone as error:  # a key that would vanish at the restart: refused, saying why
+            raise KeyAdminError(grpc.StatusCode.UNAVAILABLE, str(error)) from None
         return key, secret
 
     def list(self, tenant: str = "", team: str = "", include_revoked: bool = False) -> list[dict[str, Any]]:
@@ -166,6 +169,8 @@ class KeyAdmin:
             self.store.update(key, read_version)
         except KeyConflict as error:
             raise KeyAdminError(grpc.StatusCode.ABORTED, str(error)) from None
+        except StoreFileGone as error:
+            raise KeyAdminError(grpc.StatusCode.UNAVAILABLE, str(error)) from None
         except KeyStoreError as error:
             raise KeyAdminError(grpc.StatusCode.NOT_FOUND, str(error)) from None
 

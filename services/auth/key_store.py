@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from services.auth.config import KeyStoreSection
 from services.auth.managed_keys import KeyHasher, ManagedKey
 from services.common.admin_token import read_secret_file
 from services.common.redis_link import RedisLink, connect
+from services.common.sqlite_file import SqliteFile
 
 SQLITE_FILE = "keys.sqlite"
 
@@ -125,21 +125,26 @@ class RedisKeyStore:
 
 
 class SqliteKeyStore:
-    """Records in a sqlite file (WAL: the processes of one machine read while one writes)."""
+    """Records in a sqlite file (WAL: the processes of one machine read while one writes).
+
+    A file removed or replaced while the process runs (`services.common.sqlite_file`) fails
+    the version's poll (auth reports the store down and serves the keys it holds) and every
+    write, with `StoreFileGone`: a key made into a deleted file would work until the restart
+    and then be gone."""
 
     def __init__(self, path: Path, timeout_s: float = 2.0) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False)
+        self._file = SqliteFile(path, "key store", timeout_s)
+        self._db = self._file.db
         self._lock = threading.Lock()
         self.where = f"sqlite {path}"
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS keys (id TEXT PRIMARY KEY, record TEXT NOT NULL)")
             self._db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
             self._db.execute("INSERT OR IGNORE INTO meta VALUES ('version', 0)")
 
     def version(self) -> int:
         with self._lock:
+            self._file.check()
             return int(self._db.execute("SELECT value FROM meta WHERE name = 'version'").fetchone()[0])
 
     def load(self) -> tuple[int, list[ManagedKey]]:
@@ -165,6 +170,7 @@ class SqliteKeyStore:
 
     def _write(self, key: ManagedKey, read_version: int | None) -> int:
         with self._lock:
+            self._file.check()
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 row = self._db.execute("SELECT record FROM keys WHERE id = ?", (key.id,)).fetchone()
@@ -186,7 +192,7 @@ class SqliteKeyStore:
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self._file.close()
 
 
 def open_key_store(section: KeyStoreSection, run_dir: Path) -> tuple[KeyStore, KeyHasher]:

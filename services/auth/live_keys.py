@@ -9,7 +9,9 @@ interval (0.2 s by default), whichever process auth runs in.
 When the store cannot be read, the copy in memory keeps serving: keys keep working and a
 key revoked before the outage stays refused; a change made during it is seen at the first
 poll that answers. The outage is logged once per transition and counted on /metrics
-(`spine_auth_key_store_*`), with how stale the copy is.
+(`spine_auth_key_store_*`), with how stale the copy is, and named in auth's health reason
+(`health`). A sqlite file removed or replaced under the process is such an outage: its poll
+fails (`services.common.sqlite_file`) rather than reading on from the deleted file.
 
 Expiry and the overlap of a rotated key are checked on every lookup against the clock, not
 at the next poll, so a key stops working at its time to the millisecond.
@@ -55,6 +57,7 @@ class LiveKeys:
         self._count = 0
         self.version = -1  # the store's version this copy was read at (-1: never read)
         self.reachable = False
+        self.problem = ""  # why the store could not be read, at the last poll that failed
         self.loaded_at = 0.0  # monotonic time of the last successful read
         self.polls = {"ok": 0, "error": 0}
         self.reloads = 0
@@ -111,6 +114,7 @@ class LiveKeys:
                             getattr(self.store, "where", "?"), type(error).__name__, error, self._count,
                             "before" if self.version >= 0 else "from the config file alone")
             self.reachable = False
+            self.problem = f"{type(error).__name__}: {error}"
             return
         self.polls["ok"] += 1
         if not self.reachable and self.version >= 0 and self.outages:
@@ -143,7 +147,12 @@ class LiveKeys:
         where = getattr(self.store, "where", "the key store")
         if self.reachable:
             return f"{self._count} managed keys from {where} (version {self.version})"
-        return f"{where} unreadable: serving the {self._count} managed keys read before"
+        return f"{where} unreadable ({self.problem}): serving the {self._count} managed keys read before"
+
+    def health(self) -> tuple[bool, str]:
+        """Auth's health as the gateway reports it: serving either way (the copy in memory
+        decides), and the reason says whether the store behind it is there."""
+        return True, f"local: {self.describe()}"
 
     def collector(self) -> Collector:
         return _KeyStoreCollector(self)

@@ -125,6 +125,8 @@ class AuthService(auth_pb2_grpc.AuthServicer):
         # Keys managed at run time (`services.auth.live_keys`), looked up before the config's.
         self.live_keys = live_keys
         self.store_collector = None if live_keys is None else live_keys.collector()
+        # The gateway's health reads it (`runtime.placement.components`): the key store's state.
+        self.local_health = None if live_keys is None else live_keys.health
 
     def close(self) -> None:
         """Stop polling the key store."""

@@ -16,7 +16,6 @@ lost) is not added twice.
 from __future__ import annotations
 
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from services.common.redis_link import RedisLink, connect
+from services.common.sqlite_file import SqliteFile
 
 if TYPE_CHECKING:
     from services.ratelimit.config import RateLimitConfig
@@ -157,15 +157,16 @@ class RedisSpendStore:
 
 
 class SqliteSpendStore:
-    """A row per bucket in a sqlite file."""
+    """A row per bucket in a sqlite file. A file removed or replaced while the process runs
+    (`services.common.sqlite_file`) fails each exchange: the ledger keeps the charges and
+    reports the store down (`spine_spend_store_up` 0) rather than adding them to a deleted file."""
 
     def __init__(self, path: Path, timeout_s: float = 2.0) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False)
+        self._file = SqliteFile(path, "spend store", timeout_s)
+        self._db = self._file.db
         self._lock = threading.Lock()
         self.where = f"sqlite {path}"
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS spend (bucket TEXT PRIMARY KEY, window TEXT, period TEXT, "
                              "usd REAL, input_tokens INTEGER, cached_input_tokens INTEGER, output_tokens INTEGER, "
                              "requests INTEGER, expires REAL)")
@@ -176,6 +177,7 @@ class SqliteSpendStore:
         wanted = sorted({*charges, *reads})
         now = time.time()
         with self._lock:
+            self._file.check()  # charges into a deleted file would be lost: kept and sent again instead
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for bucket, u in charges.items():
@@ -206,7 +208,7 @@ class SqliteSpendStore:
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self._file.close()
 
 
 def open_spend_store(config: RateLimitConfig, run_dir: Path) -> SpendStore:

@@ -72,6 +72,20 @@ def test_bad_input_is_a_clear_4xx_and_the_process_keeps_serving(stacks: dict[str
     still_serving(stack)
 
 
+@pytest.mark.parametrize("layout", ["collapsed", "layered"])
+def test_a_chunked_body_is_read_whole_and_under_the_same_limit(stacks: dict[str, Stack], layout: str) -> None:
+    data = json.dumps(GOOD).encode()
+    headers = {"content-type": "application/json", **AUTH}
+    with raw(stacks[layout]) as client:
+        answer = client.post("/v1/chat/completions", content=iter([data[:7], data[7:20], data[20:]]), headers=headers)
+        huge = client.post("/v1/chat/completions", headers=headers,
+                           content=iter([b" " * 1024] * (HTTP_LIMITS["max_body_bytes"] // 1024 + 1)))
+    assert answer.request.headers["transfer-encoding"] == "chunked"
+    assert answer.status_code == 200, answer.text
+    assert huge.status_code == 413 and "http.max_body_bytes" in huge.json()["error"]["message"]
+    still_serving(stacks[layout])
+
+
 def test_a_body_declared_too_large_is_refused_before_it_is_read(stacks: dict[str, Stack]) -> None:
     stack = stacks["collapsed"]
     with connect(stack) as sock:

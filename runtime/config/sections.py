@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
-    AfterValidator,
     Field,
     SecretStr,
     StrictBool,
@@ -29,7 +28,7 @@ from pydantic import (
 )
 
 from services.common.config_section import Float, Items, NonEmptyStr, Section, problem
-from services.common.prometheus_http import parse_listen
+from services.common.prometheus_http import ListenOrUnixAddress
 
 Placement = Literal["local", "remote"]
 PLACEMENT_NAMES: tuple[str, ...] = ("local", "remote")
@@ -131,22 +130,6 @@ def placement_name(placement: Any) -> str:
     return placement if isinstance(placement, str) else "remote"
 
 
-def _envoy_listen(listen: str) -> str:
-    if listen.startswith("unix:"):
-        if len(listen) == len("unix:"):
-            raise problem("unix: needs a path (unix:/run/spine/envoy.sock)")
-        return listen
-    try:
-        parse_listen(listen)
-    except ValueError as error:
-        raise problem(str(error)) from None
-    return listen
-
-
-# HOST:PORT or unix:PATH.
-EnvoyListen = Annotated[NonEmptyStr, AfterValidator(_envoy_listen)]
-
-
 class EnvoyApiConfig(Section):
     """`envoy_api`: Envoy's own APIs (ext_authz `Authorization.Check`, the rate limit service's
     `ShouldRateLimit`), answered with the auth and ratelimit components' decisions: in the
@@ -165,7 +148,7 @@ class EnvoyApiConfig(Section):
     enabled: StrictBool = True
     # None (the default): no spine or gateway process serves them. HOST:PORT or unix:PATH:
     # a listener of their own (beyond loopback: --allow-external, mTLS and allowed_peers).
-    listen: EnvoyListen | None = None
+    listen: ListenOrUnixAddress | None = None
     # The client certificates allowed to call them (a DNS name in the certificate's SANs, or
     # its subject's CN): any other caller is PERMISSION_DENIED. Needs mTLS on a TCP listener.
     allowed_peers: Items[NonEmptyStr] = ()

@@ -48,9 +48,19 @@ def _listen_checked(listen: str) -> str:
     return listen
 
 
+def _listen_or_unix_checked(listen: str) -> str:
+    if listen.startswith("unix:"):
+        if len(listen) == len("unix:"):
+            raise problem("unix: needs a path, e.g. unix:/run/spine/envoy.sock")
+        return listen
+    return _listen_checked(listen)
+
+
 # A config key naming a HOST:PORT to listen on: checked when the config is read (a typo is
 # one line at start, exit 2, not a failed bind after children have started).
 ListenAddress = Annotated[NonEmptyStr, AfterValidator(_listen_checked)]
+# The same, or a unix socket (unix:PATH).
+ListenOrUnixAddress = Annotated[NonEmptyStr, AfterValidator(_listen_or_unix_checked)]
 
 def is_loopback(host: str) -> bool:
     """True for localhost and loopback IPs (127.0.0.0/8, ::1)."""

@@ -122,6 +122,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         # are logged (one line each) on stderr.
         "health": stack.health_report(),
         "admin_api": stack.admin is not None,
+        # Envoy's APIs, on their own listener only (`envoy_api.listen`; null: not served here).
+        "envoy_address": stack.envoy_server.address if stack.envoy_server is not None else None,
     }
     if follower is not None:  # the controller's stage, as applied (placements above include it)
         ready["follower"] = follower.state()

@@ -190,6 +190,7 @@ class HttpFront:
                 return
             try:
                 status = response.status_code
+                failed = status >= 500  # the side's answer; whatever the front does with it next is not the side's
                 content_type = response.headers.get("content-type", "")
                 await send({"type": "http.response.start", "status": status,
                             "headers": self._answer_headers(response, side)})
@@ -198,8 +199,8 @@ class HttpFront:
                         kept += chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-                failed = status >= 500
             except httpx2.TransportError as error:  # reset or timed out mid-answer: the side failed it
+                failed = True
                 log.warning("the %s side broke off an answer: %s", SIDE_NAMES[side], type(error).__name__)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:  # the client went away while the answer was being written: nobody's failure

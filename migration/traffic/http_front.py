@@ -214,7 +214,7 @@ class HttpFront:
         finally:
             self.log.leave(side)
             if asked:
-                    self.log.add(Outcome(time.time(), side, failed, (time.perf_counter() - started) * 1000.0,
+                self.log.add(Outcome(time.time(), side, failed, (time.perf_counter() - started) * 1000.0,
                                      ok=200 <= status < 300 and not failed, model=200 <= status < 300 and not failed,
                                      in_flight=in_flight))
         if asked and keep and self.mirror is not None and len(kept) <= MAX_KEPT_BYTES:

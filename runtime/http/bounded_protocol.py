@@ -23,7 +23,7 @@ client reads it.
 What a connection can make the server hold is therefore its head (at most
 `max_header_bytes` as received, about as much again as the fields uvicorn keeps) plus one
 read of the event loop (`READ_CHUNK_BYTES`, transient) plus the body the app reads
-(`runtime.http.app`, at most `max_body_bytes`, and all bodies together at most
+(`runtime.http.body`, at most `max_body_bytes`, and all bodies together at most
 `max_pending_body_bytes`).
 """
 

@@ -7,7 +7,7 @@ other's noise, far above what a model serves. uvicorn also has the pieces this
 server needs: TLS from files and a protocol class that can be extended.
 
 What uvicorn lacks — bounds on a request's head, a connection cap at accept, a deadline for
-the headers — `runtime.http.bounded_protocol` adds; the app bounds the body.
+the headers — `runtime.http.bounded_protocol` adds; the app bounds the body (`runtime.http.body`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from runtime.server import Interceptor
+from runtime.server import Interceptor, default_interceptors
 from services.common.log_limit import RateLimitedLog
 
 log = logging.getLogger("spine.tls")
@@ -60,3 +60,14 @@ class AllowedPeers(Interceptor):
 
         return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
+
+
+def envoy_interceptors(peers: Iterable[str], envoy: Iterable[tuple[Any, Any]], mtls: bool) -> list[Interceptor] | None:
+    """The interceptors of a server answering Envoy's APIs `envoy` (spec, servicer): the
+    process's own, and the peer check when `peers` are named and the listener has client
+    certificates to read them from (`mtls`); None: the process's defaults alone."""
+    peers = tuple(peers)
+    services = [spec.full_name for spec, _ in envoy]
+    if not (peers and services and mtls):
+        return None
+    return [*default_interceptors(), AllowedPeers(peers, services)]

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from runtime.allowed_peers import AllowedPeers
+from runtime.allowed_peers import envoy_interceptors
 from runtime.config.model import SpineConfig
 from runtime.config.sections import TlsConfig
 from runtime.placement.foreign import EnvoyApiHealth
-from runtime.server import RunningServer, default_interceptors, request_pool, request_threads, start_server
+from runtime.server import RunningServer, request_pool, request_threads, start_server
 from runtime.tls import is_unix
 from services.common import ConfigError
 from services.common.prometheus_http import is_loopback, parse_listen
@@ -52,12 +52,10 @@ class Listeners:
                                    max_message_bytes=self.max_message_bytes, allow_external=self.allow_external,
                                    tls=self.tls, probe_listen=probe_listen, **request_pool(self.config.inference))
         if envoy and envoy_listen is not None:
-            peers = self.config.envoy_api.allowed_peers
-            interceptors = [*default_interceptors(),
-                            AllowedPeers(peers, [spec.full_name for spec, _ in envoy])] if peers else None
             self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=self.max_message_bytes,
                                              allow_external=self.allow_external, tls=self.tls,
-                                             interceptors=interceptors)
+                                             interceptors=envoy_interceptors(self.config.envoy_api.allowed_peers,
+                                                                             envoy, self._mtls(envoy_listen)))
             # each Envoy API is as healthy as its component (`flip`, on every change)
             self.envoy_health = EnvoyApiHealth(registry, self.envoy_server, own_listener=True)
         return self.server
@@ -66,14 +64,17 @@ class Listeners:
         """Refuse an Envoy API listener that anyone could call: beyond loopback it needs mTLS
         and a list of the peers allowed; a list of peers needs certificates to read them from."""
         peers = self.config.envoy_api.allowed_peers
-        mtls = self.tls is not None and self.tls.client_ca_file is not None and not is_unix(listen)
-        if peers and not mtls:
+        if peers and not self._mtls(listen):
             raise ConfigError("envoy_api.allowed_peers: the peers are named by their client certificates, so "
                               f"envoy_api.listen ({listen}) must be a TCP address and tls.client_ca_file set")
         if not is_unix(listen) and not is_loopback(parse_listen(listen)[0]) and not peers:
             raise ConfigError(f"envoy_api.listen {listen} is beyond loopback: Envoy's APIs spend any tenant's "
                               "rate limit, so set tls (with client_ca_file) and envoy_api.allowed_peers (the "
                               "data plane's certificate names), or listen on loopback or a unix socket")
+
+    def _mtls(self, listen: str) -> bool:
+        """Whether a listener on `listen` asks its clients for certificates."""
+        return self.tls is not None and self.tls.client_ca_file is not None and not is_unix(listen)
 
     def start_http(self, gateway: Gateway, listen: str | None, serving: Callable[[], bool], admin: Any = None) -> None:
         """The HTTP API in front of `gateway` on `listen` (None: none), with `/admin/` when

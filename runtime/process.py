@@ -110,11 +110,18 @@ def serve(argv: list[str] | None = None) -> int:
     pool = request_pool(config.inference) if args.component == "inference" else PoolSize()
     # Its share first: a limiter that follows does not serve before it has one (or has waited).
     follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit", tls)
+    from runtime.allowed_peers import envoy_interceptors
     from runtime.placement.foreign import envoy_apis_of
 
-    server = start_server([(spec, servicer), *envoy_apis_of(spec, servicer, config)], args.listen,
+    # Its Envoy API beside its own service, on its internal listener; over mTLS, to the
+    # peers `envoy_api.allowed_peers` names when it names any (the component's own service
+    # is the deployment's: the gateway calls it with its own certificate).
+    envoy = envoy_apis_of(spec, servicer, config)
+    mtls = tls is not None and tls.client_ca_file is not None and not is_unix(args.listen)
+    server = start_server([(spec, servicer), *envoy], args.listen,
                           max_message_bytes=config.limits.max_message_bytes,
-                          allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen, **pool)
+                          allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen,
+                          interceptors=envoy_interceptors(config.envoy_api.allowed_peers, envoy, mtls), **pool)
     # Deep health: SERVING only while the component can do its work (for inference: a tiny
     # forward on its device within a bound), so the supervisor, the gates and xDS
     # endpoints see a broken device, not just a live process.

@@ -5,19 +5,21 @@ refused at start."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
 
 from runtime.config.file import placements_for
+from runtime.processes.launch import launch, serving_on
 from runtime.stack import Stack
 from services.common import ConfigError
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import TIGHT_KEY, config_for_tests, start_stack
 from tests.envoy_calls import AUTHZ, RLS, bearer, check, descriptor, services, should_rate_limit
 from tests.tls_helpers import channel as tls_channel
-from tests.tls_helpers import make_certs
+from tests.tls_helpers import health, make_certs
 from wire.v1 import generation_pb2
 
 VICTIM = (("tenant", "tight"), ("model", "tiny-lm"), ("resource", "requests"))  # TIGHT_KEY's tenant, burst 4
@@ -81,6 +83,27 @@ def test_beyond_loopback_only_an_allowed_peers_certificate_is_answered(tmp_path:
         assert victim_level(stack) != before  # the data plane's own call is the one that spends
     finally:
         stack.stop()
+
+
+def test_a_layered_ratelimit_process_on_tcp_answers_envoy_only_for_an_allowed_peer(tmp_path: Path) -> None:
+    """A layered ratelimit pod behind its Service (TCP, mTLS): its own service answers the
+    gateway's certificate; its Envoy API only the peers `envoy_api.allowed_peers` names."""
+    certs = make_certs(tmp_path / "certs")
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(config_for_tests(tls=certs.tls_config(),
+                                            envoy_api={"allowed_peers": ["spine-dev-client"]}).to_yaml())
+    child = launch("ratelimit", [sys.executable, "-m", "runtime.process", "ratelimit", "--listen", "127.0.0.1:0",
+                                 "--config", str(config_path), "--run-dir", str(tmp_path)],
+                   log_path=tmp_path / "ratelimit.log")
+    try:
+        address = str(child.wait_ready(90, serving_on)["address"])
+        assert health(address, certs.credentials("server")) == "SERVING"  # the gateway's certificate
+        with tls_channel(address, certs.credentials("server")) as gateway:
+            assert spend(gateway) == grpc.StatusCode.PERMISSION_DENIED
+        with tls_channel(address, certs.credentials("client")) as envoy:
+            assert spend(envoy) == grpc.StatusCode.OK
+    finally:
+        child.stop(20)
 
 
 @pytest.mark.parametrize(("envoy_api", "tls", "says"), [

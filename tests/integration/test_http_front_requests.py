@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from migration.legacy_endpoint import endpoint
 from migration.traffic.http_front import HttpFront
@@ -191,3 +193,32 @@ def test_a_chunked_body_is_read_under_the_same_limit(side: str) -> None:
     assert small.status_code == 200 and small.json()["body"] == '{"a": "b"}'  # the side got it whole
     assert huge.status_code == 413 and "http.max_body_bytes" in huge.json()["error"]["message"]
     assert window["spine"] == (1, 0)
+
+
+METHODS = st.sampled_from(["GET", "POST", "HEAD", "OPTIONS", "PUT", "DELETE", "PATCH", "TRACE", "PROPFIND",
+                           "M-SEARCH", "PURGE", "CONNECT", "BREW"])
+PATH_BYTES = st.binary(min_size=0, max_size=12).map(lambda raw: bytes(b for b in raw if b > 0x20 and b != 0x7f))
+TARGETS = st.one_of(
+    st.just(b"*"),
+    st.builds(lambda p: b"/" + p, PATH_BYTES),
+    st.builds(lambda p: b"http://elsewhere.example/" + p, PATH_BYTES),
+    st.builds(lambda p: b"//elsewhere.example/" + p, PATH_BYTES),
+    st.builds(lambda p: b"/v1/chat/completions?" + p, PATH_BYTES),
+)
+VALUES = st.binary(min_size=0, max_size=8).map(lambda raw: bytes(b for b in raw if b >= 0x20 and b != 0x7f))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(method=METHODS, target=TARGETS, value=VALUES)
+def test_fuzzed_requests_never_get_a_500_and_only_the_sides_answers_are_counted(
+        side: str, method: str, target: bytes, value: bytes) -> None:
+    with front_on(side) as (front, address):
+        answer = exchange(address, method.encode() + b" " + target + b" HTTP/1.1\r\nx-note: " + value +
+                          b"\r\ncontent-length: 0")
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+        assert 400 <= status < 500 or b"x-spine-side: spine" in head, answer[:300]  # the front's own: a 4xx
+        answered_by_side = b"x-spine-side: spine" in head
+        eventually(lambda: counted(front)["spine"] == (1 if answered_by_side else 0, 0),
+                   what="the side's answer counted, the front's own not", seen=lambda: counted(front))
+        assert counted(front)["layered"] == (0, 0)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from runtime.processes.parent import follow_parent
-from runtime.server import UnsafeAddress
+from runtime.server import AddressError
 from services.common import ConfigError
 from spine.cli.keys import add_keys_parser
 from spine.cli.migrate import add_migrate_parser
@@ -64,9 +65,26 @@ def main(argv: list[str] | None = None) -> int:
         for line in getattr(error, "problems", None) or str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
         return 2
-    except UnsafeAddress as error:
+    except AddressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        return _os_error(error)
+
+
+def _os_error(error: OSError) -> int:
+    """A file given on the command line that cannot be read or written, said in one line (exit 2),
+    and a reader that went away (`spine config schema | head`) ended quietly. Any other OSError
+    is a fault of ours, whose traceback is what a report needs."""
+    if isinstance(error, BrokenPipeError):
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    if error.filename is None:
+        raise error
+    print(f"error: {error.filename}: {error.strerror}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -74,7 +74,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     prefer_huge_pages()  # before anything imports torch
     from runtime.observability.tracing import install_for
     from runtime.processes.signals import Termination
-    from runtime.server import check_listen
     from runtime.stack import Stack
 
     config = load_config(args.config, _up_overrides(args))
@@ -84,12 +83,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ConfigError("--api-key-file: only for --layout bare (the other layouts' keys are the auth section's)")
     placements = placements_for(args.layout, config)
     listen = args.listen or config.listen
-    check_listen(listen, args.allow_external)  # before any child process starts
     http_listen = args.http_listen or config.http.listen
-    if http_listen is not None and args.http_listen != "off":
-        check_listen(http_listen, args.allow_external)
-    else:
+    if args.http_listen == "off":
         http_listen = None
+    _check_addresses(args, listen, http_listen)  # before any child process starts
     run_dir = Path(args.run_dir) if args.run_dir else None
     from runtime.config.model_fit import fit_to_model
     from runtime.config.served_model import preflight
@@ -156,6 +153,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_addresses(args: argparse.Namespace, listen: str, http_listen: str | None) -> None:
+    """Every address `up` will listen on: well formed, loopback unless --allow-external, and free
+    now (AddressError: one line, exit 2, before anything starts)."""
+    from runtime.server import check_free, check_listen
+
+    addresses = [("--listen", listen), ("--http-listen", http_listen), ("--probe-listen", args.probe_listen)]
+    for flag, address in addresses:
+        if address is not None:
+            check_listen(address, args.allow_external, flag)
+    for flag, address in addresses:
+        if address is not None:
+            check_free(address, flag)
+
+
 def _admin_token(args: argparse.Namespace) -> str | None:
     """The admin token from --admin-token-file or $SPINE_ADMIN_TOKEN; None when neither is given."""
     from services.common.admin_token import ENV_VAR, read_admin_token
@@ -172,16 +183,13 @@ def _up_bare(args: argparse.Namespace, config: SpineConfig) -> int:
     from runtime.config.model_fit import fit_to_model
     from runtime.config.served_model import preflight
     from runtime.processes.signals import Termination
-    from runtime.server import check_listen
 
     for flag, given in (("--inject-fault", args.inject_fault), ("--follow-controller", args.follow_controller)):
         if given:
             raise ConfigError(f"{flag}: not with --layout bare (the model alone has no middleware and no stages)")
     listen = args.listen or config.listen
-    check_listen(listen, args.allow_external)
     http_listen = None if args.http_listen == "off" else (args.http_listen or config.http.listen)
-    if http_listen is not None:
-        check_listen(http_listen, args.allow_external)
+    _check_addresses(args, listen, http_listen)
     config, fitted = fit_to_model(config)
     if fitted:
         print(fitted, file=sys.stderr, flush=True)

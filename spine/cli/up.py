@@ -88,13 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         http_listen = None
     _check_addresses(args, listen, http_listen)  # before any child process starts
     run_dir = Path(args.run_dir) if args.run_dir else None
-    from runtime.config.model_fit import fit_to_model
-    from runtime.config.served_model import preflight
-
-    config, fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
-    if fitted:
-        print(fitted, file=sys.stderr, flush=True)
-    preflight(config)  # a model directory that cannot be served: one line, before any child starts
+    config = startable(config)
     tls = _serve_tls(config)
     fault = _injected_fault(args, config, run_dir)
     # The process becomes a server only now, every check passed: its torch threads, CPU
@@ -153,6 +147,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def startable(config: SpineConfig) -> SpineConfig:
+    """The checks `spine up` runs on a config beyond reading it, before anything starts — also
+    `spine config check`'s, so a config that passes the check is one `up` accepts: an hf model
+    directory (its architecture, context and weights against the device budget, sized for the
+    CPU when its budget is auto, said once), and the `tls:` files. ConfigError: one line, exit 2."""
+    from runtime.config.model_fit import fit_to_model
+    from runtime.config.served_model import preflight
+    from runtime.tls import load_certificates
+
+    config, fitted = fit_to_model(config)
+    if fitted:
+        print(fitted, file=sys.stderr, flush=True)
+    preflight(config)
+    if config.tls is not None:
+        load_certificates(config.tls)
+    return config
+
+
 def _check_addresses(args: argparse.Namespace, listen: str, http_listen: str | None) -> None:
     """Every address `up` will listen on: well formed, loopback unless --allow-external, and free
     now (AddressError: one line, exit 2, before anything starts)."""
@@ -180,8 +192,6 @@ def _up_bare(args: argparse.Namespace, config: SpineConfig) -> int:
     """`spine up --layout bare`: the model alone (`runtime.bare`), with the same ready line."""
     from monolith.runtime_env import configure_threads, freeze_startup_heap
     from runtime.bare import BareServer
-    from runtime.config.model_fit import fit_to_model
-    from runtime.config.served_model import preflight
     from runtime.processes.signals import Termination
 
     for flag, given in (("--inject-fault", args.inject_fault), ("--follow-controller", args.follow_controller)):
@@ -190,10 +200,7 @@ def _up_bare(args: argparse.Namespace, config: SpineConfig) -> int:
     listen = args.listen or config.listen
     http_listen = None if args.http_listen == "off" else (args.http_listen or config.http.listen)
     _check_addresses(args, listen, http_listen)
-    config, fitted = fit_to_model(config)
-    if fitted:
-        print(fitted, file=sys.stderr, flush=True)
-    preflight(config)
+    config = startable(config)
     tls = _serve_tls(config)
     key = _api_key(args)
     configure_threads()

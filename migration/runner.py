@@ -40,6 +40,7 @@ from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
 from runtime.config.sections import TlsConfig
+from runtime.observability.client_logs import quiet_http_clients
 from runtime.processes.parent import follow_parent
 from runtime.processes.signals import Termination
 from services.common import ConfigError
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if not follow_parent():
         return 1  # started by `spawn`, whose process died before we could ask to die with it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_http_clients()  # not one INFO line per proxied request: the controller's own lines stay readable
     args = parse_args(argv)
     try:
         token = read_admin_token(args.admin_token_file)

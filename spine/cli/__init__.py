@@ -33,6 +33,36 @@ from spine.cli.tools import add_tool_parsers
 from spine.cli.up import add_up_parser
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that shows each flag's default, as ArgumentDefaultsHelpFormatter does, but only where
+    there is one to show: not `None` (the help then says what stands in for it), not a plain
+    switch's `False`, not an empty string, not where the help text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not _shows_default(action) or "default:" in text or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    default = action.default
+    hidden = default is None or default is False or default is argparse.SUPPRESS or default in ("", [])
+    return bool(action.option_strings) and not hidden
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """`DefaultsShown` for `parser` and every subcommand's parser below it (a flag without help
+    gets its default as its help: argparse shows nothing, not even the default, without one)."""
+    parser.formatter_class = DefaultsShown
+    for action in parser._actions:
+        if action.help is None and _shows_default(action):
+            action.help = "(default: %(default)s)"
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
     parser.add_argument("--config", help="YAML config laid over the default (runtime/default_config.yaml)")
@@ -49,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_migrate_parser(sub)
     add_keys_parser(sub)
+    _show_defaults(parser)
     return parser
 
 

@@ -38,7 +38,8 @@ def add_tool_parsers(sub: Any) -> None:
     call = sub.add_parser("call", help="send one request and print the answer, status and latency")
     call.add_argument("--address", default=DEFAULT_ADDRESS)
     call.add_argument("--token", help="API key or JWT (default: $SPINE_TOKEN, else the dev key)")
-    call.add_argument("--model", default="tiny-lm")
+    call.add_argument("--model", default="default",
+                      help="a router model id or alias; `default` is the alias every config's default model carries")
     call.add_argument("--prompt", default="Hello, spine!")
     call.add_argument("--system", default="", help="a system prompt, read before the prompt (GenerateRequest.system)")
     call.add_argument("--max-tokens", type=int, default=16)

@@ -36,7 +36,7 @@ def add_up_parser(sub: Any) -> None:
     up.add_argument("--api-key-file", metavar="FILE",
                     help=f"--layout bare only: every request must carry this key (Authorization: Bearer KEY or "
                          f"x-api-key); default: the environment's {API_KEY_ENV}, else no key")
-    up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
+    up.add_argument("--listen", metavar="HOST:PORT", help="the gRPC Gateway API's address (default: config `listen`, 127.0.0.1:50051)")
     up.add_argument("--http-listen", metavar="HOST:PORT",
                     help="the OpenAI/Anthropic-compatible HTTP API's address (default: config `http.listen`, "
                          "127.0.0.1:8000); 'off': none")

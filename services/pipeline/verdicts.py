@@ -124,10 +124,13 @@ def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
     if verdict.admitted:
         return None
     if getattr(verdict, "budget", ""):
+        # A refusal says 0 left: what remains (a fraction of a cent the prompt alone would pass)
+        # is nothing a request like this one can use until the window starts again; the message
+        # says how much is spent (docs/keys-and-budgets.md).
         resets = max(verdict.budget_resets_in_s, 0.0)
         return Stop(grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{BUDGET_PREFIX}: {verdict.budget}; it starts again in {resets:.0f}s",
-                    (("retry-after", f"{resets:.3f}"), (BUDGET_HEADER, f"{max(verdict.budget_remaining_usd, 0.0):.6f}")))
+                    (("retry-after", f"{resets:.3f}"), (BUDGET_HEADER, "0")))
     names = ", ".join(over.limit_name for over in verdict.over) or "rate limit"
     if any(over.retry_after_s < 0 for over in verdict.over):
         return Stop(grpc.StatusCode.INVALID_ARGUMENT,

@@ -302,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
             serve_stable()
         process.start()
         if process.dashboard_url:
-            log.info("dashboard: %s", process.dashboard_url)
+            log.info("dashboard: %s (its buttons take the admin token; `spine migrate status` prints a link "
+                     "that carries it)", process.dashboard_url)
+            if sys.stdout.isatty():  # the operator's terminal, never a log: the link carries the token
+                print(f"dashboard: {process.dashboard_link}", flush=True)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from migration.admin_token import dashboard_link
 from migration.controller import Controller
 from migration.dashboard import DashboardServer
 from migration.dashboard.metrics import ControllerCollector
@@ -86,6 +87,7 @@ class ControllerProcess:
         self.probe: ProbeServer | None = None
         self.controller = Controller.open(db_path, target, clock=clock)
         self.service = MigrationService(self.controller, admin_token)
+        self._admin_token = admin_token
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
         self.notifiers = [WebhookNotifier(config) for config in webhooks]
         for notifier in self.notifiers:
@@ -95,6 +97,7 @@ class ControllerProcess:
             collector = ControllerCollector(self.controller, self.webhook_counts)
             self.dashboard = DashboardServer(self.controller, admin_token, target, dashboard_listen, tls=tls,
                                              view_without_token=view_without_token, collectors=(collector,))
+            self.service.dashboard_url = self.dashboard.url
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="migration-tick", daemon=True)
@@ -125,6 +128,12 @@ class ControllerProcess:
     @property
     def dashboard_url(self) -> str | None:
         return self.dashboard.url if self.dashboard is not None else None
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The dashboard's URL with the admin token in its fragment (`dashboard_link`): for the
+        operator's screen only, never a log."""
+        return dashboard_link(self.dashboard.url, self._admin_token) if self.dashboard is not None else None
 
     def webhook_counts(self) -> dict[str, dict[str, int]]:
         """Deliveries per webhook endpoint (scheme://host:port) and result."""

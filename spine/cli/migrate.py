@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 from rich.console import Console
 
-from migration.admin_token import read_admin_token
+from migration.admin_token import dashboard_link, read_admin_token
 from migration.plan import PlanError, load_plan
 from migration.render import RunProgress, audit_line, plan_table, status_renderable, to_json
 from migration.service import plan_message
@@ -176,7 +176,15 @@ def _show_status(args: argparse.Namespace, status: pb.RolloutStatus) -> None:
     if as_json(args):
         print(json.dumps(to_json(status), indent=2))
     else:
-        table_console().print(status_renderable(status))
+        table_console().print(status_renderable(status, _dashboard_link(args, status)))
+
+
+def _dashboard_link(args: argparse.Namespace, status: pb.RolloutStatus) -> str:
+    """The controller's dashboard with our admin token in the URL's fragment: one click opens it
+    unlocked, and the token never reaches a server (a browser does not send a fragment)."""
+    if not status.dashboard_url:
+        return ""
+    return dashboard_link(status.dashboard_url, read_admin_token(args.admin_token_file))
 
 
 @_rpc
@@ -231,7 +239,13 @@ def _follow(args: argparse.Namespace, client: ControlClient, after_id: int) -> i
     if as_json(args):
         return follow(stream, print_json, args.controller)
     with RunProgress(Console()) as progress:
+        shown = False
+
         def show(event: pb.MigrationEvent) -> None:
+            nonlocal shown
+            if not shown and event.status.dashboard_url:
+                progress.print(f"dashboard: {_dashboard_link(args, event.status)}")
+            shown = True
             if event.HasField("audit"):
                 progress.print(audit_line(event.audit))
             progress.update(event.status)

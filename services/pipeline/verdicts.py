@@ -40,8 +40,10 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
         return "model: required (e.g. 'tiny-lm')"
     if not request.prompt:
         return "prompt: must not be empty"
-    if len(request.prompt) > limits.max_prompt_chars:
-        return f"prompt: {len(request.prompt)} characters is over the limit of {limits.max_prompt_chars}"
+    sized = limits.for_model(request.model)
+    if len(request.prompt) > sized.max_prompt_chars:
+        return (f"prompt: {len(request.prompt)} characters is over the limit of {sized.max_prompt_chars} for "
+                f"model {request.model!r} ({sized.source})")
     problem = system_error(request.system, limits.max_system_chars)
     if problem is not None:
         return problem
@@ -50,8 +52,9 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
             return f"messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got {message.role[:32]!r}"
     if request.max_tokens <= 0:
         return f"max_tokens: must be > 0, got {request.max_tokens}"
-    if request.max_tokens > limits.max_tokens:
-        return f"max_tokens: {request.max_tokens} is over the limit of {limits.max_tokens}"
+    if request.max_tokens > sized.max_tokens:
+        return (f"max_tokens: {request.max_tokens} is over the limit of {sized.max_tokens} for model "
+                f"{request.model!r} ({sized.source})")
     if not math.isfinite(request.temperature) or not 0.0 <= request.temperature <= limits.max_temperature:
         return f"temperature: must be between 0 and {limits.max_temperature}, got {request.temperature}"
     if request.priority not in PRIORITIES:

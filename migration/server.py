@@ -112,7 +112,10 @@ class ControllerProcess:
 
     def start(self) -> None:
         _remove_stale_socket(self.listen)
-        self.port = add_port(self.server, self.listen, self.tls, "--tls")
+        try:
+            self.port = add_port(self.server, self.listen, self.tls, "--tls")
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            self.port = 0
         if not self.listen.startswith("unix:") and self.port == 0:
             raise ConfigError(f"--listen: could not bind {self.listen}")
         if self.probe_listen is not None:  # health alone, in plaintext, for Kubernetes' grpc probes

@@ -96,3 +96,15 @@ def test_config_check_refuses_what_up_refuses_with_file_and_line(tmp_path: Path,
     (tmp_path / "missing-key").write_text("sk-upstream\n")
     assert cli.main(["config", "check", str(config)]) == 0
     assert capsys.readouterr().out == f"{config}: ok\n"
+
+
+def test_the_controller_on_a_port_in_use_is_one_line(held_port: str, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("test-admin-token-0123456789\n")
+    token.chmod(0o600)
+    base = [sys.executable, "-m", "migration.runner", "--db", str(tmp_path / "m.db"), "--admin-token-file",
+            str(token), "--target", "recording"]
+    for extra in (["--listen", held_port], ["--listen", f"unix:{tmp_path}/c.sock", "--dashboard-listen", held_port]):
+        run = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60)
+        line = one_line(run)
+        assert line.startswith(f"error: {extra[-2]} {held_port}: cannot listen there")

@@ -86,7 +86,6 @@ class ControllerProcess:
         self.allow_external = allow_external
         self.probe: ProbeServer | None = None
         self.controller = Controller.open(db_path, target, clock=clock)
-        self.service = MigrationService(self.controller, admin_token)
         self._admin_token = admin_token
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
         self.notifiers = [WebhookNotifier(config) for config in webhooks]
@@ -97,7 +96,8 @@ class ControllerProcess:
             collector = ControllerCollector(self.controller, self.webhook_counts)
             self.dashboard = DashboardServer(self.controller, admin_token, target, dashboard_listen, tls=tls,
                                              view_without_token=view_without_token, collectors=(collector,))
-            self.service.dashboard_url = self.dashboard.url
+        self.service = MigrationService(self.controller, admin_token,
+                                        dashboard_url=self.dashboard.url if self.dashboard is not None else "")
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="migration-tick", daemon=True)

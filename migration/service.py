@@ -46,14 +46,15 @@ def _command(method: Callable[..., _Response]) -> Callable[..., _Response]:
 
 
 class MigrationService(pb_grpc.MigrationControlServicer):
-    def __init__(self, controller: Controller, admin_token: str, *, heartbeat_s: float = 1.0) -> None:
+    def __init__(self, controller: Controller, admin_token: str, *, heartbeat_s: float = 1.0,
+                 dashboard_url: str = "") -> None:
         if not admin_token:
             raise ValueError("admin_token: must be non-empty")
         self._controller = controller
         self._token = admin_token.encode()
         self._heartbeat_s = heartbeat_s
         self._closing = threading.Event()
-        self.dashboard_url = ""  # set by the process that serves a dashboard beside this API
+        self.dashboard_url = dashboard_url  # the dashboard served beside this API ("" if none)
 
     def close(self) -> None:
         """End open WatchEvents streams (at their next heartbeat)."""

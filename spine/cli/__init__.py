@@ -22,6 +22,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from runtime.processes.parent import follow_parent
 from runtime.server import AddressError
@@ -51,10 +52,18 @@ def _shows_default(action: argparse.Action) -> bool:
     return bool(action.option_strings) and not hidden
 
 
+class SpineParser(argparse.ArgumentParser):
+    """An argument parser whose help shows defaults (`DefaultsShown`); argparse makes every
+    subcommand's parser of the same class as its parent's, so all of `spine`'s are."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """`DefaultsShown` for `parser` and every subcommand's parser below it (a flag without help
-    gets its default as its help: argparse shows nothing, not even the default, without one)."""
-    parser.formatter_class = DefaultsShown
+    """A flag without help gets its default as its help, in `parser` and every subcommand's
+    parser below it: argparse shows nothing, not even the default, for a flag without help."""
     for action in parser._actions:
         if action.help is None and _shows_default(action):
             action.help = "(default: %(default)s)"
@@ -64,7 +73,7 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
+    parser = SpineParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
     parser.add_argument("--config", help="YAML config laid over the default (runtime/default_config.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)

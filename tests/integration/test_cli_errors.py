@@ -50,22 +50,30 @@ def test_an_http_port_in_use_is_one_line(held_port: str) -> None:
     assert line.startswith(f"error: --http-listen {held_port}: cannot listen there")
 
 
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """`spine ARGS` in this interpreter (each fails before anything starts): its one stderr line."""
+    assert cli.main(list(args)) == 2
+    captured = capsys.readouterr()
+    [line] = captured.err.splitlines()
+    return line
+
+
 @pytest.mark.parametrize(("flag", "address"), [("--listen", "bogus"), ("--http-listen", "8099"),
                                                ("--listen", "127.0.0.1:99999"), ("--probe-listen", "unix:")])
-def test_a_malformed_address_is_called_malformed_not_off_loopback(flag: str, address: str) -> None:
-    args = ["up", "--listen", "127.0.0.1:0", "--http-listen", "off", flag, address]
-    line = one_line(spine(*args))
+def test_a_malformed_address_is_called_malformed_not_off_loopback(flag: str, address: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    line = in_process(capsys, "up", "--listen", "127.0.0.1:0", "--http-listen", "off", flag, address)
     assert line.startswith(f"error: {flag} {address!r}:") and "not loopback" not in line
     assert "HOST:PORT" in line or "socket path" in line
 
 
-def test_files_named_on_the_command_line_that_do_not_exist_are_one_line(tmp_path: Path) -> None:
-    assert one_line(spine("migrate", "plan", "--offline", "nope.yaml", cwd=tmp_path)) == \
-        "error: nope.yaml: No such file or directory"
-    assert one_line(spine("keys", "import", "nokeys.txt", cwd=tmp_path)) == \
-        "error: nokeys.txt: No such file or directory"
-    assert "nope.yaml" in one_line(spine("--config", "nope.yaml", "config", "check", cwd=tmp_path))
-    assert "nope.yaml" in one_line(spine("config", "check", "nope.yaml", cwd=tmp_path))
+def test_files_named_on_the_command_line_that_do_not_exist_are_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert in_process(capsys, "migrate", "plan", "--offline", "nope.yaml") == "error: nope.yaml: No such file or directory"
+    assert in_process(capsys, "keys", "import", "nokeys.txt") == "error: nokeys.txt: No such file or directory"
+    assert "nope.yaml" in in_process(capsys, "--config", "nope.yaml", "config", "check")
+    assert "nope.yaml" in in_process(capsys, "config", "check", "nope.yaml")
 
 
 def test_a_reader_that_goes_away_ends_the_output_quietly() -> None:

@@ -70,8 +70,10 @@ def read_context_length(engine: Engine, timeout_s: float = TIMEOUT_S) -> int | N
         if lines:
             headers["authorization"] = f"Bearer {lines[0]}"
     context = ssl.create_default_context(cafile=str(engine.ca_file)) if engine.ca_file else None
+    # Straight to the engine, as the upstream's own client goes: no proxy from the environment.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
     request = urllib.request.Request(engine.base_url.rstrip("/") + "/models", headers=headers)
-    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as answer:  # noqa: S310 (http(s) only)
+    with opener.open(request, timeout=timeout_s) as answer:
         listing = json.loads(answer.read(MAX_ANSWER_BYTES))
     return context_in(listing, engine.model)
 

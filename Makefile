@@ -4,9 +4,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/wire/v1/*.proto)
 
-.PHONY: install prometheus chromium redis containers image protos run rehearse test bench bench-image lint clean model
+.PHONY: install test-tools prometheus chromium redis containers image protos run rehearse test bench bench-image lint clean model
 
-install: $(VENV)/.installed wire/v1/.generated prometheus chromium redis containers
+# `make install` is what the demo and the command line need: the virtualenv and the generated
+# protobuf code. The servers and tools only the tests, the image and the rehearsal use come with
+# `test-tools` (make test, make rehearse) and `containers` (make image): `make run` on a fresh
+# machine installs none of them.
+install: $(VENV)/.installed wire/v1/.generated
+
+test-tools: prometheus chromium redis containers
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
@@ -65,17 +71,17 @@ model: install
 # The production path on this machine: two spine replicas, the layered stack, the controller
 # in xds mode, a real Prometheus, proxyless gRPC clients (deploy/README.md, "Rehearse ...").
 # `make rehearse RUNTIME=podman`: the same walk, every process a container of the image.
-rehearse: install $(if $(filter podman,$(RUNTIME)),image)
+rehearse: install test-tools $(if $(filter podman,$(RUNTIME)),image)
 	$(PY) -m spine.tools.rehearsal.run $(if $(RUNTIME),--runtime $(RUNTIME))
 
 # spine's container image (deploy/image/Containerfile; docs/deploy.md): tagged spine:<version> and
 # spine:<version>-<git sha>; its size and build time printed and kept in bench/image.json.
 # `make image VARIANT=cuda`: the CUDA variant (torch's CUDA build from PyPI; several GB).
 VARIANT ?= cpu
-image: install
+image: install containers
 	$(PY) -m spine.tools.image build --variant $(VARIANT)
 
-test: install
+test: install test-tools
 	$(PY) -m pytest -q
 
 bench: install

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
+from migration.legacy_endpoint import from_side
 from migration.plan import Plan, Stage, refuse_other_legacy, refuse_parity_without_shadow
 from migration.state_store import Store
 from migration.status import AuditEntry, GateRecord, RolloutStatus, State, TransitionEvent
@@ -273,7 +274,8 @@ class Controller(TransitionExecutor):
             start = s.window_started_at if s.window_started_at is not None else now
             if now - start >= plan.window_s:
                 layered, spine, parity = self._target.window_stats(since=start)
-                results = evaluate(stage.gates, layered, spine, parity, plan.min_window_requests)
+                results = evaluate(stage.gates, layered, spine, parity, plan.min_window_requests,
+                                   from_side(plan.legacy))
                 verdict = window_verdict(results)
                 failures = {Verdict.FAIL: s.consecutive_failures + 1, Verdict.PASS: 0}.get(
                     verdict, s.consecutive_failures)

@@ -77,46 +77,47 @@ class GateResult:
     message: str
 
 
-def _missing(layered: WindowStats, spine: WindowStats) -> str | None:
-    gaps = [f"{side}: {stats.missing}" for side, stats in (("layered", layered), ("spine", spine)) if stats.missing]
+def _missing(layered: WindowStats, spine: WindowStats, baseline: str = "layered") -> str | None:
+    gaps = [f"{side}: {stats.missing}" for side, stats in ((baseline, layered), ("spine", spine)) if stats.missing]
     return "no data to judge: " + "; ".join(gaps) if gaps else None
 
 
-def _too_few(layered: WindowStats, spine: WindowStats, min_requests: int) -> str | None:
+def _too_few(layered: WindowStats, spine: WindowStats, min_requests: int, baseline: str = "layered") -> str | None:
     """Why a side's request count says nothing; a side with none never passes, whatever `min_requests` says."""
     need = max(min_requests, 1)
     if layered.requests < need or spine.requests < need:
-        return (f"too few requests to judge: layered {layered.requests}, spine {spine.requests}, "
+        return (f"too few requests to judge: {baseline} {layered.requests}, spine {spine.requests}, "
                 f"need {need} on each side")
     return None
 
 
 def error_rate_gate(layered: WindowStats, spine: WindowStats, max_delta: float, min_requests: int,
-                    dry_run: bool = False) -> GateResult:
+                    dry_run: bool = False, baseline: str = "layered") -> GateResult:
     """Pass while spine_rate <= layered_rate + max_delta; the value is the delta.
 
     A baseline failing more than max_delta itself is no baseline: the gate is then inconclusive
     (the stage holds, never a pass), unless the spine fails even more (a fail)."""
-    few = _missing(layered, spine) or _too_few(layered, spine, min_requests)
+    few = _missing(layered, spine, baseline) or _too_few(layered, spine, min_requests, baseline)
     if few:
         return GateResult("error_rate", Verdict.INCONCLUSIVE, None, max_delta, dry_run, few)
     delta = spine.error_rate - layered.error_rate
     ok = spine.error_rate <= layered.error_rate + max_delta
-    message = (f"spine error rate {spine.error_rate:.4f} vs layered {layered.error_rate:.4f}: "
+    message = (f"spine error rate {spine.error_rate:.4f} vs {baseline} {layered.error_rate:.4f}: "
                f"delta {delta:+.4f} {'<=' if ok else '>'} max_delta {max_delta:g}")
     if ok and layered.error_rate > max_delta:
         # The baseline is failing itself (a legacy endpoint going down, say): its failures are
         # its own, counted on its side. They never excuse the spine's, and a window in which
         # the baseline is broken is no evidence for the spine either: the stage holds.
         return GateResult("error_rate", Verdict.INCONCLUSIVE, delta, max_delta, dry_run,
-                          f"{message}, but the layered side itself failed {layered.error_rate:.4f} > max_delta "
+                          f"{message}, but the {baseline} side itself failed {layered.error_rate:.4f} > max_delta "
                           f"{max_delta:g}: its failures are its own and never a reason to pass the spine; "
                           f"holding until it recovers")
     return GateResult("error_rate", Verdict.PASS if ok else Verdict.FAIL, delta, max_delta, dry_run, message)
 
 
 def latency_p99_ratio_gate(layered: WindowStats, spine: WindowStats, max_ratio: float, min_requests: int,
-                           dry_run: bool = False, min_delta_ms: float = DEFAULT_MIN_DELTA_MS) -> GateResult:
+                           dry_run: bool = False, min_delta_ms: float = DEFAULT_MIN_DELTA_MS,
+                           baseline: str = "layered") -> GateResult:
     """Fail only when spine_p99 / layered_p99 > max_ratio AND spine_p99 - layered_p99 > min_delta_ms.
 
     Like for like: both p99s are over successful requests only, and each side needs
@@ -124,21 +125,21 @@ def latency_p99_ratio_gate(layered: WindowStats, spine: WindowStats, max_ratio: 
     from rolling a migration back. The value is the ratio.
     """
     gate = "latency_p99_ratio"
-    missing = _missing(layered, spine)
+    missing = _missing(layered, spine, baseline)
     if missing:
         return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run, missing)
     need = max(min_requests, 1)
     if layered.successes < need or spine.successes < need:
         return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run,
-                          f"too few successful requests to compare latency: layered {layered.successes}, "
+                          f"too few successful requests to compare latency: {baseline} {layered.successes}, "
                           f"spine {spine.successes}, need {need} on each side")
     if not (layered.p99_ms and layered.p99_ms > 0 and spine.p99_ms and spine.p99_ms > 0):
         return GateResult(gate, Verdict.INCONCLUSIVE, None, max_ratio, dry_run,
-                          f"no latency measured for successful requests (layered p99 {_ms(layered.p99_ms)}, "
+                          f"no latency measured for successful requests ({baseline} p99 {_ms(layered.p99_ms)}, "
                           f"spine p99 {_ms(spine.p99_ms)})")
     ratio = spine.p99_ms / layered.p99_ms
     delta = spine.p99_ms - layered.p99_ms
-    comparison = (f"spine p99 {_ms(spine.p99_ms)} / layered p99 {_ms(layered.p99_ms)} = {ratio:.3f} "
+    comparison = (f"spine p99 {_ms(spine.p99_ms)} / {baseline} p99 {_ms(layered.p99_ms)} = {ratio:.3f} "
                   f"{'<=' if ratio <= max_ratio else '>'} max_ratio {max_ratio:g}")
     if ratio <= max_ratio:
         return GateResult(gate, Verdict.PASS, ratio, max_ratio, dry_run, comparison)
@@ -189,18 +190,20 @@ def parity_gate(spine: WindowStats, parity: ParityStats, max_mismatches: float, 
 
 
 def evaluate(gates: Iterable[GateSpec], layered: WindowStats, spine: WindowStats, parity: ParityStats,
-             min_requests: int) -> list[GateResult]:
+             min_requests: int, baseline: str = "layered") -> list[GateResult]:
     """Every gate of a stage on one window, in plan order.
 
-    `min_requests` is the plan's `min_window_requests`; a gate's own `min_requests` wins."""
+    `min_requests` is the plan's `min_window_requests`; a gate's own `min_requests` wins.
+    `baseline`: what the messages call the from-side (`legacy_endpoint.from_side`: a foreign
+    gateway's name, else layered)."""
     results = []
     for gate in gates:
         need = gate.min_requests if gate.min_requests is not None else min_requests
         if gate.type == "error_rate":
-            results.append(error_rate_gate(layered, spine, gate.threshold, need, gate.dry_run))
+            results.append(error_rate_gate(layered, spine, gate.threshold, need, gate.dry_run, baseline))
         elif gate.type == "latency_p99_ratio":
             results.append(latency_p99_ratio_gate(layered, spine, gate.threshold, need, gate.dry_run,
-                                                  gate.min_delta_ms))
+                                                  gate.min_delta_ms, baseline))
         elif gate.type == "parity":
             results.append(parity_gate(spine, parity, gate.threshold, need, gate.dry_run))
         else:  # the plan validator admits only the types above

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from migration.legacy_endpoint import DEFAULT_API_KEY_HEADER, LegacyEndpoint, legacy_problems
+from migration.legacy_endpoint import DEFAULT_API_KEY_HEADER, LegacyEndpoint, legacy_problems, name_problem
 from runtime.config.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
 from services.registry import MIDDLEWARES
@@ -32,7 +32,7 @@ GATE_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 _PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "route_header", "legacy", "stages"}
-_LEGACY_KEYS = {"http", "api_key_header"}
+_LEGACY_KEYS = {"http", "api_key_header", "name"}
 _STAGE_KEYS = {
     "name", "spine_weight", "placements", "hold_s", "min_requests",
     "gates", "failure_limit", "manual_approval",
@@ -228,9 +228,12 @@ class _Checker:
             return None
         header = raw.get("api_key_header", DEFAULT_API_KEY_HEADER)
         problems = legacy_problems(raw["http"], header)
+        name = raw.get("name", "")
+        if "name" in raw and (wrong := name_problem(name)):
+            problems.append(("name", wrong))
         for field, problem in problems:
             self.fail(f"{path}.{field}", problem)
-        return None if problems else LegacyEndpoint(str(raw["http"]).rstrip("/"), str(header))
+        return None if problems else LegacyEndpoint(str(raw["http"]).rstrip("/"), str(header), str(name))
 
     def stage(self, raw: Any, path: str, index: int, previous: dict[str, str]) -> Stage | None:
         if not isinstance(raw, Mapping):

@@ -15,6 +15,7 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
+from migration.legacy_endpoint import LAYERED_SIDE
 from services.registry import MIDDLEWARES
 from wire.v1 import migration_pb2 as pb
 
@@ -35,8 +36,16 @@ def stage_label(status: pb.RolloutStatus) -> str:
     return f"{status.stage_index + 1}/{status.stage_count} {status.stage_name}"
 
 
-def status_renderable(status: pb.RolloutStatus) -> Group:
-    """State, stage, weights, placements, last gate results and recent audit rows."""
+def from_side(status: pb.RolloutStatus | pb.PlanResponse) -> str:
+    """What the rollout moves traffic away from: a foreign gateway's name, or layered."""
+    return status.from_side or LAYERED_SIDE
+
+
+def status_renderable(status: pb.RolloutStatus, dashboard_link: str = "") -> Group:
+    """State, stage, weights, placements, last gate results and recent audit rows.
+
+    `dashboard_link`: the dashboard's URL with the admin token in its fragment, for a client
+    that holds the token (`migration.admin_token.dashboard_link`); else the status's own URL."""
     style = _STATE_STYLE.get(status.state, "")
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
@@ -46,20 +55,24 @@ def status_renderable(status: pb.RolloutStatus) -> Group:
     summary.add_row("stage", stage_label(status))
     if status.awaiting_stage:
         summary.add_row("awaiting", f"approval to enter {status.awaiting_stage!r} (spine migrate approve)")
-    summary.add_row("weights", f"spine {status.spine_weight:g}%  layered {status.layered_weight:g}%")
+    summary.add_row("from", _from_words(status))
+    summary.add_row("weights", f"spine {status.spine_weight:g}%  {from_side(status)} {status.layered_weight:g}%")
     hold = f"{status.stage_elapsed_s:.0f}s" + (f" / {status.hold_s:g}s" if status.HasField("hold_s") else "")
     summary.add_row("hold", hold)
     requests = f"{status.stage_requests}" + (f" / {status.min_requests}" if status.HasField("min_requests") else "")
     summary.add_row("spine requests", requests)
     summary.add_row("failing windows", f"{status.consecutive_failures} (limit {status.failure_limit})")
     summary.add_row("version", f"{status.version or '-'} ({'applied' if status.applied else 'waiting for ACK'})")
+    if dashboard_link or status.dashboard_url:
+        summary.add_row("dashboard", dashboard_link or status.dashboard_url)
 
-    placements = Table(title="placements", title_justify="left")
-    for middleware in MIDDLEWARES:
-        placements.add_column(middleware)
-    placements.add_row(*[_placement(status.placements.get(m, "?")) for m in MIDDLEWARES])
-
-    parts: list[Any] = [summary, placements]
+    parts: list[Any] = [summary]
+    if from_side(status) == LAYERED_SIDE:  # a foreign gateway has no middlewares to move
+        placements = Table(title="placements", title_justify="left")
+        for middleware in MIDDLEWARES:
+            placements.add_column(middleware)
+        placements.add_row(*[_placement(status.placements.get(m, "?")) for m in MIDDLEWARES])
+        parts.append(placements)
     if status.last_gates:
         gates = Table(title=f"last window's gates (stage {status.last_gates[0].stage})", title_justify="left")
         for column in ("gate", "verdict", "value", "threshold", "message"):
@@ -127,14 +140,16 @@ def audit_line(row: pb.AuditEvent) -> str:
 
 
 def plan_table(plan: pb.PlanResponse) -> Table:
-    table = Table(title=f"plan {plan.name}: window {plan.window_s:g}s, "
+    foreign = from_side(plan) != LAYERED_SIDE
+    table = Table(title=f"plan {plan.name}: from {from_side(plan)} to the spine, window {plan.window_s:g}s, "
                         f"min {plan.min_window_requests} requests per side", title_justify="left")
-    for column in ("#", "stage", "spine %", "local (rest remote)", "hold", "min req", "gates", "approval"):
+    for column in ("#", "stage", "spine %", "spine serves" if foreign else "local (rest remote)", "hold",
+                   "min req", "gates", "approval"):
         table.add_column(column)
     for index, stage in enumerate(plan.stages, start=1):
         local = [m for m in MIDDLEWARES if stage.placements.get(m) == "local"]
         table.add_row(
-            str(index), stage.name, f"{stage.spine_weight:g}", ", ".join(local) or "-",
+            str(index), stage.name, f"{stage.spine_weight:g}", "whole" if foreign else ", ".join(local) or "-",
             f"{stage.hold_s:g}s" if stage.HasField("hold_s") else "-",
             str(stage.min_requests) if stage.HasField("min_requests") else "-",
             "\n".join(stage.gates) or "-", "manual" if stage.manual_approval else "",
@@ -178,6 +193,12 @@ class RunProgress:
 
 def _placement(value: str) -> str:
     return "[green]local[/]" if value == "local" else value
+
+
+def _from_words(status: pb.RolloutStatus) -> str:
+    if from_side(status) == LAYERED_SIDE:
+        return "layered (spine's own stack: middlewares move into the spine stage by stage)"
+    return f"{from_side(status)} (a foreign gateway: the spine serves whole, only traffic moves)"
 
 
 def _clock(ts: float) -> str:

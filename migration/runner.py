@@ -40,8 +40,10 @@ from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
 from migration.target import TrafficTarget
 from runtime.config.sections import TlsConfig
+from runtime.observability.client_logs import quiet_http_clients
 from runtime.processes.parent import follow_parent
 from runtime.processes.signals import Termination
+from runtime.server import AddressError, check_free
 from services.common import ConfigError
 
 log = logging.getLogger("spine.migration")
@@ -277,11 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     if not follow_parent():
         return 1  # started by `spawn`, whose process died before we could ask to die with it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_http_clients()  # not one INFO line per proxied request: the controller's own lines stay readable
     args = parse_args(argv)
     try:
         token = read_admin_token(args.admin_token_file)
         tls = tls_of(args)
         check_listen(args.listen, args.allow_external, tls)  # before the target starts anything
+        for flag, address in (("--listen", args.listen), ("--dashboard-listen", args.dashboard_listen),
+                              ("--xds-listen", args.xds_listen), ("--front-listen", args.front_listen),
+                              ("--probe-listen", args.probe_listen)):
+            if address:  # each free now, or one line and exit 2 before anything starts
+                check_free(address, flag)
         if tls is not None:
             from runtime.core_log import log_tls_refusals
             from runtime.tls import load_certificates, reload_on_sighup
@@ -300,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
             serve_stable()
         process.start()
         if process.dashboard_url:
-            log.info("dashboard: %s", process.dashboard_url)
-    except ConfigError as exc:
+            log.info("dashboard: %s (its buttons take the admin token; `spine migrate status` prints a link "
+                     "that carries it)", process.dashboard_url)
+            if sys.stdout.isatty():  # the operator's terminal, never a log: the link carries the token
+                print(f"dashboard: {process.dashboard_link}", flush=True)
+    except (ConfigError, AddressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     Termination().wait()  # a handler that calls Event.set() can deadlock the main thread

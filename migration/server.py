@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from migration.admin_token import dashboard_link
 from migration.controller import Controller
 from migration.dashboard import DashboardServer
 from migration.dashboard.metrics import ControllerCollector
@@ -85,7 +86,7 @@ class ControllerProcess:
         self.allow_external = allow_external
         self.probe: ProbeServer | None = None
         self.controller = Controller.open(db_path, target, clock=clock)
-        self.service = MigrationService(self.controller, admin_token)
+        self._admin_token = admin_token
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
         self.notifiers = [WebhookNotifier(config) for config in webhooks]
         for notifier in self.notifiers:
@@ -95,6 +96,8 @@ class ControllerProcess:
             collector = ControllerCollector(self.controller, self.webhook_counts)
             self.dashboard = DashboardServer(self.controller, admin_token, target, dashboard_listen, tls=tls,
                                              view_without_token=view_without_token, collectors=(collector,))
+        self.service = MigrationService(self.controller, admin_token,
+                                        dashboard_url=self.dashboard.url if self.dashboard is not None else "")
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="migration-tick", daemon=True)
@@ -109,7 +112,10 @@ class ControllerProcess:
 
     def start(self) -> None:
         _remove_stale_socket(self.listen)
-        self.port = add_port(self.server, self.listen, self.tls, "--tls")
+        try:
+            self.port = add_port(self.server, self.listen, self.tls, "--tls")
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            self.port = 0
         if not self.listen.startswith("unix:") and self.port == 0:
             raise ConfigError(f"--listen: could not bind {self.listen}")
         if self.probe_listen is not None:  # health alone, in plaintext, for Kubernetes' grpc probes
@@ -125,6 +131,12 @@ class ControllerProcess:
     @property
     def dashboard_url(self) -> str | None:
         return self.dashboard.url if self.dashboard is not None else None
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The dashboard's URL with the admin token in its fragment (`dashboard_link`): for the
+        operator's screen only, never a log."""
+        return dashboard_link(self.dashboard.url, self._admin_token) if self.dashboard is not None else None
 
     def webhook_counts(self) -> dict[str, dict[str, int]]:
         """Deliveries per webhook endpoint (scheme://host:port) and result."""

@@ -18,6 +18,7 @@ import grpc
 
 from migration.admin_token import bearer, token_matches
 from migration.controller import Controller, InvalidTransition, StatusView
+from migration.legacy_endpoint import from_side
 from migration.plan import Plan, PlanError, load_plan
 from migration.status import AuditEntry
 from wire.v1 import migration_pb2 as pb
@@ -45,13 +46,15 @@ def _command(method: Callable[..., _Response]) -> Callable[..., _Response]:
 
 
 class MigrationService(pb_grpc.MigrationControlServicer):
-    def __init__(self, controller: Controller, admin_token: str, *, heartbeat_s: float = 1.0) -> None:
+    def __init__(self, controller: Controller, admin_token: str, *, heartbeat_s: float = 1.0,
+                 dashboard_url: str = "") -> None:
         if not admin_token:
             raise ValueError("admin_token: must be non-empty")
         self._controller = controller
         self._token = admin_token.encode()
         self._heartbeat_s = heartbeat_s
         self._closing = threading.Event()
+        self.dashboard_url = dashboard_url  # the dashboard served beside this API ("" if none)
 
     def close(self) -> None:
         """End open WatchEvents streams (at their next heartbeat)."""
@@ -70,7 +73,7 @@ class MigrationService(pb_grpc.MigrationControlServicer):
 
     @_command
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
-        return status_message(self._controller.view(audit_rows=request.audit_rows or 10))
+        return status_message(self._controller.view(audit_rows=request.audit_rows or 10), self.dashboard_url)
 
     @_command
     def Plan(self, request: pb.PlanRequest, context: grpc.ServicerContext) -> pb.PlanResponse:
@@ -119,7 +122,7 @@ class MigrationService(pb_grpc.MigrationControlServicer):
         self.authorize(context)
         view = self._controller.view()
         after = request.after_id or (view.recent_audit[-1].id if view.recent_audit else 0)
-        yield pb.MigrationEvent(status=status_message(view))
+        yield pb.MigrationEvent(status=status_message(view, self.dashboard_url))
         while context.is_active() and not self._closing.is_set():
             rows = self._controller.wait_for_audit(after, timeout=self._heartbeat_s)
             status = self._status()
@@ -130,7 +133,7 @@ class MigrationService(pb_grpc.MigrationControlServicer):
                 yield pb.MigrationEvent(status=status, audit=audit_message(row))
 
     def _status(self) -> pb.RolloutStatus:
-        return status_message(self._controller.view())
+        return status_message(self._controller.view(), self.dashboard_url)
 
 
 # The operator commands every front end runs the same way (this gRPC API, the dashboard's
@@ -160,9 +163,10 @@ def audit_message(row: AuditEntry) -> pb.AuditEvent:
                          to_state=row.to_state, stage=row.stage, reason=row.reason)
 
 
-def status_message(view: StatusView) -> pb.RolloutStatus:
+def status_message(view: StatusView, dashboard_url: str = "") -> pb.RolloutStatus:
     s, plan, stage = view.status, view.plan, view.stage
     message = pb.RolloutStatus(
+        from_side=from_side(plan.legacy if plan else None), dashboard_url=dashboard_url,
         plan_name=s.plan_name, state=str(s.state), stage_index=s.stage_index,
         stage_count=len(plan.stages) if plan else 0, stage_name=stage.name if stage else "",
         spine_weight=s.spine_weight, layered_weight=s.layered_weight, placements=s.placements,
@@ -199,7 +203,8 @@ def status_message(view: StatusView) -> pb.RolloutStatus:
 
 def plan_message(plan: Plan, *, loaded: bool) -> pb.PlanResponse:
     response = pb.PlanResponse(name=plan.name, description=plan.description, window_s=plan.window_s,
-                               min_window_requests=plan.min_window_requests, loaded=loaded)
+                               min_window_requests=plan.min_window_requests, loaded=loaded,
+                               from_side=from_side(plan.legacy))
     for stage in plan.stages:
         summary = response.stages.add(name=stage.name, spine_weight=stage.spine_weight,
                                       placements=stage.placements, gates=[g.describe() for g in stage.gates],

@@ -71,16 +71,42 @@ def default_interceptors() -> tuple[Interceptor, ...]:
     return _default_interceptors
 
 
-class UnsafeAddress(ValueError):
+class AddressError(ValueError):
+    """A listen address that cannot be used: said in one line, before anything starts (exit 2)."""
+
+
+class UnsafeAddress(AddressError):
     """A listen address off loopback, refused unless explicitly allowed."""
 
 
-def check_listen(address: str, allow_external: bool = False) -> None:
-    """Refuse addresses that would expose an internal link beyond this machine."""
-    if address.startswith("unix:") or allow_external:
+class MalformedAddress(AddressError):
+    """A listen address that is neither HOST:PORT nor unix:PATH."""
+
+
+class AddressInUse(AddressError):
+    """A listen address another process (or another listener here) already holds."""
+
+
+def split_listen(address: str, flag: str = "listen address") -> tuple[str, int]:
+    """(host, port) of a HOST:PORT or [V6]:PORT address; MalformedAddress names what is wrong,
+    so `8099` is called malformed rather than "not loopback"."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        example = port if port.isdigit() and int(port) <= 65535 else "8000"
+        raise MalformedAddress(f"{flag} {address!r}: expected HOST:PORT (e.g. 127.0.0.1:{example}, a port up to "
+                               "65535) or unix:PATH")
+    return host, int(port)
+
+
+def check_listen(address: str, allow_external: bool = False, flag: str = "listen address") -> None:
+    """Refuse addresses that are malformed, or that would expose an internal link beyond this machine."""
+    if address.startswith("unix:"):
+        if not address[len("unix:"):]:
+            raise MalformedAddress(f"{flag} {address!r}: unix: needs a socket path, e.g. unix:/tmp/spine.sock")
         return
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
+    host, _ = split_listen(address, flag)
+    if allow_external or host == "localhost":
         return
     try:
         if ipaddress.ip_address(host).is_loopback:
@@ -88,9 +114,33 @@ def check_listen(address: str, allow_external: bool = False) -> None:
     except ValueError:
         pass
     raise UnsafeAddress(
-        f"listen address {address!r} is not loopback or a unix socket; "
+        f"{flag} {address!r} is not loopback or a unix socket; "
         "pass --allow-external to expose it beyond this machine"
     )
+
+
+def check_free(address: str, flag: str = "listen address") -> None:
+    """Refuse a TCP address some process already listens on, before anything starts: a server
+    that found out while starting would leave children and threads half started. Bound with
+    SO_REUSEADDR, as the servers bind, so a port in TIME_WAIT is not called busy. Racy by
+    nature (the port can be taken after this): the servers' own bind errors say the same."""
+    if address.startswith("unix:"):
+        return
+    host, port = split_listen(address, flag)
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise MalformedAddress(f"{flag} {address!r}: {error.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as error:
+            raise AddressInUse(f"{flag} {address}: cannot listen there ({error.strerror}); another process "
+                               "holds it, or pick another port") from None
 
 
 @dataclass
@@ -142,9 +192,12 @@ def start_probe_server(health_servicer: health.HealthServicer, listen: str,
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe", initializer=name_os_thread),
                          options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(_CheckOnly(health_servicer), server)
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        port = 0
     if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"could not bind the probe listener {listen}")
+        raise AddressInUse(f"--probe-listen {listen}: cannot listen there (in use, or not an address of this machine)")
     server.start()
     address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
     return ProbeServer(server, address)
@@ -218,9 +271,13 @@ def start_server(
         spec.add_to_server(servicer, server)
         names.append(spec.full_name)
     reflection.enable_server_reflection(names, server)
-    port = add_port(server, listen, tls)
+    try:
+        port = add_port(server, listen, tls)
+    except RuntimeError:  # grpc's "Failed to bind to address": the same sentence as `check_free`
+        port = 0
     if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"could not bind {listen}")
+        raise AddressInUse(f"listen address {listen}: cannot listen there (in use, or not an address of this "
+                           "machine)")
     server.start()
     address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
     running = RunningServer(server, address, health_servicer)

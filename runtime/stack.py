@@ -25,6 +25,7 @@ from monolith.batched_pipeline import BatchedAdmission, DeferredCompletions
 from monolith.device_on_use import DeviceOnFirstUse
 from runtime.config.file import internal_key, layout_name
 from runtime.config.model import SpineConfig
+from runtime.config.model_sizes import model_sizes
 from runtime.gateway_batching import GatewayBatching
 from runtime.health.gateway import GatewayHealth
 from runtime.layout_health import LayoutHealth
@@ -40,6 +41,7 @@ from services.gateway.service import AnswerTaps, Gateway, InFlight
 from services.inference.output_policy import OutputPolicy
 from services.pipeline.calls import Hook
 from services.pipeline.interface import Interface
+from services.pipeline.limits import ModelSizes
 from services.pipeline.pipeline import FailOpenCount, Pipeline
 from services.registry import DEFAULT, Registry
 
@@ -93,6 +95,7 @@ class Stack:
     # the gRPC and HTTP listeners (`runtime.admin_api`); None: it is off.
     admin_token: str | None = None
     admin: Any = None
+    model_sizes: ModelSizes | None = None  # each model's context length, its request limits' size
     _tmp: Any = None
 
     @property
@@ -113,7 +116,8 @@ class Stack:
             self._tmp = tempfile.TemporaryDirectory(prefix="spine-")
             self.run_dir = Path(self._tmp.name)
         config_path = write_private(self.run_dir, "config.yaml", self.config.to_yaml())
-        limits = self.config.limits
+        self.model_sizes = model_sizes(self.config).start()  # upstream engines asked off the request path
+        limits = self.config.limits.sized(self.model_sizes)
         if self.device is None:
             self.device = DeviceOnFirstUse(self.config.device)
         from runtime.observability.tracing import installed
@@ -297,6 +301,8 @@ class Stack:
             self.components.stop()
         if self.admin is not None:
             self.admin.close()
+        if self.model_sizes is not None:
+            self.model_sizes.stop()
             self.admin = None
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -15,6 +15,9 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 | `brief` | "ok", whatever max_tokens: usage 5 prompt and 1 completion tokens (plain or streamed) |
 | anything else | forwarded to the real model server (`forward_to`), model `default` |
 
+`GET /v1/models` lists the models of `context_lengths` as vLLM does, each with its `max_model_len`
+(none: a listing without context lengths).
+
 `hits` counts requests by model, so a test can tell how many attempts reached it.
 """
 
@@ -34,8 +37,9 @@ import uvicorn
 
 class FaultUpstream:
     def __init__(self, forward_to: str, key: str | None, *, port: int = 0, fail_share: float = 0.3,
-                 tls: tuple[str, str] | None = None) -> None:
+                 tls: tuple[str, str] | None = None, context_lengths: dict[str, int | None] | None = None) -> None:
         self.forward_to = forward_to.rstrip("/")  # the real server's base_url (…/v1)
+        self.context_lengths = context_lengths or {}
         self.key = key
         self.hits: Counter[str] = Counter()
         self.fail_share = fail_share
@@ -72,6 +76,14 @@ class FaultUpstream:
     # -- ASGI -------------------------------------------------------------------------------
     async def _app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
+            return
+        if scope["method"] == "GET" and scope["path"].endswith("/models"):
+            with self._lock:
+                self.hits["GET /models"] += 1
+            listing = [{"id": name, "object": "model", "owned_by": "vllm",
+                        **({"max_model_len": length} if length else {})}
+                       for name, length in self.context_lengths.items()]
+            await _send(send, 200, orjson.dumps({"object": "list", "data": listing}), b"application/json")
             return
         body = b""
         while True:

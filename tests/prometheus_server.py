@@ -1,7 +1,7 @@
 """A real Prometheus server for tests: `spine.tools.local_prometheus` (the rehearsal's), plus
 what the tests ask of it: queries at a given time, and waiting for a fresh scrape.
 
-`make install` provides the `prometheus` binary (the Debian package, with apt-get). Where it
+`make test` provides the `prometheus` binary (the Debian package, with apt-get). Where it
 is missing the tests that need it fail and say so: CI has apt-get, so a skip would only hide
 a broken install.
 """
@@ -60,7 +60,7 @@ def run_prometheus(workdir: Path, jobs: Mapping[str, Sequence[str]],
                    scrape_interval_s: float = SCRAPE_INTERVAL_S) -> Iterator[PrometheusServer]:
     """Start Prometheus scraping `jobs` (job name -> HOST:PORT targets), wait until ready, stop it by PID."""
     if shutil.which("prometheus") is None:
-        pytest.fail("prometheus is not on PATH: `make install` installs it (Debian package `prometheus`, "
+        pytest.fail("prometheus is not on PATH: `make test` installs it (Debian package `prometheus`, "
                     "apt-get); these tests run a real Prometheus server and cannot do without one")
     server = PrometheusServer(workdir, jobs, scrape_interval_s)
     try:

@@ -60,6 +60,22 @@ class UpstreamSpec(Section):
             raise problem("no query, fragment or credentials in the URL: the key goes in api_key_file")
         return value.rstrip("/")
 
+    @field_validator("api_key_file", "ca_file")
+    @classmethod
+    def _is_readable(cls, value: Path | None) -> Path | None:
+        """Checked when the config is read, so `spine config check` refuses what `spine up` would
+        (with the key's FILE:LINE); the key itself is still read only when the endpoint starts."""
+        if value is None:
+            return None
+        try:
+            with value.open("rb") as file:
+                empty = not file.read(4096).strip()
+        except OSError as error:
+            raise problem(f"cannot read {value}: {error.strerror}") from None
+        if empty:
+            raise problem(f"{value} is empty")
+        return value
+
 
 class Route(Protocol):
     """A router model as `upstream_routes` reads it (`services.router.config.ModelRoute`)."""

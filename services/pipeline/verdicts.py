@@ -40,8 +40,10 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
         return "model: required (e.g. 'tiny-lm')"
     if not request.prompt:
         return "prompt: must not be empty"
-    if len(request.prompt) > limits.max_prompt_chars:
-        return f"prompt: {len(request.prompt)} characters is over the limit of {limits.max_prompt_chars}"
+    sized = limits.for_model(request.model)
+    if len(request.prompt) > sized.max_prompt_chars:
+        return (f"prompt: {len(request.prompt)} characters is over the limit of {sized.max_prompt_chars} for "
+                f"model {request.model!r} ({sized.source})")
     problem = system_error(request.system, limits.max_system_chars)
     if problem is not None:
         return problem
@@ -50,8 +52,9 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
             return f"messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got {message.role[:32]!r}"
     if request.max_tokens <= 0:
         return f"max_tokens: must be > 0, got {request.max_tokens}"
-    if request.max_tokens > limits.max_tokens:
-        return f"max_tokens: {request.max_tokens} is over the limit of {limits.max_tokens}"
+    if request.max_tokens > sized.max_tokens:
+        return (f"max_tokens: {request.max_tokens} is over the limit of {sized.max_tokens} for model "
+                f"{request.model!r} ({sized.source})")
     if not math.isfinite(request.temperature) or not 0.0 <= request.temperature <= limits.max_temperature:
         return f"temperature: must be between 0 and {limits.max_temperature}, got {request.temperature}"
     if request.priority not in PRIORITIES:
@@ -124,10 +127,13 @@ def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
     if verdict.admitted:
         return None
     if getattr(verdict, "budget", ""):
+        # A refusal says 0 left: what remains (a fraction of a cent the prompt alone would pass)
+        # is nothing a request like this one can use until the window starts again; the message
+        # says how much is spent (docs/keys-and-budgets.md).
         resets = max(verdict.budget_resets_in_s, 0.0)
         return Stop(grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{BUDGET_PREFIX}: {verdict.budget}; it starts again in {resets:.0f}s",
-                    (("retry-after", f"{resets:.3f}"), (BUDGET_HEADER, f"{max(verdict.budget_remaining_usd, 0.0):.6f}")))
+                    (("retry-after", f"{resets:.3f}"), (BUDGET_HEADER, "0")))
     names = ", ".join(over.limit_name for over in verdict.over) or "rate limit"
     if any(over.retry_after_s < 0 for over in verdict.over):
         return Stop(grpc.StatusCode.INVALID_ARGUMENT,

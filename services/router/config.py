@@ -10,6 +10,7 @@ from typing import Annotated
 
 from pydantic import (
     Field,
+    StrictInt,
     field_validator,
     model_validator,
 )
@@ -32,6 +33,11 @@ class ModelRoute(Section):
     aliases: Items[NonEmptyStr] = ()
     fallback: NonEmptyStr | None = None
     upstream: UpstreamSpec | None = None
+    context_length: Annotated[StrictInt, Field(ge=2)] | None = Field(
+        default=None, description="the model's context window in tokens: its requests may ask for that many "
+                                  "max_tokens and 8 characters of prompt a token (docs/upstreams.md); default: read "
+                                  "from an upstream engine's /v1/models (max_model_len), the built-in model's "
+                                  "max_context, else limits.max_tokens and limits.max_prompt_chars")
 
     @model_validator(mode="after")
     def _served_by_one(self) -> ModelRoute:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from typing import Any
 
 from runtime.processes.parent import follow_parent
-from runtime.server import UnsafeAddress
+from runtime.server import AddressError
 from services.common import ConfigError
 from spine.cli.keys import add_keys_parser
 from spine.cli.migrate import add_migrate_parser
@@ -32,8 +34,46 @@ from spine.cli.tools import add_tool_parsers
 from spine.cli.up import add_up_parser
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that shows each flag's default, as ArgumentDefaultsHelpFormatter does, but only where
+    there is one to show: not `None` (the help then says what stands in for it), not a plain
+    switch's `False`, not an empty string, not where the help text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not _shows_default(action) or "default:" in text or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    default = action.default
+    hidden = default is None or default is False or default is argparse.SUPPRESS or default in ("", [])
+    return bool(action.option_strings) and not hidden
+
+
+class SpineParser(argparse.ArgumentParser):
+    """An argument parser whose help shows defaults (`DefaultsShown`); argparse makes every
+    subcommand's parser of the same class as its parent's, so all of `spine`'s are."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """A flag without help gets its default as its help, in `parser` and every subcommand's
+    parser below it: argparse shows nothing, not even the default, for a flag without help."""
+    for action in parser._actions:
+        if action.help is None and _shows_default(action):
+            action.help = "(default: %(default)s)"
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
+    parser = SpineParser(prog="spine", description="Collapse a layered gRPC middleware stack.")
     parser.add_argument("--config", help="YAML config laid over the default (runtime/default_config.yaml)")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_migrate_parser(sub)
     add_keys_parser(sub)
+    _show_defaults(parser)
     return parser
 
 
@@ -64,9 +105,26 @@ def main(argv: list[str] | None = None) -> int:
         for line in getattr(error, "problems", None) or str(error).splitlines():
             print(f"config error: {line}", file=sys.stderr)
         return 2
-    except UnsafeAddress as error:
+    except AddressError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        return _os_error(error)
+
+
+def _os_error(error: OSError) -> int:
+    """A file given on the command line that cannot be read or written, said in one line (exit 2),
+    and a reader that went away (`spine config schema | head`) ended quietly. Any other OSError
+    is a fault of ours, whose traceback is what a report needs."""
+    if isinstance(error, BrokenPipeError):
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    if error.filename is None:
+        raise error
+    print(f"error: {error.filename}: {error.strerror}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

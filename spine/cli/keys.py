@@ -28,11 +28,11 @@ from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from rich.console import Console
 from rich.table import Table
 
 from runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
 from services.common.admin_token import read_admin_token
+from spine.cli.output import add_output_arguments, as_json, dollars, table_console
 from spine.tools.key_import import add_import_parser
 from wire.v1 import keys_pb2, keys_pb2_grpc, spend_pb2, spend_pb2_grpc
 
@@ -51,7 +51,7 @@ def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", default=DEFAULT_ADDRESS, help=f"the spine's gRPC address (default {DEFAULT_ADDRESS})")
     common.add_argument("--admin-token-file", help="file holding the admin token (else $SPINE_ADMIN_TOKEN)")
-    common.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_output_arguments(common)
     common.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     add_tls_client_arguments(common)
     spec = argparse.ArgumentParser(add_help=False)
@@ -148,7 +148,7 @@ def _plain(message: Any) -> dict[str, Any]:
 
 
 def _show_keys(args: argparse.Namespace, rows: list[keys_pb2.ApiKeyInfo], one: bool = False) -> None:
-    if args.json:
+    if as_json(args):
         print(json.dumps(_plain(rows[0]) if one else [_plain(row) for row in rows], indent=2))
         return
     table = Table("id", "tenant", "team", "state", "models", "rpm", "tpm", "budget", "expires", "shown")
@@ -156,13 +156,13 @@ def _show_keys(args: argparse.Namespace, rows: list[keys_pb2.ApiKeyInfo], one: b
         table.add_row(row.id + (" (config)" if row.read_only else ""), row.tenant, row.team, row.state,
                       ",".join(row.models) or "all", f"{row.requests_per_minute:g}" if row.requests_per_minute else "",
                       f"{row.tokens_per_minute:g}" if row.tokens_per_minute else "",
-                      f"${row.budget_usd:g}/{row.budget_window}" if row.budget_usd else "",
+                      f"${dollars(row.budget_usd)}/{row.budget_window}" if row.budget_usd else "",
                       f"{row.expires_at:.0f}" if row.expires_at else "", row.shown)
-    Console().print(table)
+    table_console().print(table)
 
 
 def _show_secret(args: argparse.Namespace, answer: keys_pb2.KeySecret) -> None:
-    if args.json:
+    if as_json(args):
         print(json.dumps({"key": _plain(answer.key), "secret": answer.secret}, indent=2))
         return
     _show_keys(args, [answer.key])
@@ -221,7 +221,7 @@ def cmd_spend(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         answer = admin.spend.GetSpend(spend_pb2.SpendRequest(key=args.key_id, team=args.team, tenant=args.tenant),
                                       **admin.options)
-    if args.json:
+    if as_json(args):
         print(json.dumps([_plain(line) for line in answer.lines], indent=2))
         return 0
     table = Table("scope", "name", "window", "period", "usd", "input", "cached", "output", "requests", "budget",
@@ -229,7 +229,7 @@ def cmd_spend(args: argparse.Namespace) -> int:
     for line in answer.lines:
         table.add_row(line.scope, line.name, line.window, line.period, f"{line.usd:.6f}", str(line.input_tokens),
                       str(line.cached_input_tokens), str(line.output_tokens), str(line.requests),
-                      f"{line.budget_usd:g}" if line.budget_usd else "",
+                      dollars(line.budget_usd) if line.budget_usd else "",
                       f"{line.remaining_usd:.6f}" if line.budget_usd else "")
-    Console().print(table)
+    table_console().print(table)
     return 0

@@ -29,13 +29,14 @@ from typing import Any
 import grpc
 from rich.console import Console
 
-from migration.admin_token import read_admin_token
+from migration.admin_token import dashboard_link, read_admin_token
 from migration.plan import PlanError, load_plan
 from migration.render import RunProgress, audit_line, plan_table, status_renderable, to_json
 from migration.service import plan_message
 from migration.watch import follow, print_json, watch
 from runtime.tls import add_tls_client_arguments, client_credentials, open_channel, refusal_hint
 from services.common import ConfigError
+from spine.cli.output import add_output_arguments, as_json, table_console
 from wire.v1 import migration_pb2 as pb
 from wire.v1 import migration_pb2_grpc as pb_grpc
 
@@ -77,7 +78,7 @@ def add_migrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help=f"controller address, unix:PATH or HOST:PORT (default ${ENV_CONTROLLER} "
                              f"or {DEFAULT_CONTROLLER})")
     common.add_argument("--admin-token-file", help="file holding the admin token (else $SPINE_ADMIN_TOKEN)")
-    common.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_output_arguments(common)
     common.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     add_tls_client_arguments(common)
     command = argparse.ArgumentParser(add_help=False, parents=[common])
@@ -172,10 +173,18 @@ def _actor() -> str:
 
 
 def _show_status(args: argparse.Namespace, status: pb.RolloutStatus) -> None:
-    if args.json:
+    if as_json(args):
         print(json.dumps(to_json(status), indent=2))
     else:
-        Console().print(status_renderable(status))
+        table_console().print(status_renderable(status, _dashboard_link(args, status)))
+
+
+def _dashboard_link(args: argparse.Namespace, status: pb.RolloutStatus) -> str:
+    """The controller's dashboard with our admin token in the URL's fragment: one click opens it
+    unlocked, and the token never reaches a server (a browser does not send a fragment)."""
+    if not status.dashboard_url:
+        return ""
+    return dashboard_link(status.dashboard_url, read_admin_token(args.admin_token_file))
 
 
 @_rpc
@@ -191,10 +200,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with _client(args) as client:
             request = pb.PlanRequest(plan_yaml=text, validate_only=args.validate_only, actor=_actor())
             response = client.call("Plan", request)
-    if args.json:
+    if as_json(args):
         print(json.dumps(to_json(response), indent=2))
     else:
-        console = Console()
+        console = table_console()
         console.print(plan_table(response))
         console.print("loaded as the pending plan: start it with `spine migrate run`" if response.loaded
                       else "valid (nothing loaded)")
@@ -205,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.watch:
         with _client(args) as client:
-            return watch(client.watch(), Console(), args.controller, as_json=args.json)
+            return watch(client.watch(), table_console(), args.controller, as_json=as_json(args))
     with _client(args) as client:
         _show_status(args, client.call("Status", pb.StatusRequest(audit_rows=args.audit_rows)))
     return 0
@@ -227,10 +236,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, client: ControlClient, after_id: int) -> int:
     """Follow WatchEvents until the rollout finishes; Ctrl-C detaches, the rollout goes on."""
     stream = client.watch(after_id)
-    if args.json:
+    if as_json(args):
         return follow(stream, print_json, args.controller)
     with RunProgress(Console()) as progress:
+        shown = False
+
         def show(event: pb.MigrationEvent) -> None:
+            nonlocal shown
+            if not shown and event.status.dashboard_url:
+                progress.print(f"dashboard: {_dashboard_link(args, event.status)}")
+            shown = True
             if event.HasField("audit"):
                 progress.print(audit_line(event.audit))
             progress.update(event.status)

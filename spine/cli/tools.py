@@ -38,7 +38,8 @@ def add_tool_parsers(sub: Any) -> None:
     call = sub.add_parser("call", help="send one request and print the answer, status and latency")
     call.add_argument("--address", default=DEFAULT_ADDRESS)
     call.add_argument("--token", help="API key or JWT (default: $SPINE_TOKEN, else the dev key)")
-    call.add_argument("--model", default="tiny-lm")
+    call.add_argument("--model", default="default",
+                      help="a router model id or alias; `default` is the alias every config's default model carries")
     call.add_argument("--prompt", default="Hello, spine!")
     call.add_argument("--system", default="", help="a system prompt, read before the prompt (GenerateRequest.system)")
     call.add_argument("--max-tokens", type=int, default=16)
@@ -76,8 +77,16 @@ def add_tool_parsers(sub: Any) -> None:
     dev.add_argument("--force", action="store_true", help="replace the files if DIR already holds them")
     dev.set_defaults(handler=cmd_certs)
 
-    config = sub.add_parser("config", help="the config file: its JSON schema, or check one (--config)")
-    config.add_argument("action", choices=("schema", "check"))
+    config = sub.add_parser(
+        "config", help="the config file: its JSON schema, or check one",
+        description="schema: print the config file's JSON schema (every section and key, with its default and "
+                    "description). check [FILE]: read FILE (default: --config, else the default config) and run "
+                    "every check `spine up` runs before it starts (unknown keys, bad values, unreadable upstream "
+                    "key files, a model directory that cannot be served, TLS files); each problem one line with "
+                    "its FILE:LINE, exit 2; `FILE: ok` and exit 0 otherwise.")
+    config.add_argument("action", choices=("schema", "check"),
+                        help="schema: the JSON schema; check: the checks `spine up` runs")
+    config.add_argument("file", nargs="?", metavar="FILE", help="check: the config file (default: --config)")
     config.set_defaults(handler=cmd_config)
 
 
@@ -102,14 +111,22 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """`schema`: the JSON schema of a config file; `check`: load --config (exit 2 on a problem)."""
+    """`schema`: the JSON schema of a config file; `check`: read the file and run `spine up`'s
+    checks (`startable`): one validation for both, so the check never passes what `up` refuses."""
     if args.action == "schema":
+        if args.file:
+            raise ConfigError("config schema: takes no FILE")
         from runtime.config.model import json_schema
 
         print(json.dumps(json_schema(), indent=2))
         return 0
-    load_config(args.config)
-    print(f"{args.config or 'the default config'}: ok")
+    if args.file and args.config and args.file != args.config:
+        raise ConfigError(f"config check: two files given ({args.config} by --config and {args.file}); give one")
+    path = args.file or args.config
+    from spine.cli.up import startable
+
+    startable(load_config(path))
+    print(f"{path or 'the default config'}: ok")
     return 0
 
 

@@ -36,7 +36,7 @@ def add_up_parser(sub: Any) -> None:
     up.add_argument("--api-key-file", metavar="FILE",
                     help=f"--layout bare only: every request must carry this key (Authorization: Bearer KEY or "
                          f"x-api-key); default: the environment's {API_KEY_ENV}, else no key")
-    up.add_argument("--listen", help="public address HOST:PORT (default: config `listen`)")
+    up.add_argument("--listen", metavar="HOST:PORT", help="the gRPC Gateway API's address (default: config `listen`, 127.0.0.1:50051)")
     up.add_argument("--http-listen", metavar="HOST:PORT",
                     help="the OpenAI/Anthropic-compatible HTTP API's address (default: config `http.listen`, "
                          "127.0.0.1:8000); 'off': none")
@@ -74,7 +74,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     prefer_huge_pages()  # before anything imports torch
     from runtime.observability.tracing import install_for
     from runtime.processes.signals import Termination
-    from runtime.server import check_listen
     from runtime.stack import Stack
 
     config = load_config(args.config, _up_overrides(args))
@@ -84,20 +83,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ConfigError("--api-key-file: only for --layout bare (the other layouts' keys are the auth section's)")
     placements = placements_for(args.layout, config)
     listen = args.listen or config.listen
-    check_listen(listen, args.allow_external)  # before any child process starts
     http_listen = args.http_listen or config.http.listen
-    if http_listen is not None and args.http_listen != "off":
-        check_listen(http_listen, args.allow_external)
-    else:
+    if args.http_listen == "off":
         http_listen = None
+    _check_addresses(args, listen, http_listen)  # before any child process starts
     run_dir = Path(args.run_dir) if args.run_dir else None
-    from runtime.config.model_fit import fit_to_model
-    from runtime.config.served_model import preflight
-
-    config, fitted = fit_to_model(config)  # an hf model on the CPU with an auto budget: sized for it, said once
-    if fitted:
-        print(fitted, file=sys.stderr, flush=True)
-    preflight(config)  # a model directory that cannot be served: one line, before any child starts
+    config = startable(config)
     tls = _serve_tls(config)
     fault = _injected_fault(args, config, run_dir)
     # The process becomes a server only now, every check passed: its torch threads, CPU
@@ -158,6 +149,38 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def startable(config: SpineConfig) -> SpineConfig:
+    """The checks `spine up` runs on a config beyond reading it, before anything starts — also
+    `spine config check`'s, so a config that passes the check is one `up` accepts: an hf model
+    directory (its architecture, context and weights against the device budget, sized for the
+    CPU when its budget is auto, said once), and the `tls:` files. ConfigError: one line, exit 2."""
+    from runtime.config.model_fit import fit_to_model
+    from runtime.config.served_model import preflight
+    from runtime.tls import load_certificates
+
+    config, fitted = fit_to_model(config)
+    if fitted:
+        print(fitted, file=sys.stderr, flush=True)
+    preflight(config)
+    if config.tls is not None:
+        load_certificates(config.tls)
+    return config
+
+
+def _check_addresses(args: argparse.Namespace, listen: str, http_listen: str | None) -> None:
+    """Every address `up` will listen on: well formed, loopback unless --allow-external, and free
+    now (AddressError: one line, exit 2, before anything starts)."""
+    from runtime.server import check_free, check_listen
+
+    addresses = [("--listen", listen), ("--http-listen", http_listen), ("--probe-listen", args.probe_listen)]
+    for flag, address in addresses:
+        if address is not None:
+            check_listen(address, args.allow_external, flag)
+    for flag, address in addresses:
+        if address is not None:
+            check_free(address, flag)
+
+
 def _admin_token(args: argparse.Namespace) -> str | None:
     """The admin token from --admin-token-file or $SPINE_ADMIN_TOKEN; None when neither is given."""
     from services.common.admin_token import ENV_VAR, read_admin_token
@@ -171,23 +194,15 @@ def _up_bare(args: argparse.Namespace, config: SpineConfig) -> int:
     """`spine up --layout bare`: the model alone (`runtime.bare`), with the same ready line."""
     from monolith.runtime_env import configure_threads, freeze_startup_heap
     from runtime.bare import BareServer
-    from runtime.config.model_fit import fit_to_model
-    from runtime.config.served_model import preflight
     from runtime.processes.signals import Termination
-    from runtime.server import check_listen
 
     for flag, given in (("--inject-fault", args.inject_fault), ("--follow-controller", args.follow_controller)):
         if given:
             raise ConfigError(f"{flag}: not with --layout bare (the model alone has no middleware and no stages)")
     listen = args.listen or config.listen
-    check_listen(listen, args.allow_external)
     http_listen = None if args.http_listen == "off" else (args.http_listen or config.http.listen)
-    if http_listen is not None:
-        check_listen(http_listen, args.allow_external)
-    config, fitted = fit_to_model(config)
-    if fitted:
-        print(fitted, file=sys.stderr, flush=True)
-    preflight(config)
+    _check_addresses(args, listen, http_listen)
+    config = startable(config)
     tls = _serve_tls(config)
     key = _api_key(args)
     configure_threads()

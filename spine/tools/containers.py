@@ -3,7 +3,7 @@
 
 Every container is started the same way, and each choice has a reason:
 
-- `--runtime runc`: Debian's runc, the runtime `make install` installs (Debian's libpod.conf
+- `--runtime runc`: Debian's runc, the runtime `make image` and `make test` install (Debian's libpod.conf
   names crun, which it does not);
 - `--network host`: each container binds 127.0.0.1 like the processes it replaces — nothing is
   exposed beyond loopback, no bridge or NAT rules are added to a machine other sessions share,
@@ -45,7 +45,7 @@ def podman_missing() -> str | None:
     """Why podman cannot run containers here, or None when it can."""
     for tool in ("podman", "buildah", "runc"):
         if shutil.which(tool) is None:
-            return f"{tool} is not installed (make install installs Debian's podman, buildah and runc)"
+            return f"{tool} is not installed (make image and make test install Debian's podman, buildah and runc)"
     return None
 
 

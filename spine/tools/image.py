@@ -149,7 +149,7 @@ def buildah_argv(context: Path, args: dict[str, str], image_tags: Sequence[str])
 def build(variant_name: str = "cpu", echo: bool = True) -> BuildRecord:
     """Build the image of `variant_name` and record it (InputError / RuntimeError: why not)."""
     if shutil.which("buildah") is None:
-        raise InputError("buildah is not installed (make install installs it: Debian's package)")
+        raise InputError("buildah is not installed (make image installs it: Debian's package)")
     variant = VARIANTS[variant_name]
     began = time.monotonic()
     context, args, rootfs_s, inputs_s, minor, dependencies = prepare_context(variant, echo)

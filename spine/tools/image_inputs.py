@@ -266,7 +266,7 @@ def rootfs_argv(release: str, out: Path) -> list[str]:
 def rootfs(cache: Path) -> tuple[Path, float]:
     """The root filesystem's tarball (made once per release and recipe; seconds it took, 0 if cached)."""
     if shutil.which("mmdebstrap") is None:
-        raise InputError("mmdebstrap is not installed (make install installs it: Debian's package)")
+        raise InputError("mmdebstrap is not installed (make image installs it: Debian's package)")
     release = debian_release()
     cache.mkdir(parents=True, exist_ok=True)
     argv = rootfs_argv(release, cache / "rootfs.tmp.tar")

@@ -1,6 +1,6 @@
 """A real Prometheus server on loopback for local rehearsals: one scrape job per side.
 
-`make install` provides the `prometheus` binary (the Debian package). The server runs as a
+`make test` and `make rehearse` provide the `prometheus` binary (the Debian package). The server runs as a
 child process in its own session, on a port of its own, with its data in a directory the
 caller owns, and is stopped by PID.
 """
@@ -49,7 +49,7 @@ class LocalPrometheus:
     def start(self, timeout_s: float = 30.0) -> LocalPrometheus:
         binary = shutil.which("prometheus")
         if binary is None:
-            raise PrometheusError("prometheus is not on PATH: `make install` installs it (the Debian package "
+            raise PrometheusError("prometheus is not on PATH: `make test` installs it (the Debian package "
                                   "`prometheus`, with apt-get)")
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"

@@ -39,7 +39,7 @@ class LocalRedis:
     def start(self) -> LocalRedis:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server is not on PATH: `make install` installs it (Debian package "
+            raise RuntimeError("redis-server is not on PATH: `make test` installs it (Debian package "
                                "`redis-server`, apt-get)")
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child holds it

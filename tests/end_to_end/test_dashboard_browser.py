@@ -1,7 +1,7 @@
 """The dashboard as a person sees it: a real headless Chromium (Debian's, through its
 chromedriver, driven by selenium) on a controller walking a plan.
 
-`make install` installs chromium and chromium-driver with apt-get (`.ci/apt-install`); only
+`make test` installs chromium and chromium-driver with apt-get (`.ci/apt-install`); only
 where they truly cannot be had are these tests skipped, with the reason. Screenshots go to
 $SPINE_TEST_ARTIFACTS (default: test-artifacts/ at the repository root).
 """
@@ -58,7 +58,7 @@ def binaries() -> tuple[str, str]:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver = shutil.which("chromedriver")
     if chromium is None or driver is None:
-        pytest.skip("Debian's chromium and chromium-driver are not installed and `make install` could not "
+        pytest.skip("Debian's chromium and chromium-driver are not installed and `make test` could not "
                     "install them (.ci/apt-install: apt-get missing or refused)")
     return chromium, driver
 

@@ -204,5 +204,5 @@ def test_up_on_a_listen_address_off_loopback_exits_2_in_one_line_before_any_chil
     rc = cli.main(["up", "--layout", "layered", "--listen", "0.0.0.0:50999", "--run-dir", str(run_dir)])
     assert rc == 2
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith("error: listen address '0.0.0.0:50999' is not loopback") and "--allow-external" in line
+    assert line.startswith("error: --listen '0.0.0.0:50999' is not loopback") and "--allow-external" in line
     assert spawned == [] and not run_dir.exists()

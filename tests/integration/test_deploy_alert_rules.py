@@ -33,7 +33,7 @@ INFERENCE_GAUGES = {"spine_kv_slots", "spine_kv_blocks", "spine_queue_depth", "s
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool is not on PATH: `make install` installs it with Prometheus (Debian package "
+        pytest.fail("promtool is not on PATH: `make test` installs it with Prometheus (Debian package "
                     "`prometheus`, via .ci/install-prometheus)")
     return path
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import redirect_stdout
@@ -223,3 +226,21 @@ def test_the_stored_hash_is_hmac_sha256_under_the_servers_secret() -> None:
     for secret in (b"s" * 16, b"t" * 64, b"u" * 100):  # a secret longer than a block is hashed first
         for key in ("sk-spine-abc", "é" * 40):
             assert KeyHasher(secret).raw(key) == hmac.digest(secret, key.encode(), "sha256")
+
+
+def test_tables_in_a_pipe_keep_whole_ids_and_amounts_and_output_json_gives_the_rows(
+        stacks: dict[str, Stack], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPINE_ADMIN_TOKEN", TOKEN)
+    long_id = "a-key-whose-id-is-long-enough-to-be-cut-at-eighty-cols-012345"
+    code, _ = spine_keys(stacks["collapsed"], "create", "--tenant", "dev", "--id", long_id, "--team",
+                         "a-team-with-a-long-name", "--budget", "12.345678")
+    assert code == 0
+    printed = subprocess.run([sys.executable, "-m", "spine", "keys", "list", "--address", stacks["collapsed"].address],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": ""})
+    assert printed.returncode == 0, printed.stderr
+    row = next(line for line in printed.stdout.splitlines() if long_id in line)  # on one line, whole
+    assert "$12.345678/monthly" in row and "a-team-with-a-long-name" in row
+    as_json = subprocess.run([sys.executable, "-m", "spine", "keys", "list", "--address",
+                              stacks["collapsed"].address, "--output", "json"], capture_output=True, text=True,
+                             timeout=60)
+    assert long_id in {row["id"] for row in json.loads(as_json.stdout)}

@@ -29,3 +29,13 @@ def test_any_other_failure_is_unavailable_naming_the_component_but_never_an_inte
 def test_a_deadline_is_a_deadline() -> None:
     stop = downstream_stop("router", grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     assert (stop.code, stop.details) == (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while waiting for router")
+
+
+def test_a_budget_refusal_says_nothing_is_left_even_when_a_fraction_of_a_cent_is() -> None:
+    """The prompt alone would pass what is left: the header says 0, as docs/keys-and-budgets.md does."""
+    from services.pipeline.verdicts import BUDGET_HEADER, rate_limit_stop
+    from services.ratelimit.admission import AdmitVerdict
+
+    stop = rate_limit_stop(AdmitVerdict(budget="the monthly budget of key k is $5 and $4.996 is spent",
+                                        budget_remaining_usd=0.004, budget_resets_in_s=60.0), cost=10)
+    assert stop is not None and dict(stop.trailing)[BUDGET_HEADER] == "0"

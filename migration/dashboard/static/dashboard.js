@@ -73,11 +73,16 @@ function render(state) {
   renderTimeline(state.plan, s);
   renderTraffic(s);
   renderGates(state.gate_history);
-  renderLayouts(state.layouts);
+  renderLayouts(state.layouts, s);
   renderPlanes(s);
   renderAudit(s.recent_audit);
   renderRuns(state.runs || []);
 }
+
+// What the rollout moves traffic away from: a foreign gateway's name (the plan's `legacy`
+// endpoint), else spine's own layered stack. A foreign gateway has no middlewares to move.
+function fromSide(s) { return (s && s.from_side) || "layered"; }
+function foreign(s) { return fromSide(s) !== "layered"; }
 
 function renderTimeline(plan, s) {
   const list = $("timeline");
@@ -92,7 +97,7 @@ function renderTimeline(plan, s) {
     const item = el("li", { class: cls, "data-stage": stage.name },
       el("div", { class: "name" }, `${index + 1}. ${stage.name}`),
       el("div", { class: "detail" }, `spine ${stage.spine_weight}%` + (stage.manual_approval ? " · manual approval" : "")),
-      el("div", { class: "detail" }, "local: " + (local.join(", ") || "none")),
+      el("div", { class: "detail" }, foreign(s) ? "the spine serves whole" : "local: " + (local.join(", ") || "none")),
       el("div", { class: "detail" }, (stage.hold_s != null ? `hold ${stage.hold_s}s · ` : "") +
         `${stage.gates.length} gate(s)`));
     if (cls === "current") item.setAttribute("aria-current", "step");
@@ -102,18 +107,19 @@ function renderTimeline(plan, s) {
 
 function renderTraffic(s) {
   $("spine-bar").style.width = `${s.spine_weight}%`;
-  $("weights-text").textContent = `spine ${s.spine_weight}% · layered ${s.layered_weight}%`;
+  $("weights-text").textContent = `spine ${s.spine_weight}% · ${fromSide(s)} ${s.layered_weight}%`;
   const local = Object.entries(s.placements).filter(([, w]) => w === "local").map(([n]) => n);
   const facts = [
     ["stage", s.stage_count ? `${s.stage_index + 1}/${s.stage_count} ${s.stage_name}` : "-"],
-    ["collapsed", local.join(", ") || "none"],
+    ["from", foreign(s) ? `${fromSide(s)} (a foreign gateway; the spine serves whole)` : "layered"],
+    foreign(s) ? null : ["collapsed", local.join(", ") || "none"],
     ["hold", `${Number(s.stage_elapsed_s).toFixed(0)}s` + (s.hold_s != null ? ` / ${s.hold_s}s` : "")],
     ["spine requests", String(s.stage_requests) + (s.min_requests != null ? ` / ${s.min_requests}` : "")],
     ["failing windows", `${s.consecutive_failures} (limit ${s.failure_limit})`],
     ["version", `${s.version || "-"} (${s.applied ? "applied" : "waiting for ACK"})`],
   ];
   if (s.awaiting_stage) facts.push(["awaiting", `approval to enter ${s.awaiting_stage}`]);
-  $("facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+  $("facts").replaceChildren(...facts.filter(Boolean).flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
 }
 
 // One chart: lines of [x, y] points; `marks` are dots classed by verdict.
@@ -163,18 +169,18 @@ function renderGates(history) {
   $("gates").replaceChildren(...(charts.length ? charts : [el("p", { class: "muted" }, "no gate window judged yet")]));
 }
 
-function renderLayouts(layouts) {
+function renderLayouts(layouts, s) {
   $("layout-window").textContent = `(requests that ended in the last ${layouts.window_s} s)`;
   const head = el("tr", {}, ...["side", "p50 ms", "p99 ms", "error rate", "requests/s", ""].map((h) => el("th", {}, h)));
   const rows = ["layered", "spine"].map((side) => {
     const n = (layouts.latest || {})[side] || {};
-    return el("tr", { "data-side": side }, el("td", {}, side), el("td", {}, num(n.p50_ms)), el("td", {}, num(n.p99_ms)),
+    return el("tr", { "data-side": side }, el("td", {}, side === "layered" ? fromSide(s) : side), el("td", {}, num(n.p50_ms)), el("td", {}, num(n.p99_ms)),
       el("td", {}, pct(n.error_rate)), el("td", {}, num(n.rps)), el("td", { class: "muted" }, n.missing || ""));
   });
   $("layouts").replaceChildren(head, ...rows);
   const series = (side, key) => layouts.history.filter((h) => h[side][key] != null).map((h) => [h.ts, h[side][key]]);
   $("layout-charts").replaceChildren(...[["p99 ms", "p99_ms"], ["error rate", "error_rate"], ["requests/s", "rps"]]
-    .map(([title, key]) => chart(`${title} (grey layered, purple spine)`,
+    .map(([title, key]) => chart(`${title} (grey ${fromSide(s)}, purple spine)`,
       [{ cls: "layered", points: series("layered", key) }, { cls: "spine", points: series("spine", key) }])));
 }
 
@@ -241,7 +247,21 @@ async function command(name) {
   }
 }
 
+// A link printed by `spine migrate status`, the controller or the demo carries the admin token
+// in its fragment (#token=...), which a browser never sends to a server: kept for this tab,
+// then taken out of the address bar (and so out of history and bookmarks).
+function tokenFromFragment() {
+  const fragment = new URLSearchParams(location.hash.slice(1));
+  const given = (fragment.get("token") || "").trim();
+  if (!given) return;
+  sessionStorage.setItem("spine-admin-token", given);
+  fragment.delete("token");
+  const rest = fragment.toString();
+  history.replaceState(null, "", location.pathname + location.search + (rest ? "#" + rest : ""));
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  tokenFromFragment();
   $("token").value = token();
   $("token").addEventListener("input", () => sessionStorage.setItem("spine-admin-token", $("token").value.trim()));
   for (const button of document.querySelectorAll("button[data-command]")) {

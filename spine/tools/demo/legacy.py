@@ -30,6 +30,7 @@ from pathlib import Path
 from rich.table import Table
 
 from migration.status import State
+from runtime.observability.client_logs import quiet_http_clients
 from spine.tools.demo.legacy_rig import LegacyRig, LegacyTraffic
 from spine.tools.demo.screen import DemoScreen, RunStatus, logs_in
 
@@ -120,15 +121,12 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def quiet_clients() -> Iterator[None]:
     """The HTTP clients' per-request INFO lines (thousands a run) left out of the log meanwhile."""
-    loggers = [logging.getLogger(name) for name in ("httpx", "httpx2", "openai", "httpcore", "httpcore2")]
-    saved = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.WARNING)
+    saved = quiet_http_clients()
     try:
         yield
     finally:
-        for logger, level in zip(loggers, saved, strict=True):
-            logger.setLevel(level)
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def forget_secrets(run_dir: Path) -> None:

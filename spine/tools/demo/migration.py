@@ -274,8 +274,10 @@ def _demo(config: SpineConfig, plan_text: str, screen: DemoScreen, runs: tuple[s
                     f"{cutover.controller_address} --admin-token-file {token_file}`); xDS (ADS) for Envoy and "
                     f"proxyless clients on {cutover.xds.address if cutover.xds else '-'}")
         kept = "it stays up after the runs" if screen.interactive else "open it while the demo runs"
-        screen.say(f"dashboard: {cutover.controller.dashboard_url} ({kept}; its buttons take the admin token "
-                   f"in {token_file})")
+        screen.note(f"dashboard: {cutover.controller.dashboard_url} (its buttons take the admin token in "
+                    f"{token_file})")
+        screen.secret_line(f"dashboard: {cutover.controller.dashboard_link} ({kept}; the link carries the admin "
+                           f"token, in {token_file}, and unlocks the buttons)")
         # The clients in a process of their own, as they are in production (TrafficDriver).
         tls = config.tls
         traffic = TrafficDriver(cutover.address, dev_api_key(config) or "", own_process=True,

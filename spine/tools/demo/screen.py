@@ -92,6 +92,11 @@ class DemoScreen:
                                                                                          soft_wrap=soft_wrap)
         self.log.info("\n%s", text.getvalue().rstrip())
 
+    def secret_line(self, text: str) -> None:
+        """One line on the screen only, never in the log: it carries a secret (the dashboard's
+        link with the admin token in its fragment)."""
+        self.console.print(text, soft_wrap=True, highlight=False)
+
     def note(self, text: str) -> None:
         """Only in the log (the screen shows the run's status line instead)."""
         self.log.info("%s", text)

@@ -30,6 +30,7 @@ import grpc
 from services.common.upstream_config import UpstreamSpec
 from services.inference.upstream import loop
 from services.inference.upstream.attempts import Cancelled, Walk
+from services.inference.upstream.counters import UpstreamCollector
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import AttemptFailure, Kind
 from services.inference.upstream.protocols import Delta
@@ -45,6 +46,7 @@ class UpstreamModels:
 
     def __init__(self, routes: Mapping[str, UpstreamSpec]) -> None:
         self.endpoints = {model_id: UpstreamEndpoint(model_id, spec) for model_id, spec in routes.items()}
+        self.collector = UpstreamCollector(lambda: [(name, e.counters) for name, e in self.endpoints.items()])
 
     def __contains__(self, model: object) -> bool:
         return model in self.endpoints
@@ -77,7 +79,7 @@ class UpstreamModels:
         def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> tuple[Any, list[Delta]]:
             """Open a stream and wait for its first piece the client would see."""
             pieces = walk.stream_queue()
-            future = loop.submit(endpoint.stream(request, timeout_s, pieces.put))
+            future = loop.submit(endpoint.stream(request, timeout_s, pieces))
             running[0] = future
             walk.watch(future)
             first: list[Delta] = []
@@ -168,12 +170,22 @@ def _metadata(walk: Walk) -> tuple[tuple[str, str], ...]:
 
 
 def _abort(context: Any, walk: Walk, failure: AttemptFailure | Cancelled) -> NoReturn:
+    """End the call with `failure`'s code and its client-safe message; what the upstreams
+    said that only the operator may read goes to the log, under the request id the client
+    is given, so one finds the other."""
     trailing = list(_metadata(walk))
     if isinstance(failure, AttemptFailure) and failure.kind in (Kind.OVERLOADED, Kind.BUSY):
         trailing.append(("retry-after", f"{failure.retry_after_s if failure.retry_after_s is not None else 1.0:.3f}"))
     message = str(failure)
     if walk.attempts > 1:
         message += f" (after {walk.attempts} attempts)"
+    said = [f"{f.message}: {f.detail}" for f in [*walk.failures, failure]
+            if isinstance(f, AttemptFailure) and f.detail]
+    if said:
+        request_id = dict(context.invocation_metadata() or ()).get("x-request-id", "-")[:64]  # the pipeline's
+        log.warning("request %s failed after %d upstream attempt(s): %s", request_id, walk.attempts,
+                    "; ".join(dict.fromkeys(said)))
+        message += f"; request id {request_id} (the upstream's own words are in the server's log)"
     context.set_trailing_metadata(tuple(trailing))
     context.abort(failure.code, message)
     raise AssertionError("context.abort returned")

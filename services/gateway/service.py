@@ -284,8 +284,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     cached_prompt_tokens=state.cached_tokens)
             except Stop as stop:
                 self._abort(state, context, stop)
-            except GeneratorExit:
-                state.status = "CANCELLED"
+            except GeneratorExit:  # the caller closed the stream: its reason, where its context says one
+                state.status = getattr(context, "cancelled_as", "") or "CANCELLED"
                 raise
 
     # -- the request's life -----------------------------------------------------------
@@ -383,6 +383,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
         """End the call with the pipeline's verdict; its trailers name layout and request id."""
         state.status, state.details = stop.code.name, stop.details
+        if stop.code == grpc.StatusCode.CANCELLED:  # the caller's reason, where its context says one
+            state.status = getattr(context, "cancelled_as", "") or state.status
         context.set_trailing_metadata(self._answer_trailing(state, stop.trailing))
         context.abort(stop.code, stop.details)
 

@@ -44,7 +44,7 @@ from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
 from services.pipeline.local_context import SLOW_READER, LocalContext
 from services.pipeline.pipeline import code_details
-from services.pipeline.verdicts import OVERHEAD_HEADER
+from services.pipeline.verdicts import OVERHEAD_HEADER, USAGE_HEADER
 
 if TYPE_CHECKING:
     from runtime.http.admin_http import AdminHttp
@@ -224,7 +224,8 @@ class HttpApi:
         if isinstance(outcome, HttpError):
             await _send_error(send, api, _with_status(outcome, api, trailing), trailing, request_id)
             return
-        await _send_json(send, 200, api.answer(parsed, outcome, request_id), trailing)
+        await _send_json(send, 200, api.answer(parsed, outcome, request_id, dict(trailing).get(USAGE_HEADER, "")),
+                         trailing)
 
     async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
                       abort: Callable[[], None]) -> None:
@@ -266,7 +267,8 @@ class HttpApi:
             if item is _GONE:
                 return
             if item is _END:
-                pending.append(writer.end(finish, prompt_tokens, tokens))
+                counted_by = dict(context.trailing_metadata()).get(USAGE_HEADER, "")
+                pending.append(writer.end(finish, prompt_tokens, tokens, counted_by))
                 await _send_body(send, b"".join(pending), False, stall_s)
                 return
             if isinstance(item, HttpError):

@@ -27,15 +27,16 @@ from typing import Any, NoReturn
 
 import grpc
 
+from services.common.token_estimate import ESTIMATE, UPSTREAM, estimate_tokens
 from services.common.upstream_config import UpstreamSpec
 from services.inference.upstream import loop
 from services.inference.upstream.attempts import Cancelled, Walk
 from services.inference.upstream.counters import UpstreamCollector
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import AttemptFailure, Kind
-from services.inference.upstream.protocols import Delta
+from services.inference.upstream.protocols import Delta, conversation_text
 from services.pipeline.system_prompt import system_digest
-from services.pipeline.verdicts import ATTEMPTS_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER
+from services.pipeline.verdicts import ATTEMPTS_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER, USAGE_HEADER
 from wire.v1 import generation_pb2
 
 log = logging.getLogger("spine.upstream")
@@ -65,10 +66,11 @@ class UpstreamModels:
             answer = walk.run(attempt)
         except (AttemptFailure, Cancelled) as failure:
             _abort(context, walk, failure)
-        context.set_trailing_metadata(_metadata(walk))
+        prompt, completion, counted_by = _counted(request, answer.prompt_tokens, answer.completion_tokens, answer.text)
+        context.set_trailing_metadata((*_metadata(walk), (USAGE_HEADER, counted_by)))
         return generation_pb2.GenerateResponse(
-            text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=answer.prompt_tokens,
-            completion_tokens=answer.completion_tokens, system_digest=system_digest(request.system),
+            text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=prompt,
+            completion_tokens=completion, system_digest=system_digest(request.system),
             cached_prompt_tokens=answer.cached_tokens)
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
@@ -106,6 +108,7 @@ class UpstreamModels:
         digest = system_digest(request.system)
         ended = Delta()
         index = 0
+        texts: list[str] = []
         try:
             for delta in _pieces(walk, pieces, first, endpoint):
                 ended.finish = delta.finish or ended.finish
@@ -113,13 +116,16 @@ class UpstreamModels:
                 ended.completion_tokens = delta.completion_tokens or ended.completion_tokens
                 ended.cached_tokens = delta.cached_tokens or ended.cached_tokens
                 if delta.text:
+                    texts.append(delta.text)
                     yield generation_pb2.GenerateChunk(text=delta.text, index=index, model=request.model,
                                                        system_digest=digest)
                     index += 1
+            prompt, completion, counted_by = _counted(request, ended.prompt_tokens, ended.completion_tokens,
+                                                      "".join(texts))
+            context.set_trailing_metadata((*metadata, (USAGE_HEADER, counted_by)))
             yield generation_pb2.GenerateChunk(index=index, finish_reason=ended.finish or "stop", model=request.model,
-                                               system_digest=digest, prompt_tokens=ended.prompt_tokens,
-                                               completion_tokens=ended.completion_tokens,
-                                               cached_prompt_tokens=ended.cached_tokens)
+                                               system_digest=digest, prompt_tokens=prompt,
+                                               completion_tokens=completion, cached_prompt_tokens=ended.cached_tokens)
         except AttemptFailure as failure:  # after the first chunk: nothing can be retried now
             endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, endpoint.spec.timeout_s)
             broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {index} chunk(s): {failure.message}")
@@ -162,6 +168,18 @@ def _pieces(walk: Walk, pieces: Any, first: list[Delta], endpoint: UpstreamEndpo
         yield piece
         if piece.end:
             return
+
+
+def _counted(request: generation_pb2.GenerateRequest, prompt: int, completion: int, text: str) -> tuple[int, int, str]:
+    """(prompt tokens, completion tokens, whose count): the upstream's where it gave them,
+    else estimated from the texts (`services.common.token_estimate`), so an answer without
+    `usage` is charged all the same, whole or streamed."""
+    counted_by = UPSTREAM
+    if not prompt:
+        prompt, counted_by = estimate_tokens(conversation_text(request)), ESTIMATE
+    if not completion and text:
+        completion, counted_by = estimate_tokens(text), ESTIMATE
+    return prompt, completion, counted_by
 
 
 def _metadata(walk: Walk) -> tuple[tuple[str, str], ...]:

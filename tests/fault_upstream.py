@@ -21,7 +21,8 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 | `no-usage` | 60 words and no `usage` (plain or streamed) |
 | anything else | forwarded to the real model server (`forward_to`), model `default` |
 
-`hits` counts requests by model, so a test can tell how many attempts reached it.
+`hits` counts requests by model, so a test can tell how many attempts reached it; `left` the
+endless answers whose client (the spine) went away.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class FaultUpstream:
         self.forward_to = forward_to.rstrip("/")  # the real server's base_url (…/v1)
         self.key = key
         self.hits: Counter[str] = Counter()
+        self.left: Counter[str] = Counter()  # endless answers whose client went away, by model
         self.fail_share = fail_share
         self._draw = random.Random(7)
         self._lock = threading.Lock()
@@ -143,6 +145,8 @@ class FaultUpstream:
             return
         if model in ("blank-lines", "firehose"):
             await _endless(receive, send, model)
+            with self._lock:
+                self.left[model] += 1
             return
         if model == "no-usage":
             await _without_usage(send, stream)

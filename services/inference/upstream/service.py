@@ -128,7 +128,8 @@ class UpstreamModels:
                                                completion_tokens=completion, cached_prompt_tokens=ended.cached_tokens)
         except AttemptFailure as failure:  # after the first chunk: nothing can be retried now
             endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, endpoint.spec.timeout_s)
-            broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {index} chunk(s): {failure.message}")
+            broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {index} chunk(s): {failure.message}",
+                                    detail=failure.detail)
             _abort(context, walk, broken)
         except Cancelled as cancelled:
             _abort(context, walk, cancelled)

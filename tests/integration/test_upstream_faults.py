@@ -245,17 +245,22 @@ def test_an_https_upstream_is_verified_and_spoken_to_over_httpx2(world: dict[str
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def test_a_failing_upstream_never_ejects_the_inference_process(tmp_path: Path) -> None:
+def test_a_failing_upstream_never_ejects_the_inference_process(world: dict[str, Any], tmp_path: Path) -> None:
     """With the model in its own process, the gateway's remote proxy ejects the inference component
     after `calls.eject_after_failures` failures in a row: an upstream's failures are that
-    component's answers, so the other models stay served."""
+    component's answers, so the other models stay served. What the upstream said stays in that
+    process's log, across the gRPC hop as in one process."""
     down = f"http://127.0.0.1:{free_port()}/v1"
+    key_file = tmp_path / "spine-upstream.key"
+    key_file.write_text(SPINE_UPSTREAM_KEY)
     config = config_for_tests(
         placements={name: "local" for name in ("auth", "ratelimit", "router", "cache", "metrics", "logs")}
         | {"inference": "remote"},
         calls={"eject_after_failures": 2},
         router={"models": [*(model.model_dump(exclude_none=True) for model in load_config().router.models),
-                           {"id": "down", "upstream": {"base_url": down, "retries": 0, "eject_after_failures": 100}}]})
+                           {"id": "down", "upstream": {"base_url": down, "retries": 0, "eject_after_failures": 100}},
+                           {"id": "wrong-key", "upstream": {"base_url": world["fault"].base_url, "model": "wrong-key",
+                                                            "api_key_file": str(key_file)}}]})
     stack = Stack(config, placements_for("mixed", config), run_dir=tmp_path / "run", http_listen="127.0.0.1:0")
     stack.start()
     try:
@@ -264,6 +269,18 @@ def test_a_failing_upstream_never_ejects_the_inference_process(tmp_path: Path) -
             with pytest.raises(openai.InternalServerError, match="upstream down is unreachable") as raised:
                 client.chat.completions.create(model="down", max_tokens=2, messages=[{"role": "user", "content": f"{i}"}])
             assert "127.0.0.1" not in raised.value.message  # its address stays in the inference process's log
+        with pytest.raises(openai.InternalServerError, match="upstream wrong-key answered 401") as refused:
+            client.chat.completions.create(model="wrong-key", max_tokens=2, messages=[{"role": "user", "content": "k"}])
+        assert SPINE_UPSTREAM_KEY not in refused.value.message and "Incorrect API key" not in refused.value.message
+        request_id = refused.value.response.headers["x-request-id"]
+        logs = list((tmp_path / "run").rglob("*.log"))
+
+        def logged() -> list[str]:
+            return [line for log in logs for line in log.read_text(errors="replace").splitlines() if request_id in line]
+        lines = eventually(logged, 10, "the inference process logged the upstream's words",
+                           seen=lambda: [log.name for log in logs])
+        assert any("Bearer [redacted]" in line for line in lines), lines
+        assert not any(SPINE_UPSTREAM_KEY in log.read_text(errors="replace") for log in logs)
         answer = client.chat.completions.create(model="default", max_tokens=2, temperature=0,
                                                 messages=[{"role": "user", "content": "still served"}])
         assert answer.usage is not None and answer.usage.completion_tokens == 2
@@ -331,7 +348,7 @@ def test_blank_lines_are_cut_off_and_counted_while_a_healthy_upstream_answers(wo
         eventually(lambda: len(refused) >= 4, 30, "the blank-line streams were cut off")
         healthy = _client(world, LOAD_KEY)
         for i in range(10):
-            answer = healthy.chat.completions.create(model="good", max_tokens=2, temperature=0, timeout=10,
+            answer = healthy.chat.completions.create(model="good", max_tokens=2, temperature=0,
                                                      messages=[{"role": "user", "content": f"healthy {i}"}])
             assert answer.choices[0].message.content
     finally:

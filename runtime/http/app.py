@@ -27,6 +27,7 @@ import orjson
 from runtime.config.http import HttpConfig
 from runtime.http import anthropic_api, openai_api
 from runtime.http.bounded_protocol import ABORT_EXTENSION, response_bytes
+from runtime.http.stream_window import LIMIT as WINDOW
 from runtime.http.stream_window import StreamWindow
 from runtime.http.wire import (
     INSUFFICIENT_QUOTA,
@@ -281,7 +282,7 @@ class HttpApi:
                 tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
             finish = item.finish_reason or finish
             pending.append(writer.chunk(item.text))
-            if window.empty():  # send what is ready in one write; wait for the model with nothing held
+            if window.empty() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
                 if not await _send_body(send, b"".join(pending), True, stall_s):
                     _slow_readers(None, "request %s: the client read nothing of its stream for %gs "
                                   "(http.stream_stall_s): cancelled", request_id, stall_s)
@@ -320,8 +321,9 @@ def _pump_stream(target: Any, request: Any, context: LocalContext, window: Strea
     """Every chunk of the stream to the event loop, then _END or the verdict; no further than
     the window lets it (a closed window: the client left or stopped reading, so the stream is
     closed here, which stops the model)."""
-    chunks = target.GenerateStream(request, context)
+    chunks: Any = ()
     try:
+        chunks = target.GenerateStream(request, context)
         for chunk in chunks:
             if not window.put(chunk):
                 return

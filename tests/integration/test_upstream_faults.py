@@ -34,7 +34,7 @@ SPINE_UPSTREAM_KEY = "sk-spine-upstream-secret-0123456789"  # what the spine sen
 
 
 def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path, secure: FaultUpstream,
-            ca: Path, spine_key_file: Path, gone_url: str) -> list[dict[str, Any]]:
+            ca: Path, spine_key_file: Path, gone_url: str, tokenizer: Path) -> list[dict[str, Any]]:
     def at(url: str, model: str, **options: Any) -> dict[str, Any]:
         return {"base_url": url, "model": model, **options}
 
@@ -61,7 +61,18 @@ def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path, secu
                                       api_key_file=str(spine_key_file))},
         {"id": "blank-lines", "upstream": at(faulty, "blank-lines", retries=0, eject_after_failures=1000)},
         {"id": "no-usage", "upstream": at(faulty, "no-usage")},
+        {"id": "no-usage-tokenized", "upstream": at(faulty, "no-usage", tokenizer_file=str(tokenizer))},
     ]
+
+
+def _word_tokenizer(path: Path) -> Path:
+    """A tokenizer.json whose every word is one token (a stand-in for an upstream model's own)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tokenizer.save(str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +100,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> 
                                "metered": {"tokens_per_minute": 0.006, "token_burst": 10000}}},
         router={"models": [*(model.model_dump(exclude_none=True) for model in load_config().router.models),
                            *_routes(bare_http_upstream, fault, f"http://127.0.0.1:{down_port}/v1", key_file, secure,
-                                    certs["ca.pem"], spine_key_file, f"http://127.0.0.1:{free_port()}/v1")]})
+                                    certs["ca.pem"], spine_key_file, f"http://127.0.0.1:{free_port()}/v1",
+                                    _word_tokenizer(tmp / "tokenizer.json"))]})
     stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0")
     stack.start()
     try:
@@ -363,28 +375,36 @@ def test_blank_lines_are_cut_off_and_counted_while_a_healthy_upstream_answers(wo
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_answer_without_usage_is_charged_its_estimate_and_says_so(world: dict[str, Any], stream: bool) -> None:
-    """60 words and no usage: the completion is estimated (UTF-8 bytes / 4), charged to the
-    tenant's tokens, and the usage says `spine_counted_by: estimate` — whole or streamed."""
+@pytest.mark.parametrize("model", ["no-usage", "no-usage-tokenized"])
+def test_an_answer_without_usage_is_counted_charged_and_says_how(world: dict[str, Any], model: str,
+                                                                 stream: bool) -> None:
+    """60 words and no usage: counted with the model's tokenizer where the upstream names one
+    (here one token a word), else estimated (UTF-8 bytes / 4), charged to the tenant's tokens,
+    and the usage says which (`spine_counted_by`) — whole or streamed alike."""
     limiter = world["stack"].local_servicer("ratelimit")
-    key = (("tenant", "metered"), ("model", "no-usage"), ("resource", "tokens"))
+    key = (("tenant", "metered"), ("model", model), ("resource", "tokens"))
     before = limiter.bucket(key)
-    completion = estimate_tokens(NO_USAGE_TEXT)
     client = _client(world, METERED_KEY)
     prompt = f"count me {stream}"
     if stream:
-        chunks = list(client.chat.completions.create(model="no-usage", max_tokens=200, stream=True,
+        chunks = list(client.chat.completions.create(model=model, max_tokens=200, stream=True,
                                                      stream_options={"include_usage": True},
                                                      messages=[{"role": "user", "content": prompt}]))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == NO_USAGE_TEXT
         usage = chunks[-1].usage
     else:
-        answer = client.chat.completions.create(model="no-usage", max_tokens=200,
+        answer = client.chat.completions.create(model=model, max_tokens=200,
                                                 messages=[{"role": "user", "content": prompt}])
         assert answer.choices[0].message.content == NO_USAGE_TEXT
         usage = answer.usage
-    assert usage is not None and usage.completion_tokens == completion == 103
-    assert usage.prompt_tokens == estimate_tokens(prompt) and (usage.model_extra or {})["spine_counted_by"] == "estimate"
+    assert usage is not None
+    if model == "no-usage":
+        assert usage.completion_tokens == estimate_tokens(NO_USAGE_TEXT) == 103
+        assert usage.prompt_tokens == estimate_tokens(prompt)
+        assert (usage.model_extra or {})["spine_counted_by"] == "estimate"
+    else:
+        assert usage.completion_tokens == 60 and usage.prompt_tokens == 3
+        assert (usage.model_extra or {})["spine_counted_by"] == "tokenizer"
     after = limiter.bucket(key)
     level_before = 10000.0 if before is None else before.level
     assert after is not None and abs((level_before - after.level) - usage.total_tokens) < 0.01

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pytest
 
@@ -113,3 +115,14 @@ def test_a_stream_of_blank_lines_is_cut_off_after_its_bound() -> None:
     comments = SSEParser(max_bytes=1024, max_idle_bytes=2048)
     for _ in range(100):  # keep-alive comments between events are fine: each event resets the count
         assert comments.feed(b": keep-alive\n\n" * 10 + b"data: x\n\n") == [("message", "x")]
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_a_config_error(tmp_path: Path) -> None:
+    from services.common import ConfigError
+    from services.inference.upstream.token_count import TokenCounter
+
+    (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(ConfigError, match=r"upstream of 'x'\.tokenizer_file: cannot read .*tokenizer\.json"):
+        TokenCounter(tmp_path / "tokenizer.json", "upstream of 'x'")
+    estimate = TokenCounter(None, "upstream of 'x'")
+    assert estimate.name == "estimate" and estimate.count("12345") == 2 and estimate.count("") == 0

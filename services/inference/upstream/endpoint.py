@@ -33,6 +33,7 @@ from services.inference.upstream.protocols import (
     is_context_length,
 )
 from services.inference.upstream.retry_budget import RetryBudget
+from services.inference.upstream.token_count import TokenCounter
 from services.inference.upstream.transports import LinkError, NoEvents, SSEParser, transport_for
 from wire.v1 import generation_pb2
 
@@ -85,6 +86,7 @@ class UpstreamEndpoint:
         self.in_flight = 0  # attempts holding a slot (changed on the loop thread only)
         self.transport = transport_for(spec)
         self.counters = EndpointCounters()
+        self.tokens = TokenCounter(spec.tokenizer_file, f"upstream of {model_id!r}")  # for answers without usage
 
     def __repr__(self) -> str:  # what a client's error message names: never the upstream's address
         return f"upstream {self.model_id}"

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from services.common.token_estimate import ESTIMATE, UPSTREAM, estimate_tokens
+from services.common.token_estimate import UPSTREAM
 from services.common.upstream_config import UpstreamSpec
 from services.inference.upstream import loop
 from services.inference.upstream.attempts import Cancelled, Walk
@@ -35,6 +35,7 @@ from services.inference.upstream.counters import UpstreamCollector
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import AttemptFailure, Kind
 from services.inference.upstream.protocols import Delta, conversation_text
+from services.inference.upstream.token_count import TokenCounter
 from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import ATTEMPTS_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER, USAGE_HEADER
 from wire.v1 import generation_pb2
@@ -66,7 +67,8 @@ class UpstreamModels:
             answer = walk.run(attempt)
         except (AttemptFailure, Cancelled) as failure:
             _abort(context, walk, failure)
-        prompt, completion, counted_by = _counted(request, answer.prompt_tokens, answer.completion_tokens, answer.text)
+        prompt, completion, counted_by = _counted(walk.served_by.tokens, request, answer.prompt_tokens,
+                                                  answer.completion_tokens, answer.text)
         context.set_trailing_metadata((*_metadata(walk), (USAGE_HEADER, counted_by)))
         return generation_pb2.GenerateResponse(
             text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=prompt,
@@ -120,8 +122,8 @@ class UpstreamModels:
                     yield generation_pb2.GenerateChunk(text=delta.text, index=index, model=request.model,
                                                        system_digest=digest)
                     index += 1
-            prompt, completion, counted_by = _counted(request, ended.prompt_tokens, ended.completion_tokens,
-                                                      "".join(texts))
+            prompt, completion, counted_by = _counted(endpoint.tokens, request, ended.prompt_tokens,
+                                                      ended.completion_tokens, "".join(texts))
             context.set_trailing_metadata((*metadata, (USAGE_HEADER, counted_by)))
             yield generation_pb2.GenerateChunk(index=index, finish_reason=ended.finish or "stop", model=request.model,
                                                system_digest=digest, prompt_tokens=prompt,
@@ -171,15 +173,16 @@ def _pieces(walk: Walk, pieces: Any, first: list[Delta], endpoint: UpstreamEndpo
             return
 
 
-def _counted(request: generation_pb2.GenerateRequest, prompt: int, completion: int, text: str) -> tuple[int, int, str]:
+def _counted(tokens: TokenCounter, request: generation_pb2.GenerateRequest, prompt: int, completion: int,
+             text: str) -> tuple[int, int, str]:
     """(prompt tokens, completion tokens, whose count): the upstream's where it gave them,
-    else estimated from the texts (`services.common.token_estimate`), so an answer without
-    `usage` is charged all the same, whole or streamed."""
+    else counted here (its model's tokenizer where configured, else the estimate), so an
+    answer without `usage` is charged all the same, whole or streamed."""
     counted_by = UPSTREAM
     if not prompt:
-        prompt, counted_by = estimate_tokens(conversation_text(request)), ESTIMATE
+        prompt, counted_by = tokens.count(conversation_text(request)), tokens.name
     if not completion and text:
-        completion, counted_by = estimate_tokens(text), ESTIMATE
+        completion, counted_by = tokens.count(text), tokens.name
     return prompt, completion, counted_by
 
 

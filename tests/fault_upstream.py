@@ -13,12 +13,19 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 | `context` | 400 naming the maximum context length |
 | `flaky` | 503 for 30% of requests (a seeded draw); the rest forwarded to the real model server |
 | `brief` | "ok", whatever max_tokens: usage 5 prompt and 1 completion tokens (plain or streamed) |
+| `wrong-key` | 401 quoting the Authorization header it got, as OpenAI's own 401 does |
+| `leaky-500` | 500 whose body names a database URL with its password, and the key it got |
+| `echo-400` | 400 about the request, quoting the key it got in its message |
+| `blank-lines` | 200 `text/event-stream` of nothing but blank lines, as fast as it can, until the client leaves |
+| `firehose` | 200 `text/event-stream` of 1 KiB content events, as fast as the client reads, until it leaves |
+| `no-usage` | 60 words and no `usage` (plain or streamed) |
 | anything else | forwarded to the real model server (`forward_to`), model `default` |
 
 `GET /v1/models` lists the models of `context_lengths` as vLLM does, each with its `max_model_len`
 (none: a listing without context lengths).
 
-`hits` counts requests by model, so a test can tell how many attempts reached it.
+`hits` counts requests by model, so a test can tell how many attempts reached it; `left` the
+endless answers whose client (the spine) went away.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class FaultUpstream:
         self.context_lengths = context_lengths or {}
         self.key = key
         self.hits: Counter[str] = Counter()
+        self.left: Counter[str] = Counter()  # endless answers whose client went away, by model
         self.fail_share = fail_share
         self._draw = random.Random(7)
         self._lock = threading.Lock()
@@ -132,6 +140,29 @@ class FaultUpstream:
         if model == "brief":
             await _brief(send, stream)
             return
+        got = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if model == "wrong-key":
+            message = f"Incorrect API key provided: {got}. You can find your API key at https://example.invalid."
+            await _send(send, 401, orjson.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                                           "code": "invalid_api_key"}}), b"application/json")
+            return
+        if model == "leaky-500":
+            await _send(send, 500, f"psycopg.OperationalError: postgres://app:{LEAKED_PASSWORD}@10.1.2.3:5432/app "
+                                   f"refused the connection (request had {got})".encode(), b"text/plain")
+            return
+        if model == "echo-400":
+            message = f"temperature must be at most 2 (the request authorized as {got})"
+            await _send(send, 400, orjson.dumps({"error": {"message": message, "type": "invalid_request_error"}}),
+                        b"application/json")
+            return
+        if model in ("blank-lines", "firehose"):
+            await _endless(receive, send, model)
+            with self._lock:
+                self.left[model] += 1
+            return
+        if model == "no-usage":
+            await _without_usage(send, stream)
+            return
         if failing:
             await _send(send, 503, b'{"error": {"message": "injected 503", "type": "server_error"}}',
                         b"application/json")
@@ -157,6 +188,49 @@ async def _send(send: Any, status: int, body: bytes, kind: bytes,
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", kind), *(extra or [])]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+LEAKED_PASSWORD = "hunter2-db-password"  # noqa: S105 - what a leaky upstream's 5xx names
+NO_USAGE_TEXT = " ".join(f"word{i}" for i in range(60))  # what `no-usage` answers: 60 words
+
+
+async def _endless(receive: Any, send: Any, model: str) -> None:
+    """Blank lines, or content events, until the client goes away. uvicorn's `send` waits while
+    the client does not read (a `firehose` is as fast as its reader), and returns at once once
+    it has gone, so a watcher on `receive` says when to stop."""
+    left = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left.set()
+
+    watcher = asyncio.ensure_future(watch())
+    event = {"choices": [{"index": 0, "delta": {"content": "x" * 1024}, "finish_reason": None}]}
+    piece = b"\n" * 65536 if model == "blank-lines" else (b"data: " + orjson.dumps(event) + b"\n\n") * 16
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        while not left.is_set():
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await asyncio.sleep(0)
+    finally:
+        watcher.cancel()
+
+
+async def _without_usage(send: Any, stream: bool) -> None:
+    common = {"id": "chatcmpl-no-usage", "created": 0, "model": "no-usage"}
+    if not stream:
+        await _send(send, 200, orjson.dumps({**common, "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": NO_USAGE_TEXT}, "finish_reason": "stop"}]}),
+            b"application/json")
+        return
+    words = NO_USAGE_TEXT.split(" ")
+    events = [{"choices": [{"index": 0, "delta": {"content": word if i == 0 else f" {word}"}, "finish_reason": None}]}
+              for i, word in enumerate(words)]
+    events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    body = b"".join(b"data: " + orjson.dumps({**common, "object": "chat.completion.chunk", **event}) + b"\n\n"
+                    for event in events) + b"data: [DONE]\n\n"
+    await _send(send, 200, body, b"text/event-stream")
 
 
 BRIEF_USAGE = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}

@@ -38,3 +38,7 @@ class HttpConfig(Section):
     read_timeout_s: Annotated[Float, Field(gt=0)] = 10.0
     # An idle keep-alive connection is closed after this long (whole seconds: uvicorn's unit).
     keepalive_s: Annotated[StrictInt, Field(ge=1)] = 5
+    # A stream whose client has taken nothing for this long (the connection's write buffer
+    # full) is cancelled and its connection dropped; the server holds a bounded window of
+    # it meanwhile, never the rest of the answer.
+    stream_stall_s: Annotated[Float, Field(gt=0)] = 30.0

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from runtime.http import fields, transcript
-from runtime.http.wire import POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
+from runtime.http.wire import COUNTED_BY, POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
 from wire.v1 import generation_pb2
 
 NAME = "anthropic"
@@ -65,16 +65,20 @@ def parse(body: Any) -> Parsed:
     return Parsed(request, fields.boolean(body, "stream"))
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, counted_by: str = "") -> dict[str, Any]:
+    """Anthropic's usage; for an upstream model also whose count it is (as OpenAI's)."""
+    usage: dict[str, Any] = {"input_tokens": prompt_tokens, "output_tokens": completion_tokens}
+    if counted_by:
+        usage[COUNTED_BY] = counted_by
+    return usage
 
 
-def answer(parsed: Parsed, response: generation_pb2.GenerateResponse, request_id: str) -> bytes:
+def answer(parsed: Parsed, response: generation_pb2.GenerateResponse, request_id: str, counted_by: str = "") -> bytes:
     return orjson.dumps({
         "id": f"msg_{request_id}", "type": "message", "role": "assistant", "model": response.model,
         "content": [{"type": "text", "text": response.text}],
         "stop_reason": STOP_REASONS.get(response.finish_reason, "max_tokens"), "stop_sequence": None,
-        "usage": _usage(response.prompt_tokens, response.completion_tokens),
+        "usage": _usage(response.prompt_tokens, response.completion_tokens, counted_by),
     })
 
 
@@ -103,12 +107,12 @@ class Stream:
         return _event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                               "delta": {"type": "text_delta", "text": text}})
 
-    def end(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, finish: str, prompt_tokens: int, completion_tokens: int, counted_by: str = "") -> bytes:
         return (_event("content_block_stop", {"type": "content_block_stop", "index": 0})
                 + _event("message_delta", {"type": "message_delta",
                                            "delta": {"stop_reason": STOP_REASONS.get(finish, "max_tokens"),
                                                      "stop_sequence": None},
-                                           "usage": _usage(prompt_tokens, completion_tokens)})
+                                           "usage": _usage(prompt_tokens, completion_tokens, counted_by)})
                 + _event("message_stop", {"type": "message_stop"}))
 
     def error(self, error: HttpError, request_id: str) -> bytes:

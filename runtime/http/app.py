@@ -27,7 +27,9 @@ import orjson
 from runtime.config.http import HttpConfig
 from runtime.http import anthropic_api, openai_api
 from runtime.http.body import BodyReader, has_body
-from runtime.http.bounded_protocol import response_bytes
+from runtime.http.bounded_protocol import ABORT_EXTENSION, response_bytes
+from runtime.http.stream_window import LIMIT as WINDOW
+from runtime.http.stream_window import StreamWindow
 from runtime.http.wire import (
     INSUFFICIENT_QUOTA,
     LAYOUT,
@@ -42,9 +44,9 @@ from runtime.http.wire import (
 from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
-from services.pipeline.local_context import LocalContext
+from services.pipeline.local_context import SLOW_READER, LocalContext
 from services.pipeline.pipeline import code_details
-from services.pipeline.verdicts import OVERHEAD_HEADER
+from services.pipeline.verdicts import OVERHEAD_HEADER, USAGE_HEADER
 
 if TYPE_CHECKING:
     from runtime.http.admin_http import AdminHttp
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("spine.http")
 # A gateway that fails every request: each traceback at DEBUG, at most one ERROR line a second.
 _gateway_failures = RateLimitedLog(log, "requests the gateway failed", level=logging.ERROR)
+_slow_readers = RateLimitedLog(log, "streams cancelled for a client that did not read")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -138,7 +141,7 @@ class HttpApi:
         watcher = asyncio.ensure_future(_watch_disconnect(receive, context))
         try:
             if parsed.stream:
-                await self._stream(send, api, parsed, context, base)
+                await self._stream(send, api, parsed, context, base, _abort_of(scope))
             else:
                 await self._unary(send, api, parsed, context, base)
         finally:
@@ -195,19 +198,28 @@ class HttpApi:
         if isinstance(outcome, HttpError):
             await _send_error(send, api, _with_status(outcome, api, trailing), trailing, request_id)
             return
-        await _send_json(send, 200, api.answer(parsed, outcome, request_id), trailing)
+        await _send_json(send, 200, api.answer(parsed, outcome, request_id, dict(trailing).get(USAGE_HEADER, "")),
+                         trailing)
 
-    async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing) -> None:
+    async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
+                      abort: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        window = StreamWindow(loop)
 
-        def hand_over(item: Any) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        def gone() -> None:
+            window.end(_GONE)
+            window.close()
 
-        context.add_callback(lambda: hand_over(_GONE))
+        context.add_callback(gone)
+        loop.run_in_executor(self.pool, _pump_stream, self.target, parsed.request, context, window)
+        try:
+            await self._relay(send, api, parsed, context, base, window, abort)
+        finally:
+            window.close()  # the handler thread stops pulling the stream, whatever ended it
 
-        loop.run_in_executor(self.pool, _pump_stream, self.target, parsed.request, context, hand_over)
-        first = await queue.get()
+    async def _relay(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
+                     window: StreamWindow, abort: Callable[[], None]) -> None:
+        first = await window.get()
         trailing = (*base, *context.trailing_metadata())
         request_id = dict(trailing)[REQUEST_ID]
         if first is _GONE:
@@ -224,27 +236,34 @@ class HttpApi:
         start = writer.start(model, prompt_tokens)
         tokens, finish, item = 0, "", first
         pending = [start] if start else []
+        stall_s = self.config.stream_stall_s
         while True:
             if item is _GONE:
                 return
             if item is _END:
-                pending.append(writer.end(finish, prompt_tokens, tokens))
-                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
+                counted_by = dict(context.trailing_metadata()).get(USAGE_HEADER, "")
+                pending.append(writer.end(finish, prompt_tokens, tokens, counted_by))
+                await _send_body(send, b"".join(pending), False, stall_s)
                 return
             if isinstance(item, HttpError):
                 error = _with_status(item, api, context.trailing_metadata())
                 pending.append(writer.error(error, request_id))
-                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": False})
+                await _send_body(send, b"".join(pending), False, stall_s)
                 return
             tokens += len(item.token_ids)
             if item.completion_tokens or item.prompt_tokens:  # the model's own count (an upstream's usage)
                 tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
             finish = item.finish_reason or finish
             pending.append(writer.chunk(item.text))
-            if queue.empty():  # send what is ready in one write; wait for the model with nothing held
-                await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+            if window.empty() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
+                if not await _send_body(send, b"".join(pending), True, stall_s):
+                    _slow_readers(None, "request %s: the client read nothing of its stream for %gs "
+                                  "(http.stream_stall_s): cancelled", request_id, stall_s)
+                    context.cancel(SLOW_READER)  # the model stops; the request's record says why
+                    abort()  # what the socket still holds is dropped with the connection
+                    return
                 pending = []
-            item = await queue.get()
+            item = await window.get()
 
 
 def _parse(path: str, body: Any, default_max_tokens: int) -> Any:
@@ -271,18 +290,27 @@ def _call_unary(target: Any, request: Any, context: LocalContext) -> Any:
         return _Verdict(grpc.StatusCode.INTERNAL, "internal error")
 
 
-def _pump_stream(target: Any, request: Any, context: LocalContext, hand_over: Callable[[Any], None]) -> None:
-    """Every chunk of the stream to the event loop, then _END or the verdict."""
+def _pump_stream(target: Any, request: Any, context: LocalContext, window: StreamWindow) -> None:
+    """Every chunk of the stream to the event loop, then _END or the verdict; no further than
+    the window lets it (a closed window: the client left or stopped reading, so the stream is
+    closed here, which stops the model)."""
+    chunks: Any = ()
     try:
-        for chunk in target.GenerateStream(request, context):
-            hand_over(chunk)
-        hand_over(_END)
+        chunks = target.GenerateStream(request, context)
+        for chunk in chunks:
+            if not window.put(chunk):
+                return
+        window.end(_END)
     except grpc.RpcError as error:
-        hand_over(_verdict(error))
+        window.end(_verdict(error))
     except Exception:
         _gateway_failures(None, "request %s: the gateway failed",
                           dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
-        hand_over(_Verdict(grpc.StatusCode.INTERNAL, "internal error"))
+        window.end(_Verdict(grpc.StatusCode.INTERNAL, "internal error"))
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
 
 
 class _Verdict(HttpError):
@@ -327,6 +355,23 @@ async def _send_json(send: Send, status: int, body: bytes, trailing: Iterable[tu
     headers = [("content-type", "application/json"), *answer_headers(trailing), *extra]
     await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_body(send: Send, body: bytes, more: bool, within_s: float) -> bool:
+    """One piece of a stream's body; False when the client took none of what the connection
+    holds within `within_s` (uvicorn's `send` waits while its write buffer is full)."""
+    try:
+        await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": more}), within_s)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _abort_of(scope: Scope) -> Callable[[], None]:
+    """How to drop the request's connection at once (the server's protocol puts it in the
+    scope's extensions; without it, nothing more is done)."""
+    abort: Callable[[], None] | None = scope.get("extensions", {}).get(ABORT_EXTENSION)
+    return abort if abort is not None else (lambda: None)
 
 
 async def _send_error(send: Send, api: Any, error: HttpError, trailing: Iterable[tuple[str, str]],

@@ -42,6 +42,9 @@ from uvicorn.server import ServerState
 from runtime.config.http import HttpConfig
 
 log = logging.getLogger("spine.http")
+# The scope's extension the app calls to drop a connection at once (a stream whose client
+# stopped reading: what the socket still holds goes with it, rather than waiting to be read).
+ABORT_EXTENSION = "spine.abort_connection"
 
 LINGER_S = 1.0  # a refused connection is drained this long at most, then closed
 LINGER_BYTES = 4 << 20  # ... or until this much has been thrown away
@@ -174,6 +177,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None:  # the app's answer closes through us: see LingeringClose
             self.cycle.transport = LingeringClose(self)  # type: ignore[assignment]
+            extensions: dict[str, Any] = self.cycle.scope.setdefault("extensions", {})
+            extensions[ABORT_EXTENSION] = self.transport.abort
 
     def on_message_complete(self) -> None:
         self._reading_head = True

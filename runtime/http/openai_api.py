@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from runtime.http import fields, transcript
-from runtime.http.wire import POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
+from runtime.http.wire import COUNTED_BY, POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
 from wire.v1 import generation_pb2
 
 NAME = "openai"
@@ -102,15 +102,20 @@ def parse_completion(body: Any, default_max_tokens: int) -> Parsed:
     return Parsed(_common(body, tokens, "", prompt), fields.boolean(body, "stream"), include_usage, chat=False)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, counted_by: str = "") -> dict[str, Any]:
+    """OpenAI's usage; for an upstream model also whose count it is (`spine_counted_by`:
+    `upstream` or `estimate`, an extra field the SDKs keep as it is)."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if counted_by:
+        usage[COUNTED_BY] = counted_by
+    return usage
 
 
-def answer(parsed: Parsed, response: generation_pb2.GenerateResponse, request_id: str) -> bytes:
+def answer(parsed: Parsed, response: generation_pb2.GenerateResponse, request_id: str, counted_by: str = "") -> bytes:
     finish = response.finish_reason or "length"
     common = {"created": int(time.time()), "model": response.model,
-              "usage": _usage(response.prompt_tokens, response.completion_tokens)}
+              "usage": _usage(response.prompt_tokens, response.completion_tokens, counted_by)}
     if response.system_digest:
         common["system_fingerprint"] = response.system_digest
     if parsed.chat:
@@ -153,10 +158,10 @@ class Stream:
     def chunk(self, text: str) -> bytes:
         return self._event([self._choice(text, None)]) if text else b""
 
-    def end(self, finish: str, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def end(self, finish: str, prompt_tokens: int, completion_tokens: int, counted_by: str = "") -> bytes:
         out = self._event([self._choice(None, finish or "length")])
         if self.parsed.include_usage:
-            out += self._event([], usage=_usage(prompt_tokens, completion_tokens))
+            out += self._event([], usage=_usage(prompt_tokens, completion_tokens, counted_by))
         return out + b"data: [DONE]\n\n"
 
     def error(self, error: HttpError, request_id: str) -> bytes:

@@ -40,6 +40,7 @@ from services.pipeline.verdicts import (
     OVERHEAD_HEADER,
     UPSTREAM_HEADER,
     UPSTREAM_TIME_HEADER,
+    USAGE_HEADER,
 )
 
 REQUEST_ID = "x-request-id"
@@ -150,7 +151,9 @@ def load_hint_json(hint: str | None) -> str:
 
 # What an answer's headers take from its trailing metadata, when there.
 ANSWER_HEADERS = (REQUEST_ID, LAYOUT, LOAD_HEADER, FALLBACK_HEADER, "x-spine-side", OVERHEAD_HEADER, UPSTREAM_HEADER,
-                  ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER, BUDGET_HEADER)
+                  ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER, USAGE_HEADER, BUDGET_HEADER)
+# The usage field that says whose count of tokens an upstream model's answer carries.
+COUNTED_BY = "spine_counted_by"
 
 
 def answer_headers(trailing: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

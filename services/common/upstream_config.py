@@ -48,6 +48,9 @@ class UpstreamSpec(Section):
     eject_after_failures: Annotated[StrictInt, Field(ge=1)] = 5
     ejection_s: Annotated[Float, Field(gt=0)] = 1.0
     max_ejection_s: Annotated[Float, Field(gt=0)] = 30.0
+    tokenizer_file: Path | None = Field(default=None, description="the upstream model's Hugging Face "
+                                        "tokenizer.json: an answer without usage is counted with it (needs the "
+                                        "tokenizers package, the hf extra); without it, estimated")
 
     @field_validator("base_url")
     @classmethod

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.common.log_limit import RateLimitedLog
+from services.common.token_estimate import estimate_tokens
 from services.gateway import model_calls
 from services.gateway.model_calls import ModelCallSpans, first_chunk
 from services.gateway.model_load import ModelLoads
@@ -272,8 +273,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     state.add_time(self.pipeline.model.component, time.perf_counter() - started)
                     # What was generated, however the stream ended (an aborted one is charged
                     # up to where it stopped): the model's count, else its tokens, else its
-                    # pieces of text (an upstream's chunks carry no token ids).
-                    _used(state, usage[0], usage[1] or len(tokens) or sum(1 for text in texts if text), usage[2])
+                    # text's estimate (an upstream's chunks carry no token ids; the same
+                    # estimate an upstream's answer without usage is charged).
+                    _used(state, usage[0], usage[1] or len(tokens) or estimate_tokens("".join(texts)), usage[2])
                 state.model_wait_s = time.perf_counter() - started
                 model_trailers = _forwarded(stream.trailing_metadata() or ())
                 self.model_load.note_trailers(state.model, model_trailers)
@@ -284,8 +286,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     cached_prompt_tokens=state.cached_tokens)
             except Stop as stop:
                 self._abort(state, context, stop)
-            except GeneratorExit:
-                state.status = "CANCELLED"
+            except GeneratorExit:  # the caller closed the stream: its reason, where its context says one
+                state.status = getattr(context, "cancelled_as", "") or "CANCELLED"
                 raise
 
     # -- the request's life -----------------------------------------------------------
@@ -383,6 +385,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
         """End the call with the pipeline's verdict; its trailers name layout and request id."""
         state.status, state.details = stop.code.name, stop.details
+        if stop.code == grpc.StatusCode.CANCELLED:  # the caller's reason, where its context says one
+            state.status = getattr(context, "cancelled_as", "") or state.status
         context.set_trailing_metadata(self._answer_trailing(state, stop.trailing))
         context.abort(stop.code, stop.details)
 

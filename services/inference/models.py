@@ -58,6 +58,7 @@ class MultiModelInference(InferenceService):
                 from services.inference.upstream.service import UpstreamModels
 
                 self.upstreams = UpstreamModels(upstreams)
+                self.serving_collector.also(self.upstreams.collector)  # on the same /metrics, every layout
         except BaseException:
             self.close()
             raise

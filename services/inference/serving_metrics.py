@@ -133,6 +133,7 @@ class ServingCollector(Collector):
         self._models = models
         self._device = device
         self._gpu = gpu
+        self._also: list[Collector] = []
 
     def describe(self) -> Iterator[Metric]:
         """The names without samples, so registries and `?name[]=` filters know them."""
@@ -173,6 +174,12 @@ class ServingCollector(Collector):
         yield from families.values()
         if self._gpu is not None:
             yield from self._gpu.collect()
+        for other in self._also:
+            yield from other.collect()
+
+    def also(self, collector: Collector) -> None:
+        """Serve `collector`'s families with these (the upstream models' counts, say)."""
+        self._also.append(collector)
 
     @staticmethod
     def _families() -> dict[str, Any]:

@@ -43,6 +43,10 @@ class LocalRpcError(grpc.RpcError):
         return ()
 
 
+# The status a request's record takes when its HTTP client stopped reading the stream.
+SLOW_READER = "SLOW_READER"
+
+
 class LocalContext:
     """A `grpc.ServicerContext` stand-in for in-process calls.
 
@@ -79,6 +83,7 @@ class LocalContext:
         self._clock = clock
         self._deadline = _earlier(deadline, _deadline_of(parent, clock))  # seconds on `clock`
         self._cancelled = False
+        self.cancelled_as = ""  # the status `cancel` was given
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._trailing: tuple[tuple[str, str], ...] = ()
@@ -142,7 +147,11 @@ class LocalContext:
     def set_compression(self, compression: Any) -> None:
         """Nothing is compressed in-process."""
 
-    def cancel(self) -> None:
+    def cancel(self, status: str = "CANCELLED") -> None:
+        """End the call; `status` is what the request's record says of it (`SLOW_READER`:
+        the HTTP API gave up on a client that stopped reading its stream)."""
+        if not self._cancelled:
+            self.cancelled_as = status
         self._cancelled = True
         self._finish()
 

@@ -151,7 +151,11 @@ def rate_limit_stop(verdict: Any, cost: int) -> Stop | None:
 UPSTREAM_HEADER = "x-spine-upstream"
 ATTEMPTS_HEADER = "x-spine-attempts"
 UPSTREAM_TIME_HEADER = "x-spine-upstream-duration-ms"
-FORWARDED_TRAILERS = ("retry-after", "x-spine-load", UPSTREAM_HEADER, ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER)
+# Whose count of tokens an upstream model's answer carries: `upstream` or `estimate`
+# (`services.common.token_estimate`); the HTTP API says it in the answer's usage.
+USAGE_HEADER = "x-spine-usage"
+FORWARDED_TRAILERS = ("retry-after", "x-spine-load", UPSTREAM_HEADER, ATTEMPTS_HEADER, UPSTREAM_TIME_HEADER,
+                      USAGE_HEADER)
 # Every answer's time outside the model (the gateway's own work), in milliseconds: the peer
 # gateways' convention (LiteLLM's x-litellm-overhead-duration-ms).
 OVERHEAD_HEADER = "x-spine-overhead-duration-ms"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pytest
 
@@ -15,7 +17,7 @@ from services.inference.upstream.protocols import (
     is_context_length,
 )
 from services.inference.upstream.retry_budget import RetryBudget
-from services.inference.upstream.transports import SSEParser
+from services.inference.upstream.transports import NoEvents, SSEParser
 from wire.v1 import generation_pb2
 
 
@@ -93,3 +95,34 @@ def test_sse_events_across_pieces_and_line_endings() -> None:
     assert parser.feed(b"\n: a comment\n\n") == [("ping", "x")]
     with pytest.raises(ValueError, match="over 64 bytes"):
         parser.feed(b"data: " + b"y" * 100)
+
+
+def test_sse_events_read_byte_by_byte_match_those_read_at_once() -> None:
+    """The parser keeps its place between pieces: a stream cut at every byte reads the same."""
+    stream = (b"event: a\r\ndata: 1\r\ndata: 2\r\n\r\n: c\n\ndata: \xc3\xa9\r\r"
+              b"data: {\"x\": 3}\n\nevent: b\ndata: tail\n\n")
+    whole = SSEParser(max_bytes=1024).feed(stream)
+    parser = SSEParser(max_bytes=1024)
+    assert [event for i in range(len(stream)) for event in parser.feed(stream[i:i + 1])] == whole
+    assert whole == [("a", "1\n2"), ("message", "é"), ("message", '{"x": 3}'), ("b", "tail")]
+
+
+def test_a_stream_of_blank_lines_is_cut_off_after_its_bound() -> None:
+    parser = SSEParser(max_bytes=1024, max_idle_bytes=2048)
+    assert parser.feed(b"\n" * 2000) == []
+    with pytest.raises(NoEvents, match="without an event"):
+        parser.feed(b"\r\n" * 100)
+    comments = SSEParser(max_bytes=1024, max_idle_bytes=2048)
+    for _ in range(100):  # keep-alive comments between events are fine: each event resets the count
+        assert comments.feed(b": keep-alive\n\n" * 10 + b"data: x\n\n") == [("message", "x")]
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_a_config_error(tmp_path: Path) -> None:
+    from services.common import ConfigError
+    from services.inference.upstream.token_count import TokenCounter
+
+    (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(ConfigError, match=r"upstream of 'x'\.tokenizer_file: cannot read .*tokenizer\.json"):
+        TokenCounter(tmp_path / "tokenizer.json", "upstream of 'x'")
+    estimate = TokenCounter(None, "upstream of 'x'")
+    assert estimate.name == "estimate" and estimate.count("12345") == 2 and estimate.count("") == 0

@@ -36,6 +36,7 @@ import grpc
 from services.common.outlier import Ejected
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import FALLS_BACK, RETRYABLE, UNHEALTHY, AttemptFailure, Kind
+from services.inference.upstream.pieces import Pieces
 from services.inference.upstream.protocols import Delta
 
 T = TypeVar("T")
@@ -71,9 +72,10 @@ class Walk:
         self.attempts = 0
         self.upstream_s = 0.0  # time spent in upstream exchanges
         self.served_by = self.first  # the upstream that answered, or the last one tried
+        self.failures: list[AttemptFailure] = []  # every failed attempt, in order (for the operator's log)
         self._gone = threading.Event()
         self._future: concurrent.futures.Future[Any] | None = None
-        self._queue: queue.SimpleQueue[Any] | None = None
+        self._queue: Pieces | None = None
         if not context.add_callback(self._client_went_away):
             self._gone.set()
 
@@ -115,6 +117,7 @@ class Walk:
                 except AttemptFailure as failure:
                     self.upstream_s += time.perf_counter() - started
                     self._record(endpoint, failure, timeout_s)
+                    self.failures.append(failure)
                     last = failure
                     context = endpoint.spec.context_fallback
                     if failure.kind == Kind.CONTEXT and context is not None and context not in tried:
@@ -192,17 +195,17 @@ class Walk:
         finally:
             self._future = None
 
-    def stream_queue(self) -> queue.SimpleQueue[Any]:
+    def stream_queue(self) -> Pieces:
         """A fresh queue for the next stream attempt's pieces (the client's leaving is put on it too)."""
-        self._queue = queue.SimpleQueue()
+        self._queue = Pieces()
         if self._gone.is_set():
-            self._queue.put(_GONE)
+            self._queue.end(_GONE)
         return self._queue
 
-    def next_piece(self, pieces: queue.SimpleQueue[Any], timeout_s: float) -> Delta | None:
+    def next_piece(self, pieces: Pieces, timeout_s: float) -> Delta | None:
         """The stream's next Delta, None at its end; raises its AttemptFailure, or Cancelled."""
         try:
-            item = pieces.get(timeout=timeout_s + GRACE_S)
+            item = pieces.get(timeout_s + GRACE_S)
         except queue.Empty:
             raise AttemptFailure(Kind.TIMEOUT, f"{self.served_by!r} sent nothing for {timeout_s:.3g}s") from None
         if item is _GONE:
@@ -223,4 +226,4 @@ class Walk:
         if future is not None:
             future.cancel()
         if self._queue is not None:
-            self._queue.put(_GONE)
+            self._queue.end(_GONE)

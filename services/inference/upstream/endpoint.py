@@ -10,6 +10,7 @@ circuit breaker: fail fast, let a fallback answer) rather than queueing behind a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +20,9 @@ from typing import Any
 from services.common import ConfigError
 from services.common.outlier import OutlierDetector, OutlierPolicy
 from services.common.upstream_config import UpstreamSpec
+from services.inference.upstream.counters import EndpointCounters
 from services.inference.upstream.failures import AttemptFailure, Kind, kind_for_status, retry_after_s
+from services.inference.upstream.pieces import Pieces
 from services.inference.upstream.protocols import (
     PROTOCOLS,
     Answer,
@@ -30,7 +33,8 @@ from services.inference.upstream.protocols import (
     is_context_length,
 )
 from services.inference.upstream.retry_budget import RetryBudget
-from services.inference.upstream.transports import LinkError, SSEParser, transport_for
+from services.inference.upstream.token_count import TokenCounter
+from services.inference.upstream.transports import LinkError, NoEvents, SSEParser, transport_for
 from wire.v1 import generation_pb2
 
 log = logging.getLogger("spine.upstream")
@@ -38,6 +42,15 @@ log = logging.getLogger("spine.upstream")
 MAX_ERROR_BODY = 64 << 10  # an error answer is read this far for its message
 MAX_ANSWER_BYTES = 16 << 20  # a whole answer larger than this is malformed (never read without a bound)
 MAX_EVENT_BYTES = 1 << 20  # one server-sent event larger than this is malformed
+REDACTED = "[redacted]"
+# Failures whose upstream words are the client's to read: the request itself was refused.
+CLIENTS_OWN = frozenset({Kind.REFUSED, Kind.CONTEXT})
+# What the client reads of the others: the class of the failure, never the upstream's words.
+_CLASSES = {
+    Kind.MISCONFIGURED: "the upstream refused the spine's credentials or model name; the operator's to fix",
+    Kind.FAILED: "a server error",
+    Kind.OVERLOADED: "overloaded",
+}
 
 
 def read_key(path: Path | None, where: str) -> str | None:
@@ -64,6 +77,7 @@ class UpstreamEndpoint:
         self.remote_model = spec.model or model_id
         self.url = spec.base_url + self.protocol.path
         key = read_key(spec.api_key_file, f"upstream of {model_id!r}")
+        self._key = key
         self.headers = {"content-type": "application/json", "accept-encoding": "identity",
                         **self.protocol.headers(key)}
         self.outlier = OutlierDetector(f"upstream {model_id}", OutlierPolicy(
@@ -71,6 +85,8 @@ class UpstreamEndpoint:
         self.budget = RetryBudget(spec.retry_budget, spec.min_retries_per_s, clock=clock)
         self.in_flight = 0  # attempts holding a slot (changed on the loop thread only)
         self.transport = transport_for(spec)
+        self.counters = EndpointCounters()
+        self.tokens = TokenCounter(spec.tokenizer_file, f"upstream of {model_id!r}")  # for answers without usage
 
     def __repr__(self) -> str:  # what a client's error message names: never the upstream's address
         return f"upstream {self.model_id}"
@@ -101,16 +117,18 @@ class UpstreamEndpoint:
                 raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered more than {MAX_ANSWER_BYTES} bytes", 200)
             return self.protocol.answer(raw)
         except Malformed as error:
-            raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable: {error}", 200) from None
+            raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable", 200,
+                                 detail=self.redact(str(error))) from None
         except LinkError as error:
             raise self._link_failure(error, timeout_s) from None
         finally:
             self._give_slot()
 
-    async def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float,
-                     put: Callable[[Any], None]) -> None:
-        """One attempt for a stream: every Delta to `put` as it arrives, then None at its end,
-        or the AttemptFailure that ended it (after `put`, nothing is raised)."""
+    async def stream(self, request: generation_pb2.GenerateRequest, timeout_s: float, pieces: Pieces) -> None:
+        """One attempt for a stream: every Delta to `pieces` as it arrives (waiting for room:
+        the upstream is read no faster than the client takes its pieces), then None at its
+        end, or the AttemptFailure that ended it (after it, nothing is raised)."""
+        put = pieces.end
         self._take_slot()
         try:
             body = self.protocol.body(request, self.remote_model, stream=True)
@@ -121,52 +139,71 @@ class UpstreamEndpoint:
                 if kind != "text/event-stream":
                     raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered a stream request with {kind or 'no'} "
                                                          "content-type, not text/event-stream", 200)
-                if not await self._relay(reply.pieces(), put):
+                if not await self._relay(reply.pieces(), pieces):
                     raise AttemptFailure(Kind.UNREACHABLE, f"{self!r} closed the stream before its end", 200)
             put(None)
         except AttemptFailure as failure:
             put(failure)
+        except NoEvents as error:
+            self.counters.no_events += 1
+            put(AttemptFailure(Kind.MALFORMED, f"{self!r} {error}", 200))
         except (Malformed, ValueError) as error:
-            put(AttemptFailure(Kind.MALFORMED, f"{self!r} sent an unreadable stream: {error}", 200))
+            put(AttemptFailure(Kind.MALFORMED, f"{self!r} sent an unreadable stream", 200,
+                               detail=self.redact(str(error))))
         except StreamError as error:
-            put(AttemptFailure(Kind.FAILED, f"{self!r} reported an error in its stream: {error}", 200))
+            put(AttemptFailure(Kind.FAILED, f"{self!r} reported an error in its stream", 200,
+                               detail=self.redact(str(error))))
         except LinkError as error:
             put(self._link_failure(error, timeout_s))
         except Exception as error:  # never leave the reader waiting: whatever broke is said
             log.exception("%r: the stream failed", self)
-            put(AttemptFailure(Kind.FAILED, f"{self!r}: {type(error).__name__}: {error}"))
+            put(AttemptFailure(Kind.FAILED, f"{self!r} failed ({type(error).__name__})",
+                               detail=self.redact(str(error))))
         finally:
             self._give_slot()
 
-    async def _relay(self, pieces: Any, put: Callable[[Any], None]) -> bool:
-        """Each event's Delta to `put` as its bytes arrive; whether the stream reached its end."""
+    async def _relay(self, received: Any, pieces: Pieces) -> bool:
+        """Each event's Delta to `pieces` as its bytes arrive; whether the stream reached its end.
+        The loop is given back after every read, so an upstream whose bytes are always ready
+        (a fast one, or one sending garbage) takes its turn with the others, never the loop."""
         parser = SSEParser(MAX_EVENT_BYTES)
-        async for piece in pieces:
+        async for piece in received:
             for name, data in parser.feed(piece):
                 delta = self.protocol.event(name, data)
                 if delta is None:
                     continue
-                put(delta)
+                await pieces.put(delta)
                 if delta.end:
                     return True
+            await asyncio.sleep(0)
         return False
 
+    def redact(self, text: str) -> str:
+        """`text` without the spine's own key to this upstream (an engine may quote the
+        Authorization header it got back, as OpenAI's 401 does)."""
+        return text.replace(self._key, REDACTED) if self._key else text
+
     def _http_failure(self, status: int, raw: bytes, headers: Any) -> AttemptFailure:
-        message = error_message(raw)
-        kind = kind_for_status(status, message, is_context_length(message))
+        said = self.redact(error_message(raw))
+        kind = kind_for_status(status, said, is_context_length(said))
         wait = None
         if status == 429:
             ms = headers.get("retry-after-ms")
             wait = retry_after_s(headers.get("retry-after")) if ms is None else (retry_after_s(ms) or 0.0) / 1000.0
-        what = {Kind.MISCONFIGURED: f" (check the upstream's api_key_file and model name {self.remote_model!r})"}
-        return AttemptFailure(kind, f"{self!r} answered {status}: {message}{what.get(kind, '')}", status, wait)
+        if kind in CLIENTS_OWN:  # about the client's own request: its words are the client's to read
+            return AttemptFailure(kind, f"{self!r} answered {status}: {said}", status, wait)
+        detail = said
+        if kind == Kind.MISCONFIGURED:
+            detail += f" (check the upstream's api_key_file and model name {self.remote_model!r})"
+        return AttemptFailure(kind, f"{self!r} answered {status} ({_CLASSES[kind]})", status, wait, detail)
 
     def _link_failure(self, error: LinkError, timeout_s: float) -> AttemptFailure:
+        detail = self.redact(str(error))  # names the engine's address: the operator's
         if error.kind == Kind.TIMEOUT:
-            return AttemptFailure(Kind.TIMEOUT, f"{self!r} did not answer within {timeout_s:.3g}s ({error})")
+            return AttemptFailure(Kind.TIMEOUT, f"{self!r} did not answer within {timeout_s:.3g}s", detail=detail)
         if error.kind == Kind.MALFORMED:
-            return AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable: {error}")
-        return AttemptFailure(Kind.UNREACHABLE, f"{self!r} is unreachable: {error}")
+            return AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable", detail=detail)
+        return AttemptFailure(Kind.UNREACHABLE, f"{self!r} is unreachable", detail=detail)
 
     async def aclose(self) -> None:
         await self.transport.aclose()

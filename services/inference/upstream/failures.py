@@ -47,12 +47,19 @@ _CODES = {
 @dataclass
 class AttemptFailure(Exception):
     """One attempt's failure: its kind, a message a person can act on, the upstream's HTTP
-    status (0: none), and how long it asked the spine to wait (a 429's Retry-After)."""
+    status (0: none), and how long it asked the spine to wait (a 429's Retry-After).
+
+    `message` is what the client may read: the upstream's name and what it did. `detail` is
+    the operator's (the upstream's own words about the spine's credentials, a 5xx body, the
+    reason a connection failed, which names its address): logged with the request id,
+    never sent to a client, since it may hold the engine's address, its internals or the key
+    the spine sent."""
 
     kind: Kind
     message: str
     status: int = 0
     retry_after_s: float | None = None
+    detail: str = ""
 
     def __str__(self) -> str:
         return self.message

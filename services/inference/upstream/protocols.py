@@ -90,6 +90,12 @@ def _conversation(request: generation_pb2.GenerateRequest) -> list[tuple[str, st
     return [*turns, ("user", request.prompt)]
 
 
+def conversation_text(request: generation_pb2.GenerateRequest) -> str:
+    """Every turn's text of the request, as the upstream is sent it (what a prompt's tokens
+    are estimated from when the upstream does not count them)."""
+    return "\n".join(text for _, text in _conversation(request))
+
+
 def error_message(raw: bytes) -> str:
     """A person-readable message from an error body of either API (or its first bytes)."""
     try:

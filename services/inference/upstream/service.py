@@ -27,14 +27,17 @@ from typing import Any, NoReturn
 
 import grpc
 
+from services.common.token_estimate import UPSTREAM
 from services.common.upstream_config import UpstreamSpec
 from services.inference.upstream import loop
 from services.inference.upstream.attempts import Cancelled, Walk
+from services.inference.upstream.counters import UpstreamCollector
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import AttemptFailure, Kind
-from services.inference.upstream.protocols import Delta
+from services.inference.upstream.protocols import Delta, conversation_text
+from services.inference.upstream.token_count import TokenCounter
 from services.pipeline.system_prompt import system_digest
-from services.pipeline.verdicts import ATTEMPTS_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER
+from services.pipeline.verdicts import ATTEMPTS_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER, USAGE_HEADER
 from wire.v1 import generation_pb2
 
 log = logging.getLogger("spine.upstream")
@@ -45,6 +48,7 @@ class UpstreamModels:
 
     def __init__(self, routes: Mapping[str, UpstreamSpec]) -> None:
         self.endpoints = {model_id: UpstreamEndpoint(model_id, spec) for model_id, spec in routes.items()}
+        self.collector = UpstreamCollector(lambda: [(name, e.counters) for name, e in self.endpoints.items()])
 
     def __contains__(self, model: object) -> bool:
         return model in self.endpoints
@@ -63,10 +67,12 @@ class UpstreamModels:
             answer = walk.run(attempt)
         except (AttemptFailure, Cancelled) as failure:
             _abort(context, walk, failure)
-        context.set_trailing_metadata(_metadata(walk))
+        prompt, completion, counted_by = _counted(walk.served_by.tokens, request, answer.prompt_tokens,
+                                                  answer.completion_tokens, answer.text)
+        context.set_trailing_metadata((*_metadata(walk), (USAGE_HEADER, counted_by)))
         return generation_pb2.GenerateResponse(
-            text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=answer.prompt_tokens,
-            completion_tokens=answer.completion_tokens, system_digest=system_digest(request.system),
+            text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=prompt,
+            completion_tokens=completion, system_digest=system_digest(request.system),
             cached_prompt_tokens=answer.cached_tokens)
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
@@ -77,7 +83,7 @@ class UpstreamModels:
         def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> tuple[Any, list[Delta]]:
             """Open a stream and wait for its first piece the client would see."""
             pieces = walk.stream_queue()
-            future = loop.submit(endpoint.stream(request, timeout_s, pieces.put))
+            future = loop.submit(endpoint.stream(request, timeout_s, pieces))
             running[0] = future
             walk.watch(future)
             first: list[Delta] = []
@@ -104,6 +110,7 @@ class UpstreamModels:
         digest = system_digest(request.system)
         ended = Delta()
         index = 0
+        texts: list[str] = []
         try:
             for delta in _pieces(walk, pieces, first, endpoint):
                 ended.finish = delta.finish or ended.finish
@@ -111,16 +118,20 @@ class UpstreamModels:
                 ended.completion_tokens = delta.completion_tokens or ended.completion_tokens
                 ended.cached_tokens = delta.cached_tokens or ended.cached_tokens
                 if delta.text:
+                    texts.append(delta.text)
                     yield generation_pb2.GenerateChunk(text=delta.text, index=index, model=request.model,
                                                        system_digest=digest)
                     index += 1
+            prompt, completion, counted_by = _counted(endpoint.tokens, request, ended.prompt_tokens,
+                                                      ended.completion_tokens, "".join(texts))
+            context.set_trailing_metadata((*metadata, (USAGE_HEADER, counted_by)))
             yield generation_pb2.GenerateChunk(index=index, finish_reason=ended.finish or "stop", model=request.model,
-                                               system_digest=digest, prompt_tokens=ended.prompt_tokens,
-                                               completion_tokens=ended.completion_tokens,
-                                               cached_prompt_tokens=ended.cached_tokens)
+                                               system_digest=digest, prompt_tokens=prompt,
+                                               completion_tokens=completion, cached_prompt_tokens=ended.cached_tokens)
         except AttemptFailure as failure:  # after the first chunk: nothing can be retried now
             endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, endpoint.spec.timeout_s)
-            broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {index} chunk(s): {failure.message}")
+            broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {index} chunk(s): {failure.message}",
+                                    detail=failure.detail)
             _abort(context, walk, broken)
         except Cancelled as cancelled:
             _abort(context, walk, cancelled)
@@ -162,18 +173,41 @@ def _pieces(walk: Walk, pieces: Any, first: list[Delta], endpoint: UpstreamEndpo
             return
 
 
+def _counted(tokens: TokenCounter, request: generation_pb2.GenerateRequest, prompt: int, completion: int,
+             text: str) -> tuple[int, int, str]:
+    """(prompt tokens, completion tokens, whose count): the upstream's where it gave them,
+    else counted here (its model's tokenizer where configured, else the estimate), so an
+    answer without `usage` is charged all the same, whole or streamed."""
+    counted_by = UPSTREAM
+    if not prompt:
+        prompt, counted_by = tokens.count(conversation_text(request)), tokens.name
+    if not completion and text:
+        completion, counted_by = tokens.count(text), tokens.name
+    return prompt, completion, counted_by
+
+
 def _metadata(walk: Walk) -> tuple[tuple[str, str], ...]:
     return ((UPSTREAM_HEADER, walk.served_by.model_id), (ATTEMPTS_HEADER, str(walk.attempts)),
             (UPSTREAM_TIME_HEADER, f"{walk.upstream_s * 1000:.3f}"))
 
 
 def _abort(context: Any, walk: Walk, failure: AttemptFailure | Cancelled) -> NoReturn:
+    """End the call with `failure`'s code and its client-safe message; what the upstreams
+    said that only the operator may read goes to the log, under the request id the client
+    is given, so one finds the other."""
     trailing = list(_metadata(walk))
     if isinstance(failure, AttemptFailure) and failure.kind in (Kind.OVERLOADED, Kind.BUSY):
         trailing.append(("retry-after", f"{failure.retry_after_s if failure.retry_after_s is not None else 1.0:.3f}"))
     message = str(failure)
     if walk.attempts > 1:
         message += f" (after {walk.attempts} attempts)"
+    said = [f"{f.message}: {f.detail}" for f in [*walk.failures, failure]
+            if isinstance(f, AttemptFailure) and f.detail]
+    if said:
+        request_id = dict(context.invocation_metadata() or ()).get("x-request-id", "-")[:64]  # the pipeline's
+        log.warning("request %s failed after %d upstream attempt(s): %s", request_id, walk.attempts,
+                    "; ".join(dict.fromkeys(said)))
+        message += f"; request id {request_id} (the upstream's own words are in the server's log)"
     context.set_trailing_metadata(tuple(trailing))
     context.abort(failure.code, message)
     raise AssertionError("context.abort returned")

@@ -21,6 +21,7 @@ Every failure of the link comes out as `LinkError` with the kind it is (`failure
 from __future__ import annotations
 
 import contextlib
+import re
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
@@ -186,38 +187,60 @@ class Httpx2Transport:
             self._http = None
 
 
+class NoEvents(ValueError):
+    """A stream sent more bytes than its bound without completing one event."""
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 class SSEParser:
     """Server-sent events from a byte stream, as the HTML standard reads them: `event:` and
     `data:` lines up to a blank line (CR, LF or CRLF), comments skipped, one event at most
-    `max_bytes` (past it the stream is malformed)."""
+    `max_bytes` (past it the stream is malformed).
 
-    def __init__(self, max_bytes: int) -> None:
+    Linear in the bytes fed: each byte is searched once (a new piece is searched from where
+    the last search stopped) and the consumed part of the buffer is dropped without copying
+    the rest (a bytearray's front is released in place). What makes no event — blank lines
+    with no data before them, comments, unknown fields — is counted: past `max_idle_bytes`
+    of it since the last event, `NoEvents` (an upstream streaming nothing but blank lines is
+    cut off after a bounded amount of work; keep-alive comments are a few bytes a second)."""
+
+    def __init__(self, max_bytes: int, max_idle_bytes: int = 64 << 10) -> None:
         self.max_bytes = max_bytes
-        self._buffer = b""
+        self.max_idle_bytes = max_idle_bytes
+        self._buffer = bytearray()
+        self._searched = 0  # the buffer holds no line end before this
         self._event = ""
         self._data: list[str] = []
-        self._size = 0
+        self._size = 0  # bytes of the event being read
+        self._idle = 0  # bytes that made no event since the last one
 
     def feed(self, piece: bytes) -> list[tuple[str, str]]:
-        """The events completed by `piece`, as (name, data); ValueError past the size bound."""
-        self._buffer += piece
+        """The events completed by `piece`, as (name, data); ValueError past the size bound,
+        `NoEvents` past the bound on bytes without an event."""
+        buffer = self._buffer
+        buffer += piece
         events: list[tuple[str, str]] = []
-        while True:
-            at = min((i for i in (self._buffer.find(b"\n"), self._buffer.find(b"\r")) if i >= 0), default=-1)
-            if at < 0:
-                if len(self._buffer) + self._size > self.max_bytes:
-                    raise ValueError(f"a server-sent event over {self.max_bytes} bytes")
-                return events
-            if self._buffer[at:at + 1] == b"\r" and at + 1 == len(self._buffer):
-                return events  # a CR at the end: wait for a possible LF
-            line = self._buffer[:at].decode("utf-8", "replace")
-            skip = 2 if self._buffer[at:at + 2] == b"\r\n" else 1
-            self._buffer = self._buffer[at + skip:]
-            if not line:
+        start = 0
+        end = len(buffer)
+        resume, self._searched = self._searched, end
+        for found in _LINE_END.finditer(buffer, resume):
+            at, after = found.span()
+            if after == end and buffer[at] == 0x0D and after - at == 1:
+                self._searched = at  # a CR at the end may be a CRLF's first half
+                break
+            if at == start:  # a blank line
                 if self._data:
                     events.append((self._event or "message", "\n".join(self._data)))
+                    self._idle = 0
+                else:
+                    self._idle += after - start
                 self._event, self._data, self._size = "", [], 0
+                start = after
                 continue
+            line = buffer[start:at].decode("utf-8", "replace")
+            start = after
             self._size += len(line)
             if self._size > self.max_bytes:
                 raise ValueError(f"a server-sent event over {self.max_bytes} bytes")
@@ -227,3 +250,12 @@ class SSEParser:
                 self._event = value
             elif field == "data":
                 self._data.append(value)
+            else:  # a comment, or a field that makes no event
+                self._idle += len(line)
+        del buffer[:start]
+        self._searched -= start
+        if len(buffer) + self._size > self.max_bytes:
+            raise ValueError(f"a server-sent event over {self.max_bytes} bytes")
+        if self._idle > self.max_idle_bytes:
+            raise NoEvents(f"sent {self._idle} bytes without an event (at most {self.max_idle_bytes})")
+        return events

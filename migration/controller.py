@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
+from migration.judge.score import judge_gates
 from migration.plan import Plan, Stage, refuse_other_legacy, refuse_parity_without_shadow
 from migration.state_store import Store
 from migration.status import AuditEntry, GateRecord, RolloutStatus, State, TransitionEvent
@@ -274,6 +275,8 @@ class Controller(TransitionExecutor):
             if now - start >= plan.window_s:
                 layered, spine, parity = self._target.window_stats(since=start)
                 results = evaluate(stage.gates, layered, spine, parity, plan.min_window_requests)
+                if stage.judge is not None:  # marginal or cannot tell: inconclusive, the stage holds
+                    results += judge_gates(stage.judge, layered, spine, parity)
                 verdict = window_verdict(results)
                 failures = {Verdict.FAIL: s.consecutive_failures + 1, Verdict.PASS: 0}.get(
                     verdict, s.consecutive_failures)
@@ -318,5 +321,5 @@ class Controller(TransitionExecutor):
                           f"{self._plan.stages[s.stage_index].name!r}, hold continues from the stage start")
 
 def _failure_reason(results: list[GateResult], failures: int, limit: int) -> str:
-    failed = "; ".join(f"{r.gate}: {r.message}" for r in results if r.verdict is Verdict.FAIL and not r.dry_run)
+    failed = "; ".join(f"{r.gate}: {r.message}" for r in results if r.verdict is Verdict.FAIL and r.counts and not r.dry_run)
     return f"gates failed {failures} consecutive window(s) (failure_limit {limit}): {failed}"

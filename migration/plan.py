@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from migration.judge.spec import JudgeSpec, read_judge
+from migration.judge_spec import JudgeSpec, read_judge
 from migration.legacy_endpoint import DEFAULT_API_KEY_HEADER, LegacyEndpoint, legacy_problems
 from runtime.config.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError

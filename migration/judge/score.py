@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from migration.gates import GateResult, ParityStats, Verdict, WindowStats, parity_gate
-from migration.judge.spec import JudgeSpec, MetricSpec
 from migration.judge.statistics import compare_errors, location_shift, without_outliers
+from migration.judge_spec import JudgeSpec, MetricSpec
 
 PASS, HIGH, LOW, CANNOT_TELL = "pass", "high", "low", "cannot tell"
 MARGINAL, FAIL = "marginal", "fail"

@@ -64,7 +64,8 @@ class ErrorComparison:
         return self.spine_rate - self.layered_rate
 
 
-def without_outliers(values: Sequence[float], method: str, factor: float) -> NDArray[np.float64]:
+def without_outliers(values: Sequence[float] | NDArray[np.float64], method: str,
+                     factor: float) -> NDArray[np.float64]:
     """`values` less those beyond `factor` interquartile ranges from the quartiles (`iqr`), or
     all of them (`none`)."""
     data = np.asarray(values, dtype=np.float64)
@@ -72,7 +73,8 @@ def without_outliers(values: Sequence[float], method: str, factor: float) -> NDA
         return data
     q1, q3 = np.percentile(data, [25, 75])
     spread = float(stats.iqr(data))
-    return data[(data >= q1 - factor * spread) & (data <= q3 + factor * spread)]
+    kept: NDArray[np.float64] = data[(data >= q1 - factor * spread) & (data <= q3 + factor * spread)]
+    return kept
 
 
 def location_shift(layered: NDArray[np.float64], spine: NDArray[np.float64], confidence: float,
@@ -96,7 +98,8 @@ def _thinned(values: NDArray[np.float64]) -> NDArray[np.float64]:
     if values.size <= MAX_PAIRED:
         return values
     ordered = np.sort(values)
-    return ordered[np.linspace(0, ordered.size - 1, MAX_PAIRED).round().astype(int)]
+    thinned: NDArray[np.float64] = ordered[np.linspace(0, ordered.size - 1, MAX_PAIRED).round().astype(int)]
+    return thinned
 
 
 def compare_errors(layered_errors: int, layered_requests: int, spine_errors: int, spine_requests: int,

@@ -13,7 +13,7 @@ import numpy as np
 from migration.gates import ParityStats, Verdict, WindowStats
 from migration.judge.samples import bucket_samples_ms
 from migration.judge.score import CANNOT_TELL, FAIL, HIGH, MARGINAL, PASS, gate_results, judge_window
-from migration.judge.spec import GroupSpec, JudgeSpec, MetricSpec
+from migration.judge_spec import GroupSpec, JudgeSpec, MetricSpec
 from migration.plan import PlanError, load_plan
 
 AGREEING = ParityStats(compared=100, mismatches=0)

@@ -173,7 +173,8 @@ def _groups(check: Checker, raw: Any, path: str) -> tuple[GroupSpec, ...]:
     if not isinstance(raw, list) or not raw:
         check.fail(path, "expected a non-empty list of groups, each {name, weight, metrics}")
         return ()
-    groups, names = [], set()
+    groups: list[GroupSpec] = []
+    names: set[str] = set()
     for index, item in enumerate(raw):
         where = f"{path}[{index}]"
         if not isinstance(item, Mapping):

@@ -57,9 +57,12 @@ class Judgement:
     message: str
 
 
-def judge_window(spec: JudgeSpec, layered: WindowStats, spine: WindowStats, parity: ParityStats) -> Judgement:
-    """Every metric of `spec` on one window, then the score and the outcome (module doc)."""
-    verdicts = tuple(_metric(spec, group.name, metric, layered, spine, parity)
+def judge_window(spec: JudgeSpec, layered: WindowStats, spine: WindowStats, parity: ParityStats,
+                 names: tuple[str, str] = ("layered", "spine")) -> Judgement:
+    """Every metric of `spec` on one window, then the score and the outcome (module doc).
+
+    `names`: what the messages call the baseline and the candidate (`spine ab` compares layouts)."""
+    verdicts = tuple(_metric(spec, group.name, metric, layered, spine, parity, names)
                      for group in spec.groups for metric in group.metrics)
     told = [v for v in verdicts if v.verdict != CANNOT_TELL]
     weighted = [(group.weight, [v for v in told if v.group == group.name]) for group in spec.groups]
@@ -107,7 +110,9 @@ def judge_gates(spec: JudgeSpec, layered: WindowStats, spine: WindowStats, parit
 
 
 def _metric(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStats, spine: WindowStats,
-            parity: ParityStats) -> MetricVerdict:
+            parity: ParityStats, names: tuple[str, str]) -> MetricVerdict:
+    base, candidate = names
+
     def cannot(why: str) -> MetricVerdict:
         return MetricVerdict(metric.name, group, metric.kind, metric.critical, CANNOT_TELL, False, None, None, None,
                              None, f"cannot tell: {why}")
@@ -118,23 +123,23 @@ def _metric(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStat
         return MetricVerdict(metric.name, group, metric.kind, metric.critical, verdict, verdict == HIGH, gate.value,
                              None, None, None, f"{verdict}: {gate.message}" if verdict != CANNOT_TELL
                              else f"cannot tell: {gate.message}")
-    gaps = [f"{side}: {stats.missing}" for side, stats in (("layered", layered), ("spine", spine)) if stats.missing]
+    gaps = [f"{side}: {stats.missing}" for side, stats in ((base, layered), (candidate, spine)) if stats.missing]
     if gaps:
         return cannot("no data: " + "; ".join(gaps))
     if metric.kind == "error_rate":
         if min(layered.requests, spine.requests) < spec.min_samples:
-            return cannot(f"too few requests: layered {layered.requests}, spine {spine.requests}, "
+            return cannot(f"too few requests: {base} {layered.requests}, {candidate} {spine.requests}, "
                           f"need {spec.min_samples} on each side")
-        return _errors(spec, group, metric, layered, spine)
-    return _latency(spec, group, metric, layered, spine, cannot)
+        return _errors(spec, group, metric, layered, spine, names)
+    return _latency(spec, group, metric, layered, spine, names, cannot)
 
 
 def _errors(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStats,
-            spine: WindowStats) -> MetricVerdict:
+            spine: WindowStats, names: tuple[str, str]) -> MetricVerdict:
     test = compare_errors(layered.errors, layered.requests, spine.errors, spine.requests, spec.confidence)
     high = test.p_value < 1 - spec.confidence and test.delta > metric.max_delta
     verdict = HIGH if high else PASS
-    message = (f"{verdict}: spine error rate {test.spine_rate:.4f} vs layered {test.layered_rate:.4f} "
+    message = (f"{verdict}: {names[1]} error rate {test.spine_rate:.4f} vs {names[0]} {test.layered_rate:.4f} "
                f"(delta {test.delta:+.4f}, tolerated {metric.max_delta:g}), odds ratio {_num(test.odds_ratio)} "
                f"{spec.confidence:.0%} CI [{_num(test.low)}, {_num(test.high)}], Fisher p={test.p_value:.2g}")
     return MetricVerdict(metric.name, group, metric.kind, metric.critical, verdict, high, test.delta,
@@ -142,13 +147,14 @@ def _errors(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStat
 
 
 def _latency(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStats, spine: WindowStats,
-             cannot: Callable[[str], MetricVerdict]) -> MetricVerdict:
+             names: tuple[str, str], cannot: Callable[[str], MetricVerdict]) -> MetricVerdict:
     sides = [np.asarray(stats.latency_samples_ms, dtype=np.float64) for stats in (layered, spine)]
     if min(s.size for s in sides) == 0 and min(layered.successes, spine.successes) >= spec.min_samples:
         return cannot("this data path gave no per-request latency samples")
     kept = [without_outliers(s, spec.outliers, spec.iqr_factor) for s in sides]
     if min(k.size for k in kept) < spec.min_samples:
-        return cannot(f"too few latency samples: layered {kept[0].size}, spine {kept[1].size} (outliers removed), "
+        return cannot(f"too few latency samples: {names[0]} {kept[0].size}, {names[1]} {kept[1].size} "
+                      f"(outliers removed), "
                       f"need {spec.min_samples} on each side")
     shift = location_shift(kept[0], kept[1], spec.confidence, removed=sum(s.size for s in sides) - sum(k.size for k in kept))
     margin = spec.effect_size * abs(shift.estimate)
@@ -162,9 +168,9 @@ def _latency(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowSta
             (verdict == LOW and metric.direction in ("decrease", "either"))
     relative = f" ({shift.relative:+.1%})" if shift.relative is not None else ""
     label = verdict if fails or verdict == PASS else f"{verdict} (allowed: direction {metric.direction})"
-    message = (f"{label}: spine latency shifted {shift.estimate:+.3f} ms{relative} (Hodges-Lehmann), "
+    message = (f"{label}: {names[1]} latency shifted {shift.estimate:+.3f} ms{relative} (Hodges-Lehmann), "
                f"{spec.confidence:.0%} CI [{shift.low:+.3f}, {shift.high:+.3f}] ms, margin ±{margin:.3f} ms, "
-               f"Mann-Whitney p={shift.p_value:.2g}, n layered {shift.layered_n} / spine {shift.spine_n}"
+               f"Mann-Whitney p={shift.p_value:.2g}, n {names[0]} {shift.layered_n} / {names[1]} {shift.spine_n}"
                + (f", {shift.removed} outliers removed" if shift.removed else ""))
     return MetricVerdict(metric.name, group, metric.kind, metric.critical, verdict, fails, shift.estimate,
                          _finite(shift.low), _finite(shift.high), shift.p_value, message)

@@ -10,8 +10,9 @@ pass — only a critical metric already failing decides without it.
 
 The controller reads the outcome as one gate row, `judge` (its value the score, its
 threshold the pass score); beside it one row per metric, `judge.NAME`, carries that
-metric's verdict, effect size and interval into the gate history and the dashboard
-without counting on its own (`GateResult.counts`).
+metric's verdict, effect size (its value) against its margin (its threshold) and its
+interval (in its message) into the gate history and the dashboard without counting on
+its own (`GateResult.counts`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class MetricVerdict:
     high: float | None
     p_value: float | None
     message: str
+    margin: float | None = None  # what the effect is held against: the shift's margin, max_delta, max_mismatches
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def gate_results(spec: JudgeSpec, judgement: Judgement) -> list[GateResult]:
     for metric in judgement.metrics:
         state = (Verdict.INCONCLUSIVE if metric.verdict == CANNOT_TELL
                  else Verdict.FAIL if metric.fails else Verdict.PASS)
-        rows.append(GateResult(f"judge.{metric.name}", state, metric.effect, spec.confidence, spec.dry_run,
+        margin = metric.margin if metric.margin is not None else 0.0
+        rows.append(GateResult(f"judge.{metric.name}", state, metric.effect, margin, spec.dry_run,
                                metric.message, counts=False))
     return rows
 
@@ -122,7 +125,7 @@ def _metric(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStat
         verdict = {Verdict.PASS: PASS, Verdict.FAIL: HIGH}.get(gate.verdict, CANNOT_TELL)
         return MetricVerdict(metric.name, group, metric.kind, metric.critical, verdict, verdict == HIGH, gate.value,
                              None, None, None, f"{verdict}: {gate.message}" if verdict != CANNOT_TELL
-                             else f"cannot tell: {gate.message}")
+                             else f"cannot tell: {gate.message}", float(metric.max_mismatches))
     gaps = [f"{side}: {stats.missing}" for side, stats in ((base, layered), (candidate, spine)) if stats.missing]
     if gaps:
         return cannot("no data: " + "; ".join(gaps))
@@ -143,7 +146,7 @@ def _errors(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStat
                f"(delta {test.delta:+.4f}, tolerated {metric.max_delta:g}), odds ratio {_num(test.odds_ratio)} "
                f"{spec.confidence:.0%} CI [{_num(test.low)}, {_num(test.high)}], Fisher p={test.p_value:.2g}")
     return MetricVerdict(metric.name, group, metric.kind, metric.critical, verdict, high, test.delta,
-                         _finite(test.low), _finite(test.high), test.p_value, message)
+                         _finite(test.low), _finite(test.high), test.p_value, message, metric.max_delta)
 
 
 def _latency(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStats, spine: WindowStats,
@@ -173,7 +176,7 @@ def _latency(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowSta
                f"Mann-Whitney p={shift.p_value:.2g}, n {names[0]} {shift.layered_n} / {names[1]} {shift.spine_n}"
                + (f", {shift.removed} outliers removed" if shift.removed else ""))
     return MetricVerdict(metric.name, group, metric.kind, metric.critical, verdict, fails, shift.estimate,
-                         _finite(shift.low), _finite(shift.high), shift.p_value, message)
+                         _finite(shift.low), _finite(shift.high), shift.p_value, message, margin)
 
 
 def _num(value: float) -> str:

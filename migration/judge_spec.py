@@ -30,7 +30,9 @@ _JUDGE_KEYS = {"confidence", "effect_size", "min_samples", "outliers", "threshol
 
 
 class Checker(Protocol):
-    """What the plan's checker offers: a problem with its line, and typed fields."""
+    """What the plan's checker offers: the problems so far, a problem with its line, typed fields."""
+
+    problems: list[str]
 
     def fail(self, path: str, message: str) -> None: ...
 
@@ -139,8 +141,23 @@ def read_judge(check: Checker, raw: Any, path: str, base: JudgeSpec | None = Non
                    groups=groups, dry_run=dry_run, path=path)
 
 
+def stage_judge(check: Checker, raw: Mapping[str, Any], path: str, weight: float,
+                plan_judge: JudgeSpec | None) -> JudgeSpec | None:
+    """A stage's judge: its own `judge:` over the plan's, `judge: false` for none; the plan's
+    applies only where both sides get traffic (a judge compares them)."""
+    if "judge" not in raw:
+        return plan_judge if 0 < weight < 100 else None
+    if raw["judge"] is False:
+        return None
+    judge = read_judge(check, raw["judge"], f"{path}.judge", plan_judge)
+    if judge is not None and not 0 < weight < 100:
+        check.fail(f"{path}.judge", f"a judge compares the spine with the layered side, and spine_weight "
+                                    f"{weight:g} leaves one of them no traffic; remove it or use judge: false")
+    return judge
+
+
 def _count(check: Checker) -> int:
-    return len(getattr(check, "problems", ()))
+    return len(check.problems)
 
 
 def _outliers(check: Checker, raw: Any, path: str, base: JudgeSpec) -> tuple[str, float]:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from migration.judge_spec import JudgeSpec, read_judge
+from migration.judge_spec import JudgeSpec, read_judge, stage_judge
 from migration.legacy_endpoint import DEFAULT_API_KEY_HEADER, LegacyEndpoint, legacy_problems
 from runtime.config.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
@@ -268,25 +268,11 @@ class _Checker:
         if weight == 0 and min_requests:
             self.fail(f"{path}.min_requests", "a stage with spine_weight 0 sends the spine no "
                       f"traffic, so min_requests={min_requests} could never be met")
-        judge = self.stage_judge(raw, path, float(weight or 0.0), plan_judge)
+        judge = stage_judge(self, raw, path, float(weight or 0.0), plan_judge)
         if len(self.problems) > before:
             return None
         return Stage(name, float(weight or 0.0), placements, hold_s, min_requests, gates,
                      failure_limit, approval, judge)
-
-    def stage_judge(self, raw: Mapping[str, Any], path: str, weight: float,
-                    plan_judge: JudgeSpec | None) -> JudgeSpec | None:
-        """The stage's judge: its own `judge:` over the plan's, `judge: false` for none; the
-        plan's applies only where both sides get traffic (a judge compares them)."""
-        if "judge" not in raw:
-            return plan_judge if 0 < weight < 100 else None
-        if raw["judge"] is False:
-            return None
-        judge = read_judge(self, raw["judge"], f"{path}.judge", plan_judge)
-        if judge is not None and not 0 < weight < 100:
-            self.fail(f"{path}.judge", f"a judge compares the spine with the layered side, and spine_weight "
-                                       f"{weight:g} leaves one of them no traffic; remove it or use judge: false")
-        return judge
 
     def placements(self, raw: Any, path: str, previous: dict[str, str]) -> dict[str, str]:
         out = dict(previous)

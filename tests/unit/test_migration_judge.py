@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 
 import numpy as np
+import pytest
 
 from migration.gates import ParityStats, Verdict, WindowStats
 from migration.judge.samples import bucket_samples_ms
@@ -166,6 +167,13 @@ def test_a_stage_judge_overrides_the_plans_field_by_field() -> None:
     assert half.judge.pass_score == 80 and half.judge.iqr_factor == 1.5 and len(half.judge.groups) == 2
     assert quiet.judge is None and everything.judge is None  # said so; no baseline at 100 %
     assert plan.parity_gates() == ["judge.groups[1].metrics[1]"]
+
+
+def test_a_judge_where_one_side_gets_no_traffic_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"stages\[3\]\.judge \(line 19\): a judge compares the spine with the "
+                                        r"layered side, and spine_weight 100 leaves one of them no traffic"):
+        load_plan(PLAN.replace("{name: all, spine_weight: 100, hold_s: 1}",
+                               "{name: all, spine_weight: 100, hold_s: 1, judge: {min_samples: 10}}"))
 
 
 def test_judge_problems_are_reported_with_their_lines() -> None:

@@ -139,6 +139,10 @@ def _metric(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStat
 
 def _errors(spec: JudgeSpec, group: str, metric: MetricSpec, layered: WindowStats,
             spine: WindowStats, names: tuple[str, str]) -> MetricVerdict:
+    if layered.errors == 0 and spine.errors == 0:  # nothing to test: the odds ratio is undefined
+        return MetricVerdict(metric.name, group, metric.kind, metric.critical, PASS, False, 0.0, None, None, 1.0,
+                             f"pass: no layout errors on either side ({names[0]} {layered.requests}, "
+                             f"{names[1]} {spine.requests} requests)", metric.max_delta)
     test = compare_errors(layered.errors, layered.requests, spine.errors, spine.requests, spec.confidence)
     high = test.p_value < 1 - spec.confidence and test.delta > metric.max_delta
     verdict = HIGH if high else PASS

@@ -170,8 +170,11 @@ function renderJudge(points) {
   $("judge-section").hidden = !points.length;
   if (!points.length) return;
   const [score, ...metrics] = points;
-  $("judge-score").textContent = `score ${num(score.value)} (pass at ${num(score.threshold)}): ${score.verdict}` +
-    (score.dry_run ? ", dry run" : "") + ` · stage ${score.stage}, window ending ${clock(score.window_end)}`;
+  // The outcome in the judge's words ("marginal: score 80.0 < pass 90, ... (at 98% confidence)").
+  const end = score.message.indexOf(" confidence)");
+  const outcome = end >= 0 ? score.message.slice(0, end + " confidence)".length) : score.message;
+  $("judge-score").textContent = outcome + (score.dry_run ? " · dry run" : "") +
+    ` · stage ${score.stage}, window ending ${clock(score.window_end)}`;
   $("judge-score").className = "verdict-" + score.verdict;
   const head = el("tr", {}, ...["metric", "verdict", "effect", "margin", "detail"].map((h) => el("th", {}, h)));
   const rows = metrics.map((m) => el("tr", { class: "verdict-" + m.verdict, "data-metric": m.gate.slice(6) },

@@ -199,6 +199,8 @@ def _groups(check: Checker, raw: Any, path: str) -> tuple[GroupSpec, ...]:
             continue
         check.unknown_keys(item, where, {"name", "weight", "metrics"})
         name = check.text(item, "name", where)
+        if any(group.name == name for group in groups):
+            check.fail(f"{where}.name", f"duplicate group name {name!r}: name each group once in a judge")
         weight = float(check.number(item, "weight", where, 1.0, minimum=0.0, exclusive=True))
         metrics = item.get("metrics")
         if not isinstance(metrics, list) or not metrics:

@@ -177,7 +177,8 @@ def test_a_judge_where_one_side_gets_no_traffic_is_refused() -> None:
 
 
 def test_judge_problems_are_reported_with_their_lines() -> None:
-    bad = PLAN.replace("confidence: 0.95", "confidence: 2").replace("kind: latency", "kind: p42")
+    bad = (PLAN.replace("confidence: 0.95", "confidence: 2").replace("kind: latency", "kind: p42")
+           .replace("name: correctness", "name: latency"))
     try:
         load_plan(bad)
     except PlanError as error:
@@ -186,3 +187,4 @@ def test_judge_problems_are_reported_with_their_lines() -> None:
         raise AssertionError("a plan with a bad judge loaded")
     assert "judge.confidence (line 3): must be between 0.5 and 0.9999, got 2" in text
     assert "judge.groups[0].metrics[0].kind (line 9): unknown metric kind 'p42'" in text
+    assert "judge.groups[1].name (line 10): duplicate group name 'latency'" in text

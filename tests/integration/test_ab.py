@@ -236,7 +236,7 @@ def test_the_verdict_flags_a_layout_ten_percent_slower_with_its_confidence() -> 
 
     def run(name: str, median_ms: float) -> LayoutRun:
         results: list[CallResult | None] = [CallResult(grpc.StatusCode.OK, "", float(v) / 1000.0)
-                                            for v in rng.lognormal(np.log(median_ms), 0.3, 300)]
+                                            for v in rng.lognormal(np.log(median_ms), 0.2, 300)]
         return LayoutRun(name, results=results + [CallResult(grpc.StatusCode.INVALID_ARGUMENT, "bad", 0.001)])
 
     verdict = layout_verdicts(ABRun([run("layered", 20.0), run("collapsed", 22.0)], 1.0, RunOptions()))

@@ -21,6 +21,7 @@ from typing import Any
 from migration.controller import Controller
 from migration.dashboard.runs import RUN_ACTIONS, RUNS_SHOWN, runs_from_audit
 from migration.gates import WindowStats
+from migration.judge.score import METRIC_ROW
 from migration.render import to_json
 from migration.service import plan_message, status_message
 from migration.status import GateRecord
@@ -94,7 +95,7 @@ def judge_points(history: list[GateRecord]) -> list[dict[str, Any]]:
         return []
     last = judged[-1]
     return [gate_point(r) for r in history if r.window_end == last.window_end and r.stage == last.stage
-            and (r.gate == "judge" or r.gate.startswith("judge."))]
+            and (r.gate == "judge" or r.gate.startswith(METRIC_ROW))]
 
 
 def snapshot(controller: Controller, sampler: LayoutSampler, *, view_without_token: bool) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from migration.judge.statistics import compare_errors, location_shift, without_o
 from migration.judge_spec import JudgeSpec, MetricSpec
 
 PASS, HIGH, LOW, CANNOT_TELL = "pass", "high", "low", "cannot tell"
+METRIC_ROW = "judge."  # the prefix of a per-metric row's gate name: recorded, never counting on its own
 MARGINAL, FAIL = "marginal", "fail"
 
 
@@ -103,7 +104,7 @@ def gate_results(spec: JudgeSpec, judgement: Judgement) -> list[GateResult]:
         state = (Verdict.INCONCLUSIVE if metric.verdict == CANNOT_TELL
                  else Verdict.FAIL if metric.fails else Verdict.PASS)
         margin = metric.margin if metric.margin is not None else 0.0
-        rows.append(GateResult(f"judge.{metric.name}", state, metric.effect, margin, spec.dry_run,
+        rows.append(GateResult(f"{METRIC_ROW}{metric.name}", state, metric.effect, margin, spec.dry_run,
                                metric.message, counts=False))
     return rows
 

@@ -302,6 +302,9 @@ class Controller(TransitionExecutor):
         plan, s = self._loaded(), self._status
         held = now - (s.stage_started_at or now)
         done = f"stage {stage.name!r} held {held:.0f}s with {s.stage_requests} spine requests, gates passing"
+        judged = [r for r in self._latest_gates(stage.name) if r.gate == "judge" and r.value is not None]
+        if judged:  # the audit row keeps the score the stage advanced on
+            done += f", judge score {judged[0].value:.1f}" + (" (dry run)" if judged[0].dry_run else "")
         index = s.stage_index + 1
         if index >= len(plan.stages):
             return self._perform(Action.PROMOTE, SYSTEM_ACTOR, done)

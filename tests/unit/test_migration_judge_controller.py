@@ -81,6 +81,8 @@ def test_a_marginal_score_holds_the_stage_for_another_window_then_a_pass_advance
     traffic(front, clock, rng, spine_ms=20.0)
     window(controller, clock)
     assert controller.status.stage_index == 1  # held 1 s and a passing window: on to the next stage
+    advance = controller.store.recent_audit(1)[0]
+    assert advance.action == "advance" and advance.reason.endswith("gates passing, judge score 100.0")
 
 
 def test_too_few_samples_cannot_tell_and_the_stage_holds(rollout: tuple[Controller, HttpFront, FakeClock]) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
+from migration.judge.score import judge_gates
 from migration.legacy_endpoint import from_side
 from migration.plan import Plan, Stage, refuse_other_legacy, refuse_parity_without_shadow
 from migration.state_store import Store
@@ -276,6 +277,8 @@ class Controller(TransitionExecutor):
                 layered, spine, parity = self._target.window_stats(since=start)
                 results = evaluate(stage.gates, layered, spine, parity, plan.min_window_requests,
                                    from_side(plan.legacy))
+                if stage.judge is not None:  # marginal or cannot tell: inconclusive, the stage holds
+                    results += judge_gates(stage.judge, layered, spine, parity)
                 verdict = window_verdict(results)
                 failures = {Verdict.FAIL: s.consecutive_failures + 1, Verdict.PASS: 0}.get(
                     verdict, s.consecutive_failures)
@@ -301,6 +304,9 @@ class Controller(TransitionExecutor):
         plan, s = self._loaded(), self._status
         held = now - (s.stage_started_at or now)
         done = f"stage {stage.name!r} held {held:.0f}s with {s.stage_requests} spine requests, gates passing"
+        judged = [r for r in self._latest_gates(stage.name) if r.gate == "judge" and r.value is not None]
+        if judged:  # the audit row keeps the score the stage advanced on
+            done += f", judge score {judged[0].value:.1f}" + (" (dry run)" if judged[0].dry_run else "")
         index = s.stage_index + 1
         if index >= len(plan.stages):
             return self._perform(Action.PROMOTE, SYSTEM_ACTOR, done)
@@ -320,5 +326,5 @@ class Controller(TransitionExecutor):
                           f"{self._plan.stages[s.stage_index].name!r}, hold continues from the stage start")
 
 def _failure_reason(results: list[GateResult], failures: int, limit: int) -> str:
-    failed = "; ".join(f"{r.gate}: {r.message}" for r in results if r.verdict is Verdict.FAIL and not r.dry_run)
+    failed = "; ".join(f"{r.gate}: {r.message}" for r in results if r.verdict is Verdict.FAIL and r.counts and not r.dry_run)
     return f"gates failed {failures} consecutive window(s) (failure_limit {limit}): {failed}"

@@ -38,6 +38,9 @@ class WindowStats:
     ok_requests: int | None = None  # None: not counted apart, taken as requests - errors
     missing: str = ""
     p50_ms: float | None = None  # median of the same requests, where the source has it (the dashboard shows it)
+    # Each successful request's latency (ms), where the source has them: what the judge
+    # compares (`migration.judge`); the threshold gates read only the numbers above.
+    latency_samples_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def error_rate(self) -> float:
@@ -75,6 +78,9 @@ class GateResult:
     threshold: float
     dry_run: bool
     message: str
+    # False for a row recorded only to be read (the judge's per-metric rows): the judge's
+    # own row decides for them, so it never counts twice.
+    counts: bool = True
 
 
 def _missing(layered: WindowStats, spine: WindowStats, baseline: str = "layered") -> str | None:
@@ -214,9 +220,10 @@ def evaluate(gates: Iterable[GateSpec], layered: WindowStats, spine: WindowStats
 def window_verdict(results: Sequence[GateResult]) -> Verdict:
     """Fail if any counting gate failed, else inconclusive if any could not judge, else pass.
 
-    Dry-run gates never count: they exist to try a threshold before trusting it.
+    Dry-run gates never count: they exist to try a threshold before trusting it; nor do
+    rows recorded only to be read (`GateResult.counts`).
     """
-    counting = [r for r in results if not r.dry_run]
+    counting = [r for r in results if r.counts and not r.dry_run]
     if any(r.verdict is Verdict.FAIL for r in counting):
         return Verdict.FAIL
     if any(r.verdict is Verdict.INCONCLUSIVE for r in counting):

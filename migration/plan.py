@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from migration.judge_spec import JudgeSpec, read_judge, stage_judge
 from migration.legacy_endpoint import DEFAULT_API_KEY_HEADER, LegacyEndpoint, legacy_problems, name_problem
 from runtime.config.yamlsource import LocatedData, YamlSourceError, load_located
 from services.common import ConfigError
@@ -31,11 +32,11 @@ GATE_OPTIONS: dict[str, tuple[str, ...]] = {
     "parity": ("min_requests",),
 }
 
-_PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "route_header", "legacy", "stages"}
+_PLAN_KEYS = {"name", "description", "window_s", "min_window_requests", "route_header", "legacy", "stages", "judge"}
 _LEGACY_KEYS = {"http", "api_key_header", "name"}
 _STAGE_KEYS = {
     "name", "spine_weight", "placements", "hold_s", "min_requests",
-    "gates", "failure_limit", "manual_approval",
+    "gates", "failure_limit", "manual_approval", "judge",
 }
 DEFAULT_WINDOW_S = 10.0
 DEFAULT_MIN_WINDOW_REQUESTS = 20
@@ -90,6 +91,8 @@ class Stage:
     failure_limit: int
     # An operator must approve before the controller ENTERS this stage.
     manual_approval: bool
+    # How its windows are judged beside the gates (`migration.judge`); None: the gates alone.
+    judge: JudgeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,10 @@ class Plan:
 
     def parity_gates(self) -> list[str]:
         """The field path of every parity gate (dry run or not), e.g. `stages[1].gates[2]`."""
-        return [f"stages[{i}].gates[{j}]" for i, stage in enumerate(self.stages)
-                for j, gate in enumerate(stage.gates) if gate.type == "parity"]
+        gates = [f"stages[{i}].gates[{j}]" for i, stage in enumerate(self.stages)
+                 for j, gate in enumerate(stage.gates) if gate.type == "parity"]
+        judged = [path for stage in self.stages if stage.judge for path in stage.judge.parity_paths()]
+        return gates + [path for i, path in enumerate(judged) if path not in judged[:i]]
 
 
 def refuse_parity_without_shadow(plan: Plan, why: str) -> None:
@@ -194,6 +199,7 @@ class _Checker:
         min_window = self.integer(data, "min_window_requests", "", DEFAULT_MIN_WINDOW_REQUESTS, minimum=0)
         route_header = self.flag(data, "route_header", "", DEFAULT_ROUTE_HEADER)
         legacy = self.legacy(data.get("legacy"), "legacy") if "legacy" in data else None
+        judge = read_judge(self, data["judge"], "judge") if "judge" in data else None
         raw_stages = data.get("stages")
         stages: list[Stage] = []
         if not isinstance(raw_stages, list) or not raw_stages:
@@ -202,7 +208,7 @@ class _Checker:
             previous = dict.fromkeys(self.middlewares, "remote")
             seen: dict[str, int] = {}
             for index, raw in enumerate(raw_stages):
-                stage = self.stage(raw, f"stages[{index}]", index, previous)
+                stage = self.stage(raw, f"stages[{index}]", index, previous, judge)
                 if "legacy" in data and isinstance(raw, Mapping) and "placements" in raw:
                     self.fail(f"stages[{index}].placements", "a foreign legacy side has no middlewares to move "
                               "into the spine (the spine serves whole, collapsed): remove placements")
@@ -235,7 +241,8 @@ class _Checker:
             self.fail(f"{path}.{field}", problem)
         return None if problems else LegacyEndpoint(str(raw["http"]).rstrip("/"), str(header), str(name))
 
-    def stage(self, raw: Any, path: str, index: int, previous: dict[str, str]) -> Stage | None:
+    def stage(self, raw: Any, path: str, index: int, previous: dict[str, str],
+              plan_judge: JudgeSpec | None = None) -> Stage | None:
         if not isinstance(raw, Mapping):
             self.fail(path, f"a stage is a mapping, got {_kind(raw)}")
             return None
@@ -264,10 +271,11 @@ class _Checker:
         if weight == 0 and min_requests:
             self.fail(f"{path}.min_requests", "a stage with spine_weight 0 sends the spine no "
                       f"traffic, so min_requests={min_requests} could never be met")
+        judge = stage_judge(self, raw, path, float(weight or 0.0), plan_judge)
         if len(self.problems) > before:
             return None
         return Stage(name, float(weight or 0.0), placements, hold_s, min_requests, gates,
-                     failure_limit, approval)
+                     failure_limit, approval, judge)
 
     def placements(self, raw: Any, path: str, previous: dict[str, str]) -> dict[str, str]:
         out = dict(previous)

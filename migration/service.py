@@ -207,7 +207,8 @@ def plan_message(plan: Plan, *, loaded: bool) -> pb.PlanResponse:
                                from_side=from_side(plan.legacy))
     for stage in plan.stages:
         summary = response.stages.add(name=stage.name, spine_weight=stage.spine_weight,
-                                      placements=stage.placements, gates=[g.describe() for g in stage.gates],
+                                      placements=stage.placements, gates=[g.describe() for g in stage.gates]
+                                      + ([stage.judge.describe()] if stage.judge else []),
                                       failure_limit=stage.failure_limit, manual_approval=stage.manual_approval)
         if stage.hold_s is not None:
             summary.hold_s = stage.hold_s

@@ -21,6 +21,7 @@ from typing import Any
 from migration.controller import Controller
 from migration.dashboard.runs import RUN_ACTIONS, RUNS_SHOWN, runs_from_audit
 from migration.gates import WindowStats
+from migration.judge.score import METRIC_ROW
 from migration.render import to_json
 from migration.service import plan_message, status_message
 from migration.status import GateRecord
@@ -86,19 +87,32 @@ def gate_point(record: GateRecord) -> dict[str, Any]:
             "window_start": record.window_start, "window_end": record.window_end, "message": record.message}
 
 
+def judge_points(history: list[GateRecord]) -> list[dict[str, Any]]:
+    """The judge's latest window: its score row, then each metric's (verdict, effect, margin and
+    the message with its interval); empty where no stage has a judge."""
+    judged = [r for r in history if r.gate == "judge"]
+    if not judged:
+        return []
+    last = judged[-1]
+    return [gate_point(r) for r in history if r.window_end == last.window_end and r.stage == last.stage
+            and (r.gate == "judge" or r.gate.startswith(METRIC_ROW))]
+
+
 def snapshot(controller: Controller, sampler: LayoutSampler, *, view_without_token: bool) -> dict[str, Any]:
     """The whole page's data. `revision` changes whenever the status or an audit row does."""
     view = controller.view(audit_rows=AUDIT_ROWS)
     latest = sampler.latest()
     history = list(sampler.samples)
     status = to_json(status_message(view))
+    gates = controller.store.gate_history(GATE_ROWS)
     last_audit = view.recent_audit[-1].id if view.recent_audit else 0
     return {
         "revision": f"{last_audit}:{view.status.updated_at}:{view.status.acked}",
         "now": time.time(),
         "status": status,
         "plan": to_json(plan_message(view.plan, loaded=True)) if view.plan else None,
-        "gate_history": [gate_point(r) for r in controller.store.gate_history(GATE_ROWS)],
+        "gate_history": [gate_point(r) for r in gates],
+        "judge": judge_points(gates),
         # Each rollout's outcome, from its audit rows (a run's rows are a handful; 40 a run is plenty).
         "runs": runs_from_audit(controller.store.audit_of(RUN_ACTIONS, RUNS_SHOWN * 40)),
         "layouts": {"window_s": LAYOUT_WINDOW_S, "latest": latest.sides,

@@ -42,9 +42,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from migration.gates import ParityStats, WindowStats
+from migration.judge.samples import bucket_samples_ms
 from migration.metrics.parity import BASELINE, NOISE_WINDOWS, ShadowCounts, parity_stats
 from migration.metrics.source import DURATION_BUCKETS, OK, REQUESTS, SIDES, check_side, stats_by_status
 from migration.target import ShadowCapability
@@ -82,6 +84,12 @@ def requests_query(side_selector: str, range_: str) -> str:
 def p99_query(side_selector: str, range_: str) -> str:
     series = f'{DURATION_BUCKETS}{{{side_selector},status="{OK}"}}'
     return f"histogram_quantile(0.99, sum by (le) ({window_increase(series, range_)}))"
+
+
+def buckets_query(side_selector: str, range_: str) -> str:
+    """The OK requests' latency buckets counted in the window: the judge's samples."""
+    series = f'{DURATION_BUCKETS}{{{side_selector},status="{OK}"}}'
+    return f"sum by (le) ({window_increase(series, range_)})"
 
 
 def series(name: str, *matchers: str) -> str:
@@ -134,6 +142,7 @@ class PrometheusSource:
         try:
             counts = self.query(requests_query(selector, range_), until)
             p99 = self.query(p99_query(selector, range_), until)
+            buckets = self.query(buckets_query(selector, range_), until)
         except PrometheusError as error:
             log.warning("window of %s: %s", side, error)
             return WindowStats(0, 0, None, 0, missing=str(error))
@@ -143,7 +152,10 @@ class PrometheusSource:
                 f"(nothing scraped for this side, or a window shorter than two scrape intervals)"))
         by_status = {sample["metric"].get("status", ""): _value(sample) for sample in counts}
         p99_s = _value(p99[0]) if p99 else None
-        return stats_by_status(by_status, p99_s)
+        stats = stats_by_status(by_status, p99_s)
+        cumulative = {float(sample["metric"].get("le", "nan")): _value(sample) for sample in buckets}
+        return replace(stats, latency_samples_ms=bucket_samples_ms(
+            {le: n for le, n in cumulative.items() if not (math.isnan(le) or math.isnan(n))}) if stats.successes else ())
 
     def parity(self, since: float, until: float | None = None) -> ParityStats:
         """The shadow comparisons in (since, until]; noise over `NOISE_WINDOWS` windows."""

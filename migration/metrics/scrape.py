@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from migration.gates import ParityStats, WindowStats
+from migration.judge.samples import bucket_samples_ms
 from migration.metrics.parity import NOISE_WINDOWS, SHADOW_FAMILIES, ShadowCounts, add_sample, parity_stats
 from migration.metrics.source import (
     DURATION_BUCKETS,
@@ -71,7 +72,8 @@ class Counts:
         p99_s = histogram_quantile(0.99, self.ok_buckets) if self.ok else None
         p50_s = histogram_quantile(0.5, self.ok_buckets) if self.ok else None
         return WindowStats(round(self.requests), round(self.errors), None if p99_s is None else p99_s * 1000.0,
-                           round(self.ok), p50_ms=None if p50_s is None else p50_s * 1000.0)
+                           round(self.ok), p50_ms=None if p50_s is None else p50_s * 1000.0,
+                           latency_samples_ms=bucket_samples_ms(self.ok_buckets) if self.ok else ())
 
 
 def _combine(a: Mapping[float, float], b: Mapping[float, float], sign: float) -> dict[float, float]:

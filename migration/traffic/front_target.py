@@ -117,8 +117,10 @@ class FrontTarget:
         window = self.front.window(since)
         layered, spine = window["layered"], window["spine"]
         return (WindowStats(layered.requests, layered.errors, layered.p99_ms, layered.ok_requests,
-                            p50_ms=layered.p50_ms),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests, p50_ms=spine.p50_ms))
+                            p50_ms=layered.p50_ms,
+                            latency_samples_ms=layered.ok_latencies_ms),
+                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests, p50_ms=spine.p50_ms,
+                            latency_samples_ms=spine.ok_latencies_ms))
 
     def shadow(self) -> ShadowCapability:
         mirror = self.front.shadow

@@ -44,8 +44,10 @@ class LegacyTarget:
         """Each side as the front measured it: 5xx and unanswered requests are its errors."""
         window = self.front.window(since)
         legacy, spine = window["layered"], window["spine"]
-        return (WindowStats(legacy.requests, legacy.errors, legacy.p99_ms, legacy.ok_requests, p50_ms=legacy.p50_ms),
-                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests, p50_ms=spine.p50_ms))
+        return (WindowStats(legacy.requests, legacy.errors, legacy.p99_ms, legacy.ok_requests, p50_ms=legacy.p50_ms,
+                            latency_samples_ms=legacy.ok_latencies_ms),
+                WindowStats(spine.requests, spine.errors, spine.p99_ms, spine.ok_requests, p50_ms=spine.p50_ms,
+                            latency_samples_ms=spine.ok_latencies_ms))
 
     def shadow(self) -> ShadowCapability:
         mirror = self.front.mirror

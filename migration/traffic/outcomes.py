@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.observability.stats import percentile
 
@@ -41,6 +41,8 @@ class SideWindow:
     model_requests: int = 0
     mean_in_flight: float = 0.0
     p50_ms: float = 0.0  # over the requests answered OK, like p99_ms (0 when none)
+    # Each of those requests' latency: the samples the judge compares (`migration.judge`).
+    ok_latencies_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
 
 class OutcomeLog:
@@ -88,5 +90,6 @@ class OutcomeLog:
                                       p99_model_ms=percentile(model_ms, 99) if served else 0.0,
                                       model_requests=len(served),
                                       mean_in_flight=sum(o.in_flight for o in served) / len(served) if served else 0.0,
-                                      p50_ms=percentile(latencies, 50) if latencies else 0.0)
+                                      p50_ms=percentile(latencies, 50) if latencies else 0.0,
+                                      ok_latencies_ms=tuple(latencies))
         return result

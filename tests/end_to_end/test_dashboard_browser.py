@@ -147,6 +147,39 @@ def test_the_stage_advances_on_the_page_without_a_reload(browser, controller):
     assert screenshot(browser, "dashboard-promoted.png").stat().st_size > 0
 
 
+def test_the_judge_table_shows_the_score_and_each_metrics_verdict(browser, tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+
+    def side(median_ms: float) -> WindowStats:
+        samples = tuple(float(v) for v in rng.lognormal(np.log(median_ms), 0.3, 300))
+        return WindowStats(requests=300, errors=0, p99_ms=max(samples), latency_samples_ms=samples)
+
+    sockets = tempfile.mkdtemp(prefix="browse", dir="/tmp")
+    target = RecordingTarget(layered=side(20.0), spine=side(26.0))  # slower: latency High, score 80, marginal
+    process = ControllerProcess(str(tmp_path / "m.db"), f"unix:{sockets}/c.sock", ADMIN_TOKEN, target,
+                                tick_s=0.02, dashboard_listen="127.0.0.1:0", view_without_token=True)
+    process.start()
+    judged = PLAN.replace("stages:\n", "judge:\n  groups:\n"
+                          "    - {name: latency, weight: 20, metrics: [{name: latency, kind: latency}]}\n"
+                          "    - {name: errors, weight: 80, metrics: [{name: errors, kind: error_rate}]}\n"
+                          "stages:\n")
+    try:
+        process.controller.start(load_plan(judged), "test")
+        open_page(browser, process)
+        wait(browser, lambda: read(browser, "#judge tr[data-metric=latency]") != "", "the judge's table is drawn")
+        assert read(browser, "#judge-score").startswith(
+            "marginal: score 80.0 < pass 90, >= marginal 75, holding the stage for another window (at 98% confidence)")
+        latency = read(browser, "#judge tr[data-metric=latency]")
+        assert latency.startswith("latencyhigh") and "98% CI [" in latency
+        assert read(browser, "#judge tr[data-metric=errors]").startswith("errorspass")
+        assert screenshot(browser, "dashboard-judge.png").stat().st_size > 0
+    finally:
+        process.stop(grace=0.2)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
 def test_a_button_without_the_token_is_refused_on_the_page(browser, controller):
     process, _ = controller
     open_page(browser, process)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from runtime.stack import Stack
@@ -16,9 +17,10 @@ from services.common import ConfigError
 from spine.cli import main
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.command import run_command
-from spine.tools.ab.interleave import LayoutRun, RunOptions, run_interleaved
+from spine.tools.ab.interleave import ABRun, LayoutRun, RunOptions, run_interleaved
 from spine.tools.ab.report import metric_rows, stream_timing
 from spine.tools.ab.report import up_layouts as report_layouts
+from spine.tools.ab.verdict import layout_verdicts, verdict_lines
 from spine.tools.workload.generator import SyntheticSpec, synthetic, tenant_keys
 from spine.tools.workload.recorded import TraceError, read_trace, write_trace
 from tests.conftest import DEV_KEY, OTHER_KEY, config_for_tests, start_stack
@@ -218,11 +220,34 @@ def test_ab_compares_layouts_side_by_side_and_reports_a_down_one(tmp_path: Path)
     assert parity["base"] == "mixed"
     assert parity["vs"]["running"]["compared"] == 10
     assert parity["vs"]["running"]["identical"] == 10
+    # Ten requests a layout say nothing with a confidence: the verdict cannot tell, never a pass.
+    verdict = report["verdict"]
+    assert verdict["base"] == "mixed" and verdict["vs"]["running"]["outcome"] == "cannot tell"
     assert len(read_trace(trace)) == 10
     markdown = (out / "report.md").read_text()
+    assert "## Verdict" in markdown and "running vs mixed: cannot tell" in markdown
     assert "ghost is DOWN" in markdown and "![latency_cdf](latency_cdf.png)" in markdown
     assert (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "middleware_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_verdict_flags_a_layout_ten_percent_slower_with_its_confidence() -> None:
+    rng = np.random.default_rng(1)
+
+    def run(name: str, median_ms: float) -> LayoutRun:
+        results: list[CallResult | None] = [CallResult(grpc.StatusCode.OK, "", float(v) / 1000.0)
+                                            for v in rng.lognormal(np.log(median_ms), 0.2, 300)]
+        return LayoutRun(name, results=results + [CallResult(grpc.StatusCode.INVALID_ARGUMENT, "bad", 0.001)])
+
+    verdict = layout_verdicts(ABRun([run("layered", 20.0), run("collapsed", 22.0)], 1.0, RunOptions()))
+    collapsed = verdict["vs"]["collapsed"]
+    latency = next(m for m in collapsed["metrics"] if m["name"] == "latency")
+    assert latency["verdict"] == "high" and latency["p_value"] < 0.02 and 0 < latency["low"] < latency["effect"]
+    assert collapsed["outcome"] == "fail" and collapsed["score"] == 50.0  # a refused request is no layout error
+    assert next(m for m in collapsed["metrics"] if m["name"] == "error_rate")["verdict"] == "pass"
+    lines = verdict_lines({"verdict": verdict})
+    assert lines[0] == "collapsed vs layered: fail, score 50 (judged at 98% confidence)"
+    assert lines[1].startswith("  latency: high: collapsed latency shifted +")
 
 
 def test_stream_timing_reads_the_decode_speed_from_the_chunks_and_leaves_cache_hits_out() -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from migration.gates import ParityStats, Verdict, WindowStats, evaluate, window_verdict
+from migration.judge.score import judge_window
+from migration.judge_spec import JudgeSpec
 from migration.metrics.promql import PrometheusSource, check_selector, p99_query, requests_query
 from migration.plan import GateSpec
 from tests.metrics_endpoints import MetricsEndpoint
@@ -102,6 +104,23 @@ def test_the_p99_is_over_successful_requests_only(scene: Scene) -> None:
     layered, spine = scene.windows["layered"], scene.windows["spine"]
     assert layered.p99_ms is not None and 0.1 <= layered.p99_ms <= 0.25    # the 0.1-0.25 ms bucket
     assert spine.p99_ms is not None and 0.5 <= spine.p99_ms <= 1.0          # the 0.5-1 ms bucket
+
+
+def test_the_judges_samples_are_the_ok_buckets_at_their_midpoints(scene: Scene) -> None:
+    """80 OK requests a side: the layered ones in the 0.1-0.25 ms bucket, the spine's in the
+    0.5-1 ms one; the spine's slow failures are not latency samples."""
+    layered, spine = scene.windows["layered"], scene.windows["spine"]
+    assert {round(v, 6) for v in layered.latency_samples_ms} == {0.175}
+    assert {round(v, 6) for v in spine.latency_samples_ms} == {0.75}
+    assert 70 <= len(layered.latency_samples_ms) <= 90 and 70 <= len(spine.latency_samples_ms) <= 90
+
+
+def test_the_judge_flags_the_spines_slower_bucket_and_not_its_error_rate(scene: Scene) -> None:
+    judgement = judge_window(JudgeSpec(), scene.windows["layered"], scene.windows["spine"], NO_SHADOW)
+    verdicts = {m.name: m for m in judgement.metrics}
+    assert verdicts["latency"].verdict == "high" and verdicts["latency"].effect == pytest.approx(0.575)
+    assert verdicts["error_rate"].verdict == "pass"  # 8 of 88 against 4 of 89: not beyond chance at 98 %
+    assert (judgement.score, judgement.outcome) == (50.0, "fail")
 
 
 def test_sub_millisecond_latencies_pass_the_ratio_gate_under_the_floor(scene: Scene) -> None:

@@ -287,3 +287,33 @@ def test_a_flood_of_refused_admin_tokens_is_one_warning_a_second(make_dashboard)
         for _ in range(40):
             assert dashboard.request("GET", "/api/state", token="a-guess-0123456789")[0] == 401
         assert_summarized(lines, server._refused_tokens, 40, containing="admin token not accepted")
+
+
+def test_the_judges_score_and_each_metrics_verdict_are_on_the_page(make_dashboard):
+    import numpy as np
+
+    rng = np.random.default_rng(9)
+
+    def side(median_ms: float) -> WindowStats:
+        samples = tuple(float(v) for v in rng.lognormal(np.log(median_ms), 0.3, 300))
+        return WindowStats(requests=300, errors=0, p99_ms=max(samples), latency_samples_ms=samples)
+
+    dashboard = make_dashboard(view_without_token=True)
+    dashboard.target.layered, dashboard.target.spine = side(20.0), side(26.0)
+    judged = PLAN.replace("stages:\n", "judge:\n  groups:\n"
+                          "    - {name: latency, weight: 20, metrics: [{name: latency, kind: latency}]}\n"
+                          "    - {name: errors, weight: 80, metrics: [{name: errors, kind: error_rate}]}\n"
+                          "stages:\n")
+    dashboard.controller.start(load_plan(judged), "test")
+    for state in events(dashboard.url):
+        if state["judge"]:
+            break
+    score, *metrics = state["judge"]
+    assert (score["gate"], score["value"], score["threshold"], score["verdict"]) == ("judge", 80.0, 90.0, "inconclusive")
+    assert score["message"].startswith("marginal: score 80.0")
+    latency = next(m for m in metrics if m["gate"] == "judge.latency")
+    assert latency["verdict"] == "fail" and latency["value"] > latency["threshold"] > 0  # shift beyond its margin
+    assert "98% CI [" in latency["message"]
+    assert state["status"]["stage_name"] == "first-stage"  # marginal: the stage holds
+    code, page = dashboard.request("GET", "/")
+    assert code == 200 and 'id="judge-section"' in page

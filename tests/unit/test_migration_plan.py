@@ -75,6 +75,8 @@ def test_the_production_plan_collapses_observability_first_and_auth_last_with_ap
     assert sorted(first_local["canary-observability"]) == ["logs", "metrics"]
     assert plan.stages[-1].manual_approval
     assert all(s.hold_s and s.hold_s >= 60 for s in plan.stages)
+    # The judge on trial in every stage with a baseline, none at 100 %.
+    assert all(s.judge is not None and s.judge.dry_run for s in plan.stages[:-1]) and plan.stages[-1].judge is None
 
 
 def test_route_header_is_on_unless_the_plan_turns_it_off():

@@ -60,6 +60,8 @@ def test_the_p99_is_over_successful_requests_only(endpoints: dict[str, MetricsEn
     endpoints["spine-b"].record(10, "UNAVAILABLE", latency_s=3.0)
     spine = source.window("spine", since)
     assert spine.errors == 10 and spine.p99_ms is not None and 0.5 < spine.p99_ms <= 1.0
+    # The judge's samples: the 90 OK requests at their bucket's midpoint (0.5-1 ms), not the failures.
+    assert spine.latency_samples_ms == (pytest.approx(0.75),) * 90
 
 
 def test_a_window_starts_at_the_last_scrape_before_it(endpoints: dict[str, MetricsEndpoint]) -> None:

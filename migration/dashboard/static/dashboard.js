@@ -72,7 +72,8 @@ function render(state) {
   $("freshness").textContent = "live, updated " + clock(state.now);
   renderTimeline(state.plan, s);
   renderTraffic(s);
-  renderGates(state.gate_history);
+  renderGates(state.gate_history.filter((p) => !p.gate.startsWith("judge.")));
+  renderJudge(state.judge || []);
   renderLayouts(state.layouts, s);
   renderPlanes(s);
   renderAudit(s.recent_audit);
@@ -167,6 +168,25 @@ function renderGates(history) {
     charts.push(node);
   }
   $("gates").replaceChildren(...(charts.length ? charts : [el("p", { class: "muted" }, "no gate window judged yet")]));
+}
+
+// The judge's latest window: the score against its pass threshold, then each metric's verdict,
+// effect against its margin, and the message that carries its confidence interval.
+function renderJudge(points) {
+  $("judge-section").hidden = !points.length;
+  if (!points.length) return;
+  const [score, ...metrics] = points;
+  // The outcome in the judge's words ("marginal: score 80.0 < pass 90, ... (at 98% confidence)").
+  const end = score.message.indexOf(" confidence)");
+  const outcome = end >= 0 ? score.message.slice(0, end + " confidence)".length) : score.message;
+  $("judge-score").textContent = outcome + (score.dry_run ? " · dry run" : "") +
+    ` · stage ${score.stage}, window ending ${clock(score.window_end)}`;
+  $("judge-score").className = "verdict-" + score.verdict;
+  const head = el("tr", {}, ...["metric", "verdict", "effect", "margin", "detail"].map((h) => el("th", {}, h)));
+  const rows = metrics.map((m) => el("tr", { class: "verdict-" + m.verdict, "data-metric": m.gate.slice(6) },
+    el("td", {}, m.gate.slice(6)), el("td", {}, m.message.split(":")[0]), el("td", {}, num(m.value)),
+    el("td", {}, num(m.threshold)), el("td", {}, m.message)));
+  $("judge").replaceChildren(head, ...rows);
 }
 
 function renderLayouts(layouts, s) {

@@ -24,6 +24,7 @@ from spine.tools.ab.report import (
     write_markdown,
     write_plots,
 )
+from spine.tools.ab.verdict import verdict_lines
 from spine.tools.workload.generator import Entry, SyntheticSpec, synthetic, tenant_keys
 from spine.tools.workload.recorded import read_trace, write_trace
 
@@ -70,8 +71,8 @@ def run_command(config: SpineConfig, *, layouts: Sequence[str], out_dir: Path,
     written_plots = write_plots(report, out_dir) if plots else []
     markdown = write_markdown(report, out_dir, written_plots)
     console.print(table(report))
-    for line in parity_lines(report):
-        console.print(line)
+    for line in verdict_lines(report) + parity_lines(report):
+        console.print(line, markup=False)
     for line in down_lines(report):
         console.print(f"[bold red]{line}[/bold red]")
     console.print(f"report: {markdown}  json: {out_dir / 'ab.json'}"

@@ -23,6 +23,7 @@ from runtime.observability.tracing import ROOT_SPAN
 from runtime.shadow.decisions import FIELDS, decide, differing
 from spine.client.gateway_client import CallResult
 from spine.tools.ab.interleave import ABRun, LayoutRun
+from spine.tools.ab.verdict import layout_verdicts, verdict_lines
 from spine.tools.workload.generator import Entry
 
 MODEL_SPAN = "inference.generate"
@@ -46,6 +47,7 @@ def build_report(ab: ABRun, entries: Sequence[Entry], workload: Mapping[str, Any
         "wall_s": ab.wall_s,
         "layouts": layouts,
         "parity": parity,
+        "verdict": layout_verdicts(ab),
     }
 
 
@@ -322,6 +324,11 @@ def write_markdown(report: Mapping[str, Any], out_dir: Path, plots: Sequence[Pat
                      "Middleware times come from spans with the same names in every layout, measured at the "
                      "gateway (a remote call's time includes its hop).")
         lines.append("")
+    verdict = verdict_lines(report)
+    if verdict:
+        lines += ["## Verdict", "", "Each layout against the first, as a migration stage's judge would score it: "
+                  "the Hodges-Lehmann shift of the OK requests' latency with its confidence interval "
+                  "(Mann-Whitney U), layout errors by Fisher's exact test.", "", "```", *verdict, "```", ""]
     parity = parity_lines(report)
     if parity:
         lines += ["## Decision parity", ""] + [f"- {line}" for line in parity] + [""]

@@ -57,6 +57,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from migration.judge.score import METRIC_ROW
 from migration.plan import load_plan
 from migration.status import FINISHED, State
 from migration.traffic.cutover import Cutover
@@ -195,8 +196,8 @@ def walk_plan(cutover: Cutover, plan_text: str, title: str, timeout_s: float = 6
     report.final_state = status.state.value
     report.seconds = time.time() - started
     if status.state is State.ROLLED_BACK:
-        report.failed_gates = sorted({g.gate for g in controller.view().last_gates
-                                      if g.verdict == "fail" and not g.dry_run})
+        report.failed_gates = sorted({g.gate for g in controller.view().last_gates  # a judge's metric rows never count
+                                      if g.verdict == "fail" and not g.dry_run and not g.gate.startswith(METRIC_ROW)})
     progress(f"finished: {report.outcome()} with spine weight {status.spine_weight:g}% after {report.seconds:.1f}s")
     return report
 

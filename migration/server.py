@@ -3,8 +3,10 @@
 `ControllerProcess` binds only to a unix socket or loopback (unless told otherwise; and
 beyond loopback only with TLS: the admin token must not cross a network in plaintext),
 serves the operator API behind the admin token, and ticks the controller every ~100 ms so a failing
-gate's rollback reaches the data path well within a second. `migration.runner` runs one as
-a process; the local migration (`migration.traffic.cutover`) runs one in-process.
+gate's rollback reaches the data path well within a second. With a lease (`LeaseSettings`)
+it is one of several replicas sharing one store (`migration.leadership`): only the leader
+ticks and takes writes, the others follow its record and name it. `migration.runner` runs
+one as a process; the local migration (`migration.traffic.cutover`) runs one in-process.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from grpc_reflection.v1alpha import reflection
 from migration.controller import Controller
 from migration.dashboard import DashboardServer
 from migration.dashboard.metrics import ControllerCollector
+from migration.leadership import LeaderElector, LeaseSettings, default_identity
+from migration.lease import Fenced, LeadershipView
 from migration.notify import WebhookConfig, WebhookNotifier
 from migration.service import SERVICE_NAME, MigrationService
+from migration.store_backends import StoreUnavailable
 from migration.target import TrafficTarget
 from runtime.config.sections import TlsConfig
 from runtime.server import ProbeServer, start_probe_server
@@ -34,6 +39,8 @@ from services.common import Clock, ConfigError
 from wire.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
+# The health service name a replica answers SERVING for only while it leads.
+LEADER_HEALTH = "spine.v1.MigrationLeader"
 
 
 def check_listen(listen: str, allow_external: bool = False, tls: TlsConfig | None = None,
@@ -74,7 +81,8 @@ class ControllerProcess:
                  tick_s: float = 0.1, clock: Clock = time.time, allow_external: bool = False,
                  tls: TlsConfig | None = None, probe_listen: str | None = None,
                  dashboard_listen: str | None = None, view_without_token: bool = False,
-                 webhooks: tuple[WebhookConfig, ...] = ()) -> None:
+                 webhooks: tuple[WebhookConfig, ...] = (), lease: LeaseSettings | None = None,
+                 identity: str | None = None, advertise: str | None = None) -> None:
         self.listen = check_listen(listen, allow_external, tls)
         if dashboard_listen is not None:
             check_listen(dashboard_listen, allow_external, tls, "--dashboard-listen")
@@ -84,8 +92,17 @@ class ControllerProcess:
         self.probe_listen = probe_listen
         self.allow_external = allow_external
         self.probe: ProbeServer | None = None
-        self.controller = Controller.open(db_path, target, clock=clock)
-        self.service = MigrationService(self.controller, admin_token)
+        # With a lease, this is one of several replicas on one store: it re-applies the
+        # recorded stage only once it leads (`_reconcile`), and only the leader ticks.
+        self.controller = Controller.open(db_path, target, clock=clock, recover=lease is None)
+        self.elector: LeaderElector | None = None
+        self._led_epoch: int | None = None
+        if lease is not None:
+            self.elector = LeaderElector(self.controller.store, identity or default_identity(), advertise or self.listen,
+                                         lease, on_lead=lambda epoch: None, on_lose=self.controller.wake_watchers)
+            self.controller.leadership = self._leadership
+        self.service = MigrationService(self.controller, admin_token,
+                                        leader_check=self.elector.check_write if self.elector else None)
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
         self.notifiers = [WebhookNotifier(config) for config in webhooks]
         for notifier in self.notifiers:
@@ -117,6 +134,10 @@ class ControllerProcess:
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.elector is not None:  # SERVING once it leads: a readiness probe that routes to the leader
+            self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.elector is not None:
+            self.elector.start()
         self._ticker.start()
         if self.dashboard is not None:
             self.dashboard.start()
@@ -146,6 +167,8 @@ class ControllerProcess:
             self.probe.stop()
         if self._ticker.is_alive():
             self._ticker.join()
+        if self.elector is not None:
+            self.elector.stop()  # releases the lease: another replica takes over at once
         for notifier in self.notifiers:
             notifier.close()
         self.controller.close()
@@ -154,9 +177,44 @@ class ControllerProcess:
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
             try:
-                self.controller.tick()
+                self._reconcile()
+            except Fenced:  # the store logged and counted it; the election notices at its next round
+                self._led_epoch = None
+            except StoreUnavailable as error:
+                # What was pushed may not be what was recorded: once the store answers again,
+                # start over from the record (`take_lead` re-applies it).
+                log.warning("state store unavailable (%s); ticking resumes when it answers", error)
+                self._led_epoch = None
             except Exception:  # a flaky data path must not stop the loop; the next tick retries
                 log.exception("migration tick failed; retrying")
+
+    def _reconcile(self) -> None:
+        """One tick: the leader (or the only controller) reconciles; a replica that does not
+        lead only reads the leader's latest record, so its status answers stay current."""
+        elector = self.elector
+        if elector is None:
+            self.controller.tick()
+            return
+        epoch = elector.epoch
+        if epoch is None or not elector.leading:
+            if self._led_epoch is not None:
+                self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._led_epoch = None
+            self.controller.refresh()
+            return
+        if self._led_epoch != epoch:
+            self.controller.take_lead(epoch, elector.identity)
+            self._led_epoch = epoch
+            self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+        self.controller.tick()
+
+    def _leadership(self) -> LeadershipView:
+        elector = self.elector
+        assert elector is not None
+        leader = elector.leader()
+        return LeadershipView(leader.holder if leader else "", leader.address if leader else "",
+                              leader.epoch if leader else 0, elector.identity, elector.leading,
+                              self.controller.store.fenced_writes)
 
 
 def _remove_stale_socket(listen: str) -> None:

@@ -111,8 +111,12 @@ class LeaderElector:
         """Raise NotLeader (naming the leader) unless this replica leads now."""
         if self.leading:
             return
-        leader = self.leader()
-        if leader is None:
+        try:  # the lease as it stands (what this replica last saw may be older: it was paused)
+            current = self._store.lease()
+            leader = current if current is not None and current.live else None
+        except Exception:
+            leader = self.leader()
+        if leader is None or leader.holder == self.identity:
             raise NotLeader(f"controller {self.identity} does not lead and no leader holds a live lease right now "
                             "(an election is under way); retry in a few seconds")
         raise NotLeader(f"controller {self.identity} does not lead: send writes to the leader, {leader.describe()}")
@@ -134,7 +138,9 @@ class LeaderElector:
                 self._lose()
             return
         self._observed = lease
-        if lease.holder == self.identity and lease.live:
+        # Ours only if this round renewed our epoch or took a new one (not merely our name on
+        # a live lease from before we gave up: that epoch is fenced off, it has to expire).
+        if lease.ours:
             if self._epoch != lease.epoch:
                 if self._epoch is not None:
                     self._lose()

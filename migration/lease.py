@@ -9,7 +9,7 @@ for how this maps onto a Kubernetes `coordination.k8s.io` Lease.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,14 @@ class LeaseRecord:
     renewed_at: float
     duration_s: float
     now: float  # the database's clock when this was read
+    ours: bool = False  # the round that read it renewed or took it for the one asking
 
     @property
     def live(self) -> bool:
         return self.now < self.renewed_at + self.duration_s
+
+    def claimed(self) -> LeaseRecord:
+        return replace(self, ours=True)
 
     def describe(self) -> str:
         where = f" at {self.address}" if self.address else ""

@@ -80,7 +80,11 @@ class Store:
 
     def try_acquire(self, holder: str, address: str, duration_s: float, held_epoch: int | None) -> LeaseRecord:
         """Renew the lease (`held_epoch` is still the current one), take it (it is free or
-        expired: one more epoch), or leave it to its holder; the lease as it stands after."""
+        expired: one more epoch), or leave it to its holder; the lease as it stands after.
+
+        A holder that lost track of its epoch (`held_epoch` None: it gave up, or restarted
+        under the same name) does not get it back by name: it waits for it to expire and
+        takes a new epoch, so whatever it did before is fenced off like anyone else's."""
         now_sql = self._backend.now_sql
         with self._backend.transaction() as tx:
             row = tx.execute(f"SELECT {_LEASE_COLUMNS}, {now_sql} FROM leader_lease WHERE id = 1"
@@ -98,7 +102,7 @@ class Store:
             else:
                 return current
             row = tx.execute(f"SELECT {_LEASE_COLUMNS}, {now_sql} FROM leader_lease WHERE id = 1").fetchone()
-            return LeaseRecord(*row)
+            return LeaseRecord(*row).claimed()
 
     def release(self, holder: str, epoch: int) -> None:
         """Give the lease up now (a clean stop): the next replica need not wait it out."""

@@ -134,6 +134,15 @@ class LocalPostgres:
             if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone() is None:
                 conn.execute(f"CREATE DATABASE {DATABASE}")
 
+    def create_database(self, name: str) -> str:
+        """A fresh, empty database `name` (letters, digits, _) on this server; its DSN."""
+        if not name.replace("_", "").isalnum():
+            raise ValueError(f"database name {name!r}: letters, digits and _ only")
+        with self._connect("postgres") as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name}")
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.dsn.rsplit("/", 1)[0] + f"/{name}"
+
     def stop(self) -> None:
         """Fast shutdown (SIGINT: running transactions are rolled back, committed ones kept)."""
         process, self.process = self.process, None

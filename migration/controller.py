@@ -92,7 +92,7 @@ class Controller(TransitionExecutor):
         re-apply its stage, as a restart does (the hold continues, the window starts again)."""
         with self._cond:
             self.refresh()
-            self._recover(f"{identity} took the lead (lease epoch {epoch})")
+            self._recover(f"{identity} took over as leader (lease epoch {epoch})")
 
     def close(self) -> None:
         self._store.close()

@@ -35,6 +35,16 @@ def stage_label(status: pb.RolloutStatus) -> str:
     return f"{status.stage_index + 1}/{status.stage_count} {status.stage_name}"
 
 
+def leader_label(lead: pb.Leadership) -> str:
+    """Who leads, at which epoch, and whether the replica asked is that one."""
+    if not lead.leader:
+        return f"none right now (an election is under way); asked {lead.controller}"
+    where = f" at {lead.leader_address}" if lead.leader_address else ""
+    asked = "this replica" if lead.leading else f"asked {lead.controller}, which follows"
+    fenced = f"; {lead.fenced_writes} write(s) refused by the fence here" if lead.fenced_writes else ""
+    return f"{lead.leader}{where}, epoch {lead.epoch} ({asked}){fenced}"
+
+
 def status_renderable(status: pb.RolloutStatus) -> Group:
     """State, stage, weights, placements, last gate results and recent audit rows."""
     style = _STATE_STYLE.get(status.state, "")
@@ -53,6 +63,8 @@ def status_renderable(status: pb.RolloutStatus) -> Group:
     summary.add_row("spine requests", requests)
     summary.add_row("failing windows", f"{status.consecutive_failures} (limit {status.failure_limit})")
     summary.add_row("version", f"{status.version or '-'} ({'applied' if status.applied else 'waiting for ACK'})")
+    if status.HasField("leadership"):
+        summary.add_row("leader", leader_label(status.leadership))
 
     placements = Table(title="placements", title_justify="left")
     for middleware in MIDDLEWARES:

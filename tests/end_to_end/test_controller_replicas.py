@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -100,10 +101,12 @@ class Replica:
 
 @pytest.fixture
 def pair(postgres, tmp_path) -> Iterator[tuple[Replica, Replica]]:  # noqa: F811 - the imported fixture
-    yield from _pair(postgres, tmp_path)
+    with replicas_on(postgres, tmp_path) as replicas:
+        yield replicas
 
 
-def _pair(server: LocalPostgres, workdir: Path) -> Iterator[tuple[Replica, Replica]]:
+@contextmanager
+def replicas_on(server: LocalPostgres, workdir: Path) -> Iterator[tuple[Replica, Replica]]:
     sockets = Path(tempfile.mkdtemp(prefix="rep", dir="/tmp"))
     dsn_file = workdir / "dsn"
     dsn_file.write_text(fresh_database(server, "replicas") + "\n")
@@ -149,7 +152,7 @@ def test_when_the_leader_is_killed_mid_stage_the_other_resumes_the_same_stage(pa
     assert stage_entries(final) == list(final.stage_names)  # each stage entered once, in order
     recovers = [row for row in final.recent_audit if row.action == "recover"]
     assert len(recovers) == 1 and recovers[0].stage == "cache-router-local"
-    assert f"{other.name} took the lead (lease epoch {epoch + 1})" in recovers[0].reason
+    assert f"{other.name} took over as leader (lease epoch {epoch + 1})" in recovers[0].reason
     ids = [row.id for row in final.recent_audit]
     assert ids == list(range(ids[0], ids[0] + len(ids)))  # no gap in the audit trail
     # The new leader pushed first the stage it took over (re-applied), then the ones after it.
@@ -195,7 +198,7 @@ def test_a_leader_stopped_past_its_lease_writes_and_pushes_nothing_when_it_wakes
 def test_a_restarted_postgres_pauses_the_controllers_and_loses_nothing(tmp_path):
     server = start_postgres()
     try:
-        for replicas in _pair(server, tmp_path):
+        with replicas_on(server, tmp_path) as replicas:
             leader, _ = leader_of(replicas)
             leader.control.Start(pb.StartRequest(plan_yaml=LONG, actor="erin"), metadata=AUTH, timeout=10)
             leader.control.Advance(pb.AdvanceRequest(stage="quarter", actor="erin"), metadata=AUTH, timeout=10)

@@ -101,7 +101,7 @@ def test_the_new_leader_resumes_the_same_stage_from_the_record(tmp_path):
     assert [applied.spine_weight for applied in b_target.applies] == [50.0]
     rows = b.audit()
     assert [row.action for row in rows] == ["start", "advance", "recover"]
-    assert "b took the lead (lease epoch 2)" in rows[-1].reason and rows[-1].stage == "half"
+    assert "b took over as leader (lease epoch 2)" in rows[-1].reason and rows[-1].stage == "half"
 
 
 def test_a_replica_that_never_held_the_lease_cannot_write(tmp_path):

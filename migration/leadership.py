@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from migration.lease import LeaseRecord
 from migration.state_store import Store
 from services.common import ConfigError
+from services.common.log_limit import RateLimitedLog
 
 log = logging.getLogger("spine.migration")
+_store_down = RateLimitedLog(log, "election rounds without the store")
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class LeaderElector:
         try:
             lease = self._store.try_acquire(self.identity, self.address, self.settings.duration_s, self._epoch)
         except Exception as error:  # the store is unreachable: lead on until the renew deadline
-            log.warning("leader election: the store did not answer (%s)", type(error).__name__)
+            _store_down("election", "leader election: the store did not answer (%s)", error)
             if self._epoch is not None and not self.leading:
                 log.warning("could not renew the lease (epoch %d) within %gs: no longer leading", self._epoch,
                             self.settings.renew_deadline_s)

@@ -36,9 +36,12 @@ from runtime.config.sections import TlsConfig
 from runtime.server import ProbeServer, start_probe_server
 from runtime.tls import add_port
 from services.common import Clock, ConfigError
+from services.common.log_limit import RateLimitedLog
 from wire.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
+# A store that is down fails every tick (ten a second): one line a second says so.
+_store_down = RateLimitedLog(log, "state store failures")
 # The health service name a replica answers SERVING for only while it leads.
 LEADER_HEALTH = "spine.v1.MigrationLeader"
 
@@ -183,7 +186,7 @@ class ControllerProcess:
             except StoreUnavailable as error:
                 # What was pushed may not be what was recorded: once the store answers again,
                 # start over from the record (`take_lead` re-applies it).
-                log.warning("state store unavailable (%s); ticking resumes when it answers", error)
+                _store_down("tick", "state store unavailable (%s); ticking resumes when it answers", error)
                 self._led_epoch = None
             except Exception:  # a flaky data path must not stop the loop; the next tick retries
                 log.exception("migration tick failed; retrying")

@@ -24,8 +24,8 @@ from runtime.config.file import dev_api_key, load_config, merge
 from runtime.processes.launch import spine_up_argv
 from runtime.server import free_ports, wait_serving
 from services.registry import COMPONENTS
-from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.local_postgres import LocalPostgres, PostgresError
+from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.local_redis import LocalRedis
 from spine.tools.rehearsal.containers import Containers
 from spine.tools.rehearsal.processes import (

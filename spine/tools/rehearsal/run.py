@@ -303,6 +303,11 @@ class Rehearsal(Launcher):
                 try:
                     self.report.gate_history = store.gate_history(1000)
                     self.report.audit = store.audit()
+                    lease = store.lease() if self.postgres is not None else None
+                    self.report.controller_store = (
+                        f"PostgreSQL {self.postgres.describe()}, {len(self.report.audit)} audit rows; leader "
+                        f"{lease.holder} at lease epoch {lease.epoch}" if self.postgres is not None and lease
+                        else f"{store.backend} {len(self.report.audit)} audit rows")
                 finally:
                     store.close()
         finally:

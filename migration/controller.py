@@ -87,12 +87,13 @@ class Controller(TransitionExecutor):
     # Set by a replica that elects a leader (`migration.server`): who leads, for the view.
     leadership: Callable[[], LeadershipView] | None = None
 
-    def take_lead(self, epoch: int, identity: str) -> None:
-        """This replica now leads (lease `epoch`): start from the store's last record and
-        re-apply its stage, as a restart does (the hold continues, the window starts again)."""
+    def take_lead(self, why: str) -> None:
+        """This replica leads now (`why` says since when, for the audit row): start from the
+        store's last record and re-apply its stage, as a restart does (the hold continues,
+        the window starts again)."""
         with self._cond:
             self.refresh()
-            self._recover(f"{identity} took over as leader (lease epoch {epoch})")
+            self._recover(why)
 
     def close(self) -> None:
         self._store.close()

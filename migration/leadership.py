@@ -62,7 +62,7 @@ class LeaderElector:
     starts leading and `on_lose()` when it stops (both from that thread)."""
 
     def __init__(self, store: Store, identity: str, address: str, settings: LeaseSettings, *,
-                 on_lead: Callable[[int], None], on_lose: Callable[[], None]) -> None:
+                 on_lead: Callable[[int], None] | None = None, on_lose: Callable[[], None] | None = None) -> None:
         self._store = store
         self.identity = identity
         self.address = address
@@ -73,6 +73,7 @@ class LeaderElector:
         self._renewed_mono = 0.0
         self._observed: LeaseRecord | None = None
         self._stop = threading.Event()
+        self._lock = threading.RLock()  # the election round and a step-down never interleave
         self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
         store.elected()
 
@@ -85,9 +86,11 @@ class LeaderElector:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        epoch = self._epoch
+        with self._lock:
+            epoch = self._epoch
+            if epoch is not None:
+                self._lose()
         if epoch is not None:
-            self._lose()
             try:
                 self._store.release(self.identity, epoch)
             except Exception:  # the store is gone: the lease expires on its own
@@ -125,7 +128,8 @@ class LeaderElector:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._round()
+            with self._lock:
+                self._round()
             self._stop.wait(self.settings.retry_period_s)
 
     def _round(self) -> None:
@@ -150,14 +154,23 @@ class LeaderElector:
                 self._renewed_mono = started
                 self._store.fence_with(self.identity, lease.epoch)
                 log.info("leading with lease epoch %d (%s)", lease.epoch, self.identity)
-                self._on_lead(lease.epoch)
+                if self._on_lead is not None:
+                    self._on_lead(lease.epoch)
             else:
                 self._renewed_mono = started
         elif self._epoch is not None:
             log.warning("lost the lease (epoch %d): %s leads now", self._epoch, lease.describe())
             self._lose()
 
+    def step_down(self) -> None:
+        """Stop leading now (a write was fenced: the lease is someone else's, or expired)."""
+        with self._lock:
+            if self._epoch is not None:
+                log.warning("a write was fenced: no longer leading (epoch %d)", self._epoch)
+                self._lose()
+
     def _lose(self) -> None:
         self._epoch = None
         self._store.fence_with(self.identity, None)
-        self._on_lose()
+        if self._on_lose is not None:
+            self._on_lose()

@@ -99,10 +99,11 @@ class ControllerProcess:
         # recorded stage only once it leads (`_reconcile`), and only the leader ticks.
         self.controller = Controller.open(db_path, target, clock=clock, recover=lease is None)
         self.elector: LeaderElector | None = None
-        self._led_epoch: int | None = None
+        self._led_epoch: int | None = None  # the epoch this replica re-applied the record under
+        self._resync = False  # the store failed mid-tick: re-apply the record once it answers
         if lease is not None:
             self.elector = LeaderElector(self.controller.store, identity or default_identity(), advertise or self.listen,
-                                         lease, on_lead=lambda epoch: None, on_lose=self.controller.wake_watchers)
+                                         lease, on_lose=self.controller.wake_watchers)
             self.controller.leadership = self._leadership
         self.service = MigrationService(self.controller, admin_token,
                                         leader_check=self.elector.check_write if self.elector else None)
@@ -139,7 +140,6 @@ class ControllerProcess:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.elector is not None:  # SERVING once it leads: a readiness probe that routes to the leader
             self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.elector is not None:
             self.elector.start()
         self._ticker.start()
         if self.dashboard is not None:
@@ -181,13 +181,14 @@ class ControllerProcess:
         while not self._stop.wait(self._tick_s):
             try:
                 self._reconcile()
-            except Fenced:  # the store logged and counted it; the election notices at its next round
-                self._led_epoch = None
+            except Fenced:  # the store logged and counted it: this replica no longer leads
+                if self.elector is not None:
+                    self.elector.step_down()
             except StoreUnavailable as error:
                 # What was pushed may not be what was recorded: once the store answers again,
                 # start over from the record (`take_lead` re-applies it).
                 _store_down("tick", "state store unavailable (%s); ticking resumes when it answers", error)
-                self._led_epoch = None
+                self._resync = True
             except Exception:  # a flaky data path must not stop the loop; the next tick retries
                 log.exception("migration tick failed; retrying")
 
@@ -206,9 +207,12 @@ class ControllerProcess:
             self.controller.refresh()
             return
         if self._led_epoch != epoch:
-            self.controller.take_lead(epoch, elector.identity)
-            self._led_epoch = epoch
+            self.controller.take_lead(f"{elector.identity} took over as leader (lease epoch {epoch})")
+            self._led_epoch, self._resync = epoch, False
             self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+        elif self._resync:
+            self.controller.take_lead(f"the state store answers again ({elector.identity}, lease epoch {epoch})")
+            self._resync = False
         self.controller.tick()
 
     def _leadership(self) -> LeadershipView:

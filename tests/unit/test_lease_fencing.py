@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from migration.controller import Controller
-from migration.leadership import LeaseSettings
+from migration.leadership import LeaderElector, LeaseSettings, NotLeader
 from migration.lease import Fenced
 from migration.plan import load_plan
 from migration.recording import RecordingTarget
@@ -96,7 +96,7 @@ def test_the_new_leader_resumes_the_same_stage_from_the_record(tmp_path):
     b.elected()
     epoch = take_over(b, "b")
 
-    b_ctl.take_lead(epoch, "b")
+    b_ctl.take_lead(f"b took over as leader (lease epoch {epoch})")
     assert (b_ctl.status.state, b_ctl.status.stage_index) == (State.PROGRESSING, 1)
     assert [applied.spine_weight for applied in b_target.applies] == [50.0]
     rows = b.audit()
@@ -125,3 +125,51 @@ def test_lease_settings_must_let_the_leader_give_up_before_its_lease_expires():
     assert LeaseSettings() == LeaseSettings(15.0, 10.0, 2.0)
     with pytest.raises(ConfigError, match="--lease-renew-deadline-s"):
         LeaseSettings(duration_s=5, renew_deadline_s=10, retry_period_s=2)
+
+
+def electors(tmp_path, names: tuple[str, ...]) -> list[LeaderElector]:
+    settings = LeaseSettings(duration_s=0.6, renew_deadline_s=0.4, retry_period_s=0.05)
+    return [LeaderElector(Store.open(tmp_path / "s.db"), name, f"unix:/{name}", settings).start() for name in names]
+
+
+def test_one_elector_leads_and_the_others_name_it(tmp_path):
+    running = electors(tmp_path, ("a", "b", "c"))
+    try:
+        leader = eventually(lambda: next((e for e in running if e.leading), None), what="a leader")
+        others = [e for e in running if e is not leader]
+        for other in others:
+            eventually(lambda other=other: other.leader() is not None, what="the others see the lease")
+            assert other.leader().holder == leader.identity and not other.leading
+            with pytest.raises(NotLeader, match=f"send writes to the leader, {leader.identity} at unix:/"):
+                other.check_write()
+        leader.check_write()  # the leader may write
+    finally:
+        for elector in running:
+            elector.stop()
+
+
+def test_a_leader_that_stops_releases_the_lease_and_another_takes_the_next_epoch(tmp_path):
+    running = electors(tmp_path, ("a", "b"))
+    try:
+        leader = eventually(lambda: next((e for e in running if e.leading), None), what="a leader")
+        (other,) = [e for e in running if e is not leader]
+        epoch = leader.epoch
+        leader.stop()
+        eventually(lambda: other.leading, what="the other takes over")
+        assert other.epoch == epoch + 1
+    finally:
+        for elector in running:
+            elector.stop()
+
+
+def test_a_leader_whose_write_was_fenced_steps_down_and_waits_for_a_new_epoch(tmp_path):
+    (elector,) = electors(tmp_path, ("a",))
+    try:
+        eventually(lambda: elector.leading, what="a leads")
+        first = elector.epoch
+        elector.step_down()
+        assert not elector.leading and elector.epoch is None
+        eventually(lambda: elector.leading, timeout=10, what="a leads again once its old lease expired")
+        assert elector.epoch == first + 1  # never its old epoch back by name
+    finally:
+        elector.stop()

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +29,7 @@ from migration.plan import load_plan
 from migration.recording import RecordingTarget
 from migration.testing import ADMIN_TOKEN
 from runtime.processes.parent import spawn
+from runtime.server import free_port
 from spine.tools.local_postgres import LocalPostgres
 from tests.postgres_server import fresh_database, postgres, start_postgres  # noqa: F401 - the fixture
 from tests.waiting import eventually
@@ -55,6 +58,7 @@ class Replica:
         self.applies = workdir / f"{name}.jsonl"
         self.log = workdir / f"{name}.log"
         self.listen = f"unix:{sockets}/{name}.sock"
+        self.dashboard = f"127.0.0.1:{free_port()}"
         token = workdir / "token"
         token.write_text(ADMIN_TOKEN + "\n")
         token.chmod(0o600)
@@ -66,7 +70,7 @@ class Replica:
                      "--recording-file", str(self.applies), "--tick-s", "0.05", "--controller-id", name,
                      "--lease-duration-s", str(LEASE_S), "--lease-renew-deadline-s", str(RENEW_S),
                      "--lease-retry-period-s", str(RETRY_S), "--webhook-url", webhook,
-                     "--webhook-secret-file", str(secret)]
+                     "--webhook-secret-file", str(secret), "--dashboard-listen", self.dashboard]
         self.proc: subprocess.Popen[bytes] | None = None
         self.control: pb_grpc.MigrationControlStub | None = None
 
@@ -95,6 +99,18 @@ class Replica:
 
     def weights(self) -> list[float]:
         return [applied.spine_weight for applied in RecordingTarget.read_applies(self.applies)]
+
+    def press(self, command: str) -> tuple[int, dict[str, object]]:
+        """A dashboard button, as an operator's browser presses it: (HTTP status, JSON body)."""
+        request = urllib.request.Request(f"http://{self.dashboard}/api/commands/{command}", method="POST",
+                                         data=json.dumps({"actor": "erin"}).encode(),
+                                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
+                                                  "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
 
     def signal(self, signum: int) -> None:
         assert self.proc is not None
@@ -203,6 +219,11 @@ def test_a_leader_stopped_past_its_lease_writes_and_pushes_nothing_when_it_wakes
         assert other.name in refusal.value.details()  # it names the leader to send writes to
         refused += 1
     assert refused == 4
+    # The dashboard's buttons run the command on the controller itself: there the store's fence
+    # is what refuses it, and counts it.
+    code, body = leader.press("pause")
+    assert code == 409 and "write refused" in str(body["error"]) and other.name in str(body["error"])
+    refused += 1
 
     woke = eventually(lambda: (s := leader.status()).leadership.leader == other.name and s, timeout=30,
                       what=f"{leader.name} sees {other.name} lead")
@@ -219,7 +240,10 @@ def test_a_leader_stopped_past_its_lease_writes_and_pushes_nothing_when_it_wakes
                            == committed and receiver.received, timeout=30, what="every committed transition notified",
                            seen=lambda: [json.loads(body)["audit_id"] for _, body in receiver.received])
     assert {json.loads(body)["action"] for _, body in delivered} == {"start", "advance", "recover"}
-    print(f"writes refused by the woken leader: {refused} commands, {woke.leadership.fenced_writes} by the fence")
+    fenced = leader.status().leadership.fenced_writes
+    assert fenced >= 1 and leader.log.read_text().count("write refused:") == fenced  # each one logged
+    print(f"writes refused by the woken leader: {refused} commands ({refused - 1} by the leader check, "
+          f"1 by the fence); {fenced} by the fence in all")
 
 
 def test_a_restarted_postgres_pauses_the_controllers_and_loses_nothing(tmp_path, receiver):

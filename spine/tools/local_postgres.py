@@ -9,8 +9,7 @@ one role (scram), and stops it by its PID.
 PostgreSQL refuses to run as root: as root, both run as the `postgres` user the package
 creates (the data directory is made theirs), so the server's PID is the one we started and
 stop. `restart` is the same cluster stopped (fast shutdown) and started again on the same
-port: a store that goes away and comes back with everything it committed. `pause` (SIGSTOP)
-is a store that accepts connections and does not answer.
+port: a store that goes away and comes back with everything it committed.
 """
 
 from __future__ import annotations
@@ -162,14 +161,6 @@ class LocalPostgres:
     def restart(self) -> None:
         self.stop()
         self._launch()
-
-    def pause(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGCONT)
 
     def remove(self) -> None:
         """Stop it and delete its files."""

@@ -340,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                                     view_without_token=args.dashboard_view_without_token, webhooks=webhooks,
                                     lease=lease, identity=args.controller_id, advertise=args.advertise)
         serve_stable = getattr(target, "serve_stable", None)
-        if serve_stable is not None:  # after the controller re-applied whatever it recorded
+        # After the controller re-applied whatever it recorded; a replica that may not lead
+        # serves nothing yet (it does this once it leads).
+        if serve_stable is not None and lease is None:
             serve_stable()
         process.start()
         if process.dashboard_url:

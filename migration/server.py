@@ -95,6 +95,7 @@ class ControllerProcess:
         self.probe_listen = probe_listen
         self.allow_external = allow_external
         self.probe: ProbeServer | None = None
+        self._target = target
         # With a lease, this is one of several replicas on one store: it re-applies the
         # recorded stage only once it leads (`_reconcile`), and only the leader ticks.
         self.controller = Controller.open(db_path, target, clock=clock, recover=lease is None)
@@ -105,6 +106,7 @@ class ControllerProcess:
             self.elector = LeaderElector(self.controller.store, identity or default_identity(), advertise or self.listen,
                                          lease, on_lose=self.controller.wake_watchers)
             self.controller.leadership = self._leadership
+            self._target_hook("stand_by")  # pushes nothing (an xDS server: serves no one) until it leads
         self.service = MigrationService(self.controller, admin_token,
                                         leader_check=self.elector.check_write if self.elector else None)
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
@@ -203,17 +205,27 @@ class ControllerProcess:
         if epoch is None or not elector.leading:
             if self._led_epoch is not None:
                 self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+                self._target_hook("stand_by")
             self._led_epoch = None
             self.controller.refresh()
             return
         if self._led_epoch != epoch:
+            self._target_hook("lead")
             self.controller.take_lead(f"{elector.identity} took over as leader (lease epoch {epoch})")
+            self._target_hook("serve_stable")  # nothing recorded to re-apply: the stable split
             self._led_epoch, self._resync = epoch, False
             self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.SERVING)
         elif self._resync:
             self.controller.take_lead(f"the state store answers again ({elector.identity}, lease epoch {epoch})")
             self._resync = False
         self.controller.tick()
+
+    def _target_hook(self, name: str) -> None:
+        """The target's optional `stand_by` / `lead` / `serve_stable` (an xDS target has them;
+        the built-in front and a recording target need none)."""
+        hook = getattr(self._target, name, None)
+        if hook is not None:
+            hook()
 
     def _leadership(self) -> LeadershipView:
         elector = self.elector

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,10 +25,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from migration.plan import load_plan
 from migration.recording import RecordingTarget
 from migration.testing import ADMIN_TOKEN
+from migration.xds.snapshot import ROUTE
 from runtime.processes.parent import spawn
 from runtime.server import free_port
 from spine.tools.local_postgres import LocalPostgres
@@ -53,12 +56,14 @@ stages:
 
 
 class Replica:
-    def __init__(self, name: str, workdir: Path, sockets: Path, dsn_file: Path, webhook: str) -> None:
+    def __init__(self, name: str, workdir: Path, sockets: Path, dsn_file: Path, webhook: str,
+                 xds: bool = False) -> None:
         self.name = name
         self.applies = workdir / f"{name}.jsonl"
         self.log = workdir / f"{name}.log"
         self.listen = f"unix:{sockets}/{name}.sock"
         self.dashboard = f"127.0.0.1:{free_port()}"
+        self.xds = f"127.0.0.1:{free_port()}" if xds else ""
         token = workdir / "token"
         token.write_text(ADMIN_TOKEN + "\n")
         token.chmod(0o600)
@@ -71,6 +76,13 @@ class Replica:
                      "--lease-duration-s", str(LEASE_S), "--lease-renew-deadline-s", str(RENEW_S),
                      "--lease-retry-period-s", str(RETRY_S), "--webhook-url", webhook,
                      "--webhook-secret-file", str(secret), "--dashboard-listen", self.dashboard]
+        if xds:  # stages over ADS; no gateway or metrics behind these addresses (no gate judges here)
+            nowhere = f"127.0.0.1:{free_port()}"
+            target = self.args.index("recording")
+            self.args[target - 1:target + 3] = [
+                "--target", "xds", "--xds-listen", self.xds, "--layered", nowhere, "--spine", nowhere,
+                "--layered-metrics", f"http://{nowhere}/metrics", "--spine-metrics", f"http://{nowhere}/metrics",
+                "--min-data-planes", "0", "--min-spine-replicas", "0"]
         self.proc: subprocess.Popen[bytes] | None = None
         self.control: pb_grpc.MigrationControlStub | None = None
 
@@ -139,12 +151,14 @@ def pair(postgres, tmp_path, receiver) -> Iterator[tuple[Replica, Replica]]:  # 
 
 
 @contextmanager
-def replicas_on(server: LocalPostgres, workdir: Path, webhook: str) -> Iterator[tuple[Replica, Replica]]:
+def replicas_on(server: LocalPostgres, workdir: Path, webhook: str,
+                xds: bool = False) -> Iterator[tuple[Replica, Replica]]:
     sockets = Path(tempfile.mkdtemp(prefix="rep", dir="/tmp"))
     dsn_file = workdir / "dsn"
     dsn_file.write_text(fresh_database(server, "replicas") + "\n")
     dsn_file.chmod(0o600)
-    replicas = (Replica("r1", workdir, sockets, dsn_file, webhook), Replica("r2", workdir, sockets, dsn_file, webhook))
+    replicas = (Replica("r1", workdir, sockets, dsn_file, webhook, xds),
+                Replica("r2", workdir, sockets, dsn_file, webhook, xds))
     try:
         for replica in replicas:
             replica.start()
@@ -272,3 +286,64 @@ def test_a_restarted_postgres_pauses_the_controllers_and_loses_nothing(tmp_path,
             assert leader.status().stage_name == "full"
     finally:
         server.remove()
+
+
+class RouteWatcher:
+    """A data plane's ADS stream for the route (the weights): every version it is sent, and
+    how the stream ended."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.versions: list[str] = []
+        self.ended: grpc.RpcError | None = None
+        self._hang_up = threading.Event()
+        request = discovery_pb2.DiscoveryRequest(type_url=ROUTE, resource_names=["spine-gateway-route"])
+        request.node.id = f"envoy-{address}"
+
+        def requests() -> Iterator[discovery_pb2.DiscoveryRequest]:
+            yield request
+            self._hang_up.wait(60)
+
+        self.call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel).StreamAggregatedResources(requests())
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for response in self.call:
+                self.versions.append(response.version_info)
+        except grpc.RpcError as error:
+            self.ended = error
+
+    def close(self) -> None:
+        self._hang_up.set()
+        self.call.cancel()
+        self.channel.close()
+
+
+def test_only_the_leader_serves_xds_and_a_woken_old_leader_sends_its_data_planes_nothing(postgres, tmp_path,  # noqa: F811
+                                                                                         receiver):
+    with replicas_on(postgres, tmp_path, receiver.url, xds=True) as replicas:
+        leader, other = leader_of(replicas)
+        leader.control.Start(pb.StartRequest(plan_yaml=LONG, actor="erin"), metadata=AUTH, timeout=10)
+        leader.control.Advance(pb.AdvanceRequest(stage="quarter", actor="erin"), metadata=AUTH, timeout=10)
+        to_leader, to_other = RouteWatcher(leader.xds), RouteWatcher(other.xds)
+        try:
+            eventually(lambda: to_leader.versions == ["long#2"], timeout=10, what="the leader's stage reaches its data plane",
+                       seen=lambda: to_leader.versions)
+            eventually(lambda: to_other.ended is not None, timeout=10, what="the follower refuses ADS")
+            assert to_other.ended.code() is grpc.StatusCode.UNAVAILABLE and "does not lead" in to_other.ended.details()
+
+            leader.signal(signal.SIGSTOP)
+            eventually(other.leads, timeout=30, what=f"{other.name} takes over")
+            from_new = RouteWatcher(other.xds)
+            eventually(lambda: from_new.versions == ["long#3"], timeout=10, what="the new leader serves its re-apply",
+                       seen=lambda: from_new.versions)
+            leader.signal(signal.SIGCONT)
+
+            eventually(lambda: to_leader.ended is not None, timeout=30, what="the woken leader ends its streams")
+            assert to_leader.ended.code() is grpc.StatusCode.UNAVAILABLE
+            assert to_leader.versions == ["long#2"]  # nothing it computed after the stop reached its data plane
+            from_new.close()
+        finally:
+            to_leader.close()
+            to_other.close()

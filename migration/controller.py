@@ -87,11 +87,15 @@ class Controller(TransitionExecutor):
     # Set by a replica that elects a leader (`migration.server`): who leads, for the view.
     leadership: Callable[[], LeadershipView] | None = None
 
-    def take_lead(self, why: str) -> None:
-        """This replica leads now (`why` says since when, for the audit row): start from the
-        store's last record and re-apply its stage, as a restart does (the hold continues,
-        the window starts again)."""
+    def take_lead(self, why: str, fence: tuple[str, int] | None = None) -> None:
+        """This replica leads now (`why` says since when, for the audit row): write as
+        `fence` (holder, lease epoch) from now on, start from the store's last record and
+        re-apply its stage, as a restart does (the hold continues, the window starts again).
+        All under the lock: no command runs between taking the epoch and reading the record,
+        so none acts on a status older than the last one the previous leader wrote."""
         with self._cond:
+            if fence is not None:
+                self._store.fence_with(*fence)
             self.refresh()
             self._recover(why)
 

@@ -114,13 +114,19 @@ class LeaderElector:
 
     def check_write(self) -> None:
         """Raise NotLeader (naming the leader) unless this replica leads now."""
-        if self.leading:
-            return
+        if not self.leading:
+            self.refuse_write()
+
+    def refuse_write(self) -> None:
+        """Raise NotLeader naming whoever leads (or saying that an election or a takeover is
+        under way)."""
         try:  # the lease as it stands (what this replica last saw may be older: it was paused)
             current = self._store.lease()
             leader = current if current is not None and current.live else None
         except Exception:
             leader = self.leader()
+        if leader is not None and leader.holder == self.identity and self.leading:
+            raise NotLeader(f"controller {self.identity} is taking over (lease epoch {leader.epoch}); retry in a moment")
         if leader is None or leader.holder == self.identity:
             raise NotLeader(f"controller {self.identity} does not lead and no leader holds a live lease right now "
                             "(an election is under way); retry in a few seconds")
@@ -152,7 +158,6 @@ class LeaderElector:
                     self._lose()
                 self._epoch = lease.epoch
                 self._renewed_mono = started
-                self._store.fence_with(self.identity, lease.epoch)
                 log.info("leading with lease epoch %d (%s)", lease.epoch, self.identity)
                 if self._on_lead is not None:
                     self._on_lead(lease.epoch)

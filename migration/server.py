@@ -108,7 +108,7 @@ class ControllerProcess:
             self.controller.leadership = self._leadership
             self._target_hook("stand_by")  # pushes nothing (an xDS server: serves no one) until it leads
         self.service = MigrationService(self.controller, admin_token,
-                                        leader_check=self.elector.check_write if self.elector else None)
+                                        leader_check=self._check_write if self.elector else None)
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
         self.notifiers = [WebhookNotifier(config) for config in webhooks]
         for notifier in self.notifiers:
@@ -211,7 +211,8 @@ class ControllerProcess:
             return
         if self._led_epoch != epoch:
             self._target_hook("lead")
-            self.controller.take_lead(f"{elector.identity} took over as leader (lease epoch {epoch})")
+            self.controller.take_lead(f"{elector.identity} took over as leader (lease epoch {epoch})",
+                                      fence=(elector.identity, epoch))
             self._target_hook("serve_stable")  # nothing recorded to re-apply: the stable split
             self._led_epoch, self._resync = epoch, False
             self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.SERVING)
@@ -227,12 +228,23 @@ class ControllerProcess:
         if hook is not None:
             hook()
 
+    def _acting(self) -> bool:
+        """Leading, and taken over: the record re-applied under this epoch (until then a
+        write would act on a status the previous leader may since have changed)."""
+        elector = self.elector
+        return elector is not None and elector.leading and self._led_epoch == elector.epoch
+
+    def _check_write(self) -> None:
+        if not self._acting():
+            assert self.elector is not None
+            self.elector.refuse_write()
+
     def _leadership(self) -> LeadershipView:
         elector = self.elector
         assert elector is not None
         leader = elector.leader()
         return LeadershipView(leader.holder if leader else "", leader.address if leader else "",
-                              leader.epoch if leader else 0, elector.identity, elector.leading,
+                              leader.epoch if leader else 0, elector.identity, self._acting(),
                               self.controller.store.fenced_writes)
 
 

@@ -176,9 +176,14 @@ class PostgresBackend:
     now_sql = "extract(epoch from clock_timestamp())::double precision"
     lock_lease = " FOR UPDATE"
 
-    def __init__(self, dsn: str, *, statement_timeout_ms: int = 5000, connect_timeout_s: int = 3) -> None:
+    def __init__(self, dsn: str, *, statement_timeout_ms: int = 5000, lock_timeout_ms: int = 3000,
+                 idle_in_transaction_ms: int = 3000, connect_timeout_s: int = 3) -> None:
         self._dsn = dsn
-        self._statement_timeout_ms = statement_timeout_ms
+        # A replica paused inside a transaction (SIGSTOP, a long GC) holds the lease row's lock:
+        # the server ends its session after `idle_in_transaction_ms` (its transaction rolls
+        # back), and no one waits longer than `lock_timeout_ms` for a lock meanwhile.
+        self._options = (f"-c statement_timeout={statement_timeout_ms} -c lock_timeout={lock_timeout_ms} "
+                         f"-c idle_in_transaction_session_timeout={idle_in_transaction_ms}")
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.RLock()
         self._conn: Any = None
@@ -197,7 +202,7 @@ class PostgresBackend:
             if self._conn is not None:
                 self._conn.close()
             self._conn = psycopg.connect(self._dsn, connect_timeout=self._connect_timeout_s, autocommit=True,
-                                         options=f"-c statement_timeout={self._statement_timeout_ms}")
+                                         options=self._options)
         return self._conn
 
     @contextmanager

@@ -7,8 +7,10 @@ its unix socket in that directory and TCP on 127.0.0.1 on a free port, a passwor
 one role (scram), and stops it by its PID.
 
 PostgreSQL refuses to run as root: as root, both run as the `postgres` user the package
-creates (the data directory is made theirs), so the server's PID is the one we started and
-stop. `restart` is the same cluster stopped (fast shutdown) and started again on the same
+creates (the data directory is made theirs) through `setpriv`, which changes user and execs,
+so the server's PID is the one we started and stop (`runuser` would stay as its parent). No
+Python code runs between fork and exec either (no `preexec_fn`, no `user=`): in a process
+that already runs gRPC, its fork handlers must not run in the child. `restart` is the same cluster stopped (fast shutdown) and started again on the same
 port: a store that goes away and comes back with everything it committed.
 """
 
@@ -61,11 +63,17 @@ class LocalPostgres:
         self.data = self.workdir / "data"
         self.log = self.workdir / "postgres.log"
         self.process: subprocess.Popen[bytes] | None = None
-        self._as: dict[str, Any] = {}
+        self._as: list[str] = []  # the command prefix that runs as the postgres user (as root)
+        self._owner: tuple[int, int] | None = None
         if os.geteuid() == 0:
             user = pwd.getpwnam("postgres")
-            os.chown(self.workdir, user.pw_uid, user.pw_gid)
-            self._as = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+            self._owner = (user.pw_uid, user.pw_gid)
+            os.chown(self.workdir, *self._owner)
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise PostgresError("running as root needs setpriv (util-linux) to start PostgreSQL as the "
+                                    "postgres user")
+            self._as = [setpriv, f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups"]
 
     @property
     def dsn(self) -> str:
@@ -84,13 +92,13 @@ class LocalPostgres:
     def _initdb(self) -> None:
         pwfile = self.workdir / "pwfile"
         pwfile.write_text(self.password + "\n")
-        if self._as:
-            os.chown(pwfile, self._as["user"], self._as["group"])
+        if self._owner is not None:
+            os.chown(pwfile, *self._owner)
         pwfile.chmod(0o600)
         try:
-            subprocess.run([postgres_bin("initdb"), "-D", str(self.data), "-U", ROLE, f"--pwfile={pwfile}",
+            subprocess.run([*self._as, postgres_bin("initdb"), "-D", str(self.data), "-U", ROLE, f"--pwfile={pwfile}",
                             "--auth=scram-sha-256", "-E", "UTF8", "--no-instructions", "--no-sync"],
-                           check=True, capture_output=True, stdin=subprocess.DEVNULL, cwd=self.workdir, **self._as)
+                           check=True, capture_output=True, stdin=subprocess.DEVNULL, cwd=self.workdir)
         except subprocess.CalledProcessError as error:
             raise PostgresError(f"initdb failed: {error.stderr.decode(errors='replace')[-2000:]}") from None
         finally:
@@ -99,13 +107,13 @@ class LocalPostgres:
     def _launch(self) -> None:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                [postgres_bin("postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.workdir),
+                [*self._as, postgres_bin("postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.workdir),
                  "-c", "listen_addresses=127.0.0.1", "-c", "max_connections=50",
                  # Thrown away after the run: what it stands for is a server that stops and
                  # starts (committed work kept by its shutdown checkpoint), not a power cut.
                  "-c", "fsync=off", "-c", "full_page_writes=off"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
-                start_new_session=True, **self._as)
+                start_new_session=True)
         self._wait_ready()
         self._ensure_database()
 

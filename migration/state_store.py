@@ -127,12 +127,15 @@ class Store:
         if (fence is not None and current is not None and current.live
                 and (current.holder, current.epoch) == fence):
             return
-        self.fenced_writes += 1
+        with self._lock:
+            self.fenced_writes += 1
+            refused = self.fenced_writes
         leader = current if current is not None and current.live else None
-        mine = f"epoch {fence[1]}" if fence else "no lease"
+        mine = (f"its lease epoch {fence[1]} is no longer the current one" if fence
+                else "this controller does not hold the lease")
         now = f"{leader.describe()} leads" if leader else "no controller holds a live lease"
-        message = f"write refused: this controller holds {mine}, not the current lease; {now}"
-        log.warning("%s (%d write(s) refused so far)", message, self.fenced_writes)
+        message = f"write refused: {mine}; {now}"
+        log.warning("%s (%d write(s) refused so far)", message, refused)
         raise Fenced(message, leader)
 
     # --- the rollout ---------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_a_replica_that_never_held_the_lease_cannot_write(tmp_path):
     a, b = Store.open(tmp_path / "s.db"), Store.open(tmp_path / "s.db")
     lead(a, "a")
     b.elected()
-    with pytest.raises(Fenced, match="holds no lease"):
+    with pytest.raises(Fenced, match="does not hold the lease"):
         Controller(b, RecordingTarget()).start(PLAN, "erin")
     assert b.load() is None
 

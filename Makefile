@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/wire/v1/*.proto)
 
-.PHONY: install test-tools prometheus chromium redis containers image protos run rehearse test bench bench-image lint clean model
+.PHONY: install test-tools prometheus chromium redis postgres containers image protos run rehearse test bench bench-image lint clean model
 
 # `make install` is what the demo and the command line need: the virtualenv and the generated
 # protobuf code. The servers and tools only the tests, the image and the rehearsal use come with
@@ -12,7 +12,7 @@ PROTOS := $(wildcard protos/wire/v1/*.proto)
 # machine installs none of them.
 install: $(VENV)/.installed wire/v1/.generated
 
-test-tools: prometheus chromium redis containers
+test-tools: prometheus chromium redis postgres containers
 
 # The migration gates' tests run a real Prometheus server: where `prometheus` is not on PATH,
 # the Debian package (apt-get, quiet; one line and on if it cannot be had).
@@ -29,6 +29,13 @@ chromium:
 # where `redis-server` is not on PATH, the Debian package (apt-get, quiet; one line and on if not).
 redis:
 	@command -v redis-server >/dev/null 2>&1 || .ci/apt-install "the shared rate-limit store's tests" redis-server
+
+# Several controller replicas share their state in PostgreSQL; its tests and `make rehearse
+# STORE=postgres` start a throwaway server (spine.tools.local_postgres): where `initdb` is not on
+# PATH nor in Debian's /usr/lib/postgresql/*/bin, the Debian package (apt-get, quiet; one line and on if not).
+postgres:
+	@{ command -v initdb || ls /usr/lib/postgresql/*/bin/initdb; } >/dev/null 2>&1 || \
+		.ci/apt-install "the controllers' shared state store's tests" postgresql
 
 # The image (`make image`) is built with buildah from Debian's packages (mmdebstrap) and run by
 # podman with runc, in the tests and `make rehearse RUNTIME=podman`: where any is missing, the
@@ -71,8 +78,9 @@ model: install
 # The production path on this machine: two spine replicas, the layered stack, the controller
 # in xds mode, a real Prometheus, proxyless gRPC clients (deploy/README.md, "Rehearse ...").
 # `make rehearse RUNTIME=podman`: the same walk, every process a container of the image.
+# `make rehearse STORE=postgres`: the controller's state in a PostgreSQL server, leader elected.
 rehearse: install test-tools $(if $(filter podman,$(RUNTIME)),image)
-	$(PY) -m spine.tools.rehearsal.run $(if $(RUNTIME),--runtime $(RUNTIME))
+	$(PY) -m spine.tools.rehearsal.run $(if $(RUNTIME),--runtime $(RUNTIME)) $(if $(STORE),--state-store $(STORE))
 
 # spine's container image (deploy/image/Containerfile; docs/deploy.md): tagged spine:<version> and
 # spine:<version>-<git sha>; its size and build time printed and kept in bench/image.json.

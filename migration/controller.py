@@ -35,6 +35,7 @@ from typing import Any
 
 from migration.gates import GateResult, Verdict, evaluate, window_verdict
 from migration.judge.score import judge_gates
+from migration.lease import LeadershipView
 from migration.legacy_endpoint import from_side
 from migration.plan import Plan, Stage, refuse_other_legacy, refuse_parity_without_shadow
 from migration.state_store import Store
@@ -62,6 +63,7 @@ class StatusView:
     min_data_planes: int = 0  # how many must ACK a stage before it counts as applied
     followers: tuple[dict[str, Any], ...] = ()  # spine replicas and rate limiters following the stage
     min_spine_replicas: int = 0  # how many spine replicas must ACK a stage before it counts as applied
+    leadership: LeadershipView | None = None  # with several replicas on one store: who leads
 
 
 class Controller(TransitionExecutor):
@@ -74,11 +76,30 @@ class Controller(TransitionExecutor):
     """
 
     @classmethod
-    def open(cls, db_path: str, target: TrafficTarget, *, clock: Clock = time.time) -> Controller:
-        """Open (or create) the db and re-apply whatever stage it records (see module doc)."""
+    def open(cls, db_path: str, target: TrafficTarget, *, clock: Clock = time.time,
+             recover: bool = True) -> Controller:
+        """Open (or create) the store (a sqlite path or a PostgreSQL DSN) and re-apply whatever
+        stage it records (see module doc); with `recover=False` (a replica that may not lead)
+        only read it: `take_lead` re-applies once it leads."""
         controller = cls(Store.open(db_path), target, clock=clock)
-        controller._recover()
+        if recover:
+            controller._recover()
         return controller
+
+    # Set by a replica that elects a leader (`migration.server`): who leads, for the view.
+    leadership: Callable[[], LeadershipView] | None = None
+
+    def take_lead(self, why: str, fence: tuple[str, int] | None = None) -> None:
+        """This replica leads now (`why` says since when, for the audit row): write as
+        `fence` (holder, lease epoch) from now on, start from the store's last record and
+        re-apply its stage, as a restart does (the hold continues, the window starts again).
+        All under the lock: no command runs between taking the epoch and reading the record,
+        so none acts on a status older than the last one the previous leader wrote."""
+        with self._cond:
+            if fence is not None:
+                self._store.fence_with(*fence)
+            self.refresh()
+            self._recover(why)
 
     def close(self) -> None:
         self._store.close()
@@ -118,7 +139,8 @@ class Controller(TransitionExecutor):
                               self._store.recent_audit(audit_rows), tuple(planes() if planes else ()),
                               int(getattr(self._target, "min_data_planes", 0)),
                               tuple(followers() if followers else ()),
-                              int(getattr(self._target, "min_spine_replicas", 0)))
+                              int(getattr(self._target, "min_spine_replicas", 0)),
+                              self.leadership() if self.leadership is not None else None)
 
     def wait_for_audit(self, after_id: int, timeout: float) -> list[AuditEntry]:
         """Audit rows after `after_id`, waiting up to `timeout` s for one to appear."""
@@ -316,13 +338,13 @@ class Controller(TransitionExecutor):
                                  f"{done}; {following.name!r} needs manual approval")
         return self._perform(Action.ADVANCE, SYSTEM_ACTOR, done, index=index)
 
-    def _recover(self) -> None:
+    def _recover(self, why: str = "controller restarted") -> None:
         with self._cond:
             s = self._status
             if self._step(Action.RECOVER).effect is Effect.NONE or self._plan is None:
                 return
             self._perform(Action.RECOVER, SYSTEM_ACTOR,
-                          f"controller restarted; re-applied {s.spine_weight:g}% spine at stage "
+                          f"{why}; re-applied {s.spine_weight:g}% spine at stage "
                           f"{self._plan.stages[s.stage_index].name!r}, hold continues from the stage start")
 
 def _failure_reason(results: list[GateResult], failures: int, limit: int) -> str:

@@ -41,6 +41,16 @@ def from_side(status: pb.RolloutStatus | pb.PlanResponse) -> str:
     return status.from_side or LAYERED_SIDE
 
 
+def leader_label(lead: pb.Leadership) -> str:
+    """Who leads, at which epoch, and whether the replica asked is that one."""
+    if not lead.leader:
+        return f"none right now (an election is under way); asked {lead.controller}"
+    where = f" at {lead.leader_address}" if lead.leader_address else ""
+    asked = "this replica" if lead.leading else f"asked {lead.controller}, which follows"
+    fenced = f"; {lead.fenced_writes} write(s) refused by the fence here" if lead.fenced_writes else ""
+    return f"{lead.leader}{where}, epoch {lead.epoch} ({asked}){fenced}"
+
+
 def status_renderable(status: pb.RolloutStatus, dashboard_link: str = "") -> Group:
     """State, stage, weights, placements, last gate results and recent audit rows.
 
@@ -65,6 +75,8 @@ def status_renderable(status: pb.RolloutStatus, dashboard_link: str = "") -> Gro
     summary.add_row("version", f"{status.version or '-'} ({'applied' if status.applied else 'waiting for ACK'})")
     if dashboard_link or status.dashboard_url:
         summary.add_row("dashboard", dashboard_link or status.dashboard_url)
+    if status.HasField("leadership"):
+        summary.add_row("leader", leader_label(status.leadership))
 
     parts: list[Any] = [summary]
     if from_side(status) == LAYERED_SIDE:  # a foreign gateway has no middlewares to move

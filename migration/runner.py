@@ -2,6 +2,13 @@
 
     python -m migration.runner --db PATH --listen unix:PATH --admin-token-file PATH
 
+`--db` is a sqlite file (the embedded default) or a PostgreSQL DSN (`--db-dsn-file` where
+it carries a password): any number of replicas share a PostgreSQL store (or, with
+`--leader-elect`, a sqlite file on one machine) and elect a leader under a lease
+(`--lease-duration-s`/`--lease-renew-deadline-s`/`--lease-retry-period-s`, 15/10/2 s):
+only the leader ticks, takes operator writes and pushes stages; every state write is
+fenced by its lease epoch (`migration.leadership`).
+
 With `--target xds` each stage goes out over ADS (`--xds-listen`): weights to the data planes,
 placements and rate-limit shares to the spine replicas and layered rate limiters that follow
 the controller; the gates read PromQL from `--prometheus-url`, or scrape every
@@ -34,10 +41,12 @@ import logging
 import sys
 
 from migration.admin_token import read_admin_token, read_secret_file
+from migration.leadership import LeaseSettings
 from migration.metrics.source import MetricsSource
 from migration.notify import WebhookConfig
 from migration.recording import RecordingTarget
 from migration.server import ControllerProcess, check_listen
+from migration.store_backends import StoreUnavailable, carries_password, is_postgres, redacted
 from migration.target import TrafficTarget
 from runtime.config.sections import TlsConfig
 from runtime.observability.client_logs import quiet_http_clients
@@ -199,9 +208,42 @@ def webhooks_of(args: argparse.Namespace) -> tuple[WebhookConfig, ...]:
         raise ConfigError(str(error)) from None
 
 
+def store_of(args: argparse.Namespace) -> tuple[str, LeaseSettings | None]:
+    """--db or --db-dsn-file, and the lease settings where replicas elect a leader."""
+    if bool(args.db) == bool(args.db_dsn_file):
+        raise ConfigError("give the state store once: --db (a sqlite path or postgresql://…) or --db-dsn-file")
+    location = read_secret_file(args.db_dsn_file, "--db-dsn-file") if args.db_dsn_file else args.db
+    if args.db_dsn_file and not is_postgres(location):
+        raise ConfigError("--db-dsn-file: expected a PostgreSQL DSN (postgresql://USER:PASSWORD@HOST:PORT/DB)")
+    if args.db and is_postgres(location) and carries_password(location):
+        raise ConfigError("--db: a password on the command line is visible to every user of this machine (ps); "
+                          "put the DSN in --db-dsn-file (mode 600), or the password in PGPASSWORD/PGPASSFILE")
+    if not (args.leader_elect or is_postgres(location)):
+        return location, None
+    lease = LeaseSettings(args.lease_duration_s, args.lease_renew_deadline_s, args.lease_retry_period_s)
+    log.info("state in %s; leader election: lease %gs, renew deadline %gs, retry %gs", redacted(location),
+             lease.duration_s, lease.renew_deadline_s, lease.retry_period_s)
+    return location, lease
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m migration.runner", description=__doc__.splitlines()[0])
-    parser.add_argument("--db", required=True, help="sqlite file holding the rollout state")
+    parser.add_argument("--db", help="where the rollout state lives: a sqlite file (one controller, or several on one "
+                                     "machine), or a PostgreSQL DSN postgresql://USER@HOST:PORT/DB (several replicas; "
+                                     "its password from PGPASSWORD/PGPASSFILE or --db-dsn-file, never the command line)")
+    parser.add_argument("--db-dsn-file", help="file (mode 600) holding the PostgreSQL DSN, password included")
+    parser.add_argument("--leader-elect", action="store_true",
+                        help="elect a leader among the replicas sharing --db (always on with PostgreSQL): only the "
+                             "leader ticks, takes writes and pushes stages; every write is fenced by its lease epoch")
+    parser.add_argument("--lease-duration-s", type=float, default=15.0,
+                        help="how long a lease holds after its last renewal (another replica waits this long)")
+    parser.add_argument("--lease-renew-deadline-s", type=float, default=10.0,
+                        help="the leader stops leading when it could not renew for this long (< --lease-duration-s)")
+    parser.add_argument("--lease-retry-period-s", type=float, default=2.0,
+                        help="seconds between election rounds (renewals, or tries to take an expired lease)")
+    parser.add_argument("--controller-id", help="this replica's name in the lease (default HOST:PID; a pod's name)")
+    parser.add_argument("--advertise", metavar="ADDRESS",
+                        help="where other replicas tell operators to send writes when this one leads (default --listen)")
     parser.add_argument("--listen", required=True, help="unix:PATH or a loopback HOST:PORT")
     parser.add_argument("--admin-token-file", help=f"file holding the admin token (else ${'SPINE_ADMIN_TOKEN'})")
     parser.add_argument("--target", choices=["recording", "xds", "legacy-http"], required=True,
@@ -298,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
             log_tls_refusals()
             reload_on_sighup()
         webhooks = webhooks_of(args)
+        store, lease = store_of(args)
         target = build_target(args)
-        process = ControllerProcess(args.db, args.listen, token, target, tick_s=args.tick_s,
+        process = ControllerProcess(store, args.listen, token, target, tick_s=args.tick_s,
                                     allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen,
                                     dashboard_listen=args.dashboard_listen,
-                                    view_without_token=args.dashboard_view_without_token, webhooks=webhooks)
+                                    view_without_token=args.dashboard_view_without_token, webhooks=webhooks,
+                                    lease=lease, identity=args.controller_id, advertise=args.advertise)
         serve_stable = getattr(target, "serve_stable", None)
-        if serve_stable is not None:  # after the controller re-applied whatever it recorded
+        # After the controller re-applied whatever it recorded; a replica that may not lead
+        # serves nothing yet (it does this once it leads).
+        if serve_stable is not None and lease is None:
             serve_stable()
         process.start()
         if process.dashboard_url:
@@ -315,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, AddressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except StoreUnavailable as exc:
+        print(f"error: the state store did not answer: {exc}", file=sys.stderr)
+        return 3
     Termination().wait()  # a handler that calls Event.set() can deadlock the main thread
     log.info("stopping migration controller")
     process.stop()

@@ -3,8 +3,10 @@
 `ControllerProcess` binds only to a unix socket or loopback (unless told otherwise; and
 beyond loopback only with TLS: the admin token must not cross a network in plaintext),
 serves the operator API behind the admin token, and ticks the controller every ~100 ms so a failing
-gate's rollback reaches the data path well within a second. `migration.runner` runs one as
-a process; the local migration (`migration.traffic.cutover`) runs one in-process.
+gate's rollback reaches the data path well within a second. With a lease (`LeaseSettings`)
+it is one of several replicas sharing one store (`migration.leadership`): only the leader
+ticks and takes writes, the others follow its record and name it. `migration.runner` runs
+one as a process; the local migration (`migration.traffic.cutover`) runs one in-process.
 """
 
 from __future__ import annotations
@@ -25,16 +27,24 @@ from migration.admin_token import dashboard_link
 from migration.controller import Controller
 from migration.dashboard import DashboardServer
 from migration.dashboard.metrics import ControllerCollector
+from migration.leadership import LeaderElector, LeaseSettings, default_identity
+from migration.lease import Fenced, LeadershipView
 from migration.notify import WebhookConfig, WebhookNotifier
 from migration.service import SERVICE_NAME, MigrationService
+from migration.store_backends import StoreUnavailable
 from migration.target import TrafficTarget
 from runtime.config.sections import TlsConfig
 from runtime.server import ProbeServer, start_probe_server
 from runtime.tls import add_port
 from services.common import Clock, ConfigError
+from services.common.log_limit import RateLimitedLog
 from wire.v1 import migration_pb2, migration_pb2_grpc
 
 log = logging.getLogger("spine.migration")
+# A store that is down fails every tick (ten a second): one line a second says so.
+_store_down = RateLimitedLog(log, "state store failures")
+# The health service name a replica answers SERVING for only while it leads.
+LEADER_HEALTH = "spine.v1.MigrationLeader"
 
 
 def check_listen(listen: str, allow_external: bool = False, tls: TlsConfig | None = None,
@@ -75,7 +85,8 @@ class ControllerProcess:
                  tick_s: float = 0.1, clock: Clock = time.time, allow_external: bool = False,
                  tls: TlsConfig | None = None, probe_listen: str | None = None,
                  dashboard_listen: str | None = None, view_without_token: bool = False,
-                 webhooks: tuple[WebhookConfig, ...] = ()) -> None:
+                 webhooks: tuple[WebhookConfig, ...] = (), lease: LeaseSettings | None = None,
+                 identity: str | None = None, advertise: str | None = None) -> None:
         self.listen = check_listen(listen, allow_external, tls)
         if dashboard_listen is not None:
             check_listen(dashboard_listen, allow_external, tls, "--dashboard-listen")
@@ -85,8 +96,19 @@ class ControllerProcess:
         self.probe_listen = probe_listen
         self.allow_external = allow_external
         self.probe: ProbeServer | None = None
-        self.controller = Controller.open(db_path, target, clock=clock)
+        self._target = target
         self._admin_token = admin_token
+        # With a lease, this is one of several replicas on one store: it re-applies the
+        # recorded stage only once it leads (`_reconcile`), and only the leader ticks.
+        self.controller = Controller.open(db_path, target, clock=clock, recover=lease is None)
+        self.elector: LeaderElector | None = None
+        self._led_epoch: int | None = None  # the epoch this replica re-applied the record under
+        self._resync = False  # the store failed mid-tick: re-apply the record once it answers
+        if lease is not None:
+            self.elector = LeaderElector(self.controller.store, identity or default_identity(), advertise or self.listen,
+                                         lease, on_lose=self.controller.wake_watchers)
+            self.controller.leadership = self._leadership
+            self._target_hook("stand_by")  # pushes nothing (an xDS server: serves no one) until it leads
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
         self.notifiers = [WebhookNotifier(config) for config in webhooks]
         for notifier in self.notifiers:
@@ -97,7 +119,8 @@ class ControllerProcess:
             self.dashboard = DashboardServer(self.controller, admin_token, target, dashboard_listen, tls=tls,
                                              view_without_token=view_without_token, collectors=(collector,))
         self.service = MigrationService(self.controller, admin_token,
-                                        dashboard_url=self.dashboard.url if self.dashboard is not None else "")
+                                        dashboard_url=self.dashboard.url if self.dashboard is not None else "",
+                                        leader_check=self._check_write if self.elector else None)
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="migration-tick", daemon=True)
@@ -123,6 +146,9 @@ class ControllerProcess:
         self.server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.elector is not None:  # SERVING once it leads: a readiness probe that routes to the leader
+            self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.elector.start()
         self._ticker.start()
         if self.dashboard is not None:
             self.dashboard.start()
@@ -158,6 +184,8 @@ class ControllerProcess:
             self.probe.stop()
         if self._ticker.is_alive():
             self._ticker.join()
+        if self.elector is not None:
+            self.elector.stop()  # releases the lease: another replica takes over at once
         for notifier in self.notifiers:
             notifier.close()
         self.controller.close()
@@ -166,9 +194,70 @@ class ControllerProcess:
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
             try:
-                self.controller.tick()
+                self._reconcile()
+            except Fenced:  # the store logged and counted it: this replica no longer leads
+                if self.elector is not None:
+                    self.elector.step_down()
+            except StoreUnavailable as error:
+                # What was pushed may not be what was recorded: once the store answers again,
+                # start over from the record (`take_lead` re-applies it).
+                _store_down("tick", "state store unavailable (%s); ticking resumes when it answers", error)
+                self._resync = True
             except Exception:  # a flaky data path must not stop the loop; the next tick retries
                 log.exception("migration tick failed; retrying")
+
+    def _reconcile(self) -> None:
+        """One tick: the leader (or the only controller) reconciles; a replica that does not
+        lead only reads the leader's latest record, so its status answers stay current."""
+        elector = self.elector
+        if elector is None:
+            self.controller.tick()
+            return
+        epoch = elector.epoch
+        if epoch is None or not elector.leading:
+            if self._led_epoch is not None:
+                self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+                self._target_hook("stand_by")
+            self._led_epoch = None
+            self.controller.refresh()
+            return
+        if self._led_epoch != epoch:
+            self._target_hook("lead")
+            self.controller.take_lead(f"{elector.identity} took over as leader (lease epoch {epoch})",
+                                      fence=(elector.identity, epoch))
+            self._target_hook("serve_stable")  # nothing recorded to re-apply: the stable split
+            self._led_epoch, self._resync = epoch, False
+            self.health.set(LEADER_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+        elif self._resync:
+            self.controller.take_lead(f"the state store answers again ({elector.identity}, lease epoch {epoch})")
+            self._resync = False
+        self.controller.tick()
+
+    def _target_hook(self, name: str) -> None:
+        """The target's optional `stand_by` / `lead` / `serve_stable` (an xDS target has them;
+        the built-in front and a recording target need none)."""
+        hook = getattr(self._target, name, None)
+        if hook is not None:
+            hook()
+
+    def _acting(self) -> bool:
+        """Leading, and taken over: the record re-applied under this epoch (until then a
+        write would act on a status the previous leader may since have changed)."""
+        elector = self.elector
+        return elector is not None and elector.leading and self._led_epoch == elector.epoch
+
+    def _check_write(self) -> None:
+        if not self._acting():
+            assert self.elector is not None
+            self.elector.refuse_write()
+
+    def _leadership(self) -> LeadershipView:
+        elector = self.elector
+        assert elector is not None
+        leader = elector.leader()
+        return LeadershipView(leader.holder if leader else "", leader.address if leader else "",
+                              leader.epoch if leader else 0, elector.identity, self._acting(),
+                              self.controller.store.fenced_writes)
 
 
 def _remove_stale_socket(listen: str) -> None:

@@ -1,7 +1,9 @@
 """MigrationControl: the operator API over gRPC, a thin skin on the Controller.
 
 The service only authenticates, translates messages and maps errors to status codes:
-InvalidTransition → FAILED_PRECONDITION, PlanError → INVALID_ARGUMENT (with field and line;
+InvalidTransition → FAILED_PRECONDITION (and so a write sent to a controller replica that
+does not lead, or that the lease's fence refused: the message names the leader),
+a state store that does not answer → UNAVAILABLE, PlanError → INVALID_ARGUMENT (with field and line;
 also a parity gate where the data path has no shadow traffic, `Controller.check_plan`),
 a missing or wrong admin token → UNAUTHENTICATED. The token is compared in constant time
 and never logged or echoed.
@@ -18,9 +20,12 @@ import grpc
 
 from migration.admin_token import bearer, token_matches
 from migration.controller import Controller, InvalidTransition, StatusView
+from migration.leadership import NotLeader
+from migration.lease import Fenced
 from migration.legacy_endpoint import from_side
 from migration.plan import Plan, PlanError, load_plan
 from migration.status import AuditEntry
+from migration.store_backends import StoreUnavailable
 from wire.v1 import migration_pb2 as pb
 from wire.v1 import migration_pb2_grpc as pb_grpc
 
@@ -40,6 +45,10 @@ def _command(method: Callable[..., _Response]) -> Callable[..., _Response]:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except PlanError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (NotLeader, Fenced) as exc:  # another replica leads: the message names it
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except StoreUnavailable as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the state store did not answer ({exc}); retry")
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return wrapper
@@ -47,10 +56,12 @@ def _command(method: Callable[..., _Response]) -> Callable[..., _Response]:
 
 class MigrationService(pb_grpc.MigrationControlServicer):
     def __init__(self, controller: Controller, admin_token: str, *, heartbeat_s: float = 1.0,
-                 dashboard_url: str = "") -> None:
+                 dashboard_url: str = "", leader_check: Callable[[], None] | None = None) -> None:
         if not admin_token:
             raise ValueError("admin_token: must be non-empty")
         self._controller = controller
+        # With several replicas: raises NotLeader (naming the leader) where this one does not lead.
+        self._leader_check = leader_check
         self._token = admin_token.encode()
         self._heartbeat_s = heartbeat_s
         self._closing = threading.Event()
@@ -81,12 +92,14 @@ class MigrationService(pb_grpc.MigrationControlServicer):
         if request.validate_only:
             self._controller.check_plan(plan)
         else:
+            self._writing()
             self._controller.load(plan, _actor(request, context))
         return plan_message(plan, loaded=not request.validate_only)
 
     @_command
     def Start(self, request: pb.StartRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
         plan = load_plan(request.plan_yaml) if request.plan_yaml else None
+        self._writing()
         self._controller.start(plan, _actor(request, context), request.reason)
         return self._status()
 
@@ -114,7 +127,14 @@ class MigrationService(pb_grpc.MigrationControlServicer):
     def Abort(self, request: pb.CommandRequest, context: grpc.ServicerContext) -> pb.RolloutStatus:
         return self._run("abort", request, context)
 
+    def _writing(self) -> None:
+        """Refuse a write here unless this replica leads (the store's fence refuses it anyway;
+        this says where to send it instead)."""
+        if self._leader_check is not None:
+            self._leader_check()
+
     def _run(self, command: str, request: Any, context: grpc.ServicerContext, stage: str = "") -> pb.RolloutStatus:
+        self._writing()
         run_command(self._controller, command, _actor(request, context), request.reason, stage)
         return self._status()
 
@@ -188,6 +208,11 @@ def status_message(view: StatusView, dashboard_url: str = "") -> pb.RolloutStatu
                    for row in view.followers],
         min_spine_replicas=view.min_spine_replicas,
     )
+    if view.leadership is not None:
+        lead = view.leadership
+        message.leadership.CopyFrom(pb.Leadership(
+            leader=lead.leader, leader_address=lead.leader_address, epoch=lead.epoch, controller=lead.controller,
+            leading=lead.leading, fenced_writes=lead.fenced_writes))
     if stage is not None and stage.hold_s is not None:
         message.hold_s = stage.hold_s
     if stage is not None and stage.min_requests is not None:

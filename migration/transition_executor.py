@@ -45,6 +45,18 @@ class TransitionExecutor:
         with self._cond:
             return replace(self._status, placements=dict(self._status.placements))
 
+    def refresh(self) -> None:
+        """Read the status (and its plan) again from the store: a replica that does not lead
+        follows the leader's writes this way, and a new leader starts from the last of them."""
+        with self._cond:
+            status = self._store.load()
+            if status is None or status == self._status:
+                return
+            if status.plan_yaml != self._status.plan_yaml:
+                self._plan = load_plan(status.plan_yaml) if status.plan_yaml else None
+            self._status = status
+            self._cond.notify_all()
+
     def _step(self, action: Action) -> Transition:
         """The table's entry for `action` now; refuses (changing nothing) when there is none."""
         return transition(self._status.state, action, self._where())
@@ -132,6 +144,8 @@ class TransitionExecutor:
             weight, placements = apply
             generation = before.generation + 1
             version = f"{new.plan_name}#{generation}"
+            # Fenced (several replicas): nothing reaches the data path unless this one still leads.
+            self._store.check_fence()
             # Every apply carries the plan's route_header: rollback and abort keep the running
             # plan's (the plan stays loaded), and a restart re-reads it from the persisted plan.
             self._target.apply(weight, dict(placements), version, route_header=self._loaded().route_header)

@@ -62,6 +62,17 @@ class ControllerCollector(Collector):
         yield transitions
         yield from self._gates(view.stage.name if view.stage else "")
         yield from self._data_planes(s.version, view.data_planes, view.followers)
+        if view.leadership is not None:  # several replicas on one store (migration.leadership)
+            lead = view.leadership
+            leading = GaugeMetricFamily("spine_migration_leader",
+                                        "1 while this controller replica leads under the lease, else 0.",
+                                        labels=["controller"])
+            leading.add_metric([lead.controller], 1.0 if lead.leading else 0.0)
+            yield leading
+            yield GaugeMetricFamily("spine_migration_lease_epoch", "The leader lease's current epoch (the fencing "
+                                    "token: one more at every change of hands).", value=float(lead.epoch))
+            yield CounterMetricFamily("spine_migration_fenced_writes", "State writes this replica attempted that "
+                                      "the lease's fence refused (it no longer led).", value=float(lead.fenced_writes))
         if self._deliveries is not None:
             deliveries = CounterMetricFamily("spine_migration_webhook_deliveries",
                                              "Webhook deliveries by result (delivered, retried, failed, dropped).",

@@ -43,8 +43,10 @@ from prometheus_client.registry import Collector
 from migration.admin_token import bearer, token_matches
 from migration.controller import Controller
 from migration.dashboard.document import LayoutSampler, snapshot
+from migration.lease import Fenced
 from migration.plan import PlanError
 from migration.service import run_command
+from migration.store_backends import StoreUnavailable
 from migration.transitions import InvalidTransition
 from runtime.config.sections import TlsConfig
 from services.common.log_limit import RateLimitedLog
@@ -216,8 +218,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             run_command(self.app.controller, command, actor, str(body.get("reason") or "")[:500],
                         str(body.get("stage") or ""))
-        except (InvalidTransition, PlanError) as error:
+        except (InvalidTransition, PlanError, Fenced) as error:  # Fenced: another replica leads (named)
             self._json(409, {"error": str(error)})
+            return
+        except StoreUnavailable as error:
+            self._json(503, {"error": f"the state store did not answer ({error}); retry"})
             return
         self._json(200, {"ok": True, "command": command, "actor": actor, "state": self.app.state()})
 

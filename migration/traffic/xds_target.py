@@ -47,6 +47,15 @@ class XdsTarget:
         log.info("published %s: spine %.2f%%, spine placements local: %s, x-spine-route %s", version,
                  spine_weight, ", ".join(local) or "none", "honoured" if route_header else "ignored")
 
+    def stand_by(self) -> None:
+        """This controller replica does not lead: its ADS server sends nothing (what it last
+        sent may be stale by now), so data planes and followers reconnect to the leader."""
+        self.plane.stand_by("this migration controller replica does not lead; reconnect to reach the leader")
+
+    def lead(self) -> None:
+        """This replica leads: serve ADS again (the stage it re-applies goes out next)."""
+        self.plane.serve()
+
     def serve_stable(self) -> None:
         """Before any rollout has moved traffic (nothing published once the controller has
         re-applied what it recorded): serve the stable state, 100% layered, so a data plane

@@ -208,6 +208,14 @@ class XdsControlPlane:
                          "placements": dict(assignment.placements) if assignment else {}})
         return rows
 
+    def stand_by(self, reason: str) -> None:
+        """Serve no one for now: open streams end and new ones are refused (UNAVAILABLE,
+        `reason`); `serve` takes them again. A controller replica that does not lead."""
+        self.ads.stand_by(reason)
+
+    def serve(self) -> None:
+        self.ads.serve()
+
     def stop(self, grace: float = 1.0) -> None:
         """End every stream and stop listening; data planes keep their last config. Final."""
         self._stopped = True

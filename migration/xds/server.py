@@ -46,6 +46,7 @@ log = logging.getLogger("spine.xds")
 
 WILDCARD_TYPES = frozenset({LISTENER, CLUSTER, STAGE})
 _CLOSED = object()
+_STAND_BY = object()  # this server stopped serving (a controller replica that no longer leads)
 _CHANGED = object()
 
 
@@ -101,10 +102,26 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self._ids = itertools.count(1)
         self._nonces = itertools.count(1)
         self._cancel_watch = cache.watch(self._on_snapshot)
+        self._standing_by = ""  # why it refuses streams now (empty: it serves)
 
     def close(self) -> None:
         """Stop following the cache (the grpc server ends the streams)."""
         self._cancel_watch()
+
+    def stand_by(self, reason: str) -> None:
+        """Refuse streams (UNAVAILABLE, `reason`) and end the open ones the same way, so that
+        data planes and followers reconnect — through the Service, to whoever serves now —
+        instead of keeping what this server last sent them."""
+        with self._lock:
+            self._standing_by = reason
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.events.put(_STAND_BY)
+
+    def serve(self) -> None:
+        """Accept streams again (after `stand_by`)."""
+        with self._lock:
+            self._standing_by = ""
 
     # -- the RPC -------------------------------------------------------------------------------
 
@@ -113,6 +130,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         request_iterator: Iterator[discovery_pb2.DiscoveryRequest],
         context: grpc.ServicerContext,
     ) -> Iterator[discovery_pb2.DiscoveryResponse]:
+        refused = self._standing_by
+        if refused:
+            context.abort(grpc.StatusCode.UNAVAILABLE, refused)
         stream = StreamState(stream_id=next(self._ids), peer=context.peer())
         events = stream.events
         context.add_callback(lambda: events.put(_CLOSED))
@@ -129,6 +149,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 event = events.get()
                 if event is _CLOSED:
                     return
+                if event is _STAND_BY:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, self._standing_by or "this server stopped serving")
                 if event is not _CHANGED and stream.node_id is None:
                     self._identify(stream, event)
                 responses = self._on_change(stream) if event is _CHANGED else self._on_request(stream, event)

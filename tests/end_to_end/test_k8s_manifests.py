@@ -10,8 +10,9 @@ core schema cannot know; they are the only kinds let through unvalidated.
 Then what the schema cannot say: each container is probed on the port its command serves
 health on, asks for resources, runs as the image's non-root user on a read-only root with a
 writable /tmp, no privilege escalation and no capabilities; every Deployment of more than one
-replica has a PodDisruptionBudget and spreads its replicas over nodes; the controller keeps its
-state on a PersistentVolume it alone writes; every image is one `make image` builds.
+replica has a PodDisruptionBudget (but the controller's, whose follower is never Ready) and
+spreads its replicas over nodes; the controller's replicas share their state in PostgreSQL and
+elect a leader, the only one Ready; every image is one `make image` builds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ import pytest
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, ValidationError, validate
 
+from migration.leadership import LeaseSettings
+from migration.runner import parse_args as runner_args
+from migration.runner import store_of
+from migration.server import LEADER_HEALTH
+from migration.store_backends import carries_password, is_postgres
 from spine.cli import build_parser as cli_parser
 from spine.tools.image import tags
 from spine.tools.image_inputs import VARIANTS
@@ -146,7 +152,7 @@ def test_every_pod_runs_non_root_read_only_without_privileges(where: str, deploy
     assert "/tmp" in writable, f"{where}: no writable /tmp"
     for name in ("--run-dir", "--db"):
         path = flag(container, name)
-        if path:
+        if path and not is_postgres(path):  # a sqlite file, not a server
             directory = path if name == "--run-dir" else str(Path(path).parent)
             assert directory in writable, f"{where}: {name} {path} is not on a writable mount"
 
@@ -159,29 +165,39 @@ def test_replicated_deployments_have_a_disruption_budget_and_spread_over_nodes(
     budgets = [o for o in rendered(overlay) if o["kind"] == "PodDisruptionBudget"
                and o["spec"]["selector"]["matchLabels"] == labels]
     spread = deployment["spec"]["template"]["spec"].get("topologySpreadConstraints", [])
-    if deployment["spec"]["replicas"] < 2:  # one replica: a budget would only block node drains
+    if deployment["spec"]["replicas"] < 2 or leader_ready(deployment):
+        # one replica, or only the leader Ready (the follower counts as unavailable): a budget
+        # would only block node drains
         assert not budgets, where
-        return
-    (budget,) = budgets
-    assert budget["spec"].get("maxUnavailable") == 1 or budget["spec"].get("minAvailable") == 1, where
+        if deployment["spec"]["replicas"] < 2:
+            return
+    else:
+        (budget,) = budgets
+        assert budget["spec"].get("maxUnavailable") == 1 or budget["spec"].get("minAvailable") == 1, where
     by_node = [c for c in spread if c["topologyKey"] == "kubernetes.io/hostname"]
     assert by_node and by_node[0]["labelSelector"]["matchLabels"] == labels and by_node[0]["maxSkew"] == 1, where
 
 
-def test_the_controller_keeps_its_state_on_a_persistent_volume_it_alone_writes() -> None:
+def leader_ready(deployment: dict[str, Any]) -> bool:
+    """Whether its pods are Ready only while they lead (the readiness probe asks for the leader's
+    health service): the Service then sends everything to the leader."""
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container.get("readinessProbe", {}).get("grpc", {}).get("service") == LEADER_HEALTH
+
+
+def test_the_controller_replicas_share_their_state_in_postgres_and_only_the_leader_is_ready() -> None:
     objs = rendered("controller")
     (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
-    (claim,) = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim"]  # no disk of its own
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
-    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-    volume = next(v for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName")
-                  == claim["metadata"]["name"])
-    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
-    db = flag(container, "--db")
-    assert db is not None and Path(db).parent == Path(mount["mountPath"]) and not mount.get("readOnly")
-    assert pod["securityContext"]["fsGroup"] == IMAGE_USER  # the non-root user can write the volume
+    assert deployment["spec"]["replicas"] == 2 and leader_ready(deployment)
+    args = runner_args(argv(container)[3:])
+    assert is_postgres(args.db) and not carries_password(args.db)  # the password from a Secret, not argv
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "spine-controller-db"
+    assert args.controller_id == "$(POD_NAME)" and env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert store_of(args)[1] == LeaseSettings()  # Kubernetes' timings: 15 s / 10 s / 2 s
 
 
 def test_every_image_is_one_make_image_builds() -> None:

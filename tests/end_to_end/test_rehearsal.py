@@ -112,6 +112,26 @@ def test_the_production_path_walks_to_100_percent_then_a_parity_fault_is_rolled_
             os.kill(pid, 0)
 
 
+def test_make_rehearse_store_postgres_keeps_the_controllers_state_in_postgresql() -> None:
+    """`make rehearse STORE=postgres`: the same walk, the controller's state in a PostgreSQL
+    server the rehearsal starts (and stops last, by PID), the controller its elected leader."""
+    report = run_rehearsal(Options(plan_text=SHORT_PLAN, clients=2, rate=8.0, parity_run=False,
+                                   state_store="postgres"))
+    print(summary(report))
+    assert report.runs["healthy"].final_state == "promoted", report.runs["healthy"]
+    # read back from PostgreSQL after the walk: every stage entered, in order, then promoted
+    entered = [a.stage for a in report.audit if a.action in ("start", "advance")]
+    assert entered == [s.name for s in load_plan(SHORT_PLAN).stages], report.audit
+    assert report.audit[-1].action == "promote"
+    # named without its password (the DSN's user, host, port and database only)
+    assert report.controller_store.startswith("PostgreSQL postgresql://spine@127.0.0.1:"), report.controller_store
+    assert report.controller_store.endswith("at lease epoch 1"), report.controller_store
+    name, pid, _ = report.stopped[-1]
+    assert name == "postgres"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 def _processes_mentioning(text: str) -> list[str]:
     """Command lines of the running processes that mention `text` (their work directory)."""
     found = []

@@ -120,6 +120,11 @@ function renderTraffic(s) {
     ["version", `${s.version || "-"} (${s.applied ? "applied" : "waiting for ACK"})`],
   ];
   if (s.awaiting_stage) facts.push(["awaiting", `approval to enter ${s.awaiting_stage}`]);
+  if (s.leadership) {  // several controller replicas on one store: who leads, at which lease epoch
+    const l = s.leadership;
+    facts.push(["leader", l.leader ? `${l.leader}, epoch ${l.epoch}` + (l.leading ? " (this replica)" : ` (asked ${l.controller})`)
+      : "none right now (election under way)"]);
+  }
   $("facts").replaceChildren(...facts.filter(Boolean).flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
 }
 

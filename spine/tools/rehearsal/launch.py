@@ -24,6 +24,7 @@ from runtime.config.file import dev_api_key, load_config, merge
 from runtime.processes.launch import spine_up_argv
 from runtime.server import free_ports, wait_serving
 from services.registry import COMPONENTS
+from spine.tools.local_postgres import LocalPostgres, PostgresError
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.local_redis import LocalRedis
 from spine.tools.rehearsal.containers import Containers
@@ -62,6 +63,10 @@ class Options:
     # (spine.tools.rehearsal.containers), the layered components one container each.
     runtime: str = "process"
     image: str | None = None
+    # Where the controller keeps its state: `sqlite` (a file in the workdir) or `postgres` (a
+    # throwaway PostgreSQL on loopback, spine.tools.local_postgres; the controller elects
+    # itself leader under the lease, as one of several replicas would).
+    state_store: str = "sqlite"
     echo: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
 
@@ -90,6 +95,7 @@ class Launcher:
         self.prometheus: LocalPrometheus | None = None
         # The rate limiters' shared lease store: its port is known now, so every config can name it.
         self.redis = LocalRedis(workdir / "redis")
+        self.postgres: LocalPostgres | None = None  # with state_store "postgres"
         self.controller: Child | None = None
         self.spines: dict[str, Child] = {}
         self.clients: list[Child] = []
@@ -178,6 +184,36 @@ class Launcher:
         self.echo(f"  $ redis-server --bind 127.0.0.1 --port {self.redis.port} --save '' (pid {self.redis.process.pid}): "
                   f"the rate limiters' shared store, ratelimit.store.redis.address {self.redis.address}")
 
+    def start_postgres(self) -> None:
+        """The controller's state store, where the rehearsal walks on PostgreSQL."""
+        if self.options.state_store != "postgres":
+            return
+        try:
+            self.postgres = LocalPostgres()
+            self.postgres.start()
+        except (PostgresError, OSError) as error:
+            raise RehearsalError(f"PostgreSQL: {error}") from None
+        assert self.postgres.process is not None
+        self.echo(f"  $ postgres -D {self.postgres.data} -c listen_addresses=127.0.0.1 -p {self.postgres.port} "
+                  f"(pid {self.postgres.process.pid}): the controller's state store, {self.postgres.describe()}")
+
+    def store_location(self) -> list[str]:
+        """The controller's --db (sqlite) or --db-dsn-file (PostgreSQL: the password stays in a file)."""
+        if self.postgres is None:
+            return ["--db", str(self.work / "rollout.db")]
+        dsn_file = self.work / "state-dsn"
+        dsn_file.write_text(self.postgres.dsn + "\n")
+        dsn_file.chmod(0o600)
+        if self.containers is not None:
+            self.containers.hand_over(dsn_file)
+        return ["--db-dsn-file", str(dsn_file)]
+
+    def stop_postgres(self) -> None:
+        if self.postgres is not None and self.postgres.process is not None:
+            pid = self.postgres.process.pid
+            self.postgres.remove()
+            self.processes.stopped.append(("postgres", pid, 0))
+
     def start_prometheus(self) -> None:
         jobs = {"layered": [f"127.0.0.1:{self.layered_metrics_port}"],
                 "spine": [f"127.0.0.1:{port}" for port in self.spine_metrics_ports.values()],
@@ -197,7 +233,7 @@ class Launcher:
         if self.containers is not None:  # read by the controller's container, as the image's user
             self.containers.hand_over(token_file)
         assert self.prometheus is not None
-        argv = [sys.executable, "-m", "migration.runner", "--db", str(self.work / "rollout.db"),
+        argv = [sys.executable, "-m", "migration.runner", *self.store_location(),
                 "--listen", self.controller_address, "--admin-token-file", str(token_file), "--target", "xds",
                 "--xds-listen", self.ads, "--layered", self.layered,
                 *(arg for port in self.spine_ports.values() for arg in ("--spine", f"127.0.0.1:{port}")),

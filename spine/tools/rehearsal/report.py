@@ -89,6 +89,8 @@ class Report:
     stopped: list[tuple[str, int, int | None]] = field(default_factory=list)  # (name, pid, exit code)
     seconds: float = 0.0
     store: list[StoreLook] = field(default_factory=list)  # the shared lease store, at each look
+    # Where the controller kept its state: "sqlite", or PostgreSQL with the lease as it ended.
+    controller_store: str = ""
 
     def ok(self) -> bool:
         healthy = self.runs.get("healthy")
@@ -163,6 +165,8 @@ def summary(report: Report) -> str:
         lines.append(f"spine answering differently → {parity.outcome()} in {parity.seconds:.1f}s: {parity.rollback_reason}")
     if report.store:
         lines.extend(report.store[-1].lines())
+    if report.controller_store:
+        lines.append(f"controller state: {report.controller_store}")
     lines.append(f"stopped {len(report.stopped)} processes by PID: "
                  + ", ".join(f"{name} {pid}" for name, pid, _ in report.stopped))
     return "\n".join(["summary:", *(f"  {line}" for line in lines)])

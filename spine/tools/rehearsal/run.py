@@ -114,6 +114,7 @@ class Rehearsal(Launcher):
         self.start_redis()
         self.write_configs()
         self.start_prometheus()
+        self.start_postgres()
         self.start_controller()
         limiter, layered = self.start_layered()
         spines = [self.start_spine(name) for name in SPINES]
@@ -295,15 +296,23 @@ class Rehearsal(Launcher):
                         pid = self.redis.process.pid
                         self.redis.stop()
                         self.processes.stopped.append(("redis", pid, 0))
-        self.report.stopped = list(self.processes.stopped)
         db = self.work / "rollout.db"
-        if db.exists():
-            store = Store.open(db)
-            try:
-                self.report.gate_history = store.gate_history(1000)
-                self.report.audit = store.audit()
-            finally:
-                store.close()
+        try:
+            if self.postgres is not None or db.exists():
+                store = Store.open(self.postgres.dsn if self.postgres is not None else db)
+                try:
+                    self.report.gate_history = store.gate_history(1000)
+                    self.report.audit = store.audit()
+                    lease = store.lease() if self.postgres is not None else None
+                    self.report.controller_store = (
+                        f"PostgreSQL {self.postgres.describe()}, {len(self.report.audit)} audit rows; leader "
+                        f"{lease.holder} at lease epoch {lease.epoch}" if self.postgres is not None and lease
+                        else f"{store.backend} {len(self.report.audit)} audit rows")
+                finally:
+                    store.close()
+        finally:
+            self.stop_postgres()  # after the controller, which wrote to it to the end
+            self.report.stopped = list(self.processes.stopped)
 
 
 def run_rehearsal(options: Options) -> Report:
@@ -331,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="podman: every process a container of spine's image (make image), the layered components "
                              "one container each; Redis and Prometheus stay on the host")
     parser.add_argument("--image", help="the image RUNTIME=podman runs (default: the version tag make image builds)")
+    parser.add_argument("--state-store", choices=("sqlite", "postgres"), default="sqlite",
+                        help="the controller's state: a sqlite file, or a PostgreSQL server started for the run "
+                             "(the store several controller replicas share, leader elected)")
     args = parser.parse_args(argv)
     from spine.tools.image import image_tag
 
     config = load_config(args.config).written() if args.config else None  # checked; laid under each role's
     options = Options(plan_text=Path(args.plan).read_text(), config=config, clients=args.clients, rate=args.rate,
                       parity_run=not args.no_parity_run, workdir=Path(args.workdir) if args.workdir else None,
-                      runtime=args.runtime, image=args.image or (image_tag() if args.runtime == "podman" else None))
+                      runtime=args.runtime, image=args.image or (image_tag() if args.runtime == "podman" else None),
+                      state_store=args.state_store)
     try:
         with sigterm_as_interrupt():
             report = run_rehearsal(options)

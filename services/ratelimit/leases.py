@@ -78,15 +78,27 @@ ConcurrencyOf = Callable[[str], int | None]  # a tenant's configured max_concurr
 
 @dataclass
 class _Held:
-    """What this replica knows of one bucket's tokens between renewals."""
+    """What this replica knows of one bucket's tokens between renewals.
 
-    level: float  # the bucket's level right after the last renewal
-    unbacked: float  # of those, tokens no grant paid for (the reserve): charged when spent
+    The bucket's level on the table should read `backed + unbacked` (`level`); whatever it
+    reads instead was spent (below) or given back by a settle (above) since `_account` last
+    looked, and nothing else moves it. Keeping that one invariant, rather than a remembered
+    level beside the two counts, is what stops a replica from admitting tokens nobody granted:
+    every change to the table's level here changes one of the two counts by as much."""
+
+    unbacked: float  # tokens no grant paid for (the reserve): owed to the store once spent
     last_used: float
-    backed: float = 0.0  # of those, tokens the store granted
+    backed: float = 0.0  # tokens the store granted, not spent yet
     demand: float = 0.0  # tokens a second spent, smoothed
-    owed_back: float = 0.0  # granted tokens that did not fit: given back at the next renewal
+    owed_back: float = 0.0  # granted tokens that did not fit or were drained: given back at the next renewal
+    debt: float = 0.0  # reserve spent, and settles past zero, not charged to the store yet
+    spent: float = 0.0  # tokens spent since the last renewal (its demand)
     in_debt: bool = False  # the store's bucket was below zero at the last renewal: hold nothing
+
+    @property
+    def level(self) -> float:
+        """The level the table's bucket reads when nothing was spent or settled since `_account`."""
+        return self.backed + self.unbacked
 
 
 class StoreLeases:
@@ -179,48 +191,62 @@ class StoreLeases:
             held = self._held.get(key)
             fresh = held is None
             if held is None:  # made since the last renewal, with the reserve (`TokenBucketTable.lease`)
-                held = self._held[key] = _Held(level=reserve, unbacked=reserve, last_used=now)
-            level = state.level
-            used = max(0.0, held.level - level)
-            # Tokens a settle gave back (a request used fewer than it was charged) were paid for:
-            # spent again or given back, never charged twice.
-            held.backed += max(0.0, level - held.level)
-            from_backed = min(used, held.backed)
-            held.backed -= from_backed
-            debt = min(used - from_backed, held.unbacked)
-            held.unbacked -= debt
-            overdraft = used - from_backed - debt
-            if overdraft > 0:  # a settle took more than was held (a long answer): the store's bucket
-                # owes it now, so every replica refuses next; here the level comes back up by as much
-                debt += overdraft
-                self._table.credit(key, overdraft)
-                level += overdraft
+                held = self._held[key] = _Held(unbacked=reserve, last_used=now)
+            self._account(key, held, state.level)
+            used, held.spent = held.spent, 0.0
             held.demand += 0.5 * (used / dt - held.demand)
             if used > 0:
                 held.last_used = now
+            debt, held.debt = held.debt, 0.0
             give_back, held.owed_back = held.owed_back, 0.0
             want = 0.0
             if now - held.last_used >= self.config.lease_s:  # idle: its leased tokens go back
-                removed = held.backed + self._table.credit(key, -held.backed)
-                give_back += removed
-                level -= removed
+                give_back += self._take_out(key, held.backed)
                 held.backed = 0.0
                 top_up = 0.0 if held.in_debt else max(0.0, reserve - held.unbacked)
-                top_up -= self._table.credit(key, top_up)
-                held.unbacked += top_up
-                level += top_up
+                held.unbacked += top_up - self._table.credit(key, top_up)
             else:
                 target = max(held.demand * self.config.lease_s, reserve)
-                if fresh or level < target / 4:  # new, or ran (nearly) dry: its demand is not known or
-                    target = burst  # more than it was given, so it asks for all the store holds
-                want = max(0.0, min(target, burst) - level)
-            held.level = level
+                if fresh or held.level < target / 4:  # new, or ran (nearly) dry: its demand is not known
+                    target = burst  # or more than it was given, so it asks for all the store holds
+                want = max(0.0, min(target, burst) - held.level)
             # An idle bucket with nothing to settle is not sent, unless it holds a reserve (or the
             # store's bucket was in debt): the answer says whether it may go on holding one.
             if want or debt or give_back or held.unbacked > 0 or held.in_debt:
                 self._keys[_store_key(key)] = key
                 asks.append(TokenAsk(_store_key(key), rate, burst, want, debt, give_back))
         return asks
+
+    def _account(self, key: Hashable, held: _Held, level: float) -> None:
+        """Bring `held` up to the bucket's `level` on the table now (caller holds the lock).
+
+        Below `held.level`: spent, from the granted tokens first, then from the reserve (owed
+        to the store as debt); past zero (a settle charged a long answer beyond the tokens
+        held): owed as debt too, and the level comes back to zero, so the store's bucket, not
+        this one, carries it and every replica refuses next. Above: a settle gave back tokens
+        a request was charged and did not use; they were paid for, so they count as granted
+        (spent again or given back, never charged twice). Run before anything else moves the
+        level: at each renewal, and on its answer, before a grant or a drain, since requests
+        went on being admitted while the store was asked."""
+        gained = level - held.level
+        if gained > 0:
+            held.backed += gained
+            return
+        used = -gained
+        from_backed = min(used, held.backed)
+        held.backed -= from_backed
+        from_reserve = min(used - from_backed, held.unbacked)
+        held.unbacked -= from_reserve
+        below = max(0.0, -level)
+        if below > 0:
+            self._table.credit(key, below)
+        held.debt += from_reserve + below
+        held.spent += used
+
+    def _take_out(self, key: Hashable, tokens: float) -> float:
+        """Take `tokens` out of a bucket that holds at least that many (it was just accounted);
+        returns what came out."""
+        return tokens + self._table.credit(key, -tokens)
 
     def _slot_asks(self, now: float) -> list[SlotAsk]:
         granted = self._slots.granted if self._slots.granted is not None else {}
@@ -245,9 +271,13 @@ class StoreLeases:
         if not self.leasing:
             self._recover()
             return
+        levels = self._table.snapshot() if tokens else {}
         for ask, grant, level in zip(tokens, answer.tokens, answer.levels or [0.0] * len(tokens), strict=True):
             key = self._keys[ask.key]
             held = self._held[key]
+            # What was admitted while the store was asked is counted first: a drain or a grant
+            # then starts from what the bucket really holds.
+            self._account(key, held, levels[key].level)
             held.in_debt = level < 0
             if held.in_debt:  # the tenant used more than its limit: what is held here goes back to pay
                 self._drain(key, held)
@@ -257,7 +287,6 @@ class StoreLeases:
             unfit = self._table.credit(key, grant)
             held.owed_back += unfit
             held.backed += grant - unfit
-            held.level += grant - unfit
         if self._slots.granted is not None:
             for slot_ask, (granted, free) in zip(slots, answer.slots, strict=True):
                 # holding none, wanting none, with room: one slot until the next renewal (None)
@@ -266,12 +295,10 @@ class StoreLeases:
     def _drain(self, key: Hashable, held: _Held) -> None:
         """Empty a bucket whose store bucket is in debt: its granted tokens are owed back (paying
         the debt at the next renewal), its reserve dropped; it admits nothing until the store's
-        bucket is above zero again (caller holds the lock)."""
-        returned = held.backed + self._table.credit(key, -held.backed)
-        dropped = held.unbacked + self._table.credit(key, -held.unbacked)
-        held.owed_back += returned
+        bucket is above zero again (caller holds the lock, and has just accounted it)."""
+        held.owed_back += self._take_out(key, held.backed)
+        self._take_out(key, held.unbacked)
         held.backed = held.unbacked = 0.0
-        held.level -= returned + dropped
 
     # -- faults -------------------------------------------------------------------------------
     def _failed(self, error: BaseException) -> None:
@@ -298,7 +325,7 @@ class StoreLeases:
         self._table.lease(self.config.reserve)
         self._slots.lease_from_store()
         now = self._clock()
-        self._held = {key: _Held(level=state.level, unbacked=state.level, last_used=now)
+        self._held = {key: _Held(unbacked=max(0.0, state.level), last_used=now)
                       for key, state in self._table.snapshot().items()}
         self._last_renewal = now
         log.warning("ratelimit store: reachable again; buckets back on leases")
@@ -314,9 +341,14 @@ class StoreLeases:
         try:
             if self.leasing:
                 with self._lock:
-                    asks = [TokenAsk(_store_key(key), *self._limits_of(key), want=0.0,
-                                     give_back=held.backed + self._table.credit(key, -held.backed) + held.owed_back)
-                            for key, held in self._held.items() if held.backed > 0 or held.owed_back > 0]
+                    levels = self._table.snapshot()
+                    asks = []
+                    for key, held in self._held.items():
+                        self._account(key, held, levels[key].level)  # the last requests' reserve is owed too
+                        back = self._take_out(key, held.backed) + held.owed_back
+                        if back > 0 or held.debt > 0:
+                            asks.append(TokenAsk(_store_key(key), *self._limits_of(key), want=0.0, debt=held.debt,
+                                                 give_back=back))
                     self._held.clear()
                 if asks:
                     self.store.exchange(self._epoch, asks, [], self.config.slot_ttl_s)

@@ -309,11 +309,13 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """Charge a request's tokens beyond its admission's estimate (negative: give back what
         it did not use) to a tokens bucket; the level may go below zero, down to one burst, so
         a request that used more than it was charged delays the next ones. With a shared
-        store, the renewal charges what went below zero to the store's bucket at once
-        (`services.ratelimit.leases`), so every replica refuses next."""
+        store, a settle that takes the level below zero wakes the renewal, which charges that
+        to the store's bucket at once (`services.ratelimit.leases`), so every replica refuses
+        next; any other settle waits for the next renewal (every request settles: waking on
+        each would make the store's calls per request, not per renewal)."""
         if extra and self._table.slot_of(key) is not None:
-            self._table.settle(key, extra)
-            if self.store is not None and extra > 0:
+            level = self._table.settle(key, extra)
+            if self.store is not None and level < 0:
                 self.store.wake()
 
     def _admit_into(self, results: list[Any], asking: list[tuple[int, RateLimitAsk]], now: float) -> None:

@@ -93,7 +93,7 @@ class _Held:
     owed_back: float = 0.0  # granted tokens that did not fit or were drained: given back at the next renewal
     debt: float = 0.0  # reserve spent, and settles past zero, not charged to the store yet
     spent: float = 0.0  # tokens spent since the last renewal (its demand)
-    in_debt: bool = False  # the store's bucket was below zero at the last renewal: hold nothing
+    in_debt: bool = False  # the store's bucket was below zero at the last renewal: no reserve
 
     @property
     def level(self) -> float:
@@ -118,6 +118,11 @@ class StoreLeases:
         self.replicas = 1  # live replicas the store last counted
         self._epoch = ""
         self._held: dict[Hashable, _Held] = {}
+        # Buckets idle at the last renewal (holding their reserve at most): the first request on
+        # one wakes the renewal (`first_use`), so a tenant's traffic that starts on a replica
+        # is leased the store's tokens at once rather than at the next interval, while the
+        # store's bucket sits full and its refill is lost. Read by the service under the lock.
+        self.idle: set[Hashable] = set()
         self._keys: dict[str, Hashable] = {}  # a bucket's key in the store -> in the table
         self._last_renewal = clock()
         self.calls = {"ok": 0, "error": 0}
@@ -165,6 +170,14 @@ class StoreLeases:
         not wait, nor the global bucket sit full, its refill lost, until then)."""
         self._wake.set()
 
+    def first_use(self, keys: tuple[Hashable, ...] | list[Hashable]) -> None:
+        """A request was just decided on `keys` (caller holds the lock): renew now if one of
+        them was idle at the last renewal. Once per bucket going from idle to busy, never
+        per request: a bucket in use is renewed at the interval."""
+        if not self.idle.isdisjoint(keys):
+            self.idle.difference_update(keys)
+            self._wake.set()
+
     def renew(self) -> None:
         """One exchange with the store: leases renewed, tokens given back, reserve paid for."""
         with self._lock:
@@ -196,19 +209,23 @@ class StoreLeases:
             used, held.spent = held.spent, 0.0
             held.demand += 0.5 * (used / dt - held.demand)
             if used > 0:
+                # Used again after an idle spell: its demand is not known, as a new bucket's.
+                fresh = fresh or now - held.last_used >= self.config.lease_s
                 held.last_used = now
             debt, held.debt = held.debt, 0.0
             give_back, held.owed_back = held.owed_back, 0.0
             want = 0.0
             if now - held.last_used >= self.config.lease_s:  # idle: its leased tokens go back
+                self.idle.add(key)
                 give_back += self._take_out(key, held.backed)
                 held.backed = 0.0
                 top_up = 0.0 if held.in_debt else max(0.0, reserve - held.unbacked)
                 held.unbacked += top_up - self._table.credit(key, top_up)
             else:
+                self.idle.discard(key)
                 target = max(held.demand * self.config.lease_s, reserve)
-                if fresh or held.level < target / 4:  # new, or ran (nearly) dry: its demand is not known
-                    target = burst  # or more than it was given, so it asks for all the store holds
+                if fresh or held.level < target / 4:  # new, busy again, or ran (nearly) dry: its demand is
+                    target = burst  # not known or more than it was given, so it asks for all the store holds
                 want = max(0.0, min(target, burst) - held.level)
             # An idle bucket with nothing to settle is not sent, unless it holds a reserve (or the
             # store's bucket was in debt): the answer says whether it may go on holding one.
@@ -279,8 +296,8 @@ class StoreLeases:
             # then starts from what the bucket really holds.
             self._account(key, held, levels[key].level)
             held.in_debt = level < 0
-            if held.in_debt:  # the tenant used more than its limit: what is held here goes back to pay
-                self._drain(key, held)
+            if held.in_debt:  # the tenant used more than its limit: what is held here pays for it
+                self._pay(key, held, -level)
                 continue
             if grant <= 0:
                 continue
@@ -292,13 +309,24 @@ class StoreLeases:
                 # holding none, wanting none, with room: one slot until the next renewal (None)
                 self._slots.grant(slot_ask.tenant, granted if slot_ask.want > 0 or free == 0 else None)
 
-    def _drain(self, key: Hashable, held: _Held) -> None:
-        """Empty a bucket whose store bucket is in debt: its granted tokens are owed back (paying
-        the debt at the next renewal), its reserve dropped; it admits nothing until the store's
-        bucket is above zero again (caller holds the lock, and has just accounted it)."""
-        held.owed_back += self._take_out(key, held.backed)
+    def _pay(self, key: Hashable, held: _Held, debt: float) -> None:
+        """The store's bucket is `debt` below zero: pay it from the granted tokens held here
+        (given back at the next renewal) and drop the reserve, which would only add to it
+        (caller holds the lock, and has just accounted the bucket).
+
+        Paying the debt, not giving back everything held: tokens move, none is made or lost,
+        so what the replicas hold and the store together stays what one bucket would hold.
+        A debt of spent reserves (a few tokens, the bound's own term) costs a replica that
+        was just granted a lease those few tokens, not its lease; a debt larger than what a
+        replica holds (a long answer settled past the limit) empties it, and the tenant is
+        refused there until the store's bucket refills above zero. Every replica that reads
+        the debt pays it, so the store may be paid more than once: the rest goes back out as
+        grants."""
+        paid = min(held.backed, debt)
+        held.owed_back += self._take_out(key, paid)
+        held.backed -= paid
         self._take_out(key, held.unbacked)
-        held.backed = held.unbacked = 0.0
+        held.unbacked = 0.0
 
     # -- faults -------------------------------------------------------------------------------
     def _failed(self, error: BaseException) -> None:

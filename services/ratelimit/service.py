@@ -159,6 +159,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         slots = self._table.slots([r.bucket.key for r in rows], [r.bucket.limits for r in rows], now)
         decision = self._table.decide(slots, [r.cost for r in rows], row_request, [not ask.dry_run for ask in asks],
                                       now)
+        if self.store is not None and self.store.idle:
+            self.store.first_use([r.bucket.key for r in rows])
         return rows, row_request, decision
 
     def validate(self, request: ratelimit_pb2.RateLimitRequest) -> None:
@@ -272,6 +274,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             if decision is None:
                 return None
             self._leases.observe_busy(item.busy)
+            if self.store is not None and self.store.idle:
+                self.store.first_use([bucket.key for bucket in buckets if bucket is not None])
         verdict = AdmitVerdict(admitted=decision.admitted[0], retry_after_s=_overall_retry(decision.retry_after_s))
         verdict.over = [OverLimit(bucket.name, retry) for bucket, fits, retry
                         in zip(buckets, decision.fits, decision.retry_after_s, strict=True) if bucket and not fits]

@@ -6,27 +6,45 @@ where a bucket's tokens come from: in lease mode (`TokenBucketTable.lease`) a bu
 not refill by itself; a thread of its own renews it every `renew_interval_s` from the store
 (`services.ratelimit.lease_store`), which holds the one *global* bucket per limit (the configured
 rate and burst). Each renewal asks, per bucket, for `lease_s` of the replica's recent
-consumption (doubled while the bucket ran dry), gives back the tokens of a bucket unused for
+consumption (all the store holds while the bucket ran dry, or when it is new or busy again
+after an idle spell: its demand is not known), gives back the tokens of a bucket unused for
 `lease_s`, and pays for the reserve it spent (below). One round trip per renewal, whatever
-the traffic: a few calls a second per replica, none per request.
+the traffic: a few calls a second per replica, none per request (the first request on a
+bucket idle at the last renewal, and a settle that takes one below zero, bring the next
+renewal forward: once per transition, not per request).
+
+The accounting. A bucket's level on the table is its granted tokens plus its reserve
+(`_Held.level`); whatever it reads instead was spent since (or given back by a settle), and
+`_account` takes that in before anything else moves the level: at each renewal, and on its
+answer, before a grant or a payment, because the store is asked without the limiter's lock
+and requests go on being admitted meanwhile. Every change this module makes to a level
+changes one of the two counts by as much, so a replica never admits a token the store did
+not grant it beyond its reserve, and never charges the store for one twice.
 
 The bound. Tokens leave the global bucket only as grants, so over any window of T seconds
 the replicas together admit at most burst + rate x T (the limit) plus what they admitted
 unbacked: each bucket's `reserve` (a fraction of its burst a replica may spend before its
 next renewal, so a lone request is not refused for want of a lease), charged to the store
-at that renewal. Over-admission at any moment is at most replicas x reserve x burst, and is
-paid back (the global bucket goes below zero) within the next renewal. A tenant whose
-traffic all lands on one replica gets the whole refill of its limit from the next renewal
-on; the tokens other replicas hold come back within `lease_s` of their last use.
+at that renewal; plus the leases outstanding when the window opens (granted before it,
+unspent: none once every replica has been idle for `lease_s`). Over-admission at any moment
+is at most replicas x reserve x burst, and is paid back (the global bucket goes below zero)
+within the next renewal. Under it: tokens refilled during a renewal interval are granted at
+its end and spent in the next, so a tenant that asks for more than its limit gets at least
+the limit less one renewal's refill (rate x renew_interval_s). A tenant whose traffic all
+lands on one replica gets the whole refill of its limit from the next renewal on; the
+tokens other replicas hold come back within `lease_s` of their last use.
 
 Tokens settled after the fact. A request's tokens bucket is charged its prompt at admission
 and settled at its end with what it generated (`RateLimitService._settle`), which may take a
-bucket below zero. What a settle takes beyond the tokens the replica held is charged to the
-store's bucket as debt at once (the settle wakes the renewal), so the store's bucket goes
-below zero; every replica learns that from its next renewal's answer (the level after the
-grant) and then gives its granted tokens back and drops its reserve: the tenant is refused on
-every replica from then until the debt is refilled. A replica that had never seen the tenant
-may still admit its reserve before its first renewal.
+bucket below zero. What a settle takes below zero is charged to the store's bucket as debt
+at once (the settle wakes the renewal), so the store's bucket goes below zero (never below
+minus one burst, as a replica's own bucket); every replica learns that from its next
+renewal's answer (the level after the grant), pays the debt from the granted tokens it
+holds (given back at its next renewal) and drops its reserve (`_pay`). A debt larger than
+what a replica holds (a long answer) empties it: the tenant is refused on every replica from
+then until the debt is refilled. A debt of a few spent reserves costs a replica those few
+tokens, not its lease. A replica that had never seen the tenant may still admit its reserve
+before its first renewal.
 
 Faults (`fail_mode`):
 - the store unreachable or slower than `redis.timeout_s` -> `shares`: the buckets refill at

@@ -90,6 +90,11 @@ from services.ratelimit.token_buckets import TokenBucketTable
 
 log = logging.getLogger("spine.ratelimit")
 
+# Below this, a level and its counts differ by float rounding alone (fractional grants, whole
+# costs), not by anything spent: a cost or a settle is a whole number of tokens. Counted as a
+# spend, it would refresh `last_used` at every renewal, and an idle lease would never go back.
+_ROUNDING = 1e-6
+
 LimitsOf = Callable[[Hashable], tuple[float, float]]  # a bucket's configured (rate, burst)
 ConcurrencyOf = Callable[[str], int | None]  # a tenant's configured max_concurrent_requests
 
@@ -264,6 +269,8 @@ class StoreLeases:
         level: at each renewal, and on its answer, before a grant or a drain, since requests
         went on being admitted while the store was asked."""
         gained = level - held.level
+        if abs(gained) < _ROUNDING:
+            return
         if gained > 0:
             held.backed += gained
             return

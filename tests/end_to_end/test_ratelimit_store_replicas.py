@@ -125,12 +125,22 @@ def send(cluster: Cluster, route: str, run: int) -> Run:
     return outcome
 
 
-def leased_requests(metrics: str) -> float:
-    """The requests tokens a replica holds that the store granted and it has not spent."""
+def store_families(metrics: str) -> dict[str, float]:
+    """A replica's view of the store (its /metrics): leasing (1) or falling back (0), the
+    requests tokens it holds that the store granted and it has not spent, its store calls."""
     with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as answer:
         families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
-    return sum(s.value for s in families["spine_ratelimit_store_leased_tokens"].samples
-               if s.labels.get("resource") == "requests")
+    calls = {s.labels["result"]: s.value for s in families["spine_ratelimit_store_calls"].samples
+             if s.name.endswith("_total")}
+    return {"leasing": families["spine_ratelimit_store_leasing"].samples[0].value,
+            "leased_requests": sum(s.value for s in families["spine_ratelimit_store_leased_tokens"].samples
+                                   if s.labels.get("resource") == "requests"),
+            "calls_ok": calls.get("ok", 0.0), "calls_error": calls.get("error", 0.0),
+            "fallbacks": families["spine_ratelimit_store_fallbacks"].samples[0].value}
+
+
+def leased_requests(metrics: str) -> float:
+    return store_families(metrics)["leased_requests"]
 
 
 def store_levels(cluster: Cluster) -> dict[str, float]:
@@ -158,7 +168,7 @@ def limit_full_again(cluster: Cluster) -> None:
     eventually(lambda: all(level >= BURST - 1e-6 for level in store_levels(cluster).values())
                and all(leased_requests(m) == 0 for m in cluster.metrics),
                timeout=15.0, what="the store's bucket full again and no replica holding a lease",
-               seen=lambda: (store_levels(cluster), [leased_requests(m) for m in cluster.metrics]))
+               seen=lambda: (store_levels(cluster), [store_families(m) for m in cluster.metrics]))
 
 
 def test_spread_round_robin_every_run_back_to_back_admits_the_limit(cluster: Cluster) -> None:
@@ -210,6 +220,4 @@ def test_with_the_store_stopped_the_replicas_keep_answering_within_their_shares(
 
 
 def _leasing(metrics: str) -> float:
-    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as answer:
-        families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
-    return families["spine_ratelimit_store_leasing"].samples[0].value
+    return store_families(metrics)["leasing"]

@@ -159,6 +159,10 @@ def test_requests_admitted_while_the_store_is_asked_are_never_admitted_twice(
     total = sum(admitted) + during[0]
     assert total <= limit(seconds) + 3 * RESERVE * BURST + 1, (admitted, during)
     assert total >= 0.85 * (limit(seconds) - RATE * RENEW_S), (admitted, during)
+    # Idle, every replica gives back what it was granted (its counts and its level agree).
+    eventually(lambda: all(s.store is not None and s.store.outstanding()[0].get("requests", 0.0) == 0.0
+                           for s in services), timeout=LEASE_S + 5.0, what="every lease given back",
+               seen=lambda: [s.store.outstanding() for s in services if s.store is not None])
     # And no debt is left behind: the store's bucket is back full within its refill.
     store = redis.Redis(host="127.0.0.1", port=redis_server.port)
     prefix = services[0].config.store.redis.key_prefix  # type: ignore[union-attr]

@@ -27,8 +27,9 @@ from services.ratelimit.config import RedisStore
 # KEYS: epoch, replicas, then one per bucket. ARGV: known epoch, candidate epoch, replica id,
 # replica ttl (s), then per bucket: rate (/s), burst, want, debt, give back.
 # Returns: epoch, restarted (0/1), live replicas, then per bucket the tokens granted and the
-# bucket's level after the grant (below 0: in debt, a settle charged more than it held) (text:
-# a Lua number returned as a number would be cut to an integer).
+# bucket's level after the grant (below 0: in debt, a settle charged more than it held; never
+# below minus one burst, as a replica's own bucket is kept) (text: a Lua number returned as a
+# number would be cut to an integer).
 _TOKENS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -64,7 +65,7 @@ for i = 3, #KEYS do
     last = now
   end
   level = math.min(burst, level + rate * math.max(0, now - last))
-  level = math.min(burst, level + back) - debt
+  level = math.max(-burst, math.min(burst, level + back) - debt)
   local grant = math.max(0, math.min(want, level))
   level = level - grant
   redis.call('HSET', KEYS[i], 'level', tostring(level), 'last', tostring(now))

@@ -6,27 +6,45 @@ where a bucket's tokens come from: in lease mode (`TokenBucketTable.lease`) a bu
 not refill by itself; a thread of its own renews it every `renew_interval_s` from the store
 (`services.ratelimit.lease_store`), which holds the one *global* bucket per limit (the configured
 rate and burst). Each renewal asks, per bucket, for `lease_s` of the replica's recent
-consumption (doubled while the bucket ran dry), gives back the tokens of a bucket unused for
+consumption (all the store holds while the bucket ran dry, or when it is new or busy again
+after an idle spell: its demand is not known), gives back the tokens of a bucket unused for
 `lease_s`, and pays for the reserve it spent (below). One round trip per renewal, whatever
-the traffic: a few calls a second per replica, none per request.
+the traffic: a few calls a second per replica, none per request (the first request on a
+bucket idle at the last renewal, and a settle that takes one below zero, bring the next
+renewal forward: once per transition, not per request).
+
+The accounting. A bucket's level on the table is its granted tokens plus its reserve
+(`_Held.level`); whatever it reads instead was spent since (or given back by a settle), and
+`_account` takes that in before anything else moves the level: at each renewal, and on its
+answer, before a grant or a payment, because the store is asked without the limiter's lock
+and requests go on being admitted meanwhile. Every change this module makes to a level
+changes one of the two counts by as much, so a replica never admits a token the store did
+not grant it beyond its reserve, and never charges the store for one twice.
 
 The bound. Tokens leave the global bucket only as grants, so over any window of T seconds
 the replicas together admit at most burst + rate x T (the limit) plus what they admitted
 unbacked: each bucket's `reserve` (a fraction of its burst a replica may spend before its
 next renewal, so a lone request is not refused for want of a lease), charged to the store
-at that renewal. Over-admission at any moment is at most replicas x reserve x burst, and is
-paid back (the global bucket goes below zero) within the next renewal. A tenant whose
-traffic all lands on one replica gets the whole refill of its limit from the next renewal
-on; the tokens other replicas hold come back within `lease_s` of their last use.
+at that renewal; plus the leases outstanding when the window opens (granted before it,
+unspent: none once every replica has been idle for `lease_s`). Over-admission at any moment
+is at most replicas x reserve x burst, and is paid back (the global bucket goes below zero)
+within the next renewal. Under it: tokens refilled during a renewal interval are granted at
+its end and spent in the next, so a tenant that asks for more than its limit gets at least
+the limit less one renewal's refill (rate x renew_interval_s). A tenant whose traffic all
+lands on one replica gets the whole refill of its limit from the next renewal on; the
+tokens other replicas hold come back within `lease_s` of their last use.
 
 Tokens settled after the fact. A request's tokens bucket is charged its prompt at admission
 and settled at its end with what it generated (`RateLimitService._settle`), which may take a
-bucket below zero. What a settle takes beyond the tokens the replica held is charged to the
-store's bucket as debt at once (the settle wakes the renewal), so the store's bucket goes
-below zero; every replica learns that from its next renewal's answer (the level after the
-grant) and then gives its granted tokens back and drops its reserve: the tenant is refused on
-every replica from then until the debt is refilled. A replica that had never seen the tenant
-may still admit its reserve before its first renewal.
+bucket below zero. What a settle takes below zero is charged to the store's bucket as debt
+at once (the settle wakes the renewal), so the store's bucket goes below zero (never below
+minus one burst, as a replica's own bucket); every replica learns that from its next
+renewal's answer (the level after the grant), pays the debt from the granted tokens it
+holds (given back at its next renewal) and drops its reserve (`_pay`). A debt larger than
+what a replica holds (a long answer) empties it: the tenant is refused on every replica from
+then until the debt is refilled. A debt of a few spent reserves costs a replica those few
+tokens, not its lease. A replica that had never seen the tenant may still admit its reserve
+before its first renewal.
 
 Faults (`fail_mode`):
 - the store unreachable or slower than `redis.timeout_s` -> `shares`: the buckets refill at
@@ -72,21 +90,38 @@ from services.ratelimit.token_buckets import TokenBucketTable
 
 log = logging.getLogger("spine.ratelimit")
 
+# Below this, a level and its counts differ by float rounding alone (fractional grants, whole
+# costs), not by anything spent: a cost or a settle is a whole number of tokens. Counted as a
+# spend, it would refresh `last_used` at every renewal, and an idle lease would never go back.
+_ROUNDING = 1e-6
+
 LimitsOf = Callable[[Hashable], tuple[float, float]]  # a bucket's configured (rate, burst)
 ConcurrencyOf = Callable[[str], int | None]  # a tenant's configured max_concurrent_requests
 
 
 @dataclass
 class _Held:
-    """What this replica knows of one bucket's tokens between renewals."""
+    """What this replica knows of one bucket's tokens between renewals.
 
-    level: float  # the bucket's level right after the last renewal
-    unbacked: float  # of those, tokens no grant paid for (the reserve): charged when spent
+    The bucket's level on the table should read `backed + unbacked` (`level`); whatever it
+    reads instead was spent (below) or given back by a settle (above) since `_account` last
+    looked, and nothing else moves it. Keeping that one invariant, rather than a remembered
+    level beside the two counts, is what stops a replica from admitting tokens nobody granted:
+    every change to the table's level here changes one of the two counts by as much."""
+
+    unbacked: float  # tokens no grant paid for (the reserve): owed to the store once spent
     last_used: float
-    backed: float = 0.0  # of those, tokens the store granted
+    backed: float = 0.0  # tokens the store granted, not spent yet
     demand: float = 0.0  # tokens a second spent, smoothed
-    owed_back: float = 0.0  # granted tokens that did not fit: given back at the next renewal
-    in_debt: bool = False  # the store's bucket was below zero at the last renewal: hold nothing
+    owed_back: float = 0.0  # granted tokens that did not fit or were drained: given back at the next renewal
+    debt: float = 0.0  # reserve spent, and settles past zero, not charged to the store yet
+    spent: float = 0.0  # tokens spent since the last renewal (its demand)
+    in_debt: bool = False  # the store's bucket was below zero at the last renewal: no reserve
+
+    @property
+    def level(self) -> float:
+        """The level the table's bucket reads when nothing was spent or settled since `_account`."""
+        return self.backed + self.unbacked
 
 
 class StoreLeases:
@@ -106,6 +141,11 @@ class StoreLeases:
         self.replicas = 1  # live replicas the store last counted
         self._epoch = ""
         self._held: dict[Hashable, _Held] = {}
+        # Buckets idle at the last renewal (holding their reserve at most): the first request on
+        # one wakes the renewal (`first_use`), so a tenant's traffic that starts on a replica
+        # is leased the store's tokens at once rather than at the next interval, while the
+        # store's bucket sits full and its refill is lost. Read by the service under the lock.
+        self.idle: set[Hashable] = set()
         self._keys: dict[str, Hashable] = {}  # a bucket's key in the store -> in the table
         self._last_renewal = clock()
         self.calls = {"ok": 0, "error": 0}
@@ -153,6 +193,14 @@ class StoreLeases:
         not wait, nor the global bucket sit full, its refill lost, until then)."""
         self._wake.set()
 
+    def first_use(self, keys: tuple[Hashable, ...] | list[Hashable]) -> None:
+        """A request was just decided on `keys` (caller holds the lock): renew now if one of
+        them was idle at the last renewal. Once per bucket going from idle to busy, never
+        per request: a bucket in use is renewed at the interval."""
+        if not self.idle.isdisjoint(keys):
+            self.idle.difference_update(keys)
+            self._wake.set()
+
     def renew(self) -> None:
         """One exchange with the store: leases renewed, tokens given back, reserve paid for."""
         with self._lock:
@@ -179,48 +227,68 @@ class StoreLeases:
             held = self._held.get(key)
             fresh = held is None
             if held is None:  # made since the last renewal, with the reserve (`TokenBucketTable.lease`)
-                held = self._held[key] = _Held(level=reserve, unbacked=reserve, last_used=now)
-            level = state.level
-            used = max(0.0, held.level - level)
-            # Tokens a settle gave back (a request used fewer than it was charged) were paid for:
-            # spent again or given back, never charged twice.
-            held.backed += max(0.0, level - held.level)
-            from_backed = min(used, held.backed)
-            held.backed -= from_backed
-            debt = min(used - from_backed, held.unbacked)
-            held.unbacked -= debt
-            overdraft = used - from_backed - debt
-            if overdraft > 0:  # a settle took more than was held (a long answer): the store's bucket
-                # owes it now, so every replica refuses next; here the level comes back up by as much
-                debt += overdraft
-                self._table.credit(key, overdraft)
-                level += overdraft
+                held = self._held[key] = _Held(unbacked=reserve, last_used=now)
+            self._account(key, held, state.level)
+            used, held.spent = held.spent, 0.0
             held.demand += 0.5 * (used / dt - held.demand)
             if used > 0:
+                # Used again after an idle spell: its demand is not known, as a new bucket's.
+                fresh = fresh or now - held.last_used >= self.config.lease_s
                 held.last_used = now
+            debt, held.debt = held.debt, 0.0
             give_back, held.owed_back = held.owed_back, 0.0
             want = 0.0
             if now - held.last_used >= self.config.lease_s:  # idle: its leased tokens go back
-                removed = held.backed + self._table.credit(key, -held.backed)
-                give_back += removed
-                level -= removed
+                self.idle.add(key)
+                give_back += self._take_out(key, held.backed)
                 held.backed = 0.0
                 top_up = 0.0 if held.in_debt else max(0.0, reserve - held.unbacked)
-                top_up -= self._table.credit(key, top_up)
-                held.unbacked += top_up
-                level += top_up
+                held.unbacked += top_up - self._table.credit(key, top_up)
             else:
+                self.idle.discard(key)
                 target = max(held.demand * self.config.lease_s, reserve)
-                if fresh or level < target / 4:  # new, or ran (nearly) dry: its demand is not known or
-                    target = burst  # more than it was given, so it asks for all the store holds
-                want = max(0.0, min(target, burst) - level)
-            held.level = level
+                if fresh or held.level < target / 4:  # new, busy again, or ran (nearly) dry: its demand is
+                    target = burst  # not known or more than it was given, so it asks for all the store holds
+                want = max(0.0, min(target, burst) - held.level)
             # An idle bucket with nothing to settle is not sent, unless it holds a reserve (or the
             # store's bucket was in debt): the answer says whether it may go on holding one.
             if want or debt or give_back or held.unbacked > 0 or held.in_debt:
                 self._keys[_store_key(key)] = key
                 asks.append(TokenAsk(_store_key(key), rate, burst, want, debt, give_back))
         return asks
+
+    def _account(self, key: Hashable, held: _Held, level: float) -> None:
+        """Bring `held` up to the bucket's `level` on the table now (caller holds the lock).
+
+        Below `held.level`: spent, from the granted tokens first, then from the reserve (owed
+        to the store as debt); past zero (a settle charged a long answer beyond the tokens
+        held): owed as debt too, and the level comes back to zero, so the store's bucket, not
+        this one, carries it and every replica refuses next. Above: a settle gave back tokens
+        a request was charged and did not use; they were paid for, so they count as granted
+        (spent again or given back, never charged twice). Run before anything else moves the
+        level: at each renewal, and on its answer, before a grant or a drain, since requests
+        went on being admitted while the store was asked."""
+        gained = level - held.level
+        if abs(gained) < _ROUNDING:
+            return
+        if gained > 0:
+            held.backed += gained
+            return
+        used = -gained
+        from_backed = min(used, held.backed)
+        held.backed -= from_backed
+        from_reserve = min(used - from_backed, held.unbacked)
+        held.unbacked -= from_reserve
+        below = max(0.0, -level)
+        if below > 0:
+            self._table.credit(key, below)
+        held.debt += from_reserve + below
+        held.spent += used
+
+    def _take_out(self, key: Hashable, tokens: float) -> float:
+        """Take `tokens` out of a bucket that holds at least that many (it was just accounted);
+        returns what came out."""
+        return tokens + self._table.credit(key, -tokens)
 
     def _slot_asks(self, now: float) -> list[SlotAsk]:
         granted = self._slots.granted if self._slots.granted is not None else {}
@@ -245,33 +313,45 @@ class StoreLeases:
         if not self.leasing:
             self._recover()
             return
+        levels = self._table.snapshot() if tokens else {}
         for ask, grant, level in zip(tokens, answer.tokens, answer.levels or [0.0] * len(tokens), strict=True):
             key = self._keys[ask.key]
             held = self._held[key]
+            # What was admitted while the store was asked is counted first: a drain or a grant
+            # then starts from what the bucket really holds.
+            self._account(key, held, levels[key].level)
             held.in_debt = level < 0
-            if held.in_debt:  # the tenant used more than its limit: what is held here goes back to pay
-                self._drain(key, held)
+            if held.in_debt:  # the tenant used more than its limit: what is held here pays for it
+                self._pay(key, held, -level)
                 continue
             if grant <= 0:
                 continue
             unfit = self._table.credit(key, grant)
             held.owed_back += unfit
             held.backed += grant - unfit
-            held.level += grant - unfit
         if self._slots.granted is not None:
             for slot_ask, (granted, free) in zip(slots, answer.slots, strict=True):
                 # holding none, wanting none, with room: one slot until the next renewal (None)
                 self._slots.grant(slot_ask.tenant, granted if slot_ask.want > 0 or free == 0 else None)
 
-    def _drain(self, key: Hashable, held: _Held) -> None:
-        """Empty a bucket whose store bucket is in debt: its granted tokens are owed back (paying
-        the debt at the next renewal), its reserve dropped; it admits nothing until the store's
-        bucket is above zero again (caller holds the lock)."""
-        returned = held.backed + self._table.credit(key, -held.backed)
-        dropped = held.unbacked + self._table.credit(key, -held.unbacked)
-        held.owed_back += returned
-        held.backed = held.unbacked = 0.0
-        held.level -= returned + dropped
+    def _pay(self, key: Hashable, held: _Held, debt: float) -> None:
+        """The store's bucket is `debt` below zero: pay it from the granted tokens held here
+        (given back at the next renewal) and drop the reserve, which would only add to it
+        (caller holds the lock, and has just accounted the bucket).
+
+        Paying the debt, not giving back everything held: tokens move, none is made or lost,
+        so what the replicas hold and the store together stays what one bucket would hold.
+        A debt of spent reserves (a few tokens, the bound's own term) costs a replica that
+        was just granted a lease those few tokens, not its lease; a debt larger than what a
+        replica holds (a long answer settled past the limit) empties it, and the tenant is
+        refused there until the store's bucket refills above zero. Every replica that reads
+        the debt pays it, so the store may be paid more than once: the rest goes back out as
+        grants."""
+        paid = min(held.backed, debt)
+        held.owed_back += self._take_out(key, paid)
+        held.backed -= paid
+        self._take_out(key, held.unbacked)
+        held.unbacked = 0.0
 
     # -- faults -------------------------------------------------------------------------------
     def _failed(self, error: BaseException) -> None:
@@ -298,7 +378,7 @@ class StoreLeases:
         self._table.lease(self.config.reserve)
         self._slots.lease_from_store()
         now = self._clock()
-        self._held = {key: _Held(level=state.level, unbacked=state.level, last_used=now)
+        self._held = {key: _Held(unbacked=max(0.0, state.level), last_used=now)
                       for key, state in self._table.snapshot().items()}
         self._last_renewal = now
         log.warning("ratelimit store: reachable again; buckets back on leases")
@@ -314,9 +394,14 @@ class StoreLeases:
         try:
             if self.leasing:
                 with self._lock:
-                    asks = [TokenAsk(_store_key(key), *self._limits_of(key), want=0.0,
-                                     give_back=held.backed + self._table.credit(key, -held.backed) + held.owed_back)
-                            for key, held in self._held.items() if held.backed > 0 or held.owed_back > 0]
+                    levels = self._table.snapshot()
+                    asks = []
+                    for key, held in self._held.items():
+                        self._account(key, held, levels[key].level)  # the last requests' reserve is owed too
+                        back = self._take_out(key, held.backed) + held.owed_back
+                        if back > 0 or held.debt > 0:
+                            asks.append(TokenAsk(_store_key(key), *self._limits_of(key), want=0.0, debt=held.debt,
+                                                 give_back=back))
                     self._held.clear()
                 if asks:
                     self.store.exchange(self._epoch, asks, [], self.config.slot_ttl_s)

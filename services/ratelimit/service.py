@@ -159,6 +159,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         slots = self._table.slots([r.bucket.key for r in rows], [r.bucket.limits for r in rows], now)
         decision = self._table.decide(slots, [r.cost for r in rows], row_request, [not ask.dry_run for ask in asks],
                                       now)
+        if self.store is not None and self.store.idle:
+            self.store.first_use([r.bucket.key for r in rows])
         return rows, row_request, decision
 
     def validate(self, request: ratelimit_pb2.RateLimitRequest) -> None:
@@ -272,6 +274,8 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             if decision is None:
                 return None
             self._leases.observe_busy(item.busy)
+            if self.store is not None and self.store.idle:
+                self.store.first_use([bucket.key for bucket in buckets if bucket is not None])
         verdict = AdmitVerdict(admitted=decision.admitted[0], retry_after_s=_overall_retry(decision.retry_after_s))
         verdict.over = [OverLimit(bucket.name, retry) for bucket, fits, retry
                         in zip(buckets, decision.fits, decision.retry_after_s, strict=True) if bucket and not fits]
@@ -309,11 +313,13 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """Charge a request's tokens beyond its admission's estimate (negative: give back what
         it did not use) to a tokens bucket; the level may go below zero, down to one burst, so
         a request that used more than it was charged delays the next ones. With a shared
-        store, the renewal charges what went below zero to the store's bucket at once
-        (`services.ratelimit.leases`), so every replica refuses next."""
+        store, a settle that takes the level below zero wakes the renewal, which charges that
+        to the store's bucket at once (`services.ratelimit.leases`), so every replica refuses
+        next; any other settle waits for the next renewal (every request settles: waking on
+        each would make the store's calls per request, not per renewal)."""
         if extra and self._table.slot_of(key) is not None:
-            self._table.settle(key, extra)
-            if self.store is not None and extra > 0:
+            level = self._table.settle(key, extra)
+            if self.store is not None and level < 0:
                 self.store.wake()
 
     def _admit_into(self, results: list[Any], asking: list[tuple[int, RateLimitAsk]], now: float) -> None:

@@ -165,19 +165,21 @@ class TokenBucketTable:
         self._state[LEVEL, slot] = new
         return tokens - (new - level)
 
-    def settle(self, key: Hashable, tokens: float) -> None:
+    def settle(self, key: Hashable, tokens: float) -> float:
         """Take `tokens` more out of a bucket (negative: give them back) after the fact, its
         level kept within [-capacity, capacity]: a debt refills like any level, so it delays
-        the next admissions by what was used beyond the estimate."""
+        the next admissions by what was used beyond the estimate. Returns the level after
+        (below zero: the bucket is in debt)."""
         slot = self._slots[key]
         cells = self._host.cells(self._state) if self.host_paths else None
         if cells is not None:  # every request settles: plain float cells on the CPU, not tensor indexing
             capacity = cells[CAPACITY, slot]
-            cells[LEVEL, slot] = min(max(cells[LEVEL, slot] - tokens, -capacity), capacity)
-            return
+            level = cells[LEVEL, slot] = min(max(cells[LEVEL, slot] - tokens, -capacity), capacity)
+            return float(level)
         capacity = float(self._state[CAPACITY, slot])
-        level = float(self._state[LEVEL, slot])
-        self._state[LEVEL, slot] = min(max(level - tokens, -capacity), capacity)
+        level = min(max(float(self._state[LEVEL, slot]) - tokens, -capacity), capacity)
+        self._state[LEVEL, slot] = level
+        return level
 
     def state(self, key: Hashable) -> BucketState | None:
         slot = self._slots.get(key)

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from monolith.device import DeviceContext
 from services.common import ConfigError
 from services.ratelimit.admission import AdmitItem
+from services.ratelimit.api import ReleaseItem
 from services.ratelimit.service import RateLimitConfig, RateLimitService
 from spine.tools.local_redis import CuttableLink, LocalRedis
 from tests.waiting import eventually
@@ -108,6 +110,74 @@ def test_replicas_sharing_a_store_admit_the_limit_in_total_however_traffic_is_sp
     assert total >= 0.85 * (limit(seconds) - RATE * RENEW_S), admitted
     if skewed:
         assert admitted[1:] == [0] * (count - 1)
+
+
+def test_requests_admitted_while_the_store_is_asked_are_never_admitted_twice(
+        redis_server: LocalRedis, replicas: Any) -> None:
+    """A renewal asks the store without the limiter's lock, so requests go on being decided
+    meanwhile; what its answer does (a grant, or paying the store's debt) must start from what
+    the bucket holds then. Here, as through the gateway, every admitted request is released
+    with what it used (its prompt and one generated token: one more than it was charged),
+    every exchange admits a request on its replica while the store is asked, and three
+    replicas share the traffic round robin, so the store's bucket keeps going a little below
+    zero (spent reserves). Once, a replica that had read it in debt credited the request
+    admitted during the call back to itself at its next renewal: a token nobody granted, each
+    renewal, charged to the store as more debt, and its tenant ran at several times its limit,
+    then starved."""
+    services = replicas(3)
+    during = [0]
+    asking = [False]
+
+    def admit(service: RateLimitService) -> bool:
+        admitted = service.admit([AdmitItem("t", "m", 10)])[0].admitted
+        if admitted:
+            service.release([ReleaseItem(tenant="t", model="m", tokens_charged=10, tokens_used=11)])
+        return admitted
+
+    for service in services:
+        assert service.store is not None
+        exchange = service.store.store.exchange
+
+        def exchanging(*args: Any, service: RateLimitService = service, exchange: Any = exchange) -> Any:
+            if asking[0]:
+                during[0] += admit(service)
+            return exchange(*args)
+
+        service.store.store.exchange = exchanging  # type: ignore[method-assign]
+    seconds = 2.0
+    admitted = [0] * 3
+    asking[0] = True
+    try:
+        start, sent = time.monotonic(), 0
+        while (elapsed := time.monotonic() - start) < seconds:
+            while sent < int(elapsed * 10 * RATE):
+                admitted[sent % 3] += admit(services[sent % 3])
+                sent += 1
+            time.sleep(0.002)
+    finally:
+        asking[0] = False
+    total = sum(admitted) + during[0]
+    assert total <= limit(seconds) + 3 * RESERVE * BURST + 1, (admitted, during)
+    assert total >= 0.85 * (limit(seconds) - RATE * RENEW_S), (admitted, during)
+    # Idle, every replica gives back what it was granted (its counts and its level agree).
+    eventually(lambda: all(s.store is not None and s.store.outstanding()[0].get("requests", 0.0) == 0.0
+                           for s in services), timeout=LEASE_S + 5.0, what="every lease given back",
+               seen=lambda: [s.store.outstanding() for s in services if s.store is not None])
+    # And no debt is left behind: the store's bucket is back full within its refill.
+    store = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    prefix = services[0].config.store.redis.key_prefix  # type: ignore[union-attr]
+
+    def store_level() -> float:
+        seconds_now, micros = store.time()
+        values = [store.hmget(key, "level", "last") for key in store.scan_iter(match=f"{prefix}b:tenant=t,*requests")]
+        return min((min(BURST, float(level) + RATE * (seconds_now + micros / 1e6 - float(last)))
+                    for level, last in values if level is not None), default=BURST)
+
+    try:
+        eventually(lambda: store_level() >= BURST - 1e-6, timeout=3 * BURST / RATE + 2.0,
+                   what="the store's bucket full again", seen=store_level)
+    finally:
+        store.close()
 
 
 def test_without_a_store_each_replica_holds_its_whole_limit(replicas: Any) -> None:

@@ -228,6 +228,7 @@ class HttpApi:
             await _send_error(send, api, _with_status(first, api, trailing), trailing, request_id)
             return
         writer = api.Stream(parsed, request_id)
+        writer.raw = first is not _END and bool(getattr(first, "events", None)) and getattr(parsed, "chat", True)
         prompt_tokens = len(parsed.request.prompt.encode()) + len(parsed.request.system.encode())
         await send({"type": "http.response.start", "status": 200,
                     "headers": _encode([("content-type", "text/event-stream; charset=utf-8"),
@@ -254,7 +255,7 @@ class HttpApi:
             if item.completion_tokens or item.prompt_tokens:  # the model's own count (an upstream's usage)
                 tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
             finish = item.finish_reason or finish
-            pending.append(writer.chunk(item.text))
+            pending.append(writer.piece(item))
             if window.empty() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
                 if not await _send_body(send, b"".join(pending), True, stall_s):
                     _slow_readers(None, "request %s: the client read nothing of its stream for %gs "

@@ -60,6 +60,7 @@ from services.inference.model.kv_budget import (
     weight_bytes,
 )
 from services.inference.priority import priority_error
+from services.inference.request_body import builtin_refusal
 from services.inference.scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
 from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
 from services.pipeline.interface import NO_OPTIONS, CallOptions
@@ -242,6 +243,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if request.model != self.config.model_id:
             self._abort(context, grpc.StatusCode.NOT_FOUND,
                         f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+        refused = builtin_refusal(request.api, request.body, request.model)
+        if refused is not None:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, refused)
         if request.max_tokens <= 0:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: must be > 0, got {request.max_tokens}")
         if not request.prompt:

@@ -38,7 +38,7 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
     """The first problem with a request, as a message naming the field; None when valid."""
     if not request.model:
         return "model: required (e.g. 'tiny-lm')"
-    if not request.prompt:
+    if not request.prompt and not request.body:  # a chat of images alone has no text, but a body
         return "prompt: must not be empty"
     sized = limits.for_model(request.model)
     if len(request.prompt) > sized.max_prompt_chars:

@@ -86,7 +86,9 @@ def answer(parsed: Parsed, response: generation_pb2.GenerateResponse, request_id
     return orjson.dumps({
         "id": f"msg_{request_id}", "type": "message", "role": "assistant", "model": response.model,
         "content": [{"type": "text", "text": response.text}],
-        "stop_reason": STOP_REASONS.get(response.finish_reason, "max_tokens"), "stop_sequence": None,
+        "stop_reason": "stop_sequence" if response.stop_sequence else STOP_REASONS.get(response.finish_reason,
+                                                                                         "max_tokens"),
+        "stop_sequence": response.stop_sequence or None,
         "usage": _usage(response.prompt_tokens, response.completion_tokens, counted_by),
     })
 
@@ -102,9 +104,11 @@ class Stream:
         self.parsed = parsed
         self.id = f"msg_{request_id}"
         self.raw = False  # the engine's own events are relayed (an upstream engine, a request with a body)
+        self.stop_sequence = ""  # the stop string that ended the answer (a built-in model's)
 
     def piece(self, chunk: generation_pb2.GenerateChunk) -> bytes:
         """One chunk of the pipeline's stream as this API's events."""
+        self.stop_sequence = chunk.stop_sequence or self.stop_sequence
         if not self.raw:
             return self.chunk(chunk.text)
         out = []
@@ -134,8 +138,9 @@ class Stream:
             return b""  # the engine's message_stop was relayed
         return (_event("content_block_stop", {"type": "content_block_stop", "index": 0})
                 + _event("message_delta", {"type": "message_delta",
-                                           "delta": {"stop_reason": STOP_REASONS.get(finish, "max_tokens"),
-                                                     "stop_sequence": None},
+                                           "delta": {"stop_reason": "stop_sequence" if self.stop_sequence
+                                                     else STOP_REASONS.get(finish, "max_tokens"),
+                                                     "stop_sequence": self.stop_sequence or None},
                                            "usage": _usage(prompt_tokens, completion_tokens, counted_by)})
                 + _event("message_stop", {"type": "message_stop"}))
 

@@ -2,7 +2,8 @@
 
 The HTTP front passes every field of a chat request on in its body, because an upstream
 engine may honour any of them; it cannot know which model the router picks. A built-in model
-reads `system`, `prompt` and `messages` (their text), `max_tokens`, `temperature` and `seed`,
+reads `system`, `prompt` and `messages` (their text), `max_tokens`, `temperature`, `seed` and
+stop strings (`services.inference.stop_strings`),
 so the fields that would change an answer it cannot give are refused here, by name, as the
 client's 400 (INVALID_ARGUMENT) — never silently ignored. Fields that only describe the
 request (`user`, `metadata`, `stream_options`, `service_tier`) and caching hints pass.
@@ -17,9 +18,9 @@ import orjson
 # Per client API: fields a built-in model refuses when set (to anything but an empty value).
 REFUSED = {
     "openai.chat": ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "logprobs",
-                    "top_logprobs", "stop", "logit_bias", "audio", "prediction", "response_format",
+                    "top_logprobs", "logit_bias", "audio", "prediction", "response_format",
                     "modalities", "web_search_options"),
-    "anthropic.messages": ("tools", "tool_choice", "stop_sequences", "thinking", "mcp_servers", "container"),
+    "anthropic.messages": ("tools", "tool_choice", "thinking", "mcp_servers", "container"),
 }
 _EMPTY: tuple[Any, ...] = (None, [], "", {}, False)
 

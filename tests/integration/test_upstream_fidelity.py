@@ -277,3 +277,38 @@ def test_the_cache_keys_on_the_whole_canonical_request(stacks: dict[str, Stack],
         assert engine.hits["echo"] == hits + 1 and again.json()["choices"] == first.json()["choices"]
         assert http.post(url, content=other_tools, headers=headers).status_code == 200
     assert engine.hits["echo"] == hits + 2  # other tools: another answer
+
+
+def test_a_built_in_model_ends_its_answer_at_a_stop_string(stacks: dict[str, Stack]) -> None:
+    client = openai_client(stacks["collapsed"])
+    ask: Any = {"model": "default", "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": "tell me about stops"}]}
+    whole = client.chat.completions.create(**ask).choices[0].message.content or ""
+    stop = whole[5:7]
+    assert len(whole) >= 8 and stop, whole
+    expected = whole[:whole.find(stop)]
+    stopped = client.chat.completions.create(**ask, stop=[stop])
+    assert stopped.choices[0].message.content == expected and stopped.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**ask, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    claude = anthropic_client(stacks["layered"]).messages.create(
+        model="default", max_tokens=16, extra_body={"temperature": 0}, stop_sequences=[stop],
+        messages=[{"role": "user", "content": "tell me about stops"}])
+    assert claude.stop_reason == "stop_sequence" and claude.stop_sequence == stop
+    assert claude.content[0].type == "text" and claude.content[0].text == expected
+
+
+def test_the_log_line_names_the_tools_offered_and_called_never_an_image(stacks: dict[str, Stack],
+                                                                          engine: FaultUpstream) -> None:
+    response = openai_client(stacks["collapsed"]).chat.completions.with_raw_response.create(
+        model="engine", tools=[WEATHER], tool_choice="required", messages=[{"role": "user", "content": [  # type: ignore[list-item]
+            {"type": "text", "text": "log me"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}}]}])
+    request_id = response.headers["x-request-id"]
+    logs = stacks["collapsed"].local_servicer("logs")
+    logs.flush()
+    lines = [json.loads(line) for line in Path(logs.path).read_text().splitlines()]
+    fields = next(entry for entry in lines if entry["request_id"] == request_id)["fields"]
+    assert fields["tools_offered"] == "weather" and fields["tools_called"] == "weather"
+    assert fields["images"] == "1" and fields["api"] == "openai.chat"
+    assert PIXEL not in Path(logs.path).read_text()

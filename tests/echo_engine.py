@@ -142,3 +142,17 @@ def anthropic_stream(request: dict[str, Any]) -> bytes:
                 "usage": {"output_tokens": 2}},
                {"type": "message_stop"}]
     return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events)
+
+
+EMBEDDING_SIZE = 4
+
+
+def embeddings(request: dict[str, Any]) -> bytes:
+    """A vector of EMBEDDING_SIZE per input (its first value the input's length, so inputs differ)."""
+    given = request.get("input")
+    items = [given] if isinstance(given, str) else list(given or [])
+    data = [{"object": "embedding", "index": i, "embedding": [float(len(str(item))), 0.25, -0.5, 1.0]}
+            for i, item in enumerate(items)]
+    tokens = sum(len(str(item).split()) for item in items)
+    return orjson.dumps({"object": "list", "model": request.get("model"), "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

@@ -19,7 +19,7 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 | `blank-lines` | 200 `text/event-stream` of nothing but blank lines, as fast as it can, until the client leaves |
 | `firehose` | 200 `text/event-stream` of 1 KiB content events, as fast as the client reads, until it leaves |
 | `no-usage` | 60 words and no `usage` (plain or streamed) |
-| `echo` | an engine that honours every field, in the protocol asked (`/chat/completions` or `/messages`): `tests.echo_engine` |
+| `echo` | an engine that honours every field, in the protocol asked (`/chat/completions`, `/messages`, `/embeddings`): `tests.echo_engine` |
 | `bad-image` | 400 about the request's image, as vLLM refuses an image for a text-only model |
 | anything else | forwarded to the real model server (`forward_to`), model `default` |
 
@@ -113,6 +113,9 @@ class FaultUpstream:
         if model in ("echo", "bad-image"):
             with self._lock:
                 self.received.append(request)
+        if model == "echo" and scope["path"].endswith("/embeddings"):
+            await _send(send, 200, echo_engine.embeddings(request), b"application/json")
+            return
         if model == "echo":
             anthropic = scope["path"].endswith("/messages")
             if stream:

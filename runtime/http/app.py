@@ -64,6 +64,7 @@ Trailing = tuple[tuple[str, str], ...]
 ROUTES = {
     "/v1/chat/completions": ("POST", openai_api),
     "/v1/completions": ("POST", openai_api),
+    "/v1/embeddings": ("POST", openai_api),
     "/v1/messages": ("POST", anthropic_api),
     "/v1/models": ("GET", openai_api),
     "/health": ("GET", openai_api),
@@ -273,6 +274,8 @@ def _parse(path: str, body: Any, default_max_tokens: int) -> Any:
             return openai_api.parse_chat(body, default_max_tokens)
         if path == "/v1/completions":
             return openai_api.parse_completion(body, default_max_tokens)
+        if path == "/v1/embeddings":
+            return openai_api.parse_embeddings(body)
         return anthropic_api.parse(body)
     except (ValueError, TypeError) as error:  # what the message types refuse (text that is not UTF-8, say)
         raise bad_request(f"the request cannot be read: {error}") from None

@@ -31,12 +31,16 @@ UNSUPPORTED = ("suffix", "echo", "best_of", "logprobs", "stop", "logit_bias")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the API's own default for /v1/completions
 
 
+EMBEDDINGS_API = "openai.embeddings"  # GenerateRequest.api of POST /v1/embeddings
+
+
 @dataclass
 class Parsed:
     request: generation_pb2.GenerateRequest
     stream: bool
     include_usage: bool
     chat: bool  # /v1/chat/completions (else /v1/completions)
+    embeddings: bool = False  # /v1/embeddings
 
 
 def _common(body: Mapping[str, Any], max_tokens: int, system: str, prompt: str) -> generation_pb2.GenerateRequest:
@@ -92,6 +96,35 @@ def parse_chat(body: Any, default_max_tokens: int) -> Parsed:
     return Parsed(request, fields.boolean(body, "stream"), include_usage, chat=True)
 
 
+def parse_embeddings(body: Any) -> Parsed:
+    """`POST /v1/embeddings`: `input` a string, a list of strings, or token arrays. The body goes
+    to the engine as sent (dimensions, encoding_format, user…); the pipeline reads the input's
+    text (what limits, the cache key and logs see). Never streamed; always cacheable (an
+    embedding does not sample)."""
+    body = fields.body_object(body)
+    given = body.get("input")
+    items = [given] if isinstance(given, str) else given
+    if not isinstance(items, list) or not items:
+        raise bad_request("input: required, a string or a non-empty array of strings or token arrays")
+    texts: list[str] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            texts.append(str(item))  # one array of tokens
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            texts.append(" ".join(map(str, item)))
+        else:
+            raise bad_request(f"input[{i}]: must be a string or an array of token ids")
+    encoding = body.get("encoding_format")
+    if encoding not in (None, "float", "base64"):
+        raise bad_request(f"encoding_format: must be float or base64, got {encoding!r}")
+    request = generation_pb2.GenerateRequest(model=fields.string(body, "model"), prompt="\n".join(texts) or " ",
+                                             max_tokens=1, temperature=0.0)
+    request.body, request.api = orjson.dumps(body, option=orjson.OPT_SORT_KEYS), EMBEDDINGS_API
+    return Parsed(request, False, False, chat=False, embeddings=True)
+
+
 def parse_completion(body: Any, default_max_tokens: int) -> Parsed:
     body = fields.body_object(body)
     fields.refuse_unsupported(body, UNSUPPORTED)
@@ -132,6 +165,8 @@ def _engine_answer(response: generation_pb2.GenerateResponse, counted_by: str) -
 
 
 def answer(parsed: Parsed, response: generation_pb2.GenerateResponse, request_id: str, counted_by: str = "") -> bytes:
+    if parsed.embeddings:  # the engine's vectors as it sent them
+        return _engine_answer(response, counted_by)
     if parsed.chat and response.body:
         return _engine_answer(response, counted_by)
     finish = response.finish_reason or "length"

@@ -312,3 +312,32 @@ def test_the_log_line_names_the_tools_offered_and_called_never_an_image(stacks: 
     assert fields["tools_offered"] == "weather" and fields["tools_called"] == "weather"
     assert fields["images"] == "1" and fields["api"] == "openai.chat"
     assert PIXEL not in Path(logs.path).read_text()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_embeddings_from_an_engine_through_the_pipeline(stacks: dict[str, Stack], engine: FaultUpstream,
+                                                        layout: str) -> None:
+    client = openai_client(stacks[layout])
+    texts = [f"first text {layout}", "second"]
+    hits = engine.hits["echo"]
+    answer = client.embeddings.create(model="engine", input=texts, dimensions=4, user="u-2")
+    assert [len(item.embedding) for item in answer.data] == [4, 4]
+    assert answer.data[0].embedding[0] == float(len(texts[0])) and answer.model == "engine"
+    assert answer.usage.prompt_tokens == 4
+    got = _last(engine)
+    assert got == {"model": "echo", "input": texts, "dimensions": 4, "user": "u-2", "encoding_format": "base64"}
+    again = client.embeddings.create(model="engine", input=texts, dimensions=4, user="u-2")
+    assert again.data[0].embedding == answer.data[0].embedding and engine.hits["echo"] == hits + 1  # cached
+
+
+def test_embeddings_are_refused_by_name_where_no_engine_serves_them(stacks: dict[str, Stack]) -> None:
+    client = openai_client(stacks["collapsed"])
+    with pytest.raises(openai.BadRequestError) as built_in:
+        client.embeddings.create(model="default", input="x")
+    assert "400 - embeddings: the built-in model" in built_in.value.message
+    with pytest.raises(openai.BadRequestError) as claude:
+        client.embeddings.create(model="claude-engine", input="x")
+    assert "embeddings: an Anthropic-protocol engine has no embeddings endpoint" in claude.value.message
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.embeddings.create(model="engine", input=[])
+    assert "input: required" in empty.value.message

@@ -20,6 +20,7 @@ from typing import Any
 from services.common import ConfigError
 from services.common.outlier import OutlierDetector, OutlierPolicy
 from services.common.upstream_config import UpstreamSpec
+from services.inference.upstream import translate
 from services.inference.upstream.counters import EndpointCounters
 from services.inference.upstream.failures import AttemptFailure, Kind, kind_for_status, retry_after_s
 from services.inference.upstream.pieces import Pieces
@@ -45,6 +46,7 @@ MAX_ERROR_BODY = 64 << 10  # an error answer is read this far for its message
 MAX_ANSWER_BYTES = 16 << 20  # a whole answer larger than this is malformed (never read without a bound)
 MAX_EVENT_BYTES = 1 << 20  # one server-sent event larger than this is malformed
 REDACTED = "[redacted]"
+EMBEDDINGS_PATH = "/embeddings"  # an OpenAI-protocol engine's embeddings, beside its chat completions
 # Failures whose upstream words are the client's to read: the request itself was refused.
 CLIENTS_OWN = frozenset({Kind.REFUSED, Kind.CONTEXT})
 # What the client reads of the others: the class of the failure, never the upstream's words.
@@ -111,7 +113,8 @@ class UpstreamEndpoint:
         self._take_slot()
         try:
             body = self.protocol.body(request, self.remote_model, stream=False)
-            async with self.transport.post(self.url, self.headers, body, timeout_s) as reply:
+            url = self.spec.base_url + EMBEDDINGS_PATH if request.api == translate.EMBEDDINGS else self.url
+            async with self.transport.post(url, self.headers, body, timeout_s) as reply:
                 if reply.status != 200:
                     raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers)
                 raw = await reply.read(MAX_ANSWER_BYTES + 1)

@@ -139,6 +139,14 @@ def is_context_length(message: str) -> bool:
     return bool(_CONTEXT_LENGTH.search(message))
 
 
+def _embeddings(data: Any, raw: bytes) -> Answer:
+    """An engine's embeddings answer: passed on whole; its usage counts the input."""
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise Malformed("the upstream's embeddings answer has no data array")
+    usage = data.get("usage") or {}
+    return Answer("", "stop", _count(usage, "prompt_tokens"), 0, body=raw)
+
+
 class OpenAIChat:
     """`POST {base_url}/chat/completions` (vLLM, TGI, SGLang, llama.cpp, LiteLLM, OpenAI, the spine)."""
 
@@ -167,6 +175,8 @@ class OpenAIChat:
     @staticmethod
     def answer(raw: bytes, request: generation_pb2.GenerateRequest | None = None) -> Answer:
         data = loads(raw, "the upstream's answer")
+        if request is not None and request.api == translate.EMBEDDINGS:
+            return _embeddings(data, raw)
         try:
             choice = data["choices"][0]
             text = choice["message"]["content"] or ""

@@ -18,6 +18,7 @@ import orjson
 
 OPENAI = "openai.chat"
 ANTHROPIC = "anthropic.messages"
+EMBEDDINGS = "openai.embeddings"  # POST /v1/embeddings: to an OpenAI-protocol engine's /embeddings, as sent
 API_OF_PROTOCOL = {"openai": OPENAI, "anthropic": ANTHROPIC}
 
 # Anthropic → OpenAI: fields read below; anything else in a Messages request has no translation.
@@ -43,6 +44,10 @@ def request_body(api: str, raw: bytes, protocol: str, model: str, stream: bool) 
     if not isinstance(body, dict):
         raise Untranslatable("the request body is not a JSON object")
     target = API_OF_PROTOCOL[protocol]
+    if api == EMBEDDINGS:
+        if protocol != "openai":
+            raise Untranslatable("embeddings: an Anthropic-protocol engine has no embeddings endpoint")
+        return {**body, "model": model}
     if api == target:
         out = dict(body)
     elif api == ANTHROPIC:

@@ -341,3 +341,54 @@ def test_embeddings_are_refused_by_name_where_no_engine_serves_them(stacks: dict
     with pytest.raises(openai.BadRequestError) as empty:
         client.embeddings.create(model="engine", input=[])
     assert "input: required" in empty.value.message
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_responses_api_over_an_engines_chat_completions(stacks: dict[str, Stack], engine: FaultUpstream,
+                                                            layout: str) -> None:
+    client = openai_client(stacks[layout])
+    tool = {"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}  # type: ignore[index]
+    called = client.responses.create(model="engine", instructions="be brief", input="weather in Paris?",
+                                     tools=[tool], tool_choice={"type": "function", "name": "weather"},  # type: ignore[list-item]
+                                     max_output_tokens=30)
+    got = _last(engine)
+    assert got["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather in Paris?"}]
+    assert got["tools"] == [WEATHER | {"function": {k: v for k, v in WEATHER["function"].items()  # type: ignore[attr-defined]
+                                                    if k != "description"}}]
+    assert got["tool_choice"] == {"type": "function", "function": {"name": "weather"}} and got["max_tokens"] == 30
+    call = called.output[0]
+    assert call.type == "function_call" and call.name == "weather" and json.loads(call.arguments) == {"city": "Paris"}
+    items: list[Any] = [{"role": "user", "content": "weather in Paris?"},
+                        {"type": "function_call", "call_id": call.call_id, "name": "weather", "arguments": call.arguments},
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "18C"}]
+    after = client.responses.create(model="engine", input=items,
+                                    text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}})
+    assert after.output_text == "the tool said 18C" and after.usage is not None and after.usage.input_tokens == 11
+    assert _last(engine)["response_format"] == {"type": "json_schema",
+                                                "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    events = list(client.responses.create(model="engine", input="stream me", stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "ok"
+    assert events[-1].response.output_text == "ok"  # type: ignore[union-attr]
+    streamed_call = list(client.responses.create(model="engine", input="weather?", tools=[tool],  # type: ignore[list-item]
+                                                 tool_choice="required", stream=True))
+    done = [e for e in streamed_call if e.type == "response.function_call_arguments.done"]
+    assert done and json.loads(done[0].arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+
+
+def test_the_responses_api_on_a_built_in_model_and_what_it_refuses(stacks: dict[str, Stack]) -> None:
+    client = openai_client(stacks["collapsed"])
+    plain = client.responses.create(model="default", input="hello there", max_output_tokens=4, temperature=0)
+    assert plain.output_text and plain.usage is not None and plain.usage.output_tokens <= 4
+    events = list(client.responses.create(model="default", input="hello there", max_output_tokens=4, temperature=0,
+                                          stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+    with pytest.raises(openai.BadRequestError) as stored:
+        client.responses.create(model="engine", input="again", previous_response_id="resp_1")
+    assert "previous_response_id: not supported: this server stores no responses" in stored.value.message
+    with pytest.raises(openai.BadRequestError) as search:
+        client.responses.create(model="engine", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    assert "tools[0].type" in search.value.message

@@ -121,7 +121,7 @@ def anthropic_answer(request: dict[str, Any]) -> bytes:
 
 def anthropic_stream(request: dict[str, Any]) -> bytes:
     tool = _forced_tool(request)
-    message = {"id": "msg_echo", "type": "message", "role": "assistant", "model": request.get("model"), "content": [],
+    message: dict[str, Any] = {"id": "msg_echo", "type": "message", "role": "assistant", "model": request.get("model"), "content": [],
                "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": 8, "cache_read_input_tokens": 3, "output_tokens": 0}}
     events: list[dict[str, Any]] = [{"type": "message_start", "message": message}]

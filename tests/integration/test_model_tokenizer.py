@@ -60,7 +60,7 @@ def test_the_directory_names_its_tokenizer_as_byte_level_bpe(smollm2: Path) -> N
     ours = read_with(sys.executable, smollm2)
     texts = ours["texts"]
     assert isinstance(texts, list)
-    for text, (ids, decoded, _) in zip(TEXTS, texts, strict=True):
+    for text, (_ids, decoded, _) in zip(TEXTS, texts, strict=True):
         assert decoded == text  # a byte-level BPE gives every byte back
 
 

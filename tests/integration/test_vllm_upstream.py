@@ -25,7 +25,7 @@ from tests.vllm_server import ENGINE_KEY, SERVED_NAME, VLLM_MODEL
 
 LAYOUTS = ("collapsed", "layered")
 LITELLM_KEY = "sk-litellm-over-vllm"
-QUESTION = [{"role": "system", "content": "Answer in one short sentence."},
+QUESTION: Any = [{"role": "system", "content": "Answer in one short sentence."},
             {"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -55,15 +55,15 @@ def litellm(vllm_engine: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         gateway.stop()
 
 
-def engine_answer(direct: openai.OpenAI, messages: list[dict[str, str]], max_tokens: int) -> Any:
-    return direct.chat.completions.create(model=SERVED_NAME, messages=messages,  # type: ignore[arg-type]
+def engine_answer(direct: openai.OpenAI, messages: Any, max_tokens: int) -> Any:
+    return direct.chat.completions.create(model=SERVED_NAME, messages=messages,
                                           max_tokens=max_tokens, temperature=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plain_chat_is_vllms_own_answer(vllm_stacks: dict[str, Stack], direct: openai.OpenAI, layout: str) -> None:
     raw = spine_openai(vllm_stacks[layout]).chat.completions.with_raw_response.create(
-        model=VLLM_MODEL, messages=QUESTION, max_tokens=16, temperature=0)  # type: ignore[arg-type]
+        model=VLLM_MODEL, messages=QUESTION, max_tokens=16, temperature=0)
     answer, expected = raw.parse(), engine_answer(direct, QUESTION, 16)
     text = answer.choices[0].message.content
     assert text and text == expected.choices[0].message.content
@@ -77,9 +77,9 @@ def test_plain_chat_is_vllms_own_answer(vllm_stacks: dict[str, Stack], direct: o
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_streamed_chat_is_vllms_pieces_and_usage(vllm_stacks: dict[str, Stack], direct: openai.OpenAI,
                                                  layout: str) -> None:
-    messages = [{"role": "user", "content": f"Name three colours ({layout})."}]
+    messages: Any = [{"role": "user", "content": f"Name three colours ({layout})."}]
     chunks = list(spine_openai(vllm_stacks[layout]).chat.completions.create(
-        model=VLLM_MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,  # type: ignore[arg-type]
+        model=VLLM_MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     expected = engine_answer(direct, messages, 20)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.choices[0].message.content
@@ -116,14 +116,14 @@ def test_litellm_over_the_same_vllm_gives_the_spines_answers(vllm_stacks: dict[s
     spine = spine_openai(vllm_stacks["collapsed"])
     prompts = ["Give me one word that rhymes with cat.", "What is 2 + 2? Answer with a number."]
     for prompt in prompts:
-        messages = [{"role": "user", "content": prompt}]
-        ours = spine.chat.completions.create(model=VLLM_MODEL, messages=messages, max_tokens=12,  # type: ignore[arg-type]
+        messages: Any = [{"role": "user", "content": prompt}]
+        ours = spine.chat.completions.create(model=VLLM_MODEL, messages=messages, max_tokens=12,
                                              temperature=0)
-        theirs = litellm.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=12,  # type: ignore[arg-type]
+        theirs = litellm.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=12,
                                                  temperature=0)
         assert ours.choices[0].message.content == theirs.choices[0].message.content, prompt
         assert ours.choices[0].message.content == engine_answer(direct, messages, 12).choices[0].message.content
-        streamed = litellm.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=12,  # type: ignore[arg-type]
+        streamed: Any = litellm.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=12,
                                                    temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
             ours.choices[0].message.content

@@ -71,8 +71,14 @@ $(ENGINE_VENV)/.installed:
 # `make run MODEL=DIR`: the demo on a model directory (e.g. the one `make model` writes).
 # `make run LEGACY=litellm`: the same three runs, migrating from a real LiteLLM proxy (offline,
 # loopback) instead of spine's layered stack (spine/tools/demo/legacy.py).
-run: install
-ifeq ($(LEGACY),litellm)
+# `make run UPSTREAM=vllm`: the same migration with vLLM as the engine behind both sides (each an
+# `upstream:` router model; spine/tools/demo/over_vllm.py), on the directory `make model` writes.
+run: install $(if $(filter vllm,$(UPSTREAM)),engine model)
+ifeq ($(UPSTREAM),vllm)
+	$(PY) -m spine.tools.demo.over_vllm
+else ifneq ($(UPSTREAM),)
+	@echo "make run: UPSTREAM=$(UPSTREAM) is not known (UPSTREAM=vllm)" >&2; exit 2
+else ifeq ($(LEGACY),litellm)
 	$(PY) -m spine.tools.demo.legacy
 else ifneq ($(LEGACY),)
 	@echo "make run: LEGACY=$(LEGACY) is not known (LEGACY=litellm, or none for the layered stack)" >&2; exit 2

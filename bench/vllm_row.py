@@ -1,7 +1,7 @@
 """`make bench`'s vllm row: vLLM alone, the spine over vLLM, and LiteLLM over the same vLLM.
 
     python -m bench.run --only vllm            (the row alone, into bench/results.json)
-    python -m bench.vllm_row [--rounds 2] [--seconds 5] [--max-tokens 8]
+    python -m bench.vllm_row [--rounds 3] [--seconds 8] [--max-tokens 8]
 
 The engine the project names, on this machine (`make engine`, `spine.tools.engine`: vLLM's CPU
 build serving SmolLM2-135M-Instruct, the directory `make model` writes), fronted by each
@@ -120,7 +120,7 @@ def added(turns: dict[str, dict[int, list[dict[str, Any]]]], target: str, figure
     return round(statistics.median(t[figure] - b[figure] for t, b in pairs), 3)
 
 
-def measure(*, rounds: int = 2, seconds: float = 5.0, max_tokens: int = 8,
+def measure(*, rounds: int = 3, seconds: float = 8.0, max_tokens: int = 8,
             say: Callable[[str], None] = print) -> dict[str, Any]:
     """The row (or {"skipped": why})."""
     try:
@@ -167,9 +167,9 @@ def describe(row: dict[str, Any]) -> str:
              f"{row['cpu_count']} CPUs; engine ready in {row['engine_start_s']} s):"]
     for target, cells in row["cells"].items():
         one, many = cells["1"], cells["16"]
-        lines.append(f"  {target:13} c=1 p50 {one['p50_ms']:.1f} ms p99 {one['p99_ms']:.1f} ms | c=16 {many['rps']:.1f} "
-                     f"req/s p50 {many['p50_ms']:.0f} ms | failed {one['failed'] + many['failed']} | gateway CPU/req "
-                     f"{one['gateway_cpu_ms_per_request']} ms")
+        lines.append(f"  {target:13} c=1 p50 {one['p50_ms']:.1f} ms p99 {one['p99_ms']:.1f} ms ({one['requests']} requests) | "
+                     f"c=16 {many['rps']:.1f} req/s p50 {many['p50_ms']:.0f} ms | failed {one['failed'] + many['failed']} "
+                     f"| gateway CPU/req {one['gateway_cpu_ms_per_request']} ms")
     lines.append(f"  added at c=1 over vLLM alone: p50 {row['added_p50_ms_c1']} ms, p99 {row['added_p99_ms_c1']} ms; "
                  f"c=16 req/s {row['rps_c16']}")
     return "\n".join(lines)
@@ -178,8 +178,8 @@ def describe(row: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm_row", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=5.0, help="per turn (target × concurrency × round)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0, help="per turn (target × concurrency × round)")
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args(argv)
     row = measure(rounds=args.rounds, seconds=args.seconds, max_tokens=args.max_tokens)

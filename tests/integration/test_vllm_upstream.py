@@ -23,6 +23,8 @@ from spine.tools.demo.litellm_gateway import LiteLLMGateway
 from tests.conftest import DEV_KEY
 from tests.vllm_server import ENGINE_KEY, SERVED_NAME, VLLM_MODEL
 
+# The first test here may start vLLM for the session (`vllm_engine`): minutes on a loaded 2-core host.
+pytestmark = pytest.mark.timeout(900)
 LAYOUTS = ("collapsed", "layered")
 LITELLM_KEY = "sk-litellm-over-vllm"
 QUESTION: Any = [{"role": "system", "content": "Answer in one short sentence."},

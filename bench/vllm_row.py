@@ -84,7 +84,7 @@ def servers(tmp: Path, say: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         assert engine.launched is not None
         key_file = tmp / "engine.key"
         key_file.write_text(ENGINE_KEY + "\n")
-        overlay = {**NO_RATE_LIMIT, "router": {"models": [
+        overlay = {**NO_RATE_LIMIT, "limits": {"default_deadline_s": 120.0}, "router": {"models": [
             {"id": "tiny-lm", "backend": "inference", "aliases": ["default"]},
             {"id": SPINE_MODEL, "upstream": {"base_url": engine.base_url, "api_key_file": str(key_file),
                                              "model": SERVED, "max_connections": 256, "timeout_s": 120}}]}}

@@ -62,7 +62,9 @@ def spine_config(engine: VllmEngine, key_file: Path) -> Any:
     base = [model.model_dump(exclude_none=True) for model in load_config().router.models]
     upstream = {"base_url": engine.base_url, "api_key_file": str(key_file), "model": SERVED_NAME, "timeout_s": 120,
                 "retries": 0}
-    return config_for_tests(router={"models": [*base, {"id": VLLM_MODEL, "upstream": upstream}]})
+    # A CPU engine on a loaded host may take longer than the default 30 s deadline for a first answer.
+    return config_for_tests(router={"models": [*base, {"id": VLLM_MODEL, "upstream": upstream}]},
+                            limits={"default_deadline_s": 120.0})
 
 
 @contextlib.contextmanager

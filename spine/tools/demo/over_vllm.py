@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             upstream = {"base_url": engine.base_url, "api_key_file": str(key_file), "model": SERVED,
                         "timeout_s": 120, "max_connections": 64}
             config = load_config().with_overrides({
-                "router": {"models": [{"id": MODEL_ID, "aliases": ["default"], "upstream": upstream}]}})
+                "router": {"models": [{"id": MODEL_ID, "aliases": ["default"], "upstream": upstream}]},
+                "limits": {"default_deadline_s": 120.0}})  # a CPU engine: seconds an answer on a busy host
             config, pace = for_real_model(config)
             return run_migration_demo(config, run_dir=run_dir / "demo", model=MODEL_ID, runs=RUNS, **pace)
     except EngineUnavailable as why:

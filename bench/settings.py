@@ -61,7 +61,7 @@ RATE_LIMIT_OFF: dict[str, Any] = {"ratelimit": {"default": {
 
 # Rows of a module of their own, each with `measure()` and `describe(row)`: in a full run, and
 # each alone with `--only`.
-ROWS = {"fair_share": "bench.fair_share", "genai_telemetry": "bench.genai_cost"}
+ROWS = {"fair_share": "bench.fair_share", "genai_telemetry": "bench.genai_cost", "vllm": "bench.vllm_row"}
 # The serving rows `--only` may run alone (`bench.serving`, and ROWS).
 ONLY_PARTS = ("serving", "system_prompt", "system_prompt_hf", "legacy", *ROWS)
 

@@ -247,3 +247,23 @@ def http_stacks(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: An
 
     with http_layouts(tmp_path_factory.mktemp("http"), bare_http_upstream) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """vLLM serving the SmolLM2 directory `make model` writes, started once for the session
+    (`tests.vllm_server`); the tests that need it skip, saying why, where it cannot run."""
+    from tests.vllm_server import running_engine
+
+    with running_engine(tmp_path_factory.mktemp("vllm")) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def vllm_stacks(tmp_path_factory: pytest.TempPathFactory, vllm_engine: Any) -> Iterator[dict[str, Stack]]:
+    """Both layouts with their HTTP API in front of `vllm_engine` (router model
+    `tests.vllm_server.VLLM_MODEL`)."""
+    from tests.vllm_server import spine_layouts
+
+    with spine_layouts(vllm_engine, tmp_path_factory.mktemp("vllm-spine")) as stacks:
+        yield stacks

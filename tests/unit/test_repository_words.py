@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # Written by a build or a run, or not ours.
-SKIPPED_DIRS = {".git", ".venv", "wire", "__pycache__", ".cache", "node_modules", ".pytest_cache", ".mypy_cache",
+SKIPPED_DIRS = {".git", ".venv", ".venv-engine", "wire", "__pycache__", ".cache", "node_modules", ".pytest_cache", ".mypy_cache",
                 ".ruff_cache", ".hypothesis"}
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".proto", ".sh", ".js", ".html", ".css", ".json", ".txt", ".cfg"}
 # Spelled in pieces so that this file does not find itself.

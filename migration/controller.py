@@ -89,6 +89,11 @@ class Controller(TransitionExecutor):
     # Set by a replica that elects a leader (`migration.server`): who leads, for the view.
     leadership: Callable[[], LeadershipView] | None = None
 
+    def report_leadership(self, view: Callable[[], LeadershipView]) -> None:
+        """Show who leads in every status (`view` is the elector's answer): a replica that
+        elects a leader is made after its controller, so it hands this over once it exists."""
+        self.leadership = view
+
     def take_lead(self, why: str, fence: tuple[str, int] | None = None) -> None:
         """This replica leads now (`why` says since when, for the audit row): write as
         `fence` (holder, lease epoch) from now on, start from the store's last record and

@@ -107,7 +107,7 @@ class ControllerProcess:
         if lease is not None:
             self.elector = LeaderElector(self.controller.store, identity or default_identity(), advertise or self.listen,
                                          lease, on_lose=self.controller.wake_watchers)
-            self.controller.leadership = self._leadership
+            self.controller.report_leadership(self._leadership)
             self._target_hook("stand_by")  # pushes nothing (an xDS server: serves no one) until it leads
         # Every transition to each webhook, from a thread of its own (never in the controller's way).
         self.notifiers = [WebhookNotifier(config) for config in webhooks]

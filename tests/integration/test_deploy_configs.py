@@ -189,13 +189,25 @@ def test_collapsed_spine_requests_one_gpu() -> None:
 
 def test_controller_takes_its_admin_token_from_a_secret_and_serves_xds() -> None:
     controller = by_kind("Deployment")["spine-controller"]
-    assert controller["spec"]["replicas"] == 1
     (container,) = controller["spec"]["template"]["spec"]["containers"]
     (token,) = [e for e in container["env"] if e["name"] == "SPINE_ADMIN_TOKEN"]
     assert "value" not in token and token["valueFrom"]["secretKeyRef"]["name"] == "spine-admin-token"
     assert not by_kind("Secret"), "the admin token must not be committed"
     ports = {p["name"] for p in by_kind("Service")["spine-controller"]["spec"]["ports"]}
     assert {"grpc-admin", "grpc-xds"} <= ports
+
+
+def test_controller_replicas_share_postgres_and_only_the_leader_is_ready() -> None:
+    """Two replicas are safe only with a shared store and the leader alone behind the Service."""
+    controller = by_kind("Deployment")["spine-controller"]
+    assert controller["spec"]["replicas"] >= 2
+    (container,) = controller["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--db") + 1].startswith("postgresql://"), "sqlite cannot be shared"
+    assert "--controller-id" in args and "--advertise" in args
+    assert container["readinessProbe"]["grpc"]["service"] == "spine.v1.MigrationLeader"
+    (password,) = [e for e in container["env"] if e["name"] == "PGPASSWORD"]
+    assert "value" not in password and "secretKeyRef" in password["valueFrom"]
 
 
 def test_the_spine_mirrors_to_the_layered_gateway_so_production_parity_gates_can_judge() -> None:

@@ -19,12 +19,14 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 | `blank-lines` | 200 `text/event-stream` of nothing but blank lines, as fast as it can, until the client leaves |
 | `firehose` | 200 `text/event-stream` of 1 KiB content events, as fast as the client reads, until it leaves |
 | `no-usage` | 60 words and no `usage` (plain or streamed) |
+| `echo` | an engine that honours every field, in the protocol asked (`/chat/completions`, `/messages`, `/embeddings`): `tests.echo_engine` |
+| `bad-image` | 400 about the request's image, as vLLM refuses an image for a text-only model |
 | anything else | forwarded to the real model server (`forward_to`), model `default` |
 
 `GET /v1/models` lists the models of `context_lengths` as vLLM does, each with its `max_model_len`
 (none: a listing without context lengths).
 
-`hits` counts requests by model, so a test can tell how many attempts reached it; `left` the
+`received` keeps every body sent to `echo` and `bad-image`, as sent. `hits` counts requests by model, so a test can tell how many attempts reached it; `left` the
 endless answers whose client (the spine) went away.
 """
 
@@ -41,6 +43,8 @@ import httpx2
 import orjson
 import uvicorn
 
+from tests import echo_engine
+
 
 class FaultUpstream:
     def __init__(self, forward_to: str, key: str | None, *, port: int = 0, fail_share: float = 0.3,
@@ -49,6 +53,7 @@ class FaultUpstream:
         self.context_lengths = context_lengths or {}
         self.key = key
         self.hits: Counter[str] = Counter()
+        self.received: list[dict[str, Any]] = []  # the bodies `echo` and `bad-image` were sent
         self.left: Counter[str] = Counter()  # endless answers whose client went away, by model
         self.fail_share = fail_share
         self._draw = random.Random(7)
@@ -105,6 +110,26 @@ class FaultUpstream:
         with self._lock:
             self.hits[model] += 1
             failing = model == "flaky" and self._draw.random() < self.fail_share
+        if model in ("echo", "bad-image"):
+            with self._lock:
+                self.received.append(request)
+        if model == "echo" and scope["path"].endswith("/embeddings"):
+            await _send(send, 200, echo_engine.embeddings(request), b"application/json")
+            return
+        if model == "echo":
+            anthropic = scope["path"].endswith("/messages")
+            if stream:
+                answer = echo_engine.anthropic_stream(request) if anthropic else echo_engine.openai_stream(request)
+                await _send(send, 200, answer, b"text/event-stream")
+            else:
+                answer = echo_engine.anthropic_answer(request) if anthropic else echo_engine.openai_answer(request)
+                await _send(send, 200, answer, b"application/json")
+            return
+        if model == "bad-image":
+            message = "Image input is not supported by this model (it is a text-only model)"
+            await _send(send, 400, orjson.dumps({"error": {"message": message, "type": "BadRequestError",
+                                                           "param": None, "code": 400}}), b"application/json")
+            return
         if model == "hang":
             while (await receive())["type"] != "http.disconnect":
                 pass

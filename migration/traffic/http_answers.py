@@ -4,7 +4,10 @@ Across two gateways (a foreign legacy endpoint and the spine) the bytes of an an
 match: ids, timestamps, header sets and usage fields differ by construction. What must
 match is what the client acts on: the status class (2xx, 4xx, 5xx), the error type when it
 failed (`error.type` in both APIs' error bodies and stream error events), and, for a greedy
-request (temperature 0, or Anthropic's `top_k: 1`), the generated text. Both plain JSON
+request (temperature 0, or Anthropic's `top_k: 1`), the generated text — by value where both
+sides answered JSON (a structured output's key order and spacing are not a difference) — and
+the tool calls, by name and JSON-equal arguments (OpenAI's `tool_calls`, Anthropic's
+`tool_use` blocks, whole or streamed as deltas). Both plain JSON
 answers and server-sent-event streams of the OpenAI and Anthropic APIs are read; an answer
 that cannot be parsed compares by status class alone.
 """
@@ -18,7 +21,7 @@ from typing import Any
 import orjson
 
 # The fields a comparison may name (`spine_shadow_mismatched_total{field}`).
-FIELDS = ("status", "error_type", "text")
+FIELDS = ("status", "error_type", "text", "tool_calls")
 # A failure of the side itself, as opposed to a refusal of the client's request: a 5xx, or
 # no answer at all (status 0: the connection failed or timed out).
 LAYOUT_FAILURE_STATUS = 500
@@ -29,6 +32,7 @@ class Answer:
     status: int  # the HTTP status; 0 when no answer came (connection refused, reset, timed out)
     error_type: str = ""  # `error.type` of an error body or stream error event
     text: str = ""  # the generated text, all choices' or content blocks' joined
+    tool_calls: tuple[tuple[str, str], ...] = ()  # (name, arguments as canonical JSON), in order
 
     @property
     def status_class(self) -> str:
@@ -54,15 +58,16 @@ def read_answer(status: int, body: bytes, content_type: str = "") -> Answer:
     if status == 0:
         return Answer(0)
     if "text/event-stream" in content_type or body.lstrip().startswith((b"data:", b"event:")):
-        error_type, text = _read_events(_sse_data(body))
-        return Answer(status, error_type, text)
+        events = _sse_data(body)
+        error_type, text = _read_events(events)
+        return Answer(status, error_type, text, _streamed_calls(events))
     try:
         data = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
         return Answer(status)
     if not isinstance(data, dict):
         return Answer(status)
-    return Answer(status, _error_type(data), "".join(_texts(data)))
+    return Answer(status, _error_type(data), "".join(_texts(data)), _calls(data))
 
 
 def differences(primary: Answer, shadow: Answer, greedy: bool, ignore: Iterable[str] = ()) -> tuple[str, ...]:
@@ -74,8 +79,11 @@ def differences(primary: Answer, shadow: Answer, greedy: bool, ignore: Iterable[
         found.append("status")
     elif primary.error_type != shadow.error_type:
         found.append("error_type")
-    elif greedy and primary.status // 100 == 2 and primary.text != shadow.text:
-        found.append("text")
+    elif greedy and primary.status // 100 == 2:
+        if not _same_text(primary.text, shadow.text):
+            found.append("text")
+        if primary.tool_calls != shadow.tool_calls:
+            found.append("tool_calls")
     return tuple(field for field in found if field not in ignored)
 
 
@@ -139,3 +147,69 @@ def _texts(data: dict[str, Any]) -> Iterable[str]:
         for block in data.get("content") or ():
             if isinstance(block, dict) and isinstance(block.get("text"), str):
                 yield block["text"]
+
+
+def _same_text(a: str, b: str) -> bool:
+    """Equal text, or JSON of equal value (a structured output)."""
+    if a == b:
+        return True
+    try:
+        return bool(orjson.loads(a) == orjson.loads(b)) if a and b else False
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _canonical(arguments: Any) -> str:
+    """Tool arguments as canonical JSON (a string of JSON is read first); text that is not
+    JSON stays as it is."""
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments) if arguments else {}
+        except orjson.JSONDecodeError:
+            return str(arguments)
+    return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _calls(data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    calls: list[tuple[str, str]] = []
+    for choice in data.get("choices") or ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        for call in (message or {}).get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                calls.append((str(function.get("name")), _canonical(function.get("arguments"))))
+    if data.get("type") == "message":
+        for block in data.get("content") or ():
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                calls.append((str(block.get("name")), _canonical(block.get("input"))))
+    return tuple(calls)
+
+
+def _streamed_calls(events: Sequence[Any]) -> tuple[tuple[str, str], ...]:
+    """The tool calls of an OpenAI stream (deltas by index) or an Anthropic one (tool_use
+    blocks and their input_json_delta pieces)."""
+    names: dict[tuple[str, int], str] = {}
+    pieces: dict[tuple[str, int], list[str]] = {}
+    for event in events:
+        if not isinstance(event, dict):
+            continue
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            for call in (delta or {}).get("tool_calls") or ():
+                if not isinstance(call, dict):
+                    continue
+                key = ("openai", int(call.get("index") or 0))
+                function = call.get("function") or {}
+                if function.get("name"):
+                    names[key] = str(function["name"])
+                pieces.setdefault(key, []).append(str(function.get("arguments") or ""))
+        block = event.get("content_block")
+        if event.get("type") == "content_block_start" and isinstance(block, dict) and block.get("type") == "tool_use":
+            key = ("anthropic", int(event.get("index") or 0))
+            names[key] = str(block.get("name"))
+            pieces[key] = []
+        delta = event.get("delta")
+        if event.get("type") == "content_block_delta" and isinstance(delta, dict) \
+                and delta.get("type") == "input_json_delta":
+            pieces.setdefault(("anthropic", int(event.get("index") or 0)), []).append(str(delta.get("partial_json")))
+    return tuple((names.get(key, ""), _canonical("".join(pieces.get(key, [])))) for key in sorted(names))

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from runtime.http import fields, transcript
+from runtime.http import fields, request_checks, transcript
 from runtime.http.wire import COUNTED_BY, POLICY_VIOLATION, HttpError, bad_request, policy_violation_body
 from wire.v1 import generation_pb2
 
@@ -24,7 +24,7 @@ NAME = "anthropic"
 OVERLOADED_STATUS = 529
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 TIERS = {None: 0, "auto": 0, "standard_only": 0}
-UNSUPPORTED = ("tools", "tool_choice", "stop_sequences", "thinking", "mcp_servers", "container")
+API = "anthropic.messages"  # GenerateRequest.api of a Messages request (its body travels with it)
 
 
 @dataclass
@@ -35,9 +35,9 @@ class Parsed:
 
 def parse(body: Any) -> Parsed:
     body = fields.body_object(body)
-    fields.refuse_unsupported(body, UNSUPPORTED)
+    request_checks.anthropic_messages(body)
     system = body.get("system")
-    system_parts = [] if system is None else [fields.text_content(system, "system")]
+    system_parts = [] if system is None else [fields.plain_text(system, "system")]
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: required, a non-empty array of {role, content}")
@@ -49,7 +49,7 @@ def parse(body: Any) -> Parsed:
         if role not in ("user", "assistant"):
             raise bad_request(f"messages[{i}].role: must be user or assistant; got {role!r} "
                               "(the system prompt is the top-level `system` field)")
-        turns.append((role, fields.text_content(message.get("content"), f"messages[{i}].content")))
+        turns.append((role, fields.plain_text(message.get("content"), f"messages[{i}].content")))
     system_text, prompt = transcript.render(system_parts, turns)
     conversation = [("system", part) for part in system_parts] + turns
     tier = body.get("service_tier")
@@ -62,6 +62,7 @@ def parse(body: Any) -> Parsed:
         model=fields.string(body, "model"), prompt=prompt, system=system_text,
         max_tokens=fields.max_tokens(body, "max_tokens"), temperature=fields.number(body, "temperature", 1.0))
     transcript.attach(request, conversation)
+    request.body, request.api = orjson.dumps(body, option=orjson.OPT_SORT_KEYS), API
     return Parsed(request, fields.boolean(body, "stream"))
 
 
@@ -74,10 +75,20 @@ def _usage(prompt_tokens: int, completion_tokens: int, counted_by: str = "") -> 
 
 
 def answer(parsed: Parsed, response: generation_pb2.GenerateResponse, request_id: str, counted_by: str = "") -> bytes:
+    if response.body:  # the engine's own message (tool_use and thinking blocks, its usage)
+        data = orjson.loads(response.body)
+        data["model"] = response.model
+        if not isinstance(data.get("usage"), dict):  # the engine did not count: the spine's count
+            data["usage"] = _usage(response.prompt_tokens, response.completion_tokens)
+        if counted_by:
+            data["usage"][COUNTED_BY] = counted_by
+        return orjson.dumps(data)
     return orjson.dumps({
         "id": f"msg_{request_id}", "type": "message", "role": "assistant", "model": response.model,
         "content": [{"type": "text", "text": response.text}],
-        "stop_reason": STOP_REASONS.get(response.finish_reason, "max_tokens"), "stop_sequence": None,
+        "stop_reason": "stop_sequence" if response.stop_sequence else STOP_REASONS.get(response.finish_reason,
+                                                                                         "max_tokens"),
+        "stop_sequence": response.stop_sequence or None,
         "usage": _usage(response.prompt_tokens, response.completion_tokens, counted_by),
     })
 
@@ -92,8 +103,23 @@ class Stream:
     def __init__(self, parsed: Parsed, request_id: str) -> None:
         self.parsed = parsed
         self.id = f"msg_{request_id}"
+        self.raw = False  # the engine's own events are relayed (an upstream engine, a request with a body)
+        self.stop_sequence = ""  # the stop string that ended the answer (a built-in model's)
+
+    def piece(self, chunk: generation_pb2.GenerateChunk) -> bytes:
+        """One chunk of the pipeline's stream as this API's events."""
+        self.stop_sequence = chunk.stop_sequence or self.stop_sequence
+        if not self.raw:
+            return self.chunk(chunk.text)
+        out = []
+        for data in chunk.events:
+            kind = orjson.loads(data).get("type", "message")
+            out.append(b"event: " + str(kind).encode() + b"\ndata: " + data + b"\n\n")
+        return b"".join(out)
 
     def start(self, model: str, prompt_tokens: int) -> bytes:
+        if self.raw:
+            return b""
         message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": model or self.parsed.request.model,
                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}
         return (_event("message_start", {"type": "message_start", "message": message})
@@ -108,10 +134,13 @@ class Stream:
                                               "delta": {"type": "text_delta", "text": text}})
 
     def end(self, finish: str, prompt_tokens: int, completion_tokens: int, counted_by: str = "") -> bytes:
+        if self.raw:
+            return b""  # the engine's message_stop was relayed
         return (_event("content_block_stop", {"type": "content_block_stop", "index": 0})
                 + _event("message_delta", {"type": "message_delta",
-                                           "delta": {"stop_reason": STOP_REASONS.get(finish, "max_tokens"),
-                                                     "stop_sequence": None},
+                                           "delta": {"stop_reason": "stop_sequence" if self.stop_sequence
+                                                     else STOP_REASONS.get(finish, "max_tokens"),
+                                                     "stop_sequence": self.stop_sequence or None},
                                            "usage": _usage(prompt_tokens, completion_tokens, counted_by)})
                 + _event("message_stop", {"type": "message_stop"}))
 

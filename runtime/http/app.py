@@ -25,7 +25,7 @@ import grpc
 import orjson
 
 from runtime.config.http import HttpConfig
-from runtime.http import anthropic_api, openai_api
+from runtime.http import anthropic_api, openai_api, responses_api
 from runtime.http.body import BodyReader, has_body
 from runtime.http.bounded_protocol import ABORT_EXTENSION, response_bytes
 from runtime.http.stream_window import LIMIT as WINDOW
@@ -64,6 +64,8 @@ Trailing = tuple[tuple[str, str], ...]
 ROUTES = {
     "/v1/chat/completions": ("POST", openai_api),
     "/v1/completions": ("POST", openai_api),
+    "/v1/embeddings": ("POST", openai_api),
+    "/v1/responses": ("POST", responses_api),
     "/v1/messages": ("POST", anthropic_api),
     "/v1/models": ("GET", openai_api),
     "/health": ("GET", openai_api),
@@ -111,7 +113,8 @@ class HttpApi:
         request_id = safe_request_id(_header(headers, b"x-request-id"))
         path, method = scope["path"], scope["method"]
         route = ROUTES.get(path)
-        api: Any = anthropic_api if path.startswith("/v1/messages") else openai_api
+        api: Any = (responses_api if path == "/v1/responses" else anthropic_api if path.startswith("/v1/messages")
+                    else openai_api)
         base = ((REQUEST_ID, request_id), (LAYOUT, self.layout()))
         if path == "/admin" or path.startswith("/admin/"):
             await self._admin_call(scope, receive, send, headers, (*base, _overhead(arrived)), request_id)
@@ -228,6 +231,7 @@ class HttpApi:
             await _send_error(send, api, _with_status(first, api, trailing), trailing, request_id)
             return
         writer = api.Stream(parsed, request_id)
+        writer.raw = first is not _END and bool(getattr(first, "events", None)) and getattr(parsed, "chat", True)
         prompt_tokens = len(parsed.request.prompt.encode()) + len(parsed.request.system.encode())
         await send({"type": "http.response.start", "status": 200,
                     "headers": _encode([("content-type", "text/event-stream; charset=utf-8"),
@@ -254,7 +258,7 @@ class HttpApi:
             if item.completion_tokens or item.prompt_tokens:  # the model's own count (an upstream's usage)
                 tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
             finish = item.finish_reason or finish
-            pending.append(writer.chunk(item.text))
+            pending.append(writer.piece(item))
             if window.empty() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
                 if not await _send_body(send, b"".join(pending), True, stall_s):
                     _slow_readers(None, "request %s: the client read nothing of its stream for %gs "
@@ -272,6 +276,10 @@ def _parse(path: str, body: Any, default_max_tokens: int) -> Any:
             return openai_api.parse_chat(body, default_max_tokens)
         if path == "/v1/completions":
             return openai_api.parse_completion(body, default_max_tokens)
+        if path == "/v1/embeddings":
+            return openai_api.parse_embeddings(body)
+        if path == "/v1/responses":
+            return responses_api.parse(body, default_max_tokens)
         return anthropic_api.parse(body)
     except (ValueError, TypeError) as error:  # what the message types refuse (text that is not UTF-8, say)
         raise bad_request(f"the request cannot be read: {error}") from None

@@ -69,24 +69,27 @@ def string(body: Mapping[str, Any], name: str, default: Any = _MISSING) -> Any:
     return value
 
 
-def text_content(content: Any, where: str, block_type: str = "text") -> str:
-    """A message's content: a string, or a list of text parts (`{"type": "text", "text": ...}`),
-    joined. Images, tools and other part types are refused by name: this API serves text."""
-    if isinstance(content, str):
-        return content
+def plain_text(content: Any, where: str) -> str:
+    """A message's text parts joined, whatever other parts (images, audio, files, tool results)
+    it carries beside them: those travel in the request's body to an engine that reads them
+    (`GenerateRequest.body`); a built-in model refuses them by name. `null` (an assistant turn
+    that only calls tools) reads as no text. Each part must still be an object with a `type`."""
+    if content is None or isinstance(content, str):
+        return content or ""
     if not isinstance(content, list):
-        raise bad_request(f"{where}: must be a string or a list of text parts, got {_kind(content)}")
+        raise bad_request(f"{where}: must be a string or a list of content parts, got {_kind(content)}")
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict):
             raise bad_request(f"{where}[{i}]: must be an object, got {_kind(part)}")
         kind = part.get("type")
-        if kind != block_type:
-            raise bad_request(f"{where}[{i}].type: only {block_type!r} parts are supported, got {kind!r}")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"{where}[{i}].text: must be a string, got {_kind(text)}")
-        texts.append(text)
+        if not isinstance(kind, str):
+            raise bad_request(f"{where}[{i}].type: must be a string, got {_kind(kind)}")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{where}[{i}].text: must be a string, got {_kind(text)}")
+            texts.append(text)
     return "".join(texts)
 
 
@@ -96,6 +99,11 @@ def refuse_unsupported(body: Mapping[str, Any], names: tuple[str, ...]) -> None:
         value = body.get(name)
         if value not in (None, [], "", {}):
             raise bad_request(f"{name}: not supported by this server")
+
+
+def kind_of(value: Any) -> str:
+    """How a message names a value's JSON type ("an object", "the number 3")."""
+    return _kind(value)
 
 
 def _kind(value: Any) -> str:

@@ -32,6 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common import genai_semconv as semconv
+from services.pipeline.request_shape import span_attributes
 from services.pipeline.state import RequestState
 
 
@@ -54,6 +55,7 @@ class GenAiSpans:
             semconv.REQUEST_TEMPERATURE: float(request.temperature)}
         if request.HasField("seed"):
             attributes[semconv.REQUEST_SEED] = request.seed
+        attributes.update(span_attributes(request))  # what the client's whole body asks for
         if call.stream:
             attributes[semconv.REQUEST_STREAM] = True
         span = self.tracer.start_span(f"{operation} {request.model}", kind=SpanKind.CLIENT, attributes=attributes)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import orjson
 
 from services.cache.api import LOOKUP_BATCH, NOT_CACHEABLE, STORE_BATCH, LookupItem, Probe, StoreItem
 from services.cache.config import CacheConfig
@@ -57,6 +58,20 @@ def cacheable(request: generation_pb2.GenerateRequest) -> bool:
     return request.temperature == 0.0 or request.HasField("seed")
 
 
+def canonical_body(raw: bytes) -> str:
+    """The request body as canonical JSON (keys sorted, no whitespace), without the fields
+    that only choose how the answer is delivered: field order and spacing never split an
+    entry; every field that can change the answer (tools, response_format, images) does."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", "replace")
+    if isinstance(body, dict):
+        for name in ("stream", "stream_options"):
+            body.pop(name, None)
+    return orjson.dumps(body, option=orjson.OPT_SORT_KEYS).decode()
+
+
 def cache_key(tenant: str, request: generation_pb2.GenerateRequest) -> bytes | None:
     """sha256 over the inputs that fix the answer; None when the request is not cacheable."""
     if not cacheable(request):
@@ -68,6 +83,8 @@ def cache_key(tenant: str, request: generation_pb2.GenerateRequest) -> bytes | N
         fields += (request.system,)
     for message in request.messages:  # a chat's turns (a template model reads these, not the prompt)
         fields += (message.role, message.content)
+    if request.api:  # the client's whole request: tools, response formats, images, options all count
+        fields += (request.api, canonical_body(request.body))
     parts: list[bytes] = []
     for text in fields:  # length-prefixed: ("ab", "c") and ("a", "bc") differ
         data = text.encode()

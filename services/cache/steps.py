@@ -13,6 +13,9 @@ class CacheLookupStep(Step[Cache]):
     interface = CACHE
     method = "Lookup"
 
+    def wants(self, state: RequestState) -> bool:
+        return state.open and not _whole_request_stream(state)
+
     def decide(self, batch: list[RequestState], call: StepCall[Cache]) -> None:
         probes = call.component.lookup([(state.tenant, state.resolved) for state in batch], call.options)
         for state, probe in self.answered(call, batch, probes):
@@ -37,7 +40,7 @@ class CacheStoreStep(Step[Cache]):
 
     def wants(self, state: RequestState) -> bool:
         return (state.response is not None and state.resolved is not None and not state.shadow
-                and state.cacheable is not False)
+                and state.cacheable is not False and not _whole_request_stream(state))
 
     def decide(self, batch: list[RequestState], call: StepCall[Cache]) -> None:
         # With the lookup's key, or (the lookup failed) the request for the cache to key.
@@ -45,3 +48,11 @@ class CacheStoreStep(Step[Cache]):
                                                  None if state.cache_key else state.resolved) for state in batch],
                                       call.options)
         self.answered(call, batch, stored)
+
+
+def _whole_request_stream(state: RequestState) -> bool:
+    """A stream of a request that carries its client's whole body: its answer is the engine's
+    own events (tool-call deltas, logprobs), which a cached whole answer cannot replay as they
+    were sent, and which a cached entry of its text alone would lose. Such streams neither read
+    nor fill the cache; their unary twins do (keyed on the whole body)."""
+    return state.streamed and bool(state.request.api)

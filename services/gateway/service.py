@@ -218,6 +218,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
         state = self._begin(request, context)
+        state.streamed = True
         with self._settled(state):
             try:
                 self.steps.admission.admit(state)

@@ -60,8 +60,10 @@ from services.inference.model.kv_budget import (
     weight_bytes,
 )
 from services.inference.priority import priority_error
+from services.inference.request_body import builtin_refusal
 from services.inference.scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
 from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
+from services.inference.stop_strings import BadStop, first_stop, safe_length, stops_of
 from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.local_call import LocalStream, call_stream, call_unary
 from services.pipeline.system_prompt import SEPARATOR, system_digest
@@ -136,6 +138,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
         with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
+            stops = self._stops(request, context)
             job, prompt_tokens = self._start(request, context, stream=False)
             served.job = job
             tokens: list[int] = []
@@ -145,9 +148,32 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     tokens.append(output.token_id)
                 finish = output.finish_reason or finish
         context.set_trailing_metadata(self._load_metadata())
+        text, stop_sequence = self.backend.decode(tokens), ""
+        found = first_stop(text, stops) if stops else None
+        if found is not None:  # the answer ends before the stop string; its tokens up to the one completing it
+            tokens = tokens[:self._tokens_to(tokens, found[0] + len(found[1]))]
+            text, stop_sequence, finish = text[:found[0]], found[1], "stop"
         return generation_pb2.GenerateResponse(
-            text=self.backend.decode(tokens), token_ids=tokens, model=request.model, finish_reason=finish,
+            text=text, token_ids=tokens, model=request.model, finish_reason=finish, stop_sequence=stop_sequence,
             prompt_tokens=prompt_tokens, completion_tokens=len(tokens), system_digest=system_digest(request.system))
+
+    def _stops(self, request: generation_pb2.GenerateRequest, context: Any) -> tuple[str, ...]:
+        try:
+            return stops_of(request.api, request.body)
+        except BadStop as error:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    def _tokens_to(self, tokens: list[int], chars: int) -> int:
+        """The fewest tokens whose text is at least `chars` long (binary search: decoding is
+        monotone in the prefix)."""
+        low, high = 0, len(tokens)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self.backend.decode(tokens[:middle])) >= chars:
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
@@ -156,6 +182,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _stream(self, request: generation_pb2.GenerateRequest, context: Any,
                 served: ServedRequest) -> Iterator[generation_pb2.GenerateChunk]:
+        stops = self._stops(request, context)
         job, _ = self._start(request, context, stream=True)
         served.job = job
         tokens: list[int] = []
@@ -166,7 +193,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 new = [] if output.finish_reason == "stop" else [output.token_id]
                 tokens.extend(new)
                 text = self.backend.decode(tokens)
-                piece, sent = text[len(sent):], text
+                found = first_stop(text, stops) if stops else None
+                if found is not None:  # the answer ends here: the rest of the job is cancelled (finally)
+                    context.set_trailing_metadata(self._load_metadata())
+                    yield generation_pb2.GenerateChunk(text=text[len(sent):found[0]], token_ids=new, index=index,
+                                                       finish_reason="stop", model=request.model,
+                                                       system_digest=digest, stop_sequence=found[1])
+                    return
+                shown = len(text) if output.finished or not stops else safe_length(text, stops)
+                piece, sent = text[len(sent):shown], text[:shown]
                 if output.finished:
                     context.set_trailing_metadata(self._load_metadata())
                 yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
@@ -242,6 +277,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if request.model != self.config.model_id:
             self._abort(context, grpc.StatusCode.NOT_FOUND,
                         f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+        refused = builtin_refusal(request.api, request.body, request.model)
+        if refused is not None:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, refused)
         if request.max_tokens <= 0:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: must be > 0, got {request.max_tokens}")
         if not request.prompt:

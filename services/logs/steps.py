@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.logs.api import LOGS, LogEntry, Logs
+from services.pipeline.request_shape import log_fields
 from services.pipeline.state import RequestState
 from services.pipeline.step import Phase, Step, StepCall
 
@@ -20,7 +21,8 @@ class LogsStep(Step[Logs]):
     def decide(self, batch: list[RequestState], call: StepCall[Logs]) -> None:
         entries = [LogEntry(state.request_id, state.tenant,
                             state.model if state.resolved is not None else clipped(state.model), state.status,
-                            state.latency_s * 1000.0, state.layout, state.cached, state.shadow) for state in batch]
+                            state.latency_s * 1000.0, state.layout, state.cached, state.shadow,
+                            log_fields(state.request, state.response or state.hit)) for state in batch]
         self.answered(call, batch, call.component.append(entries, call.options))
 
 

@@ -42,6 +42,7 @@ class RequestState:
     # The hooks' view of the request's context (trace), captured in its own thread: a batch
     # may be decided, and its completions written, on another thread.
     trace: Metadata = ()
+    streamed: bool = False  # the client asked for a stream (GenerateStream)
     outcome: Stop | None = None
     # Auth's verdict for the credential, shared read-only with every request of the same API key.
     principal: auth_pb2.Principal | None = None

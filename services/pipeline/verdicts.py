@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from services.pipeline.limits import RequestLimits
+from services.pipeline.request_shape import tool_definition_bytes
 from services.pipeline.system_prompt import system_error
 from wire.v1 import auth_pb2, generation_pb2
 
@@ -38,7 +39,7 @@ def validation_error(request: generation_pb2.GenerateRequest, limits: RequestLim
     """The first problem with a request, as a message naming the field; None when valid."""
     if not request.model:
         return "model: required (e.g. 'tiny-lm')"
-    if not request.prompt:
+    if not request.prompt and not request.body:  # a chat of images alone has no text, but a body
         return "prompt: must not be empty"
     sized = limits.for_model(request.model)
     if len(request.prompt) > sized.max_prompt_chars:
@@ -106,10 +107,11 @@ def resolved_request(request: generation_pb2.GenerateRequest, model_id: str) -> 
 
 
 def rate_limit_cost(request: generation_pb2.GenerateRequest) -> int:
-    """Tokens charged for a request at admission: its prompt and system prompt bytes. What it
-    generates is charged at its end, when the model has said how much (the release step
-    settles the tokens bucket with the real usage, streams and aborted streams included)."""
-    return len(request.prompt.encode()) + len(request.system.encode())
+    """Tokens charged for a request at admission: its prompt and system prompt bytes, and its
+    tool definitions' (prompt the engine reads too). What it generates is charged at its end,
+    when the model has said how much (the release step settles the tokens bucket with the
+    real usage, streams and aborted streams included; an engine's usage counts its images)."""
+    return len(request.prompt.encode()) + len(request.system.encode()) + tool_definition_bytes(request)
 
 
 # The least budget (USD) left to the key, team or tenant of a request, on every answer where

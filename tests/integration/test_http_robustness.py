@@ -47,7 +47,8 @@ BAD_BODIES: list[tuple[str, bytes, dict[str, str], int, str]] = [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), {}, 400, "text"),
     ("/v1/chat/completions", json.dumps([1, 2]).encode(), {}, 400, "JSON object"),
     ("/v1/chat/completions", json.dumps({**GOOD, "n": 3}).encode(), {}, 400, "n:"),
-    ("/v1/chat/completions", json.dumps({**GOOD, "stop": ["\n"]}).encode(), {}, 400, "stop"),
+    ("/v1/chat/completions", json.dumps({**GOOD, "logprobs": True}).encode(), {}, 400, "logprobs"),  # built-ins honour stop
+    ("/v1/chat/completions", json.dumps({**GOOD, "stop": 7}).encode(), {}, 400, "stop"),
     ("/v1/messages", json.dumps({"model": "tiny-lm", "messages": GOOD["messages"]}).encode(), {}, 400,
      "max_tokens: required"),
     ("/v1/messages", json.dumps({**GOOD, "messages": [{"role": "system", "content": "x"}]}).encode(), {}, 400,

@@ -20,6 +20,7 @@ from typing import Any
 from services.common import ConfigError
 from services.common.outlier import OutlierDetector, OutlierPolicy
 from services.common.upstream_config import UpstreamSpec
+from services.inference.upstream import translate
 from services.inference.upstream.counters import EndpointCounters
 from services.inference.upstream.failures import AttemptFailure, Kind, kind_for_status, retry_after_s
 from services.inference.upstream.pieces import Pieces
@@ -28,12 +29,14 @@ from services.inference.upstream.protocols import (
     Answer,
     Delta,
     Malformed,
+    Relay,
     StreamError,
     error_message,
     is_context_length,
 )
 from services.inference.upstream.retry_budget import RetryBudget
 from services.inference.upstream.token_count import TokenCounter
+from services.inference.upstream.translate import Untranslatable
 from services.inference.upstream.transports import LinkError, NoEvents, SSEParser, transport_for
 from wire.v1 import generation_pb2
 
@@ -43,6 +46,7 @@ MAX_ERROR_BODY = 64 << 10  # an error answer is read this far for its message
 MAX_ANSWER_BYTES = 16 << 20  # a whole answer larger than this is malformed (never read without a bound)
 MAX_EVENT_BYTES = 1 << 20  # one server-sent event larger than this is malformed
 REDACTED = "[redacted]"
+EMBEDDINGS_PATH = "/embeddings"  # an OpenAI-protocol engine's embeddings, beside its chat completions
 # Failures whose upstream words are the client's to read: the request itself was refused.
 CLIENTS_OWN = frozenset({Kind.REFUSED, Kind.CONTEXT})
 # What the client reads of the others: the class of the failure, never the upstream's words.
@@ -109,13 +113,16 @@ class UpstreamEndpoint:
         self._take_slot()
         try:
             body = self.protocol.body(request, self.remote_model, stream=False)
-            async with self.transport.post(self.url, self.headers, body, timeout_s) as reply:
+            url = self.spec.base_url + EMBEDDINGS_PATH if request.api == translate.EMBEDDINGS else self.url
+            async with self.transport.post(url, self.headers, body, timeout_s) as reply:
                 if reply.status != 200:
                     raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers)
                 raw = await reply.read(MAX_ANSWER_BYTES + 1)
             if len(raw) > MAX_ANSWER_BYTES:
                 raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered more than {MAX_ANSWER_BYTES} bytes", 200)
-            return self.protocol.answer(raw)
+            return self.protocol.answer(raw, request)
+        except Untranslatable as error:
+            raise AttemptFailure(Kind.REFUSED, f"{self!r} cannot be sent this request: {error}") from None
         except Malformed as error:
             raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered something unreadable", 200,
                                  detail=self.redact(str(error))) from None
@@ -139,11 +146,13 @@ class UpstreamEndpoint:
                 if kind != "text/event-stream":
                     raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered a stream request with {kind or 'no'} "
                                                          "content-type, not text/event-stream", 200)
-                if not await self._relay(reply.pieces(), pieces):
+                if not await self._relay(reply.pieces(), pieces, self.protocol.relay(request.api if request.body else "")):
                     raise AttemptFailure(Kind.UNREACHABLE, f"{self!r} closed the stream before its end", 200)
             put(None)
         except AttemptFailure as failure:
             put(failure)
+        except Untranslatable as error:
+            put(AttemptFailure(Kind.REFUSED, f"{self!r} cannot be sent this request: {error}"))
         except NoEvents as error:
             self.counters.no_events += 1
             put(AttemptFailure(Kind.MALFORMED, f"{self!r} {error}", 200))
@@ -162,7 +171,7 @@ class UpstreamEndpoint:
         finally:
             self._give_slot()
 
-    async def _relay(self, received: Any, pieces: Pieces) -> bool:
+    async def _relay(self, received: Any, pieces: Pieces, relay: Relay | None) -> bool:
         """Each event's Delta to `pieces` as its bytes arrive; whether the stream reached its end.
         The loop is given back after every read, so an upstream whose bytes are always ready
         (a fast one, or one sending garbage) takes its turn with the others, never the loop."""
@@ -170,8 +179,12 @@ class UpstreamEndpoint:
         async for piece in received:
             for name, data in parser.feed(piece):
                 delta = self.protocol.event(name, data)
-                if delta is None:
+                events = relay(name, data) if relay is not None else []
+                if delta is None and not events:
                     continue
+                if delta is None:
+                    delta = Delta()
+                delta.events = events
                 await pieces.put(delta)
                 if delta.end:
                     return True

@@ -9,11 +9,13 @@ never passed on as text).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from services.inference.upstream import translate
 from wire.v1 import generation_pb2
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -34,6 +36,7 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of the prompt's, read from the upstream's prompt cache
+    body: bytes = b""  # the engine's answer in the client's API (a request with a body)
 
 
 @dataclass(slots=True)
@@ -47,6 +50,27 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     end: bool = False
+    events: list[bytes] = field(default_factory=list)  # the engine's events in the client's API
+
+
+Relay = Callable[[str, str], list[bytes]]  # one event (name, data) → the client's events
+
+
+def whole_body(request: generation_pb2.GenerateRequest, protocol: str, model: str, stream: bool) -> bytes | None:
+    """The client's whole request for an engine speaking `protocol` (None: the request has
+    no body, so the engine is sent its plain reading)."""
+    if not request.api or not request.body:
+        return None
+    return orjson.dumps(translate.request_body(request.api, request.body, protocol, model, stream))
+
+
+def _stop_sequences(request: generation_pb2.GenerateRequest) -> Any:
+    try:
+        body = orjson.loads(request.body)
+    except orjson.JSONDecodeError:
+        return None
+    stop = body.get("stop_sequences") if isinstance(body, dict) else None
+    return stop if isinstance(stop, list) else None
 
 
 class StreamError(Exception):
@@ -115,6 +139,14 @@ def is_context_length(message: str) -> bool:
     return bool(_CONTEXT_LENGTH.search(message))
 
 
+def _embeddings(data: Any, raw: bytes) -> Answer:
+    """An engine's embeddings answer: passed on whole; its usage counts the input."""
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise Malformed("the upstream's embeddings answer has no data array")
+    usage = data.get("usage") or {}
+    return Answer("", "stop", _count(usage, "prompt_tokens"), 0, body=raw)
+
+
 class OpenAIChat:
     """`POST {base_url}/chat/completions` (vLLM, TGI, SGLang, llama.cpp, LiteLLM, OpenAI, the spine)."""
 
@@ -127,6 +159,9 @@ class OpenAIChat:
 
     @staticmethod
     def body(request: generation_pb2.GenerateRequest, model: str, stream: bool) -> bytes:
+        whole = whole_body(request, "openai", model, stream)
+        if whole is not None:
+            return whole
         body: dict[str, Any] = {"model": model, "max_tokens": request.max_tokens,
                                 "temperature": request.temperature,
                                 "messages": [{"role": role, "content": text} for role, text in _conversation(request)]}
@@ -138,18 +173,35 @@ class OpenAIChat:
         return orjson.dumps(body)
 
     @staticmethod
-    def answer(raw: bytes) -> Answer:
+    def answer(raw: bytes, request: generation_pb2.GenerateRequest | None = None) -> Answer:
         data = loads(raw, "the upstream's answer")
+        if request is not None and request.api == translate.EMBEDDINGS:
+            return _embeddings(data, raw)
         try:
             choice = data["choices"][0]
             text = choice["message"]["content"] or ""
             if not isinstance(text, str):
                 raise TypeError("content is not text")
             usage = data.get("usage") or {}
-            return Answer(text, _finish(choice.get("finish_reason")), _count(usage, "prompt_tokens"),
-                          _count(usage, "completion_tokens"), _openai_cached(usage))
+            answer = Answer(text, _finish(choice.get("finish_reason")), _count(usage, "prompt_tokens"),
+                            _count(usage, "completion_tokens"), _openai_cached(usage))
         except (KeyError, IndexError, TypeError, AttributeError) as error:
             raise Malformed(f"the upstream's answer has no choices[0].message.content ({error})") from None
+        if request is not None and request.api == translate.OPENAI and request.body:
+            answer.body = raw
+        elif request is not None and request.api == translate.ANTHROPIC and request.body:
+            answer.body = orjson.dumps(translate.openai_answer_to_anthropic(data, _stop_sequences(request)))
+        return answer
+
+    @staticmethod
+    def relay(api: str) -> Relay | None:
+        """How each event becomes the client's (None: a request without a body)."""
+        if api == translate.OPENAI:
+            return lambda name, data: [] if data == "[DONE]" else [data.encode()]
+        if api == translate.ANTHROPIC:
+            events = translate.OpenAIToAnthropicEvents()
+            return lambda name, data: events.feed(data)
+        return None
 
     @staticmethod
     def event(name: str, data: str) -> Delta | None:
@@ -193,6 +245,9 @@ class AnthropicMessages:
 
     @staticmethod
     def body(request: generation_pb2.GenerateRequest, model: str, stream: bool) -> bytes:
+        whole = whole_body(request, "anthropic", model, stream)
+        if whole is not None:
+            return whole
         turns = _conversation(request)
         system = "\n\n".join(text for role, text in turns if role == "system")
         # Anthropic's temperature runs 0..1 (the spine's, OpenAI's, 0..2): the nearest it takes.
@@ -207,16 +262,31 @@ class AnthropicMessages:
         return orjson.dumps(body)
 
     @staticmethod
-    def answer(raw: bytes) -> Answer:
+    def answer(raw: bytes, request: generation_pb2.GenerateRequest | None = None) -> Answer:
         data = loads(raw, "the upstream's answer")
         try:
             blocks = data["content"]
             text = "".join(block["text"] for block in blocks if block.get("type") == "text")
             usage = data.get("usage") or {}
             prompt, cached = _anthropic_prompt(usage)
-            return Answer(text, _finish(data.get("stop_reason")), prompt, _count(usage, "output_tokens"), cached)
+            answer = Answer(text, _finish(data.get("stop_reason")), prompt, _count(usage, "output_tokens"), cached)
         except (KeyError, TypeError, AttributeError) as error:
             raise Malformed(f"the upstream's answer has no text content blocks ({error})") from None
+        if request is not None and request.api == translate.ANTHROPIC and request.body:
+            answer.body = raw
+        elif request is not None and request.api == translate.OPENAI and request.body:
+            answer.body = orjson.dumps(translate.anthropic_answer_to_openai(data))
+        return answer
+
+    @staticmethod
+    def relay(api: str) -> Relay | None:
+        """How each event becomes the client's (None: a request without a body)."""
+        if api == translate.ANTHROPIC:
+            return lambda name, data: [data.encode()]
+        if api == translate.OPENAI:
+            events = translate.AnthropicToOpenAIEvents()
+            return lambda name, data: events.feed(orjson.loads(data)) if name != "ping" else []
+        return None
 
     @staticmethod
     def event(name: str, data: str) -> Delta | None:

@@ -73,7 +73,7 @@ class UpstreamModels:
         return generation_pb2.GenerateResponse(
             text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=prompt,
             completion_tokens=completion, system_digest=system_digest(request.system),
-            cached_prompt_tokens=answer.cached_tokens)
+            cached_prompt_tokens=answer.cached_tokens, body=answer.body)
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
@@ -117,10 +117,10 @@ class UpstreamModels:
                 ended.prompt_tokens = delta.prompt_tokens or ended.prompt_tokens
                 ended.completion_tokens = delta.completion_tokens or ended.completion_tokens
                 ended.cached_tokens = delta.cached_tokens or ended.cached_tokens
-                if delta.text:
+                if delta.text or delta.events:
                     texts.append(delta.text)
                     yield generation_pb2.GenerateChunk(text=delta.text, index=index, model=request.model,
-                                                       system_digest=digest)
+                                                       system_digest=digest, events=delta.events)
                     index += 1
             prompt, completion, counted_by = _counted(endpoint.tokens, request, ended.prompt_tokens,
                                                       ended.completion_tokens, "".join(texts))

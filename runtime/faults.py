@@ -25,6 +25,7 @@ import grpc
 
 from runtime.config.model import SpineConfig
 from services.inference.api import ChunkStream, Generated
+from services.inference.upstream.translate import OPENAI
 from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.local_context import LocalRpcError
 from wire.v1 import generation_pb2, inference_pb2
@@ -117,7 +118,21 @@ class WrongAnswers:
         altered.CopyFrom(request)
         altered.temperature = 1.0
         altered.seed = zlib.crc32(request.prompt.encode())
+        if request.body:  # an upstream engine reads the client's body, not the fields above
+            altered.body = _sampled_body(request.body, request.api, altered.seed)
         return altered
+
+
+def _sampled_body(raw: bytes, api: str, seed: int) -> bytes:
+    """The client's body with the fault's sampling: temperature 1 (Anthropic's highest) and,
+    where the API has one, the fault's seed, so the wrong answer is still the same each time."""
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        return raw
+    body["temperature"] = 1.0
+    if api == OPENAI:
+        body["seed"] = seed
+    return json.dumps(body).encode()
 
 
 # Faults `spine up --inject-fault NAME` can switch on: rehearsals and tests only.

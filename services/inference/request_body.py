@@ -27,7 +27,7 @@ _EMPTY: tuple[Any, ...] = (None, [], "", {}, False)
 
 def builtin_refusal(api: str, raw: bytes, model: str) -> str | None:
     """Why built-in `model` cannot answer the request whose body is `raw` (None: it can)."""
-    if api == "openai.embeddings":
+    if api == "openai.embeddings":  # answered before this by a backend that pools (`Embedder`)
         return (f"embeddings: the built-in model {model!r} does not embed; route the request to a model with "
                 "upstream: (an engine serving /v1/embeddings)")
     if not raw or api not in REFUSED:

@@ -44,6 +44,7 @@ from services.common.tenant_shares import TenantShares, tenant_from
 from services.inference.api import Generated
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
+from services.inference.embeddings import EMBEDDINGS_API, Embedder, EmbeddingRefused, embed_request
 from services.inference.genai_metrics import GenAiServerStats, ServedRequest
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.inference.load_hints import LOAD_HEADER, DeviceGauge, LoadReport
@@ -137,6 +138,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     # -- gRPC --------------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
+        if request.api == EMBEDDINGS_API:
+            return self._embed(request, context)
         with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
             stops = self._stops(request, context)
             job, prompt_tokens = self._start(request, context, stream=False)
@@ -156,6 +159,26 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return generation_pb2.GenerateResponse(
             text=text, token_ids=tokens, model=request.model, finish_reason=finish, stop_sequence=stop_sequence,
             prompt_tokens=prompt_tokens, completion_tokens=len(tokens), system_digest=system_digest(request.system))
+
+    def _embed(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
+        """`POST /v1/embeddings` from the built-in model's pooled hidden states, where its backend
+        pools (`Embedder`); else the client's 400 naming the model. One forward per input on the
+        request's thread, beside the engine's steps (the forward shares no cache with them)."""
+        if request.model != self.config.model_id:
+            self._abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+        if not isinstance(self.backend, Embedder):
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"embeddings: the built-in model {request.model!r} does not embed (a transformers model "
+                        "directory does: inference.backend.class hf); or route the request to a model with "
+                        "upstream: (an engine serving /v1/embeddings)")
+        try:
+            embedded = embed_request(request.body, request.model, self.backend)
+        except EmbeddingRefused as error:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        context.set_trailing_metadata(self._load_metadata())
+        return generation_pb2.GenerateResponse(model=request.model, body=embedded.body, finish_reason="stop",
+                                               prompt_tokens=embedded.prompt_tokens)
 
     def _stops(self, request: generation_pb2.GenerateRequest, context: Any) -> tuple[str, ...]:
         try:

@@ -40,6 +40,7 @@ MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 WHEELS = REPO / ".cache" / "wheels"
 SPEC = MODELS["smollm2-135m-instruct"]
 ANSWERS: dict[str, tuple[str, ...]] = {}
+EMBEDDED = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Quarterly revenue grew four percent."]
 # The fit sizes the CPU's budget; on CUDA `auto` already reads the device's free memory.
 on_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the model fit is for the CPU's auto budget")
 
@@ -256,6 +257,10 @@ def test_spine_up_serves_it_with_no_config_and_answers_paris_in_both_layouts(
         http_message = anthropic.Anthropic(base_url=f"http://{address}", api_key=DEV_KEY, max_retries=0,
                                            timeout=120).messages.create(
             model="default", messages=question, max_tokens=16, extra_body={"temperature": 0})  # type: ignore[arg-type]
+        # Embeddings from the model's own pooled hidden states; the SDK asks for base64 by default.
+        embedder = openai.OpenAI(base_url=f"http://{address}/v1", api_key=DEV_KEY, max_retries=0, timeout=120)
+        embedded = embedder.embeddings.create(model="default", input=EMBEDDED)
+        as_floats = embedder.embeddings.create(model="default", input=EMBEDDED[0], encoding_format="float")
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
@@ -267,6 +272,12 @@ def test_spine_up_serves_it_with_no_config_and_answers_paris_in_both_layouts(
     http_text = http_chat.choices[0].message.content or ""
     assert "Paris" in http_text and http_chat.choices[0].finish_reason == "stop"  # ended at <|im_end|>
     assert http_message.content[0].text == http_text  # type: ignore[union-attr]
+    vectors = [item.embedding for item in embedded.data]
+    assert [len(v) for v in vectors] == [576] * 3 and embedded.usage.prompt_tokens > 0  # SmolLM2-135M's hidden size
+    assert as_floats.data[0].embedding == pytest.approx(vectors[0], abs=1e-6)
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-4 for v in vectors)  # normalised: the cosine is the dot product
+    cosine = [[sum(a * b for a, b in zip(u, v, strict=True)) for v in vectors] for u in vectors]
+    assert cosine[0][1] > cosine[0][2] and cosine[0][1] > cosine[1][2]  # the paraphrase is the nearest
     ANSWERS[layout] = (plain.text, chat.text, http_text)
     if len(ANSWERS) == 2:
         assert ANSWERS["collapsed"] == ANSWERS["layered"]

@@ -333,3 +333,45 @@ def test_weights_larger_than_the_device_budget_are_refused_before_loading(tmp_pa
 def test_unknown_options_are_refused_naming_the_known_ones(model_dirs: dict[str, Path]) -> None:
     message = _refusal({"path": str(model_dirs["llama"]), "max_ctx": 64})
     assert message.startswith("inference.backend.options: unknown option(s) max_ctx; known: path, max_context")
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+def _embed(service: InferenceService, model: str = "tiny-llama", **body: Any) -> Any:
+    req = generation_pb2.GenerateRequest(model=model, prompt="x", max_tokens=1, api="openai.embeddings",
+                                         body=json.dumps(body).encode())
+    return service.Generate(req, LocalContext())
+
+
+def test_an_hf_model_embeds_with_its_pooled_hidden_states_in_openais_shape(model_dirs: dict[str, Path]) -> None:
+    service = _service(model_dirs["llama"], backend={"class": "hf", "options": {"path": str(model_dirs["llama"]),
+                                                                                 "max_context": 64}})
+    try:
+        answer = json.loads(_embed(service, input=["Hello, world!", [5, 6, 7]]).body)
+        first, second = (item["embedding"] for item in answer["data"])
+        size = service.backend.model.module.config.hidden_size  # type: ignore[attr-defined]
+        assert len(first) == len(second) == size and first != second
+        assert abs(sum(x * x for x in first) - 1) < 1e-4
+        assert answer["usage"]["prompt_tokens"] == len(service.backend.encode("Hello, world!")) + 3
+        again = json.loads(_embed(service, input="Hello, world!", encoding_format="base64").body)
+        assert isinstance(again["data"][0]["embedding"], str)  # little-endian float32, as the SDK decodes it
+        for body, field in (({"input": "hi", "dimensions": 3}, "dimensions"), ({"input": []}, "input"),
+                            ({"input": "Hello " * 80}, "input[0]"), ({"input": "hi", "encoding_format": "x"},
+                                                                     "encoding_format")):
+            with pytest.raises(LocalRpcError) as refused:
+                _embed(service, **body)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith(field), refused.value.details()
+    finally:
+        service.close()
+
+
+def test_a_model_that_cannot_pool_refuses_embeddings_by_name() -> None:
+    service = InferenceService(InferenceConfig.parse({"model_id": "tiny-lm", "max_batch": 2}),
+                               DeviceContext(device=CPU))
+    try:
+        with pytest.raises(LocalRpcError) as refused:
+            _embed(service, model="tiny-lm", input="hi")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'tiny-lm' does not embed" in refused.value.details()
+    finally:
+        service.close()

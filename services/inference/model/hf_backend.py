@@ -30,6 +30,7 @@ from services.common import ConfigError
 from services.inference.model.chat import ChatMessage, check_messages, plain_parts
 from services.inference.model.hf_check import ModelDir, check_context, check_weights_fit, inspect_model_dir
 from services.inference.model.interface import DeviceLike, torch_device
+from services.inference.model.pooling import hidden_size, mean_pooled
 from services.pipeline.system_prompt import SEPARATOR
 
 log = logging.getLogger("spine.inference")
@@ -159,6 +160,15 @@ class HFBackend:
     def encode_messages_parts(self, messages: Iterable[Mapping[str, Any] | ChatMessage]) -> tuple[list[int], list[int]]:
         """(shared prefix, prompt) ids of a conversation: see `HFTokenizer.messages_parts`."""
         return self.tokenizer.messages_parts(messages)
+
+    @property
+    def embedding_size(self) -> int:
+        return hidden_size(self.model.module)
+
+    def embed(self, ids: Sequence[int]) -> list[float]:
+        """The model's pooled embedding of `ids` (`services.inference.model.pooling`): what
+        `POST /v1/embeddings` answers with from this backend."""
+        return mean_pooled(self.model.module, ids, self.tokenizer.bos_id)
 
 
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:

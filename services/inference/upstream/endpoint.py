@@ -116,7 +116,8 @@ class UpstreamEndpoint:
             url = self.spec.base_url + EMBEDDINGS_PATH if request.api == translate.EMBEDDINGS else self.url
             async with self.transport.post(url, self.headers, body, timeout_s) as reply:
                 if reply.status != 200:
-                    raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers)
+                    raise self._http_failure(reply.status, await reply.read(MAX_ERROR_BODY), reply.headers,
+                                             embeddings=request.api == translate.EMBEDDINGS)
                 raw = await reply.read(MAX_ANSWER_BYTES + 1)
             if len(raw) > MAX_ANSWER_BYTES:
                 raise AttemptFailure(Kind.MALFORMED, f"{self!r} answered more than {MAX_ANSWER_BYTES} bytes", 200)
@@ -196,8 +197,14 @@ class UpstreamEndpoint:
         Authorization header it got back, as OpenAI's 401 does)."""
         return text.replace(self._key, REDACTED) if self._key else text
 
-    def _http_failure(self, status: int, raw: bytes, headers: Any) -> AttemptFailure:
+    def _http_failure(self, status: int, raw: bytes, headers: Any, embeddings: bool = False) -> AttemptFailure:
         said = self.redact(error_message(raw))
+        if embeddings and status in (404, 405):  # an engine with no embeddings for this model: the
+            # client asked a generative model to embed; not the engine's fault, so not counted
+            # towards ejecting it (a client could otherwise eject an engine with requests it cannot serve)
+            return AttemptFailure(Kind.REFUSED, f"embeddings: {self!r} does not serve embeddings for its model "
+                                                f"(its /embeddings answered {status}); ask a model that embeds",
+                                  status, detail=said)
         kind = kind_for_status(status, said, is_context_length(said))
         wait = None
         if status == 429:

@@ -172,6 +172,8 @@ def _tool_to_openai(tool: dict[str, Any], i: int) -> dict[str, Any]:
     function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
     if tool.get("description"):
         function["description"] = tool["description"]
+    if isinstance(tool.get("strict"), bool):  # the engine then holds the call's input to the schema
+        function["strict"] = tool["strict"]
     return {"type": "function", "function": function}
 
 
@@ -199,7 +201,7 @@ def openai_answer_to_anthropic(data: dict[str, Any], stop_sequences: Any = None)
         function = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
                         "input": _arguments(function.get("arguments"))})
-    stop_reason = _FINISH_TO_ANTHROPIC.get(choice.get("finish_reason"), "end_turn")
+    stop_reason = _stop_reason(choice.get("finish_reason"), bool(message.get("tool_calls")))
     matched = choice.get("stop_reason")  # vLLM names the stop string it met
     stop_sequence = matched if isinstance(matched, str) and matched in (stop_sequences or ()) else None
     if stop_sequence is not None:
@@ -207,6 +209,15 @@ def openai_answer_to_anthropic(data: dict[str, Any], stop_sequences: Any = None)
     return {"id": data.get("id"), "type": "message", "role": "assistant", "model": data.get("model"),
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": usage_to_anthropic(data.get("usage"))}
+
+
+def _stop_reason(finish: Any, called: bool) -> str:
+    """Anthropic's stop reason for an OpenAI finish reason. A turn that ended with tool calls is
+    `tool_use` whatever the engine's finish says: vLLM ends a forced (named) call with `stop`,
+    and an Anthropic client runs its tools only on `tool_use`."""
+    if called and finish in ("stop", "tool_calls", "function_call"):
+        return "tool_use"
+    return _FINISH_TO_ANTHROPIC.get(finish, "end_turn")
 
 
 def usage_to_anthropic(usage: Any) -> dict[str, int]:
@@ -259,7 +270,7 @@ class OpenAIToAnthropicEvents:
                 if function.get("arguments"):
                     out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
             if choice.get("finish_reason"):
-                self.stop_reason = _FINISH_TO_ANTHROPIC.get(choice["finish_reason"], "end_turn")
+                self.stop_reason = _stop_reason(choice["finish_reason"], bool(self.tools))
         return out
 
     def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
@@ -375,6 +386,8 @@ def _tool_to_anthropic(tool: dict[str, Any], i: int) -> dict[str, Any]:
     out = {"name": function.get("name"), "input_schema": function.get("parameters") or {"type": "object"}}
     if function.get("description"):
         out["description"] = function["description"]
+    if isinstance(function.get("strict"), bool):
+        out["strict"] = function["strict"]
     return out
 
 

@@ -113,7 +113,7 @@ VARIANT ?= cpu
 image: install containers
 	$(PY) -m spine.tools.image build --variant $(VARIANT)
 
-test: install test-tools
+test: install test-tools engine
 	$(PY) -m pytest -q
 
 bench: install engine

@@ -83,3 +83,29 @@ def spine_layouts(engine: VllmEngine, tmp: Path) -> Iterator[dict[str, Stack]]:
     finally:
         for stack in stacks.values():
             stack.stop()
+
+
+def spine_openai(stack: Stack) -> Any:
+    """The official OpenAI client, pointed at `stack`'s HTTP API with the tests' key."""
+    import openai
+
+    from tests.conftest import DEV_KEY
+
+    return openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=DEV_KEY, max_retries=0, timeout=120)
+
+
+def spine_anthropic(stack: Stack) -> Any:
+    """The official Anthropic client, pointed at `stack`'s HTTP API with the tests' key."""
+    import anthropic
+
+    from tests.conftest import DEV_KEY
+
+    return anthropic.Anthropic(base_url=f"http://{stack.http_address}", api_key=DEV_KEY, max_retries=0, timeout=120)
+
+
+def engine_client(engine: VllmEngine) -> Any:
+    """The official OpenAI client asking vLLM itself, without the spine."""
+    import openai
+
+    return openai.OpenAI(base_url=engine.base_url, api_key=ENGINE_KEY, max_retries=0, timeout=120)
+

@@ -14,14 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import openai
 import pytest
 
 from runtime.stack import Stack
 from spine.tools.demo.litellm_gateway import LiteLLMGateway
-from tests.conftest import DEV_KEY
-from tests.vllm_server import ENGINE_KEY, SERVED_NAME, VLLM_MODEL
+from tests.vllm_server import (
+    ENGINE_KEY,
+    SERVED_NAME,
+    VLLM_MODEL,
+    engine_client,
+    spine_anthropic,
+    spine_openai,
+)
 
 # The first test here may start vLLM for the session (`vllm_engine`): minutes on a loaded 2-core host.
 pytestmark = pytest.mark.timeout(900)
@@ -31,18 +36,10 @@ QUESTION: Any = [{"role": "system", "content": "Answer in one short sentence."},
             {"role": "user", "content": "What is the capital of France?"}]
 
 
-def spine_openai(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=DEV_KEY, max_retries=0, timeout=120)
-
-
-def spine_anthropic(stack: Stack) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=f"http://{stack.http_address}", api_key=DEV_KEY, max_retries=0, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def direct(vllm_engine: Any) -> openai.OpenAI:
     """vLLM itself, asked without the spine."""
-    return openai.OpenAI(base_url=vllm_engine.base_url, api_key=ENGINE_KEY, max_retries=0, timeout=120)
+    return engine_client(vllm_engine)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from services.common.token_estimate import estimate_tokens
 from services.gateway import model_calls
 from services.gateway.model_calls import ModelCallSpans, first_chunk
 from services.gateway.model_load import ModelLoads
+from services.inference.answer_reading import tool_call_pieces, tool_call_text
 from services.inference.api import INFERENCE, ChunkStream, Generated
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
@@ -198,7 +199,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             try:
                 self.steps.admission.admit(state)
                 if state.hit is not None:
-                    self._police(state, state.hit.text, state.hit.token_ids)
+                    self._police_answer(state, state.hit)
                     context.set_trailing_metadata(self._answer_trailing(state))
                     return state.hit
                 assert state.resolved is not None
@@ -207,7 +208,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 self.model_load.note_trailers(state.model, trailers)
                 _model_time(state, trailers)
                 _used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
-                self._police(state, response.text, response.token_ids)
+                self._police_answer(state, response)
                 state.response = response
                 context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
                 return response
@@ -224,7 +225,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 self.steps.admission.admit(state)
                 hit = state.hit
                 if hit is not None:
-                    self._police(state, hit.text, hit.token_ids)
+                    self._police_answer(state, hit)
                     context.set_trailing_metadata(self._answer_trailing(state))
                     counted = not hit.token_ids  # an upstream's answer has no token ids, only its counts
                     yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
@@ -248,7 +249,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 usage = (0, 0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
                 try:
                     for chunk in stream:
-                        if check is not None and (found := check.check(chunk.text, chunk.token_ids)) is not None:
+                        if check is not None and (found := check.check(_policed(chunk.text, chunk.events),
+                                                                       chunk.token_ids)) is not None:
                             raise self._violation(state, found)  # the chunk is never released; the model stops
                         tokens.extend(chunk.token_ids)
                         texts.append(chunk.text)
@@ -356,6 +358,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         if self.policy is not None and (found := self.policy.check(state.tenant, state.model, text,
                                                                     token_ids)) is not None:
             raise self._violation(state, found)
+
+    def _police_answer(self, state: RequestState, response: generation_pb2.GenerateResponse) -> None:
+        """A whole answer, its text and its tool calls' arguments, against the output policy."""
+        calls = tool_call_text(response.body) if response.body and self.policy is not None else ""
+        self._police(state, f"{response.text}\n{calls}" if calls else response.text, response.token_ids)
 
     def _violation(self, state: RequestState, found: Violation) -> Stop:
         state.policy_violation = True
@@ -537,3 +544,9 @@ def add_gateway_to_server(servicer: Any, server: Any) -> None:
             response_serializer=generation_pb2.GenerateChunk.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spine.v1.Gateway", handlers),))
+
+
+def _policed(text: str, events: Any) -> str:
+    """What of a streamed chunk the output policy reads: its text and its tool-call pieces."""
+    calls = tool_call_pieces(events) if events else ""
+    return text + calls if calls else text

@@ -53,10 +53,14 @@ def stacks(tmp_path_factory: pytest.TempPathFactory, engine: FaultUpstream) -> I
     served = {"base_url": engine.base_url, "api_key_file": str(key_file)}
     routes = [{"id": "engine", "upstream": {**served, "model": "echo"}},
               {"id": "claude-engine", "upstream": {**served, "model": "echo", "protocol": "anthropic"}},
-              {"id": "text-only", "upstream": {**served, "model": "bad-image"}}]
+              {"id": "text-only", "upstream": {**served, "model": "bad-image"}},
+              {"id": "policed-engine", "upstream": {**served, "model": "echo"}}]
+    # The echo engine's tool calls ask for Paris: on this route only, an answer that says so is refused.
+    policy = {"rules": [{"name": "no-paris-calls", "phrases": ["Paris"], "models": ["policed-engine"]}]}
     config = config_for_tests(
         router={"models": [*(m.model_dump(exclude_none=True) for m in load_config().router.models), *routes]},
-        http={"max_body_bytes": 8192}, ratelimit={"tenants": TEST_OVERRIDES["ratelimit"]["tenants"]})
+        http={"max_body_bytes": 8192}, ratelimit={"tenants": TEST_OVERRIDES["ratelimit"]["tenants"]},
+        output_policy=policy)
     running: dict[str, Stack] = {}
     try:
         for layout in LAYOUTS:
@@ -392,3 +396,35 @@ def test_the_responses_api_on_a_built_in_model_and_what_it_refuses(stacks: dict[
     with pytest.raises(openai.BadRequestError) as search:
         client.responses.create(model="engine", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
     assert "tools[0].type" in search.value.message
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_output_policy_reads_tool_call_arguments_plain_and_streamed(stacks: dict[str, Stack],
+                                                                       layout: str) -> None:
+    """A call's arguments reach a tool with more consequence than prose: the policy reads them in
+    each API, whole and as streamed pieces, and the call never reaches the client."""
+    from tests.http_helpers import sse_events
+
+    forced = {"type": "function", "function": {"name": "weather"}}
+    chat = {"model": "policed-engine", "max_tokens": 16, "tools": [WEATHER], "tool_choice": forced,
+            "messages": [{"role": "user", "content": "Weather?"}]}
+    claude = {"model": "policed-engine", "max_tokens": 16, "tools": [CLAUDE_WEATHER],
+              "tool_choice": {"type": "tool", "name": "weather"}, "messages": [{"role": "user", "content": "Weather?"}]}
+    with httpx.Client(base_url=f"http://{stacks[layout].http_address}", timeout=30) as client:
+        answers = [client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"}, json=chat),
+                   client.post("/v1/messages", headers={"x-api-key": DEV_KEY}, json=claude)]
+        streams = [client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
+                               json={**chat, "stream": True}),
+                   client.post("/v1/messages", headers={"x-api-key": DEV_KEY}, json={**claude, "stream": True})]
+        unpoliced = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
+                                json={**chat, "model": "engine"})
+    for answer in answers:
+        assert answer.status_code == 400 and answer.json()["error"] == "content_policy_violation", answer.text
+    for streamed in streams:
+        assert "Paris" not in streamed.text
+        if streamed.status_code == 200:  # the stream had begun: it ends with the error
+            assert json.loads(sse_events(streamed.text)[-1][1])["error"] == "content_policy_violation"
+        else:
+            assert streamed.status_code == 400 and streamed.json()["error"] == "content_policy_violation"
+    assert unpoliced.status_code == 200 and "Paris" in unpoliced.text  # the rule names its route only
+

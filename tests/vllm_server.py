@@ -76,8 +76,10 @@ def spine_layouts(engine: VllmEngine, tmp: Path) -> Iterator[dict[str, Stack]]:
     stacks: dict[str, Stack] = {}
     try:
         for layout in ("collapsed", "layered"):
+            # vLLM computes on the same two cores as the layered processes: a health answer may wait
+            # behind its step, and the default half second would cut an answering process off.
             stacks[layout] = Stack(config, placements_for(layout, config), run_dir=tmp / layout,
-                                   http_listen="127.0.0.1:0")
+                                   http_listen="127.0.0.1:0", health_timeout_s=5.0)
             stacks[layout].start()
         yield stacks
     finally:

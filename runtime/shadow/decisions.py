@@ -37,7 +37,10 @@ class Decision:
     ratelimit: str   # "passed" | "limited"
     route: str       # the resolved model, "" when the request never got an answer
     cached: bool
-    tokens: tuple[int, ...] | None  # None: sampled without a seed, so any answer is right
+    # The answer's token ids (None: sampled without a seed, so any answer is right). An upstream
+    # engine's answer has no ids, only text: its characters' code points are compared instead,
+    # so a spine answering differently over an engine is caught as over a built-in model.
+    tokens: tuple[int, ...] | None
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -53,10 +56,14 @@ def decide(request: generation_pb2.GenerateRequest, code: grpc.StatusCode | str,
     if response is not None:
         tokens: tuple[int, ...] = tuple(response.token_ids)
         cached, model = response.cached, response.model
+        text = response.text
     else:
         tokens = tuple(t for chunk in chunks for t in chunk.token_ids)
         cached = any(chunk.cached for chunk in chunks)
         model = next((chunk.model for chunk in chunks if chunk.model), "")
+        text = "".join(chunk.text for chunk in chunks)
+    if not tokens and text:  # an upstream engine's answer carries no token ids: its characters stand in
+        tokens = tuple(map(ord, text))
     sampled_unseeded = request.temperature > 0 and not request.HasField("seed")
     limited = status == "RESOURCE_EXHAUSTED" and "rate limit" in details
     return Decision(

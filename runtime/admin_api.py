@@ -51,8 +51,8 @@ class AdminApi:
         _, keys = self.keys.store.load()
         return {key.id: (key.budget_usd, key.budget_window) for key in keys if key.budget_usd}
 
-    def grpc_services(self) -> list[tuple[ComponentSpec, Any]]:
-        services: list[tuple[ComponentSpec, Any]] = [(SPEND_ADMIN, self.spend)]
+    def grpc_services(self) -> list[tuple[ComponentSpec[Any], Any]]:
+        services: list[tuple[ComponentSpec[Any], Any]] = [(SPEND_ADMIN, self.spend)]
         if self.key_service is not None:
             services.insert(0, (KEY_ADMIN, self.key_service))
         return services

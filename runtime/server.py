@@ -228,7 +228,7 @@ def request_pool(inference: InferenceConfig) -> PoolSize:
 
 
 def start_server(
-    services: Sequence[tuple[ComponentSpec, Any]],
+    services: Sequence[tuple[ComponentSpec[Any], Any]],
     listen: str,
     *,
     max_message_bytes: int = 1 << 20,

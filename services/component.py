@@ -14,7 +14,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Never, TypeVar
 
 import grpc
 from google.protobuf import descriptor as pb_descriptor
@@ -54,21 +54,27 @@ class ComponentConfig(Section):
     inference: InferenceConfig = InferenceConfig()
 
 
-# What builds a servicer: from the whole config's component sections, the device it keeps
-# its state on, and the run directory (where files it writes go).
-Factory = Callable[[ComponentConfig, DeviceState, Path], object]
+T = TypeVar("T")  # a component's interface (`services/<name>/api.py`), e.g. `Auth`
+
+# What builds a servicer that implements the interface `T`: from the whole config's component
+# sections, the device it keeps its state on, and the run directory (where files it writes go).
+Factory = Callable[[ComponentConfig, DeviceState, Path], T]
 
 
 @dataclass(frozen=True)
-class ComponentSpec:
-    """How to build, serve, reach and call one component."""
+class ComponentSpec(Generic[T]):
+    """How to build, serve, reach and call one component whose interface is `T`.
+
+    The factory returns a `T` and the steps are `Step[T]`, so the type checker holds the
+    servicer to its interface where the table is written: a servicer that lacks an
+    operation its steps call is refused there, not by a test at run time."""
 
     name: str  # also its config section and its process name in the layered layout
     proto_module: str  # e.g. "wire.v1.auth_pb2"
     service: str  # the service's name in the proto, e.g. "Auth"
-    factory: Factory  # builds the servicer
+    factory: Factory[T]  # builds the servicer
     config: type[Section] | None  # its config section's model (None: no section of its own)
-    steps: tuple[type[Step[Any]], ...]  # the pipeline steps that call it (their order: the registry's path)
+    steps: tuple[type[Step[T]], ...]  # the pipeline steps that call it (their order: the registry's path)
     fail_mode: FailMode = FailMode.CLOSED
     budget_ms: float = 250.0  # the default call budget of its stages
     middleware: bool = True  # False for the model: placed, but not migrated as a middleware
@@ -78,12 +84,12 @@ class ComponentSpec:
     # "module:function" adding the servicer to a server, when the generated one will not do.
     register: str = ""
     # Other services' APIs it also answers and can be reached through (Envoy's).
-    foreign: tuple[ForeignApi, ...] = ()
+    foreign: tuple[ForeignApi[T], ...] = ()
     # Where `placements:` puts it when the config leaves it out.
     placement: Placement = "remote"
 
     @property
-    def interface(self) -> Interface[Any] | None:
+    def interface(self) -> Interface[T] | None:
         """Its interface (`services/<name>/api.py`), as its steps declare it (None: it has no step)."""
         return self.steps[0].interface if self.steps else None
 
@@ -109,7 +115,7 @@ class ComponentSpec:
         else:
             getattr(self._grpc_module(), f"add_{self.service}Servicer_to_server")(servicer, server)
 
-    def build(self, config: ComponentConfig, device: DeviceState, run_dir: Path) -> Any:
+    def build(self, config: ComponentConfig, device: DeviceState, run_dir: Path) -> T:
         return self.factory(config, device, run_dir)
 
     def policy(self, budget_ms: float | None = None) -> StepPolicy:
@@ -118,7 +124,7 @@ class ComponentSpec:
 
 
 @dataclass(frozen=True)
-class ForeignApi:
+class ForeignApi(Generic[T]):
     """Another service's API for the same decision (Envoy's ext_authz, its rate limit service).
 
     Both ways: every process that holds or reaches the component answers it (`server`: a
@@ -133,18 +139,18 @@ class ForeignApi:
     # (config, the components as placed at each call, its call budget in s) -> the API's servicer
     server: Callable[[ComponentConfig, Placed, float], object]
     # (channel, the placement's options, config) -> the component's interface in that protocol
-    client: Callable[[grpc.Channel, Mapping[str, Any], ComponentConfig], object]
+    client: Callable[[grpc.Channel, Mapping[str, Any], ComponentConfig], T]
 
-    def served(self) -> ComponentSpec:
+    def served(self) -> ComponentSpec[Never]:
         """What a server registers (the service, its health and reflection names)."""
         return ComponentSpec(self.protocol, self.proto_module, self.service, no_factory, None, ())
 
     def build_server(self, config: ComponentConfig, placed: Placed, budget_s: float) -> object:
         return self.server(config, placed, budget_s)
 
-    def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> object:
+    def build_client(self, channel: grpc.Channel, options: Mapping[str, Any], config: ComponentConfig) -> T:
         return self.client(channel, options, config)
 
 
-def no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> object:
+def no_factory(config: ComponentConfig, device: DeviceState, run_dir: Path) -> Never:
     raise TypeError("a foreign API is served by its component's servicer, never built on its own")

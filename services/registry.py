@@ -16,7 +16,7 @@ factory reads — is `services.component`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Never, TypeVar
 
 import grpc
 
@@ -53,6 +53,7 @@ from services.ratelimit.steps import RateLimitStep, ReleaseStep
 from services.router.config import RouterConfig
 from services.router.steps import RouterStep
 
+T = TypeVar("T")  # a component's interface
 # The steps on the path that call no component: the gateway's own checks.
 GATEWAY_STEPS: tuple[type[Step[Any]], ...] = (ValidationStep, ModelAccessStep)
 
@@ -61,14 +62,14 @@ class Registry:
     """An ordered set of components and the request path through their steps; the default
     one is `DEFAULT`, tests may extend it."""
 
-    def __init__(self, specs: Iterable[ComponentSpec], path: Sequence[type[Step[Any]]]) -> None:
-        self._specs: dict[str, ComponentSpec] = {}
+    def __init__(self, specs: Iterable[ComponentSpec[Any]], path: Sequence[type[Step[Any]]]) -> None:
+        self._specs: dict[str, ComponentSpec[Any]] = {}
         for spec in specs:
             if spec.name in self._specs:
                 raise ValueError(f"component {spec.name!r} is declared twice")
             self._specs[spec.name] = spec
         self.path = tuple(path)
-        self._owner: dict[type[Step[Any]], ComponentSpec] = {cls: spec for spec in self for cls in spec.steps}
+        self._owner: dict[type[Step[Any]], ComponentSpec[Any]] = {cls: spec for spec in self for cls in spec.steps}
         placed = set(self.path)
         missing = [cls.__name__ for cls in self._owner if cls not in placed]
         unknown = [cls.__name__ for cls in self.path if cls not in self._owner and cls not in GATEWAY_STEPS]
@@ -76,10 +77,10 @@ class Registry:
             raise ValueError(f"the path must hold every component's steps once: missing {missing}, "
                              f"unknown {unknown}, path {[cls.__name__ for cls in self.path]}")
 
-    def __iter__(self) -> Iterator[ComponentSpec]:
+    def __iter__(self) -> Iterator[ComponentSpec[Any]]:
         return iter(self._specs.values())
 
-    def __getitem__(self, name: str) -> ComponentSpec:
+    def __getitem__(self, name: str) -> ComponentSpec[Any]:
         return self._specs[name]
 
     def __contains__(self, name: object) -> bool:
@@ -106,7 +107,7 @@ class Registry:
         protocols a placement may name for it)."""
         return tuple((spec.name, spec.placement, tuple(api.protocol for api in spec.foreign)) for spec in self)
 
-    def with_component(self, spec: ComponentSpec, *, after: type[Step[Any]]) -> Registry:
+    def with_component(self, spec: ComponentSpec[Any], *, after: type[Step[Any]]) -> Registry:
         """This table plus one more component, its steps joining the path right after `after`."""
         at = self.path.index(after) + 1
         return Registry([*self, spec], [*self.path[:at], *spec.steps, *self.path[at:]])
@@ -122,10 +123,10 @@ class Registry:
         return steps
 
 
-def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step[Any]], ...], factory: Factory, *,
+def _spec(name: str, service: str, config: type[Section], steps: tuple[type[Step[T]], ...], factory: Factory[T], *,
           passes: tuple[grpc.StatusCode, ...] = (), fail_mode: FailMode = FailMode.CLOSED,
-          budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi, ...] = (),
-          placement: Placement = "local") -> ComponentSpec:
+          budget_ms: float = 250.0, middleware: bool = True, foreign: tuple[ForeignApi[T], ...] = (),
+          placement: Placement = "local") -> ComponentSpec[T]:
     return ComponentSpec(name, f"wire.v1.{name}_pb2", service, factory, config, steps,
                          fail_mode, budget_ms, middleware, frozenset(passes), foreign=foreign, placement=placement)
 
@@ -170,7 +171,7 @@ DEFAULT = Registry([
     LogsStep,  # before metrics, so a failed append is counted in the request's record
     MetricsStep,
 ))
-GATEWAY = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", no_factory, None, (),
+GATEWAY: ComponentSpec[Never] = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", no_factory, None, (),
                         register="services.gateway.service:add_gateway_to_server")
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares

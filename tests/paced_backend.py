@@ -2,8 +2,8 @@
 
 Loaded by dotted path from a config (`inference.backend: {class: "tests.paced_backend:paced",
 options: {step_ms: 30}}`), so the layered inference process builds it too: a request of
-`max_tokens` tokens then runs for about `max_tokens × step_ms` in every layout; `SlowedModel`, a model that turns slow after it
-started (a host that becomes busy). No tests here.
+`max_tokens` tokens then runs for about `max_tokens × step_ms` in every layout. `SlowedModel`
+is a model that turns slow after it started (a host that becomes busy). No tests here.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ profile: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --strict services runtime migration
+	$(VENV)/bin/mypy --strict services runtime migration monolith spine bench
 	$(VENV)/bin/lint-imports
 
 clean:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +149,11 @@ def layered_containers(work: Path, image: str) -> tuple[float, int]:
 
 def measure(starts: int, image: str) -> dict[str, Any]:
     runs: dict[str, list[tuple[float, int]]] = {}
-    cases = {"collapsed/process": lambda w: collapsed_process(w),
-             "collapsed/container": lambda w: collapsed_container(w, image),
-             "layered/process": lambda w: layered_process(w),
-             "layered/container": lambda w: layered_containers(w, image)}
+    cases: dict[str, Callable[[Path], tuple[float, int]]] = {
+        "collapsed/process": collapsed_process,
+        "collapsed/container": lambda w: collapsed_container(w, image),
+        "layered/process": layered_process,
+        "layered/container": lambda w: layered_containers(w, image)}
     for round_ in range(starts):  # interleaved, so a busy moment hits both sides
         for case, run in cases.items():
             with tempfile.TemporaryDirectory(prefix="spine-bench-image-") as tmp:

@@ -30,7 +30,8 @@ from typing import Any
 
 from monolith.device import DeviceContext
 from services.ratelimit.admission import AdmitItem, AdmitVerdict
-from services.ratelimit.service import RateLimitConfig, RateLimitService
+from services.ratelimit.config import RateLimitConfig
+from services.ratelimit.service import RateLimitService
 from spine.tools.local_redis import CuttableLink, LocalRedis
 
 ROOMY = {"requests_per_second": 1e9, "burst": 1e9, "tokens_per_minute": 1e12, "token_burst": 1e12}

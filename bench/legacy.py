@@ -164,7 +164,7 @@ def _cell(turns: list[dict[str, Any]]) -> dict[str, Any]:
     def per_request_ms(key: str) -> float | None:
         if turns[0][key] is None:
             return None
-        return round(sum(t[key] for t in turns) / requests * 1000, 3)
+        return round(float(sum(t[key] for t in turns)) / requests * 1000, 3)
 
     return {
         "p50_ms": round(statistics.median(t["p50_ms"] for t in turns), 3),
@@ -185,7 +185,7 @@ def _judge(cells: dict[str, dict[str, Any]], turns: dict[str, dict[int, list[dic
         if target not in turns:
             return None
         pairs = zip(turns[target][1], turns["bare"][1], strict=True)
-        return round(statistics.median(t["p50_ms"] - b["p50_ms"] for t, b in pairs), 3)
+        return round(float(statistics.median(t["p50_ms"] - b["p50_ms"] for t, b in pairs)), 3)
 
     out: dict[str, Any] = {f"{target}_added_p50_ms_c1": added(target) for target in TARGETS if target != "bare"}
     spine, litellm = out["spine-upstream_added_p50_ms_c1"], out.get("litellm_added_p50_ms_c1")

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import Call
-from bench.targets import CPU_PLACEMENT_ENV, server_cpu
+from bench.targets import server_cpu
 from runtime.observability.stats import percentile
+from services.inference.cpu_placement import ENV as CPU_PLACEMENT_ENV
 
 MB = 1024 * 1024
 

@@ -117,7 +117,7 @@ def servers(tmp: Path, say: Callable[[str], None]) -> Iterator[dict[str, Any]]:
 def added(turns: dict[str, dict[int, list[dict[str, Any]]]], target: str, figure: str) -> float:
     """The median over rounds of this target's figure less vLLM's in the same round (c=1)."""
     pairs = zip(turns[target][1], turns["vllm"][1], strict=True)
-    return round(statistics.median(t[figure] - b[figure] for t, b in pairs), 3)
+    return round(float(statistics.median(t[figure] - b[figure] for t, b in pairs)), 3)
 
 
 def measure(*, rounds: int = 3, seconds: float = 8.0, max_tokens: int = 8,

@@ -19,7 +19,10 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any, Protocol
+
+from services.common import sqlite_file
 
 log = logging.getLogger("spine.migration")
 
@@ -120,9 +123,7 @@ class SqliteBackend:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=5.0, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn = sqlite_file.connect(Path(self.path), timeout_s=5.0, synchronous="FULL")
         self._conn.executescript(_TABLES.replace("SERIAL_ID", "INTEGER PRIMARY KEY AUTOINCREMENT"))
         self._lock = threading.RLock()
 

@@ -19,11 +19,11 @@ from services.auth.config import AuthConfig
 from services.auth.key_admin import KeyAdmin
 from services.auth.key_admin_service import KeyAdminService
 from services.auth.key_store import open_key_store
+from services.component import ComponentSpec, no_factory
 from services.ratelimit.config import RateLimitConfig
 from services.ratelimit.spend_admin import SpendAdminService
 from services.ratelimit.spend_report import KeyBudgets
 from services.ratelimit.spend_store import open_spend_store
-from services.registry import ComponentSpec, no_factory
 
 log = logging.getLogger("runtime")
 
@@ -51,8 +51,8 @@ class AdminApi:
         _, keys = self.keys.store.load()
         return {key.id: (key.budget_usd, key.budget_window) for key in keys if key.budget_usd}
 
-    def grpc_services(self) -> list[tuple[ComponentSpec, Any]]:
-        services: list[tuple[ComponentSpec, Any]] = [(SPEND_ADMIN, self.spend)]
+    def grpc_services(self) -> list[tuple[ComponentSpec[Any], Any]]:
+        services: list[tuple[ComponentSpec[Any], Any]] = [(SPEND_ADMIN, self.spend)]
         if self.key_service is not None:
             services.insert(0, (KEY_ADMIN, self.key_service))
         return services

@@ -36,8 +36,8 @@ from grpc_reflection.v1alpha import reflection
 from runtime.config.sections import TlsConfig
 from runtime.tls import add_port, link_channel
 from services.common.thread_names import name_os_thread
+from services.component import ComponentSpec
 from services.inference.config import InferenceConfig
-from services.registry import ComponentSpec
 
 # Handler threads beyond what the model holds: cache hits, refusals, health and admission
 # in progress never wait for a slot, and must not wait behind those who do.
@@ -228,7 +228,7 @@ def request_pool(inference: InferenceConfig) -> PoolSize:
 
 
 def start_server(
-    services: Sequence[tuple[ComponentSpec, Any]],
+    services: Sequence[tuple[ComponentSpec[Any], Any]],
     listen: str,
     *,
     max_message_bytes: int = 1 << 20,

@@ -2,7 +2,8 @@
 
 Loaded by dotted path from a config (`inference.backend: {class: "tests.paced_backend:paced",
 options: {step_ms: 30}}`), so the layered inference process builds it too: a request of
-`max_tokens` tokens then runs for about `max_tokens × step_ms` in every layout. No tests here.
+`max_tokens` tokens then runs for about `max_tokens × step_ms` in every layout. `SlowedModel`
+is a model that turns slow after it started (a host that becomes busy). No tests here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,23 @@ class PacedModel(GatedModel):
 
     def step(self, segments: Sequence[Segment], cache: Any) -> Any:
         time.sleep(self.step_s)
+        return super().step(segments, cache)
+
+
+class SlowedModel(GatedModel):
+    """TinyLM that turns slow (a busy host): every step while `slow_s` is set, or the next
+    `slow_steps` steps. The pause is the slowness under test: the compute budget is measured
+    on the wall clock the model's steps take."""
+
+    slow_s = 0.0
+    slow_steps = 0
+
+    def step(self, segments: Sequence[Segment], cache: Any) -> Any:
+        if self.slow_steps:
+            self.slow_steps -= 1
+            time.sleep(0.01)
+        elif self.slow_s:
+            time.sleep(self.slow_s)
         return super().step(segments, cache)
 
 

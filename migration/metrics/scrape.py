@@ -43,6 +43,7 @@ from migration.metrics.source import (
 )
 from migration.target import ShadowCapability
 from runtime.shadow.metrics import COMPARED
+from services.common import Clock
 
 log = logging.getLogger("spine.migration.scrape")
 
@@ -165,10 +166,12 @@ class ScrapeSource:
     `endpoints` maps each side to its URLs; a source that only reads shadow comparisons
     (the built-in front's) has one group of another name instead, e.g. {"front": [URL]}:
     any group given must list at least one URL. `interval_s=None`: no background thread;
-    `scrape(group)` (and every `window` and `parity`) scrapes."""
+    `scrape(group)` (and every `window` and `parity`) scrapes. `clock` stamps each scrape and
+    ends each parity window: the wall clock the callers' `since` is read from (a test moves its
+    own instead of waiting)."""
 
     def __init__(self, endpoints: Mapping[str, Sequence[str]], interval_s: float | None = 0.5,
-                 timeout_s: float = 2.0, keep: int = 4096) -> None:
+                 timeout_s: float = 2.0, keep: int = 4096, clock: Clock = time.time) -> None:
         if not endpoints:
             raise ValueError("ScrapeSource: no endpoints to scrape")
         for side, urls in endpoints.items():
@@ -179,6 +182,7 @@ class ScrapeSource:
                 if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
                     raise ValueError(f"{side} metrics URL {url!r}: expected http://HOST:PORT/metrics")
         self.timeout_s = timeout_s
+        self._clock = clock
         self._sides = {side: _Group(urls, keep) for side, urls in endpoints.items()}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,7 +217,7 @@ class ScrapeSource:
                 state.last[url] = current
             if reached:
                 state.total = state.total + added
-                state.snapshots.append((time.time(), state.total))
+                state.snapshots.append((self._clock(), state.total))
         return failures
 
     def window(self, side: str, since: float) -> WindowStats:
@@ -233,7 +237,7 @@ class ScrapeSource:
     def parity(self, since: float) -> ParityStats:
         """The shadow comparisons since `since` from every endpoint that exports them (a
         fresh scrape ends the window); noise over `NOISE_WINDOWS` windows."""
-        now = time.time()
+        now = self._clock()
         reached = False
         for name, state in self._sides.items():
             failures = self.scrape(name)

@@ -19,7 +19,6 @@ the local migration serves on the front's own /metrics for the parity gate
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from typing import Any
 import grpc
 
 from migration.traffic.outcomes import SIDES, Outcome, OutcomeLog, SideWindow
+from migration.traffic.split import ROUTE_HEADER, SESSION_HEADER, checked_weight, sticky_side
 from runtime.config.sections import ShadowConfig, TlsConfig
 from runtime.shadow.decisions import LAYOUT_ERRORS as LAYOUT_ERROR_NAMES
 from runtime.shadow.decisions import Decision, decide
@@ -35,8 +35,6 @@ from runtime.shadow.traffic import Metadata, ShadowMirror, forward_metadata, gat
 from runtime.tls import link_channel
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
-ROUTE_HEADER = "x-spine-route"
-SESSION_HEADER = "x-session-id"
 SIDE_HEADER = "x-spine-side"
 
 # Codes that say the layout failed, as opposed to the client asking for something refused.
@@ -53,7 +51,7 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         # With `tls` (the deployment's), each side's gateway is dialed over mTLS on TCP.
         self.channels = {side: link_channel(addresses[side], tls) for side in SIDES}
         self.stubs: dict[str, gateway_pb2_grpc.GatewayStub] = {side: gateway_pb2_grpc.GatewayStub(self.channels[side]) for side in SIDES}
-        self.spine_weight = spine_weight
+        self.spine_weight = checked_weight(spine_weight)
         # Each side's gateway health (kept by migration.traffic.endpoint_health.EndpointHealth;
         # a gateway is SERVING only while its fail-closed components are): a request meant for
         # a side that is not SERVING goes to the other one, and counts as a failure of the
@@ -79,17 +77,14 @@ class Front(gateway_pb2_grpc.GatewayServicer):
         self.route_header = honoured
 
     def set_weight(self, spine_weight: float) -> None:
-        if not 0.0 <= spine_weight <= 100.0:
-            raise ValueError(f"spine_weight: must be between 0 and 100, got {spine_weight}")
-        self.spine_weight = spine_weight
+        self.spine_weight = checked_weight(spine_weight)
 
     def choose(self, metadata: dict[str, str]) -> str:
         forced = metadata.get(ROUTE_HEADER, "") if self.route_header else ""
         if forced in SIDES:
             return forced
         key = metadata.get(SESSION_HEADER) or metadata.get("authorization", "")
-        bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % 10_000
-        return "spine" if bucket < self.spine_weight * 100 else "layered"
+        return sticky_side(key, self.spine_weight)
 
     def route(self, metadata: dict[str, str]) -> str:
         """`choose`, then fail over from a side that is not SERVING (unless the side is forced)."""

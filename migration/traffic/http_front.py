@@ -26,7 +26,6 @@ for a shadow copy has its answer kept, up to `MAX_KEPT_BYTES`, to be compared.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import secrets
@@ -41,6 +40,7 @@ from migration.legacy_endpoint import LegacyEndpoint
 from migration.traffic.http_answers import is_greedy, read_answer
 from migration.traffic.http_mirror import HttpMirror, MirrorSettings
 from migration.traffic.outcomes import SIDES, Outcome, OutcomeLog, SideWindow
+from migration.traffic.split import ROUTE_HEADER, SESSION_HEADER, checked_weight, sticky_side
 from runtime.config.http import HttpConfig
 from runtime.http.body import BodyReader
 from runtime.http.bounded_protocol import response_bytes
@@ -53,8 +53,6 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-ROUTE_HEADER = "x-spine-route"
-SESSION_HEADER = "x-session-id"
 SIDE_HEADER = "x-spine-side"
 # What a client may name in `x-spine-route`, and the side it means (the gates call the
 # from side "layered" whatever it is).
@@ -109,9 +107,7 @@ class HttpFront:
         self.route_header = honoured
 
     def set_weight(self, spine_weight: float) -> None:
-        if not 0.0 <= spine_weight <= 100.0:
-            raise ValueError(f"spine_weight: must be between 0 and 100, got {spine_weight}")
-        self.spine_weight = spine_weight
+        self.spine_weight = checked_weight(spine_weight)
 
     def window(self, since: float, until: float | None = None) -> dict[str, SideWindow]:
         return self.log.window(since, until)
@@ -124,8 +120,7 @@ class HttpFront:
             return forced
         key = headers.get(SESSION_HEADER) or headers.get(self.legacy.api_key_header) or \
             headers.get("authorization") or headers.get("x-api-key", "")
-        bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % 10_000
-        return "spine" if bucket < self.spine_weight * 100 else "layered"
+        return sticky_side(key, self.spine_weight)
 
     # -- ASGI ------------------------------------------------------------------------------
     def refusal(self, status: int, message: str, path: str) -> bytes:

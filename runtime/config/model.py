@@ -4,7 +4,7 @@ Every section is a pydantic model (`services.common.config_section.Section`: unk
 refused, immutable once loaded), and each model's field defaults are the documented defaults —
 the one place they live (`runtime/default_config.yaml` spells them out for a reader; a test
 holds the two equal). The components' sections come from the component table's side
-(`services.registry.ComponentConfig`); this module adds the runtime's own. `spine config
+(`services.component.ComponentConfig`); this module adds the runtime's own. `spine config
 schema` prints its JSON schema.
 
 A config remembers the data it was read from (`written`): a process that derives another
@@ -41,10 +41,11 @@ from runtime.config.sections import (
     placements_model,
     remote_addresses_model,
 )
-from services.common.config_section import ConfigProblems, NonEmptyStr, Problem, Section, describe, problem
+from services.common.config_section import ConfigProblems, NonEmptyStr, Section, describe, problem
+from services.component import ComponentConfig
 from services.inference.output_policy import OutputPolicyConfig
 from services.pipeline.limits import RequestLimits
-from services.registry import DEFAULT, ComponentConfig, Registry
+from services.registry import DEFAULT, Registry
 
 if TYPE_CHECKING:  # built from the component table; code reads them through their base classes
     Placements = PlacementsBase
@@ -127,10 +128,6 @@ class SpineConfig(ComponentConfig, _Listeners):
         except ValidationError as error:
             raise ConfigProblems([str(p) for p in describe(error, cls)]) from None
 
-    def placement_names(self) -> dict[str, str]:
-        """Each component's placement as `local` or `remote` (a foreign endpoint is remote)."""
-        return self.placements.names()
-
 
 @functools.cache
 def root_model(registry: Registry = DEFAULT) -> type[SpineConfig]:
@@ -151,16 +148,6 @@ def root_model(registry: Registry = DEFAULT) -> type[SpineConfig]:
 
 
 SECTIONS: frozenset[str] = frozenset(SpineConfig.model_fields)
-
-
-def config_problems(config: Mapping[str, Any], registry: Registry = DEFAULT) -> list[Problem]:
-    """Everything wrong with a whole config mapping, each with its path ([] when it is valid)."""
-    model = root_model(registry)
-    try:
-        model.model_validate(config)
-    except ValidationError as error:
-        return describe(error, model)
-    return []
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ without a health service is up while it answers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,12 +28,15 @@ from runtime.placement.in_process import in_process
 from runtime.placement.remote import guarded
 from runtime.server import RunningServer
 from services.common.outlier import OutlierDetector
+from services.component import ComponentConfig, ComponentSpec, ForeignApi
 from services.pipeline.interface import Placed
-from services.registry import ComponentConfig, ComponentSpec, ForeignApi, Registry
+from services.registry import Registry
+
+T = TypeVar("T")  # a component's interface
 
 
-def foreign_client(spec: ComponentSpec, endpoint: ForeignPlacement, config: ComponentConfig,
-                   channel: grpc.Channel, detector: OutlierDetector) -> object:
+def foreign_client(spec: ComponentSpec[T], endpoint: ForeignPlacement, config: ComponentConfig,
+                   channel: grpc.Channel, detector: OutlierDetector) -> T:
     """The component `spec` as the service at `endpoint` answers it, in that service's protocol."""
     assert spec.interface is not None, f"{spec.name} has no interface"
     client = foreign_api(spec, endpoint.protocol).build_client(channel, endpoint.options(), config)
@@ -59,7 +63,7 @@ def foreign_health(endpoint: ForeignPlacement, channel: grpc.Channel,
     return health
 
 
-def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
+def foreign_api(spec: ComponentSpec[T], protocol: str) -> ForeignApi[T]:
     for api in spec.foreign:
         if api.protocol == protocol:
             return api
@@ -67,21 +71,21 @@ def foreign_api(spec: ComponentSpec, protocol: str) -> ForeignApi:
     raise ValueError(f"{spec.name} cannot be reached over {protocol!r} (its foreign protocols: {known})")
 
 
-def envoy_apis(registry: Iterable[ComponentSpec], config: SpineConfig, placed: Placed,
-               budgets_s: Mapping[str, float] | None = None) -> list[tuple[ComponentSpec, object]]:
+def envoy_apis(registry: Iterable[ComponentSpec[Any]], config: SpineConfig, placed: Placed,
+               budgets_s: Mapping[str, float] | None = None) -> list[tuple[ComponentSpec[Any], object]]:
     """The foreign APIs this process answers (none when `envoy_api.enabled` is false), each on
     its component as `placed` at the time of each call."""
     if not config.envoy_api.enabled:
         return []
     budgets = budgets_s or {}
-    served: list[tuple[ComponentSpec, object]] = []
+    served: list[tuple[ComponentSpec[Any], object]] = []
     for spec in registry:
         budget_s = budgets.get(spec.name, spec.budget_ms / 1000.0)
         served.extend((api.served(), api.build_server(config, placed, budget_s)) for api in spec.foreign)
     return served
 
 
-def envoy_apis_of(spec: ComponentSpec, servicer: object, config: SpineConfig) -> list[tuple[ComponentSpec, object]]:
+def envoy_apis_of(spec: ComponentSpec[T], servicer: T, config: SpineConfig) -> list[tuple[ComponentSpec[Any], object]]:
     """What a layered child answers beside its own service: its foreign APIs on its own servicer."""
     if spec.interface is None:
         return []

@@ -31,8 +31,11 @@ class InProcess:
         return f"<{type(self).__name__} {type(self.servicer).__name__}>"
 
 
-def in_process(interface: Interface[T], servicer: object) -> T:
-    """`servicer` as its component's callers reach it in this process."""
+def in_process(interface: Interface[T], servicer: T) -> T:
+    """`servicer` as its component's callers reach it in this process. The servicer is a `T`
+    (the component table's factory says so, `services.component.ComponentSpec`); the one cast
+    is the class made from the interface's table of operations, which the type checker cannot
+    follow: each of its methods calls the servicer's method of the same name."""
     return cast(T, _in_process_class(interface)(servicer))
 
 

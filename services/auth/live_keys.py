@@ -25,14 +25,15 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from services.auth.key_store import KeyStore
 from services.auth.managed_keys import KeyHasher, ManagedKey
 from services.common import Clock
+from services.common.collectors import by_label, counter, gauge, read_at_scrape
 from services.common.thread_names import name_os_thread
 
 log = logging.getLogger("spine.auth")
@@ -155,36 +156,17 @@ class LiveKeys:
         return True, f"local: {self.describe()}"
 
     def collector(self) -> Collector:
-        return _KeyStoreCollector(self)
+        return read_at_scrape(self._families)
 
-
-class _KeyStoreCollector(Collector):
-    def __init__(self, keys: LiveKeys) -> None:
-        self._keys = keys
-
-    def collect(self) -> Iterator[Any]:
-        keys = self._keys
-        up = GaugeMetricFamily("spine_auth_key_store_up",
-                               "1 while the managed key store answers, 0 while auth serves from its last copy")
-        up.add_metric([], 1.0 if keys.reachable else 0.0)
-        yield up
-        polls = CounterMetricFamily("spine_auth_key_store_polls", "Reads of the key store's version",
-                                    labels=["result"])
-        for result, count in keys.polls.items():
-            polls.add_metric([result], float(count))
-        yield polls
-        yield CounterMetricFamily("spine_auth_key_store_outages", "Times the key store became unreadable",
-                                  value=float(keys.outages))
-        yield CounterMetricFamily("spine_auth_key_store_reloads", "Times the managed keys were loaded again",
-                                  value=float(keys.reloads))
-        stale = GaugeMetricFamily("spine_auth_key_store_stale_seconds",
-                                  "Seconds the copy of the managed keys has gone unconfirmed (0: current)")
-        staleness = keys.staleness_s()
-        stale.add_metric([], staleness if staleness != float("inf") else -1.0)
-        yield stale
-        managed = GaugeMetricFamily("spine_auth_managed_keys", "Managed keys that are not revoked, as last read")
-        managed.add_metric([], float(len(keys)))
-        yield managed
-        version = GaugeMetricFamily("spine_auth_key_store_version", "The key store's version as last read")
-        version.add_metric([], float(keys.version))
-        yield version
+    def _families(self) -> Iterator[Metric]:
+        staleness = self.staleness_s()
+        yield gauge("spine_auth_key_store_up", "1 while the managed key store answers, 0 while auth serves from its "
+                    "last copy", 1.0 if self.reachable else 0.0)
+        yield by_label(CounterMetricFamily, "spine_auth_key_store_polls", "Reads of the key store's version",
+                       "result", self.polls)
+        yield counter("spine_auth_key_store_outages", "Times the key store became unreadable", self.outages)
+        yield counter("spine_auth_key_store_reloads", "Times the managed keys were loaded again", self.reloads)
+        yield gauge("spine_auth_key_store_stale_seconds", "Seconds the copy of the managed keys has gone "
+                    "unconfirmed (0: current)", staleness if staleness != float("inf") else -1.0)
+        yield gauge("spine_auth_managed_keys", "Managed keys that are not revoked, as last read", len(self))
+        yield gauge("spine_auth_key_store_version", "The key store's version as last read", self.version)

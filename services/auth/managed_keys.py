@@ -111,22 +111,3 @@ class ManagedKey:
         out["scopes"], out["models"] = list(self.scopes), list(self.models)
         out["state"] = self.state(now)
         return out
-
-
-@dataclass
-class KeyChanges:
-    """What an update may set (None: unchanged)."""
-
-    tenant: str | None = None
-    team: str | None = None
-    scopes: tuple[str, ...] | None = None
-    max_priority: int | None = None
-    models: tuple[str, ...] | None = None
-    requests_per_minute: float | None = None
-    tokens_per_minute: float | None = None
-    budget_usd: float | None = None
-    budget_window: str | None = None
-    expires_at: float | None = None
-
-    def given(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}

@@ -89,10 +89,6 @@ class CacheIndex(Generic[V]):
         """Entries held, expired ones included until `remove_expired` runs."""
         return self._count
 
-    @property
-    def table_size(self) -> int:
-        return self._size
-
     def lookup_batch(self, keys: Sequence[bytes], now: float) -> list[int]:
         """The slot of every unexpired key, or -1; hits become the most recently used."""
         if self._host:

@@ -1,5 +1,10 @@
 """A store's sqlite file, and a check that it is still the file at its path.
 
+Every sqlite store of the spine (API keys, spend, the migration's state) opens its file with
+`connect`: one connection shared by the store's threads under the store's own lock, in
+autocommit mode (a store says BEGIN itself), in WAL mode so that the processes of one machine
+read while one writes.
+
 The key store and the spend store each keep one connection open for the life of the process.
 If their files are removed while it runs (a cleanup of the run directory, a volume swapped,
 `rm` by hand), sqlite does not notice: the open descriptors still name the deleted inodes, so
@@ -27,16 +32,25 @@ class StoreFileGone(Exception):
     an operator's to act on (safe to show an admin: it names a path, nothing secret)."""
 
 
+def connect(path: Path, timeout_s: float, *, synchronous: str = "") -> sqlite3.Connection:
+    """A connection to the sqlite file at `path` (made with its folder when missing), in WAL
+    mode; `synchronous` sets that PRAGMA (FULL: a committed transaction survives a power cut)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    if synchronous:
+        db.execute(f"PRAGMA synchronous={synchronous}")
+    return db
+
+
 class SqliteFile:
     """One connection to the sqlite file at `path` (WAL; made with its folder when missing),
     shared by a store's threads under the store's own lock."""
 
     def __init__(self, path: Path, what: str, timeout_s: float = 2.0) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.what = what  # "key store", "spend store": how the messages name it
-        self.db = sqlite3.connect(str(path), timeout=timeout_s, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db = connect(path, timeout_s)
         self._opened = _identity(path)
         self._wal: Identity | None = None  # the log's, from the first check that finds one
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.common.proto_fields import FieldCodec
 from services.pipeline.batch_rpc import BatchRpc, decode_answer, encode_answer
 from wire.v1 import ratelimit_pb2
 
@@ -65,22 +66,15 @@ class AdmitVerdict:
     budget_resets_in_s: float = 0.0
 
 
+_ADMIT = FieldCodec(AdmitItem, ratelimit_pb2.AdmitRequest)
+
+
 def _encode_items(items: Sequence[AdmitItem]) -> ratelimit_pb2.AdmitBatchRequest:
-    request = ratelimit_pb2.AdmitBatchRequest()
-    for item in items:
-        request.items.add(tenant=item.tenant, model=item.model, tokens=item.tokens, dry_run=item.dry_run,
-                          lease_ttl_s=item.lease_ttl_s, busy=item.busy, key=item.key, team=item.team,
-                          key_requests_per_minute=item.key_requests_per_minute,
-                          key_tokens_per_minute=item.key_tokens_per_minute, key_budget_usd=item.key_budget_usd,
-                          key_budget_window=item.key_budget_window)
-    return request
+    return ratelimit_pb2.AdmitBatchRequest(items=[_ADMIT.to_message(item) for item in items])
 
 
 def _decode_items(request: ratelimit_pb2.AdmitBatchRequest) -> list[AdmitItem]:
-    return [AdmitItem(item.tenant, item.model, item.tokens, item.dry_run, item.lease_ttl_s, item.busy, item.key,
-                      item.team, item.key_requests_per_minute, item.key_tokens_per_minute, item.key_budget_usd,
-                      item.key_budget_window)
-            for item in request.items]
+    return [_ADMIT.from_message(item) for item in request.items]
 
 
 def _fill_verdict(response: ratelimit_pb2.AdmitResponse, verdict: AdmitVerdict) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.common.proto_fields import FieldCodec
 from services.pipeline.batch_rpc import BatchRpc, ItemError, decode_answer, encode_answer
 from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface, Metadata, UnaryRpc, message
 from services.ratelimit.admission import ADMIT_BATCH, AdmitItem, AdmitVerdict
@@ -55,22 +56,15 @@ class RateLimit(Protocol):
         ...
 
 
+_RELEASE = FieldCodec(ReleaseItem, ratelimit_pb2.ReleaseRequest)
+
+
 def _encode_releases(items: Sequence[ReleaseItem]) -> ratelimit_pb2.ReleaseBatchRequest:
-    return ratelimit_pb2.ReleaseBatchRequest(items=[
-        ratelimit_pb2.ReleaseRequest(lease_id=item.lease_id, tenant=item.tenant, model=item.model,
-                                     tokens_charged=item.tokens_charged, tokens_used=item.tokens_used, key=item.key,
-                                     team=item.team, prompt_tokens=item.prompt_tokens,
-                                     cached_prompt_tokens=item.cached_prompt_tokens,
-                                     completion_tokens=item.completion_tokens,
-                                     key_tokens_per_minute=item.key_tokens_per_minute)
-        for item in items])
+    return ratelimit_pb2.ReleaseBatchRequest(items=[_RELEASE.to_message(item) for item in items])
 
 
 def _decode_releases(request: ratelimit_pb2.ReleaseBatchRequest) -> list[ReleaseItem]:
-    return [ReleaseItem(item.lease_id, item.tenant, item.model, item.tokens_charged, item.tokens_used, item.key,
-                        item.team, item.prompt_tokens, item.cached_prompt_tokens, item.completion_tokens,
-                        item.key_tokens_per_minute)
-            for item in request.items]
+    return [_RELEASE.from_message(item) for item in request.items]
 
 
 def _fill_released(response: ratelimit_pb2.ReleaseResponse, released: bool) -> None:

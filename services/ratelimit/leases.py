@@ -13,13 +13,7 @@ the traffic: a few calls a second per replica, none per request (the first reque
 bucket idle at the last renewal, and a settle that takes one below zero, bring the next
 renewal forward: once per transition, not per request).
 
-The accounting. A bucket's level on the table is its granted tokens plus its reserve
-(`_Held.level`); whatever it reads instead was spent since (or given back by a settle), and
-`_account` takes that in before anything else moves the level: at each renewal, and on its
-answer, before a grant or a payment, because the store is asked without the limiter's lock
-and requests go on being admitted meanwhile. Every change this module makes to a level
-changes one of the two counts by as much, so a replica never admits a token the store did
-not grant it beyond its reserve, and never charges the store for one twice.
+The accounting of each bucket's tokens between renewals is `services.ratelimit.lease_accounting`.
 
 The bound. Tokens leave the global bucket only as grants, so over any window of T seconds
 the replicas together admit at most burst + rate x T (the limit) plus what they admitted
@@ -76,52 +70,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from services.common.collectors import by_label, counter, gauge, read_at_scrape
 from services.common.thread_names import name_os_thread
 from services.ratelimit.concurrency import ConcurrencyLeases
 from services.ratelimit.config import RateLimitStore
+from services.ratelimit.lease_accounting import Held, account, pay, resource_of, store_key, take_out
 from services.ratelimit.lease_store import RedisLeaseStore, SlotAsk, StoreAnswer, TokenAsk
 from services.ratelimit.token_buckets import TokenBucketTable
 
 log = logging.getLogger("spine.ratelimit")
 
-# Below this, a level and its counts differ by float rounding alone (fractional grants, whole
-# costs), not by anything spent: a cost or a settle is a whole number of tokens. Counted as a
-# spend, it would refresh `last_used` at every renewal, and an idle lease would never go back.
-_ROUNDING = 1e-6
-
 LimitsOf = Callable[[Hashable], tuple[float, float]]  # a bucket's configured (rate, burst)
 ConcurrencyOf = Callable[[str], int | None]  # a tenant's configured max_concurrent_requests
-
-
-@dataclass
-class _Held:
-    """What this replica knows of one bucket's tokens between renewals.
-
-    The bucket's level on the table should read `backed + unbacked` (`level`); whatever it
-    reads instead was spent (below) or given back by a settle (above) since `_account` last
-    looked, and nothing else moves it. Keeping that one invariant, rather than a remembered
-    level beside the two counts, is what stops a replica from admitting tokens nobody granted:
-    every change to the table's level here changes one of the two counts by as much."""
-
-    unbacked: float  # tokens no grant paid for (the reserve): owed to the store once spent
-    last_used: float
-    backed: float = 0.0  # tokens the store granted, not spent yet
-    demand: float = 0.0  # tokens a second spent, smoothed
-    owed_back: float = 0.0  # granted tokens that did not fit or were drained: given back at the next renewal
-    debt: float = 0.0  # reserve spent, and settles past zero, not charged to the store yet
-    spent: float = 0.0  # tokens spent since the last renewal (its demand)
-    in_debt: bool = False  # the store's bucket was below zero at the last renewal: no reserve
-
-    @property
-    def level(self) -> float:
-        """The level the table's bucket reads when nothing was spent or settled since `_account`."""
-        return self.backed + self.unbacked
 
 
 class StoreLeases:
@@ -140,7 +105,7 @@ class StoreLeases:
         self.controller_share = table.share
         self.replicas = 1  # live replicas the store last counted
         self._epoch = ""
-        self._held: dict[Hashable, _Held] = {}
+        self._held: dict[Hashable, Held] = {}
         # Buckets idle at the last renewal (holding their reserve at most): the first request on
         # one wakes the renewal (`first_use`), so a tenant's traffic that starts on a replica
         # is leased the store's tokens at once rather than at the next interval, while the
@@ -227,8 +192,8 @@ class StoreLeases:
             held = self._held.get(key)
             fresh = held is None
             if held is None:  # made since the last renewal, with the reserve (`TokenBucketTable.lease`)
-                held = self._held[key] = _Held(unbacked=reserve, last_used=now)
-            self._account(key, held, state.level)
+                held = self._held[key] = Held(unbacked=reserve, last_used=now)
+            account(self._table, key, held, state.level)
             used, held.spent = held.spent, 0.0
             held.demand += 0.5 * (used / dt - held.demand)
             if used > 0:
@@ -240,7 +205,7 @@ class StoreLeases:
             want = 0.0
             if now - held.last_used >= self.config.lease_s:  # idle: its leased tokens go back
                 self.idle.add(key)
-                give_back += self._take_out(key, held.backed)
+                give_back += take_out(self._table, key, held.backed)
                 held.backed = 0.0
                 top_up = 0.0 if held.in_debt else max(0.0, reserve - held.unbacked)
                 held.unbacked += top_up - self._table.credit(key, top_up)
@@ -253,42 +218,9 @@ class StoreLeases:
             # An idle bucket with nothing to settle is not sent, unless it holds a reserve (or the
             # store's bucket was in debt): the answer says whether it may go on holding one.
             if want or debt or give_back or held.unbacked > 0 or held.in_debt:
-                self._keys[_store_key(key)] = key
-                asks.append(TokenAsk(_store_key(key), rate, burst, want, debt, give_back))
+                self._keys[store_key(key)] = key
+                asks.append(TokenAsk(store_key(key), rate, burst, want, debt, give_back))
         return asks
-
-    def _account(self, key: Hashable, held: _Held, level: float) -> None:
-        """Bring `held` up to the bucket's `level` on the table now (caller holds the lock).
-
-        Below `held.level`: spent, from the granted tokens first, then from the reserve (owed
-        to the store as debt); past zero (a settle charged a long answer beyond the tokens
-        held): owed as debt too, and the level comes back to zero, so the store's bucket, not
-        this one, carries it and every replica refuses next. Above: a settle gave back tokens
-        a request was charged and did not use; they were paid for, so they count as granted
-        (spent again or given back, never charged twice). Run before anything else moves the
-        level: at each renewal, and on its answer, before a grant or a drain, since requests
-        went on being admitted while the store was asked."""
-        gained = level - held.level
-        if abs(gained) < _ROUNDING:
-            return
-        if gained > 0:
-            held.backed += gained
-            return
-        used = -gained
-        from_backed = min(used, held.backed)
-        held.backed -= from_backed
-        from_reserve = min(used - from_backed, held.unbacked)
-        held.unbacked -= from_reserve
-        below = max(0.0, -level)
-        if below > 0:
-            self._table.credit(key, below)
-        held.debt += from_reserve + below
-        held.spent += used
-
-    def _take_out(self, key: Hashable, tokens: float) -> float:
-        """Take `tokens` out of a bucket that holds at least that many (it was just accounted);
-        returns what came out."""
-        return tokens + self._table.credit(key, -tokens)
 
     def _slot_asks(self, now: float) -> list[SlotAsk]:
         granted = self._slots.granted if self._slots.granted is not None else {}
@@ -319,10 +251,10 @@ class StoreLeases:
             held = self._held[key]
             # What was admitted while the store was asked is counted first: a drain or a grant
             # then starts from what the bucket really holds.
-            self._account(key, held, levels[key].level)
+            account(self._table, key, held, levels[key].level)
             held.in_debt = level < 0
             if held.in_debt:  # the tenant used more than its limit: what is held here pays for it
-                self._pay(key, held, -level)
+                pay(self._table, key, held, -level)
                 continue
             if grant <= 0:
                 continue
@@ -333,25 +265,6 @@ class StoreLeases:
             for slot_ask, (granted, free) in zip(slots, answer.slots, strict=True):
                 # holding none, wanting none, with room: one slot until the next renewal (None)
                 self._slots.grant(slot_ask.tenant, granted if slot_ask.want > 0 or free == 0 else None)
-
-    def _pay(self, key: Hashable, held: _Held, debt: float) -> None:
-        """The store's bucket is `debt` below zero: pay it from the granted tokens held here
-        (given back at the next renewal) and drop the reserve, which would only add to it
-        (caller holds the lock, and has just accounted the bucket).
-
-        Paying the debt, not giving back everything held: tokens move, none is made or lost,
-        so what the replicas hold and the store together stays what one bucket would hold.
-        A debt of spent reserves (a few tokens, the bound's own term) costs a replica that
-        was just granted a lease those few tokens, not its lease; a debt larger than what a
-        replica holds (a long answer settled past the limit) empties it, and the tenant is
-        refused there until the store's bucket refills above zero. Every replica that reads
-        the debt pays it, so the store may be paid more than once: the rest goes back out as
-        grants."""
-        paid = min(held.backed, debt)
-        held.owed_back += self._take_out(key, paid)
-        held.backed -= paid
-        self._take_out(key, held.unbacked)
-        held.unbacked = 0.0
 
     # -- faults -------------------------------------------------------------------------------
     def _failed(self, error: BaseException) -> None:
@@ -378,7 +291,7 @@ class StoreLeases:
         self._table.lease(self.config.reserve)
         self._slots.lease_from_store()
         now = self._clock()
-        self._held = {key: _Held(unbacked=max(0.0, state.level), last_used=now)
+        self._held = {key: Held(unbacked=max(0.0, state.level), last_used=now)
                       for key, state in self._table.snapshot().items()}
         self._last_renewal = now
         log.warning("ratelimit store: reachable again; buckets back on leases")
@@ -397,10 +310,10 @@ class StoreLeases:
                     levels = self._table.snapshot()
                     asks = []
                     for key, held in self._held.items():
-                        self._account(key, held, levels[key].level)  # the last requests' reserve is owed too
-                        back = self._take_out(key, held.backed) + held.owed_back
+                        account(self._table, key, held, levels[key].level)  # the last requests' reserve is owed too
+                        back = take_out(self._table, key, held.backed) + held.owed_back
                         if back > 0 or held.debt > 0:
-                            asks.append(TokenAsk(_store_key(key), *self._limits_of(key), want=0.0, debt=held.debt,
+                            asks.append(TokenAsk(store_key(key), *self._limits_of(key), want=0.0, debt=held.debt,
                                                  give_back=back))
                     self._held.clear()
                 if asks:
@@ -421,7 +334,7 @@ class StoreLeases:
             for key, held in self._held.items():
                 state = levels.get(key)
                 spent = 0.0 if state is None else max(0.0, held.level - state.level)
-                resource = _resource(key)  # spent from the grant first, as a renewal counts it
+                resource = resource_of(key)  # spent from the grant first, as a renewal counts it
                 tokens[resource] = tokens.get(resource, 0.0) + max(0.0, held.backed - spent)
             slots = sum((self._slots.granted or {}).values())
         return tokens, slots
@@ -434,59 +347,21 @@ class StoreLeases:
         return True, f"local: shared store unreachable, deciding on fail_mode {self.config.fail_mode}"
 
     def collector(self) -> Collector:
-        return _StoreCollector(self)
+        return read_at_scrape(self._families)
 
-
-def _store_key(key: Hashable) -> str:
-    """A bucket's key in the store: `tenant=dev,model=m,resource=requests` for descriptor
-    entries (the limit's name, the same on every replica)."""
-    if isinstance(key, tuple) and all(isinstance(e, tuple) and len(e) == 2 for e in key):
-        return ",".join(f"{k}={v}" for k, v in key)
-    return repr(key)
-
-
-def _resource(key: Hashable) -> str:
-    """The `resource=` entry of a bucket's descriptor entries ("" for another key)."""
-    if isinstance(key, tuple):
-        for entry in key:
-            if isinstance(entry, tuple) and len(entry) == 2 and entry[0] == "resource":
-                return str(entry[1])
-    return ""
-
-
-class _StoreCollector(Collector):
-    """The store's families on /metrics (read at scrape time)."""
-
-    def __init__(self, leases: StoreLeases) -> None:
-        self._leases = leases
-
-    def collect(self) -> Iterator[Any]:
-        leases = self._leases
-        up = GaugeMetricFamily("spine_ratelimit_store_leasing",
-                               "1 while the rate limiter leases from its shared store, 0 while it falls back")
-        up.add_metric([], 1.0 if leases.leasing else 0.0)
-        yield up
-        calls = CounterMetricFamily("spine_ratelimit_store_calls", "Round trips to the shared store",
-                                    labels=["result"])
-        for result, count in leases.calls.items():
-            calls.add_metric([result], float(count))
-        yield calls
-        yield CounterMetricFamily("spine_ratelimit_store_fallbacks", "Times the store became unreachable",
-                                  value=float(leases.fallbacks))
-        yield CounterMetricFamily("spine_ratelimit_store_recoveries", "Times the store answered again after a fallback",
-                                  value=float(leases.recoveries))
-        yield CounterMetricFamily("spine_ratelimit_store_restarts", "Times the store was found empty again",
-                                  value=float(leases.restarts))
-        replicas = GaugeMetricFamily("spine_ratelimit_store_replicas", "Live replicas the store last counted")
-        replicas.add_metric([], float(leases.replicas))
-        yield replicas
-        tokens, slots = leases.outstanding()
-        leased = GaugeMetricFamily("spine_ratelimit_store_leased_tokens",
-                                   "Tokens the store granted this replica that it has not spent yet, by the "
-                                   "resource of their buckets (requests, tokens)", labels=["resource"])
-        for resource in ("requests", "tokens"):
-            leased.add_metric([resource], tokens.get(resource, 0.0))
-        yield leased
-        yield GaugeMetricFamily("spine_ratelimit_store_leased_slots",
-                                "Concurrency slots the store granted this replica, over every tenant",
-                                value=float(slots))
+    def _families(self) -> Iterator[Metric]:
+        tokens, slots = self.outstanding()
+        yield gauge("spine_ratelimit_store_leasing", "1 while the rate limiter leases from its shared store, 0 while "
+                    "it falls back", 1.0 if self.leasing else 0.0)
+        yield by_label(CounterMetricFamily, "spine_ratelimit_store_calls", "Round trips to the shared store",
+                       "result", self.calls)
+        yield counter("spine_ratelimit_store_fallbacks", "Times the store became unreachable", self.fallbacks)
+        yield counter("spine_ratelimit_store_recoveries", "Times the store answered again after a fallback",
+                      self.recoveries)
+        yield counter("spine_ratelimit_store_restarts", "Times the store was found empty again", self.restarts)
+        yield gauge("spine_ratelimit_store_replicas", "Live replicas the store last counted", self.replicas)
+        yield by_label(GaugeMetricFamily, "spine_ratelimit_store_leased_tokens", "Tokens the store granted this "
+                       "replica that it has not spent yet, by the resource of their buckets (requests, tokens)",
+                       "resource", {resource: tokens.get(resource, 0.0) for resource in ("requests", "tokens")})
+        yield gauge("spine_ratelimit_store_leased_slots", "Concurrency slots the store granted this replica, over "
+                    "every tenant", slots)

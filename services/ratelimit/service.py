@@ -7,7 +7,7 @@ descriptors by `ask_for` (four with an API key's own limits). An item is all-or-
 admitted only when every one fits, and then all are charged. With `ratelimit.spend`, budgets
 are decided first and usage is charged at the release (`budget_admission`).
 `ShouldRateLimit` is the general descriptor form (Envoy's shape), decided by the same
-code on the same buckets.
+code on the same buckets (every ask's descriptors checked and resolved by `descriptors`).
 
 A tenant with `max_concurrent_requests` also takes one of its concurrency slots with an
 admitted item (the same all-or-nothing decision): the answer names the lease, which the
@@ -24,7 +24,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
@@ -44,13 +43,13 @@ from services.ratelimit.asks import (
     ask_for,
     bucket_keys,
     key_bucket,
-    key_limits,
     limit_name,
 )
 from services.ratelimit.budget_admission import admit_within_budgets, charge
 from services.ratelimit.concurrency import ConcurrencyLeases, SlotAdmission
 from services.ratelimit.config import BucketLimits as BucketLimits
 from services.ratelimit.config import RateLimitConfig
+from services.ratelimit.descriptors import Descriptors, Row
 from services.ratelimit.leases import StoreLeases
 from services.ratelimit.spend import SpendLedger
 from services.ratelimit.token_buckets import BatchDecision, BucketState, TokenBucketTable
@@ -66,21 +65,6 @@ def _overall_retry(waits: list[float]) -> float:
     return -1.0 if -1.0 in waits else max(waits)
 
 
-@dataclass(frozen=True)
-class _Bucket:
-    """What a descriptor's entries resolve to: checked once per distinct key, then cached."""
-
-    key: Key
-    name: str
-    limits: tuple[float, float]
-
-
-@dataclass(frozen=True)
-class _Row:
-    bucket: _Bucket
-    cost: float
-
-
 class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
     """Token-bucket admission; state lives in a `TokenBucketTable` on `device`."""
 
@@ -92,7 +76,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         self._clock = clock
         self._table = TokenBucketTable(device)
         self._lock = threading.Lock()
-        self._buckets: dict[Key, _Bucket] = {}
+        self._descriptors = Descriptors(config, self._wake_store)
         busy = config.concurrency_when_busy
         self._leases = ConcurrencyLeases(busy.above, busy.below, busy.halve)
         self.alone_fast_path = True  # False: every item takes the general path (tests compare the two)
@@ -100,12 +84,16 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         self._slots = SlotAdmission(self._leases, concurrency_of, self._admit_into)
         # With `store`: limits held across replicas by leases (`services.ratelimit.leases`).
         self.store = None if config.store is None else StoreLeases(
-            config.store, self._table, self._leases, self._lock, lambda key: self._buckets[cast(Key, key)].limits,
+            config.store, self._table, self._leases, self._lock, lambda key: self._descriptors.limits(cast(Key, key)),
             concurrency_of, tuple(t for t, limits in config.tenants.items() if limits.max_concurrent_requests),
             clock).start()
         self.store_collector = combined(None if self.store is None else self.store.collector(),
                                         None if spend is None else spend.collector())
         self.local_health = None if self.store is None else self.store.health
+
+    def _wake_store(self) -> None:
+        if self.store is not None:
+            self.store.wake()
 
     def close(self) -> None:
         """Give the store's leases back and send the last charges (nothing to do without either)."""
@@ -145,13 +133,13 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
             response.retry_after_s = _overall_retry(wait)
         return responses
 
-    def _decide(self, asks: list[RateLimitAsk], now: float | None) -> tuple[list[_Row], list[int], BatchDecision]:
+    def _decide(self, asks: list[RateLimitAsk], now: float | None) -> tuple[list[Row], list[int], BatchDecision]:
         """Parse every ask (all or none), then ONE table decision in list order."""
         with self._lock:
             return self._decide_locked(asks, self._clock() if now is None else now)
 
-    def _decide_locked(self, asks: list[RateLimitAsk], now: float) -> tuple[list[_Row], list[int], BatchDecision]:
-        parsed = [self._parse(ask, index) for index, ask in enumerate(asks)]
+    def _decide_locked(self, asks: list[RateLimitAsk], now: float) -> tuple[list[Row], list[int], BatchDecision]:
+        parsed = [self._descriptors.rows(ask, index) for index, ask in enumerate(asks)]
         rows = [row for request_rows in parsed for row in request_rows]
         row_request = [index for index, request_rows in enumerate(parsed) for _ in request_rows]
         if not asks:
@@ -165,7 +153,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
     def validate(self, request: ratelimit_pb2.RateLimitRequest) -> None:
         """Raise InvalidRateLimitRequest when `request` cannot be decided."""
-        self._parse(RateLimitAsk.from_proto(request), 0)
+        self._descriptors.rows(RateLimitAsk.from_proto(request), 0)
 
     def set_share(self, fraction: float, options: CallOptions = NO_OPTIONS) -> float:
         """Scale every limit to `fraction` (0 < fraction <= 1) of its configured value; the
@@ -265,7 +253,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         if (not item.tenant or not item.model or not 0 <= item.tokens <= MAX_HITS_ADDEND or item.key_limited
                 or self.config.limits_for(item.tenant).max_concurrent_requests is not None):
             return None
-        buckets = [self._buckets.get(key) for key in bucket_keys(item.tenant, item.model)]
+        buckets = [self._descriptors.get(key) for key in bucket_keys(item.tenant, item.model)]
         with self._lock:
             slots = [slot for bucket in buckets if bucket is not None and (slot := self._table.slot_of(bucket.key)) is not None]
             if len(slots) != len(buckets):
@@ -342,7 +330,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
 
     @staticmethod
     def _fill(results: list[Any], asking: list[tuple[int, RateLimitAsk]],
-              decided: tuple[list[_Row], list[int], BatchDecision]) -> None:
+              decided: tuple[list[Row], list[int], BatchDecision]) -> None:
         rows, row_request, decision = decided
         verdicts = [AdmitVerdict() for _ in asking]
         waits: list[list[float]] = [[] for _ in asking]
@@ -380,45 +368,3 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         except StatusError as error:
             context.abort(error.code(), error.details())
         raise AssertionError("context.abort returned")  # pragma: no cover
-
-    # -- parsing -----------------------------------------------------------------------
-    def _parse(self, ask: RateLimitAsk, index: int) -> list[_Row]:
-        def invalid(message: str) -> InvalidRateLimitRequest:
-            return InvalidRateLimitRequest(message, index)
-
-        if ask.domain != self.config.domain:
-            raise invalid(f"domain: expected {self.config.domain!r}, got {ask.domain!r}")
-        if not ask.descriptors:
-            raise invalid("descriptors: at least one descriptor is required")
-        rows = []
-        for d, (key, hits) in enumerate(ask.descriptors):
-            bucket = self._buckets.get(key) or self._resolve(key, f"descriptors[{d}]", index)
-            hits = hits or 1
-            if hits < 0:  # a proto's uint64 cannot be; an ask built in-process can
-                raise invalid(f"descriptors[{d}].hits_addend: must be >= 0, got {hits}")
-            if hits > MAX_HITS_ADDEND:
-                raise invalid(f"descriptors[{d}].hits_addend: at most {MAX_HITS_ADDEND}, got {hits}")
-            rows.append(_Row(bucket, float(hits)))
-        return rows
-
-    def _resolve(self, key: Key, where: str, index: int) -> _Bucket:
-        """Check a descriptor's entries once and remember which limits they name."""
-        if not key:
-            raise InvalidRateLimitRequest(f"{where}.entries: at least one entry is required", index)
-        fields = dict(key)
-        if len(fields) != len(key) or "" in fields:
-            raise InvalidRateLimitRequest(
-                f"{where}.entries: keys must be non-empty and distinct, got {limit_name(key)!r}", index
-            )
-        resource = fields.get("resource")
-        if resource not in RESOURCES:
-            raise InvalidRateLimitRequest(
-                f"{where}.entries: needs resource= one of {', '.join(RESOURCES)}, got {resource!r}", index
-            )
-        limits = key_limits(key) or self.config.limits_for(fields.get("tenant", "")).bucket(resource)
-        bucket = _Bucket(key, limit_name(key), limits)
-        self._buckets[key] = bucket
-        if self.store is not None:
-            self.store.wake()
-        return bucket
-

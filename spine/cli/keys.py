@@ -67,7 +67,7 @@ def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     expiry.add_argument("--expires-in", type=float, metavar="SECONDS")
     expiry.add_argument("--expires-at", type=float, metavar="UNIX_SECONDS")
 
-    keys = subparsers.add_parser("keys", help="API keys managed at run time, and spend (the admin API); import a "
+    keys: argparse.ArgumentParser = subparsers.add_parser("keys", help="API keys managed at run time, and spend (the admin API); import a "
                                               "legacy gateway's key list as auth.api_keys")
     sub = keys.add_subparsers(dest="keys_command", required=True)
     add_import_parser(sub)

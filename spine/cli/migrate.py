@@ -65,7 +65,9 @@ class ControlClient:
         return getattr(self.stub, method)(request, metadata=self.metadata, timeout=self.timeout)
 
     def watch(self, after_id: int = 0) -> Iterator[pb.MigrationEvent]:
-        return self.stub.WatchEvents(pb.WatchRequest(after_id=after_id), metadata=self.metadata)
+        events: Iterator[pb.MigrationEvent] = self.stub.WatchEvents(pb.WatchRequest(after_id=after_id),
+                                                                    metadata=self.metadata)
+        return events
 
     def close(self) -> None:
         self._channel.close()
@@ -84,7 +86,7 @@ def add_migrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     command = argparse.ArgumentParser(add_help=False, parents=[common])
     command.add_argument("--reason", default="", help="why, for the audit trail")
 
-    migrate = subparsers.add_parser("migrate", help="drive the layered → spine migration controller")
+    migrate: argparse.ArgumentParser = subparsers.add_parser("migrate", help="drive the layered → spine migration controller")
     sub = migrate.add_subparsers(dest="migrate_command", required=True)
 
     plan = sub.add_parser("plan", parents=[common], help="validate a plan and load it as the pending plan")

@@ -66,7 +66,8 @@ VARIANTS = {"cpu": Variant("cpu", "", (), True), "cuda": Variant("cuda", "-cuda"
 
 def run(argv: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     """`argv`, failing with its own output as the message."""
-    result = subprocess.run(list(argv), capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+    result: subprocess.CompletedProcess[str] = subprocess.run(  # type: ignore[call-overload]
+        list(argv), capture_output=True, text=True, **kwargs)
     if result.returncode != 0:
         raise InputError(f"{' '.join(argv[:4])} ... exited {result.returncode}:\n{(result.stderr or result.stdout)[-3000:]}")
     return result

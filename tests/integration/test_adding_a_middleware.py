@@ -30,12 +30,13 @@ from runtime.server import start_server
 from runtime.stack import Stack
 from services.common import ConfigError, DeviceState, set_status, status_code
 from services.common.config_section import Items, NonEmptyStr, Section
+from services.component import ComponentConfig, ComponentSpec
 from services.pipeline.batch_rpc import BatchRpc, ItemError
 from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface
 from services.pipeline.state import RequestState
 from services.pipeline.step import FailMode, Step, StepCall
 from services.ratelimit.steps import RateLimitStep
-from services.registry import DEFAULT, ComponentConfig, ComponentSpec, Registry
+from services.registry import DEFAULT, Registry
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY
 from wire.v1 import generation_pb2

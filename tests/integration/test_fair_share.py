@@ -15,10 +15,11 @@ import pytest
 from runtime.bare import ClientContext
 from services.common import ConfigError
 from services.common.tenant_shares import TenantShares, tenant_metadata
+from services.component import ComponentConfig
+from services.component_factories import tenant_shares
 from services.inference.priority import AgingPriorityQueue
 from services.pipeline.local_context import LocalContext
 from services.ratelimit.config import RateLimitConfig
-from services.registry import ComponentConfig, tenant_shares
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, OTHER_KEY, served, start_stack
 from tests.unit.test_serving_support import Call, make_service, request

@@ -27,6 +27,7 @@ from runtime.shadow.metrics import MISMATCHED
 from runtime.shadow.traffic import ShadowMirror
 from services.common.log_limit import RateLimitedLog
 from tests.log_lines import LogLines, assert_summarized
+from tests.waiting import ShiftedClock, eventually
 from wire.v1 import generation_pb2
 
 GREEDY = generation_pb2.GenerateRequest(model="tiny-lm", prompt="flood", max_tokens=3)
@@ -38,16 +39,15 @@ def _answer(tokens: tuple[int, ...]) -> Decision:
 
 def test_the_limiter_writes_a_busy_seconds_summary_by_itself_once_the_second_is_up() -> None:
     log = logging.getLogger("spine.test.limiter")
-    limiter = RateLimitedLog(log, "test events", every_s=0.2)
+    clock = ShiftedClock()
+    limiter = RateLimitedLog(log, "test events", every_s=0.2, clock=clock)
     with LogLines(log.name) as lines:
         for number in range(50):
             limiter("k", "event %d", number)
         assert lines.at(logging.WARNING) == ["event 0"]  # the first at once, the rest counted
-        deadline = time.monotonic() + 5.0
-        while len(lines.at(logging.WARNING)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: len(lines.at(logging.WARNING)) >= 2, what="the summary written by the limiter's timer")
         assert lines.at(logging.WARNING) == ["event 0", "49 test events in the last 0.2s, first: event 1"]
-        time.sleep(0.25)  # a quiet key's next event is written at once again
+        clock.advance(0.25)  # a quiet key's next event is written at once again
         limiter("k", "event %d", 50)
         limiter("other key", "event %d", 51)  # another key is never held back by this one
         assert lines.at(logging.WARNING)[2:] == ["event 50", "event 51"]

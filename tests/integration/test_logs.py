@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -124,7 +123,7 @@ def test_a_full_batch_is_flushed_in_one_write(tmp_path: Path) -> None:
         assert svc.flush() == 5  # nothing pending: waits for the batch's write, writes nothing
         assert svc.writes == 1
         append(svc, [rec(5)])  # below batch_lines, and the interval is an hour away
-        time.sleep(0.1)
+        assert not holds_within(lambda: len(read_lines(svc.path)) > 5, 0.1), "a partial batch was written"
         assert len(read_lines(svc.path)) == 5
         assert svc.pending == 1
     finally:

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from spine.tools.dev_certs import issue, make_authority, write_file
 from spine.tools.workload.generator import SyntheticSpec, synthetic, tenant_keys
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
 from tests.tls_helpers import Certs, health, make_certs
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 
@@ -66,9 +66,7 @@ def test_a_layered_child_on_tcp_serves_mtls_only(tcp_auth: tuple[str, Path], cer
     assert health(address, certs.credentials("server")) == "SERVING"  # a gateway's own certificate
     assert health(address, None, timeout=3) == "UNAVAILABLE"
     assert health(address, certs.credentials(None), timeout=3) == "UNAVAILABLE"
-    deadline = time.monotonic() + 10
-    while "no certificate" not in log_path.read_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    eventually(lambda: "no certificate" in log_path.read_text(), what="the refused handshakes logged")
     text = log_path.read_text()
     assert "spine.tls WARNING TLS handshake refused: the peer does not speak TLS" in text
     assert "spine.tls WARNING TLS handshake refused: the client presented no certificate" in text
@@ -201,12 +199,8 @@ def test_sighup_re_reads_the_files_even_when_they_look_unchanged(certs: Certs) -
     try:
         reload_on_sighup()
         os.kill(os.getpid(), signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        fetched = None
-        while fetched is None and time.monotonic() < deadline:
-            fetched = certificates.fetch()
-            time.sleep(0.01)
-        assert fetched is not None and certificates.reloads == 1
+        eventually(certificates.fetch, timeout=5, what="the certificates read again after SIGHUP")
+        assert certificates.reloads == 1
         assert certificates.fetch() is None
     finally:
         signal.signal(signal.SIGHUP, previous)

@@ -8,16 +8,14 @@ every request, and the load hint reports the slower cost.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.load_hints import LOAD_HEADER, parse_load
-from services.inference.model.interface import Segment
-from tests.unit.test_serving_support import GatedModel, generate, make_service, request
+from tests.paced_backend import SlowedModel
+from tests.unit.test_serving_support import generate, make_service, request
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -45,22 +43,6 @@ def test_the_default_budget_rule_is_tokens_times_cost_times_slowdown_plus_margin
     rule = BudgetRule(slowdown=3.0, margin_ms=700.0, cap_ms=90_000)
     assert rule.default_ms(10, 2.0) == 10 * 2 * 3 + 700
     assert rule.default_ms(10**9, 2.0) == 90_000
-
-
-class SlowedModel(GatedModel):
-    """TinyLM that turns slow (a busy host): every step while `slow_s` is set, or the next
-    `slow_steps` steps."""
-
-    slow_s = 0.0
-    slow_steps = 0
-
-    def step(self, segments: Sequence[Segment], cache: Any) -> Any:
-        if self.slow_steps:
-            self.slow_steps -= 1
-            time.sleep(0.01)
-        elif self.slow_s:
-            time.sleep(self.slow_s)
-        return super().step(segments, cache)
 
 
 def test_valid_requests_finish_when_the_host_turns_20_times_slower_after_start() -> None:

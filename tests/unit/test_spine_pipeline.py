@@ -40,6 +40,7 @@ from services.ratelimit.service import RateLimitService
 from services.registry import DEFAULT
 from services.router.service import RouterService
 from tests.conftest import DEV_KEY, OTHER_KEY, TIGHT_KEY, config_for_tests, make_jwt
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 CONFIG = config_for_tests(ratelimit={"tenants": {
@@ -373,6 +374,24 @@ def test_a_response_handed_over_for_the_cache_is_stored_before_the_next_lookup(t
     rig.close()
 
 
+class EnteredLock:
+    """A lock that counts the threads that came to it, holding or waiting."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counting = threading.Lock()
+        self.entered = 0
+
+    def __enter__(self) -> EnteredLock:
+        with self._counting:
+            self.entered += 1
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 def test_a_lookup_waits_for_a_store_another_thread_is_writing(tmp_path: Path) -> None:
     """The folder may have taken an answer off the queue and be storing it when a lookup
     for it arrives: the lookup must wait for that store, not find the queue empty and miss."""
@@ -380,10 +399,11 @@ def test_a_lookup_waits_for_a_store_another_thread_is_writing(tmp_path: Path) ->
     completions = deferred(rig)
     store = rig.cache.store
     storing = threading.Event()
+    lock = completions._store_lock = EnteredLock()  # type: ignore[assignment]  # who holds or waits for the store's turn
 
     def slow_store(items: Any, options: Any = None) -> Any:
-        storing.set()
-        time.sleep(0.2)
+        storing.set()  # the store holds the turn until the lookup below waits for it
+        eventually(lambda: lock.entered >= 2, what="the lookup waiting for the store")
         return store(items)
 
     rig.cache.store = slow_store  # type: ignore[method-assign]
@@ -418,10 +438,8 @@ def test_the_completions_folder_writes_on_its_own_interval(tmp_path: Path) -> No
     rig = Rig(tmp_path)
     completions = deferred(rig, interval_s=0.01)
     completions.complete(answered(new_state(DEV_KEY)))
-    deadline = time.monotonic() + 5
-    while completions.pending and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert completions.pending == 0 and completions.windows == 1
+    eventually(lambda: completions.pending == 0, what="the folder wrote on its own")
+    assert completions.windows == 1
     completions.close()
     rig.close()
 

@@ -91,10 +91,10 @@ class DataPlane:
                 layout = _layout(call.trailing_metadata())
             except grpc.RpcError as error:
                 code = error.code().name
-                layout = _layout(error.trailing_metadata())  # type: ignore[attr-defined]
+                layout = _layout(error.trailing_metadata())
                 with self.lock:
                     if len(self.errors) < 5:
-                        self.errors.append(f"{code}: {error.details()}")  # type: ignore[attr-defined]
+                        self.errors.append(f"{code}: {error.details()}")
             with self.lock:
                 self.codes[code] += 1
                 self.layouts[layout or "unanswered"] += 1

@@ -19,11 +19,10 @@ from typing import Any
 import grpc
 import yaml
 
-from migration.plan import MIDDLEWARES
 from runtime.config.file import dev_api_key, load_config, merge
 from runtime.processes.launch import spine_up_argv
 from runtime.server import free_ports, wait_serving
-from services.registry import COMPONENTS
+from services.registry import COMPONENTS, MIDDLEWARES
 from spine.tools.local_postgres import LocalPostgres, PostgresError
 from spine.tools.local_prometheus import LocalPrometheus
 from spine.tools.local_redis import LocalRedis

@@ -8,8 +8,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from migration.plan import MIDDLEWARES
 from migration.status import AuditEntry, GateRecord
+from services.registry import MIDDLEWARES
 from spine.tools.rehearsal.store import StoreLook
 from wire.v1 import migration_pb2
 

@@ -75,7 +75,9 @@ class Rehearsal(Launcher):
 
     def status(self) -> migration_pb2.RolloutStatus:
         assert self._stub is not None
-        return self._stub.Status(migration_pb2.StatusRequest(audit_rows=5), metadata=self._md(), timeout=10)
+        status: migration_pb2.RolloutStatus = self._stub.Status(migration_pb2.StatusRequest(audit_rows=5),
+                                                                metadata=self._md(), timeout=10)
+        return status
 
     def _md(self) -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {self.admin_token}")]

@@ -8,7 +8,6 @@ import shutil
 import ssl
 import tempfile
 import textwrap
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from migration.testing import ADMIN_TOKEN, HEALTHY
 from runtime.config.sections import TlsConfig
 from services.common import ConfigError
 from tests.tls_helpers import make_certs
+from tests.waiting import eventually
 
 # Two stages a few ticks long each; the second waits for an operator where a test says so.
 PLAN = textwrap.dedent("""\
@@ -261,10 +261,8 @@ def test_every_runs_outcome_stays_on_the_page_after_the_next_one(make_dashboard)
     plan = load_plan(PLAN.replace("hold_s: 60", "hold_s: 0.2"))
     controller = dashboard.controller
     controller.start(plan, "demo", "healthy spine")
-    deadline = time.monotonic() + 10
-    while controller.status.state != "promoted":
-        assert time.monotonic() < deadline, controller.status.state
-        time.sleep(0.02)
+    eventually(lambda: controller.status.state == "promoted", what="the healthy spine promoted",
+               seen=lambda: controller.status.state)
     controller.start(plan, "demo", "failing spine")
     controller.rollback("operator", "the spine fails half its calls")
     controller.start(plan, "demo", "spine answering differently")

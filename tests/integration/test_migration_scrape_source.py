@@ -1,7 +1,8 @@
 """The local demo's source: a direct scrape of every endpoint of each side, summed and diffed.
 
 Real /metrics endpoints (a MetricsService behind its HTTP server each, standing for one
-process); scrapes are driven by hand (`interval_s=None`), so every count is exact.
+process); scrapes are driven by hand (`interval_s=None`), so every count is exact, and where a
+window's length matters the source's clock is one the test moves.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from migration.plan import GateSpec
 from runtime.shadow.metrics import ShadowCounters
 from services.common.prometheus_http import PrometheusHTTPServer
 from tests.metrics_endpoints import MetricsEndpoint
+from tests.waiting import ManualClock, eventually
 
 NO_SHADOW = ParityStats(0, 0, missing="no shadow traffic in this test")
 
@@ -113,14 +115,20 @@ def test_a_side_with_no_endpoint_answering_is_no_data(endpoints: dict[str, Metri
 
 
 def test_the_background_thread_keeps_baselines_coming(endpoints: dict[str, MetricsEndpoint]) -> None:
+    """Without a background scrape after the 3 requests, the last totals before `since` would
+    be the source's first (none counted) and the window would hold all 5."""
+    stamps: list[float] = []
+
+    def clock() -> float:  # the wall clock, counting the scrapes that kept totals
+        stamps.append(time.time())
+        return stamps[-1]
+
     source = ScrapeSource({"layered": [endpoints["layered-a"].url], "spine": [endpoints["spine-a"].url]},
-                          interval_s=0.05)
+                          interval_s=0.05, clock=clock)
     try:
         endpoints["spine-a"].record(3)
-        deadline = time.monotonic() + 10
-        while source.window("spine", 0.0).requests != 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # a few background scrapes after the 3 requests
+        after_the_3 = len(stamps)
+        eventually(lambda: len(stamps) >= after_the_3 + 4, what="two background scrapes of both sides")
         since = time.time()
         endpoints["spine-a"].record(2)
         assert source.window("spine", since).requests == 2
@@ -191,15 +199,16 @@ def test_shadow_comparisons_are_read_by_field_with_calibrated_noise_left_out() -
 
 def test_noise_older_than_ten_windows_no_longer_excuses_a_field() -> None:
     counters = ShadowCounters()
+    clock = ManualClock()
     with PrometheusHTTPServer(counters.registry) as http:
-        source = ScrapeSource({"front": [f"http://{http.address}/metrics"]}, interval_s=None)
+        source = ScrapeSource({"front": [f"http://{http.address}/metrics"]}, interval_s=None, clock=clock)
         counters.compared("layered", "layered", True, ["cached"])
         source.scrape("front")
-        time.sleep(1.2)
-        since = time.time()
+        clock.advance(1.2)
+        since = clock()
         counters.compared("spine", "layered", False, ["cached"])
-        time.sleep(0.05)
-        parity = source.parity(since)  # a ~0.05 s window: noise over the last ~0.5 s
+        clock.advance(0.05)
+        parity = source.parity(since)  # a 0.05 s window: noise over the last 0.5 s
         assert (parity.mismatches, parity.noisy_fields) == (1, ())
         assert source.parity(since - 1.5).noisy_fields == ("cached",)  # a longer window reaches the noise
 

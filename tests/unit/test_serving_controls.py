@@ -29,7 +29,9 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def test_latency_class_is_admitted_before_a_throughput_job_that_queued_first() -> None:
-    service, model = make_service(kv_cache_max_entries=1, max_batch=1)
+    # A clock the test holds still: on a loaded host the real one could age the throughput job
+    # past the aging bound before the latency job arrives (the next test's case, not this one's).
+    service, model = make_service(clock=ManualClock(), kv_cache_max_entries=1, max_batch=1)
     try:
         model.hold()
         first = Call(service, request("first", 3))

@@ -12,23 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from migration.traffic.cutover import Cutover
+from migration.traffic.cutover import Cutover, RunningCutover
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive, split_tenant_through
 from wire.v1 import generation_pb2
 
 
 @pytest.fixture(scope="module")
-def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
-    rig = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("cutover-tree")), layered_process=True)
-    rig.start()
+def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCutover]:
+    rig = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("cutover-tree")), layered_process=True).start()
     try:
         yield rig
     finally:
         rig.stop()
 
 
-def test_both_sides_answer_through_the_front_and_the_layered_side_is_its_own_process(cutover: Cutover) -> None:
+def test_both_sides_answer_through_the_front_and_the_layered_side_is_its_own_process(cutover: RunningCutover) -> None:
     assert cutover.layered is None and cutover.layered_tree is not None
     assert cutover.layered_tree.process is not None and cutover.layered_tree.process.pid != os.getpid()
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="which process", max_tokens=2)
@@ -41,7 +40,7 @@ def test_both_sides_answer_through_the_front_and_the_layered_side_is_its_own_pro
 
 
 @pytest.mark.parametrize("spine_ratelimit", ["remote", "local"])
-def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine_ratelimit: str) -> None:
+def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: RunningCutover, spine_ratelimit: str) -> None:
     """Remote: the spine asks the layered tree's own rate limiter; local: each side holds its
     share, the layered one set through the stub. Either way at most the burst of 20."""
     assert cutover.target is not None
@@ -58,8 +57,7 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine
 
 
 def test_stopping_the_cutover_stops_the_layered_tree(tmp_path: Path) -> None:
-    rig = Cutover(config_for_tests(), tmp_path, layered_process=True)
-    rig.start()
+    rig = Cutover(config_for_tests(), tmp_path, layered_process=True).start()
     assert rig.layered_tree is not None and rig.layered_tree.process is not None
     pid = rig.layered_tree.process.pid
     children = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

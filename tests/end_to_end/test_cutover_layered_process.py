@@ -2,7 +2,7 @@
 
 The spine still shares the layered middleware processes for what it has not collapsed, and
 the rate limiter's share is set through a stub on the layered one; stopping the cutover
-stops the tree (by PID)."""
+stops the tree (by PID), and so does a cutover that fails to start after the tree started."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from migration.traffic.cutover import Cutover, RunningCutover
+from services.common import ConfigError
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests, pid_alive, split_tenant_through
 from wire.v1 import generation_pb2
@@ -64,3 +66,17 @@ def test_stopping_the_cutover_stops_the_layered_tree(tmp_path: Path) -> None:
     assert len(children) >= 6  # the layered components, each its own process
     rig.stop()
     assert not pid_alive(pid) and not any(pid_alive(child) for child in children)
+
+
+def test_a_cutover_whose_controller_cannot_start_stops_both_sides_and_the_front(tmp_path: Path) -> None:
+    """The controller starts last; refused its dashboard on every interface, it leaves nothing
+    running: the layered tree, the spine and the front started before it are stopped."""
+    me = psutil.Process()
+    children = {child.pid for child in me.children(recursive=True)}
+    listening = {c.laddr.port for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    with pytest.raises(ConfigError, match="dashboard-listen"):
+        Cutover(config_for_tests(), tmp_path, layered_process=True, dashboard_listen="0.0.0.0:0").start()
+    assert "ready" in (tmp_path / "layered.log").read_text()  # the tree had started
+    left = [child for child in me.children(recursive=True) if child.pid not in children]
+    assert not [child for child in left if child.is_running() and child.status() != psutil.STATUS_ZOMBIE], left
+    assert {c.laddr.port for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN} <= listening

@@ -184,6 +184,8 @@ def test_stopping_the_cutover_stops_the_spine_process(tmp_path: Path) -> None:
 
 def test_a_killed_spine_process_refuses_fault_switches_and_the_cutover_still_stops(tmp_path: Path) -> None:
     rig = Cutover(config_for_tests(), tmp_path, layered_process=True, spine_process=True).start()
+    assert rig.layered_tree is not None and rig.layered_tree.process is not None
+    layered_pid = rig.layered_tree.process.pid
     try:
         assert rig.spine_tree is not None and rig.spine_tree.process is not None
         process = rig.spine_tree.process
@@ -195,8 +197,7 @@ def test_a_killed_spine_process_refuses_fault_switches_and_the_cutover_still_sto
             assert client.generate(_greedy("the spine is gone")).ok
     finally:
         rig.stop()
-    assert rig.layered_tree is not None and rig.layered_tree.process is not None
-    assert not pid_alive(rig.layered_tree.process.pid)
+    assert not pid_alive(layered_pid)  # the spine's death stopped nothing else from stopping
 
 
 def test_moving_traffic_back_to_the_layered_side_gives_its_limiter_the_share_at_once(cutover: RunningCutover) -> None:

@@ -59,7 +59,7 @@ from services.registry import COMPONENTS, DEFAULT, GATEWAY, MIDDLEWARES
 class Cutover:
     """What a whole migration on one machine runs; `start()` runs it."""
 
-    config: SpineConfig
+    config: SpineConfig = field(repr=False)  # it may hold the internal secret
     run_dir: Path
     listen: str = "127.0.0.1:0"
     xds_listen: str | None = None  # e.g. "127.0.0.1:0": serve ADS so Envoy/proxyless clients follow
@@ -209,7 +209,8 @@ class RunningCutover(RunningParts):
     `front_http`, `front_metrics` and `parity` are None where the settings leave them out.
     `stop()` stops every part, in the reverse of the order they started."""
 
-    config: SpineConfig  # as run: with the internal secret made for the run if it had none
+    # As run: with the internal secret made for the run if it had none (kept out of its repr).
+    config: SpineConfig = field(repr=False)
     run_dir: Path
     admin_token: str = field(repr=False)
     fault: FaultHook  # the in-process spine's (`switch_fault`)

@@ -76,7 +76,8 @@ def test_a_cutover_whose_controller_cannot_start_stops_both_sides_and_the_front(
     listening = {c.laddr.port for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
     with pytest.raises(ConfigError, match="dashboard-listen"):
         Cutover(config_for_tests(), tmp_path, layered_process=True, dashboard_listen="0.0.0.0:0").start()
-    assert "ready" in (tmp_path / "layered.log").read_text()  # the tree had started
+    log = (tmp_path / "layered.log").read_text()
+    assert "serving the Gateway API" in log and "stopping" in log  # it had started, and was stopped
     left = [child for child in me.children(recursive=True) if child.pid not in children]
     assert not [child for child in left if child.is_running() and child.status() != psutil.STATUS_ZOMBIE], left
     assert {c.laddr.port for c in me.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN} <= listening

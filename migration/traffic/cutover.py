@@ -113,7 +113,8 @@ class Cutover:
             parts.callback(xds.stop)
             xds.start(self.xds_listen, tls)
         if xds is not None:
-            xds.set_endpoints(_http_endpoints({"layered": layered or layered_tree, "spine": spine or spine_tree}))
+            xds.set_endpoints(_http_endpoints({"layered": layered if layered is not None else layered_tree,
+                                               "spine": spine if spine is not None else spine_tree}))
         # Each side's gateway health (SERVING only while its fail-closed components are)
         # steers the front and the xDS endpoints.
         endpoint_health = EndpointHealth({"layered": [layered_address], "spine": [spine_address]},

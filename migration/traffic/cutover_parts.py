@@ -80,6 +80,6 @@ def start_controller(parts: ExitStack, run_dir: Path, admin_token: str, target: 
     controller = ControllerProcess(str(run_dir / "migration.sqlite"), controller_address(run_dir), admin_token,
                                    target, tick_s=tick_s, dashboard_listen=dashboard_listen,
                                    view_without_token=True)
+    parts.callback(controller.stop)  # before it starts: one that fails half way stops what it had begun
     controller.start()
-    parts.callback(controller.stop)
     return controller

@@ -6,71 +6,89 @@ call it instead of the legacy endpoint), its shadow comparisons on a /metrics of
 (what the parity gate reads, through a `ScrapeSource`), and the migration controller with a
 `LegacyTarget` (sqlite state, the `MigrationControl` API on a unix socket behind an admin
 token). `python -m migration.runner --target legacy-http` runs the same parts as a service.
+
+`LegacyCutover` says what to run; `start()` returns a `RunningLegacyCutover`, started and
+stopped as the built-in cutover's parts are (`cutover_parts`: one `ExitStack`, stopped in the
+reverse of the order it started, what started before a part that fails stopped at once).
 """
 
 from __future__ import annotations
 
 import secrets
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from migration.legacy_endpoint import LegacyEndpoint
-from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
+from migration.traffic.cutover_parts import (
+    RunningParts,
+    controller_address,
+    serve_comparisons,
+    start_controller,
+)
 from migration.traffic.http_front import HttpFront
 from migration.traffic.http_mirror import MirrorSettings
 from migration.traffic.legacy_target import LegacyTarget
 from runtime.config.http import HttpConfig
 from runtime.http.server import HttpServer
-from runtime.processes.run_dir import write_private
 from services.common.prometheus_http import PrometheusHTTPServer
 
 
-@dataclass
+@dataclass(frozen=True)
 class LegacyCutover:
+    """What a migration from a foreign HTTP endpoint runs; `start()` runs it."""
+
     legacy: LegacyEndpoint
     spine_http: str  # the spine's HTTP API, e.g. http://127.0.0.1:8000
     run_dir: Path
     listen: str = "127.0.0.1:0"
     mirror: MirrorSettings | None = None
-    internal_key: bytes | None = None  # the spine's internal secret: its shadow copies are marked
+    # The spine's internal secret: the front marks its shadow copies with it.
+    internal_key: bytes | None = field(default=None, repr=False)
     http: HttpConfig = field(default_factory=HttpConfig)
     timeout_s: float = 300.0
     tick_s: float = 0.1
     dashboard_listen: str | None = None
-    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
-    front: HttpFront | None = None
-    server: HttpServer | None = None
-    metrics: PrometheusHTTPServer | None = None
-    target: LegacyTarget | None = None
-    controller: ControllerProcess | None = None
+    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
 
-    def start(self) -> str:
-        """Start the front and the controller; the front's address (HOST:PORT)."""
+    def start(self) -> RunningLegacyCutover:
+        """Start the front and the controller; what runs. Should one fail to start, what
+        started before it is stopped and the error raised."""
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        try:
-            self.front = HttpFront(self.legacy, self.spine_http, mirror=self.mirror, internal_key=self.internal_key,
-                                   http=self.http, timeout_s=self.timeout_s)
-            self.server = HttpServer(self.front, self.front.http, self.listen).start()
-            parity = None
-            if self.front.mirror is not None:
-                self.metrics = PrometheusHTTPServer(self.front.mirror.counters.registry)
-                self.metrics.start()
-                parity = ScrapeSource({"front": [f"http://{self.metrics.address}/metrics"]}, interval_s=0.25)
-            self.target = LegacyTarget(self.front, parity)
-            write_private(self.run_dir, "admin-token", self.admin_token).chmod(0o600)
-            self.controller = ControllerProcess(str(self.run_dir / "migration.sqlite"), self.controller_address,
-                                                self.admin_token, self.target, tick_s=self.tick_s,
-                                                dashboard_listen=self.dashboard_listen, view_without_token=True)
-            self.controller.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self.server.address
+        with ExitStack() as parts:  # left by an error: it stops what had started
+            front = HttpFront(self.legacy, self.spine_http, mirror=self.mirror, internal_key=self.internal_key,
+                              http=self.http, timeout_s=self.timeout_s)
+            server = HttpServer(front, front.http, self.listen).start()
+            parts.callback(server.stop, 2.0)
+            # Its copies in flight finish and its connections close on the server's loop, so before the server stops.
+            parts.callback(front.close)
+            comparisons = serve_comparisons(parts, front.mirror.counters.registry) if front.mirror is not None else None
+            target = LegacyTarget(front, comparisons.parity if comparisons is not None else None)
+            controller = start_controller(parts, self.run_dir, self.admin_token, target, tick_s=self.tick_s,
+                                          dashboard_listen=self.dashboard_listen)
+            return RunningLegacyCutover(
+                legacy=self.legacy, run_dir=self.run_dir, front=front, server=server,
+                metrics=comparisons.metrics if comparisons is not None else None, target=target,
+                controller=controller,
+                parts=parts.pop_all())  # last: the running cutover holds the stops from here on
+
+
+@dataclass(frozen=True)
+class RunningLegacyCutover(RunningParts):
+    """A started `LegacyCutover`: its front (`metrics` None without a mirror) and its controller."""
+
+    legacy: LegacyEndpoint
+    run_dir: Path
+    front: HttpFront
+    server: HttpServer
+    metrics: PrometheusHTTPServer | None
+    target: LegacyTarget
+    controller: ControllerProcess
 
     @property
     def address(self) -> str:
-        assert self.server is not None
+        """The front's HOST:PORT."""
         return self.server.address
 
     @property
@@ -80,21 +98,4 @@ class LegacyCutover:
 
     @property
     def controller_address(self) -> str:
-        return f"unix:{self.run_dir / 'controller.sock'}"
-
-    def stop(self) -> None:
-        if self.controller is not None:
-            self.controller.stop()
-            self.controller = None
-        if self.target is not None:
-            self.target.close()
-            self.target = None
-        if self.front is not None and self.server is not None:
-            self.front.close()
-        if self.server is not None:
-            self.server.stop(2.0)
-            self.server = None
-        if self.metrics is not None:
-            self.metrics.stop()
-            self.metrics = None
-        self.front = None
+        return controller_address(self.run_dir)

@@ -83,6 +83,42 @@ class Child:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    # Its changes, made by the supervisor that keeps it (under its lock), through these: the
+    # record says what each one means, rather than every caller setting its fields in step.
+    def started(self, process: subprocess.Popen[bytes], now: float, *, restart: bool = False) -> None:
+        """A process of it started: the first, or a `restart`'s."""
+        self.restarts += restart
+        self.process = process
+        self.started_at = now
+        self.restart_at = None
+
+    def serving(self, process: subprocess.Popen[bytes] | None, now: float) -> None:
+        """It answered SERVING: its start-up readiness is confirmed for `process`."""
+        self.ready_seen = process
+        self.healthy.set()
+        self.serving_since = now
+
+    def not_serving(self) -> None:
+        self.healthy.clear()
+        self.serving_since = None
+
+    def steady(self) -> None:
+        """It has stayed up long enough: no exits in a row, no crash loop."""
+        self.failures, self.crash_loop = 0, False
+
+    def exited(self, process: subprocess.Popen[bytes], now: float, *, stable: bool, backoff: Callable[[int], float],
+               crash_loop_after: int) -> tuple[float, bool]:
+        """Note an exit of `process` (after it stayed up `stable`, or not) and schedule its
+        restart; the delay before it, and whether the exit began a crash loop."""
+        self.failures = 1 if stable else self.failures + 1
+        delay = backoff(self.failures)
+        self.exits.append(Exit(self.started_at, now, process.returncode, delay))
+        self.restart_at = now + delay
+        self.not_serving()
+        began = self.failures >= crash_loop_after and not self.crash_loop
+        self.crash_loop = self.crash_loop or self.failures >= crash_loop_after
+        return delay, began
+
 
 class Supervisor:
     """Starts children, watches them, restarts the ones that crash, stops them all."""
@@ -123,8 +159,7 @@ class Supervisor:
         """Start every child and wait until each reports SERVING."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for child in self.children.values():
-            child.process = self._spawn(child)
-            child.started_at = self._clock()
+            child.started(self._spawn(child), self._clock())
         for child in self.children.values():
             self._await_healthy(child)
         self._monitor.start()
@@ -210,19 +245,15 @@ class Supervisor:
                     continue  # restarted while we asked: this answer is about the old process
                 if process is not None and child.ready_seen is not process:
                     if serving:  # a (re)started child's first SERVING
-                        child.ready_seen = process
-                        child.healthy.set()
-                        child.serving_since = now
+                        child.serving(process, now)
                         log.info("%s SERVING on %s (pid %s)", name, child.address, child.pid)
                     continue
                 if serving and not child.healthy.is_set():
                     log.info("%s (pid %s) is SERVING again", name, child.pid)
-                    child.healthy.set()
-                    child.serving_since = now
+                    child.serving(process, now)
                 elif not serving and child.healthy.is_set():
                     log.warning("%s (pid %s) is not SERVING: %s", name, child.pid, reason)
-                    child.healthy.clear()
-                    child.serving_since = None
+                    child.not_serving()
         return self.ready()
 
     def _await_healthy(self, child: Child) -> None:
@@ -232,9 +263,7 @@ class Supervisor:
                 raise ChildFailed(f"{child.name} exited with code {child.process.returncode} while starting; "
                                   f"see {child.log_path}:\n{_tail(child.log_path)}")
             if wait_serving(child.address, timeout=0.5):
-                child.ready_seen = child.process
-                child.healthy.set()
-                child.serving_since = self._clock()
+                child.serving(child.process, self._clock())
                 log.info("%s SERVING on %s (pid %s)", child.name, child.address, child.pid)
                 return
         raise ChildFailed(f"{child.name} did not report SERVING within {self.ready_timeout:.0f}s; "
@@ -280,23 +309,17 @@ class Supervisor:
                 if child.crash_loop:
                     log.warning("%s has stayed up for %.0fs: no longer in a crash loop", child.name,
                                 now - child.started_at)
-                child.failures, child.crash_loop = 0, False
+                child.steady()
         return False
 
     def _schedule_restart(self, child: Child, process: subprocess.Popen[bytes], now: float) -> None:
         stable = child.ready_seen is process and now - child.started_at >= self.stable_after_s
-        child.failures = 1 if stable else child.failures + 1
-        delay = self.backoff(child.failures)
-        child.exits.append(Exit(child.started_at, now, process.returncode, delay))
-        child.restart_at = now + delay
-        child.healthy.clear()
-        child.serving_since = None
-        if child.failures >= self.crash_loop_after:
-            if not child.crash_loop:
-                log.error("%s is in a crash loop: it exited %d times in a row (last exit code %s); "
-                          "restarting with backoff up to %gs; see %s", child.name, child.failures,
-                          process.returncode, self.max_restart_backoff, child.log_path)
-            child.crash_loop = True
+        delay, crash_loop_began = child.exited(process, now, stable=stable, backoff=self.backoff,
+                                               crash_loop_after=self.crash_loop_after)
+        if crash_loop_began:
+            log.error("%s is in a crash loop: it exited %d times in a row (last exit code %s); "
+                      "restarting with backoff up to %gs; see %s", child.name, child.failures,
+                      process.returncode, self.max_restart_backoff, child.log_path)
         log.warning("%s (pid %s) exited with code %s; restart #%d in %.1fs", child.name, process.pid,
                     process.returncode, child.restarts + 1, delay)
 
@@ -308,10 +331,7 @@ class Supervisor:
                 process.kill()
                 process.wait()
                 return
-            child.process = process
-            child.started_at = self._clock()
-            child.restart_at = None
-            child.restarts += 1
+            child.started(process, self._clock(), restart=True)
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every child, wait for them to flush and exit, SIGKILL the rest."""

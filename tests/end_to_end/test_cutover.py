@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from migration.status import State
-from migration.traffic.cutover import Cutover
+from migration.traffic.cutover import Cutover, RunningCutover
 from spine.client.gateway_client import GatewayClient
 from spine.tools.demo.migration import DEMO_PLAN, DEMO_SHADOW_SHARE, inject, walk_plan
 from spine.tools.demo.traffic import TrafficDriver
@@ -43,15 +43,14 @@ UNLIMITED_DEV = {"ratelimit": {"tenants": {"dev": {"requests_per_second": 1_000_
 
 
 @pytest.fixture(scope="module")
-def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
+def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCutover]:
     # The tests here count any failed request against the migration; a remote middleware that
     # misses the default 250 ms budget because the CI host runs the rest of the suite too
     # (fail closed: UNAVAILABLE) is not the migration's doing, so the hops get 2 s here.
     config = config_for_tests(shadow={"share": DEMO_SHADOW_SHARE},
                               calls={"budgets_ms": dict.fromkeys(("auth", "ratelimit", "router", "cache"), 2000)},
                               **UNLIMITED_DEV)
-    rig = Cutover(config, Path(tmp_path_factory.mktemp("cutover")), http_listen="127.0.0.1:0")
-    rig.start()
+    rig = Cutover(config, Path(tmp_path_factory.mktemp("cutover")), http_listen="127.0.0.1:0").start()
     try:
         yield rig
     finally:
@@ -59,14 +58,14 @@ def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
 
 
 # -- HTTP through the front: split like gRPC, mirrored and compared, refusals not failures --------
-def post(cutover: Cutover, prompt: str, **headers: str) -> httpx.Response:
+def post(cutover: RunningCutover, prompt: str, **headers: str) -> httpx.Response:
     with httpx.Client(base_url=f"http://{cutover.http_address}", timeout=10) as client:
         return client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}", **headers},
                            json={"model": "tiny-lm", "max_tokens": 3, "temperature": 0,
                                  "messages": [{"role": "user", "content": prompt}]})
 
 
-def test_http_through_the_front_follows_the_weight_the_header_and_the_session(cutover: Cutover) -> None:
+def test_http_through_the_front_follows_the_weight_the_header_and_the_session(cutover: RunningCutover) -> None:
     assert cutover.front is not None
     cutover.front.set_weight(0)
     assert {post(cutover, f"w0 {i}").headers["x-spine-side"] for i in range(6)} == {"layered"}
@@ -84,7 +83,7 @@ def test_http_through_the_front_follows_the_weight_the_header_and_the_session(cu
     assert spread == {"layered", "spine"}
 
 
-def test_the_sdk_through_the_front_and_its_answers_mirrored_and_compared(cutover: Cutover) -> None:
+def test_the_sdk_through_the_front_and_its_answers_mirrored_and_compared(cutover: RunningCutover) -> None:
     assert cutover.front is not None and cutover.front.shadow is not None
     cutover.front.set_weight(50)
     share = cutover.front.shadow.share
@@ -109,7 +108,7 @@ def test_the_sdk_through_the_front_and_its_answers_mirrored_and_compared(cutover
     assert after.get("mismatched", 0) == before.get("mismatched", 0)
 
 
-def test_refusals_over_http_are_not_layout_failures(cutover: Cutover) -> None:
+def test_refusals_over_http_are_not_layout_failures(cutover: RunningCutover) -> None:
     assert cutover.front is not None
     since = time.time()
     assert post(cutover, "fine").status_code == 200
@@ -126,7 +125,7 @@ def test_refusals_over_http_are_not_layout_failures(cutover: Cutover) -> None:
     assert sum(side.errors for side in window.values()) == 0
 
 
-def test_front_routes_by_header_and_sticks_to_a_session(cutover: Cutover) -> None:
+def test_front_routes_by_header_and_sticks_to_a_session(cutover: RunningCutover) -> None:
     assert cutover.front is not None
     cutover.front.set_weight(50)
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="where am I", max_tokens=2)
@@ -145,7 +144,7 @@ def test_front_routes_by_header_and_sticks_to_a_session(cutover: Cutover) -> Non
 
 
 @pytest.mark.parametrize("spine_ratelimit", ["remote", "local"])
-def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine_ratelimit: str) -> None:
+def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: RunningCutover, spine_ratelimit: str) -> None:
     """One tenant, its sessions split across both layouts: at most its burst of 20 in total."""
     assert cutover.target is not None and cutover.front is not None
     placements = {name: "local" for name in ("logs", "metrics", "cache", "router", "auth")}
@@ -174,7 +173,7 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total(cutover: Cutover, spine
         assert cutover.parity is not None and not cutover.parity.scrape("front")
 
 
-def test_demo_plan_walks_to_full_spine_without_a_failed_request(cutover: Cutover) -> None:
+def test_demo_plan_walks_to_full_spine_without_a_failed_request(cutover: RunningCutover) -> None:
     traffic = TrafficDriver(cutover.address, DEV_KEY, concurrency=3, time_limit_s=60)
     traffic.start()
     try:
@@ -190,7 +189,7 @@ def test_demo_plan_walks_to_full_spine_without_a_failed_request(cutover: Cutover
     assert cutover.front is not None and cutover.front.spine_weight == 100
 
 
-def test_operator_rollback_under_load_is_fast_and_fails_nothing(cutover: Cutover) -> None:
+def test_operator_rollback_under_load_is_fast_and_fails_nothing(cutover: RunningCutover) -> None:
     from migration.plan import load_plan
 
     assert cutover.controller is not None and cutover.front is not None and cutover.spine is not None
@@ -222,7 +221,7 @@ def test_operator_rollback_under_load_is_fast_and_fails_nothing(cutover: Cutover
     assert any(entry.actor == "operator" and entry.action == "rollback" for entry in audit)
 
 
-def test_without_shadow_traffic_the_demo_plan_is_refused_for_its_parity_gates(cutover: Cutover) -> None:
+def test_without_shadow_traffic_the_demo_plan_is_refused_for_its_parity_gates(cutover: RunningCutover) -> None:
     from migration.plan import PlanError, load_plan
 
     assert cutover.controller is not None and cutover.front is not None
@@ -238,7 +237,7 @@ def test_without_shadow_traffic_the_demo_plan_is_refused_for_its_parity_gates(cu
     assert controller.status == before
 
 
-def test_a_spine_answering_differently_is_rolled_back_by_the_parity_gate_alone(cutover: Cutover) -> None:
+def test_a_spine_answering_differently_is_rolled_back_by_the_parity_gate_alone(cutover: RunningCutover) -> None:
     """The demo's third run: every call succeeds, so only the parity gate can tell.
 
     Last in this module: the faulty answers it leaves in the caches would be served later."""

@@ -22,7 +22,7 @@ from unittest.mock import ANY
 
 import pytest
 
-from migration.traffic.cutover import Cutover
+from migration.traffic.cutover import Cutover, RunningCutover
 from migration.traffic.spine_process import FaultNotSwitched
 from runtime.faults import FaultHook, FaultSwitch
 from services.common import ConfigError
@@ -41,10 +41,9 @@ from wire.v1 import generation_pb2
 
 
 @pytest.fixture(scope="module")
-def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cutover]:
+def cutover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCutover]:
     rig = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("cutover-spine")), layered_process=True,
-                  spine_process=True)
-    rig.start()
+                  spine_process=True).start()
     try:
         yield rig
     finally:
@@ -55,7 +54,7 @@ def _greedy(prompt: str) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=6)
 
 
-def _apply(cutover: Cutover, weight: float, placements: dict[str, str], version: str) -> None:
+def _apply(cutover: RunningCutover, weight: float, placements: dict[str, str], version: str) -> None:
     """Apply a stage as the controller does and wait until the target says it is in force."""
     assert cutover.target is not None
     cutover.target.apply(weight, placements, version, route_header=True)
@@ -65,7 +64,7 @@ def _apply(cutover: Cutover, weight: float, placements: dict[str, str], version:
         time.sleep(0.05)
 
 
-def test_the_spine_is_its_own_process_and_starts_on_the_layered_middlewares(cutover: Cutover) -> None:
+def test_the_spine_is_its_own_process_and_starts_on_the_layered_middlewares(cutover: RunningCutover) -> None:
     assert cutover.spine is None and cutover.spine_tree is not None and cutover.spine_tree.process is not None
     assert cutover.spine_tree.process.pid != os.getpid()
     with GatewayClient(cutover.address, DEV_KEY) as client:
@@ -74,7 +73,7 @@ def test_the_spine_is_its_own_process_and_starts_on_the_layered_middlewares(cuto
     assert result.trailing["x-spine-side"] == "spine" and result.layout == "mixed"
 
 
-def test_a_stage_reaches_the_spine_process_over_ads_before_it_counts_as_applied(cutover: Cutover) -> None:
+def test_a_stage_reaches_the_spine_process_over_ads_before_it_counts_as_applied(cutover: RunningCutover) -> None:
     assert cutover.target is not None and cutover.xds is not None
     everything_local = dict.fromkeys(MIDDLEWARES, "local")
     _apply(cutover, 100, everything_local, "all-local")
@@ -92,7 +91,7 @@ def test_a_stage_reaches_the_spine_process_over_ads_before_it_counts_as_applied(
     assert result.ok and result.layout == "mixed"
 
 
-def test_a_split_tenant_never_exceeds_its_limit_in_total_with_the_spine_s_share_over_ads(cutover: Cutover) -> None:
+def test_a_split_tenant_never_exceeds_its_limit_in_total_with_the_spine_s_share_over_ads(cutover: RunningCutover) -> None:
     placements = dict.fromkeys(MIDDLEWARES, "local")
     _apply(cutover, 50, placements, "spine-split")
     try:
@@ -103,7 +102,7 @@ def test_a_split_tenant_never_exceeds_its_limit_in_total_with_the_spine_s_share_
         _apply(cutover, 0, dict.fromkeys(MIDDLEWARES, "remote"), "spine-split-back")
 
 
-def test_faults_are_switched_in_the_spine_process_and_answered(cutover: Cutover) -> None:
+def test_faults_are_switched_in_the_spine_process_and_answered(cutover: RunningCutover) -> None:
     spine = {"x-spine-route": "spine"}
     with GatewayClient(cutover.address, DEV_KEY) as client:
         layered = client.generate(_greedy("a fault to compare"), headers={"x-spine-route": "layered"})
@@ -155,7 +154,7 @@ def test_the_switchable_fault_is_refused_on_a_terminal(monkeypatch: pytest.Monke
         _injected_fault(args, config_for_tests(), None)
 
 
-def test_a_stage_waits_for_the_spine_before_it_sends_it_more_and_a_rollback_does_not(cutover: Cutover) -> None:
+def test_a_stage_waits_for_the_spine_before_it_sends_it_more_and_a_rollback_does_not(cutover: RunningCutover) -> None:
     """Raising the spine's weight waits for its ACK (the front stays where it was); a
     rollback to weight 0 is in force at once, even while the spine process cannot answer."""
     assert cutover.target is not None and cutover.front is not None and cutover.spine_tree is not None
@@ -176,8 +175,7 @@ def test_a_stage_waits_for_the_spine_before_it_sends_it_more_and_a_rollback_does
 
 
 def test_stopping_the_cutover_stops_the_spine_process(tmp_path: Path) -> None:
-    rig = Cutover(config_for_tests(), tmp_path, layered_process=True, spine_process=True)
-    rig.start()
+    rig = Cutover(config_for_tests(), tmp_path, layered_process=True, spine_process=True).start()
     assert rig.spine_tree is not None and rig.spine_tree.process is not None
     pid = rig.spine_tree.process.pid
     rig.stop()
@@ -185,8 +183,9 @@ def test_stopping_the_cutover_stops_the_spine_process(tmp_path: Path) -> None:
 
 
 def test_a_killed_spine_process_refuses_fault_switches_and_the_cutover_still_stops(tmp_path: Path) -> None:
-    rig = Cutover(config_for_tests(), tmp_path, layered_process=True, spine_process=True)
-    rig.start()
+    rig = Cutover(config_for_tests(), tmp_path, layered_process=True, spine_process=True).start()
+    assert rig.layered_tree is not None and rig.layered_tree.process is not None
+    layered_pid = rig.layered_tree.process.pid
     try:
         assert rig.spine_tree is not None and rig.spine_tree.process is not None
         process = rig.spine_tree.process
@@ -198,10 +197,10 @@ def test_a_killed_spine_process_refuses_fault_switches_and_the_cutover_still_sto
             assert client.generate(_greedy("the spine is gone")).ok
     finally:
         rig.stop()
-    assert rig.spine_tree is None and rig.layered_tree is None
+    assert not pid_alive(layered_pid)  # the spine's death stopped nothing else from stopping
 
 
-def test_moving_traffic_back_to_the_layered_side_gives_its_limiter_the_share_at_once(cutover: Cutover) -> None:
+def test_moving_traffic_back_to_the_layered_side_gives_its_limiter_the_share_at_once(cutover: RunningCutover) -> None:
     """After a stage with the rate limiter in the spine (layered share near 0), a stage that
     sends the spine less traffic goes in at once, the layered limiter's share with it: the
     layered side must not refuse its new traffic while the spine is still applying the stage

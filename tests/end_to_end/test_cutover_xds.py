@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from migration.traffic.cutover import Cutover
+from migration.traffic.cutover import Cutover, RunningCutover
 from tests.conftest import DEV_KEY, config_for_tests
 
 pytestmark = pytest.mark.timeout(180)
@@ -53,9 +53,8 @@ ALL_LOCAL = dict.fromkeys(ALL_REMOTE, "local")
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cutover, subprocess.Popen[str]]]:
-    cutover = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("xds-cutover")), xds_listen="127.0.0.1:0")
-    cutover.start()
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningCutover, subprocess.Popen[str]]]:
+    cutover = Cutover(config_for_tests(), Path(tmp_path_factory.mktemp("xds-cutover")), xds_listen="127.0.0.1:0").start()
     client: subprocess.Popen[str] | None = None
     try:
         assert cutover.target is not None and cutover.xds is not None and cutover.xds.address
@@ -86,7 +85,7 @@ def calls(client: subprocess.Popen[str], n: int) -> dict[str, Any]:
 
 
 def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
-        rig: tuple[Cutover, subprocess.Popen[str]]) -> None:
+        rig: tuple[RunningCutover, subprocess.Popen[str]]) -> None:
     cutover, client = rig
     assert cutover.target is not None and cutover.xds is not None
     assert calls(client, 10) == {"layered": 10}
@@ -117,7 +116,7 @@ def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
 
 
 def test_a_nack_is_shown_in_migrate_status_and_traffic_stays_on_the_last_good_version(
-        rig: tuple[Cutover, subprocess.Popen[str]]) -> None:
+        rig: tuple[RunningCutover, subprocess.Popen[str]]) -> None:
     from migration.service import status_message
     from migration.xds import Endpoint, build_snapshot
     from migration.xds.snapshot import ROUTE, build_route
@@ -160,7 +159,7 @@ def test_a_nack_is_shown_in_migrate_status_and_traffic_stays_on_the_last_good_ve
 
 
 def test_a_spine_that_cannot_run_its_model_is_failed_over_and_sent_unhealthy(
-        rig: tuple[Cutover, subprocess.Popen[str]]) -> None:
+        rig: tuple[RunningCutover, subprocess.Popen[str]]) -> None:
     from envoy.config.core.v3 import health_check_pb2
 
     from migration.xds.snapshot import ENDPOINT

@@ -154,7 +154,7 @@ def test_litellm_failing_during_a_stage_is_its_own_error_and_never_promotes(rig:
     window stays clean; the error-rate gate holds the stage instead of passing it."""
     reset(rig)
     assert rig.cutover is not None and rig.cutover.front is not None and rig.gateway is not None
-    controller = rig.cutover.controller.controller  # type: ignore[union-attr]
+    controller = rig.cutover.controller.controller
     held = plan(rig).replace("hold_s: 3", "hold_s: 2")  # a hold that ends while LiteLLM is down
     traffic = LegacyTraffic(rig.cutover.base_url, rig.master_key).start()
     try:

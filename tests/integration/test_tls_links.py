@@ -117,8 +117,7 @@ def test_a_follower_takes_its_stage_over_mtls_and_a_plaintext_one_gets_nothing(c
 # -- the front, the A/B tool ------------------------------------------------------------------------
 
 def test_the_front_splits_between_two_mtls_gateways(certs: Certs, tmp_path: Path) -> None:
-    rig = Cutover(config_for_tests(tls=certs.tls_config()), tmp_path)
-    rig.start()
+    rig = Cutover(config_for_tests(tls=certs.tls_config()), tmp_path).start()
     try:
         assert rig.endpoint_health is not None and rig.front is not None
         assert rig.endpoint_health.check_once() == {"layered": True, "spine": True}

@@ -14,6 +14,11 @@ and data records — a protobuf message, a dataclass (a
 request's state, a child's record) — whose fields are what they hold. A parameter or an
 attribute of `self` is judged by its annotation; a library object whose API is attribute
 assignment (uvicorn's server, an `ssl.SSLContext`) is named in `LIBRARY_OBJECTS`.
+
+A dataclass that holds running parts (a field whose type is something that stops or closes:
+a server, a process, a thread) is not a data record: what it holds was started, and is not
+swapped from outside any more than a part's own wiring is. A builder returns such a record
+made whole and frozen (`Cutover.start() -> RunningCutover`).
 """
 
 from __future__ import annotations
@@ -26,21 +31,53 @@ PACKAGES = ("services", "runtime", "migration", "monolith", "spine", "bench")
 # Third-party objects configured by setting attributes (their documented API), by the annotation naming them.
 LIBRARY_OBJECTS = {"uvicorn.Server", "uvicorn.Config", "ssl.SSLContext", "RequestResponseCycle", "ServerState",
                    "H11Protocol", "HttpToolsProtocol"}
+# Library types that run until stopped: a field of one makes a dataclass hold a running part.
+LIBRARY_RUNNING = {"Popen", "Thread", "Server", "ExitStack", "ThreadPoolExecutor"}
+# Still a builder that is also the running thing (`start()` fills its optional parts in), and
+# so still passed as a record here; it is next to return a frozen record of what it started.
+STILL_BUILT_IN_PLACE = {"Stack"}
 
 
 def _source_files() -> list[Path]:
     return sorted(path for package in PACKAGES for path in (REPO / package).rglob("*.py"))
 
 
+def _classes() -> list[ast.ClassDef]:
+    return [node for path in _source_files() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)]
+
+
+def _is_dataclass(node: ast.ClassDef) -> bool:
+    return any("dataclass" in ast.unparse(decorator) for decorator in node.decorator_list)
+
+
+def _words(annotation: str) -> set[str]:
+    """The names in an annotation, each without its module (`grpc.Server | None` -> Server, None)."""
+    for mark in "[]|,\"":
+        annotation = annotation.replace(mark, " ")
+    return {word.split(".")[-1] for word in annotation.split()}
+
+
+def _running_parts(classes: list[ast.ClassDef]) -> set[str]:
+    """The repository's classes of things that run until stopped (they have `stop`, `close`
+    or `__exit__`), and the library's (`LIBRARY_RUNNING`)."""
+    return LIBRARY_RUNNING | {node.name for node in classes if {
+        item.name for item in node.body if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)}
+        & {"stop", "close", "__exit__"}}
+
+
+def _holds_running_parts(node: ast.ClassDef, running: set[str]) -> bool:
+    return any(isinstance(item, ast.AnnAssign) and _words(ast.unparse(item.annotation)) & running
+               for item in node.body)
+
+
 def _dataclasses() -> set[str]:
-    """Every class of the repository declared with `@dataclass` (a data record)."""
-    names: set[str] = set()
-    for path in _source_files():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and any(
-                    "dataclass" in ast.unparse(decorator) for decorator in node.decorator_list):
-                names.add(node.name)
-    return names
+    """The repository's data records: its dataclasses, less those that hold running parts
+    (but for those still built in place, `STILL_BUILT_IN_PLACE`)."""
+    classes = _classes()
+    running = _running_parts(classes)
+    return {node.name for node in classes if _is_dataclass(node)
+            and (node.name in STILL_BUILT_IN_PLACE or not _holds_running_parts(node, running))}
 
 
 def _own(target: ast.expr) -> bool:
@@ -222,3 +259,19 @@ def test_the_check_finds_a_rewiring() -> None:
     assert [line.split(": ", 1)[1] for line in visitor.found] == ["gateway.admission", "self.pipeline.barriers",
                                                                   "self.gateway.layout",
                                                                   "pipeline.clients"]
+
+
+def test_a_dataclass_that_holds_running_parts_is_no_data_record() -> None:
+    """Its fields are parts that were started (a front, a process), not what it holds as data:
+    setting one from outside is a rewiring like any other."""
+    records = _dataclasses()
+    assert {"RunningCutover", "RunningLegacyCutover", "Child", "RunningServer"}.isdisjoint(records)
+    assert {"Exit", "ReleaseItem"} <= records  # records of data
+    assert "Stack" in records  # still built in place (`STILL_BUILT_IN_PLACE`)
+    code = ("class Supervisor:\n"
+            "    def restart(self, child: Child, process: Popen) -> None:\n"
+            "        child.process = process\n"
+            "        child.exits.append(1)\n")
+    visitor = _Rewirings(REPO / "x.py", records)
+    visitor.visit(ast.parse(code))
+    assert [line.split(": ", 1)[1] for line in visitor.found] == ["child.process"]

@@ -28,7 +28,7 @@ from migration.legacy_endpoint import LegacyEndpoint
 from migration.plan import load_plan
 from migration.status import State
 from migration.traffic.http_mirror import MirrorSettings
-from migration.traffic.legacy_cutover import LegacyCutover
+from migration.traffic.legacy_cutover import LegacyCutover, RunningLegacyCutover
 from migration.traffic.spine_process import CollapsedSpineProcess
 from runtime.bare import API_KEY_ENV, BARE_LAYOUT
 from runtime.config.file import load_config, merge
@@ -87,7 +87,7 @@ class LegacyRig:
     model_server: ModelServer | None = None
     gateway: LiteLLMGateway | None = None
     spine: CollapsedSpineProcess | None = None
-    cutover: LegacyCutover | None = None
+    cutover: RunningLegacyCutover | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds each part took to start
 
     def start(self) -> str:
@@ -113,8 +113,7 @@ class LegacyRig:
             legacy = LegacyEndpoint(self.gateway.url, "authorization")
             self.cutover = LegacyCutover(legacy, f"http://{self.spine.http_address}", self.run_dir / "cutover",
                                          mirror=MirrorSettings(share=self.shadow_share),
-                                         internal_key=internal_secret.encode())
-            self.cutover.start()
+                                         internal_key=internal_secret.encode()).start()
             self.timings["all"] = time.monotonic() - began
         except BaseException:
             self.stop()

@@ -60,7 +60,7 @@ from rich.text import Text
 from migration.judge.score import METRIC_ROW
 from migration.plan import load_plan
 from migration.status import FINISHED, State
-from migration.traffic.cutover import Cutover
+from migration.traffic.cutover import Cutover, RunningCutover
 from migration.traffic.spine_process import FaultNotSwitched
 from runtime.config.file import SpineConfig
 from runtime.processes.signals import uninterrupted
@@ -150,11 +150,10 @@ class RunReport:
         return f"spine faster at {faster}/{len(compared)} stages with enough requests on both sides"
 
 
-def walk_plan(cutover: Cutover, plan_text: str, title: str, timeout_s: float = 60.0, *,
+def walk_plan(cutover: RunningCutover, plan_text: str, title: str, timeout_s: float = 60.0, *,
               progress: Callable[[str], None] = lambda line: None) -> RunReport:
     """Start the plan and follow it stage by stage until it finishes; `progress` is told each
     stage as it is entered, and the outcome."""
-    assert cutover.controller is not None and cutover.front is not None
     controller = cutover.controller.controller
     plan = load_plan(plan_text)
     started = time.time()
@@ -166,7 +165,7 @@ def walk_plan(cutover: Cutover, plan_text: str, title: str, timeout_s: float = 6
 
     def close_row(index: int) -> None:
         view = controller.view()
-        window = cutover.front.window(stage_started) if cutover.front else {}
+        window = cutover.front.window(stage_started)
         stage = plan.stages[index]
         gates = ", ".join(f"{g.gate}:{g.verdict}" + ("(dry)" if g.dry_run else "")
                           for g in view.last_gates if g.stage == stage.name) or "-"
@@ -260,14 +259,15 @@ def _demo(config: SpineConfig, plan_text: str, screen: DemoScreen, runs: tuple[s
     reports: dict[str, RunReport] = {}
     # Each side in processes of its own, as in production (`SpineProcess`, `LayeredProcess`):
     # the tables compare the two layouts, not the harness's share of this interpreter.
-    cutover = Cutover(config, run_dir, xds_listen="127.0.0.1:0", layered_process=True, spine_process=True,
-                      http_listen="127.0.0.1:0", dashboard_listen=os.environ.get(DASHBOARD_ENV, "127.0.0.1:0"))
+    spec = Cutover(config, run_dir, xds_listen="127.0.0.1:0", layered_process=True, spine_process=True,
+                   http_listen="127.0.0.1:0", dashboard_listen=os.environ.get(DASHBOARD_ENV, "127.0.0.1:0"))
+    cutover: RunningCutover | None = None
     traffic: TrafficDriver | None = None
     try:  # whatever stops the demo (Ctrl-C, SIGTERM via `spine demo`, an error) stops all it started
         with screen.busy("starting the layered stack (8 processes), the spine (1), the front and the controller"):
             began = time.monotonic()
-            cutover.start()
-        assert cutover.front is not None and cutover.front.shadow is not None and cutover.controller is not None
+            cutover = spec.start()  # one that stops half way has stopped what it started
+        assert cutover.front.shadow is not None
         token_file = run_dir / "admin-token"
         screen.say(f"both layouts up in {time.monotonic() - began:.1f}s; front on {cutover.address} (gRPC) and "
                    f"http://{cutover.http_address}/v1 (OpenAI/Anthropic HTTP, a quarter of the traffic); it mirrors "
@@ -322,14 +322,15 @@ def _demo(config: SpineConfig, plan_text: str, screen: DemoScreen, runs: tuple[s
         return 0 if ok else 1
     except FaultNotSwitched as error:  # the spine process is gone or stuck: say so, with its log
         screen.say(f"[red]the demo cannot go on: {error}[/red]")
-        if cutover.spine_tree is not None:
+        if cutover is not None and cutover.spine_tree is not None:
             screen.say(f"the spine process's log ends:\n{cutover.spine_tree.log_tail()}")
         return 1
     finally:
         with uninterrupted(), screen.busy("stopping both layouts, the controller and the traffic"):
             if traffic is not None:  # a second Ctrl-C must not leave processes behind
                 traffic.close()
-            cutover.stop()
+            if cutover is not None:
+                cutover.stop()
 
 
 # How each run should end: (final state, the counting gates that failed its last window).
@@ -379,7 +380,7 @@ RUNS: dict[str, tuple[str, str, str]] = {
 FAULTS: dict[str, str] = {"failing": "error-rate 0.5", "parity": "wrong-answers on"}
 
 
-def inject(cutover: Cutover, run: str) -> None:
+def inject(cutover: RunningCutover, run: str) -> None:
     """The fault of `run`, switched in the spine's process (`runtime.faults.FaultSwitch`)."""
     if run in FAULTS:
         cutover.switch_fault(FAULTS[run])

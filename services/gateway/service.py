@@ -11,7 +11,9 @@ completion are scheduled is the runtime's choice, never this module's:
   requests with the same stages.
 
 Either way the verdicts come from the same stages, so codes, messages and trailers do not
-depend on the layout or the batch size.
+depend on the layout or the batch size. A caller on an event loop (the HTTP front) may ask
+for the whole answer there (`generate_on_loop`, while `serves_on_loop`): the same stages,
+inline, and the model awaited where it can be (an upstream engine's answer).
 
 Every answer carries the load hint of the model it was routed to (`x-spine-load`: the
 model's own, or the latest the gateway has when the model was not called, see

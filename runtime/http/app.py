@@ -5,14 +5,14 @@ front — exactly as a gRPC call would: a `GenerateRequest`, and a `LocalContext
 request's metadata, cancelled the moment the client goes away (so a stream's KV slot and
 its tenant's concurrency count are given back at once).
 
-A unary request to a gateway whose stages are all in this process (`serves_on_loop`: the
-spine) is served on this server's event loop from accept to answer: the gateway's pipeline
-runs inline (microseconds of CPU per stage), an upstream engine is awaited on this loop's
-own connections, and the answer's headers come back as values. Only a model that holds a
-thread while it works (the built-in one) is called on a handler thread.
+A unary request to a gateway whose stages are all in this process, for a model served by an
+upstream engine (`serves_on_loop`: the spine over an upstream) is served on this server's
+event loop from accept to answer: the gateway's pipeline runs inline (microseconds of CPU per
+stage), the upstream is awaited on this loop's own connections, and the answer's headers come
+back as values.
 
-Anything else — a stream, the layered gateway (its stages are gRPC calls), the migration's
-front — is blocking code, run on a handler thread of this server's own pool, sized like the
+Anything else — a stream, a built-in model's request (its engine holds a thread while it
+works), the layered gateway (its stages are gRPC calls), the migration's front — is blocking code, run on a handler thread of this server's own pool, sized like the
 gRPC server's (`runtime.server.request_threads`): a request waiting for the model holds a
 thread, never the event loop. A stream's chunks cross back to the loop one by one.
 
@@ -204,7 +204,7 @@ class HttpApi:
     async def _unary(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing) -> None:
         loop = asyncio.get_running_loop()
         serves_on_loop = getattr(self.target, "serves_on_loop", None)
-        if serves_on_loop is not None and serves_on_loop():  # the gateway, all of it in this process
+        if serves_on_loop is not None and serves_on_loop(parsed.request):  # the spine, over an upstream
             outcome, headers = await self._on_loop(parsed.request, context)
         else:
             outcome = await loop.run_in_executor(self.pool, _call_unary, self.target, parsed.request, context)

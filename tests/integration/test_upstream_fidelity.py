@@ -25,6 +25,7 @@ from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests
 from tests.echo_engine import ARGUMENTS
 from tests.fault_upstream import FaultUpstream
 from tests.http_helpers import anthropic_client, openai_client
+from tests.waiting import eventually
 
 LAYOUTS = ("collapsed", "layered")
 ENGINE_KEY = "sk-engine-secret-for-fidelity-0000"
@@ -310,9 +311,13 @@ def test_the_log_line_names_the_tools_offered_and_called_never_an_image(stacks: 
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PIXEL}"}}]}])
     request_id = response.headers["x-request-id"]
     logs = stacks["collapsed"].local_servicer("logs")
-    logs.flush()
-    lines = [json.loads(line) for line in Path(logs.path).read_text().splitlines()]
-    fields = next(entry for entry in lines if entry["request_id"] == request_id)["fields"]
+
+    def logged() -> dict[str, Any] | None:  # the completions writer hands the record on after the answer
+        logs.flush()
+        lines = [json.loads(line) for line in Path(logs.path).read_text().splitlines()]
+        return next((entry["fields"] for entry in lines if entry["request_id"] == request_id), None)
+
+    fields = eventually(logged, what=f"the log line of request {request_id}")
     assert fields["tools_offered"] == "weather" and fields["tools_called"] == "weather"
     assert fields["images"] == "1" and fields["api"] == "openai.chat"
     assert PIXEL not in Path(logs.path).read_text()

@@ -164,9 +164,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """`POST /v1/embeddings` from the built-in model's pooled hidden states, where its backend
         pools (`Embedder`); else the client's 400 naming the model. One forward per input on the
         request's thread, beside the engine's steps (the forward shares no cache with them)."""
-        if request.model != self.config.model_id:
-            self._abort(context, grpc.StatusCode.NOT_FOUND,
-                        f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+        self._check_served(request, context)
         if not isinstance(self.backend, Embedder):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"embeddings: the built-in model {request.model!r} does not embed (a transformers model "
@@ -179,6 +177,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         context.set_trailing_metadata(self._load_metadata())
         return generation_pb2.GenerateResponse(model=request.model, body=embedded.body, finish_reason="stop",
                                                prompt_tokens=embedded.prompt_tokens)
+
+    def _check_served(self, request: generation_pb2.GenerateRequest, context: Any) -> None:
+        """NOT_FOUND unless the request names the model this process serves."""
+        if request.model != self.config.model_id:
+            self._abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
 
     def _stops(self, request: generation_pb2.GenerateRequest, context: Any) -> tuple[str, ...]:
         try:
@@ -297,9 +301,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, stream: bool) -> tuple[Job, int]:
         # No load hint set here: every refusal goes through `_abort`, which sets it, and an
         # answer sets it at its end (one load report per request, not two).
-        if request.model != self.config.model_id:
-            self._abort(context, grpc.StatusCode.NOT_FOUND,
-                        f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+        self._check_served(request, context)
         refused = builtin_refusal(request.api, request.body, request.model)
         if refused is not None:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, refused)

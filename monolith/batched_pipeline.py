@@ -20,6 +20,7 @@ and `close` drains what is left at shutdown.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections import deque
@@ -181,7 +182,19 @@ class DeferredCompletions:
         elif len(self._pending) >= self._backlog_limit:
             self.drain()  # the writes fall behind (a stalled log file?): wait for them
         elif len(self._pending) >= self.max_batch or not self._busy():
+            self._wake_after_answer()
+
+    def _wake_after_answer(self) -> None:
+        """Wake the folder; on an event loop (the HTTP front's, which sends the answer after
+        this returns, in the same step), only once the answer is out. Why: woken now, the
+        folder takes the interpreter lock for its writes while the loop still has the answer
+        to send. The request is handed over either way, so `drain` writes it all the same."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a handler thread: its answer goes out on another thread anyway
             self._wake.set()
+            return
+        loop.call_soon(self._wake.set)
 
     def drain(self) -> None:
         """Write everything handed over so far; returns once it is in the cache, the metrics

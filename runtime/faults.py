@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from runtime.config.model import SpineConfig
-from services.inference.api import ChunkStream, Generated
+from services.inference.api import ChunkStream, Generated, OnLoop
 from services.inference.upstream.translate import OPENAI
 from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.local_context import LocalRpcError
@@ -48,6 +48,11 @@ class FaultHook:
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+
+    @property
+    def may_block(self) -> bool:
+        """An added latency sleeps in the calling thread: never on an event loop."""
+        return self.added_latency_s > 0
 
     def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> Any:
         if component != self.component:
@@ -97,6 +102,11 @@ class WrongAnswers:
     def generate_stream(self, request: generation_pb2.GenerateRequest,
                         options: CallOptions = NO_OPTIONS) -> ChunkStream:
         return self._servicer.generate_stream(self._altered(request), options)
+
+    async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
+                               options: CallOptions = NO_OPTIONS) -> Generated:
+        model: OnLoop = self._servicer  # type: ignore[assignment]  # on_loop named the model: it has this
+        return await model.generate_on_loop(self._altered(request), options)
 
     def models(self, request: inference_pb2.ModelInfoRequest,
                options: CallOptions = NO_OPTIONS) -> inference_pb2.ModelInfoResponse:

@@ -33,10 +33,20 @@ class GatewayBatching:
         self._direct = DirectSteps(pipeline)  # what runs where nothing is batched
         # What the gateway runs now (`services.gateway.service.Steps`), swapped whole by `attach`.
         self._current: tuple[Admission, Completions] = (self._direct.admission, self._direct.completions)
+        self._in_process = False  # set by `attach`
 
     @property
     def admission(self) -> Admission:
         return self._current[0]
+
+    @property
+    def in_process(self) -> bool:
+        """Whether an event loop may run this request's admission and completions inline
+        (`Gateway.generate_on_loop`): every stage's component is in this process (its
+        decisions are CPU work of microseconds; what stores they keep is renewed off the
+        request path), and batching is on, so the completions' writes (logs, cache, metrics)
+        are handed to the writer thread rather than made in the request's."""
+        return self._in_process
 
     @property
     def completions(self) -> Completions:
@@ -71,6 +81,9 @@ class GatewayBatching:
             if metrics is not None:  # a scrape counts what was handed over first
                 metrics.read_hooks.add(self.deferred.drain)
         self._current = (self._current[0], self.deferred if self.deferred is not None else self._direct.completions)
+        self._in_process = batching.enabled and all(placements[step.component] == "local"
+                                                    for step in (*pipeline.admission, *pipeline.completion)
+                                                    if step.component)
 
     def _close_completions(self) -> None:
         if self.deferred is None:

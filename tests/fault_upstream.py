@@ -27,7 +27,7 @@ Each request's `model` says how it misbehaves, so one server plays every fault:
 (none: a listing without context lengths).
 
 `received` keeps every body sent to `echo` and `bad-image`, as sent. `hits` counts requests by model, so a test can tell how many attempts reached it; `left` the
-endless answers whose client (the spine) went away.
+endless and hung answers whose client (the spine) went away.
 """
 
 from __future__ import annotations
@@ -133,6 +133,8 @@ class FaultUpstream:
         if model == "hang":
             while (await receive())["type"] != "http.disconnect":
                 pass
+            with self._lock:
+                self.left[model] += 1
             return
         if model == "reset":
             kind = b"text/event-stream" if stream else b"application/json"

@@ -3,10 +3,18 @@
 The call goes to `target` — the gateway (the spine, the layered gateway) or the migration's
 front — exactly as a gRPC call would: a `GenerateRequest`, and a `LocalContext` carrying the
 request's metadata, cancelled the moment the client goes away (so a stream's KV slot and
-its tenant's concurrency count are given back at once). The servicer is blocking code, so
-it runs on a handler thread of this server's own pool, sized like the gRPC server's
-(`runtime.server.request_threads`): a request waiting for the model holds a thread,
-never the event loop. A stream's chunks cross back to the loop one by one.
+its tenant's concurrency count are given back at once).
+
+A unary request to a gateway whose stages are all in this process, for a model served by an
+upstream engine (`serves_on_loop`: the spine over an upstream) is served on this server's
+event loop from accept to answer: the gateway's pipeline runs inline (microseconds of CPU per
+stage), the upstream is awaited on this loop's own connections, and the answer's headers come
+back as values.
+
+Anything else — a stream, a built-in model's request (its engine holds a thread while it
+works), the layered gateway (its stages are gRPC calls), the migration's front — is blocking code, run on a handler thread of this server's own pool, sized like the
+gRPC server's (`runtime.server.request_threads`): a request waiting for the model holds a
+thread, never the event loop. A stream's chunks cross back to the loop one by one.
 
 Everything an API does not decide itself — limits on the body, JSON, the credential's
 headers, the status of a verdict — is decided here once for both APIs.
@@ -195,14 +203,39 @@ class HttpApi:
     # -- calling the pipeline -----------------------------------------------------------
     async def _unary(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing) -> None:
         loop = asyncio.get_running_loop()
-        outcome = await loop.run_in_executor(self.pool, _call_unary, self.target, parsed.request, context)
-        trailing = (*base, *context.trailing_metadata())
+        serves_on_loop = getattr(self.target, "serves_on_loop", None)
+        if serves_on_loop is not None and serves_on_loop(parsed.request):  # the spine, over an upstream
+            outcome, headers = await self._on_loop(parsed.request, context)
+        else:
+            outcome = await loop.run_in_executor(self.pool, _call_unary, self.target, parsed.request, context)
+            headers = context.trailing_metadata()
+        trailing = (*base, *headers)
         request_id = dict(trailing)[REQUEST_ID]
         if isinstance(outcome, HttpError):
             await _send_error(send, api, _with_status(outcome, api, trailing), trailing, request_id)
             return
         await _send_json(send, 200, api.answer(parsed, outcome, request_id, dict(trailing).get(USAGE_HEADER, "")),
                          trailing)
+
+    async def _on_loop(self, request: Any, context: LocalContext) -> tuple[Any, Trailing]:
+        """The gateway's answer (or its verdict as an HttpError) and the headers it goes out
+        with, served on this loop (`Gateway.generate_on_loop`); a model that holds a thread
+        while it works is called on this server's handler pool."""
+        loop = asyncio.get_running_loop()
+
+        def offload(function: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+            return loop.run_in_executor(self.pool, function, *args)
+
+        try:
+            answer: tuple[Any, Trailing] = await self.target.generate_on_loop(request, context, offload)
+            return answer
+        except grpc.RpcError as error:
+            _, _, trailing = code_details(error)
+            return _verdict(error), trailing or context.trailing_metadata()
+        except Exception:
+            _gateway_failures(None, "request %s: the gateway failed",
+                              dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
+            return _Verdict(grpc.StatusCode.INTERNAL, "internal error"), context.trailing_metadata()
 
     async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
                       abort: Callable[[], None]) -> None:

@@ -12,6 +12,7 @@ the headers — `runtime.http.bounded_protocol` adds; the app bounds the body (`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -26,6 +27,7 @@ from runtime.config.http import HttpConfig
 from runtime.config.sections import TlsConfig
 from runtime.http.bounded_protocol import bounded_protocol
 from runtime.server import check_listen
+from services.common.loop_bound import close_bound
 from services.common.thread_names import name_os_thread
 from services.pipeline.limits import RequestLimits
 from services.router.config import RouterConfig
@@ -63,7 +65,7 @@ class HttpServer:
         def serve() -> None:
             name_os_thread()  # "http-server" in the kernel too: the bench reads CPU by thread name
             try:
-                self._server.run(sockets=[self._socket])
+                self._run()
             except BaseException as error:  # a bad certificate file, say: told to start()
                 failed.append(error)
             finally:
@@ -82,6 +84,18 @@ class HttpServer:
             raise OSError(f"the HTTP listener on {self.address} stopped as it started")
         log.info("HTTP API serving on %s://%s", self.scheme, self.address)
         return self
+
+    def _run(self) -> None:
+        """uvicorn's `Server.run`, and then, on the same loop, what requests opened on it
+        (the connection pools of the upstreams it awaited, `services.common.loop_bound`)."""
+        async def serve() -> None:
+            try:
+                await self._server.serve(sockets=[self._socket])
+            finally:
+                await close_bound()
+
+        with asyncio.Runner(loop_factory=self._config.get_loop_factory()) as runner:
+            runner.run(serve())
 
     def stop(self, grace: float = 3.0) -> None:
         """Stop accepting, finish in-flight requests (up to `grace` seconds), then close."""

@@ -162,6 +162,8 @@ class Tracing:
 class TracingHook:
     """A `Hook`: one span per middleware call, trace context into the metadata."""
 
+    may_block = False  # a span is begun and ended in memory; the exporter sends from its own thread
+
     def __init__(self, tracer: trace.Tracer, layout: str = "") -> None:
         self.tracer = tracer
         self.layout = layout

@@ -30,6 +30,16 @@ class InProcess:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {type(self.servicer).__name__}>"
 
+    # A servicer that can also answer on the caller's event loop (`services.inference.api.OnLoop`:
+    # an upstream engine's answer) is reached that way too; the rules are the servicer's
+    # (`services.pipeline.local_call.call_unary_on_loop`).
+    def on_loop(self, model: str) -> bool:
+        check = getattr(self.servicer, "on_loop", None)
+        return check is not None and bool(check(model))
+
+    async def generate_on_loop(self, request: Any, options: CallOptions = NO_OPTIONS) -> Any:
+        return await self.servicer.generate_on_loop(request, options)  # type: ignore[attr-defined]
+
 
 def in_process(interface: Interface[T], servicer: T) -> T:
     """`servicer` as its component's callers reach it in this process. The servicer is a `T`

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import grpc
 
 from services.common.tenant_shares import tenant_metadata
-from services.inference.api import INFERENCE, ChunkStream, Generated
+from services.inference.api import INFERENCE, ChunkStream, Generated, OnLoop
 from services.pipeline.interface import CallOptions
 from services.pipeline.local_call import status_of
 from services.pipeline.pipeline import CallHooks, Pipeline
@@ -61,6 +61,26 @@ def generate(pipeline: Pipeline, state: RequestState, parent: Any,
         try:
             assert state.resolved is not None
             return pipeline.components.get(INFERENCE).generate(state.resolved, _options(state, hooks, parent))
+        except grpc.RpcError as error:
+            code = status_of(error)
+            raise
+        except BaseException:
+            code = grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            hooks.end(code)
+
+
+async def generate_on_loop(pipeline: Pipeline, state: RequestState, parent: Any, model: OnLoop,
+                           genai: ModelCallSpans | None = None) -> Generated:
+    """`generate`, awaited on the caller's event loop from `model` (the placed inference
+    component, whose `on_loop` named the routed model): the same hooks, span and errors."""
+    with NOT_TRACED if genai is None else genai.calling(state):
+        hooks = pipeline.begin_call(pipeline.model, state)
+        code = grpc.StatusCode.OK
+        try:
+            assert state.resolved is not None
+            return await model.generate_on_loop(state.resolved, _options(state, hooks, parent))
         except grpc.RpcError as error:
             code = status_of(error)
             raise

@@ -72,6 +72,10 @@ class ModelLoads:
         if name and model and name != model and self._names.get(name) != model:
             self._names[name] = model
 
+    def routed(self, name: str) -> str:
+        """The model id `name` last routed to (`name` itself when this gateway has not seen it routed)."""
+        return self._names.get(name, name)
+
     # -- what answers get -----------------------------------------------------------------
     def hint(self, name: str) -> str | None:
         """The latest hint of the model `name` routes to (as far as this gateway has seen);

@@ -11,7 +11,9 @@ completion are scheduled is the runtime's choice, never this module's:
   requests with the same stages.
 
 Either way the verdicts come from the same stages, so codes, messages and trailers do not
-depend on the layout or the batch size.
+depend on the layout or the batch size. A caller on an event loop (the HTTP front) may ask
+for the whole answer there (`generate_on_loop`, while `serves_on_loop`): the same stages,
+inline, and the model awaited where it can be (an upstream engine's answer).
 
 Every answer carries the load hint of the model it was routed to (`x-spine-load`: the
 model's own, or the latest the gateway has when the model was not called, see
@@ -34,7 +36,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -69,6 +71,11 @@ log = logging.getLogger("spine.gateway")
 _violations = RateLimitedLog(log, "answers ended by the output policy")
 _undecodable = RateLimitedLog(log, "undecodable request bodies")
 
+Trailers = tuple[tuple[str, str], ...]
+# How a caller on an event loop runs blocking work (a built-in model's call) off its loop:
+# `offload(function, *args)`, awaited (the HTTP front's handler pool).
+Offload = Callable[..., Awaitable[Any]]
+
 REQUEST_ID_HEADER = "x-request-id"
 LAYOUT_HEADER = "x-spine-layout"
 MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
@@ -88,13 +95,18 @@ class Completions(Protocol):
 
 class Steps(Protocol):
     """Where the gateway's admission and completions run now: they change as components move
-    (batched while local, `runtime.gateway_batching`), so the gateway asks for each request."""
+    (batched while local, `runtime.gateway_batching`), so the gateway asks for each request.
+    `in_process`: every admission and completion stage is a call into this process and the
+    completion writes are handed to a writer thread, so an event loop may run them inline."""
 
     @property
     def admission(self) -> Admission: ...
 
     @property
     def completions(self) -> Completions: ...
+
+    @property
+    def in_process(self) -> bool: ...
 
 
 class InFlight:
@@ -153,7 +165,9 @@ class DirectCompletions:
 
 
 class DirectSteps:
-    """Every stage per request (no batching)."""
+    """Every stage per request (no batching), in the request's thread: never on a loop."""
+
+    in_process = False
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.admission: Admission = DirectAdmission(pipeline)
@@ -199,22 +213,73 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             try:
                 self.steps.admission.admit(state)
                 if state.hit is not None:
-                    self._police_answer(state, state.hit)
-                    context.set_trailing_metadata(self._answer_trailing(state))
-                    return state.hit
-                assert state.resolved is not None
-                generated = self._generate(state, context)
-                response, trailers = generated.response, generated.trailing
-                self.model_load.note_trailers(state.model, trailers)
-                _model_time(state, trailers)
-                _used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
-                self._police_answer(state, response)
-                state.response = response
-                context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
-                return response
+                    return self._hit(state, context)
+                return self._answered(state, context, self._generate(state, context))
             except Stop as stop:
                 self._abort(state, context, stop)
                 raise AssertionError("unreachable") from None
+
+    # -- on the caller's event loop ---------------------------------------------------------
+    def serves_on_loop(self, request: generation_pb2.GenerateRequest) -> bool:
+        """Whether `generate_on_loop` should serve `request` on an event loop now: every
+        admission and completion stage is a call into this process (CPU work of microseconds;
+        completion writes are handed to their writer thread), no hook may block (an injected
+        latency sleeps), and the model it names (an alias by what it last routed to) is one
+        whose answer is awaited there (an upstream's). A request for a model that holds a
+        thread while it works (the built-in one) keeps the blocking path whole: its admission
+        is micro-batched with the others', and without that its throughput at 64 clients was
+        no better (4% lower in one A/B, within the host's noise). Asked per request: components move."""
+        if not self.steps.in_process or any(getattr(hook, "may_block", True) for hook in self.pipeline.hooks):
+            return False
+        on_loop = getattr(self.pipeline.components.get(INFERENCE), "on_loop", None)
+        return on_loop is not None and bool(on_loop(self.model_load.routed(request.model)))
+
+    async def generate_on_loop(self, request: generation_pb2.GenerateRequest, context: Any,
+                               offload: Offload) -> tuple[generation_pb2.GenerateResponse, Trailers]:
+        """`Generate` for a caller on an event loop (the HTTP front), where `serves_on_loop`:
+        the answer and its headers as values. Admission runs inline, a batch of one (what
+        the micro-batcher would gather is decided here at once, without a leader thread);
+        a model that can be awaited (`OnLoop`: an upstream's) is awaited on this loop; any
+        other model (the router chose another: a fallback, a model an alias now names) holds
+        a thread while it works, so its call goes to `offload`. A verdict
+        is raised as `grpc.RpcError` with the trailers it goes out with, as `Generate` does."""
+        state = self._begin(request, context)
+        with self._settled(state):
+            try:
+                self.pipeline.admit([state])
+                if state.outcome is not None:
+                    raise state.outcome
+                if state.hit is not None:
+                    return self._hit(state, context), context.trailing_metadata()
+                assert state.resolved is not None
+                model = self.pipeline.components.get(INFERENCE)
+                on_loop = getattr(model, "on_loop", None)
+                if on_loop is not None and on_loop(state.resolved.model):
+                    generated = await self._generate_on_loop(state, context, model)
+                else:
+                    generated = await offload(self._generate, state, context)
+                return self._answered(state, context, generated), context.trailing_metadata()
+            except Stop as stop:
+                self._abort(state, context, stop)
+                raise AssertionError("unreachable") from None
+
+    def _hit(self, state: RequestState, context: Any) -> generation_pb2.GenerateResponse:
+        """The cache's answer, policed."""
+        assert state.hit is not None
+        self._police_answer(state, state.hit)
+        context.set_trailing_metadata(self._answer_trailing(state))
+        return state.hit
+
+    def _answered(self, state: RequestState, context: Any, generated: Generated) -> generation_pb2.GenerateResponse:
+        """The model's whole answer, counted and policed, its trailers set."""
+        response, trailers = generated.response, generated.trailing
+        self.model_load.note_trailers(state.model, trailers)
+        _model_time(state, trailers)
+        _used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
+        self._police_answer(state, response)
+        state.response = response
+        context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
+        return response
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
@@ -325,6 +390,19 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         state.model_call = ModelCall(False, started)
         try:
             return model_calls.generate(self.pipeline, state, context, self.genai)
+        except grpc.RpcError as error:
+            raise self._model_failed(error, state) from None
+        finally:
+            elapsed = time.perf_counter() - started
+            state.add_time(self.pipeline.model.component, elapsed)
+            state.model_wait_s = elapsed
+
+    async def _generate_on_loop(self, state: RequestState, context: Any, model: Any) -> Generated:
+        """`_generate`, awaited on the caller's loop from the placed model (`OnLoop`)."""
+        started = time.perf_counter()
+        state.model_call = ModelCall(False, started)
+        try:
+            return await model_calls.generate_on_loop(self.pipeline, state, context, model, self.genai)
         except grpc.RpcError as error:
             raise self._model_failed(error, state) from None
         finally:

@@ -65,6 +65,21 @@ class Inference(Protocol):
         ...
 
 
+class OnLoop(Protocol):
+    """What an inference component in the caller's process may offer besides `Inference`: the
+    answer of a model that never blocks a thread (an upstream engine's, network I/O),
+    awaited on the caller's own event loop, so a request served on a loop stays there."""
+
+    def on_loop(self, model: str) -> bool:
+        """Whether `model`'s answer can be awaited on the caller's loop (`generate_on_loop`)."""
+        ...
+
+    async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
+                               options: CallOptions = NO_OPTIONS) -> Generated:
+        """`Inference.generate`, awaited; the same verdicts, raised as `grpc.RpcError`."""
+        ...
+
+
 def _request(request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
     return request
 

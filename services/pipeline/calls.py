@@ -18,7 +18,9 @@ class Hook(Protocol):
 
     `begin` may add metadata (trace context) to the list it is given and may raise a
     `grpc.RpcError` to fail the call before it is made (fault injection); its return value
-    is handed back to `end`."""
+    is handed back to `end`. A hook whose `may_block` is False (an attribute; without one a
+    hook is taken to block) never waits in `begin` or `end`, so calls may run on an event
+    loop while it is installed."""
 
     def begin(self, component: str, method: str, metadata: list[tuple[str, str]]) -> Any: ...
 

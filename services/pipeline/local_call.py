@@ -11,13 +11,14 @@ and its callers see one behaviour: a result, or a `grpc.RpcError` with `.code()`
 
 - `call_batch`: an operation on plain items (no message, no context: see
   `services.pipeline.batch_rpc`);
-- `call_unary` / `call_stream`: a servicer's own rpc handler with a `LocalContext`.
+- `call_unary` / `call_stream`: a servicer's own rpc handler with a `LocalContext`;
+- `call_unary_on_loop`: the same for a handler awaited on the caller's event loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -84,6 +85,28 @@ def call_unary(handler: Callable[[Any, Any], Response], request: Any,
         if failure is not None:
             raise failure
         context.check_live()  # the caller would have given up by now
+        return response, context.trailing_metadata()
+    finally:
+        context._finish()
+
+
+async def call_unary_on_loop(handler: Callable[[Any, Any], Awaitable[Response]], request: Any,
+                             options: CallOptions) -> tuple[Response, tuple[tuple[str, str], ...]]:
+    """`call_unary` for a handler that is awaited on the caller's event loop (one that never
+    blocks it: an upstream's answer, awaited on this loop's connections), same rules."""
+    context = context_for(options)
+    try:
+        context.check_live()
+        try:
+            response = await handler(request, context)
+        except grpc.RpcError:
+            raise
+        except Exception as error:
+            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
+        failure = context.result_error()
+        if failure is not None:
+            raise failure
+        context.check_live()
         return response, context.trailing_metadata()
     finally:
         context._finish()
@@ -160,4 +183,4 @@ class LocalStream(Iterator[Response]):
 
 
 __all__ = ["LocalContext", "LocalRpcError", "LocalStream", "Metadata", "call_batch", "call_stream", "call_unary",
-           "context_for", "status_of"]
+           "call_unary_on_loop", "context_for", "status_of"]

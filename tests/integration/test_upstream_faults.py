@@ -42,6 +42,7 @@ def _routes(bare: Any, fault: FaultUpstream, down_url: str, key_file: Path, secu
     return [
         {"id": "good", "upstream": at(bare.base_url, "default", api_key_file=str(key_file))},
         {"id": "hang", "upstream": at(faulty, "hang", timeout_s=0.4, retries=1)},
+        {"id": "hang-long", "upstream": at(faulty, "hang", timeout_s=60, retries=0)},
         {"id": "reset", "upstream": at(faulty, "reset", retries=1)},
         {"id": "bad-json", "upstream": at(faulty, "bad-json", retries=1)},
         {"id": "bad-sse", "upstream": at(faulty, "bad-sse", retries=1)},
@@ -137,6 +138,20 @@ def test_a_hung_upstream_times_out_with_a_bounded_retry(world: dict[str, Any]) -
     assert error.status_code == 504 and "upstream hang did not answer within 0.4s" in error.message
     assert error.response.headers["x-spine-attempts"] == "2" and world["fault"].hits["hang"] == 2
     assert time.monotonic() - started < 5
+
+
+def test_a_client_that_hangs_up_on_a_unary_request_ends_the_upstream_exchange_at_once(world: dict[str, Any]) -> None:
+    endpoint, fault = world["endpoints"]["hang-long"], world["fault"]
+    before = fault.left["hang"]
+    client = openai.OpenAI(base_url=f"http://{world['stack'].http_address}/v1", api_key=SOLO_KEY, max_retries=0,
+                           timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):  # the client gives up and closes its connection
+        client.chat.completions.create(model="hang-long", max_tokens=4,
+                                       messages=[{"role": "user", "content": "anyone there?"}])
+    # Its upstream's timeout is a minute away: the exchange ends because the client left.
+    eventually(lambda: fault.left["hang"] > before, 10, "the spine to close its exchange with the upstream")
+    eventually(lambda: endpoint.in_flight == 0, 10, "the upstream's slot to be given back")
+    _chat(world, "good")  # the solo tenant's one concurrent request was given back too
 
 
 def test_malformed_answers_are_the_upstreams_fault_not_text(world: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ model's time, for `x-spine-overhead-duration-ms`).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import queue
@@ -28,7 +29,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -74,14 +75,56 @@ class Walk:
         self.served_by = self.first  # the upstream that answered, or the last one tried
         self.failures: list[AttemptFailure] = []  # every failed attempt, in order (for the operator's log)
         self._gone = threading.Event()
-        self._future: concurrent.futures.Future[Any] | None = None
+        self._future: concurrent.futures.Future[Any] | asyncio.Future[Any] | None = None
         self._queue: Pieces | None = None
         if not context.add_callback(self._client_went_away):
             self._gone.set()
 
     # -- the plan --------------------------------------------------------------------------
     def run(self, attempt: Callable[[UpstreamEndpoint, float], T]) -> T:
-        """`attempt(endpoint, timeout_s)` over the plan until one returns; the last failure if none does."""
+        """`attempt(endpoint, timeout_s)` over the plan until one returns; the last failure if none does.
+        Blocking: the attempts are waited for, the backoffs slept, in the caller's thread."""
+        steps = self._steps()
+        sent: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                step = steps.send(sent) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            sent, error = None, None
+            try:
+                if isinstance(step, _Attempt):
+                    sent = attempt(step.endpoint, step.timeout_s)
+                else:
+                    self._sleep(step)
+            except Exception as failure:  # the walk decides what each failure means
+                error = failure
+
+    async def run_on_loop(self, attempt: Callable[[UpstreamEndpoint, float], Awaitable[T]]) -> T:
+        """`run`, on the caller's event loop: each attempt awaited, each backoff an
+        `asyncio.sleep` that the client's leaving cuts short (the same plan, `_steps`)."""
+        steps = self._steps()
+        sent: Any = None
+        error: Exception | None = None
+        while True:
+            try:
+                step = steps.send(sent) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            sent, error = None, None
+            try:
+                if isinstance(step, _Attempt):
+                    sent = await attempt(step.endpoint, step.timeout_s)
+                else:
+                    await self._sleep_on_loop(step)
+            except Exception as failure:
+                error = failure
+
+    def _steps(self) -> Generator[_Attempt | float, Any, Any]:
+        """The walk as steps its driver carries out, so the blocking and the awaited walk are
+        one plan: it yields an `_Attempt` and is sent the attempt's result (or has its failure
+        thrown in), or yields a backoff in seconds to wait; it returns the answer."""
         plan = deque([self.first, *(self.endpoints[name] for name in self.first.spec.fallbacks)])
         tried: set[str] = set()
         last: AttemptFailure | None = None
@@ -113,7 +156,7 @@ class Walk:
                 self.served_by = endpoint
                 started = time.perf_counter()
                 try:
-                    result = attempt(endpoint, timeout_s)
+                    result = yield _Attempt(endpoint, timeout_s)
                 except AttemptFailure as failure:
                     self.upstream_s += time.perf_counter() - started
                     self._record(endpoint, failure, timeout_s)
@@ -131,7 +174,7 @@ class Walk:
                     wait = self._backoff(endpoint, failure, tries)
                     if wait is None:
                         break
-                    self._sleep(wait)
+                    yield wait
                     continue
                 except Cancelled:
                     _no_verdict(endpoint)
@@ -178,6 +221,9 @@ class Walk:
         if self._gone.wait(seconds):
             raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away")
 
+    async def _sleep_on_loop(self, seconds: float) -> None:
+        await self.wait_on_loop(asyncio.sleep(seconds), None)
+
     # -- waiting for the loop --------------------------------------------------------------
     def wait(self, future: concurrent.futures.Future[T], timeout_s: float) -> T:
         """A unary attempt's result, raising its AttemptFailure; bounded by the attempt's
@@ -193,6 +239,26 @@ class Walk:
             future.cancel()
             raise AttemptFailure(Kind.TIMEOUT, f"{self.served_by!r} did not answer within {timeout_s:.3g}s") from None
         finally:
+            self._future = None
+
+    async def wait_on_loop(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
+        """`wait`, on the caller's event loop: the attempt runs as a task of this loop, which
+        the client's leaving cancels (`_client_went_away`); bounded like `wait` (None: by
+        nothing, for a backoff's sleep)."""
+        task = asyncio.ensure_future(coroutine)
+        self._future = task
+        if self._gone.is_set():
+            task.cancel()
+        try:
+            done, _ = await asyncio.wait((task,), timeout=None if timeout_s is None else timeout_s + GRACE_S)
+            if not done:
+                raise AttemptFailure(Kind.TIMEOUT, f"{self.served_by!r} did not answer within {timeout_s:.3g}s")
+            if task.cancelled():
+                raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away")
+            return task.result()
+        finally:
+            if not task.done():  # timed out, or the caller itself was cancelled: the attempt ends too
+                task.cancel()
             self._future = None
 
     def stream_queue(self) -> Pieces:
@@ -223,7 +289,30 @@ class Walk:
     def _client_went_away(self) -> None:
         self._gone.set()
         future = self._future
-        if future is not None:
+        if isinstance(future, asyncio.Future):  # an attempt on an event loop: cancelled on that loop
+            _cancel_on_its_loop(future)
+        elif future is not None:
             future.cancel()
         if self._queue is not None:
             self._queue.end(_GONE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Attempt:
+    """One step of a walk: an attempt at `endpoint` within `timeout_s`."""
+
+    endpoint: UpstreamEndpoint
+    timeout_s: float
+
+
+def _cancel_on_its_loop(future: asyncio.Future[Any]) -> None:
+    """Cancel `future` from any thread (a task may only be touched on its own loop's thread)."""
+    loop = future.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        future.cancel()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(future.cancel)

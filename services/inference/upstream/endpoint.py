@@ -1,9 +1,11 @@
 """One upstream server: its connection pool, its health, its budget, and one attempt at it.
 
 The pool is the upstream's `Transport` (`transports.py`: aiohttp for HTTP/1.1, httpx2 where
-HTTP/2 may be negotiated). An attempt runs on the process's upstream loop (`loop.py`). It
-takes one of the upstream's `max_connections` slots first and gives it back in its
-`finally`, on the loop, so no path — an answer, an error, a hang cut off by its timeout, a
+HTTP/2 may be negotiated), one per event loop that calls it. An attempt runs on an event
+loop: the HTTP front's own, where the request came in over HTTP and is served there from
+accept to answer, else the process's upstream loop (`loop.py`). It takes one of the
+upstream's `max_connections` slots first (counted across loops) and gives it back in its
+`finally`, so no path — an answer, an error, a hang cut off by its timeout, a
 client that went away — keeps a slot. At the cap an attempt fails at once as BUSY (Envoy's
 circuit breaker: fail fast, let a fallback answer) rather than queueing behind a slow upstream.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,7 +90,8 @@ class UpstreamEndpoint:
         self.outlier = OutlierDetector(f"upstream {model_id}", OutlierPolicy(
             spec.eject_after_failures, spec.ejection_s, spec.max_ejection_s), spec.timeout_s, clock)
         self.budget = RetryBudget(spec.retry_budget, spec.min_retries_per_s, clock=clock)
-        self.in_flight = 0  # attempts holding a slot (changed on the loop thread only)
+        self.in_flight = 0  # attempts holding a slot, on every loop that calls this upstream
+        self._slots = threading.Lock()
         self.transport = transport_for(spec)
         self.counters = EndpointCounters()
         self.tokens = TokenCounter(spec.tokenizer_file, f"upstream of {model_id!r}")  # for answers without usage
@@ -101,12 +105,14 @@ class UpstreamEndpoint:
                                          "(upstream.max_connections)")
 
     def _take_slot(self) -> None:
-        if self.in_flight >= self.spec.max_connections:
-            raise self.busy()
-        self.in_flight += 1
+        with self._slots:  # two loops (two threads) may take slots at once
+            if self.in_flight >= self.spec.max_connections:
+                raise self.busy()
+            self.in_flight += 1
 
     def _give_slot(self) -> None:
-        self.in_flight -= 1
+        with self._slots:
+            self.in_flight -= 1
 
     async def unary(self, request: generation_pb2.GenerateRequest, timeout_s: float) -> Answer:
         """One attempt for a whole answer."""

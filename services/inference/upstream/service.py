@@ -12,6 +12,9 @@ spine's `GenerateResponse` or stream of `GenerateChunk`s, with the upstream's ow
 - `x-spine-upstream-duration-ms`: the time spent in upstream exchanges — the model's time,
   which the gateway takes out of `x-spine-overhead-duration-ms`.
 
+A unary answer can also be awaited on the caller's own event loop (`generate_on_loop`): the
+HTTP front does so when the model is in its process, so the request never leaves its loop.
+
 A stream sends them as initial metadata before its first chunk (the HTTP front's headers go
 out with that chunk), a unary answer as trailing metadata. A failure is the client's
 status code with a message naming the upstream and what it did (`failures.py`); a stream
@@ -34,7 +37,7 @@ from services.inference.upstream.attempts import Cancelled, Walk
 from services.inference.upstream.counters import UpstreamCollector
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import AttemptFailure, Kind
-from services.inference.upstream.protocols import Delta, conversation_text
+from services.inference.upstream.protocols import Answer, Delta, conversation_text
 from services.inference.upstream.token_count import TokenCounter
 from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import ATTEMPTS_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER, USAGE_HEADER
@@ -67,13 +70,23 @@ class UpstreamModels:
             answer = walk.run(attempt)
         except (AttemptFailure, Cancelled) as failure:
             _abort(context, walk, failure)
-        prompt, completion, counted_by = _counted(walk.served_by.tokens, request, answer.prompt_tokens,
-                                                  answer.completion_tokens, answer.text)
-        context.set_trailing_metadata((*_metadata(walk), (USAGE_HEADER, counted_by)))
-        return generation_pb2.GenerateResponse(
-            text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=prompt,
-            completion_tokens=completion, system_digest=system_digest(request.system),
-            cached_prompt_tokens=answer.cached_tokens, body=answer.body)
+        return _response(request, context, walk, answer)
+
+    async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
+                               context: Any) -> generation_pb2.GenerateResponse:
+        """`Generate`, awaited on the caller's event loop (the HTTP front's): the same walk,
+        each attempt on this loop's own connection pool, no thread between the request and
+        the upstream. The context's rules are the same (`_abort` raises its error)."""
+        walk = Walk(self.endpoints, request.model, context)
+
+        async def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> Answer:
+            return await walk.wait_on_loop(endpoint.unary(request, timeout_s), timeout_s)
+
+        try:
+            answer = await walk.run_on_loop(attempt)
+        except (AttemptFailure, Cancelled) as failure:
+            _abort(context, walk, failure)
+        return _response(request, context, walk, answer)
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
                        context: Any) -> Iterator[generation_pb2.GenerateChunk]:
@@ -171,6 +184,18 @@ def _pieces(walk: Walk, pieces: Any, first: list[Delta], endpoint: UpstreamEndpo
         yield piece
         if piece.end:
             return
+
+
+def _response(request: generation_pb2.GenerateRequest, context: Any, walk: Walk,
+              answer: Answer) -> generation_pb2.GenerateResponse:
+    """The spine's answer from the upstream's, counted (`_counted`), its metadata on `context`."""
+    prompt, completion, counted_by = _counted(walk.served_by.tokens, request, answer.prompt_tokens,
+                                              answer.completion_tokens, answer.text)
+    context.set_trailing_metadata((*_metadata(walk), (USAGE_HEADER, counted_by)))
+    return generation_pb2.GenerateResponse(
+        text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=prompt,
+        completion_tokens=completion, system_digest=system_digest(request.system),
+        cached_prompt_tokens=answer.cached_tokens, body=answer.body)
 
 
 def _counted(tokens: TokenCounter, request: generation_pb2.GenerateRequest, prompt: int, completion: int,

@@ -13,6 +13,10 @@ Two well-kept async clients, each where it is the better one, behind one small s
   HTTP/1.1 on the same client. The maintained continuation of httpx (the `openai` and
   `anthropic` SDKs use it).
 
+Each keeps one pool per event loop that calls it (`services.common.loop_bound`): a pool is
+its loop's, so the HTTP front's loop, which awaits an upstream itself, and the process's
+upstream loop, which blocking callers hand their calls to, each have their own.
+
 Neither reads proxies or certificates from the environment (`trust_env=False`): a request
 goes to exactly the configured URL, verified against the system's roots or `ca_file`.
 Every failure of the link comes out as `LinkError` with the kind it is (`failures.Kind`).
@@ -26,6 +30,7 @@ import ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
+from services.common.loop_bound import PerLoop
 from services.common.upstream_config import UpstreamSpec
 from services.inference.upstream.failures import Kind
 
@@ -97,17 +102,19 @@ class _AiohttpReply:
 class AiohttpTransport:
     def __init__(self, spec: UpstreamSpec) -> None:
         self.spec = spec
-        self._session: Any = None
+        # A session per event loop that calls this upstream, made on it (`loop_bound`).
+        self._sessions: PerLoop[Any] = PerLoop(self._new_session, lambda session: session.close())
+
+    def _new_session(self) -> Any:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=self.spec.max_connections, limit_per_host=0,
+                                         keepalive_timeout=30.0, ssl=ssl_context(self.spec) or True)
+        return aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False,
+                                     raise_for_status=False)
 
     def _client(self) -> Any:
-        if self._session is None:  # made on the loop that uses it
-            import aiohttp
-
-            connector = aiohttp.TCPConnector(limit=self.spec.max_connections, limit_per_host=0,
-                                             keepalive_timeout=30.0, ssl=ssl_context(self.spec) or True)
-            self._session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False,
-                                                  raise_for_status=False)
-        return self._session
+        return self._sessions.get()
 
     @contextlib.asynccontextmanager
     async def post(self, url: str, headers: Mapping[str, str], body: bytes, timeout_s: float) -> AsyncIterator[Reply]:
@@ -129,9 +136,7 @@ class AiohttpTransport:
             raise LinkError(Kind.UNREACHABLE, f"{type(error).__name__}: {error or 'closed'}") from None
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._sessions.aclose()
 
 
 # -- httpx2 -----------------------------------------------------------------------------------
@@ -151,19 +156,20 @@ class _Httpx2Reply:
 class Httpx2Transport:
     def __init__(self, spec: UpstreamSpec) -> None:
         self.spec = spec
-        self._http: Any = None
+        self._clients: PerLoop[Any] = PerLoop(self._new_client, lambda client: client.aclose())
+
+    def _new_client(self) -> Any:
+        import httpx2
+
+        spec = self.spec
+        return httpx2.AsyncClient(
+            http2=True, trust_env=False, verify=ssl_context(spec) or True,
+            limits=httpx2.Limits(max_connections=spec.max_connections,
+                                 max_keepalive_connections=spec.max_connections, keepalive_expiry=30.0),
+            timeout=httpx2.Timeout(spec.timeout_s, connect=spec.connect_timeout_s))
 
     def _client(self) -> Any:
-        if self._http is None:
-            import httpx2
-
-            spec = self.spec
-            self._http = httpx2.AsyncClient(
-                http2=True, trust_env=False, verify=ssl_context(spec) or True,
-                limits=httpx2.Limits(max_connections=spec.max_connections,
-                                     max_keepalive_connections=spec.max_connections, keepalive_expiry=30.0),
-                timeout=httpx2.Timeout(spec.timeout_s, connect=spec.connect_timeout_s))
-        return self._http
+        return self._clients.get()
 
     @contextlib.asynccontextmanager
     async def post(self, url: str, headers: Mapping[str, str], body: bytes, timeout_s: float) -> AsyncIterator[Reply]:
@@ -182,9 +188,7 @@ class Httpx2Transport:
             raise LinkError(Kind.UNREACHABLE, f"{type(error).__name__}: {error or 'closed'}") from None
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        await self._clients.aclose()
 
 
 class NoEvents(ValueError):

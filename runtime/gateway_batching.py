@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from monolith.batched_pipeline import BatchedAdmission, BatchingConfig, DeferredCompletions
 from runtime.placement.components import Components
-from services.gateway.service import Admission, Completions, DirectSteps, InFlight
+from services.gateway.steps import Admission, Completions, DirectSteps, InFlight
 from services.inference.priority import DEFAULT as DEFAULT_PRIORITY
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
@@ -31,7 +31,7 @@ class GatewayBatching:
         self.batched_admission: BatchedAdmission | None = None
         self.deferred: DeferredCompletions | None = None
         self._direct = DirectSteps(pipeline)  # what runs where nothing is batched
-        # What the gateway runs now (`services.gateway.service.Steps`), swapped whole by `attach`.
+        # What the gateway runs now (`services.gateway.steps.Steps`), swapped whole by `attach`.
         self._current: tuple[Admission, Completions] = (self._direct.admission, self._direct.completions)
         self._in_process = False  # set by `attach`
 

@@ -37,7 +37,8 @@ from runtime.processes.run_dir import write_private
 from runtime.processes.supervisor import Supervisor
 from runtime.server import RunningServer
 from services.common.outlier import OutlierPolicy
-from services.gateway.service import AnswerTaps, Gateway, InFlight
+from services.gateway.service import Gateway
+from services.gateway.steps import AnswerTaps, InFlight
 from services.inference.output_policy import OutputPolicy
 from services.pipeline.calls import Hook
 from services.pipeline.interface import Interface

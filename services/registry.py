@@ -172,7 +172,7 @@ DEFAULT = Registry([
     MetricsStep,
 ))
 GATEWAY: ComponentSpec[Never] = ComponentSpec("gateway", "wire.v1.gateway_pb2", "Gateway", no_factory, None, (),
-                        register="services.gateway.service:add_gateway_to_server")
+                        register="services.gateway.wire:add_gateway_to_server")
 
 MIDDLEWARES: tuple[str, ...] = DEFAULT.middlewares
 COMPONENTS: tuple[str, ...] = DEFAULT.names

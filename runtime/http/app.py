@@ -51,7 +51,7 @@ from runtime.http.wire import (
 )
 from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
-from services.gateway.service import REQUEST_ID_HEADER, safe_request_id
+from services.gateway.request_ids import REQUEST_ID_HEADER, safe_request_id
 from services.pipeline.local_context import SLOW_READER, LocalContext
 from services.pipeline.pipeline import code_details
 from services.pipeline.verdicts import OVERHEAD_HEADER, USAGE_HEADER

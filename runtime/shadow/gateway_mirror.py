@@ -32,7 +32,7 @@ from runtime.shadow.metrics import ShadowCounters
 from runtime.shadow.traffic import ShadowMirror, forward_metadata, gateway_call
 from runtime.tls import link_channel, self_channel
 from services.common import ConfigError
-from services.gateway.service import AnswerTaps
+from services.gateway.steps import AnswerTaps
 from services.pipeline.state import RequestState
 from wire.v1 import gateway_pb2_grpc
 

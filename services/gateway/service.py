@@ -5,8 +5,8 @@ router, rate limit, cache probe), answered by the model (or the cache), and hand
 completion stages (cache store, logs, metrics) whatever its outcome. How admission and
 completion are scheduled is the runtime's choice, never this module's:
 
-- `DirectAdmission` / `DirectCompletions`: the pipeline with a batch of one, in the
-  request's own thread (the layered gateway);
+- `DirectSteps` (`steps`): the pipeline with a batch of one, in the request's own thread
+  (the layered gateway);
 - the spine's micro-batcher and its deferred writer (`monolith.batched_pipeline`) decide many
   requests with the same stages.
 
@@ -29,15 +29,11 @@ before it is released; a violation ends the call with `content_policy_violation`
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import re
-import secrets
-import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -46,6 +42,10 @@ from services.common.token_estimate import estimate_tokens
 from services.gateway import model_calls
 from services.gateway.model_calls import ModelCallSpans, first_chunk
 from services.gateway.model_load import ModelLoads
+from services.gateway.request_ids import REQUEST_ID_HEADER, safe_request_id
+from services.gateway.steps import AnswerTaps, DirectSteps, InFlight, Steps
+from services.gateway.usage import forwarded, model_time, used
+from services.gateway.wire import LAYOUT_HEADER
 from services.inference.answer_reading import tool_call_pieces, tool_call_text
 from services.inference.api import INFERENCE, ChunkStream, Generated
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
@@ -57,121 +57,22 @@ from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
 from services.pipeline.state import ModelCall, RequestState
 from services.pipeline.verdicts import (
     BUDGET_HEADER,
-    FORWARDED_TRAILERS,
     OVERHEAD_HEADER,
-    UPSTREAM_TIME_HEADER,
     Stop,
     downstream_stop,
-    rate_limit_cost,
 )
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
 
 log = logging.getLogger("spine.gateway")
 # What a flood of requests repeats: each one at DEBUG, at most one line a second per key at WARNING.
 _violations = RateLimitedLog(log, "answers ended by the output policy")
-_undecodable = RateLimitedLog(log, "undecodable request bodies")
 
 Trailers = tuple[tuple[str, str], ...]
 # How a caller on an event loop runs blocking work (a built-in model's call) off its loop:
 # `offload(function, *args)`, awaited (the HTTP front's handler pool).
 Offload = Callable[..., Awaitable[Any]]
 
-REQUEST_ID_HEADER = "x-request-id"
-LAYOUT_HEADER = "x-spine-layout"
 MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
-
-
-class Admission(Protocol):
-    """Runs the admission stages for a request; raises its `Stop` when one stops it."""
-
-    def admit(self, state: RequestState) -> None: ...
-
-
-class Completions(Protocol):
-    """Runs (or takes, to run soon) the completion stages for a finished request."""
-
-    def complete(self, state: RequestState) -> None: ...
-
-
-class Steps(Protocol):
-    """Where the gateway's admission and completions run now: they change as components move
-    (batched while local, `runtime.gateway_batching`), so the gateway asks for each request.
-    `in_process`: every admission and completion stage is a call into this process and the
-    completion writes are handed to a writer thread, so an event loop may run them inline."""
-
-    @property
-    def admission(self) -> Admission: ...
-
-    @property
-    def completions(self) -> Completions: ...
-
-    @property
-    def in_process(self) -> bool: ...
-
-
-class InFlight:
-    """Requests begun and not finished, counted by the gateway and read by whoever batches
-    for it (how many more a batch may expect). Made before both, so neither is rewired."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-
-    def enter(self) -> None:
-        with self._lock:
-            self.count += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self.count -= 1
-
-
-class AnswerTaps:
-    """Who is offered every finished request after its completions (the spine's shadow mirror,
-    `runtime.shadow.gateway_mirror`): each must be cheap and never raise. Given to the gateway
-    when it is made; a tap joins through `add` once it exists."""
-
-    def __init__(self) -> None:
-        self._taps: tuple[Callable[[RequestState], None], ...] = ()
-
-    def add(self, tap: Callable[[RequestState], None]) -> None:
-        self._taps = (*self._taps, tap)
-
-    def __call__(self, state: RequestState) -> None:
-        for tap in self._taps:
-            tap(state)
-
-
-class DirectAdmission:
-    """The pipeline with a batch of one, in the request's thread."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
-
-    def admit(self, state: RequestState) -> None:
-        self.pipeline.admit([state])
-        if state.outcome is not None:
-            raise state.outcome
-
-
-class DirectCompletions:
-    """Every completion stage with a batch of one, before the answer leaves."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
-
-    def complete(self, state: RequestState) -> None:
-        self.pipeline.complete([state])
-
-
-class DirectSteps:
-    """Every stage per request (no batching), in the request's thread: never on a loop."""
-
-    in_process = False
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.admission: Admission = DirectAdmission(pipeline)
-        self.completions: Completions = DirectCompletions(pipeline)
 
 
 class Gateway(gateway_pb2_grpc.GatewayServicer):
@@ -274,11 +175,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         """The model's whole answer, counted and policed, its trailers set."""
         response, trailers = generated.response, generated.trailing
         self.model_load.note_trailers(state.model, trailers)
-        _model_time(state, trailers)
-        _used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
+        model_time(state, trailers)
+        used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
         self._police_answer(state, response)
         state.response = response
-        context.set_trailing_metadata(self._answer_trailing(state, _forwarded(trailers)))
+        context.set_trailing_metadata(self._answer_trailing(state, forwarded(trailers)))
         return response
 
     def GenerateStream(self, request: generation_pb2.GenerateRequest,
@@ -327,8 +228,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                             first = False
                             state.model_wait_s = time.perf_counter() - started
                             first_chunk(state)
-                            initial = _forwarded(stream.initial_metadata() or ())
-                            _model_time(state, initial)
+                            initial = forwarded(stream.initial_metadata() or ())
+                            model_time(state, initial)
                             context.set_trailing_metadata(self._answer_trailing(state, initial))
                         yield chunk
                     ended = True
@@ -343,9 +244,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     # up to where it stopped): the model's count, else its tokens, else its
                     # text's estimate (an upstream's chunks carry no token ids; the same
                     # estimate an upstream's answer without usage is charged).
-                    _used(state, usage[0], usage[1] or len(tokens) or estimate_tokens("".join(texts)), usage[2])
+                    used(state, usage[0], usage[1] or len(tokens) or estimate_tokens("".join(texts)), usage[2])
                 state.model_wait_s = time.perf_counter() - started
-                model_trailers = _forwarded(stream.trailing_metadata() or ())
+                model_trailers = forwarded(stream.trailing_metadata() or ())
                 self.model_load.note_trailers(state.model, model_trailers)
                 context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
                 state.response = generation_pb2.GenerateResponse(
@@ -427,7 +328,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _model_stop(self, error: grpc.RpcError, state: RequestState) -> Stop:
         code, details, trailing = code_details(error)
         self.model_load.note_trailers(state.model, trailing)
-        _model_time(state, trailing)
+        model_time(state, trailing)
         model = self.pipeline.model
         return downstream_stop(model.component, code, details, trailing, model.policy.passes)
 
@@ -515,113 +416,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         overhead_s = time.perf_counter() - state.arrived - state.model_wait_s
         out.append((OVERHEAD_HEADER, f"{max(0.0, overhead_s) * 1000.0:.3f}"))
         return tuple(out)
-
-
-def _used(state: RequestState, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
-    """What the model used for `state` (its prompt counted by bytes where the model did not
-    count it): what its tokens per minute are settled with and its spend priced on."""
-    assert state.resolved is not None
-    state.prompt_tokens = prompt_tokens or rate_limit_cost(state.resolved)
-    state.completion_tokens = completion_tokens
-    state.cached_tokens = min(cached_tokens, state.prompt_tokens)
-    state.tokens_used = state.prompt_tokens + completion_tokens
-
-
-def _forwarded(trailing: Any) -> tuple[tuple[str, str], ...]:
-    """The downstream trailers the client should see (load hints, the upstream's), nothing else."""
-    return tuple((k, v) for k, v in trailing if k in FORWARDED_TRAILERS)
-
-
-def _model_time(state: RequestState, metadata: Any) -> bool:
-    """Take the model's time from an upstream's own figure where the answer has one (the
-    time its exchanges took, not the hop to the inference process); whether it had one."""
-    for key, value in metadata:
-        if key == UPSTREAM_TIME_HEADER:
-            try:
-                state.model_wait_s = float(value) / 1000.0
-            except ValueError:
-                return False
-            return True
-    return False
-
-
-def safe_request_id(value: str | None) -> str:
-    """Keep a caller's request id when it is short and plain; otherwise make one."""
-    if value and _PLAIN_ID.fullmatch(value):
-        return value
-    return f"{_ID_PREFIX}{next(_ID_SEQUENCE):012x}"
-
-
-# A plain id: ASCII letters, digits, '-', '_' and '.', at most 64 of them. One regex match,
-# several times cheaper than a per-character check in Python; every request the migration's
-# front forwards carries one. (gRPC metadata values are printable ASCII, so the per-character
-# check's other letters never reached it.)
-_PLAIN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-# Request ids: a random per-process prefix (80 bits) and a counter — unique across
-# processes and restarts like a uuid4, without a system call per request.
-_ID_PREFIX = secrets.token_hex(10)
-_ID_SEQUENCE = itertools.count()
-
-
-# -- the wire --------------------------------------------------------------------------
-class Undecodable:
-    """A request body that is not a GenerateRequest: handed to the handler instead of gRPC's
-    own failure (INTERNAL, no trailers, a traceback logged for every such request)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-
-def _lenient(parse: Any) -> Any:
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception:  # google.protobuf.message.DecodeError, or anything a parser raises
-            return Undecodable(len(data))
-    return deserialize
-
-
-def _refusing(servicer: Any, behaviour: Any, streaming: bool) -> Any:
-    """`behaviour`, but an undecodable body is INVALID_ARGUMENT with the usual trailers."""
-    def refuse(request: Undecodable, context: Any) -> None:
-        md = dict(context.invocation_metadata() or ())
-        request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
-        _undecodable(None, "request %s: a %d-byte body that is not a spine.v1.GenerateRequest, refused",
-                     request_id, request.size)
-        context.set_trailing_metadata(((LAYOUT_HEADER, str(getattr(servicer, "layout", "front"))),
-                                       (REQUEST_ID_HEADER, request_id)))
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"request body ({request.size} bytes) is not a valid spine.v1.GenerateRequest")
-
-    if streaming:
-        def handle_stream(request: Any, context: Any) -> Any:
-            if isinstance(request, Undecodable):
-                refuse(request, context)
-            yield from behaviour(request, context)
-        return handle_stream
-
-    def handle(request: Any, context: Any) -> Any:
-        if isinstance(request, Undecodable):
-            refuse(request, context)
-        return behaviour(request, context)
-    return handle
-
-
-def add_gateway_to_server(servicer: Any, server: Any) -> None:
-    """Serve `spine.v1.Gateway` (the gateway's or the front's) so that a body that does not
-    decode is answered like any bad input, not by gRPC's own INTERNAL."""
-    parse = _lenient(generation_pb2.GenerateRequest.FromString)
-    handlers = {
-        "Generate": grpc.unary_unary_rpc_method_handler(
-            _refusing(servicer, servicer.Generate, streaming=False), request_deserializer=parse,
-            response_serializer=generation_pb2.GenerateResponse.SerializeToString),
-        "GenerateStream": grpc.unary_stream_rpc_method_handler(
-            _refusing(servicer, servicer.GenerateStream, streaming=True), request_deserializer=parse,
-            response_serializer=generation_pb2.GenerateChunk.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("spine.v1.Gateway", handlers),))
 
 
 def _policed(text: str, events: Any) -> str:

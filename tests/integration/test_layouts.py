@@ -229,12 +229,12 @@ def test_an_undecodable_body_is_invalid_argument_with_both_trailers(
 
 def test_a_flood_of_undecodable_bodies_is_one_warning_a_second_and_a_debug_line_each(
         layouts: dict[str, Stack]) -> None:
-    from services.gateway import service
+    from services.gateway import wire
     from tests.log_lines import LogLines, assert_summarized
 
-    with grpc.insecure_channel(layouts["collapsed"].address) as channel, LogLines("spine.gateway", service._undecodable) as lines:
+    with grpc.insecure_channel(layouts["collapsed"].address) as channel, LogLines("spine.gateway", wire._undecodable) as lines:
         raw = channel.unary_unary("/spine.v1.Gateway/Generate")
         for _ in range(100):
             with pytest.raises(grpc.RpcError):
                 raw(b"\xff\xff\xff\xff not a protobuf", timeout=10)
-        assert_summarized(lines, service._undecodable, 100, containing="not a spine.v1.GenerateRequest")
+        assert_summarized(lines, wire._undecodable, 100, containing="not a spine.v1.GenerateRequest")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -35,19 +35,18 @@ import orjson
 from runtime.config.http import HttpConfig
 from runtime.http import anthropic_api, openai_api, responses_api
 from runtime.http.body import BodyReader, has_body
-from runtime.http.bounded_protocol import ABORT_EXTENSION, response_bytes
+from runtime.http.bounded_protocol import response_bytes
+from runtime.http.sending import Scope, Send, abort_of, encode, send_body, send_error, send_json
 from runtime.http.stream_window import LIMIT as WINDOW
 from runtime.http.stream_window import StreamWindow
+from runtime.http.verdicts import gateway_failed, verdict_of, with_status
 from runtime.http.wire import (
-    INSUFFICIENT_QUOTA,
     LAYOUT,
     REQUEST_ID,
     HttpError,
     answer_headers,
     bad_request,
     request_metadata,
-    retry_headers,
-    status_for,
 )
 from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
@@ -60,13 +59,9 @@ if TYPE_CHECKING:
     from runtime.http.admin_http import AdminHttp
 
 log = logging.getLogger("spine.http")
-# A gateway that fails every request: each traceback at DEBUG, at most one ERROR line a second.
-_gateway_failures = RateLimitedLog(log, "requests the gateway failed", level=logging.ERROR)
 _slow_readers = RateLimitedLog(log, "streams cancelled for a client that did not read")
 
-Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 Trailing = tuple[tuple[str, str], ...]
 
 ROUTES = {
@@ -135,24 +130,24 @@ class HttpApi:
                 raise HttpError(405, "invalid_request_error", f"{path} takes {route[0]}, not {method}",
                                 (("allow", route[0]),))
             if path == "/v1/models":
-                await _send_json(send, 200, self._model_list(), (*base, _overhead(arrived)))
+                await send_json(send, 200, self._model_list(), (*base, _overhead(arrived)))
                 return
             if path == "/health":
                 serving = self.serving()
-                await _send_json(send, 200 if serving else 503, orjson.dumps({"serving": serving}),
+                await send_json(send, 200 if serving else 503, orjson.dumps({"serving": serving}),
                                  (*base, _overhead(arrived)))
                 return
             body = await self._read_json(scope, receive, headers)
             parsed = _parse(path, body, self.default_max_tokens)
             metadata = (*request_metadata(headers), (REQUEST_ID_HEADER, request_id))
         except HttpError as error:  # answered here, no model: all of its time is overhead
-            await _send_error(send, api, error, (*base, _overhead(arrived)), request_id)
+            await send_error(send, api, error, (*base, _overhead(arrived)), request_id)
             return
         context = LocalContext(metadata, arrived=arrived)
         watcher = asyncio.ensure_future(_watch_disconnect(receive, context))
         try:
             if parsed.stream:
-                await self._stream(send, api, parsed, context, base, _abort_of(scope))
+                await self._stream(send, api, parsed, context, base, abort_of(scope))
             else:
                 await self._unary(send, api, parsed, context, base)
         finally:
@@ -170,13 +165,13 @@ class HttpApi:
             if method in ("POST", "PATCH") and has_body(headers):  # Content-Length or chunked
                 body = await self._read_json(scope, receive, headers, empty={})
         except HttpError as error:
-            await _send_error(send, openai_api, error, base, request_id)
+            await send_error(send, openai_api, error, base, request_id)
             return
         named = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in headers}
         loop = asyncio.get_running_loop()
         status, answer = await loop.run_in_executor(self.pool, self.admin.handle, method, scope["path"],
                                                     scope.get("query_string", b""), named, lambda: body)
-        await _send_json(send, status, answer, base)
+        await send_json(send, status, answer, base)
 
     # -- reading ------------------------------------------------------------------------
     async def _read_json(self, scope: Scope, receive: Receive, headers: list[tuple[bytes, bytes]],
@@ -212,9 +207,9 @@ class HttpApi:
         trailing = (*base, *headers)
         request_id = dict(trailing)[REQUEST_ID]
         if isinstance(outcome, HttpError):
-            await _send_error(send, api, _with_status(outcome, api, trailing), trailing, request_id)
+            await send_error(send, api, with_status(outcome, api, trailing), trailing, request_id)
             return
-        await _send_json(send, 200, api.answer(parsed, outcome, request_id, dict(trailing).get(USAGE_HEADER, "")),
+        await send_json(send, 200, api.answer(parsed, outcome, request_id, dict(trailing).get(USAGE_HEADER, "")),
                          trailing)
 
     async def _on_loop(self, request: Any, context: LocalContext) -> tuple[Any, Trailing]:
@@ -231,11 +226,9 @@ class HttpApi:
             return answer
         except grpc.RpcError as error:
             _, _, trailing = code_details(error)
-            return _verdict(error), trailing or context.trailing_metadata()
+            return verdict_of(error), trailing or context.trailing_metadata()
         except Exception:
-            _gateway_failures(None, "request %s: the gateway failed",
-                              dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
-            return _Verdict(grpc.StatusCode.INTERNAL, "internal error"), context.trailing_metadata()
+            return gateway_failed(context.invocation_metadata()), context.trailing_metadata()
 
     async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
                       abort: Callable[[], None]) -> None:
@@ -261,13 +254,13 @@ class HttpApi:
         if first is _GONE:
             return
         if isinstance(first, HttpError):
-            await _send_error(send, api, _with_status(first, api, trailing), trailing, request_id)
+            await send_error(send, api, with_status(first, api, trailing), trailing, request_id)
             return
         writer = api.Stream(parsed, request_id)
         writer.raw = first is not _END and bool(getattr(first, "events", None)) and getattr(parsed, "chat", True)
         prompt_tokens = len(parsed.request.prompt.encode()) + len(parsed.request.system.encode())
         await send({"type": "http.response.start", "status": 200,
-                    "headers": _encode([("content-type", "text/event-stream; charset=utf-8"),
+                    "headers": encode([("content-type", "text/event-stream; charset=utf-8"),
                                         ("cache-control", "no-cache"), *answer_headers(trailing)])})
         model = first.model if first is not _END else parsed.request.model
         start = writer.start(model, prompt_tokens)
@@ -280,12 +273,12 @@ class HttpApi:
             if item is _END:
                 counted_by = dict(context.trailing_metadata()).get(USAGE_HEADER, "")
                 pending.append(writer.end(finish, prompt_tokens, tokens, counted_by))
-                await _send_body(send, b"".join(pending), False, stall_s)
+                await send_body(send, b"".join(pending), False, stall_s)
                 return
             if isinstance(item, HttpError):
-                error = _with_status(item, api, context.trailing_metadata())
+                error = with_status(item, api, context.trailing_metadata())
                 pending.append(writer.error(error, request_id))
-                await _send_body(send, b"".join(pending), False, stall_s)
+                await send_body(send, b"".join(pending), False, stall_s)
                 return
             tokens += len(item.token_ids)
             if item.completion_tokens or item.prompt_tokens:  # the model's own count (an upstream's usage)
@@ -293,7 +286,7 @@ class HttpApi:
             finish = item.finish_reason or finish
             pending.append(writer.piece(item))
             if window.empty() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
-                if not await _send_body(send, b"".join(pending), True, stall_s):
+                if not await send_body(send, b"".join(pending), True, stall_s):
                     _slow_readers(None, "request %s: the client read nothing of its stream for %gs "
                                   "(http.stream_stall_s): cancelled", request_id, stall_s)
                     context.cancel(SLOW_READER)  # the model stops; the request's record says why
@@ -320,15 +313,13 @@ def _parse(path: str, body: Any, default_max_tokens: int) -> Any:
 
 # -- on a handler thread ------------------------------------------------------------------
 def _call_unary(target: Any, request: Any, context: LocalContext) -> Any:
-    """The answer, or the verdict as an HttpError (status not yet chosen: see `_with_status`)."""
+    """The answer, or the verdict as an HttpError (status not yet chosen: see `with_status`)."""
     try:
         return target.Generate(request, context)
     except grpc.RpcError as error:
-        return _verdict(error)
+        return verdict_of(error)
     except Exception:
-        _gateway_failures(None, "request %s: the gateway failed",
-                          dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
-        return _Verdict(grpc.StatusCode.INTERNAL, "internal error")
+        return gateway_failed(context.invocation_metadata())
 
 
 def _pump_stream(target: Any, request: Any, context: LocalContext, window: StreamWindow) -> None:
@@ -343,38 +334,13 @@ def _pump_stream(target: Any, request: Any, context: LocalContext, window: Strea
                 return
         window.end(_END)
     except grpc.RpcError as error:
-        window.end(_verdict(error))
+        window.end(verdict_of(error))
     except Exception:
-        _gateway_failures(None, "request %s: the gateway failed",
-                          dict(context.invocation_metadata()).get(REQUEST_ID_HEADER), exc_info=True)
-        window.end(_Verdict(grpc.StatusCode.INTERNAL, "internal error"))
+        window.end(gateway_failed(context.invocation_metadata()))
     finally:
         close = getattr(chunks, "close", None)
         if close is not None:
             close()
-
-
-class _Verdict(HttpError):
-    """A pipeline verdict before its API chose the HTTP status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(0, "", details)
-        self.code = code
-
-
-def _verdict(error: grpc.RpcError) -> _Verdict:
-    code, details, _ = code_details(error)  # the pipeline's own reading of an RpcError
-    return _Verdict(code, details)
-
-
-def _with_status(error: HttpError, api: Any, trailing: Iterable[tuple[str, str]]) -> HttpError:
-    if not isinstance(error, _Verdict):
-        return error
-    status, kind = status_for(error.code, error.message, api.OVERLOADED_STATUS)
-    retry = retry_headers(dict(trailing)) if status in (429, api.OVERLOADED_STATUS) else []
-    if kind == INSUFFICIENT_QUOTA:  # a spent budget: the SDKs' own retries would only be refused again
-        retry.append(("x-should-retry", "false"))
-    return HttpError(status, kind, error.message, tuple(retry))
 
 
 async def _watch_disconnect(receive: Receive, context: LocalContext) -> None:
@@ -385,41 +351,6 @@ async def _watch_disconnect(receive: Receive, context: LocalContext) -> None:
             context.cancel()
             return
 
-
-# -- writing ------------------------------------------------------------------------------
-def _encode(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(key.encode("latin-1"), value.encode("latin-1")) for key, value in headers]
-
-
-async def _send_json(send: Send, status: int, body: bytes, trailing: Iterable[tuple[str, str]],
-                     extra: Iterable[tuple[str, str]] = ()) -> None:
-    headers = [("content-type", "application/json"), *answer_headers(trailing), *extra]
-    await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _send_body(send: Send, body: bytes, more: bool, within_s: float) -> bool:
-    """One piece of a stream's body; False when the client took none of what the connection
-    holds within `within_s` (uvicorn's `send` waits while its write buffer is full)."""
-    try:
-        await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": more}), within_s)
-    except TimeoutError:
-        return False
-    return True
-
-
-def _abort_of(scope: Scope) -> Callable[[], None]:
-    """How to drop the request's connection at once (the server's protocol puts it in the
-    scope's extensions; without it, nothing more is done)."""
-    abort: Callable[[], None] | None = scope.get("extensions", {}).get(ABORT_EXTENSION)
-    return abort if abort is not None else (lambda: None)
-
-
-async def _send_error(send: Send, api: Any, error: HttpError, trailing: Iterable[tuple[str, str]],
-                      request_id: str) -> None:
-    if error.status == 499:  # nobody is listening
-        return
-    await _send_json(send, error.status, api.error_body(error, request_id), trailing, error.headers)
 
 
 def _overhead(arrived: float) -> tuple[str, str]:

@@ -144,7 +144,7 @@ def broken_http() -> Iterator[str]:
 
 
 def test_http_requests_a_broken_gateway_fails_are_summarized(broken_http: str) -> None:
-    from runtime.http import app
+    from runtime.http import verdicts
     from tests.conftest import DEV_KEY
 
     host, port = broken_http.rsplit(":", 1)
@@ -158,9 +158,9 @@ def test_http_requests_a_broken_gateway_fails_are_summarized(broken_http: str) -
         connection.close()
         return status
 
-    with LogLines("spine.http", app._gateway_failures) as lines, ThreadPoolExecutor(8) as pool:
+    with LogLines("spine.http", verdicts._gateway_failures) as lines, ThreadPoolExecutor(8) as pool:
         assert set(pool.map(post, range(60))) == {500}
-        assert_summarized(lines, app._gateway_failures, 60, containing="the gateway failed")
+        assert_summarized(lines, verdicts._gateway_failures, 60, containing="the gateway failed")
     assert lines.records[0].exc_info is not None  # the first with its traceback
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from runtime.config.model import SpineConfig
-from services.inference.api import ChunkStream, Generated, OnLoop
+from services.inference.api import AsyncChunkStream, ChunkStream, Generated, OnLoop
 from services.inference.upstream.translate import OPENAI
 from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.local_context import LocalRpcError
@@ -107,6 +107,11 @@ class WrongAnswers:
                                options: CallOptions = NO_OPTIONS) -> Generated:
         model: OnLoop = self._servicer  # type: ignore[assignment]  # on_loop named the model: it has this
         return await model.generate_on_loop(self._altered(request), options)
+
+    def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest,
+                                options: CallOptions = NO_OPTIONS) -> AsyncChunkStream:
+        model: OnLoop = self._servicer  # type: ignore[assignment]  # on_loop named the model: it has this
+        return model.generate_stream_on_loop(self._altered(request), options)
 
     def models(self, request: inference_pb2.ModelInfoRequest,
                options: CallOptions = NO_OPTIONS) -> inference_pb2.ModelInfoResponse:

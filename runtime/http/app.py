@@ -11,10 +11,14 @@ event loop from accept to answer: the gateway's pipeline runs inline (microsecon
 stage), the upstream is awaited on this loop's own connections, and the answer's headers come
 back as values.
 
-Anything else — a stream, a built-in model's request (its engine holds a thread while it
-works), the layered gateway (its stages are gRPC calls), the migration's front — is blocking code, run on a handler thread of this server's own pool, sized like the
-gRPC server's (`runtime.server.request_threads`): a request waiting for the model holds a
-thread, never the event loop. A stream's chunks cross back to the loop one by one.
+A stream to such a gateway is served there too: the engine's chunks are awaited and written
+to the client's socket from this loop.
+
+Anything else — a built-in model's request (its engine holds a thread while it works), the
+layered gateway (its stages are gRPC calls), the migration's front — is blocking code, run on
+a handler thread of this server's own pool, sized like the gRPC server's
+(`runtime.server.request_threads`): a request waiting for the model holds a thread, never the
+event loop. Such a stream's chunks cross back to the loop through a bounded window.
 
 Everything an API does not decide itself — limits on the body, JSON, the credential's
 headers, the status of a verdict — is decided here once for both APIs.
@@ -232,6 +236,10 @@ class HttpApi:
 
     async def _stream(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
                       abort: Callable[[], None]) -> None:
+        serves_on_loop = getattr(self.target, "serves_on_loop", None)
+        if serves_on_loop is not None and serves_on_loop(parsed.request):  # the spine, over an upstream
+            await self._stream_on_loop(send, api, parsed, context, base, abort)
+            return
         loop = asyncio.get_running_loop()
         window = StreamWindow(loop)
 
@@ -242,13 +250,49 @@ class HttpApi:
         context.add_callback(gone)
         loop.run_in_executor(self.pool, _pump_stream, self.target, parsed.request, context, window)
         try:
-            await self._relay(send, api, parsed, context, base, window, abort)
+            await self._relay(send, api, parsed, context, base, window.get, window.empty, abort)
         finally:
             window.close()  # the handler thread stops pulling the stream, whatever ended it
 
+    async def _stream_on_loop(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
+                              abort: Callable[[], None]) -> None:
+        """The gateway's stream served on this loop (`Gateway.generate_stream_on_loop`): each
+        chunk is written as the engine's bytes arrive, with no thread between them; closing
+        the gateway's stream (the client left, stopped reading, or the answer ended) stops the
+        engine's exchange at once."""
+        loop = asyncio.get_running_loop()
+
+        def offload(function: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+            return loop.run_in_executor(self.pool, function, *args)
+
+        left: list[bool] = []
+        context.add_callback(lambda: left.append(True))
+        chunks = self.target.generate_stream_on_loop(parsed.request, context, offload)
+
+        async def next_item() -> Any:
+            if left:
+                return _GONE
+            try:
+                return await anext(chunks)
+            except StopAsyncIteration:
+                return _END
+            except grpc.RpcError as error:
+                return _GONE if left else verdict_of(error)
+            except Exception:
+                return _GONE if left else gateway_failed(context.invocation_metadata())
+
+        try:
+            await self._relay(send, api, parsed, context, base, next_item, lambda: True, abort)
+        finally:
+            await chunks.aclose()
+
     async def _relay(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
-                     window: StreamWindow, abort: Callable[[], None]) -> None:
-        first = await window.get()
+                     next_item: Callable[[], Awaitable[Any]], idle: Callable[[], bool],
+                     abort: Callable[[], None]) -> None:
+        """The stream's items (`next_item`: a chunk, `_END`, `_GONE` or a verdict) to the
+        client as server-sent events; what is ready is written together (`idle`: nothing more
+        is waiting), never more than a window at once."""
+        first = await next_item()
         trailing = (*base, *context.trailing_metadata())
         request_id = dict(trailing)[REQUEST_ID]
         if first is _GONE:
@@ -285,7 +329,7 @@ class HttpApi:
                 tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
             finish = item.finish_reason or finish
             pending.append(writer.piece(item))
-            if window.empty() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
+            if idle() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
                 if not await send_body(send, b"".join(pending), True, stall_s):
                     _slow_readers(None, "request %s: the client read nothing of its stream for %gs "
                                   "(http.stream_stall_s): cancelled", request_id, stall_s)
@@ -293,7 +337,7 @@ class HttpApi:
                     abort()  # what the socket still holds is dropped with the connection
                     return
                 pending = []
-            item = await window.get()
+            item = await next_item()
 
 
 def _parse(path: str, body: Any, default_max_tokens: int) -> Any:

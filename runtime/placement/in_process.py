@@ -40,6 +40,9 @@ class InProcess:
     async def generate_on_loop(self, request: Any, options: CallOptions = NO_OPTIONS) -> Any:
         return await self.servicer.generate_on_loop(request, options)  # type: ignore[attr-defined]
 
+    def generate_stream_on_loop(self, request: Any, options: CallOptions = NO_OPTIONS) -> Any:
+        return self.servicer.generate_stream_on_loop(request, options)  # type: ignore[attr-defined]
+
 
 def in_process(interface: Interface[T], servicer: T) -> T:
     """`servicer` as its component's callers reach it in this process. The servicer is a `T`

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Protocol
 
 import grpc
 
 from services.common.tenant_shares import tenant_metadata
-from services.inference.api import INFERENCE, ChunkStream, Generated, OnLoop
+from services.inference.api import INFERENCE, AsyncChunkStream, ChunkStream, Generated, OnLoop
 from services.pipeline.interface import CallOptions
 from services.pipeline.local_call import status_of
 from services.pipeline.pipeline import CallHooks, Pipeline
@@ -106,6 +106,21 @@ def generate_stream(pipeline: Pipeline, state: RequestState, parent: Any,
     return _Reported(stream, hooks)
 
 
+def generate_stream_on_loop(pipeline: Pipeline, state: RequestState, parent: Any, model: OnLoop,
+                            genai: ModelCallSpans | None = None) -> _ReportedOnLoop:
+    """`generate_stream`, read on the caller's event loop from `model` (whose `on_loop` named
+    the routed model): the same hooks, span and errors."""
+    with NOT_TRACED if genai is None else genai.calling(state):
+        hooks = pipeline.begin_call(pipeline.model, state)
+        try:
+            assert state.resolved is not None
+            stream = model.generate_stream_on_loop(state.resolved, _options(state, hooks, parent))
+        except grpc.RpcError as error:
+            hooks.end(status_of(error))
+            raise
+    return _ReportedOnLoop(stream, hooks)
+
+
 def _options(state: RequestState, hooks: CallHooks, parent: Any) -> CallOptions:
     # The tenant names the request's queue in the model's fair share (only the gateway sets it).
     return CallOptions(state.remaining(), (*hooks.metadata, tenant_metadata(state.tenant)), parent)
@@ -134,6 +149,37 @@ class _Reported:
     def cancel(self) -> bool:
         self._hooks.end(grpc.StatusCode.CANCELLED)
         return self._stream.cancel()
+
+    def initial_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._stream.initial_metadata()
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._stream.trailing_metadata()
+
+
+class _ReportedOnLoop:
+    """`_Reported` for a stream read on the caller's event loop."""
+
+    def __init__(self, stream: AsyncChunkStream, hooks: CallHooks) -> None:
+        self._stream = stream
+        self._hooks = hooks
+
+    def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        return self
+
+    async def __anext__(self) -> generation_pb2.GenerateChunk:
+        try:
+            return await anext(self._stream)
+        except StopAsyncIteration:
+            self._hooks.end(grpc.StatusCode.OK)
+            raise
+        except grpc.RpcError as error:
+            self._hooks.end(status_of(error))
+            raise
+
+    async def cancel(self) -> bool:
+        self._hooks.end(grpc.StatusCode.CANCELLED)
+        return await self._stream.cancel()
 
     def initial_metadata(self) -> Sequence[tuple[str, str]]:
         return self._stream.initial_metadata()

@@ -12,8 +12,9 @@ completion are scheduled is the runtime's choice, never this module's:
 
 Either way the verdicts come from the same stages, so codes, messages and trailers do not
 depend on the layout or the batch size. A caller on an event loop (the HTTP front) may ask
-for the whole answer there (`generate_on_loop`, while `serves_on_loop`): the same stages,
-inline, and the model awaited where it can be (an upstream engine's answer).
+for the whole answer or the stream there (`generate_on_loop`, `generate_stream_on_loop`,
+while `serves_on_loop`): the same stages, inline, and the model awaited where it can be (an
+upstream engine's answer).
 
 Every answer carries the load hint of the model it was routed to (`x-spine-load`: the
 model's own, or the latest the gateway has when the model was not called, see
@@ -32,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -44,10 +45,11 @@ from services.gateway.model_calls import ModelCallSpans, first_chunk
 from services.gateway.model_load import ModelLoads
 from services.gateway.request_ids import REQUEST_ID_HEADER, safe_request_id
 from services.gateway.steps import AnswerTaps, DirectSteps, InFlight, Steps
+from services.gateway.stream_tally import OffloadedStream, StreamTally
 from services.gateway.usage import forwarded, model_time, used
 from services.gateway.wire import LAYOUT_HEADER
 from services.inference.answer_reading import tool_call_pieces, tool_call_text
-from services.inference.api import INFERENCE, ChunkStream, Generated
+from services.inference.api import INFERENCE, AsyncChunkStream, ChunkStream, Generated
 from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
 from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
 from services.pipeline.interface import CallOptions
@@ -189,48 +191,16 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         with self._settled(state):
             try:
                 self.steps.admission.admit(state)
-                hit = state.hit
+                hit = self._stream_hit(state, context)
                 if hit is not None:
-                    self._police_answer(state, hit)
-                    context.set_trailing_metadata(self._answer_trailing(state))
-                    counted = not hit.token_ids  # an upstream's answer has no token ids, only its counts
-                    yield generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
-                                                       finish_reason=hit.finish_reason, cached=True, model=hit.model,
-                                                       system_digest=hit.system_digest,
-                                                       prompt_tokens=hit.prompt_tokens if counted else 0,
-                                                       completion_tokens=hit.completion_tokens if counted else 0)
+                    yield hit
                     return
-                resolved = state.resolved
-                assert resolved is not None
-                # Until the stream ends: what an HTTP client's headers carry (the load hint known now).
-                context.set_trailing_metadata(self._answer_trailing(state))
-                tokens: list[int] = []
-                texts: list[str] = []
-                finish = digest = ""
-                started = time.perf_counter()
-                check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
+                tally = self._stream_begin(state, context)
                 stream = self._generate_stream(state, context)
                 ended = False
-                first = True
-                usage = (0, 0, 0)  # what the model counted itself (an upstream's usage), on its last chunk
                 try:
                     for chunk in stream:
-                        if check is not None and (found := check.check(_policed(chunk.text, chunk.events),
-                                                                       chunk.token_ids)) is not None:
-                            raise self._violation(state, found)  # the chunk is never released; the model stops
-                        tokens.extend(chunk.token_ids)
-                        texts.append(chunk.text)
-                        finish = chunk.finish_reason or finish
-                        digest = chunk.system_digest or digest
-                        if chunk.completion_tokens or chunk.prompt_tokens:
-                            usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
-                        if first:  # the HTTP front's headers go out with it: what is known now
-                            first = False
-                            state.model_wait_s = time.perf_counter() - started
-                            first_chunk(state)
-                            initial = forwarded(stream.initial_metadata() or ())
-                            model_time(state, initial)
-                            context.set_trailing_metadata(self._answer_trailing(state, initial))
+                        self._stream_chunk(state, context, tally, chunk, stream)
                         yield chunk
                     ended = True
                 except grpc.RpcError as error:
@@ -239,25 +209,112 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 finally:
                     if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
                         stream.cancel()
-                    state.add_time(self.pipeline.model.component, time.perf_counter() - started)
-                    # What was generated, however the stream ended (an aborted one is charged
-                    # up to where it stopped): the model's count, else its tokens, else its
-                    # text's estimate (an upstream's chunks carry no token ids; the same
-                    # estimate an upstream's answer without usage is charged).
-                    used(state, usage[0], usage[1] or len(tokens) or estimate_tokens("".join(texts)), usage[2])
-                state.model_wait_s = time.perf_counter() - started
-                model_trailers = forwarded(stream.trailing_metadata() or ())
-                self.model_load.note_trailers(state.model, model_trailers)
-                context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
-                state.response = generation_pb2.GenerateResponse(
-                    text="".join(texts), token_ids=tokens, model=resolved.model, finish_reason=finish,
-                    prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens, system_digest=digest,
-                    cached_prompt_tokens=state.cached_tokens)
+                    self._stream_settle(state, tally)
+                self._stream_end(state, context, tally, stream)
             except Stop as stop:
                 self._abort(state, context, stop)
             except GeneratorExit:  # the caller closed the stream: its reason, where its context says one
                 state.status = getattr(context, "cancelled_as", "") or "CANCELLED"
                 raise
+
+    async def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest, context: Any,
+                                      offload: Offload) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        """`GenerateStream` for a caller on an event loop (the HTTP front), where
+        `serves_on_loop`: admission inline, a model that can be awaited (an upstream's) read
+        on this loop chunk by chunk; any other (the router chose another) is read through
+        `offload`, a chunk at a time. The same chunks, verdicts and trailers; closing the
+        generator (the client left) stops the model at once."""
+        state = self._begin(request, context)
+        state.streamed = True
+        with self._settled(state):
+            try:
+                self.pipeline.admit([state])
+                if state.outcome is not None:
+                    raise state.outcome
+                hit = self._stream_hit(state, context)
+                if hit is not None:
+                    yield hit
+                    return
+                tally = self._stream_begin(state, context)
+                stream = self._generate_stream_on_loop(state, context, offload)
+                ended = False
+                try:
+                    async for chunk in stream:
+                        self._stream_chunk(state, context, tally, chunk, stream)
+                        yield chunk
+                    ended = True
+                except grpc.RpcError as error:
+                    ended = True
+                    raise self._model_stop(error, state) from None
+                finally:
+                    if not ended:
+                        await stream.cancel()
+                    self._stream_settle(state, tally)
+                self._stream_end(state, context, tally, stream)
+            except Stop as stop:
+                self._abort(state, context, stop)
+            except GeneratorExit:
+                state.status = getattr(context, "cancelled_as", "") or "CANCELLED"
+                raise
+
+    # -- a stream's steps, the same on a thread and on a loop ---------------------------------
+    def _stream_hit(self, state: RequestState, context: Any) -> generation_pb2.GenerateChunk | None:
+        """The cache's answer as the stream's one chunk, policed (None: no hit)."""
+        hit = state.hit
+        if hit is None:
+            return None
+        self._police_answer(state, hit)
+        context.set_trailing_metadata(self._answer_trailing(state))
+        counted = not hit.token_ids  # an upstream's answer has no token ids, only its counts
+        return generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
+                                            finish_reason=hit.finish_reason, cached=True, model=hit.model,
+                                            system_digest=hit.system_digest,
+                                            prompt_tokens=hit.prompt_tokens if counted else 0,
+                                            completion_tokens=hit.completion_tokens if counted else 0)
+
+    def _stream_begin(self, state: RequestState, context: Any) -> StreamTally:
+        assert state.resolved is not None
+        # Until the stream ends: what an HTTP client's headers carry (the load hint known now).
+        context.set_trailing_metadata(self._answer_trailing(state))
+        check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
+        return StreamTally(time.perf_counter(), check)
+
+    def _stream_chunk(self, state: RequestState, context: Any, tally: StreamTally,
+                      chunk: generation_pb2.GenerateChunk, stream: Any) -> None:
+        """One chunk before it is released: policed (Stop ends the stream; the chunk is never
+        released and the model stops), counted; the first one sets the answer's headers."""
+        if tally.check is not None and (found := tally.check.check(_policed(chunk.text, chunk.events),
+                                                                   chunk.token_ids)) is not None:
+            raise self._violation(state, found)
+        tally.take(chunk)
+        if tally.first:  # the HTTP front's headers go out with it: what is known now
+            tally.first = False
+            state.model_wait_s = time.perf_counter() - tally.started
+            first_chunk(state)
+            initial = forwarded(stream.initial_metadata() or ())
+            model_time(state, initial)
+            context.set_trailing_metadata(self._answer_trailing(state, initial))
+
+    def _stream_settle(self, state: RequestState, tally: StreamTally) -> None:
+        """What was generated, however the stream ended (an aborted one is charged up to
+        where it stopped): the model's count, else its tokens, else its text's estimate (an
+        upstream's chunks carry no token ids; the same estimate an upstream's answer without
+        usage is charged)."""
+        state.add_time(self.pipeline.model.component, time.perf_counter() - tally.started)
+        prompt, completion, cached = tally.usage
+        used(state, prompt, completion or len(tally.tokens) or estimate_tokens("".join(tally.texts)), cached)
+
+    def _stream_end(self, state: RequestState, context: Any, tally: StreamTally, stream: Any) -> None:
+        """The stream's whole answer, for the completions (cache, logs), and its trailers."""
+        assert state.resolved is not None
+        state.model_wait_s = time.perf_counter() - tally.started
+        model_trailers = forwarded(stream.trailing_metadata() or ())
+        self.model_load.note_trailers(state.model, model_trailers)
+        context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
+        state.response = generation_pb2.GenerateResponse(
+            text="".join(tally.texts), token_ids=tally.tokens, model=state.resolved.model, finish_reason=tally.finish,
+            prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens, system_digest=tally.digest,
+            cached_prompt_tokens=state.cached_tokens)
 
     # -- the request's life -----------------------------------------------------------
     def _begin(self, request: generation_pb2.GenerateRequest, context: Any) -> RequestState:
@@ -316,6 +373,23 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         state.model_call = ModelCall(True, started)
         try:
             return model_calls.generate_stream(self.pipeline, state, context, self.genai)
+        except grpc.RpcError as error:
+            state.model_wait_s = time.perf_counter() - started
+            raise self._model_failed(error, state) from None
+
+    def _generate_stream_on_loop(self, state: RequestState, context: Any, offload: Offload) -> AsyncChunkStream:
+        """`_generate_stream` for a caller on a loop: the placed model's own stream on this
+        loop where it has one for the routed model (`OnLoop`), else its blocking stream read
+        through `offload`."""
+        started = time.perf_counter()
+        state.model_call = ModelCall(True, started)
+        model: Any = self.pipeline.components.get(INFERENCE)
+        on_loop = getattr(model, "on_loop", None)
+        assert state.resolved is not None
+        try:
+            if on_loop is not None and on_loop(state.resolved.model):
+                return model_calls.generate_stream_on_loop(self.pipeline, state, context, model, self.genai)
+            return OffloadedStream(model_calls.generate_stream(self.pipeline, state, context, self.genai), offload)
         except grpc.RpcError as error:
             state.model_wait_s = time.perf_counter() - started
             raise self._model_failed(error, state) from None

@@ -7,7 +7,7 @@ imports this and not torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +46,20 @@ class ChunkStream(Protocol):
     def trailing_metadata(self) -> Sequence[tuple[str, str]]: ...
 
 
+class AsyncChunkStream(Protocol):
+    """`ChunkStream` read on the caller's event loop: `cancel` is awaited there."""
+
+    def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateChunk]: ...
+
+    async def __anext__(self) -> generation_pb2.GenerateChunk: ...
+
+    async def cancel(self) -> bool: ...
+
+    def initial_metadata(self) -> Sequence[tuple[str, str]]: ...
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]: ...
+
+
 class Inference(Protocol):
     """Every model served by the inference component."""
 
@@ -77,6 +91,11 @@ class OnLoop(Protocol):
     async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
                                options: CallOptions = NO_OPTIONS) -> Generated:
         """`Inference.generate`, awaited; the same verdicts, raised as `grpc.RpcError`."""
+        ...
+
+    def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest,
+                                options: CallOptions = NO_OPTIONS) -> AsyncChunkStream:
+        """`Inference.generate_stream`, read on the caller's loop; the same verdicts."""
         ...
 
 

@@ -16,7 +16,7 @@ first model's) that also serves the others; `served` names them all.
 A router model with `upstream:` is served here too, by calling its upstream server
 (`services.inference.upstream`): `upstreams` holds them, and a request for one goes there
 instead of to an engine (and, where the caller is on an event loop, awaited there:
-`generate_on_loop`). The process's health is its own models'; an upstream that is down
+`generate_on_loop`, `generate_stream_on_loop`). The process's health is its own models'; an upstream that is down
 is that upstream's requests' error, never the process's.
 """
 
@@ -31,14 +31,14 @@ import grpc
 from services.common import ConfigError, DeviceState
 from services.common.tenant_shares import TenantShares
 from services.common.upstream_config import UpstreamSpec
-from services.inference.api import Generated
+from services.inference.api import AsyncChunkStream, Generated
 from services.inference.config import InferenceConfig
 from services.inference.model.backend import ModelBackend
 from services.inference.model.interface import torch_device
 from services.inference.service import InferenceService
 from services.inference.serving_metrics import ModelGauges, ServingStats
 from services.pipeline.interface import NO_OPTIONS, CallOptions
-from services.pipeline.local_call import call_unary_on_loop
+from services.pipeline.local_call import call_stream_on_loop, call_unary_on_loop
 from wire.v1 import generation_pb2, inference_pb2
 
 
@@ -109,6 +109,11 @@ class MultiModelInference(InferenceService):
         """`generate` for a model `on_loop` names, awaited on the caller's loop, same rules."""
         response, trailing = await call_unary_on_loop(self.upstreams.generate_on_loop, request, options)
         return Generated(response, trailing)
+
+    def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest,
+                                options: CallOptions = NO_OPTIONS) -> AsyncChunkStream:
+        """`generate_stream` for a model `on_loop` names, read on the caller's loop, same rules."""
+        return call_stream_on_loop(self.upstreams.generate_stream_on_loop, request, options)
 
     # -- gRPC: each request to its model's service ------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:

@@ -12,13 +12,14 @@ and its callers see one behaviour: a result, or a `grpc.RpcError` with `.code()`
 - `call_batch`: an operation on plain items (no message, no context: see
   `services.pipeline.batch_rpc`);
 - `call_unary` / `call_stream`: a servicer's own rpc handler with a `LocalContext`;
-- `call_unary_on_loop`: the same for a handler awaited on the caller's event loop.
+- `call_unary_on_loop` / `call_stream_on_loop`: the same for a handler awaited on the
+  caller's event loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -182,5 +183,73 @@ class LocalStream(Iterator[Response]):
             self._context._finish()
 
 
-__all__ = ["LocalContext", "LocalRpcError", "LocalStream", "Metadata", "call_batch", "call_stream", "call_unary",
-           "call_unary_on_loop", "context_for", "status_of"]
+def call_stream_on_loop(handler: Callable[[Any, Any], AsyncIterator[Response]], request: Any,
+                        options: CallOptions) -> LocalAsyncStream[Response]:
+    """`call_stream` for a handler that is an async generator on the caller's event loop."""
+    context = context_for(options)
+    context.check_live()
+    return LocalAsyncStream(handler(request, context), context)  # type: ignore[arg-type]
+
+
+class LocalAsyncStream(AsyncIterator[Response]):
+    """`LocalStream` for an async generator, read on its own event loop: the same rules,
+    and `cancel` (on that loop) closes the generator at once, so its `finally` runs there."""
+
+    def __init__(self, generator: AsyncGenerator[Response, None], context: LocalContext) -> None:
+        self._generator = generator
+        self._context = context
+        self._ended = False
+
+    def __aiter__(self) -> LocalAsyncStream[Response]:
+        return self
+
+    async def __anext__(self) -> Response:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            self._context.check_live()
+            return await anext(self._generator)
+        except StopAsyncIteration:
+            failure = self._context.result_error()
+            if failure is None:
+                try:
+                    self._context.check_live()
+                except LocalRpcError as late:
+                    failure = late
+            self._end()
+            if failure is not None:
+                raise failure from None
+            raise
+        except grpc.RpcError:
+            self._end()
+            raise
+        except Exception as error:
+            self._end()
+            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {error}") from error
+
+    async def cancel(self) -> bool:
+        """Stop the stream: the servicer sees its context cancelled and its generator is closed."""
+        if self._ended:
+            return False
+        self._context.cancel()
+        try:
+            await self._generator.aclose()
+        except RuntimeError:  # "asynchronous generator is already running": it sees the cancel next
+            pass
+        self._end()
+        return True
+
+    def initial_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._context.initial_metadata()
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._context.trailing_metadata()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._context._finish()
+
+
+__all__ = ["LocalAsyncStream", "LocalContext", "LocalRpcError", "LocalStream", "Metadata", "call_batch",
+           "call_stream", "call_stream_on_loop", "call_unary", "call_unary_on_loop", "context_for", "status_of"]

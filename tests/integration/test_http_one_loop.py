@@ -2,7 +2,8 @@
 the HTTP server's event loop, from accept to answer: the gateway's stages, the model call and
 the upstream exchange all run there (no handler thread, no second loop between them). A
 request for a model that holds a thread while it works (the built-in one) keeps the handler
-thread path, off the loop.
+thread path, off the loop. A stream over the upstream is served on the loop too, and a client
+that hangs up ends the upstream exchange at once.
 
 Real servers on 127.0.0.1: the collapsed spine with its HTTP API (`http_stacks`) and the bare
 model server as its upstream engine. What touched the request is read from a pipeline hook
@@ -10,15 +11,18 @@ model server as its upstream engine. What touched the request is read from a pip
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import httpx2
 import pytest
 
 from runtime.stack import Stack
-from tests.http_helpers import UPSTREAM_MODELS, openai_client
+from tests.http_helpers import DEV_KEY, UPSTREAM_MODELS, openai_client
+from tests.waiting import eventually
 
 
 class ThreadsSeen:
@@ -90,3 +94,54 @@ def test_a_request_for_the_built_in_model_keeps_the_handler_thread_path(
     assert "inference" in {component for component, _ in hook.calls}
     assert loop not in threads, "the engine's wait (and its batched admission) must not hold the loop"
     assert attempts == []
+
+
+@pytest.fixture
+def streams_seen(seen: tuple[Stack, ThreadsSeen, list[int]]) -> Iterator[tuple[Stack, ThreadsSeen, list[str]]]:
+    """`seen`, and how each stream attempt at the upstream ended ("ended", "cancelled") and on which thread."""
+    stack, hook, _ = seen
+    endpoint = stack.local_servicers["inference"].upstreams.endpoints[UPSTREAM_MODELS[0]]
+    stream = endpoint.stream
+    ends: list[str] = []
+
+    async def noted(request: Any, timeout_s: float, pieces: Any) -> None:
+        where = "loop" if threading.get_ident() == _loop_thread(stack) else "elsewhere"
+        try:
+            await stream(request, timeout_s, pieces)
+        except asyncio.CancelledError:
+            ends.append(f"cancelled on {where}")
+            raise
+        ends.append(f"ended on {where}")
+
+    endpoint.stream = noted
+    try:
+        yield stack, hook, ends
+    finally:
+        del endpoint.stream
+
+
+def test_a_stream_over_an_upstream_runs_on_the_http_loop(streams_seen: tuple[Stack, ThreadsSeen, list[str]]) -> None:
+    stack, hook, ends = streams_seen
+    chunks = openai_client(stack).chat.completions.create(
+        model=UPSTREAM_MODELS[0], max_tokens=4, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "a stream on one loop"}])
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text
+    loop = _loop_thread(stack)
+    assert "inference" in {component for component, _ in hook.calls}
+    assert {thread for _, thread in hook.calls} == {loop}, [(c, t == loop) for c, t in hook.calls]
+    assert ends == ["ended on loop"]
+
+
+def test_a_client_leaving_a_stream_on_the_loop_ends_the_upstream_exchange_at_once(
+        streams_seen: tuple[Stack, ThreadsSeen, list[str]]) -> None:
+    stack, _, ends = streams_seen
+    endpoint = stack.local_servicers["inference"].upstreams.endpoints[UPSTREAM_MODELS[0]]
+    with httpx2.Client(timeout=10) as raw, raw.stream(
+            "POST", f"http://{stack.http_address}/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
+            json={"model": UPSTREAM_MODELS[0], "max_tokens": 256, "temperature": 0.8, "stream": True,
+                  "messages": [{"role": "user", "content": "a long answer nobody reads"}]}) as answer:
+        assert answer.status_code == 200
+        next(answer.iter_lines())  # the first event; then the client hangs up
+    eventually(lambda: ends == ["cancelled on loop"], timeout=5, what=f"the upstream exchange cancelled: {ends}")
+    eventually(lambda: endpoint.in_flight == 0, timeout=5, what="the upstream's slot given back")

@@ -274,13 +274,24 @@ class Walk:
             item = pieces.get(timeout_s + GRACE_S)
         except queue.Empty:
             raise AttemptFailure(Kind.TIMEOUT, f"{self.served_by!r} sent nothing for {timeout_s:.3g}s") from None
+        return self._piece(item)
+
+    async def next_piece_on_loop(self, pieces: Pieces, timeout_s: float) -> Delta | None:
+        """`next_piece`, awaited on the event loop the stream is read on."""
+        try:
+            item = await pieces.get_on_loop(timeout_s + GRACE_S)
+        except queue.Empty:
+            raise AttemptFailure(Kind.TIMEOUT, f"{self.served_by!r} sent nothing for {timeout_s:.3g}s") from None
+        return self._piece(item)
+
+    def _piece(self, item: Any) -> Delta | None:
         if item is _GONE:
             raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away")
         if isinstance(item, AttemptFailure):
             raise item
         return item  # type: ignore[no-any-return]
 
-    def watch(self, future: concurrent.futures.Future[Any]) -> None:
+    def watch(self, future: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> None:
         """The running stream attempt: cancelled when the client goes away."""
         self._future = future
         if self._gone.is_set():

@@ -12,8 +12,9 @@ spine's `GenerateResponse` or stream of `GenerateChunk`s, with the upstream's ow
 - `x-spine-upstream-duration-ms`: the time spent in upstream exchanges — the model's time,
   which the gateway takes out of `x-spine-overhead-duration-ms`.
 
-A unary answer can also be awaited on the caller's own event loop (`generate_on_loop`): the
-HTTP front does so when the model is in its process, so the request never leaves its loop.
+A unary answer and a stream can also be awaited on the caller's own event loop
+(`generate_on_loop`, `generate_stream_on_loop`): the HTTP front does so when the model is in
+its process, so the request never leaves its loop.
 
 A stream sends them as initial metadata before its first chunk (the HTTP front's headers go
 out with that chunk), a unary answer as trailing metadata. A failure is the client's
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, NoReturn
 
 import grpc
@@ -37,6 +38,7 @@ from services.inference.upstream.attempts import Cancelled, Walk
 from services.inference.upstream.counters import UpstreamCollector
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import AttemptFailure, Kind
+from services.inference.upstream.pieces import Pieces
 from services.inference.upstream.protocols import Answer, Delta, conversation_text
 from services.inference.upstream.token_count import TokenCounter
 from services.pipeline.system_prompt import system_digest
@@ -93,7 +95,7 @@ class UpstreamModels:
         walk = Walk(self.endpoints, request.model, context)
         running: list[Any] = [None]
 
-        def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> tuple[Any, list[Delta]]:
+        def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> tuple[Pieces, list[Delta]]:
             """Open a stream and wait for its first piece the client would see."""
             pieces = walk.stream_queue()
             future = loop.submit(endpoint.stream(request, timeout_s, pieces))
@@ -103,10 +105,7 @@ class UpstreamModels:
             try:
                 while True:
                     delta = walk.next_piece(pieces, timeout_s)
-                    if delta is None:
-                        return pieces, first
-                    first.append(delta)
-                    if delta.text or delta.finish or delta.end:
+                    if delta is None or _visible(delta, first):
                         return pieces, first
             except BaseException:
                 future.cancel()
@@ -116,41 +115,73 @@ class UpstreamModels:
             pieces, first = walk.run(attempt)
         except (AttemptFailure, Cancelled) as failure:
             _abort(context, walk, failure)
-        metadata = _metadata(walk)
-        context.send_initial_metadata(metadata)
-        context.set_trailing_metadata(metadata)
-        endpoint = walk.served_by
-        digest = system_digest(request.system)
-        ended = Delta()
-        index = 0
-        texts: list[str] = []
+        chunks = _Chunks(request, context, walk)
         try:
-            for delta in _pieces(walk, pieces, first, endpoint):
-                ended.finish = delta.finish or ended.finish
-                ended.prompt_tokens = delta.prompt_tokens or ended.prompt_tokens
-                ended.completion_tokens = delta.completion_tokens or ended.completion_tokens
-                ended.cached_tokens = delta.cached_tokens or ended.cached_tokens
-                if delta.text or delta.events:
-                    texts.append(delta.text)
-                    yield generation_pb2.GenerateChunk(text=delta.text, index=index, model=request.model,
-                                                       system_digest=digest, events=delta.events)
-                    index += 1
-            prompt, completion, counted_by = _counted(endpoint.tokens, request, ended.prompt_tokens,
-                                                      ended.completion_tokens, "".join(texts))
-            context.set_trailing_metadata((*metadata, (USAGE_HEADER, counted_by)))
-            yield generation_pb2.GenerateChunk(index=index, finish_reason=ended.finish or "stop", model=request.model,
-                                               system_digest=digest, prompt_tokens=prompt,
-                                               completion_tokens=completion, cached_prompt_tokens=ended.cached_tokens)
+            for delta in first:
+                if (chunk := chunks.take(delta)) is not None:
+                    yield chunk
+            while not chunks.done:
+                piece = walk.next_piece(pieces, chunks.wait_s())
+                if piece is None:
+                    break
+                if (chunk := chunks.take(piece)) is not None:
+                    yield chunk
+            yield chunks.last()
         except AttemptFailure as failure:  # after the first chunk: nothing can be retried now
-            endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, endpoint.spec.timeout_s)
-            broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {index} chunk(s): {failure.message}",
-                                    detail=failure.detail)
-            _abort(context, walk, broken)
+            chunks.broke(failure)
         except Cancelled as cancelled:
             _abort(context, walk, cancelled)
         finally:  # the client went away, or it ended: the exchange and its slot end now
             if running[0] is not None:
                 running[0].cancel()
+
+    async def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest,
+                                      context: Any) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        """`GenerateStream` on the caller's event loop (the HTTP front's): each attempt reads
+        its upstream in a task of this loop, and the pieces are awaited here, so no thread
+        stands between the engine's socket and the client's. The same walk, chunks and ends."""
+        walk = Walk(self.endpoints, request.model, context)
+        running: list[asyncio.Task[None] | None] = [None]
+
+        async def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> tuple[Pieces, list[Delta]]:
+            pieces = walk.stream_queue()
+            task = asyncio.ensure_future(endpoint.stream(request, timeout_s, pieces))
+            running[0] = task
+            walk.watch(task)
+            first: list[Delta] = []
+            try:
+                while True:
+                    delta = await walk.next_piece_on_loop(pieces, timeout_s)
+                    if delta is None or _visible(delta, first):
+                        return pieces, first
+            except BaseException:
+                task.cancel()
+                raise
+
+        try:
+            pieces, first = await walk.run_on_loop(attempt)
+        except (AttemptFailure, Cancelled) as failure:
+            _abort(context, walk, failure)
+        chunks = _Chunks(request, context, walk)
+        try:
+            for delta in first:
+                if (chunk := chunks.take(delta)) is not None:
+                    yield chunk
+            while not chunks.done:
+                piece = await walk.next_piece_on_loop(pieces, chunks.wait_s())
+                if piece is None:
+                    break
+                if (chunk := chunks.take(piece)) is not None:
+                    yield chunk
+            yield chunks.last()
+        except AttemptFailure as failure:
+            chunks.broke(failure)
+        except Cancelled as cancelled:
+            _abort(context, walk, cancelled)
+        finally:
+            task = running[0]
+            if task is not None:
+                task.cancel()
 
     def close(self) -> None:
         """Close every upstream's connections (on the loop, briefly)."""
@@ -167,23 +198,72 @@ class UpstreamModels:
             log.warning("closing upstream connections: %s", error)
 
 
-def _pieces(walk: Walk, pieces: Any, first: list[Delta], endpoint: UpstreamEndpoint) -> Iterator[Delta]:
-    """The stream's pieces: those read while it was opened, then the rest as they arrive."""
-    for delta in first:
-        yield delta
-        if delta.end:
-            return
-    while True:
-        remaining = walk.context.time_remaining()
+def _visible(delta: Delta, first: list[Delta]) -> bool:
+    """Keep `delta` among a stream's first pieces; whether the client would see something now
+    (the attempt has answered: text, an end, or its finish)."""
+    first.append(delta)
+    return bool(delta.text or delta.finish or delta.end)
+
+
+class _Chunks:
+    """A stream's chunks for the client, from the upstream's pieces: each piece with text or
+    events is one chunk; the last chunk carries the usage (`_counted`) and the metadata every
+    answer carries. The same for a stream read on a thread or on the caller's loop."""
+
+    def __init__(self, request: generation_pb2.GenerateRequest, context: Any, walk: Walk) -> None:
+        self.request, self.context, self.walk = request, context, walk
+        self.endpoint = walk.served_by
+        self.metadata = _metadata(walk)
+        self.digest = system_digest(request.system)
+        self.ended = Delta()
+        self.index = 0
+        self.texts: list[str] = []
+        self.done = False  # the upstream said its last piece
+        context.send_initial_metadata(self.metadata)
+        context.set_trailing_metadata(self.metadata)
+
+    def take(self, delta: Delta) -> generation_pb2.GenerateChunk | None:
+        """The client's chunk for `delta`, if it has one; its counts and finish are kept."""
+        ended = self.ended
+        ended.finish = delta.finish or ended.finish
+        ended.prompt_tokens = delta.prompt_tokens or ended.prompt_tokens
+        ended.completion_tokens = delta.completion_tokens or ended.completion_tokens
+        ended.cached_tokens = delta.cached_tokens or ended.cached_tokens
+        self.done = self.done or delta.end
+        if not (delta.text or delta.events):
+            return None
+        self.texts.append(delta.text)
+        chunk = generation_pb2.GenerateChunk(text=delta.text, index=self.index, model=self.request.model,
+                                             system_digest=self.digest, events=delta.events)
+        self.index += 1
+        return chunk
+
+    def wait_s(self) -> float:
+        """How long to wait for the next piece: the upstream's timeout, less when the request
+        has less left (Cancelled when nothing is left)."""
+        remaining = self.walk.context.time_remaining()
         if remaining is not None and remaining <= 0:
             raise Cancelled(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed during the stream")
-        timeout = endpoint.spec.timeout_s if remaining is None else min(endpoint.spec.timeout_s, remaining)
-        piece = walk.next_piece(pieces, timeout)
-        if piece is None:
-            return
-        yield piece
-        if piece.end:
-            return
+        timeout = self.endpoint.spec.timeout_s
+        return timeout if remaining is None else min(timeout, remaining)
+
+    def last(self) -> generation_pb2.GenerateChunk:
+        """The stream's last chunk: its finish and usage; the usage's source in the trailers."""
+        ended = self.ended
+        prompt, completion, counted_by = _counted(self.endpoint.tokens, self.request, ended.prompt_tokens,
+                                                  ended.completion_tokens, "".join(self.texts))
+        self.context.set_trailing_metadata((*self.metadata, (USAGE_HEADER, counted_by)))
+        return generation_pb2.GenerateChunk(index=self.index, finish_reason=ended.finish or "stop",
+                                            model=self.request.model, system_digest=self.digest, prompt_tokens=prompt,
+                                            completion_tokens=completion, cached_prompt_tokens=ended.cached_tokens)
+
+    def broke(self, failure: AttemptFailure) -> NoReturn:
+        """The stream broke after its first chunk: nothing can be retried now; it counts
+        against the upstream."""
+        self.endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, self.endpoint.spec.timeout_s)
+        broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {self.index} chunk(s): {failure.message}",
+                                detail=failure.detail)
+        _abort(self.context, self.walk, broken)
 
 
 def _response(request: generation_pb2.GenerateRequest, context: Any, walk: Walk,

@@ -45,6 +45,7 @@ from tests.image_helpers import (
     wait_serving_at,
 )
 from tests.integration.test_layouts import LONG_PROMPT, gen, parity_sequence
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 pytestmark = skip_without_podman()
@@ -180,6 +181,9 @@ def test_the_layered_containers_answer_as_the_collapsed_one_with_the_same_verdic
         collapsed: Collapsed, layered: dict[str, str]) -> None:
     decisions = {}
     for name, address in (("collapsed", collapsed.grpc), ("layered", layered["grpc"])):
+        with GatewayClient(address, DEV_KEY) as client:  # every part reachable first: a health probe that
+            # timed out on a loaded host marks its part down until the next probe (fail-closed, by design)
+            eventually(lambda: client.generate(gen("are you all up")).ok, timeout=30, what=f"{name} answering")
         with GatewayClient(address) as client:
             results = [client.generate(request, token=token or "") for request, token in parity_sequence()]
         assert {r.layout for r in results if r.trailing.get("x-spine-layout")} == {name}

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.pipeline.step import FailMode
 from services.registry import DEFAULT
 from spine.client.gateway_client import CallResult, GatewayClient
@@ -81,7 +81,7 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("layered", tmp_path_factory.mktemp("chaos"), config_for_tests())
     try:
         yield stack
@@ -89,20 +89,20 @@ def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stack.stop()
 
 
-def child_pid(stack: Stack, name: str) -> int:
+def child_pid(stack: RunningStack, name: str) -> int:
     assert stack.supervisor is not None
     pid = stack.supervisor.children[name].pid
     assert pid is not None
     return pid
 
 
-def wait_all_serving(stack: Stack, timeout_s: float = 30.0) -> None:
+def wait_all_serving(stack: RunningStack, timeout_s: float = 30.0) -> None:
     eventually(lambda: stack.health is not None and stack.health.check_once(), timeout_s,
                "every component back", interval=0.2, seen=stack.health_report)
 
 
 @pytest.mark.parametrize("name", DEFAULT.names)
-def test_a_stopped_child_fails_fast_or_is_skipped_and_health_tells(layered: Stack, name: str) -> None:
+def test_a_stopped_child_fails_fast_or_is_skipped_and_health_tells(layered: RunningStack, name: str) -> None:
     wait_all_serving(layered)
     pid = child_pid(layered, name)
     load = Load(layered.address).start()
@@ -138,7 +138,7 @@ def test_a_stopped_child_fails_fast_or_is_skipped_and_health_tells(layered: Stac
 
 
 @pytest.mark.parametrize("name", DEFAULT.names)
-def test_a_killed_child_gives_only_ok_or_unavailable_and_comes_back(layered: Stack, name: str) -> None:
+def test_a_killed_child_gives_only_ok_or_unavailable_and_comes_back(layered: RunningStack, name: str) -> None:
     wait_all_serving(layered)
     pid = child_pid(layered, name)
     load = Load(layered.address).start()
@@ -162,7 +162,7 @@ def test_a_killed_child_gives_only_ok_or_unavailable_and_comes_back(layered: Sta
     assert child_pid(layered, name) != pid
 
 
-def test_after_the_chaos_every_request_is_served(layered: Stack, tmp_path: Path) -> None:
+def test_after_the_chaos_every_request_is_served(layered: RunningStack, tmp_path: Path) -> None:
     wait_all_serving(layered)
     with GatewayClient(layered.address, DEV_KEY) as client:
         deadline = time.monotonic() + 10

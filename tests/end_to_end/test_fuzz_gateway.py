@@ -47,8 +47,8 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from runtime.observability.tracing import Tracing, installed_tracing
+from runtime.running_stack import RunningStack
 from runtime.server import MAX_METADATA_BYTES
-from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests, make_jwt, start_stack
 from tests.fuzz_inputs import (
@@ -94,7 +94,7 @@ NEVER = {"UNKNOWN", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNIMPLEMENTED"}
 # -- the stacks ----------------------------------------------------------------------------
 @dataclass
 class Side:
-    stack: Stack
+    stack: RunningStack
     channel: grpc.Channel
 
     @property
@@ -128,7 +128,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None) -> I
     tracing = Tracing(sample_ratio=0.5, exporters=[], batch=False)
     setattr(tracing.tracer, "id_generator", OwnIds())  # noqa: B010 (an SDK attribute the API type lacks)
     with installed_tracing(tracing):
-        stacks: dict[str, Stack] = {}
+        stacks: dict[str, RunningStack] = {}
         opened: dict[str, Side] = {}
         try:
             for layout in LAYOUTS:

@@ -26,6 +26,7 @@ from migration.plan import load_plan
 from runtime.config.file import SpineConfig, load_config
 from runtime.config.model import root_model
 from runtime.observability.tracing import span_name
+from runtime.running_stack import RunningStack
 from runtime.server import start_server
 from runtime.stack import Stack
 from services.common import ConfigError, DeviceState, set_status, status_code
@@ -163,12 +164,12 @@ def placements(audit: str) -> dict[str, str]:
 
 @pytest.fixture
 def client_of() -> Iterator[Any]:
-    stacks: list[Stack] = []
+    stacks: list[RunningStack] = []
 
-    def start(stack: Stack) -> GatewayClient:
-        stacks.append(stack)
-        stack.start()
-        return GatewayClient(stack.address, token=DEV_KEY)
+    def start(stack: Stack) -> tuple[RunningStack, GatewayClient]:
+        running = stack.start()
+        stacks.append(running)
+        return running, GatewayClient(running.address, token=DEV_KEY)
 
     yield start
     for stack in stacks:
@@ -199,14 +200,15 @@ def load_limits() -> Any:
 
 
 def test_a_new_middleware_runs_in_the_spine_and_its_verdict_reaches_the_client(client_of: Any, tmp_path: Path) -> None:
-    stack = Stack(config_with({}), placements("local"), run_dir=tmp_path / "open", registry=REGISTRY)
-    result = client_of(stack).generate(request("audited"))
+    stack, client = client_of(Stack(config_with({}), placements("local"), run_dir=tmp_path / "open",
+                                    registry=REGISTRY))
+    result = client.generate(request("audited"))
     assert result.code == grpc.StatusCode.OK
     assert stack.local_servicers["audit"].seen_so_far == [("dev", "tiny-lm")]
 
-    blocked = Stack(config_with({"blocked": ["dev"]}), placements("local"), run_dir=tmp_path / "blocked",
-                    registry=REGISTRY)
-    refused = client_of(blocked).generate(request("audited"))
+    _, blocked = client_of(Stack(config_with({"blocked": ["dev"]}), placements("local"),
+                                 run_dir=tmp_path / "blocked", registry=REGISTRY))
+    refused = blocked.generate(request("audited"))
     assert refused.code == grpc.StatusCode.PERMISSION_DENIED
     assert refused.details == "tenant 'dev' is blocked by audit"
 
@@ -216,9 +218,9 @@ def test_a_new_middleware_runs_in_its_own_process_too(client_of: Any, tmp_path: 
     sock_dir = tempfile.mkdtemp(prefix="spine-audit-", dir="/tmp")
     server = start_server([(AUDIT, servicer)], f"unix:{sock_dir}/audit.sock")
     try:
-        stack = Stack(config_with({}), placements("remote"), run_dir=tmp_path / "remote", registry=REGISTRY,
-                      remote_addresses={"audit": server.address})
-        result = client_of(stack).generate(request("audited over the wire"))
+        stack, client = client_of(Stack(config_with({}), placements("remote"), run_dir=tmp_path / "remote",
+                                        registry=REGISTRY, remote_addresses={"audit": server.address}))
+        result = client.generate(request("audited over the wire"))
         assert result.code == grpc.StatusCode.OK
         assert servicer.seen_so_far == [("dev", "tiny-lm")]
         assert stack.layout == "mixed"

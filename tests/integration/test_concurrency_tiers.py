@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from migration.limit_shares import side_shares
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.pipeline.interface import CallOptions
 from services.ratelimit.api import RATELIMIT
 from spine.client.gateway_client import CallResult, GatewayClient
@@ -42,9 +42,9 @@ def tiers_config(**extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("tiers")
-    started: dict[str, Stack] = {}
+    started: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered"):
             started[layout] = start_stack(layout, tmp, tiers_config())
@@ -114,7 +114,7 @@ def open_streams(address: str, tenant: str, tag: str, n: int, max_tokens: int) -
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
 def test_six_concurrent_long_requests_with_a_limit_of_two_admit_two_and_refuse_four_with_retry_after(
-        stacks: dict[str, Stack], layout: str) -> None:
+        stacks: dict[str, RunningStack], layout: str) -> None:
     address = stacks[layout].address
     started = time.monotonic()
     results = six_long(address, "tier2", f"six {layout}")
@@ -134,7 +134,7 @@ def test_six_concurrent_long_requests_with_a_limit_of_two_admit_two_and_refuse_f
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_a_stream_holds_its_slot_until_its_last_chunk(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_stream_holds_its_slot_until_its_last_chunk(stacks: dict[str, RunningStack], layout: str) -> None:
     address = stacks[layout].address
     channel, streams = open_streams(address, "tier2", f"hold {layout}", 2, LONG)
     try:
@@ -149,7 +149,7 @@ def test_a_stream_holds_its_slot_until_its_last_chunk(stacks: dict[str, Stack], 
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_a_cancelled_stream_releases_its_slot(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_cancelled_stream_releases_its_slot(stacks: dict[str, RunningStack], layout: str) -> None:
     address = stacks[layout].address
     channel, streams = open_streams(address, "tier2", f"cancel {layout}", 2, 200)  # ~5 s each
     try:
@@ -162,7 +162,7 @@ def test_a_cancelled_stream_releases_its_slot(stacks: dict[str, Stack], layout: 
     admitted_soon(address, "tier2", f"cancel {layout} end", within_s=3.0)
 
 
-def test_across_a_split_each_side_enforces_its_share(stacks: dict[str, Stack]) -> None:
+def test_across_a_split_each_side_enforces_its_share(stacks: dict[str, RunningStack]) -> None:
     """Half the traffic to each side, each with its own rate limiter: a tenant allowed 4 in
     flight gets 2 on each side, 4 in all; one allowed 2 gets 1 on each side (at least 1)."""
     spine_share, layered_share = side_shares(50, spine_limits_locally=True)

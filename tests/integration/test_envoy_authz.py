@@ -15,7 +15,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.type.v3 import http_status_pb2
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import (
     DEV_KEY,
@@ -39,14 +39,14 @@ PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
 @pytest.fixture(scope="module")
-def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("collapsed", tmp_path_factory.mktemp("envoy-authz"), CONFIG)
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
-def channel(spine: Stack) -> Iterator[grpc.Channel]:
+def channel(spine: RunningStack) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(envoy_address(spine)) as channel:
         yield channel
 
@@ -144,7 +144,7 @@ def test_a_tenant_that_cannot_be_a_header_value_is_denied_not_forwarded(channel:
     assert "cannot be forwarded" in response.status.message and not response.HasField("ok_response")
 
 
-def test_the_gateway_charges_the_authenticated_tenant_whatever_x_spine_tenant_says(spine: Stack) -> None:
+def test_the_gateway_charges_the_authenticated_tenant_whatever_x_spine_tenant_says(spine: RunningStack) -> None:
     """The header is Envoy's to set for upstreams; the spine's own Gateway never reads it."""
     ratelimit = spine.local_servicers["ratelimit"]
     key = (("tenant", "tight"), ("model", "tiny-lm"), ("resource", "requests"))
@@ -159,7 +159,7 @@ def test_the_gateway_charges_the_authenticated_tenant_whatever_x_spine_tenant_sa
     assert ratelimit.bucket(dev_key) == before_dev  # dev was not charged
 
 
-def test_envoy_checks_and_gateway_calls_see_the_same_keys(spine: Stack, channel: grpc.Channel) -> None:
+def test_envoy_checks_and_gateway_calls_see_the_same_keys(spine: RunningStack, channel: grpc.Channel) -> None:
     with GatewayClient(spine.address) as client:
         request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="same keys", max_tokens=1)
         for token, expected in ((DEV_KEY, 0), ("not-a-key-0000", UNAUTHENTICATED), (NO_SCOPE_KEY, PERMISSION_DENIED)):

@@ -30,6 +30,7 @@ from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from migration.xds.snapshot import ROUTE
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY, config_for_tests
@@ -58,27 +59,26 @@ PROMQL_PLAN = PLAN.replace("window_s: 0.5", "window_s: 2").replace("hold_s: 1", 
 
 
 @pytest.fixture(scope="module")
-def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     config = config_for_tests()
     tmp = tmp_path_factory.mktemp("xds-target")
     stacks = {}
     try:
         for side in ("layered", "spine"):
-            stacks[side] = Stack(config, placements_for("collapsed", config), run_dir=tmp / side)
-            stacks[side].start()
+            stacks[side] = Stack(config, placements_for("collapsed", config), run_dir=tmp / side).start()
         yield stacks
     finally:
         for stack in stacks.values():
             stack.stop()
 
 
-def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, Stack], tmp_path: Path) -> None:
+def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, RunningStack], tmp_path: Path) -> None:
     metrics = ["--layered-metrics", f"http://{sides['layered'].metrics_address()}/metrics",
                "--spine-metrics", f"http://{sides['spine'].metrics_address()}/metrics"]
     walk_plan(sides, tmp_path, metrics, PLAN)
 
 
-def test_the_controller_walks_a_plan_on_promql_from_a_real_prometheus(sides: dict[str, Stack], tmp_path: Path) -> None:
+def test_the_controller_walks_a_plan_on_promql_from_a_real_prometheus(sides: dict[str, RunningStack], tmp_path: Path) -> None:
     """Both stacks run the collapsed layout, so their series carry the same `layout` label:
     the sides are told apart by the job Prometheus scrapes them under."""
     jobs = {side: [stack.metrics_address()] for side, stack in sides.items()}
@@ -181,14 +181,14 @@ thread.join()
 """
 
 
-def served_requests(stack: Stack) -> float:
+def served_requests(stack: RunningStack) -> float:
     stack.drain()
     text = stack.local_servicers["metrics"].render()
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == "spine_requests_total")
 
 
-def walk_plan(sides: dict[str, Stack], tmp_path: Path, metrics: list[str], plan: str) -> None:
+def walk_plan(sides: dict[str, RunningStack], tmp_path: Path, metrics: list[str], plan: str) -> None:
     """Run the controller on `metrics` with a proxyless gRPC client as the data plane: the
     client reaches the layered side before any plan (the stable state), the controller counts
     a stage applied only once that client ACKed it, and `plan` is promoted on an error-rate

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from runtime.config.file import load_config
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.inference.api import INFERENCE
 from services.inference.load_hints import parse_load
 from services.pipeline.interface import CallOptions
@@ -29,9 +29,9 @@ LAYOUTS = ("collapsed", "layered")
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("two-models")
-    started: dict[str, Stack] = {}
+    started: dict[str, RunningStack] = {}
     try:
         for layout in LAYOUTS:
             started[layout] = start_stack(layout, tmp)
@@ -53,7 +53,7 @@ def test_the_default_config_serves_two_models_and_names_the_fallback() -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, Stack], layout: str) -> None:
+def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     listed = stack.component(INFERENCE).models(inference_pb2.ModelInfoRequest(), CallOptions(timeout=10))
     loads = {model.id: parse_load(model.load) for model in listed.models}
@@ -74,7 +74,7 @@ def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, Sta
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_answer_carries_a_load_hint_with_the_busy_fraction(stacks: dict[str, Stack], layout: str) -> None:
+def test_every_answer_carries_a_load_hint_with_the_busy_fraction(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     with GatewayClient(stack.address, DEV_KEY) as client:
         first = client.generate(ask(prompt=f"hint {layout}"))
@@ -99,7 +99,7 @@ def test_every_answer_carries_a_load_hint_with_the_busy_fraction(stacks: dict[st
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_fallbacks_answer_carries_its_primarys_load(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_fallbacks_answer_carries_its_primarys_load(stacks: dict[str, RunningStack], layout: str) -> None:
     with GatewayClient(stacks[layout].address, DEV_KEY) as client:
         mini = client.generate(ask("mini", f"primary load {layout}"))
     primary, _, hint = mini.trailing["x-spine-primary-load"].partition(":")

@@ -18,6 +18,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.observability.serving_metrics_export import ADDRESS_FILE
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.pipeline.system_prompt import system_digest
@@ -149,9 +150,9 @@ def test_without_cuda_or_without_nvidia_ml_py_the_gpu_metrics_are_absent() -> No
 
 # -- both layouts: the one /metrics address ------------------------------------------------------
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("serving-metrics")
-    running: dict[str, Stack] = {}
+    running: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered"):
             running[layout] = start_stack(layout, tmp)
@@ -161,7 +162,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack
             stack.stop()
 
 
-def _traffic(stack: Stack, count: int) -> list[generation_pb2.GenerateResponse]:
+def _traffic(stack: RunningStack, count: int) -> list[generation_pb2.GenerateResponse]:
     """`count` distinct requests at once (no cache hits), sharing a system prompt; one streams."""
     answers: list[Any] = [None] * count
     with grpc.insecure_channel(stack.address) as channel:
@@ -185,7 +186,7 @@ def _traffic(stack: Stack, count: int) -> list[generation_pb2.GenerateResponse]:
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_metrics_show_the_serving_families_after_traffic(stacks: dict[str, Stack], layout: str) -> None:
+def test_metrics_show_the_serving_families_after_traffic(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     answers = _traffic(stack, 6)
     assert all(chunk.system_digest == system_digest("You answer questions about metrics.") for chunk in answers[0])
@@ -213,7 +214,7 @@ def test_metrics_show_the_serving_families_after_traffic(stacks: dict[str, Stack
     assert "spine_requests_total" in {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_the_layered_inference_process_serves_its_own_metrics(stacks: dict[str, Stack]) -> None:
+def test_the_layered_inference_process_serves_its_own_metrics(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["layered"]
     assert stack.run_dir is not None
     own = (Path(stack.run_dir) / ADDRESS_FILE).read_text().strip()
@@ -229,8 +230,7 @@ def test_a_stage_with_the_model_in_the_spine_and_metrics_still_remote_forwards_t
 
     config = config_for_tests()
     placements = {name: "local" for name in ("auth", "ratelimit", "router", "cache", "logs", "inference")}
-    stack = Stack(config, {**placements, "metrics": "remote"}, run_dir=tmp_path / "stage")
-    stack.start()
+    stack = Stack(config, {**placements, "metrics": "remote"}, run_dir=tmp_path / "stage").start()
     try:
         _traffic(stack, 3)
         assert stack.inference_metrics is not None  # the spine serves its model's own /metrics ...

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.common.redis_link import RedisLink
 from services.ratelimit.spend import Payer, SpendLedger, period
@@ -44,19 +45,18 @@ def within(seconds: float, ok: Callable[[], Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     config = config_for_tests(ratelimit={
         "tenants": {"metered": {"tokens_per_minute": 0.6, "token_burst": 100}},
         "spend": {"prices": {"tiny-lm": {"input": INPUT, "output": OUTPUT, "cached_input": 500.0}},
                   "teams": {"red": {"budget_usd": 0.05, "window": "daily"}}, "refresh_s": 0.05}})
     running = Stack(config, placements_for("collapsed", config), run_dir=tmp_path_factory.mktemp("spend") / "run",
-                    http_listen="127.0.0.1:0", admin_token=TOKEN)
-    running.start()
+                    http_listen="127.0.0.1:0", admin_token=TOKEN).start()
     yield running
     running.stop()
 
 
-def new_key(stack: Stack, **fields: Any) -> tuple[str, str]:
+def new_key(stack: RunningStack, **fields: Any) -> tuple[str, str]:
     answer = httpx.post(f"http://{stack.http_address}/admin/keys", json={"tenant": "dev", **fields},
                         headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()
     secret = answer["secret"]
@@ -64,7 +64,7 @@ def new_key(stack: Stack, **fields: Any) -> tuple[str, str]:
     return answer["key"]["id"], secret
 
 
-def _works(stack: Stack, secret: str) -> bool:
+def _works(stack: RunningStack, secret: str) -> bool:
     """Whether auth knows the key yet (asked for a model that does not exist: nothing is charged)."""
     with GatewayClient(stack.address, token=secret) as client:
         result = client.generate(generation_pb2.GenerateRequest(model="no-such-model", prompt="?", max_tokens=1),
@@ -72,7 +72,7 @@ def _works(stack: Stack, secret: str) -> bool:
     return result.code != grpc.StatusCode.UNAUTHENTICATED
 
 
-def spent(stack: Stack, key: str, window: str = "monthly") -> dict[str, Any]:
+def spent(stack: RunningStack, key: str, window: str = "monthly") -> dict[str, Any]:
     lines = httpx.get(f"http://{stack.http_address}/admin/spend", params={"key": key},
                       headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()["lines"]
     return next(line for line in lines if line["window"] == window)
@@ -94,7 +94,7 @@ def test_prices_periods_and_windows() -> None:
     assert period("monthly", calendar.timegm((2025, 12, 31, 12, 0, 0)))[0] == "2025-12"
 
 
-def test_spend_is_priced_from_the_real_usage_of_both_apis_and_their_streams(stack: Stack) -> None:
+def test_spend_is_priced_from_the_real_usage_of_both_apis_and_their_streams(stack: RunningStack) -> None:
     key, secret = new_key(stack)
     expected = 0.0
     answer = openai_client(stack, secret).chat.completions.create(
@@ -116,7 +116,7 @@ def test_spend_is_priced_from_the_real_usage_of_both_apis_and_their_streams(stac
     assert spent(stack, key, "daily")["usd"] == pytest.approx(expected)
 
 
-def test_an_aborted_stream_is_charged_for_what_was_generated(stack: Stack) -> None:
+def test_an_aborted_stream_is_charged_for_what_was_generated(stack: RunningStack) -> None:
     key, secret = new_key(stack, tenant="aborts")
     received = 0
     with openai_client(stack, secret).chat.completions.create(
@@ -131,7 +131,7 @@ def test_an_aborted_stream_is_charged_for_what_was_generated(stack: Stack) -> No
     assert line["usd"] == pytest.approx(cost(line["input_tokens"], line["output_tokens"]))
 
 
-def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: Stack) -> None:
+def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: RunningStack) -> None:
     budget = 0.1
     key, secret = new_key(stack, budget_usd=budget)
     remaining: list[float] = []
@@ -170,7 +170,7 @@ def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: Stack) -> 
     assert line["budget_usd"] == budget and line["remaining_usd"] == 0.0 and line["usd"] == pytest.approx(charged)
 
 
-def test_a_teams_budget_holds_all_of_its_keys(stack: Stack) -> None:
+def test_a_teams_budget_holds_all_of_its_keys(stack: RunningStack) -> None:
     _, first = new_key(stack, team="red")
     _, second = new_key(stack, team="red")
     answers = 0
@@ -182,7 +182,7 @@ def test_a_teams_budget_holds_all_of_its_keys(stack: Stack) -> None:
     assert answers == math.ceil(0.05 / cost(len("team 00"), 5))  # charged together, refused once reached
 
 
-def test_tokens_per_minute_charge_the_prompt_then_settle_a_stream_past_the_limit(stack: Stack) -> None:
+def test_tokens_per_minute_charge_the_prompt_then_settle_a_stream_past_the_limit(stack: RunningStack) -> None:
     """100 tokens of burst, barely refilled: a stream of 150 is admitted on its prompt, settled
     at its end with what it generated, and the next request is refused."""
     _, secret = new_key(stack, tenant="metered")

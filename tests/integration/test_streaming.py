@@ -14,6 +14,7 @@ import pytest
 
 from runtime.config.file import placements_for
 from runtime.placement.remote import remote_channel
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from services.inference.scheduler import JobCancelled
@@ -28,7 +29,7 @@ def gen(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=max_tokens)
 
 
-def inference_load(stack: Stack) -> dict[str, float]:
+def inference_load(stack: RunningStack) -> dict[str, float]:
     """The model's own load report, read straight from the inference process (layered)."""
     assert stack.supervisor is not None
     address = stack.supervisor.children["inference"].address
@@ -43,7 +44,7 @@ def inference_load(stack: Stack) -> dict[str, float]:
 CANCEL_BOUND_S = 2.0
 
 
-def _collapsed_load(stack: Stack) -> dict[str, float]:
+def _collapsed_load(stack: RunningStack) -> dict[str, float]:
     engine = stack.local_servicers["inference"].engine
     return {"running": engine.active_count, "kv_free": engine.free_slots}
 
@@ -51,8 +52,7 @@ def _collapsed_load(stack: Stack) -> dict[str, float]:
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
 def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_path: Path, layout: str) -> None:
     config = config_for_tests()
-    stack = Stack(config, placements_for(layout, config), run_dir=tmp_path / layout)
-    stack.start()
+    stack = Stack(config, placements_for(layout, config), run_dir=tmp_path / layout).start()
     load = _collapsed_load if layout == "collapsed" else inference_load
     try:
         idle = load(stack)
@@ -84,8 +84,7 @@ def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_pa
 def test_model_failure_mid_stream_keeps_sent_chunks_and_logs_once(tmp_path: Path, batching: bool) -> None:
     config = config_for_tests(batching={"enabled": batching})
     run_dir = tmp_path / "collapsed"
-    stack = Stack(config, placements_for("collapsed", config), run_dir=run_dir)
-    stack.start()
+    stack = Stack(config, placements_for("collapsed", config), run_dir=run_dir).start()
     try:
         engine = stack.local_servicers["inference"].engine
         real_step = engine.step

@@ -16,7 +16,7 @@ expires at the request's deadline (`services/ratelimit/concurrency.py`).
 
 A batch is decided with one table decision and gives exactly the answers (and leaves
 exactly the bucket levels) of deciding the same requests one by one in list order. See
-`services/ratelimit/token_buckets.py` for how.
+`services/ratelimit/batch_decisions.py` for how.
 """
 
 from __future__ import annotations

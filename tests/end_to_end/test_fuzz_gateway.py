@@ -33,7 +33,6 @@ import math
 import os
 import random
 import re
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -310,10 +309,9 @@ def settle(sides: dict[str, Side], within_s: float = 5.0) -> None:
     """Wait until no call is left in either Gateway: a call the client cancelled or gave up on
     still ends on the server, and the next example should not meet it (nor it the next
     example's draws)."""
-    deadline = time.monotonic() + within_s
-    while any(side.stack.gateway.in_flight for side in sides.values()):
-        assert time.monotonic() < deadline, {name: side.stack.gateway.in_flight for name, side in sides.items()}
-        time.sleep(0.002)
+    eventually(lambda: not any(side.stack.gateway.in_flight for side in sides.values()), within_s,
+               "no call left in either gateway", interval=0.002,
+               seen=lambda: {name: side.stack.gateway.in_flight for name, side in sides.items()})
 
 
 # -- the properties ---------------------------------------------------------------------------
@@ -406,17 +404,20 @@ def log_records(side: Side, request_ids: set[str]) -> dict[str, dict[str, Any]]:
     if logs is not None:
         logs.flush()
     path = side.stack.run_dir / "requests.jsonl"
-    deadline = time.monotonic() + 10
-    while True:
+
+    def on_disk() -> dict[str, dict[str, Any]]:
         found = {}
         if path.exists():
             for line in path.read_text().splitlines():
                 record = json.loads(line)
                 if record["request_id"] in request_ids:
                     found[record["request_id"]] = record
-        if set(found) == request_ids or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+        return found
+
+    found: dict[str, dict[str, Any]] = eventually(lambda: got if set(got := on_disk()) == request_ids else None,
+                                                  10, "every request's log line", interval=0.1,
+                                                  seen=lambda: request_ids - set(on_disk()))
+    return found
 
 
 def test_a_model_name_that_was_not_routed_is_no_metric_label_and_is_logged_cut(sides: dict[str, Side]) -> None:

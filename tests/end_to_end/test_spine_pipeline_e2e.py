@@ -10,7 +10,6 @@ import json
 import re
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests
 from tests.integration.test_faults_and_cli import spine_up
 from tests.integration.test_layouts import parity_sequence
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 
@@ -117,10 +117,8 @@ def test_concurrent_requests_are_admitted_as_one_batch_each_with_its_own_answer(
                 i, client.generate(r, token=t))) for i, (r, t) in enumerate(requests)]
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 30
-            while batcher.queued < len(requests):
-                assert time.monotonic() < deadline, f"only {batcher.queued} queued"
-                time.sleep(0.005)
+            eventually(lambda: batcher.queued >= len(requests), 30, "every request queued", interval=0.005,
+                       seen=lambda: batcher.queued)
             gate.release.set()
             for thread in [first, *threads]:
                 thread.join(60)

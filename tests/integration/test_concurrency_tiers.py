@@ -7,6 +7,7 @@ two seconds: six sent at once are in flight together, and the tenant's limit dec
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from services.pipeline.interface import CallOptions
 from services.ratelimit.api import RATELIMIT
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import TEST_OVERRIDES, config_for_tests, start_stack
+from tests.waiting import eventually
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 TIER_KEYS = {"tier2": "tier2-tenant-key-0000", "tier4": "tier4-tenant-key-0000"}
@@ -90,15 +92,16 @@ def assert_refused_for_concurrency(result: CallResult, tenant: str) -> None:
 def admitted_soon(address: str, tenant: str, tag: str, within_s: float) -> float:
     """Seconds until a short request of `tenant` is admitted (polling), or fail."""
     started = time.monotonic()
+    attempts = itertools.count()
     with GatewayClient(address, TIER_KEYS[tenant]) as client:
-        for attempt in range(1000):
-            result = client.generate(long_request(f"{tag} poll {attempt}", max_tokens=1))
-            if result.ok:
-                return time.monotonic() - started
-            assert result.code == grpc.StatusCode.RESOURCE_EXHAUSTED, result.details
-            assert time.monotonic() - started < within_s, f"still refused after {within_s}s: {result.details}"
-            time.sleep(0.05)
-    raise AssertionError("unreachable")
+
+        def admitted() -> bool:
+            result = client.generate(long_request(f"{tag} poll {next(attempts)}", max_tokens=1))
+            assert result.ok or result.code == grpc.StatusCode.RESOURCE_EXHAUSTED, result.details
+            return bool(result.ok)
+
+        eventually(admitted, within_s, f"a request of {tenant} admitted", interval=0.05)
+    return time.monotonic() - started
 
 
 def open_streams(address: str, tenant: str, tag: str, n: int, max_tokens: int) -> tuple[grpc.Channel, list[Any]]:
@@ -196,14 +199,18 @@ def test_the_limit_is_halved_while_the_model_keeps_the_device_busy(tmp_path: Pat
             background = threading.Thread(target=lambda: at_once(
                 [lambda i=i: busy_maker.generate(long_request(f"busy {i}", 160)) for i in range(2)]))
             background.start()
-            time.sleep(1.5)  # the loop has stepped back to back for a while
-            with GatewayClient(stack.address, TIER_KEYS["tier2"]) as probe:
-                hint = probe.generate(long_request("hint", 1)).load  # refused (tier2 is full), with the hint
+            model = stack.local_servicers["inference"]
+            eventually(lambda: model.engine.active_count == 2, 30, "both long requests decoding")
+            with GatewayClient(stack.address, TIER_KEYS["tier2"]) as probe:  # refused (tier2 is full), with the hint
+                hint = eventually(lambda: (load := probe.generate(long_request("hint", 1)).load)["busy"] > 0.9
+                                  and load, 30, "the loop stepping back to back for a while", interval=0.1)
             assert hint["busy"] > 0.9, hint
             busy = six_long(stack.address, "tier4", "while busy")
             background.join(30)
         assert sum(r.ok for r in busy) == 2
-        time.sleep(2.5)  # idle: the busy fraction falls below 0.8
+        # Idle: the busy fraction the limiter reads (the gateway's, from the model's hints) falls below 0.8.
+        eventually(lambda: stack.gateway.model_load.busy() < 0.8, 30, "the device calm",
+                   interval=0.05, seen=stack.gateway.model_load.busy)
         calm = six_long(stack.address, "tier4", "when calm")
         assert sum(r.ok for r in calm) == 4
     finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tests.conftest import (
     stop_process,
 )
 from tests.envoy_calls import ENVOY_LISTENER, bearer, check, envoy_address, ok_headers
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 NO_SCOPE_KEY = "no-scope-key-0000"
@@ -190,15 +190,12 @@ def test_in_a_spine_whose_auth_is_remote_the_answer_comes_from_the_auth_process(
             assert "auth unavailable" in (failed.value.details() or "")
             # It answers again within 10 s (a hung child may also be restarted by its
             # supervisor meanwhile: the answer that counts is the first good one).
-            deadline, recovered = time.monotonic() + 10, None
-            while time.monotonic() < deadline:
+            def recovered() -> bool:
                 try:
-                    recovered = check(channel, bearer(DEV_KEY))
-                    if recovered.status.code == 0:
-                        break
+                    return check(channel, bearer(DEV_KEY)).status.code == 0
                 except grpc.RpcError:  # ejected for a moment after the failure
-                    pass
-                time.sleep(0.2)
-            assert recovered is not None and recovered.status.code == 0
+                    return False
+
+            eventually(recovered, 10, "auth answering OK again", interval=0.2)
     finally:
         stack.stop()

@@ -174,7 +174,5 @@ def test_supervisor_death_takes_its_children_along(tmp_path: Path) -> None:
     assert isinstance(children, dict)
     process.kill()  # SIGKILL: the supervisor gets no chance to clean up
     process.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(pid_alive(int(pid)) for pid in children.values()):
-        time.sleep(0.1)
-    assert not [name for name, pid in children.items() if pid_alive(int(pid))]
+    eventually(lambda: not any(pid_alive(int(pid)) for pid in children.values()), 15, "every child gone",
+               interval=0.1, seen=lambda: [name for name, pid in children.items() if pid_alive(int(pid))])

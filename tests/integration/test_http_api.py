@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any
 
 import anthropic
@@ -17,6 +16,7 @@ from runtime.running_stack import RunningStack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY
 from tests.http_helpers import SOLO_KEY, UPSTREAM_MODELS, anthropic_client, openai_client, raw, sse_events
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 LAYOUTS = ("collapsed", "layered")
@@ -230,18 +230,15 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(stacks: dict[str
         assert answer.status_code == 200
         next(answer.iter_lines())  # one event, then hang up
     # The tenant's one slot comes back with the disconnect, long before 250 tokens would end.
-    deadline = time.monotonic() + 3.0
     with raw(stack) as client:
-        while True:
-            again = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {SOLO_KEY}"}, json={
-                "model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "after leaving"}]})
-            if again.status_code == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert again.status_code == 200, again.text
+        answers: list[Any] = []
+
+        def admitted() -> bool:
+            answers.append(client.post("/v1/chat/completions", headers={"authorization": f"Bearer {SOLO_KEY}"}, json={
+                "model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "after leaving"}]}))
+            return bool(answers[-1].status_code == 200)
+
+        eventually(admitted, 3.0, "the tenant's slot back", interval=0.05, seen=lambda: answers[-1].text)
     if layout == "collapsed":  # the model's own KV slots: none held by the abandoned stream
         inference = stack.local_servicers["inference"]
-        deadline = time.monotonic() + 3.0
-        while inference.scheduler.running_count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert inference.scheduler.running_count == 0
+        eventually(lambda: inference.scheduler.running_count == 0, 3.0, "no KV slot held", interval=0.05)

@@ -23,6 +23,7 @@ from runtime.processes.launch import launch, spine_up_argv
 from runtime.running_stack import RunningStack
 from tests.conftest import DEV_KEY
 from tests.http_helpers import HTTP_LIMITS, connect, raw
+from tests.waiting import eventually
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 AUTH = {"authorization": f"Bearer {DEV_KEY}"}
@@ -36,6 +37,15 @@ def still_serving(stack: RunningStack) -> None:
     with raw(stack) as client:
         answer = client.post("/v1/chat/completions", headers=AUTH, json=GOOD)
     assert answer.status_code == 200, answer.text
+
+
+def serves(stack: RunningStack) -> bool:
+    """Whether a request is served now (`still_serving`, asked again while it is not)."""
+    try:
+        still_serving(stack)
+    except AssertionError:
+        return False
+    return True
 
 
 def answer_to(stack: RunningStack, head: bytes, send_timeout_s: float = 5.0) -> bytes:
@@ -235,12 +245,4 @@ def test_connections_past_the_cap_are_answered_503_at_accept(http_stacks: dict[s
     finally:
         for sock in held:
             sock.close()
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            still_serving(stack)
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    eventually(lambda: serves(stack), 5, "a request served again", interval=0.05)

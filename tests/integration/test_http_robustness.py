@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from runtime.running_stack import RunningStack
 from tests.conftest import DEV_KEY
 from tests.http_helpers import HTTP_LIMITS, connect, raw
+from tests.waiting import eventually
 
 AUTH = {"authorization": f"Bearer {DEV_KEY}"}
 GOOD = {"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "fine"}]}
@@ -123,20 +124,19 @@ def test_connections_past_the_cap_are_refused_and_service_comes_back(stacks: dic
     stack = stacks["collapsed"]
     idle = [connect(stack) for _ in range(HTTP_LIMITS["max_connections"])]
     try:
-        time.sleep(0.2)
-        with raw(stack) as client:
-            assert client.post("/v1/chat/completions", headers=AUTH, json=GOOD).status_code == 503
+        eventually(lambda: status_of_one(stack) == 503, 5, "a connection past the cap refused (503)",
+                   interval=0.05, seen=lambda: status_of_one(stack))
     finally:
         for sock in idle:
             sock.close()
-    deadline = time.monotonic() + 3
-    while True:
-        with raw(stack) as client:
-            status = client.post("/v1/chat/completions", headers=AUTH, json=GOOD).status_code
-        if status == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert status == 200
+    eventually(lambda: status_of_one(stack) == 200, 3, "service back once the connections closed",
+               interval=0.05, seen=lambda: status_of_one(stack))
+
+
+def status_of_one(stack: RunningStack) -> int:
+    """The status a good request gets on a connection of its own."""
+    with raw(stack) as client:
+        return int(client.post("/v1/chat/completions", headers=AUTH, json=GOOD).status_code)
 
 
 def test_two_credentials_that_disagree_are_refused(stacks: dict[str, RunningStack]) -> None:

@@ -12,9 +12,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -35,6 +35,7 @@ from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.prometheus_server import run_prometheus
+from tests.waiting import eventually
 from wire.v1 import migration_pb2, migration_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,18 +221,17 @@ def walk_plan(sides: dict[str, RunningStack], tmp_path: Path, metrics: list[str]
             md = [("authorization", f"Bearer {TOKEN}")]
             status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
             assert status.state == "pending" and status.min_data_planes == 1
-            deadline = time.monotonic() + 30
-            while served_requests(sides["layered"]) < layered_before + 5:  # the stable state is served
-                assert time.monotonic() < deadline, "the data plane never reached the layered side before a plan"
-                time.sleep(0.2)
+            eventually(lambda: served_requests(sides["layered"]) >= layered_before + 5, 30,  # the stable state
+                       "the data plane reaching the layered side before a plan", interval=0.2)
             stub.Start(migration_pb2.StartRequest(plan_yaml=plan, actor="test"), metadata=md, timeout=10)
-            deadline = time.monotonic() + 60
-            status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
             gates_seen = []
-            while status.state != "promoted" and time.monotonic() < deadline:
-                time.sleep(0.2)
+
+            def promoted() -> Any:
                 status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
                 gates_seen.extend(status.last_gates)
+                return status if status.state == "promoted" else None
+
+            status = eventually(promoted, 60, "the plan promoted", interval=0.2, seen=lambda: gates_seen[-3:])
         assert status.state == "promoted", status
         assert status.spine_weight == 100 and status.applied
         assert any(p.node_id == "proxyless-data-plane" and p.acked_version == status.version

@@ -8,7 +8,6 @@ and the router names the mini as the fallback of `tiny-lm`.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from services.pipeline.interface import CallOptions
 from spine.client.gateway_client import GatewayClient
 from spine.client.overload_client import Backoff, Fallback, LoadAwareClient
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
+from tests.waiting import eventually
 from wire.v1 import generation_pb2, inference_pb2
 
 LAYOUTS = ("collapsed", "layered")
@@ -120,9 +120,11 @@ def test_the_helper_falls_back_to_the_mini_while_tiny_lm_is_full_and_comes_back(
         with GatewayClient(stack.address, DEV_KEY) as client:
             hogs = [threading.Thread(target=client.generate, args=(ask(prompt=f"hog {i}", max_tokens=100),))
                     for i in range(2)]
-            for hog in hogs:
+            tiny = stack.local_servicers["inference"]  # tiny-lm's own service (the mini's beside it)
+            placed = (lambda: tiny.engine.active_count == 1, lambda: tiny.scheduler.queue_depth == 1)
+            for hog, holds in zip(hogs, placed, strict=True):  # the first holds the slot, the second the queue
                 hog.start()
-                time.sleep(0.3)  # the first holds the slot, the second the queue
+                eventually(holds, 10, f"{hog.name} in its place", interval=0.02)
             helper = LoadAwareClient(client, Backoff(attempts=1), Fallback(after=2, recover_after=2),
                                      sleep=lambda _: None)
             trail = [helper.generate(ask(prompt=f"helper {i}")) for i in range(3)]
@@ -131,7 +133,8 @@ def test_the_helper_falls_back_to_the_mini_while_tiny_lm_is_full_and_comes_back(
             assert trail[2].ok and trail[2].response.model == "tiny-lm-mini"
             for hog in hogs:
                 hog.join(30)
-            time.sleep(1.2)  # a second idle: tiny-lm's busy fraction falls to 0
+            eventually(lambda: tiny.load_report().busy == 0.0, 10, "tiny-lm idle: its busy fraction 0",
+                       interval=0.05, seen=tiny.load_report)
             back = [helper.generate(ask(prompt=f"helper back {i}")) for i in range(3)]
             assert [r.response.model for r in back] == ["tiny-lm-mini", "tiny-lm-mini", "tiny-lm"]
             assert not helper.using_fallback

@@ -7,7 +7,6 @@ forwards them, as the collapsed spine shows its own. A real `redis-server` on lo
 
 from __future__ import annotations
 
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -64,12 +63,11 @@ def test_the_layered_rate_limiter_serves_its_store_families_on_its_own_metrics(
                                  timeout=10.0)
     assert result.ok, result.details
     limiter = (stack.run_dir / ADDRESS_FILE).read_text().strip()
-    deadline = time.monotonic() + 5.0
-    while True:  # the request's buckets were made: the next renewal leases their tokens
+    def leased() -> Any:  # the request's buckets were made: the next renewal leases their tokens
         found = families(limiter)
-        if value(found, "spine_ratelimit_store_leased_tokens", resource="requests") > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+        return found if value(found, "spine_ratelimit_store_leased_tokens", resource="requests") > 0 else None
+
+    found = eventually(leased, 5.0, "the request's tokens leased from the store", interval=0.05)
     assert set(found) >= STORE_FAMILIES
     assert value(found, "spine_ratelimit_store_leasing") == 1.0
     assert value(found, "spine_ratelimit_store_replicas") == 1.0

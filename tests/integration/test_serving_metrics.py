@@ -4,7 +4,6 @@ in the servicer's own registry and through the one /metrics address of each layo
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,12 +48,14 @@ def test_the_servicers_registry_counts_steps_first_tokens_and_waiting_requests()
         # fact. A request arriving while a (held) step runs waits for that step to end before
         # it gets a slot: let steps through one at a time until both run.
         calls = [Call(service, request(f"request {i}", 4)) for i in range(2)]
-        deadline = time.monotonic() + 20
-        while service.engine.active_count < 2 and time.monotonic() < deadline:
+
+        def both_running() -> bool:
             if service.scheduler.queue_depth:
                 model.release(1)
-            time.sleep(0.02)
-        assert service.engine.active_count == 2
+            return service.engine.active_count == 2
+
+        eventually(both_running, 20, "both requests in a slot", interval=0.02,
+                   seen=lambda: service.engine.active_count)
         calls += [Call(service, request(f"request {i}", 4, priority=p)) for i, p in ((2, 1), (3, -1))]
         eventually(lambda: service.scheduler.queue_depth == 2)
         waiting = generate_latest(service.metrics_registry).decode()

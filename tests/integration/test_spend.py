@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import calendar
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +28,12 @@ from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
 from tests.conftest import config_for_tests
 from tests.http_helpers import anthropic_client, openai_client
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 TOKEN = "spend-admin-token-0123456789"
 INPUT, OUTPUT = 1000.0, 2000.0  # USD per million tokens of tiny-lm: a token costs $0.001 in, $0.002 out
 TOKENS_KEY = (("tenant", "metered"), ("model", "tiny-lm"), ("resource", "tokens"))
-
-
-def within(seconds: float, ok: Callable[[], Any]) -> Any:
-    started = time.monotonic()
-    while not (value := ok()):
-        assert time.monotonic() - started < seconds, f"not within {seconds}s"
-        time.sleep(0.02)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +52,7 @@ def new_key(stack: RunningStack, **fields: Any) -> tuple[str, str]:
     answer = httpx.post(f"http://{stack.http_address}/admin/keys", json={"tenant": "dev", **fields},
                         headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()
     secret = answer["secret"]
-    within(1.0, lambda: _works(stack, secret))
+    eventually(lambda: _works(stack, secret), 1.0, interval=0.02)
     return answer["key"]["id"], secret
 
 
@@ -111,7 +103,7 @@ def test_spend_is_priced_from_the_real_usage_of_both_apis_and_their_streams(stac
                                                          messages=[{"role": "user", "content": "and me"}]) as s:
         final = s.get_final_message()
     expected += cost(final.usage.input_tokens, final.usage.output_tokens)
-    line = within(2.0, lambda: (got := spent(stack, key))["requests"] == 3 and got)
+    line = eventually(lambda: (got := spent(stack, key))["requests"] == 3 and got, 2.0, interval=0.02)
     assert line["usd"] == pytest.approx(expected) and line["output_tokens"] == 7 + 9 + 5
     assert spent(stack, key, "daily")["usd"] == pytest.approx(expected)
 
@@ -126,7 +118,7 @@ def test_an_aborted_stream_is_charged_for_what_was_generated(stack: RunningStack
             received += bool(chunk.choices and chunk.choices[0].delta.content)
             if received == 3:
                 break  # the client goes away
-    line = within(3.0, lambda: (got := spent(stack, key))["requests"] == 1 and got)
+    line = eventually(lambda: (got := spent(stack, key))["requests"] == 1 and got, 3.0, interval=0.02)
     assert 3 <= line["output_tokens"] <= 256
     assert line["usd"] == pytest.approx(cost(line["input_tokens"], line["output_tokens"]))
 
@@ -151,7 +143,7 @@ def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: RunningSta
             remaining.append(float(raw.headers["x-spine-budget-remaining-usd"]))
             assert usage is not None
             charged += cost(usage.prompt_tokens, usage.completion_tokens)
-            within(2.0, lambda total=charged: spent(stack, key)["usd"] >= total - 1e-9)  # priced and shared
+            eventually(lambda total=charged: spent(stack, key)["usd"] >= total - 1e-9, 2.0, interval=0.02)  # priced and shared
     error = refused.value
     assert charged >= budget - cost(len("turn 99"), 0)  # not refused below the budget
     assert error.code == "insufficient_quota" and "budget of key" in error.message
@@ -193,7 +185,7 @@ def test_tokens_per_minute_charge_the_prompt_then_settle_a_stream_past_the_limit
         messages=[{"role": "user", "content": "hi"}]))
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 150
-    level = within(2.0, lambda: (b := limiter.bucket(TOKENS_KEY)).level < 0 and b.level)
+    level = eventually(lambda: (b := limiter.bucket(TOKENS_KEY)).level < 0 and b.level, 2.0, interval=0.02)
     assert 100 - level == pytest.approx(usage.prompt_tokens + usage.completion_tokens, abs=0.1)
     with pytest.raises(openai.RateLimitError, match="resource=tokens"):
         openai_client(stack, secret).chat.completions.create(model="tiny-lm", max_tokens=1,

@@ -20,6 +20,7 @@ from services.inference.load_hints import parse_load
 from services.inference.scheduler import JobCancelled
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests
+from tests.waiting import eventually
 from wire.v1 import generation_pb2, inference_pb2_grpc
 
 LONG = "a long greedy answer for collapsed"  # its greedy answer runs all 250 tokens (see test_layouts)
@@ -66,10 +67,8 @@ def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_pa
                 else None
             cancelled_at = time.monotonic()
             call.cancel()
-            state = load(stack)
-            while state["running"] > 0 and time.monotonic() - cancelled_at < CANCEL_BOUND_S:
-                time.sleep(0.005)
-                state = load(stack)
+            state = eventually(lambda: (now := load(stack))["running"] == 0 and now, CANCEL_BOUND_S,
+                               "the cancelled stream's slot free", interval=0.005, seen=lambda: load(stack))
             freed_ms = (time.monotonic() - cancelled_at) * 1000.0
         print(f"\n{layout}: slot free {freed_ms:.0f} ms after the client's cancel")
         assert state["running"] == 0 and state["kv_free"] == idle["kv_free"], (state, f"{freed_ms:.0f} ms")

@@ -63,7 +63,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     cyclic collector's sight, as a serving process does before it says ready
     (`monolith.runtime_env.freeze_startup_heap`). Why: the runner hosts gateways itself
     (`start_stack`), and unfrozen, a full collection of its ~370k objects took 150–260 ms —
-    as long as a stage's 250 ms budget — so an in-process layered gateway's call to its remote
+    as long as a step's 250 ms budget — so an in-process layered gateway's call to its remote
     auth now and then ran out of budget and answered UNAVAILABLE (test_fuzz_gateway)."""
     from monolith.runtime_env import freeze_startup_heap
 

@@ -1,6 +1,6 @@
 """Chaos under load: every child of the layered stack stopped (SIGSTOP) and killed (SIGKILL).
 
-A hung dependency is worse than a dead one: while a child is stopped, a fail-closed stage
+A hung dependency is worse than a dead one: while a child is stopped, a fail-closed step
 must answer UNAVAILABLE fast (its budget, then outlier ejection and the health watcher)
 and the gateway must say NOT_SERVING; a fail-open one is skipped and the request served.
 A killed child gives only OK or UNAVAILABLE and is back after a restart. The load is

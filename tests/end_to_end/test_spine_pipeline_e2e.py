@@ -29,7 +29,7 @@ from wire.v1 import generation_pb2
 
 
 class AuthGate:
-    """A pipeline hook that holds the first auth stage until released, so a queue builds up."""
+    """A pipeline hook that holds the first auth step until released, so a queue builds up."""
 
     def __init__(self) -> None:
         self.release = threading.Event()

@@ -1,8 +1,8 @@
-"""Adding a middleware = its proto, its package (its interface, servicer and stage), one table entry.
+"""Adding a middleware = its proto, its package (its interface, servicer and step), one table entry.
 
 A throwaway `audit` middleware, defined entirely in this file (its proto is compiled here),
 joins the request path of both layouts through one `ComponentSpec`: its config section is
-checked, its placement is a knob, its stage runs in order, its spans are named, a plan may
+checked, its placement is a knob, its step runs in order, its spans are named, a plan may
 move it and its own verdict reaches the client — in the spine through its servicer, across
 the wire through the one generic remote proxy, made from its interface's codec.
 """
@@ -181,7 +181,7 @@ def test_the_table_entry_is_enough_for_config_plans_spans_and_order() -> None:
     model = root_model(REGISTRY)
     assert "audit" in model.model_fields and "audit" in model.model_fields["placements"].annotation.model_fields
     assert AUDIT.interface is AUDIT_API and span_name("audit", AuditStep.method) == "audit.seen"
-    names = [stage.name for stage in REGISTRY.steps(load_limits())]
+    names = [step.name for step in REGISTRY.steps(load_limits())]
     assert names.index("ratelimit.admit") < names.index("audit.seen") < names.index("cache.lookup")
     plan = load_plan("name: p\nstages:\n  - name: audit-local\n    spine_weight: 10\n    hold_s: 1\n"
                      "    placements: {audit: local}\n",

@@ -134,7 +134,7 @@ def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: P
         assert answer["trailing"]["x-spine-layout"] == "layered"
         sdk_round_trip(str(ready["http_address"]))  # the HTTP API, from the same gateway process
         # The gateway keeps no tensors when every component is remote: it never loads torch
-        # (the stage classes live apart from the servicers that keep tables); the model does.
+        # (the step classes live apart from the servicers that keep tables); the model does.
         assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
         assert "libtorch" in Path(f"/proc/{children['inference']}/maps").read_text()
     finally:

@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_threads()
     config = load_config(overrides=RATE_LIMIT_OFF)
-    stack = Stack(config, placements_for("collapsed", config), run_dir=Path(tempfile.mkdtemp(prefix="spine-cold-")))
-    stack.start()
+    run_dir = Path(tempfile.mkdtemp(prefix="spine-cold-"))
+    stack = Stack(config, placements_for("collapsed", config), run_dir=run_dir).start()
     try:
         gateway, servicer = stack.gateway, stack.local_servicers["inference"]
-        assert gateway is not None and stack.admission is not None
+        assert stack.admission is not None  # every admission step is local: admitted in batches
         completions = stack.completions
         if args.inline and completions is not None:
             completions._busy = lambda: True  # the folder never fires: written below, untimed

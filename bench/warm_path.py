@@ -57,12 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--windows and --window must be at least 1")
     configure_threads()
     config = load_config(overrides=RATE_LIMIT_OFF)
-    stack = Stack(config, placements_for("collapsed", config), run_dir=Path(tempfile.mkdtemp(prefix="spine-warm-")))
-    stack.start()
+    run_dir = Path(tempfile.mkdtemp(prefix="spine-warm-"))
+    stack = Stack(config, placements_for("collapsed", config), run_dir=run_dir).start()
     try:
-        gateway, pipeline, completions = stack.gateway, stack.pipeline, stack.completions
-        assert gateway is not None and pipeline is not None and completions is not None
-        assert stack.components is not None
+        gateway, completions = stack.gateway, stack.completions
+        assert completions is not None  # the completions steps are local: handed over after the answer
         stack.components.placed.swap("inference", CannedInference(stack.component(INFERENCE)))
         completions._busy = lambda: True  # the folder never fires: the windows are written below
         completions.interval_s = 3600.0

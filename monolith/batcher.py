@@ -12,7 +12,7 @@ requests in flight in the gateway) exceeds what is already queued. A closed loop
 client never waits; 64 clients with most requests in the model do. And, where `patient`
 is given, only while it says a wait is free for the items queued: the spine asks whether
 the models they name have a backlog (a batch admitted a few ms later still finds work
-queued before it, so the wait costs no model time, and the batch spreads each stage's
+queued before it, so the wait costs no model time, and the batch spreads each step's
 cold start over many requests).
 """
 

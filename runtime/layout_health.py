@@ -31,11 +31,13 @@ class LayoutHealth:
         self.deep_health: Any = None  # the local model's (runtime.health.deep.DeepHealth)
         self.health: GatewayHealth | None = None
 
-    def start(self, server: RunningServer) -> None:
+    def start(self, server: RunningServer) -> GatewayHealth:
+        """Start asking every component's health; the gateway's health, as it runs."""
         self.start_deep_health(server)
-        self.health = GatewayHealth(server, self.components.registry, self._targets,
-                                    interval_s=self.interval_s, timeout_s=self.timeout_s,
-                                    on_flip=self._flipped).start()
+        health = self.health = GatewayHealth(server, self.components.registry, self._targets,
+                                             interval_s=self.interval_s, timeout_s=self.timeout_s,
+                                             on_flip=self._flipped).start()
+        return health
 
     def start_deep_health(self, server: RunningServer | None) -> None:
         """The local model's deep health, once the model runs here. It publishes nothing

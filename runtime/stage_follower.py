@@ -11,7 +11,7 @@ NACKs with the reason and keeps what it had, as an Envoy keeps its last good con
 controller counts a stage as applied only once every follower has ACKed it.
 
 The protocol loop (`StageFollower`) knows nothing about what is applied; an applier (a
-callable that raises to refuse) does: `spine_applier` for a spine `Stack`,
+callable that raises to refuse) does: `spine_applier` for a spine `RunningStack`,
 `ratelimit_applier` for a layered rate limiter's servicer.
 """
 
@@ -38,7 +38,7 @@ from services.common.thread_names import name_os_thread
 from wire.v1 import stage_pb2
 
 if TYPE_CHECKING:
-    from runtime.stack import Stack
+    from runtime.running_stack import RunningStack
 
 log = logging.getLogger("runtime.stage_follower")
 
@@ -245,8 +245,8 @@ def follow(args: argparse.Namespace, role: str, apply: Applier, meanwhile: str,
 
 # -- appliers: what a follower does with an assignment ---------------------------------------
 
-def spine_applier(stack: Stack) -> Applier:
-    """A spine replica: the stage's placements (moved live, `Stack.set_placements`) and, when
+def spine_applier(stack: RunningStack) -> Applier:
+    """A spine replica: the stage's placements (moved live, `RunningStack.set_placements`) and, when
     its rate limiter is local in the stage, that limiter's share of every limit.
 
     The share is set on the local rate limiter BEFORE the move, so a limiter moved in by

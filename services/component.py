@@ -76,7 +76,7 @@ class ComponentSpec(Generic[T]):
     config: type[Section] | None  # its config section's model (None: no section of its own)
     steps: tuple[type[Step[T]], ...]  # the pipeline steps that call it (their order: the registry's path)
     fail_mode: FailMode = FailMode.CLOSED
-    budget_ms: float = 250.0  # the default call budget of its stages
+    budget_ms: float = 250.0  # the default call budget of its steps
     middleware: bool = True  # False for the model: placed, but not migrated as a middleware
     # Codes it answers with that reach the client as they are (a fail-closed component's
     # own verdicts); any other failure of a fail-closed component is UNAVAILABLE.

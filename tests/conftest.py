@@ -21,6 +21,7 @@ import jwt
 import pytest
 
 from runtime.config.file import SpineConfig, load_config, placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 
 DEV_KEY = "spine-dev-key-0000"
@@ -62,7 +63,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     cyclic collector's sight, as a serving process does before it says ready
     (`monolith.runtime_env.freeze_startup_heap`). Why: the runner hosts gateways itself
     (`start_stack`), and unfrozen, a full collection of its ~370k objects took 150–260 ms —
-    as long as a stage's 250 ms budget — so an in-process layered gateway's call to its remote
+    as long as a step's 250 ms budget — so an in-process layered gateway's call to its remote
     auth now and then ran out of budget and answered UNAVAILABLE (test_fuzz_gateway)."""
     from monolith.runtime_env import freeze_startup_heap
 
@@ -206,19 +207,18 @@ def served(component: str, servicer: Any) -> Iterator[Any]:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def start_stack(layout: str, tmp: Path, config: SpineConfig | None = None) -> Stack:
+def start_stack(layout: str, tmp: Path, config: SpineConfig | None = None) -> RunningStack:
     config = config or config_for_tests()
     run_dir = tmp / layout
-    stack = Stack(config, placements_for(layout, config), run_dir=run_dir)
-    stack.start()
+    stack = Stack(config, placements_for(layout, config), run_dir=run_dir).start()
     return stack
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     """One stack per layout — layered, collapsed and a mixed one — for the module."""
     tmp = tmp_path_factory.mktemp("layouts")
-    stacks: dict[str, Stack] = {}
+    stacks: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered", "mixed"):
             stacks[layout] = start_stack(layout, tmp)
@@ -239,7 +239,7 @@ def bare_http_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any
 
 
 @pytest.fixture(scope="session")
-def http_stacks(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> Iterator[dict[str, Stack]]:
+def http_stacks(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> Iterator[dict[str, RunningStack]]:
     """Both layouts with their HTTP API (`tests.http_helpers.http_config`), shared by the HTTP
     tests: starting a layered stack costs seconds, and they only read what it answers. Their
     router has two models served by `bare_http_upstream` (`tests.http_helpers.UPSTREAM_MODELS`)."""
@@ -260,7 +260,7 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def vllm_stacks(tmp_path_factory: pytest.TempPathFactory, vllm_engine: Any) -> Iterator[dict[str, Stack]]:
+def vllm_stacks(tmp_path_factory: pytest.TempPathFactory, vllm_engine: Any) -> Iterator[dict[str, RunningStack]]:
     """Both layouts with their HTTP API in front of `vllm_engine` (router model
     `tests.vllm_server.VLLM_MODEL`)."""
     from tests.vllm_server import spine_layouts

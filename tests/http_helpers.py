@@ -13,6 +13,7 @@ import httpx
 import openai
 
 from runtime.config.file import load_config, placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from tests.bare_server import BareUpstream
 from tests.conftest import DEV_KEY, config_for_tests
@@ -44,20 +45,19 @@ def http_config(upstream: BareUpstream | None = None, key_file: Path | None = No
                             http=HTTP_LIMITS, **extra)
 
 
-def start_http_stack(layout: str, tmp: Path, upstream: BareUpstream | None = None) -> Stack:
+def start_http_stack(layout: str, tmp: Path, upstream: BareUpstream | None = None) -> RunningStack:
     key_file = None
     if upstream is not None and upstream.key is not None:
         key_file = tmp / "upstream.key"
         key_file.write_text(upstream.key + "\n")
     config = http_config(upstream, key_file)
-    stack = Stack(config, placements_for(layout, config), run_dir=tmp / layout, http_listen="127.0.0.1:0")
-    stack.start()
+    stack = Stack(config, placements_for(layout, config), run_dir=tmp / layout, http_listen="127.0.0.1:0").start()
     return stack
 
 
 @contextlib.contextmanager
-def http_layouts(tmp: Path, upstream: BareUpstream | None = None) -> Iterator[dict[str, Stack]]:
-    stacks: dict[str, Stack] = {}
+def http_layouts(tmp: Path, upstream: BareUpstream | None = None) -> Iterator[dict[str, RunningStack]]:
+    stacks: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered"):
             stacks[layout] = start_http_stack(layout, tmp, upstream)
@@ -67,25 +67,25 @@ def http_layouts(tmp: Path, upstream: BareUpstream | None = None) -> Iterator[di
             stack.stop()
 
 
-def base_url(stack: Stack) -> str:
+def base_url(stack: RunningStack) -> str:
     return f"http://{stack.http_address}"
 
 
-def openai_client(stack: Stack, key: str = DEV_KEY, **options: Any) -> openai.OpenAI:
+def openai_client(stack: RunningStack, key: str = DEV_KEY, **options: Any) -> openai.OpenAI:
     options.setdefault("max_retries", 0)
     return openai.OpenAI(base_url=f"{base_url(stack)}/v1", api_key=key, **options)
 
 
-def anthropic_client(stack: Stack, key: str = DEV_KEY, **options: Any) -> anthropic.Anthropic:
+def anthropic_client(stack: RunningStack, key: str = DEV_KEY, **options: Any) -> anthropic.Anthropic:
     options.setdefault("max_retries", 0)
     return anthropic.Anthropic(base_url=base_url(stack), api_key=key, **options)
 
 
-def raw(stack: Stack) -> httpx.Client:
+def raw(stack: RunningStack) -> httpx.Client:
     return httpx.Client(base_url=base_url(stack), timeout=10.0)
 
 
-def connect(stack: Stack) -> socket.socket:
+def connect(stack: RunningStack) -> socket.socket:
     host, port = str(stack.http_address).rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=5.0)
 

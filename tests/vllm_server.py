@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from runtime.config.file import load_config, placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from spine.tools.engine import EngineUnavailable, VllmEngine
 from tests.conftest import config_for_tests
@@ -68,26 +69,25 @@ def spine_config(engine: VllmEngine, key_file: Path) -> Any:
 
 
 @contextlib.contextmanager
-def spine_layouts(engine: VllmEngine, tmp: Path) -> Iterator[dict[str, Stack]]:
+def spine_layouts(engine: VllmEngine, tmp: Path) -> Iterator[dict[str, RunningStack]]:
     """A collapsed and a layered spine, each with its HTTP API, in front of `engine`."""
     key_file = tmp / "engine.key"
     key_file.write_text(ENGINE_KEY + "\n")
     config = spine_config(engine, key_file)
-    stacks: dict[str, Stack] = {}
+    stacks: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered"):
             # vLLM computes on the same two cores as the layered processes: a health answer may wait
             # behind its step, and the default half second would cut an answering process off.
             stacks[layout] = Stack(config, placements_for(layout, config), run_dir=tmp / layout,
-                                   http_listen="127.0.0.1:0", health_timeout_s=5.0)
-            stacks[layout].start()
+                                   http_listen="127.0.0.1:0", health_timeout_s=5.0).start()
         yield stacks
     finally:
         for stack in stacks.values():
             stack.stop()
 
 
-def spine_openai(stack: Stack) -> Any:
+def spine_openai(stack: RunningStack) -> Any:
     """The official OpenAI client, pointed at `stack`'s HTTP API with the tests' key."""
     import openai
 
@@ -96,7 +96,7 @@ def spine_openai(stack: Stack) -> Any:
     return openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=DEV_KEY, max_retries=0, timeout=120)
 
 
-def spine_anthropic(stack: Stack) -> Any:
+def spine_anthropic(stack: RunningStack) -> Any:
     """The official Anthropic client, pointed at `stack`'s HTTP API with the tests' key."""
     import anthropic
 

@@ -31,12 +31,7 @@ from typing import Any
 
 from migration.metrics.scrape import ScrapeSource
 from migration.server import ControllerProcess
-from migration.traffic.cutover_parts import (
-    RunningParts,
-    controller_address,
-    serve_comparisons,
-    start_controller,
-)
+from migration.traffic.cutover_parts import controller_address, serve_comparisons, start_controller
 from migration.traffic.endpoint_health import EndpointHealth, endpoint
 from migration.traffic.front import Front
 from migration.traffic.front_target import FrontTarget
@@ -48,6 +43,8 @@ from monolith.device import DeviceContext
 from runtime.config.file import SpineConfig, internal_key, placements_for
 from runtime.faults import FaultHook, FaultSwitch, WrongAnswers
 from runtime.http.server import HttpServer, start_http
+from runtime.running_parts import RunningParts
+from runtime.running_stack import RunningStack
 from runtime.server import RunningServer, free_port, request_pool, request_threads, start_server
 from runtime.stack import Stack
 from services.common.prometheus_http import PrometheusHTTPServer
@@ -133,7 +130,7 @@ class Cutover:
             parts=parts.pop_all())  # last: the running cutover holds the stops from here on
 
     def _start_layered(self, config: SpineConfig, parts: ExitStack) -> tuple[
-            Stack | None, LayeredProcess | None, str, dict[str, str], RateLimit]:
+            RunningStack | None, LayeredProcess | None, str, dict[str, str], RateLimit]:
         """The layered stack, in this process or its own (the other None): its gateway's
         address, its middlewares' addresses (the spine's remote placements) and its rate limiter."""
         if self.layered_process:
@@ -141,16 +138,14 @@ class Cutover:
             parts.callback(tree.stop)  # before it starts: one that stops half way leaves no child
             address = tree.start()
             return None, tree, address, tree.component_addresses(), tree.ratelimit()
-        stack = Stack(config, placements_for("layered", config), run_dir=self.run_dir / "layered",
-                      http_listen=self._side_http())
-        parts.callback(stack.stop)
-        stack.start()
-        assert stack.supervisor is not None
+        stack = parts.enter_context(Stack(config, placements_for("layered", config), run_dir=self.run_dir / "layered",
+                                          http_listen=self._side_http()).start())
+        assert stack.supervisor is not None  # every component remote: each is a child of this stack
         shared = {name: child.address for name, child in stack.supervisor.children.items() if name != "inference"}
         return stack, None, stack.address, shared, stack.component(RATELIMIT)
 
     def _start_spine(self, config: SpineConfig, parts: ExitStack, layered_address: str, shared: dict[str, str],
-                     fault: FaultHook) -> tuple[Stack | None, SpineProcess | None, XdsControlPlane | None, str]:
+                     fault: FaultHook) -> tuple[RunningStack | None, SpineProcess | None, XdsControlPlane | None, str]:
         """The spine, on the layered stack's middlewares and its own model, in this process
         or its own (the other None); the xDS control plane it follows if its own; its address."""
         tls = config.tls
@@ -174,11 +169,9 @@ class Cutover:
         # The spine's model behind the parity fault's switch (`fault.wrong_answers`).
         device = DeviceContext.for_section(config.device)
         model = WrongAnswers(DEFAULT["inference"].build(config, device, self.run_dir), fault)
-        stack = Stack(config, placements, run_dir=self.run_dir / "spine", hooks=[fault],
-                      remote_addresses=shared, device=device, servicers={"inference": model},
-                      http_listen=self._side_http())
-        parts.callback(stack.stop)
-        stack.start()
+        stack = parts.enter_context(Stack(config, placements, run_dir=self.run_dir / "spine", hooks=[fault],
+                                          remote_addresses=shared, device=device, servicers={"inference": model},
+                                          http_listen=self._side_http()).start())
         return stack, None, None, stack.address
 
     def _start_front_http(self, config: SpineConfig, parts: ExitStack, front: Front) -> HttpServer | None:
@@ -197,7 +190,7 @@ class Cutover:
         return "127.0.0.1:0" if self.http_listen is not None else None
 
 
-def _http_endpoints(sides: dict[str, Stack | LayeredProcess | SpineProcess | None]) -> dict[str, list[Endpoint]]:
+def _http_endpoints(sides: dict[str, RunningStack | LayeredProcess | SpineProcess | None]) -> dict[str, list[Endpoint]]:
     """Each side's HTTP API as the xDS cluster `<side>-http` (none where a side serves none)."""
     return {f"{side}{HTTP_SUFFIX}": [endpoint(running.http_address)] for side, running in sides.items()
             if running is not None and running.http_address}
@@ -215,9 +208,9 @@ class RunningCutover(RunningParts):
     run_dir: Path
     admin_token: str = field(repr=False)
     fault: FaultHook  # the in-process spine's (`switch_fault`)
-    layered: Stack | None
+    layered: RunningStack | None
     layered_tree: LayeredProcess | None
-    spine: Stack | None
+    spine: RunningStack | None
     spine_tree: SpineProcess | None
     front: Front
     front_server: RunningServer

@@ -1,10 +1,9 @@
 """The parts both cutovers start the same way, each stopped by the `ExitStack` it joins.
 
 A cutover (`cutover.Cutover`, the built-in one; `legacy_cutover.LegacyCutover`, from a foreign
-HTTP endpoint) starts its parts one after another under one `ExitStack`: each part, once
-started, puts its own stop on the stack. A part that fails to start then unwinds the ones
-before it, and a running cutover stops by closing the stack: the reverse of the order it
-started in, with no chain of stop calls to keep in step with the starts. The pieces both
+HTTP endpoint) starts its parts one after another under one `ExitStack`, and its running record
+is a `RunningParts` (`runtime.running_parts`): a part that fails to start unwinds the ones
+before it, and a running cutover stops in the reverse of the order it started in. The pieces both
 start (the front's comparison counters served for the parity gate, the controller) are here
 so that the two cutovers share them rather than repeat them.
 """
@@ -12,10 +11,8 @@ so that the two cutovers share them rather than repeat them.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 from prometheus_client.registry import Collector
 
@@ -27,25 +24,6 @@ from services.common.prometheus_http import PrometheusHTTPServer
 
 # How often the parity gate reads the front's comparisons: a window of a second holds several reads.
 PARITY_INTERVAL_S = 0.25
-
-
-@dataclass(frozen=True)
-class RunningParts:
-    """What a started cutover holds: its parts' stops, in the order they started.
-
-    `stop()` (or leaving a `with` block) closes the stack; a second stop does nothing."""
-
-    parts: ExitStack = field(repr=False, compare=False)
-
-    def stop(self) -> None:
-        self.parts.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
-        self.stop()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from migration.metrics.source import MetricsSource
 from migration.target import ShadowCapability
 from migration.traffic.front import Front
 from migration.xds import XdsControlPlane
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.pipeline.interface import CallOptions
 from services.ratelimit.api import RATELIMIT, RateLimit
 from services.registry import MIDDLEWARES
@@ -31,7 +31,7 @@ class FrontTarget:
     its own, each side enforces its weight's share of every limit, so a tenant's total
     never exceeds its configured limit wherever its sessions land.
 
-    `spine`: a `Stack` in this process, moved directly; None when the spine is a process of
+    `spine`: a `RunningStack` in this process, moved directly; None when the spine is a process of
     its own that follows `xds`. Then a stage reaches the spine as an assignment (placements
     and its share) that it applies and ACKs a little later, and the front's weight and the
     layered rate limiter's share (which governs the traffic the front sends that side) move
@@ -47,7 +47,7 @@ class FrontTarget:
     follower's NACK.
     """
 
-    def __init__(self, front: Front, spine: Stack | None, layered_ratelimit: RateLimit | None = None,
+    def __init__(self, front: Front, spine: RunningStack | None, layered_ratelimit: RateLimit | None = None,
                  xds: XdsControlPlane | None = None, parity: MetricsSource | None = None) -> None:
         if spine is None and xds is None:
             raise ValueError("a spine in its own process follows the xDS control plane: give `xds`")

@@ -21,17 +21,13 @@ from pathlib import Path
 
 from migration.legacy_endpoint import LegacyEndpoint
 from migration.server import ControllerProcess
-from migration.traffic.cutover_parts import (
-    RunningParts,
-    controller_address,
-    serve_comparisons,
-    start_controller,
-)
+from migration.traffic.cutover_parts import controller_address, serve_comparisons, start_controller
 from migration.traffic.http_front import HttpFront
 from migration.traffic.http_mirror import MirrorSettings
 from migration.traffic.legacy_target import LegacyTarget
 from runtime.config.http import HttpConfig
 from runtime.http.server import HttpServer
+from runtime.running_parts import RunningParts
 from services.common.prometheus_http import PrometheusHTTPServer
 
 

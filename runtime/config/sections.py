@@ -183,14 +183,14 @@ class InternalConfig(Section):
 
 
 class CallBudgetsBase(Section):
-    """`calls.budgets_ms`: per component, the call budget of its stages (`calls_model`)."""
+    """`calls.budgets_ms`: per component, the call budget of its steps (`calls_model`)."""
 
     def given(self) -> dict[str, float]:
         return {name: ms for name, ms in self.model_dump().items() if ms is not None}
 
 
 class CallsBase(Section):
-    """`calls`: how the gateway calls its components — each stage's budget, and when a
+    """`calls`: how the gateway calls its components — each step's budget, and when a
     component in another process is ejected (calls fail fast) after failing in a row."""
 
     eject_after_failures: Annotated[StrictInt, Field(ge=1)] = 5
@@ -201,7 +201,7 @@ class CallsBase(Section):
 
 @functools.cache
 def calls_model(components: tuple[str, ...]) -> type[CallsBase]:
-    """`calls` with `budgets_ms`: per component, the call budget of its stages (over the
+    """`calls` with `budgets_ms`: per component, the call budget of its steps (over the
     component table's defaults: 250 ms for a middleware, 1 s for metrics and logs)."""
     fields: dict[str, Any] = {name: (Annotated[Float, Field(gt=0)] | None, None) for name in components}
     budgets = create_model("CallBudgets", __base__=CallBudgetsBase, **fields)

@@ -172,7 +172,7 @@ class TracingHook:
         attributes = {"rpc.system": "grpc", "rpc.method": method, "spine.component": component}
         if self.layout:
             attributes[LAYOUT_ATTRIBUTE] = self.layout
-        # A caller that runs the call away from the request's thread (a batch stage) can name
+        # A caller that runs the call away from the request's thread (a batch step) can name
         # the parent by putting the request's traceparent in the metadata; else the current span.
         parent = None
         if any(key == "traceparent" for key, _ in metadata):

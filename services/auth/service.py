@@ -1,6 +1,6 @@
 """The Auth service: a bearer credential (API key or JWT) becomes a principal, or a denial.
 
-`CheckBatch` decides many credentials at once (the pipeline's auth stage calls it, in
+`CheckBatch` decides many credentials at once (the pipeline's auth step calls it, in
 either layout); the per-request `Check` is its batch of one. Everything fails closed: any error while verifying is
 UNAUTHENTICATED, and no message ever quotes the credential or a secret.
 

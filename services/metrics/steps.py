@@ -1,5 +1,5 @@
 """What the pipeline tells the metrics of every finished request: the record, its batch rpc
-(`RecordBatch`, shared with `services.metrics.service`) and the stage that sends it.
+(`RecordBatch`, shared with `services.metrics.service`) and the step that sends it.
 
 Apart from the servicer (whose tables keep tensors): a gateway whose metrics run in another
 process imports these and not torch.

@@ -1,6 +1,6 @@
 """The rate limiter's admission on plain values, and `AdmitBatch` as its codec.
 
-The pipeline's rate-limit stage asks with `AdmitItem`s and reads `AdmitVerdict`s; in the
+The pipeline's rate-limit step asks with `AdmitItem`s and reads `AdmitVerdict`s; in the
 spine they go straight to `RateLimitService.admit`, across the wire through
 `ADMIT_BATCH` (see `services.pipeline.batch_rpc`), so both layouts decide with the same
 code and a verdict reads the same either way.

@@ -1,8 +1,8 @@
 """One bucket's cells in the token-bucket table and their arithmetic: refill, retry-after, write-back.
 
 The table (`token_buckets.TokenBucketTable`) keeps every bucket as one column of a state
-tensor with these rows; its batched and one-at-a-time decisions both read and write a
-bucket through these functions, so the two give the same answers.
+tensor with these rows; the batched and one-at-a-time decisions (`batch_decisions`) both
+read and write a bucket through these functions, so the two give the same answers.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A tenant with `max_concurrent_requests` holds one slot per admitted request, from its
 admission (the rate limiter's `AdmitBatch`, which takes the slot as a *lease* with the same
 all-or-nothing decision as the token buckets) to its answer's last byte (the pipeline's
-release stage gives it back with `ReleaseBatch`, whatever the outcome: answered, failed,
+release step gives it back with `ReleaseBatch`, whatever the outcome: answered, failed,
 cancelled). A lease the release never reaches — the gateway crashed, the release call
 failed — expires at the request's deadline, so a slot is never lost for longer than the
 request could have run.

@@ -16,7 +16,7 @@ expires at the request's deadline (`services/ratelimit/concurrency.py`).
 
 A batch is decided with one table decision and gives exactly the answers (and leaves
 exactly the bucket levels) of deciding the same requests one by one in list order. See
-`services/ratelimit/token_buckets.py` for how.
+`services/ratelimit/batch_decisions.py` for how.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class RateLimitService(ratelimit_pb2_grpc.RateLimitServicer):
         """An item whose buckets exist and whose tenant has no concurrency limit, decided
         straight on its two buckets (`TokenBucketTable.decide_alone`: the general path's
         answer, without its asks, rows and per-request dicts — the rate limiter was the
-        dearest stage of a lone request); None: the general path decides it."""
+        dearest step of a lone request); None: the general path decides it."""
         if (not item.tenant or not item.model or not 0 <= item.tokens <= MAX_HITS_ADDEND or item.key_limited
                 or self.config.limits_for(item.tenant).max_concurrent_requests is not None):
             return None

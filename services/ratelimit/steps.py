@@ -1,4 +1,4 @@
-"""The rate limiter's stages: admission before the model, the concurrency slot's release after.
+"""The rate limiter's steps: admission before the model, the concurrency slot's release after.
 
 Apart from `services.ratelimit.service` (the servicer and its token-bucket table, which keep tensors):
 a gateway whose rate limiter runs in another process imports these and not torch.

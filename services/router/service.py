@@ -6,7 +6,7 @@ gateway can tell the client (`x-spine-fallback`, `x-spine-primary-load`).
 
 Names are checked at load so that every name resolves to exactly one model: a duplicate id
 or alias, or an alias that shadows another model's id, is a ConfigError, never a silent
-"last one wins". `ResolveBatch` routes many requests at once (the pipeline's router stage
+"last one wins". `ResolveBatch` routes many requests at once (the pipeline's router step
 calls it in either layout); the per-request `Resolve` is its batch of one.
 """
 

@@ -97,11 +97,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     # kept them, and its next in-process model pinned all of its threads to one CPU.
     configure_threads()
     install_for(config.tracing, service_name="spine")
-    stack = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
-                  remote_addresses=remote_addresses(config), probe_listen=args.probe_listen,
-                  http_listen=http_listen, admin_token=_admin_token(args), **fault)
+    spec = Stack(config, placements, listen=listen, run_dir=run_dir, allow_external=args.allow_external,
+                 remote_addresses=remote_addresses(config), probe_listen=args.probe_listen,
+                 http_listen=http_listen, admin_token=_admin_token(args), **fault)
     termination = Termination()
-    stack.start()
+    stack = spec.start()
     follower = follow(args, ROLE_SPINE, spine_applier(stack), "serving on this config's placements", tls)
     key = dev_api_key(config)
     ready = {

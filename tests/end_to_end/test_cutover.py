@@ -19,6 +19,7 @@ from spine.client.gateway_client import GatewayClient
 from spine.tools.demo.migration import DEMO_PLAN, DEMO_SHADOW_SHARE, inject, walk_plan
 from spine.tools.demo.traffic import TrafficDriver
 from tests.conftest import DEV_KEY, SPLIT_KEYS, config_for_tests
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 
@@ -198,14 +199,12 @@ def test_operator_rollback_under_load_is_fast_and_fails_nothing(cutover: Running
     traffic.start()
     try:
         controller.start(load_plan(DEMO_PLAN.read_text()), actor="test", reason="rollback drill")
-        deadline = time.monotonic() + 30
-        while controller.status.stage_index < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eventually(lambda: controller.status.stage_index >= 1, 30, "the first stage entered", interval=0.05)
         assert controller.status.stage_index == 1 and cutover.front.spine_weight == 30
         asked = time.monotonic()
         controller.rollback(actor="operator", reason="drill")
-        while cutover.front.spine_weight != 0 and time.monotonic() - asked < 5:
-            time.sleep(0.01)
+        front = cutover.front
+        eventually(lambda: front.spine_weight == 0, 5, "the front back at weight 0")
         took = time.monotonic() - asked
         time.sleep(1.0)  # traffic keeps flowing on the layered side
     finally:

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from unittest.mock import ANY
@@ -37,6 +36,7 @@ from tests.conftest import (
     split_tenant_through,
     stop_process,
 )
+from tests.waiting import eventually, holds_within
 from wire.v1 import generation_pb2
 
 
@@ -58,10 +58,8 @@ def _apply(cutover: RunningCutover, weight: float, placements: dict[str, str], v
     """Apply a stage as the controller does and wait until the target says it is in force."""
     assert cutover.target is not None
     cutover.target.apply(weight, placements, version, route_header=True)
-    deadline = time.monotonic() + 10
-    while not cutover.target.applied(version):
-        assert time.monotonic() < deadline, f"{version} was not ACKed by the spine process"
-        time.sleep(0.05)
+    target = cutover.target
+    eventually(lambda: target.applied(version), 10, f"{version} ACKed by the spine process", interval=0.05)
 
 
 def test_the_spine_is_its_own_process_and_starts_on_the_layered_middlewares(cutover: RunningCutover) -> None:
@@ -163,8 +161,8 @@ def test_a_stage_waits_for_the_spine_before_it_sends_it_more_and_a_rollback_does
     stop_process(process.pid)
     try:
         cutover.target.apply(50, dict.fromkeys(MIDDLEWARES, "remote"), "while-stopped", route_header=True)
-        time.sleep(0.5)
-        assert not cutover.target.applied("while-stopped") and cutover.front.spine_weight == 0
+        assert not holds_within(lambda: cutover.target.applied("while-stopped"), 0.5)  # type: ignore[union-attr]
+        assert cutover.front.spine_weight == 0
         cutover.target.apply(0, dict.fromkeys(MIDDLEWARES, "remote"), "rolled-back", route_header=True)
         assert cutover.target.applied("rolled-back") and cutover.front.spine_weight == 0
     finally:

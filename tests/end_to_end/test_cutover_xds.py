@@ -20,6 +20,7 @@ import pytest
 
 from migration.traffic.cutover import Cutover, RunningCutover
 from tests.conftest import DEV_KEY, config_for_tests
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -84,6 +85,13 @@ def calls(client: subprocess.Popen[str], n: int) -> dict[str, Any]:
     return json.loads(client.stdout.readline())
 
 
+def applied(cutover: RunningCutover, version: str) -> None:
+    """Wait until the target says `version` is in force (every data plane ACKed it)."""
+    target, xds = cutover.target, cutover.xds
+    assert target is not None and xds is not None
+    eventually(lambda: target.applied(version), 10, f"{version} ACKed", interval=0.02, seen=xds.status)
+
+
 def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
         rig: tuple[RunningCutover, subprocess.Popen[str]]) -> None:
     cutover, client = rig
@@ -91,10 +99,7 @@ def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
     assert calls(client, 10) == {"layered": 10}
 
     cutover.target.apply(100, ALL_LOCAL, "stage-full", route_header=True)
-    deadline = time.monotonic() + 10
-    while not cutover.target.applied("stage-full") and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert cutover.target.applied("stage-full"), cutover.xds.status()
+    applied(cutover, "stage-full")
     assert any(row["acked_version"] == "stage-full" for row in cutover.xds.status())
     started = time.monotonic()
     seen: dict[str, Any] = {}
@@ -105,9 +110,7 @@ def test_the_client_follows_each_stage_and_the_target_waits_for_its_ack(
     assert seen == {"collapsed": 5}, seen
 
     cutover.target.apply(0, ALL_REMOTE, "stage-back", route_header=True)  # rollback
-    deadline = time.monotonic() + 10
-    while not cutover.target.applied("stage-back") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    applied(cutover, "stage-back")
     for _ in range(20):
         seen = calls(client, 5)
         if seen == {"layered": 5}:
@@ -124,9 +127,7 @@ def test_a_nack_is_shown_in_migrate_status_and_traffic_stays_on_the_last_good_ve
     cutover, client = rig
     assert cutover.target is not None and cutover.xds is not None and cutover.controller is not None
     cutover.target.apply(0, ALL_REMOTE, "good", route_header=True)
-    deadline = time.monotonic() + 10
-    while not cutover.target.applied("good") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    applied(cutover, "good")
     endpoints: dict[str, list[Endpoint]] = {}
     for side, stack in (("layered", cutover.layered), ("spine", cutover.spine)):
         assert stack is not None
@@ -136,11 +137,12 @@ def test_a_nack_is_shown_in_migrate_status_and_traffic_stays_on_the_last_good_ve
     (route_name,) = bad.resources[ROUTE]
     bad.resources[ROUTE] = {route_name: build_route(route_name, {"layered": 0, "spine": 0})}
     cutover.xds.publish(bad)
-    deadline = time.monotonic() + 10
-    status = status_message(cutover.controller.controller.view())
-    while time.monotonic() < deadline and not any(p.nack_error for p in status.data_planes):
-        time.sleep(0.05)
-        status = status_message(cutover.controller.controller.view())
+    controller = cutover.controller.controller
+    def nacked_status() -> Any:
+        status = status_message(controller.view())
+        return status if any(p.nack_error for p in status.data_planes) else None
+
+    status = eventually(nacked_status, 10, "the bad route NACKed", interval=0.05)
     nacked = [p for p in status.data_planes if p.nack_error]
     assert nacked and nacked[0].type == "RDS" and nacked[0].nacked_version == "bad-route"
     assert nacked[0].acked_version == "good"

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -26,6 +25,7 @@ from rich.console import Console
 
 from spine.tools.demo.migration import RUNS, RunReport, forget_secrets, summary
 from spine.tools.demo.screen import DemoScreen, logs_in
+from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 OUTCOMES = ["  1. healthy spine → promoted in ", "  2. failing spine → rolled back by the error_rate gate in ",
@@ -156,11 +156,13 @@ def test_in_a_terminal_the_dashboard_stays_up_with_the_three_runs_until_enter(tm
                               text=True, check=True).stdout
 
     def wait_for(needle: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while needle not in (text := screen()):
-            assert time.monotonic() < deadline and "demo-exit=" not in text, text[-3000:]
-            time.sleep(0.5)
-        return text
+        def shown() -> str | None:
+            text = screen()
+            assert "demo-exit=" not in text, text[-3000:]
+            return text if needle in text else None
+
+        return str(eventually(shown, timeout_s, f"{needle!r} on the screen", interval=0.5,
+                              seen=lambda: screen()[-3000:]))
 
     run_dir: Path | None = None
     try:

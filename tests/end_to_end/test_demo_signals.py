@@ -12,10 +12,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
+
+from tests.waiting import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,15 +35,16 @@ def test_sigterm_to_the_demo_alone_stops_every_process_it_started(tmp_path: Path
                                 stderr=subprocess.STDOUT, start_new_session=True)
     demo_log: Path | None = None
     try:
-        deadline = time.monotonic() + 90
         # Its first line names its log, where each stage is written as the run enters it.
-        while demo_log is None or "stage 1/4" not in demo_log.read_text(errors="replace"):
+        def first_stage() -> bool:
+            nonlocal demo_log
             assert demo.poll() is None, log.read_text(errors="replace")[-2000:]
-            assert time.monotonic() < deadline, "the demo did not reach its first stage"
             first = log.read_text(errors="replace").partition("\n")[0]
             if demo_log is None and first.startswith("log: "):
                 demo_log = Path(first.removeprefix("log: ").split(" (")[0])
-            time.sleep(0.2)
+            return demo_log is not None and "stage 1/4" in demo_log.read_text(errors="replace")
+
+        eventually(first_stage, 90, "the demo at its first stage", interval=0.2)
         started = psutil.Process(demo.pid).children(recursive=True)
         assert len(started) >= 3  # the layered stack, the spine, the traffic process (and more)
         os.kill(demo.pid, signal.SIGTERM)
@@ -50,10 +52,8 @@ def test_sigterm_to_the_demo_alone_stops_every_process_it_started(tmp_path: Path
         assert "interrupted: both layouts, the controller and the traffic were stopped" in log.read_text()
         # Stopped by the demo, not left to their parent-death signal (the stack takes seconds
         # to stop that way); multiprocessing's resource tracker leaves once its pipe closes.
-        settle = time.monotonic() + 2.0
-        while _alive(started) and time.monotonic() < settle:
-            time.sleep(0.1)
-        assert [" ".join(p.cmdline())[:120] for p in _alive(started)] == []
+        eventually(lambda: not _alive(started), 2.0, "every process the demo started gone", interval=0.1,
+                   seen=lambda: [" ".join(p.cmdline())[:120] for p in _alive(started)])
     finally:
         if demo.poll() is None:
             demo.kill()

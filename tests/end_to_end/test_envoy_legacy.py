@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from runtime.placement.remote import Guarded
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.auth.api import AUTH
 from services.auth.envoy_authz import EnvoyAuthzClient
 from services.pipeline.batch_rpc import ItemError
@@ -61,19 +61,19 @@ def legacy() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def spine(legacy: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spine(legacy: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("mixed", tmp_path_factory.mktemp("envoy-legacy"), legacy_config(legacy, envoy_api=ENVOY_LISTENER))
     yield stack
     stack.stop()
 
 
-def generate(stack: Stack, token: str, prompt: str = "hello legacy") -> CallResult:
+def generate(stack: RunningStack, token: str, prompt: str = "hello legacy") -> CallResult:
     with GatewayClient(stack.address) as client:
         return client.generate(generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=1),
                                token=token)
 
 
-def test_the_placement_binds_the_components_to_the_legacy_services(spine: Stack, legacy: str) -> None:
+def test_the_placement_binds_the_components_to_the_legacy_services(spine: RunningStack, legacy: str) -> None:
     assert spine.placements["auth"] == spine.placements["ratelimit"] == "remote"
     for reached, client in ((spine.component(AUTH), EnvoyAuthzClient), (spine.component(RATELIMIT), EnvoyRlsClient)):
         assert isinstance(reached, Guarded) and isinstance(reached.implementation, client)
@@ -81,7 +81,7 @@ def test_the_placement_binds_the_components_to_the_legacy_services(spine: Stack,
     assert spine.supervisor is None  # nothing of spine's own was spawned for them
 
 
-def test_a_legacy_key_is_served_with_the_tenant_the_legacy_service_names(spine: Stack) -> None:
+def test_a_legacy_key_is_served_with_the_tenant_the_legacy_service_names(spine: RunningStack) -> None:
     result = generate(spine, LEGACY_KEY)
     assert result.ok, result.details
     with grpc.insecure_channel(envoy_address(spine)) as channel:  # Envoy asking the spine gets the legacy answer
@@ -93,13 +93,13 @@ def test_a_legacy_key_is_served_with_the_tenant_the_legacy_service_names(spine: 
     (DEV_KEY, grpc.StatusCode.UNAUTHENTICATED, "legacy: unknown key"),  # the spine's own key: not yet
     (FORBIDDEN_KEY, grpc.StatusCode.PERMISSION_DENIED, "legacy: this key may not call the model"),
 ], ids=["unknown", "spine-dev-key", "forbidden"])
-def test_the_legacy_service_denies_with_its_own_reason(spine: Stack, token: str, code: grpc.StatusCode,
+def test_the_legacy_service_denies_with_its_own_reason(spine: RunningStack, token: str, code: grpc.StatusCode,
                                                        details: str) -> None:
     result = generate(spine, token)
     assert (result.code, result.details) == (code, details)
 
 
-def test_the_legacy_rate_limit_refuses_past_its_limit_with_a_retry_after(spine: Stack) -> None:
+def test_the_legacy_rate_limit_refuses_past_its_limit_with_a_retry_after(spine: RunningStack) -> None:
     results = [generate(spine, BOUNDED_KEY, f"bounded {i}") for i in range(4)]
     assert [r.code for r in results] == [grpc.StatusCode.OK] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert "legacy_per_tenant" in results[3].details
@@ -108,18 +108,18 @@ def test_the_legacy_rate_limit_refuses_past_its_limit_with_a_retry_after(spine: 
         assert tenant_limit(channel, "bounded").overall_code == OVER_LIMIT
 
 
-def test_a_foreign_rate_limiter_cannot_take_a_share_and_says_so(spine: Stack) -> None:
+def test_a_foreign_rate_limiter_cannot_take_a_share_and_says_so(spine: RunningStack) -> None:
     assert spine.component(RATELIMIT).set_share(0.25, CallOptions(timeout=1)) == 1.0
 
 
-def test_the_gateway_health_reads_the_legacy_services_own_health(spine: Stack) -> None:
+def test_the_gateway_health_reads_the_legacy_services_own_health(spine: RunningStack) -> None:
     report = spine.health_report()
     assert report["serving"] is True
     reason = report["components"]["auth"]["reason"]
     assert "envoy-ext-authz service at" in reason and reason.endswith("SERVING")
 
 
-def test_placing_them_local_moves_the_decision_into_the_spine_live(spine: Stack) -> None:
+def test_placing_them_local_moves_the_decision_into_the_spine_live(spine: RunningStack) -> None:
     try:
         spine.set_placements({"auth": "local", "ratelimit": "local"})
         assert (generate(spine, LEGACY_KEY).code, generate(spine, DEV_KEY).code) == (
@@ -166,7 +166,7 @@ def health(address: str, service: str) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def test_the_interface_through_a_foreign_client_answers_like_the_components_own(spine: Stack) -> None:
+def test_the_interface_through_a_foreign_client_answers_like_the_components_own(spine: RunningStack) -> None:
     """check / admit and the descriptor form, over the legacy protocol."""
     auth, ratelimit, options = spine.component(AUTH), spine.component(RATELIMIT), CallOptions(timeout=5)
     [accepted, denied] = auth.check([LEGACY_KEY, "no-such-key"], options)

@@ -26,7 +26,7 @@ from envoy.type.v3 import http_status_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, TIGHT_KEY, config_for_tests, make_jwt, start_stack
 from tests.envoy_calls import (
     ENVOY_LISTENER,
@@ -83,7 +83,7 @@ REQUESTS = st.lists(st.tuples(st.sampled_from(sorted(credentials("x"))), st.samp
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[grpc.Channel, grpc.Channel]]:
     tmp = tmp_path_factory.mktemp("envoy-parity")
-    stacks: list[Stack] = []
+    stacks: list[RunningStack] = []
     try:
         stacks = [start_stack("collapsed", tmp / side, CONFIG) for side in ("gateway", "envoy")]
         with grpc.insecure_channel(stacks[0].address) as gateway, grpc.insecure_channel(envoy_address(stacks[1])) as envoy:

@@ -33,7 +33,6 @@ import math
 import os
 import random
 import re
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +46,8 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from runtime.observability.tracing import Tracing, installed_tracing
+from runtime.running_stack import RunningStack
 from runtime.server import MAX_METADATA_BYTES
-from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests, make_jwt, start_stack
 from tests.fuzz_inputs import (
@@ -94,7 +93,7 @@ NEVER = {"UNKNOWN", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNIMPLEMENTED"}
 # -- the stacks ----------------------------------------------------------------------------
 @dataclass
 class Side:
-    stack: Stack
+    stack: RunningStack
     channel: grpc.Channel
 
     @property
@@ -128,7 +127,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None) -> I
     tracing = Tracing(sample_ratio=0.5, exporters=[], batch=False)
     setattr(tracing.tracer, "id_generator", OwnIds())  # noqa: B010 (an SDK attribute the API type lacks)
     with installed_tracing(tracing):
-        stacks: dict[str, Stack] = {}
+        stacks: dict[str, RunningStack] = {}
         opened: dict[str, Side] = {}
         try:
             for layout in LAYOUTS:
@@ -310,10 +309,9 @@ def settle(sides: dict[str, Side], within_s: float = 5.0) -> None:
     """Wait until no call is left in either Gateway: a call the client cancelled or gave up on
     still ends on the server, and the next example should not meet it (nor it the next
     example's draws)."""
-    deadline = time.monotonic() + within_s
-    while any(side.stack.gateway.in_flight for side in sides.values()):
-        assert time.monotonic() < deadline, {name: side.stack.gateway.in_flight for name, side in sides.items()}
-        time.sleep(0.002)
+    eventually(lambda: not any(side.stack.gateway.in_flight for side in sides.values()), within_s,
+               "no call left in either gateway", interval=0.002,
+               seen=lambda: {name: side.stack.gateway.in_flight for name, side in sides.items()})
 
 
 # -- the properties ---------------------------------------------------------------------------
@@ -406,17 +404,20 @@ def log_records(side: Side, request_ids: set[str]) -> dict[str, dict[str, Any]]:
     if logs is not None:
         logs.flush()
     path = side.stack.run_dir / "requests.jsonl"
-    deadline = time.monotonic() + 10
-    while True:
+
+    def on_disk() -> dict[str, dict[str, Any]]:
         found = {}
         if path.exists():
             for line in path.read_text().splitlines():
                 record = json.loads(line)
                 if record["request_id"] in request_ids:
                     found[record["request_id"]] = record
-        if set(found) == request_ids or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+        return found
+
+    found: dict[str, dict[str, Any]] = eventually(lambda: got if set(got := on_disk()) == request_ids else None,
+                                                  10, "every request's log line", interval=0.1,
+                                                  seen=lambda: request_ids - set(on_disk()))
+    return found
 
 
 def test_a_model_name_that_was_not_routed_is_no_metric_label_and_is_logged_cut(sides: dict[str, Side]) -> None:

@@ -161,9 +161,7 @@ def test_the_container_runs_non_root_on_a_read_only_root(collapsed: Collapsed) -
     assert refused.returncode != 0 and "Read-only file system" in refused.stderr
     # The mounted run directory is where it writes: its request log is there, the user's own.
     log = collapsed.run_dir / "requests.jsonl"
-    deadline = time.monotonic() + 10
-    while not (log.exists() and log.stat().st_size) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    eventually(lambda: log.exists() and log.stat().st_size, 10, "the request log written", interval=0.1)
     assert log.stat().st_uid == 10001 and log.stat().st_size > 0
 
 
@@ -212,10 +210,7 @@ def test_sigterm_to_the_container_drains_and_exits_0_within_its_grace(collapsed:
 
     reader = threading.Thread(target=stream)
     reader.start()
-    deadline = time.monotonic() + 30
-    while not chunks and time.monotonic() < deadline:  # the answer is under way
-        time.sleep(0.02)
-    assert chunks, "no stream under way"
+    eventually(lambda: chunks, 30, "a stream under way", interval=0.02)
     began = time.monotonic()
     collapsed.podman.command("kill", "--signal", "TERM", collapsed.podman.name("collapsed"))
     exit_code = collapsed.podman.command("wait", collapsed.podman.name("collapsed"), timeout_s=GRACE_S + 30).stdout

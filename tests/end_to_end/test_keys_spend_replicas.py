@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.processes.launch import Launched, launch, spine_up_argv
 from spine.tools.local_redis import LocalRedis
+from tests.waiting import eventually
 from wire.v1 import keys_pb2, keys_pb2_grpc
 
 TOKEN = "replicas-admin-token-0123456789"
@@ -109,12 +110,15 @@ def seen_within(check: Callable[[int], bool], replicas: int, limit_s: float) -> 
     """Per replica: seconds until `check(i)` held (polled every 20 ms), each within `limit_s`."""
     started = time.monotonic()
     seen: dict[int, float] = {}
-    while len(seen) < replicas:
+
+    def every_replica() -> bool:
         for i in set(range(replicas)) - set(seen):
             if check(i):
                 seen[i] = time.monotonic() - started
-        assert time.monotonic() - started < limit_s, f"replicas {sorted(set(range(replicas)) - set(seen))} not in time"
-        time.sleep(0.02)
+        return len(seen) == replicas
+
+    eventually(every_replica, limit_s, "every replica", interval=0.02,
+               seen=lambda: f"replicas {sorted(set(range(replicas)) - set(seen))} not yet")
     return [seen[i] for i in range(replicas)]
 
 

@@ -10,7 +10,6 @@ import json
 import re
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,16 +18,18 @@ import grpc
 import pytest
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests
 from tests.integration.test_faults_and_cli import spine_up
 from tests.integration.test_layouts import parity_sequence
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 
 class AuthGate:
-    """A pipeline hook that holds the first auth stage until released, so a queue builds up."""
+    """A pipeline hook that holds the first auth step until released, so a queue builds up."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -50,14 +51,13 @@ class AuthGate:
 
 
 @pytest.fixture(scope="module")
-def spines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def spines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("spines")
-    stacks: dict[str, Stack] = {}
+    stacks: dict[str, RunningStack] = {}
     try:
         for name, enabled in (("batched", True), ("unbatched", False)):
             config = config_for_tests(batching={"enabled": enabled})
-            stacks[name] = Stack(config, placements_for("collapsed", config), run_dir=tmp / name)
-            stacks[name].start()
+            stacks[name] = Stack(config, placements_for("collapsed", config), run_dir=tmp / name).start()
         yield stacks
     finally:
         for stack in stacks.values():
@@ -74,13 +74,13 @@ def full_answer(result: CallResult) -> tuple[Any, ...]:
             "x-spine-load" in result.trailing, "x-spine-overhead-duration-ms" in result.trailing)
 
 
-def test_only_the_batched_spine_has_batched_stages(spines: dict[str, Stack]) -> None:
+def test_only_the_batched_spine_has_batched_stages(spines: dict[str, RunningStack]) -> None:
     assert spines["batched"].admission is not None and spines["batched"].completions is not None
     assert spines["unbatched"].admission is None and spines["unbatched"].completions is None
 
 
 def test_batched_and_unbatched_spines_give_the_same_answers_codes_messages_and_trailers(
-        spines: dict[str, Stack]) -> None:
+        spines: dict[str, RunningStack]) -> None:
     answers = {}
     for name, stack in spines.items():
         with GatewayClient(stack.address) as client:
@@ -96,8 +96,7 @@ def test_batched_and_unbatched_spines_give_the_same_answers_codes_messages_and_t
 def test_concurrent_requests_are_admitted_as_one_batch_each_with_its_own_answer(tmp_path: Path) -> None:
     gate = AuthGate()
     config = config_for_tests()
-    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "run", hooks=[gate])
-    stack.start()
+    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "run", hooks=[gate]).start()
     try:
         assert stack.admission is not None
         batcher = stack.admission.batcher
@@ -118,10 +117,8 @@ def test_concurrent_requests_are_admitted_as_one_batch_each_with_its_own_answer(
                 i, client.generate(r, token=t))) for i, (r, t) in enumerate(requests)]
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 30
-            while batcher.queued < len(requests):
-                assert time.monotonic() < deadline, f"only {batcher.queued} queued"
-                time.sleep(0.005)
+            eventually(lambda: batcher.queued >= len(requests), 30, "every request queued", interval=0.005,
+                       seen=lambda: batcher.queued)
             gate.release.set()
             for thread in [first, *threads]:
                 thread.join(60)
@@ -136,7 +133,7 @@ def test_concurrent_requests_are_admitted_as_one_batch_each_with_its_own_answer(
     assert all(r.trailing.get("x-spine-layout") == "collapsed" for r in results.values())
 
 
-def test_a_stream_is_admitted_by_the_batch_and_streams_the_same_tokens(spines: dict[str, Stack]) -> None:
+def test_a_stream_is_admitted_by_the_batch_and_streams_the_same_tokens(spines: dict[str, RunningStack]) -> None:
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="stream me through the batch", max_tokens=6,
                                              temperature=0.8, seed=5)
     stack = spines["batched"]

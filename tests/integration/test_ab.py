@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.common import ConfigError
 from spine.cli import main
 from spine.client.gateway_client import CallResult
@@ -95,7 +95,7 @@ def test_the_cli_reports_a_bad_trace_line_before_starting_anything(tmp_path: Pat
 
 # -- running -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("collapsed", tmp_path_factory.mktemp("ab"))
     try:
         yield stack
@@ -103,7 +103,7 @@ def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stack.stop()
 
 
-def test_open_loop_sends_every_request_to_every_layout_at_its_arrival(collapsed: Stack) -> None:
+def test_open_loop_sends_every_request_to_every_layout_at_its_arrival(collapsed: RunningStack) -> None:
     entries = synthetic(SyntheticSpec(count=12, rate=200.0, unauthenticated_share=0.0, invalid_share=0.0),
                         tenant_keys(config_for_tests().auth))
     runs = [LayoutRun("a", collapsed.address), LayoutRun("b", collapsed.address)]
@@ -150,7 +150,7 @@ class _CountedRun(LayoutRun):
         return Counted()
 
 
-def test_closed_loop_runs_each_layout_alone_at_the_whole_concurrency(collapsed: Stack) -> None:
+def test_closed_loop_runs_each_layout_alone_at_the_whole_concurrency(collapsed: RunningStack) -> None:
     """Workers sending each request to every layout in turn piled up at the slower layout
     (more than the concurrency asked, and both layouts loaded at once): each layout now
     gets rounds of its own at exactly the concurrency, and every request still reaches both."""
@@ -170,7 +170,7 @@ def test_closed_loop_runs_each_layout_alone_at_the_whole_concurrency(collapsed: 
     assert turns == ["a", "b", "a", "b"]
 
 
-def test_a_run_stops_sending_at_its_time_limit(collapsed: Stack) -> None:
+def test_a_run_stops_sending_at_its_time_limit(collapsed: RunningStack) -> None:
     entries = synthetic(SyntheticSpec(count=50, rate=5.0), tenant_keys(config_for_tests().auth))  # ~10 s of arrivals
     runs = [LayoutRun("a", collapsed.address)]
     run_interleaved(runs, entries, RunOptions(mode="open", time_limit_s=0.5, timeout_s=5))

@@ -1,8 +1,8 @@
-"""Adding a middleware = its proto, its package (its interface, servicer and stage), one table entry.
+"""Adding a middleware = its proto, its package (its interface, servicer and step), one table entry.
 
 A throwaway `audit` middleware, defined entirely in this file (its proto is compiled here),
 joins the request path of both layouts through one `ComponentSpec`: its config section is
-checked, its placement is a knob, its stage runs in order, its spans are named, a plan may
+checked, its placement is a knob, its step runs in order, its spans are named, a plan may
 move it and its own verdict reaches the client — in the spine through its servicer, across
 the wire through the one generic remote proxy, made from its interface's codec.
 """
@@ -26,6 +26,7 @@ from migration.plan import load_plan
 from runtime.config.file import SpineConfig, load_config
 from runtime.config.model import root_model
 from runtime.observability.tracing import span_name
+from runtime.running_stack import RunningStack
 from runtime.server import start_server
 from runtime.stack import Stack
 from services.common import ConfigError, DeviceState, set_status, status_code
@@ -163,12 +164,12 @@ def placements(audit: str) -> dict[str, str]:
 
 @pytest.fixture
 def client_of() -> Iterator[Any]:
-    stacks: list[Stack] = []
+    stacks: list[RunningStack] = []
 
-    def start(stack: Stack) -> GatewayClient:
-        stacks.append(stack)
-        stack.start()
-        return GatewayClient(stack.address, token=DEV_KEY)
+    def start(stack: Stack) -> tuple[RunningStack, GatewayClient]:
+        running = stack.start()
+        stacks.append(running)
+        return running, GatewayClient(running.address, token=DEV_KEY)
 
     yield start
     for stack in stacks:
@@ -180,7 +181,7 @@ def test_the_table_entry_is_enough_for_config_plans_spans_and_order() -> None:
     model = root_model(REGISTRY)
     assert "audit" in model.model_fields and "audit" in model.model_fields["placements"].annotation.model_fields
     assert AUDIT.interface is AUDIT_API and span_name("audit", AuditStep.method) == "audit.seen"
-    names = [stage.name for stage in REGISTRY.steps(load_limits())]
+    names = [step.name for step in REGISTRY.steps(load_limits())]
     assert names.index("ratelimit.admit") < names.index("audit.seen") < names.index("cache.lookup")
     plan = load_plan("name: p\nstages:\n  - name: audit-local\n    spine_weight: 10\n    hold_s: 1\n"
                      "    placements: {audit: local}\n",
@@ -199,14 +200,15 @@ def load_limits() -> Any:
 
 
 def test_a_new_middleware_runs_in_the_spine_and_its_verdict_reaches_the_client(client_of: Any, tmp_path: Path) -> None:
-    stack = Stack(config_with({}), placements("local"), run_dir=tmp_path / "open", registry=REGISTRY)
-    result = client_of(stack).generate(request("audited"))
+    stack, client = client_of(Stack(config_with({}), placements("local"), run_dir=tmp_path / "open",
+                                    registry=REGISTRY))
+    result = client.generate(request("audited"))
     assert result.code == grpc.StatusCode.OK
     assert stack.local_servicers["audit"].seen_so_far == [("dev", "tiny-lm")]
 
-    blocked = Stack(config_with({"blocked": ["dev"]}), placements("local"), run_dir=tmp_path / "blocked",
-                    registry=REGISTRY)
-    refused = client_of(blocked).generate(request("audited"))
+    _, blocked = client_of(Stack(config_with({"blocked": ["dev"]}), placements("local"),
+                                 run_dir=tmp_path / "blocked", registry=REGISTRY))
+    refused = blocked.generate(request("audited"))
     assert refused.code == grpc.StatusCode.PERMISSION_DENIED
     assert refused.details == "tenant 'dev' is blocked by audit"
 
@@ -216,9 +218,9 @@ def test_a_new_middleware_runs_in_its_own_process_too(client_of: Any, tmp_path: 
     sock_dir = tempfile.mkdtemp(prefix="spine-audit-", dir="/tmp")
     server = start_server([(AUDIT, servicer)], f"unix:{sock_dir}/audit.sock")
     try:
-        stack = Stack(config_with({}), placements("remote"), run_dir=tmp_path / "remote", registry=REGISTRY,
-                      remote_addresses={"audit": server.address})
-        result = client_of(stack).generate(request("audited over the wire"))
+        stack, client = client_of(Stack(config_with({}), placements("remote"), run_dir=tmp_path / "remote",
+                                        registry=REGISTRY, remote_addresses={"audit": server.address}))
+        result = client.generate(request("audited over the wire"))
         assert result.code == grpc.StatusCode.OK
         assert servicer.seen_so_far == [("dev", "tiny-lm")]
         assert stack.layout == "mixed"

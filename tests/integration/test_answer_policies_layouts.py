@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from monolith.device import DeviceContext
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.cache.pregenerated import served_digests, write_table
 from services.inference.output_policy import VIOLATION
@@ -82,16 +83,15 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def stacks(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     config = config_for_tests(cache={"pregenerated": str(built["table"])},
                               output_policy={"rules": [{"name": "probe-phrase", "phrases": [built["phrase"]]}]})
     tmp = tmp_path_factory.mktemp("stacks")
-    running: dict[str, Stack] = {}
+    running: dict[str, RunningStack] = {}
     try:
         for layout in LAYOUTS:  # with the HTTP API too (the last test here)
             running[layout] = Stack(config, placements_for(layout, config), run_dir=tmp / layout,
-                                    http_listen="127.0.0.1:0")
-            running[layout].start()
+                                    http_listen="127.0.0.1:0").start()
         yield running
     finally:
         for stack in running.values():
@@ -100,7 +100,7 @@ def stacks(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_greedy_request_in_the_table_is_answered_without_a_model_step(
-        stacks: dict[str, Stack], built: dict[str, Any], layout: str) -> None:
+        stacks: dict[str, RunningStack], built: dict[str, Any], layout: str) -> None:
     stack = stacks[layout]
     address = stack.metrics_address()
     assert address is not None
@@ -123,7 +123,7 @@ def test_a_greedy_request_in_the_table_is_answered_without_a_model_step(
 
 
 def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layouts(
-        stacks: dict[str, Stack], built: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+        stacks: dict[str, RunningStack], built: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=built["probe"], max_tokens=24)
     verdicts = {}
     for layout in LAYOUTS:
@@ -148,7 +148,7 @@ def test_a_configured_phrase_is_a_content_policy_violation_the_same_in_both_layo
 
 
 def test_a_flood_of_violations_is_one_warning_a_second_per_tenant_and_rule(
-        stacks: dict[str, Stack], built: dict[str, Any]) -> None:
+        stacks: dict[str, RunningStack], built: dict[str, Any]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from services.gateway import service
@@ -164,11 +164,11 @@ def test_a_flood_of_violations_is_one_warning_a_second_per_tenant_and_rule(
 
 
 def test_a_replaced_table_is_swapped_in_by_every_layout_without_dropping_a_request(
-        stacks: dict[str, Stack], built: dict[str, Any]) -> None:
+        stacks: dict[str, RunningStack], built: dict[str, Any]) -> None:
     stop = threading.Event()
     failures: list[str] = []
 
-    def traffic(stack: Stack) -> None:  # table hits all through the swap, under the dev tenant's rate
+    def traffic(stack: RunningStack) -> None:  # table hits all through the swap, under the dev tenant's rate
         with GatewayClient(stack.address, DEV_KEY) as client:
             for _ in range(3000):
                 if stop.wait(0.01):
@@ -225,7 +225,7 @@ def test_a_corrupt_table_is_refused_with_one_log_line_and_the_server_still_answe
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_over_http_a_violation_is_the_content_policy_error_in_both_apis(stacks: dict[str, Stack], built: dict[str, Any],
+def test_over_http_a_violation_is_the_content_policy_error_in_both_apis(stacks: dict[str, RunningStack], built: dict[str, Any],
                                                                          layout: str) -> None:
     """`{"error": "content_policy_violation", "suggestion": "rephrase"}` (400) for an answer, and
     as the last event of a stream that had begun (a 400 where the first chunk already broke it)."""

@@ -1,6 +1,6 @@
-"""A stage's batch call reads the same in-process and over the wire.
+"""A step's batch call reads the same in-process and over the wire.
 
-In the spine a stage's items go straight to the servicer's operation (`runtime.placement.in_process`);
+In the spine a step's items go straight to the servicer's operation (`runtime.placement.in_process`);
 in the layered stack they are encoded into the batch rpc, served (decoded, decided by that
 same operation, encoded) and the answer decoded. For random batches (good and bad credentials, known and
 unknown models, malformed and over-limit rate-limit asks, cache hits, misses and bad
@@ -210,7 +210,7 @@ def test_log_lines_are_the_same_in_process_and_over_the_wire(tmp_path: Path) -> 
 
 def test_an_in_process_answer_after_the_deadline_is_deadline_exceeded() -> None:
     """As on the wire: a component that answers too late has not answered (the runner then
-    stops a fail-closed stage's requests with UNAVAILABLE, naming the budget)."""
+    stops a fail-closed step's requests with UNAVAILABLE, naming the budget)."""
     service = AuthService(CONFIG.auth, DeviceContext())
     auth = in_process(AUTH, service)
     check = service.check

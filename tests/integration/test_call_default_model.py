@@ -18,8 +18,7 @@ def test_spine_call_without_a_model_calls_the_default_alias_whatever_its_id(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = config_for_tests(inference={"model_id": "tiny-lm-mini", "models": []},
                               router={"models": [{"id": "tiny-lm-mini", "backend": "inference", "aliases": ["default"]}]})
-    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "run")
-    stack.start()
+    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "run").start()
     try:
         code = main(["call", "--address", stack.address, "--max-tokens", "2", "--json"])
         answer = json.loads(capsys.readouterr().out)

@@ -7,6 +7,7 @@ two seconds: six sent at once are in flight together, and the tenant's limit dec
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,11 +18,12 @@ import grpc
 import pytest
 
 from migration.limit_shares import side_shares
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.pipeline.interface import CallOptions
 from services.ratelimit.api import RATELIMIT
 from spine.client.gateway_client import CallResult, GatewayClient
 from tests.conftest import TEST_OVERRIDES, config_for_tests, start_stack
+from tests.waiting import eventually
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 TIER_KEYS = {"tier2": "tier2-tenant-key-0000", "tier4": "tier4-tenant-key-0000"}
@@ -42,9 +44,9 @@ def tiers_config(**extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("tiers")
-    started: dict[str, Stack] = {}
+    started: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered"):
             started[layout] = start_stack(layout, tmp, tiers_config())
@@ -90,15 +92,16 @@ def assert_refused_for_concurrency(result: CallResult, tenant: str) -> None:
 def admitted_soon(address: str, tenant: str, tag: str, within_s: float) -> float:
     """Seconds until a short request of `tenant` is admitted (polling), or fail."""
     started = time.monotonic()
+    attempts = itertools.count()
     with GatewayClient(address, TIER_KEYS[tenant]) as client:
-        for attempt in range(1000):
-            result = client.generate(long_request(f"{tag} poll {attempt}", max_tokens=1))
-            if result.ok:
-                return time.monotonic() - started
-            assert result.code == grpc.StatusCode.RESOURCE_EXHAUSTED, result.details
-            assert time.monotonic() - started < within_s, f"still refused after {within_s}s: {result.details}"
-            time.sleep(0.05)
-    raise AssertionError("unreachable")
+
+        def admitted() -> bool:
+            result = client.generate(long_request(f"{tag} poll {next(attempts)}", max_tokens=1))
+            assert result.ok or result.code == grpc.StatusCode.RESOURCE_EXHAUSTED, result.details
+            return bool(result.ok)
+
+        eventually(admitted, within_s, f"a request of {tenant} admitted", interval=0.05)
+    return time.monotonic() - started
 
 
 def open_streams(address: str, tenant: str, tag: str, n: int, max_tokens: int) -> tuple[grpc.Channel, list[Any]]:
@@ -114,7 +117,7 @@ def open_streams(address: str, tenant: str, tag: str, n: int, max_tokens: int) -
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
 def test_six_concurrent_long_requests_with_a_limit_of_two_admit_two_and_refuse_four_with_retry_after(
-        stacks: dict[str, Stack], layout: str) -> None:
+        stacks: dict[str, RunningStack], layout: str) -> None:
     address = stacks[layout].address
     started = time.monotonic()
     results = six_long(address, "tier2", f"six {layout}")
@@ -134,7 +137,7 @@ def test_six_concurrent_long_requests_with_a_limit_of_two_admit_two_and_refuse_f
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_a_stream_holds_its_slot_until_its_last_chunk(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_stream_holds_its_slot_until_its_last_chunk(stacks: dict[str, RunningStack], layout: str) -> None:
     address = stacks[layout].address
     channel, streams = open_streams(address, "tier2", f"hold {layout}", 2, LONG)
     try:
@@ -149,7 +152,7 @@ def test_a_stream_holds_its_slot_until_its_last_chunk(stacks: dict[str, Stack], 
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_a_cancelled_stream_releases_its_slot(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_cancelled_stream_releases_its_slot(stacks: dict[str, RunningStack], layout: str) -> None:
     address = stacks[layout].address
     channel, streams = open_streams(address, "tier2", f"cancel {layout}", 2, 200)  # ~5 s each
     try:
@@ -162,7 +165,7 @@ def test_a_cancelled_stream_releases_its_slot(stacks: dict[str, Stack], layout: 
     admitted_soon(address, "tier2", f"cancel {layout} end", within_s=3.0)
 
 
-def test_across_a_split_each_side_enforces_its_share(stacks: dict[str, Stack]) -> None:
+def test_across_a_split_each_side_enforces_its_share(stacks: dict[str, RunningStack]) -> None:
     """Half the traffic to each side, each with its own rate limiter: a tenant allowed 4 in
     flight gets 2 on each side, 4 in all; one allowed 2 gets 1 on each side (at least 1)."""
     spine_share, layered_share = side_shares(50, spine_limits_locally=True)
@@ -196,14 +199,18 @@ def test_the_limit_is_halved_while_the_model_keeps_the_device_busy(tmp_path: Pat
             background = threading.Thread(target=lambda: at_once(
                 [lambda i=i: busy_maker.generate(long_request(f"busy {i}", 160)) for i in range(2)]))
             background.start()
-            time.sleep(1.5)  # the loop has stepped back to back for a while
-            with GatewayClient(stack.address, TIER_KEYS["tier2"]) as probe:
-                hint = probe.generate(long_request("hint", 1)).load  # refused (tier2 is full), with the hint
+            model = stack.local_servicers["inference"]
+            eventually(lambda: model.engine.active_count == 2, 30, "both long requests decoding")
+            with GatewayClient(stack.address, TIER_KEYS["tier2"]) as probe:  # refused (tier2 is full), with the hint
+                hint = eventually(lambda: (load := probe.generate(long_request("hint", 1)).load)["busy"] > 0.9
+                                  and load, 30, "the loop stepping back to back for a while", interval=0.1)
             assert hint["busy"] > 0.9, hint
             busy = six_long(stack.address, "tier4", "while busy")
             background.join(30)
         assert sum(r.ok for r in busy) == 2
-        time.sleep(2.5)  # idle: the busy fraction falls below 0.8
+        # Idle: the busy fraction the limiter reads (the gateway's, from the model's hints) falls below 0.8.
+        eventually(lambda: stack.gateway.model_load.busy() < 0.8, 30, "the device calm",
+                   interval=0.05, seen=stack.gateway.model_load.busy)
         calm = six_long(stack.address, "tier4", "when calm")
         assert sum(r.ok for r in calm) == 4
     finally:

@@ -26,7 +26,7 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 from migration.plan import load_plan
 from runtime.config.file import load_config
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.auth.envoy_authz import TENANT_HEADER
 from services.ratelimit.envoy_ratelimit import ENTRY_KEYS
 from tests.conftest import DEV_KEY, start_stack
@@ -121,14 +121,14 @@ def test_the_route_builds_the_tenant_descriptor_from_the_header_ext_authz_sets(
 
 
 @pytest.fixture(scope="module")
-def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     # The default config, with the Envoy listener the edge config asks (its own port, as in the runbook).
     stack = start_stack("collapsed", tmp_path_factory.mktemp("edge"), load_config(overrides={"envoy_api": ENVOY_LISTENER}))
     yield stack
     stack.stop()
 
 
-def test_what_envoy_would_send_is_decided_by_a_real_spine(decisions: bootstrap_pb2.Bootstrap, spine: Stack) -> None:
+def test_what_envoy_would_send_is_decided_by_a_real_spine(decisions: bootstrap_pb2.Bootstrap, spine: RunningStack) -> None:
     """Check the dev key as ext_authz does, build the descriptor from the header it set as the
     route's actions do, ask ShouldRateLimit in the filter's domain: OK."""
     hcm = connection_manager(decisions)

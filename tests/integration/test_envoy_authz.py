@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.type.v3 import http_status_pb2
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import (
     DEV_KEY,
@@ -27,6 +26,7 @@ from tests.conftest import (
     stop_process,
 )
 from tests.envoy_calls import ENVOY_LISTENER, bearer, check, envoy_address, ok_headers
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 NO_SCOPE_KEY = "no-scope-key-0000"
@@ -39,14 +39,14 @@ PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
 @pytest.fixture(scope="module")
-def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("collapsed", tmp_path_factory.mktemp("envoy-authz"), CONFIG)
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
-def channel(spine: Stack) -> Iterator[grpc.Channel]:
+def channel(spine: RunningStack) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(envoy_address(spine)) as channel:
         yield channel
 
@@ -144,7 +144,7 @@ def test_a_tenant_that_cannot_be_a_header_value_is_denied_not_forwarded(channel:
     assert "cannot be forwarded" in response.status.message and not response.HasField("ok_response")
 
 
-def test_the_gateway_charges_the_authenticated_tenant_whatever_x_spine_tenant_says(spine: Stack) -> None:
+def test_the_gateway_charges_the_authenticated_tenant_whatever_x_spine_tenant_says(spine: RunningStack) -> None:
     """The header is Envoy's to set for upstreams; the spine's own Gateway never reads it."""
     ratelimit = spine.local_servicers["ratelimit"]
     key = (("tenant", "tight"), ("model", "tiny-lm"), ("resource", "requests"))
@@ -159,7 +159,7 @@ def test_the_gateway_charges_the_authenticated_tenant_whatever_x_spine_tenant_sa
     assert ratelimit.bucket(dev_key) == before_dev  # dev was not charged
 
 
-def test_envoy_checks_and_gateway_calls_see_the_same_keys(spine: Stack, channel: grpc.Channel) -> None:
+def test_envoy_checks_and_gateway_calls_see_the_same_keys(spine: RunningStack, channel: grpc.Channel) -> None:
     with GatewayClient(spine.address) as client:
         request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="same keys", max_tokens=1)
         for token, expected in ((DEV_KEY, 0), ("not-a-key-0000", UNAUTHENTICATED), (NO_SCOPE_KEY, PERMISSION_DENIED)):
@@ -190,15 +190,12 @@ def test_in_a_spine_whose_auth_is_remote_the_answer_comes_from_the_auth_process(
             assert "auth unavailable" in (failed.value.details() or "")
             # It answers again within 10 s (a hung child may also be restarted by its
             # supervisor meanwhile: the answer that counts is the first good one).
-            deadline, recovered = time.monotonic() + 10, None
-            while time.monotonic() < deadline:
+            def recovered() -> bool:
                 try:
-                    recovered = check(channel, bearer(DEV_KEY))
-                    if recovered.status.code == 0:
-                        break
+                    return check(channel, bearer(DEV_KEY)).status.code == 0
                 except grpc.RpcError:  # ejected for a moment after the failure
-                    pass
-                time.sleep(0.2)
-            assert recovered is not None and recovered.status.code == 0
+                    return False
+
+            eventually(recovered, 10, "auth answering OK again", interval=0.2)
     finally:
         stack.stop()

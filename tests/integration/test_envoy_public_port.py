@@ -13,6 +13,7 @@ import pytest
 
 from runtime.config.file import placements_for
 from runtime.processes.launch import launch, serving_on
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.common import ConfigError
 from spine.client.gateway_client import GatewayClient
@@ -25,12 +26,12 @@ from wire.v1 import generation_pb2
 VICTIM = (("tenant", "tight"), ("model", "tiny-lm"), ("resource", "requests"))  # TIGHT_KEY's tenant, burst 4
 
 
-def victim_level(stack: Stack) -> float | None:
+def victim_level(stack: RunningStack) -> float | None:
     bucket = stack.local_servicers["ratelimit"].bucket(VICTIM)
     return None if bucket is None else float(bucket.level)
 
 
-def victim_served(stack: Stack) -> bool:
+def victim_served(stack: RunningStack) -> bool:
     with GatewayClient(stack.address) as client:
         request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="still mine", max_tokens=1)
         return bool(client.generate(request, token=TIGHT_KEY).ok)
@@ -117,5 +118,4 @@ def test_an_envoy_listener_anyone_could_call_is_refused_at_start(tmp_path: Path,
     config = config_for_tests(envoy_api=envoy_api, **extra)
     stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "run", allow_external=True)
     with pytest.raises(ConfigError, match=says):
-        stack.start()
-    stack.stop()
+        stack.start()  # what it had started before the refusal is stopped again

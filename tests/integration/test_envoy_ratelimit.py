@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import TEST_OVERRIDES, TIGHT_KEY, config_for_tests, start_stack
 from tests.envoy_calls import (
@@ -36,19 +36,19 @@ CONFIG = config_for_tests(ratelimit={"tenants": {
 
 
 @pytest.fixture(scope="module")
-def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("collapsed", tmp_path_factory.mktemp("envoy-rls"), CONFIG)
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
-def channel(spine: Stack) -> Iterator[grpc.Channel]:
+def channel(spine: RunningStack) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(envoy_address(spine)) as channel:
         yield channel
 
 
-def level(spine: Stack, tenant: str) -> float | None:
+def level(spine: RunningStack, tenant: str) -> float | None:
     bucket = spine.local_servicers["ratelimit"].bucket((("tenant", tenant), ("model", "tiny-lm"),
                                                         ("resource", "requests")))
     return None if bucket is None else bucket.level
@@ -76,7 +76,7 @@ def test_the_current_limit_is_given_in_the_smallest_whole_unit(channel: grpc.Cha
     assert (limit.requests_per_unit, limit.unit) == (4, rls_pb2.RateLimitResponse.RateLimit.HOUR)
 
 
-def test_envoy_and_the_gateway_draw_on_the_same_bucket(spine: Stack, channel: grpc.Channel) -> None:
+def test_envoy_and_the_gateway_draw_on_the_same_bucket(spine: RunningStack, channel: grpc.Channel) -> None:
     """`tight` (burst 4): Envoy takes three, the Gateway gets the fourth, then both are refused."""
     assert [tenant_limit(channel, "tight").overall_code for _ in range(3)] == [OK, OK, OK]
     with GatewayClient(spine.address) as client:
@@ -136,7 +136,7 @@ def test_an_unknown_tenant_has_the_default_limits_as_on_the_gateway_path(channel
 ], ids=["empty-domain", "other-domain", "no-descriptors", "no-entries", "empty-tenant", "foreign-key",
         "repeated-key", "unknown-model", "unknown-resource"])
 def test_a_request_that_cannot_be_decided_is_unknown_with_the_reason(
-        spine: Stack, channel: grpc.Channel, domain: str, descriptors: list, reason: str) -> None:  # type: ignore[type-arg]
+        spine: RunningStack, channel: grpc.Channel, domain: str, descriptors: list, reason: str) -> None:  # type: ignore[type-arg]
     before = level(spine, "envoy-c")
     answer = should_rate_limit(channel, descriptors, domain=domain)
     assert answer.overall_code == UNKNOWN and not answer.statuses

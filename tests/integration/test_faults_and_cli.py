@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from runtime.processes.launch import launch, spine_up_argv
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, pid_alive, start_stack
 from tests.http_helpers import sdk_round_trip
@@ -28,7 +28,7 @@ def gen(prompt: str, max_tokens: int = 4) -> generation_pb2.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("layered", tmp_path_factory.mktemp("faults"))
     try:
         yield stack
@@ -36,7 +36,7 @@ def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stack.stop()
 
 
-def kill_child(stack: Stack, name: str) -> int:
+def kill_child(stack: RunningStack, name: str) -> int:
     assert stack.supervisor is not None
     child = stack.supervisor.children[name]
     assert child.healthy.is_set()
@@ -52,7 +52,7 @@ def eventually_ok(client: GatewayClient, request: generation_pb2.GenerateRequest
     return holds_within(lambda: client.generate(request).ok, within_s, interval=0.1)
 
 
-def wait_restarted(stack: Stack, name: str, old_pid: int, timeout: float = 60.0) -> None:
+def wait_restarted(stack: RunningStack, name: str, old_pid: int, timeout: float = 60.0) -> None:
     assert stack.supervisor is not None
     child = stack.supervisor.children[name]
     eventually(lambda: child.pid != old_pid and child.healthy.is_set(), timeout, f"{name} restarted",
@@ -60,7 +60,7 @@ def wait_restarted(stack: Stack, name: str, old_pid: int, timeout: float = 60.0)
 
 
 @pytest.mark.parametrize("name", ["auth", "ratelimit"])
-def test_fail_closed_middleware_down_is_unavailable_within_the_deadline(layered: Stack, name: str) -> None:
+def test_fail_closed_middleware_down_is_unavailable_within_the_deadline(layered: RunningStack, name: str) -> None:
     with GatewayClient(layered.address, DEV_KEY) as client:
         assert client.generate(gen(f"before {name} dies")).ok
         old = kill_child(layered, name)
@@ -79,7 +79,7 @@ def test_fail_closed_middleware_down_is_unavailable_within_the_deadline(layered:
     assert layered.supervisor is not None and layered.supervisor.children[name].restarts >= 1
 
 
-def test_fail_open_middleware_down_lets_requests_through_and_counts(layered: Stack) -> None:
+def test_fail_open_middleware_down_lets_requests_through_and_counts(layered: RunningStack) -> None:
     assert layered.gateway is not None
     before = layered.gateway.fail_open_failures["cache"]
     with GatewayClient(layered.address, DEV_KEY) as client:
@@ -92,7 +92,7 @@ def test_fail_open_middleware_down_lets_requests_through_and_counts(layered: Sta
         assert eventually_ok(client, gen("cache is back"))
 
 
-def test_children_carry_health_and_reflection(layered: Stack) -> None:
+def test_children_carry_health_and_reflection(layered: RunningStack) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -134,7 +134,7 @@ def test_spine_up_layered_sigterm_stops_every_child_and_flushes_logs(tmp_path: P
         assert answer["trailing"]["x-spine-layout"] == "layered"
         sdk_round_trip(str(ready["http_address"]))  # the HTTP API, from the same gateway process
         # The gateway keeps no tensors when every component is remote: it never loads torch
-        # (the stage classes live apart from the servicers that keep tables); the model does.
+        # (the step classes live apart from the servicers that keep tables); the model does.
         assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
         assert "libtorch" in Path(f"/proc/{children['inference']}/maps").read_text()
     finally:
@@ -174,7 +174,5 @@ def test_supervisor_death_takes_its_children_along(tmp_path: Path) -> None:
     assert isinstance(children, dict)
     process.kill()  # SIGKILL: the supervisor gets no chance to clean up
     process.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(pid_alive(int(pid)) for pid in children.values()):
-        time.sleep(0.1)
-    assert not [name for name, pid in children.items() if pid_alive(int(pid))]
+    eventually(lambda: not any(pid_alive(int(pid)) for pid in children.values()), 15, "every child gone",
+               interval=0.1, seen=lambda: [name for name, pid in children.items() if pid_alive(int(pid))])

@@ -12,6 +12,7 @@ import grpc
 from migration.traffic.front import SIDES, Front, Outcome
 from runtime.server import start_server
 from services.registry import GATEWAY
+from tests.waiting import eventually
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 
@@ -95,9 +96,8 @@ def test_the_front_notes_model_answers_and_the_concurrency_each_request_met() ->
         threads.append(threading.Thread(target=call, args=("layered", "model")))
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 10
-        while front.log.in_flight() != {"layered": 1, "spine": 5} and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: front.log.in_flight() == {"layered": 1, "spine": 5}, 10, "every call in flight",
+                   seen=front.log.in_flight)
         for gateway in gateways.values():
             gateway.release.set()
         for thread in threads:

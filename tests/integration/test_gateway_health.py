@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from migration.traffic.endpoint_health import EndpointHealth
 from migration.traffic.front import Front
 from runtime.health.watch import HealthWatch
+from runtime.running_stack import RunningStack
 from runtime.server import start_server
 from runtime.stack import Stack
 from services.registry import DEFAULT, GATEWAY
@@ -37,7 +38,7 @@ BOUND_S = 2.0 + 1.0  # the issue's 2 s, plus slack for a loaded machine
 
 
 @pytest.fixture(scope="module")
-def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     stack = start_stack("layered", tmp_path_factory.mktemp("gateway-health"))
     try:
         yield stack
@@ -46,14 +47,13 @@ def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def spine(layered: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spine(layered: RunningStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     """A collapsed spine that may bind auth to the layered stack's auth process (as a spine in
     mid-migration does)."""
     assert layered.supervisor is not None
     stack = Stack(config_for_tests(), dict.fromkeys(DEFAULT.names, "local"),
                   run_dir=tmp_path_factory.mktemp("spine"),
-                  remote_addresses={"auth": layered.supervisor.children["auth"].address})
-    stack.start()
+                  remote_addresses={"auth": layered.supervisor.children["auth"].address}).start()
     try:
         yield stack
     finally:
@@ -71,7 +71,7 @@ def status(address: str, service: str = "") -> int | None:
 
 
 @contextlib.contextmanager
-def stopped(stack: Stack, name: str) -> Iterator[int]:
+def stopped(stack: RunningStack, name: str) -> Iterator[int]:
     """SIGSTOP a child of `stack` (started by this test module); SIGCONT it whatever happens."""
     assert stack.supervisor is not None
     pid = stack.supervisor.children[name].pid
@@ -95,7 +95,7 @@ def gen(prompt: str) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=2)
 
 
-def test_a_stopped_auth_turns_the_gateway_not_serving_within_2s_and_serving_after_sigcont(layered: Stack) -> None:
+def test_a_stopped_auth_turns_the_gateway_not_serving_within_2s_and_serving_after_sigcont(layered: RunningStack) -> None:
     address = layered.address
     # The module's stack is shared: a test before this one (or a loaded host) may leave a
     # health check just failed; the gateway comes back by itself, as the test then checks.
@@ -119,7 +119,7 @@ def test_a_stopped_auth_turns_the_gateway_not_serving_within_2s_and_serving_afte
     assert down_s <= BOUND_S and up_s <= BOUND_S
 
 
-def test_a_dead_fail_open_component_is_reported_but_the_gateway_stays_serving(layered: Stack) -> None:
+def test_a_dead_fail_open_component_is_reported_but_the_gateway_stays_serving(layered: RunningStack) -> None:
     assert layered.supervisor is not None
     child = layered.supervisor.children["cache"]
     old = child.pid
@@ -139,7 +139,7 @@ def test_a_dead_fail_open_component_is_reported_but_the_gateway_stays_serving(la
     print(f"\ncache killed -> spine.v1.Cache NOT_SERVING in {down_s:.2f}s, gateway SERVING throughout")
 
 
-def test_the_front_stops_sending_to_a_side_that_is_not_serving(layered: Stack, spine: Stack) -> None:
+def test_the_front_stops_sending_to_a_side_that_is_not_serving(layered: RunningStack, spine: RunningStack) -> None:
     front = Front({"layered": layered.address, "spine": spine.address}, spine_weight=0.0)
     health = EndpointHealth({"layered": [layered.address], "spine": [spine.address]}, front=front).start()
     server = start_server([(GATEWAY, front)], "127.0.0.1:0")
@@ -168,7 +168,7 @@ def test_the_front_stops_sending_to_a_side_that_is_not_serving(layered: Stack, s
     assert moved_s <= BOUND_S
 
 
-def test_the_gateway_health_follows_placements(layered: Stack, spine: Stack) -> None:
+def test_the_gateway_health_follows_placements(layered: RunningStack, spine: RunningStack) -> None:
     assert status(spine.address) == SERVING
     try:
         with stopped(layered, "auth"):
@@ -187,7 +187,7 @@ def test_the_gateway_health_follows_placements(layered: Stack, spine: Stack) -> 
     assert down_s <= BOUND_S and up_s <= BOUND_S
 
 
-def test_the_ab_tool_sends_nothing_to_a_layout_that_is_not_serving(layered: Stack, spine: Stack) -> None:
+def test_the_ab_tool_sends_nothing_to_a_layout_that_is_not_serving(layered: RunningStack, spine: RunningStack) -> None:
     entries = synthetic(SyntheticSpec(count=6, rate=50.0, unauthenticated_share=0.0, invalid_share=0.0),
                         tenant_keys(config_for_tests().auth))
     runs = [LayoutRun("layered", layered.address), LayoutRun("spine", spine.address)]
@@ -203,7 +203,7 @@ def test_the_ab_tool_sends_nothing_to_a_layout_that_is_not_serving(layered: Stac
     assert runs[1].not_serving == 0 and all(r is not None and r.ok for r in runs[1].results)
 
 
-def test_a_child_in_a_crash_loop_is_reported_in_the_gateway_health(layered: Stack) -> None:
+def test_a_child_in_a_crash_loop_is_reported_in_the_gateway_health(layered: RunningStack) -> None:
     supervisor = layered.supervisor
     assert supervisor is not None and layered.run_dir is not None and layered.health is not None
     child = supervisor.children["router"]

@@ -30,6 +30,7 @@ from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
 from runtime.config.file import placements_for
 from runtime.faults import FaultHook, WrongAnswers
+from runtime.running_stack import RunningStack
 from runtime.shadow.metrics import COMPARED, MISMATCHED
 from runtime.stack import Stack
 from services.common import ConfigError
@@ -56,8 +57,8 @@ stages:
 
 @dataclass
 class Sides:
-    layered: Stack
-    spine: Stack
+    layered: RunningStack
+    spine: RunningStack
     fault: FaultHook
 
     def metrics_url(self, side: str) -> str:
@@ -68,18 +69,16 @@ class Sides:
 def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sides]:
     tmp = tmp_path_factory.mktemp("gateway-mirror")
     base = config_for_tests(internal={"secret": SECRET})
-    layered = Stack(base, placements_for("collapsed", base), run_dir=tmp / "layered")
-    spine: Stack | None = None
+    layered = Stack(base, placements_for("collapsed", base), run_dir=tmp / "layered").start()
+    spine: RunningStack | None = None
     try:
-        layered.start()
         config = base.with_overrides({"shadow": {"share": 1.0, "calibration_share": 0.0,
                                                  "layered_address": layered.address}})
         fault = FaultHook()
         device = DeviceContext.for_section(config.device)
         model = WrongAnswers(DEFAULT["inference"].build(config, device, tmp), fault)
         spine = Stack(config, placements_for("collapsed", config), run_dir=tmp / "spine", device=device,
-                      servicers={"inference": model})
-        spine.start()
+                      servicers={"inference": model}).start()
         yield Sides(layered, spine, fault)
     finally:
         for stack in (spine, layered):

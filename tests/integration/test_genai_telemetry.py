@@ -131,8 +131,7 @@ class Traced:
         config = config_for_tests()
         with installed_tracing(self.tracing):  # the stack's hooks and its gateway read it at start
             self.stack = Stack(config, placements_for(layout, config), run_dir=tmp / layout,
-                               http_listen="127.0.0.1:0")
-            self.stack.start()
+                               http_listen="127.0.0.1:0").start()
 
     def genai(self, since: int = 0) -> list[ReadableSpan]:
         spans = self.exporter.get_finished_spans()[since:]
@@ -251,8 +250,8 @@ def test_a_streams_span_ends_at_its_last_chunk_not_when_the_call_returns(tmp_pat
     exporter = InMemorySpanExporter()
     config = config_for_tests()
     with installed_tracing(Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)):
-        stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path, servicers={"inference": service})
-        stack.start()
+        stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path,
+                      servicers={"inference": service}).start()
     try:
         model.hold()
         with GatewayClient(stack.address, DEV_KEY) as client:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any
 
 import anthropic
@@ -13,10 +12,11 @@ import httpx
 import openai
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY
 from tests.http_helpers import SOLO_KEY, UPSTREAM_MODELS, anthropic_client, openai_client, raw, sse_events
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 LAYOUTS = ("collapsed", "layered")
@@ -25,7 +25,7 @@ LONG_PROMPT = "a long greedy answer for collapsed"
 
 
 @pytest.fixture
-def stacks(http_stacks: dict[str, Stack]) -> dict[str, Stack]:
+def stacks(http_stacks: dict[str, RunningStack]) -> dict[str, RunningStack]:
     return http_stacks
 
 
@@ -35,7 +35,7 @@ def chat(client: openai.OpenAI, prompt: str, **extra: Any) -> Any:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_openai_chat_plain_and_streamed_match_grpc(stacks: dict[str, Stack], layout: str) -> None:
+def test_openai_chat_plain_and_streamed_match_grpc(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     client = openai_client(stack)
     plain = chat(client, f"http chat {layout}")
@@ -61,14 +61,14 @@ def test_openai_chat_plain_and_streamed_match_grpc(stacks: dict[str, Stack], lay
     assert chunks[-1].usage.completion_tokens == again.usage.completion_tokens
 
 
-def test_both_layouts_answer_alike(stacks: dict[str, Stack]) -> None:
+def test_both_layouts_answer_alike(stacks: dict[str, RunningStack]) -> None:
     answers = {layout: chat(openai_client(stack), "http parity", seed=3).choices[0].message.content
                for layout, stack in stacks.items()}
     assert answers["layered"] == answers["collapsed"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_openai_completions_and_models(stacks: dict[str, Stack], layout: str) -> None:
+def test_openai_completions_and_models(stacks: dict[str, RunningStack], layout: str) -> None:
     client = openai_client(stacks[layout])
     completion = client.completions.create(model="default", prompt="http completion", max_tokens=5, temperature=0)
     assert completion.object == "text_completion" and completion.model == "tiny-lm"
@@ -82,7 +82,7 @@ def test_openai_completions_and_models(stacks: dict[str, Stack], layout: str) ->
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_anthropic_message_plain_and_streamed(stacks: dict[str, Stack], layout: str) -> None:
+def test_anthropic_message_plain_and_streamed(stacks: dict[str, RunningStack], layout: str) -> None:
     client = anthropic_client(stacks[layout])
     message = client.messages.create(model="tiny-lm", max_tokens=6, system="Be brief.",
                                      messages=[{"role": "user", "content": f"http message {layout}"}],
@@ -100,7 +100,7 @@ def test_anthropic_message_plain_and_streamed(stacks: dict[str, Stack], layout: 
     assert final.usage.output_tokens == 6 and final.content[0].text
 
 
-def test_anthropic_stream_is_the_documented_event_sequence(stacks: dict[str, Stack]) -> None:
+def test_anthropic_stream_is_the_documented_event_sequence(stacks: dict[str, RunningStack]) -> None:
     with raw(stacks["collapsed"]) as client:
         answer = client.post("/v1/messages", headers={"x-api-key": DEV_KEY}, json={
             "model": "tiny-lm", "max_tokens": 4, "stream": True, "temperature": 0,
@@ -117,7 +117,7 @@ def test_anthropic_stream_is_the_documented_event_sequence(stacks: dict[str, Sta
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_sdk_exception_classes(stacks: dict[str, Stack], layout: str) -> None:
+def test_sdk_exception_classes(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     with pytest.raises(openai.AuthenticationError):
         chat(openai_client(stack, key="wrong-key"), "http auth")
@@ -136,7 +136,7 @@ def test_sdk_exception_classes(stacks: dict[str, Stack], layout: str) -> None:
                                                 messages=[{"role": "user", "content": "x"}])
 
 
-def _hold_a_slot(stack: Stack, started: threading.Event, done: threading.Event, label: str) -> threading.Thread:
+def _hold_a_slot(stack: RunningStack, started: threading.Event, done: threading.Event, label: str) -> threading.Thread:
     """The solo tenant's one slot, held by a long stream until `done`'s reader drains it."""
     def hold() -> None:
         with raw(stack) as client, client.stream("POST", "/v1/chat/completions", headers={
@@ -155,7 +155,7 @@ def _hold_a_slot(stack: Stack, started: threading.Event, done: threading.Event, 
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_over_the_concurrency_limit_is_429_with_retry_after_and_the_sdk_retries(stacks: dict[str, Stack],
+def test_over_the_concurrency_limit_is_429_with_retry_after_and_the_sdk_retries(stacks: dict[str, RunningStack],
                                                                               layout: str) -> None:
     stack = stacks[layout]
     started, done = threading.Event(), threading.Event()
@@ -191,7 +191,7 @@ def test_over_the_concurrency_limit_is_429_with_retry_after_and_the_sdk_retries(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_answer_carries_the_headers(stacks: dict[str, Stack], layout: str) -> None:
+def test_every_answer_carries_the_headers(stacks: dict[str, RunningStack], layout: str) -> None:
     with raw(stacks[layout]) as client:
         answers = [
             client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
@@ -212,7 +212,7 @@ def test_every_answer_carries_the_headers(stacks: dict[str, Stack], layout: str)
     assert answers[1].json()["error"]["type"] == "authentication_error"
 
 
-def test_a_callers_request_id_is_kept(stacks: dict[str, Stack]) -> None:
+def test_a_callers_request_id_is_kept(stacks: dict[str, RunningStack]) -> None:
     with raw(stacks["collapsed"]) as client:
         answer = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}",
                                                               "x-request-id": "my-call-42"},
@@ -221,7 +221,7 @@ def test_a_callers_request_id_is_kept(stacks: dict[str, Stack]) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     with raw(stack) as client, client.stream("POST", "/v1/chat/completions", headers={
             "authorization": f"Bearer {SOLO_KEY}"}, json={
@@ -230,18 +230,15 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(stacks: dict[str
         assert answer.status_code == 200
         next(answer.iter_lines())  # one event, then hang up
     # The tenant's one slot comes back with the disconnect, long before 250 tokens would end.
-    deadline = time.monotonic() + 3.0
     with raw(stack) as client:
-        while True:
-            again = client.post("/v1/chat/completions", headers={"authorization": f"Bearer {SOLO_KEY}"}, json={
-                "model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "after leaving"}]})
-            if again.status_code == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert again.status_code == 200, again.text
+        answers: list[Any] = []
+
+        def admitted() -> bool:
+            answers.append(client.post("/v1/chat/completions", headers={"authorization": f"Bearer {SOLO_KEY}"}, json={
+                "model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "after leaving"}]}))
+            return bool(answers[-1].status_code == 200)
+
+        eventually(admitted, 3.0, "the tenant's slot back", interval=0.05, seen=lambda: answers[-1].text)
     if layout == "collapsed":  # the model's own KV slots: none held by the abandoned stream
         inference = stack.local_servicers["inference"]
-        deadline = time.monotonic() + 3.0
-        while inference.scheduler.running_count and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert inference.scheduler.running_count == 0
+        eventually(lambda: inference.scheduler.running_count == 0, 3.0, "no KV slot held", interval=0.05)

@@ -24,8 +24,8 @@ from migration.traffic.http_front import HttpFront
 from migration.traffic.http_mirror import MirrorSettings
 from runtime.config.http import HttpConfig
 from runtime.http.server import HttpServer
+from runtime.running_stack import RunningStack
 from runtime.server import free_port
-from runtime.stack import Stack
 from tests.conftest import DEV_KEY
 from tests.waiting import eventually
 
@@ -43,7 +43,7 @@ def serving(front: HttpFront) -> Iterator[str]:
 
 
 @pytest.fixture
-def sides(http_stacks: dict[str, Stack]) -> tuple[str, str]:
+def sides(http_stacks: dict[str, RunningStack]) -> tuple[str, str]:
     """(legacy, spine) roots."""
     return f"http://{http_stacks['layered'].http_address}", f"http://{http_stacks['collapsed'].http_address}"
 

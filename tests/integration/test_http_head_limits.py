@@ -20,9 +20,10 @@ import pytest
 import yaml
 
 from runtime.processes.launch import launch, spine_up_argv
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from tests.conftest import DEV_KEY
 from tests.http_helpers import HTTP_LIMITS, connect, raw
+from tests.waiting import eventually
 from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 AUTH = {"authorization": f"Bearer {DEV_KEY}"}
@@ -32,13 +33,22 @@ DEFAULT_AUTH = {"authorization": "Bearer spine-dev-key-0000"}
 DEFAULT_GOOD = {**GOOD, "model": "default"}
 
 
-def still_serving(stack: Stack) -> None:
+def still_serving(stack: RunningStack) -> None:
     with raw(stack) as client:
         answer = client.post("/v1/chat/completions", headers=AUTH, json=GOOD)
     assert answer.status_code == 200, answer.text
 
 
-def answer_to(stack: Stack, head: bytes, send_timeout_s: float = 5.0) -> bytes:
+def serves(stack: RunningStack) -> bool:
+    """Whether a request is served now (`still_serving`, asked again while it is not)."""
+    try:
+        still_serving(stack)
+    except AssertionError:
+        return False
+    return True
+
+
+def answer_to(stack: RunningStack, head: bytes, send_timeout_s: float = 5.0) -> bytes:
     """What the server answers a raw request head (b"" when it only closed the connection)."""
     with connect(stack) as sock:
         sock.settimeout(send_timeout_s)
@@ -53,7 +63,7 @@ def answer_to(stack: Stack, head: bytes, send_timeout_s: float = 5.0) -> bytes:
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
 def test_too_many_fields_or_too_many_bytes_of_headers_get_431_in_the_api_shape(
-        http_stacks: dict[str, Stack], layout: str) -> None:
+        http_stacks: dict[str, RunningStack], layout: str) -> None:
     stack = http_stacks[layout]
     many = {f"x-field-{i}": "v" for i in range(200)}
     with raw(stack) as client:
@@ -74,7 +84,7 @@ def test_too_many_fields_or_too_many_bytes_of_headers_get_431_in_the_api_shape(
     still_serving(stack)
 
 
-def test_a_refused_head_behind_a_pipelined_request_waits_for_its_answer(http_stacks: dict[str, Stack]) -> None:
+def test_a_refused_head_behind_a_pipelined_request_waits_for_its_answer(http_stacks: dict[str, RunningStack]) -> None:
     stack = http_stacks["collapsed"]
     body = json.dumps(GOOD).encode()
     def request(extra: bytes = b"") -> bytes:
@@ -86,14 +96,14 @@ def test_a_refused_head_behind_a_pipelined_request_waits_for_its_answer(http_sta
     assert b"\r\nHTTP/1.1 431 " in answers or b"}HTTP/1.1 431 " in answers, answers[-400:]
 
 
-def test_a_request_line_past_the_line_limit_gets_414(http_stacks: dict[str, Stack]) -> None:
+def test_a_request_line_past_the_line_limit_gets_414(http_stacks: dict[str, RunningStack]) -> None:
     stack = http_stacks["collapsed"]
     answer = answer_to(stack, b"GET /v1/models?" + b"q" * 2_000_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 414 "), answer[:200]
     still_serving(stack)
 
 
-def test_smuggling_shapes_are_still_refused(http_stacks: dict[str, Stack]) -> None:
+def test_smuggling_shapes_are_still_refused(http_stacks: dict[str, RunningStack]) -> None:
     stack = http_stacks["collapsed"]
     for framing in (b"content-length: 5\r\ntransfer-encoding: chunked\r\n",
                     b"content-length: 5\r\ncontent-length: 6\r\n",
@@ -103,7 +113,7 @@ def test_smuggling_shapes_are_still_refused(http_stacks: dict[str, Stack]) -> No
     still_serving(stack)
 
 
-def test_a_chunked_body_past_the_limit_is_refused_as_it_passes_it(http_stacks: dict[str, Stack]) -> None:
+def test_a_chunked_body_past_the_limit_is_refused_as_it_passes_it(http_stacks: dict[str, RunningStack]) -> None:
     stack = http_stacks["collapsed"]
     limit = HTTP_LIMITS["max_body_bytes"]
     with connect(stack) as sock:
@@ -223,7 +233,7 @@ def test_the_grpc_listener_refuses_huge_metadata_and_messages_with_a_clear_statu
         assert stub.Generate(small, metadata=metadata, timeout=30).text is not None
 
 
-def test_connections_past_the_cap_are_answered_503_at_accept(http_stacks: dict[str, Stack]) -> None:
+def test_connections_past_the_cap_are_answered_503_at_accept(http_stacks: dict[str, RunningStack]) -> None:
     stack = http_stacks["collapsed"]
     held = [connect(stack) for _ in range(HTTP_LIMITS["max_connections"])]
     try:
@@ -235,12 +245,4 @@ def test_connections_past_the_cap_are_answered_503_at_accept(http_stacks: dict[s
     finally:
         for sock in held:
             sock.close()
-    deadline = time.monotonic() + 5
-    while True:
-        try:
-            still_serving(stack)
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    eventually(lambda: serves(stack), 5, "a request served again", interval=0.05)

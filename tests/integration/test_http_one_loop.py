@@ -20,7 +20,7 @@ import grpc
 import httpx2
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from tests.http_helpers import DEV_KEY, UPSTREAM_MODELS, openai_client
 from tests.waiting import eventually
 
@@ -42,7 +42,7 @@ class ThreadsSeen:
 
 
 @pytest.fixture
-def seen(http_stacks: dict[str, Stack]) -> Iterator[tuple[Stack, ThreadsSeen, list[int]]]:
+def seen(http_stacks: dict[str, RunningStack]) -> Iterator[tuple[RunningStack, ThreadsSeen, list[int]]]:
     """The collapsed stack with the hook installed, and the threads its upstream attempts ran on."""
     stack = http_stacks["collapsed"]
     assert stack.pipeline is not None
@@ -64,14 +64,14 @@ def seen(http_stacks: dict[str, Stack]) -> Iterator[tuple[Stack, ThreadsSeen, li
         del endpoint.unary
 
 
-def _loop_thread(stack: Stack) -> int:
+def _loop_thread(stack: RunningStack) -> int:
     thread = stack.http_server._thread
     assert thread is not None and thread.ident is not None
     return int(thread.ident)
 
 
 def test_a_unary_request_over_an_upstream_runs_on_the_http_loop_from_accept_to_answer(
-        seen: tuple[Stack, ThreadsSeen, list[int]]) -> None:
+        seen: tuple[RunningStack, ThreadsSeen, list[int]]) -> None:
     stack, hook, attempts = seen
     answer = openai_client(stack).chat.completions.create(
         model=UPSTREAM_MODELS[0], max_tokens=3, temperature=0, messages=[{"role": "user", "content": "one loop"}])
@@ -84,7 +84,7 @@ def test_a_unary_request_over_an_upstream_runs_on_the_http_loop_from_accept_to_a
 
 
 def test_a_request_for_the_built_in_model_keeps_the_handler_thread_path(
-        seen: tuple[Stack, ThreadsSeen, list[int]]) -> None:
+        seen: tuple[RunningStack, ThreadsSeen, list[int]]) -> None:
     stack, hook, attempts = seen
     answer = openai_client(stack).chat.completions.create(
         model="default", max_tokens=2, temperature=0, messages=[{"role": "user", "content": "a built-in answer"}])
@@ -97,7 +97,7 @@ def test_a_request_for_the_built_in_model_keeps_the_handler_thread_path(
 
 
 @pytest.fixture
-def streams_seen(seen: tuple[Stack, ThreadsSeen, list[int]]) -> Iterator[tuple[Stack, ThreadsSeen, list[str]]]:
+def streams_seen(seen: tuple[RunningStack, ThreadsSeen, list[int]]) -> Iterator[tuple[RunningStack, ThreadsSeen, list[str]]]:
     """`seen`, and how each stream attempt at the upstream ended ("ended", "cancelled") and on which thread."""
     stack, hook, _ = seen
     endpoint = stack.local_servicers["inference"].upstreams.endpoints[UPSTREAM_MODELS[0]]
@@ -120,7 +120,7 @@ def streams_seen(seen: tuple[Stack, ThreadsSeen, list[int]]) -> Iterator[tuple[S
         del endpoint.stream
 
 
-def test_a_stream_over_an_upstream_runs_on_the_http_loop(streams_seen: tuple[Stack, ThreadsSeen, list[str]]) -> None:
+def test_a_stream_over_an_upstream_runs_on_the_http_loop(streams_seen: tuple[RunningStack, ThreadsSeen, list[str]]) -> None:
     stack, hook, ends = streams_seen
     chunks = openai_client(stack).chat.completions.create(
         model=UPSTREAM_MODELS[0], max_tokens=4, temperature=0, stream=True,
@@ -134,7 +134,7 @@ def test_a_stream_over_an_upstream_runs_on_the_http_loop(streams_seen: tuple[Sta
 
 
 def test_a_client_leaving_a_stream_on_the_loop_ends_the_upstream_exchange_at_once(
-        streams_seen: tuple[Stack, ThreadsSeen, list[str]]) -> None:
+        streams_seen: tuple[RunningStack, ThreadsSeen, list[str]]) -> None:
     stack, _, ends = streams_seen
     endpoint = stack.local_servicers["inference"].upstreams.endpoints[UPSTREAM_MODELS[0]]
     with httpx2.Client(timeout=10) as raw, raw.stream(

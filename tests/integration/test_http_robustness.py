@@ -11,20 +11,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from tests.conftest import DEV_KEY
 from tests.http_helpers import HTTP_LIMITS, connect, raw
+from tests.waiting import eventually
 
 AUTH = {"authorization": f"Bearer {DEV_KEY}"}
 GOOD = {"model": "tiny-lm", "max_tokens": 2, "messages": [{"role": "user", "content": "fine"}]}
 
 
 @pytest.fixture
-def stacks(http_stacks: dict[str, Stack]) -> dict[str, Stack]:
+def stacks(http_stacks: dict[str, RunningStack]) -> dict[str, RunningStack]:
     return http_stacks
 
 
-def still_serving(stack: Stack) -> None:
+def still_serving(stack: RunningStack) -> None:
     with raw(stack) as client:
         answer = client.post("/v1/chat/completions", headers=AUTH, json=GOOD)
     assert answer.status_code == 200, answer.text
@@ -59,7 +60,7 @@ BAD_BODIES: list[tuple[str, bytes, dict[str, str], int, str]] = [
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_bad_input_is_a_clear_4xx_and_the_process_keeps_serving(stacks: dict[str, Stack], layout: str) -> None:
+def test_bad_input_is_a_clear_4xx_and_the_process_keeps_serving(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     with raw(stack) as client:
         for path, body, headers, status, words in BAD_BODIES:
@@ -74,7 +75,7 @@ def test_bad_input_is_a_clear_4xx_and_the_process_keeps_serving(stacks: dict[str
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_a_chunked_body_is_read_whole_and_under_the_same_limit(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_chunked_body_is_read_whole_and_under_the_same_limit(stacks: dict[str, RunningStack], layout: str) -> None:
     data = json.dumps(GOOD).encode()
     headers = {"content-type": "application/json", **AUTH}
     with raw(stacks[layout]) as client:
@@ -87,7 +88,7 @@ def test_a_chunked_body_is_read_whole_and_under_the_same_limit(stacks: dict[str,
     still_serving(stacks[layout])
 
 
-def test_a_body_declared_too_large_is_refused_before_it_is_read(stacks: dict[str, Stack]) -> None:
+def test_a_body_declared_too_large_is_refused_before_it_is_read(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["collapsed"]
     with connect(stack) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
@@ -97,7 +98,7 @@ def test_a_body_declared_too_large_is_refused_before_it_is_read(stacks: dict[str
     still_serving(stack)
 
 
-def test_slow_headers_are_cut_off_and_others_are_served_meanwhile(stacks: dict[str, Stack]) -> None:
+def test_slow_headers_are_cut_off_and_others_are_served_meanwhile(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["collapsed"]
     with connect(stack) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
@@ -108,7 +109,7 @@ def test_slow_headers_are_cut_off_and_others_are_served_meanwhile(stacks: dict[s
         assert time.monotonic() - started < HTTP_LIMITS["read_timeout_s"] + 2
 
 
-def test_a_slow_body_gets_408(stacks: dict[str, Stack]) -> None:
+def test_a_slow_body_gets_408(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["collapsed"]
     with connect(stack) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
@@ -119,33 +120,32 @@ def test_a_slow_body_gets_408(stacks: dict[str, Stack]) -> None:
     still_serving(stack)
 
 
-def test_connections_past_the_cap_are_refused_and_service_comes_back(stacks: dict[str, Stack]) -> None:
+def test_connections_past_the_cap_are_refused_and_service_comes_back(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["collapsed"]
     idle = [connect(stack) for _ in range(HTTP_LIMITS["max_connections"])]
     try:
-        time.sleep(0.2)
-        with raw(stack) as client:
-            assert client.post("/v1/chat/completions", headers=AUTH, json=GOOD).status_code == 503
+        eventually(lambda: status_of_one(stack) == 503, 5, "a connection past the cap refused (503)",
+                   interval=0.05, seen=lambda: status_of_one(stack))
     finally:
         for sock in idle:
             sock.close()
-    deadline = time.monotonic() + 3
-    while True:
-        with raw(stack) as client:
-            status = client.post("/v1/chat/completions", headers=AUTH, json=GOOD).status_code
-        if status == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert status == 200
+    eventually(lambda: status_of_one(stack) == 200, 3, "service back once the connections closed",
+               interval=0.05, seen=lambda: status_of_one(stack))
 
 
-def test_two_credentials_that_disagree_are_refused(stacks: dict[str, Stack]) -> None:
+def status_of_one(stack: RunningStack) -> int:
+    """The status a good request gets on a connection of its own."""
+    with raw(stack) as client:
+        return int(client.post("/v1/chat/completions", headers=AUTH, json=GOOD).status_code)
+
+
+def test_two_credentials_that_disagree_are_refused(stacks: dict[str, RunningStack]) -> None:
     with raw(stacks["collapsed"]) as client:
         answer = client.post("/v1/messages", headers={**AUTH, "x-api-key": "another"}, json={**GOOD, "max_tokens": 2})
     assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
 
 
-def test_internal_headers_from_a_client_change_nothing(stacks: dict[str, Stack]) -> None:
+def test_internal_headers_from_a_client_change_nothing(stacks: dict[str, RunningStack]) -> None:
     """A client naming internal metadata (a shadow mark, a tenant) is decided like any other:
     with no credential it is refused, whatever it claims."""
     with raw(stacks["collapsed"]) as client:
@@ -177,7 +177,7 @@ _HEADERS = st.fixed_dictionaries({}, optional={
 })
 
 
-def _decide(stack: Stack, path: str, body: Any, headers: dict[str, str]) -> tuple[int, str]:
+def _decide(stack: RunningStack, path: str, body: Any, headers: dict[str, str]) -> tuple[int, str]:
     with raw(stack) as client:
         answer = client.post(path, content=json.dumps(body).encode(),
                              headers={"content-type": "application/json", **headers})
@@ -192,7 +192,7 @@ def _decide(stack: Stack, path: str, body: Any, headers: dict[str, str]) -> tupl
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/messages"]), body=_BODY,
        headers=_HEADERS)
 def test_fuzzed_requests_get_the_same_status_and_error_type_in_both_layouts(
-        stacks: dict[str, Stack], path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        stacks: dict[str, RunningStack], path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
     if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
         body["max_tokens"] = min(body["max_tokens"], 4)  # keep each answer short
     verdicts = {layout: _decide(stack, path, body, headers) for layout, stack in stacks.items()}

@@ -27,6 +27,7 @@ from migration.traffic.front import Front
 from migration.traffic.front_target import FrontTarget
 from runtime.config.file import placements_for
 from runtime.observability.tracing import Tracing, installed_tracing
+from runtime.running_stack import RunningStack
 from runtime.server import start_server
 from runtime.stack import Stack
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow, shadow_mark
@@ -48,15 +49,14 @@ CONFIG = config_for_tests(
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("internal")
-    started: dict[str, Stack] = {}
+    started: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered"):
             # with the HTTP API too: the mark reaches the pipeline from HTTP headers as well
             started[layout] = Stack(CONFIG, placements_for(layout, CONFIG), run_dir=tmp / layout,
-                                    http_listen="127.0.0.1:0")
-            started[layout].start()
+                                    http_listen="127.0.0.1:0").start()
         yield started
     finally:
         for stack in started.values():
@@ -77,7 +77,7 @@ def tight(client: GatewayClient, n: int, headers: dict[str, str] | None = None,
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_only_the_fronts_signed_mark_makes_a_request_shadow(stacks: dict[str, Stack], layout: str) -> None:
+def test_only_the_fronts_signed_mark_makes_a_request_shadow(stacks: dict[str, RunningStack], layout: str) -> None:
     """The tight tenant's burst is 4 (refilling about once in 17 minutes)."""
     with GatewayClient(stacks[layout].address) as client:
         # Signed shadow copies are decided as dry runs: they never spend the burst.
@@ -90,7 +90,7 @@ def test_only_the_fronts_signed_mark_makes_a_request_shadow(stacks: dict[str, St
     assert codes == [grpc.StatusCode.OK] * 4 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
 
 
-def test_over_http_too_only_the_signed_mark_makes_a_request_shadow(stacks: dict[str, Stack]) -> None:
+def test_over_http_too_only_the_signed_mark_makes_a_request_shadow(stacks: dict[str, RunningStack]) -> None:
     """The HTTP front marks its copies to the spine; the HTTP API passes the mark on, and the
     gateway honours it only when it verifies: a client's forgery is charged like any request."""
     def post(client: httpx.Client, i: int, headers: dict[str, str]) -> int:
@@ -119,7 +119,7 @@ def test_a_mark_is_bound_to_its_request_id_and_its_time() -> None:
 
 
 @pytest.fixture(scope="module")
-def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("front-sides")
     started = {"layered": start_stack("collapsed", tmp / "a", CONFIG), "spine": start_stack("collapsed", tmp / "b", CONFIG)}
     try:
@@ -138,7 +138,7 @@ def serve_front(front: Front) -> Iterator[str]:
         front.close()
 
 
-def test_the_route_header_is_ignored_when_the_front_turns_it_off(sides: dict[str, Stack]) -> None:
+def test_the_route_header_is_ignored_when_the_front_turns_it_off(sides: dict[str, RunningStack]) -> None:
     addresses = {side: stack.address for side, stack in sides.items()}
     for route_header, expected in ((True, {"spine"}), (False, {"layered"})):
         front = Front(addresses, spine_weight=0.0, route_header=route_header, rng=random.Random(1))
@@ -162,7 +162,7 @@ stages:
 
 
 @pytest.mark.parametrize("route_header", [False, True])
-def test_the_front_honours_the_route_header_as_the_running_plan_says(sides: dict[str, Stack], tmp_path: Path,
+def test_the_front_honours_the_route_header_as_the_running_plan_says(sides: dict[str, RunningStack], tmp_path: Path,
                                                                      route_header: bool) -> None:
     """A real controller starts a plan at 100% spine on the built-in front (constructed with the
     opposite setting): `x-spine-route: layered` reaches the layered side only if the plan allows it."""
@@ -182,7 +182,7 @@ def test_the_front_honours_the_route_header_as_the_running_plan_says(sides: dict
         controller.close()
 
 
-def test_the_front_passes_no_internal_header_from_a_client_to_a_side(sides: dict[str, Stack]) -> None:
+def test_the_front_passes_no_internal_header_from_a_client_to_a_side(sides: dict[str, RunningStack]) -> None:
     front = Front({side: stack.address for side, stack in sides.items()}, spine_weight=0.0, internal_key=KEY)
     for address in serve_front(front):
         with GatewayClient(address) as client:

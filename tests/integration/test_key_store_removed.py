@@ -15,6 +15,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from tests.conftest import config_for_tests
 from tests.http_helpers import openai_client
@@ -23,12 +24,12 @@ from tests.waiting import eventually
 TOKEN = "store-gone-admin-token-0123456789"
 
 
-def admin(stack: Stack, method: str, path: str, body: Any = None) -> httpx.Response:
+def admin(stack: RunningStack, method: str, path: str, body: Any = None) -> httpx.Response:
     return httpx.request(method, f"http://{stack.http_address}{path}", json=body, timeout=10,
                          headers={"authorization": f"Bearer {TOKEN}"})
 
 
-def metric(stack: Stack, family: str) -> float | None:
+def metric(stack: RunningStack, family: str) -> float | None:
     address = stack.metrics_address()
     assert address is not None
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as answer:
@@ -39,7 +40,7 @@ def metric(stack: Stack, family: str) -> float | None:
     return None
 
 
-def works(stack: Stack, key: str) -> bool:
+def works(stack: RunningStack, key: str) -> bool:
     try:
         openai_client(stack, key).chat.completions.create(model="tiny-lm", max_tokens=2, temperature=0,
                                                           messages=[{"role": "user", "content": "hi"}])
@@ -52,8 +53,7 @@ def test_a_removed_key_store_is_reported_and_refuses_writes_it_could_not_keep(tm
     path = tmp_path / "keys" / "keys.sqlite"
     config = config_for_tests(auth={"store": {"sqlite": str(path)}})
     stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "run",
-                  http_listen="127.0.0.1:0", admin_token=TOKEN)
-    stack.start()
+                  http_listen="127.0.0.1:0", admin_token=TOKEN).start()
     try:
         made = admin(stack, "POST", "/admin/keys", {"tenant": "dev", "id": "before"})
         assert made.status_code == 201, made.text

@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from spine.cli import main as spine_main
 from tests.conftest import config_for_tests
@@ -43,7 +44,7 @@ def within(seconds: float, ok: Callable[[], bool]) -> float:
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     """The mixed layout (auth and the rate limiter in processes of their own) and the spine,
     sharing one key store file and its secret."""
     tmp = tmp_path_factory.mktemp("keys")
@@ -51,24 +52,23 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack
     secret.write_text("k" * 48)
     secret.chmod(0o600)
     config = config_for_tests(auth={"store": {"sqlite": str(tmp / "keys.sqlite"), "hmac_secret_file": str(secret)}})
-    started: dict[str, Stack] = {}
+    started: dict[str, RunningStack] = {}
     try:
         for layout in ("mixed", "collapsed"):
             started[layout] = Stack(config, placements_for(layout, config), run_dir=tmp / layout,
-                                    http_listen="127.0.0.1:0", admin_token=TOKEN)
-            started[layout].start()
+                                    http_listen="127.0.0.1:0", admin_token=TOKEN).start()
         yield started
     finally:
         for stack in started.values():
             stack.stop()
 
 
-def admin(stack: Stack, method: str, path: str, body: Any = None, token: str = TOKEN) -> httpx.Response:
+def admin(stack: RunningStack, method: str, path: str, body: Any = None, token: str = TOKEN) -> httpx.Response:
     headers = {"authorization": f"Bearer {token}"} if token else {}
     return httpx.request(method, f"http://{stack.http_address}{path}", json=body, headers=headers, timeout=10)
 
 
-def works(stack: Stack, key: str, model: str = "tiny-lm") -> bool:
+def works(stack: RunningStack, key: str, model: str = "tiny-lm") -> bool:
     try:
         openai_client(stack, key).chat.completions.create(model=model, max_tokens=2, temperature=0,
                                                           messages=[{"role": "user", "content": "hi"}])
@@ -77,7 +77,7 @@ def works(stack: Stack, key: str, model: str = "tiny-lm") -> bool:
         return False
 
 
-def spine_keys(stack: Stack, *args: str) -> tuple[int, Any]:
+def spine_keys(stack: RunningStack, *args: str) -> tuple[int, Any]:
     out = io.StringIO()
     with redirect_stdout(out):
         code = spine_main(["keys", *args, "--address", stack.address, "--json"])
@@ -85,7 +85,7 @@ def spine_keys(stack: Stack, *args: str) -> tuple[int, Any]:
 
 
 def test_a_key_made_through_the_http_api_works_in_both_layouts_and_is_stored_only_hashed(
-        stacks: dict[str, Stack]) -> None:
+        stacks: dict[str, RunningStack]) -> None:
     made = admin(stacks["mixed"], "POST", "/admin/keys", {"tenant": "dev", "id": "web-1", "team": "blue"})
     assert made.status_code == 201, made.text
     secret = made.json()["secret"]
@@ -108,7 +108,7 @@ def test_a_key_made_through_the_http_api_works_in_both_layouts_and_is_stored_onl
 
 
 def test_spine_keys_creates_rotates_with_an_overlap_and_revokes_everywhere_within_a_second(
-        stacks: dict[str, Stack], monkeypatch: pytest.MonkeyPatch) -> None:
+        stacks: dict[str, RunningStack], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPINE_ADMIN_TOKEN", TOKEN)
     code, made = spine_keys(stacks["collapsed"], "create", "--tenant", "dev", "--id", "cli-1", "--rpm", "600")
     assert code == 0 and made["key"]["requests_per_minute"] == 600
@@ -129,7 +129,7 @@ def test_spine_keys_creates_rotates_with_an_overlap_and_revokes_everywhere_withi
     assert code == 1  # a revoked key stays revoked
 
 
-def chunked(stack: Stack, method: str, path: str, body: Any) -> httpx.Response:
+def chunked(stack: RunningStack, method: str, path: str, body: Any) -> httpx.Response:
     """An admin call whose body is sent `Transfer-Encoding: chunked` (no Content-Length), in pieces."""
     data = json.dumps(body).encode()
     pieces = iter([data[:5], data[5:]])
@@ -139,7 +139,7 @@ def chunked(stack: Stack, method: str, path: str, body: Any) -> httpx.Response:
     return answer
 
 
-def test_chunked_admin_bodies_are_read_like_any_other(stacks: dict[str, Stack]) -> None:
+def test_chunked_admin_bodies_are_read_like_any_other(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["collapsed"]
     made = chunked(stack, "POST", "/admin/keys", {"tenant": "dev", "id": "chunked-1", "team": "red"})
     assert made.status_code == 201, made.text
@@ -162,7 +162,7 @@ def test_chunked_admin_bodies_are_read_like_any_other(stacks: dict[str, Stack]) 
     assert empty.status_code == 200  # an empty chunked body is no fields: no overlap
 
 
-def test_the_admin_api_needs_the_admin_token(stacks: dict[str, Stack], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_admin_api_needs_the_admin_token(stacks: dict[str, RunningStack], monkeypatch: pytest.MonkeyPatch) -> None:
     stack = stacks["collapsed"]
     for token in ("", "not-the-admin-token-at-all"):
         answer = admin(stack, "POST", "/admin/keys", {"tenant": "dev"}, token=token)
@@ -176,7 +176,7 @@ def test_the_admin_api_needs_the_admin_token(stacks: dict[str, Stack], monkeypat
     assert all(row["id"] != "" for row in admin(stack, "GET", "/admin/keys").json()["keys"])
 
 
-def test_refusals_name_what_to_fix(stacks: dict[str, Stack]) -> None:
+def test_refusals_name_what_to_fix(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["collapsed"]
     bad = admin(stack, "POST", "/admin/keys", {"tenant": "dev", "budget_window": "weekly"})
     assert bad.status_code == 400 and "budget_window" in bad.json()["error"]["message"]
@@ -189,7 +189,7 @@ def test_refusals_name_what_to_fix(stacks: dict[str, Stack]) -> None:
     assert admin(stack, "POST", "/admin/keys", {"tenant": "dev", "id": "dev-key"}).status_code == 409
 
 
-def test_a_key_may_be_limited_to_some_models_and_to_a_time(stacks: dict[str, Stack]) -> None:
+def test_a_key_may_be_limited_to_some_models_and_to_a_time(stacks: dict[str, RunningStack]) -> None:
     made = admin(stacks["mixed"], "POST", "/admin/keys", {"tenant": "dev", "models": ["tiny-lm"],
                                                           "expires_in_s": 1.0}).json()
     secret, stack = made["secret"], stacks["mixed"]
@@ -205,7 +205,7 @@ def test_a_key_may_be_limited_to_some_models_and_to_a_time(stacks: dict[str, Sta
     assert admin(stack, "GET", f"/admin/keys/{made['key']['id']}").json()["state"] == "expired"
 
 
-def test_a_keys_own_requests_per_minute_hold_beside_its_tenants(stacks: dict[str, Stack]) -> None:
+def test_a_keys_own_requests_per_minute_hold_beside_its_tenants(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["mixed"]
     secret = admin(stack, "POST", "/admin/keys", {"tenant": "dev", "requests_per_minute": 3}).json()["secret"]
     within(1.0, lambda: works(stack, secret))
@@ -229,7 +229,7 @@ def test_the_stored_hash_is_hmac_sha256_under_the_servers_secret() -> None:
 
 
 def test_tables_in_a_pipe_keep_whole_ids_and_amounts_and_output_json_gives_the_rows(
-        stacks: dict[str, Stack], monkeypatch: pytest.MonkeyPatch) -> None:
+        stacks: dict[str, RunningStack], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPINE_ADMIN_TOKEN", TOKEN)
     long_id = "a-key-whose-id-is-long-enough-to-be-cut-at-eighty-cols-012345"
     code, _ = spine_keys(stacks["collapsed"], "create", "--tenant", "dev", "--id", long_id, "--team",

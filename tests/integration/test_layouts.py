@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from spine.client.gateway_client import GatewayClient
@@ -58,7 +59,7 @@ def parity_sequence() -> list[tuple[generation_pb2.GenerateRequest, str | None]]
     return seq
 
 
-def run_sequence(stack: Stack) -> list[tuple[Any, ...]]:
+def run_sequence(stack: RunningStack) -> list[tuple[Any, ...]]:
     with GatewayClient(stack.address) as client:
         results = []
         for request, token in parity_sequence():
@@ -68,7 +69,7 @@ def run_sequence(stack: Stack) -> list[tuple[Any, ...]]:
     return results
 
 
-def test_layouts_decide_identically(layouts: dict[str, Stack]) -> None:
+def test_layouts_decide_identically(layouts: dict[str, RunningStack]) -> None:
     decisions = {name: run_sequence(stack) for name, stack in layouts.items()}
     assert decisions["layered"] == decisions["collapsed"]
     assert decisions["mixed"] == decisions["collapsed"]
@@ -85,7 +86,7 @@ def test_layouts_decide_identically(layouts: dict[str, Stack]) -> None:
     assert codes[18:] == ["OK"] * 4 + ["RESOURCE_EXHAUSTED"] * 2
 
 
-def test_every_answer_names_its_layout_and_request_id(layouts: dict[str, Stack]) -> None:
+def test_every_answer_names_its_layout_and_request_id(layouts: dict[str, RunningStack]) -> None:
     for name, stack in layouts.items():
         with GatewayClient(stack.address, DEV_KEY) as client:
             ok = client.generate(gen("trailers"))
@@ -96,7 +97,7 @@ def test_every_answer_names_its_layout_and_request_id(layouts: dict[str, Stack])
 
 
 @pytest.mark.parametrize("layout", ["layered", "collapsed"])
-def test_rate_limit_denial_carries_retry_after(layouts: dict[str, Stack], layout: str) -> None:
+def test_rate_limit_denial_carries_retry_after(layouts: dict[str, RunningStack], layout: str) -> None:
     with GatewayClient(layouts[layout].address, TIGHT_KEY) as client:
         results = [client.generate(gen(f"retry {layout} {i}", max_tokens=2)) for i in range(8)]
     denied = [r for r in results if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
@@ -106,7 +107,7 @@ def test_rate_limit_denial_carries_retry_after(layouts: dict[str, Stack], layout
 
 
 @pytest.mark.parametrize("layout", ["layered", "collapsed"])
-def test_bad_input_gets_clear_errors_and_the_process_keeps_serving(layouts: dict[str, Stack],
+def test_bad_input_gets_clear_errors_and_the_process_keeps_serving(layouts: dict[str, RunningStack],
                                                                    layout: str) -> None:
     stack = layouts[layout]
     with GatewayClient(stack.address, DEV_KEY) as client:
@@ -139,14 +140,14 @@ def test_the_long_prompt_runs_to_its_length(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("layout", ["layered", "collapsed"])
-def test_deadline_is_honoured(layouts: dict[str, Stack], layout: str) -> None:
+def test_deadline_is_honoured(layouts: dict[str, RunningStack], layout: str) -> None:
     with GatewayClient(layouts[layout].address, DEV_KEY) as client:
         result = client.generate(gen(LONG_PROMPT, max_tokens=250), timeout=0.05)
         assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert client.generate(gen("after the deadline")).ok
 
 
-def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, Stack]) -> None:
+def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, RunningStack]) -> None:
     stack = layouts["collapsed"]
     engine = stack.local_servicers["inference"].engine
     wait_until_idle(engine)
@@ -160,7 +161,7 @@ def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, Stack]
     assert engine.active_count == 0
 
 
-def test_deadline_frees_the_generation_slot(layouts: dict[str, Stack]) -> None:
+def test_deadline_frees_the_generation_slot(layouts: dict[str, RunningStack]) -> None:
     stack = layouts["collapsed"]
     engine = stack.local_servicers["inference"].engine
     wait_until_idle(engine)
@@ -176,7 +177,7 @@ def wait_until_idle(engine: Any, timeout: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize("layout", ["layered", "collapsed", "mixed"])
-def test_answers_carry_the_model_load_hint(layouts: dict[str, Stack], layout: str) -> None:
+def test_answers_carry_the_model_load_hint(layouts: dict[str, RunningStack], layout: str) -> None:
     with GatewayClient(layouts[layout].address, DEV_KEY) as client:
         unary = client.generate(gen(f"load hint {layout}", max_tokens=3))
         streamed = client.stream(gen(f"load hint stream {layout}", max_tokens=3))
@@ -188,7 +189,7 @@ def test_answers_carry_the_model_load_hint(layouts: dict[str, Stack], layout: st
 
 
 @pytest.mark.parametrize("layout", ["layered", "collapsed"])
-def test_stream_equals_unary_answer(layouts: dict[str, Stack], layout: str) -> None:
+def test_stream_equals_unary_answer(layouts: dict[str, RunningStack], layout: str) -> None:
     with GatewayClient(layouts[layout].address, DEV_KEY) as client:
         request = gen("stream parity", max_tokens=12, temperature=0.8, seed=5)
         streamed = client.stream(request)
@@ -203,14 +204,14 @@ def test_the_run_dir_and_the_config_copy_are_readable_by_this_user_only(tmp_path
 
     run_dir = tmp_path / "private"
     run_dir.mkdir(mode=0o755)
-    with Stack(config_for_tests(), placements_for("collapsed", config_for_tests()), run_dir=run_dir):
+    with Stack(config_for_tests(), placements_for("collapsed", config_for_tests()), run_dir=run_dir).start():
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         assert stat.S_IMODE((run_dir / "config.yaml").stat().st_mode) == 0o600
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
 def test_an_undecodable_body_is_invalid_argument_with_both_trailers(
-        layouts: dict[str, Stack], layout: str, caplog: pytest.LogCaptureFixture) -> None:
+        layouts: dict[str, RunningStack], layout: str, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
     with grpc.insecure_channel(layouts[layout].address) as channel:
@@ -228,7 +229,7 @@ def test_an_undecodable_body_is_invalid_argument_with_both_trailers(
 
 
 def test_a_flood_of_undecodable_bodies_is_one_warning_a_second_and_a_debug_line_each(
-        layouts: dict[str, Stack]) -> None:
+        layouts: dict[str, RunningStack]) -> None:
     from services.gateway import wire
     from tests.log_lines import LogLines, assert_summarized
 

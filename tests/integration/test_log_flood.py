@@ -3,7 +3,7 @@ one line a second per key, whose counts add up to every event (`services.common.
 
 Each warning a flood of requests can repeat is flooded here through the code that writes it:
 shadow mismatches and failed shadow calls, fail-open middlewares that failed, a broken
-pipeline stage, HTTP requests a broken gateway fails, decode steps of a broken model, and
+pipeline step, HTTP requests a broken gateway fails, decode steps of a broken model, and
 overloaded answers with no fallback known. (An
 undecodable body, an output-policy violation and a refused dashboard token are flooded where
 their servers already run: test_layouts, test_answer_policies_layouts, test_migration_dashboard.)
@@ -109,15 +109,15 @@ def test_a_broken_stage_failing_every_batch_is_summarized() -> None:
 
     from services.registry import DEFAULT
 
-    stage = BrokenStep(StepPolicy("auth", FailMode.CLOSED), RequestLimits())
+    step = BrokenStep(StepPolicy("auth", FailMode.CLOSED), RequestLimits())
     runner = Pipeline(DEFAULT.steps(RequestLimits()), {})
     states = [RequestState(request=GREEDY, request_id=f"r{n}", layout="collapsed", started=0.0,
                            deadline=time.monotonic() + 60, shadow=False, metadata=(), model="tiny-lm") for n in range(200)]
     with LogLines("spine.pipeline", pipeline._stage_failures) as lines:
         for state in states:
-            runner.run(stage, [state])
+            runner.run(step, [state])
         assert_summarized(lines, pipeline._stage_failures, 200, containing="stage auth.check failed")
-    assert all(state.outcome is not None for state in states)  # each request stopped (the stage fails closed)
+    assert all(state.outcome is not None for state in states)  # each request stopped (the step fails closed)
 
 
 class _BrokenGateway:

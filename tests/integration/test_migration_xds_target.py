@@ -12,9 +12,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -30,10 +30,12 @@ from migration.traffic.xds_target import XdsTarget
 from migration.xds import Endpoint, XdsControlPlane
 from migration.xds.snapshot import ROUTE
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.prometheus_server import run_prometheus
+from tests.waiting import eventually
 from wire.v1 import migration_pb2, migration_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,27 +60,26 @@ PROMQL_PLAN = PLAN.replace("window_s: 0.5", "window_s: 2").replace("hold_s: 1", 
 
 
 @pytest.fixture(scope="module")
-def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     config = config_for_tests()
     tmp = tmp_path_factory.mktemp("xds-target")
     stacks = {}
     try:
         for side in ("layered", "spine"):
-            stacks[side] = Stack(config, placements_for("collapsed", config), run_dir=tmp / side)
-            stacks[side].start()
+            stacks[side] = Stack(config, placements_for("collapsed", config), run_dir=tmp / side).start()
         yield stacks
     finally:
         for stack in stacks.values():
             stack.stop()
 
 
-def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, Stack], tmp_path: Path) -> None:
+def test_the_controller_walks_a_plan_on_metrics_it_scrapes(sides: dict[str, RunningStack], tmp_path: Path) -> None:
     metrics = ["--layered-metrics", f"http://{sides['layered'].metrics_address()}/metrics",
                "--spine-metrics", f"http://{sides['spine'].metrics_address()}/metrics"]
     walk_plan(sides, tmp_path, metrics, PLAN)
 
 
-def test_the_controller_walks_a_plan_on_promql_from_a_real_prometheus(sides: dict[str, Stack], tmp_path: Path) -> None:
+def test_the_controller_walks_a_plan_on_promql_from_a_real_prometheus(sides: dict[str, RunningStack], tmp_path: Path) -> None:
     """Both stacks run the collapsed layout, so their series carry the same `layout` label:
     the sides are told apart by the job Prometheus scrapes them under."""
     jobs = {side: [stack.metrics_address()] for side, stack in sides.items()}
@@ -181,14 +182,14 @@ thread.join()
 """
 
 
-def served_requests(stack: Stack) -> float:
+def served_requests(stack: RunningStack) -> float:
     stack.drain()
     text = stack.local_servicers["metrics"].render()
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == "spine_requests_total")
 
 
-def walk_plan(sides: dict[str, Stack], tmp_path: Path, metrics: list[str], plan: str) -> None:
+def walk_plan(sides: dict[str, RunningStack], tmp_path: Path, metrics: list[str], plan: str) -> None:
     """Run the controller on `metrics` with a proxyless gRPC client as the data plane: the
     client reaches the layered side before any plan (the stable state), the controller counts
     a stage applied only once that client ACKed it, and `plan` is promoted on an error-rate
@@ -220,18 +221,17 @@ def walk_plan(sides: dict[str, Stack], tmp_path: Path, metrics: list[str], plan:
             md = [("authorization", f"Bearer {TOKEN}")]
             status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
             assert status.state == "pending" and status.min_data_planes == 1
-            deadline = time.monotonic() + 30
-            while served_requests(sides["layered"]) < layered_before + 5:  # the stable state is served
-                assert time.monotonic() < deadline, "the data plane never reached the layered side before a plan"
-                time.sleep(0.2)
+            eventually(lambda: served_requests(sides["layered"]) >= layered_before + 5, 30,  # the stable state
+                       "the data plane reaching the layered side before a plan", interval=0.2)
             stub.Start(migration_pb2.StartRequest(plan_yaml=plan, actor="test"), metadata=md, timeout=10)
-            deadline = time.monotonic() + 60
-            status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
             gates_seen = []
-            while status.state != "promoted" and time.monotonic() < deadline:
-                time.sleep(0.2)
+
+            def promoted() -> Any:
                 status = stub.Status(migration_pb2.StatusRequest(), metadata=md, timeout=10)
                 gates_seen.extend(status.last_gates)
+                return status if status.state == "promoted" else None
+
+            status = eventually(promoted, 60, "the plan promoted", interval=0.2, seen=lambda: gates_seen[-3:])
         assert status.state == "promoted", status
         assert status.spine_weight == 100 and status.applied
         assert any(p.node_id == "proxyless-data-plane" and p.acked_version == status.version

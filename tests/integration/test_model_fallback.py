@@ -8,7 +8,6 @@ and the router names the mini as the fallback of `tiny-lm`.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,22 +15,23 @@ import grpc
 import pytest
 
 from runtime.config.file import load_config
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from services.inference.api import INFERENCE
 from services.inference.load_hints import parse_load
 from services.pipeline.interface import CallOptions
 from spine.client.gateway_client import GatewayClient
 from spine.client.overload_client import Backoff, Fallback, LoadAwareClient
 from tests.conftest import DEV_KEY, TIGHT_KEY, config_for_tests, start_stack
+from tests.waiting import eventually
 from wire.v1 import generation_pb2, inference_pb2
 
 LAYOUTS = ("collapsed", "layered")
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("two-models")
-    started: dict[str, Stack] = {}
+    started: dict[str, RunningStack] = {}
     try:
         for layout in LAYOUTS:
             started[layout] = start_stack(layout, tmp)
@@ -53,7 +53,7 @@ def test_the_default_config_serves_two_models_and_names_the_fallback() -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, Stack], layout: str) -> None:
+def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     listed = stack.component(INFERENCE).models(inference_pb2.ModelInfoRequest(), CallOptions(timeout=10))
     loads = {model.id: parse_load(model.load) for model in listed.models}
@@ -74,7 +74,7 @@ def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, Sta
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_answer_carries_a_load_hint_with_the_busy_fraction(stacks: dict[str, Stack], layout: str) -> None:
+def test_every_answer_carries_a_load_hint_with_the_busy_fraction(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     with GatewayClient(stack.address, DEV_KEY) as client:
         first = client.generate(ask(prompt=f"hint {layout}"))
@@ -99,7 +99,7 @@ def test_every_answer_carries_a_load_hint_with_the_busy_fraction(stacks: dict[st
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_fallbacks_answer_carries_its_primarys_load(stacks: dict[str, Stack], layout: str) -> None:
+def test_a_fallbacks_answer_carries_its_primarys_load(stacks: dict[str, RunningStack], layout: str) -> None:
     with GatewayClient(stacks[layout].address, DEV_KEY) as client:
         mini = client.generate(ask("mini", f"primary load {layout}"))
     primary, _, hint = mini.trailing["x-spine-primary-load"].partition(":")
@@ -120,9 +120,11 @@ def test_the_helper_falls_back_to_the_mini_while_tiny_lm_is_full_and_comes_back(
         with GatewayClient(stack.address, DEV_KEY) as client:
             hogs = [threading.Thread(target=client.generate, args=(ask(prompt=f"hog {i}", max_tokens=100),))
                     for i in range(2)]
-            for hog in hogs:
+            tiny = stack.local_servicers["inference"]  # tiny-lm's own service (the mini's beside it)
+            placed = (lambda: tiny.engine.active_count == 1, lambda: tiny.scheduler.queue_depth == 1)
+            for hog, holds in zip(hogs, placed, strict=True):  # the first holds the slot, the second the queue
                 hog.start()
-                time.sleep(0.3)  # the first holds the slot, the second the queue
+                eventually(holds, 10, f"{hog.name} in its place", interval=0.02)
             helper = LoadAwareClient(client, Backoff(attempts=1), Fallback(after=2, recover_after=2),
                                      sleep=lambda _: None)
             trail = [helper.generate(ask(prompt=f"helper {i}")) for i in range(3)]
@@ -131,7 +133,8 @@ def test_the_helper_falls_back_to_the_mini_while_tiny_lm_is_full_and_comes_back(
             assert trail[2].ok and trail[2].response.model == "tiny-lm-mini"
             for hog in hogs:
                 hog.join(30)
-            time.sleep(1.2)  # a second idle: tiny-lm's busy fraction falls to 0
+            eventually(lambda: tiny.load_report().busy == 0.0, 10, "tiny-lm idle: its busy fraction 0",
+                       interval=0.05, seen=tiny.load_report)
             back = [helper.generate(ask(prompt=f"helper back {i}")) for i in range(3)]
             assert [r.response.model for r in back] == ["tiny-lm-mini", "tiny-lm-mini", "tiny-lm"]
             assert not helper.using_fallback

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from runtime.config.file import load_config, placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.common.engine_context import context_in
 from tests.conftest import DEV_KEY, config_for_tests
@@ -24,7 +25,7 @@ ENGINE_CONTEXT = 32768
 
 
 @pytest.fixture(scope="module")
-def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     tmp = tmp_path_factory.mktemp("limits")
     engine = FaultUpstream("http://127.0.0.1:9/v1", None, context_lengths={"brief": ENGINE_CONTEXT}).start()
     silent = FaultUpstream("http://127.0.0.1:9/v1", None, context_lengths={"brief": None}).start()
@@ -33,8 +34,7 @@ def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
               {"id": "unknown", "upstream": {"base_url": silent.base_url, "model": "brief"}}]
     config = config_for_tests(router={"models": [*(m.model_dump(exclude_none=True) for m in load_config().router.models),
                                                  *routes]})
-    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0")
-    stack.start()
+    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0").start()
     try:
         yield stack
     finally:
@@ -43,20 +43,20 @@ def spine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         silent.stop()
 
 
-def ask(stack: Stack, model: str, max_tokens: int, prompt_chars: int) -> Any:
+def ask(stack: RunningStack, model: str, max_tokens: int, prompt_chars: int) -> Any:
     client = openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=DEV_KEY, max_retries=0)
     return client.chat.completions.create(model=model, max_tokens=max_tokens,
                                           messages=[{"role": "user", "content": "x" * prompt_chars}])
 
 
-def accepted(stack: Stack, model: str, max_tokens: int, prompt_chars: int) -> bool:
+def accepted(stack: RunningStack, model: str, max_tokens: int, prompt_chars: int) -> bool:
     try:
         return ask(stack, model, max_tokens, prompt_chars).choices[0].message.content == "ok"
     except openai.BadRequestError:
         return False
 
 
-def test_a_model_behind_a_long_context_engine_takes_long_requests(spine: Stack) -> None:
+def test_a_model_behind_a_long_context_engine_takes_long_requests(spine: RunningStack) -> None:
     """A 4,000-token answer to a 20,000-character prompt: refused by the default limits (256,
     2048), taken once the engine said its context is 32k (by the model's id and its alias)."""
     eventually(lambda: accepted(spine, "long", 4000, 20000), what="the engine's context length applied")
@@ -67,14 +67,14 @@ def test_a_model_behind_a_long_context_engine_takes_long_requests(spine: Stack) 
             f"(its engine's context length, {ENGINE_CONTEXT} tokens)") in refused.value.message
 
 
-def test_a_context_length_set_in_the_config_wins_over_the_engines(spine: Stack) -> None:
+def test_a_context_length_set_in_the_config_wins_over_the_engines(spine: RunningStack) -> None:
     assert accepted(spine, "sized", 512, 4000)
     with pytest.raises(openai.BadRequestError) as refused:
         ask(spine, "sized", 513, 10)
     assert "over the limit of 512 for model 'sized' (its context length, 512 tokens)" in refused.value.message
 
 
-def test_a_model_whose_context_is_not_known_keeps_the_limits_section(spine: Stack) -> None:
+def test_a_model_whose_context_is_not_known_keeps_the_limits_section(spine: RunningStack) -> None:
     assert accepted(spine, "unknown", 256, 2048)
     for tokens, chars in ((257, 10), (16, 2049)):
         with pytest.raises(openai.BadRequestError) as refused:

@@ -25,7 +25,7 @@ from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.local_call import LocalStream, call_stream, call_unary
 from services.pipeline.local_context import LocalContext
 from services.registry import DEFAULT
-from tests.waiting import ManualClock
+from tests.waiting import ManualClock, eventually
 from wire.v1 import generation_pb2, inference_pb2_grpc
 
 
@@ -250,8 +250,7 @@ def test_a_local_stream_can_be_cancelled_from_another_thread_while_it_is_being_r
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    while not got:
-        time.sleep(0.005)
+    eventually(lambda: got, what="a first chunk read", interval=0.005)
     assert stream.cancel()  # the reader's thread may be inside the generator right now
     reader.join(5.0)
     assert not reader.is_alive()

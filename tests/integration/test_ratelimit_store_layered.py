@@ -7,7 +7,6 @@ forwards them, as the collapsed spine shows its own. A real `redis-server` on lo
 
 from __future__ import annotations
 
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.observability.store_metrics import ADDRESS_FILE
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
@@ -32,7 +31,7 @@ STORE_FAMILIES = {"spine_ratelimit_store_leasing", "spine_ratelimit_store_calls"
 
 
 @pytest.fixture(scope="module")
-def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, LocalRedis]]:
+def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningStack, LocalRedis]]:
     tmp = tmp_path_factory.mktemp("store-layered")
     with LocalRedis(tmp / "redis") as redis_server:
         config = config_for_tests(ratelimit={"store": {
@@ -56,7 +55,7 @@ def value(found: dict[str, Any], name: str, **labels: str) -> float:
 
 
 def test_the_layered_rate_limiter_serves_its_store_families_on_its_own_metrics(
-        layered: tuple[Stack, LocalRedis]) -> None:
+        layered: tuple[RunningStack, LocalRedis]) -> None:
     stack, _ = layered
     assert stack.placements["ratelimit"] == "remote" and stack.run_dir is not None
     with GatewayClient(stack.address, token=DEV_KEY) as client:
@@ -64,12 +63,11 @@ def test_the_layered_rate_limiter_serves_its_store_families_on_its_own_metrics(
                                  timeout=10.0)
     assert result.ok, result.details
     limiter = (stack.run_dir / ADDRESS_FILE).read_text().strip()
-    deadline = time.monotonic() + 5.0
-    while True:  # the request's buckets were made: the next renewal leases their tokens
+    def leased() -> Any:  # the request's buckets were made: the next renewal leases their tokens
         found = families(limiter)
-        if value(found, "spine_ratelimit_store_leased_tokens", resource="requests") > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+        return found if value(found, "spine_ratelimit_store_leased_tokens", resource="requests") > 0 else None
+
+    found = eventually(leased, 5.0, "the request's tokens leased from the store", interval=0.05)
     assert set(found) >= STORE_FAMILIES
     assert value(found, "spine_ratelimit_store_leasing") == 1.0
     assert value(found, "spine_ratelimit_store_replicas") == 1.0
@@ -78,7 +76,7 @@ def test_the_layered_rate_limiter_serves_its_store_families_on_its_own_metrics(
     assert value(found, "spine_ratelimit_store_leased_tokens", resource="tokens") > 0
 
 
-def test_the_layered_stacks_metrics_show_the_limiters_store_families(layered: tuple[Stack, LocalRedis]) -> None:
+def test_the_layered_stacks_metrics_show_the_limiters_store_families(layered: tuple[RunningStack, LocalRedis]) -> None:
     """The address `spine up` prints (the metrics component's process) has them too, forwarded
     from the limiter's process: one scrape shows everything, as in the collapsed spine."""
     stack, _ = layered
@@ -100,7 +98,7 @@ def test_without_a_store_the_layered_rate_limiter_serves_no_metrics_of_its_own(t
 
 
 def test_the_layered_limiters_fallback_and_recovery_are_counted_on_its_metrics(
-        layered: tuple[Stack, LocalRedis]) -> None:
+        layered: tuple[RunningStack, LocalRedis]) -> None:
     stack, redis_server = layered
     assert stack.run_dir is not None
     limiter = (stack.run_dir / ADDRESS_FILE).read_text().strip()

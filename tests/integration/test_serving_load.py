@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.inference.load_hints import LOAD_HEADER, parse_load
 from tests.conftest import config_for_tests
@@ -39,18 +40,17 @@ def gen(prompt: str, max_tokens: int, **fields: Any) -> generation_pb2.GenerateR
     return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=max_tokens, **fields)
 
 
-def start(tmp: Path, name: str, **inference: Any) -> Stack:
+def start(tmp: Path, name: str, **inference: Any) -> RunningStack:
     overrides: dict[str, Any] = dict(LOAD_TENANT)
     if inference:
         overrides["inference"] = inference
     config = config_for_tests(**overrides)  # its api_keys: the load tenant's only
-    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / name)
-    stack.start()
+    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / name).start()
     return stack
 
 
 @pytest.fixture(scope="module")
-def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Any]]:
+def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningStack, Any]]:
     stack = start(tmp_path_factory.mktemp("load"), "collapsed")
     channel = grpc.insecure_channel(stack.address)
     try:
@@ -61,7 +61,7 @@ def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack,
 
 
 def test_a_latency_request_behind_200_queued_throughput_requests_is_answered_within_the_bound(
-        collapsed: tuple[Stack, Any]) -> None:
+        collapsed: tuple[RunningStack, Any]) -> None:
     stack, stub = collapsed
     inference = stack.local_servicers["inference"]
     background = [stub.Generate.future(gen(f"queued throughput {i:04d}", 64, priority=-1), metadata=METADATA,
@@ -86,7 +86,7 @@ def test_a_latency_request_behind_200_queued_throughput_requests_is_answered_wit
              "cancelled requests leave the queue and free their slots")
 
 
-def test_concurrent_full_speed_streams_all_finish(collapsed: tuple[Stack, Any]) -> None:
+def test_concurrent_full_speed_streams_all_finish(collapsed: tuple[RunningStack, Any]) -> None:
     stack, stub = collapsed
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -113,7 +113,7 @@ def test_concurrent_full_speed_streams_all_finish(collapsed: tuple[Stack, Any]) 
     assert [o for o in outcomes if o != "OK"] == [] and len(outcomes) == 100
 
 
-def test_a_timeout_above_the_cap_is_refused_also_when_the_answer_is_cached(collapsed: tuple[Stack, Any]) -> None:
+def test_a_timeout_above_the_cap_is_refused_also_when_the_answer_is_cached(collapsed: tuple[RunningStack, Any]) -> None:
     _, stub = collapsed
     first = stub.Generate(gen("cached answer", 4), metadata=METADATA, timeout=30)
     assert stub.Generate(gen("cached answer", 4), metadata=METADATA, timeout=30).cached

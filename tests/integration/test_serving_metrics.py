@@ -4,7 +4,6 @@ in the servicer's own registry and through the one /metrics address of each layo
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.observability.serving_metrics_export import ADDRESS_FILE
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.pipeline.system_prompt import system_digest
@@ -48,12 +48,14 @@ def test_the_servicers_registry_counts_steps_first_tokens_and_waiting_requests()
         # fact. A request arriving while a (held) step runs waits for that step to end before
         # it gets a slot: let steps through one at a time until both run.
         calls = [Call(service, request(f"request {i}", 4)) for i in range(2)]
-        deadline = time.monotonic() + 20
-        while service.engine.active_count < 2 and time.monotonic() < deadline:
+
+        def both_running() -> bool:
             if service.scheduler.queue_depth:
                 model.release(1)
-            time.sleep(0.02)
-        assert service.engine.active_count == 2
+            return service.engine.active_count == 2
+
+        eventually(both_running, 20, "both requests in a slot", interval=0.02,
+                   seen=lambda: service.engine.active_count)
         calls += [Call(service, request(f"request {i}", 4, priority=p)) for i, p in ((2, 1), (3, -1))]
         eventually(lambda: service.scheduler.queue_depth == 2)
         waiting = generate_latest(service.metrics_registry).decode()
@@ -149,9 +151,9 @@ def test_without_cuda_or_without_nvidia_ml_py_the_gpu_metrics_are_absent() -> No
 
 # -- both layouts: the one /metrics address ------------------------------------------------------
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("serving-metrics")
-    running: dict[str, Stack] = {}
+    running: dict[str, RunningStack] = {}
     try:
         for layout in ("collapsed", "layered"):
             running[layout] = start_stack(layout, tmp)
@@ -161,7 +163,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack
             stack.stop()
 
 
-def _traffic(stack: Stack, count: int) -> list[generation_pb2.GenerateResponse]:
+def _traffic(stack: RunningStack, count: int) -> list[generation_pb2.GenerateResponse]:
     """`count` distinct requests at once (no cache hits), sharing a system prompt; one streams."""
     answers: list[Any] = [None] * count
     with grpc.insecure_channel(stack.address) as channel:
@@ -185,7 +187,7 @@ def _traffic(stack: Stack, count: int) -> list[generation_pb2.GenerateResponse]:
 
 
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
-def test_metrics_show_the_serving_families_after_traffic(stacks: dict[str, Stack], layout: str) -> None:
+def test_metrics_show_the_serving_families_after_traffic(stacks: dict[str, RunningStack], layout: str) -> None:
     stack = stacks[layout]
     answers = _traffic(stack, 6)
     assert all(chunk.system_digest == system_digest("You answer questions about metrics.") for chunk in answers[0])
@@ -213,7 +215,7 @@ def test_metrics_show_the_serving_families_after_traffic(stacks: dict[str, Stack
     assert "spine_requests_total" in {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_the_layered_inference_process_serves_its_own_metrics(stacks: dict[str, Stack]) -> None:
+def test_the_layered_inference_process_serves_its_own_metrics(stacks: dict[str, RunningStack]) -> None:
     stack = stacks["layered"]
     assert stack.run_dir is not None
     own = (Path(stack.run_dir) / ADDRESS_FILE).read_text().strip()
@@ -229,8 +231,7 @@ def test_a_stage_with_the_model_in_the_spine_and_metrics_still_remote_forwards_t
 
     config = config_for_tests()
     placements = {name: "local" for name in ("auth", "ratelimit", "router", "cache", "logs", "inference")}
-    stack = Stack(config, {**placements, "metrics": "remote"}, run_dir=tmp_path / "stage")
-    stack.start()
+    stack = Stack(config, {**placements, "metrics": "remote"}, run_dir=tmp_path / "stage").start()
     try:
         _traffic(stack, 3)
         assert stack.inference_metrics is not None  # the spine serves its model's own /metrics ...

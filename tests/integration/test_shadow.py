@@ -20,11 +20,11 @@ from migration.plan import GateSpec
 from migration.recording import HEALTHY
 from migration.traffic.front import Front
 from migration.traffic.front_target import FrontTarget
+from runtime.running_stack import RunningStack
 from runtime.server import RunningServer, start_server
 from runtime.shadow.decisions import Decision, decide
 from runtime.shadow.metrics import COMPARED, MISMATCHED, SKIPPED
 from runtime.shadow.traffic import ShadowConfig, ShadowMirror
-from runtime.stack import Stack
 from services.common import ConfigError
 from services.common.prometheus_http import PrometheusHTTPServer
 from services.registry import GATEWAY
@@ -133,7 +133,7 @@ def test_shadow_settings_are_checked_and_name_the_field() -> None:
 
 # -- the front in shadow mode, on two real layouts ----------------------------------------
 @pytest.fixture(scope="module")
-def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("shadow")
     config = config_for_tests(internal={"secret": INTERNAL_SECRET})
     stacks = {"layered": start_stack("collapsed", tmp / "a", config), "spine": start_stack("collapsed", tmp / "b", config)}
@@ -145,7 +145,7 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]
 
 
 @pytest.fixture
-def front(sides: dict[str, Stack]) -> Iterator[tuple[Front, RunningServer]]:
+def front(sides: dict[str, RunningStack]) -> Iterator[tuple[Front, RunningServer]]:
     front = Front({side: stack.address for side, stack in sides.items()},
                   shadow=ShadowConfig(share=1.0, calibration_share=0.0), rng=random.Random(3),
                   internal_key=INTERNAL_SECRET.encode())
@@ -190,7 +190,7 @@ def test_shadows_spend_no_rate_limit_budget_and_write_no_cache(front: tuple[Fron
 
 
 def test_the_front_exports_its_comparisons_and_the_parity_gate_reads_them_there(
-        front: tuple[Front, RunningServer], sides: dict[str, Stack]) -> None:
+        front: tuple[Front, RunningServer], sides: dict[str, RunningStack]) -> None:
     the_front, _ = front
     assert the_front.shadow is not None
     endpoint = PrometheusHTTPServer(the_front.shadow.counters.registry)
@@ -212,16 +212,16 @@ def test_the_front_exports_its_comparisons_and_the_parity_gate_reads_them_there(
         endpoint.stop()
 
 
-def test_a_front_without_shadow_says_so() -> None:
+def test_a_front_without_shadow_says_so(sides: dict[str, RunningStack]) -> None:
     front = Front({"layered": "127.0.0.1:1", "spine": "127.0.0.1:1"})
     try:
-        capability = FrontTarget(front, Stack({}, {})).shadow()
+        capability = FrontTarget(front, sides["spine"]).shadow()
         assert not capability.enabled and "shadow.share" in capability.detail
     finally:
         front.close()
 
 
-def test_calibration_compares_a_layout_with_itself_and_learns_its_noise(sides: dict[str, Stack]) -> None:
+def test_calibration_compares_a_layout_with_itself_and_learns_its_noise(sides: dict[str, RunningStack]) -> None:
     front = Front({side: stack.address for side, stack in sides.items()},
                   shadow=ShadowConfig(share=1.0, calibration_share=1.0, ignore_fields=()), rng=random.Random(5),
                   internal_key=INTERNAL_SECRET.encode())

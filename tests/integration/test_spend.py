@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import calendar
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.common.redis_link import RedisLink
 from services.ratelimit.spend import Payer, SpendLedger, period
@@ -28,6 +28,7 @@ from spine.client.gateway_client import GatewayClient
 from spine.tools.local_redis import LocalRedis
 from tests.conftest import config_for_tests
 from tests.http_helpers import anthropic_client, openai_client
+from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
 TOKEN = "spend-admin-token-0123456789"
@@ -35,36 +36,27 @@ INPUT, OUTPUT = 1000.0, 2000.0  # USD per million tokens of tiny-lm: a token cos
 TOKENS_KEY = (("tenant", "metered"), ("model", "tiny-lm"), ("resource", "tokens"))
 
 
-def within(seconds: float, ok: Callable[[], Any]) -> Any:
-    started = time.monotonic()
-    while not (value := ok()):
-        assert time.monotonic() - started < seconds, f"not within {seconds}s"
-        time.sleep(0.02)
-    return value
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     config = config_for_tests(ratelimit={
         "tenants": {"metered": {"tokens_per_minute": 0.6, "token_burst": 100}},
         "spend": {"prices": {"tiny-lm": {"input": INPUT, "output": OUTPUT, "cached_input": 500.0}},
                   "teams": {"red": {"budget_usd": 0.05, "window": "daily"}}, "refresh_s": 0.05}})
     running = Stack(config, placements_for("collapsed", config), run_dir=tmp_path_factory.mktemp("spend") / "run",
-                    http_listen="127.0.0.1:0", admin_token=TOKEN)
-    running.start()
+                    http_listen="127.0.0.1:0", admin_token=TOKEN).start()
     yield running
     running.stop()
 
 
-def new_key(stack: Stack, **fields: Any) -> tuple[str, str]:
+def new_key(stack: RunningStack, **fields: Any) -> tuple[str, str]:
     answer = httpx.post(f"http://{stack.http_address}/admin/keys", json={"tenant": "dev", **fields},
                         headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()
     secret = answer["secret"]
-    within(1.0, lambda: _works(stack, secret))
+    eventually(lambda: _works(stack, secret), 1.0, interval=0.02)
     return answer["key"]["id"], secret
 
 
-def _works(stack: Stack, secret: str) -> bool:
+def _works(stack: RunningStack, secret: str) -> bool:
     """Whether auth knows the key yet (asked for a model that does not exist: nothing is charged)."""
     with GatewayClient(stack.address, token=secret) as client:
         result = client.generate(generation_pb2.GenerateRequest(model="no-such-model", prompt="?", max_tokens=1),
@@ -72,7 +64,7 @@ def _works(stack: Stack, secret: str) -> bool:
     return result.code != grpc.StatusCode.UNAUTHENTICATED
 
 
-def spent(stack: Stack, key: str, window: str = "monthly") -> dict[str, Any]:
+def spent(stack: RunningStack, key: str, window: str = "monthly") -> dict[str, Any]:
     lines = httpx.get(f"http://{stack.http_address}/admin/spend", params={"key": key},
                       headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()["lines"]
     return next(line for line in lines if line["window"] == window)
@@ -94,7 +86,7 @@ def test_prices_periods_and_windows() -> None:
     assert period("monthly", calendar.timegm((2025, 12, 31, 12, 0, 0)))[0] == "2025-12"
 
 
-def test_spend_is_priced_from_the_real_usage_of_both_apis_and_their_streams(stack: Stack) -> None:
+def test_spend_is_priced_from_the_real_usage_of_both_apis_and_their_streams(stack: RunningStack) -> None:
     key, secret = new_key(stack)
     expected = 0.0
     answer = openai_client(stack, secret).chat.completions.create(
@@ -111,12 +103,12 @@ def test_spend_is_priced_from_the_real_usage_of_both_apis_and_their_streams(stac
                                                          messages=[{"role": "user", "content": "and me"}]) as s:
         final = s.get_final_message()
     expected += cost(final.usage.input_tokens, final.usage.output_tokens)
-    line = within(2.0, lambda: (got := spent(stack, key))["requests"] == 3 and got)
+    line = eventually(lambda: (got := spent(stack, key))["requests"] == 3 and got, 2.0, interval=0.02)
     assert line["usd"] == pytest.approx(expected) and line["output_tokens"] == 7 + 9 + 5
     assert spent(stack, key, "daily")["usd"] == pytest.approx(expected)
 
 
-def test_an_aborted_stream_is_charged_for_what_was_generated(stack: Stack) -> None:
+def test_an_aborted_stream_is_charged_for_what_was_generated(stack: RunningStack) -> None:
     key, secret = new_key(stack, tenant="aborts")
     received = 0
     with openai_client(stack, secret).chat.completions.create(
@@ -126,12 +118,12 @@ def test_an_aborted_stream_is_charged_for_what_was_generated(stack: Stack) -> No
             received += bool(chunk.choices and chunk.choices[0].delta.content)
             if received == 3:
                 break  # the client goes away
-    line = within(3.0, lambda: (got := spent(stack, key))["requests"] == 1 and got)
+    line = eventually(lambda: (got := spent(stack, key))["requests"] == 1 and got, 3.0, interval=0.02)
     assert 3 <= line["output_tokens"] <= 256
     assert line["usd"] == pytest.approx(cost(line["input_tokens"], line["output_tokens"]))
 
 
-def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: Stack) -> None:
+def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: RunningStack) -> None:
     budget = 0.1
     key, secret = new_key(stack, budget_usd=budget)
     remaining: list[float] = []
@@ -151,7 +143,7 @@ def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: Stack) -> 
             remaining.append(float(raw.headers["x-spine-budget-remaining-usd"]))
             assert usage is not None
             charged += cost(usage.prompt_tokens, usage.completion_tokens)
-            within(2.0, lambda total=charged: spent(stack, key)["usd"] >= total - 1e-9)  # priced and shared
+            eventually(lambda total=charged: spent(stack, key)["usd"] >= total - 1e-9, 2.0, interval=0.02)  # priced and shared
     error = refused.value
     assert charged >= budget - cost(len("turn 99"), 0)  # not refused below the budget
     assert error.code == "insufficient_quota" and "budget of key" in error.message
@@ -170,7 +162,7 @@ def test_a_keys_budget_refuses_once_reached_in_each_apis_shape(stack: Stack) -> 
     assert line["budget_usd"] == budget and line["remaining_usd"] == 0.0 and line["usd"] == pytest.approx(charged)
 
 
-def test_a_teams_budget_holds_all_of_its_keys(stack: Stack) -> None:
+def test_a_teams_budget_holds_all_of_its_keys(stack: RunningStack) -> None:
     _, first = new_key(stack, team="red")
     _, second = new_key(stack, team="red")
     answers = 0
@@ -182,7 +174,7 @@ def test_a_teams_budget_holds_all_of_its_keys(stack: Stack) -> None:
     assert answers == math.ceil(0.05 / cost(len("team 00"), 5))  # charged together, refused once reached
 
 
-def test_tokens_per_minute_charge_the_prompt_then_settle_a_stream_past_the_limit(stack: Stack) -> None:
+def test_tokens_per_minute_charge_the_prompt_then_settle_a_stream_past_the_limit(stack: RunningStack) -> None:
     """100 tokens of burst, barely refilled: a stream of 150 is admitted on its prompt, settled
     at its end with what it generated, and the next request is refused."""
     _, secret = new_key(stack, tenant="metered")
@@ -193,7 +185,7 @@ def test_tokens_per_minute_charge_the_prompt_then_settle_a_stream_past_the_limit
         messages=[{"role": "user", "content": "hi"}]))
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 150
-    level = within(2.0, lambda: (b := limiter.bucket(TOKENS_KEY)).level < 0 and b.level)
+    level = eventually(lambda: (b := limiter.bucket(TOKENS_KEY)).level < 0 and b.level, 2.0, interval=0.02)
     assert 100 - level == pytest.approx(usage.prompt_tokens + usage.completion_tokens, abs=0.1)
     with pytest.raises(openai.RateLimitError, match="resource=tokens"):
         openai_client(stack, secret).chat.completions.create(model="tiny-lm", max_tokens=1,

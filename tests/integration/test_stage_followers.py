@@ -29,6 +29,7 @@ from migration.xds import Endpoint, XdsControlPlane
 from monolith.device import DeviceContext
 from runtime.config.file import placements_for
 from runtime.processes.launch import Launched, launch, spine_up_argv
+from runtime.running_stack import RunningStack
 from runtime.server import free_port, wait_serving
 from runtime.stack import Stack
 from runtime.stage_follower import (
@@ -168,8 +169,7 @@ def test_a_spine_that_cannot_apply_a_stage_nacks_it_and_the_stage_is_not_applied
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     config = config_for_tests()
     with contextlib.ExitStack() as teardown:
-        stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "spine")
-        stack.start()
+        stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "spine").start()
         teardown.callback(stack.stop)
         harness = teardown.enter_context(controller(tmp_path, f"http://{stack.metrics_address()}/metrics",
                                                     min_spine=1))
@@ -315,7 +315,7 @@ def layered_ask(channel: grpc.Channel, tenant: str) -> Callable[[int], bool]:
     return ask
 
 
-def admitted_everywhere(spines: list[Stack], limiters: list[str], key: str, tenant: str, per_entry: int) -> list[int]:
+def admitted_everywhere(spines: list[RunningStack], limiters: list[str], key: str, tenant: str, per_entry: int) -> list[int]:
     """`per_entry` requests of one tenant into each of the four entry points, interleaved."""
     channels = [grpc.insecure_channel(address) for address in [*(s.address for s in spines), *limiters]]
     try:
@@ -353,8 +353,7 @@ def test_a_tenant_gets_at_most_its_limit_across_two_spines_and_two_layered_rate_
         spines = []
         for i, address in enumerate(limiters, start=1):  # each spine reaches one layered limiter
             stack = Stack(base, placements_for("collapsed", base), run_dir=tmp_path / f"spine-{i}",
-                          remote_addresses={"ratelimit": address})
-            stack.start()
+                          remote_addresses={"ratelimit": address}).start()
             teardown.callback(stack.stop)
             spines.append(stack)
             teardown.callback(StageFollower(harness.ads, f"spine-{i}", ROLE_SPINE, spine_applier(stack)).start().stop)

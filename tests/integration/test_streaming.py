@@ -14,11 +14,13 @@ import pytest
 
 from runtime.config.file import placements_for
 from runtime.placement.remote import remote_channel
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from services.inference.load_hints import parse_load
 from services.inference.scheduler import JobCancelled
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests
+from tests.waiting import eventually
 from wire.v1 import generation_pb2, inference_pb2_grpc
 
 LONG = "a long greedy answer for collapsed"  # its greedy answer runs all 250 tokens (see test_layouts)
@@ -28,7 +30,7 @@ def gen(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(model="tiny-lm", prompt=prompt, max_tokens=max_tokens)
 
 
-def inference_load(stack: Stack) -> dict[str, float]:
+def inference_load(stack: RunningStack) -> dict[str, float]:
     """The model's own load report, read straight from the inference process (layered)."""
     assert stack.supervisor is not None
     address = stack.supervisor.children["inference"].address
@@ -43,7 +45,7 @@ def inference_load(stack: Stack) -> dict[str, float]:
 CANCEL_BOUND_S = 2.0
 
 
-def _collapsed_load(stack: Stack) -> dict[str, float]:
+def _collapsed_load(stack: RunningStack) -> dict[str, float]:
     engine = stack.local_servicers["inference"].engine
     return {"running": engine.active_count, "kv_free": engine.free_slots}
 
@@ -51,8 +53,7 @@ def _collapsed_load(stack: Stack) -> dict[str, float]:
 @pytest.mark.parametrize("layout", ["collapsed", "layered"])
 def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_path: Path, layout: str) -> None:
     config = config_for_tests()
-    stack = Stack(config, placements_for(layout, config), run_dir=tmp_path / layout)
-    stack.start()
+    stack = Stack(config, placements_for(layout, config), run_dir=tmp_path / layout).start()
     load = _collapsed_load if layout == "collapsed" else inference_load
     try:
         idle = load(stack)
@@ -66,10 +67,8 @@ def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_pa
                 else None
             cancelled_at = time.monotonic()
             call.cancel()
-            state = load(stack)
-            while state["running"] > 0 and time.monotonic() - cancelled_at < CANCEL_BOUND_S:
-                time.sleep(0.005)
-                state = load(stack)
+            state = eventually(lambda: (now := load(stack))["running"] == 0 and now, CANCEL_BOUND_S,
+                               "the cancelled stream's slot free", interval=0.005, seen=lambda: load(stack))
             freed_ms = (time.monotonic() - cancelled_at) * 1000.0
         print(f"\n{layout}: slot free {freed_ms:.0f} ms after the client's cancel")
         assert state["running"] == 0 and state["kv_free"] == idle["kv_free"], (state, f"{freed_ms:.0f} ms")
@@ -84,8 +83,7 @@ def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_pa
 def test_model_failure_mid_stream_keeps_sent_chunks_and_logs_once(tmp_path: Path, batching: bool) -> None:
     config = config_for_tests(batching={"enabled": batching})
     run_dir = tmp_path / "collapsed"
-    stack = Stack(config, placements_for("collapsed", config), run_dir=run_dir)
-    stack.start()
+    stack = Stack(config, placements_for("collapsed", config), run_dir=run_dir).start()
     try:
         engine = stack.local_servicers["inference"].engine
         real_step = engine.step

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.config.file import placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests, start_stack
@@ -30,10 +31,10 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 
 @pytest.fixture(scope="module")
-def stacks(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
+def stacks(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningStack]]:
     """Both layouts with `tls:`; the layered one's children on unix sockets (plaintext there)."""
     tmp = tmp_path_factory.mktemp("tls-layouts")
-    started: dict[str, Stack] = {}
+    started: dict[str, RunningStack] = {}
     try:
         for layout in LAYOUTS:
             started[layout] = start_stack(layout, tmp, config_for_tests(tls=certs.tls_config()))
@@ -51,7 +52,7 @@ def generate(address: str, credentials: grpc.ChannelCredentials | None) -> tuple
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_client_presenting_client_pem_gets_health_and_answers(stacks: dict[str, Stack], certs: Certs,
+def test_a_client_presenting_client_pem_gets_health_and_answers(stacks: dict[str, RunningStack], certs: Certs,
                                                                 layout: str) -> None:
     address = stacks[layout].address
     assert health(address, certs.credentials("client")) == "SERVING"
@@ -62,7 +63,7 @@ def test_a_client_presenting_client_pem_gets_health_and_answers(stacks: dict[str
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("who", ["plaintext", "no certificate", "another CA", "expired"])
-def test_the_public_listener_refuses(stacks: dict[str, Stack], certs: Certs, layout: str, who: str) -> None:
+def test_the_public_listener_refuses(stacks: dict[str, RunningStack], certs: Certs, layout: str, who: str) -> None:
     credentials = {"plaintext": None, "no certificate": certs.credentials(None),
                    "another CA": certs.credentials("other"), "expired": certs.credentials("expired")}[who]
     address = stacks[layout].address
@@ -70,7 +71,7 @@ def test_the_public_listener_refuses(stacks: dict[str, Stack], certs: Certs, lay
     assert generate(address, credentials)[0] == "UNAVAILABLE"
 
 
-def test_a_client_refuses_a_server_from_a_ca_it_does_not_trust(stacks: dict[str, Stack], certs: Certs) -> None:
+def test_a_client_refuses_a_server_from_a_ca_it_does_not_trust(stacks: dict[str, RunningStack], certs: Certs) -> None:
     """The other direction: the client verifies the server (its CA is the other client's)."""
     assert health(stacks["collapsed"].address, certs.credentials("client", ca=certs.other_client)) == "UNAVAILABLE"
 
@@ -89,8 +90,7 @@ def test_the_probe_listener_answers_health_alone_in_plaintext(certs: Certs, tmp_
     """Kubernetes' grpc probes cannot speak TLS: `--probe-listen` serves the health service, nothing else."""
     config = config_for_tests(tls=certs.tls_config())
     stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "probe",
-                  probe_listen="127.0.0.1:0")
-    stack.start()
+                  probe_listen="127.0.0.1:0").start()
     try:
         assert stack.server is not None and stack.server.probe is not None
         probe = stack.server.probe.address

@@ -14,7 +14,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from spine.cli import main as spine_main
 from spine.cli.migrate import ControlClient
 from spine.tools.dev_certs import FILES, write_file
 from tests.tls_helpers import Certs, make_certs
+from tests.waiting import eventually
 from wire.v1 import migration_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,10 +265,11 @@ def test_the_runner_serves_tls_on_loopback_and_its_probe_listener_in_plaintext(c
     env = {k: v for k, v in os.environ.items() if k != "SPINE_ADMIN_TOKEN"}
     runner = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while health(f"127.0.0.1:{probe}", None, timeout=1) != "SERVING":
-            assert runner.poll() is None and time.monotonic() < deadline, runner.stderr.read() if runner.stderr else ""
-            time.sleep(0.2)
+        def serving() -> bool:
+            assert runner.poll() is None, runner.stderr.read() if runner.stderr else ""
+            return health(f"127.0.0.1:{probe}", None, timeout=1) == "SERVING"
+
+        eventually(serving, 60, "the runner's probe listener SERVING", interval=0.2)
         assert health(f"127.0.0.1:{port}", certs.credentials("client")) == "SERVING"
         assert health(f"127.0.0.1:{port}", None, timeout=3) == "UNAVAILABLE"
     finally:

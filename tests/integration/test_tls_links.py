@@ -80,13 +80,13 @@ def test_the_gateway_calls_a_child_over_tcp_with_mtls(tcp_auth: tuple[str, Path]
     address, _ = tcp_auth
     placements = placements_for("collapsed", config_for_tests()) | {"auth": "remote"}
     with Stack(config_for_tests(tls=certs.tls_config()), placements, run_dir=tmp_path / "tls",
-               remote_addresses={"auth": address}) as stack:
+               remote_addresses={"auth": address}).start() as stack:
         assert getattr(stack.component(AUTH), "placement", None) == "remote"
         assert ask(stack.address, certs.credentials("client")) == "OK"
         assert ask(stack.address, certs.credentials("client"), token="not-a-key") == "UNAUTHENTICATED"
         assert stack.health_report()["components"]["auth"]["serving"] is True
     with Stack(config_for_tests(), placements, run_dir=tmp_path / "plain", remote_addresses={"auth": address},
-               health_interval_s=0.2) as plain:
+               health_interval_s=0.2).start() as plain:
         assert plain.health_report()["components"]["auth"]["serving"] is False
         assert ask(plain.address, None) == "UNAVAILABLE"
 
@@ -215,8 +215,7 @@ def test_a_process_reaches_its_own_wildcard_listener_by_its_certificates_name(ce
 
     config = config_for_tests(tls=certs.tls_config())
     stack = Stack(config, placements_for("collapsed", config), listen="0.0.0.0:0", allow_external=True,
-                  run_dir=tmp_path / "wildcard")
-    stack.start()
+                  run_dir=tmp_path / "wildcard").start()
     tls = TlsConfig(**certs.tls_config())
     try:
         assert stack.address.startswith("0.0.0.0:")

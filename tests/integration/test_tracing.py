@@ -51,9 +51,8 @@ def _one_request_spans(layout: str, tmp: Path, batching: bool = False) -> list[R
     tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
     config = config_for_tests(batching={"enabled": batching})
     with installed_tracing(tracing):
-        # the installed tracer hooks itself into the stack's pipeline (batch stages and the model's call)
-        stack = Stack(config, placements_for(layout, config), run_dir=tmp / f"{layout}-{batching}")
-        stack.start()
+        # the installed tracer hooks itself into the stack's pipeline (batch steps and the model's call)
+        stack = Stack(config, placements_for(layout, config), run_dir=tmp / f"{layout}-{batching}").start()
         try:
             with GatewayClient(stack.address, DEV_KEY) as client:
                 request = generation_pb2.GenerateRequest(model="tiny-lm", prompt="trace me", max_tokens=3)

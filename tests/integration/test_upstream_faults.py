@@ -105,8 +105,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, bare_http_upstream: Any) -> 
                            *_routes(bare_http_upstream, fault, f"http://127.0.0.1:{down_port}/v1", key_file, secure,
                                     certs["ca.pem"], spine_key_file, f"http://127.0.0.1:{free_port()}/v1",
                                     _word_tokenizer(tmp / "tokenizer.json"))]})
-    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0")
-    stack.start()
+    stack = Stack(config, placements_for("collapsed", config), run_dir=tmp / "run", http_listen="127.0.0.1:0").start()
     try:
         yield {"stack": stack, "fault": fault, "down_port": down_port,
                "endpoints": stack.local_servicer("inference").upstreams.endpoints}
@@ -290,8 +289,7 @@ def test_a_failing_upstream_never_ejects_the_inference_process(world: dict[str, 
                            {"id": "down", "upstream": {"base_url": down, "retries": 0, "eject_after_failures": 100}},
                            {"id": "wrong-key", "upstream": {"base_url": world["fault"].base_url, "model": "wrong-key",
                                                             "api_key_file": str(key_file)}}]})
-    stack = Stack(config, placements_for("mixed", config), run_dir=tmp_path / "run", http_listen="127.0.0.1:0")
-    stack.start()
+    stack = Stack(config, placements_for("mixed", config), run_dir=tmp_path / "run", http_listen="127.0.0.1:0").start()
     try:
         client = openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=DEV_KEY, max_retries=0)
         for i in range(4):

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from runtime.config.file import load_config, placements_for
+from runtime.running_stack import RunningStack
 from runtime.stack import Stack
 from tests.conftest import DEV_KEY, TEST_OVERRIDES, config_for_tests
 from tests.echo_engine import ARGUMENTS
@@ -47,7 +48,7 @@ def engine() -> Iterator[FaultUpstream]:
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory: pytest.TempPathFactory, engine: FaultUpstream) -> Iterator[dict[str, Stack]]:
+def stacks(tmp_path_factory: pytest.TempPathFactory, engine: FaultUpstream) -> Iterator[dict[str, RunningStack]]:
     tmp = tmp_path_factory.mktemp("fidelity")
     key_file = tmp / "engine.key"
     key_file.write_text(ENGINE_KEY + "\n")
@@ -62,12 +63,11 @@ def stacks(tmp_path_factory: pytest.TempPathFactory, engine: FaultUpstream) -> I
         router={"models": [*(m.model_dump(exclude_none=True) for m in load_config().router.models), *routes]},
         http={"max_body_bytes": 8192}, ratelimit={"tenants": TEST_OVERRIDES["ratelimit"]["tenants"]},
         output_policy=policy)
-    running: dict[str, Stack] = {}
+    running: dict[str, RunningStack] = {}
     try:
         for layout in LAYOUTS:
             running[layout] = Stack(config, placements_for(layout, config), run_dir=Path(tmp / layout),
-                                    http_listen="127.0.0.1:0")
-            running[layout].start()
+                                    http_listen="127.0.0.1:0").start()
         yield running
     finally:
         for stack in running.values():
@@ -80,7 +80,7 @@ def _last(engine: FaultUpstream) -> dict[str, Any]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_openai_field_reaches_the_engine_and_its_answer_comes_back(
-        stacks: dict[str, Stack], engine: FaultUpstream, layout: str) -> None:
+        stacks: dict[str, RunningStack], engine: FaultUpstream, layout: str) -> None:
     sent: dict[str, Any] = dict(
         tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}}, parallel_tool_calls=False,
         response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}},
@@ -108,7 +108,7 @@ def test_every_openai_field_reaches_the_engine_and_its_answer_comes_back(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_streamed_tool_call_and_its_result_round_trip(stacks: dict[str, Stack], engine: FaultUpstream,
+def test_a_streamed_tool_call_and_its_result_round_trip(stacks: dict[str, RunningStack], engine: FaultUpstream,
                                                         layout: str) -> None:
     client = openai_client(stacks[layout])
     ask = [{"role": "user", "content": f"weather? stream {layout}"}]
@@ -132,7 +132,7 @@ def test_a_streamed_tool_call_and_its_result_round_trip(stacks: dict[str, Stack]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_anthropic_client_with_tools_over_an_openai_engine(stacks: dict[str, Stack], engine: FaultUpstream,
+def test_an_anthropic_client_with_tools_over_an_openai_engine(stacks: dict[str, RunningStack], engine: FaultUpstream,
                                                               layout: str) -> None:
     claude = anthropic_client(stacks[layout])
     ask: list[Any] = [{"role": "user", "content": [
@@ -165,7 +165,7 @@ def test_an_anthropic_client_with_tools_over_an_openai_engine(stacks: dict[str, 
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_openai_client_with_tools_over_an_anthropic_engine(stacks: dict[str, Stack], engine: FaultUpstream,
+def test_an_openai_client_with_tools_over_an_anthropic_engine(stacks: dict[str, RunningStack], engine: FaultUpstream,
                                                               layout: str) -> None:
     client = openai_client(stacks[layout])
     answer = client.chat.completions.create(
@@ -186,7 +186,7 @@ def test_an_openai_client_with_tools_over_an_anthropic_engine(stacks: dict[str, 
     assert "".join(c.function.arguments or "" for c in calls if c.function) == ARGUMENTS
 
 
-def test_what_has_no_translation_is_refused_by_name(stacks: dict[str, Stack], engine: FaultUpstream) -> None:
+def test_what_has_no_translation_is_refused_by_name(stacks: dict[str, RunningStack], engine: FaultUpstream) -> None:
     before = len(engine.received)
     claude = anthropic_client(stacks["collapsed"])
     with pytest.raises(anthropic.BadRequestError) as thinking:
@@ -200,7 +200,7 @@ def test_what_has_no_translation_is_refused_by_name(stacks: dict[str, Stack], en
     assert len(engine.received) == before  # nothing was sent
 
 
-def test_a_built_in_model_refuses_what_it_cannot_honour_by_name(stacks: dict[str, Stack]) -> None:
+def test_a_built_in_model_refuses_what_it_cannot_honour_by_name(stacks: dict[str, RunningStack]) -> None:
     client = openai_client(stacks["collapsed"])
     with pytest.raises(openai.BadRequestError) as tools:
         client.chat.completions.create(model="default", max_tokens=2, tools=[WEATHER],  # type: ignore[list-item]
@@ -212,7 +212,7 @@ def test_a_built_in_model_refuses_what_it_cannot_honour_by_name(stacks: dict[str
     assert "messages[0].content[0].type" in image.value.message
 
 
-def test_malformed_tools_and_schemas_never_reach_the_engine(stacks: dict[str, Stack], engine: FaultUpstream) -> None:
+def test_malformed_tools_and_schemas_never_reach_the_engine(stacks: dict[str, RunningStack], engine: FaultUpstream) -> None:
     before = len(engine.received)
     client = openai_client(stacks["collapsed"])
     bad_schema = {"type": "function", "function": {"name": "w", "parameters": {"type": "objekt"}}}
@@ -238,7 +238,7 @@ def test_malformed_tools_and_schemas_never_reach_the_engine(stacks: dict[str, St
     assert len(engine.received) == before
 
 
-def test_an_engines_refusal_of_the_request_reaches_the_client_in_its_api(stacks: dict[str, Stack],
+def test_an_engines_refusal_of_the_request_reaches_the_client_in_its_api(stacks: dict[str, RunningStack],
                                                                           engine: FaultUpstream) -> None:
     image = {"type": "image_url", "image_url": {"url": "https://images.invalid/a.png"}}
     for layout in LAYOUTS:
@@ -256,7 +256,7 @@ def test_an_engines_refusal_of_the_request_reaches_the_client_in_its_api(stacks:
     assert "Image input is not supported" in claude.value.message
 
 
-def test_a_base64_image_over_the_body_limit_is_refused_unread(stacks: dict[str, Stack], engine: FaultUpstream) -> None:
+def test_a_base64_image_over_the_body_limit_is_refused_unread(stacks: dict[str, RunningStack], engine: FaultUpstream) -> None:
     before = len(engine.received)
     huge = base64.b64encode(b"\0" * 9000).decode()
     with pytest.raises(openai.APIStatusError) as refused:
@@ -265,7 +265,7 @@ def test_a_base64_image_over_the_body_limit_is_refused_unread(stacks: dict[str, 
     assert refused.value.status_code == 413 and len(engine.received) == before
 
 
-def test_the_cache_keys_on_the_whole_canonical_request(stacks: dict[str, Stack], engine: FaultUpstream) -> None:
+def test_the_cache_keys_on_the_whole_canonical_request(stacks: dict[str, RunningStack], engine: FaultUpstream) -> None:
     url = f"http://{stacks['collapsed'].http_address}/v1/chat/completions"
     headers = {"authorization": f"Bearer {DEV_KEY}", "content-type": "application/json"}
     tools = json.dumps(WEATHER)
@@ -284,7 +284,7 @@ def test_the_cache_keys_on_the_whole_canonical_request(stacks: dict[str, Stack],
     assert engine.hits["echo"] == hits + 2  # other tools: another answer
 
 
-def test_a_built_in_model_ends_its_answer_at_a_stop_string(stacks: dict[str, Stack]) -> None:
+def test_a_built_in_model_ends_its_answer_at_a_stop_string(stacks: dict[str, RunningStack]) -> None:
     client = openai_client(stacks["collapsed"])
     ask: Any = {"model": "default", "max_tokens": 16, "temperature": 0,
                 "messages": [{"role": "user", "content": "tell me about stops"}]}
@@ -303,7 +303,7 @@ def test_a_built_in_model_ends_its_answer_at_a_stop_string(stacks: dict[str, Sta
     assert claude.content[0].type == "text" and claude.content[0].text == expected
 
 
-def test_the_log_line_names_the_tools_offered_and_called_never_an_image(stacks: dict[str, Stack],
+def test_the_log_line_names_the_tools_offered_and_called_never_an_image(stacks: dict[str, RunningStack],
                                                                           engine: FaultUpstream) -> None:
     response = openai_client(stacks["collapsed"]).chat.completions.with_raw_response.create(
         model="engine", tools=[WEATHER], tool_choice="required", messages=[{"role": "user", "content": [  # type: ignore[list-item]
@@ -324,7 +324,7 @@ def test_the_log_line_names_the_tools_offered_and_called_never_an_image(stacks: 
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_embeddings_from_an_engine_through_the_pipeline(stacks: dict[str, Stack], engine: FaultUpstream,
+def test_embeddings_from_an_engine_through_the_pipeline(stacks: dict[str, RunningStack], engine: FaultUpstream,
                                                         layout: str) -> None:
     client = openai_client(stacks[layout])
     texts = [f"first text {layout}", "second"]
@@ -339,7 +339,7 @@ def test_embeddings_from_an_engine_through_the_pipeline(stacks: dict[str, Stack]
     assert again.data[0].embedding == answer.data[0].embedding and engine.hits["echo"] == hits + 1  # cached
 
 
-def test_embeddings_are_refused_by_name_where_no_engine_serves_them(stacks: dict[str, Stack]) -> None:
+def test_embeddings_are_refused_by_name_where_no_engine_serves_them(stacks: dict[str, RunningStack]) -> None:
     client = openai_client(stacks["collapsed"])
     with pytest.raises(openai.BadRequestError) as built_in:
         client.embeddings.create(model="default", input="x")
@@ -353,7 +353,7 @@ def test_embeddings_are_refused_by_name_where_no_engine_serves_them(stacks: dict
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_responses_api_over_an_engines_chat_completions(stacks: dict[str, Stack], engine: FaultUpstream,
+def test_the_responses_api_over_an_engines_chat_completions(stacks: dict[str, RunningStack], engine: FaultUpstream,
                                                             layout: str) -> None:
     client = openai_client(stacks[layout])
     tool = {"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}  # type: ignore[index]
@@ -387,7 +387,7 @@ def test_the_responses_api_over_an_engines_chat_completions(stacks: dict[str, St
     assert done and json.loads(done[0].arguments) == {"city": "Paris"}  # type: ignore[union-attr]
 
 
-def test_the_responses_api_on_a_built_in_model_and_what_it_refuses(stacks: dict[str, Stack]) -> None:
+def test_the_responses_api_on_a_built_in_model_and_what_it_refuses(stacks: dict[str, RunningStack]) -> None:
     client = openai_client(stacks["collapsed"])
     plain = client.responses.create(model="default", input="hello there", max_output_tokens=4, temperature=0)
     assert plain.output_text and plain.usage is not None and plain.usage.output_tokens <= 4
@@ -404,7 +404,7 @@ def test_the_responses_api_on_a_built_in_model_and_what_it_refuses(stacks: dict[
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_output_policy_reads_tool_call_arguments_plain_and_streamed(stacks: dict[str, Stack],
+def test_the_output_policy_reads_tool_call_arguments_plain_and_streamed(stacks: dict[str, RunningStack],
                                                                        layout: str) -> None:
     """A call's arguments reach a tool with more consequence than prose: the policy reads them in
     each API, whole and as streamed pieces, and the call never reaches the client."""

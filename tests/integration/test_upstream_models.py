@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from tests.conftest import DEV_KEY
 from tests.http_helpers import UPSTREAM_MODELS, anthropic_client, openai_client
 
@@ -31,7 +31,7 @@ def _ask(client: openai.OpenAI, model: str, prompt: str) -> Any:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_plain_chat_is_the_upstreams_answer_with_its_headers(http_stacks: dict[str, Stack], direct: openai.OpenAI,
+def test_plain_chat_is_the_upstreams_answer_with_its_headers(http_stacks: dict[str, RunningStack], direct: openai.OpenAI,
                                                              layout: str) -> None:
     prompt = f"upstream plain {layout}"
     raw = _ask(openai_client(http_stacks[layout]), UPSTREAM_MODELS[0], prompt)
@@ -48,7 +48,7 @@ def test_plain_chat_is_the_upstreams_answer_with_its_headers(http_stacks: dict[s
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_streamed_chat_passes_the_upstreams_deltas_and_usage(http_stacks: dict[str, Stack], direct: openai.OpenAI,
+def test_streamed_chat_passes_the_upstreams_deltas_and_usage(http_stacks: dict[str, RunningStack], direct: openai.OpenAI,
                                                              layout: str) -> None:
     prompt = f"upstream stream {layout}"
     raw = openai_client(http_stacks[layout]).chat.completions.with_raw_response.create(
@@ -68,7 +68,7 @@ def test_streamed_chat_passes_the_upstreams_deltas_and_usage(http_stacks: dict[s
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_anthropic_upstream_and_an_anthropic_client(http_stacks: dict[str, Stack], layout: str) -> None:
+def test_an_anthropic_upstream_and_an_anthropic_client(http_stacks: dict[str, RunningStack], layout: str) -> None:
     raw = _ask(openai_client(http_stacks[layout]), UPSTREAM_MODELS[1], f"upstream messages {layout}")
     assert raw.headers["x-spine-upstream"] == UPSTREAM_MODELS[1]
     assert raw.parse().usage is not None and raw.parse().usage.completion_tokens == 6
@@ -80,7 +80,7 @@ def test_an_anthropic_upstream_and_an_anthropic_client(http_stacks: dict[str, St
     assert text and final.usage.output_tokens == 5
 
 
-def test_every_answer_says_its_overhead(http_stacks: dict[str, Stack]) -> None:
+def test_every_answer_says_its_overhead(http_stacks: dict[str, RunningStack]) -> None:
     """The built-in model's answers, a refusal and a stream carry it too."""
     client = openai_client(http_stacks["collapsed"])
     local = _ask(client, "default", "overhead of a local model")
@@ -94,7 +94,7 @@ def test_every_answer_says_its_overhead(http_stacks: dict[str, Stack]) -> None:
     assert float(bad.value.response.headers["x-spine-overhead-duration-ms"]) >= 0
 
 
-def test_grpc_clients_get_the_upstream_in_trailers(http_stacks: dict[str, Stack]) -> None:
+def test_grpc_clients_get_the_upstream_in_trailers(http_stacks: dict[str, RunningStack]) -> None:
     from spine.client.gateway_client import GatewayClient
     from wire.v1 import generation_pb2
 

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from tests.vllm_server import SERVED_NAME, VLLM_MODEL, engine_client, spine_anthropic, spine_openai
 
 pytestmark = pytest.mark.timeout(900)
@@ -45,7 +45,7 @@ def direct(vllm_engine: Any) -> openai.OpenAI:
     return engine_client(vllm_engine)  # type: ignore[no-any-return]
 
 
-def _both(stack: Stack, client: openai.OpenAI, **ask: Any) -> tuple[Any, Any]:
+def _both(stack: RunningStack, client: openai.OpenAI, **ask: Any) -> tuple[Any, Any]:
     """The same greedy request through the spine and to vLLM directly."""
     ours = spine_openai(stack).chat.completions.create(model=VLLM_MODEL, temperature=0, **ask)
     theirs = client.chat.completions.create(model=SERVED_NAME, temperature=0, **ask)
@@ -59,7 +59,7 @@ def _call(message: Any) -> tuple[str, Any]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_named_tool_choice_forces_the_call_and_the_tool_result_gets_vllms_answer(
-        vllm_stacks: dict[str, Stack], direct: openai.OpenAI, layout: str) -> None:
+        vllm_stacks: dict[str, RunningStack], direct: openai.OpenAI, layout: str) -> None:
     stack = vllm_stacks[layout]
     ours, theirs = _both(stack, direct, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=FORCED, max_tokens=60)
     assert _call(ours.choices[0].message) == _call(theirs.choices[0].message)
@@ -81,7 +81,7 @@ def test_a_named_tool_choice_forces_the_call_and_the_tool_result_gets_vllms_answ
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_json_schema_answer_parses_and_validates(vllm_stacks: dict[str, Stack], direct: openai.OpenAI,
+def test_a_json_schema_answer_parses_and_validates(vllm_stacks: dict[str, RunningStack], direct: openai.OpenAI,
                                                    layout: str) -> None:
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE, "strict": True}}
     ours, theirs = _both(vllm_stacks[layout], direct, messages=[{"role": "user", "content":
@@ -92,7 +92,7 @@ def test_a_json_schema_answer_parses_and_validates(vllm_stacks: dict[str, Stack]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_stop_and_logprobs_are_vllms(vllm_stacks: dict[str, Stack], direct: openai.OpenAI,
+def test_stop_and_logprobs_are_vllms(vllm_stacks: dict[str, RunningStack], direct: openai.OpenAI,
                                      layout: str) -> None:
     ours, theirs = _both(vllm_stacks[layout], direct, messages=[{"role": "user", "content":
                          "List three fruits, one per line."}], stop=["\n"], max_tokens=40, logprobs=True,
@@ -106,7 +106,7 @@ def test_stop_and_logprobs_are_vllms(vllm_stacks: dict[str, Stack], direct: open
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_image_vllm_cannot_read_is_its_own_400_in_each_clients_shape(vllm_stacks: dict[str, Stack],
+def test_an_image_vllm_cannot_read_is_its_own_400_in_each_clients_shape(vllm_stacks: dict[str, RunningStack],
                                                                         layout: str) -> None:
     stack = vllm_stacks[layout]
     with pytest.raises(openai.BadRequestError) as refused:
@@ -124,7 +124,7 @@ def test_an_image_vllm_cannot_read_is_its_own_400_in_each_clients_shape(vllm_sta
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_embeddings_asked_of_a_generative_engine_are_the_clients_400_and_never_eject_it(
-        vllm_stacks: dict[str, Stack], layout: str) -> None:
+        vllm_stacks: dict[str, RunningStack], layout: str) -> None:
     client = spine_openai(vllm_stacks[layout])
     for _ in range(6):  # more than the failures that would eject an upstream at fault
         with pytest.raises(openai.BadRequestError) as refused:
@@ -135,7 +135,7 @@ def test_embeddings_asked_of_a_generative_engine_are_the_clients_400_and_never_e
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_responses_api_plain_and_streamed_over_vllms_chat(vllm_stacks: dict[str, Stack],
+def test_the_responses_api_plain_and_streamed_over_vllms_chat(vllm_stacks: dict[str, RunningStack],
                                                               direct: openai.OpenAI, layout: str) -> None:
     client = spine_openai(vllm_stacks[layout])
     ask: Any = {"model": VLLM_MODEL, "instructions": "Answer in one short sentence.",
@@ -162,7 +162,7 @@ def test_the_responses_api_plain_and_streamed_over_vllms_chat(vllm_stacks: dict[
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_anthropic_clients_tools_round_trip_over_vllms_openai_protocol(
-        vllm_stacks: dict[str, Stack], direct: openai.OpenAI, layout: str) -> None:
+        vllm_stacks: dict[str, RunningStack], direct: openai.OpenAI, layout: str) -> None:
     claude = spine_anthropic(vllm_stacks[layout])
     tools: Any = [{"name": "get_weather", "description": "The weather in a city", "input_schema": CITY,
                    "strict": True}]

@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from runtime.stack import Stack
+from runtime.running_stack import RunningStack
 from spine.tools.demo.litellm_gateway import LiteLLMGateway
 from tests.vllm_server import (
     ENGINE_KEY,
@@ -60,7 +60,7 @@ def engine_answer(direct: openai.OpenAI, messages: Any, max_tokens: int) -> Any:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_plain_chat_is_vllms_own_answer(vllm_stacks: dict[str, Stack], direct: openai.OpenAI, layout: str) -> None:
+def test_plain_chat_is_vllms_own_answer(vllm_stacks: dict[str, RunningStack], direct: openai.OpenAI, layout: str) -> None:
     raw = spine_openai(vllm_stacks[layout]).chat.completions.with_raw_response.create(
         model=VLLM_MODEL, messages=QUESTION, max_tokens=16, temperature=0)
     answer, expected = raw.parse(), engine_answer(direct, QUESTION, 16)
@@ -74,7 +74,7 @@ def test_plain_chat_is_vllms_own_answer(vllm_stacks: dict[str, Stack], direct: o
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_streamed_chat_is_vllms_pieces_and_usage(vllm_stacks: dict[str, Stack], direct: openai.OpenAI,
+def test_streamed_chat_is_vllms_pieces_and_usage(vllm_stacks: dict[str, RunningStack], direct: openai.OpenAI,
                                                  layout: str) -> None:
     messages: Any = [{"role": "user", "content": f"Name three colours ({layout})."}]
     chunks = list(spine_openai(vllm_stacks[layout]).chat.completions.create(
@@ -90,7 +90,7 @@ def test_streamed_chat_is_vllms_pieces_and_usage(vllm_stacks: dict[str, Stack], 
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_an_anthropic_client_gets_vllms_answer_plain_and_streamed(vllm_stacks: dict[str, Stack],
+def test_an_anthropic_client_gets_vllms_answer_plain_and_streamed(vllm_stacks: dict[str, RunningStack],
                                                                   direct: openai.OpenAI, layout: str) -> None:
     """Anthropic's Messages API over an OpenAI-protocol engine: the system prompt and the turn
     translated, the same greedy text back, with the engine's token counts."""
@@ -108,7 +108,7 @@ def test_an_anthropic_client_gets_vllms_answer_plain_and_streamed(vllm_stacks: d
     assert final.usage.output_tokens == expected.usage.completion_tokens
 
 
-def test_litellm_over_the_same_vllm_gives_the_spines_answers(vllm_stacks: dict[str, Stack], litellm: openai.OpenAI,
+def test_litellm_over_the_same_vllm_gives_the_spines_answers(vllm_stacks: dict[str, RunningStack], litellm: openai.OpenAI,
                                                             direct: openai.OpenAI) -> None:
     """The migration's premise: the legacy gateway and the spine in front of one engine answer a
     greedy request alike, plain and streamed, so a parity gate compares like with like."""

@@ -18,7 +18,7 @@ assignment (uvicorn's server, an `ssl.SSLContext`) is named in `LIBRARY_OBJECTS`
 A dataclass that holds running parts (a field whose type is something that stops or closes:
 a server, a process, a thread) is not a data record: what it holds was started, and is not
 swapped from outside any more than a part's own wiring is. A builder returns such a record
-made whole and frozen (`Cutover.start() -> RunningCutover`).
+made whole and frozen (`Stack.start() -> RunningStack`, `Cutover.start() -> RunningCutover`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ LIBRARY_OBJECTS = {"uvicorn.Server", "uvicorn.Config", "ssl.SSLContext", "Reques
                    "H11Protocol", "HttpToolsProtocol"}
 # Library types that run until stopped: a field of one makes a dataclass hold a running part.
 LIBRARY_RUNNING = {"Popen", "Thread", "Server", "ExitStack", "ThreadPoolExecutor"}
-# Still a builder that is also the running thing (`start()` fills its optional parts in), and
-# so still passed as a record here; it is next to return a frozen record of what it started.
-STILL_BUILT_IN_PLACE = {"Stack"}
 
 
 def _source_files() -> list[Path]:
@@ -72,12 +69,10 @@ def _holds_running_parts(node: ast.ClassDef, running: set[str]) -> bool:
 
 
 def _dataclasses() -> set[str]:
-    """The repository's data records: its dataclasses, less those that hold running parts
-    (but for those still built in place, `STILL_BUILT_IN_PLACE`)."""
+    """The repository's data records: its dataclasses, less those that hold running parts."""
     classes = _classes()
     running = _running_parts(classes)
-    return {node.name for node in classes if _is_dataclass(node)
-            and (node.name in STILL_BUILT_IN_PLACE or not _holds_running_parts(node, running))}
+    return {node.name for node in classes if _is_dataclass(node) and not _holds_running_parts(node, running)}
 
 
 def _own(target: ast.expr) -> bool:
@@ -265,9 +260,8 @@ def test_a_dataclass_that_holds_running_parts_is_no_data_record() -> None:
     """Its fields are parts that were started (a front, a process), not what it holds as data:
     setting one from outside is a rewiring like any other."""
     records = _dataclasses()
-    assert {"RunningCutover", "RunningLegacyCutover", "Child", "RunningServer"}.isdisjoint(records)
+    assert {"RunningStack", "RunningCutover", "RunningLegacyCutover", "Child", "RunningServer"}.isdisjoint(records)
     assert {"Exit", "ReleaseItem"} <= records  # records of data
-    assert "Stack" in records  # still built in place (`STILL_BUILT_IN_PLACE`)
     code = ("class Supervisor:\n"
             "    def restart(self, child: Child, process: Popen) -> None:\n"
             "        child.process = process\n"

@@ -3,7 +3,7 @@
 Property tests: for random request sequences (tenants, limits, credentials, bad input,
 shadow traffic) cut into random batches at random arrival times, every verdict (code,
 message, trailers, resolved request, cache hit) and every bucket level after the run
-equal those of the same stages deciding the same requests one by one in arrival order.
+equal those of the same steps deciding the same requests one by one in arrival order.
 Then the spine's scheduling of the completions (`monolith.batched_pipeline.DeferredCompletions`):
 answers go out at once, writes happen a window at a time, and nothing is lost or unseen.
 """

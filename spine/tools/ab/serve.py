@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     # No hooks of our own: a Stack adds the installed tracing's hook itself (passing it here
     # too made two spans of every call, and every span time in `spine ab` twice the truth).
-    stack = Stack(config, placements_for(args.layout, config), run_dir=run_dir)
     try:
-        stack.start()
+        stack = Stack(config, placements_for(args.layout, config), run_dir=run_dir).start()
     except Exception as error:
         print(json.dumps({"event": "failed", "error": str(error)}), flush=True)
         return 1

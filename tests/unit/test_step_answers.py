@@ -1,10 +1,10 @@
-"""What a stage makes of its component's results, whatever shape they come in.
+"""What a step makes of its component's results, whatever shape they come in.
 
 `Step.answered` pairs each request with its result and fails the ones whose item failed.
 Results come as plain values (`call.batch`, in-process or decoded from the wire), as wire
-items that carry a status (a stage that calls the rpc itself), or as bare statuses. How a
-type carries its status is learnt once per type (`stage._status_of`), so the answer must
-not depend on which shape a stage sees first.
+items that carry a status (a step that calls the rpc itself), or as bare statuses. How a
+type carries its status is learnt once per type (`step._status_of`), so the answer must
+not depend on which shape a step sees first.
 """
 
 from __future__ import annotations

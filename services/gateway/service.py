@@ -286,9 +286,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         if tally.check is not None and (found := tally.check.check(_policed(chunk.text, chunk.events),
                                                                    chunk.token_ids)) is not None:
             raise self._violation(state, found)
-        tally.take(chunk)
-        if tally.first:  # the HTTP front's headers go out with it: what is known now
-            tally.first = False
+        if tally.take(chunk):  # the first: the HTTP front's headers go out with it, what is known now
             state.model_wait_s = time.perf_counter() - tally.started
             first_chunk(state)
             initial = forwarded(stream.initial_metadata() or ())

@@ -32,13 +32,16 @@ class StreamTally:
     usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion, cached
     first: bool = True  # no chunk has been released yet
 
-    def take(self, chunk: generation_pb2.GenerateChunk) -> None:
+    def take(self, chunk: generation_pb2.GenerateChunk) -> bool:
+        """Count `chunk`; whether it is the stream's first."""
+        first, self.first = self.first, False
         self.tokens.extend(chunk.token_ids)
         self.texts.append(chunk.text)
         self.finish = chunk.finish_reason or self.finish
         self.digest = chunk.system_digest or self.digest
         if chunk.completion_tokens or chunk.prompt_tokens:
             self.usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
+        return first
 
 
 _END = object()

@@ -215,7 +215,8 @@ class _Chunks:
         self.endpoint = walk.served_by
         self.metadata = _metadata(walk)
         self.digest = system_digest(request.system)
-        self.ended = Delta()
+        self.finish = ""
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0  # the upstream's usage, where it says it
         self.index = 0
         self.texts: list[str] = []
         self.done = False  # the upstream said its last piece
@@ -224,11 +225,10 @@ class _Chunks:
 
     def take(self, delta: Delta) -> generation_pb2.GenerateChunk | None:
         """The client's chunk for `delta`, if it has one; its counts and finish are kept."""
-        ended = self.ended
-        ended.finish = delta.finish or ended.finish
-        ended.prompt_tokens = delta.prompt_tokens or ended.prompt_tokens
-        ended.completion_tokens = delta.completion_tokens or ended.completion_tokens
-        ended.cached_tokens = delta.cached_tokens or ended.cached_tokens
+        self.finish = delta.finish or self.finish
+        self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = delta.completion_tokens or self.completion_tokens
+        self.cached_tokens = delta.cached_tokens or self.cached_tokens
         self.done = self.done or delta.end
         if not (delta.text or delta.events):
             return None
@@ -249,13 +249,12 @@ class _Chunks:
 
     def last(self) -> generation_pb2.GenerateChunk:
         """The stream's last chunk: its finish and usage; the usage's source in the trailers."""
-        ended = self.ended
-        prompt, completion, counted_by = _counted(self.endpoint.tokens, self.request, ended.prompt_tokens,
-                                                  ended.completion_tokens, "".join(self.texts))
+        prompt, completion, counted_by = _counted(self.endpoint.tokens, self.request, self.prompt_tokens,
+                                                  self.completion_tokens, "".join(self.texts))
         self.context.set_trailing_metadata((*self.metadata, (USAGE_HEADER, counted_by)))
-        return generation_pb2.GenerateChunk(index=self.index, finish_reason=ended.finish or "stop",
+        return generation_pb2.GenerateChunk(index=self.index, finish_reason=self.finish or "stop",
                                             model=self.request.model, system_digest=self.digest, prompt_tokens=prompt,
-                                            completion_tokens=completion, cached_prompt_tokens=ended.cached_tokens)
+                                            completion_tokens=completion, cached_prompt_tokens=self.cached_tokens)
 
     def broke(self, failure: AttemptFailure) -> NoReturn:
         """The stream broke after its first chunk: nothing can be retried now; it counts

@@ -1,6 +1,7 @@
 """`make bench`'s legacy row: the same bare model server behind LiteLLM, behind the spine, and alone.
 
-    python -m bench.legacy [--rounds 3] [--seconds 4] [--max-tokens 8] [--out bench/legacy.json]
+    python -m bench.legacy [--rounds 3] [--seconds 4] [--max-tokens 8] [--stream] [--without-litellm]
+                           [--out bench/legacy.json]
     python -m bench.run --only legacy          (the row alone, into bench/results.json)
 
 What a team migrating from an OpenAI-compatible gateway wants to know: what does each gateway
@@ -23,6 +24,8 @@ Per target and concurrency: p50 and p99 (the median over rounds of each turn's k
 throughput, failures, and CPU per request of the gateway's process tree, of the upstream's
 (the bare server, where it is behind a gateway) and of the driver (k6). Each round's p50
 less bare's in the same round is that round's added latency; the row's figure is their median.
+With `--stream` every request is streamed (`stream: true`; a request's time is its whole
+stream's), the path a chat client's tokens take.
 
 The targets (judged on this run's figures, with their rounds): the spine over an upstream adds
 at most 1 ms p50 at c=1 over the model alone, and at most half of what LiteLLM adds; at
@@ -80,7 +83,7 @@ def k6_binary() -> str:
 
 
 @contextlib.contextmanager
-def servers(tmp: Path, say: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+def servers(tmp: Path, say: Callable[[str], None], litellm: bool = True) -> Iterator[dict[str, Any]]:
     """The bare server, the spine (both spine targets) and LiteLLM, all up at once."""
     running: list[Launched] = []
     try:
@@ -110,6 +113,8 @@ def servers(tmp: Path, say: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         }
         skipped: dict[str, str] = {}
         try:
+            if not litellm:
+                raise Skipped("left out (--without-litellm)")
             if importlib.util.find_spec("litellm") is None:
                 raise Skipped("LiteLLM is not installed (pip install 'litellm[proxy]')")
             gateway = LiteLLMGateway(tmp / "litellm", upstream_base_url=bare_url, upstream_key=BARE_KEY,
@@ -132,7 +137,7 @@ def servers(tmp: Path, say: Callable[[str], None]) -> Iterator[dict[str, Any]]:
 
 
 def k6_turn(k6: str, endpoint: tuple[Any, ...], concurrency: int, seconds: float, prefix: str, max_tokens: int,
-            tmp: Path) -> dict[str, Any]:
+            tmp: Path, stream: bool = False) -> dict[str, Any]:
     """One k6 run against one target: its figures, and the CPU each process spent meanwhile."""
     url, key, model, gateway, upstream = endpoint
     summary = tmp / "k6-summary.json"
@@ -142,7 +147,8 @@ def k6_turn(k6: str, endpoint: tuple[Any, ...], concurrency: int, seconds: float
     began = time.perf_counter()
     subprocess.run([k6, "run", "--quiet", "--no-usage-report", "--summary-export", str(summary), "-e", f"URL={url}",
                     "-e", f"KEY={key}", "-e", f"MODEL={model}", "-e", f"VUS={concurrency}", "-e", f"DURATION={seconds}s",
-                    "-e", f"PREFIX={prefix}", "-e", f"MAX_TOKENS={max_tokens}", str(K6_SCRIPT)],
+                    "-e", f"PREFIX={prefix}", "-e", f"MAX_TOKENS={max_tokens}", "-e", f"STREAM={int(stream)}",
+                    str(K6_SCRIPT)],
                    check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=seconds + 60)
     wall = time.perf_counter() - began
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -236,32 +242,34 @@ def profile_spine(k6: str, endpoint: tuple[Any, ...], seconds: float, tmp: Path,
             "top_functions": [{"function": name, "share": round(n / total, 3)} for name, n in functions.most_common(12)]}
 
 
-def measure_legacy(*, rounds: int = 3, seconds: float = 4.0, max_tokens: int = 8,
-                   say: Callable[[str], None] = print) -> dict[str, Any]:
+def measure_legacy(*, rounds: int = 3, seconds: float = 4.0, max_tokens: int = 8, stream: bool = False,
+                   litellm: bool = True, say: Callable[[str], None] = print) -> dict[str, Any]:
     """The row (or {"skipped": why} where k6 is missing)."""
     try:
         k6 = k6_binary()
     except Skipped as why:
         return {"skipped": str(why)}
-    with tempfile.TemporaryDirectory(prefix="spl-") as name, servers(Path(name), say) as up:
+    with tempfile.TemporaryDirectory(prefix="spl-") as name, servers(Path(name), say, litellm) as up:
         tmp = Path(name)
         endpoints = up["endpoints"]
         order = [target for target in TARGETS if target in endpoints]
         for target in order:  # connections made, code paths warm; not measured
-            k6_turn(k6, endpoints[target], 4, 1.0, f"warm {target}", max_tokens, tmp)
+            k6_turn(k6, endpoints[target], 4, 1.0, f"warm {target}", max_tokens, tmp, stream)
         turns: dict[str, dict[int, list[dict[str, Any]]]] = {t: {c: [] for c in CONCURRENCY} for t in order}
         for round_ in range(rounds):
             for concurrency in CONCURRENCY:
                 shift = (round_ + concurrency) % len(order)
                 for target in order[shift:] + order[:shift]:
                     turns[target][concurrency].append(k6_turn(k6, endpoints[target], concurrency, seconds,
-                                                              f"r{round_} c{concurrency} {target}", max_tokens, tmp))
+                                                              f"r{round_} c{concurrency} {target}", max_tokens, tmp,
+                                                              stream))
             say(f"legacy: round {round_ + 1}/{rounds} done")
         cells = {t: {str(c): _cell(turns[t][c]) for c in CONCURRENCY} for t in order}
         result: dict[str, Any] = {"cells": cells, **_judge(cells, turns), "skipped": up["skipped"],
                                   "settings": {"rounds": rounds, "seconds_per_turn": seconds, "max_tokens": max_tokens,
-                                               "concurrency": list(CONCURRENCY), "driver": "k6"}}
-        if not result["targets"]["spine_upstream_adds_at_most_1ms_p50_c1"]:
+                                               "concurrency": list(CONCURRENCY), "driver": "k6",
+                                               "stream": stream}}
+        if not result["targets"]["spine_upstream_adds_at_most_1ms_p50_c1"] and not stream:
             result["profile"] = profile_spine(k6, endpoints["spine-upstream"], 6.0, tmp, max_tokens)
         return result
 
@@ -288,9 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0, help="per turn (target × concurrency × round)")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--stream", action="store_true", help="stream every answer (stream: true)")
+    parser.add_argument("--without-litellm", action="store_true", help="leave LiteLLM out (it takes a minute to start)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "legacy.json")
     args = parser.parse_args(argv)
-    row = measure_legacy(rounds=args.rounds, seconds=args.seconds, max_tokens=args.max_tokens)
+    row = measure_legacy(rounds=args.rounds, seconds=args.seconds, max_tokens=args.max_tokens, stream=args.stream,
+                         litellm=not args.without_litellm)
     args.out.write_text(json.dumps(row, indent=2) + "\n")
     print(describe(row))
     return 0

@@ -1,14 +1,14 @@
 """The spine's scheduling of the pipeline: admission per micro-batch, completions off the path.
 
-The stages are the pipeline's (`services.pipeline`), the same ones the layered gateway
+The steps are the pipeline's (`services.pipeline`), the same ones the layered gateway
 runs with a batch of one; only when they run changes here:
 
 - `BatchedAdmission`: concurrent requests that arrive within a short window are admitted
-  together, each admission stage calling its component's batch rpc once per batch (one
+  together, each admission step calling its component's batch rpc once per batch (one
   credential check, one route lookup, one rate-limit decision in arrival order, one cache
   probe). A lone request is decided at once in its own thread.
 - `DeferredCompletions`: a finished request hands its state over and its answer goes out
-  at once; the completion stages (cache store, logs, metrics) run a window at a time on a
+  at once; the completion steps (cache store, logs, metrics) run a window at a time on a
   folder thread. On a CPU host, writing them in the request's own thread cost more than
   the rest of the middleware together.
 
@@ -43,8 +43,8 @@ log = logging.getLogger("spine.pipeline")
 # A store that keeps failing is retried every fold: at most one ERROR line a second.
 _fold_failures = RateLimitedLog(log, "failed completion writes", level=logging.ERROR)
 
-STORE_STAGE = "cache.store"
-LOOKUP_STAGE = "cache.lookup"
+STORE_STEP = "cache.store"
+LOOKUP_STEP = "cache.lookup"
 
 
 class BatchingConfig(Section):
@@ -63,7 +63,7 @@ class BatchingConfig(Section):
     # models they name already have a full batch queued (so admitted a few ms later they
     # lose no model time). Without a backlog the leader decides at once: a lone request, or
     # 16 clients on 16 KV slots, never waits. With one (64 clients on one core), admission
-    # on the core the model's steps share went in batches of one, each stage starting on
+    # on the core the model's steps share went in batches of one, each step starting on
     # caches the step had just used; with the wait (small batches), the handlers' CPU per
     # request fell in every focused A/B at high concurrency (`python -m bench.variants --vary
     # batching.max_wait_us=0,10000` repeats it), and throughput did not fall. Longer waits
@@ -83,12 +83,12 @@ class BatchingConfig(Section):
     completion_interval_ms: Annotated[Float, Field(ge=1, le=10_000)] = 50.0
 
     def batches(self, placement: str) -> bool:
-        """Whether a stage whose component has `placement` is batched."""
+        """Whether a step whose component has `placement` is batched."""
         return self.enabled and (placement == "local" or self.remote)
 
 
 class BatchedAdmission:
-    """The gateway's `Admission` for the spine: the admission stages, a micro-batch at a time."""
+    """The gateway's `Admission` for the spine: the admission steps, a micro-batch at a time."""
 
     def __init__(self, pipeline: Pipeline, config: BatchingConfig, *,
                  expected: Callable[[], int] | None = None,
@@ -127,7 +127,7 @@ def _identity(state: RequestState) -> tuple[Any, ...]:
 
 
 class DeferredCompletions:
-    """The gateway's `Completions` for the spine: the `deferred` completion stages run a
+    """The gateway's `Completions` for the spine: the `deferred` completion steps run a
     window at a time on a folder thread; the others (components still in another process,
     unless batching.remote) run at once for each request, as in the layered gateway."""
 
@@ -136,11 +136,11 @@ class DeferredCompletions:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         self.pipeline = pipeline
-        # A stage that is not `deferrable` (a concurrency slot's release) runs at once even
+        # A step that is not `deferrable` (a concurrency slot's release) runs at once even
         # when its component is local.
         self.deferred: list[Step[Any]] = [s for s in pipeline.completion if s.name in deferred and s.deferrable]
         self.direct: list[Step[Any]] = [s for s in pipeline.completion if s not in self.deferred]
-        self._store = next((s for s in self.deferred if s.name == STORE_STAGE), None)
+        self._store = next((s for s in self.deferred if s.name == STORE_STEP), None)
         self._writes = [s for s in self.deferred if s is not self._store]
         self.max_batch = max_batch
         self.interval_s = interval_s
@@ -163,15 +163,15 @@ class DeferredCompletions:
         self._closed = False
         self.windows = 0
         if self._store is not None:
-            pipeline.add_barrier(LOOKUP_STAGE, self._store_matching)
+            pipeline.add_barrier(LOOKUP_STEP, self._store_matching)
         self._thread = threading.Thread(target=self._fold, name="spine-completions", daemon=True)
         self._thread.start()
 
     def complete(self, state: RequestState) -> None:
         if self.direct:
             self.pipeline.complete([state], self.direct)
-        for stage in self.deferred:  # spans and faults in the request's own thread
-            self.pipeline.mark(stage, state)
+        for step in self.deferred:  # spans and faults in the request's own thread
+            self.pipeline.mark(step, state)
         if self._store is not None and self._store.wants(state) and self._store.name not in state.skip:
             identity = _identity(state)
             with self._stores_lock:
@@ -219,7 +219,7 @@ class DeferredCompletions:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         self.drain()
-        self.pipeline.remove_barrier(LOOKUP_STAGE, self._store_matching)
+        self.pipeline.remove_barrier(LOOKUP_STEP, self._store_matching)
 
     # -- the cache's answers ---------------------------------------------------------------
     def _store_matching(self, lookups: list[RequestState]) -> None:
@@ -244,7 +244,7 @@ class DeferredCompletions:
             if states:
                 self.pipeline.run(self._store, states, hooks=False, timed=False)
                 for state in states:
-                    state.skip = state.skip | {STORE_STAGE}
+                    state.skip = state.skip | {STORE_STEP}
 
     def _fold(self) -> None:
         name_os_thread()

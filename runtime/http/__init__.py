@@ -4,7 +4,7 @@ What a migration keeps unchanged is the API its clients already call. This packa
 it over HTTP/1.1 in front of any object with the Gateway servicer's call shape — the
 gateway itself (the spine and the layered gateway serve it in their own process) or the
 migration's front (which splits it like gRPC traffic) — so every HTTP request is decided by
-the same admission and completion stages as a gRPC one, with the same verdicts.
+the same admission and completion steps as a gRPC one, with the same verdicts.
 
 - `config`: the `http:` section;
 - `wire`: status codes, headers and the load hint, shared by both APIs;

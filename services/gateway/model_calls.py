@@ -1,7 +1,7 @@
 """The gateway's calls of the model: through its interface, as placed now, under the hooks,
 as GenAI operations.
 
-A request's model call is the one call the gateway makes outside a stage's batch (the
+A request's model call is the one call the gateway makes outside a step's batch (the
 engine batches decode steps itself), so it runs the pipeline's hooks itself
 (`Pipeline.begin_call`): the span and an injected fault are the same in every placement.
 A stream reports how it ended to the hooks once: at its last chunk, its error, or its cancel.

@@ -4,7 +4,7 @@ Every answer that called the model carries the model's own hint. The others — 
 hit, a refusal before the model (rate limited, unauthenticated, bad input), a model that
 failed without one — get the latest hint the gateway has for the model the request named,
 so a client always sees one (and a missing hint never reads as "calm"). The same hints
-give the device's busy figure the rate-limit stage sends with its ask (`busy`).
+give the device's busy figure the rate-limit step sends with its ask (`busy`).
 
 Hints come from the model's answers (`note`) and, once they have gone stale (nothing
 answered for `refresh_s`: all traffic hit the cache, or only long streams are running),

@@ -1,19 +1,19 @@
 """The Gateway: the public API in front of the pipeline, the same code in every layout.
 
-A request becomes a `RequestState`, is admitted by the admission stages (auth, validation,
+A request becomes a `RequestState`, is admitted by the admission steps (auth, validation,
 router, rate limit, cache probe), answered by the model (or the cache), and handed to the
-completion stages (cache store, logs, metrics) whatever its outcome. How admission and
+completion steps (cache store, logs, metrics) whatever its outcome. How admission and
 completion are scheduled is the runtime's choice, never this module's:
 
 - `DirectSteps` (`steps`): the pipeline with a batch of one, in the request's own thread
   (the layered gateway);
 - the spine's micro-batcher and its deferred writer (`monolith.batched_pipeline`) decide many
-  requests with the same stages.
+  requests with the same steps.
 
-Either way the verdicts come from the same stages, so codes, messages and trailers do not
+Either way the verdicts come from the same steps, so codes, messages and trailers do not
 depend on the layout or the batch size. A caller on an event loop (the HTTP front) may ask
 for the whole answer or the stream there (`generate_on_loop`, `generate_stream_on_loop`,
-while `serves_on_loop`): the same stages, inline, and the model awaited where it can be (an
+while `serves_on_loop`): the same steps, inline, and the model awaited where it can be (an
 upstream engine's answer).
 
 Every answer carries the load hint of the model it was routed to (`x-spine-load`: the
@@ -125,7 +125,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     # -- on the caller's event loop ---------------------------------------------------------
     def serves_on_loop(self, request: generation_pb2.GenerateRequest) -> bool:
         """Whether `generate_on_loop` should serve `request` on an event loop now: every
-        admission and completion stage is a call into this process (CPU work of microseconds;
+        admission and completion step is a call into this process (CPU work of microseconds;
         completion writes are handed to their writer thread), no hook may block (an injected
         latency sleeps), and the model it names (an alias by what it last routed to) is one
         whose answer is awaited there (an upstream's). A request for a model that holds a
@@ -450,7 +450,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         context.abort(stop.code, stop.details)
 
     def _finish(self, state: RequestState) -> None:
-        """The completion stages for every request, whatever its outcome (all fail open)."""
+        """The completion steps for every request, whatever its outcome (all fail open)."""
         self._in_flight.leave()
         ended = time.perf_counter()
         state.latency_s = ended - state.started

@@ -1,10 +1,10 @@
-"""Where the gateway's admission and completion stages run, and what it counts for whoever
+"""Where the gateway's admission and completion steps run, and what it counts for whoever
 schedules them.
 
 The gateway asks its `Steps` for each request, because they change as components move:
-`DirectSteps` runs every stage with a batch of one in the request's own thread (the layered
+`DirectSteps` runs every step with a batch of one in the request's own thread (the layered
 gateway); the spine's micro-batcher (`runtime.gateway_batching`, `monolith.batched_pipeline`)
-decides many requests with the same stages. `InFlight` is the count a batcher reads to know
+decides many requests with the same steps. `InFlight` is the count a batcher reads to know
 how many more requests a batch may expect; `AnswerTaps` is who is offered each finished
 request (the spine's shadow mirror). They live apart from the gateway so the runtime can build
 them before it, and swap them without rewiring it.
@@ -21,13 +21,13 @@ from services.pipeline.state import RequestState
 
 
 class Admission(Protocol):
-    """Runs the admission stages for a request; raises its `Stop` when one stops it."""
+    """Runs the admission steps for a request; raises its `Stop` when one stops it."""
 
     def admit(self, state: RequestState) -> None: ...
 
 
 class Completions(Protocol):
-    """Runs (or takes, to run soon) the completion stages for a finished request."""
+    """Runs (or takes, to run soon) the completion steps for a finished request."""
 
     def complete(self, state: RequestState) -> None: ...
 
@@ -35,7 +35,7 @@ class Completions(Protocol):
 class Steps(Protocol):
     """Where the gateway's admission and completions run now: they change as components move
     (batched while local, `runtime.gateway_batching`), so the gateway asks for each request.
-    `in_process`: every admission and completion stage is a call into this process and the
+    `in_process`: every admission and completion step is a call into this process and the
     completion writes are handed to a writer thread, so an event loop may run them inline."""
 
     @property
@@ -94,7 +94,7 @@ class DirectAdmission:
 
 
 class DirectCompletions:
-    """Every completion stage with a batch of one, before the answer leaves."""
+    """Every completion step with a batch of one, before the answer leaves."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
@@ -104,7 +104,7 @@ class DirectCompletions:
 
 
 class DirectSteps:
-    """Every stage per request (no batching), in the request's thread: never on a loop."""
+    """Every step per request (no batching), in the request's thread: never on a loop."""
 
     in_process = False
 

@@ -1,4 +1,4 @@
-"""The gateway's own admission check: no component to ask, so it is a stage of the gateway."""
+"""The gateway's own admission check: no component to ask, so it is a step of the gateway."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class ValidationStep(Step[None]):
     decides = False
 
     def screen(self, state: RequestState) -> Stop | None:
-        assert state.principal is not None  # after the auth stage
+        assert state.principal is not None  # after the auth step
         return admission_stop(state.request, state.principal, self.limits)
 
     def decide(self, batch: list[RequestState], call: StepCall[None]) -> None:

@@ -1,4 +1,4 @@
-"""The model's stage in the request path (the gateway calls it itself, see `services.gateway.service`).
+"""The model's step in the request path (the gateway calls it itself, see `services.gateway.service`).
 
 Apart from `services.inference.service` (the servicer, its engine and torch): a gateway whose model
 runs in another process imports this and not torch.

@@ -1,10 +1,10 @@
 """A component's batch rpc as the pipeline calls it: plain items in, one result per item out.
 
-Why: in the spine a stage calls its component in-process. Building the batch request
+Why: in the spine a step calls its component in-process. Building the batch request
 message, reading the batch answer back, and a call context for a call that never leaves
 the thread cost more than the decisions themselves (a request at concurrency 1 arrives on
 a core the model's step has left cold: every distinct object and C library it touches is
-a cache miss). So a stage speaks plain values, and the wire is a codec around the same
+a cache miss). So a step speaks plain values, and the wire is a codec around the same
 decision:
 
 - in-process (`runtime.placement.in_process`): the servicer's method (the interface's operation,
@@ -19,8 +19,8 @@ is `decode_results ∘ rpc ∘ encode_items`, and the rpc is `encode_results ∘
 decode_items`. A failed item is an `ItemError` (its status in the batch answer), never an
 exception: the other items of the batch are still answered.
 
-The items a stage builds (`AdmitItem`, `StoreItem`, `LogEntry`, `MetricsRecord`) are
-slotted dataclasses but not frozen ones: one is made per request per stage, read once and
+The items a step builds (`AdmitItem`, `StoreItem`, `LogEntry`, `MetricsRecord`) are
+slotted dataclasses but not frozen ones: one is made per request per step, read once and
 dropped, and a frozen dataclass's generated `__init__` costs several times a plain one's
 (each field goes through `object.__setattr__`).
 """

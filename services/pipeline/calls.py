@@ -1,7 +1,7 @@
 """The hooks around a call of a component (spans, injected faults).
 
 They run in one place, the pipeline (`services.pipeline.pipeline`): once per request around
-a stage's batch call, and around a call the gateway makes outside a batch (the model's,
+a step's batch call, and around a call the gateway makes outside a batch (the model's,
 `Pipeline.begin_call`) — the same way whatever the component's placement. A tracing hook,
 a fault hook and a test's recorder implement it.
 """

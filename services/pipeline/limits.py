@@ -73,7 +73,7 @@ class ModelSizes:
 
 
 class RequestLimits(Section):
-    """The `limits` section. Checked by the gateway's validation stage, in every layout."""
+    """The `limits` section. Checked by the gateway's validation step, in every layout."""
 
     where = "limits"
 

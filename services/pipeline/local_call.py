@@ -48,7 +48,7 @@ def call_batch(operation: Callable[[], Result], timeout: float | None) -> Result
     """`operation()` (a component's operation on a batch of items, in this thread) with the
     wire's rules for a call that cannot block: no time left is DEADLINE_EXCEEDED before the
     call, an exception is UNKNOWN, and an answer that comes after the deadline is
-    DEADLINE_EXCEEDED (so a stage's budget holds in-process too)."""
+    DEADLINE_EXCEEDED (so a step's budget holds in-process too)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     if timeout is not None and timeout <= 0:
         raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")

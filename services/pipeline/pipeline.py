@@ -1,19 +1,19 @@
-"""The pipeline: runs the stages over a batch of requests, the same way in every layout.
+"""The pipeline: runs the steps over a batch of requests, the same way in every layout.
 
-What a stage does not decide, the runner does once for all of them:
-- which requests a stage sees (still open, not past their deadline);
+What a step does not decide, the runner does once for all of them:
+- which requests a step sees (still open, not past their deadline);
 - the hooks around each request's part (a span per request, an injected fault), with the
   request's own trace context, whichever thread decides the batch;
 - the call: the component's operation through its interface, as placed now (a direct call
-  in the spine, a gRPC call in the layered stack), with the stage's budget as its timeout;
-- a failed call: fail-closed stages stop each request of the batch (`downstream_stop`:
+  in the spine, a gRPC call in the layered stack), with the step's budget as its timeout;
+- a failed call: fail-closed steps stop each request of the batch (`downstream_stop`:
   UNAVAILABLE, or the component's own code where it reaches the client as is), fail-open
-  stages let each one go on and count the failure;
+  steps let each one go on and count the failure;
 - the time each request spent in each component (`middleware_s`).
 
 The per-request path is `admit([state])`; the spine's micro-batcher calls `admit(batch)`.
 The hooks run here and nowhere else, whatever the component's placement: a call the
-gateway makes outside a stage's batch (the model's) runs them through `begin_call`.
+gateway makes outside a step's batch (the model's) runs them through `begin_call`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from services.pipeline.verdicts import Stop, downstream_stop
 
 log = logging.getLogger("spine.pipeline")
 # A middleware down fails every request that passes it: each failure at DEBUG, at most one
-# line a second per component (or stage) at WARNING.
+# line a second per component (or step) at WARNING.
 _fail_open = RateLimitedLog(log, "fail-open failures")
-_stage_failures = RateLimitedLog(log, "failed stage calls")
+_step_failures = RateLimitedLog(log, "failed step calls")
 
 FailOpen = Callable[[str, str, str], None]  # (component, reason, request id)
 Barrier = Callable[[list[RequestState]], None]
@@ -78,32 +78,32 @@ def code_details(error: BaseException) -> tuple[grpc.StatusCode, str, tuple[tupl
 
 
 class Pipeline:
-    """The ordered stages and the components they call, each as placed now (`Placed`)."""
+    """The ordered steps and the components they call, each as placed now (`Placed`)."""
 
-    def __init__(self, stages: Iterable[Step[Any]], components: Placed, *,
+    def __init__(self, steps: Iterable[Step[Any]], components: Placed, *,
                  hooks: Sequence[Hook] = (), on_fail_open: FailOpen | None = None) -> None:
-        ordered = list(stages)  # in the registry's path order
-        self.admission = [stage for stage in ordered if stage.phase == Phase.ADMIT]
-        self.completion = [stage for stage in ordered if stage.phase == Phase.COMPLETE]
-        self.model = next(stage for stage in ordered if stage.phase == Phase.MODEL)
+        ordered = list(steps)  # in the registry's path order
+        self.admission = [step for step in ordered if step.phase == Phase.ADMIT]
+        self.completion = [step for step in ordered if step.phase == Phase.COMPLETE]
+        self.model = next(step for step in ordered if step.phase == Phase.MODEL)
         self.components = components  # one swap per move, by the runtime
         self.hooks = list(hooks)
         self.on_fail_open = on_fail_open or _ignore
-        # Run before a stage decides a batch: e.g. answers handed over for the cache and not
+        # Run before a step decides a batch: e.g. answers handed over for the cache and not
         # yet stored go in before a lookup of the same request (see monolith.batched_pipeline).
         self.barriers: dict[str, Barrier] = {}
 
-    def add_barrier(self, stage: str, barrier: Barrier) -> None:
-        """Run `barrier` before `stage` decides each batch, from now on."""
-        self.barriers[stage] = barrier
+    def add_barrier(self, step: str, barrier: Barrier) -> None:
+        """Run `barrier` before `step` decides each batch, from now on."""
+        self.barriers[step] = barrier
 
-    def remove_barrier(self, stage: str, barrier: Barrier) -> None:
-        """Stop running `barrier` before `stage` (nothing when another one is there now)."""
-        if self.barriers.get(stage) == barrier:
-            del self.barriers[stage]
+    def remove_barrier(self, step: str, barrier: Barrier) -> None:
+        """Stop running `barrier` before `step` (nothing when another one is there now)."""
+        if self.barriers.get(step) == barrier:
+            del self.barriers[step]
 
     @property
-    def stages(self) -> list[Step[Any]]:
+    def steps(self) -> list[Step[Any]]:
         return [*self.admission, self.model, *self.completion]
 
     def capture(self) -> Metadata:
@@ -115,105 +115,105 @@ class Pipeline:
                 captured.extend(capture())
         return tuple(captured)
 
-    # -- running stages --------------------------------------------------------------------
+    # -- running steps --------------------------------------------------------------------
     def admit(self, batch: list[RequestState]) -> None:
-        """Every admission stage in order; a request a stage stops has its `outcome` set."""
-        for stage in self.admission:
-            self.run(stage, batch)
+        """Every admission step in order; a request a step stops has its `outcome` set."""
+        for step in self.admission:
+            self.run(step, batch)
 
-    def complete(self, batch: list[RequestState], stages: Sequence[Step[Any]] | None = None, *,
+    def complete(self, batch: list[RequestState], steps: Sequence[Step[Any]] | None = None, *,
                  hooks: bool = True, timed: bool = True) -> None:
-        """The completion stages (or some of them) for finished requests; they fail open."""
-        for stage in self.completion if stages is None else stages:
-            self.run(stage, batch, hooks=hooks, timed=timed)
+        """The completion steps (or some of them) for finished requests; they fail open."""
+        for step in self.completion if steps is None else steps:
+            self.run(step, batch, hooks=hooks, timed=timed)
 
-    def run(self, stage: Step[Any], batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
-        final = stage.phase == Phase.COMPLETE  # after the answer: the budget alone bounds it
-        states = self._entering(stage, batch, final)
-        if not states or not stage.decides:  # a screen-only stage has decided in `_entering`
+    def run(self, step: Step[Any], batch: list[RequestState], *, hooks: bool = True, timed: bool = True) -> None:
+        final = step.phase == Phase.COMPLETE  # after the answer: the budget alone bounds it
+        states = self._entering(step, batch, final)
+        if not states or not step.decides:  # a screen-only step has decided in `_entering`
             return
-        begun = self._begin(stage, states) if hooks and self.hooks and stage.component else None
+        begun = self._begin(step, states) if hooks and self.hooks and step.component else None
         if begun is not None:
             states = [state for state in states if state in begun]
-        call = _Call(self, stage, states, begun, final)
+        call = _Call(self, step, states, begun, final)
         started = time.perf_counter()
         try:
             if states:
-                barrier = self.barriers.get(stage.name)
+                barrier = self.barriers.get(step.name)
                 if barrier is not None:
                     barrier(states)
-                stage.decide(states, call)
+                step.decide(states, call)
         except grpc.RpcError as error:  # the whole call failed: every request of the batch
             code, details, trailing = code_details(error)
             if getattr(error, "ejected", False):  # the component was failing fast: no call was made
                 for state in states:
-                    state.ejected.append(stage.component)
+                    state.ejected.append(step.component)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and call.bounded_by_budget:
                 code = grpc.StatusCode.UNAVAILABLE  # the component is slow, not the client impatient
-                details = f"no answer within its {stage.budget_s * 1000:g} ms budget"
+                details = f"no answer within its {step.budget_s * 1000:g} ms budget"
                 trailing = ()
             for state in states:
                 call.fail(state, code, details, trailing)
-        except Exception as error:  # a broken stage or peer: what gRPC makes of a handler's bug
-            _stage_failures(stage.name, "stage %s failed for %d request(s): %r", stage.name, len(states), error)
+        except Exception as error:  # a broken step or peer: what gRPC makes of a handler's bug
+            _step_failures(step.name, "step %s failed for %d request(s): %r", step.name, len(states), error)
             for state in states:
                 call.fail(state, grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}")
         finally:
             spent = time.perf_counter() - started
-            if timed and stage.component:
+            if timed and step.component:
                 for state in states:
-                    state.add_time(stage.component, spent)
+                    state.add_time(step.component, spent)
             if begun:
                 for state in states:
                     self._end(begun[state], call.code_for(state))
 
-    def begin_call(self, stage: Step[Any], state: RequestState) -> CallHooks:
-        """The hooks of one call made outside a stage's batch (the gateway's to the model), begun:
+    def begin_call(self, step: Step[Any], state: RequestState) -> CallHooks:
+        """The hooks of one call made outside a step's batch (the gateway's to the model), begun:
         `CallHooks.metadata` goes with the call, `end` reports how it ended. A hook that fails
         the call (an injected fault) raises its `grpc.RpcError` here, before the call is made.
         Made on the request's own thread: a span's parent is the current one (the model call's
-        GenAI span while tracing records it), not the trace context a batch stage carries."""
+        GenAI span while tracing records it), not the trace context a batch step carries."""
         metadata: list[tuple[str, str]] = [("x-request-id", state.request_id)]
         tokens: list[Any] = []
         try:
             for hook in self.hooks:
-                tokens.append(hook.begin(stage.component, stage.method, metadata))
+                tokens.append(hook.begin(step.component, step.method, metadata))
         except grpc.RpcError as error:
             self._end((tokens, metadata), code_details(error)[0])
             raise
         return CallHooks(self, tokens, tuple(metadata))
 
-    def mark(self, stage: Step[Any], state: RequestState) -> None:
-        """Run the hooks of a stage whose write happens later, off the request path, in the
+    def mark(self, step: Step[Any], state: RequestState) -> None:
+        """Run the hooks of a step whose write happens later, off the request path, in the
         request's own thread: its span sits under the request, and an injected fault skips
         the write (counted) just as it would fail the call itself."""
-        if not self.hooks or not stage.component:
+        if not self.hooks or not step.component:
             return
-        begun = self._begin(stage, [state])
+        begun = self._begin(step, [state])
         if state in begun:
             self._end(begun[state], grpc.StatusCode.OK)
         else:
-            state.skip = state.skip | {stage.name}
+            state.skip = state.skip | {step.name}
 
-    def _entering(self, stage: Step[Any], batch: list[RequestState], final: bool) -> list[RequestState]:
+    def _entering(self, step: Step[Any], batch: list[RequestState], final: bool) -> list[RequestState]:
         now = time.monotonic()
         states: list[RequestState] = []
-        screens = stage.screens
+        screens = step.screens
         for state in batch:
-            if not stage.wants(state) or stage.name in state.skip:
+            if not step.wants(state) or step.name in state.skip:
                 continue
-            stop = stage.screen(state) if screens else None
+            stop = step.screen(state) if screens else None
             if stop is not None:
                 state.outcome = stop
                 continue
-            if not final and now >= state.deadline and not stage.fail_open:
+            if not final and now >= state.deadline and not step.fail_open:
                 state.outcome = Stop(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"deadline exceeded while waiting for {stage.component or stage.name}")
+                                     f"deadline exceeded while waiting for {step.component or step.name}")
                 continue
             states.append(state)
         return states
 
-    def _begin(self, stage: Step[Any], states: list[RequestState]) -> dict[RequestState, tuple[list[Any], list[Any]]]:
+    def _begin(self, step: Step[Any], states: list[RequestState]) -> dict[RequestState, tuple[list[Any], list[Any]]]:
         """Each request's hook tokens and call metadata; one a hook failed is decided here."""
         begun: dict[RequestState, tuple[list[Any], list[Any]]] = {}
         for state in states:
@@ -221,11 +221,11 @@ class Pipeline:
             tokens: list[Any] = []
             try:
                 for hook in self.hooks:
-                    tokens.append(hook.begin(stage.component, stage.method, metadata))
+                    tokens.append(hook.begin(step.component, step.method, metadata))
             except grpc.RpcError as error:
                 code, details, _ = code_details(error)
                 self._end((tokens, metadata), code)
-                _fail(self, stage, state, code, details, ())
+                _fail(self, step, state, code, details, ())
                 continue
             begun[state] = (tokens, metadata)
         return begun
@@ -253,47 +253,47 @@ class CallHooks:
             self._pipeline._end((self._tokens, list(self.metadata)), code)
 
 
-def _fail(pipeline: Pipeline, stage: Step[Any], state: RequestState, code: grpc.StatusCode, details: str,
+def _fail(pipeline: Pipeline, step: Step[Any], state: RequestState, code: grpc.StatusCode, details: str,
           trailing: Sequence[tuple[str, str]]) -> None:
-    """One request's verdict when its part of a stage failed, by the stage's fail mode."""
-    if stage.fail_open:
-        state.failures.append(stage.component)
-        pipeline.on_fail_open(stage.component, code.name, state.request_id)
+    """One request's verdict when its part of a step failed, by the step's fail mode."""
+    if step.fail_open:
+        state.failures.append(step.component)
+        pipeline.on_fail_open(step.component, code.name, state.request_id)
     elif state.outcome is None:
-        state.outcome = downstream_stop(stage.component, code, details, trailing, stage.policy.passes)
+        state.outcome = downstream_stop(step.component, code, details, trailing, step.policy.passes)
 
 
-C = TypeVar("C")  # the stage's component interface
+C = TypeVar("C")  # the step's component interface
 
 
 class _Call(Generic[C]):
-    """A stage's view of its component for one batch (the `StepCall` protocol)."""
+    """A step's view of its component for one batch (the `StepCall` protocol)."""
 
-    __slots__ = ("_pipeline", "_stage", "_states", "_begun", "_final", "_codes", "_options", "bounded_by_budget")
+    __slots__ = ("_pipeline", "_step", "_states", "_begun", "_final", "_codes", "_options", "bounded_by_budget")
 
-    def __init__(self, pipeline: Pipeline, stage: Step[C], states: list[RequestState],
+    def __init__(self, pipeline: Pipeline, step: Step[C], states: list[RequestState],
                  begun: dict[RequestState, tuple[list[Any], list[Any]]] | None, final: bool) -> None:
         self._pipeline = pipeline
-        self._stage = stage
+        self._step = step
         self._states = states
         self._begun = begun
         self._final = final
         self._codes: dict[RequestState, grpc.StatusCode] = {}
         self._options: CallOptions | None = None
-        self.bounded_by_budget = False  # the call's timeout was the stage's budget, not a deadline
+        self.bounded_by_budget = False  # the call's timeout was the step's budget, not a deadline
 
     @property
     def component(self) -> C:
-        interface: Interface[C] | None = self._stage.interface
-        assert interface is not None, f"{self._stage.name} calls no component"
+        interface: Interface[C] | None = self._step.interface
+        assert interface is not None, f"{self._step.name} calls no component"
         return self._pipeline.components.get(interface)
 
     @property
     def options(self) -> CallOptions:
-        """The call's timeout (the stage's budget, or less when every request's deadline is
+        """The call's timeout (the step's budget, or less when every request's deadline is
         nearer) and its metadata (one request's own id and trace context travel with it)."""
         if self._options is None:
-            budget = self._stage.budget_s
+            budget = self._step.budget_s
             states = self._states
             timeout = budget
             if not self._final:
@@ -310,7 +310,7 @@ class _Call(Generic[C]):
     def fail(self, state: RequestState, code: grpc.StatusCode, message: str,
              trailing: Sequence[tuple[str, str]] = ()) -> None:
         self._codes[state] = code
-        _fail(self._pipeline, self._stage, state, code, message, trailing)
+        _fail(self._pipeline, self._step, state, code, message, trailing)
 
     def code_for(self, state: RequestState) -> grpc.StatusCode:
         if state in self._codes:

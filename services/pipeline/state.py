@@ -1,8 +1,8 @@
-"""What the pipeline learns about one request as it goes down the stages.
+"""What the pipeline learns about one request as it goes down the steps.
 
-One object per request, handed from stage to stage whether the request is decided alone
-or in a micro-batch; a stage that stops the request sets `outcome`, and later stages pass
-it by. The completion stages (cache store, logs, metrics) read what the others wrote.
+One object per request, handed from step to step whether the request is decided alone
+or in a micro-batch; a step that stops the request sets `outcome`, and later steps pass
+it by. The completion steps (cache store, logs, metrics) read what the others wrote.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class RequestState:
     hit: generation_pb2.GenerateResponse | None = None
     response: generation_pb2.GenerateResponse | None = None  # a fresh answer, for the cache
     status: str = "OK"
-    details: str = ""  # the status's message when a stage or the model stopped the request
+    details: str = ""  # the status's message when a step or the model stopped the request
     cached: bool = False
     pregenerated: bool = False  # the hit came from the pre-generated table
     policy_violation: bool = False  # the output policy ended the answer
@@ -63,7 +63,7 @@ class RequestState:
     middleware_s: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  # fail-open components that failed for it
     ejected: list[str] = field(default_factory=list)  # components that were failing fast when it came
-    skip: frozenset[str] = frozenset()  # stages a hook already failed (written later, off the request path)
+    skip: frozenset[str] = frozenset()  # steps a hook already failed (written later, off the request path)
     # The device's busy fraction (0..1, 0 unknown) as the gateway last saw it in the model's
     # load hints; sent with the rate-limit ask (concurrency limits may halve while busy).
     device_busy: float = 0.0
@@ -92,7 +92,7 @@ class RequestState:
 
     @property
     def open(self) -> bool:
-        """Still going: no stage has stopped it."""
+        """Still going: no step has stopped it."""
         return self.outcome is None
 
     def remaining(self) -> float:

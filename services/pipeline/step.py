@@ -1,14 +1,14 @@
-"""A stage: one step of the request path, run over a batch of requests.
+"""A step of the request path (auth, rate limit, cache, logs, …), run over a batch of requests.
 
-The request path is an ordered list of stages (see `services/registry.py`), the same list
-in every layout. A stage knows its component, the rpc it stands for (which names its span),
+The request path is an ordered list of steps (see `services/registry.py`), the same list
+in every layout. A step knows its component, the rpc it stands for (which names its span),
 its phase (admission before the model, completion after the answer), whether it fails
 closed or open, and its call budget. It decides a batch of requests with one call of its
-component's batch rpc; the per-request path is the same stage with a batch of one.
+component's batch rpc; the per-request path is the same step with a batch of one.
 
-A stage only says what its component answered; the `Pipeline` (`pipeline.py`) times it,
+A step only says what its component answered; the `Pipeline` (`pipeline.py`) times it,
 runs the hooks (spans, injected faults) around each request's part, enforces the budget
-and turns a failed call into each request's verdict, by the stage's fail mode.
+and turns a failed call into each request's verdict, by the step's fail mode.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Phase(StrEnum):
 
 @dataclass(frozen=True)
 class StepPolicy:
-    """What the component table says about the component a stage calls."""
+    """What the component table says about the component a step calls."""
 
     component: str  # "" for the gateway's own checks, which call nothing
     fail_mode: FailMode = FailMode.CLOSED
@@ -56,9 +56,9 @@ C_co = TypeVar("C_co", covariant=True)
 
 
 class StepCall(Protocol[C_co]):
-    """What a stage's `decide` uses: its component as placed now (its interface, a direct
+    """What a step's `decide` uses: its component as placed now (its interface, a direct
     call in the spine and a gRPC call across the wire alike), the options every call of the
-    batch carries (the stage's budget, the request's id and trace context), and a
+    batch carries (the step's budget, the request's id and trace context), and a
     per-request failure."""
 
     @property
@@ -79,7 +79,7 @@ class ResultCountError(RuntimeError):
 # with a `code` (a wire answer's item), 2 is a status itself (has a `code`), 0 carries none (a
 # plain result of an operation). Why not `getattr(result, "status", None)` per result:
 # on a protobuf message without the field, each miss raises and swallows an
-# AttributeError (two per request per stage: a large share of a lone request's admission
+# AttributeError (two per request per step: a large share of a lone request's admission
 # in a warm loop, more on a cold core).
 _STATUS_KIND: dict[type, int] = {}
 
@@ -94,13 +94,13 @@ def _status_of(result: Any) -> Any:
 
 
 class Step(Generic[C]):
-    """Base of every stage. Subclasses set `interface` (the component they call), `method`,
+    """Base of every step. Subclasses set `interface` (the component they call), `method`,
     `phase` and `decide`; their order is the registry's `path`."""
 
     interface: Interface[C] | None = None  # the component's; None for the gateway's own checks
     method: ClassVar[str] = ""  # the operation, as hooks and spans name the call
     phase: ClassVar[Phase] = Phase.ADMIT
-    # A completion stage the spine may write a window later, off the request path
+    # A completion step the spine may write a window later, off the request path
     # (`monolith.batched_pipeline.DeferredCompletions`); False: always at the request's last byte.
     deferrable: ClassVar[bool] = True
     # False: `screen` decides every request and `decide` has nothing to do (the gateway's own
@@ -119,7 +119,7 @@ class Step(Generic[C]):
         self.screens = type(self).screen is not Step.screen
 
     def wants(self, state: RequestState) -> bool:
-        """Whether this stage acts on `state` (admission stages: while it is still open)."""
+        """Whether this step acts on `state` (admission steps: while it is still open)."""
         return state.open
 
     def screen(self, state: RequestState) -> Stop | None:

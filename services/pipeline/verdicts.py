@@ -1,6 +1,6 @@
 """The pipeline's verdicts: every status code a client can get, decided in one place.
 
-Each stage turns what its component answered into a `Stop` (or nothing) with these
+Each step turns what its component answered into a `Stop` (or nothing) with these
 functions, whatever the batch size and wherever the component runs, so a request gets the
 same status, message and trailers in every layout. Parity between layouts depends on
 there being exactly one copy of each.

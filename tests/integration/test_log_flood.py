@@ -113,10 +113,10 @@ def test_a_broken_stage_failing_every_batch_is_summarized() -> None:
     runner = Pipeline(DEFAULT.steps(RequestLimits()), {})
     states = [RequestState(request=GREEDY, request_id=f"r{n}", layout="collapsed", started=0.0,
                            deadline=time.monotonic() + 60, shadow=False, metadata=(), model="tiny-lm") for n in range(200)]
-    with LogLines("spine.pipeline", pipeline._stage_failures) as lines:
+    with LogLines("spine.pipeline", pipeline._step_failures) as lines:
         for state in states:
             runner.run(step, [state])
-        assert_summarized(lines, pipeline._stage_failures, 200, containing="stage auth.check failed")
+        assert_summarized(lines, pipeline._step_failures, 200, containing="step auth.check failed")
     assert all(state.outcome is not None for state in states)  # each request stopped (the step fails closed)
 
 

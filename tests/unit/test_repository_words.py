@@ -57,3 +57,19 @@ def test_the_check_finds_each_word() -> None:
         assert WORDS.search(text.replace("_", " ")), text
     assert not WORDS.search("a random seed=5; the leader; the leads; seeded")
     assert not WORDS.search("round 3.14159 to 2 places; a round trip; services/common/shared.py")
+
+
+# One word for one thing: a "stage" is a migration stage; a piece of the request path
+# (auth, rate limit, cache, logs) is a "step". The request path's packages never say "stage".
+REQUEST_PATH = ("services/pipeline", "services/gateway", "monolith/batched_pipeline.py", "monolith/batcher.py")
+STAGE = re.compile(r"\bstages?\b", re.IGNORECASE)
+
+
+def test_the_request_path_calls_its_pieces_steps_not_stages() -> None:
+    found = []
+    for root in REQUEST_PATH:
+        for path in sorted((REPO / root).rglob("*.py")) if (REPO / root).is_dir() else [REPO / root]:
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if STAGE.search(line.replace("_", " ")):
+                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "a piece of the request path is a step (a stage is a migration's):\n" + "\n".join(found)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -121,6 +121,37 @@ def generate_stream_on_loop(pipeline: Pipeline, state: RequestState, parent: Any
     return _ReportedOnLoop(stream, hooks)
 
 
+# How a caller on an event loop runs blocking work (a built-in model's call) off its loop:
+# `offload(function, *args)`, awaited (the HTTP front's handler pool).
+Offload = Callable[..., Awaitable[Any]]
+
+
+async def answer_on_loop(pipeline: Pipeline, state: RequestState, parent: Any, offload: Offload,
+                         genai: ModelCallSpans | None = None) -> Generated:
+    """The whole answer for a caller on an event loop: awaited there from a placed model that
+    can answer on it (`OnLoop`: an upstream's); any other model (the router chose another: a
+    fallback, a model an alias now names) holds a thread while it works, so it goes to `offload`."""
+    model: Any = pipeline.components.get(INFERENCE)
+    on_loop = getattr(model, "on_loop", None)
+    assert state.resolved is not None
+    if on_loop is not None and on_loop(state.resolved.model):
+        return await generate_on_loop(pipeline, state, parent, model, genai)
+    answer: Generated = await offload(generate, pipeline, state, parent, genai)
+    return answer
+
+
+def stream_on_loop(pipeline: Pipeline, state: RequestState, parent: Any, offload: Offload,
+                   genai: ModelCallSpans | None = None) -> AsyncChunkStream:
+    """The stream for a caller on an event loop: read there from a model that can answer on
+    it, else the model's blocking stream read a chunk at a time through `offload`."""
+    model: Any = pipeline.components.get(INFERENCE)
+    on_loop = getattr(model, "on_loop", None)
+    assert state.resolved is not None
+    if on_loop is not None and on_loop(state.resolved.model):
+        return generate_stream_on_loop(pipeline, state, parent, model, genai)
+    return _Offloaded(generate_stream(pipeline, state, parent, genai), offload)
+
+
 def _options(state: RequestState, hooks: CallHooks, parent: Any) -> CallOptions:
     # The tenant names the request's queue in the model's fair share (only the gateway sets it).
     return CallOptions(state.remaining(), (*hooks.metadata, tenant_metadata(state.tenant)), parent)
@@ -180,6 +211,41 @@ class _ReportedOnLoop:
     async def cancel(self) -> bool:
         self._hooks.end(grpc.StatusCode.CANCELLED)
         return await self._stream.cancel()
+
+    def initial_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._stream.initial_metadata()
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._stream.trailing_metadata()
+
+
+_END = object()
+
+
+def _next(stream: ChunkStream) -> Any:
+    return next(stream, _END)
+
+
+class _Offloaded:
+    """A blocking `ChunkStream` read from an event loop, each chunk fetched by `offload`
+    (a handler thread); `cancel` stops the model from the loop (a `ChunkStream`'s cancel is
+    safe from any thread)."""
+
+    def __init__(self, stream: ChunkStream, offload: Offload) -> None:
+        self._stream = stream
+        self._offload = offload
+
+    def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        return self
+
+    async def __anext__(self) -> generation_pb2.GenerateChunk:
+        chunk = await self._offload(_next, self._stream)
+        if chunk is _END:
+            raise StopAsyncIteration
+        return chunk  # type: ignore[no-any-return]
+
+    async def cancel(self) -> bool:
+        return self._stream.cancel()
 
     def initial_metadata(self) -> Sequence[tuple[str, str]]:
         return self._stream.initial_metadata()

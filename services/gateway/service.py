@@ -33,46 +33,38 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
 
-from services.common.log_limit import RateLimitedLog
 from services.common.token_estimate import estimate_tokens
 from services.gateway import model_calls
-from services.gateway.model_calls import ModelCallSpans, first_chunk
+from services.gateway.answer_headers import answer_trailing
+from services.gateway.model_calls import ModelCallSpans, Offload, first_chunk
 from services.gateway.model_load import ModelLoads
+from services.gateway.policing import AnswerPolicing
 from services.gateway.request_ids import REQUEST_ID_HEADER, safe_request_id
 from services.gateway.steps import AnswerTaps, DirectSteps, InFlight, Steps
-from services.gateway.stream_tally import OffloadedStream, StreamTally
+from services.gateway.stream_tally import StreamTally, hit_chunk
 from services.gateway.usage import forwarded, model_time, used
 from services.gateway.wire import LAYOUT_HEADER
-from services.inference.answer_reading import tool_call_pieces, tool_call_text
 from services.inference.api import INFERENCE, AsyncChunkStream, ChunkStream, Generated
-from services.inference.load_hints import FALLBACK_HEADER, LOAD_HEADER, PRIMARY_LOAD_HEADER
-from services.inference.output_policy import VIOLATION, VIOLATION_CODE, OutputPolicy, Violation
+from services.inference.output_policy import OutputPolicy
 from services.pipeline.interface import CallOptions
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
 from services.pipeline.state import ModelCall, RequestState
 from services.pipeline.verdicts import (
-    BUDGET_HEADER,
-    OVERHEAD_HEADER,
     Stop,
     downstream_stop,
 )
 from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
 
 log = logging.getLogger("spine.gateway")
-# What a flood of requests repeats: each one at DEBUG, at most one line a second per key at WARNING.
-_violations = RateLimitedLog(log, "answers ended by the output policy")
 
 Trailers = tuple[tuple[str, str], ...]
-# How a caller on an event loop runs blocking work (a built-in model's call) off its loop:
-# `offload(function, *args)`, awaited (the HTTP front's handler pool).
-Offload = Callable[..., Awaitable[Any]]
 
 MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
 
@@ -86,7 +78,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                  steps: Steps | None = None, in_flight: InFlight | None = None,
                  answered: AnswerTaps | None = None) -> None:
         self.pipeline = pipeline
-        self.policy = policy  # None: no output policy (nothing is checked)
+        self.policing = AnswerPolicing(policy)  # None: no output policy (nothing is checked)
         self.limits = limits
         self.layout = layout
         # Verifies the front's shadow marks (`internal_marks`); None: no request is shadow.
@@ -154,13 +146,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     raise state.outcome
                 if state.hit is not None:
                     return self._hit(state, context), context.trailing_metadata()
-                assert state.resolved is not None
-                model = self.pipeline.components.get(INFERENCE)
-                on_loop = getattr(model, "on_loop", None)
-                if on_loop is not None and on_loop(state.resolved.model):
-                    generated = await self._generate_on_loop(state, context, model)
-                else:
-                    generated = await offload(self._generate, state, context)
+                generated = await self._generate_on_loop(state, context, offload)
                 return self._answered(state, context, generated), context.trailing_metadata()
             except Stop as stop:
                 self._abort(state, context, stop)
@@ -169,7 +155,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _hit(self, state: RequestState, context: Any) -> generation_pb2.GenerateResponse:
         """The cache's answer, policed."""
         assert state.hit is not None
-        self._police_answer(state, state.hit)
+        self.policing.answer(state, state.hit)
         context.set_trailing_metadata(self._answer_trailing(state))
         return state.hit
 
@@ -179,7 +165,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.model_load.note_trailers(state.model, trailers)
         model_time(state, trailers)
         used(state, response.prompt_tokens, response.completion_tokens, response.cached_prompt_tokens)
-        self._police_answer(state, response)
+        self.policing.answer(state, response)
         state.response = response
         context.set_trailing_metadata(self._answer_trailing(state, forwarded(trailers)))
         return response
@@ -263,29 +249,21 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         hit = state.hit
         if hit is None:
             return None
-        self._police_answer(state, hit)
+        self.policing.answer(state, hit)
         context.set_trailing_metadata(self._answer_trailing(state))
-        counted = not hit.token_ids  # an upstream's answer has no token ids, only its counts
-        return generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
-                                            finish_reason=hit.finish_reason, cached=True, model=hit.model,
-                                            system_digest=hit.system_digest,
-                                            prompt_tokens=hit.prompt_tokens if counted else 0,
-                                            completion_tokens=hit.completion_tokens if counted else 0)
+        return hit_chunk(hit)
 
     def _stream_begin(self, state: RequestState, context: Any) -> StreamTally:
         assert state.resolved is not None
         # Until the stream ends: what an HTTP client's headers carry (the load hint known now).
         context.set_trailing_metadata(self._answer_trailing(state))
-        check = self.policy.stream(state.tenant, state.model) if self.policy is not None else None
-        return StreamTally(time.perf_counter(), check)
+        return StreamTally(time.perf_counter(), self.policing.stream(state))
 
     def _stream_chunk(self, state: RequestState, context: Any, tally: StreamTally,
                       chunk: generation_pb2.GenerateChunk, stream: Any) -> None:
         """One chunk before it is released: policed (Stop ends the stream; the chunk is never
         released and the model stops), counted; the first one sets the answer's headers."""
-        if tally.check is not None and (found := tally.check.check(_policed(chunk.text, chunk.events),
-                                                                   chunk.token_ids)) is not None:
-            raise self._violation(state, found)
+        self.policing.chunk(state, tally.check, chunk)
         if tally.take(chunk):  # the first: the HTTP front's headers go out with it, what is known now
             state.model_wait_s = time.perf_counter() - tally.started
             first_chunk(state)
@@ -309,10 +287,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         model_trailers = forwarded(stream.trailing_metadata() or ())
         self.model_load.note_trailers(state.model, model_trailers)
         context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
-        state.response = generation_pb2.GenerateResponse(
-            text="".join(tally.texts), token_ids=tally.tokens, model=state.resolved.model, finish_reason=tally.finish,
-            prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens, system_digest=tally.digest,
-            cached_prompt_tokens=state.cached_tokens)
+        state.response = tally.response(state, state.resolved.model)
 
     # -- the request's life -----------------------------------------------------------
     def _begin(self, request: generation_pb2.GenerateRequest, context: Any) -> RequestState:
@@ -353,12 +328,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             state.add_time(self.pipeline.model.component, elapsed)
             state.model_wait_s = elapsed
 
-    async def _generate_on_loop(self, state: RequestState, context: Any, model: Any) -> Generated:
-        """`_generate`, awaited on the caller's loop from the placed model (`OnLoop`)."""
+    async def _generate_on_loop(self, state: RequestState, context: Any, offload: Offload) -> Generated:
+        """`_generate` for a caller on an event loop (`model_calls.answer_on_loop`)."""
         started = time.perf_counter()
         state.model_call = ModelCall(False, started)
         try:
-            return await model_calls.generate_on_loop(self.pipeline, state, context, model, self.genai)
+            return await model_calls.answer_on_loop(self.pipeline, state, context, offload, self.genai)
         except grpc.RpcError as error:
             raise self._model_failed(error, state) from None
         finally:
@@ -376,18 +351,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             raise self._model_failed(error, state) from None
 
     def _generate_stream_on_loop(self, state: RequestState, context: Any, offload: Offload) -> AsyncChunkStream:
-        """`_generate_stream` for a caller on a loop: the placed model's own stream on this
-        loop where it has one for the routed model (`OnLoop`), else its blocking stream read
-        through `offload`."""
+        """`_generate_stream` for a caller on an event loop (`model_calls.stream_on_loop`)."""
         started = time.perf_counter()
         state.model_call = ModelCall(True, started)
-        model: Any = self.pipeline.components.get(INFERENCE)
-        on_loop = getattr(model, "on_loop", None)
-        assert state.resolved is not None
         try:
-            if on_loop is not None and on_loop(state.resolved.model):
-                return model_calls.generate_stream_on_loop(self.pipeline, state, context, model, self.genai)
-            return OffloadedStream(model_calls.generate_stream(self.pipeline, state, context, self.genai), offload)
+            return model_calls.stream_on_loop(self.pipeline, state, context, offload, self.genai)
         except grpc.RpcError as error:
             state.model_wait_s = time.perf_counter() - started
             raise self._model_failed(error, state) from None
@@ -403,24 +371,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         model_time(state, trailing)
         model = self.pipeline.model
         return downstream_stop(model.component, code, details, trailing, model.policy.passes)
-
-    def _police(self, state: RequestState, text: str, token_ids: Any) -> None:
-        """A whole answer against the output policy (Stop on a violation)."""
-        if self.policy is not None and (found := self.policy.check(state.tenant, state.model, text,
-                                                                    token_ids)) is not None:
-            raise self._violation(state, found)
-
-    def _police_answer(self, state: RequestState, response: generation_pb2.GenerateResponse) -> None:
-        """A whole answer, its text and its tool calls' arguments, against the output policy."""
-        calls = tool_call_text(response.body) if response.body and self.policy is not None else ""
-        self._police(state, f"{response.text}\n{calls}" if calls else response.text, response.token_ids)
-
-    def _violation(self, state: RequestState, found: Violation) -> Stop:
-        state.policy_violation = True
-        _violations((state.tenant, found.rule), "request %s: %s: rule %r (%s), tenant %s, model %s; the answer "
-                    "was ended", state.request_id, VIOLATION, found.rule, found.kind, state.tenant,
-                    state.model)  # never the text
-        return Stop(VIOLATION_CODE, found.details)
 
     def _models_load(self) -> list[tuple[str, str]]:
         """Every model's hint now, from the inference component (`ModelLoads`' refresh)."""
@@ -468,29 +418,4 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _answer_trailing(self, state: RequestState,
                          downstream: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
-        """An answer's trailers: layout and request id, what came from downstream, the routed
-        model's load hint (the latest one when the model did not send it) and its fallbacks."""
-        loads = self.model_load
-        if state.resolved is not None:
-            loads.learn(state.request.model, state.model)
-        out = [*self._trailing(state), *downstream]
-        if all(key != LOAD_HEADER for key, _ in downstream):
-            hint = loads.hint(state.model)
-            if hint:
-                out.append((LOAD_HEADER, hint))
-        if state.fallback:
-            out.append((FALLBACK_HEADER, state.fallback))
-        primaries = [f"{primary}:{hint}" for primary in state.fallback_of if (hint := loads.hint(primary))]
-        if primaries:
-            out.append((PRIMARY_LOAD_HEADER, ",".join(primaries)))
-        if state.budget_remaining_usd >= 0 and all(key != BUDGET_HEADER for key, _ in downstream):
-            out.append((BUDGET_HEADER, f"{state.budget_remaining_usd:.6f}"))
-        overhead_s = time.perf_counter() - state.arrived - state.model_wait_s
-        out.append((OVERHEAD_HEADER, f"{max(0.0, overhead_s) * 1000.0:.3f}"))
-        return tuple(out)
-
-
-def _policed(text: str, events: Any) -> str:
-    """What of a streamed chunk the output policy reads: its text and its tool-call pieces."""
-    calls = tool_call_pieces(events) if events else ""
-    return text + calls if calls else text
+        return answer_trailing(state, self._trailing(state), self.model_load, downstream)

@@ -1,20 +1,17 @@
-"""What a stream adds up to as its chunks pass the gateway, and a blocking stream read from a loop.
+"""What a stream adds up to as its chunks pass the gateway.
 
 The gateway's stream is the same on a handler thread (`Gateway.GenerateStream`) and on the
 HTTP front's event loop (`Gateway.generate_stream_on_loop`): each chunk is policed and counted
 the same way, so the record, the charge and the cached answer do not depend on which ran it.
-`StreamTally` is that count. `OffloadedStream` lets the loop read a model that holds a thread
-while it works (the built-in one, where the router chose it for a request that was expected to
-stay on the loop) a chunk at a time through the server's handler pool.
+`StreamTally` is that count.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.inference.api import ChunkStream
+from services.pipeline.state import RequestState
 from wire.v1 import generation_pb2
 
 
@@ -43,37 +40,21 @@ class StreamTally:
             self.usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
         return first
 
+    def response(self, state: RequestState, model: str) -> generation_pb2.GenerateResponse:
+        """The stream's whole answer (for the completions: cache, logs), with what it used."""
+        return generation_pb2.GenerateResponse(
+            text="".join(self.texts), token_ids=self.tokens, model=model, finish_reason=self.finish,
+            prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens, system_digest=self.digest,
+            cached_prompt_tokens=state.cached_tokens)
 
-_END = object()
 
+def hit_chunk(hit: generation_pb2.GenerateResponse) -> generation_pb2.GenerateChunk:
+    """The cache's answer as a stream's one chunk (an upstream's answer has no token ids, only
+    its counts: those go on the chunk as a model's last chunk carries them)."""
+    counted = not hit.token_ids
+    return generation_pb2.GenerateChunk(text=hit.text, token_ids=hit.token_ids, index=0,
+                                        finish_reason=hit.finish_reason, cached=True, model=hit.model,
+                                        system_digest=hit.system_digest,
+                                        prompt_tokens=hit.prompt_tokens if counted else 0,
+                                        completion_tokens=hit.completion_tokens if counted else 0)
 
-def _next(stream: ChunkStream) -> Any:
-    return next(stream, _END)
-
-
-class OffloadedStream:
-    """A blocking `ChunkStream` read from an event loop, each chunk fetched by `offload`
-    (a handler thread); `cancel` stops the model from the loop (a `ChunkStream`'s cancel is
-    safe from any thread)."""
-
-    def __init__(self, stream: ChunkStream, offload: Callable[..., Awaitable[Any]]) -> None:
-        self._stream = stream
-        self._offload = offload
-
-    def __aiter__(self) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        return self
-
-    async def __anext__(self) -> generation_pb2.GenerateChunk:
-        chunk = await self._offload(_next, self._stream)
-        if chunk is _END:
-            raise StopAsyncIteration
-        return chunk  # type: ignore[no-any-return]
-
-    async def cancel(self) -> bool:
-        return self._stream.cancel()
-
-    def initial_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._stream.initial_metadata()
-
-    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._stream.trailing_metadata()

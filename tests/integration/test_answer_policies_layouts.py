@@ -151,15 +151,15 @@ def test_a_flood_of_violations_is_one_warning_a_second_per_tenant_and_rule(
         stacks: dict[str, RunningStack], built: dict[str, Any]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from services.gateway import service
+    from services.gateway import policing
     from tests.log_lines import LogLines, assert_summarized
 
     request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=built["probe"], max_tokens=24)
     with GatewayClient(stacks["collapsed"].address, DEV_KEY) as client, \
-            LogLines("spine.gateway", service._violations) as lines, ThreadPoolExecutor(6) as pool:
+            LogLines("spine.gateway", policing._violations) as lines, ThreadPoolExecutor(6) as pool:
         codes = set(pool.map(lambda _: client.generate(request).code, range(24)))
         assert codes == {grpc.StatusCode.FAILED_PRECONDITION}
-        loud = assert_summarized(lines, service._violations, 24, containing=VIOLATION)
+        loud = assert_summarized(lines, policing._violations, 24, containing=VIOLATION)
     assert all(built["phrase"] not in line for line in loud + lines.at(logging.DEBUG))  # never the text
 
 

@@ -40,22 +40,20 @@ from runtime.config.http import HttpConfig
 from runtime.http import anthropic_api, openai_api, responses_api
 from runtime.http.body import BodyReader, has_body
 from runtime.http.bounded_protocol import response_bytes
-from runtime.http.sending import Scope, Send, abort_of, encode, send_body, send_error, send_json
-from runtime.http.stream_window import LIMIT as WINDOW
+from runtime.http.sending import Scope, Send, abort_of, send_error, send_json
+from runtime.http.stream_relay import END, GONE, pump_stream, relay
 from runtime.http.stream_window import StreamWindow
 from runtime.http.verdicts import gateway_failed, verdict_of, with_status
 from runtime.http.wire import (
     LAYOUT,
     REQUEST_ID,
     HttpError,
-    answer_headers,
     bad_request,
     request_metadata,
 )
-from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
 from services.gateway.request_ids import REQUEST_ID_HEADER, safe_request_id
-from services.pipeline.local_context import SLOW_READER, LocalContext
+from services.pipeline.local_context import LocalContext
 from services.pipeline.pipeline import code_details
 from services.pipeline.verdicts import OVERHEAD_HEADER, USAGE_HEADER
 
@@ -63,7 +61,6 @@ if TYPE_CHECKING:
     from runtime.http.admin_http import AdminHttp
 
 log = logging.getLogger("spine.http")
-_slow_readers = RateLimitedLog(log, "streams cancelled for a client that did not read")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Trailing = tuple[tuple[str, str], ...]
@@ -77,8 +74,6 @@ ROUTES = {
     "/v1/models": ("GET", openai_api),
     "/health": ("GET", openai_api),
 }
-_END = object()  # the stream's last chunk has been handed over
-_GONE = object()  # the client went away
 
 
 class HttpApi:
@@ -244,13 +239,13 @@ class HttpApi:
         window = StreamWindow(loop)
 
         def gone() -> None:
-            window.end(_GONE)
+            window.end(GONE)
             window.close()
 
         context.add_callback(gone)
-        loop.run_in_executor(self.pool, _pump_stream, self.target, parsed.request, context, window)
+        loop.run_in_executor(self.pool, pump_stream, self.target, parsed.request, context, window)
         try:
-            await self._relay(send, api, parsed, context, base, window.get, window.empty, abort)
+            await relay(send, api, parsed, context, base, window.get, window.empty, abort, self.config.stream_stall_s)
         finally:
             window.close()  # the handler thread stops pulling the stream, whatever ended it
 
@@ -271,73 +266,20 @@ class HttpApi:
 
         async def next_item() -> Any:
             if left:
-                return _GONE
+                return GONE
             try:
                 return await anext(chunks)
             except StopAsyncIteration:
-                return _END
+                return END
             except grpc.RpcError as error:
-                return _GONE if left else verdict_of(error)
+                return GONE if left else verdict_of(error)
             except Exception:
-                return _GONE if left else gateway_failed(context.invocation_metadata())
+                return GONE if left else gateway_failed(context.invocation_metadata())
 
         try:
-            await self._relay(send, api, parsed, context, base, next_item, lambda: True, abort)
+            await relay(send, api, parsed, context, base, next_item, lambda: True, abort, self.config.stream_stall_s)
         finally:
             await chunks.aclose()
-
-    async def _relay(self, send: Send, api: Any, parsed: Any, context: LocalContext, base: Trailing,
-                     next_item: Callable[[], Awaitable[Any]], idle: Callable[[], bool],
-                     abort: Callable[[], None]) -> None:
-        """The stream's items (`next_item`: a chunk, `_END`, `_GONE` or a verdict) to the
-        client as server-sent events; what is ready is written together (`idle`: nothing more
-        is waiting), never more than a window at once."""
-        first = await next_item()
-        trailing = (*base, *context.trailing_metadata())
-        request_id = dict(trailing)[REQUEST_ID]
-        if first is _GONE:
-            return
-        if isinstance(first, HttpError):
-            await send_error(send, api, with_status(first, api, trailing), trailing, request_id)
-            return
-        writer = api.Stream(parsed, request_id)
-        writer.raw = first is not _END and bool(getattr(first, "events", None)) and getattr(parsed, "chat", True)
-        prompt_tokens = len(parsed.request.prompt.encode()) + len(parsed.request.system.encode())
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": encode([("content-type", "text/event-stream; charset=utf-8"),
-                                        ("cache-control", "no-cache"), *answer_headers(trailing)])})
-        model = first.model if first is not _END else parsed.request.model
-        start = writer.start(model, prompt_tokens)
-        tokens, finish, item = 0, "", first
-        pending = [start] if start else []
-        stall_s = self.config.stream_stall_s
-        while True:
-            if item is _GONE:
-                return
-            if item is _END:
-                counted_by = dict(context.trailing_metadata()).get(USAGE_HEADER, "")
-                pending.append(writer.end(finish, prompt_tokens, tokens, counted_by))
-                await send_body(send, b"".join(pending), False, stall_s)
-                return
-            if isinstance(item, HttpError):
-                error = with_status(item, api, context.trailing_metadata())
-                pending.append(writer.error(error, request_id))
-                await send_body(send, b"".join(pending), False, stall_s)
-                return
-            tokens += len(item.token_ids)
-            if item.completion_tokens or item.prompt_tokens:  # the model's own count (an upstream's usage)
-                tokens, prompt_tokens = item.completion_tokens, item.prompt_tokens or prompt_tokens
-            finish = item.finish_reason or finish
-            pending.append(writer.piece(item))
-            if idle() or len(pending) >= WINDOW:  # what is ready in one write; never more than a window
-                if not await send_body(send, b"".join(pending), True, stall_s):
-                    _slow_readers(None, "request %s: the client read nothing of its stream for %gs "
-                                  "(http.stream_stall_s): cancelled", request_id, stall_s)
-                    context.cancel(SLOW_READER)  # the model stops; the request's record says why
-                    abort()  # what the socket still holds is dropped with the connection
-                    return
-                pending = []
-            item = await next_item()
 
 
 def _parse(path: str, body: Any, default_max_tokens: int) -> Any:
@@ -364,27 +306,6 @@ def _call_unary(target: Any, request: Any, context: LocalContext) -> Any:
         return verdict_of(error)
     except Exception:
         return gateway_failed(context.invocation_metadata())
-
-
-def _pump_stream(target: Any, request: Any, context: LocalContext, window: StreamWindow) -> None:
-    """Every chunk of the stream to the event loop, then _END or the verdict; no further than
-    the window lets it (a closed window: the client left or stopped reading, so the stream is
-    closed here, which stops the model)."""
-    chunks: Any = ()
-    try:
-        chunks = target.GenerateStream(request, context)
-        for chunk in chunks:
-            if not window.put(chunk):
-                return
-        window.end(_END)
-    except grpc.RpcError as error:
-        window.end(verdict_of(error))
-    except Exception:
-        window.end(gateway_failed(context.invocation_metadata()))
-    finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:
-            close()
 
 
 async def _watch_disconnect(receive: Receive, context: LocalContext) -> None:

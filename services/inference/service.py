@@ -29,8 +29,6 @@ early cancels it in its `finally`; the slot is free before the next decode step.
 from __future__ import annotations
 
 import logging
-import os
-import random
 import time
 from collections.abc import Collection, Iterator
 from typing import Any, NoReturn
@@ -39,7 +37,7 @@ import grpc
 import torch
 from prometheus_client.registry import CollectorRegistry
 
-from services.common import ConfigError, DeviceState
+from services.common import DeviceState
 from services.common.tenant_shares import TenantShares, tenant_from
 from services.inference.api import Generated
 from services.inference.config import InferenceConfig
@@ -49,25 +47,23 @@ from services.inference.genai_metrics import GenAiServerStats, ServedRequest
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.inference.load_hints import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference.model.backend import ModelBackend, load_backend, make_engine
-from services.inference.model.chat import encode_messages
 from services.inference.model.engine import GenerationRequest, StepOutput
 from services.inference.model.interface import Segment, torch_device
-from services.inference.model.kv_budget import (
-    KVPlan,
-    free_device_bytes,
-    kv_bytes_per_slot,
-    kv_slot_limit,
-    plan_kv_slots,
-    weight_bytes,
+from services.inference.model_start import (
+    enter_deterministic,
+    leave_deterministic,
+    plan_kv,
+    warm_up_ms_per_token,
 )
 from services.inference.priority import priority_error
 from services.inference.request_body import builtin_refusal
+from services.inference.request_encoding import encode_request
 from services.inference.scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
 from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
 from services.inference.stop_strings import BadStop, first_stop, safe_length, stops_of
 from services.pipeline.interface import NO_OPTIONS, CallOptions
 from services.pipeline.local_call import LocalStream, call_stream, call_unary
-from services.pipeline.system_prompt import SEPARATOR, system_digest
+from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import inference_timeout_error
 from wire.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
 
@@ -93,16 +89,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.config = config
         self.device = device
         self.shares = shares or TenantShares()  # each tenant's weight in the queue (the gateway names it)
-        self._deterministic_before: bool | None = None
-        if config.deterministic:
-            self._enter_deterministic()
+        self._deterministic_before = enter_deterministic(config.seed) if config.deterministic else None
         spec = {"model_id": config.model_id, "seed": config.seed, **config.backend.spec()}
         self.backend = backend if backend is not None else load_backend(spec, device=device)
-        self.kv_plan = self._plan_kv()
+        self.kv_plan = plan_kv(config, self.backend, device)
         self.engine = make_engine(self.backend, device, self.kv_plan.slots, prefix_caching=config.prefix_cache,
                                   prefix_budget_bytes=self.kv_plan.spare_bytes)
         self.stats = ServingStats(GenAiServerStats(config.model_id))
-        self.cost = StepCost(self.engine.max_slots, self._warm_up_ms_per_token())
+        self.cost = StepCost(self.engine.max_slots, warm_up_ms_per_token(self.backend, self.engine,
+                                                                          config.warmup_tokens))
         self.budget = BudgetRule(config.timeout_slowdown, config.timeout_margin_ms, config.max_timeout_ms)
         self.scheduler = Scheduler(self.engine, config.max_queue, cost=self.cost, budget=self.budget,
                                    aging_ms=config.aging_ms, stream_idle_s=config.stream_idle_timeout_s,
@@ -316,7 +311,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if problem is not None:
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
-            prefix_ids, prompt_ids = self._encode(request)
+            prefix_ids, prompt_ids = encode_request(self.backend, request)
         except ValueError as error:  # messages a chat template cannot render
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         total = len(prefix_ids) + len(prompt_ids) + 1 + request.max_tokens  # + BOS
@@ -344,25 +339,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if not context.add_callback(lambda: self.scheduler.cancel(job)):
             self.scheduler.cancel(job)  # the call had already ended
         return job, len(prefix_ids) + len(prompt_ids)
-
-    def _encode(self, request: generation_pb2.GenerateRequest) -> tuple[list[int], list[int]]:
-        """(shared prefix, prompt) ids: with a system prompt, the chat template's where the
-        backend has one (its tokens that depend on the system prompt alone are the prefix:
-        `HFTokenizer.chat_parts`), else the system prompt and a blank line as the prefix the
-        engine may share (`services.pipeline.system_prompt`). A chat's messages, where the backend has
-        a chat template, go through it whole (`services.inference.model.chat`)."""
-        if request.messages and getattr(self.backend, "has_chat_template", False):
-            return encode_messages(self.backend, [{"role": m.role, "content": m.content} for m in request.messages])
-        if not request.system:
-            return [], self.backend.encode(request.prompt)
-        chat_parts = getattr(self.backend, "encode_chat_parts", None)
-        if callable(chat_parts):
-            prefix, prompt = chat_parts(request.prompt, request.system)
-            return list(prefix), list(prompt)
-        encode_chat = getattr(self.backend, "encode_chat", None)
-        if callable(encode_chat):
-            return [], list(encode_chat(request.prompt, request.system))
-        return self.backend.encode(request.system + SEPARATOR), self.backend.encode(request.prompt)
 
     def _outputs(self, job: Job, context: Any) -> Iterator[StepOutput]:
         """Yield the job's step outputs until it finishes; stop it when the caller goes away.
@@ -408,46 +384,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _load_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((LOAD_HEADER, self.load_report().header()),)
 
-    def _plan_kv(self) -> KVPlan:
-        cfg = self.config
-        model = self.backend.model
-        limit = kv_slot_limit(model, self.backend.max_context)
-        try:
-            return plan_kv_slots(
-                per_slot_bytes=kv_bytes_per_slot(model, self.backend.max_context),
-                weight_bytes=weight_bytes(model),
-                free_bytes=free_device_bytes(self.device, int(cfg.kv_cpu_memory_cap_mb * (1 << 20))),
-                memory_fraction=cfg.kv_memory_fraction,
-                max_batch=cfg.max_batch if limit is None else min(cfg.max_batch, limit),
-                requested=cfg.kv_slots)
-        except ValueError as error:
-            raise ConfigError(f"inference.kv_cache_max_entries: {error}") from error
-
-    def _warm_up_ms_per_token(self) -> float:
-        """Decode cost from a tiny warm-up (one run to warm the kernels, one measured): the
-        seed of the measured cost, for the first requests."""
-        prompt = self.backend.encode("warm up")[: max(1, self.engine.max_context // 4)]
-        tokens = max(1, min(self.config.warmup_tokens, self.engine.max_context - len(prompt) - 1))
-        request = GenerationRequest(prompt_ids=prompt, max_tokens=tokens)
-        self.engine.generate([request])
-        started = time.perf_counter()
-        result = self.engine.generate([request])[0]
-        elapsed_ms = (time.perf_counter() - started) * 1000.0
-        steps = len(result.token_ids) + (1 if result.finish_reason == "stop" else 0)
-        return elapsed_ms / max(1, steps)
-
-    def _enter_deterministic(self) -> None:
-        """Deterministic kernels and fixed seeds for this process (undone by `close`)."""
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
-        self._deterministic_before = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-        torch.manual_seed(self.config.seed)
-        random.seed(self.config.seed)
-
     def close(self) -> None:
         self.scheduler.close()
         if self._deterministic_before is not None:
-            torch.use_deterministic_algorithms(self._deterministic_before)
+            leave_deterministic(self._deterministic_before)
             self._deterministic_before = None
 

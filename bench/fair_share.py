@@ -38,8 +38,8 @@ from typing import Any
 
 from monolith.device import DeviceContext
 from services.inference.config import InferenceConfig
+from services.inference.jobs import Job
 from services.inference.model.engine import GenerationRequest
-from services.inference.scheduler import Job
 from services.inference.service import InferenceService
 
 SLOTS = 16

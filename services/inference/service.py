@@ -45,6 +45,7 @@ from services.inference.cost import BudgetRule, StepCost
 from services.inference.embeddings import EMBEDDINGS_API, Embedder, EmbeddingRefused, embed_request
 from services.inference.genai_metrics import GenAiServerStats, ServedRequest
 from services.inference.gpu_metrics import GpuGoldenMetrics
+from services.inference.jobs import WAKE, Job, JobFailure, QueueFull, ShuttingDown
 from services.inference.load_hints import LOAD_HEADER, DeviceGauge, LoadReport
 from services.inference.model.backend import ModelBackend, load_backend, make_engine
 from services.inference.model.engine import GenerationRequest, StepOutput
@@ -58,7 +59,7 @@ from services.inference.model_start import (
 from services.inference.priority import priority_error
 from services.inference.request_body import builtin_refusal
 from services.inference.request_encoding import encode_request
-from services.inference.scheduler import WAKE, Job, JobFailure, QueueFull, Scheduler, ShuttingDown
+from services.inference.scheduler import Scheduler
 from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
 from services.inference.stop_strings import BadStop, first_stop, safe_length, stops_of
 from services.pipeline.interface import NO_OPTIONS, CallOptions

@@ -16,8 +16,8 @@ from runtime.config.file import placements_for
 from runtime.placement.remote import remote_channel
 from runtime.running_stack import RunningStack
 from runtime.stack import Stack
+from services.inference.jobs import JobCancelled
 from services.inference.load_hints import parse_load
-from services.inference.scheduler import JobCancelled
 from spine.client.gateway_client import GatewayClient
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.waiting import eventually

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.inference.scheduler import OUTPUT_BYTES
+from services.inference.jobs import OUTPUT_BYTES
 from services.pipeline.local_context import LocalContext, LocalRpcError
 from tests.unit.test_serving_support import generate, make_service, request
 from tests.waiting import ManualClock, eventually

@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from services.inference.api import Inference
 from services.inference.load_hints import LOAD_HEADER, busy_figure, parse_load
+from services.pipeline.interface import CallOptions
+from wire.v1 import inference_pb2
 
 log = logging.getLogger("spine.gateway")
 
@@ -128,3 +131,12 @@ class ModelLoads:
             self.note(model, hint)
         if hints:
             self._first = hints[0][0]
+
+
+MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
+
+
+def models_load(inference: Inference) -> list[tuple[str, str]]:
+    """Every model's hint now, from the inference component (`ModelLoads`' refresh)."""
+    answer = inference.models(inference_pb2.ModelInfoRequest(), CallOptions(timeout=MODELS_TIMEOUT_S))
+    return [(model.id, model.load) for model in answer.models if model.load]

@@ -38,11 +38,10 @@ from typing import Any
 
 import grpc
 
-from services.common.token_estimate import estimate_tokens
 from services.gateway import model_calls
 from services.gateway.answer_headers import answer_trailing
 from services.gateway.model_calls import ModelCallSpans, Offload, first_chunk
-from services.gateway.model_load import ModelLoads
+from services.gateway.model_load import ModelLoads, models_load
 from services.gateway.policing import AnswerPolicing
 from services.gateway.request_ids import REQUEST_ID_HEADER, safe_request_id
 from services.gateway.steps import AnswerTaps, DirectSteps, InFlight, Steps
@@ -51,22 +50,16 @@ from services.gateway.usage import forwarded, model_time, used
 from services.gateway.wire import LAYOUT_HEADER
 from services.inference.api import INFERENCE, AsyncChunkStream, ChunkStream, Generated
 from services.inference.output_policy import OutputPolicy
-from services.pipeline.interface import CallOptions
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
 from services.pipeline.state import ModelCall, RequestState
-from services.pipeline.verdicts import (
-    Stop,
-    downstream_stop,
-)
-from wire.v1 import gateway_pb2_grpc, generation_pb2, inference_pb2
+from services.pipeline.verdicts import Stop, downstream_stop
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 log = logging.getLogger("spine.gateway")
 
 Trailers = tuple[tuple[str, str], ...]
-
-MODELS_TIMEOUT_S = 0.25  # the refresh of the models' hints (a request waits for it)
 
 
 class Gateway(gateway_pb2_grpc.GatewayServicer):
@@ -88,7 +81,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.steps: Steps = steps if steps is not None else DirectSteps(pipeline)
         self._in_flight = in_flight if in_flight is not None else InFlight()
         self.answered = answered if answered is not None else AnswerTaps()
-        self.model_load = ModelLoads(self._models_load)
+        self.model_load = ModelLoads(lambda: models_load(pipeline.components.get(INFERENCE)))
         # Spans for each call of the model, while tracing is on (`runtime.observability.genai_spans`).
         self.genai = genai
 
@@ -195,7 +188,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 finally:
                     if not ended:  # the client went away (GeneratorExit at the yield): stop the model now
                         stream.cancel()
-                    self._stream_settle(state, tally)
+                    tally.settle(state, self.pipeline.model.component)
                 self._stream_end(state, context, tally, stream)
             except Stop as stop:
                 self._abort(state, context, stop)
@@ -235,7 +228,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 finally:
                     if not ended:
                         await stream.cancel()
-                    self._stream_settle(state, tally)
+                    tally.settle(state, self.pipeline.model.component)
                 self._stream_end(state, context, tally, stream)
             except Stop as stop:
                 self._abort(state, context, stop)
@@ -271,23 +264,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             model_time(state, initial)
             context.set_trailing_metadata(self._answer_trailing(state, initial))
 
-    def _stream_settle(self, state: RequestState, tally: StreamTally) -> None:
-        """What was generated, however the stream ended (an aborted one is charged up to
-        where it stopped): the model's count, else its tokens, else its text's estimate (an
-        upstream's chunks carry no token ids; the same estimate an upstream's answer without
-        usage is charged)."""
-        state.add_time(self.pipeline.model.component, time.perf_counter() - tally.started)
-        prompt, completion, cached = tally.usage
-        used(state, prompt, completion or len(tally.tokens) or estimate_tokens("".join(tally.texts)), cached)
-
     def _stream_end(self, state: RequestState, context: Any, tally: StreamTally, stream: Any) -> None:
         """The stream's whole answer, for the completions (cache, logs), and its trailers."""
-        assert state.resolved is not None
-        state.model_wait_s = time.perf_counter() - tally.started
-        model_trailers = forwarded(stream.trailing_metadata() or ())
+        model_trailers = forwarded(tally.end(state, stream.trailing_metadata() or ()))
         self.model_load.note_trailers(state.model, model_trailers)
         context.set_trailing_metadata(self._answer_trailing(state, model_trailers))
-        state.response = tally.response(state, state.resolved.model)
 
     # -- the request's life -----------------------------------------------------------
     def _begin(self, request: generation_pb2.GenerateRequest, context: Any) -> RequestState:
@@ -371,12 +352,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         model_time(state, trailing)
         model = self.pipeline.model
         return downstream_stop(model.component, code, details, trailing, model.policy.passes)
-
-    def _models_load(self) -> list[tuple[str, str]]:
-        """Every model's hint now, from the inference component (`ModelLoads`' refresh)."""
-        answer = self.pipeline.components.get(INFERENCE).models(inference_pb2.ModelInfoRequest(),
-                                                                CallOptions(timeout=MODELS_TIMEOUT_S))
-        return [(model.id, model.load) for model in answer.models if model.load]
 
     @contextlib.contextmanager
     def _settled(self, state: RequestState) -> Iterator[None]:

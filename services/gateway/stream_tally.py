@@ -8,9 +8,13 @@ the same way, so the record, the charge and the cached answer do not depend on w
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.token_estimate import estimate_tokens
+from services.gateway.usage import used
 from services.pipeline.state import RequestState
 from wire.v1 import generation_pb2
 
@@ -40,12 +44,25 @@ class StreamTally:
             self.usage = (chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_prompt_tokens)
         return first
 
-    def response(self, state: RequestState, model: str) -> generation_pb2.GenerateResponse:
-        """The stream's whole answer (for the completions: cache, logs), with what it used."""
-        return generation_pb2.GenerateResponse(
-            text="".join(self.texts), token_ids=self.tokens, model=model, finish_reason=self.finish,
+    def settle(self, state: RequestState, component: str) -> None:
+        """What was generated, however the stream ended (an aborted one is charged up to
+        where it stopped): the model's count, else its tokens, else its text's estimate (an
+        upstream's chunks carry no token ids; the same estimate an upstream's answer without
+        usage is charged). The stream's time is `component`'s."""
+        state.add_time(component, time.perf_counter() - self.started)
+        prompt, completion, cached = self.usage
+        used(state, prompt, completion or len(self.tokens) or estimate_tokens("".join(self.texts)), cached)
+
+    def end(self, state: RequestState, trailing: Sequence[tuple[str, str]]) -> Sequence[tuple[str, str]]:
+        """The stream ended well: its whole answer on `state` (for the completions: cache,
+        logs), its time the model's; the model's `trailing` handed back."""
+        assert state.resolved is not None
+        state.model_wait_s = time.perf_counter() - self.started
+        state.response = generation_pb2.GenerateResponse(
+            text="".join(self.texts), token_ids=self.tokens, model=state.resolved.model, finish_reason=self.finish,
             prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens, system_digest=self.digest,
             cached_prompt_tokens=state.cached_tokens)
+        return trailing
 
 
 def hit_chunk(hit: generation_pb2.GenerateResponse) -> generation_pb2.GenerateChunk:

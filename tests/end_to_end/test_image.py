@@ -95,7 +95,7 @@ def collapsed(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture(scope="module")
-def layered(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def layered(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """deploy/k8s/layered, one container per Deployment, ready; its gateway's addresses."""
     work = tmp_path_factory.mktemp("image-layered")
     podman = Podman(image, unique_prefix("test-layered"))
@@ -105,7 +105,8 @@ def layered(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
             for name in wave:
                 start_detached(podman, name, specs[name].command, mounts=specs[name].mounts, env=specs[name].env)
             wait_serving_at({name: specs[name].local(50080) for name in wave}, podman, timeout_s=180)
-        yield layered_host_ports(specs)
+        yield {**layered_host_ports(specs), "logs": lambda: "\n".join(
+            f"--- {name} ---\n{logs_of(podman, name, 1200)}" for name in specs)}
     finally:
         podman.remove_all()
 
@@ -175,13 +176,25 @@ def test_the_image_holds_no_compiler_no_pip_and_no_cache(collapsed: Collapsed) -
     assert found.stdout.strip() == "", found.stdout
 
 
+def _wait_answering(name: str, address: str, logs: Any) -> None:
+    """Until `address` answers a request (else fail with its last answer and the containers' logs)."""
+    last: list[Any] = []
+    with GatewayClient(address, DEV_KEY) as client:
+        def answers() -> bool:
+            last[:] = [client.generate(gen("are you all up"))]
+            return bool(last[0].ok)
+
+        eventually(answers, timeout=30, what=f"{name} answering", interval=0.2,
+                   seen=lambda: (last[-1].decision() if last else None, logs()))
+
+
 def test_the_layered_containers_answer_as_the_collapsed_one_with_the_same_verdicts(
-        collapsed: Collapsed, layered: dict[str, str]) -> None:
+        collapsed: Collapsed, layered: dict[str, Any]) -> None:
     decisions = {}
     for name, address in (("collapsed", collapsed.grpc), ("layered", layered["grpc"])):
-        with GatewayClient(address, DEV_KEY) as client:  # every part reachable first: a health probe that
-            # timed out on a loaded host marks its part down until the next probe (fail-closed, by design)
-            eventually(lambda: client.generate(gen("are you all up")).ok, timeout=30, what=f"{name} answering")
+        # Every part reachable first: a health probe that timed out on a loaded host marks its
+        # part down until the next probe (fail-closed, by design).
+        _wait_answering(name, address, layered["logs"] if name == "layered" else (lambda: ""))
         with GatewayClient(address) as client:
             results = [client.generate(request, token=token or "") for request, token in parity_sequence()]
         assert {r.layout for r in results if r.trailing.get("x-spine-layout")} == {name}

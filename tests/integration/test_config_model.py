@@ -181,7 +181,7 @@ def test_config_check_exits_2_with_one_line_per_problem(tmp_path: Path, capsys: 
 def test_up_with_a_bad_config_exits_2_before_any_child_starts(
         text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     spawned: list[Any] = []
-    monkeypatch.setattr("runtime.stack.Supervisor", lambda *args: spawned.append(args))
+    monkeypatch.setattr("runtime.placement.components.Supervisor", lambda *args: spawned.append(args))
     path, run_dir = write(tmp_path, text), tmp_path / "run"
     rc = cli.main(["--config", str(path), "up", "--layout", "layered", "--http-listen", "off",
                    "--run-dir", str(run_dir)])
@@ -199,7 +199,7 @@ def test_a_stack_refuses_a_bad_config_before_creating_anything(tmp_path: Path) -
 def test_up_on_a_listen_address_off_loopback_exits_2_in_one_line_before_any_child_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     spawned: list[Any] = []
-    monkeypatch.setattr("runtime.stack.Supervisor", lambda *args: spawned.append(args))
+    monkeypatch.setattr("runtime.placement.components.Supervisor", lambda *args: spawned.append(args))
     run_dir = tmp_path / "run"
     rc = cli.main(["up", "--layout", "layered", "--listen", "0.0.0.0:50999", "--run-dir", str(run_dir)])
     assert rc == 2

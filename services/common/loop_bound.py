@@ -46,6 +46,20 @@ async def close_bound() -> None:
             log.warning("closing what was opened on an ending event loop: %r", error)
 
 
+def call_on_its_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """Run `callback` on `loop` from any thread: at once when called on that loop, else handed
+    to it (an event's `set`, a task's `cancel` may only run on their own loop's thread);
+    nothing once the loop is closed."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        callback()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(callback)
+
+
 class PerLoop(Generic[T]):
     """One `T` per event loop, made by `make` on first use on that loop and closed by `close`
     either with the loop (`close_bound`) or by `aclose` on it."""

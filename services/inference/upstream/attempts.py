@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.common.loop_bound import call_on_its_loop
 from services.common.outlier import Ejected
 from services.inference.upstream.endpoint import UpstreamEndpoint
 from services.inference.upstream.failures import FALLS_BACK, RETRYABLE, UNHEALTHY, AttemptFailure, Kind
@@ -301,7 +302,7 @@ class Walk:
         self._gone.set()
         future = self._future
         if isinstance(future, asyncio.Future):  # an attempt on an event loop: cancelled on that loop
-            _cancel_on_its_loop(future)
+            call_on_its_loop(future.get_loop(), future.cancel)
         elif future is not None:
             future.cancel()
         if self._queue is not None:
@@ -314,16 +315,3 @@ class _Attempt:
 
     endpoint: UpstreamEndpoint
     timeout_s: float
-
-
-def _cancel_on_its_loop(future: asyncio.Future[Any]) -> None:
-    """Cancel `future` from any thread (a task may only be touched on its own loop's thread)."""
-    loop = future.get_loop()
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        future.cancel()
-    elif not loop.is_closed():
-        loop.call_soon_threadsafe(future.cancel)

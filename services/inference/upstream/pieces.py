@@ -20,19 +20,9 @@ import threading
 from collections import deque
 from typing import Any
 
+from services.common.loop_bound import call_on_its_loop
+
 LIMIT = 64  # pieces waiting for the handler thread, per stream
-
-
-def _wake(event: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
-    """Set `event` (of `loop`) from any thread: at once on its own loop, else handed to it."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        event.set()
-    elif not loop.is_closed():
-        loop.call_soon_threadsafe(event.set)
 
 
 class Pieces:
@@ -102,10 +92,10 @@ class Pieces:
         item = self._items.popleft()
         if self._room is not None and not self._room.is_set() and len(self._items) < self.limit:
             assert self._loop is not None
-            _wake(self._room, self._loop)
+            call_on_its_loop(self._loop, self._room.set)
         return item
 
     def _wake_reader(self) -> None:
         if self._ready is not None and not self._ready.is_set():
             assert self._reader_loop is not None
-            _wake(self._ready, self._reader_loop)
+            call_on_its_loop(self._reader_loop, self._ready.set)

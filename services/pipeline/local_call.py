@@ -121,13 +121,49 @@ def call_stream(handler: Callable[[Any, Any], Iterator[Response]], request: Any,
     return LocalStream(handler(request, context), context)  # type: ignore[arg-type]
 
 
-class LocalStream(Iterator[Response]):
+class _StreamEnds:
+    """The wire's rules for how a local stream ends, whichever way it is read (a thread's
+    `next`, a loop's `anext`): the handler's recorded error, or time run out, fails a stream
+    whose generator finished; an error that is not an `RpcError` is UNKNOWN; either way the
+    call's context is finished once."""
+
+    def __init__(self, context: LocalContext) -> None:
+        self._context = context
+        self._ended = False
+
+    def _finished(self) -> LocalRpcError | None:
+        """The generator finished: the stream's failure, if it had one."""
+        failure = self._context.result_error()
+        if failure is None:
+            try:
+                self._context.check_live()  # a stream that ended because time ran out did not succeed
+            except LocalRpcError as late:
+                failure = late
+        self._end()
+        return failure
+
+    def _unknown(self, error: Exception) -> LocalRpcError:
+        self._end()
+        return LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {error}")
+
+    def initial_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._context.initial_metadata()
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._context.trailing_metadata()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._context._finish()
+
+
+class LocalStream(_StreamEnds, Iterator[Response]):
     """Iterates a servicer's response generator with the wire's deadline and cancel rules."""
 
     def __init__(self, generator: Generator[Response, None, None], context: LocalContext) -> None:
+        super().__init__(context)
         self._generator = generator
-        self._context = context
-        self._ended = False
 
     def __iter__(self) -> LocalStream[Response]:
         return self
@@ -139,13 +175,7 @@ class LocalStream(Iterator[Response]):
             self._context.check_live()
             return next(self._generator)
         except StopIteration:
-            failure = self._context.result_error()
-            if failure is None:
-                try:
-                    self._context.check_live()  # a stream that ended because time ran out did not succeed
-                except LocalRpcError as late:
-                    failure = late
-            self._end()
+            failure = self._finished()
             if failure is not None:
                 raise failure from None
             raise
@@ -153,8 +183,7 @@ class LocalStream(Iterator[Response]):
             self._end()
             raise
         except Exception as error:
-            self._end()
-            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {error}") from error
+            raise self._unknown(error) from error
 
     def cancel(self) -> bool:
         """Stop the stream, from any thread, as `grpc.Call.cancel` does: the servicer's
@@ -171,17 +200,6 @@ class LocalStream(Iterator[Response]):
         self._end()
         return True
 
-    def initial_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._context.initial_metadata()
-
-    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._context.trailing_metadata()
-
-    def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._context._finish()
-
 
 def call_stream_on_loop(handler: Callable[[Any, Any], AsyncIterator[Response]], request: Any,
                         options: CallOptions) -> LocalAsyncStream[Response]:
@@ -191,14 +209,13 @@ def call_stream_on_loop(handler: Callable[[Any, Any], AsyncIterator[Response]], 
     return LocalAsyncStream(handler(request, context), context)  # type: ignore[arg-type]
 
 
-class LocalAsyncStream(AsyncIterator[Response]):
+class LocalAsyncStream(_StreamEnds, AsyncIterator[Response]):
     """`LocalStream` for an async generator, read on its own event loop: the same rules,
     and `cancel` (on that loop) closes the generator at once, so its `finally` runs there."""
 
     def __init__(self, generator: AsyncGenerator[Response, None], context: LocalContext) -> None:
+        super().__init__(context)
         self._generator = generator
-        self._context = context
-        self._ended = False
 
     def __aiter__(self) -> LocalAsyncStream[Response]:
         return self
@@ -210,13 +227,7 @@ class LocalAsyncStream(AsyncIterator[Response]):
             self._context.check_live()
             return await anext(self._generator)
         except StopAsyncIteration:
-            failure = self._context.result_error()
-            if failure is None:
-                try:
-                    self._context.check_live()
-                except LocalRpcError as late:
-                    failure = late
-            self._end()
+            failure = self._finished()
             if failure is not None:
                 raise failure from None
             raise
@@ -224,8 +235,7 @@ class LocalAsyncStream(AsyncIterator[Response]):
             self._end()
             raise
         except Exception as error:
-            self._end()
-            raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {error}") from error
+            raise self._unknown(error) from error
 
     async def cancel(self) -> bool:
         """Stop the stream: the servicer sees its context cancelled and its generator is closed."""
@@ -238,17 +248,6 @@ class LocalAsyncStream(AsyncIterator[Response]):
             pass
         self._end()
         return True
-
-    def initial_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._context.initial_metadata()
-
-    def trailing_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._context.trailing_metadata()
-
-    def _end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._context._finish()
 
 
 __all__ = ["LocalAsyncStream", "LocalContext", "LocalRpcError", "LocalStream", "Metadata", "call_batch",

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the servicers' modules import torch or crypto: each factory
     from services.auth.envoy_authz import EnvoyAuthorization
     from services.auth.service import AuthService
     from services.cache.service import CacheService
-    from services.inference.models import MultiModelInference
+    from services.inference.models import ModelRouter
     from services.logs.service import LogsService
     from services.metrics.service import MetricsService
     from services.ratelimit.envoy_ratelimit import EnvoyRateLimit
@@ -81,12 +81,12 @@ def logs(config: ComponentConfig, device: DeviceState, run_dir: Path) -> LogsSer
     return LogsService(config.logs, device, run_dir=run_dir)
 
 
-def inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> MultiModelInference:
+def inference(config: ComponentConfig, device: DeviceState, run_dir: Path) -> ModelRouter:
     from services.common.upstream_config import upstream_routes
-    from services.inference.models import MultiModelInference
+    from services.inference.models import ModelRouter
 
-    return MultiModelInference(config.inference, device, upstreams=upstream_routes(config.router.models),
-                               shares=tenant_shares(config.ratelimit))
+    return ModelRouter(config.inference, device, upstreams=upstream_routes(config.router.models),
+                       shares=tenant_shares(config.ratelimit))
 
 
 def tenant_shares(limits: RateLimitConfig) -> TenantShares:

@@ -47,14 +47,14 @@ class GenAiServerStats:
         self._series: dict[tuple[str, str, str], Counts] = {}  # (family, operation, error) -> counts
 
     @contextmanager
-    def serving(self, request: Any, context: Any) -> Iterator[ServedRequest]:
+    def serving(self, request: Any) -> Iterator[ServedRequest]:
         """Around the handling of `request`: observes it when it ends, however it ends."""
         served = ServedRequest(time.perf_counter())
         error = ""
         try:
             yield served
         except BaseException as exc:  # an abort, a cancel (GeneratorExit: the reader left), a failure
-            error = _error_type(exc, context)
+            error = _error_type(exc)
             raise
         finally:
             self._finished(semconv.operation_name(request), error, served)
@@ -91,13 +91,12 @@ class GenAiServerStats:
             families[family].add_metric(labels, buckets, total)
 
 
-def _error_type(exc: BaseException, context: Any) -> str:
-    """The gRPC status code's name an rpc ended with."""
+def _error_type(exc: BaseException) -> str:
+    """The gRPC status code's name a request ended with (the model raises its refusals as
+    `grpc.RpcError`s; anything else is UNKNOWN, as gRPC makes of it)."""
     if isinstance(exc, GeneratorExit):
         return "CANCELLED"
     code = getattr(exc, "code", None)
-    if not callable(code):
-        code = getattr(context, "code", None)  # a real call's abort raises a bare Exception
     try:
         value = code() if callable(code) else None
     except Exception:

@@ -20,17 +20,19 @@ prefix's KV once for every request that shares it (`inference.prefix_cache`): as
 of a paged pool, or as a copy stored beside a slot pool within what the KV budget leaves
 after the pool (`services.inference.model.kv_prefix`).
 
-A caller that goes away stops its generation wherever it waits: a context callback
+A caller that goes away stops its generation wherever it waits: a callback on its call
 cancels the job (the gRPC server fires it on cancel and deadline, an in-process
-`LocalContext` on cancel, its parent's cancel included), and a stream that is closed
-early cancels it in its `finally`; the slot is free before the next decode step.
+`LocalCall` on cancel, its parent's cancel included), and a stream that is closed
+early cancels it in its `finally`; the slot is free before the next decode step. The
+model answers with values and raises its refusals (`services.inference.rpcs`: the gRPC
+servicer and the in-process interface are thin adapters over `answer`/`chunks`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Generator, Iterator
 from typing import Any, NoReturn
 
 import grpc
@@ -59,26 +61,27 @@ from services.inference.model_start import (
 from services.inference.priority import priority_error
 from services.inference.request_body import builtin_refusal
 from services.inference.request_encoding import encode_request
+from services.inference.rpcs import InferenceRpcs, ModelCall
 from services.inference.scheduler import Scheduler
 from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
 from services.inference.stop_strings import BadStop, first_stop, safe_length, stops_of
-from services.pipeline.interface import NO_OPTIONS, CallOptions
-from services.pipeline.local_call import LocalStream, call_stream, call_unary
+from services.pipeline.local_call import StreamHeaders
+from services.pipeline.local_context import LocalRpcError
 from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import inference_timeout_error
-from wire.v1 import generation_pb2, inference_pb2, inference_pb2_grpc
+from wire.v1 import generation_pb2, inference_pb2
 
 __all__ = ["InferenceConfig", "InferenceService"]
 
 log = logging.getLogger("spine.inference")
 
-# How long a waiting consumer sleeps between checks of its context when no callback wakes
+# How long a waiting consumer sleeps between checks of its call when no callback wakes
 # it (an in-process deadline): cancels and ends wake it at once through the job's queue.
 POLL_S = 1.0
 
 
-class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """Serves `spine.v1.Inference` from the configured backend (the tiny LM by default).
+class InferenceService(InferenceRpcs):
+    """Serves one model, `spine.v1.Inference`, from the configured backend (the tiny LM by default).
 
     `backend` replaces the configured one (tests wrap the model to gate or break its steps);
     `clock` drives compute budgets and aging.
@@ -118,73 +121,60 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                  config.model_id, torch_device(device), self.ms_per_token, config.timeout_slowdown,
                  config.timeout_margin_ms, config.max_timeout_ms)
 
-    # -- the interface (`services.inference.api.Inference`), in this process -------------
-    def generate(self, request: generation_pb2.GenerateRequest, options: CallOptions = NO_OPTIONS) -> Generated:
-        """`Generate` under the wire's rules (`services.pipeline.local_call`), with its trailers."""
-        response, trailing = call_unary(self.Generate, request, options)
-        return Generated(response, trailing)
-
-    def generate_stream(self, request: generation_pb2.GenerateRequest,
-                        options: CallOptions = NO_OPTIONS) -> LocalStream[generation_pb2.GenerateChunk]:
-        return call_stream(self.GenerateStream, request, options)
-
-    def models(self, request: inference_pb2.ModelInfoRequest,
-               options: CallOptions = NO_OPTIONS) -> inference_pb2.ModelInfoResponse:
-        return call_unary(self.Models, request, options)[0]
-
-    # -- gRPC --------------------------------------------------------------------
-    def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
+    # -- the model's operations (`InferenceRpcs` serves them in process and over gRPC) ---
+    def answer(self, request: generation_pb2.GenerateRequest, call: ModelCall) -> Generated:
         if request.api == EMBEDDINGS_API:
-            return self._embed(request, context)
-        with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
-            stops = self._stops(request, context)
-            job, prompt_tokens = self._start(request, context, stream=False)
+            return self._embed(request)
+        with self.stats.genai.serving(request) as served:  # the GenAI server metrics
+            stops = self._stops(request)
+            job, prompt_tokens = self._start(request, call, stream=False)
             served.job = job
             tokens: list[int] = []
             finish = ""
-            for output in self._outputs(job, context):
+            for output in self._outputs(job, call):
                 if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
                     tokens.append(output.token_id)
                 finish = output.finish_reason or finish
-        context.set_trailing_metadata(self._load_metadata())
+        trailing = self._load_metadata()
         text, stop_sequence = self.backend.decode(tokens), ""
         found = first_stop(text, stops) if stops else None
         if found is not None:  # the answer ends before the stop string; its tokens up to the one completing it
             tokens = tokens[:self._tokens_to(tokens, found[0] + len(found[1]))]
             text, stop_sequence, finish = text[:found[0]], found[1], "stop"
-        return generation_pb2.GenerateResponse(
+        return Generated(generation_pb2.GenerateResponse(
             text=text, token_ids=tokens, model=request.model, finish_reason=finish, stop_sequence=stop_sequence,
-            prompt_tokens=prompt_tokens, completion_tokens=len(tokens), system_digest=system_digest(request.system))
+            prompt_tokens=prompt_tokens, completion_tokens=len(tokens), system_digest=system_digest(request.system)),
+            trailing)
 
-    def _embed(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
+    def _embed(self, request: generation_pb2.GenerateRequest) -> Generated:
         """`POST /v1/embeddings` from the built-in model's pooled hidden states, where its backend
         pools (`Embedder`); else the client's 400 naming the model. One forward per input on the
         request's thread, beside the engine's steps (the forward shares no cache with them)."""
-        self._check_served(request, context)
+        self._check_served(request)
         if not isinstance(self.backend, Embedder):
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
                         f"embeddings: the built-in model {request.model!r} does not embed (a transformers model "
                         "directory does: inference.backend.class hf); or route the request to a model with "
                         "upstream: (an engine serving /v1/embeddings)")
         try:
             embedded = embed_request(request.body, request.model, self.backend)
         except EmbeddingRefused as error:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        context.set_trailing_metadata(self._load_metadata())
-        return generation_pb2.GenerateResponse(model=request.model, body=embedded.body, finish_reason="stop",
-                                               prompt_tokens=embedded.prompt_tokens)
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return Generated(generation_pb2.GenerateResponse(model=request.model, body=embedded.body, finish_reason="stop",
+                                                         prompt_tokens=embedded.prompt_tokens),
+                         self._load_metadata())
 
-    def _check_served(self, request: generation_pb2.GenerateRequest, context: Any) -> None:
+    def _check_served(self, request: generation_pb2.GenerateRequest) -> None:
         """NOT_FOUND unless the request names the model this process serves."""
         if request.model != self.config.model_id:
-            self._abort(context, grpc.StatusCode.NOT_FOUND,
+            self._refuse(grpc.StatusCode.NOT_FOUND,
                         f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
 
-    def _stops(self, request: generation_pb2.GenerateRequest, context: Any) -> tuple[str, ...]:
+    def _stops(self, request: generation_pb2.GenerateRequest) -> tuple[str, ...]:
         try:
             return stops_of(request.api, request.body)
         except BadStop as error:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     def _tokens_to(self, tokens: list[int], chars: int) -> int:
         """The fewest tokens whose text is at least `chars` long (binary search: decoding is
@@ -198,27 +188,27 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 low = middle + 1
         return low
 
-    def GenerateStream(self, request: generation_pb2.GenerateRequest,
-                       context: Any) -> Iterator[generation_pb2.GenerateChunk]:
-        with self.stats.genai.serving(request, context) as served:  # the GenAI server metrics
-            yield from self._stream(request, context, served)
+    def chunks(self, request: generation_pb2.GenerateRequest, call: ModelCall,
+               headers: StreamHeaders) -> Generator[generation_pb2.GenerateChunk, None, None]:
+        with self.stats.genai.serving(request) as served:  # the GenAI server metrics
+            yield from self._stream(request, call, headers, served)
 
-    def _stream(self, request: generation_pb2.GenerateRequest, context: Any,
+    def _stream(self, request: generation_pb2.GenerateRequest, call: ModelCall, headers: StreamHeaders,
                 served: ServedRequest) -> Iterator[generation_pb2.GenerateChunk]:
-        stops = self._stops(request, context)
-        job, _ = self._start(request, context, stream=True)
+        stops = self._stops(request)
+        job, _ = self._start(request, call, stream=True)
         served.job = job
         tokens: list[int] = []
         sent = ""
         digest = system_digest(request.system)
         try:
-            for index, output in enumerate(self._outputs(job, context)):
+            for index, output in enumerate(self._outputs(job, call)):
                 new = [] if output.finish_reason == "stop" else [output.token_id]
                 tokens.extend(new)
                 text = self.backend.decode(tokens)
                 found = first_stop(text, stops) if stops else None
                 if found is not None:  # the answer ends here: the rest of the job is cancelled (finally)
-                    context.set_trailing_metadata(self._load_metadata())
+                    headers.trailing = self._load_metadata()
                     yield generation_pb2.GenerateChunk(text=text[len(sent):found[0]], token_ids=new, index=index,
                                                        finish_reason="stop", model=request.model,
                                                        system_digest=digest, stop_sequence=found[1])
@@ -226,17 +216,23 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 shown = len(text) if output.finished or not stops else safe_length(text, stops)
                 piece, sent = text[len(sent):shown], text[:shown]
                 if output.finished:
-                    context.set_trailing_metadata(self._load_metadata())
+                    headers.trailing = self._load_metadata()
                 yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
                                                    finish_reason=output.finish_reason or "", model=request.model,
                                                    system_digest=digest)
         finally:  # closed early (the reader went away) or failed: the slot is freed before the next step
             self.scheduler.cancel(job)
 
-    def Models(self, request: inference_pb2.ModelInfoRequest, context: Any) -> inference_pb2.ModelInfoResponse:
-        context.set_trailing_metadata(self._load_metadata())
-        return inference_pb2.ModelInfoResponse(models=[inference_pb2.ModelInfo(
-            id=self.config.model_id, max_context=self.backend.max_context, device=str(torch_device(self.device)))])
+    def describe(self) -> tuple[inference_pb2.ModelInfoResponse, tuple[tuple[str, str], ...]]:
+        return self.model_list(), self._load_metadata()
+
+    def model_list(self) -> inference_pb2.ModelInfoResponse:
+        return inference_pb2.ModelInfoResponse(models=[self.model_info()])
+
+    def model_info(self) -> inference_pb2.ModelInfo:
+        """This model as `Models` lists it: its id, context, device and load now."""
+        return inference_pb2.ModelInfo(id=self.config.model_id, max_context=self.backend.max_context,
+                                       device=str(torch_device(self.device)), load=self.load_report().header())
 
     # -- serving controls ------------------------------------------------------------
     @property
@@ -294,34 +290,34 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise RuntimeError(f"health forward gave unusable logits (shape {tuple(logits.shape)})")
 
     # -- plumbing ------------------------------------------------------------------
-    def _start(self, request: generation_pb2.GenerateRequest, context: Any, *, stream: bool) -> tuple[Job, int]:
-        # No load hint set here: every refusal goes through `_abort`, which sets it, and an
-        # answer sets it at its end (one load report per request, not two).
-        self._check_served(request, context)
+    def _start(self, request: generation_pb2.GenerateRequest, call: ModelCall, *, stream: bool) -> tuple[Job, int]:
+        # No load hint set here: every refusal goes through `_refuse`, which carries it, and an
+        # answer carries it at its end (one load report per request, not two).
+        self._check_served(request)
         refused = builtin_refusal(request.api, request.body, request.model)
         if refused is not None:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, refused)
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, refused)
         if request.max_tokens <= 0:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: must be > 0, got {request.max_tokens}")
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: must be > 0, got {request.max_tokens}")
         if not request.prompt:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
         problem = priority_error(request.priority)
         if problem is not None:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, problem)
         problem = inference_timeout_error(request.inference_timeout_ms, self.config.max_timeout_ms)
         if problem is not None:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             prefix_ids, prompt_ids = encode_request(self.backend, request)
         except ValueError as error:  # messages a chat template cannot render
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         total = len(prefix_ids) + len(prompt_ids) + 1 + request.max_tokens  # + BOS
         if total > self.engine.max_context:
             system = f"system ({len(prefix_ids)} tokens) + " if prefix_ids else ""
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{system}prompt ({len(prompt_ids)} tokens) + BOS + max_tokens ({request.max_tokens}) = "
                         f"{total} exceeds the model's context of {self.engine.max_context}")
-        tenant = tenant_from(context.invocation_metadata())
+        tenant = tenant_from(call.invocation_metadata())
         seed = request.seed if request.HasField("seed") else None
         if seed is None and self.config.deterministic and request.temperature > 0:
             seed = self.config.seed  # deterministic mode: a sampled answer is reproducible too
@@ -333,32 +329,32 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         try:
             self.scheduler.submit(job)
         except QueueFull as error:
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
+            self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
                         (("retry-after", f"{error.retry_after_s:.3f}"),))
         except ShuttingDown as error:
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, str(error))
-        if not context.add_callback(lambda: self.scheduler.cancel(job)):
+            self._refuse(grpc.StatusCode.UNAVAILABLE, str(error))
+        if not call.add_callback(lambda: self.scheduler.cancel(job)):
             self.scheduler.cancel(job)  # the call had already ended
         return job, len(prefix_ids) + len(prompt_ids)
 
-    def _outputs(self, job: Job, context: Any) -> Iterator[StepOutput]:
+    def _outputs(self, job: Job, call: ModelCall) -> Iterator[StepOutput]:
         """Yield the job's step outputs until it finishes; stop it when the caller goes away.
 
         The wait is woken by the job's queue — a token, the end, or the failure a cancel
         callback causes — so a consumer costs nothing while it waits, however many wait."""
         while True:
-            if not context.is_active():
+            if not call.is_active():
                 self.scheduler.cancel(job)  # frees the batch slot and KV cache before the next step
-                remaining = context.time_remaining()
+                remaining = call.time_remaining()
                 if remaining is not None and remaining <= 0:
-                    self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-                self._abort(context, grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
-            remaining = context.time_remaining()
+                    self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+                self._refuse(grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
+            remaining = call.time_remaining()
             wait = POLL_S if remaining is None else min(POLL_S, max(0.001, remaining))
             item = self.scheduler.next_output(job, wait)
             if item is None or item is WAKE:
                 if job.failure is not None and job.out.empty():  # what came before it was delivered
-                    self._abort_for(job.failure, context)
+                    self._refuse_for(job.failure)
                 continue
             if isinstance(item, list):  # a unary job's whole answer, handed over once
                 yield from item
@@ -367,20 +363,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if item.finished:
                 return
 
-    def _abort_for(self, failure: BaseException, context: Any) -> NoReturn:
+    def _refuse_for(self, failure: BaseException) -> NoReturn:
         if isinstance(failure, JobFailure):
             retry = getattr(failure, "retry_after_s", None)  # a full queue's place given to another tenant
-            self._abort(context, failure.code, str(failure),
-                        (("retry-after", f"{retry:.3f}"),) if retry is not None else ())
+            self._refuse(failure.code, str(failure), (("retry-after", f"{retry:.3f}"),) if retry is not None else ())
         if isinstance(failure, ValueError):
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(failure))
-        self._abort(context, grpc.StatusCode.INTERNAL, f"model failed: {failure}")
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(failure))
+        self._refuse(grpc.StatusCode.INTERNAL, f"model failed: {failure}")
 
-    def _abort(self, context: Any, code: grpc.StatusCode, details: str,
-               trailing: tuple[tuple[str, str], ...] = ()) -> NoReturn:
-        context.set_trailing_metadata(self._load_metadata() + trailing)
-        context.abort(code, details)
-        raise AssertionError("context.abort returned")  # abort always raises
+    def _refuse(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> NoReturn:
+        """End the request with `code`: the caller's error, the model's load hint with it."""
+        raise LocalRpcError(code, details, self._load_metadata() + trailing)
 
     def _load_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((LOAD_HEADER, self.load_report().header()),)

@@ -11,8 +11,10 @@ and its callers see one behaviour: a result, or a `grpc.RpcError` with `.code()`
 
 - `call_batch`: an operation on plain items (no message, no context: see
   `services.pipeline.batch_rpc`);
-- `call_unary` / `call_stream`: a servicer's own rpc handler with a `LocalContext`;
-- `call_unary_on_loop` / `call_stream_on_loop`: the same for a handler awaited on the
+- `call_local` / `open_stream`: a component's own operation, handed a `LocalCall` (the
+  caller's metadata, deadline and cancellation) and answering with values — no servicer
+  context is acted out;
+- `call_local_on_loop` / `open_stream_on_loop`: the same for an operation awaited on the
   caller's event loop.
 """
 
@@ -20,12 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
 from services.pipeline.interface import CallOptions, Metadata
-from services.pipeline.local_context import LocalContext, LocalRpcError
+from services.pipeline.local_context import LocalCall, LocalRpcError
 
 Result = TypeVar("Result")
 Response = TypeVar("Response")
@@ -63,82 +66,88 @@ def call_batch(operation: Callable[[], Result], timeout: float | None) -> Result
     return result
 
 
-def context_for(options: CallOptions) -> LocalContext:
-    """The in-process twin of the servicer context a call with `options` would get."""
+def local_call(options: CallOptions) -> LocalCall:
+    """The call a component in this process is handed for a call with `options`."""
     deadline = None if options.timeout is None else time.monotonic() + options.timeout
-    return LocalContext(options.metadata, deadline, options.parent)
+    return LocalCall(options.metadata, deadline, options.parent)
 
 
-def call_unary(handler: Callable[[Any, Any], Response], request: Any,
-               options: CallOptions) -> tuple[Response, tuple[tuple[str, str], ...]]:
-    """One unary handler call with the wire's rules: (its response, its trailing metadata),
-    or the status it ended with raised as a `grpc.RpcError`."""
-    context = context_for(options)
+def call_local(operation: Callable[[LocalCall], Result], options: CallOptions) -> Result:
+    """`operation(call)` — a component's own operation, handed the call's deadline, metadata
+    and cancellation — with the wire's rules: no time left is DEADLINE_EXCEEDED before it, an
+    exception that is not a `grpc.RpcError` is UNKNOWN, an answer after the deadline is
+    DEADLINE_EXCEEDED (the caller would have given up), and the call's callbacks run once
+    it is over."""
+    call = local_call(options)
     try:
-        context.check_live()
+        call.check_live()
         try:
-            response = handler(request, context)
+            result = operation(call)
         except grpc.RpcError:
             raise
         except Exception as error:  # what grpc does with an exception in a handler
             raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
-        failure = context.result_error()
-        if failure is not None:
-            raise failure
-        context.check_live()  # the caller would have given up by now
-        return response, context.trailing_metadata()
+        call.check_live()
+        return result
     finally:
-        context._finish()
+        call.finish()
 
 
-async def call_unary_on_loop(handler: Callable[[Any, Any], Awaitable[Response]], request: Any,
-                             options: CallOptions) -> tuple[Response, tuple[tuple[str, str], ...]]:
-    """`call_unary` for a handler that is awaited on the caller's event loop (one that never
-    blocks it: an upstream's answer, awaited on this loop's connections), same rules."""
-    context = context_for(options)
+async def call_local_on_loop(operation: Callable[[LocalCall], Awaitable[Result]], options: CallOptions) -> Result:
+    """`call_local` for an operation awaited on the caller's event loop (one that never blocks
+    it: an upstream's answer, awaited on this loop's connections), same rules."""
+    call = local_call(options)
     try:
-        context.check_live()
+        call.check_live()
         try:
-            response = await handler(request, context)
+            result = await operation(call)
         except grpc.RpcError:
             raise
         except Exception as error:
             raise LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception calling application: {error}") from error
-        failure = context.result_error()
-        if failure is not None:
-            raise failure
-        context.check_live()
-        return response, context.trailing_metadata()
+        call.check_live()
+        return result
     finally:
-        context._finish()
+        call.finish()
 
 
-def call_stream(handler: Callable[[Any, Any], Iterator[Response]], request: Any,
+@dataclass(slots=True)
+class StreamHeaders:
+    """The metadata a stream goes out with, set by its producer as it learns it: `initial`
+    before its first chunk (the HTTP API's headers go out with that chunk), `trailing` by
+    its end. Values, where a servicer would have written them on its context."""
+
+    initial: Metadata = ()
+    trailing: Metadata = ()
+
+
+def open_stream(chunks: Callable[[LocalCall, StreamHeaders], Iterator[Response]],
                 options: CallOptions) -> LocalStream[Response]:
-    """A server-streaming handler's responses with the wire's deadline and cancel rules."""
-    context = context_for(options)
-    context.check_live()
-    return LocalStream(handler(request, context), context)  # type: ignore[arg-type]
+    """A component's stream (`chunks(call, headers)`, a generator) with the wire's deadline
+    and cancel rules."""
+    call = local_call(options)
+    call.check_live()
+    headers = StreamHeaders()
+    return LocalStream(chunks(call, headers), call, headers)  # type: ignore[arg-type]
 
 
 class _StreamEnds:
     """The wire's rules for how a local stream ends, whichever way it is read (a thread's
-    `next`, a loop's `anext`): the handler's recorded error, or time run out, fails a stream
-    whose generator finished; an error that is not an `RpcError` is UNKNOWN; either way the
-    call's context is finished once."""
+    `next`, a loop's `anext`): time run out fails a stream whose generator finished; an error
+    that is not an `RpcError` is UNKNOWN; either way the call is finished once."""
 
-    def __init__(self, context: LocalContext) -> None:
-        self._context = context
+    def __init__(self, call: LocalCall, headers: StreamHeaders) -> None:
+        self._call = call
+        self._headers = headers
         self._ended = False
 
     def _finished(self) -> LocalRpcError | None:
         """The generator finished: the stream's failure, if it had one."""
-        failure = self._context.result_error()
-        if failure is None:
-            try:
-                self._context.check_live()  # a stream that ended because time ran out did not succeed
-            except LocalRpcError as late:
-                failure = late
+        failure = None
+        try:
+            self._call.check_live()  # a stream that ended because time ran out did not succeed
+        except LocalRpcError as late:
+            failure = late
         self._end()
         return failure
 
@@ -147,22 +156,22 @@ class _StreamEnds:
         return LocalRpcError(grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {error}")
 
     def initial_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._context.initial_metadata()
+        return tuple(self._headers.initial)
 
     def trailing_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._context.trailing_metadata()
+        return tuple(self._headers.trailing)
 
     def _end(self) -> None:
         if not self._ended:
             self._ended = True
-            self._context._finish()
+            self._call.finish()
 
 
 class LocalStream(_StreamEnds, Iterator[Response]):
-    """Iterates a servicer's response generator with the wire's deadline and cancel rules."""
+    """Iterates a component's chunk generator with the wire's deadline and cancel rules."""
 
-    def __init__(self, generator: Generator[Response, None, None], context: LocalContext) -> None:
-        super().__init__(context)
+    def __init__(self, generator: Generator[Response, None, None], call: LocalCall, headers: StreamHeaders) -> None:
+        super().__init__(call, headers)
         self._generator = generator
 
     def __iter__(self) -> LocalStream[Response]:
@@ -172,7 +181,7 @@ class LocalStream(_StreamEnds, Iterator[Response]):
         if self._ended:
             raise StopIteration
         try:
-            self._context.check_live()
+            self._call.check_live()
             return next(self._generator)
         except StopIteration:
             failure = self._finished()
@@ -186,13 +195,13 @@ class LocalStream(_StreamEnds, Iterator[Response]):
             raise self._unknown(error) from error
 
     def cancel(self) -> bool:
-        """Stop the stream, from any thread, as `grpc.Call.cancel` does: the servicer's
+        """Stop the stream, from any thread, as `grpc.Call.cancel` does: the component's
         callbacks run and it sees `is_active()` turn False; its generator is closed (its
         `finally` runs) unless another thread is inside it right now, in which case that
         thread sees the cancel at its next check."""
         if self._ended:
             return False
-        self._context.cancel()
+        self._call.cancel()
         try:
             self._generator.close()
         except ValueError:  # "generator already executing" in the reading thread
@@ -201,20 +210,21 @@ class LocalStream(_StreamEnds, Iterator[Response]):
         return True
 
 
-def call_stream_on_loop(handler: Callable[[Any, Any], AsyncIterator[Response]], request: Any,
+def open_stream_on_loop(chunks: Callable[[LocalCall, StreamHeaders], AsyncIterator[Response]],
                         options: CallOptions) -> LocalAsyncStream[Response]:
-    """`call_stream` for a handler that is an async generator on the caller's event loop."""
-    context = context_for(options)
-    context.check_live()
-    return LocalAsyncStream(handler(request, context), context)  # type: ignore[arg-type]
+    """`open_stream` for a component's async generator, read on the caller's event loop."""
+    call = local_call(options)
+    call.check_live()
+    headers = StreamHeaders()
+    return LocalAsyncStream(chunks(call, headers), call, headers)  # type: ignore[arg-type]
 
 
 class LocalAsyncStream(_StreamEnds, AsyncIterator[Response]):
     """`LocalStream` for an async generator, read on its own event loop: the same rules,
     and `cancel` (on that loop) closes the generator at once, so its `finally` runs there."""
 
-    def __init__(self, generator: AsyncGenerator[Response, None], context: LocalContext) -> None:
-        super().__init__(context)
+    def __init__(self, generator: AsyncGenerator[Response, None], call: LocalCall, headers: StreamHeaders) -> None:
+        super().__init__(call, headers)
         self._generator = generator
 
     def __aiter__(self) -> LocalAsyncStream[Response]:
@@ -224,7 +234,7 @@ class LocalAsyncStream(_StreamEnds, AsyncIterator[Response]):
         if self._ended:
             raise StopAsyncIteration
         try:
-            self._context.check_live()
+            self._call.check_live()
             return await anext(self._generator)
         except StopAsyncIteration:
             failure = self._finished()
@@ -238,10 +248,10 @@ class LocalAsyncStream(_StreamEnds, AsyncIterator[Response]):
             raise self._unknown(error) from error
 
     async def cancel(self) -> bool:
-        """Stop the stream: the servicer sees its context cancelled and its generator is closed."""
+        """Stop the stream: the component sees its call cancelled and its generator is closed."""
         if self._ended:
             return False
-        self._context.cancel()
+        self._call.cancel()
         try:
             await self._generator.aclose()
         except RuntimeError:  # "asynchronous generator is already running": it sees the cancel next
@@ -250,5 +260,6 @@ class LocalAsyncStream(_StreamEnds, AsyncIterator[Response]):
         return True
 
 
-__all__ = ["LocalAsyncStream", "LocalContext", "LocalRpcError", "LocalStream", "Metadata", "call_batch",
-           "call_stream", "call_stream_on_loop", "call_unary", "call_unary_on_loop", "context_for", "status_of"]
+__all__ = ["LocalAsyncStream", "LocalCall", "LocalRpcError", "LocalStream", "Metadata", "StreamHeaders",
+           "call_batch", "call_local", "call_local_on_loop", "local_call", "open_stream", "open_stream_on_loop",
+           "status_of"]

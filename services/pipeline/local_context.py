@@ -1,9 +1,11 @@
-"""The in-process twin of a gRPC call: its context and its error.
+"""A call inside this process: what its callee reads of it, and the error it raises.
 
-gRPC Python has no in-process channel. A local binding calls a servicer directly with a
-`LocalContext` that honours the wire's rules — status codes, deadlines, cancellation,
-metadata, callbacks — so a servicer cannot tell the two layouts apart, and raises a
-`LocalRpcError` where a real stub would raise its `grpc.RpcError`.
+gRPC Python has no in-process channel. A component in the spine is called directly with a
+`LocalCall` — the caller's metadata, deadline and cancellation, nothing of the wire — and
+answers with values or raises a `LocalRpcError`, the twin of the error a real stub raises,
+so its callers see one behaviour in both layouts. `LocalContext` adds the servicer
+context's other half for the one rpc handler still called in-process (the HTTP API's call
+of the Gateway).
 """
 
 from __future__ import annotations
@@ -47,17 +49,20 @@ class LocalRpcError(grpc.RpcError):
 SLOW_READER = "SLOW_READER"
 
 
-class LocalContext:
-    """A `grpc.ServicerContext` stand-in for in-process calls.
+class LocalCall:
+    """A call made inside this process, as its callee sees it: what the caller sent, how long
+    it waits, and whether it is still there — the four things a model reads of a gRPC
+    context (`invocation_metadata`, `time_remaining`, `is_active`, `add_callback`), with no
+    wire to act out: the callee answers with values and raises `LocalRpcError`.
 
-    Cancellation and deadlines flow from a parent context (the caller's own RPC), so a
-    client that goes away stops in-process work just as it would stop a remote call: the
-    context registers its `cancel` as a callback of the parent, so the servicer's own callbacks
-    run the moment the caller's RPC ends, even while the servicer waits on something.
+    Cancellation and deadlines flow from a parent (the caller's own call), so a client that
+    goes away stops in-process work just as it would stop a remote call: the call registers
+    its `cancel` as a callback of the parent, so the callee's own callbacks run the moment
+    the caller's call ends, even while the callee waits on something.
 
     Both are taken from the parent once, not asked of it on every check: its deadline is
     folded into this one at the start, and its end arrives through that callback. Why: a
-    stream's servicer checks `is_active` and `time_remaining` for every chunk, and asking a
+    stream's callee checks `is_active` and `time_remaining` for every chunk, and asking a
     gRPC parent each time (a lock, a clock, a few calls) cost more per chunk than the rest
     of the in-process hop. gRPC runs a call's callbacks once no operation of it is pending,
     and the parent's handler thread — the one reading this call — has none pending while it
@@ -84,22 +89,15 @@ class LocalContext:
         self._deadline = _earlier(deadline, _deadline_of(parent, clock))  # seconds on `clock`
         self._cancelled = False
         self.cancelled_as = ""  # the status `cancel` was given
-        self._code: grpc.StatusCode | None = None
-        self._details = ""
-        self._trailing: tuple[tuple[str, str], ...] = ()
-        self._initial: tuple[tuple[str, str], ...] = ()
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._done = False
         if parent is not None and not parent.add_callback(self.cancel):
-            self.cancel()  # the caller's RPC has already ended
+            self.cancel()  # the caller's call has already ended
 
-    # -- what servicers use -------------------------------------------------------
+    # -- what callees read --------------------------------------------------------
     def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
-
-    def peer(self) -> str:
-        return "local"
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - self._clock())
@@ -115,6 +113,60 @@ class LocalContext:
                 return False
             self._callbacks.append(callback)
         return True
+
+    # -- what the caller does -----------------------------------------------------
+    def cancel(self, status: str = "CANCELLED") -> None:
+        """End the call; `status` is what the request's record says of it (`SLOW_READER`:
+        the HTTP API gave up on a client that stopped reading its stream)."""
+        if not self._cancelled:
+            self.cancelled_as = status
+        self._cancelled = True
+        self.finish()
+
+    def check_live(self) -> None:
+        """Raise the status the wire would give a caller whose call can no longer run."""
+        if self._cancelled:
+            raise LocalRpcError(grpc.StatusCode.CANCELLED, "Locally cancelled by the caller")
+        if self._deadline is not None and self._clock() >= self._deadline:
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def finish(self) -> None:
+        """The call is over: its callbacks run once (a late `add_callback` is refused)."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a callback must not break the caller, as on the wire
+                pass
+
+
+class LocalContext(LocalCall):
+    """A `grpc.ServicerContext` stand-in: a `LocalCall` with the servicer context's other
+    half (abort, status, metadata frames), for a servicer whose rpc handler is called in
+    this process — the HTTP API calling the Gateway's. A component in this process is
+    called through its interface instead, with a `LocalCall`."""
+
+    def __init__(
+        self,
+        metadata: CallMetadata = (),
+        deadline: float | None = None,
+        parent: Any | None = None,
+        arrived: float | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._trailing: tuple[tuple[str, str], ...] = ()
+        self._initial: tuple[tuple[str, str], ...] = ()
+        super().__init__(metadata, deadline, parent, arrived, clock=clock)
+
+    def peer(self) -> str:
+        return "local"
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         if code == grpc.StatusCode.OK:
@@ -147,39 +199,11 @@ class LocalContext:
     def set_compression(self, compression: Any) -> None:
         """Nothing is compressed in-process."""
 
-    def cancel(self, status: str = "CANCELLED") -> None:
-        """End the call; `status` is what the request's record says of it (`SLOW_READER`:
-        the HTTP API gave up on a client that stopped reading its stream)."""
-        if not self._cancelled:
-            self.cancelled_as = status
-        self._cancelled = True
-        self._finish()
-
-    # -- what the binding uses ----------------------------------------------------
-    def check_live(self) -> None:
-        """Raise the status the wire would give a caller whose call can no longer run."""
-        if self._cancelled:
-            raise LocalRpcError(grpc.StatusCode.CANCELLED, "Locally cancelled by the caller")
-        if self._deadline is not None and self._clock() >= self._deadline:
-            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-
     def result_error(self) -> LocalRpcError | None:
         """A non-OK code set with set_code() ends the call with that status."""
         if self._code is not None and self._code != grpc.StatusCode.OK:
             return LocalRpcError(self._code, self._details, self._trailing)
         return None
-
-    def _finish(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # a callback must not break the caller, as on the wire
-                pass
 
 
 def _deadline_of(parent: Any | None, clock: Callable[[], float]) -> float | None:

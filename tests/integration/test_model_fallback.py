@@ -65,7 +65,7 @@ def test_each_model_has_its_own_kv_pool_scheduler_and_hint(stacks: dict[str, Run
     assert big.load["slots"] == 16 and mini.load["slots"] == 8  # each answer, its own model's hint
     assert big.text != mini.text  # two different models
     if layout == "collapsed":
-        served = stack.local_servicers["inference"].served
+        served = stack.local_servicers["inference"].builtin
         assert set(served) == {"tiny-lm", "tiny-lm-mini"}
         assert served["tiny-lm"].engine is not served["tiny-lm-mini"].engine
         assert served["tiny-lm"].scheduler is not served["tiny-lm-mini"].scheduler

@@ -1,8 +1,9 @@
 """A component behaves alike in both placements: codes, deadlines, cancellation, metadata.
 
-A small scripted servicer (the prompt says what to do) stands behind the model's interface
-both ways: the generic remote proxy to a real gRPC server on a unix socket (`runtime.placement.remote`),
-and the servicer called in this process (`runtime.placement.in_process`).
+A small scripted model server (the prompt says what to do) stands behind the model's
+interface both ways: the generic remote proxy to its gRPC adapter on a real server on a unix
+socket (`runtime.placement.remote`), and the server called in this process
+(`runtime.placement.in_process`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import importlib
 import inspect
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import grpc
@@ -21,62 +22,60 @@ from runtime.placement.in_process import in_process
 from runtime.placement.remote import remote, remote_channel
 from runtime.server import start_server
 from services.inference.api import INFERENCE, Generated
-from services.pipeline.interface import NO_OPTIONS, CallOptions
-from services.pipeline.local_call import LocalStream, call_stream, call_unary
-from services.pipeline.local_context import LocalContext
+from services.inference.rpcs import InferenceRpcs, ModelCall
+from services.pipeline.interface import CallOptions
+from services.pipeline.local_call import StreamHeaders
+from services.pipeline.local_context import LocalContext, LocalRpcError
 from services.registry import DEFAULT
 from tests.waiting import ManualClock, eventually
-from wire.v1 import generation_pb2, inference_pb2_grpc
+from wire.v1 import generation_pb2, inference_pb2
 
 
-class ScriptedInference(inference_pb2_grpc.InferenceServicer):
-    """Does what the prompt says, and records what it saw."""
+class ScriptedInference(InferenceRpcs):
+    """Does what the prompt says, and records what it saw: a model server
+    (`services.inference.rpcs`), so one script is served in process through its interface and
+    remotely through its gRPC adapter."""
 
     def __init__(self) -> None:
         self.stopped = threading.Event()
         self.callback_ran = threading.Event()
         self.seen_metadata: dict[str, str] = {}
 
-    def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        self.seen_metadata = dict(context.invocation_metadata())
-        context.add_callback(self.callback_ran.set)
+    def answer(self, request: generation_pb2.GenerateRequest, call: ModelCall) -> Generated:
+        self.seen_metadata = dict(call.invocation_metadata())
+        call.add_callback(self.callback_ran.set)
         if request.prompt == "abort":
-            context.set_trailing_metadata((("retry-after", "1.5"),))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be > 0, got 0")
+            raise LocalRpcError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be > 0, got 0",
+                                (("retry-after", "1.5"),))
         if request.prompt == "raise":
             raise ValueError("boom")
-        if request.prompt == "set_code":
-            context.set_code(grpc.StatusCode.NOT_FOUND)
-            context.set_details("no such model")
-            return generation_pb2.GenerateResponse()
         if request.prompt == "slow":
-            while context.is_active():
+            while call.is_active():
                 time.sleep(0.005)
             self.stopped.set()
-            return generation_pb2.GenerateResponse(text="too late")
-        return generation_pb2.GenerateResponse(text=request.prompt.upper(), token_ids=[1, 2, 3],
-                                               model=self.seen_metadata.get("x-test", ""))
+            return Generated(generation_pb2.GenerateResponse(text="too late"))
+        return Generated(generation_pb2.GenerateResponse(text=request.prompt.upper(), token_ids=[1, 2, 3],
+                                                         model=self.seen_metadata.get("x-test", "")),
+                         (("x-spine-load", "scripted"),))
 
-    def generate(self, request: generation_pb2.GenerateRequest, options: CallOptions = NO_OPTIONS) -> Generated:
-        return Generated(*call_unary(self.Generate, request, options))
-
-    def generate_stream(self, request: generation_pb2.GenerateRequest,
-                        options: CallOptions = NO_OPTIONS) -> LocalStream[generation_pb2.GenerateChunk]:
-        return call_stream(self.GenerateStream, request, options)
-
-    def GenerateStream(self, request: generation_pb2.GenerateRequest,
-                       context: Any) -> Iterator[generation_pb2.GenerateChunk]:
-        context.add_callback(self.callback_ran.set)
+    def chunks(self, request: generation_pb2.GenerateRequest, call: ModelCall,
+               headers: StreamHeaders) -> Generator[generation_pb2.GenerateChunk, None, None]:
+        call.add_callback(self.callback_ran.set)
+        headers.initial = (("x-spine-upstream", "scripted"),)
         for index in range(request.max_tokens):
-            if not context.is_active():
+            if not call.is_active():
                 self.stopped.set()
                 return
             if request.prompt == "fail-midway" and index == 2:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "tokens per minute reached")
+                raise LocalRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "tokens per minute reached")
             yield generation_pb2.GenerateChunk(text=str(index), token_ids=[index], index=index)
             if request.prompt == "slow":
                 time.sleep(0.02)
+        headers.trailing = (("x-spine-load", "scripted"),)
         self.stopped.set()
+
+    def describe(self) -> tuple[inference_pb2.ModelInfoResponse, tuple[tuple[str, str], ...]]:
+        return inference_pb2.ModelInfoResponse(models=[inference_pb2.ModelInfo(id="m")]), ()
 
 
 @pytest.fixture(params=["local", "remote"])
@@ -123,12 +122,13 @@ def test_exception_in_handler_is_unknown(bound: Any) -> None:
     assert "boom" in caught.value.details()
 
 
-def test_set_code_without_abort_ends_with_that_code(bound: Any) -> None:
+def test_an_answer_carries_its_metadata_both_ways(bound: Any) -> None:
     model, _ = bound
-    with pytest.raises(grpc.RpcError) as caught:
-        model.generate(req("set_code"), CallOptions(5))
-    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
-    assert caught.value.details() == "no such model"
+    assert ("x-spine-load", "scripted") in model.generate(req("hi"), CallOptions(5)).trailing
+    stream = model.generate_stream(req("go", max_tokens=2), CallOptions(5))
+    assert [chunk.index for chunk in stream] == [0, 1]
+    assert ("x-spine-upstream", "scripted") in tuple(stream.initial_metadata())
+    assert ("x-spine-load", "scripted") in tuple(stream.trailing_metadata())
 
 
 def test_deadline_is_exceeded_and_the_servicer_sees_it(bound: Any) -> None:

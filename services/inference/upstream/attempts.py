@@ -65,11 +65,11 @@ def _no_verdict(endpoint: UpstreamEndpoint) -> None:
 class Walk:
     """The attempts of one request."""
 
-    def __init__(self, endpoints: Mapping[str, UpstreamEndpoint], model_id: str, context: Any,
+    def __init__(self, endpoints: Mapping[str, UpstreamEndpoint], model_id: str, call: Any,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoints = endpoints
         self.first = endpoints[model_id]
-        self.context = context
+        self.call = call  # the request's call (`services.inference.rpcs.ModelCall`)
         self.clock = clock
         self.attempts = 0
         self.upstream_s = 0.0  # time spent in upstream exchanges
@@ -78,7 +78,7 @@ class Walk:
         self._gone = threading.Event()
         self._future: concurrent.futures.Future[Any] | asyncio.Future[Any] | None = None
         self._queue: Pieces | None = None
-        if not context.add_callback(self._client_went_away):
+        if not call.add_callback(self._client_went_away):
             self._gone.set()
 
     # -- the plan --------------------------------------------------------------------------
@@ -190,7 +190,7 @@ class Walk:
         """The attempt's time: the upstream's timeout_s, less when the request has less left."""
         if self._gone.is_set():
             raise Cancelled(grpc.StatusCode.CANCELLED, "the client went away")
-        remaining = self.context.time_remaining()
+        remaining = self.call.time_remaining()
         if remaining is not None and remaining <= 0:
             raise Cancelled(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"the request's deadline passed after {self.attempts} upstream attempt(s)")
@@ -215,7 +215,7 @@ class Walk:
             wait = failure.retry_after_s
         else:
             wait = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (tries - 1)) * random.uniform(0.5, 1.5)
-        remaining = self.context.time_remaining()
+        remaining = self.call.time_remaining()
         return None if remaining is not None and wait >= remaining else wait
 
     def _sleep(self, seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""Models served by upstream servers, with the inference servicer's call shape.
+"""Models served by upstream servers, with a model server's operations (`answer`, `chunks`).
 
 The inference component hands a request for a router model with `upstream:` here
 (`services.inference.models`), in every layout: in the spine it is called in-process, in the
@@ -13,10 +13,10 @@ spine's `GenerateResponse` or stream of `GenerateChunk`s, with the upstream's ow
   which the gateway takes out of `x-spine-overhead-duration-ms`.
 
 A unary answer and a stream can also be awaited on the caller's own event loop
-(`generate_on_loop`, `generate_stream_on_loop`): the HTTP front does so when the model is in
-its process, so the request never leaves its loop.
+(`answer_on_loop`, `chunks_on_loop`): the HTTP API does so when the model is in its
+process, so the request never leaves its loop.
 
-A stream sends them as initial metadata before its first chunk (the HTTP front's headers go
+A stream gives them as initial metadata before its first chunk (the HTTP API's headers go
 out with that chunk), a unary answer as trailing metadata. A failure is the client's
 status code with a message naming the upstream and what it did (`failures.py`); a stream
 that breaks after its first chunk ends with UNAVAILABLE and counts against the upstream.
@@ -33,6 +33,8 @@ import grpc
 
 from services.common.token_estimate import UPSTREAM
 from services.common.upstream_config import UpstreamSpec
+from services.inference.api import Generated
+from services.inference.rpcs import ModelCall
 from services.inference.upstream import loop
 from services.inference.upstream.attempts import Cancelled, Walk
 from services.inference.upstream.counters import UpstreamCollector
@@ -41,6 +43,8 @@ from services.inference.upstream.failures import AttemptFailure, Kind
 from services.inference.upstream.pieces import Pieces
 from services.inference.upstream.protocols import Answer, Delta, conversation_text
 from services.inference.upstream.token_count import TokenCounter
+from services.pipeline.local_call import StreamHeaders
+from services.pipeline.local_context import LocalRpcError
 from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import ATTEMPTS_HEADER, UPSTREAM_HEADER, UPSTREAM_TIME_HEADER, USAGE_HEADER
 from wire.v1 import generation_pb2
@@ -61,9 +65,9 @@ class UpstreamModels:
     def __bool__(self) -> bool:
         return bool(self.endpoints)
 
-    # -- the inference servicer's rpcs, for these models -------------------------------------
-    def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> generation_pb2.GenerateResponse:
-        walk = Walk(self.endpoints, request.model, context)
+    # -- the model operations (`services.inference.rpcs`), for these models -------------------
+    def answer(self, request: generation_pb2.GenerateRequest, call: ModelCall) -> Generated:
+        walk = Walk(self.endpoints, request.model, call)
 
         def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> Any:
             return walk.wait(loop.submit(endpoint.unary(request, timeout_s)), timeout_s)
@@ -71,15 +75,14 @@ class UpstreamModels:
         try:
             answer = walk.run(attempt)
         except (AttemptFailure, Cancelled) as failure:
-            _abort(context, walk, failure)
-        return _response(request, context, walk, answer)
+            _refuse(call, walk, failure)
+        return _response(request, walk, answer)
 
-    async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
-                               context: Any) -> generation_pb2.GenerateResponse:
-        """`Generate`, awaited on the caller's event loop (the HTTP front's): the same walk,
-        each attempt on this loop's own connection pool, no thread between the request and
-        the upstream. The context's rules are the same (`_abort` raises its error)."""
-        walk = Walk(self.endpoints, request.model, context)
+    async def answer_on_loop(self, request: generation_pb2.GenerateRequest, call: ModelCall) -> Generated:
+        """`answer`, awaited on the caller's event loop (the HTTP API's): the same walk, each
+        attempt on this loop's own connection pool, no thread between the request and the
+        upstream; the same refusals."""
+        walk = Walk(self.endpoints, request.model, call)
 
         async def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> Answer:
             return await walk.wait_on_loop(endpoint.unary(request, timeout_s), timeout_s)
@@ -87,12 +90,12 @@ class UpstreamModels:
         try:
             answer = await walk.run_on_loop(attempt)
         except (AttemptFailure, Cancelled) as failure:
-            _abort(context, walk, failure)
-        return _response(request, context, walk, answer)
+            _refuse(call, walk, failure)
+        return _response(request, walk, answer)
 
-    def GenerateStream(self, request: generation_pb2.GenerateRequest,
-                       context: Any) -> Iterator[generation_pb2.GenerateChunk]:
-        walk = Walk(self.endpoints, request.model, context)
+    def chunks(self, request: generation_pb2.GenerateRequest, call: ModelCall,
+               headers: StreamHeaders) -> Iterator[generation_pb2.GenerateChunk]:
+        walk = Walk(self.endpoints, request.model, call)
         running: list[Any] = [None]
 
         def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> tuple[Pieces, list[Delta]]:
@@ -114,8 +117,8 @@ class UpstreamModels:
         try:
             pieces, first = walk.run(attempt)
         except (AttemptFailure, Cancelled) as failure:
-            _abort(context, walk, failure)
-        chunks = _Chunks(request, context, walk)
+            _refuse(call, walk, failure)
+        chunks = _Chunks(request, call, walk, headers)
         try:
             for delta in first:
                 if (chunk := chunks.take(delta)) is not None:
@@ -130,17 +133,17 @@ class UpstreamModels:
         except AttemptFailure as failure:  # after the first chunk: nothing can be retried now
             chunks.broke(failure)
         except Cancelled as cancelled:
-            _abort(context, walk, cancelled)
+            _refuse(call, walk, cancelled)
         finally:  # the client went away, or it ended: the exchange and its slot end now
             if running[0] is not None:
                 running[0].cancel()
 
-    async def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest,
-                                      context: Any) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        """`GenerateStream` on the caller's event loop (the HTTP front's): each attempt reads
-        its upstream in a task of this loop, and the pieces are awaited here, so no thread
-        stands between the engine's socket and the client's. The same walk, chunks and ends."""
-        walk = Walk(self.endpoints, request.model, context)
+    async def chunks_on_loop(self, request: generation_pb2.GenerateRequest, call: ModelCall,
+                             headers: StreamHeaders) -> AsyncIterator[generation_pb2.GenerateChunk]:
+        """`chunks` on the caller's event loop (the HTTP API's): each attempt reads its
+        upstream in a task of this loop, and the pieces are awaited here, so no thread stands
+        between the engine's socket and the client's. The same walk, chunks and ends."""
+        walk = Walk(self.endpoints, request.model, call)
         running: list[asyncio.Task[None] | None] = [None]
 
         async def attempt(endpoint: UpstreamEndpoint, timeout_s: float) -> tuple[Pieces, list[Delta]]:
@@ -161,8 +164,8 @@ class UpstreamModels:
         try:
             pieces, first = await walk.run_on_loop(attempt)
         except (AttemptFailure, Cancelled) as failure:
-            _abort(context, walk, failure)
-        chunks = _Chunks(request, context, walk)
+            _refuse(call, walk, failure)
+        chunks = _Chunks(request, call, walk, headers)
         try:
             for delta in first:
                 if (chunk := chunks.take(delta)) is not None:
@@ -177,7 +180,7 @@ class UpstreamModels:
         except AttemptFailure as failure:
             chunks.broke(failure)
         except Cancelled as cancelled:
-            _abort(context, walk, cancelled)
+            _refuse(call, walk, cancelled)
         finally:
             task = running[0]
             if task is not None:
@@ -210,8 +213,9 @@ class _Chunks:
     events is one chunk; the last chunk carries the usage (`_counted`) and the metadata every
     answer carries. The same for a stream read on a thread or on the caller's loop."""
 
-    def __init__(self, request: generation_pb2.GenerateRequest, context: Any, walk: Walk) -> None:
-        self.request, self.context, self.walk = request, context, walk
+    def __init__(self, request: generation_pb2.GenerateRequest, call: ModelCall, walk: Walk,
+                 headers: StreamHeaders) -> None:
+        self.request, self.call, self.walk, self.headers = request, call, walk, headers
         self.endpoint = walk.served_by
         self.metadata = _metadata(walk)
         self.digest = system_digest(request.system)
@@ -220,8 +224,7 @@ class _Chunks:
         self.index = 0
         self.texts: list[str] = []
         self.done = False  # the upstream said its last piece
-        context.send_initial_metadata(self.metadata)
-        context.set_trailing_metadata(self.metadata)
+        headers.initial = headers.trailing = self.metadata
 
     def take(self, delta: Delta) -> generation_pb2.GenerateChunk | None:
         """The client's chunk for `delta`, if it has one; its counts and finish are kept."""
@@ -241,7 +244,7 @@ class _Chunks:
     def wait_s(self) -> float:
         """How long to wait for the next piece: the upstream's timeout, less when the request
         has less left (Cancelled when nothing is left)."""
-        remaining = self.walk.context.time_remaining()
+        remaining = self.call.time_remaining()
         if remaining is not None and remaining <= 0:
             raise Cancelled(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed during the stream")
         timeout = self.endpoint.spec.timeout_s
@@ -251,7 +254,7 @@ class _Chunks:
         """The stream's last chunk: its finish and usage; the usage's source in the trailers."""
         prompt, completion, counted_by = _counted(self.endpoint.tokens, self.request, self.prompt_tokens,
                                                   self.completion_tokens, "".join(self.texts))
-        self.context.set_trailing_metadata((*self.metadata, (USAGE_HEADER, counted_by)))
+        self.headers.trailing = (*self.metadata, (USAGE_HEADER, counted_by))
         return generation_pb2.GenerateChunk(index=self.index, finish_reason=self.finish or "stop",
                                             model=self.request.model, system_digest=self.digest, prompt_tokens=prompt,
                                             completion_tokens=completion, cached_prompt_tokens=self.cached_tokens)
@@ -262,19 +265,18 @@ class _Chunks:
         self.endpoint.outlier.record(grpc.StatusCode.UNAVAILABLE, self.endpoint.spec.timeout_s)
         broken = AttemptFailure(Kind.BROKEN, f"the stream broke after {self.index} chunk(s): {failure.message}",
                                 detail=failure.detail)
-        _abort(self.context, self.walk, broken)
+        _refuse(self.call, self.walk, broken)
 
 
-def _response(request: generation_pb2.GenerateRequest, context: Any, walk: Walk,
-              answer: Answer) -> generation_pb2.GenerateResponse:
-    """The spine's answer from the upstream's, counted (`_counted`), its metadata on `context`."""
+def _response(request: generation_pb2.GenerateRequest, walk: Walk, answer: Answer) -> Generated:
+    """The spine's answer from the upstream's, counted (`_counted`), with its metadata."""
     prompt, completion, counted_by = _counted(walk.served_by.tokens, request, answer.prompt_tokens,
                                               answer.completion_tokens, answer.text)
-    context.set_trailing_metadata((*_metadata(walk), (USAGE_HEADER, counted_by)))
-    return generation_pb2.GenerateResponse(
+    return Generated(generation_pb2.GenerateResponse(
         text=answer.text, model=request.model, finish_reason=answer.finish, prompt_tokens=prompt,
         completion_tokens=completion, system_digest=system_digest(request.system),
-        cached_prompt_tokens=answer.cached_tokens, body=answer.body)
+        cached_prompt_tokens=answer.cached_tokens, body=answer.body),
+        (*_metadata(walk), (USAGE_HEADER, counted_by)))
 
 
 def _counted(tokens: TokenCounter, request: generation_pb2.GenerateRequest, prompt: int, completion: int,
@@ -295,8 +297,8 @@ def _metadata(walk: Walk) -> tuple[tuple[str, str], ...]:
             (UPSTREAM_TIME_HEADER, f"{walk.upstream_s * 1000:.3f}"))
 
 
-def _abort(context: Any, walk: Walk, failure: AttemptFailure | Cancelled) -> NoReturn:
-    """End the call with `failure`'s code and its client-safe message; what the upstreams
+def _refuse(call: ModelCall, walk: Walk, failure: AttemptFailure | Cancelled) -> NoReturn:
+    """End the request with `failure`'s code and its client-safe message; what the upstreams
     said that only the operator may read goes to the log, under the request id the client
     is given, so one finds the other."""
     trailing = list(_metadata(walk))
@@ -308,10 +310,8 @@ def _abort(context: Any, walk: Walk, failure: AttemptFailure | Cancelled) -> NoR
     said = [f"{f.message}: {f.detail}" for f in [*walk.failures, failure]
             if isinstance(f, AttemptFailure) and f.detail]
     if said:
-        request_id = dict(context.invocation_metadata() or ()).get("x-request-id", "-")[:64]  # the pipeline's
+        request_id = dict(call.invocation_metadata() or ()).get("x-request-id", "-")[:64]  # the pipeline's
         log.warning("request %s failed after %d upstream attempt(s): %s", request_id, walk.attempts,
                     "; ".join(dict.fromkeys(said)))
         message += f"; request id {request_id} (the upstream's own words are in the server's log)"
-    context.set_trailing_metadata(tuple(trailing))
-    context.abort(failure.code, message)
-    raise AssertionError("context.abort returned")
+    raise LocalRpcError(failure.code, message, tuple(trailing))

@@ -208,7 +208,7 @@ class InferenceService(InferenceRpcs):
                 text = self.backend.decode(tokens)
                 found = first_stop(text, stops) if stops else None
                 if found is not None:  # the answer ends here: the rest of the job is cancelled (finally)
-                    headers.trailing = self._load_metadata()
+                    headers.set_trailing(self._load_metadata())
                     yield generation_pb2.GenerateChunk(text=text[len(sent):found[0]], token_ids=new, index=index,
                                                        finish_reason="stop", model=request.model,
                                                        system_digest=digest, stop_sequence=found[1])
@@ -216,7 +216,7 @@ class InferenceService(InferenceRpcs):
                 shown = len(text) if output.finished or not stops else safe_length(text, stops)
                 piece, sent = text[len(sent):shown], text[:shown]
                 if output.finished:
-                    headers.trailing = self._load_metadata()
+                    headers.set_trailing(self._load_metadata())
                 yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
                                                    finish_reason=output.finish_reason or "", model=request.model,
                                                    system_digest=digest)

@@ -120,6 +120,12 @@ class StreamHeaders:
     initial: Metadata = ()
     trailing: Metadata = ()
 
+    def set_initial(self, metadata: Metadata) -> None:
+        self.initial = tuple(metadata)
+
+    def set_trailing(self, metadata: Metadata) -> None:
+        self.trailing = tuple(metadata)
+
 
 def open_stream(chunks: Callable[[LocalCall, StreamHeaders], Iterator[Response]],
                 options: CallOptions) -> LocalStream[Response]:

@@ -61,7 +61,7 @@ class ScriptedInference(InferenceRpcs):
     def chunks(self, request: generation_pb2.GenerateRequest, call: ModelCall,
                headers: StreamHeaders) -> Generator[generation_pb2.GenerateChunk, None, None]:
         call.add_callback(self.callback_ran.set)
-        headers.initial = (("x-spine-upstream", "scripted"),)
+        headers.set_initial((("x-spine-upstream", "scripted"),))
         for index in range(request.max_tokens):
             if not call.is_active():
                 self.stopped.set()
@@ -71,7 +71,7 @@ class ScriptedInference(InferenceRpcs):
             yield generation_pb2.GenerateChunk(text=str(index), token_ids=[index], index=index)
             if request.prompt == "slow":
                 time.sleep(0.02)
-        headers.trailing = (("x-spine-load", "scripted"),)
+        headers.set_trailing((("x-spine-load", "scripted"),))
         self.stopped.set()
 
     def describe(self) -> tuple[inference_pb2.ModelInfoResponse, tuple[tuple[str, str], ...]]:

@@ -224,7 +224,8 @@ class _Chunks:
         self.index = 0
         self.texts: list[str] = []
         self.done = False  # the upstream said its last piece
-        headers.initial = headers.trailing = self.metadata
+        headers.set_initial(self.metadata)
+        headers.set_trailing(self.metadata)
 
     def take(self, delta: Delta) -> generation_pb2.GenerateChunk | None:
         """The client's chunk for `delta`, if it has one; its counts and finish are kept."""
@@ -254,7 +255,7 @@ class _Chunks:
         """The stream's last chunk: its finish and usage; the usage's source in the trailers."""
         prompt, completion, counted_by = _counted(self.endpoint.tokens, self.request, self.prompt_tokens,
                                                   self.completion_tokens, "".join(self.texts))
-        self.headers.trailing = (*self.metadata, (USAGE_HEADER, counted_by))
+        self.headers.set_trailing((*self.metadata, (USAGE_HEADER, counted_by)))
         return generation_pb2.GenerateChunk(index=self.index, finish_reason=self.finish or "stop",
                                             model=self.request.model, system_digest=self.digest, prompt_tokens=prompt,
                                             completion_tokens=completion, cached_prompt_tokens=self.cached_tokens)

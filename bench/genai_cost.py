@@ -41,7 +41,6 @@ from services.metrics.api import _encode_records
 from services.metrics.config import MetricsConfig
 from services.metrics.service import MetricsService
 from services.metrics.steps import _record as metrics_record
-from services.pipeline.local_context import LocalContext
 from services.pipeline.state import ModelCall, RequestState
 from wire.v1 import generation_pb2
 
@@ -69,7 +68,7 @@ def _fresh_state() -> RequestState:
 
 def _path(metrics: MetricsService, server: GenAiServerStats, spans: GenAiSpans | None) -> Callable[[bool], None]:
     """One request's path with (True) or without (False) the GenAI telemetry."""
-    job, context = _Job(), LocalContext()
+    job = _Job()
 
     def run(genai: bool) -> None:
         state = _fresh_state()
@@ -81,7 +80,7 @@ def _path(metrics: MetricsService, server: GenAiServerStats, spans: GenAiSpans |
             state.model_call.duration_s = time.perf_counter() - state.model_call.started
             if spans is not None:
                 spans.end(state)
-            with server.serving(state.resolved, context) as served:
+            with server.serving(state.resolved) as served:
                 served.job = job
         record = metrics_record(state)
         _encode_records([record])

@@ -203,9 +203,7 @@ class BareServer:
             if self.http_listen is not None:
                 from runtime.http.server import start_http
 
-                served = list(getattr(self.servicer, "served", {inference.model_id: self.servicer}))
-                upstreams = getattr(self.servicer, "upstreams", None)
-                served += list(upstreams.endpoints) if upstreams is not None else []
+                served = self.servicer.served_ids()
                 target = BareModel(self.servicer, served_names(self.config.router, served), self.api_key)
                 config = self.config
                 self.http_server, self._http_app = start_http(

@@ -87,6 +87,10 @@ class ModelRouter(InferenceRpcs):
         """The model `inference:` configures (the default of a request that names none)."""
         return self.builtin[self.config.model_id]
 
+    def served_ids(self) -> list[str]:
+        """Every model id served here: the built-in ones, then those with `upstream:`."""
+        return [*self.builtin, *(self.upstreams.endpoints if self.upstreams is not None else ())]
+
     # -- the model operations: each request to its model's server ------------------------
     def answer(self, request: generation_pb2.GenerateRequest, call: ModelCall) -> Generated:
         return self._server(request.model).answer(request, call)
@@ -108,9 +112,8 @@ class ModelRouter(InferenceRpcs):
             return service
         if self.upstreams is not None and model in self.upstreams:
             return self.upstreams
-        names = [*self.builtin, *(self.upstreams.endpoints if self.upstreams is not None else ())]
-        raise LocalRpcError(grpc.StatusCode.NOT_FOUND,
-                            f"model {model!r} is not served here; this process serves {', '.join(map(repr, names))}",
+        names = ", ".join(map(repr, self.served_ids()))
+        raise LocalRpcError(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here; this process serves {names}",
                             self.first.describe()[1])
 
     # -- on the caller's event loop (`services.inference.api.OnLoop`) --------------------

@@ -174,7 +174,7 @@ def test_a_spine_that_cannot_run_its_model_is_failed_over_and_sent_unhealthy(
     # ratelimit stays shared: with the spine's own limiter at 100% the layered side keeps only
     # a sliver of every limit, and failed-over requests would be refused until the rollback.
     cutover.target.apply(100, {**ALL_LOCAL, "ratelimit": "remote"}, "health-full", route_header=True)
-    model = cutover.spine.local_servicers["inference"].backend.model
+    model = cutover.spine.local_servicers["inference"].first.backend.model
 
     def broken_device(*_: object) -> None:
         raise RuntimeError("CUDA error: device lost")

@@ -256,7 +256,7 @@ def _chunk(item: Any) -> generation_pb2.GenerateChunk:
 
 
 def model_context(sides: dict[str, Side]) -> int:
-    return int(sides["collapsed"].stack.local_servicer("inference").engine.max_context)
+    return int(sides["collapsed"].stack.local_servicer("inference").first.engine.max_context)
 
 
 def fuzz_both(sides: dict[str, Side], kind: str, body: Any, metadata: Sequence[tuple[str, Any]],

@@ -34,7 +34,7 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
         batching={"max_wait_us": 50_000})
     stack = start_stack("collapsed", tmp_path, config)
     try:
-        inference = stack.components.local_inference()
+        inference = stack.components.local_inference().first
         assert inference.engine.max_slots == SLOTS
         assert not stack.batching.model_backlogged([state()])  # idle: a wait would cost the model time
         with GatewayClient(stack.address, DEV_KEY) as client:

@@ -199,7 +199,7 @@ def test_the_limit_is_halved_while_the_model_keeps_the_device_busy(tmp_path: Pat
             background = threading.Thread(target=lambda: at_once(
                 [lambda i=i: busy_maker.generate(long_request(f"busy {i}", 160)) for i in range(2)]))
             background.start()
-            model = stack.local_servicers["inference"]
+            model = stack.local_servicers["inference"].first
             eventually(lambda: model.engine.active_count == 2, 30, "both long requests decoding")
             with GatewayClient(stack.address, TIER_KEYS["tier2"]) as probe:  # refused (tier2 is full), with the hint
                 hint = eventually(lambda: (load := probe.generate(long_request("hint", 1)).load)["busy"] > 0.9

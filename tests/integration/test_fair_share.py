@@ -179,7 +179,7 @@ def test_the_tenant_reaches_the_model_through_the_gateway_and_over_grpc_but_neve
         tmp_path: Path) -> None:
     stack = start_stack("collapsed", tmp_path)
     try:
-        scheduler = stack.local_servicers["inference"].scheduler
+        scheduler = stack.local_servicers["inference"].first.scheduler
         for key, tenant in ((DEV_KEY, "dev"), (OTHER_KEY, "other")):
             with GatewayClient(stack.address, key) as client:
                 assert client.generate(request(f"whose {tenant}", 2)).ok

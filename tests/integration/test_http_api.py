@@ -240,5 +240,5 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_at_once(stacks: dict[str
 
         eventually(admitted, 3.0, "the tenant's slot back", interval=0.05, seen=lambda: answers[-1].text)
     if layout == "collapsed":  # the model's own KV slots: none held by the abandoned stream
-        inference = stack.local_servicers["inference"]
+        inference = stack.local_servicers["inference"].first
         eventually(lambda: inference.scheduler.running_count == 0, 3.0, "no KV slot held", interval=0.05)

@@ -149,7 +149,7 @@ def test_deadline_is_honoured(layouts: dict[str, RunningStack], layout: str) -> 
 
 def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, RunningStack]) -> None:
     stack = layouts["collapsed"]
-    engine = stack.local_servicers["inference"].engine
+    engine = stack.local_servicers["inference"].first.engine
     wait_until_idle(engine)
     with GatewayClient(stack.address, DEV_KEY) as client:
         call = client.stub.GenerateStream(gen(LONG_PROMPT, max_tokens=250),
@@ -163,7 +163,7 @@ def test_client_cancellation_frees_the_generation_slot(layouts: dict[str, Runnin
 
 def test_deadline_frees_the_generation_slot(layouts: dict[str, RunningStack]) -> None:
     stack = layouts["collapsed"]
-    engine = stack.local_servicers["inference"].engine
+    engine = stack.local_servicers["inference"].first.engine
     wait_until_idle(engine)
     with GatewayClient(stack.address, DEV_KEY) as client:
         result = client.generate(gen(LONG_PROMPT, max_tokens=250), timeout=0.1)

@@ -120,7 +120,7 @@ def test_the_helper_falls_back_to_the_mini_while_tiny_lm_is_full_and_comes_back(
         with GatewayClient(stack.address, DEV_KEY) as client:
             hogs = [threading.Thread(target=client.generate, args=(ask(prompt=f"hog {i}", max_tokens=100),))
                     for i in range(2)]
-            tiny = stack.local_servicers["inference"]  # tiny-lm's own service (the mini's beside it)
+            tiny = stack.local_servicers["inference"].first  # tiny-lm's own service (the mini's beside it)
             placed = (lambda: tiny.engine.active_count == 1, lambda: tiny.scheduler.queue_depth == 1)
             for hog, holds in zip(hogs, placed, strict=True):  # the first holds the slot, the second the queue
                 hog.start()

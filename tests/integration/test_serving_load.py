@@ -63,7 +63,7 @@ def collapsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Runnin
 def test_a_latency_request_behind_200_queued_throughput_requests_is_answered_within_the_bound(
         collapsed: tuple[RunningStack, Any]) -> None:
     stack, stub = collapsed
-    inference = stack.local_servicers["inference"]
+    inference = stack.local_servicers["inference"].first
     background = [stub.Generate.future(gen(f"queued throughput {i:04d}", 64, priority=-1), metadata=METADATA,
                                        timeout=120) for i in range(200)]
     try:
@@ -129,7 +129,7 @@ def test_a_full_queue_answers_resource_exhausted_with_retry_after(tmp_path: Path
     stack = start(tmp_path, "small-queue", max_queue=4, max_batch=2, kv_cache_max_entries=2)
     channel = grpc.insecure_channel(stack.address)
     stub = gateway_pb2_grpc.GatewayStub(channel)
-    engine = stack.local_servicers["inference"].engine
+    engine = stack.local_servicers["inference"].first.engine
     gate = threading.Event()
     real_step = engine.step
 
@@ -139,7 +139,7 @@ def test_a_full_queue_answers_resource_exhausted_with_retry_after(tmp_path: Path
         return real_step()
 
     engine.step = held_step
-    inference = stack.local_servicers["inference"]
+    inference = stack.local_servicers["inference"].first
     try:
         held = [stub.Generate.future(gen(f"holding {i}", 40), metadata=METADATA, timeout=60) for i in range(2)]
         eventually(lambda: engine.active_count == 2, 30, "both slots taken")

@@ -46,7 +46,7 @@ CANCEL_BOUND_S = 2.0
 
 
 def _collapsed_load(stack: RunningStack) -> dict[str, float]:
-    engine = stack.local_servicers["inference"].engine
+    engine = stack.local_servicers["inference"].first.engine
     return {"running": engine.active_count, "kv_free": engine.free_slots}
 
 
@@ -63,7 +63,7 @@ def test_a_stream_cancelled_by_its_client_frees_its_slot_within_the_bound(tmp_pa
             assert first.token_ids
             busy = load(stack)
             assert busy["running"] >= 1, busy
-            job = stack.local_servicers["inference"].scheduler.recent_admissions[-1] if layout == "collapsed" \
+            job = stack.local_servicers["inference"].first.scheduler.recent_admissions[-1] if layout == "collapsed" \
                 else None
             cancelled_at = time.monotonic()
             call.cancel()
@@ -85,7 +85,7 @@ def test_model_failure_mid_stream_keeps_sent_chunks_and_logs_once(tmp_path: Path
     run_dir = tmp_path / "collapsed"
     stack = Stack(config, placements_for("collapsed", config), run_dir=run_dir).start()
     try:
-        engine = stack.local_servicers["inference"].engine
+        engine = stack.local_servicers["inference"].first.engine
         real_step = engine.step
         steps = {"n": 0}
 

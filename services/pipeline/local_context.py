@@ -146,7 +146,7 @@ class LocalCall:
 
 class LocalContext(LocalCall):
     """A `grpc.ServicerContext` stand-in: a `LocalCall` with the servicer context's other
-    half (abort, status, metadata frames), for a servicer whose rpc handler is called in
+    half (abort, metadata frames), for a servicer whose rpc handler is called in
     this process — the HTTP API calling the Gateway's. A component in this process is
     called through its interface instead, with a `LocalCall`."""
 
@@ -159,8 +159,6 @@ class LocalContext(LocalCall):
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._code: grpc.StatusCode | None = None
-        self._details = ""
         self._trailing: tuple[tuple[str, str], ...] = ()
         self._initial: tuple[tuple[str, str], ...] = ()
         super().__init__(metadata, deadline, parent, arrived, clock=clock)
@@ -171,17 +169,10 @@ class LocalContext(LocalCall):
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         if code == grpc.StatusCode.OK:
             raise ValueError("abort() needs a non-OK status code")
-        self._code, self._details = code, details
         raise LocalRpcError(code, details, self._trailing)
 
     def abort_with_status(self, status: Any) -> None:
         self.abort(status.code, status.details)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
 
     def set_trailing_metadata(self, metadata: Metadata) -> None:
         self._trailing = tuple(metadata)
@@ -198,12 +189,6 @@ class LocalContext(LocalCall):
 
     def set_compression(self, compression: Any) -> None:
         """Nothing is compressed in-process."""
-
-    def result_error(self) -> LocalRpcError | None:
-        """A non-OK code set with set_code() ends the call with that status."""
-        if self._code is not None and self._code != grpc.StatusCode.OK:
-            return LocalRpcError(self._code, self._details, self._trailing)
-        return None
 
 
 def _deadline_of(parent: Any | None, clock: Callable[[], float]) -> float | None:

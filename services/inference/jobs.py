@@ -24,6 +24,17 @@ WAKE = object()  # put on a job's queue to wake its consumer; carries nothing
 OUTPUT_BYTES = 256
 
 
+class Outbox(Protocol):
+    """Where a job's outputs go: a `queue.Queue` for a consumer on a thread, a
+    `services.inference.loop_outbox.LoopOutbox` for one on an event loop."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+    def empty(self) -> bool: ...
+
+    def qsize(self) -> int: ...
+
+
 class StepObserver(Protocol):
     """Told about every step (the serving metrics: `services.inference.serving_metrics.ServingStats`)."""
 
@@ -87,7 +98,7 @@ class Job:
     budget_ms: float = 0.0
     default_budget: bool = False
     stream: bool = False
-    out: queue.Queue[Any] = field(default_factory=queue.Queue)
+    out: Outbox = field(default_factory=queue.Queue)
     handle: SequenceHandle | None = None
     cancelled: bool = False
     failure: BaseException | None = None

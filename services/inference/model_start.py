@@ -1,5 +1,5 @@
 """What a model's service decides once, as it starts: the KV pool's size, the first cost per
-token, and (where asked) deterministic kernels.
+token, and (where asked) deterministic kernels; and the one forward its health check runs.
 
 Each is measured or derived before the first request: the KV slots from the device's free
 memory and the model's size (`kv_budget`), the ms per token from a tiny warm-up on the real
@@ -20,6 +20,7 @@ from services.common import ConfigError, DeviceState
 from services.inference.config import InferenceConfig
 from services.inference.model.backend import ModelBackend
 from services.inference.model.engine import GenerationRequest
+from services.inference.model.interface import Segment
 from services.inference.model.kv_budget import (
     KVPlan,
     free_device_bytes,
@@ -73,3 +74,20 @@ def enter_deterministic(seed: int) -> bool:
 
 def leave_deterministic(before: bool) -> None:
     torch.use_deterministic_algorithms(before)
+
+
+def probe_forward(backend: ModelBackend, device: torch.device) -> None:
+    """One tiny forward (BOS alone) on `device`; raises when the model cannot run (the deep
+    health check's probe).
+
+    It uses a one-slot cache of its own, so it never touches a running sequence's slot and
+    needs no engine lock; the `.to("cpu")` waits for the device to finish.
+    """
+    model = backend.model
+    cache = model.new_cache(1, 2, device)
+    try:
+        logits = model.step([Segment(0, 0, (backend.tokenizer.bos_id,))], cache).to("cpu")
+    finally:
+        model.release_cache(cache, device)
+    if logits.shape[0] != 1 or not bool(torch.isfinite(logits).any()):
+        raise RuntimeError(f"health forward gave unusable logits (shape {tuple(logits.shape)})")

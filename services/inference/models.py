@@ -17,8 +17,9 @@ the others.
 
 A router model with `upstream:` is served here too, by calling its upstream server
 (`services.inference.upstream`): `upstreams` holds them, and a request for one goes there
-instead of to an engine (and, where the caller is on an event loop, awaited there:
-`generate_on_loop`, `generate_stream_on_loop`). The process's health is its own models'; an
+instead of to an engine. Where the caller is on an event loop, every model's answer is
+awaited there (`generate_on_loop`, `generate_stream_on_loop`): an upstream's on that loop's
+connections, a built-in model's handed to that loop once per decode step. The process's health is its own models'; an
 upstream that is down is that upstream's requests' error, never the process's.
 """
 
@@ -118,27 +119,22 @@ class ModelRouter(InferenceRpcs):
 
     # -- on the caller's event loop (`services.inference.api.OnLoop`) --------------------
     def on_loop(self, model: str) -> bool:
-        """Whether `model`'s answer can be awaited on the caller's event loop: an upstream's
-        (network I/O on that loop's connections); a built-in model holds a thread while its
-        engine works, so it is called as `generate`."""
-        return self.upstreams is not None and model in self.upstreams
+        """Whether `model`'s answer can be awaited on the caller's event loop: always — an
+        upstream's is network I/O on that loop's connections, a built-in model's outputs are
+        handed to that loop once per step, and a model not served here is refused there."""
+        return True
 
     async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
                                options: CallOptions = NO_OPTIONS) -> Generated:
-        """`generate` for a model `on_loop` names, awaited on the caller's loop, same rules."""
-        upstreams = self._upstreams()
-        return await call_local_on_loop(lambda call: upstreams.answer_on_loop(request, call), options)
+        """`generate`, awaited on the caller's loop: the same answers and refusals."""
+        server = self._server(request.model)
+        return await call_local_on_loop(lambda call: server.answer_on_loop(request, call), options)
 
     def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest,
                                 options: CallOptions = NO_OPTIONS) -> AsyncChunkStream:
-        """`generate_stream` for a model `on_loop` names, read on the caller's loop, same rules."""
-        upstreams = self._upstreams()
-        return open_stream_on_loop(lambda call, headers: upstreams.chunks_on_loop(request, call, headers), options)
-
-    def _upstreams(self) -> UpstreamModels:
-        if self.upstreams is None:
-            raise LocalRpcError(grpc.StatusCode.NOT_FOUND, "this process serves no model with `upstream:`")
-        return self.upstreams
+        """`generate_stream`, read on the caller's loop: the same chunks and refusals."""
+        server = self._server(request.model)
+        return open_stream_on_loop(lambda call, headers: server.chunks_on_loop(request, call, headers), options)
 
     # -- what the runtime reads of the component -----------------------------------------
     def backlogged(self, models: Collection[str]) -> bool:

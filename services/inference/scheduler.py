@@ -5,7 +5,8 @@ reader has stopped reading, stops jobs past their compute budget, and admits wai
 into free KV slots — highest priority class first, with aging so the lowest class never
 starves (see `services.inference.priority`). Then it runs one batched step, measures it (the
 `StepCost` every default budget and load hint is computed from) and hands each job its
-token.
+token: a consumer on a thread through its job's queue, and consumers on an event loop all
+together, one wake-up of their loop per step (`services.inference.loop_outbox`).
 
 It never blocks on a consumer. A stream's reader is judged by time and memory, never by a
 count of chunks a normal reader can reach on a busy host: it is stopped when outputs have
@@ -44,6 +45,7 @@ from services.inference.jobs import (
     ShuttingDown,
     StepObserver,
 )
+from services.inference.loop_outbox import LoopOutbox, StepHandoff
 from services.inference.model.engine import (
     GenerationEngine,
     SlotsExhausted,
@@ -82,6 +84,7 @@ class Scheduler:
         self._waiting: AgingPriorityQueue[Job] = AgingPriorityQueue(aging_ms)
         self._running: dict[int, Job] = {}  # by handle id
         self._cancels: list[Job] = []
+        self._handoff = StepHandoff()  # this step's outputs for consumers on event loops
         self._wake = threading.Condition()
         self._closed = False
         self._admissions = 0
@@ -117,11 +120,20 @@ class Scheduler:
     def next_output(self, job: Job, timeout: float) -> Any:
         """The job's next item (a StepOutput, a unary job's list, or WAKE), or None after
         `timeout` seconds; taking one counts as reading (see the slow-reader rule)."""
+        assert isinstance(job.out, queue.Queue)
         try:
             item = job.out.get(timeout=timeout)
         except queue.Empty:
             return None
         job.last_read = self.clock()
+        return item
+
+    async def next_output_on_loop(self, job: Job, timeout: float) -> Any:
+        """`next_output` for a job whose consumer is on an event loop (its `out` a `LoopOutbox`)."""
+        assert isinstance(job.out, LoopOutbox)
+        item = await job.out.get(timeout)
+        if item is not None:
+            job.last_read = self.clock()
         return item
 
     def cancel(self, job: Job) -> None:
@@ -207,6 +219,7 @@ class Scheduler:
                         itls.append(produced - owner.last_token_pc)
                     owner.last_token_pc = produced
                     self._deliver(owner, output, now)
+            self._handoff.flush()
             self.cost.observe(len(outputs), time.perf_counter() - started)
             if self.observer is not None:
                 self.observer.step(len(outputs), ttfts, itls)
@@ -227,7 +240,10 @@ class Scheduler:
             item, job.held = job.held, []
         elif job.out.empty():
             job.unread_since = now
-        job.out.put_nowait(item)
+        if isinstance(job.out, LoopOutbox):
+            self._handoff.deliver(job.out, item)  # its loop is woken once, when the step is out
+        else:
+            job.out.put_nowait(item)
         if output.finished:
             job.done = True
             del self._running[output.handle.id]

@@ -30,32 +30,36 @@ servicer and the in-process interface are thin adapters over `answer`/`chunks`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import queue
 import time
-from collections.abc import Collection, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Generator, Iterator
 from typing import Any, NoReturn
 
 import grpc
-import torch
 from prometheus_client.registry import CollectorRegistry
 
 from services.common import DeviceState
 from services.common.tenant_shares import TenantShares, tenant_from
+from services.inference.answer_shaping import StreamedAnswer, WholeAnswer
 from services.inference.api import Generated
 from services.inference.config import InferenceConfig
 from services.inference.cost import BudgetRule, StepCost
 from services.inference.embeddings import EMBEDDINGS_API, Embedder, EmbeddingRefused, embed_request
-from services.inference.genai_metrics import GenAiServerStats, ServedRequest
+from services.inference.genai_metrics import GenAiServerStats
 from services.inference.gpu_metrics import GpuGoldenMetrics
 from services.inference.jobs import WAKE, Job, JobFailure, QueueFull, ShuttingDown
 from services.inference.load_hints import LOAD_HEADER, DeviceGauge, LoadReport
+from services.inference.loop_outbox import LoopOutbox
 from services.inference.model.backend import ModelBackend, load_backend, make_engine
 from services.inference.model.engine import GenerationRequest, StepOutput
-from services.inference.model.interface import Segment, torch_device
+from services.inference.model.interface import torch_device
 from services.inference.model_start import (
     enter_deterministic,
     leave_deterministic,
     plan_kv,
+    probe_forward,
     warm_up_ms_per_token,
 )
 from services.inference.priority import priority_error
@@ -64,10 +68,9 @@ from services.inference.request_encoding import encode_request
 from services.inference.rpcs import InferenceRpcs, ModelCall
 from services.inference.scheduler import Scheduler
 from services.inference.serving_metrics import ModelGauges, ServingCollector, ServingStats
-from services.inference.stop_strings import BadStop, first_stop, safe_length, stops_of
+from services.inference.stop_strings import BadStop, stops_of
 from services.pipeline.local_call import StreamHeaders
 from services.pipeline.local_context import LocalRpcError
-from services.pipeline.system_prompt import system_digest
 from services.pipeline.verdicts import inference_timeout_error
 from wire.v1 import generation_pb2, inference_pb2
 
@@ -129,22 +132,65 @@ class InferenceService(InferenceRpcs):
             stops = self._stops(request)
             job, prompt_tokens = self._start(request, call, stream=False)
             served.job = job
-            tokens: list[int] = []
-            finish = ""
+            whole = WholeAnswer()
             for output in self._outputs(job, call):
-                if output.finish_reason != "stop":  # a stop's token is EOS, not part of the answer
-                    tokens.append(output.token_id)
-                finish = output.finish_reason or finish
+                whole.take(output)
         trailing = self._load_metadata()
-        text, stop_sequence = self.backend.decode(tokens), ""
-        found = first_stop(text, stops) if stops else None
-        if found is not None:  # the answer ends before the stop string; its tokens up to the one completing it
-            tokens = tokens[:self._tokens_to(tokens, found[0] + len(found[1]))]
-            text, stop_sequence, finish = text[:found[0]], found[1], "stop"
-        return Generated(generation_pb2.GenerateResponse(
-            text=text, token_ids=tokens, model=request.model, finish_reason=finish, stop_sequence=stop_sequence,
-            prompt_tokens=prompt_tokens, completion_tokens=len(tokens), system_digest=system_digest(request.system)),
-            trailing)
+        return Generated(whole.response(self.backend, request, stops, prompt_tokens), trailing)
+
+    def chunks(self, request: generation_pb2.GenerateRequest, call: ModelCall,
+               headers: StreamHeaders) -> Generator[generation_pb2.GenerateChunk, None, None]:
+        with self.stats.genai.serving(request) as served:  # the GenAI server metrics
+            stops = self._stops(request)
+            job, _ = self._start(request, call, stream=True)
+            served.job = job
+            streamed = StreamedAnswer(self.backend, request, stops)
+            try:
+                for output in self._outputs(job, call):
+                    chunk = streamed.chunk(output)
+                    if streamed.ended:
+                        headers.set_trailing(self._load_metadata())
+                    yield chunk
+                    if streamed.ended:
+                        return
+            finally:  # closed early (the reader went away) or failed: the slot is freed before the next step
+                self.scheduler.cancel(job)
+
+    # -- the same, awaited on the caller's event loop (`services.inference.api.OnLoop`) ----
+    async def answer_on_loop(self, request: generation_pb2.GenerateRequest, call: ModelCall) -> Generated:
+        """`answer` for a caller on an event loop: the job's outputs handed to that loop with
+        the step's others (`services.inference.loop_outbox`), no thread waiting on them. An
+        embedding (a forward on the caller's thread) runs on the loop's default executor."""
+        if request.api == EMBEDDINGS_API:
+            return await asyncio.get_running_loop().run_in_executor(None, self._embed, request)
+        with self.stats.genai.serving(request) as served:
+            stops = self._stops(request)
+            job, prompt_tokens = self._start(request, call, stream=False, on_loop=True)
+            served.job = job
+            whole = WholeAnswer()
+            async for output in self._outputs_on_loop(job, call):
+                whole.take(output)
+        trailing = self._load_metadata()
+        return Generated(whole.response(self.backend, request, stops, prompt_tokens), trailing)
+
+    async def chunks_on_loop(self, request: generation_pb2.GenerateRequest, call: ModelCall,
+                             headers: StreamHeaders) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
+        """`chunks` for a caller on an event loop, each step's output awaited there."""
+        with self.stats.genai.serving(request) as served:
+            stops = self._stops(request)
+            job, _ = self._start(request, call, stream=True, on_loop=True)
+            served.job = job
+            streamed = StreamedAnswer(self.backend, request, stops)
+            try:
+                async for output in self._outputs_on_loop(job, call):
+                    chunk = streamed.chunk(output)
+                    if streamed.ended:
+                        headers.set_trailing(self._load_metadata())
+                    yield chunk
+                    if streamed.ended:
+                        return
+            finally:
+                self.scheduler.cancel(job)
 
     def _embed(self, request: generation_pb2.GenerateRequest) -> Generated:
         """`POST /v1/embeddings` from the built-in model's pooled hidden states, where its backend
@@ -153,9 +199,9 @@ class InferenceService(InferenceRpcs):
         self._check_served(request)
         if not isinstance(self.backend, Embedder):
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"embeddings: the built-in model {request.model!r} does not embed (a transformers model "
-                        "directory does: inference.backend.class hf); or route the request to a model with "
-                        "upstream: (an engine serving /v1/embeddings)")
+                         f"embeddings: the built-in model {request.model!r} does not embed (a transformers model "
+                         "directory does: inference.backend.class hf); or route the request to a model with "
+                         "upstream: (an engine serving /v1/embeddings)")
         try:
             embedded = embed_request(request.body, request.model, self.backend)
         except EmbeddingRefused as error:
@@ -168,60 +214,13 @@ class InferenceService(InferenceRpcs):
         """NOT_FOUND unless the request names the model this process serves."""
         if request.model != self.config.model_id:
             self._refuse(grpc.StatusCode.NOT_FOUND,
-                        f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
+                         f"model {request.model!r} is not served here; this process serves {self.config.model_id!r}")
 
     def _stops(self, request: generation_pb2.GenerateRequest) -> tuple[str, ...]:
         try:
             return stops_of(request.api, request.body)
         except BadStop as error:
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-
-    def _tokens_to(self, tokens: list[int], chars: int) -> int:
-        """The fewest tokens whose text is at least `chars` long (binary search: decoding is
-        monotone in the prefix)."""
-        low, high = 0, len(tokens)
-        while low < high:
-            middle = (low + high) // 2
-            if len(self.backend.decode(tokens[:middle])) >= chars:
-                high = middle
-            else:
-                low = middle + 1
-        return low
-
-    def chunks(self, request: generation_pb2.GenerateRequest, call: ModelCall,
-               headers: StreamHeaders) -> Generator[generation_pb2.GenerateChunk, None, None]:
-        with self.stats.genai.serving(request) as served:  # the GenAI server metrics
-            yield from self._stream(request, call, headers, served)
-
-    def _stream(self, request: generation_pb2.GenerateRequest, call: ModelCall, headers: StreamHeaders,
-                served: ServedRequest) -> Iterator[generation_pb2.GenerateChunk]:
-        stops = self._stops(request)
-        job, _ = self._start(request, call, stream=True)
-        served.job = job
-        tokens: list[int] = []
-        sent = ""
-        digest = system_digest(request.system)
-        try:
-            for index, output in enumerate(self._outputs(job, call)):
-                new = [] if output.finish_reason == "stop" else [output.token_id]
-                tokens.extend(new)
-                text = self.backend.decode(tokens)
-                found = first_stop(text, stops) if stops else None
-                if found is not None:  # the answer ends here: the rest of the job is cancelled (finally)
-                    headers.set_trailing(self._load_metadata())
-                    yield generation_pb2.GenerateChunk(text=text[len(sent):found[0]], token_ids=new, index=index,
-                                                       finish_reason="stop", model=request.model,
-                                                       system_digest=digest, stop_sequence=found[1])
-                    return
-                shown = len(text) if output.finished or not stops else safe_length(text, stops)
-                piece, sent = text[len(sent):shown], text[:shown]
-                if output.finished:
-                    headers.set_trailing(self._load_metadata())
-                yield generation_pb2.GenerateChunk(text=piece, token_ids=new, index=index,
-                                                   finish_reason=output.finish_reason or "", model=request.model,
-                                                   system_digest=digest)
-        finally:  # closed early (the reader went away) or failed: the slot is freed before the next step
-            self.scheduler.cancel(job)
 
     def describe(self) -> tuple[inference_pb2.ModelInfoResponse, tuple[tuple[str, str], ...]]:
         return self.model_list(), self._load_metadata()
@@ -274,23 +273,13 @@ class InferenceService(InferenceRpcs):
         return [(gauges, self.stats)]
 
     def health_probe(self) -> None:
-        """One tiny forward (BOS alone) on the model's device; raises when the model cannot run.
-
-        It uses a one-slot cache of its own, so it never touches a running sequence's slot
-        and needs no engine lock; the `.to("cpu")` waits for the device to finish.
-        """
-        model = self.backend.model
-        device = torch_device(self.device)
-        cache = model.new_cache(1, 2, device)
-        try:
-            logits = model.step([Segment(0, 0, (self.backend.tokenizer.bos_id,))], cache).to("cpu")
-        finally:
-            model.release_cache(cache, device)
-        if logits.shape[0] != 1 or not bool(torch.isfinite(logits).any()):
-            raise RuntimeError(f"health forward gave unusable logits (shape {tuple(logits.shape)})")
+        """One tiny forward on the model's device (`model_start.probe_forward`); raises when
+        the model cannot run."""
+        probe_forward(self.backend, torch_device(self.device))
 
     # -- plumbing ------------------------------------------------------------------
-    def _start(self, request: generation_pb2.GenerateRequest, call: ModelCall, *, stream: bool) -> tuple[Job, int]:
+    def _start(self, request: generation_pb2.GenerateRequest, call: ModelCall, *, stream: bool,
+               on_loop: bool = False) -> tuple[Job, int]:
         # No load hint set here: every refusal goes through `_refuse`, which carries it, and an
         # answer carries it at its end (one load report per request, not two).
         self._check_served(request)
@@ -325,7 +314,8 @@ class InferenceService(InferenceRpcs):
                                     temperature=float(request.temperature), seed=seed, prefix_ids=prefix_ids),
                   priority=request.priority, budget_ms=float(request.inference_timeout_ms),
                   default_budget=request.inference_timeout_ms == 0, stream=stream,
-                  tenant=tenant, weight=self.shares.weight(tenant))
+                  tenant=tenant, weight=self.shares.weight(tenant),
+                  out=LoopOutbox(asyncio.get_running_loop()) if on_loop else queue.Queue())
         try:
             self.scheduler.submit(job)
         except QueueFull as error:
@@ -343,18 +333,9 @@ class InferenceService(InferenceRpcs):
         The wait is woken by the job's queue — a token, the end, or the failure a cancel
         callback causes — so a consumer costs nothing while it waits, however many wait."""
         while True:
-            if not call.is_active():
-                self.scheduler.cancel(job)  # frees the batch slot and KV cache before the next step
-                remaining = call.time_remaining()
-                if remaining is not None and remaining <= 0:
-                    self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
-                self._refuse(grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
-            remaining = call.time_remaining()
-            wait = POLL_S if remaining is None else min(POLL_S, max(0.001, remaining))
-            item = self.scheduler.next_output(job, wait)
+            item = self.scheduler.next_output(job, self._wait_s(job, call))
             if item is None or item is WAKE:
-                if job.failure is not None and job.out.empty():  # what came before it was delivered
-                    self._refuse_for(job.failure)
+                self._check_failed(job)
                 continue
             if isinstance(item, list):  # a unary job's whole answer, handed over once
                 yield from item
@@ -362,6 +343,38 @@ class InferenceService(InferenceRpcs):
             yield item
             if item.finished:
                 return
+
+    async def _outputs_on_loop(self, job: Job, call: ModelCall) -> AsyncIterator[StepOutput]:
+        """`_outputs`, awaited on the caller's loop: woken with the step's other outputs."""
+        while True:
+            item = await self.scheduler.next_output_on_loop(job, self._wait_s(job, call))
+            if item is None or item is WAKE:
+                self._check_failed(job)
+                continue
+            if isinstance(item, list):
+                for output in item:
+                    yield output
+                return
+            yield item
+            if item.finished:
+                return
+
+    def _wait_s(self, job: Job, call: ModelCall) -> float:
+        """How long to wait for the job's next output: until the caller's deadline, at most
+        `POLL_S`; the caller's refusal if it has gone (its job stopped first)."""
+        if not call.is_active():
+            self.scheduler.cancel(job)  # frees the batch slot and KV cache before the next step
+            remaining = call.time_remaining()
+            if remaining is not None and remaining <= 0:
+                self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+            self._refuse(grpc.StatusCode.CANCELLED, "generation cancelled by the caller")
+        remaining = call.time_remaining()
+        return POLL_S if remaining is None else min(POLL_S, max(0.001, remaining))
+
+    def _check_failed(self, job: Job) -> None:
+        """A woken or timed-out wait: the job's failure, once what came before it was read."""
+        if job.failure is not None and job.out.empty():
+            self._refuse_for(job.failure)
 
     def _refuse_for(self, failure: BaseException) -> NoReturn:
         if isinstance(failure, JobFailure):

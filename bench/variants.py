@@ -3,7 +3,7 @@ several checkouts of the code, side by side.
 
     python -m bench.variants --vary batching.max_wait_us=0,10000 [--concurrency 64] [--requests 1200]
                              [--rounds 6] [--stream]
-    python -m bench.variants --tree ../spine-change [--tree ...] [--concurrency 16,64]
+    python -m bench.variants --tree ../spine-change [--tree ...] [--concurrency 16,64] [--http]
 
 Why: a change to the request path is judged against bare in one run, but a full `make bench`
 takes minutes and its ratios move between runs on a shared host by more than most single
@@ -36,6 +36,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from bench.http_load import HttpEndpoint
 from bench.load import Endpoint
 from bench.regime import measure, tear_down, warm_up, write_configs
 from bench.report import _fmt, add_ratios
@@ -139,6 +140,14 @@ def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
+def _endpoint(target: Target, http: bool) -> Endpoint | HttpEndpoint:
+    """How the bench calls `target`: a spine over HTTP where asked (the HTTP API's path to the
+    model is the one a change to the request loop moves), else over gRPC."""
+    if http and target.is_gateway and target.http_address is not None:
+        return HttpEndpoint(target.http_address, DEV_KEY)
+    return Endpoint(target.address, target.is_gateway, DEV_KEY)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__.splitlines()[0])
     parser.add_argument("--vary", help="section.key=value1,value2,... (YAML scalars)")
@@ -149,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved turns per cell")
     parser.add_argument("--stream", action="store_true", help="also a GenerateStream cell at concurrency 1")
     parser.add_argument("--stream-requests", type=int, default=STREAM_REQUESTS)
+    parser.add_argument("--http", action="store_true",
+                        help="call the variants over their HTTP API (POST /v1/completions), bare over gRPC")
     args = parser.parse_args(argv)
     if not args.vary and not args.tree:
         parser.error("give --vary section.key=value1,value2 or --tree PATH (or both)")
@@ -167,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_dir = Path(tempfile.mkdtemp(prefix="spv-"))  # short: unix socket paths are limited to ~107 bytes
     targets: dict[str, Target] = {}
-    endpoints: dict[str, Endpoint] = {}
+    endpoints: dict[str, Endpoint | HttpEndpoint] = {}
     sampler: TreeSampler | None = None
     try:
         configs = write_configs(run_dir)
@@ -202,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"{name}: {error}", style="red", markup=False, highlight=False)
                 return 1
         keep_load_generator_off(server_cpu())
-        endpoints = {name: Endpoint(t.address, t.is_gateway, DEV_KEY) for name, t in targets.items()}
+        endpoints = {name: _endpoint(t, args.http) for name, t in targets.items()}
         sampler = TreeSampler({name: target.pid for name, target in targets.items()}, interval_s=0.25).start()
         warm_up(endpoints, settings)
         runs = measure(endpoints, targets, sampler, settings, console, stream=args.stream)

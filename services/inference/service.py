@@ -34,7 +34,7 @@ import asyncio
 import logging
 import queue
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Generator, Iterator
+from collections.abc import AsyncGenerator, Collection, Generator, Iterator
 from typing import Any, NoReturn
 
 import grpc
@@ -168,7 +168,7 @@ class InferenceService(InferenceRpcs):
             job, prompt_tokens = self._start(request, call, stream=False, on_loop=True)
             served.job = job
             whole = WholeAnswer()
-            async for output in self._outputs_on_loop(job, call):
+            for output in await self._next_outputs(job, call):  # a unary job's outputs come at once
                 whole.take(output)
         trailing = self._load_metadata()
         return Generated(whole.response(self.backend, request, stops, prompt_tokens), trailing)
@@ -182,13 +182,12 @@ class InferenceService(InferenceRpcs):
             served.job = job
             streamed = StreamedAnswer(self.backend, request, stops)
             try:
-                async for output in self._outputs_on_loop(job, call):
+                while not streamed.ended:
+                    (output,) = await self._next_outputs(job, call)
                     chunk = streamed.chunk(output)
                     if streamed.ended:
                         headers.set_trailing(self._load_metadata())
                     yield chunk
-                    if streamed.ended:
-                        return
             finally:
                 self.scheduler.cancel(job)
 
@@ -323,9 +322,15 @@ class InferenceService(InferenceRpcs):
                         (("retry-after", f"{error.retry_after_s:.3f}"),))
         except ShuttingDown as error:
             self._refuse(grpc.StatusCode.UNAVAILABLE, str(error))
-        if not call.add_callback(lambda: self.scheduler.cancel(job)):
+        if not call.add_callback(lambda: self._caller_left(job)):
             self.scheduler.cancel(job)  # the call had already ended
         return job, len(prefix_ids) + len(prompt_ids)
+
+    def _caller_left(self, job: Job) -> None:
+        """The caller's call ended: the job stops before the next step, and its consumer looks
+        now (it answers CANCELLED at once, even while a step is still running)."""
+        self.scheduler.cancel(job)
+        job.out.put_nowait(WAKE)
 
     def _outputs(self, job: Job, call: ModelCall) -> Iterator[StepOutput]:
         """Yield the job's step outputs until it finishes; stop it when the caller goes away.
@@ -344,20 +349,16 @@ class InferenceService(InferenceRpcs):
             if item.finished:
                 return
 
-    async def _outputs_on_loop(self, job: Job, call: ModelCall) -> AsyncIterator[StepOutput]:
-        """`_outputs`, awaited on the caller's loop: woken with the step's other outputs."""
+    async def _next_outputs(self, job: Job, call: ModelCall) -> list[StepOutput]:
+        """`_outputs` awaited on the caller's loop, woken with the step's other outputs: the
+        job's next output (a unary job's: all of them). Not an async generator: one left
+        unfinished is closed by the loop's finalizer, a task and a wake-up of its own."""
         while True:
             item = await self.scheduler.next_output_on_loop(job, self._wait_s(job, call))
             if item is None or item is WAKE:
                 self._check_failed(job)
                 continue
-            if isinstance(item, list):
-                for output in item:
-                    yield output
-                return
-            yield item
-            if item.finished:
-                return
+            return item if isinstance(item, list) else [item]
 
     def _wait_s(self, job: Job, call: ModelCall) -> float:
         """How long to wait for the job's next output: until the caller's deadline, at most

@@ -1,9 +1,9 @@
 """A unary HTTP request through the spine over an upstream engine is served on one thread,
 the HTTP server's event loop, from accept to answer: the gateway's stages, the model call and
 the upstream exchange all run there (no handler thread, no second loop between them). A
-request for a model that holds a thread while it works (the built-in one) keeps the handler
-thread path, off the loop. A stream over the upstream is served on the loop too, and a client
-that hangs up ends the upstream exchange at once.
+request for the built-in model is served there too: its outputs are handed to the loop once
+per decode step. A stream over the upstream is served on the loop too, and a client that
+hangs up ends the upstream exchange at once.
 
 Real servers on 127.0.0.1: the collapsed spine with its HTTP API (`http_stacks`) and the bare
 model server as its upstream engine. What touched the request is read from a pipeline hook
@@ -83,16 +83,15 @@ def test_a_unary_request_over_an_upstream_runs_on_the_http_loop_from_accept_to_a
     assert attempts == [loop], "the upstream exchange ran on another thread"
 
 
-def test_a_request_for_the_built_in_model_keeps_the_handler_thread_path(
+def test_a_request_for_the_built_in_model_runs_on_the_http_loop_too(
         seen: tuple[RunningStack, ThreadsSeen, list[int]]) -> None:
     stack, hook, attempts = seen
     answer = openai_client(stack).chat.completions.create(
         model="default", max_tokens=2, temperature=0, messages=[{"role": "user", "content": "a built-in answer"}])
     assert answer.choices[0].message.content is not None
     loop = _loop_thread(stack)
-    threads = {thread for _, thread in hook.calls}
-    assert "inference" in {component for component, _ in hook.calls}
-    assert loop not in threads, "the engine's wait (and its batched admission) must not hold the loop"
+    assert {"auth", "ratelimit", "router", "inference"} <= {component for component, _ in hook.calls}, hook.calls
+    assert {thread for _, thread in hook.calls} == {loop}, [(c, t == loop) for c, t in hook.calls]
     assert attempts == []
 
 

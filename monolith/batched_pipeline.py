@@ -6,7 +6,8 @@ runs with a batch of one; only when they run changes here:
 - `BatchedAdmission`: concurrent requests that arrive within a short window are admitted
   together, each admission step calling its component's batch rpc once per batch (one
   credential check, one route lookup, one rate-limit decision in arrival order, one cache
-  probe). A lone request is decided at once in its own thread.
+  probe). A lone request is decided at once in its own thread; requests served on an event
+  loop are batched there, a pass of the loop at a time (`monolith.loop_batcher`).
 - `DeferredCompletions`: a finished request hands its state over and its answer goes out
   at once; the completion steps (cache store, logs, metrics) run a window at a time on a
   folder thread. On a CPU host, writing them in the request's own thread cost more than
@@ -31,6 +32,7 @@ import grpc
 from pydantic import Field, StrictBool, StrictInt
 
 from monolith.batcher import BatcherClosed, MicroBatcher
+from monolith.loop_batcher import LoopBatcher
 from services.common.config_section import Float, Section
 from services.common.log_limit import RateLimitedLog
 from services.common.thread_names import name_os_thread
@@ -94,9 +96,16 @@ class BatchedAdmission:
                  expected: Callable[[], int] | None = None,
                  patient: Callable[[Sequence[RequestState]], bool] | None = None) -> None:
         self.pipeline = pipeline
+        self.config = config
+        self._expected = expected
+        self._patient = patient
         self.batcher: MicroBatcher[RequestState, None] = MicroBatcher(
             self._decide, max_batch=config.max_batch, max_wait_s=config.max_wait_us / 1e6, expected=expected,
             patient=patient)
+        # Requests served on an event loop (the HTTP API's) are batched on that loop, a pass
+        # of it at a time (`monolith.loop_batcher`): one batcher per loop, made at its first request.
+        self._on_loops: dict[asyncio.AbstractEventLoop, LoopBatcher[RequestState, None]] = {}
+        self._closed = False
 
     def admit(self, state: RequestState) -> None:
         if self.pipeline.hooks:  # the batch may be decided on another request's thread
@@ -108,13 +117,38 @@ class BatchedAdmission:
         if state.outcome is not None:
             raise state.outcome
 
+    async def admit_on_loop(self, state: RequestState) -> None:
+        if self.pipeline.hooks:  # the batch may be decided in another request's turn
+            state.trace = self.pipeline.capture()
+        try:
+            await self._loop_batcher().submit(state)
+        except BatcherClosed:
+            raise Stop(grpc.StatusCode.UNAVAILABLE, "the spine is shutting down; retry on another replica") from None
+        if state.outcome is not None:
+            raise state.outcome
+
+    def _loop_batcher(self) -> LoopBatcher[RequestState, None]:
+        loop = asyncio.get_running_loop()
+        batcher = self._on_loops.get(loop)
+        if batcher is None:
+            batcher = LoopBatcher(loop, self._decide, max_batch=self.config.max_batch,
+                                  max_wait_s=self.config.max_wait_us / 1e6, expected=self._expected,
+                                  patient=self._patient)
+            if self._closed:
+                batcher.close()
+            self._on_loops[loop] = batcher
+        return batcher
+
     def _decide(self, batch: list[RequestState]) -> list[None]:
         self.pipeline.admit(batch)
         return [None] * len(batch)
 
     def close(self) -> None:
         """Refuse new requests; those already queued are still decided."""
+        self._closed = True
         self.batcher.close()
+        for batcher in list(self._on_loops.values()):
+            batcher.close()
 
 
 def _identity(state: RequestState) -> tuple[Any, ...]:

@@ -13,8 +13,8 @@ completion are scheduled is the runtime's choice, never this module's:
 Either way the verdicts come from the same steps, so codes, messages and trailers do not
 depend on the layout or the batch size. A caller on an event loop (the HTTP front) may ask
 for the whole answer or the stream there (`generate_on_loop`, `generate_stream_on_loop`,
-while `serves_on_loop`): the same steps, inline, and the model awaited where it can be (an
-upstream engine's answer).
+while `serves_on_loop`): the same steps, batched on that loop, and the model awaited there
+(an upstream engine's answer, or the built-in model's outputs handed over once per step).
 
 Every answer carries the load hint of the model it was routed to (`x-spine-load`: the
 model's own, or the latest the gateway has when the model was not called, see
@@ -113,10 +113,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         admission and completion step is a call into this process (CPU work of microseconds;
         completion writes are handed to their writer thread), no hook may block (an injected
         latency sleeps), and the model it names (an alias by what it last routed to) is one
-        whose answer is awaited there (an upstream's). A request for a model that holds a
-        thread while it works (the built-in one) keeps the blocking path whole: its admission
-        is micro-batched with the others', and without that its throughput at 64 clients was
-        no better (4% lower in one A/B, within the host's noise). Asked per request: components move."""
+        whose answer is awaited there (`OnLoop`: every model of the spine's own router).
+        Asked per request: components move."""
         if not self.steps.in_process or any(getattr(hook, "may_block", True) for hook in self.pipeline.hooks):
             return False
         on_loop = getattr(self.pipeline.components.get(INFERENCE), "on_loop", None)
@@ -124,19 +122,17 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     async def generate_on_loop(self, request: generation_pb2.GenerateRequest, context: Any,
                                offload: Offload) -> tuple[generation_pb2.GenerateResponse, Trailers]:
-        """`Generate` for a caller on an event loop (the HTTP front), where `serves_on_loop`:
-        the answer and its headers as values. Admission runs inline, a batch of one (what
-        the micro-batcher would gather is decided here at once, without a leader thread);
-        a model that can be awaited (`OnLoop`: an upstream's) is awaited on this loop; any
-        other model (the router chose another: a fallback, a model an alias now names) holds
-        a thread while it works, so its call goes to `offload`. A verdict
-        is raised as `grpc.RpcError` with the trailers it goes out with, as `Generate` does."""
+        """`Generate` for a caller on an event loop (the HTTP API), where `serves_on_loop`:
+        the answer and its headers as values. Admission is batched on this loop, a pass of
+        it at a time (`Admission.admit_on_loop`, no leader thread); the model is awaited on
+        this loop (`OnLoop`: an upstream's answer on its connections, the built-in model's
+        handed over once per decode step); a placed model that cannot be awaited goes to
+        `offload`. A verdict is raised as `grpc.RpcError` with the trailers it goes out
+        with, as `Generate` does."""
         state = self._begin(request, context)
         with self._settled(state):
             try:
-                self.pipeline.admit([state])
-                if state.outcome is not None:
-                    raise state.outcome
+                await self.steps.admission.admit_on_loop(state)
                 if state.hit is not None:
                     return self._hit(state, context), context.trailing_metadata()
                 generated = await self._generate_on_loop(state, context, offload)
@@ -198,18 +194,16 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     async def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest, context: Any,
                                       offload: Offload) -> AsyncIterator[generation_pb2.GenerateChunk]:
-        """`GenerateStream` for a caller on an event loop (the HTTP front), where
-        `serves_on_loop`: admission inline, a model that can be awaited (an upstream's) read
-        on this loop chunk by chunk; any other (the router chose another) is read through
-        `offload`, a chunk at a time. The same chunks, verdicts and trailers; closing the
-        generator (the client left) stops the model at once."""
+        """`GenerateStream` for a caller on an event loop (the HTTP API), where
+        `serves_on_loop`: admission batched on this loop, the model's stream read on it chunk
+        by chunk (`OnLoop`); a placed model that cannot be awaited is read through `offload`,
+        a chunk at a time. The same chunks, verdicts and trailers; closing the generator (the
+        client left) stops the model at once."""
         state = self._begin(request, context)
         state.streamed = True
         with self._settled(state):
             try:
-                self.pipeline.admit([state])
-                if state.outcome is not None:
-                    raise state.outcome
+                await self.steps.admission.admit_on_loop(state)
                 hit = self._stream_hit(state, context)
                 if hit is not None:
                     yield hit

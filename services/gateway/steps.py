@@ -25,6 +25,10 @@ class Admission(Protocol):
 
     def admit(self, state: RequestState) -> None: ...
 
+    async def admit_on_loop(self, state: RequestState) -> None:
+        """`admit` for a request served on an event loop (only where `Steps.in_process`)."""
+        ...
+
 
 class Completions(Protocol):
     """Runs (or takes, to run soon) the completion steps for a finished request."""
@@ -91,6 +95,9 @@ class DirectAdmission:
         self.pipeline.admit([state])
         if state.outcome is not None:
             raise state.outcome
+
+    async def admit_on_loop(self, state: RequestState) -> None:
+        self.admit(state)
 
 
 class DirectCompletions:

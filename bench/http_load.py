@@ -61,8 +61,7 @@ class HttpEndpoint:
                            "temperature": request.temperature, "stream": stream}).encode()
         started = time.perf_counter()
         try:
-            stub.request("POST", "/v1/completions", body=body, headers=self.headers)
-            answer = stub.getresponse()
+            answer = self._send(stub, body)
             if not stream or answer.status != 200:
                 answer.read()
                 latency = time.perf_counter() - started
@@ -77,6 +76,21 @@ class HttpEndpoint:
         latency = time.perf_counter() - started
         gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
         return Call(True, latency, ttft_s=arrivals[0] - started if arrivals else None, itl_s=gaps)
+
+    def _send(self, stub: http.client.HTTPConnection, body: bytes) -> http.client.HTTPResponse:
+        """The request's response; once more on a new connection when a kept-alive one was
+        closed by the server while idle (its keep-alive timeout between cells), as a client
+        pool does: that is the pool's housekeeping, not the server failing a request."""
+        reused = stub.sock is not None
+        try:
+            stub.request("POST", "/v1/completions", body=body, headers=self.headers)
+            return stub.getresponse()
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            if not reused:
+                raise
+            stub.close()
+            stub.request("POST", "/v1/completions", body=body, headers=self.headers)
+            return stub.getresponse()
 
     def close(self) -> None:
         for conn in self._connections:

@@ -13,8 +13,10 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from services.inference.api import AsyncChunkStream, Generated
 from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface
 from services.pipeline.local_call import call_batch
+from wire.v1 import generation_pb2
 
 T = TypeVar("T")
 
@@ -32,16 +34,20 @@ class InProcess:
 
     # A servicer that can also answer on the caller's event loop (`services.inference.api.OnLoop`:
     # an upstream engine's answer) is reached that way too; the rules are the servicer's
-    # (`services.pipeline.local_call.call_unary_on_loop`).
+    # (`services.pipeline.local_call.call_local_on_loop`).
     def on_loop(self, model: str) -> bool:
         check = getattr(self.servicer, "on_loop", None)
         return check is not None and bool(check(model))
 
-    async def generate_on_loop(self, request: Any, options: CallOptions = NO_OPTIONS) -> Any:
-        return await self.servicer.generate_on_loop(request, options)  # type: ignore[attr-defined]
+    async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
+                               options: CallOptions = NO_OPTIONS) -> Generated:
+        answer: Generated = await self.servicer.generate_on_loop(request, options)  # type: ignore[attr-defined]
+        return answer
 
-    def generate_stream_on_loop(self, request: Any, options: CallOptions = NO_OPTIONS) -> Any:
-        return self.servicer.generate_stream_on_loop(request, options)  # type: ignore[attr-defined]
+    def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest,
+                                options: CallOptions = NO_OPTIONS) -> AsyncChunkStream:
+        stream: AsyncChunkStream = self.servicer.generate_stream_on_loop(request, options)  # type: ignore[attr-defined]
+        return stream
 
 
 def in_process(interface: Interface[T], servicer: T) -> T:

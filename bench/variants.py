@@ -11,9 +11,9 @@ changes. This starts bare and one collapsed spine per value of the setting (the 
 config plus that one setting), all at once, and measures them the way `make bench` does —
 cells cut into rounds, the servers taking turns in a rotating order — so every value meets
 the same host noise. It prints, per cell, each variant's p50, p99 and throughput against
-bare and its server CPU per request by thread (handlers, the HTTP loop and its handlers,
-model, completions, and the total: what a change to the request path moves even when the
-host hides it in throughput).
+bare and its server CPU per request by thread (handlers — gRPC's and the HTTP API's — the
+HTTP loop, model, completions, and the total: what a change to the request path moves even
+when the host hides it in throughput).
 
 `--tree PATH` adds a collapsed spine run from another checkout (a `git worktree` of a change,
 say) with the bench's config, next to this checkout's: a change to the code judged against
@@ -127,10 +127,10 @@ def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
     add_ratios(runs)
     bare = {(run["mode"], run["concurrency"]): run for run in runs if run["layout"] == "bare"}
     table = Table(title="variants of the collapsed spine (ratios: variant / bare, same cell)")
-    groups = ("handlers", "http-loop", "http-handlers", "model", "completions")
     for column in ("mode", "conc", "variant", "p50 ×bare", "p99 ×bare", "rps ×bare", "TTFT ×bare",
-                   *(f"{group} µs" for group in groups), "total µs"):
-        table.add_column(column, justify="left" if column in ("mode", "variant") else "right")
+                   "handlers µs", "loop µs", "model µs", "completions µs", "total µs"):
+        table.add_column(column, justify="left" if column in ("mode", "variant") else "right",
+                         min_width=26 if column == "variant" else None)  # a variant's name is never cut
     for run in runs:
         base = bare[(run["mode"], run["concurrency"])]
         threads = run.get("cpu_us_per_request_by_thread") or {}
@@ -138,7 +138,9 @@ def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
                 if run["mode"] == "stream" and run.get("ttft_p50_ms") and base.get("ttft_p50_ms") else "")
         table.add_row(run["mode"], str(run["concurrency"]), run["layout"],
                       *(_fmt(run[ratio], 3) for ratio in ("p50_vs_bare", "p99_vs_bare", "rps_vs_bare")), ttft,
-                      *(f"{threads.get(group, 0):.0f}" for group in groups), f"{sum(threads.values()):.0f}")
+                      f"{threads.get('handlers', 0) + threads.get('http-handlers', 0):.0f}",
+                      *(f"{threads.get(group, 0):.0f}" for group in ("http-loop", "model", "completions")),
+                      f"{sum(threads.values()):.0f}")
     console.print(table)
 
 

@@ -168,8 +168,12 @@ async def _start(services: Sequence[tuple[ComponentSpec[Any], Any]], listen: str
                  thread: threading.Thread, interceptors: Sequence[Interceptor], *, max_message_bytes: int,
                  max_concurrent_rpcs: int | None, tls: TlsConfig | None, probe_listen: str | None) -> LoopServer:
     handlers = SyncServicesOnLoop(services, interceptors, loop)
+    # grpc.aio's first server starts its completion-queue poller thread from this one, and a
+    # new thread takes its creator's name in the kernel: named apart, a profile tells them apart.
+    name_os_thread("grpc-aio-poll")
     server = grpc.aio.server(handlers=[handlers], options=server_options(max_message_bytes),
                              maximum_concurrent_rpcs=max_concurrent_rpcs)
+    name_os_thread()
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(served_names(services), server)

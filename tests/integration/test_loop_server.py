@@ -22,10 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from monolith.device import DeviceContext
 from runtime.loop_server import LoopServer, start_loop_server
 from runtime.processes.launch import launch, serving_on
+from runtime.server import free_ports
 from services.registry import DEFAULT
-from tests.conftest import config_for_tests
+from tests.conftest import DEV_KEY, config_for_tests
+from tests.tls_helpers import channel, health, make_certs
 from tests.waiting import eventually
-from wire.v1 import logs_pb2, ratelimit_pb2, router_pb2
+from wire.v1 import auth_pb2, logs_pb2, ratelimit_pb2, router_pb2
 
 
 class Recorded:
@@ -188,6 +190,32 @@ def test_a_layered_middleware_process_answers_a_burst_without_adding_threads(tmp
                 list(clients.map(lambda _: stub.ResolveBatch(_resolve(), timeout=10), range(128)))
         # a thread-pool server grows a handler thread for each call it found the others busy with
         assert _threads(process.pid) == before
+    finally:
+        code = process.stop(30)
+    assert code == 0
+
+
+def test_a_middleware_process_over_mtls_answers_its_peers_and_its_probe_listener_in_plaintext(
+        tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    config = tmp_path / "config.yaml"
+    config.write_text(config_for_tests(tls=certs.tls_config()).to_yaml())
+    listen, probe = (f"127.0.0.1:{port}" for port in free_ports(2))
+    process = launch("auth", [sys.executable, "-m", "runtime.process", "auth", "--listen", listen, "--probe-listen",
+                              probe, "--config", str(config), "--run-dir", str(tmp_path)], log_path=tmp_path / "auth.log")
+    try:
+        process.wait_ready(60, serving_on)
+        assert health(listen, certs.credentials()) == "SERVING"
+        assert health(listen, certs.credentials("other"), timeout=3) == "UNAVAILABLE"  # another CA's client
+        assert health(listen, None, timeout=3) == "UNAVAILABLE"  # plaintext refused on the real listener
+        assert health(probe, None) == "SERVING"
+        with channel(listen, certs.credentials()) as secure:
+            answer = DEFAULT["auth"].stub_class()(secure).CheckBatch(
+                auth_pb2.CheckBatchRequest(items=[auth_pb2.CheckRequest(credential=f"Bearer {DEV_KEY}")]), timeout=10)
+            assert answer.results[0].response.principal.tenant == "dev"
+        with channel(probe, None) as plain, pytest.raises(grpc.RpcError) as watch:  # health alone, no streams
+            next(health_pb2_grpc.HealthStub(plain).Watch(health_pb2.HealthCheckRequest(), timeout=5))
+        assert watch.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
     finally:
         code = process.stop(30)
     assert code == 0

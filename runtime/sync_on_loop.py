@@ -95,6 +95,11 @@ class LoopContext:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
+    @property
+    def untouched(self) -> bool:
+        """Whether the handler left nothing for `answer` to do (the common case: no abort)."""
+        return self._aborted is None and self._initial is None
+
     async def answer(self, response: Any) -> Any:
         """End the call as the handler left it: its abort, else `response` (after any initial
         metadata it asked to send)."""
@@ -198,6 +203,8 @@ class SyncServicesOnLoop(grpc.GenericRpcHandler):
                     response = behaviour(request, shim)
             except _Aborted:
                 response = None
+            if shim.untouched:
+                return response
             return await shim.answer(response)
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,

@@ -1,13 +1,16 @@
-"""A gRPC server on one asyncio event loop: how a layered middleware's process serves.
+"""A gRPC server on one event loop: how a layered middleware's process serves.
 
 A middleware's handler is microseconds of CPU; on the thread-pool server
-(`runtime.server.start_server`) each call also paid a hand-off to a handler thread and back,
-and concurrent calls took the interpreter lock in turns. Here one grpc.aio server reads,
-decides and answers every call on its loop's thread (`grpc-loop`): the sync servicers and
-the process's sync interceptors are called inline through `runtime.sync_on_loop`, and what
-may block (a servicer's `may_block`) goes to a thread of its own. The layered layout's
-cost is then its hops, not Python threads: the baseline the spine is compared with is a fair
-one.
+(`runtime.server.start_server`) each call also crossed to a handler thread and back, and a
+burst grew the pool by a thread per call that found the others busy. Here one grpc.aio
+server reads, decides and answers every call on its loop's thread (`grpc-loop`, uvloop): the
+sync servicers and the process's sync interceptors are called inline through
+`runtime.sync_on_loop`, and what may block (a servicer's `may_block`) goes to a thread of its
+own. The layered layout's cost is then its hops, not Python threads, so the baseline the
+spine is compared with is a fair one. Measured (`python -m bench.hop`, bench/README.md, "The
+cost of a hop"): a hop is gRPC Python's own per-call work either way (~0.2-0.4 ms of the
+child's CPU against a handler's few µs); the loop takes the handler threads out at the same
+CPU per call.
 
 Everything a thread-pool server offers is here too, the same way: health (grpc's asyncio
 `HealthServicer`, its statuses set from any thread with `set_serving`) and reflection, TLS
@@ -66,7 +69,7 @@ class _CheckOnly(health_pb2_grpc.HealthServicer):
     def __init__(self, health: HealthServicer) -> None:
         self._health = health
 
-    async def Check(self, request: Any, context: Any) -> Any:  # type: ignore[override]  # async on grpc.aio
+    async def Check(self, request: Any, context: Any) -> Any:
         return await self._health.Check(request, context)
 
 

@@ -2,12 +2,11 @@
 
 The middlewares' servicers are sync code written against grpc's sync `ServicerContext`, and
 the in-process placement calls the same methods; their handlers are microseconds of CPU (a
-dev key's `Auth/CheckBatch` ~10 µs, `docs/design.md`, "What runs where"). On a sync server
-each call paid a hand-off to a pool thread and back (the C core's completion queue to a
-handler thread, its answer queued back), more than the handler's own work, and under
-concurrency the threads took the interpreter lock in turns. Served here, a call runs on the
-loop that read it and writes its answer from there: no thread between the socket and the
-servicer.
+dev key's `Auth/CheckBatch` 3-4 µs, a router's `ResolveBatch` ~2 µs: `python -m bench.hop`).
+On a sync server each call also crossed to a pool thread and back (the completion queue's
+thread hands it to a handler thread, which wakes for it), and the pool grew a thread for each
+call that found the others busy. Served here, a call is decided on the loop that read it and
+answered from there: no Python thread between the socket and the servicer.
 
 `SyncServicesOnLoop` is one generic handler for every service of the server, made from what
 each service's generated `add_<Service>Servicer_to_server` registers (so the methods come
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
@@ -41,6 +40,12 @@ from services.common.loop_bound import call_on_its_loop
 from services.component import ComponentSpec
 
 Blocks = Callable[[Any], bool]  # request -> whether this call may wait on I/O
+
+# A generic handler of any request and response (generic in grpc's stubs only).
+if TYPE_CHECKING:
+    GenericHandler = grpc.GenericRpcHandler[Any, Any]
+else:
+    GenericHandler = grpc.GenericRpcHandler
 
 
 class _Aborted(Exception):
@@ -129,16 +134,16 @@ class _Registrations:
     """Stands in for a server while a generated `add_<Service>Servicer_to_server` registers."""
 
     def __init__(self) -> None:
-        self.generic: list[grpc.GenericRpcHandler] = []
+        self.generic: list[GenericHandler] = []
 
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+    def add_generic_rpc_handlers(self, handlers: Sequence[GenericHandler]) -> None:
         self.generic.extend(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: Any) -> None:
         pass  # the generic handlers above answer the same methods
 
 
-class SyncServicesOnLoop(grpc.GenericRpcHandler):
+class SyncServicesOnLoop(GenericHandler):
     """The generic handler of a grpc.aio server for sync `services` (spec, servicer), through
     the sync `interceptors`; each call inline on the server's loop unless it may block."""
 

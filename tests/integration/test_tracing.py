@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from monolith.device import DeviceContext
 from runtime.config.file import placements_for
+from runtime.loop_server import start_loop_server
 from runtime.observability.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
 from runtime.placement.remote import remote
-from runtime.loop_server import start_loop_server
 from runtime.server import start_server
 from runtime.stack import Stack
 from services.common import ConfigError

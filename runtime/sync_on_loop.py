@@ -70,8 +70,8 @@ class LoopContext:
         self._initial: Any = None
 
     def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        if code == grpc.StatusCode.OK:  # what grpc's sync `abort` refuses too
-            raise ValueError("abort() needs a status code other than OK")
+        if code == grpc.StatusCode.OK:  # an abort is a failure: grpc's sync one makes it UNKNOWN too
+            code, details = grpc.StatusCode.UNKNOWN, ""
         if self._aborted is None:
             self._aborted = (code, details, None)
         raise _Aborted(details)

@@ -8,6 +8,7 @@ aborts, errors, health and a graceful stop behave as on the thread-pool server.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -20,10 +21,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from monolith.device import DeviceContext
+from runtime.config.sections import TlsConfig
 from runtime.loop_server import LoopServer, start_loop_server
 from runtime.processes.launch import launch, serving_on
 from runtime.server import free_ports
 from services.registry import DEFAULT
+from spine.tools.dev_certs import issue, make_authority
 from tests.conftest import DEV_KEY, config_for_tests
 from tests.tls_helpers import channel, health, make_certs
 from tests.waiting import eventually
@@ -219,3 +222,29 @@ def test_a_middleware_process_over_mtls_answers_its_peers_and_its_probe_listener
     finally:
         code = process.stop(30)
     assert code == 0
+
+
+def test_swapped_certificate_files_serve_the_loops_next_handshakes_without_a_restart(tmp_path: Path,
+                                                                                   router: Any) -> None:
+    certs = make_certs(tmp_path / "certs")
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("server.pem", "server-key.pem", "ca.pem"):
+        shutil.copy(certs.dir / name, live / name)
+    tls = TlsConfig(cert_file=str(live / "server.pem"), key_file=str(live / "server-key.pem"),
+                    client_ca_file=str(live / "ca.pem"))
+    authority = make_authority("rotated CA")
+    server = issue(authority, "rotated-server", names=("localhost", "127.0.0.1"), server=True)
+    client = issue(authority, "rotated-client")
+    rotated = grpc.ssl_channel_credentials(authority.pem, client.key_pem, client.certificate_pem)
+    running = start_loop_server([(DEFAULT["router"], router)], "127.0.0.1:0", tls=tls)
+    try:
+        assert health(running.address, certs.credentials()) == "SERVING"
+        assert health(running.address, rotated, timeout=3) == "UNAVAILABLE"
+        (live / "server.pem").write_bytes(server.certificate_pem)
+        (live / "server-key.pem").write_bytes(server.key_pem)
+        (live / "ca.pem").write_bytes(authority.pem)
+        assert health(running.address, rotated) == "SERVING"  # the new set, read at the next handshake
+        assert health(running.address, certs.credentials(), timeout=3) == "UNAVAILABLE"  # the old CA's client
+    finally:
+        running.stop(0)

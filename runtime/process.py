@@ -4,7 +4,9 @@
 
 The process makes its own device context, serves the component behind a real gRPC
 server (with health and reflection), and on SIGTERM stops accepting, finishes what it
-accepted and flushes (logs, metrics) before it exits. It dies with its supervisor.
+accepted and flushes (logs, metrics) before it exits. It dies with its supervisor. A
+middleware is served from one event loop (`runtime.loop_server`: its handlers inline, no
+thread per call); the model from a thread-pool server sized for its queue (`runtime.server`).
 
 A layered rate limiter can follow the migration controller (`--follow-controller
 HOST:PORT`, its xDS address): each stage sets its share of every limit (its side's share
@@ -75,9 +77,10 @@ def serve(argv: list[str] | None = None) -> int:
     from monolith.device_on_use import DeviceOnFirstUse
     from runtime.config.file import load_config
     from runtime.health.deep import start_deep_health
+    from runtime.loop_server import start_loop_server
     from runtime.observability.tracing import install_for
     from runtime.processes.signals import Termination
-    from runtime.server import PoolSize, request_pool, start_server
+    from runtime.server import ServerHandle, request_pool, start_server
     from runtime.tls import is_unix, reload_on_sighup
 
     termination = Termination()  # before serving: a SIGTERM from now on flushes before exit
@@ -106,8 +109,6 @@ def serve(argv: list[str] | None = None) -> int:
     servicer = spec.build(config, device, run_dir)
     if "torch" in sys.modules:
         device.make_now()
-    # The model's requests wait in its priority queue, not in front of the thread pool.
-    pool = request_pool(config.inference) if args.component == "inference" else PoolSize()
     # Its share first: a limiter that follows does not serve before it has one (or has waited).
     follower = follow(args, ROLE_LAYERED_RATELIMIT, ratelimit_applier(servicer), "serving the whole limit", tls)
     from runtime.allowed_peers import envoy_interceptors
@@ -118,10 +119,20 @@ def serve(argv: list[str] | None = None) -> int:
     # is the deployment's: the gateway calls it with its own certificate).
     envoy = envoy_apis_of(spec, servicer, config)
     mtls = tls is not None and tls.client_ca_file is not None and not is_unix(args.listen)
-    server = start_server([(spec, servicer), *envoy], args.listen,
-                          max_message_bytes=config.limits.max_message_bytes,
-                          allow_external=args.allow_external, tls=tls, probe_listen=args.probe_listen,
-                          interceptors=envoy_interceptors(config.envoy_api.allowed_peers, envoy, mtls), **pool)
+    served = [(spec, servicer), *envoy]
+    interceptors = envoy_interceptors(config.envoy_api.allowed_peers, envoy, mtls)
+    limit = config.limits.max_message_bytes
+    # A middleware's handlers are microseconds of CPU: served inline from one event loop
+    # (`runtime.loop_server`). The model's handlers wait for the model: a thread each, sized
+    # for its queue and slots, so requests wait in its priority queue, not in the pool's FIFO.
+    server: ServerHandle
+    if spec.middleware:
+        server = start_loop_server(served, args.listen, max_message_bytes=limit, allow_external=args.allow_external,
+                                   tls=tls, probe_listen=args.probe_listen, interceptors=interceptors)
+    else:
+        server = start_server(served, args.listen, max_message_bytes=limit, allow_external=args.allow_external,
+                              tls=tls, probe_listen=args.probe_listen, interceptors=interceptors,
+                              **request_pool(config.inference))
     # Deep health: SERVING only while the component can do its work (for inference: a tiny
     # forward on its device within a bound), so the supervisor, the gates and xDS
     # endpoints see a broken device, not just a live process.

@@ -12,7 +12,9 @@ overtakes the throughput class, and not in the thread pool's FIFO in front of it
 it could not; a full queue answers RESOURCE_EXHAUSTED with `retry-after` at once. A
 sync server's thread is a waiting request's whole cost: it blocks on its job's queue
 and wakes only for its own answer, and the pool makes threads only as load needs them
-(measured with `python -m bench.overload priority`).
+(measured with `python -m bench.overload priority`). A layered middleware's process, whose
+handlers never wait, is served from one event loop instead (`runtime.loop_server`), with the
+same health, reflection, TLS and limits (`server_options`).
 
 With a `tls:` section (`runtime.tls`) a TCP listener speaks TLS, mTLS with
 `client_ca_file`; a unix socket stays plaintext. Kubernetes' `grpc:` probes cannot speak TLS,
@@ -27,7 +29,7 @@ import socket
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -143,6 +145,44 @@ def check_free(address: str, flag: str = "listen address") -> None:
                                "holds it, or pick another port") from None
 
 
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The channel arguments of every spine server, thread-pool or event-loop alike."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
+    ]
+
+
+def bound_address(listen: str, port: int, flag: str = "listen address") -> str:
+    """What a client dials once `listen` is bound on `port` (0: it could not be): AddressInUse
+    in the same sentence as `check_free`."""
+    if port == 0 and not listen.startswith("unix:"):
+        raise AddressInUse(f"{flag} {listen}: cannot listen there (in use, or not an address of this machine)")
+    return listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
+
+
+def served_names(services: Sequence[tuple[ComponentSpec[Any], Any]]) -> list[str]:
+    """The services a server's reflection lists: health, reflection itself and `services`."""
+    return [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+            *(spec.full_name for spec, _ in services)]
+
+
+class ServerHandle(Protocol):
+    """A running server of either kind, as a process holds it: where it listens, its health
+    statuses (set by deep health from its own thread) and its graceful stop. The thread-pool
+    server (`RunningServer`) or the event-loop one (`runtime.loop_server.LoopServer`)."""
+
+    @property
+    def address(self) -> str: ...
+
+    def set_serving(self, serving: bool, service: str = "") -> None: ...
+
+    def stop(self, grace: float = 2.0) -> None: ...
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -196,10 +236,8 @@ def start_probe_server(health_servicer: health.HealthServicer, listen: str,
         port = server.add_insecure_port(listen)
     except RuntimeError:  # grpc's "Failed to bind to address"
         port = 0
-    if port == 0 and not listen.startswith("unix:"):
-        raise AddressInUse(f"--probe-listen {listen}: cannot listen there (in use, or not an address of this machine)")
+    address = bound_address(listen, port, "--probe-listen")
     server.start()
-    address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
     return ProbeServer(server, address)
 
 
@@ -256,30 +294,19 @@ def start_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc", initializer=name_os_thread),
         interceptors=list(_default_interceptors if interceptors is None else interceptors),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_metadata_size", MAX_METADATA_BYTES),
-            ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
-        ],
+        options=server_options(max_message_bytes),
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     for spec, servicer in services:
         spec.add_to_server(servicer, server)
-        names.append(spec.full_name)
-    reflection.enable_server_reflection(names, server)
+    reflection.enable_server_reflection(served_names(services), server)
     try:
         port = add_port(server, listen, tls)
     except RuntimeError:  # grpc's "Failed to bind to address": the same sentence as `check_free`
         port = 0
-    if port == 0 and not listen.startswith("unix:"):
-        raise AddressInUse(f"listen address {listen}: cannot listen there (in use, or not an address of this "
-                           "machine)")
+    address = bound_address(listen, port)
     server.start()
-    address = listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{port}"
     running = RunningServer(server, address, health_servicer)
     if probe_listen is not None:
         try:

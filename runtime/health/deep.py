@@ -35,7 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.health.watch import Rounds
-from runtime.server import RunningServer
+from runtime.server import ServerHandle
 
 log = logging.getLogger("spine.health")
 
@@ -45,7 +45,7 @@ Probe = Callable[[], None]
 class DeepHealth:
     """Probes every `interval_s`; sets `services` SERVING or NOT_SERVING on the running server."""
 
-    def __init__(self, running: RunningServer, probe: Probe | None, *, interval_s: float = 1.0,
+    def __init__(self, running: ServerHandle, probe: Probe | None, *, interval_s: float = 1.0,
                  timeout_s: float = 2.0, services: Sequence[str] = ("",),
                  on_change: Callable[[], None] | None = None) -> None:
         self.running = running
@@ -111,7 +111,7 @@ class DeepHealth:
             self.on_change()
 
 
-def start_deep_health(running: RunningServer, servicer: Any, interval_s: float = 1.0, timeout_s: float = 2.0,
+def start_deep_health(running: ServerHandle, servicer: Any, interval_s: float = 1.0, timeout_s: float = 2.0,
                       services: Sequence[str] = ("",), on_change: Callable[[], None] | None = None) -> DeepHealth:
     """Deep health for `servicer` on `running` (first probe done before it returns)."""
     probe = getattr(servicer, "health_probe", None)

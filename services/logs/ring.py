@@ -207,6 +207,12 @@ class BatchedLineWriter:
     def lines_on_disk(self) -> int:
         return self._lines_on_disk
 
+    def room(self) -> int:
+        """Lines an append takes now without waiting: only appends take room, so for the one
+        thread that appends (an event loop serving the logs) it is exact until its next append."""
+        with self._lock:
+            return self._ring.capacity - len(self._ring)
+
     @property
     def pending(self) -> int:
         """Lines accepted but not yet written."""

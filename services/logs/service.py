@@ -99,6 +99,17 @@ class LogsService(logs_pb2_grpc.LogsServicer):
     def writes(self) -> int:
         return self._writer.writes
 
+    def may_block(self, rpc: str, request: Any) -> bool:
+        """Whether answering `rpc` to `request` may wait on the disk: `Flush` always (a write
+        and its fsync); `AppendBatch` only when the ring has no room for its records (the
+        writer's backpressure: it waits for the flusher, or writes itself). A caller serving
+        from an event loop runs such a call on a thread, so the disk never stalls the loop."""
+        if rpc == "Flush":
+            return True
+        if rpc == "AppendBatch":
+            return len(request.records) > self._writer.room()
+        return False
+
     # -- gRPC -----------------------------------------------------------------------------
 
     def append(self, items: Sequence[Any], options: CallOptions = NO_OPTIONS) -> list[ItemError | None]:

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from monolith.device import DeviceContext
 from runtime.config.file import placements_for
+from runtime.loop_server import start_loop_server
 from runtime.observability.tracing import ROOT_SPAN, Tracing, TracingConfig, installed_tracing
 from runtime.placement.remote import remote
 from runtime.server import start_server
@@ -78,12 +79,13 @@ def test_span_trees_of_the_layered_and_collapsed_layouts_have_the_same_shape(tmp
     assert [grandchild[0] for grandchild in genai[1]] == ["inference.generate"]  # over the model's rpc
 
 
-def test_trace_context_crosses_a_grpc_hop_into_the_servers_span(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", [start_server, start_loop_server], ids=["thread-pool", "event-loop"])
+def test_trace_context_crosses_a_grpc_hop_into_the_servers_span(tmp_path: Path, start: Any) -> None:
     exporter = InMemorySpanExporter()
     tracing = Tracing(sample_ratio=1.0, exporters=[exporter], batch=False)
     servicer = DEFAULT["router"].build(config_for_tests(), DeviceContext(), tmp_path)
-    server = start_server([(DEFAULT["router"], servicer)], f"unix:{tmp_path / 'router.sock'}",
-                          interceptors=[tracing.server_interceptor()])
+    server = start([(DEFAULT["router"], servicer)], f"unix:{tmp_path / 'router.sock'}",
+                   interceptors=[tracing.server_interceptor()])
     channel = grpc.insecure_channel(server.address)
     router = remote(ROUTER, DEFAULT["router"].stub_class()(channel), channel)
     hook = tracing.hook("layered")

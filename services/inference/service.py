@@ -222,10 +222,7 @@ class InferenceService(InferenceRpcs):
             self._refuse(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     def describe(self) -> tuple[inference_pb2.ModelInfoResponse, tuple[tuple[str, str], ...]]:
-        return self.model_list(), self._load_metadata()
-
-    def model_list(self) -> inference_pb2.ModelInfoResponse:
-        return inference_pb2.ModelInfoResponse(models=[self.model_info()])
+        return inference_pb2.ModelInfoResponse(models=[self.model_info()]), self._load_metadata()
 
     def model_info(self) -> inference_pb2.ModelInfo:
         """This model as `Models` lists it: its id, context, device and load now."""
@@ -327,8 +324,10 @@ class InferenceService(InferenceRpcs):
         return job, len(prefix_ids) + len(prompt_ids)
 
     def _caller_left(self, job: Job) -> None:
-        """The caller's call ended: the job stops before the next step, and its consumer looks
-        now (it answers CANCELLED at once, even while a step is still running)."""
+        """The caller left: its job stops before the next step and its consumer answers at once,
+        even mid-step. A call ending after its job (every answered one) has nothing to stop."""
+        if job.done or job.failure is not None:
+            return
         self.scheduler.cancel(job)
         job.out.put_nowait(WAKE)
 

@@ -19,7 +19,8 @@ import grpc
 import pytest
 
 from services.inference.service import InferenceService
-from services.pipeline.local_call import StreamHeaders
+from services.pipeline.interface import CallOptions
+from services.pipeline.local_call import StreamHeaders, call_local_on_loop
 from services.pipeline.local_context import LocalCall, LocalContext, LocalRpcError
 from tests.unit.test_serving_support import GatedModel, make_service, request
 from tests.waiting import eventually
@@ -68,6 +69,24 @@ def test_four_streams_on_one_loop_are_woken_once_per_step_not_once_per_chunk(
     print(f"\n{chunks} chunks over {steps} steps: {wakeups} wake-ups of the loop")
     assert wakeups <= steps, "more than one wake-up of the loop per decode step"
     assert wakeups < chunks / 2
+
+
+def test_four_answers_on_one_loop_wake_it_once_per_step_that_finished_one_and_never_at_their_end(
+        served: tuple[InferenceService, GatedModel]) -> None:
+    """A unary job's outputs come at its last step; the end of its call (every answered call
+    ends after its job) must not wake the loop once more."""
+    service, _ = served
+
+    async def four() -> tuple[list[Any], int]:
+        woken = _counting(asyncio.get_running_loop())
+        answers = await asyncio.gather(*(call_local_on_loop(
+            lambda call, i=i: service.answer_on_loop(request(f"answer {i}", 12), call), CallOptions(30))
+            for i in range(4)))
+        return answers, len(woken)
+
+    answers, wakeups = asyncio.run(four())
+    assert all(answer.response.completion_tokens > 0 for answer in answers)
+    assert wakeups <= 4, f"{wakeups} wake-ups for 4 answers"
 
 
 def test_the_answers_on_a_loop_are_the_answers_on_a_thread(served: tuple[InferenceService, GatedModel]) -> None:

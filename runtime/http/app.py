@@ -5,18 +5,20 @@ front — exactly as a gRPC call would: a `GenerateRequest`, and a `LocalContext
 request's metadata, cancelled the moment the client goes away (so a stream's KV slot and
 its tenant's concurrency count are given back at once).
 
-A unary request to a gateway whose stages are all in this process, for a model served by an
-upstream engine (`serves_on_loop`: the spine over an upstream) is served on this server's
-event loop from accept to answer: the gateway's pipeline runs inline (microseconds of CPU per
-stage), the upstream is awaited on this loop's own connections, and the answer's headers come
-back as values.
+A unary request to a gateway whose steps are all in this process (`serves_on_loop`: the
+spine) is served on this server's event loop from accept to answer: the gateway's pipeline
+runs there (microseconds of CPU per step), an upstream is awaited on this loop's own
+connections, and the answer's headers come back as values.
 
 A stream to such a gateway is served there too: the engine's chunks are awaited and written
 to the client's socket from this loop.
 
-Anything else — a built-in model's request (its engine holds a thread while it works), the
-layered gateway (its stages are gRPC calls), the migration's front — is blocking code, run on
-a handler thread of this server's own pool, sized like the gRPC server's
+The spine's built-in model is awaited there as well: its outputs are handed to this loop
+once per decode step (`services.inference.loop_outbox`).
+
+Anything else — the layered gateway (its steps are gRPC calls), the migration's front, a
+spine whose steps or hooks may block — is blocking code, run on a handler thread of this
+server's own pool, sized like the gRPC server's
 (`runtime.server.request_threads`): a request waiting for the model holds a thread, never the
 event loop. Such a stream's chunks cross back to the loop through a bounded window.
 

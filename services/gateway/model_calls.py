@@ -129,8 +129,8 @@ Offload = Callable[..., Awaitable[Any]]
 async def answer_on_loop(pipeline: Pipeline, state: RequestState, parent: Any, offload: Offload,
                          genai: ModelCallSpans | None = None) -> Generated:
     """The whole answer for a caller on an event loop: awaited there from a placed model that
-    can answer on it (`OnLoop`: an upstream's); any other model (the router chose another: a
-    fallback, a model an alias now names) holds a thread while it works, so it goes to `offload`."""
+    can answer on it (`OnLoop`: the spine's own router answers every model there); a placed
+    model that cannot holds a thread while it works, so it goes to `offload`."""
     model: Any = pipeline.components.get(INFERENCE)
     on_loop = getattr(model, "on_loop", None)
     assert state.resolved is not None

@@ -150,18 +150,9 @@ class LocalContext(LocalCall):
     this process — the HTTP API calling the Gateway's. A component in this process is
     called through its interface instead, with a `LocalCall`."""
 
-    def __init__(
-        self,
-        metadata: CallMetadata = (),
-        deadline: float | None = None,
-        parent: Any | None = None,
-        arrived: float | None = None,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._trailing: tuple[tuple[str, str], ...] = ()
-        self._initial: tuple[tuple[str, str], ...] = ()
-        super().__init__(metadata, deadline, parent, arrived, clock=clock)
+    # Made as a `LocalCall` is; its metadata frames start empty (tuples, replaced, never changed).
+    _trailing: tuple[tuple[str, str], ...] = ()
+    _initial: tuple[tuple[str, str], ...] = ()
 
     def peer(self) -> str:
         return "local"

@@ -25,10 +25,12 @@ so such a server can also answer its health alone in plaintext on a second addre
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import grpc
@@ -345,14 +347,40 @@ def wait_serving(address: str, timeout: float, service: str = "", tls: TlsConfig
 
 def free_ports(count: int) -> list[int]:
     """`count` distinct loopback ports free now, for processes that bind them later (a child
-    told its address before it starts). Another process could take one in between: whoever
-    binds it then fails loudly, it never shares it."""
+    told its address before it starts).
+
+    Drawn below the kernel's ephemeral range (`ip_local_port_range`), where nothing takes a
+    port by itself: a port from that range (what binding port 0 gives) is also what every
+    outgoing connection and every other port-0 bind on the machine is handed next, so one
+    picked there could be taken by the time its child binds it. Only a process that names
+    the same port could take one of these; whoever binds it then fails loudly, it never
+    shares it."""
+    span = _ports_to_draw()
     ports: set[int] = set()
+    tries = 0
     while len(ports) < count:
+        tries += 1
+        # No room below the range, or crowded there: the kernel's pick, from the range itself.
+        candidate = random.randint(*span) if span is not None and tries <= 64 * count else 0
+        if candidate in ports:
+            continue
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
+            try:
+                probe.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
             ports.add(int(probe.getsockname()[1]))
     return sorted(ports)
+
+
+def _ports_to_draw() -> tuple[int, int] | None:
+    """The ports `free_ports` draws from: from 10000 up to just below the ephemeral range
+    (None: a machine that made nearly every port ephemeral)."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    return (10000, ephemeral_low - 1) if ephemeral_low > 11000 else None
 
 
 def free_port() -> int:

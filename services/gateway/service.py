@@ -29,6 +29,7 @@ before it is released; a violation ends the call with `content_policy_violation`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -140,6 +141,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             except Stop as stop:
                 self._abort(state, context, stop)
                 raise AssertionError("unreachable") from None
+            except asyncio.CancelledError:  # the caller's task was ended (a grpc.aio call whose client left)
+                state.status = _left_as(context)
+                raise
 
     def _hit(self, state: RequestState, context: Any) -> generation_pb2.GenerateResponse:
         """The cache's answer, policed."""
@@ -226,8 +230,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 self._stream_end(state, context, tally, stream)
             except Stop as stop:
                 self._abort(state, context, stop)
-            except GeneratorExit:
-                state.status = getattr(context, "cancelled_as", "") or "CANCELLED"
+            except (GeneratorExit, asyncio.CancelledError):  # closed, or its caller's task ended
+                state.status = _left_as(context)
                 raise
 
     # -- a stream's steps, the same on a thread and on a loop ---------------------------------
@@ -388,3 +392,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _answer_trailing(self, state: RequestState,
                          downstream: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
         return answer_trailing(state, self._trailing(state), self.model_load, downstream)
+
+
+def _left_as(context: Any) -> str:
+    """The status of a call its caller left: the reason its context gives, else its deadline's
+    passing or a cancel."""
+    given = getattr(context, "cancelled_as", "")
+    if given:
+        return str(given)
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"

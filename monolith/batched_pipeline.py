@@ -31,7 +31,7 @@ from typing import Annotated, Any
 import grpc
 from pydantic import Field, StrictBool, StrictInt
 
-from monolith.batcher import BatcherClosed, MicroBatcher
+from monolith.batcher import BatcherClosed, BatchStats, MicroBatcher
 from monolith.loop_batcher import LoopBatcher
 from services.common.config_section import Float, Section
 from services.common.log_limit import RateLimitedLog
@@ -138,6 +138,17 @@ class BatchedAdmission:
                 batcher.close()
             self._on_loops[loop] = batcher
         return batcher
+
+    @property
+    def stats(self) -> BatchStats:
+        """Every batch decided so far, on threads and on event loops together."""
+        total = BatchStats()
+        for stats in (self.batcher.stats, *(batcher.stats for batcher in list(self._on_loops.values()))):
+            total.batches += stats.batches
+            total.items += stats.items
+            total.largest = max(total.largest, stats.largest)
+            total.waited += stats.waited
+        return total
 
     def _decide(self, batch: list[RequestState]) -> list[None]:
         self.pipeline.admit(batch)

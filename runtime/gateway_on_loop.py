@@ -32,9 +32,9 @@ import asyncio
 import contextlib
 import contextvars
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ContextManager, Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -58,7 +58,7 @@ AioContext = grpc.aio.ServicerContext[Any, Any]
 class Spans(Protocol):
     """What a server interceptor offers a handler it cannot wrap: the span of a call."""
 
-    def around(self, method: str, metadata: Sequence[Any]) -> ContextManager[Any]: ...
+    def around(self, method: str, metadata: Sequence[Any]) -> contextlib.AbstractContextManager[Any]: ...
 
 
 class _End:
@@ -156,7 +156,7 @@ class GatewayOnLoop(GenericHandler):
         return asyncio.get_running_loop().run_in_executor(self.pool, call.run, function, *args)
 
     async def _blocking_stream(self, request: generation_pb2.GenerateRequest,
-                               local: LocalContext) -> AsyncIterator[generation_pb2.GenerateChunk]:
+                               local: LocalContext) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
         """The gateway's sync stream pulled on a handler thread, its chunks handed to the loop
         through a bounded window (the thread stops pulling while the client reads nothing)."""
         window = StreamWindow(asyncio.get_running_loop())

@@ -22,9 +22,9 @@ from typing import Any
 from runtime.allowed_peers import envoy_interceptors
 from runtime.config.model import SpineConfig
 from runtime.config.sections import TlsConfig
-from runtime.placement.foreign import EnvoyApiHealth
 from runtime.gateway_on_loop import GatewayOnLoop
 from runtime.loop_server import LoopServer, start_loop_server
+from runtime.placement.foreign import EnvoyApiHealth
 from runtime.request_loop import RequestLoop
 from runtime.server import RunningServer, default_interceptors, request_pool, request_threads, start_server
 from runtime.tls import is_unix
@@ -32,7 +32,6 @@ from services.common import ConfigError
 from services.common.prometheus_http import is_loopback, parse_listen
 from services.gateway.service import Gateway
 from services.registry import GATEWAY, Registry
-
 
 # The request loop's thread (the bench reads the CPU it spends by this name).
 REQUEST_LOOP_THREAD = "spine-loop"

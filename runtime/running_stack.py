@@ -30,6 +30,7 @@ from runtime.observability.metrics_endpoint import MetricsExports
 from runtime.placement.components import Components
 from runtime.processes.supervisor import Supervisor
 from runtime.running_parts import RunningParts
+from runtime.loop_server import LoopServer
 from runtime.server import RunningServer
 from services.gateway.service import Gateway
 from services.pipeline.calls import Hook
@@ -67,7 +68,7 @@ class RunningStack(RunningParts):
     gateway: Gateway = field(repr=False)
     metrics: MetricsExports = field(repr=False)
     admin: AdminApi | None = field(repr=False)  # the admin API (`runtime.admin_api`), with an admin token
-    server: RunningServer  # the gateway's gRPC listener
+    server: LoopServer  # the gateway's gRPC listener, on the request loop
     shadow: GatewayMirror | None = field(repr=False)  # the spine's own mirror (`runtime.shadow.gateway_mirror`)
     layout_health: LayoutHealth = field(repr=False)
     health: GatewayHealth = field(repr=False)  # the gateway's, from every component's

@@ -11,7 +11,8 @@ completion are scheduled is the runtime's choice, never this module's:
   requests with the same steps.
 
 Either way the verdicts come from the same steps, so codes, messages and trailers do not
-depend on the layout or the batch size. A caller on an event loop (the HTTP front) may ask
+depend on the layout or the batch size. A caller on an event loop (the HTTP API, or the gRPC
+API served by grpc.aio: `runtime.gateway_on_loop`) may ask
 for the whole answer or the stream there (`generate_on_loop`, `generate_stream_on_loop`,
 while `serves_on_loop`): the same steps, batched on that loop, and the model awaited there
 (an upstream engine's answer, or the built-in model's outputs handed over once per step).
@@ -34,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import grpc
@@ -197,7 +198,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 raise
 
     async def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest, context: Any,
-                                      offload: Offload) -> AsyncIterator[generation_pb2.GenerateChunk]:
+                                      offload: Offload) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
         """`GenerateStream` for a caller on an event loop (the HTTP API), where
         `serves_on_loop`: admission batched on this loop, the model's stream read on it chunk
         by chunk (`OnLoop`); a placed model that cannot be awaited is read through `offload`,

@@ -90,7 +90,7 @@ def test_batched_and_unbatched_spines_give_the_same_answers_codes_messages_and_t
     assert {a[0] for a in answers["batched"]} >= {"OK", "UNAUTHENTICATED", "NOT_FOUND", "INVALID_ARGUMENT",
                                                  "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"}
     assert spines["batched"].admission is not None
-    assert spines["batched"].admission.batcher.stats.items >= len(parity_sequence())
+    assert spines["batched"].admission.stats.items >= len(parity_sequence())
 
 
 def test_concurrent_requests_are_admitted_as_one_batch_each_with_its_own_answer(tmp_path: Path) -> None:
@@ -138,7 +138,7 @@ def test_a_stream_is_admitted_by_the_batch_and_streams_the_same_tokens(spines: d
                                              temperature=0.8, seed=5)
     stack = spines["batched"]
     assert stack.admission is not None
-    before = stack.admission.batcher.stats.items
+    before = stack.admission.stats.items
     with GatewayClient(stack.address, DEV_KEY) as client:
         streamed = client.stream(request)
     with GatewayClient(spines["unbatched"].address, DEV_KEY) as client:
@@ -146,7 +146,7 @@ def test_a_stream_is_admitted_by_the_batch_and_streams_the_same_tokens(spines: d
     assert streamed.ok and unary.ok
     assert len(streamed.chunks) > 1  # token by token, not one answer at the end
     assert streamed.token_ids == unary.token_ids
-    assert stack.admission.batcher.stats.items == before + 1
+    assert stack.admission.stats.items == before + 1
     with GatewayClient(stack.address) as client:
         denied = client.stream(request, token="wrong")
     assert denied.code == grpc.StatusCode.UNAUTHENTICATED and denied.layout == "collapsed"

@@ -59,8 +59,8 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
             assert not stack.batching.model_backlogged([state(model="no-such-model")])
             assert not stack.batching.model_backlogged([state(), state(model="no-such-model")])
 
-            batches = stack.admission.batcher.stats
-            before = (batches.batches, batches.items, batches.waited)
+            admission = stack.admission
+            before = (admission.stats.batches, admission.stats.items, admission.stats.waited)
             short = [threading.Thread(target=call, args=(f"short {i}", 2)) for i in range(6)]
             for thread in short:
                 thread.start()
@@ -69,7 +69,7 @@ def test_admission_batches_with_a_wait_only_while_the_model_has_a_backlog(tmp_pa
         assert [r.code.name for r in results if not r.ok] == []
         assert len(results) == len(long) + len(short)
         decided, items, waited = (now - then for now, then in zip(
-            (batches.batches, batches.items, batches.waited), before, strict=True))
+            (admission.stats.batches, admission.stats.items, admission.stats.waited), before, strict=True))
         assert items == len(short)
         assert waited >= 1 and decided < items  # the backlog let the leader wait: fewer, larger batches
         assert not stack.batching.model_backlogged([state()])  # drained: nothing waits any more

@@ -23,8 +23,8 @@ import pytest
 
 from runtime.running_stack import RunningStack
 from tests.http_helpers import DEV_KEY, UPSTREAM_MODELS, openai_client
-from wire.v1 import gateway_pb2_grpc, generation_pb2
 from tests.waiting import eventually
+from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 
 class ThreadsSeen:

@@ -26,11 +26,11 @@ from runtime.gateway_batching import GatewayBatching
 from runtime.health.gateway import GatewayHealth
 from runtime.layout_health import LayoutHealth
 from runtime.listeners import Listeners
+from runtime.loop_server import LoopServer
 from runtime.observability.metrics_endpoint import MetricsExports
 from runtime.placement.components import Components
 from runtime.processes.supervisor import Supervisor
 from runtime.running_parts import RunningParts
-from runtime.loop_server import LoopServer
 from runtime.server import RunningServer
 from services.gateway.service import Gateway
 from services.pipeline.calls import Hook

@@ -3,7 +3,7 @@ several checkouts of the code, side by side.
 
     python -m bench.variants --vary batching.max_wait_us=0,10000 [--concurrency 64] [--requests 1200]
                              [--rounds 6] [--stream]
-    python -m bench.variants --tree ../spine-change [--tree ...] [--concurrency 16,64] [--http]
+    python -m bench.variants --tree ../spine-change [--tree ...] [--concurrency 16,64] [--http] [--device]
 
 Why: a change to the request path is judged against bare in one run, but a full `make bench`
 takes minutes and its ratios move between runs on a shared host by more than most single
@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from bench.device_regime import DEVICE_OVERLAY
 from bench.http_load import HttpEndpoint
 from bench.load import Endpoint
 from bench.regime import measure, tear_down, warm_up, write_configs
@@ -51,6 +53,7 @@ from bench.targets import (
     server_cpu,
 )
 from runtime.config.file import load_config, merge
+from runtime.config.served_model import model_id_for
 from services.common import ConfigError
 from spine.tools.tree_sampler import TreeSampler
 
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved turns per cell")
     parser.add_argument("--stream", action="store_true", help="also a GenerateStream cell at concurrency 1")
     parser.add_argument("--stream-requests", type=int, default=STREAM_REQUESTS)
+    parser.add_argument("--device", action="store_true",
+                        help="the device regime's model (the simulator, its batch sizes: bench.device_regime)")
     parser.add_argument("--http", action="store_true",
                         help="call the variants over their HTTP API (POST /v1/completions), bare over gRPC")
     args = parser.parse_args(argv)
@@ -178,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(concurrency=concurrency, requests=args.requests, stream_requests=args.stream_requests,
                         rounds=min(args.rounds, args.requests), max_tokens=8, cell_time_limit_s=60.0, warmup=6,
                         ready_timeout_s=120.0, quick=False, fixed_rounds=True)
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    if args.device:  # the simulator and the device regime's batch sizes, as `make bench`'s device regime
+        settings = replace(settings, model="sim", model_id=model_id_for("sim"))
+    console = Console() if sys.stdout.isatty() else Console(width=220)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_dir = Path(tempfile.mkdtemp(prefix="spv-"))  # short: unix socket paths are limited to ~107 bytes
     targets: dict[str, Target] = {}
     endpoints: dict[str, Endpoint | HttpEndpoint] = {}
     sampler: TreeSampler | None = None
     try:
-        configs = write_configs(run_dir)
+        configs = (write_configs(run_dir, settings.model, settings.model_id, extra=DEVICE_OVERLAY) if args.device
+                   else write_configs(run_dir))
         try:
             variants = {name: (path, REPO_ROOT)
                         for name, path in variant_configs(run_dir, configs["collapsed"], key, values).items()}

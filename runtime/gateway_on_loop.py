@@ -49,6 +49,7 @@ from services.pipeline.local_context import LocalContext
 from services.pipeline.pipeline import code_details
 from wire.v1 import generation_pb2
 
+_UNTRACED = contextlib.nullcontext()
 GENERATE = "/spine.v1.Gateway/Generate"
 GENERATE_STREAM = "/spine.v1.Gateway/GenerateStream"
 
@@ -189,20 +190,23 @@ class GatewayOnLoop(GenericHandler):
             if close is not None:
                 close()
 
-    @contextlib.contextmanager
-    def _traced(self, method: str, metadata: Sequence[Any]) -> Iterator[None]:
-        with contextlib.ExitStack() as spans:
-            for interceptor in self._spans:
-                spans.enter_context(interceptor.around(method, metadata))
-            yield
+    def _traced(self, method: str, metadata: Sequence[Any]) -> contextlib.AbstractContextManager[Any]:
+        """The interceptors' spans around the call (nothing to open without tracing)."""
+        if not self._spans:
+            return _UNTRACED
+        if len(self._spans) == 1:
+            return self._spans[0].around(method, metadata)
+        spans = contextlib.ExitStack()
+        for interceptor in self._spans:
+            spans.enter_context(interceptor.around(method, metadata))
+        return spans
 
 
 def _local_context(context: AioContext, metadata: tuple[Any, ...]) -> LocalContext:
     """The call as the gateway reads it: metadata, deadline (on the monotonic clock), the time it arrived."""
     remaining = context.time_remaining()
     deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + max(0.0, remaining)
-    return LocalContext(tuple((str(key), value) for key, value in metadata), deadline,
-                        arrived=time.perf_counter())
+    return LocalContext(metadata, deadline, arrived=time.perf_counter())
 
 
 def _why_left(local: LocalContext) -> str:

@@ -146,7 +146,7 @@ def http_vs_grpc(runs: Sequence[Mapping[str, Any]], http_layouts: Mapping[str, s
             if http.get("cpu_ms_per_request") is not None and grpc.get("cpu_ms_per_request") is not None:
                 row["http_extra_cpu_us_per_request"] = round(
                     1000 * (http["cpu_ms_per_request"] - grpc["cpu_ms_per_request"]), 1)
-            row["loop_cpu_us_per_request"] = http.get("cpu_us_per_request_by_thread", {}).get("loop")
+            row["http_loop_cpu_us_per_request"] = http.get("cpu_us_per_request_by_thread", {}).get("http-loop")
             out.append(row)
     return out
 
@@ -289,7 +289,7 @@ def print_tables(results: Mapping[str, Any], console: Console) -> None:
                       "layout": "layout", "p50 http/grpc": "http_over_grpc_p50", "p99 http/grpc": "http_over_grpc_p99",
                       "rps http/grpc": "http_over_grpc_rps", "TTFT http/grpc": "http_over_grpc_ttft_p50",
                       "http extra CPU µs/req": "http_extra_cpu_us_per_request",
-                      "loop CPU µs/req": "loop_cpu_us_per_request"})
+                      "loop CPU µs/req": "http_loop_cpu_us_per_request"})
     gain_columns = {"rps batched/unbatched": "batched_over_unbatched_rps",
                     "p50 batched/unbatched": "batched_over_unbatched_p50",
                     "p99 batched/unbatched": "batched_over_unbatched_p99"}

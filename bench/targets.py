@@ -207,9 +207,7 @@ THREAD_GROUPS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("model", re.compile(r"inference-sched")),  # the decode loop
     ("completions", re.compile(r"spine-completio")),  # the spine's deferred cache/log/metrics writes
     ("logs", re.compile(r"log-flusher")),  # the request log's file writer
-    # The spine's request loop (`runtime.request_loop`): its HTTP API and its Gateway's gRPC API,
-    # the pipeline and the model's hand-offs ("http-server": a checkout where HTTP had a loop alone).
-    ("loop", re.compile(r"spine-loop|http-server")),
+    ("http-loop", re.compile(r"http-server")),  # the HTTP API's event loop: parsing, JSON, SSE writes
     ("http-handlers", re.compile(r"http_\d+$")),  # its handler pool, where the gateway runs for HTTP
 )
 OTHER_THREADS = "other"  # gRPC's own threads, the main thread, health and the rest

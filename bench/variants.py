@@ -142,7 +142,7 @@ def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
         table.add_row(run["mode"], str(run["concurrency"]), run["layout"],
                       *(_fmt(run[ratio], 3) for ratio in ("p50_vs_bare", "p99_vs_bare", "rps_vs_bare")), ttft,
                       f"{threads.get('handlers', 0) + threads.get('http-handlers', 0):.0f}",
-                      *(f"{threads.get(group, 0):.0f}" for group in ("loop", "model", "completions")),
+                      *(f"{threads.get(group, 0):.0f}" for group in ("http-loop", "model", "completions")),
                       f"{sum(threads.values()):.0f}")
     console.print(table)
 

@@ -15,7 +15,7 @@ from runtime.config.model import SpineConfig
 from runtime.health.gateway import ComponentHealth, GatewayHealth
 from runtime.listeners import Listeners
 from runtime.placement.components import Components
-from runtime.server import ServerHandle
+from runtime.server import RunningServer
 
 
 class LayoutHealth:
@@ -31,7 +31,7 @@ class LayoutHealth:
         self.deep_health: Any = None  # the local model's (runtime.health.deep.DeepHealth)
         self.health: GatewayHealth | None = None
 
-    def start(self, server: ServerHandle) -> GatewayHealth:
+    def start(self, server: RunningServer) -> GatewayHealth:
         """Start asking every component's health; the gateway's health, as it runs."""
         self.start_deep_health(server)
         health = self.health = GatewayHealth(server, self.components.registry, self._targets,
@@ -39,7 +39,7 @@ class LayoutHealth:
                                              on_flip=self._flipped).start()
         return health
 
-    def start_deep_health(self, server: ServerHandle | None) -> None:
+    def start_deep_health(self, server: RunningServer | None) -> None:
         """The local model's deep health, once the model runs here. It publishes nothing
         itself; the gateway's health reads it and hears of each change."""
         if self.deep_health is not None or "inference" not in self.components.local_servicers or server is None:

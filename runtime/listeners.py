@@ -6,12 +6,6 @@ tenant's buckets and confirm keys for whoever calls, so only the data plane may 
 unix socket, loopback, or mTLS with `envoy_api.allowed_peers`). Without `envoy_api.listen`
 this process serves none. Each Envoy API is as healthy as its component. The OpenAI/Anthropic-compatible HTTP API
 (`runtime.http`) serves the same gateway on its own address when one is given.
-
-The gateway's gRPC server and the HTTP API are served from one event loop, the process's
-request loop (`runtime.request_loop`, thread `spine-loop`): a request of either kind is
-decided and answered where it is read (`runtime.gateway_on_loop`, `runtime.http.app`). The
-admin API's gRPC services read and write stores, so each of their calls runs on a thread of
-that loop's (`may_block`). Envoy's APIs stay on a thread-pool server of their own.
 """
 
 from __future__ import annotations
@@ -22,19 +16,13 @@ from typing import Any
 from runtime.allowed_peers import envoy_interceptors
 from runtime.config.model import SpineConfig
 from runtime.config.sections import TlsConfig
-from runtime.gateway_on_loop import GatewayOnLoop
-from runtime.loop_server import LoopServer, start_loop_server
 from runtime.placement.foreign import EnvoyApiHealth
-from runtime.request_loop import RequestLoop
-from runtime.server import RunningServer, default_interceptors, request_pool, request_threads, start_server
+from runtime.server import RunningServer, request_pool, request_threads, start_server
 from runtime.tls import is_unix
 from services.common import ConfigError
 from services.common.prometheus_http import is_loopback, parse_listen
 from services.gateway.service import Gateway
 from services.registry import GATEWAY, Registry
-
-# The request loop's thread (the bench reads the CPU it spends by this name).
-REQUEST_LOOP_THREAD = "spine-loop"
 
 
 class Listeners:
@@ -47,9 +35,7 @@ class Listeners:
         self.allow_external = allow_external
         self.tls = tls
         self.max_message_bytes = max_message_bytes
-        self.server: LoopServer | None = None
-        self.requests: RequestLoop | None = None  # the loop both APIs are served from
-        self._gateway_handler: GatewayOnLoop | None = None
+        self.server: RunningServer | None = None
         self.envoy_server: RunningServer | None = None
         self.envoy_health: EnvoyApiHealth | None = None
         self.http_server: Any = None
@@ -57,19 +43,14 @@ class Listeners:
 
     def start_grpc(self, gateway: Gateway, listen: str, envoy: list[tuple[Any, Any]], envoy_listen: str | None,
                    registry: Registry, probe_listen: str | None,
-                   admin: list[tuple[Any, Any]] | None = None) -> LoopServer:
-        """The gateway (and the admin API's services, `admin`) on `listen`, from the request
-        loop; Envoy's APIs, `envoy`, on `envoy_listen` alone (none without it)."""
+                   admin: list[tuple[Any, Any]] | None = None) -> RunningServer:
+        """The gateway (and the admin API's services, `admin`) on `listen`; Envoy's APIs,
+        `envoy`, on `envoy_listen` alone (none without it)."""
         if envoy and envoy_listen is not None:
             self._check_envoy_listener(envoy_listen)
-        pool = request_pool(self.config.inference)
-        self.requests = RequestLoop(REQUEST_LOOP_THREAD)
-        self._gateway_handler = GatewayOnLoop(gateway, threads=pool["max_workers"],
-                                              interceptors=default_interceptors())
-        self.server = start_loop_server(admin or [], listen, max_message_bytes=self.max_message_bytes,
-                                        max_concurrent_rpcs=pool.get("max_concurrent_rpcs"),
-                                        allow_external=self.allow_external, tls=self.tls, probe_listen=probe_listen,
-                                        native=[(GATEWAY, self._gateway_handler)], loop=self.requests)
+        self.server = start_server([(GATEWAY, gateway), *(admin or [])], listen,
+                                   max_message_bytes=self.max_message_bytes, allow_external=self.allow_external,
+                                   tls=self.tls, probe_listen=probe_listen, **request_pool(self.config.inference))
         if envoy and envoy_listen is not None:
             self.envoy_server = start_server(envoy, envoy_listen, max_message_bytes=self.max_message_bytes,
                                              allow_external=self.allow_external, tls=self.tls,
@@ -106,7 +87,7 @@ class Listeners:
         self.http_server, self._http_app = start_http(
             gateway, config.http, config.router, config.limits, request_threads(config.inference), listen,
             layout=lambda: gateway.layout, serving=serving, tls=self.tls, allow_external=self.allow_external,
-            admin=admin, loop=self.requests)
+            admin=admin)
 
     def flip(self, component: str, serving: bool) -> None:
         """A component's health changed: so did its Envoy API's."""
@@ -123,17 +104,9 @@ class Listeners:
             self._http_app = None
 
     def stop_grpc(self, grace: float) -> None:
-        """Stop the gateway's server (its calls in flight finish within `grace`), then the
-        request loop (the HTTP API has stopped first: `stop_http`)."""
         if self.server is not None:
             self.server.stop(grace)
             self.server = None
-        if self._gateway_handler is not None:
-            self._gateway_handler.close()
-            self._gateway_handler = None
-        if self.requests is not None:
-            self.requests.stop(grace + 5.0)
-            self.requests = None
         if self.envoy_server is not None:
             self.envoy_server.stop(grace)
             self.envoy_server = None

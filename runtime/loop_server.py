@@ -20,28 +20,27 @@ the same loop, and a graceful stop (NOT_SERVING at once, calls in flight finish 
 grace). The loop runs on a thread of its own, so the process's main thread keeps waiting
 for its signals as before (`runtime.processes.signals.Termination`).
 
-The spine's Gateway is served the same way, on the loop its HTTP API shares
-(`runtime.gateway_on_loop`: `native` handlers, with the loop given). The model's process and
-the bare model stay on the thread-pool server: their handlers wait for the model (a request
-holds its thread while it is queued and decoded), which is what that server's sizing is for
-(`runtime.server.request_pool`).
+The model's process and the gateway's stay on the thread-pool server: their handlers wait
+for the model (a request holds its thread while it is queued and decoded), which is what
+that server's sizing is for (`runtime.server.request_pool`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from runtime.config.sections import TlsConfig
-from runtime.request_loop import RequestLoop
 from runtime.server import (
     Interceptor,
     bound_address,
@@ -50,7 +49,7 @@ from runtime.server import (
     served_names,
     server_options,
 )
-from runtime.sync_on_loop import GenericHandler, SyncServicesOnLoop
+from runtime.sync_on_loop import SyncServicesOnLoop
 from runtime.tls import add_port
 from services.common.thread_names import name_os_thread
 from services.component import ComponentSpec
@@ -58,6 +57,9 @@ from services.component import ComponentSpec
 T = TypeVar("T")
 
 LOOP_THREAD = "grpc-loop"
+# Threads for the calls a servicer says may block (`runtime.sync_on_loop`): a log flush's
+# fsync, a full ring's wait. Few: they are the exception, and each one waits on a disk.
+BLOCKING_THREADS = 4
 
 
 class _CheckOnly(health_pb2_grpc.HealthServicer):
@@ -75,24 +77,15 @@ class _CheckOnly(health_pb2_grpc.HealthServicer):
 class LoopServer:
     """A started event-loop server; its methods may be called from any thread."""
 
-    runner: RequestLoop
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
     server: grpc.aio.Server
     address: str  # what a client dials: "unix:/path" or "127.0.0.1:PORT"
     health: HealthServicer
     probe: grpc.aio.Server | None = None  # the health service alone, in plaintext (`probe_listen`)
     probe_address: str | None = None
     handlers: SyncServicesOnLoop | None = field(default=None, repr=False)
-    owns_loop: bool = True  # False: the loop was lent (it serves more than this server) and outlives it
     _pending: set[asyncio.Task[Any]] = field(default_factory=set, repr=False)  # kept until done
-    _stopped: bool = field(default=False, repr=False)
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self.runner.loop
-
-    @property
-    def thread(self) -> threading.Thread:
-        return self.runner.thread
 
     def set_serving(self, serving: bool, service: str = "") -> None:
         """Set `service`'s health status (from the loop's thread it is set as soon as the loop
@@ -102,10 +95,9 @@ class LoopServer:
 
     def stop(self, grace: float = 2.0) -> None:
         """NOT_SERVING at once, no new calls, the calls in flight finish within `grace`
-        seconds; then the loop ends, if it is this server's own. Idempotent."""
-        if self._stopped or self.runner.stopped:
+        seconds; then the loop ends. Idempotent."""
+        if self.loop.is_closed():
             return
-        self._stopped = True
 
         async def stopping() -> None:
             await self.health.enter_graceful_shutdown()
@@ -114,18 +106,18 @@ class LoopServer:
                 await self.probe.stop(0)
 
         try:
-            self.runner.run(stopping(), timeout=grace + 5.0)
+            self._on_loop(stopping(), timeout=grace + 5.0)
         finally:
-            if self.owns_loop:
-                self.runner.stop(grace + 5.0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=grace + 5.0)
 
     def _on_loop(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = 10.0) -> None:
-        if self.runner.on_loop_thread():
+        if threading.current_thread() is self.thread:
             task = self.loop.create_task(coroutine)
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
             return
-        self.runner.run(coroutine, timeout)
+        asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
 
 def start_loop_server(
@@ -138,57 +130,66 @@ def start_loop_server(
     interceptors: Sequence[Interceptor] | None = None,
     tls: TlsConfig | None = None,
     probe_listen: str | None = None,
-    native: Sequence[tuple[ComponentSpec[Any], GenericHandler]] = (),
-    loop: RequestLoop | None = None,
 ) -> LoopServer:
-    """Serve sync `services` (spec, servicer: unary rpcs only) on `listen` from one event loop.
-    The keywords mean what they mean to `runtime.server.start_server` (`interceptors`: sync
-    server interceptors, the process's by default). `native`: services whose handler is
-    already grpc.aio's (spec, generic handler: the Gateway's, `runtime.gateway_on_loop`),
-    served beside them. `loop`: the loop to serve from (it outlives this server), else one of
-    the server's own on a thread named `grpc-loop`. AddressError or ConfigError before
-    anything is left running."""
+    """Serve sync `services` (spec, servicer: unary rpcs only) on `listen` from one event loop,
+    started on a thread of its own. The keywords mean what they mean to
+    `runtime.server.start_server` (`interceptors`: sync server interceptors, the process's
+    by default); AddressError or ConfigError before anything is left running."""
     check_listen(listen, allow_external)
     if probe_listen is not None:
         check_listen(probe_listen, allow_external)
     chain = tuple(default_interceptors() if interceptors is None else interceptors)
-    runner = loop if loop is not None else RequestLoop(LOOP_THREAD)
+    # uvloop, as the HTTP front's: measured with `python -m bench.hop`, grpc.aio's calls cost
+    # the loop less CPU on it than on asyncio's own (bench/README.md, "The cost of a hop").
+    loop = uvloop.new_event_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+        max_workers=BLOCKING_THREADS, thread_name_prefix="grpc-blocking", initializer=name_os_thread))
+    thread = threading.Thread(target=_run, args=(loop,), name=LOOP_THREAD, daemon=True)
+    thread.start()
+    started = asyncio.run_coroutine_threadsafe(
+        _start(services, listen, loop, thread, chain, max_message_bytes=max_message_bytes,
+               max_concurrent_rpcs=max_concurrent_rpcs, tls=tls, probe_listen=probe_listen), loop)
     try:
-        running = runner.run(_start(services, native, listen, runner, chain, max_message_bytes=max_message_bytes,
-                                    max_concurrent_rpcs=max_concurrent_rpcs, tls=tls, probe_listen=probe_listen),
-                             timeout=None)
+        running = started.result()
     except BaseException:
-        if loop is None:
-            runner.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
         raise
-    running.owns_loop = loop is None
-    for spec, _ in (*services, *native):
+    for spec, _ in services:
         running.set_serving(True, spec.full_name)
     return running
 
 
-async def _start(services: Sequence[tuple[ComponentSpec[Any], Any]],
-                 native: Sequence[tuple[ComponentSpec[Any], GenericHandler]], listen: str, runner: RequestLoop,
-                 interceptors: Sequence[Interceptor], *, max_message_bytes: int,
+def _run(loop: asyncio.AbstractEventLoop) -> None:
+    name_os_thread()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+
+
+async def _start(services: Sequence[tuple[ComponentSpec[Any], Any]], listen: str, loop: asyncio.AbstractEventLoop,
+                 thread: threading.Thread, interceptors: Sequence[Interceptor], *, max_message_bytes: int,
                  max_concurrent_rpcs: int | None, tls: TlsConfig | None, probe_listen: str | None) -> LoopServer:
-    handlers = SyncServicesOnLoop(services, interceptors, runner.loop)
+    handlers = SyncServicesOnLoop(services, interceptors, loop)
     # grpc.aio's first server starts its completion-queue poller thread from this one, and a
     # new thread takes its creator's name in the kernel: named apart, a profile tells them apart.
     name_os_thread("grpc-aio-poll")
-    server = grpc.aio.server(handlers=[handlers, *(handler for _, handler in native)],
-                             options=server_options(max_message_bytes),
+    server = grpc.aio.server(handlers=[handlers], options=server_options(max_message_bytes),
                              maximum_concurrent_rpcs=max_concurrent_rpcs)
     name_os_thread()
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(served_names([*services, *native]), server)
+    reflection.enable_server_reflection(served_names(services), server)
     try:
         port = add_port(server, listen, tls)  # type: ignore[arg-type]  # grpc.aio.Server binds the same way
     except RuntimeError:  # grpc's "Failed to bind to address"
         port = 0
     address = bound_address(listen, port)
     await server.start()
-    running = LoopServer(runner, server, address, health, handlers=handlers)
+    running = LoopServer(loop, thread, server, address, health, handlers=handlers)
     if probe_listen is not None:
         try:
             running.probe, running.probe_address = await _start_probe(health, probe_listen)

@@ -26,7 +26,6 @@ from runtime.gateway_batching import GatewayBatching
 from runtime.health.gateway import GatewayHealth
 from runtime.layout_health import LayoutHealth
 from runtime.listeners import Listeners
-from runtime.loop_server import LoopServer
 from runtime.observability.metrics_endpoint import MetricsExports
 from runtime.placement.components import Components
 from runtime.processes.supervisor import Supervisor
@@ -68,7 +67,7 @@ class RunningStack(RunningParts):
     gateway: Gateway = field(repr=False)
     metrics: MetricsExports = field(repr=False)
     admin: AdminApi | None = field(repr=False)  # the admin API (`runtime.admin_api`), with an admin token
-    server: LoopServer  # the gateway's gRPC listener, on the request loop
+    server: RunningServer  # the gateway's gRPC listener
     shadow: GatewayMirror | None = field(repr=False)  # the spine's own mirror (`runtime.shadow.gateway_mirror`)
     layout_health: LayoutHealth = field(repr=False)
     health: GatewayHealth = field(repr=False)  # the gateway's, from every component's

@@ -23,9 +23,8 @@ is inline: a servicer whose store calls (Redis, sqlite, Postgres) happen on its 
 off the request path (the rate limiter's leases and spend ledger, auth's key poller), has
 nothing to declare.
 
-Only unary rpcs: no middleware streams (the model does, and stays on the sync server,
-`runtime.server`; the Gateway's are async handlers of their own, `runtime.gateway_on_loop`).
-A streaming rpc is refused when the server is made.
+Only unary rpcs: no middleware streams (the model and the Gateway do, and stay on the sync
+server, `runtime.server`). A streaming rpc is refused when the server is made.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from runtime.health.watch import Rounds, check_many
-from runtime.server import ServerHandle
+from runtime.server import RunningServer
 from services.pipeline.step import FailMode
 from services.registry import GATEWAY, Registry
 
@@ -55,7 +55,7 @@ def always_serving() -> tuple[bool, str]:
 class GatewayHealth:
     """Watches every component and publishes the gateway's health from theirs."""
 
-    def __init__(self, running: ServerHandle, registry: Registry, targets: Callable[[], Mapping[str, Target]], *,
+    def __init__(self, running: RunningServer, registry: Registry, targets: Callable[[], Mapping[str, Target]], *,
                  interval_s: float = 0.5, timeout_s: float = 0.5,
                  services: Sequence[str] = ("", GATEWAY.full_name),
                  on_flip: Callable[[str, ComponentHealth], None] | None = None) -> None:

@@ -6,8 +6,7 @@ request's metadata, cancelled the moment the client goes away (so a stream's KV 
 its tenant's concurrency count are given back at once).
 
 A unary request to a gateway whose steps are all in this process (`serves_on_loop`: the
-spine) is served on this server's event loop from accept to answer (the spine's request loop,
-where its Gateway's gRPC calls are served too: `runtime.gateway_on_loop`): the gateway's pipeline
+spine) is served on this server's event loop from accept to answer: the gateway's pipeline
 runs there (microseconds of CPU per step), an upstream is awaited on this loop's own
 connections, and the answer's headers come back as values.
 

@@ -13,14 +13,12 @@ the headers — `runtime.http.bounded_protocol` adds; the app bounds the body (`
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
 import socket
 import ssl
 import threading
-import time
 from typing import Any
 
 import uvicorn
@@ -28,7 +26,6 @@ import uvicorn
 from runtime.config.http import HttpConfig
 from runtime.config.sections import TlsConfig
 from runtime.http.bounded_protocol import bounded_protocol
-from runtime.request_loop import RequestLoop
 from runtime.server import check_listen
 from services.common.loop_bound import close_bound
 from services.common.thread_names import name_os_thread
@@ -39,12 +36,10 @@ log = logging.getLogger("spine.http")
 
 
 class HttpServer:
-    """The HTTP API on `listen` (loopback unless `allow_external`), served from a thread of
-    its own, or from a request loop it is lent (`loop`: the spine's, where its Gateway's gRPC
-    API is served too, `runtime.request_loop`)."""
+    """The HTTP API on `listen` (loopback unless `allow_external`), served from a thread."""
 
     def __init__(self, app: Any, config: HttpConfig, listen: str, *, tls: TlsConfig | None = None,
-                 allow_external: bool = False, loop: RequestLoop | None = None) -> None:
+                 allow_external: bool = False) -> None:
         check_listen(listen, allow_external)
         self._socket, self.address = _bind(listen)
         if self.address.startswith("unix:"):
@@ -62,17 +57,8 @@ class HttpServer:
             timeout_keep_alive=config.keepalive_s, timeout_graceful_shutdown=3, **options)
         self._server = uvicorn.Server(self._config)
         self._thread: threading.Thread | None = None
-        self._loop = loop
-        self._serving: concurrent.futures.Future[None] | None = None  # on a lent loop
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        """The thread its event loop runs on (None before `start`)."""
-        return self._loop.thread if self._loop is not None else self._thread
 
     def start(self, timeout_s: float = 10.0) -> HttpServer:
-        if self._loop is not None:
-            return self._start_on(self._loop, timeout_s)
         started = threading.Event()
         failed: list[BaseException] = []
 
@@ -99,22 +85,6 @@ class HttpServer:
         log.info("HTTP API serving on %s://%s", self.scheme, self.address)
         return self
 
-    def _start_on(self, loop: RequestLoop, timeout_s: float) -> HttpServer:
-        """Serve from the lent loop (uvicorn's `serve` as one of its tasks)."""
-        # uvicorn's own loop setup is skipped: the lent loop is uvloop already.
-        self._serving = serving = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[self._socket]),
-                                                                   loop.loop)
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started and not serving.done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the HTTP listener on {self.address} did not start")
-            time.sleep(0.01)
-        if serving.done():
-            serving.result()  # a bad certificate file, say: raised here
-            raise OSError(f"the HTTP listener on {self.address} stopped as it started")
-        log.info("HTTP API serving on %s://%s", self.scheme, self.address)
-        return self
-
     def _run(self) -> None:
         """uvicorn's `Server.run`, and then, on the same loop, what requests opened on it
         (the connection pools of the upstreams it awaited, `services.common.loop_bound`)."""
@@ -131,10 +101,6 @@ class HttpServer:
         """Stop accepting, finish in-flight requests (up to `grace` seconds), then close."""
         self._config.timeout_graceful_shutdown = max(1, round(grace))
         self._server.should_exit = True
-        if self._serving is not None:
-            with contextlib.suppress(Exception):
-                self._serving.result(grace + 2.0)
-            self._serving = None
         if self._thread is not None:
             self._thread.join(grace + 2.0)
             self._thread = None
@@ -177,12 +143,10 @@ def _bind(listen: str) -> tuple[socket.socket, str]:
 
 def start_http(target: Any, http: HttpConfig, router: RouterConfig, limits: RequestLimits, threads: int,
                listen: str, *, layout: Any, serving: Any, tls: TlsConfig | None = None,
-               allow_external: bool = False, admin: Any = None,
-               loop: RequestLoop | None = None) -> tuple[HttpServer, Any]:
+               allow_external: bool = False, admin: Any = None) -> tuple[HttpServer, Any]:
     """The HTTP API in front of `target` (a Gateway-shaped servicer) on `listen`, on the
     `http`, `router` and `limits` sections, with `threads` handler threads and, given the
-    admin API (`runtime.admin_api.AdminApi`), `/admin/`; served from `loop` when given;
-    (server, app), both to be closed."""
+    admin API (`runtime.admin_api.AdminApi`), `/admin/`; (server, app), both to be closed."""
     from runtime.http.admin_http import AdminHttp
     from runtime.http.app import HttpApi
 
@@ -192,7 +156,7 @@ def start_http(target: Any, http: HttpConfig, router: RouterConfig, limits: Requ
                   layout=layout, models=lambda: names, serving=serving,
                   admin=None if admin is None else AdminHttp(admin))
     try:
-        server = HttpServer(app, http, listen, tls=tls, allow_external=allow_external, loop=loop).start()
+        server = HttpServer(app, http, listen, tls=tls, allow_external=allow_external).start()
     except BaseException:
         app.close()
         raise

@@ -225,11 +225,6 @@ class TraceContextInterceptor(Interceptor):
                 response_serializer=handler.response_serializer)
         return handler  # client streaming is not part of any spine API
 
-    def around(self, method: str, metadata: Sequence[Any]) -> Any:
-        """The span `intercept_service` opens around a call of `method`, for a handler it
-        cannot wrap (an async one: the Gateway on the request loop, `runtime.gateway_on_loop`)."""
-        return self._span(SERVER_SPAN_NAMES.get(method, method.lstrip("/")), metadata)
-
     def _parent(self, metadata: Sequence[Any]) -> otel_context.Context:
         carrier = {str(item[0]): str(item[1]) for item in metadata if item[0] in ("traceparent", "tracestate")}
         return _PROPAGATOR.extract(carrier)

@@ -50,11 +50,6 @@ class KeyAdminService(keys_pb2_grpc.KeyAdminServicer):
         self.admin = admin
         self._token = admin_token.encode()
 
-    def may_block(self, rpc: str, request: object) -> bool:
-        """Every call reads or writes the store (sqlite, Postgres): served on an event loop
-        (`runtime.sync_on_loop`), it runs on a thread, never on the loop."""
-        return True
-
     def CreateKey(self, request: keys_pb2.CreateKeyRequest, context: grpc.ServicerContext) -> keys_pb2.KeySecret:
         return run_admin(context, self._token,
                          lambda: secret_answer(self.admin, self.admin.create(spec_fields(request.key))))

@@ -11,8 +11,7 @@ completion are scheduled is the runtime's choice, never this module's:
   requests with the same steps.
 
 Either way the verdicts come from the same steps, so codes, messages and trailers do not
-depend on the layout or the batch size. A caller on an event loop (the HTTP API, or the gRPC
-API served by grpc.aio: `runtime.gateway_on_loop`) may ask
+depend on the layout or the batch size. A caller on an event loop (the HTTP front) may ask
 for the whole answer or the stream there (`generate_on_loop`, `generate_stream_on_loop`,
 while `serves_on_loop`): the same steps, batched on that loop, and the model awaited there
 (an upstream engine's answer, or the built-in model's outputs handed over once per step).
@@ -30,12 +29,11 @@ before it is released; a violation ends the call with `content_policy_violation`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -142,9 +140,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             except Stop as stop:
                 self._abort(state, context, stop)
                 raise AssertionError("unreachable") from None
-            except asyncio.CancelledError:  # the caller's task was ended (a grpc.aio call whose client left)
-                state.status = _left_as(context)
-                raise
 
     def _hit(self, state: RequestState, context: Any) -> generation_pb2.GenerateResponse:
         """The cache's answer, policed."""
@@ -198,7 +193,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 raise
 
     async def generate_stream_on_loop(self, request: generation_pb2.GenerateRequest, context: Any,
-                                      offload: Offload) -> AsyncGenerator[generation_pb2.GenerateChunk, None]:
+                                      offload: Offload) -> AsyncIterator[generation_pb2.GenerateChunk]:
         """`GenerateStream` for a caller on an event loop (the HTTP API), where
         `serves_on_loop`: admission batched on this loop, the model's stream read on it chunk
         by chunk (`OnLoop`); a placed model that cannot be awaited is read through `offload`,
@@ -231,8 +226,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 self._stream_end(state, context, tally, stream)
             except Stop as stop:
                 self._abort(state, context, stop)
-            except (GeneratorExit, asyncio.CancelledError):  # closed, or its caller's task ended
-                state.status = _left_as(context)
+            except GeneratorExit:
+                state.status = getattr(context, "cancelled_as", "") or "CANCELLED"
                 raise
 
     # -- a stream's steps, the same on a thread and on a loop ---------------------------------
@@ -393,13 +388,3 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     def _answer_trailing(self, state: RequestState,
                          downstream: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
         return answer_trailing(state, self._trailing(state), self.model_load, downstream)
-
-
-def _left_as(context: Any) -> str:
-    """The status of a call its caller left: the reason its context gives, else its deadline's
-    passing or a cancel."""
-    given = getattr(context, "cancelled_as", "")
-    if given:
-        return str(given)
-    remaining = context.time_remaining()
-    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"

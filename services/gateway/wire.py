@@ -31,8 +31,7 @@ class Undecodable:
         self.size = size
 
 
-def lenient(parse: Any) -> Any:
-    """`parse`, but a body it cannot read becomes `Undecodable` for the handler to refuse."""
+def _lenient(parse: Any) -> Any:
     def deserialize(data: bytes) -> Any:
         try:
             return parse(data)
@@ -41,25 +40,17 @@ def lenient(parse: Any) -> Any:
     return deserialize
 
 
-def refusal(layout: str, request: Undecodable,
-            metadata: Any) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """The verdict on an undecodable body (code, details, trailers), logged once in a while."""
-    md = dict(metadata or ())
-    request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
-    _undecodable(None, "request %s: a %d-byte body that is not a spine.v1.GenerateRequest, refused",
-                 request_id, request.size)
-    return (grpc.StatusCode.INVALID_ARGUMENT,
-            f"request body ({request.size} bytes) is not a valid spine.v1.GenerateRequest",
-            ((LAYOUT_HEADER, layout), (REQUEST_ID_HEADER, request_id)))
-
-
 def _refusing(servicer: Any, behaviour: Any, streaming: bool) -> Any:
     """`behaviour`, but an undecodable body is INVALID_ARGUMENT with the usual trailers."""
     def refuse(request: Undecodable, context: Any) -> None:
-        code, details, trailers = refusal(str(getattr(servicer, "layout", "front")), request,
-                                          context.invocation_metadata())
-        context.set_trailing_metadata(trailers)
-        context.abort(code, details)
+        md = dict(context.invocation_metadata() or ())
+        request_id = safe_request_id(md.get(REQUEST_ID_HEADER))
+        _undecodable(None, "request %s: a %d-byte body that is not a spine.v1.GenerateRequest, refused",
+                     request_id, request.size)
+        context.set_trailing_metadata(((LAYOUT_HEADER, str(getattr(servicer, "layout", "front"))),
+                                       (REQUEST_ID_HEADER, request_id)))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"request body ({request.size} bytes) is not a valid spine.v1.GenerateRequest")
 
     if streaming:
         def handle_stream(request: Any, context: Any) -> Any:
@@ -78,7 +69,7 @@ def _refusing(servicer: Any, behaviour: Any, streaming: bool) -> Any:
 def add_gateway_to_server(servicer: Any, server: Any) -> None:
     """Serve `spine.v1.Gateway` (the gateway's or the front's) so that a body that does not
     decode is answered like any bad input, not by gRPC's own INTERNAL."""
-    parse = lenient(generation_pb2.GenerateRequest.FromString)
+    parse = _lenient(generation_pb2.GenerateRequest.FromString)
     handlers = {
         "Generate": grpc.unary_unary_rpc_method_handler(
             _refusing(servicer, servicer.Generate, streaming=False), request_deserializer=parse,

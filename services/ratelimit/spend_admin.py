@@ -29,11 +29,6 @@ class SpendAdminService(spend_pb2_grpc.SpendAdminServicer):
         self._token = admin_token.encode()
         self._clock = clock
 
-    def may_block(self, rpc: str, request: object) -> bool:
-        """Every call reads or writes the store (sqlite, Postgres): served on an event loop
-        (`runtime.sync_on_loop`), it runs on a thread, never on the loop."""
-        return True
-
     def report(self, key: str = "", team: str = "", tenant: str = "") -> list[dict[str, Any]]:
         return spend_report(self.store, self.config, self._key_budgets(), self._clock(), key=key, team=team,
                             tenant=tenant)

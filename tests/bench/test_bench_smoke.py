@@ -58,7 +58,7 @@ def test_the_http_api_is_compared_with_grpc_on_the_same_server(quick_results: di
     assert set(rows) == {(mode, layout) for mode in ("unary", "stream") for layout in ("collapsed", "layered")}
     for row in rows.values():
         assert _positive(row["http_over_grpc_p50"]) and _positive(row["http_over_grpc_rps"])
-        assert row["loop_cpu_us_per_request"] > 0, "the request loop's CPU is read by thread"
+        assert row["http_loop_cpu_us_per_request"] > 0, "the HTTP event loop's CPU is read by thread"
 
 
 def test_every_run_has_positive_latency_throughput_and_memory(quick_results: dict) -> None:
@@ -166,19 +166,16 @@ def test_server_cpu_is_split_by_thread_and_the_decode_loop_is_told_apart(quick_r
     spent: dict[str, dict[str, float]] = {}
     for run in quick_results["runs"]:
         groups = run["cpu_us_per_request_by_thread"]
-        assert set(groups) == {"handlers", "model", "completions", "logs", "loop", "http-handlers",
+        assert set(groups) == {"handlers", "model", "completions", "logs", "http-loop", "http-handlers",
                                "other"}, run
         for group, value in groups.items():
             spent.setdefault(run["layout"], {}).setdefault(group, 0.0)
             spent[run["layout"]][group] += value
     for layout in ("bare", "collapsed", "layered"):
         assert spent[layout]["model"] > 0, (layout, spent[layout])
-    for layout in ("bare", "layered"):  # the bare model's pool; the layered gateway's (its steps block)
         assert spent[layout]["handlers"] > 0, (layout, spent[layout])
-    # The spine's gRPC calls are served on its request loop, with no handler thread.
-    assert spent["collapsed"]["loop"] > 0 and spent["collapsed"]["handlers"] == 0, spent["collapsed"]
     for layout in HTTP_LAYOUTS:  # called over HTTP: the HTTP threads, not the gRPC pool, do the work
-        assert spent[layout]["loop"] > 0, (layout, spent[layout])
+        assert spent[layout]["http-loop"] > 0, (layout, spent[layout])
     # The layered gateway's steps are blocking gRPC calls: its requests go to the HTTP handler
     # pool. The spine serves them on the HTTP loop itself, the model's outputs handed to it.
     assert spent["layered-http"]["http-handlers"] > 0, spent["layered-http"]
@@ -190,13 +187,12 @@ def test_thread_groups_and_the_split_table() -> None:
     from bench.targets import thread_cpu_by_group, thread_group
 
     assert [thread_group(n) for n in ("grpc_12", "inference-sched", "spine-completio", "log-flusher:req",
-                                      "event_engine", "python", "grpc_global_tim", "http-server", "spine-loop",
-                                      "http_3")] == [
-        "handlers", "model", "completions", "logs", "other", "other", "other", "loop", "loop", "http-handlers"]
+                                      "event_engine", "python", "grpc_global_tim", "http-server", "http_3")] == [
+        "handlers", "model", "completions", "logs", "other", "other", "other", "http-loop", "http-handlers"]
     before = {(1, 10): ("handlers", 1.0), (1, 11): ("model", 5.0)}
     after = {(1, 10): ("handlers", 1.5), (1, 11): ("model", 7.0), (1, 12): ("handlers", 0.25)}  # 12: a new thread
     assert thread_cpu_by_group(before, after) == {"handlers": 0.75, "model": 2.0, "completions": 0.0, "logs": 0.0,
-                                                  "loop": 0.0, "http-handlers": 0.0, "other": 0.0}
+                                                  "http-loop": 0.0, "http-handlers": 0.0, "other": 0.0}
     unary = [{"layout": "bare", "concurrency": 64, "cpu_us_per_request_by_thread": {"handlers": 100.0, "model": 900.0}},
              {"layout": "collapsed", "concurrency": 64,
               "cpu_us_per_request_by_thread": {"handlers": 260.0, "model": 910.0}},

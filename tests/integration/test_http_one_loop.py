@@ -1,10 +1,9 @@
 """A unary HTTP request through the spine over an upstream engine is served on one thread,
-the spine's request loop, from accept to answer: the gateway's stages, the model call and
+the HTTP server's event loop, from accept to answer: the gateway's stages, the model call and
 the upstream exchange all run there (no handler thread, no second loop between them). A
 request for the built-in model is served there too: its outputs are handed to the loop once
 per decode step. A stream over the upstream is served on the loop too, and a client that
-hangs up ends the upstream exchange at once. A call of the Gateway's gRPC API is served on
-the same loop, the same way (`runtime.gateway_on_loop`).
+hangs up ends the upstream exchange at once.
 
 Real servers on 127.0.0.1: the collapsed spine with its HTTP API (`http_stacks`) and the bare
 model server as its upstream engine. What touched the request is read from a pipeline hook
@@ -24,7 +23,6 @@ import pytest
 from runtime.running_stack import RunningStack
 from tests.http_helpers import DEV_KEY, UPSTREAM_MODELS, openai_client
 from tests.waiting import eventually
-from wire.v1 import gateway_pb2_grpc, generation_pb2
 
 
 class ThreadsSeen:
@@ -67,7 +65,7 @@ def seen(http_stacks: dict[str, RunningStack]) -> Iterator[tuple[RunningStack, T
 
 
 def _loop_thread(stack: RunningStack) -> int:
-    thread = stack.http_server.thread
+    thread = stack.http_server._thread
     assert thread is not None and thread.ident is not None
     return int(thread.ident)
 
@@ -145,48 +143,4 @@ def test_a_client_leaving_a_stream_on_the_loop_ends_the_upstream_exchange_at_onc
         assert answer.status_code == 200
         next(answer.iter_lines())  # the first event; then the client hangs up
     eventually(lambda: ends == ["cancelled on loop"], timeout=5, what=f"the upstream exchange cancelled: {ends}")
-    eventually(lambda: endpoint.in_flight == 0, timeout=5, what="the upstream's slot given back")
-
-
-def _gateway(stack: RunningStack) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
-    channel = grpc.insecure_channel(stack.address)
-    return channel, gateway_pb2_grpc.GatewayStub(channel)
-
-
-def _request(model: str, prompt: str, max_tokens: int = 3) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
-
-
-@pytest.mark.parametrize("model", [UPSTREAM_MODELS[0], "default"], ids=["upstream", "built-in"])
-def test_a_grpc_call_of_the_gateway_runs_on_the_same_loop_from_accept_to_answer(
-        seen: tuple[RunningStack, ThreadsSeen, list[int]], model: str) -> None:
-    stack, hook, attempts = seen
-    channel, gateway = _gateway(stack)
-    with channel:
-        answer, call = gateway.Generate.with_call(_request(model, "one loop for gRPC too"), timeout=10,
-                                                  metadata=[("authorization", f"Bearer {DEV_KEY}")])
-    assert answer.text
-    assert dict(call.trailing_metadata())["x-spine-layout"] == "collapsed"
-    loop = _loop_thread(stack)
-    assert {"auth", "ratelimit", "router", "inference"} <= {component for component, _ in hook.calls}, hook.calls
-    assert {thread for _, thread in hook.calls} == {loop}, [(c, t == loop) for c, t in hook.calls]
-    assert attempts == ([loop] if model != "default" else [])
-
-
-def test_a_grpc_stream_runs_on_the_loop_and_a_client_cancelling_it_ends_the_upstream_exchange_at_once(
-        streams_seen: tuple[RunningStack, ThreadsSeen, list[str]]) -> None:
-    stack, hook, ends = streams_seen
-    endpoint = stack.local_servicers["inference"].upstreams.endpoints[UPSTREAM_MODELS[0]]
-    channel, gateway = _gateway(stack)
-    with channel:
-        whole = list(gateway.GenerateStream(_request(UPSTREAM_MODELS[0], "a gRPC stream", 4), timeout=10,
-                                            metadata=[("authorization", f"Bearer {DEV_KEY}")]))
-        assert whole and ends == ["ended on loop"]
-        assert {thread for _, thread in hook.calls} == {_loop_thread(stack)}
-        long = generation_pb2.GenerateRequest(model=UPSTREAM_MODELS[0], prompt="a long answer nobody reads",
-                                              max_tokens=256, temperature=0.8)
-        stream = gateway.GenerateStream(long, timeout=10, metadata=[("authorization", f"Bearer {DEV_KEY}")])
-        next(stream)  # the first chunk; then the client cancels
-        stream.cancel()
-    eventually(lambda: ends[1:] == ["cancelled on loop"], timeout=5, what=f"the upstream exchange cancelled: {ends}")
     eventually(lambda: endpoint.in_flight == 0, timeout=5, what="the upstream's slot given back")

@@ -92,8 +92,8 @@ def test_the_probe_listener_answers_health_alone_in_plaintext(certs: Certs, tmp_
     stack = Stack(config, placements_for("collapsed", config), run_dir=tmp_path / "probe",
                   probe_listen="127.0.0.1:0").start()
     try:
-        assert stack.server is not None and stack.server.probe_address is not None
-        probe = stack.server.probe_address
+        assert stack.server is not None and stack.server.probe is not None
+        probe = stack.server.probe.address
         assert health(probe, None) == "SERVING"
         with channel(probe, None) as ch:  # the Gateway is not on it
             stub = health_pb2_grpc.HealthStub(ch)

@@ -11,7 +11,10 @@ headers are complete. This protocol bounds both, the way Envoy and nginx do:
   `max_header_bytes`; past it the request is answered 431 and nothing more is buffered;
 - a header line longer than `max_header_line_bytes`, or more than `max_header_fields`
   fields, is answered 431; a request line longer than the line limit 414;
-- a connection past `max_connections` is answered 503 the moment it is accepted;
+- a connection past `max_connections` is answered 503 the moment it is accepted, and is not
+  counted as one of them while it closes; every connection within the cap is served (uvicorn's
+  own `limit_concurrency`, which refuses every request once the connections reach it, is off:
+  the cap at accept bounds the requests too, one at a time on each connection);
 - a head that does not arrive within `read_timeout_s` closes its connection (slowloris).
 
 A refused connection is closed the way nginx's lingering close does it: the answer is
@@ -99,6 +102,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
+            # Not one of the connections served: its lingering close must not count against
+            # the cap, or a burst of refusals would refuse the next connections in the cap too.
+            self.connections.discard(self)
             self._refuse(503, f"the server holds its limit of {self.limits.max_connections} connections; "
                               "retry shortly")
             return

@@ -53,7 +53,7 @@ class HttpServer:
                 options.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
         self._config = uvicorn.Config(
             app, loop="uvloop", http=protocol, lifespan="off", log_level="warning", access_log=False,
-            server_header=False, limit_concurrency=config.max_connections,
+            server_header=False,  # the connection cap is the protocol's, at accept (`bounded_protocol`)
             timeout_keep_alive=config.keepalive_s, timeout_graceful_shutdown=3, **options)
         self._server = uvicorn.Server(self._config)
         self._thread: threading.Thread | None = None

@@ -233,6 +233,33 @@ def test_the_grpc_listener_refuses_huge_metadata_and_messages_with_a_clear_statu
         assert stub.Generate(small, metadata=metadata, timeout=30).text is not None
 
 
+def test_the_connections_within_the_cap_are_served_while_a_burst_past_it_is_refused(
+        http_stacks: dict[str, RunningStack]) -> None:
+    """The cap refuses only what is past it: every connection it admitted is served, however
+    many refused ones are still being closed (their lingering close takes up to a second)."""
+    stack = http_stacks["collapsed"]
+    cap = HTTP_LIMITS["max_connections"]
+    held = [connect(stack) for _ in range(cap)]
+    burst = [connect(stack) for _ in range(2 * cap)]
+    try:
+        for sock in burst:
+            sock.settimeout(5)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 503 ")
+        body = json.dumps(GOOD).encode()
+        for sock in held:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"authorization: Bearer " + DEV_KEY.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(body)
+                         + body)
+        statuses = []
+        for sock in held:
+            sock.settimeout(30)
+            statuses.append(sock.recv(4096).split(b"\r\n", 1)[0])
+        assert statuses == [b"HTTP/1.1 200 OK"] * cap, statuses
+    finally:
+        for sock in [*held, *burst]:
+            sock.close()
+
+
 def test_connections_past_the_cap_are_answered_503_at_accept(http_stacks: dict[str, RunningStack]) -> None:
     stack = http_stacks["collapsed"]
     held = [connect(stack) for _ in range(HTTP_LIMITS["max_connections"])]

@@ -64,33 +64,78 @@ class BatchStats:
         return self.items / self.batches if self.batches else 0.0
 
 
-class MicroBatcher(Generic[T, R]):
+Decide = Callable[[list[T]], Sequence[R | BaseException]]
+
+
+class BatchRules(Generic[T, R]):
+    """What every micro-batcher decides by, whoever runs it (threads here, an event loop in
+    `monolith.loop_batcher`): its settings, checked once; when a batch may wait for more and
+    when that wait can end; the counts; and `decide` held to one result per item. Why one
+    place: the two batchers must batch alike, or a request would be admitted differently by
+    the front that happened to read it."""
+
+    def __init__(self, decide: Decide[T, R], *, max_batch: int, max_wait_s: float,
+                 expected: Callable[[], int] | None, patient: Callable[[Sequence[T]], bool] | None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s: must be >= 0, got {max_wait_s}")
+        self._decide_items = decide
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._expected = expected
+        self._patient = patient
+        self.stats = BatchStats()
+
+    def _may_wait(self, queued: Sequence[T]) -> bool:
+        """Whether a batch of `queued` items may wait for more: waiting is on, more are
+        expected, and (where asked) a wait is free for these items now."""
+        return (self.max_wait_s > 0 and self._more_expected(len(queued))
+                and (self._patient is None or self._patient(queued)))
+
+    def _wait_can_end(self, queued: int, arrived: T) -> bool:
+        """Whether a wait for more ends with `arrived`: the batch is full, nothing more is
+        expected, or the item may not wait (say, of the latency class)."""
+        return (queued >= self.max_batch or not self._more_expected(queued)
+                or (self.max_wait_s > 0 and self._patient is not None and not self._patient((arrived,))))
+
+    def _more_expected(self, queued: int) -> bool:
+        return self._expected is not None and self._expected() > queued
+
+    def _decide(self, items: list[T]) -> list[R | BaseException]:
+        """`decide(items)`, held to one result per item (RuntimeError otherwise)."""
+        results = list(self._decide_items(items))
+        if len(results) != len(items):
+            raise RuntimeError(f"decide returned {len(results)} results for {len(items)} item"
+                               f"{'' if len(items) == 1 else 's'}")
+        return results
+
+    def _count(self, items: int, waited: bool) -> None:
+        """A batch of `items` decided (a threaded batcher's caller holds its lock)."""
+        self.stats.batches += 1
+        self.stats.items += items
+        self.stats.largest = max(self.stats.largest, items)
+        self.stats.waited += waited
+
+
+class MicroBatcher(BatchRules[T, R]):
     """Decides items in batches with `decide(items) -> one result per item`.
 
     A result that is an exception is raised in its caller alone; an exception raised by
     `decide` itself goes to every caller of that batch.
     """
 
-    def __init__(self, decide: Callable[[list[T]], Sequence[R | BaseException]], *, max_batch: int = 32,
+    def __init__(self, decide: Decide[T, R], *, max_batch: int = 32,
                  max_wait_s: float = 0.0, expected: Callable[[], int] | None = None,
                  patient: Callable[[Sequence[T]], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
-        if max_wait_s < 0:
-            raise ValueError(f"max_wait_s: must be >= 0, got {max_wait_s}")
-        self._decide = decide
-        self.max_batch = max_batch
-        self.max_wait_s = max_wait_s
-        self._expected = expected
-        self._patient = patient
+        super().__init__(decide, max_batch=max_batch, max_wait_s=max_wait_s, expected=expected, patient=patient)
         self._clock = clock
         self._lock = threading.Lock()
         self._arrival = threading.Condition(self._lock)
         self._pending: deque[_Slot[T]] = deque()
         self._leading = False
         self._closed = False
-        self.stats = BatchStats()
 
     def submit(self, item: T) -> R:
         """Block until `item` is decided; return its result (or raise its exception)."""
@@ -108,8 +153,7 @@ class MicroBatcher(Generic[T, R]):
             lead = not self._leading
             if lead:
                 self._leading = True
-            elif (len(self._pending) >= self.max_batch or not self._more_expected()
-                  or (self.max_wait_s > 0 and self._patient is not None and not self._patient((item,)))):
+            elif self._wait_can_end(len(self._pending), item):
                 # Wake a leader waiting for more only when its wait can end: the batch is
                 # full, or nothing more is expected. Waking it on every arrival made it take
                 # the GIL once per request just to go back to sleep — under load each such
@@ -141,8 +185,6 @@ class MicroBatcher(Generic[T, R]):
         arrive meanwhile queue up, and the oldest of them decides them as the next batch."""
         try:
             result = self._decide([item])
-            if len(result) != 1:
-                raise RuntimeError(f"decide returned {len(result)} results for 1 item")
         finally:
             with self._lock:
                 self._count(1, waited=False)
@@ -169,7 +211,7 @@ class MicroBatcher(Generic[T, R]):
             waited = False
             if self._pending and self._may_wait(self._items()):
                 until = self._pending[0].arrived + self.max_wait_s
-                while len(self._pending) < self.max_batch and self._more_expected() and (
+                while len(self._pending) < self.max_batch and self._more_expected(len(self._pending)) and (
                         not waited or self._patient is None or self._patient(self._items())):
                     left = until - self._clock()
                     if left <= 0:
@@ -180,13 +222,6 @@ class MicroBatcher(Generic[T, R]):
             batch = [self._pending.popleft() for _ in range(count)]
             self._count(count, waited)
         return batch
-
-    def _count(self, items: int, waited: bool) -> None:
-        """A batch of `items` decided (the caller holds the lock)."""
-        self.stats.batches += 1
-        self.stats.items += items
-        self.stats.largest = max(self.stats.largest, items)
-        self.stats.waited += waited
 
     def _hand_over(self) -> None:
         """Leading ends (the caller holds the lock): the oldest waiter, if any, decides the
@@ -199,20 +234,9 @@ class MicroBatcher(Generic[T, R]):
     def _items(self) -> list[T]:
         return [slot.item for slot in self._pending]
 
-    def _may_wait(self, queued: Sequence[T]) -> bool:
-        """Whether a leader with `queued` items may wait for more: waiting is on, more are
-        expected, and (where asked) a wait is free for these items now."""
-        return (self.max_wait_s > 0 and self._expected is not None and self._expected() > len(queued)
-                and (self._patient is None or self._patient(queued)))
-
-    def _more_expected(self) -> bool:
-        return self._expected is not None and self._expected() > len(self._pending)
-
     def _run(self, batch: list[_Slot[T]]) -> None:
         try:
-            results = list(self._decide([slot.item for slot in batch]))
-            if len(results) != len(batch):
-                raise RuntimeError(f"decide returned {len(results)} results for {len(batch)} items")
+            results = self._decide([slot.item for slot in batch])
         except BaseException as error:  # every caller of this batch gets it
             results = [error] * len(batch)
         for slot, result in zip(batch, results, strict=True):

@@ -21,34 +21,27 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import TypeVar
 
-from monolith.batcher import BatcherClosed, BatchStats
+from monolith.batcher import BatcherClosed, BatchRules, Decide
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
-class LoopBatcher(Generic[T, R]):
+class LoopBatcher(BatchRules[T, R]):
     """Decides items queued on `loop` in batches with `decide(items) -> one result per item`;
     a result that is an exception is raised in its caller alone."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, decide: Callable[[list[T]], Sequence[R | BaseException]], *,
+    def __init__(self, loop: asyncio.AbstractEventLoop, decide: Decide[T, R], *,
                  max_batch: int = 32, max_wait_s: float = 0.0, expected: Callable[[], int] | None = None,
                  patient: Callable[[Sequence[T]], bool] | None = None) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        super().__init__(decide, max_batch=max_batch, max_wait_s=max_wait_s, expected=expected, patient=patient)
         self.loop = loop
-        self._decide = decide
-        self.max_batch = max_batch
-        self.max_wait_s = max_wait_s
-        self._expected = expected
-        self._patient = patient
         self._pending: deque[tuple[T, asyncio.Future[R]]] = deque()
         self._scheduled: asyncio.Handle | None = None  # the batch's decision, soon or after a wait
         self._waiting = False  # `_scheduled` is a wait for more (a timer), not the next pass
         self._closed = False
-        self.stats = BatchStats()
 
     async def submit(self, item: T) -> R:
         """`item`'s result, decided with whatever else this pass of the loop queued."""
@@ -60,8 +53,7 @@ class LoopBatcher(Generic[T, R]):
         self._pending.append((item, future))
         if self._scheduled is None:
             self._schedule()
-        elif self._waiting and (len(self._pending) >= self.max_batch or not self._more_expected()
-                                or (self._patient is not None and not self._patient((item,)))):
+        elif self._waiting and self._wait_can_end(len(self._pending), item):
             self._scheduled.cancel()  # the wait can end: decide with the next pass
             self._scheduled, self._waiting = self.loop.call_soon(self._run), False
         return await future
@@ -78,8 +70,6 @@ class LoopBatcher(Generic[T, R]):
     def _alone(self, item: T) -> R:
         """Nothing queued, nothing else in flight: a batch of one, decided here and now."""
         results = self._decide([item])
-        if len(results) != 1:
-            raise RuntimeError(f"decide returned {len(results)} results for 1 item")
         self._count(1, waited=False)
         value = results[0]
         if isinstance(value, BaseException):
@@ -89,8 +79,7 @@ class LoopBatcher(Generic[T, R]):
     def _schedule(self) -> None:
         """The next decision: after a wait while one is free, else with the next pass."""
         items = [item for item, _ in self._pending]
-        if (self.max_wait_s > 0 and len(items) < self.max_batch and self._more_expected()
-                and (self._patient is None or self._patient(items))):
+        if len(items) < self.max_batch and self._may_wait(items):
             self._scheduled, self._waiting = self.loop.call_later(self.max_wait_s, self._run), True
         else:
             self._scheduled, self._waiting = self.loop.call_soon(self._run), False
@@ -101,9 +90,7 @@ class LoopBatcher(Generic[T, R]):
         live = [(item, future) for item, future in batch if not future.done()]  # a caller that left is skipped
         if live:
             try:
-                results = list(self._decide([item for item, _ in live]))
-                if len(results) != len(live):
-                    raise RuntimeError(f"decide returned {len(results)} results for {len(live)} items")
+                results = self._decide([item for item, _ in live])
             except BaseException as error:  # every caller of this batch gets it
                 results = [error] * len(live)
             for (_, future), result in zip(live, results, strict=True):
@@ -116,12 +103,3 @@ class LoopBatcher(Generic[T, R]):
             self._count(len(live), waited)
         if self._pending:
             self._schedule()
-
-    def _more_expected(self) -> bool:
-        return self._expected is not None and self._expected() > len(self._pending)
-
-    def _count(self, items: int, waited: bool) -> None:
-        self.stats.batches += 1
-        self.stats.items += items
-        self.stats.largest = max(self.stats.largest, items)
-        self.stats.waited += waited

@@ -104,3 +104,26 @@ def test_a_caller_that_left_is_skipped_and_a_closed_batcher_refuses() -> None:
 
     asyncio.run(left())
     assert decisions.batches == [[2, 99]]
+
+
+@pytest.mark.parametrize("settings", [{"max_batch": 0}, {"max_wait_s": -0.001}], ids=["max_batch", "max_wait_s"])
+def test_both_batchers_refuse_the_same_settings(settings: dict[str, float]) -> None:
+    from monolith.batcher import MicroBatcher
+
+    loop = asyncio.new_event_loop()
+    try:
+        for make in (lambda: MicroBatcher(Decisions(), **settings),  # type: ignore[arg-type]
+                     lambda: LoopBatcher(loop, Decisions(), **settings)):  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=next(iter(settings))):
+                make()
+    finally:
+        loop.close()
+
+
+def test_a_decide_that_miscounts_fails_its_callers_on_the_loop_too() -> None:
+    async def miscounted() -> None:
+        batcher: LoopBatcher[int, int] = LoopBatcher(asyncio.get_running_loop(), lambda items: [], max_batch=4)
+        with pytest.raises(RuntimeError, match="decide returned 0 results for 1 item"):
+            await batcher.submit(1)
+
+    asyncio.run(miscounted())

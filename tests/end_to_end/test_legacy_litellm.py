@@ -40,9 +40,11 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LegacyRig]:
 
 
 def audit(rig: LegacyRig) -> str:
-    """The controller's latest transitions, newest first, one line each."""
+    """The controller's latest transitions, newest first, one line each, and the verdicts of
+    its last window's gates (why a stage that neither moved nor rolled back held)."""
     view = rig.cutover.controller.controller.view(audit_rows=4)  # type: ignore[union-attr]
-    return "\n".join(f"{entry.action}: {entry.reason}" for entry in view.recent_audit)
+    gates = [f"gate {gate.gate} (stage {gate.stage}): {gate.verdict}: {gate.message}" for gate in view.last_gates]
+    return "\n".join([*(f"{entry.action}: {entry.reason}" for entry in view.recent_audit), *gates])
 
 
 def plan(rig: LegacyRig, canary_weight: int = 20) -> str:
@@ -58,6 +60,9 @@ def reset(rig: LegacyRig) -> None:
     """Every call to LiteLLM again, no fault on the spine, and the last run's shadow copies
     compared and scraped (a late comparison would land in the next run's first window)."""
     assert rig.cutover is not None and rig.cutover.front is not None
+    controller = rig.cutover.controller.controller  # type: ignore[union-attr]
+    if controller.status.state is State.PROGRESSING:  # an earlier test's plan that never finished
+        controller.abort(actor="test", reason="a new test begins")
     rig.switch_fault("clear")
     rig.cutover.front.set_weight(0)
     mirror = rig.cutover.front.mirror

@@ -10,6 +10,7 @@ now; the gateway, given this object when it is made, asks it for them on each re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from monolith.batched_pipeline import BatchedAdmission, BatchingConfig, DeferredCompletions
 from runtime.placement.components import Components
@@ -17,6 +18,7 @@ from services.gateway.steps import Admission, Completions, DirectSteps, InFlight
 from services.inference.priority import DEFAULT as DEFAULT_PRIORITY
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
+from services.pipeline.step import Step
 
 
 class GatewayBatching:
@@ -34,6 +36,7 @@ class GatewayBatching:
         # What the gateway runs now (`services.gateway.steps.Steps`), swapped whole by `attach`.
         self._current: tuple[Admission, Completions] = (self._direct.admission, self._direct.completions)
         self._in_process = False  # set by `attach`
+        self._on_loop = False  # set by `attach`
 
     @property
     def admission(self) -> Admission:
@@ -47,6 +50,15 @@ class GatewayBatching:
         request path), and batching is on, so the completions' writes (logs, cache, metrics)
         are handed to the writer thread rather than made in the request's."""
         return self._in_process
+
+    @property
+    def on_loop(self) -> bool:
+        """Whether an event loop may run this request's steps at all (`Steps.on_loop`): inline
+        where `in_process`; else through the loop bridge, where every admission step's component
+        is in this process (and admission is not batched with remote ones) or awaited on the
+        loop, and every completion step's is awaited on the loop or, with batching on, in this
+        process (its writes handed to the writer thread; a lease's release is CPU work)."""
+        return self._on_loop
 
     @property
     def completions(self) -> Completions:
@@ -84,6 +96,22 @@ class GatewayBatching:
         self._in_process = batching.enabled and all(placements[step.component] == "local"
                                                     for step in (*pipeline.admission, *pipeline.completion)
                                                     if step.component)
+        self._on_loop = self._in_process or self._bridgeable(batched_admission)
+
+    def _bridgeable(self, batched_admission: bool) -> bool:
+        """Whether every step can run through the loop bridge as placed now (`on_loop`)."""
+        pipeline, placements, enabled = self.pipeline, self.components.placements, self.batching.enabled
+
+        def awaited(step: Step[Any]) -> bool:
+            return step.interface is not None and bool(
+                getattr(pipeline.components.get(step.interface), "awaits_on_loop", False))
+
+        for step in pipeline.admission:
+            if step.component and not (placements[step.component] == "local" or
+                                       (not batched_admission and awaited(step))):
+                return False
+        return all(awaited(step) or (enabled and placements[step.component] == "local")
+                   for step in pipeline.completion if step.component)
 
     def _close_completions(self) -> None:
         if self.deferred is None:

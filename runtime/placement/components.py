@@ -25,7 +25,8 @@ from runtime.config.sections import ForeignPlacement, TlsConfig
 from runtime.health.gateway import ComponentHealth, Target, always_serving
 from runtime.placement.foreign import foreign_client, foreign_health
 from runtime.placement.in_process import in_process
-from runtime.placement.remote import RemoteComponent, remote, remote_channel
+from runtime.placement.remote import RemoteComponent, loop_link, remote, remote_channel
+from runtime.placement.remote_model import RemoteModel
 from runtime.processes.supervisor import Supervisor
 from services.common import ConfigError
 from services.common.outlier import OutlierDetector, OutlierPolicy
@@ -128,7 +129,10 @@ class Components:
             assert self.supervisor is not None, f"{name} has no process to reach"
             address = self.supervisor.children[name].address
         channel = remote_channel(address, self.max_message_bytes, self.tls)
-        return _Reached(remote(interface, spec.stub_class()(channel), channel, self._detector(name)), channel)
+        stub_class = spec.stub_class()
+        on_loop = loop_link(address, self.max_message_bytes, stub_class, self.tls)
+        base = RemoteModel if name == "inference" else RemoteComponent
+        return _Reached(remote(interface, stub_class(channel), channel, self._detector(name), on_loop, base), channel)
 
     def check(self, placements: Mapping[str, str]) -> dict[str, str]:
         """The placements after `placements` would be applied, or ConfigError naming the first

@@ -13,27 +13,75 @@ UNAVAILABLE (they would otherwise each wait out their whole deadline on a proces
 not going to answer). An error naming the upstream server that failed (`x-spine-upstream`)
 is the component's answer, not its failure: a flaky upstream never ejects the inference
 process that reports it.
+
+A call made on an event loop (the HTTP API's, through `services.pipeline.loop_bridge`) goes
+out on a grpc.aio stub of the same component and is awaited there, so a request served on
+the loop never waits on a thread; the budget, the outlier detector, the caller's cancel and
+`abandon` act on it as on a call from a thread (`LoopLink`, `_unary_on_loop`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import grpc
 
 from runtime.config.sections import TlsConfig
-from runtime.tls import link_channel
+from runtime.tls import link_channel, link_credentials
 from services.common.outlier import Ejected, OutlierDetector
 from services.pipeline.batch_rpc import BatchRpc
 from services.pipeline.interface import NO_OPTIONS, CallOptions, Interface, Method, UnaryRpc
 from services.pipeline.local_call import status_of
 from services.pipeline.local_context import LocalRpcError
+from services.pipeline.loop_bridge import on_loop_now, wait_for
 from services.pipeline.verdicts import UPSTREAM_HEADER
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LoopLink:
+    """How to open the component's channel on an event loop: a grpc.aio channel (and its stub)
+    is bound to the loop that made it, so each loop that calls gets its own, from these."""
+
+    address: str
+    credentials: grpc.ChannelCredentials | None
+    options: tuple[tuple[str, Any], ...]
+    stub_class: Callable[[Any], Any]
+
+    def open(self) -> Any:
+        """A grpc.aio channel to the component (on the running loop)."""
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(self.address, options=list(self.options))
+        return grpc.aio.secure_channel(self.address, self.credentials, options=list(self.options))
+
+
+class LoopCall:
+    """A grpc.aio call in flight, cancellable from any thread (the health watcher's `abandon`,
+    a client's hang-up): an aio call belongs to its loop, so another thread asks the loop."""
+
+    __slots__ = ("call", "loop", "cancelled")
+
+    def __init__(self, call: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.call = call
+        self.loop = loop
+        self.cancelled = False  # cancelled by us (the caller, or `abandon`), not by the task's own cancel
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        try:
+            here = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            here = False
+        if here:
+            self.call.cancel()
+        elif not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.call.cancel)
 
 
 class RemoteComponent:
@@ -42,11 +90,15 @@ class RemoteComponent:
     placement = "remote"
 
     def __init__(self, component: str, stub: object, channel: grpc.Channel,
-                 detector: OutlierDetector | None = None) -> None:
+                 detector: OutlierDetector | None = None, loop_link: LoopLink | None = None) -> None:
         self.component = component
         self.stub = stub
         self.channel = channel
         self.detector = detector
+        self.loop_link = loop_link
+        # Whether a caller on an event loop may await this component there (`loop_bridge`).
+        self.awaits_on_loop = loop_link is not None
+        self._on_loops: dict[asyncio.AbstractEventLoop, tuple[Any, Any]] = {}  # loop: (aio channel, stub)
         self._inflight: set[Any] = set()
         self._abandoned: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -65,10 +117,18 @@ class RemoteComponent:
 
     def close(self) -> None:
         self.channel.close()
+        with self._lock:
+            on_loops, self._on_loops = self._on_loops, {}
+        for loop, (channel, _) in on_loops.items():
+            if not loop.is_closed():  # an aio channel is closed on its own loop
+                asyncio.run_coroutine_threadsafe(channel.close(), loop)
 
     # -- one call ---------------------------------------------------------------------------
     def _unary(self, rpc: str, request: Any, options: CallOptions) -> tuple[Any, Sequence[tuple[str, str]]]:
-        """(the answer, its trailing metadata) of the unary rpc `rpc`, or its `grpc.RpcError`."""
+        """(the answer, its trailing metadata) of the unary rpc `rpc`, or its `grpc.RpcError`;
+        awaited on the loop when called there (`loop_bridge`), waited for on this thread else."""
+        if self.loop_link is not None and on_loop_now():
+            return wait_for(self._unary_on_loop(rpc, request, options))
         self._admit()
         future = getattr(self.stub, rpc).future(request, timeout=options.timeout,
                                                 metadata=tuple(options.metadata) or None)
@@ -91,6 +151,50 @@ class RemoteComponent:
         finally:
             self._untrack(future)
             self._record(code, options.timeout, failure)
+
+    async def _unary_on_loop(self, rpc: str, request: Any,
+                             options: CallOptions) -> tuple[Any, Sequence[tuple[str, str]]]:
+        """`_unary` on the running loop's grpc.aio stub: the same budget, outlier record,
+        cancel and abandon; the answer's trailers come with it."""
+        self._admit()
+        loop = asyncio.get_running_loop()
+        call = getattr(self._loop_stub(loop), rpc)(request, timeout=options.timeout,
+                                                   metadata=tuple(options.metadata) or None)
+        handle = LoopCall(call, loop)
+        self._track(handle)
+        if options.parent is not None:
+            options.parent.add_callback(handle.cancel)
+        code, failure = grpc.StatusCode.OK, None
+        try:
+            answer = await call
+            return answer, tuple(await call.trailing_metadata() or ())
+        except grpc.RpcError as error:
+            code, failure = status_of(error), error
+            raise
+        except asyncio.CancelledError as error:
+            if not handle.cancelled:  # the task itself was cancelled: not this call's verdict
+                code = grpc.StatusCode.CANCELLED
+                raise
+            reason = self._untrack(handle)
+            if reason is not None:
+                code = grpc.StatusCode.UNAVAILABLE
+                raise self._gone(reason) from error
+            code = grpc.StatusCode.CANCELLED
+            raise LocalRpcError(code, "Cancelled by the caller") from error
+        finally:
+            self._untrack(handle)
+            self._record(code, options.timeout, failure)
+
+    def _loop_stub(self, loop: asyncio.AbstractEventLoop) -> Any:
+        """This loop's stub of the component, its channel opened on first use."""
+        made = self._on_loops.get(loop)
+        if made is None:
+            assert self.loop_link is not None
+            channel = self.loop_link.open()
+            made = (channel, self.loop_link.stub_class(channel))
+            with self._lock:
+                self._on_loops[loop] = made
+        return made[1]
 
     def _stream(self, rpc: str, request: Any, options: CallOptions) -> RemoteStream:
         self._admit()
@@ -128,15 +232,19 @@ class RemoteComponent:
 
 
 def remote(interface: Interface[T], stub: object, channel: grpc.Channel,
-           detector: OutlierDetector | None = None) -> T:
-    """The component of `interface` behind `stub` (its generated stub on `channel`)."""
-    return cast(T, _remote_class(interface)(interface.component, stub, channel, detector))
+           detector: OutlierDetector | None = None, loop_link: LoopLink | None = None,
+           base: type[RemoteComponent] = RemoteComponent) -> T:
+    """The component of `interface` behind `stub` (its generated stub on `channel`); with
+    `loop_link`, awaited on an event loop when called there. `base` adds what the interface's
+    table cannot say (the model's answer awaited on a loop: `runtime.placement.remote_model`)."""
+    made = _remote_class(interface, base)  # type: ignore[arg-type]  # a class is hashable
+    return cast(T, made(interface.component, stub, channel, detector, loop_link))
 
 
 @functools.cache
-def _remote_class(interface: Interface[Any]) -> type[RemoteComponent]:
+def _remote_class(interface: Interface[Any], base: type[RemoteComponent]) -> type[RemoteComponent]:
     operations = {name: _operation(method) for name, method in interface.methods.items()}
-    return type(f"Remote_{interface.component}", (RemoteComponent,), operations)
+    return type(f"Remote_{interface.component}", (base,), operations)
 
 
 def _operation(method: Method) -> Callable[..., Any]:
@@ -259,7 +367,18 @@ def upstreams_fault(error: BaseException | None) -> bool:
 def remote_channel(address: str, max_message_bytes: int, tls: TlsConfig | None = None) -> grpc.Channel:
     """A channel to an internal link: a unix socket (plaintext), or TCP — mTLS with this
     process's certificate when it has `tls` (a layered child behind a Kubernetes Service)."""
-    return link_channel(address, tls, options=[
+    return link_channel(address, tls, options=_link_options(max_message_bytes))
+
+
+def loop_link(address: str, max_message_bytes: int, stub_class: Callable[[Any], Any],
+              tls: TlsConfig | None = None) -> LoopLink:
+    """`remote_channel`'s twin for callers on an event loop: the same address, credentials and
+    options, opened as a grpc.aio channel by each loop that calls."""
+    return LoopLink(address, link_credentials(tls, address), tuple(_link_options(max_message_bytes)), stub_class)
+
+
+def _link_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.enable_retries", 0),
@@ -268,4 +387,4 @@ def remote_channel(address: str, max_message_bytes: int, tls: TlsConfig | None =
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
-    ])
+    ]

@@ -52,6 +52,7 @@ from services.inference.api import INFERENCE, AsyncChunkStream, ChunkStream, Gen
 from services.inference.output_policy import OutputPolicy
 from services.pipeline.internal_marks import SHADOW_HEADER, is_shadow
 from services.pipeline.limits import NO_DEADLINE_S, RequestLimits
+from services.pipeline.loop_bridge import run_on_loop
 from services.pipeline.pipeline import FailOpenCount, Pipeline, code_details
 from services.pipeline.state import ModelCall, RequestState
 from services.pipeline.verdicts import Stop, downstream_stop
@@ -110,12 +111,14 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     # -- on the caller's event loop ---------------------------------------------------------
     def serves_on_loop(self, request: generation_pb2.GenerateRequest) -> bool:
         """Whether `generate_on_loop` should serve `request` on an event loop now: every
-        admission and completion step is a call into this process (CPU work of microseconds;
-        completion writes are handed to their writer thread), no hook may block (an injected
-        latency sleeps), and the model it names (an alias by what it last routed to) is one
-        whose answer is awaited there (`OnLoop`: every model of the spine's own router).
-        Asked per request: components move."""
-        if not self.steps.in_process or any(getattr(hook, "may_block", True) for hook in self.pipeline.hooks):
+        admission and completion step can run there (`Steps.on_loop`: a call into this process,
+        CPU work of microseconds with completion writes handed to their writer thread, or a
+        component in another process awaited on its grpc.aio stub through the loop bridge), no
+        hook may block (an injected latency sleeps), and the model it names (an alias by what
+        it last routed to) is one whose answer is awaited there (`OnLoop`: every model of the
+        spine's own router, or the inference process's over grpc.aio). Asked per request:
+        components move."""
+        if not self.steps.on_loop or any(getattr(hook, "may_block", True) for hook in self.pipeline.hooks):
             return False
         on_loop = getattr(self.pipeline.components.get(INFERENCE), "on_loop", None)
         return on_loop is not None and bool(on_loop(self.model_load.routed(request.model)))
@@ -130,7 +133,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         `offload`. A verdict is raised as `grpc.RpcError` with the trailers it goes out
         with, as `Generate` does."""
         state = self._begin(request, context)
-        with self._settled(state):
+        async with self._settled_on_loop(state):
             try:
                 await self.steps.admission.admit_on_loop(state)
                 if state.hit is not None:
@@ -201,7 +204,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         client left) stops the model at once."""
         state = self._begin(request, context)
         state.streamed = True
-        with self._settled(state):
+        async with self._settled_on_loop(state):
             try:
                 await self.steps.admission.admit_on_loop(state)
                 hit = self._stream_hit(state, context)
@@ -359,6 +362,21 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             raise
         finally:
             self._finish(state)
+
+    @contextlib.asynccontextmanager
+    async def _settled_on_loop(self, state: RequestState) -> AsyncIterator[None]:
+        """`_settled` on an event loop: completions in another process are awaited there."""
+        try:
+            yield
+        except Exception:
+            if state.status == "OK":
+                state.status = "INTERNAL"
+            raise
+        finally:
+            if self.steps.in_process:  # every completion a call into this process: inline
+                self._finish(state)
+            else:
+                await run_on_loop(self._finish, state)
 
     def _abort(self, state: RequestState, context: Any, stop: Stop) -> None:
         """End the call with the pipeline's verdict; its trailers name layout and request id."""

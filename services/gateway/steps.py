@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from services.pipeline.loop_bridge import run_on_loop
 from services.pipeline.pipeline import Pipeline
 from services.pipeline.state import RequestState
 
@@ -50,6 +51,14 @@ class Steps(Protocol):
 
     @property
     def in_process(self) -> bool: ...
+
+    @property
+    def on_loop(self) -> bool:
+        """Whether an event loop may run this request's admission and completions at all:
+        inline where `in_process`, else through the loop bridge
+        (`services.pipeline.loop_bridge`), every component in another process awaited on its
+        grpc.aio stub there and every one in this process CPU work or handed to a writer."""
+        ...
 
 
 class InFlight:
@@ -97,7 +106,8 @@ class DirectAdmission:
             raise state.outcome
 
     async def admit_on_loop(self, state: RequestState) -> None:
-        self.admit(state)
+        """On the loop through the bridge: a component in another process is awaited there."""
+        await run_on_loop(self.admit, state)
 
 
 class DirectCompletions:
@@ -114,6 +124,7 @@ class DirectSteps:
     """Every step per request (no batching), in the request's thread: never on a loop."""
 
     in_process = False
+    on_loop = False
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.admission: Admission = DirectAdmission(pipeline)

@@ -144,3 +144,38 @@ def test_a_client_leaving_a_stream_on_the_loop_ends_the_upstream_exchange_at_onc
         next(answer.iter_lines())  # the first event; then the client hangs up
     eventually(lambda: ends == ["cancelled on loop"], timeout=5, what=f"the upstream exchange cancelled: {ends}")
     eventually(lambda: endpoint.in_flight == 0, timeout=5, what="the upstream's slot given back")
+
+
+class _NoThreadStub:
+    """In place of a remote component's sync stub: a call from a handler thread fails loudly."""
+
+    def __getattr__(self, rpc: str) -> Any:
+        raise AssertionError(f"{rpc} went out on the sync stub, off the loop")
+
+
+def test_a_layered_request_runs_on_the_http_loop_its_middlewares_and_model_awaited_there(
+        http_stacks: dict[str, RunningStack]) -> None:
+    """The layered gateway's HTTP API: every middleware and the model are other processes,
+    awaited on their grpc.aio stubs from the HTTP loop (no handler thread): with every
+    component's sync stub taken away, the request is still answered, and every call began on
+    the loop's thread."""
+    stack = http_stacks["layered"]
+    assert stack.pipeline is not None
+    hook = ThreadsSeen()
+    placed = {name: stack.components.placed.named(name) for name in stack.components.registry.names}
+    assert all(getattr(proxy, "awaits_on_loop", False) for proxy in placed.values()), placed
+    stubs = {name: proxy.stub for name, proxy in placed.items()}  # type: ignore[attr-defined]
+    stack.pipeline.hooks.append(hook)
+    for proxy in placed.values():
+        proxy.stub = _NoThreadStub()  # type: ignore[attr-defined]
+    try:
+        answer = openai_client(stack).chat.completions.create(
+            model=UPSTREAM_MODELS[0], max_tokens=3, temperature=0, messages=[{"role": "user", "content": "layered"}])
+    finally:
+        stack.pipeline.hooks.remove(hook)
+        for name, proxy in placed.items():
+            proxy.stub = stubs[name]  # type: ignore[attr-defined]
+    assert answer.choices[0].message.content
+    loop = _loop_thread(stack)
+    assert {"auth", "ratelimit", "router", "inference", "logs", "metrics"} <= {c for c, _ in hook.calls}, hook.calls
+    assert {thread for _, thread in hook.calls} == {loop}, [(c, t == loop) for c, t in hook.calls]

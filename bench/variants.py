@@ -4,6 +4,7 @@ several checkouts of the code, side by side.
     python -m bench.variants --vary batching.max_wait_us=0,10000 [--concurrency 64] [--requests 1200]
                              [--rounds 6] [--stream]
     python -m bench.variants --tree ../spine-change [--tree ...] [--concurrency 16,64] [--http] [--device]
+                             [--layout layered]
 
 Why: a change to the request path is judged against bare in one run, but a full `make bench`
 takes minutes and its ratios move between runs on a shared host by more than most single
@@ -20,6 +21,10 @@ say) with the bench's config, next to this checkout's: a change to the code judg
 the code it changes in the same run, which is how a change worth a few percent has to be
 judged on this host (separate runs of the same build read several percent apart). Its generated
 protobuf modules are made first if it has none, as `make protos` would.
+
+`--layout layered` runs every variant as the layered stack instead (its gateway and one
+process per middleware, the OS placing them): a change to the layered gateway's path
+(its hops, how it awaits them) judged the same way.
 """
 
 from __future__ import annotations
@@ -125,11 +130,11 @@ def generate_protos(root: Path) -> None:
     (out / ".generated").touch()
 
 
-def print_variants(runs: list[dict[str, Any]], console: Console) -> None:
+def print_variants(runs: list[dict[str, Any]], console: Console, layout: str = "collapsed") -> None:
     """Each run against bare (`add_ratios`' ratios; TTFT's here) and its CPU by thread."""
     add_ratios(runs)
     bare = {(run["mode"], run["concurrency"]): run for run in runs if run["layout"] == "bare"}
-    table = Table(title="variants of the collapsed spine (ratios: variant / bare, same cell)")
+    table = Table(title=f"variants of the {layout} layout (ratios: variant / bare, same cell)")
     for column in ("mode", "conc", "variant", "p50 ×bare", "p99 ×bare", "rps ×bare", "TTFT ×bare",
                    "handlers µs", "loop µs", "model µs", "completions µs", "total µs"):
         table.add_column(column, justify="left" if column in ("mode", "variant") else "right",
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-requests", type=int, default=STREAM_REQUESTS)
     parser.add_argument("--device", action="store_true",
                         help="the device regime's model (the simulator, its batch sizes: bench.device_regime)")
+    parser.add_argument("--layout", choices=("collapsed", "layered"), default="collapsed",
+                        help="the layout every variant runs (default collapsed)")
     parser.add_argument("--http", action="store_true",
                         help="call the variants over their HTTP API (POST /v1/completions), bare over gRPC")
     args = parser.parse_args(argv)
@@ -196,12 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                    else write_configs(run_dir))
         try:
             variants = {name: (path, REPO_ROOT)
-                        for name, path in variant_configs(run_dir, configs["collapsed"], key, values).items()}
+                        for name, path in variant_configs(run_dir, configs[args.layout], key, values).items()}
         except ConfigError as error:
             console.print(f"[red]{error}[/red]")
             return 2
         if trees and not values:
-            variants["collapsed"] = (configs["collapsed"], REPO_ROOT)
+            variants[args.layout] = (configs[args.layout], REPO_ROOT)
         for name, root in trees.items():
             try:
                 generate_protos(root)
@@ -212,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"{name}: its protos do not compile: {error.stderr.strip()[-500:]}", style="red",
                               markup=False, highlight=False)
                 return 2
-            variants[name] = (configs["collapsed"], root)
+            variants[name] = (configs[args.layout], root)
         targets["bare"] = launch("bare", run_dir, configs["bare"])
         for i, (name, (path, code)) in enumerate(variants.items()):
             where = run_dir / f"v{i}"
             where.mkdir()
-            targets[name] = launch("collapsed", where, path, code=code)
+            targets[name] = launch(args.layout, where, path, code=code)
         for name, target in targets.items():
             try:
                 target.wait_ready(settings.ready_timeout_s)
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         tear_down(sampler, endpoints, targets, console)
         shutil.rmtree(run_dir, ignore_errors=True)
-    print_variants(runs, console)
+    print_variants(runs, console, args.layout)
     return 0
 
 

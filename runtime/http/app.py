@@ -5,10 +5,12 @@ front — exactly as a gRPC call would: a `GenerateRequest`, and a `LocalContext
 request's metadata, cancelled the moment the client goes away (so a stream's KV slot and
 its tenant's concurrency count are given back at once).
 
-A unary request to a gateway whose steps are all in this process (`serves_on_loop`: the
-spine) is served on this server's event loop from accept to answer: the gateway's pipeline
-runs there (microseconds of CPU per step), an upstream is awaited on this loop's own
-connections, and the answer's headers come back as values.
+A unary request to a gateway whose steps can all run on this server's event loop
+(`serves_on_loop`: the spine, the layered gateway, a spine mid-migration) is served there
+from accept to answer: the gateway's pipeline runs there (a step in this process is
+microseconds of CPU; one in another process is awaited on its grpc.aio stub through the loop
+bridge, `services.pipeline.loop_bridge`), an upstream or a model process is awaited on this
+loop's own connections, and the answer's headers come back as values.
 
 A stream to such a gateway is served there too: the engine's chunks are awaited and written
 to the client's socket from this loop.
@@ -16,8 +18,9 @@ to the client's socket from this loop.
 The spine's built-in model is awaited there as well: its outputs are handed to this loop
 once per decode step (`services.inference.loop_outbox`).
 
-Anything else — the layered gateway (its steps are gRPC calls), the migration's front, a
-spine whose steps or hooks may block — is blocking code, run on a handler thread of this
+Anything else — the migration's front, a gateway whose steps or hooks may block (a
+component bound to a service the team runs, in its own protocol; an injected latency) — is
+blocking code, run on a handler thread of this
 server's own pool, sized like the gRPC server's
 (`runtime.server.request_threads`): a request waiting for the model holds a thread, never the
 event loop. Such a stream's chunks cross back to the loop through a bounded window.

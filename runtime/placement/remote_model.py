@@ -103,8 +103,7 @@ class RemoteStreamOnLoop:
 
     async def cancel(self) -> bool:
         self._end(grpc.StatusCode.CANCELLED)
-        self._handle.cancelled = True
-        return bool(self._call.cancel())
+        return self._handle.cancel()
 
     def initial_metadata(self) -> Sequence[tuple[str, str]]:
         return self._initial

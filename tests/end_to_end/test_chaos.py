@@ -5,6 +5,10 @@ must answer UNAVAILABLE fast (its budget, then outlier ejection and the health w
 and the gateway must say NOT_SERVING; a fail-open one is skipped and the request served.
 A killed child gives only OK or UNAVAILABLE and is back after a restart. The load is
 bounded (a few clients, a few seconds per component) and stops by itself.
+
+The same over the HTTP API, where the gateway awaits each child on the HTTP loop (grpc.aio
+stubs, no handler thread): a stopped child must not stop the loop, so the budgets, the
+ejection and the health watcher's abandon hold there too.
 """
 
 from __future__ import annotations
@@ -13,19 +17,22 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
+from runtime.config.file import placements_for
 from runtime.running_stack import RunningStack
+from runtime.stack import Stack
 from services.pipeline.step import FailMode
 from services.registry import DEFAULT
 from spine.client.gateway_client import CallResult, GatewayClient
-from tests.conftest import DEV_KEY, config_for_tests, start_stack, stop_process
+from tests.conftest import DEV_KEY, config_for_tests, stop_process
 from tests.waiting import eventually
 from wire.v1 import generation_pb2
 
@@ -42,11 +49,47 @@ FAIL_FAST_DEFAULT_S = 1.5
 SERVED_WITHIN_S = 2.5
 
 
+def grpc_sender(address: str) -> Callable[[int], Callable[[int], CallResult]]:
+    """Per client: a function sending its n-th request to the gateway's gRPC API."""
+    def client(worker: int) -> Callable[[int], CallResult]:
+        gateway = GatewayClient(address, DEV_KEY)
+
+        def send(n: int) -> CallResult:
+            request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"c{worker} {n} {time.time()}",
+                                                     max_tokens=4)
+            return gateway.generate(request, timeout=8.0)
+        return send
+    return client
+
+
+HTTP_CODES = {200: grpc.StatusCode.OK, 503: grpc.StatusCode.UNAVAILABLE}
+
+
+def http_sender(address: str) -> Callable[[int], Callable[[int], CallResult]]:
+    """Per client: a function sending its n-th request to the gateway's HTTP API (its status
+    as the gRPC code it stands for; any other is UNKNOWN, with the body)."""
+    def client(worker: int) -> Callable[[int], CallResult]:
+        http = httpx.Client(base_url=f"http://{address}", timeout=8.0,
+                            headers={"authorization": f"Bearer {DEV_KEY}"})
+
+        def send(n: int) -> CallResult:
+            started = time.monotonic()
+            answer = http.post("/v1/chat/completions", json={
+                "model": "tiny-lm", "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"c{worker} {n} {time.time()}"}]})
+            code = HTTP_CODES.get(answer.status_code, grpc.StatusCode.UNKNOWN)
+            return CallResult(code, "" if code == grpc.StatusCode.OK else f"{answer.status_code} {answer.text[:200]}",
+                              time.monotonic() - started)
+        return send
+    return client
+
+
 @dataclass
 class Load:
     """Clients sending requests until stopped; every answer with its time."""
 
     address: str
+    sender: Callable[[str], Callable[[int], Callable[[int], CallResult]]] = grpc_sender
     results: list[tuple[float, CallResult]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -59,14 +102,11 @@ class Load:
         return self
 
     def _send(self, worker: int) -> None:
-        with GatewayClient(self.address, DEV_KEY) as client:
-            n = 0
-            while not self._stop.is_set():
-                request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"c{worker} {n} {time.time()}",
-                                                         max_tokens=4)
-                result = client.generate(request, timeout=8.0)
-                self.results.append((time.monotonic(), result))
-                n += 1
+        send = self.sender(self.address)(worker)
+        n = 0
+        while not self._stop.is_set():
+            self.results.append((time.monotonic(), send(n)))
+            n += 1
 
     def stop(self) -> None:
         self._stop.set()
@@ -83,7 +123,9 @@ class Load:
 
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    stack = start_stack("layered", tmp_path_factory.mktemp("chaos"), config_for_tests())
+    config = config_for_tests()
+    stack = Stack(config, placements_for("layered", config), run_dir=tmp_path_factory.mktemp("chaos") / "layered",
+                  http_listen="127.0.0.1:0").start()
     try:
         yield stack
     finally:
@@ -104,9 +146,22 @@ def wait_all_serving(stack: RunningStack, timeout_s: float = 30.0) -> None:
 
 @pytest.mark.parametrize("name", DEFAULT.names)
 def test_a_stopped_child_fails_fast_or_is_skipped_and_health_tells(layered: RunningStack, name: str) -> None:
+    stopped_under_load(layered, name, Load(layered.address))
+
+
+# Over HTTP: a fail-closed step before the model, the model itself (in flight when it stops),
+# and a fail-open one after it.
+@pytest.mark.parametrize("name", ["auth", "inference", "logs"])
+def test_over_http_a_stopped_child_fails_fast_or_is_skipped_and_the_loop_keeps_serving(
+        layered: RunningStack, name: str) -> None:
+    assert layered.http_address is not None
+    stopped_under_load(layered, name, Load(str(layered.http_address), http_sender))
+
+
+def stopped_under_load(layered: RunningStack, name: str, load: Load) -> None:
     wait_all_serving(layered)
     pid = child_pid(layered, name)
-    load = Load(layered.address).start()
+    load.start()
     try:
         eventually(load.flowing, what="the load running")
         stopped = time.monotonic()

@@ -179,3 +179,28 @@ def test_a_layered_request_runs_on_the_http_loop_its_middlewares_and_model_await
     loop = _loop_thread(stack)
     assert {"auth", "ratelimit", "router", "inference", "logs", "metrics"} <= {c for c, _ in hook.calls}, hook.calls
     assert {thread for _, thread in hook.calls} == {loop}, [(c, t == loop) for c, t in hook.calls]
+
+
+def test_a_client_leaving_a_layered_stream_cancels_the_model_process_call(
+        http_stacks: dict[str, RunningStack], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream through the layered gateway's HTTP API reads the model process's stream on the
+    loop; a client that hangs up cancels that call (recorded CANCELLED, not run to its end)."""
+    stack = http_stacks["layered"]
+    model = stack.components.placed.named("inference")
+    ended: list[grpc.StatusCode] = []
+    record = model._record  # type: ignore[attr-defined]
+
+    def noted(code: grpc.StatusCode, timeout: float | None, error: BaseException | None) -> None:
+        ended.append(code)
+        record(code, timeout, error)
+
+    monkeypatch.setattr(model, "_record", noted)
+    with httpx2.Client(timeout=10) as raw, raw.stream(
+            "POST", f"http://{stack.http_address}/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
+            json={"model": UPSTREAM_MODELS[0], "max_tokens": 256, "temperature": 0.8, "stream": True,
+                  "messages": [{"role": "user", "content": "a long layered answer nobody reads"}]}) as answer:
+        assert answer.status_code == 200
+        next(answer.iter_lines())  # the first event; then the client hangs up
+    eventually(lambda: bool(ended), timeout=10, what="the model call's end recorded")
+    assert ended == [grpc.StatusCode.CANCELLED]
+    eventually(lambda: not model._inflight, timeout=5, what="no call left in flight")  # type: ignore[attr-defined]

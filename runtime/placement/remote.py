@@ -72,20 +72,17 @@ class LoopCall:
         self.loop = loop
         self.cancelled = False  # cancelled by us (the caller, or `abandon`), not by the task's own cancel
 
-    def cancel(self) -> bool:
-        """Cancel the call: at once on its loop's thread (whether it was still running), else
-        asked of the loop (True: asked)."""
+    def cancel(self) -> None:
+        """Cancel the call: at once on its loop's thread, else asked of the loop."""
         self.cancelled = True
         try:
             here = asyncio.get_running_loop() is self.loop
         except RuntimeError:
             here = False
         if here:
-            return bool(self.call.cancel())
-        if self.loop.is_closed():
-            return False
-        self.loop.call_soon_threadsafe(self.call.cancel)
-        return True
+            self.call.cancel()
+        elif not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.call.cancel)
 
 
 class RemoteComponent:

@@ -103,7 +103,8 @@ class RemoteStreamOnLoop:
 
     async def cancel(self) -> bool:
         self._end(grpc.StatusCode.CANCELLED)
-        return self._handle.cancel()
+        self._handle.cancel()
+        return True
 
     def initial_metadata(self) -> Sequence[tuple[str, str]]:
         return self._initial

@@ -84,3 +84,14 @@ def test_a_tree_runs_its_own_code_beside_this_checkout(tmp_path: Path) -> None:
     broken = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert broken.returncode == 1
     assert "tree:change" in broken.stdout and f"{tree}/services/router/service.py" in broken.stdout, broken.stdout
+
+
+def test_a_short_run_of_the_layered_layout_over_http() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.variants", "--vary", "batching.max_wait_us=0", "--layout", "layered", "--http",
+         "--concurrency", "2", "--requests", "6", "--rounds", "1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "variants of the layered layout" in completed.stdout
+    rows = [line.split("│")[3].strip() for line in completed.stdout.splitlines() if line.startswith("│ unary")]
+    assert rows == ["bare", "batching.max_wait_us=0"], completed.stdout

@@ -144,10 +144,7 @@ class BatchedAdmission:
         """Every batch decided so far, on threads and on event loops together."""
         total = BatchStats()
         for stats in (self.batcher.stats, *(batcher.stats for batcher in list(self._on_loops.values()))):
-            total.batches += stats.batches
-            total.items += stats.items
-            total.largest = max(total.largest, stats.largest)
-            total.waited += stats.waited
+            total = total.plus(stats)
         return total
 
     def _decide(self, batch: list[RequestState]) -> list[None]:

@@ -63,6 +63,11 @@ class BatchStats:
     def mean_size(self) -> float:
         return self.items / self.batches if self.batches else 0.0
 
+    def plus(self, other: BatchStats) -> BatchStats:
+        """Both counts together (batchers that share one stream of requests)."""
+        return BatchStats(self.batches + other.batches, self.items + other.items,
+                          max(self.largest, other.largest), self.waited + other.waited)
+
 
 Decide = Callable[[list[T]], Sequence[R | BaseException]]
 

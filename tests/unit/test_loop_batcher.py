@@ -127,3 +127,11 @@ def test_a_decide_that_miscounts_fails_its_callers_on_the_loop_too() -> None:
             await batcher.submit(1)
 
     asyncio.run(miscounted())
+
+
+def test_batch_counts_add_up_across_batchers() -> None:
+    from monolith.batcher import BatchStats
+
+    total = BatchStats(batches=2, items=7, largest=5, waited=1).plus(BatchStats(batches=3, items=4, largest=2))
+    assert (total.batches, total.items, total.largest, total.waited) == (5, 11, 5, 1)
+    assert total.mean_size == 11 / 5

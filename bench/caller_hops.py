@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -111,7 +110,6 @@ async def _turn(one: Callable[[], Any], requests: int, concurrency: int) -> tupl
 async def _measure(address: str, child_pid: int, hops: int, requests: int, rounds: int,
                    concurrencies: list[int]) -> dict[str, Any]:
     caller = Caller(address, hops, threads=max(concurrencies))
-    own = os.getpid()
     figures: dict[str, Any] = {}
     try:
         for path in PATHS:  # warm both: connections, the pool's threads
@@ -123,9 +121,10 @@ async def _measure(address: str, child_pid: int, hops: int, requests: int, round
             for round_ in range(rounds):
                 order = PATHS[round_ % len(PATHS):] + PATHS[:round_ % len(PATHS)]
                 for path in order:
-                    caller_before, child_before = cpu_s(own), cpu_s(child_pid)
+                    # This process's CPU to the nanosecond; the child's from /proc, in clock ticks.
+                    caller_before, child_before = time.process_time(), cpu_s(child_pid)
                     times, wall = await _turn(getattr(caller, path), requests, concurrency)
-                    caller_after, child_after = cpu_s(own), cpu_s(child_pid)
+                    caller_after, child_after = time.process_time(), cpu_s(child_pid)
                     times.sort()
                     figures_of = cell[path]
                     figures_of["p50_us"].append(times[len(times) // 2] * 1e6)

@@ -12,7 +12,8 @@ from bench.caller_hops import PATHS, main
 
 def test_a_short_run_measures_every_path_at_every_concurrency(tmp_path: Path) -> None:
     out = tmp_path / "hops.json"
-    assert main(["--hops", "2", "--requests", "20", "--rounds", "1", "--concurrency", "1,3", "--json", str(out)]) == 0
+    # Enough calls per turn that the child's CPU, read in clock ticks (10 ms), is never 0.
+    assert main(["--hops", "2", "--requests", "150", "--rounds", "1", "--concurrency", "1,3", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert figures["hops"] == 2
     assert set(figures["cells"]) == {"c=1", "c=3"}

@@ -97,8 +97,6 @@ class RemoteComponent:
         self.channel = channel
         self.detector = detector
         self.loop_link = loop_link
-        # Whether a caller on an event loop may await this component there (`loop_bridge`).
-        self.awaits_on_loop = loop_link is not None
         self._on_loops: dict[asyncio.AbstractEventLoop, tuple[Any, Any]] = {}  # loop: (aio channel, stub)
         self._inflight: set[Any] = set()
         self._abandoned: dict[int, str] = {}
@@ -115,6 +113,11 @@ class RemoteComponent:
         for call in calls:
             call.cancel()
         return len(calls)
+
+    @property
+    def awaits_on_loop(self) -> bool:
+        """Whether a caller on an event loop may await this component there (`loop_bridge`)."""
+        return self.loop_link is not None
 
     def close(self) -> None:
         self.channel.close()
@@ -143,12 +146,8 @@ class RemoteComponent:
             code, failure = status_of(error), error
             raise
         except grpc.FutureCancelledError as error:
-            reason = self._untrack(future)
-            if reason is not None:
-                code = grpc.StatusCode.UNAVAILABLE
-                raise self._gone(reason) from error
-            code = grpc.StatusCode.CANCELLED
-            raise LocalRpcError(code, "Cancelled by the caller") from error
+            code, verdict = self._cancelled(future)
+            raise verdict from error
         finally:
             self._untrack(future)
             self._record(code, options.timeout, failure)
@@ -176,12 +175,8 @@ class RemoteComponent:
             if not handle.cancelled:  # the task itself was cancelled: not this call's verdict
                 code = grpc.StatusCode.CANCELLED
                 raise
-            reason = self._untrack(handle)
-            if reason is not None:
-                code = grpc.StatusCode.UNAVAILABLE
-                raise self._gone(reason) from error
-            code = grpc.StatusCode.CANCELLED
-            raise LocalRpcError(code, "Cancelled by the caller") from error
+            code, verdict = self._cancelled(handle)
+            raise verdict from error
         finally:
             self._untrack(handle)
             self._record(code, options.timeout, failure)
@@ -227,6 +222,14 @@ class RemoteComponent:
         with self._lock:
             self._inflight.discard(call)
             return self._abandoned.pop(id(call), None)
+
+    def _cancelled(self, call: Any) -> tuple[grpc.StatusCode, grpc.RpcError]:
+        """What a call cancelled on this side ends as: UNAVAILABLE where `abandon` cancelled it
+        (the component stopped answering), else CANCELLED (its caller went away)."""
+        reason = self._untrack(call)
+        if reason is not None:
+            return grpc.StatusCode.UNAVAILABLE, self._gone(reason)
+        return grpc.StatusCode.CANCELLED, LocalRpcError(grpc.StatusCode.CANCELLED, "Cancelled by the caller")
 
     def _gone(self, reason: str) -> Ejected:
         return Ejected(f"{self.component} stopped answering ({reason}); the call was cancelled")

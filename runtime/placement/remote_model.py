@@ -29,7 +29,7 @@ class RemoteModel(RemoteComponent):
     def on_loop(self, model: str) -> bool:
         """Every model of a remote inference process is a network call: awaited on the loop
         whenever this proxy can open a channel there."""
-        return self.loop_link is not None
+        return self.awaits_on_loop
 
     async def generate_on_loop(self, request: generation_pb2.GenerateRequest,
                                options: CallOptions = NO_OPTIONS) -> Generated:

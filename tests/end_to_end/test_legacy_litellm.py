@@ -40,11 +40,14 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LegacyRig]:
 
 
 def audit(rig: LegacyRig) -> str:
-    """The controller's latest transitions, newest first, one line each, and the verdicts of
-    its last window's gates (why a stage that neither moved nor rolled back held)."""
+    """The controller's latest transitions, newest first, one line each, the verdicts of its
+    last window's gates (why a stage that neither moved nor rolled back held), and LiteLLM's
+    last words if its proxy died."""
     view = rig.cutover.controller.controller.view(audit_rows=4)  # type: ignore[union-attr]
     gates = [f"gate {gate.gate} (stage {gate.stage}): {gate.verdict}: {gate.message}" for gate in view.last_gates]
-    return "\n".join([*(f"{entry.action}: {entry.reason}" for entry in view.recent_audit), *gates])
+    died = [] if rig.gateway is None or rig.gateway.alive() else [
+        f"LiteLLM's proxy died (its log: {rig.gateway.run_dir / 'litellm.log'}): {rig.gateway.log_tail(600)}"]
+    return "\n".join([*(f"{entry.action}: {entry.reason}" for entry in view.recent_audit), *gates, *died])
 
 
 def plan(rig: LegacyRig, canary_weight: int = 20) -> str:

@@ -12,7 +12,10 @@ beta headers); each has a documented switch to use the copy bundled in the wheel
 Without a database (Postgres) LiteLLM has no virtual keys: the master key is the one key it
 accepts, and its limits are per model entry (`rpm`, `max_parallel_requests`), which is what
 `LiteLLMGateway` configures. The wrapper entry point exists so that the proxy dies with
-whoever started it (`runtime.processes.parent.follow_parent`), as every child of the project does.
+whoever started it (`runtime.processes.parent.follow_parent`), as every child of the project does,
+and so that its garbage is collected on a thread of its own: on CPython 3.11 its per-request
+context variables meet a collector bug that kills the process with SIGSEGV
+(`runtime.processes.gc_thread`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import httpx2
 import yaml
 
+from runtime.processes.gc_thread import collect_on_a_thread
 from runtime.processes.launch import Launched, launch
 from runtime.processes.parent import follow_parent
 from runtime.processes.run_dir import write_private
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if not follow_parent():
         return 1
     faulthandler.enable()  # a crash in one of its native extensions leaves its stack in the log
+    collect_on_a_thread()  # its context variables crash CPython 3.11's collector (runtime.processes.gc_thread)
     parser = argparse.ArgumentParser(prog="python -m spine.tools.demo.litellm_gateway")
     parser.add_argument("--config", required=True)
     parser.add_argument("--port", type=int, required=True)

@@ -30,11 +30,11 @@ AFFECTED = sys.version_info < (3, 12)
 FULL_EVERY = 100  # ticks between full collections; every 10th collects the middle generation
 
 
-def collect_on_a_thread(interval_s: float = 0.05, *, when_affected_only: bool = True) -> threading.Thread | None:
+def collect_on_a_thread(interval_s: float = 0.05) -> threading.Thread | None:
     """Turn automatic collection off and start the collector thread (named `gc-collector`);
-    the thread, or None where this interpreter needs no remedy (3.12 and later) and
-    `when_affected_only` holds. Call it once, first thing in the process."""
-    if when_affected_only and not AFFECTED:
+    the thread, or None where this interpreter needs no remedy (3.12 and later). Call it
+    once, first thing in the process."""
+    if not AFFECTED:
         return None
     gc.disable()
     thread = threading.Thread(target=_collect_forever, args=(interval_s,), name="gc-collector", daemon=True)

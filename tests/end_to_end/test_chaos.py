@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,29 +50,26 @@ FAIL_FAST_DEFAULT_S = 1.5
 SERVED_WITHIN_S = 2.5
 
 
-def grpc_sender(address: str) -> Callable[[int], Callable[[int], CallResult]]:
-    """Per client: a function sending its n-th request to the gateway's gRPC API."""
-    def client(worker: int) -> Callable[[int], CallResult]:
-        gateway = GatewayClient(address, DEV_KEY)
-
+@contextmanager
+def grpc_sender(address: str, worker: int) -> Iterator[Callable[[int], CallResult]]:
+    """One client's channel to the gateway's gRPC API: a function sending its n-th request."""
+    with GatewayClient(address, DEV_KEY) as gateway:
         def send(n: int) -> CallResult:
             request = generation_pb2.GenerateRequest(model="tiny-lm", prompt=f"c{worker} {n} {time.time()}",
                                                      max_tokens=4)
             return gateway.generate(request, timeout=8.0)
-        return send
-    return client
+        yield send
 
 
 HTTP_CODES = {200: grpc.StatusCode.OK, 503: grpc.StatusCode.UNAVAILABLE}
 
 
-def http_sender(address: str) -> Callable[[int], Callable[[int], CallResult]]:
-    """Per client: a function sending its n-th request to the gateway's HTTP API (its status
-    as the gRPC code it stands for; any other is UNKNOWN, with the body)."""
-    def client(worker: int) -> Callable[[int], CallResult]:
-        http = httpx.Client(base_url=f"http://{address}", timeout=8.0,
-                            headers={"authorization": f"Bearer {DEV_KEY}"})
-
+@contextmanager
+def http_sender(address: str, worker: int) -> Iterator[Callable[[int], CallResult]]:
+    """One client's connection to the gateway's HTTP API: a function sending its n-th request
+    (its status as the gRPC code it stands for; any other is UNKNOWN, with the body)."""
+    with httpx.Client(base_url=f"http://{address}", timeout=8.0,
+                      headers={"authorization": f"Bearer {DEV_KEY}"}) as http:
         def send(n: int) -> CallResult:
             started = time.monotonic()
             answer = http.post("/v1/chat/completions", json={
@@ -80,8 +78,7 @@ def http_sender(address: str) -> Callable[[int], Callable[[int], CallResult]]:
             code = HTTP_CODES.get(answer.status_code, grpc.StatusCode.UNKNOWN)
             return CallResult(code, "" if code == grpc.StatusCode.OK else f"{answer.status_code} {answer.text[:200]}",
                               time.monotonic() - started)
-        return send
-    return client
+        yield send
 
 
 @dataclass
@@ -89,7 +86,7 @@ class Load:
     """Clients sending requests until stopped; every answer with its time."""
 
     address: str
-    sender: Callable[[str], Callable[[int], Callable[[int], CallResult]]] = grpc_sender
+    sender: Callable[[str, int], AbstractContextManager[Callable[[int], CallResult]]] = grpc_sender
     results: list[tuple[float, CallResult]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -102,11 +99,11 @@ class Load:
         return self
 
     def _send(self, worker: int) -> None:
-        send = self.sender(self.address)(worker)
-        n = 0
-        while not self._stop.is_set():
-            self.results.append((time.monotonic(), send(n)))
-            n += 1
+        with self.sender(self.address, worker) as send:
+            n = 0
+            while not self._stop.is_set():
+                self.results.append((time.monotonic(), send(n)))
+                n += 1
 
     def stop(self) -> None:
         self._stop.set()

@@ -132,16 +132,21 @@ def test_a_stream_over_an_upstream_runs_on_the_http_loop(streams_seen: tuple[Run
     assert ends == ["ended on loop"]
 
 
+def hang_up_after_the_first_event(stack: RunningStack, prompt: str) -> None:
+    """A client that asks for a long stream over HTTP, reads its first event and goes away."""
+    with httpx2.Client(timeout=10) as raw, raw.stream(
+            "POST", f"http://{stack.http_address}/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
+            json={"model": UPSTREAM_MODELS[0], "max_tokens": 256, "temperature": 0.8, "stream": True,
+                  "messages": [{"role": "user", "content": prompt}]}) as answer:
+        assert answer.status_code == 200
+        next(answer.iter_lines())
+
+
 def test_a_client_leaving_a_stream_on_the_loop_ends_the_upstream_exchange_at_once(
         streams_seen: tuple[RunningStack, ThreadsSeen, list[str]]) -> None:
     stack, _, ends = streams_seen
     endpoint = stack.local_servicers["inference"].upstreams.endpoints[UPSTREAM_MODELS[0]]
-    with httpx2.Client(timeout=10) as raw, raw.stream(
-            "POST", f"http://{stack.http_address}/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
-            json={"model": UPSTREAM_MODELS[0], "max_tokens": 256, "temperature": 0.8, "stream": True,
-                  "messages": [{"role": "user", "content": "a long answer nobody reads"}]}) as answer:
-        assert answer.status_code == 200
-        next(answer.iter_lines())  # the first event; then the client hangs up
+    hang_up_after_the_first_event(stack, "a long answer nobody reads")
     eventually(lambda: ends == ["cancelled on loop"], timeout=5, what=f"the upstream exchange cancelled: {ends}")
     eventually(lambda: endpoint.in_flight == 0, timeout=5, what="the upstream's slot given back")
 
@@ -195,12 +200,7 @@ def test_a_client_leaving_a_layered_stream_cancels_the_model_process_call(
         record(code, timeout, error)
 
     monkeypatch.setattr(model, "_record", noted)
-    with httpx2.Client(timeout=10) as raw, raw.stream(
-            "POST", f"http://{stack.http_address}/v1/chat/completions", headers={"authorization": f"Bearer {DEV_KEY}"},
-            json={"model": UPSTREAM_MODELS[0], "max_tokens": 256, "temperature": 0.8, "stream": True,
-                  "messages": [{"role": "user", "content": "a long layered answer nobody reads"}]}) as answer:
-        assert answer.status_code == 200
-        next(answer.iter_lines())  # the first event; then the client hangs up
+    hang_up_after_the_first_event(stack, "a long layered answer nobody reads")
     eventually(lambda: bool(ended), timeout=10, what="the model call's end recorded")
     assert ended == [grpc.StatusCode.CANCELLED]
     eventually(lambda: not model._inflight, timeout=5, what="no call left in flight")  # type: ignore[attr-defined]

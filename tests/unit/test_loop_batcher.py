@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from monolith.batcher import BatcherClosed
+from monolith.batcher import BatcherClosed, BatchStats
 from monolith.loop_batcher import LoopBatcher
 
 
@@ -130,8 +130,6 @@ def test_a_decide_that_miscounts_fails_its_callers_on_the_loop_too() -> None:
 
 
 def test_batch_counts_add_up_across_batchers() -> None:
-    from monolith.batcher import BatchStats
-
     total = BatchStats(batches=2, items=7, largest=5, waited=1).plus(BatchStats(batches=3, items=4, largest=2))
     assert (total.batches, total.items, total.largest, total.waited) == (5, 11, 5, 1)
     assert total.mean_size == 11 / 5
